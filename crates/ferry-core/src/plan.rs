@@ -1,0 +1,103 @@
+//! The step plan (scheduler → executor) and the model output (executor → scheduler).
+//!
+//! This is the one contract between `ferry-core` and every executor (the real model, the
+//! checksum model, a future CUDA backend). It is plain data: flat vectors with ranges into
+//! them, so building one costs a few allocations per step, not one per request.
+
+use std::ops::Range;
+
+use crate::sampling::SamplerSpec;
+
+pub type TokenId = u32;
+
+/// Index of a KV block in the arena. Block 0 is the null block: never allocated to a request,
+/// used as padding.
+pub type BlockId = u32;
+
+/// Handle of a live request inside the core (a slab index). Valid from `add_request` until the
+/// request's finished output has been returned; then the slot may be reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ReqIdx(pub u32);
+
+/// One request's share of a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScheduledReq {
+    pub req: ReqIdx,
+    /// Position of the first token computed this step (= tokens whose KV is already in the
+    /// arena for this request, from earlier steps, a prefix-cache hit or a connector load).
+    pub start_pos: usize,
+    /// This request's tokens for this step: `plan.token_ids[tokens]`, at positions
+    /// `start_pos..start_pos + tokens.len()`.
+    pub tokens: Range<usize>,
+    /// The request's block table: `plan.block_tables[blocks]`. Covers at least
+    /// `start_pos + tokens.len()` positions; token at position `p` has its KV in block
+    /// `table[p / block_size]`, slot `p % block_size`.
+    pub blocks: Range<usize>,
+    /// `Some` when this step computes the last known token of the request (the end of its
+    /// prefill, or a decode step), so the executor must sample the next token.
+    pub sample: Option<SampleSpec>,
+}
+
+/// What the executor needs to sample one token for a request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleSpec {
+    pub params: SamplerSpec,
+    /// Number of tokens this request has generated so far: with a seed, the random draw is a
+    /// function of (seed, output_idx) alone, so it does not depend on the batch.
+    pub output_idx: u32,
+}
+
+/// Everything the executor runs in one step.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct StepPlan {
+    /// Step counter (logical clock).
+    pub step: u64,
+    pub block_size: usize,
+    pub reqs: Vec<ScheduledReq>,
+    pub token_ids: Vec<TokenId>,
+    pub block_tables: Vec<BlockId>,
+}
+
+impl StepPlan {
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.reqs.is_empty()
+    }
+
+    pub fn tokens_of(&self, r: &ScheduledReq) -> &[TokenId] {
+        &self.token_ids[r.tokens.clone()]
+    }
+
+    pub fn block_table_of(&self, r: &ScheduledReq) -> &[BlockId] {
+        &self.block_tables[r.blocks.clone()]
+    }
+
+    /// Arena slot (`block * block_size + offset`) of the token at absolute position `pos`.
+    pub fn slot_of(&self, r: &ScheduledReq, pos: usize) -> usize {
+        let table = self.block_table_of(r);
+        table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    }
+}
+
+/// One sampled token with its logprobs, computed from the same logits the sample used.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledToken {
+    pub req: ReqIdx,
+    pub token: TokenId,
+    /// Log-probability of `token` under the raw model logits (log-softmax before temperature,
+    /// top-k/p or min-p): the same logits the sample was drawn from, as vLLM's default
+    /// `raw_logprobs` reports them.
+    pub logprob: f32,
+    /// The top-n `(token, logprob)` pairs, best first, when logprobs were asked for.
+    pub top_logprobs: Vec<(TokenId, f32)>,
+}
+
+/// The executor's answer to a [`StepPlan`]: one entry per scheduled request with `sample`
+/// set, in plan order.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ModelOutput {
+    pub sampled: Vec<SampledToken>,
+}

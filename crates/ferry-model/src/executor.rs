@@ -1,0 +1,30 @@
+//! The executor trait: what the engine thread calls once per step.
+//!
+//! An executor reads and writes KV only through the [`KvArena`] and the plan's block tables;
+//! it never decides what to schedule. A CUDA backend is another implementation of this trait
+//! with its own arena placement (see ARCHITECTURE.md).
+
+use ferry_core::{ModelOutput, StepPlan};
+use ferry_kv::{KvArena, KvLayout};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("KV arena is released (sleeping); wake it before running a step")]
+    ArenaReleased,
+    #[error("weights are not loaded (sleep level 2); reload or update them before running a step")]
+    WeightsUnloaded,
+    #[error("invalid step plan: {0}")]
+    InvalidPlan(String),
+}
+
+pub trait Executor: Send {
+    /// KV shape per block this executor needs (for a given block size).
+    fn kv_layout(&self, block_size: usize) -> KvLayout;
+
+    /// Size of the vocabulary sampled from.
+    fn vocab_size(&self) -> usize;
+
+    /// Runs one step: writes the KV of every scheduled token into the arena, and samples the
+    /// next token of every request whose `sample` is set (in plan order).
+    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError>;
+}

@@ -1,0 +1,13 @@
+//! ferry-model: runs a [`ferry_core::StepPlan`] over the KV arena.
+//!
+//! Two executors share one trait ([`Executor`]): the real Llama-family model and the checksum
+//! model (no weights; its next token depends on every KV byte of the sequence, so wrong,
+//! missing or stale KV changes the output).
+
+pub mod config;
+pub mod executor;
+pub mod weights;
+
+pub use config::{LlamaConfig, RopeScaling};
+pub use executor::{ExecError, Executor};
+pub use weights::{Tensor, WeightStore};

@@ -1,0 +1,8 @@
+//! `ferry bench scheduler` (being built).
+
+#[derive(Debug, clap::Args)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> anyhow::Result<()> {
+    anyhow::bail!("not built yet")
+}
