@@ -195,7 +195,7 @@ mod tests {
         let mut a = Vec::new();
         p.take(2, &mut a);
         p.touch(a[1]);
-        let t = vec![a[1]];
+        let t = [a[1]];
         check(&p, [(A, &a[..]), (T, &t[..])]).unwrap();
         let l = ledger(&p, [(A, &a[..]), (T, &t[..])]).unwrap();
         assert_eq!(
