@@ -55,7 +55,8 @@ impl BlockPool {
             head: NIL,
             tail: NIL,
             n_free: 0,
-            cached: BlockHashMap::default(),
+            // At most one entry per block: sized once, so it never rehashes mid-step.
+            cached: BlockHashMap::with_capacity_and_hasher(n_blocks as usize, Default::default()),
         };
         for b in 1..pool.meta.len() as u32 {
             pool.push_back(b);

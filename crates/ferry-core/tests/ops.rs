@@ -88,7 +88,14 @@ struct Run {
 impl Run {
     fn apply(&mut self, op: &Op) {
         match *op {
-            Op::Add { base, shared, len, max_tokens, ignore_eos, salted } => {
+            Op::Add {
+                base,
+                shared,
+                len,
+                max_tokens,
+                ignore_eos,
+                salted,
+            } => {
                 let id = format!("r{}", self.added.len());
                 let params = SamplingParams {
                     max_tokens,
@@ -97,7 +104,12 @@ impl Run {
                     ..SamplingParams::default()
                 };
                 let prompt = make_prompt(base, shared, len, self.added.len());
-                if self.h.sched.add_request(id.as_str(), prompt, params).is_ok() {
+                if self
+                    .h
+                    .sched
+                    .add_request(id.as_str(), prompt, params)
+                    .is_ok()
+                {
                     self.added.push(id);
                 }
             }

@@ -45,6 +45,9 @@ pub struct Args {
     /// Check block ownership after every step (outside the timed region; slow).
     #[arg(long)]
     check: bool,
+    /// Write one line per step (`step us n_reqs n_tokens`) to this file, for profiling.
+    #[arg(long)]
+    dump_steps: Option<PathBuf>,
 }
 
 /// One line of the trace.
@@ -89,7 +92,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         eos_token_ids: Vec::new(),
         weight_version: "bench".to_owned(),
     };
-    let report = replay(&trace, config, args.check)?;
+    let mut steps = Vec::new();
+    let report = replay(&trace, config, args.check, &mut steps)?;
+    if let Some(path) = &args.dump_steps {
+        let text: String = steps
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                format!(
+                    "{i} {:.1} {} {}\n",
+                    s.ns as f64 / 1000.0,
+                    s.n_reqs,
+                    s.n_tokens
+                )
+            })
+            .collect();
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -116,12 +135,22 @@ pub fn read_trace(path: &Path) -> anyhow::Result<Vec<TraceRequest>> {
     Ok(out)
 }
 
-/// Replays `trace` to completion and measures it. With `check`, verifies block ownership
-/// after every step. Fails if a request is rejected, lost, or the run stalls.
+/// One step's timing and size.
+#[derive(Debug, Clone, Copy)]
+pub struct StepRecord {
+    pub ns: u64,
+    pub n_reqs: usize,
+    pub n_tokens: usize,
+}
+
+/// Replays `trace` to completion and measures it, appending one record per step to `steps`.
+/// With `check`, verifies block ownership after every step. Fails if a request is rejected,
+/// lost, or the run stalls.
 pub fn replay(
     trace: &[TraceRequest],
     config: SchedulerConfig,
     check: bool,
+    steps: &mut Vec<StepRecord>,
 ) -> anyhow::Result<Report> {
     let max_num_seqs = config.max_num_seqs;
     let mut sched = Scheduler::new(config)?;
@@ -161,6 +190,11 @@ pub fn replay(
         let outs = sched.on_step_output(&plan, &output)?;
         let elapsed = t_schedule + t1.elapsed();
         step_ns.push(elapsed.as_nanos() as u64);
+        steps.push(StepRecord {
+            ns: elapsed.as_nanos() as u64,
+            n_reqs: plan.reqs.len(),
+            n_tokens: plan.num_tokens(),
+        });
         if steady {
             steady_ns.push(elapsed.as_nanos() as u64);
         }
@@ -313,7 +347,7 @@ mod tests {
     fn replay_produces_every_output_token_and_frees_all_blocks() {
         let trace = synthetic(40);
         let want: u64 = trace.iter().map(|r| u64::from(r.max_tokens)).sum();
-        let report = replay(&trace, small_config(512), true).unwrap();
+        let report = replay(&trace, small_config(512), true, &mut Vec::new()).unwrap();
         assert_eq!(report.output_tokens, want);
         assert_eq!(report.requests, 40);
         assert!(report.prefix_cache_hit_rate > 0.0);
@@ -323,7 +357,7 @@ mod tests {
     fn replay_survives_preemption_under_a_tight_pool() {
         let trace = synthetic(40);
         let want: u64 = trace.iter().map(|r| u64::from(r.max_tokens)).sum();
-        let report = replay(&trace, small_config(40), true).unwrap();
+        let report = replay(&trace, small_config(40), true, &mut Vec::new()).unwrap();
         assert_eq!(report.output_tokens, want);
         assert!(report.preemptions > 0, "the pool was meant to be too small");
     }
