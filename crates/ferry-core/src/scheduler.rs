@@ -122,6 +122,8 @@ pub struct Scheduler {
     n_preemptions: u64,
     /// Reused every step so planning does not allocate.
     decisions: Vec<Decision>,
+    /// Buffers of a plan handed back by `recycle_plan`, reused by the next `schedule()`.
+    spare: StepPlan,
 }
 
 impl Scheduler {
@@ -148,6 +150,7 @@ impl Scheduler {
             prefix_query_tokens: 0,
             n_preemptions: 0,
             decisions: Vec::new(),
+            spare: StepPlan::default(),
         })
     }
 
@@ -365,22 +368,19 @@ impl Scheduler {
     /// Phase 3: the plan, in decision order (running first, then admissions). Advances each
     /// request's computed count: the KV will be there once the executor has run the plan.
     fn finish_plan(&mut self, decisions: &[Decision]) -> StepPlan {
-        let mut plan = StepPlan {
-            step: self.next_step,
-            block_size: self.config.block_size,
-            reqs: Vec::with_capacity(decisions.len()),
-            token_ids: Vec::new(),
-            block_tables: Vec::new(),
-        };
+        let mut plan = std::mem::take(&mut self.spare);
+        plan.step = self.next_step;
+        plan.block_size = self.config.block_size;
         self.next_step += 1;
+        plan.reqs.reserve(decisions.len());
         let n_tokens = decisions.iter().map(|d| d.n_new).sum();
-        plan.token_ids.reserve_exact(n_tokens);
+        plan.token_ids.reserve(n_tokens);
         let n_table: usize = decisions
             .iter()
             .filter_map(|d| self.request(d.req))
             .map(|r| r.blocks.len())
             .sum();
-        plan.block_tables.reserve_exact(n_table);
+        plan.block_tables.reserve(n_table);
         for d in decisions {
             let Some(req) = self.requests[d.req.0 as usize].as_mut() else {
                 continue;
@@ -406,6 +406,17 @@ impl Scheduler {
             });
         }
         plan
+    }
+
+    /// Hands a finished plan's buffers back, so the next `schedule()` does not allocate them
+    /// again (optional: a plan that is simply dropped costs a few allocations next step).
+    pub fn recycle_plan(&mut self, mut plan: StepPlan) {
+        plan.reqs.clear();
+        plan.token_ids.clear();
+        plan.block_tables.clear();
+        if plan.block_tables.capacity() >= self.spare.block_tables.capacity() {
+            self.spare = plan;
+        }
     }
 
     /// Feeds the executor's output for `plan` back: appends each sampled token, checks stop

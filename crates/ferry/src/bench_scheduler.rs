@@ -188,12 +188,15 @@ pub fn replay(
         fake_model(&plan, &line_of, &mut output);
         let t1 = Instant::now();
         let outs = sched.on_step_output(&plan, &output)?;
+        let n_reqs = plan.reqs.len();
+        let n_tokens = plan.num_tokens();
+        sched.recycle_plan(plan);
         let elapsed = t_schedule + t1.elapsed();
         step_ns.push(elapsed.as_nanos() as u64);
         steps.push(StepRecord {
             ns: elapsed.as_nanos() as u64,
-            n_reqs: plan.reqs.len(),
-            n_tokens: plan.num_tokens(),
+            n_reqs,
+            n_tokens,
         });
         if steady {
             steady_ns.push(elapsed.as_nanos() as u64);

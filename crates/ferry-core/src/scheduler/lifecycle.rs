@@ -88,7 +88,9 @@ impl Scheduler {
 
     /// Switches the weight version: every new hash chain is seeded by it, so KV computed under
     /// the old weights can never be hit again (old entries age out of the cache). Requests
-    /// holding no KV rehash on admission; running ones keep their (old-rooted) chain.
+    /// holding no KV rehash on admission; running ones keep their (old-rooted) chain, so blocks
+    /// they fill later are cached under the old version. Versions must therefore never be
+    /// reused for different weights.
     pub fn set_weight_version(&mut self, version: impl Into<String>) {
         self.config.weight_version = version.into();
         self.hash_root = chain_root(&self.config.weight_version);
