@@ -343,7 +343,10 @@ impl Scheduler {
             let hit = self.kv.find_computed_blocks(req);
             let n_hit_tokens = hit.n_blocks * block_size;
             let n_left = req.tokens.len() - req.n_computed - n_hit_tokens;
-            let n_new = if self.config.enable_chunked_prefill {
+            // A preempted request recomputes in chunks even with chunked prefill off: its
+            // prompt fit in one step, but prompt + output may not, and it must not block the
+            // queue forever.
+            let n_new = if self.config.enable_chunked_prefill || req.n_output_tokens() > 0 {
                 n_left.min(budget)
             } else if n_left <= budget {
                 n_left

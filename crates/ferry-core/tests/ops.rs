@@ -54,8 +54,9 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn config() -> SchedulerConfig {
+fn config(chunked: bool) -> SchedulerConfig {
     SchedulerConfig {
+        enable_chunked_prefill: chunked,
         block_size: 4,
         n_blocks: 24,
         max_num_seqs: 4,
@@ -160,9 +161,10 @@ proptest! {
 
     #[test]
     fn random_operations_keep_every_block_and_request_accounted_for(
-        ops in proptest::collection::vec(op(), 1..80)
+        ops in proptest::collection::vec(op(), 1..80),
+        chunked in any::<bool>(),
     ) {
-        let mut run = Run { h: Harness::new(config()), added: Vec::new(), transfers: Vec::new() };
+        let mut run = Run { h: Harness::new(config(chunked)), added: Vec::new(), transfers: Vec::new() };
         run.h.vocab = 12; // small vocabulary: EOS (3) comes up often
         for op in &ops {
             run.apply(op);

@@ -194,3 +194,54 @@ fn preempt_all_running_requeues_in_order_and_recomputes_outputs() {
     "#]]
     .assert_eq(&h.steps_text(2));
 }
+
+#[test]
+fn without_chunked_prefill_a_prompt_waits_for_a_whole_step_in_order() {
+    let mut h = Harness::new(SchedulerConfig {
+        enable_chunked_prefill: false,
+        max_num_batched_tokens: 32,
+        ..small_config()
+    });
+    h.add("A", prompt(1, 20), SamplingParams::greedy(2));
+    h.add("B", prompt(2, 30), SamplingParams::greedy(1));
+    h.add("C", prompt(3, 5), SamplingParams::greedy(1));
+    expect![[r#"
+        step 0
+        A: pos 0..20 blocks [1, 2] sample
+        step 1
+        A: pos 20..21 blocks [1, 2] sample
+        B: pos 0..30 blocks [3, 4] sample
+          A finished: length
+          B finished: length
+        step 2
+        C: pos 0..5 blocks [5] sample
+          C finished: length
+    "#]]
+    .assert_eq(&h.steps_text(3));
+}
+
+#[test]
+fn without_chunked_prefill_a_preempted_request_recomputes_in_chunks() {
+    let mut h = Harness::new(SchedulerConfig {
+        enable_chunked_prefill: false,
+        enable_prefix_caching: false,
+        block_size: 4,
+        n_blocks: 8,
+        max_num_batched_tokens: 12,
+        ..small_config()
+    });
+    h.add("A", prompt(1, 12), SamplingParams::greedy(10));
+    h.step();
+    h.step();
+    h.sched.preempt_all_running();
+    // A now has 14 tokens to recompute, more than one step holds.
+    expect![[r#"
+        step 0
+        A: pos 0..12 blocks [5, 6, 7]
+        step 1
+        A: pos 12..14 blocks [5, 6, 7, 4] sample
+        step 2
+        A: pos 14..15 blocks [5, 6, 7, 4] sample
+    "#]]
+    .assert_eq(&h.steps_text(3));
+}
