@@ -16,7 +16,14 @@ use crate::request::Request;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[must_use]
 pub struct PrefixHit {
-    pub n_blocks: usize,
+    n_blocks: usize,
+}
+
+impl PrefixHit {
+    /// Cached blocks found, each worth `block_size` tokens.
+    pub fn n_blocks(self) -> usize {
+        self.n_blocks
+    }
 }
 
 /// Block arithmetic for requests over a [`BlockPool`].
@@ -111,8 +118,8 @@ impl KvCacheManager {
         n_new: usize,
         n_external: usize,
     ) -> bool {
-        debug_assert_eq!(hit.n_blocks, self.hit_blocks.len().min(hit.n_blocks));
-        let hits = &self.hit_blocks[..hit.n_blocks];
+        // A stale `PrefixHit` (another lookup ran since) can claim at most what is listed.
+        let hits = &self.hit_blocks[..hit.n_blocks.min(self.hit_blocks.len())];
         let n_tokens = req.n_computed + hits.len() * self.block_size + n_external + n_new;
         let n_required = n_tokens.div_ceil(self.block_size);
         let n_take = n_required.saturating_sub(req.blocks.len() + hits.len());
@@ -197,7 +204,7 @@ mod tests {
     fn admit(kv: &mut KvCacheManager, r: &mut Request, budget: usize) -> usize {
         kv.rehash_if_stale(r, &chain_root("w"));
         let hit = kv.find_computed_blocks(r);
-        let n_hit = hit.n_blocks * kv.block_size();
+        let n_hit = hit.n_blocks() * kv.block_size();
         let n_new = (r.tokens.len() - n_hit).min(budget);
         assert!(kv.allocate_slots(r, hit, n_new, 0));
         r.n_computed = n_hit + n_new;
@@ -236,7 +243,7 @@ mod tests {
         let mut b = req((0..8).chain([70; 9]).collect()); // 17 tokens: 5 blocks
         kv.rehash_if_stale(&mut b, &chain_root("w"));
         let hit = kv.find_computed_blocks(&b);
-        assert_eq!(hit.n_blocks, 2);
+        assert_eq!(hit.n_blocks(), 2);
         assert!(!kv.allocate_slots(&mut b, hit, 9, 0));
         assert!(b.blocks.is_empty());
         assert_eq!(kv.pool().n_free(), 3);

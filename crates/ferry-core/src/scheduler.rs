@@ -341,7 +341,7 @@ impl Scheduler {
             };
             self.kv.rehash_if_stale(req, &self.hash_root);
             let hit = self.kv.find_computed_blocks(req);
-            let n_hit_tokens = hit.n_blocks * block_size;
+            let n_hit_tokens = hit.n_blocks() * block_size;
             let n_left = req.tokens.len() - req.n_computed - n_hit_tokens;
             // A preempted request recomputes in chunks even with chunked prefill off: its
             // prompt fit in one step, but prompt + output may not, and it must not block the
