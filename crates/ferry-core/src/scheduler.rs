@@ -6,6 +6,13 @@
 //! and unfinished prefill chunks, preempting the latest-admitted request when blocks run out),
 //! then waiting requests in order while budget, seats and blocks allow, then the plan.
 //!
+//! Executor contract beyond `plan.rs`: full blocks enter the prefix cache when they are
+//! *scheduled*, not when computed, so a request admitted later in the same step can hit blocks
+//! whose KV an earlier request in the same plan writes in this step (its `start_pos` counts
+//! them). An executor must therefore write each layer's KV for all plan entries, in plan order,
+//! before reading it (layer-by-layer batched, or request by request in plan order, both do).
+//! This is what makes concurrent requests with a shared prefix share it at once.
+//!
 //! Cost per step is proportional to the scheduled requests and the block tables copied into
 //! the plan, never to the number of waiting requests: the waiting queue is only looked at from
 //! its head.
