@@ -49,6 +49,9 @@ pub struct RequestOutput {
 pub struct Finished {
     pub request_id: String,
     pub reason: FinishReason,
+    /// The transfer now holding the request's KV, if it asked to keep it on finish (see
+    /// `Scheduler::hold_kv_on_finish`).
+    pub transfer: Option<TransferId>,
 }
 
 /// The model output does not answer the plan it is given.
@@ -194,6 +197,7 @@ impl Scheduler {
             hash_root: self.hash_root,
             n_cached_blocks: 0,
             n_prefix_hit_tokens: 0,
+            hold_kv_on_finish: false,
         };
         self.kv.rehash_if_stale(&mut req, &self.hash_root);
         self.requests[idx.0 as usize] = Some(req);
@@ -515,12 +519,16 @@ impl Scheduler {
         let mut req = self.requests[idx.0 as usize]
             .take()
             .expect("release_request on a live request");
+        let keep = req.hold_kv_on_finish && reason != FinishReason::Abort && !req.blocks.is_empty();
+        // Ownership moves from the request to the transfer: no reference count changes.
+        let transfer = keep.then(|| self.new_transfer(std::mem::take(&mut req.blocks)));
         self.kv.free(&mut req);
         self.ids.remove(&req.id);
         self.free_slots.push(idx.0);
         Finished {
             request_id: req.id,
             reason,
+            transfer,
         }
     }
 

@@ -28,6 +28,7 @@ enum Op {
     Pause(PauseState),
     WeightVersion(u8),
     Hold(usize),
+    HoldOnFinish(usize),
     Release(usize),
 }
 
@@ -50,6 +51,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => pause.prop_map(Op::Pause),
         1 => (0u8..2).prop_map(Op::WeightVersion),
         1 => (0usize..64).prop_map(Op::Hold),
+        1 => (0usize..64).prop_map(Op::HoldOnFinish),
         1 => (0usize..64).prop_map(Op::Release),
     ]
 }
@@ -145,6 +147,13 @@ impl Run {
                     }
                 }
             }
+            Op::HoldOnFinish(k) => {
+                if let Some(id) = self.added.get(k % self.added.len().max(1)) {
+                    if let Some(idx) = self.h.sched.request_idx(id) {
+                        self.h.sched.hold_kv_on_finish(idx).unwrap();
+                    }
+                }
+            }
             Op::Release(k) => {
                 if !self.transfers.is_empty() {
                     let t = self.transfers.remove(k % self.transfers.len());
@@ -152,6 +161,7 @@ impl Run {
                 }
             }
         }
+        self.transfers.append(&mut self.h.exports);
         self.h.check();
     }
 }
@@ -174,7 +184,19 @@ proptest! {
             prop_assert!(run.h.sched.release_transfer(t));
         }
         run.h.check();
-        run.h.drain(2000);
+        // Drain; requests finishing now may hand their KV to exports, which a remote reader
+        // would pull: release them as they appear.
+        for _ in 0..2000 {
+            if run.h.sched.n_live() == 0 {
+                break;
+            }
+            run.h.step();
+            for t in std::mem::take(&mut run.h.exports) {
+                prop_assert!(run.h.sched.release_transfer(t));
+            }
+        }
+        prop_assert_eq!(run.h.sched.n_live(), 0, "not drained: {:?}", run.h.sched.stats());
+        run.h.check();
         let counts: BTreeMap<&str, usize> =
             run.h.finished.iter().map(|(id, (_, n))| (id.as_str(), *n)).collect();
         for id in &run.added {

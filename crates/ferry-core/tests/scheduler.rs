@@ -383,3 +383,39 @@ fn same_inputs_give_the_same_plans() {
     assert!(first.len() > 10);
     assert_eq!(first, run());
 }
+
+#[test]
+fn hold_kv_on_finish_hands_blocks_to_a_transfer() {
+    let mut h = Harness::new(small_config());
+    h.add("P", prompt(1, 40), SamplingParams::greedy(2));
+    h.add("X", prompt(2, 20), SamplingParams::greedy(5));
+    for id in ["P", "X"] {
+        let idx = h.sched.request_idx(id).unwrap();
+        h.sched.hold_kv_on_finish(idx).unwrap();
+    }
+    let mut transfer = None;
+    for _ in 0..3 {
+        let plan = h.sched.schedule();
+        let out = h.run_model(&plan);
+        for o in h.sched.on_step_output(&plan, &out).unwrap() {
+            if let Some(f) = &o.finished {
+                assert_eq!(f.request_id, "P");
+                transfer = f.transfer;
+            }
+        }
+        h.check();
+    }
+    let t = transfer.expect("P finished with its KV held");
+    assert_eq!(h.sched.transfer_blocks(t), Some(&[1, 2, 3][..]));
+    assert_eq!(
+        h.sched.block_ledger().unwrap()[2],
+        BlockStatus::Held(vec![Owner::Transfer(t)])
+    );
+    // An aborted request exports nothing.
+    let aborted = h.sched.abort("X").unwrap().finished.unwrap();
+    assert_eq!(aborted.transfer, None);
+    assert_eq!(h.sched.stats().n_blocks_used, 3);
+    assert!(h.sched.release_transfer(t));
+    h.check();
+    assert_eq!(h.sched.stats().n_blocks_used, 0);
+}

@@ -114,10 +114,28 @@ impl Scheduler {
         for &b in &blocks {
             self.kv.pool_mut().touch(b);
         }
+        Ok(self.new_transfer(blocks))
+    }
+
+    /// Marks a live request so that when it finishes (other than by abort) its blocks go to a
+    /// new transfer hold instead of being freed; `Finished::transfer` names the hold. This is
+    /// the P side of a P/D export.
+    pub fn hold_kv_on_finish(&mut self, req: ReqIdx) -> Result<(), TransferError> {
+        let r = self
+            .requests
+            .get_mut(req.0 as usize)
+            .and_then(Option::as_mut)
+            .ok_or(TransferError::UnknownRequest(req))?;
+        r.hold_kv_on_finish = true;
+        Ok(())
+    }
+
+    /// Registers `blocks` (whose references the caller hands over) as a new transfer hold.
+    pub(super) fn new_transfer(&mut self, blocks: Vec<BlockId>) -> TransferId {
         let id = TransferId(self.next_transfer);
         self.next_transfer += 1;
         self.transfers.insert(id, blocks);
-        Ok(id)
+        id
     }
 
     /// Ends a transfer hold, freeing its blocks tail first. False if `id` is not held.

@@ -8,7 +8,7 @@ use std::fmt::Write;
 
 use ferry_core::{
     FinishReason, ModelOutput, RequestOutput, SampledToken, SamplingParams, Scheduler,
-    SchedulerConfig, StepPlan, TokenId,
+    SchedulerConfig, StepPlan, TokenId, TransferId,
 };
 
 /// The fake model's token for a request: a function of its id and output index, so runs are
@@ -33,6 +33,8 @@ pub struct Harness {
     pub finished: BTreeMap<String, (FinishReason, usize)>,
     /// Generated tokens per request id.
     pub generated: BTreeMap<String, Vec<TokenId>>,
+    /// Transfer holds that finished requests handed their KV to.
+    pub exports: Vec<TransferId>,
 }
 
 impl Harness {
@@ -42,6 +44,7 @@ impl Harness {
             vocab: 32_000,
             finished: BTreeMap::new(),
             generated: BTreeMap::new(),
+            exports: Vec::new(),
         }
     }
 
@@ -122,6 +125,7 @@ impl Harness {
                 self.generated.entry(id).or_default().push(s.token);
             }
             if let Some(f) = &o.finished {
+                self.exports.extend(f.transfer);
                 let e = self
                     .finished
                     .entry(f.request_id.clone())
