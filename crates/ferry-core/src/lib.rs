@@ -13,6 +13,26 @@
 //! Modules, bottom up: [`hash`] (chained blake3 block hashes), [`block_pool`] (ref counts, LRU
 //! free queue, prefix-cache index), [`kv_cache`] (per-request block arithmetic),
 //! [`ownership`] (the ledger and its checker), [`request`], [`config`], [`scheduler`].
+//!
+//! One step, with a stand-in for the executor:
+//!
+//! ```
+//! use ferry_core::{ModelOutput, SampledToken, SamplingParams, Scheduler, SchedulerConfig};
+//!
+//! let mut core = Scheduler::new(SchedulerConfig::default()).unwrap();
+//! core.add_request("a", vec![1, 2, 3], SamplingParams::greedy(1)).unwrap();
+//! let plan = core.schedule();
+//! let sampled = plan
+//!     .reqs
+//!     .iter()
+//!     .filter(|r| r.sample.is_some())
+//!     .map(|r| SampledToken { req: r.req, token: 42, logprob: 0.0, top_logprobs: vec![] })
+//!     .collect();
+//! let outputs = core.on_step_output(&plan, &ModelOutput { sampled }).unwrap();
+//! assert_eq!(outputs[0].finished.as_ref().unwrap().request_id, "a");
+//! core.recycle_plan(plan);
+//! assert!(core.check_ownership().is_ok());
+//! ```
 
 pub mod block_pool;
 pub mod config;
