@@ -7,4 +7,4 @@
 
 pub mod arena;
 
-pub use arena::{KvArena, KvLayout};
+pub use arena::{KvArena, KvError, KvLayout, KvPlane};
