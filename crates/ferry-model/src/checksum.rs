@@ -15,10 +15,11 @@
 //! * **Why read everything.** A running per-request digest would be O(1) per step but would
 //!   not notice a block corrupted after it was written; reading all KV is O(sequence length)
 //!   per sampled token, a few nanoseconds per position.
-//! * **Digest.** `h = fmix64(h ^ w) + C` over the KV as 64-bit words (two floats each), in
-//!   position order, K before V. Each step is a bijection of `h` for a fixed word, so a change
-//!   confined to one word (any single byte, any single float) *always* changes the digest,
-//!   not just with high probability; wider changes collide with probability about 2^-64.
+//! * **Digest.** Per position, the K then V floats as 64-bit words (two floats each) are
+//!   chained `p = fmix64(p ^ w)`, then `h = fmix64(h ^ p) + C`, in position order. Every step
+//!   is a bijection for fixed other inputs, so a change confined to one word (any single byte,
+//!   any single float) *always* changes the digest, not just with high probability; wider
+//!   changes collide with probability about 2^-64.
 //! * **Sampling.** The distribution is a point mass: every temperature, filter and seed gives
 //!   the same token, with logprob 0.0 (and `[(token, 0.0)]` as its top-n when asked).
 
@@ -87,11 +88,15 @@ impl ChecksumModel {
     /// The K and V this model writes for `token` at position `pos`.
     pub fn token_kv(&self, token: TokenId, pos: usize) -> TokenKv {
         let base = fmix64(fmix64(self.seed ^ u64::from(token)) ^ pos as u64);
-        let value = |j: u64| (fmix64(base ^ j.wrapping_mul(STEP_CONSTANT)) & 0xFF_FFFF) as f32;
         let mut kv = ([0.0; HEAD_DIM], [0.0; HEAD_DIM]);
-        for j in 0..HEAD_DIM {
-            kv.0[j] = value(j as u64 + 1);
-            kv.1[j] = value((HEAD_DIM + j) as u64 + 1);
+        // Each 64-bit hash gives two 24-bit values (bits 0..24 and 32..56).
+        for j in 0..HEAD_DIM / 2 {
+            let (k, v) = (
+                fmix64(base ^ (2 * j as u64 + 1).wrapping_mul(STEP_CONSTANT)),
+                fmix64(base ^ (2 * j as u64 + 2).wrapping_mul(STEP_CONSTANT)),
+            );
+            kv.0[2 * j..2 * j + 2].copy_from_slice(&[low24(k), low24(k >> 32)]);
+            kv.1[2 * j..2 * j + 2].copy_from_slice(&[low24(v), low24(v >> 32)]);
         }
         kv
     }
@@ -102,8 +107,7 @@ impl ChecksumModel {
         let mut digest = Digest::new(self.seed);
         for (pos, &token) in tokens.iter().enumerate() {
             let (k, v) = self.token_kv(token, pos);
-            digest.update(&k);
-            digest.update(&v);
+            digest.position(&k, &v);
         }
         self.token_of(digest.finish(tokens.len()))
     }
@@ -122,10 +126,20 @@ impl ChecksumModel {
         end: usize,
     ) -> u64 {
         let mut digest = Digest::new(self.seed);
-        for pos in 0..end {
-            let (block, slot) = (table[pos / block_size], pos % block_size);
-            digest.update(kv.token(block, slot, 0, KvPlane::K));
-            digest.update(kv.token(block, slot, 0, KvPlane::V));
+        for (j, &block) in table.iter().enumerate().take(end.div_ceil(block_size)) {
+            // One block slice per block, not per token: this loop is the model's hot path.
+            let (k_plane, v_plane) = (
+                kv.plane(block, 0, KvPlane::K),
+                kv.plane(block, 0, KvPlane::V),
+            );
+            let n = (end - j * block_size).min(block_size);
+            for (k, v) in k_plane
+                .chunks_exact(HEAD_DIM)
+                .zip(v_plane.chunks_exact(HEAD_DIM))
+                .take(n)
+            {
+                digest.position(k, v);
+            }
         }
         digest.finish(end)
     }
@@ -299,6 +313,10 @@ fn fmix64(mut x: u64) -> u64 {
     x ^ (x >> 33)
 }
 
+fn low24(x: u64) -> f32 {
+    (x & 0xFF_FFFF) as f32
+}
+
 /// The running KV digest (see the module doc).
 #[derive(Debug)]
 struct Digest {
@@ -310,12 +328,17 @@ impl Digest {
         Self { h: fmix64(seed) }
     }
 
-    /// Folds in floats two at a time (every caller passes an even count: `HEAD_DIM` is even).
-    fn update(&mut self, floats: &[f32]) {
-        for pair in floats.chunks_exact(2) {
+    /// Folds in one position's K and V. The position's words are first chained into their
+    /// own hash (independent of `h`, so the CPU overlaps consecutive positions), and only that
+    /// enters the serial chain on `h`: one dependent step per position instead of four.
+    fn position(&mut self, k: &[f32], v: &[f32]) {
+        let mut words = k.chunks_exact(2).chain(v.chunks_exact(2));
+        let mut p = STEP_CONSTANT;
+        for pair in &mut words {
             let word = u64::from(pair[0].to_bits()) | (u64::from(pair[1].to_bits()) << 32);
-            self.h = fmix64(self.h ^ word).wrapping_add(STEP_CONSTANT);
+            p = fmix64(p ^ word);
         }
+        self.h = fmix64(self.h ^ p).wrapping_add(STEP_CONSTANT);
     }
 
     fn finish(&self, n_positions: usize) -> u64 {

@@ -212,8 +212,8 @@ fn top_p_never_picks_outside_the_nucleus() {
     }
 }
 
-/// The chunked partial sort finds the same nucleus as a full sort, also when the nucleus is
-/// thousands of tokens long (several growing chunks).
+/// The weighted quickselect finds the same nucleus as a full sort, also when the nucleus is
+/// thousands of tokens long (many halving rounds).
 #[test]
 fn nucleus_len_matches_a_full_sort_on_a_large_vocab() {
     let mut scratch = SamplerScratch::with_seed(0);
@@ -226,10 +226,11 @@ fn nucleus_len_matches_a_full_sort_on_a_large_vocab() {
         let logits = random_logits(seed, 49_152, scale);
         let row = RowStats::new(&logits);
         fill_probs(&logits, &row, 1.0, &mut scratch.buf);
-        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-        let n = nucleus_len(&mut idx, &scratch.buf, f64::from(p), |a, b| {
-            row.better(&logits, *a, *b)
-        });
+        let mut keys = Vec::new();
+        row.fill_keys(&logits, &mut keys);
+        let n = nucleus_len(&mut keys, &scratch.buf, f64::from(p));
+        keys[..n].sort_unstable();
+        let idx: Vec<u32> = keys[..n].iter().map(|&k| token_of(k) as u32).collect();
         let naive = naive_nucleus(&logits, 1.0, f64::from(p));
         // f32 probabilities may move the boundary by a token.
         assert!(n.abs_diff(naive.len()) <= 1, "n {n}, naive {}", naive.len());
@@ -367,11 +368,32 @@ fn steady_state_sampling_reuses_its_buffers() {
     s.params.top_p = 0.9;
     s.params.logprobs = Some(5);
     sample(&logits, &s, ReqIdx(0), &mut scratch);
-    let (buf, idx) = (scratch.buf.as_ptr(), scratch.idx.as_ptr());
+    let (buf, idx) = (scratch.buf.as_ptr(), scratch.keys.as_ptr());
     for i in 1..20 {
         s.output_idx = i;
         sample(&logits, &s, ReqIdx(0), &mut scratch);
     }
     assert_eq!(scratch.buf.as_ptr(), buf);
-    assert_eq!(scratch.idx.as_ptr(), idx);
+    assert_eq!(scratch.keys.as_ptr(), idx);
+}
+
+#[test]
+fn order_keys_sort_best_first() {
+    let row = RowStats::new(&[0.0]);
+    let logits = [
+        -1.0,
+        2.5,
+        f32::NEG_INFINITY,
+        -0.0,
+        0.0,
+        2.5,
+        f32::MAX,
+        -3.0e-39,
+        1.0e-39,
+    ];
+    let mut keys = Vec::new();
+    row.fill_keys(&logits, &mut keys);
+    keys.sort_unstable();
+    let order: Vec<usize> = keys.iter().map(|&k| token_of(k)).collect();
+    assert_eq!(order, [6, 1, 5, 8, 3, 4, 7, 0, 2]);
 }
