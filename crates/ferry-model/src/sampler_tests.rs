@@ -397,3 +397,68 @@ fn order_keys_sort_best_first() {
     let order: Vec<usize> = keys.iter().map(|&k| token_of(k)).collect();
     assert_eq!(order, [6, 1, 5, 8, 3, 4, 7, 0, 2]);
 }
+
+/// The tokens a naive f64 implementation allows after top-k, top-p and min-p, with the top-p
+/// and min-p thresholds loosened by `slack` so f32 rounding at a boundary cannot flake.
+fn naive_allowed(logits: &[f32], p: &SamplerSpec, slack: f64) -> Vec<u32> {
+    let t = f64::from(p.temperature);
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let probs: Vec<f64> = logits
+        .iter()
+        .map(|&l| ((f64::from(l) - f64::from(max)) / t).exp())
+        .collect();
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    order.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
+    if p.top_k > 0 {
+        order.truncate(p.top_k as usize);
+    }
+    if p.top_p < 1.0 {
+        let total: f64 = order.iter().map(|&i| probs[i as usize]).sum();
+        let target = (f64::from(p.top_p) + slack).min(1.0) * total;
+        let mut mass = 0.0;
+        let n = order
+            .iter()
+            .position(|&i| {
+                mass += probs[i as usize];
+                mass >= target
+            })
+            .map_or(order.len(), |j| j + 1);
+        order.truncate(n);
+    }
+    let min_p = f64::from(p.min_p.min(1.0)) - slack;
+    order.retain(|&i| probs[i as usize] >= min_p);
+    order
+}
+
+proptest::proptest! {
+    /// Whatever the parameters, the sampled token is one the filters allow, and its logprob
+    /// is the raw log-softmax.
+    #[test]
+    fn sampled_tokens_respect_every_filter(
+        // Half-integer logits, so exact ties are common.
+        halves in proptest::collection::vec(-20i32..20, 1..150),
+        temperature in 0.05f32..3.0,
+        top_k in 0u32..20,
+        top_p in 0.05f32..1.2,
+        min_p in 0.0f32..1.0,
+        seed in proptest::prelude::any::<u64>(),
+        output_idx in 0u32..1000,
+    ) {
+        let logits: Vec<f32> = halves.iter().map(|&h| h as f32 * 0.5).collect();
+        let s = SampleSpec {
+            params: SamplerSpec { temperature, top_k, top_p, min_p, seed: Some(seed), logprobs: Some(1) },
+            output_idx,
+        };
+        let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
+        let allowed = naive_allowed(&logits, &s.params, 1e-4);
+        proptest::prop_assert!(allowed.contains(&out.token), "token {} not in {:?}", out.token, allowed);
+        let reference = softmax(&logits, 1.0)[out.token as usize].ln();
+        proptest::prop_assert!((f64::from(out.logprob) - reference).abs() < 1e-4);
+        let greedy = token(&logits, &spec(0.0), &mut SamplerScratch::with_seed(0));
+        proptest::prop_assert_eq!(out.top_logprobs[0].0, greedy);
+    }
+}
