@@ -19,7 +19,8 @@
 //!   chained `p = fmix64(p ^ w)`, then `h = fmix64(h ^ p) + C`, in position order. Every step
 //!   is a bijection for fixed other inputs, so a change confined to one word (any single byte,
 //!   any single float) *always* changes the digest, not just with high probability; wider
-//!   changes collide with probability about 2^-64.
+//!   changes collide with probability about 2^-64. The digest is also keyed by the weight
+//!   version, so stale KV shows twice over: in the bytes and in the key.
 //! * **Sampling.** The distribution is a point mass: every temperature, filter and seed gives
 //!   the same token, with logprob 0.0 (and `[(token, 0.0)]` as its top-n when asked).
 
@@ -37,7 +38,8 @@ const _: () = assert!(HEAD_DIM % 2 == 0);
 /// Largest vocabulary: token ids are `u32`.
 const MAX_VOCAB: u64 = 1 << 32;
 
-/// Added after each digest step so a run of zero words does not leave a zero state at zero.
+/// Added after each digest step: `fmix64(0) == 0`, so without it a zero state would stay zero
+/// through a run of zero words (a never-written block).
 const STEP_CONSTANT: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// The K and V vectors of one token.
