@@ -204,6 +204,24 @@ impl KvArena {
         &mut self.block_mut(block)[start..start + len]
     }
 
+    /// [`KvArena::token`] by arena slot (`block * block_size + slot`, what
+    /// `StepPlan::slot_of` returns).
+    pub fn token_at(&self, arena_slot: usize, layer: usize, plane: KvPlane) -> &[f32] {
+        let (block, slot) = self.split_slot(arena_slot);
+        self.token(block, slot, layer, plane)
+    }
+
+    /// [`KvArena::token_mut`] by arena slot.
+    pub fn token_at_mut(&mut self, arena_slot: usize, layer: usize, plane: KvPlane) -> &mut [f32] {
+        let (block, slot) = self.split_slot(arena_slot);
+        self.token_mut(block, slot, layer, plane)
+    }
+
+    fn split_slot(&self, arena_slot: usize) -> (u32, usize) {
+        let bs = self.layout.block_size;
+        ((arena_slot / bs) as u32, arena_slot % bs)
+    }
+
     /// One KV head's vector (`head_dim` floats) of the token in slot `slot` of `block`.
     pub fn head(
         &self,

@@ -59,6 +59,22 @@ fn typed_accessors_read_the_right_floats() {
 }
 
 #[test]
+fn arena_slots_address_the_same_tokens() {
+    let mut arena = indexed_arena(4);
+    // Slot 13 = block 2, slot 3 in block (block_size 5).
+    assert_eq!(
+        arena.token_at(13, 1, KvPlane::V),
+        arena.token(2, 3, 1, KvPlane::V)
+    );
+    arena.token_at_mut(13, 1, KvPlane::V).fill(-1.0);
+    assert_eq!(arena.token(2, 3, 1, KvPlane::V), &[-1.0; 8]);
+    assert_eq!(
+        arena.token(2, 3, 1, KvPlane::K)[0],
+        (2 * 240 + 80 + 24) as f32
+    );
+}
+
+#[test]
 fn token_mut_writes_only_that_token() {
     let mut arena = KvArena::new(layout(), 3);
     arena
