@@ -4,12 +4,14 @@
 //! model (no weights; its next token depends on every KV byte of the sequence, so wrong,
 //! missing or stale KV changes the output).
 
+pub mod checksum;
 pub mod config;
 pub mod executor;
 pub mod load;
 pub mod sampler;
 pub mod weights;
 
+pub use checksum::{ChecksumConfigError, ChecksumModel};
 pub use config::{LlamaConfig, RopeScaling};
 pub use executor::{ExecError, Executor};
 pub use load::{load_model, LoadError, LoadedModel};
