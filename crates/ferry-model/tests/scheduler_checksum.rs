@@ -30,7 +30,7 @@ fn lcg(state: &mut u64) -> u64 {
 
 fn workload(n: usize, seed: u64) -> Workload {
     let mut s = seed;
-    let mut token = |s: &mut u64| (lcg(s) % VOCAB as u64) as TokenId;
+    let token = |s: &mut u64| (lcg(s) % VOCAB as u64) as TokenId;
     let shared: Vec<TokenId> = (0..40).map(|_| token(&mut s)).collect();
     (0..n)
         .map(|i| {
