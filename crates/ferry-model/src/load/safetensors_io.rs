@@ -12,11 +12,11 @@ use crate::{Tensor, WeightStore};
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
+/// A tensor the model needs: Hugging Face name and shape.
+type Wanted = (String, Vec<usize>);
+
 /// Reads exactly the `expected` tensors (name, shape) from the folder's safetensors files.
-pub(crate) fn read_weights(
-    dir: &Path,
-    expected: &[(String, Vec<usize>)],
-) -> Result<WeightStore, LoadError> {
+pub(crate) fn read_weights(dir: &Path, expected: &[Wanted]) -> Result<WeightStore, LoadError> {
     let by_file = assign_files(dir, expected)?;
     let mut store = WeightStore::default();
     for (file, wanted) in by_file {
@@ -28,8 +28,8 @@ pub(crate) fn read_weights(
 /// Which file holds each expected tensor: all in `model.safetensors`, or as the index says.
 fn assign_files<'a>(
     dir: &Path,
-    expected: &'a [(String, Vec<usize>)],
-) -> Result<BTreeMap<PathBuf, Vec<&'a (String, Vec<usize>)>>, LoadError> {
+    expected: &'a [Wanted],
+) -> Result<BTreeMap<PathBuf, Vec<&'a Wanted>>, LoadError> {
     let index_path = dir.join(INDEX_FILE);
     let single_path = dir.join(SINGLE_FILE);
     let mut by_file: BTreeMap<PathBuf, Vec<_>> = BTreeMap::new();
@@ -61,11 +61,7 @@ fn assign_files<'a>(
     Ok(by_file)
 }
 
-fn read_file(
-    path: &Path,
-    wanted: &[&(String, Vec<usize>)],
-    store: &mut WeightStore,
-) -> Result<(), LoadError> {
+fn read_file(path: &Path, wanted: &[&Wanted], store: &mut WeightStore) -> Result<(), LoadError> {
     let file = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
     // SAFETY: the mapping is read-only and lives only for this function. Another process
     // truncating the file while we read it would be undefined behaviour; model files are not
