@@ -613,6 +613,30 @@ fn other_architectures_are_refused() {
 }
 
 #[test]
+fn partial_rope_and_llama3_rope_freqs_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    let mut kv = model_metadata();
+    kv.push(("llama.rope.dimension_count", Meta::U32(2)));
+    write_gguf(&path, &kv, &[]);
+    match load_model(&path).unwrap_err() {
+        LoadError::UnsupportedRope { rope_type, .. } => {
+            assert_eq!(rope_type, "partial rope over 2 of 4 head dims")
+        }
+        other => panic!("expected UnsupportedRope, got {other:?}"),
+    }
+    write_gguf(
+        &path,
+        &model_metadata(),
+        &[f32_tensor("rope_freqs.weight", &[2], &[1.0, 1.0])],
+    );
+    match load_model(&path).unwrap_err() {
+        LoadError::UnsupportedRope { rope_type, .. } => assert!(rope_type.starts_with("llama3")),
+        other => panic!("expected UnsupportedRope, got {other:?}"),
+    }
+}
+
+#[test]
 fn unpermute_moves_rows_within_each_head() {
     // 2 heads of 4 rows, 1 column: GGUF rows [h0: 0 1 2 3 | h1: 4 5 6 7] hold HF rows
     // [0 2 1 3 | 4 6 5 7], so un-permuting gives HF order back.

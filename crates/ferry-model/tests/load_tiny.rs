@@ -109,3 +109,20 @@ fn reference_forward_matches_golden_logits() {
     let model = tiny_model();
     check_tiny_logits(|ids| reference_forward(&model, ids, true));
 }
+
+#[test]
+fn model_spec_resolution() {
+    use std::path::{Path, PathBuf};
+    let cache = Path::new("/cache/ferry");
+    let default = PathBuf::from("/cache/ferry/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert_eq!(ferry_model::default_model_path(cache), default);
+    assert_eq!(ModelSpec::resolve(Some("tiny"), cache), ModelSpec::Tiny);
+    assert_eq!(ModelSpec::resolve(None, cache), ModelSpec::Path(default));
+    let spec = ModelSpec::resolve(Some("/m/x.gguf"), cache);
+    assert_eq!(spec, ModelSpec::Path("/m/x.gguf".into()));
+    let err = spec.load().unwrap_err().to_string();
+    assert!(
+        err.contains("/m/x.gguf") && err.contains("scripts/fetch-model.sh"),
+        "{err}"
+    );
+}

@@ -92,6 +92,15 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
         Some(d) => d,
         None => hidden_size / num_attention_heads,
     };
+    // Partial rotary embeddings (rope over fewer dims than the head) are not implemented.
+    if let Some(rope_dims) = meta.opt_usize("llama.rope.dimension_count")? {
+        if rope_dims != head_dim {
+            return Err(LoadError::UnsupportedRope {
+                path: gguf.path.clone(),
+                rope_type: format!("partial rope over {rope_dims} of {head_dim} head dims"),
+            });
+        }
+    }
     let vocab_size = match gguf
         .get("tokenizer.ggml.tokens")
         .and_then(GgufValue::as_array)
