@@ -56,3 +56,28 @@ pub fn cache_dir() -> anyhow::Result<PathBuf> {
     let home = std::env::var_os("HOME").context("neither FERRY_CACHE nor HOME is set")?;
     Ok(PathBuf::from(home).join(".cache").join("ferry"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn make_model_tiny_writes_a_loadable_folder() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("tiny");
+        run(MakeModelCommand::Tiny { out: out.clone() }).unwrap();
+        let loaded = ferry_model::load_model(&out).unwrap();
+        assert_eq!(loaded.weights, tiny::tiny_model().weights);
+
+        let copy = tmp.path().join("copy");
+        let model = Some(out.display().to_string());
+        run(MakeModelCommand::Convert {
+            model,
+            out: copy.clone(),
+        })
+        .unwrap();
+        let reloaded = ferry_model::load_model(&copy).unwrap();
+        assert_eq!(reloaded.config, loaded.config);
+        assert_eq!(reloaded.weights, loaded.weights);
+    }
+}
