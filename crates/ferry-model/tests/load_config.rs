@@ -199,6 +199,33 @@ fn bad_fields_are_named() {
             other => panic!("{field}: expected a Field error, got {other:?}"),
         }
     }
+    let relations = [
+        ("num_key_value_heads", json!(0), "must be positive"),
+        (
+            "num_key_value_heads",
+            json!(2),
+            "2 does not divide num_attention_heads 9",
+        ),
+        (
+            "head_dim",
+            json!(63),
+            "63 is odd; rotary embeddings need pairs",
+        ),
+        (
+            "num_attention_heads",
+            json!(7),
+            "must divide hidden_size 576",
+        ),
+    ];
+    for (field, value, message) in relations {
+        let mut v = llama();
+        v[field] = value;
+        let err = parse(&v).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("/models/x/config.json: field `{field}`: {message}")
+        );
+    }
     let mut v = llama();
     v.as_object_mut().unwrap().remove("vocab_size");
     let err = parse(&v).unwrap_err();

@@ -66,7 +66,7 @@ pub fn parse_config(json: &Value, path: &Path) -> Result<LlamaConfig, LoadError>
         }
     };
     let (rope_theta, rope_scaling) = rope(&fields)?;
-    Ok(LlamaConfig {
+    let config = LlamaConfig {
         vocab_size: fields.usize("vocab_size")?,
         hidden_size,
         intermediate_size: fields.usize("intermediate_size")?,
@@ -88,7 +88,45 @@ pub fn parse_config(json: &Value, path: &Path) -> Result<LlamaConfig, LoadError>
         bos_token_id: fields.opt_u32("bos_token_id")?,
         eos_token_ids: eos_ids(json, path)?,
         architecture,
-    })
+    };
+    validate(&config, path)?;
+    Ok(config)
+}
+
+/// Checks the relations the forward relies on (so a bad file is an error here, never a
+/// division by zero or a silently wrong shape later); field names are Hugging Face's.
+pub fn validate(config: &LlamaConfig, path: &Path) -> Result<(), LoadError> {
+    let positive = [
+        ("vocab_size", config.vocab_size),
+        ("hidden_size", config.hidden_size),
+        ("intermediate_size", config.intermediate_size),
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_key_value_heads", config.num_key_value_heads),
+        ("head_dim", config.head_dim),
+    ];
+    for (field, value) in positive {
+        if value == 0 {
+            return Err(LoadError::field(path, field, "must be positive"));
+        }
+    }
+    if config.num_attention_heads % config.num_key_value_heads != 0 {
+        return Err(LoadError::field(
+            path,
+            "num_key_value_heads",
+            format!(
+                "{} does not divide num_attention_heads {}",
+                config.num_key_value_heads, config.num_attention_heads
+            ),
+        ));
+    }
+    if config.head_dim % 2 != 0 {
+        return Err(LoadError::field(
+            path,
+            "head_dim",
+            format!("{} is odd; rotary embeddings need pairs", config.head_dim),
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -114,7 +114,7 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
             super::config_json::merge_eos(&mut eos_token_ids, &[id]);
         }
     }
-    Ok(LlamaConfig {
+    let config = LlamaConfig {
         architecture: "LlamaForCausalLM".into(),
         vocab_size,
         hidden_size,
@@ -136,7 +136,9 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
         qk_norm: false,
         bos_token_id: meta.opt_u32("tokenizer.ggml.bos_token_id")?,
         eos_token_ids,
-    })
+    };
+    super::config_json::validate(&config, &gguf.path)?;
+    Ok(config)
 }
 
 fn rope_scaling(meta: &Meta<'_>) -> Result<Option<RopeScaling>, LoadError> {
