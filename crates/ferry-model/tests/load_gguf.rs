@@ -728,3 +728,29 @@ fn gguf_names_map_to_hf_names() {
         assert_eq!(hf_tensor_name(gguf).as_deref(), hf, "{gguf}");
     }
 }
+
+mod corrupted {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// Corrupting header bytes (metadata, tensor infos: where the parsing is) of a valid
+        /// model file gives an error or a model, never a panic.
+        #[test]
+        fn corrupted_model_files_never_panic(
+            flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6)
+        ) {
+            let tmp = tempfile::tempdir().unwrap();
+            let path = tmp.path().join("m.gguf");
+            write_model(&path, false, |_| {});
+            let mut bytes = std::fs::read(&path).unwrap();
+            for (at, value) in flips {
+                let i = at.index(bytes.len().min(1200));
+                bytes[i] = value;
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            let _ = load_model(&path);
+        }
+    }
+}
