@@ -212,6 +212,11 @@ fn bad_fields_are_named() {
             "63 is odd; rotary embeddings need pairs",
         ),
         (
+            "num_hidden_layers",
+            json!(4_000_000_000u64),
+            "4000000000 is more than 1024",
+        ),
+        (
             "num_attention_heads",
             json!(7),
             "must divide hidden_size 576",

@@ -200,7 +200,8 @@ fn f16_and_bf16_bit_patterns_convert_exactly() {
     let mut config = small_config();
     config.vocab_size = 1;
     config.hidden_size = 2;
-    config.head_dim = 1;
+    config.num_attention_heads = 1;
+    config.head_dim = 2;
     config.intermediate_size = 1;
     config.num_hidden_layers = 0;
     let tmp = tempfile::tempdir().unwrap();

@@ -14,6 +14,9 @@ use crate::{LlamaConfig, RopeScaling};
 /// Architectures whose forward is the Llama one plus the flags in [`LlamaConfig`].
 pub const SUPPORTED_ARCHITECTURES: &str = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM";
 
+/// The most layers a config may declare.
+pub const MAX_LAYERS: usize = 1024;
+
 /// Reads `config.json` and, when present, `generation_config.json` from `dir`.
 pub fn read_folder_config(dir: &Path) -> Result<LlamaConfig, LoadError> {
     let config_path = dir.join("config.json");
@@ -108,6 +111,15 @@ pub fn validate(config: &LlamaConfig, path: &Path) -> Result<(), LoadError> {
         if value == 0 {
             return Err(LoadError::field(path, field, "must be positive"));
         }
+    }
+    // Far above any real model (the largest have ~130 layers); a corrupt count must not make
+    // the loader build a list of billions of tensor names.
+    if config.num_hidden_layers > MAX_LAYERS {
+        return Err(LoadError::field(
+            path,
+            "num_hidden_layers",
+            format!("{} is more than {MAX_LAYERS}", config.num_hidden_layers),
+        ));
     }
     if config.num_attention_heads % config.num_key_value_heads != 0 {
         return Err(LoadError::field(

@@ -138,7 +138,10 @@ impl GgmlType {
             Self::Q8_0 => (QK, 2 + QK),
             Self::Other(_) => return None,
         };
-        (n % block == 0).then(|| n / block * bytes)
+        if n % block != 0 {
+            return None;
+        }
+        (n / block).checked_mul(bytes)
     }
 }
 
@@ -197,8 +200,8 @@ impl GgufFile {
         };
         let header = read_header(&mut cur)?;
         let data_start = header.data_start(cur.pos as u64);
-        let data_start = usize::try_from(data_start)
-            .ok()
+        let data_start = data_start
+            .and_then(|s| usize::try_from(s).ok())
             .filter(|&s| s <= mmap.len())
             .ok_or_else(|| LoadError::invalid(path, "GGUF data section starts past the end"))?;
         let gguf = Self {
@@ -273,14 +276,15 @@ struct Header {
 }
 
 impl Header {
-    fn data_start(&self, end_of_infos: u64) -> u64 {
+    /// `None` when a corrupt alignment overflows.
+    fn data_start(&self, end_of_infos: u64) -> Option<u64> {
         let align = self
             .metadata
             .get("general.alignment")
             .and_then(GgufValue::as_u64)
             .filter(|&a| a > 0)
             .unwrap_or(DEFAULT_ALIGNMENT);
-        end_of_infos.div_ceil(align) * align
+        end_of_infos.div_ceil(align).checked_mul(align)
     }
 }
 
