@@ -4,11 +4,52 @@
 //! clocks (`now` is an argument), no I/O, no tensors. The engine thread feeds it requests and
 //! model outputs and gets back [`StepPlan`]s and per-request outputs. Because the same inputs
 //! always give the same outputs, the simulation can replay any failing seed exactly.
+//!
+//! The key decision: every KV block has an owner you can name ([`Owner`]: a request or a
+//! transfer) or is free, and [`Scheduler::check_ownership`] proves it. Lifecycle operations
+//! (cache reset, P/D exports, pauses) are built on that ledger, so "reset failed because some
+//! block is still held" always names who holds it.
+//!
+//! Modules, bottom up: [`hash`] (chained blake3 block hashes), [`block_pool`] (ref counts, LRU
+//! free queue, prefix-cache index), [`kv_cache`] (per-request block arithmetic),
+//! [`ownership`] (the ledger and its checker), [`request`], [`config`], [`scheduler`].
+//!
+//! One step, with a stand-in for the executor:
+//!
+//! ```
+//! use ferry_core::{ModelOutput, SampledToken, SamplingParams, Scheduler, SchedulerConfig};
+//!
+//! let mut core = Scheduler::new(SchedulerConfig::default()).unwrap();
+//! core.add_request("a", vec![1, 2, 3], SamplingParams::greedy(1)).unwrap();
+//! let plan = core.schedule();
+//! let sampled = plan
+//!     .reqs
+//!     .iter()
+//!     .filter(|r| r.sample.is_some())
+//!     .map(|r| SampledToken { req: r.req, token: 42, logprob: 0.0, top_logprobs: vec![] })
+//!     .collect();
+//! let outputs = core.on_step_output(&plan, &ModelOutput { sampled }).unwrap();
+//! assert_eq!(outputs[0].finished.as_ref().unwrap().request_id, "a");
+//! core.recycle_plan(plan);
+//! assert!(core.check_ownership().is_ok());
+//! ```
 
+pub mod block_pool;
+pub mod config;
+pub mod hash;
+pub mod kv_cache;
+pub mod ownership;
 pub mod plan;
+pub mod request;
 pub mod sampling;
+pub mod scheduler;
 
+pub use config::{ConfigError, PauseState, SchedulerConfig};
+pub use ownership::{BlockStatus, Owner, OwnershipError, TransferId};
 pub use plan::{
     BlockId, ModelOutput, ReqIdx, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenId,
 };
+pub use request::{AddError, FinishReason, Request, RequestState};
 pub use sampling::SamplingParams;
+pub use scheduler::lifecycle::TransferError;
+pub use scheduler::{Finished, OutputError, QueueError, RequestOutput, Scheduler, SchedulerStats};

@@ -3,6 +3,18 @@
 //! Layout of one block (all `f32`):
 //! `[layer][k|v][slot in block][kv head][head_dim]`, so each token's head vector is contiguous,
 //! and a block is `KvLayout::block_floats()` floats in one range.
+//!
+//! Two kinds of access:
+//! * typed, infallible accessors for attention ([`KvArena::token`], [`KvArena::head`],
+//!   [`KvArena::plane`]): they index directly and panic on out-of-range ids, because the
+//!   executor validates the plan's block ids once per step ([`KvArena::check_block`]) and the
+//!   hot loop should not pay for a `Result` per token;
+//! * fallible byte-level access for transports and offload ([`KvArena::try_block_bytes`],
+//!   [`KvArena::write_block_bytes`], [`KvArena::copy_block_from`]): their block ids come from
+//!   another process or a job queue, so a bad id is an error ([`KvError`]) naming the block,
+//!   never a panic.
+
+use std::ops::Range;
 
 /// Shape of the KV a model needs per block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -11,6 +23,13 @@ pub struct KvLayout {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub block_size: usize,
+}
+
+/// Which half of a layer's KV: keys or values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum KvPlane {
+    K,
+    V,
 }
 
 impl KvLayout {
@@ -37,6 +56,38 @@ impl KvLayout {
     pub fn plane_offset(&self, layer: usize, v: bool) -> usize {
         (layer * 2 + usize::from(v)) * self.plane_floats()
     }
+
+    /// Offset (in floats, inside a block) of the K or V vector (all heads) of the token in
+    /// slot `slot` (`0..block_size`) of layer `layer`.
+    pub fn token_offset(&self, layer: usize, plane: KvPlane, slot: usize) -> usize {
+        self.plane_offset(layer, plane == KvPlane::V) + slot * self.token_floats()
+    }
+
+    /// Offset (in floats, inside a block) of one head's vector of the token in slot `slot`.
+    pub fn head_offset(&self, layer: usize, plane: KvPlane, slot: usize, head: usize) -> usize {
+        self.token_offset(layer, plane, slot) + head * self.head_dim
+    }
+}
+
+/// Why a byte-level block access failed. Every variant names the block it was about.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    #[error("KV block {block} is out of range: the arena has {n_blocks} blocks")]
+    BlockOutOfRange { block: u32, n_blocks: usize },
+    #[error("KV block {block}: got {actual} bytes, a block holds {expected}")]
+    WrongLength {
+        block: u32,
+        expected: usize,
+        actual: usize,
+    },
+    #[error("KV block {block}: the arena is released (sleeping or KV memory released)")]
+    Released { block: u32 },
+    #[error("KV block {block}: source layout {src:?} differs from destination layout {dst:?}")]
+    LayoutMismatch {
+        block: u32,
+        src: KvLayout,
+        dst: KvLayout,
+    },
 }
 
 /// Block-major KV memory. Can be released (sleep, KV memory release) and reallocated.
@@ -69,7 +120,7 @@ impl KvArena {
     }
 
     pub fn is_allocated(&self) -> bool {
-        !self.data.is_empty() || self.n_blocks == 0
+        !self.data.is_empty() || self.total_floats() == 0
     }
 
     /// Bytes held right now (0 while released).
@@ -87,14 +138,33 @@ impl KvArena {
         if self.data.is_empty() {
             // `vec![0.0; n]` asks the allocator for zeroed pages (calloc), so untouched blocks
             // cost no resident memory until they are written.
-            self.data = vec![0.0; self.n_blocks * self.layout.block_floats()];
+            self.data = vec![0.0; self.total_floats()];
         }
     }
 
-    fn range(&self, block: u32) -> std::ops::Range<usize> {
+    fn total_floats(&self) -> usize {
+        self.n_blocks * self.layout.block_floats()
+    }
+
+    fn range(&self, block: u32) -> Range<usize> {
         let n = self.layout.block_floats();
         let start = block as usize * n;
         start..start + n
+    }
+
+    /// `Ok` when `block` can be accessed: in range, and the arena is allocated. Executors call
+    /// this for every block id of a plan before using the infallible accessors.
+    pub fn check_block(&self, block: u32) -> Result<(), KvError> {
+        if block as usize >= self.n_blocks {
+            return Err(KvError::BlockOutOfRange {
+                block,
+                n_blocks: self.n_blocks,
+            });
+        }
+        if !self.is_allocated() {
+            return Err(KvError::Released { block });
+        }
+        Ok(())
     }
 
     /// One block's floats. Panics if the block is out of range or the arena is released.
@@ -107,21 +177,114 @@ impl KvArena {
         &mut self.data[r]
     }
 
-    /// One block as bytes, for transfers and offload copies.
+    /// Layer `layer`'s K or V plane of `block`: `block_size` token vectors back to back.
+    /// Panics if out of range (see the module doc).
+    pub fn plane(&self, block: u32, layer: usize, plane: KvPlane) -> &[f32] {
+        let start = self.layout.token_offset(layer, plane, 0);
+        &self.block(block)[start..start + self.layout.plane_floats()]
+    }
+
+    /// The K or V vector (all KV heads, `n_kv_heads * head_dim` floats) of the token in slot
+    /// `slot` of `block`, layer `layer`. Panics if out of range (see the module doc).
+    pub fn token(&self, block: u32, slot: usize, layer: usize, plane: KvPlane) -> &[f32] {
+        let start = self.layout.token_offset(layer, plane, slot);
+        &self.block(block)[start..start + self.layout.token_floats()]
+    }
+
+    /// Mutable [`KvArena::token`]: where the forward writes a token's K or V.
+    pub fn token_mut(
+        &mut self,
+        block: u32,
+        slot: usize,
+        layer: usize,
+        plane: KvPlane,
+    ) -> &mut [f32] {
+        let start = self.layout.token_offset(layer, plane, slot);
+        let len = self.layout.token_floats();
+        &mut self.block_mut(block)[start..start + len]
+    }
+
+    /// [`KvArena::token`] by arena slot (`block * block_size + slot`, what
+    /// `StepPlan::slot_of` returns).
+    pub fn token_at(&self, arena_slot: usize, layer: usize, plane: KvPlane) -> &[f32] {
+        let (block, slot) = self.split_slot(arena_slot);
+        self.token(block, slot, layer, plane)
+    }
+
+    /// [`KvArena::token_mut`] by arena slot.
+    pub fn token_at_mut(&mut self, arena_slot: usize, layer: usize, plane: KvPlane) -> &mut [f32] {
+        let (block, slot) = self.split_slot(arena_slot);
+        self.token_mut(block, slot, layer, plane)
+    }
+
+    fn split_slot(&self, arena_slot: usize) -> (u32, usize) {
+        let bs = self.layout.block_size;
+        ((arena_slot / bs) as u32, arena_slot % bs)
+    }
+
+    /// One KV head's vector (`head_dim` floats) of the token in slot `slot` of `block`.
+    pub fn head(
+        &self,
+        block: u32,
+        slot: usize,
+        layer: usize,
+        plane: KvPlane,
+        head: usize,
+    ) -> &[f32] {
+        let start = self.layout.head_offset(layer, plane, slot, head);
+        &self.block(block)[start..start + self.layout.head_dim]
+    }
+
+    /// One block as bytes, for transfers and offload copies. Panics like [`KvArena::block`];
+    /// see [`KvArena::try_block_bytes`] for ids that come from outside.
     pub fn block_bytes(&self, block: u32) -> &[u8] {
-        let floats = self.block(block);
-        // SAFETY: f32 has no invalid bit patterns and u8 has alignment 1; the slice covers
-        // exactly the same memory.
-        unsafe {
-            std::slice::from_raw_parts(floats.as_ptr().cast::<u8>(), std::mem::size_of_val(floats))
-        }
+        floats_as_bytes(self.block(block))
     }
 
     pub fn block_bytes_mut(&mut self, block: u32) -> &mut [u8] {
-        let floats = self.block_mut(block);
-        let len = std::mem::size_of_val(floats);
-        // SAFETY: as in `block_bytes`; any byte pattern is a valid f32.
-        unsafe { std::slice::from_raw_parts_mut(floats.as_mut_ptr().cast::<u8>(), len) }
+        floats_as_bytes_mut(self.block_mut(block))
+    }
+
+    /// One block as bytes, or an error naming the block if it is out of range or the arena is
+    /// released.
+    pub fn try_block_bytes(&self, block: u32) -> Result<&[u8], KvError> {
+        self.check_block(block)?;
+        Ok(self.block_bytes(block))
+    }
+
+    /// Overwrites a whole block with `bytes` (a transfer or an offload load landing). The length
+    /// must be exactly one block.
+    pub fn write_block_bytes(&mut self, block: u32, bytes: &[u8]) -> Result<(), KvError> {
+        self.check_block(block)?;
+        let expected = self.layout.block_bytes();
+        if bytes.len() != expected {
+            return Err(KvError::WrongLength {
+                block,
+                expected,
+                actual: bytes.len(),
+            });
+        }
+        self.block_bytes_mut(block).copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// Copies block `src_block` of `src` into block `dst` of this arena (an in-process transfer,
+    /// or a copy between the device arena and a host tier). The layouts must match.
+    pub fn copy_block_from(
+        &mut self,
+        dst: u32,
+        src: &KvArena,
+        src_block: u32,
+    ) -> Result<(), KvError> {
+        if src.layout != self.layout {
+            return Err(KvError::LayoutMismatch {
+                block: src_block,
+                src: src.layout,
+                dst: self.layout,
+            });
+        }
+        let bytes = src.try_block_bytes(src_block)?;
+        self.write_block_bytes(dst, bytes)
     }
 
     /// The whole arena as floats (for kernels that index by `block * block_floats`).
@@ -133,3 +296,20 @@ impl KvArena {
         &mut self.data
     }
 }
+
+fn floats_as_bytes(floats: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and u8 has alignment 1; the byte slice covers exactly the
+    // memory of `floats` and borrows it for the same lifetime.
+    unsafe { std::slice::from_raw_parts(floats.as_ptr().cast::<u8>(), size_of_val(floats)) }
+}
+
+fn floats_as_bytes_mut(floats: &mut [f32]) -> &mut [u8] {
+    let len = size_of_val(floats);
+    // SAFETY: as in `floats_as_bytes`; also every byte pattern is a valid f32, so writes
+    // through the byte view cannot create an invalid value. The borrow is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(floats.as_mut_ptr().cast::<u8>(), len) }
+}
+
+#[cfg(test)]
+#[path = "arena_tests.rs"]
+mod tests;

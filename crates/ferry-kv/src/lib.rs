@@ -3,8 +3,9 @@
 //! The [`KvArena`] is block-major: block `b` holds every layer's K and V for its
 //! `block_size` tokens in one contiguous byte range, so a transfer or an offload copies a
 //! whole block with one copy. Worker-side connectors and transports (later issues) build on
-//! byte-level block access.
+//! its byte-level block access, which reports bad block ids as a [`KvError`] naming the block;
+//! attention uses the typed accessors ([`KvArena::token`], [`KvArena::plane`]).
 
 pub mod arena;
 
-pub use arena::{KvArena, KvLayout};
+pub use arena::{KvArena, KvError, KvLayout, KvPlane};

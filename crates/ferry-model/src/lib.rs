@@ -4,6 +4,7 @@
 //! model (no weights; its next token depends on every KV byte of the sequence, so wrong,
 //! missing or stale KV changes the output).
 
+pub mod checksum;
 pub mod config;
 pub mod executor;
 pub mod load;
@@ -11,6 +12,7 @@ pub mod sampler;
 pub mod tiny;
 pub mod weights;
 
+pub use checksum::{ChecksumConfigError, ChecksumModel};
 pub use config::{LlamaConfig, RopeScaling};
 pub use executor::{ExecError, Executor};
 pub use load::{default_model_path, expected_tensors, ModelSpec};

@@ -1,13 +1,61 @@
 //! Token sampling from one row of logits, with logprobs from the same logits.
 //!
-//! (Skeleton: greedy only. The full sampler replaces the body, keeping the signature.)
+//! Order of operations, as in the usual engines: temperature, then the top-k, top-p and min-p
+//! filters, then one random draw from what is left. `temperature <= 0` (or NaN) is greedy:
+//! the argmax, ties going to the lowest token id. Logprobs are always those of the *raw*
+//! logits (log-softmax before temperature and filters; see [`SampledToken`]).
+//!
+//! Randomness: with a per-request seed the draw is a function of `(seed, output_idx)` alone
+//! (a ChaCha8 stream keyed by the seed, stream number `output_idx`), so a seeded request gives
+//! the same tokens whatever else is in its batch and whatever was sampled before. Without a
+//! seed the draw uses the engine-level RNG kept in [`SamplerScratch`]; it is seeded from OS
+//! entropy by default, or explicitly with [`SamplerScratch::with_seed`] (simulations, replays).
+//!
+//! Stop token ids are not handled here: the scheduler checks each sampled token against the
+//! request's EOS and `stop_token_ids` and finishes the request.
+//!
+//! Bad numbers never panic: a NaN logit counts as `-inf`, `+inf` as `f32::MAX`, and a row with
+//! no finite logit at all is treated as uniform.
 
-use ferry_core::{ReqIdx, SampleSpec, SampledToken};
+use ferry_core::sampling::SamplerSpec;
+use ferry_core::{ReqIdx, SampleSpec, SampledToken, TokenId};
+use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
-/// Reusable buffers so sampling allocates nothing per token in steady state.
-#[derive(Debug, Default)]
+/// Reusable buffers (and the engine-level RNG) so sampling allocates nothing per token in
+/// steady state; only a non-empty `top_logprobs` in the returned token allocates.
+#[derive(Debug)]
 pub struct SamplerScratch {
+    /// Unnormalized probabilities after temperature (the max-logit token has exactly 1.0).
     pub buf: Vec<f32>,
+    /// Candidates as order keys (see `order_key`) while filtering, then while selecting the
+    /// top-n logprobs.
+    keys: Vec<u64>,
+    /// Draws for requests without a seed.
+    rng: ChaCha8Rng,
+}
+
+impl Default for SamplerScratch {
+    /// Engine RNG seeded from OS entropy, so engines started together do not draw alike.
+    fn default() -> Self {
+        Self::with_rng(ChaCha8Rng::from_os_rng())
+    }
+}
+
+impl SamplerScratch {
+    /// Engine RNG seeded with `engine_seed`: unseeded requests become reproducible too (given
+    /// the same sequence of calls), which simulations and replays need.
+    pub fn with_seed(engine_seed: u64) -> Self {
+        Self::with_rng(ChaCha8Rng::seed_from_u64(engine_seed))
+    }
+
+    fn with_rng(rng: ChaCha8Rng) -> Self {
+        Self {
+            buf: Vec::new(),
+            keys: Vec::new(),
+            rng,
+        }
+    }
 }
 
 /// Samples one token for `req` from `logits` (length = vocab size).
@@ -15,24 +63,267 @@ pub fn sample(
     logits: &[f32],
     spec: &SampleSpec,
     req: ReqIdx,
-    _scratch: &mut SamplerScratch,
+    scratch: &mut SamplerScratch,
 ) -> SampledToken {
-    let _ = spec;
-    let (token, _) =
-        logits
-            .iter()
-            .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |best, (i, &l)| {
-                if l > best.1 {
-                    (i, l)
-                } else {
-                    best
-                }
-            });
+    if logits.is_empty() {
+        // Nothing to sample from (a zero vocabulary): answer rather than panic.
+        return SampledToken {
+            req,
+            token: 0,
+            logprob: f32::NEG_INFINITY,
+            top_logprobs: Vec::new(),
+        };
+    }
+    let row = RowStats::new(logits);
+    let params = &spec.params;
+    let token = if is_greedy(params) {
+        row.argmax
+    } else {
+        let u = match params.seed {
+            Some(seed) => {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                rng.set_stream(u64::from(spec.output_idx));
+                unit_f64(&mut rng)
+            }
+            None => unit_f64(&mut scratch.rng),
+        };
+        draw(logits, &row, params, u, scratch)
+    };
+    let n_top = params.logprobs.map_or(0, |n| n as usize);
     SampledToken {
         req,
-        token: token as u32,
-        logprob: 0.0,
-        top_logprobs: Vec::new(),
+        token: token as TokenId,
+        logprob: row.logprob(logits[token]),
+        top_logprobs: top_logprobs(logits, &row, n_top, &mut scratch.keys),
     }
 }
+
+/// Greedy when the temperature is not positive (NaN included).
+fn is_greedy(params: &SamplerSpec) -> bool {
+    params.temperature.is_nan() || params.temperature <= 0.0
+}
+
+/// What every path needs from the raw row: its max, argmax and log-sum-exp.
+#[derive(Debug)]
+struct RowStats {
+    max: f32,
+    argmax: usize,
+    /// `ln(sum(exp(l)))` of the cleaned logits (terms in f32, accumulated in f64).
+    lse: f64,
+    /// No finite logit anywhere: every token counts as logit 0.
+    uniform: bool,
+}
+
+impl RowStats {
+    fn new(logits: &[f32]) -> Self {
+        let mut stats = Self {
+            max: f32::NEG_INFINITY,
+            argmax: 0,
+            lse: 0.0,
+            uniform: false,
+        };
+        for (i, &l) in logits.iter().enumerate() {
+            let l = stats.clean(l);
+            // Strictly greater: ties keep the lowest id.
+            if l > stats.max {
+                stats.max = l;
+                stats.argmax = i;
+            }
+        }
+        if stats.max == f32::NEG_INFINITY {
+            stats.uniform = true;
+            stats.max = 0.0;
+        }
+        // Each term is in (0, 1] after subtracting the max, so f32 `exp` loses nothing that
+        // matters (relative error ~1e-7); the f64 sum keeps 50k small terms exact enough.
+        let sum: f64 = logits
+            .iter()
+            .map(|&l| f64::from((stats.clean(l) - stats.max).exp()))
+            .sum();
+        stats.lse = f64::from(stats.max) + sum.ln();
+        stats
+    }
+
+    /// The logit as the sampler sees it: never NaN or `+inf`, and `-0.0` folded into `0.0` so
+    /// order keys agree with `>`.
+    fn clean(&self, l: f32) -> f32 {
+        if self.uniform {
+            0.0
+        } else if l.is_nan() {
+            f32::NEG_INFINITY
+        } else if l == f32::INFINITY {
+            f32::MAX
+        } else {
+            l + 0.0
+        }
+    }
+
+    fn logprob(&self, l: f32) -> f32 {
+        (f64::from(self.clean(l)) - self.lse) as f32
+    }
+
+    /// Fills `keys` with one [`order_key`] per token.
+    fn fill_keys(&self, logits: &[f32], keys: &mut Vec<u64>) {
+        keys.clear();
+        keys.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| order_key(self.clean(l), i as u32)),
+        );
+    }
+}
+
+/// A `u64` whose ascending order is "best first": higher logit, then lower token id. Sorting
+/// and selecting plain integers is several times faster than a float comparator, and it is a
+/// total order, so every selection below is deterministic. The token id is the low half.
+fn order_key(clean_logit: f32, token: u32) -> u64 {
+    let bits = clean_logit.to_bits();
+    // The usual float-to-ordered-integer map (ascending with the float), then inverted so the
+    // highest logit gets the smallest key.
+    let ordered = if bits >> 31 == 1 {
+        !bits
+    } else {
+        bits | 0x8000_0000
+    };
+    (u64::from(!ordered) << 32) | u64::from(token)
+}
+
+fn token_of(key: u64) -> usize {
+    key as u32 as usize
+}
+
+/// A uniform draw in `[0, 1)` with 53 random bits.
+fn unit_f64(rng: &mut impl RngCore) -> f64 {
+    (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// Temperature, the filters, then the token at `u` (in `[0, 1)`) of the survivors' mass.
+fn draw(
+    logits: &[f32],
+    row: &RowStats,
+    params: &SamplerSpec,
+    u: f64,
+    scratch: &mut SamplerScratch,
+) -> usize {
+    let SamplerScratch {
+        buf: probs, keys, ..
+    } = scratch;
+    fill_probs(logits, row, params.temperature, probs);
+    row.fill_keys(logits, keys);
+
+    let top_k = params.top_k as usize;
+    if top_k > 0 && top_k < keys.len() {
+        keys.select_nth_unstable(top_k - 1);
+        keys.truncate(top_k);
+    }
+    // `NaN < 1.0` is false: a NaN top_p disables the filter.
+    if params.top_p < 1.0 {
+        let n = nucleus_len(keys, probs, f64::from(params.top_p));
+        keys.truncate(n);
+    }
+    if params.min_p > 0.0 {
+        // Relative to the top token's probability, which is exactly 1.0 in `probs`; capped at
+        // 1.0 so the top token always survives.
+        let threshold = params.min_p.min(1.0);
+        keys.retain(|&k| probs[token_of(k)] >= threshold);
+    }
+    pick(keys, probs, u)
+}
+
+/// `probs[i] = exp((l_i - max) / t)`, unnormalized (the argmax gets exactly 1.0).
+fn fill_probs(logits: &[f32], row: &RowStats, t: f32, probs: &mut Vec<f32>) {
+    probs.clear();
+    probs.extend(logits.iter().map(|&l| {
+        let x = row.clean(l) - row.max;
+        if x == f32::NEG_INFINITY {
+            // Also avoids `-inf / inf = NaN` for an infinite temperature.
+            0.0
+        } else {
+            (x / t).exp()
+        }
+    }));
+}
+
+/// Below this many candidates the nucleus search just sorts.
+const NUCLEUS_SORT_LEN: usize = 64;
+
+/// Reorders `keys` so that its first `n` entries are the nucleus (the smallest best-first set
+/// whose mass reaches `top_p` of the total) and returns `n` (at least 1).
+///
+/// A weighted quickselect instead of a full sort: halve the candidate range with
+/// `select_nth_unstable`, keep the better half if its mass already reaches the target, else
+/// take it whole and continue in the worse half. Linear time, which matters when the nucleus
+/// is thousands of tokens of a 50k vocabulary (a flat, high-temperature distribution).
+fn nucleus_len(keys: &mut [u64], probs: &[f32], top_p: f64) -> usize {
+    let mass = |ks: &[u64]| -> f64 { ks.iter().map(|&k| f64::from(probs[token_of(k)])).sum() };
+    let target = top_p * mass(keys);
+    // Invariant: keys[..lo] are better than keys[lo..] and their mass `taken` is < target
+    // (or lo == 0); the answer lies in lo + 1..=hi.
+    let (mut lo, mut hi, mut taken) = (0, keys.len(), 0.0);
+    while hi - lo > NUCLEUS_SORT_LEN {
+        let mid = lo + (hi - lo) / 2;
+        keys[lo..hi].select_nth_unstable(mid - lo);
+        let half = mass(&keys[lo..mid]);
+        if taken + half >= target {
+            hi = mid;
+        } else {
+            taken += half;
+            lo = mid;
+        }
+    }
+    keys[lo..hi].sort_unstable();
+    for (j, &k) in keys.iter().enumerate().take(hi).skip(lo) {
+        taken += f64::from(probs[token_of(k)]);
+        if taken >= target {
+            return j + 1;
+        }
+    }
+    hi.max(1)
+}
+
+/// The candidate where the running mass first exceeds `u * total`.
+fn pick(keys: &[u64], probs: &[f32], u: f64) -> usize {
+    let total: f64 = keys.iter().map(|&k| f64::from(probs[token_of(k)])).sum();
+    let target = u * total;
+    let mut mass = 0.0;
+    let mut last_nonzero = keys.first().map_or(0, |&k| token_of(k));
+    for &k in keys {
+        let p = f64::from(probs[token_of(k)]);
+        if p > 0.0 {
+            last_nonzero = token_of(k);
+        }
+        mass += p;
+        if mass > target {
+            return token_of(k);
+        }
+    }
+    // Only reachable through rounding when `u` is within an ulp of 1.
+    last_nonzero
+}
+
+/// The `n` best `(token, logprob)` pairs of the raw logits, best first (ties: lower id).
+fn top_logprobs(
+    logits: &[f32],
+    row: &RowStats,
+    n: usize,
+    keys: &mut Vec<u64>,
+) -> Vec<(TokenId, f32)> {
+    let n = n.min(logits.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    row.fill_keys(logits, keys);
+    if n < keys.len() {
+        keys.select_nth_unstable(n - 1);
+    }
+    keys[..n].sort_unstable();
+    keys[..n]
+        .iter()
+        .map(|&k| (k as u32, row.logprob(logits[token_of(k)])))
+        .collect()
+}
+
+#[cfg(test)]
+#[path = "sampler_tests.rs"]
+mod tests;

@@ -1,0 +1,363 @@
+//! The block pool: a fixed set of KV blocks with reference counts, an LRU free queue and the
+//! prefix-cache index (block hash → block).
+//!
+//! The free queue is an intrusive doubly linked list threaded through the block metadata, so
+//! taking from the head, putting back at the tail and removing a block from the middle (a
+//! prefix hit on a free but still cached block) are all O(1) with no allocation. Cached blocks
+//! stay in the free queue: they are evicted lazily, when the queue hands them out again.
+//! Block 0 is the null block: never in the queue, never handed out.
+
+use crate::hash::{BlockHash, BlockHashMap};
+use crate::plan::BlockId;
+
+/// The null block: padding in block tables, never owned.
+pub const NULL_BLOCK: BlockId = 0;
+
+/// End-of-list marker for the intrusive free queue.
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+struct BlockMeta {
+    ref_cnt: u32,
+    prev: u32,
+    next: u32,
+    in_free_queue: bool,
+    /// Set while the block's contents are registered in the prefix cache under this hash.
+    hash: Option<BlockHash>,
+}
+
+/// Fixed-size pool of KV blocks. Owners are accounted for by the caller (requests,
+/// transfers); the pool only counts references.
+#[derive(Debug)]
+pub struct BlockPool {
+    meta: Vec<BlockMeta>,
+    head: u32,
+    tail: u32,
+    n_free: usize,
+    cached: BlockHashMap<BlockId>,
+}
+
+impl BlockPool {
+    /// A pool of `n_blocks` blocks, block 0 being the null block. All others start free, in
+    /// id order, so the first blocks handed out are 1, 2, 3, ...
+    pub fn new(n_blocks: u32) -> Self {
+        let mut pool = Self {
+            meta: vec![
+                BlockMeta {
+                    ref_cnt: 0,
+                    prev: NIL,
+                    next: NIL,
+                    in_free_queue: false,
+                    hash: None,
+                };
+                n_blocks.max(1) as usize
+            ],
+            head: NIL,
+            tail: NIL,
+            n_free: 0,
+            // At most one entry per block: sized once, so it never rehashes mid-step.
+            cached: BlockHashMap::with_capacity_and_hasher(n_blocks as usize, Default::default()),
+        };
+        for b in 1..pool.meta.len() as u32 {
+            pool.push_back(b);
+        }
+        pool
+    }
+
+    /// Total blocks, the null block included.
+    pub fn n_blocks(&self) -> usize {
+        self.meta.len()
+    }
+
+    /// Blocks that can ever be handed out (all but the null block).
+    pub fn n_usable(&self) -> usize {
+        self.meta.len() - 1
+    }
+
+    /// Blocks in the free queue (cached or not).
+    pub fn n_free(&self) -> usize {
+        self.n_free
+    }
+
+    /// Blocks held by at least one owner.
+    pub fn n_used(&self) -> usize {
+        self.n_usable() - self.n_free
+    }
+
+    pub fn ref_cnt(&self, block: BlockId) -> u32 {
+        self.meta.get(block as usize).map_or(0, |m| m.ref_cnt)
+    }
+
+    pub fn is_in_free_queue(&self, block: BlockId) -> bool {
+        self.meta
+            .get(block as usize)
+            .is_some_and(|m| m.in_free_queue)
+    }
+
+    /// The hash a block is cached under, if any.
+    pub fn cached_hash(&self, block: BlockId) -> Option<BlockHash> {
+        self.meta.get(block as usize).and_then(|m| m.hash)
+    }
+
+    /// Number of distinct hashes in the prefix cache.
+    pub fn n_cached(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// The block cached under `hash`, if any (held or free).
+    pub fn lookup(&self, hash: &BlockHash) -> Option<BlockId> {
+        self.cached.get(hash).copied()
+    }
+
+    /// Takes `n` blocks from the head of the free queue (least recently used first) into
+    /// `out`, evicting their cached hashes. Takes nothing and returns false if fewer than `n`
+    /// are free.
+    pub fn take(&mut self, n: usize, out: &mut Vec<BlockId>) -> bool {
+        if n > self.n_free {
+            return false;
+        }
+        for _ in 0..n {
+            let b = self.head;
+            self.unlink(b);
+            self.evict(b);
+            self.meta[b as usize].ref_cnt = 1;
+            out.push(b);
+        }
+        true
+    }
+
+    /// Adds a reference to a block (a prefix hit or a second owner), pulling it out of the
+    /// free queue if it was there.
+    pub fn touch(&mut self, block: BlockId) {
+        if self.meta[block as usize].in_free_queue {
+            self.unlink(block);
+        }
+        self.meta[block as usize].ref_cnt += 1;
+    }
+
+    /// Drops one reference; a block nobody holds goes to the tail of the free queue (keeping
+    /// its hash, so it can still be hit until it is reused). Callers release a request's
+    /// blocks tail first, so a chain's tail is evicted before its head.
+    pub fn release(&mut self, block: BlockId) {
+        let m = &mut self.meta[block as usize];
+        debug_assert!(m.ref_cnt > 0, "release of unheld block {block}");
+        m.ref_cnt = m.ref_cnt.saturating_sub(1);
+        if m.ref_cnt == 0 && !m.in_free_queue {
+            self.push_back(block);
+        }
+    }
+
+    /// Registers a full block's contents under `hash`. If another block is already cached
+    /// under the same hash (two requests computed the same prefix at once), this one stays
+    /// uncached and is simply freed later.
+    pub fn cache(&mut self, block: BlockId, hash: BlockHash) {
+        if self.meta[block as usize].hash.is_some() {
+            return;
+        }
+        if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
+            e.insert(block);
+            self.meta[block as usize].hash = Some(hash);
+        }
+    }
+
+    /// Drops a block's hash from the prefix cache (its contents can no longer be hit).
+    /// Returns whether it was cached.
+    pub fn evict(&mut self, block: BlockId) -> bool {
+        let Some(hash) = self
+            .meta
+            .get_mut(block as usize)
+            .and_then(|m| m.hash.take())
+        else {
+            return false;
+        };
+        if self.cached.get(&hash) == Some(&block) {
+            self.cached.remove(&hash);
+        }
+        true
+    }
+
+    /// Drops every cached hash, if no block is held; returns false (changing nothing) while
+    /// any block is still held by some owner.
+    pub fn reset_cache(&mut self) -> bool {
+        if self.n_free != self.n_usable() {
+            return false;
+        }
+        for m in &mut self.meta {
+            m.hash = None;
+        }
+        self.cached.clear();
+        true
+    }
+
+    /// The free queue from head (next to be evicted) to tail.
+    pub fn free_queue(&self) -> FreeQueueIter<'_> {
+        FreeQueueIter {
+            pool: self,
+            cur: self.head,
+            remaining: self.n_free,
+        }
+    }
+
+    /// Every (hash, block) entry of the prefix-cache index, in no particular order.
+    pub(crate) fn cached_entries(&self) -> impl Iterator<Item = (&BlockHash, &BlockId)> {
+        self.cached.iter()
+    }
+
+    fn push_back(&mut self, b: BlockId) {
+        let m = &mut self.meta[b as usize];
+        m.prev = self.tail;
+        m.next = NIL;
+        m.in_free_queue = true;
+        if self.tail == NIL {
+            self.head = b;
+        } else {
+            self.meta[self.tail as usize].next = b;
+        }
+        self.tail = b;
+        self.n_free += 1;
+    }
+
+    fn unlink(&mut self, b: BlockId) {
+        let (prev, next) = {
+            let m = &mut self.meta[b as usize];
+            m.in_free_queue = false;
+            (
+                std::mem::replace(&mut m.prev, NIL),
+                std::mem::replace(&mut m.next, NIL),
+            )
+        };
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.meta[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.meta[next as usize].prev = prev;
+        }
+        self.n_free -= 1;
+    }
+}
+
+/// Walks the free queue; bounded by the free count so a corrupted list cannot loop forever.
+#[derive(Debug)]
+pub struct FreeQueueIter<'a> {
+    pool: &'a BlockPool,
+    cur: u32,
+    remaining: usize,
+}
+
+impl Iterator for FreeQueueIter<'_> {
+    type Item = BlockId;
+
+    fn next(&mut self) -> Option<BlockId> {
+        if self.cur == NIL || self.remaining == 0 {
+            return None;
+        }
+        let b = self.cur;
+        self.cur = self.pool.meta[b as usize].next;
+        self.remaining -= 1;
+        Some(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(n: u8) -> BlockHash {
+        BlockHash([n; 32])
+    }
+
+    fn queue(p: &BlockPool) -> Vec<BlockId> {
+        p.free_queue().collect()
+    }
+
+    #[test]
+    fn starts_with_all_but_null_free_in_order() {
+        let p = BlockPool::new(5);
+        assert_eq!(queue(&p), vec![1, 2, 3, 4]);
+        assert_eq!((p.n_usable(), p.n_free(), p.n_used()), (4, 4, 0));
+    }
+
+    #[test]
+    fn take_is_all_or_nothing() {
+        let mut p = BlockPool::new(3);
+        let mut out = Vec::new();
+        assert!(!p.take(3, &mut out));
+        assert!(out.is_empty());
+        assert!(p.take(2, &mut out));
+        assert_eq!(out, vec![1, 2]);
+        assert_eq!(p.n_free(), 0);
+    }
+
+    #[test]
+    fn released_tail_first_evicts_tail_first() {
+        let mut p = BlockPool::new(6);
+        let mut a = Vec::new();
+        p.take(3, &mut a); // 1,2,3
+        for &b in a.iter().rev() {
+            p.release(b);
+        }
+        assert_eq!(queue(&p), vec![4, 5, 3, 2, 1]);
+    }
+
+    #[test]
+    fn touch_removes_from_middle_and_release_appends() {
+        let mut p = BlockPool::new(5);
+        p.touch(2);
+        assert_eq!(queue(&p), vec![1, 3, 4]);
+        p.touch(2);
+        assert_eq!(p.ref_cnt(2), 2);
+        p.release(2);
+        assert_eq!(queue(&p), vec![1, 3, 4]);
+        p.release(2);
+        assert_eq!(queue(&p), vec![1, 3, 4, 2]);
+        p.touch(4);
+        p.touch(1);
+        assert_eq!(queue(&p), vec![3, 2]);
+    }
+
+    #[test]
+    fn cached_free_block_is_hit_until_reused() {
+        let mut p = BlockPool::new(3);
+        let mut out = Vec::new();
+        p.take(1, &mut out);
+        p.cache(1, h(9));
+        p.release(1);
+        assert_eq!(p.lookup(&h(9)), Some(1));
+        out.clear();
+        p.take(2, &mut out); // 2 first, then 1 (evicted lazily now)
+        assert_eq!(out, vec![2, 1]);
+        assert_eq!(p.lookup(&h(9)), None);
+        assert_eq!(p.cached_hash(1), None);
+    }
+
+    #[test]
+    fn duplicate_hash_keeps_first_block() {
+        let mut p = BlockPool::new(3);
+        let mut out = Vec::new();
+        p.take(2, &mut out);
+        p.cache(1, h(1));
+        p.cache(2, h(1));
+        assert_eq!(p.lookup(&h(1)), Some(1));
+        assert_eq!(p.cached_hash(2), None);
+        assert!(!p.evict(2));
+        assert!(p.evict(1));
+        assert_eq!(p.lookup(&h(1)), None);
+    }
+
+    #[test]
+    fn reset_fails_while_held_and_clears_when_free() {
+        let mut p = BlockPool::new(3);
+        let mut out = Vec::new();
+        p.take(1, &mut out);
+        p.cache(1, h(3));
+        assert!(!p.reset_cache());
+        assert_eq!(p.lookup(&h(3)), Some(1));
+        p.release(1);
+        assert!(p.reset_cache());
+        assert_eq!((p.lookup(&h(3)), p.n_cached()), (None, 0));
+    }
+}

@@ -1,0 +1,120 @@
+//! Scheduler configuration, resolved once by the caller and validated here.
+
+use crate::plan::TokenId;
+
+/// Everything the scheduler needs to know up front. Immutable after `Scheduler::new`, except
+/// the weight version (see `Scheduler::set_weight_version`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the pool, the null block (block 0) included.
+    pub n_blocks: u32,
+    /// Most requests running at once.
+    pub max_num_seqs: usize,
+    /// Most tokens computed in one step, over all requests.
+    pub max_num_batched_tokens: usize,
+    /// Longest sequence (prompt + output) the model accepts.
+    pub max_model_len: usize,
+    pub enable_prefix_caching: bool,
+    /// Split long prefills over several steps; when off, a prompt is computed in one step.
+    pub enable_chunked_prefill: bool,
+    /// Tokens that end generation unless a request sets `ignore_eos`.
+    pub eos_token_ids: Vec<TokenId>,
+    /// Seeds every prefix-cache hash chain.
+    pub weight_version: String,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            n_blocks: 1024,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 8192,
+            enable_prefix_caching: true,
+            enable_chunked_prefill: true,
+            eos_token_ids: Vec::new(),
+            weight_version: "0".to_owned(),
+        }
+    }
+}
+
+/// A configuration value the scheduler cannot work with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("block_size must be at least 1")]
+    ZeroBlockSize,
+    #[error("n_blocks is {0}: need the null block and at least one usable block")]
+    TooFewBlocks(u32),
+    #[error("n_blocks is {0}: block ids from u32::MAX up are reserved")]
+    TooManyBlocks(u32),
+    #[error("max_num_seqs must be at least 1")]
+    ZeroMaxNumSeqs,
+    #[error("max_num_batched_tokens must be at least 1")]
+    ZeroMaxNumBatchedTokens,
+    #[error("max_model_len is {0}: must be at least 2 (one prompt token, one generated)")]
+    MaxModelLenTooSmall(usize),
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.block_size == 0 {
+            return Err(ConfigError::ZeroBlockSize);
+        }
+        if self.n_blocks < 2 {
+            return Err(ConfigError::TooFewBlocks(self.n_blocks));
+        }
+        if self.n_blocks == u32::MAX {
+            return Err(ConfigError::TooManyBlocks(self.n_blocks));
+        }
+        if self.max_num_seqs == 0 {
+            return Err(ConfigError::ZeroMaxNumSeqs);
+        }
+        if self.max_num_batched_tokens == 0 {
+            return Err(ConfigError::ZeroMaxNumBatchedTokens);
+        }
+        if self.max_model_len < 2 {
+            return Err(ConfigError::MaxModelLenTooSmall(self.max_model_len));
+        }
+        Ok(())
+    }
+}
+
+/// How far compute is paused. The lifecycle layer drives it; the scheduler only obeys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PauseState {
+    #[default]
+    Unpaused,
+    /// Admit nothing new, but keep running admitted requests (pause mode `wait`).
+    NoAdmit,
+    /// Schedule nothing at all; requests stay where they are (pause modes `keep`, `abort`).
+    Frozen,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid_and_bad_values_are_named() {
+        assert_eq!(SchedulerConfig::default().validate(), Ok(()));
+        let bad = |f: fn(&mut SchedulerConfig)| {
+            let mut c = SchedulerConfig::default();
+            f(&mut c);
+            c.validate().unwrap_err()
+        };
+        assert_eq!(bad(|c| c.block_size = 0), ConfigError::ZeroBlockSize);
+        assert_eq!(bad(|c| c.n_blocks = 1), ConfigError::TooFewBlocks(1));
+        assert_eq!(bad(|c| c.max_num_seqs = 0), ConfigError::ZeroMaxNumSeqs);
+        assert_eq!(
+            bad(|c| c.max_num_batched_tokens = 0),
+            ConfigError::ZeroMaxNumBatchedTokens
+        );
+        assert_eq!(
+            bad(|c| c.max_model_len = 1),
+            ConfigError::MaxModelLenTooSmall(1)
+        );
+    }
+}

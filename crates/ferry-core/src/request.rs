@@ -1,0 +1,123 @@
+//! Requests as the core sees them: tokens, sampling parameters, KV blocks and a state enum
+//! that carries its data.
+
+use crate::hash::BlockHash;
+use crate::ownership::TransferId;
+use crate::plan::{BlockId, ReqIdx, TokenId};
+use crate::sampling::{SamplerSpec, SamplingParams};
+
+/// Why a request finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// An EOS token (unless `ignore_eos`) or one of the request's stop token ids.
+    Stop,
+    /// `max_tokens` generated, or the sequence reached the model's maximum length.
+    Length,
+    /// Aborted by the client or by a lifecycle operation.
+    Abort,
+    /// The request could not be served (e.g. a failed KV load under the `fail` policy).
+    Error,
+}
+
+impl FinishReason {
+    /// The OpenAI-style name (`stop`, `length`, `abort`, `error`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// Where a request is in its life. Each state carries what only that state needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestState {
+    /// In the waiting queue, never admitted.
+    Waiting,
+    /// Its prompt KV is being loaded from a remote engine by `transfer`; not schedulable
+    /// until the load ends. (A connector drives this state; none exists yet.)
+    WaitingForRemoteKv { transfer: TransferId },
+    /// Admitted: in the running list, holding blocks.
+    Running,
+    /// Was running, lost its KV to preemption (recompute) and is back in the waiting queue;
+    /// `n_preemptions` counts how often that happened to this request.
+    Preempted { n_preemptions: u32 },
+    /// Done; the request is removed once its final output has been returned.
+    Finished(FinishReason),
+}
+
+/// Why `add_request` refused a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddError {
+    #[error("request {id:?}: prompt is empty")]
+    EmptyPrompt { id: String },
+    #[error("request {id:?}: prompt has {prompt_len} tokens, the model's maximum length is {max_model_len} (the prompt must be shorter, to leave room for one generated token)")]
+    PromptTooLong {
+        id: String,
+        prompt_len: usize,
+        max_model_len: usize,
+    },
+    #[error("request {id:?}: a request with this id is already in the engine")]
+    DuplicateId { id: String },
+    #[error("request {id:?}: max_tokens must be at least 1")]
+    ZeroMaxTokens { id: String },
+    #[error("request {id:?}: needs {n_blocks_needed} KV blocks at its longest, the pool has {n_blocks_usable}")]
+    TooLongForKvCache {
+        id: String,
+        n_blocks_needed: usize,
+        n_blocks_usable: usize,
+    },
+    #[error("request {id:?}: prompt has {prompt_len} tokens but chunked prefill is off and a step holds at most {max_num_batched_tokens}")]
+    PromptExceedsBatch {
+        id: String,
+        prompt_len: usize,
+        max_num_batched_tokens: usize,
+    },
+}
+
+/// One live request.
+#[derive(Debug)]
+pub struct Request {
+    pub id: String,
+    pub idx: ReqIdx,
+    pub params: SamplingParams,
+    pub(crate) sampler: SamplerSpec,
+    pub state: RequestState,
+    /// Prompt followed by the generated tokens.
+    pub tokens: Vec<TokenId>,
+    pub prompt_len: usize,
+    /// Tokens whose KV is in `blocks` (computed, hit in the prefix cache, or loaded).
+    pub n_computed: usize,
+    /// The block table: block `i` holds positions `i*block_size..(i+1)*block_size`.
+    pub blocks: Vec<BlockId>,
+    /// Hashes of every full block of `tokens`, chained from `hash_root`.
+    pub(crate) block_hashes: Vec<BlockHash>,
+    /// The chain root the hashes were computed from (it follows the weight version).
+    pub(crate) hash_root: BlockHash,
+    /// How many leading blocks of `blocks` are registered in the prefix cache (or were
+    /// offered to it).
+    pub(crate) n_cached_blocks: usize,
+    /// Prompt tokens that came from a prefix hit at (the latest) admission.
+    pub n_prefix_hit_tokens: usize,
+    /// On a non-abort finish, hand the blocks to a transfer hold instead of freeing them
+    /// (a P/D export).
+    pub(crate) hold_kv_on_finish: bool,
+}
+
+impl Request {
+    pub fn n_output_tokens(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens not computed yet (prefill left, or 1 while decoding).
+    pub fn n_uncomputed(&self) -> usize {
+        self.tokens.len() - self.n_computed
+    }
+
+    /// The longest this request can get, in tokens.
+    pub(crate) fn max_len(prompt_len: usize, max_tokens: u32, max_model_len: usize) -> usize {
+        (prompt_len + max_tokens as usize).min(max_model_len)
+    }
+}

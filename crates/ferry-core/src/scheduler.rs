@@ -1,0 +1,665 @@
+//! The scheduler: continuous batching with a token budget, chunked prefill, FCFS admission and
+//! preemption by recompute.
+//!
+//! One step is `schedule()` (a [`StepPlan`] out) then `on_step_output()` (sampled tokens in,
+//! [`RequestOutput`]s out). `schedule()` reads as its phases: running requests first (decodes
+//! and unfinished prefill chunks, preempting the latest-admitted request when blocks run out),
+//! then waiting requests in order while budget, seats and blocks allow, then the plan.
+//!
+//! Executor contract beyond `plan.rs`: full blocks enter the prefix cache when they are
+//! *scheduled*, not when computed, so a request admitted later in the same step can hit blocks
+//! whose KV an earlier request in the same plan writes in this step (its `start_pos` counts
+//! them). An executor must therefore write each layer's KV for all plan entries, in plan order,
+//! before reading it (layer-by-layer batched, or request by request in plan order, both do).
+//! This is what makes concurrent requests with a shared prefix share it at once.
+//!
+//! Cost per step is proportional to the scheduled requests and the block tables copied into
+//! the plan, never to the number of waiting requests: the waiting queue is only looked at from
+//! its head.
+
+pub mod lifecycle;
+mod render;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use crate::config::{ConfigError, PauseState, SchedulerConfig};
+use crate::hash::{chain_root, BlockHash};
+use crate::kv_cache::{KvCacheManager, PrefixHit};
+use crate::ownership::{self, Owner, OwnershipError, TransferId};
+use crate::plan::{
+    BlockId, ModelOutput, ReqIdx, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenId,
+};
+use crate::request::{AddError, FinishReason, Request, RequestState};
+use crate::sampling::SamplingParams;
+
+/// What one step produced for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestOutput {
+    pub req: ReqIdx,
+    /// The token generated this step (none for an abort).
+    pub sampled: Option<SampledToken>,
+    /// Tokens generated so far, this one included.
+    pub n_output_tokens: usize,
+    /// Set on the request's last output; its `ReqIdx` is free for reuse afterwards.
+    pub finished: Option<Finished>,
+}
+
+/// How and which request finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finished {
+    pub request_id: String,
+    pub reason: FinishReason,
+    /// The transfer now holding the request's KV, if it asked to keep it on finish (see
+    /// `Scheduler::hold_kv_on_finish`).
+    pub transfer: Option<TransferId>,
+}
+
+/// The model output does not answer the plan it is given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OutputError {
+    #[error("output for step {got}, but the latest plan is step {latest}")]
+    StalePlan { got: u64, latest: u64 },
+    #[error("expected a sampled token for {expected:?}, got one for {got:?}")]
+    WrongRequest { expected: ReqIdx, got: ReqIdx },
+    #[error("sampled token for {got:?}, which the plan did not ask to sample")]
+    Unexpected { got: ReqIdx },
+    #[error("no sampled token for {missing:?}, which the plan asked to sample")]
+    Missing { missing: ReqIdx },
+}
+
+/// A request is in the wrong queue, in two, or in none.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QueueError {
+    #[error(
+        "request {id:?} is in state {state:?} but listed {n_listed} times in the {queue} queue"
+    )]
+    Misplaced {
+        id: String,
+        state: RequestState,
+        queue: &'static str,
+        n_listed: usize,
+    },
+    #[error("queue {queue} lists {req:?}, which is not a live request")]
+    Dangling { queue: &'static str, req: ReqIdx },
+    #[error("{n_running} requests running, max_num_seqs is {max}")]
+    TooManyRunning { n_running: usize, max: usize },
+}
+
+/// Counters and gauges for metrics and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SchedulerStats {
+    pub n_steps: u64,
+    pub n_running: usize,
+    pub n_waiting: usize,
+    pub n_blocks_used: usize,
+    pub n_blocks_free: usize,
+    pub n_blocks_cached: usize,
+    pub n_transfers: usize,
+    /// Tokens found in the prefix cache at admission.
+    pub prefix_hit_tokens: u64,
+    /// Tokens looked up in the prefix cache at admission.
+    pub prefix_query_tokens: u64,
+    pub n_preemptions: u64,
+}
+
+/// One request's share of the step being planned.
+#[derive(Debug, Clone, Copy)]
+struct Decision {
+    req: ReqIdx,
+    n_new: usize,
+}
+
+/// The engine core's scheduler. See the module docs.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    /// Request slab indexed by `ReqIdx`; `None` slots are free (listed in `free_slots`).
+    requests: Vec<Option<Request>>,
+    free_slots: Vec<u32>,
+    /// Only for `add_request`/`abort`; never iterated, so its order never reaches a plan.
+    ids: HashMap<String, ReqIdx>,
+    waiting: VecDeque<ReqIdx>,
+    /// In admission order: the last one is the first to be preempted.
+    running: Vec<ReqIdx>,
+    pause: PauseState,
+    hash_root: BlockHash,
+    transfers: BTreeMap<TransferId, Vec<BlockId>>,
+    next_transfer: u64,
+    next_step: u64,
+    prefix_hit_tokens: u64,
+    prefix_query_tokens: u64,
+    n_preemptions: u64,
+    /// Reused every step so planning does not allocate.
+    decisions: Vec<Decision>,
+    /// Buffers of a plan handed back by `recycle_plan`, reused by the next `schedule()`.
+    spare: StepPlan,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Self {
+            kv: KvCacheManager::new(
+                config.n_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+            ),
+            hash_root: chain_root(&config.weight_version),
+            config,
+            requests: Vec::new(),
+            free_slots: Vec::new(),
+            ids: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pause: PauseState::Unpaused,
+            transfers: BTreeMap::new(),
+            next_transfer: 0,
+            next_step: 0,
+            prefix_hit_tokens: 0,
+            prefix_query_tokens: 0,
+            n_preemptions: 0,
+            decisions: Vec::new(),
+            spare: StepPlan::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Queues a request at the tail of the waiting queue (also while paused).
+    pub fn add_request(
+        &mut self,
+        id: impl Into<String>,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+    ) -> Result<ReqIdx, AddError> {
+        let id = id.into();
+        self.validate_request(&id, &prompt, &params)?;
+        let max_len = Request::max_len(prompt.len(), params.max_tokens, self.config.max_model_len);
+        let idx = self.alloc_slot();
+        let mut tokens = prompt;
+        // Room for every token this request can ever have: no regrowth while decoding.
+        tokens.reserve_exact(max_len - tokens.len());
+        let n_blocks_max = max_len.div_ceil(self.config.block_size);
+        let mut req = Request {
+            id: id.clone(),
+            idx,
+            sampler: params.sampler_spec(),
+            params,
+            state: RequestState::Waiting,
+            prompt_len: tokens.len(),
+            tokens,
+            n_computed: 0,
+            blocks: Vec::with_capacity(n_blocks_max),
+            block_hashes: Vec::with_capacity(n_blocks_max),
+            hash_root: self.hash_root,
+            n_cached_blocks: 0,
+            n_prefix_hit_tokens: 0,
+            hold_kv_on_finish: false,
+        };
+        self.kv.rehash_if_stale(&mut req, &self.hash_root);
+        self.requests[idx.0 as usize] = Some(req);
+        self.ids.insert(id, idx);
+        self.waiting.push_back(idx);
+        Ok(idx)
+    }
+
+    fn validate_request(
+        &self,
+        id: &str,
+        prompt: &[TokenId],
+        params: &SamplingParams,
+    ) -> Result<(), AddError> {
+        let c = &self.config;
+        let id = || id.to_owned();
+        if prompt.is_empty() {
+            return Err(AddError::EmptyPrompt { id: id() });
+        }
+        if prompt.len() >= c.max_model_len {
+            return Err(AddError::PromptTooLong {
+                id: id(),
+                prompt_len: prompt.len(),
+                max_model_len: c.max_model_len,
+            });
+        }
+        if self.ids.contains_key(id().as_str()) {
+            return Err(AddError::DuplicateId { id: id() });
+        }
+        if params.max_tokens == 0 {
+            return Err(AddError::ZeroMaxTokens { id: id() });
+        }
+        if !c.enable_chunked_prefill && prompt.len() > c.max_num_batched_tokens {
+            return Err(AddError::PromptExceedsBatch {
+                id: id(),
+                prompt_len: prompt.len(),
+                max_num_batched_tokens: c.max_num_batched_tokens,
+            });
+        }
+        // The last token is never computed, so it needs no KV. A request that cannot fit even
+        // alone would be preempted forever.
+        let max_len = Request::max_len(prompt.len(), params.max_tokens, c.max_model_len);
+        let n_blocks_needed = (max_len - 1).div_ceil(c.block_size);
+        let n_blocks_usable = self.kv.pool().n_usable();
+        if n_blocks_needed > n_blocks_usable {
+            return Err(AddError::TooLongForKvCache {
+                id: id(),
+                n_blocks_needed,
+                n_blocks_usable,
+            });
+        }
+        Ok(())
+    }
+
+    fn alloc_slot(&mut self) -> ReqIdx {
+        match self.free_slots.pop() {
+            Some(i) => ReqIdx(i),
+            None => {
+                self.requests.push(None);
+                ReqIdx(self.requests.len() as u32 - 1)
+            }
+        }
+    }
+
+    /// The live request at `idx`, if any.
+    pub fn request(&self, idx: ReqIdx) -> Option<&Request> {
+        self.requests.get(idx.0 as usize)?.as_ref()
+    }
+
+    /// The handle of a live request.
+    pub fn request_idx(&self, id: &str) -> Option<ReqIdx> {
+        self.ids.get(id).copied()
+    }
+
+    /// Plans the next step. Frozen: an empty plan. Paused with `NoAdmit`: running requests only.
+    pub fn schedule(&mut self) -> StepPlan {
+        let mut decisions = std::mem::take(&mut self.decisions);
+        decisions.clear();
+        if self.pause != PauseState::Frozen {
+            let budget = self.config.max_num_batched_tokens;
+            let (budget, n_preempted) = self.schedule_running(budget, &mut decisions);
+            // Admitting while preempting would only thrash: the blocks are not there.
+            if n_preempted == 0 && self.pause == PauseState::Unpaused {
+                self.schedule_waiting(budget, &mut decisions);
+            }
+        }
+        let plan = self.finish_plan(&decisions);
+        self.decisions = decisions;
+        plan
+    }
+
+    /// Phase 1: running requests in admission order, each getting its uncomputed tokens (one
+    /// for a decode) within the budget. Returns the budget left and the preemption count.
+    fn schedule_running(&mut self, mut budget: usize, out: &mut Vec<Decision>) -> (usize, usize) {
+        let mut n_preempted = 0;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let r = self.running[i];
+            let n_new = self.requests[r.0 as usize]
+                .as_ref()
+                .map_or(0, |req| req.n_uncomputed().min(budget));
+            if n_new == 0 {
+                i += 1;
+                continue;
+            }
+            let (allocated, n) = self.allocate_or_preempt(r, n_new);
+            n_preempted += n;
+            if !allocated {
+                break;
+            }
+            out.push(Decision { req: r, n_new });
+            budget -= n_new;
+            i += 1;
+        }
+        (budget, n_preempted)
+    }
+
+    /// Allocates `n_new` slots for running request `r`, preempting from the tail of the running
+    /// list (latest admitted first) until it fits; `r` itself may be the last victim. Victims
+    /// are always after `r` in the list, so none was scheduled earlier in this step.
+    fn allocate_or_preempt(&mut self, r: ReqIdx, n_new: usize) -> (bool, usize) {
+        let mut n_preempted = 0;
+        loop {
+            let Some(req) = self.requests[r.0 as usize].as_mut() else {
+                return (false, n_preempted);
+            };
+            if self.kv.allocate_slots(req, PrefixHit::default(), n_new, 0) {
+                return (true, n_preempted);
+            }
+            let Some(victim) = self.running.pop() else {
+                return (false, n_preempted);
+            };
+            self.preempt(victim);
+            n_preempted += 1;
+            if victim == r {
+                return (false, n_preempted);
+            }
+        }
+    }
+
+    /// Phase 2: waiting requests from the head of the queue (FCFS), while budget, seats and
+    /// blocks allow. Stops at the first request that does not fit, keeping the order.
+    fn schedule_waiting(&mut self, mut budget: usize, out: &mut Vec<Decision>) {
+        let block_size = self.config.block_size;
+        while budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(&r) = self.waiting.front() else {
+                break;
+            };
+            let Some(req) = self.requests[r.0 as usize].as_mut() else {
+                self.waiting.pop_front();
+                continue;
+            };
+            self.kv.rehash_if_stale(req, &self.hash_root);
+            let hit = self.kv.find_computed_blocks(req);
+            let n_hit_tokens = hit.n_blocks() * block_size;
+            let n_left = req.tokens.len() - req.n_computed - n_hit_tokens;
+            // A preempted request recomputes in chunks even with chunked prefill off: its
+            // prompt fit in one step, but prompt + output may not, and it must not block the
+            // queue forever.
+            let n_new = if self.config.enable_chunked_prefill || req.n_output_tokens() > 0 {
+                n_left.min(budget)
+            } else if n_left <= budget {
+                n_left
+            } else {
+                break;
+            };
+            if !self.kv.allocate_slots(req, hit, n_new, 0) {
+                break;
+            }
+            req.n_computed += n_hit_tokens;
+            req.n_prefix_hit_tokens = n_hit_tokens;
+            req.state = RequestState::Running;
+            self.prefix_hit_tokens += n_hit_tokens as u64;
+            self.prefix_query_tokens += req.tokens.len() as u64;
+            self.waiting.pop_front();
+            self.running.push(r);
+            out.push(Decision { req: r, n_new });
+            budget -= n_new;
+        }
+    }
+
+    /// Phase 3: the plan, in decision order (running first, then admissions). Advances each
+    /// request's computed count: the KV will be there once the executor has run the plan.
+    fn finish_plan(&mut self, decisions: &[Decision]) -> StepPlan {
+        let mut plan = std::mem::take(&mut self.spare);
+        plan.step = self.next_step;
+        plan.block_size = self.config.block_size;
+        self.next_step += 1;
+        plan.reqs.reserve(decisions.len());
+        let n_tokens = decisions.iter().map(|d| d.n_new).sum();
+        plan.token_ids.reserve(n_tokens);
+        let n_table: usize = decisions
+            .iter()
+            .filter_map(|d| self.request(d.req))
+            .map(|r| r.blocks.len())
+            .sum();
+        plan.block_tables.reserve(n_table);
+        for d in decisions {
+            let Some(req) = self.requests[d.req.0 as usize].as_mut() else {
+                continue;
+            };
+            let start_pos = req.n_computed;
+            let end_pos = start_pos + d.n_new;
+            let tokens = plan.token_ids.len()..plan.token_ids.len() + d.n_new;
+            plan.token_ids
+                .extend_from_slice(&req.tokens[start_pos..end_pos]);
+            let blocks = plan.block_tables.len()..plan.block_tables.len() + req.blocks.len();
+            plan.block_tables.extend_from_slice(&req.blocks);
+            let sample = (end_pos == req.tokens.len()).then(|| SampleSpec {
+                params: req.sampler,
+                output_idx: req.n_output_tokens() as u32,
+            });
+            req.n_computed = end_pos;
+            plan.reqs.push(ScheduledReq {
+                req: d.req,
+                start_pos,
+                tokens,
+                blocks,
+                sample,
+            });
+        }
+        plan
+    }
+
+    /// Hands a finished plan's buffers back, so the next `schedule()` does not allocate them
+    /// again (optional: a plan that is simply dropped costs a few allocations next step).
+    pub fn recycle_plan(&mut self, mut plan: StepPlan) {
+        plan.reqs.clear();
+        plan.token_ids.clear();
+        plan.block_tables.clear();
+        if plan.block_tables.capacity() >= self.spare.block_tables.capacity() {
+            self.spare = plan;
+        }
+    }
+
+    /// Feeds the executor's output for `plan` back: appends each sampled token, checks stop
+    /// conditions, and frees finished requests. Outputs come in plan order. Requests aborted
+    /// since the plan was made are skipped.
+    pub fn on_step_output(
+        &mut self,
+        plan: &StepPlan,
+        output: &ModelOutput,
+    ) -> Result<Vec<RequestOutput>, OutputError> {
+        self.validate_output(plan, output)?;
+        let mut outs = Vec::with_capacity(output.sampled.len());
+        let mut any_finished = false;
+        for s in &output.sampled {
+            let Some(out) = self.append_token(s) else {
+                continue;
+            };
+            any_finished |= out.finished.is_some();
+            outs.push(out);
+        }
+        if any_finished {
+            let requests = &self.requests;
+            self.running.retain(|r| requests[r.0 as usize].is_some());
+        }
+        Ok(outs)
+    }
+
+    fn validate_output(&self, plan: &StepPlan, output: &ModelOutput) -> Result<(), OutputError> {
+        let latest = self.next_step.wrapping_sub(1);
+        if plan.step != latest {
+            return Err(OutputError::StalePlan {
+                got: plan.step,
+                latest,
+            });
+        }
+        let mut expected = plan
+            .reqs
+            .iter()
+            .filter(|r| r.sample.is_some())
+            .map(|r| r.req);
+        for s in &output.sampled {
+            match expected.next() {
+                Some(e) if e == s.req => {}
+                Some(e) => {
+                    return Err(OutputError::WrongRequest {
+                        expected: e,
+                        got: s.req,
+                    })
+                }
+                None => return Err(OutputError::Unexpected { got: s.req }),
+            }
+        }
+        match expected.next() {
+            Some(missing) => Err(OutputError::Missing { missing }),
+            None => Ok(()),
+        }
+    }
+
+    /// Appends one sampled token to its request; finishes the request if a stop condition
+    /// holds (its slot is freed, but `running` is cleaned up by the caller, once per step).
+    fn append_token(&mut self, s: &SampledToken) -> Option<RequestOutput> {
+        let eos = &self.config.eos_token_ids;
+        let max_model_len = self.config.max_model_len;
+        let req = self.requests.get_mut(s.req.0 as usize)?.as_mut()?;
+        if req.state != RequestState::Running || req.n_computed != req.tokens.len() {
+            return None;
+        }
+        req.tokens.push(s.token);
+        self.kv.extend_hashes(req);
+        let reason = stop_reason(req, s.token, eos, max_model_len);
+        let mut out = RequestOutput {
+            req: s.req,
+            sampled: Some(s.clone()),
+            n_output_tokens: req.n_output_tokens(),
+            finished: None,
+        };
+        if let Some(reason) = reason {
+            out.finished = Some(self.release_request(s.req, reason));
+        }
+        Some(out)
+    }
+
+    /// Frees a request's blocks and slot; it must already be out of every queue (or be
+    /// removed by the caller).
+    fn release_request(&mut self, idx: ReqIdx, reason: FinishReason) -> Finished {
+        let mut req = self.requests[idx.0 as usize]
+            .take()
+            .expect("release_request on a live request");
+        let keep = req.hold_kv_on_finish && reason != FinishReason::Abort && !req.blocks.is_empty();
+        // Ownership moves from the request to the transfer: no reference count changes.
+        let transfer = keep.then(|| self.new_transfer(std::mem::take(&mut req.blocks)));
+        self.kv.free(&mut req);
+        self.ids.remove(&req.id);
+        self.free_slots.push(idx.0);
+        Finished {
+            request_id: req.id,
+            reason,
+            transfer,
+        }
+    }
+
+    /// Preempts a request by recompute: frees its blocks (tail first), forgets its computed
+    /// tokens (keeping the generated ones) and puts it at the head of the waiting queue.
+    fn preempt(&mut self, r: ReqIdx) {
+        let Some(req) = self.requests[r.0 as usize].as_mut() else {
+            return;
+        };
+        self.kv.free(req);
+        req.n_computed = 0;
+        let n_preemptions = match req.state {
+            RequestState::Preempted { n_preemptions } => n_preemptions,
+            _ => 0,
+        };
+        req.state = RequestState::Preempted {
+            n_preemptions: n_preemptions + 1,
+        };
+        self.waiting.push_front(r);
+        self.n_preemptions += 1;
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        let pool = self.kv.pool();
+        SchedulerStats {
+            n_steps: self.next_step,
+            n_running: self.running.len(),
+            n_waiting: self.waiting.len(),
+            n_blocks_used: pool.n_used(),
+            n_blocks_free: pool.n_free(),
+            n_blocks_cached: pool.n_cached(),
+            n_transfers: self.transfers.len(),
+            prefix_hit_tokens: self.prefix_hit_tokens,
+            prefix_query_tokens: self.prefix_query_tokens,
+            n_preemptions: self.n_preemptions,
+        }
+    }
+
+    /// Live requests, waiting and running.
+    pub fn n_live(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Accounts for every block: free, or held by named requests and transfers, agreeing with
+    /// the pool's reference counts and free queue.
+    pub fn check_ownership(&self) -> Result<(), OwnershipError> {
+        ownership::check(self.kv.pool(), self.owners())
+    }
+
+    /// Every block's status, for tests and debugging.
+    pub fn block_ledger(&self) -> Result<Vec<ownership::BlockStatus>, OwnershipError> {
+        ownership::ledger(self.kv.pool(), self.owners())
+    }
+
+    fn owners(&self) -> impl Iterator<Item = (Owner, &[BlockId])> {
+        let reqs = self
+            .requests
+            .iter()
+            .flatten()
+            .map(|r| (Owner::Request(r.idx), &r.blocks[..]));
+        let transfers = self
+            .transfers
+            .iter()
+            .map(|(&id, blocks)| (Owner::Transfer(id), &blocks[..]));
+        reqs.chain(transfers)
+    }
+
+    /// Checks that every live request is in exactly the queue its state says, once.
+    pub fn check_queues(&self) -> Result<(), QueueError> {
+        let mut n_waiting = vec![0usize; self.requests.len()];
+        let mut n_running = vec![0usize; self.requests.len()];
+        for (queue, list, counts) in [
+            (
+                "waiting",
+                self.waiting.iter().collect::<Vec<_>>(),
+                &mut n_waiting,
+            ),
+            ("running", self.running.iter().collect(), &mut n_running),
+        ] {
+            for &r in list {
+                if self.request(r).is_none() {
+                    return Err(QueueError::Dangling { queue, req: r });
+                }
+                counts[r.0 as usize] += 1;
+            }
+        }
+        if self.running.len() > self.config.max_num_seqs {
+            return Err(QueueError::TooManyRunning {
+                n_running: self.running.len(),
+                max: self.config.max_num_seqs,
+            });
+        }
+        for req in self.requests.iter().flatten() {
+            let i = req.idx.0 as usize;
+            let (queue, n_listed, want) = match req.state {
+                RequestState::Running => ("running", n_running[i], n_waiting[i] == 0),
+                RequestState::Waiting | RequestState::Preempted { .. } => {
+                    ("waiting", n_waiting[i], n_running[i] == 0)
+                }
+                _ => ("none", n_waiting[i] + n_running[i], true),
+            };
+            let expected = usize::from(queue != "none");
+            if n_listed != expected || !want {
+                return Err(QueueError::Misplaced {
+                    id: req.id.clone(),
+                    state: req.state.clone(),
+                    queue,
+                    n_listed,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The reason `req` stops after `token` was appended, if it does.
+fn stop_reason(
+    req: &Request,
+    token: TokenId,
+    eos: &[TokenId],
+    max_model_len: usize,
+) -> Option<FinishReason> {
+    if (!req.params.ignore_eos && eos.contains(&token))
+        || req.params.stop_token_ids.contains(&token)
+    {
+        Some(FinishReason::Stop)
+    } else if req.n_output_tokens() >= req.params.max_tokens as usize
+        || req.tokens.len() >= max_model_len
+    {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
+}

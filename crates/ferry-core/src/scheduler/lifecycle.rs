@@ -1,0 +1,166 @@
+//! Lifecycle hooks on the scheduler: pause state, aborts, preempting everything, prefix-cache
+//! reset, weight version, and transfer holds.
+//!
+//! These are the primitives the engine's lifecycle operations (pause, sleep, reset, weight
+//! update, P/D exports) are built from. Each is immediate; waiting for a state (idle, all
+//! transfers released) is the engine loop's job.
+
+use super::{RequestOutput, Scheduler};
+use crate::config::PauseState;
+use crate::hash::chain_root;
+use crate::ownership::TransferId;
+use crate::plan::{BlockId, ReqIdx};
+use crate::request::{FinishReason, RequestState};
+
+/// Why a transfer hold could not be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransferError {
+    #[error("no live request {0:?} to hold blocks of")]
+    UnknownRequest(ReqIdx),
+    #[error("request {id:?} holds no KV blocks to transfer")]
+    NoBlocks { id: String },
+}
+
+impl Scheduler {
+    pub fn pause_state(&self) -> PauseState {
+        self.pause
+    }
+
+    /// Sets how far compute is paused; takes effect at the next `schedule()`.
+    pub fn set_pause(&mut self, state: PauseState) {
+        self.pause = state;
+    }
+
+    /// Finishes a live request as aborted, freeing its blocks (transfers holding some of them
+    /// keep theirs). Unknown or finished ids are ignored (`None`).
+    pub fn abort(&mut self, id: &str) -> Option<RequestOutput> {
+        let idx = self.request_idx(id)?;
+        self.remove_from_queues(idx);
+        Some(self.aborted_output(idx))
+    }
+
+    /// Aborts every live request: running ones first, then waiting ones, each in queue order.
+    pub fn abort_all(&mut self) -> Vec<RequestOutput> {
+        let order: Vec<ReqIdx> = self
+            .running
+            .drain(..)
+            .chain(self.waiting.drain(..))
+            .collect();
+        order.into_iter().map(|r| self.aborted_output(r)).collect()
+    }
+
+    fn remove_from_queues(&mut self, idx: ReqIdx) {
+        match self.request(idx).map(|r| &r.state) {
+            Some(RequestState::Running) => self.running.retain(|&r| r != idx),
+            Some(RequestState::Waiting | RequestState::Preempted { .. }) => {
+                self.waiting.retain(|&r| r != idx)
+            }
+            _ => {}
+        }
+    }
+
+    fn aborted_output(&mut self, idx: ReqIdx) -> RequestOutput {
+        let n_output_tokens = self.request(idx).map_or(0, |r| r.n_output_tokens());
+        RequestOutput {
+            req: idx,
+            sampled: None,
+            n_output_tokens,
+            finished: Some(self.release_request(idx, FinishReason::Abort)),
+        }
+    }
+
+    /// Preempts every running request (they recompute later), keeping queue order: they go
+    /// back to the head of the waiting queue in admission order. Returns how many.
+    pub fn preempt_all_running(&mut self) -> usize {
+        let n = self.running.len();
+        // Latest-admitted first, each pushed to the head: the earliest ends up first.
+        while let Some(r) = self.running.pop() {
+            self.preempt(r);
+        }
+        n
+    }
+
+    /// Drops every cached block hash. Returns false, changing nothing, while any block is held
+    /// (by a running request or a transfer); never fails otherwise.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.kv.pool_mut().reset_cache()
+    }
+
+    /// Switches the weight version: every new hash chain is seeded by it, so KV computed under
+    /// the old weights can never be hit again (old entries age out of the cache). Requests
+    /// holding no KV rehash on admission; running ones keep their (old-rooted) chain, so blocks
+    /// they fill later are cached under the old version. Versions must therefore never be
+    /// reused for different weights.
+    pub fn set_weight_version(&mut self, version: impl Into<String>) {
+        self.config.weight_version = version.into();
+        self.hash_root = chain_root(&self.config.weight_version);
+    }
+
+    pub fn weight_version(&self) -> &str {
+        &self.config.weight_version
+    }
+
+    /// Holds a live request's blocks for a transfer (an export for a remote reader): the blocks
+    /// stay allocated after the request finishes or is preempted, until `release_transfer`.
+    /// Call it before the request's final output is fed back (its handle is freed then).
+    pub fn hold_blocks_for_transfer(&mut self, req: ReqIdx) -> Result<TransferId, TransferError> {
+        let r = self
+            .request(req)
+            .ok_or(TransferError::UnknownRequest(req))?;
+        if r.blocks.is_empty() {
+            return Err(TransferError::NoBlocks { id: r.id.clone() });
+        }
+        let blocks = r.blocks.clone();
+        for &b in &blocks {
+            self.kv.pool_mut().touch(b);
+        }
+        Ok(self.new_transfer(blocks))
+    }
+
+    /// Marks a live request so that when it finishes (other than by abort) its blocks go to a
+    /// new transfer hold instead of being freed; `Finished::transfer` names the hold. This is
+    /// the P side of a P/D export.
+    pub fn hold_kv_on_finish(&mut self, req: ReqIdx) -> Result<(), TransferError> {
+        let r = self
+            .requests
+            .get_mut(req.0 as usize)
+            .and_then(Option::as_mut)
+            .ok_or(TransferError::UnknownRequest(req))?;
+        r.hold_kv_on_finish = true;
+        Ok(())
+    }
+
+    /// Registers `blocks` (whose references the caller hands over) as a new transfer hold.
+    pub(super) fn new_transfer(&mut self, blocks: Vec<BlockId>) -> TransferId {
+        let id = TransferId(self.next_transfer);
+        self.next_transfer += 1;
+        self.transfers.insert(id, blocks);
+        id
+    }
+
+    /// Ends a transfer hold, freeing its blocks tail first. False if `id` is not held.
+    pub fn release_transfer(&mut self, id: TransferId) -> bool {
+        let Some(blocks) = self.transfers.remove(&id) else {
+            return false;
+        };
+        for &b in blocks.iter().rev() {
+            self.kv.pool_mut().release(b);
+        }
+        true
+    }
+
+    /// The blocks a transfer holds, in block-table order.
+    pub fn transfer_blocks(&self, id: TransferId) -> Option<&[BlockId]> {
+        self.transfers.get(&id).map(|b| &b[..])
+    }
+
+    /// Transfer holds, in id order.
+    pub fn transfer_ids(&self) -> impl Iterator<Item = TransferId> + '_ {
+        self.transfers.keys().copied()
+    }
+
+    /// Drops the given blocks from the prefix cache (their KV is bad, e.g. a failed load).
+    pub fn evict_blocks(&mut self, blocks: &[BlockId]) {
+        self.kv.evict_blocks(blocks);
+    }
+}

@@ -1,0 +1,421 @@
+//! Scheduler behaviour at its API: admission errors, stop conditions, aborts, output checks,
+//! prefix-cache isolation (weight version, salt), cache reset and transfer holds.
+
+mod common;
+
+use common::{fake_token, prompt, small_config, Harness};
+use ferry_core::{
+    AddError, BlockStatus, FinishReason, ModelOutput, OutputError, Owner, SampledToken,
+    SamplingParams, Scheduler, SchedulerConfig, TransferError,
+};
+
+#[test]
+fn bad_requests_are_rejected_with_their_reason() {
+    let mut s = Scheduler::new(SchedulerConfig {
+        max_model_len: 64,
+        n_blocks: 4, // 3 usable blocks of 16 tokens
+        ..small_config()
+    })
+    .unwrap();
+    let g = SamplingParams::greedy;
+    assert_eq!(
+        s.add_request("e", vec![], g(1)),
+        Err(AddError::EmptyPrompt { id: "e".into() })
+    );
+    assert_eq!(
+        s.add_request("l", prompt(1, 64), g(1)),
+        Err(AddError::PromptTooLong {
+            id: "l".into(),
+            prompt_len: 64,
+            max_model_len: 64
+        })
+    );
+    assert_eq!(
+        s.add_request("z", prompt(1, 3), g(0)),
+        Err(AddError::ZeroMaxTokens { id: "z".into() })
+    );
+    assert_eq!(
+        s.add_request("k", prompt(1, 40), g(20)),
+        Err(AddError::TooLongForKvCache {
+            id: "k".into(),
+            n_blocks_needed: 4,
+            n_blocks_usable: 3
+        })
+    );
+    // 40 + 9 tokens: the 49th is never computed, so 3 blocks are enough.
+    s.add_request("ok", prompt(1, 40), g(9)).unwrap();
+    assert_eq!(
+        s.add_request("ok", prompt(2, 3), g(1)),
+        Err(AddError::DuplicateId { id: "ok".into() })
+    );
+    let mut no_chunk = Scheduler::new(SchedulerConfig {
+        enable_chunked_prefill: false,
+        max_num_batched_tokens: 32,
+        ..small_config()
+    })
+    .unwrap();
+    assert!(matches!(
+        no_chunk.add_request("c", prompt(1, 33), g(1)),
+        Err(AddError::PromptExceedsBatch { prompt_len: 33, .. })
+    ));
+}
+
+/// Runs one request alone with a scripted model and returns its tokens and finish reason.
+fn run_scripted(
+    config: SchedulerConfig,
+    params: SamplingParams,
+    script: &[u32],
+) -> (Vec<u32>, FinishReason) {
+    let mut s = Scheduler::new(config).unwrap();
+    let idx = s.add_request("r", prompt(1, 5), params).unwrap();
+    let mut tokens = Vec::new();
+    for &t in script {
+        let plan = s.schedule();
+        let out = ModelOutput {
+            sampled: vec![SampledToken {
+                req: idx,
+                token: t,
+                logprob: 0.0,
+                top_logprobs: vec![],
+            }],
+        };
+        let outs = s.on_step_output(&plan, &out).unwrap();
+        tokens.push(outs[0].sampled.as_ref().unwrap().token);
+        if let Some(f) = &outs[0].finished {
+            s.check_ownership().unwrap();
+            assert_eq!(s.stats().n_blocks_used, 0);
+            return (tokens, f.reason);
+        }
+    }
+    panic!("script ran out before the request finished: {tokens:?}");
+}
+
+#[test]
+fn stop_conditions() {
+    let c = small_config(); // EOS is 2
+    let p = |max_tokens, ignore_eos, stop: Vec<u32>| SamplingParams {
+        max_tokens,
+        ignore_eos,
+        stop_token_ids: stop,
+        ..SamplingParams::default()
+    };
+    let script = [5, 2, 9, 4, 8, 8, 8];
+    assert_eq!(
+        run_scripted(c.clone(), p(10, false, vec![]), &script),
+        (vec![5, 2], FinishReason::Stop)
+    );
+    assert_eq!(
+        run_scripted(c.clone(), p(10, true, vec![4]), &script),
+        (vec![5, 2, 9, 4], FinishReason::Stop)
+    );
+    assert_eq!(
+        run_scripted(c.clone(), p(3, true, vec![]), &script),
+        (vec![5, 2, 9], FinishReason::Length)
+    );
+    let short = SchedulerConfig {
+        max_model_len: 8,
+        ..c
+    };
+    assert_eq!(
+        run_scripted(short, p(10, true, vec![]), &script),
+        (vec![5, 2, 9], FinishReason::Length)
+    );
+}
+
+#[test]
+fn abort_frees_blocks_and_ignores_unknown_ids() {
+    let mut h = Harness::new(small_config());
+    h.add("A", prompt(1, 40), SamplingParams::greedy(10));
+    h.add("B", prompt(2, 40), SamplingParams::greedy(10));
+    h.step();
+    let out = h.sched.abort("A").unwrap();
+    let f = out.finished.unwrap();
+    assert_eq!(
+        (f.request_id.as_str(), f.reason, out.n_output_tokens),
+        ("A", FinishReason::Abort, 1)
+    );
+    assert!(h.sched.abort("A").is_none());
+    assert!(h.sched.abort("nope").is_none());
+    h.check();
+    h.add("C", prompt(3, 40), SamplingParams::greedy(10));
+    let all = h.sched.abort_all();
+    let ids: Vec<_> = all
+        .iter()
+        .map(|o| o.finished.as_ref().unwrap().request_id.clone())
+        .collect();
+    assert_eq!(ids, ["B", "C"]);
+    h.check();
+    assert_eq!((h.sched.n_live(), h.sched.stats().n_blocks_used), (0, 0));
+}
+
+#[test]
+fn output_must_answer_the_latest_plan() {
+    let mut h = Harness::new(small_config());
+    h.add("A", prompt(1, 10), SamplingParams::greedy(5));
+    h.add("B", prompt(2, 10), SamplingParams::greedy(5));
+    let plan = h.sched.schedule();
+    let good = h.run_model(&plan);
+    let (a, b) = (good.sampled[0].clone(), good.sampled[1].clone());
+    let err = |sampled: Vec<SampledToken>| {
+        let mut s2 = Harness::new(small_config());
+        s2.add("A", prompt(1, 10), SamplingParams::greedy(5));
+        s2.add("B", prompt(2, 10), SamplingParams::greedy(5));
+        let plan = s2.sched.schedule();
+        s2.sched
+            .on_step_output(&plan, &ModelOutput { sampled })
+            .unwrap_err()
+    };
+    assert_eq!(
+        err(vec![a.clone()]),
+        OutputError::Missing { missing: b.req }
+    );
+    assert_eq!(
+        err(vec![b.clone(), a.clone()]),
+        OutputError::WrongRequest {
+            expected: a.req,
+            got: b.req
+        }
+    );
+    assert_eq!(
+        err(vec![a.clone(), b.clone(), a.clone()]),
+        OutputError::Unexpected { got: a.req }
+    );
+    let _next = h.sched.schedule();
+    assert_eq!(
+        h.sched.on_step_output(&plan, &good),
+        Err(OutputError::StalePlan { got: 0, latest: 1 })
+    );
+}
+
+/// Runs A to completion, then B with the same prompt; returns B's prefix-hit tokens.
+fn second_request_hit(
+    change: impl FnOnce(&mut Harness),
+    salt_a: Option<&str>,
+    salt_b: Option<&str>,
+) -> usize {
+    let mut h = Harness::new(small_config());
+    let p = prompt(1, 40);
+    let with_salt = |s: Option<&str>| SamplingParams {
+        cache_salt: s.map(str::to_owned),
+        ..SamplingParams::greedy(1)
+    };
+    h.add("A", p.clone(), with_salt(salt_a));
+    h.drain(10);
+    change(&mut h);
+    h.add("B", p, with_salt(salt_b));
+    h.step();
+    let hit = h.sched.stats().prefix_hit_tokens as usize;
+    h.drain(10);
+    hit
+}
+
+#[test]
+fn same_weights_hit_and_a_new_weight_version_never_does() {
+    assert_eq!(second_request_hit(|_| {}, None, None), 32);
+    assert_eq!(
+        second_request_hit(|h| h.sched.set_weight_version("1"), None, None),
+        0
+    );
+    // Switching back finds the old chain again: the hash depends on the version, nothing else.
+    assert_eq!(
+        second_request_hit(
+            |h| {
+                h.sched.set_weight_version("1");
+                h.sched.set_weight_version("0");
+            },
+            None,
+            None
+        ),
+        32
+    );
+}
+
+#[test]
+fn cache_salt_isolates_tenants() {
+    assert_eq!(second_request_hit(|_| {}, Some("t1"), Some("t1")), 32);
+    assert_eq!(second_request_hit(|_| {}, Some("t1"), Some("t2")), 0);
+    assert_eq!(second_request_hit(|_| {}, None, Some("t1")), 0);
+}
+
+#[test]
+fn reset_prefix_cache_drops_hits_once_nothing_is_held() {
+    assert_eq!(
+        second_request_hit(|h| assert!(h.sched.reset_prefix_cache()), None, None),
+        0
+    );
+    let mut h = Harness::new(small_config());
+    h.add("A", prompt(1, 40), SamplingParams::greedy(3));
+    h.step();
+    assert!(!h.sched.reset_prefix_cache(), "A still holds blocks");
+    assert!(h.sched.stats().n_blocks_cached > 0);
+}
+
+#[test]
+fn weight_version_change_while_waiting_rehashes_on_admission() {
+    let mut h = Harness::new(small_config());
+    h.add("A", prompt(1, 40), SamplingParams::greedy(1));
+    h.drain(10);
+    h.add("B", prompt(1, 40), SamplingParams::greedy(1)); // hashed under "0" at add
+    h.sched.set_weight_version("1");
+    h.step();
+    assert_eq!(h.sched.stats().prefix_hit_tokens, 0);
+    h.add("C", prompt(1, 40), SamplingParams::greedy(1));
+    h.step();
+    assert_eq!(
+        h.sched.stats().prefix_hit_tokens,
+        32,
+        "C hits B's blocks, cached under \"1\""
+    );
+}
+
+#[test]
+fn transfer_hold_outlives_the_request_and_blocks_reset() {
+    let mut h = Harness::new(small_config());
+    h.add("P", prompt(1, 40), SamplingParams::greedy(1));
+    let plan = h.sched.schedule();
+    let idx = plan.reqs[0].req;
+    // P/D export: hold the prompt's KV before the final output frees the request.
+    let t = h.sched.hold_blocks_for_transfer(idx).unwrap();
+    let out = h.run_model(&plan);
+    let outs = h.sched.on_step_output(&plan, &out).unwrap();
+    h.record(&outs);
+    h.check();
+    assert_eq!(h.finished["P"].0, FinishReason::Length);
+    assert_eq!(h.sched.transfer_blocks(t), Some(&[1, 2, 3][..]));
+    let ledger = h.sched.block_ledger().unwrap();
+    assert_eq!(ledger[1], BlockStatus::Held(vec![Owner::Transfer(t)]));
+    assert_eq!(ledger[4], BlockStatus::Free { cached: false });
+    assert!(
+        !h.sched.reset_prefix_cache(),
+        "the export still holds blocks"
+    );
+    assert!(h.sched.release_transfer(t));
+    assert!(!h.sched.release_transfer(t));
+    h.check();
+    assert!(h.sched.reset_prefix_cache());
+    assert_eq!(
+        h.sched.hold_blocks_for_transfer(idx),
+        Err(TransferError::UnknownRequest(idx))
+    );
+}
+
+#[test]
+fn waiting_request_has_no_blocks_to_hold() {
+    let mut h = Harness::new(small_config());
+    h.add("W", prompt(1, 4), SamplingParams::greedy(1));
+    let idx = h.sched.request_idx("W").unwrap();
+    assert_eq!(
+        h.sched.hold_blocks_for_transfer(idx),
+        Err(TransferError::NoBlocks { id: "W".into() })
+    );
+}
+
+#[test]
+fn many_requests_drain_with_exact_outputs() {
+    let mut h = Harness::new(SchedulerConfig {
+        n_blocks: 20,
+        ..small_config()
+    });
+    for i in 0..12u32 {
+        h.add(
+            &format!("r{i}"),
+            prompt(i % 3, 10 + 9 * i as usize),
+            SamplingParams::greedy(3 + i),
+        );
+    }
+    h.drain(500);
+    for i in 0..12u32 {
+        let id = format!("r{i}");
+        let want: Vec<u32> = (0..3 + i).map(|k| fake_token(&id, k, h.vocab)).collect();
+        assert_eq!(h.generated[&id], want, "{id}");
+        assert_eq!(h.finished[&id], (FinishReason::Length, 1));
+    }
+    let s = h.sched.stats();
+    assert!(
+        s.n_preemptions > 0,
+        "20 blocks were meant to force preemption"
+    );
+    assert_eq!((s.n_blocks_used, s.n_running, s.n_waiting), (0, 0, 0));
+}
+
+#[test]
+fn lru_evicts_a_freed_chain_tail_first() {
+    let mut h = Harness::new(SchedulerConfig {
+        n_blocks: 7, // 6 usable blocks of 16 tokens
+        ..small_config()
+    });
+    let a = prompt(1, 48);
+    h.add("A", a.clone(), SamplingParams::greedy(1));
+    h.drain(5); // A held blocks 1,2,3, freed tail first: the queue is 4,5,6,3,2,1
+    h.add("B", prompt(2, 50), SamplingParams::greedy(1)); // needs 4 blocks
+    let plan = h.step();
+    assert_eq!(plan.block_tables, [4, 5, 6, 3]);
+    h.add("C", a, SamplingParams::greedy(1));
+    h.step();
+    assert_eq!(
+        h.sched.stats().prefix_hit_tokens,
+        32,
+        "A's head blocks 1 and 2 survived; only its tail block 3 was evicted"
+    );
+}
+
+#[test]
+fn same_inputs_give_the_same_plans() {
+    let run = || {
+        let mut h = Harness::new(SchedulerConfig {
+            n_blocks: 24,
+            ..small_config()
+        });
+        for i in 0..10u32 {
+            h.add(
+                &format!("q{i}"),
+                prompt(i % 2, 17 + 13 * i as usize),
+                SamplingParams::greedy(2 + i),
+            );
+        }
+        let mut plans = Vec::new();
+        while h.sched.n_live() > 0 && plans.len() < 500 {
+            plans.push(h.step());
+        }
+        plans
+    };
+    let first = run();
+    assert!(first.len() > 10);
+    assert_eq!(first, run());
+}
+
+#[test]
+fn hold_kv_on_finish_hands_blocks_to_a_transfer() {
+    let mut h = Harness::new(small_config());
+    h.add("P", prompt(1, 40), SamplingParams::greedy(2));
+    h.add("X", prompt(2, 20), SamplingParams::greedy(5));
+    for id in ["P", "X"] {
+        let idx = h.sched.request_idx(id).unwrap();
+        h.sched.hold_kv_on_finish(idx).unwrap();
+    }
+    let mut transfer = None;
+    for _ in 0..3 {
+        let plan = h.sched.schedule();
+        let out = h.run_model(&plan);
+        for o in h.sched.on_step_output(&plan, &out).unwrap() {
+            if let Some(f) = &o.finished {
+                assert_eq!(f.request_id, "P");
+                transfer = f.transfer;
+            }
+        }
+        h.check();
+    }
+    let t = transfer.expect("P finished with its KV held");
+    assert_eq!(h.sched.transfer_blocks(t), Some(&[1, 2, 3][..]));
+    assert_eq!(
+        h.sched.block_ledger().unwrap()[2],
+        BlockStatus::Held(vec![Owner::Transfer(t)])
+    );
+    // An aborted request exports nothing.
+    let aborted = h.sched.abort("X").unwrap().finished.unwrap();
+    assert_eq!(aborted.transfer, None);
+    assert_eq!(h.sched.stats().n_blocks_used, 3);
+    assert!(h.sched.release_transfer(t));
+    h.check();
+    assert_eq!(h.sched.stats().n_blocks_used, 0);
+}

@@ -1,0 +1,464 @@
+//! Tests of the sampler: greedy, filters, seeded reproducibility, empirical frequencies
+//! against softmax, and logprobs against a naive f64 reference.
+
+use super::*;
+
+fn spec(temperature: f32) -> SampleSpec {
+    SampleSpec {
+        params: SamplerSpec {
+            temperature,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: None,
+            logprobs: None,
+        },
+        output_idx: 0,
+    }
+}
+
+fn seeded(temperature: f32, seed: u64, output_idx: u32) -> SampleSpec {
+    let mut s = spec(temperature);
+    s.params.seed = Some(seed);
+    s.output_idx = output_idx;
+    s
+}
+
+/// Deterministic pseudo-random logits in `[-scale, scale)`.
+fn random_logits(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| (unit_f64(&mut rng) as f32 * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+fn token(logits: &[f32], s: &SampleSpec, scratch: &mut SamplerScratch) -> u32 {
+    sample(logits, s, ReqIdx(0), scratch).token
+}
+
+/// Plain f64 softmax of `logits / t`, the reference for frequencies and logprobs.
+fn softmax(logits: &[f32], t: f64) -> Vec<f64> {
+    let exps: Vec<f64> = logits.iter().map(|&l| (f64::from(l) / t).exp()).collect();
+    let sum: f64 = exps.iter().sum();
+    exps.iter().map(|e| e / sum).collect()
+}
+
+/// Pearson's chi-square statistic of observed counts against expected probabilities.
+fn chi_square(counts: &[u32], probs: &[f64]) -> f64 {
+    let n: f64 = counts.iter().map(|&c| f64::from(c)).sum();
+    counts
+        .iter()
+        .zip(probs)
+        .filter(|(_, &p)| p > 0.0)
+        .map(|(&c, &p)| (f64::from(c) - n * p).powi(2) / (n * p))
+        .sum()
+}
+
+#[test]
+fn greedy_is_argmax_with_ties_to_lowest_id() {
+    let mut scratch = SamplerScratch::with_seed(0);
+    assert_eq!(token(&[1.0, 3.0, 3.0, 2.0], &spec(0.0), &mut scratch), 1);
+    assert_eq!(token(&[-0.0, 0.0, -1.0], &spec(0.0), &mut scratch), 0);
+    for seed in 0..20 {
+        let logits = random_logits(seed, 1000, 5.0);
+        let naive = (0..logits.len())
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))
+            .unwrap() as u32;
+        assert_eq!(token(&logits, &spec(0.0), &mut scratch), naive);
+        assert_eq!(token(&logits, &spec(-1.0), &mut scratch), naive);
+        assert_eq!(token(&logits, &spec(f32::NAN), &mut scratch), naive);
+    }
+}
+
+#[test]
+fn top_k_one_equals_greedy() {
+    let mut scratch = SamplerScratch::with_seed(1);
+    for seed in 0..50 {
+        let mut logits = random_logits(seed, 300, 1.0);
+        // A tie for the best logit: top-1 must keep the lower id, like greedy.
+        logits[250] = 2.0;
+        logits[(seed as usize * 7) % 250] = 2.0;
+        let greedy = token(&logits, &spec(0.0), &mut scratch);
+        let mut s = seeded(1.5, seed, 3);
+        s.params.top_k = 1;
+        assert_eq!(token(&logits, &s, &mut scratch), greedy);
+    }
+}
+
+#[test]
+fn seeded_draws_depend_only_on_seed_and_output_idx() {
+    let logits = random_logits(9, 1000, 0.5);
+    let draws = |scratch: &mut SamplerScratch, seed: u64| -> Vec<u32> {
+        (0..32)
+            .map(|i| token(&logits, &seeded(1.0, seed, i), scratch))
+            .collect()
+    };
+    let mut a = SamplerScratch::with_seed(1);
+    let mut b = SamplerScratch::default();
+    let first = draws(&mut a, 42);
+    // Unrelated unseeded draws in between (other requests of a batch) change nothing.
+    for _ in 0..5 {
+        token(&logits, &spec(1.0), &mut b);
+    }
+    assert_eq!(draws(&mut b, 42), first);
+    // One output index alone, out of order, gives the same token.
+    assert_eq!(token(&logits, &seeded(1.0, 42, 17), &mut a), first[17]);
+    // The draws vary along the sequence and between seeds.
+    assert!(first.iter().any(|&t| t != first[0]));
+    assert_ne!(draws(&mut a, 43), first);
+}
+
+#[test]
+fn unseeded_draws_follow_the_engine_rng() {
+    let logits = random_logits(3, 1000, 0.5);
+    let run = |engine_seed| {
+        let mut scratch = SamplerScratch::with_seed(engine_seed);
+        (0..16)
+            .map(|_| token(&logits, &spec(1.0), &mut scratch))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(5), run(5));
+    assert_ne!(run(5), run(6));
+}
+
+/// 20,000 seeded draws over 8 tokens; the chi-square statistic against softmax(l / T) must
+/// stay under 24.32, the 0.1% critical value for 7 degrees of freedom. The seeds are fixed, so
+/// the test is deterministic; a sampler off by a few percent on any token fails it.
+#[test]
+fn temperature_frequencies_match_softmax() {
+    let logits = [0.0, 0.5, 1.0, 1.5, -1.0, 2.0, 0.2, -0.5];
+    let mut scratch = SamplerScratch::with_seed(0);
+    for t in [0.7f32, 1.0, 2.5] {
+        let mut counts = [0u32; 8];
+        for i in 0..20_000 {
+            counts[token(&logits, &seeded(t, 1234, i), &mut scratch) as usize] += 1;
+        }
+        let chi2 = chi_square(&counts, &softmax(&logits, f64::from(t)));
+        assert!(chi2 < 24.32, "T={t}: chi2 {chi2}, counts {counts:?}");
+    }
+}
+
+#[test]
+fn top_k_frequencies_match_the_renormalized_top_tokens() {
+    let logits = [0.0, 0.5, 1.0, 1.5, -1.0, 2.0, 0.2, -0.5];
+    let mut scratch = SamplerScratch::with_seed(0);
+    let mut counts = [0u32; 8];
+    for _ in 0..20_000 {
+        let mut s = spec(1.0);
+        s.params.top_k = 3;
+        counts[token(&logits, &s, &mut scratch) as usize] += 1;
+    }
+    // Top 3: tokens 5, 3, 2; the others must never be drawn.
+    let kept = [2usize, 3, 5];
+    for (i, &c) in counts.iter().enumerate() {
+        assert_eq!(c == 0, !kept.contains(&i), "counts {counts:?}");
+    }
+    let top: Vec<f32> = kept.iter().map(|&i| logits[i]).collect();
+    let kept_counts: Vec<u32> = kept.iter().map(|&i| counts[i]).collect();
+    // 2 degrees of freedom: 13.82 at 0.1%.
+    let chi2 = chi_square(&kept_counts, &softmax(&top, 1.0));
+    assert!(chi2 < 13.82, "chi2 {chi2}, counts {counts:?}");
+}
+
+/// The nucleus by a full sort: the smallest best-first prefix whose probability reaches `p`.
+fn naive_nucleus(logits: &[f32], t: f64, p: f64) -> Vec<u32> {
+    let probs = softmax(logits, t);
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    order.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
+    let mut mass = 0.0;
+    let n = order
+        .iter()
+        .position(|&i| {
+            mass += probs[i as usize];
+            mass >= p - 1e-9
+        })
+        .unwrap_or(order.len() - 1);
+    order.truncate(n + 1);
+    order
+}
+
+#[test]
+fn top_p_never_picks_outside_the_nucleus() {
+    // Probabilities 1/2, 1/4, 1/8, ...: p = 0.7 keeps exactly tokens 0 and 1.
+    let halving: Vec<f32> = (0..10)
+        .map(|i| -(i as f32) * std::f32::consts::LN_2)
+        .collect();
+    let mut scratch = SamplerScratch::with_seed(2);
+    let mut seen = [false; 10];
+    for i in 0..2000 {
+        let mut s = seeded(1.0, 77, i);
+        s.params.top_p = 0.7;
+        let t = token(&halving, &s, &mut scratch) as usize;
+        assert!(t < 2, "token {t} is outside the nucleus");
+        seen[t] = true;
+    }
+    assert!(seen[0] && seen[1]);
+
+    for seed in 0..10 {
+        let logits = random_logits(seed, 2000, 3.0);
+        for (p, t) in [(0.5f32, 1.0f32), (0.9, 0.8), (0.95, 2.0)] {
+            let nucleus = naive_nucleus(&logits, f64::from(t), f64::from(p));
+            for i in 0..50 {
+                let mut s = seeded(t, seed, i);
+                s.params.top_p = p;
+                let tok = token(&logits, &s, &mut scratch);
+                assert!(nucleus.contains(&tok), "p={p} T={t}: token {tok} outside");
+            }
+        }
+    }
+}
+
+/// The weighted quickselect finds the same nucleus as a full sort, also when the nucleus is
+/// thousands of tokens long (many halving rounds).
+#[test]
+fn nucleus_len_matches_a_full_sort_on_a_large_vocab() {
+    let mut scratch = SamplerScratch::with_seed(0);
+    for (seed, scale, p) in [
+        (1u64, 0.5f32, 0.9f32),
+        (2, 8.0, 0.9),
+        (3, 2.0, 0.3),
+        (4, 0.1, 0.99),
+    ] {
+        let logits = random_logits(seed, 49_152, scale);
+        let row = RowStats::new(&logits);
+        fill_probs(&logits, &row, 1.0, &mut scratch.buf);
+        let mut keys = Vec::new();
+        row.fill_keys(&logits, &mut keys);
+        let n = nucleus_len(&mut keys, &scratch.buf, f64::from(p));
+        keys[..n].sort_unstable();
+        let idx: Vec<u32> = keys[..n].iter().map(|&k| token_of(k) as u32).collect();
+        let naive = naive_nucleus(&logits, 1.0, f64::from(p));
+        // f32 probabilities may move the boundary by a token.
+        assert!(n.abs_diff(naive.len()) <= 1, "n {n}, naive {}", naive.len());
+        let common = n.min(naive.len());
+        assert_eq!(&idx[..common], &naive[..common]);
+    }
+}
+
+#[test]
+fn min_p_never_picks_below_the_threshold() {
+    // Probabilities 1/2, 1/4, 1/8, ...: min_p = 0.3 keeps tokens with p >= 0.15 (0 and 1).
+    let halving: Vec<f32> = (0..10)
+        .map(|i| -(i as f32) * std::f32::consts::LN_2)
+        .collect();
+    let mut scratch = SamplerScratch::with_seed(2);
+    let mut seen = [false; 10];
+    for i in 0..2000 {
+        let mut s = seeded(1.0, 5, i);
+        s.params.min_p = 0.3;
+        let t = token(&halving, &s, &mut scratch) as usize;
+        assert!(t < 2, "token {t} is below min_p");
+        seen[t] = true;
+    }
+    assert!(seen[0] && seen[1]);
+    // min_p above 1 still keeps the top token.
+    let mut s = seeded(1.0, 5, 0);
+    s.params.min_p = 3.0;
+    assert_eq!(token(&halving, &s, &mut scratch), 0);
+}
+
+#[test]
+fn filters_combine() {
+    // Unnormalized masses 1, 1/2, 1/4, ...: top_k 5 keeps 0..5 (mass 1.9375), top_p 0.95
+    // then keeps 0..4 (1.875 >= 0.95 * 1.9375), min_p 0.2 then keeps 0..3 (p >= 0.2 of the
+    // top): only tokens 0, 1, 2 can appear.
+    let halving: Vec<f32> = (0..10)
+        .map(|i| -(i as f32) * std::f32::consts::LN_2)
+        .collect();
+    let mut scratch = SamplerScratch::with_seed(3);
+    let mut seen = [false; 10];
+    for i in 0..3000 {
+        let mut s = seeded(1.0, 8, i);
+        s.params.top_k = 5;
+        s.params.top_p = 0.95;
+        s.params.min_p = 0.2;
+        seen[token(&halving, &s, &mut scratch) as usize] = true;
+    }
+    assert_eq!(&seen[..4], &[true, true, true, false]);
+    assert!(seen[4..].iter().all(|&s| !s));
+}
+
+#[test]
+fn logprobs_match_a_naive_reference_and_sum_to_one() {
+    let logits = random_logits(11, 500, 6.0);
+    let reference: Vec<f64> = softmax(&logits, 1.0).iter().map(|p| p.ln()).collect();
+    let mut scratch = SamplerScratch::with_seed(4);
+    for t in [0.0f32, 0.5, 1.0] {
+        let mut s = seeded(t, 3, 0);
+        s.params.logprobs = Some(500);
+        let out = sample(&logits, &s, ReqIdx(7), &mut scratch);
+        assert_eq!(out.req, ReqIdx(7));
+        // Raw logprobs: the temperature does not change them.
+        let want = reference[out.token as usize];
+        assert!((f64::from(out.logprob) - want).abs() < 1e-5);
+        assert_eq!(out.top_logprobs.len(), 500);
+        let sum: f64 = out
+            .top_logprobs
+            .iter()
+            .map(|&(_, lp)| f64::from(lp).exp())
+            .sum();
+        assert!((sum - 1.0).abs() < 1e-5, "sum {sum}");
+        for w in out.top_logprobs.windows(2) {
+            assert!(w[0].1 >= w[1].1, "not best first: {w:?}");
+        }
+        for &(tok, lp) in &out.top_logprobs {
+            assert!((f64::from(lp) - reference[tok as usize]).abs() < 1e-5);
+        }
+    }
+}
+
+#[test]
+fn top_logprobs_are_the_n_best_in_order() {
+    let logits = [0.5, 3.0, -1.0, 3.0, 2.0, f32::NAN];
+    let mut s = spec(0.0);
+    s.params.logprobs = Some(3);
+    let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
+    let ids: Vec<u32> = out.top_logprobs.iter().map(|&(t, _)| t).collect();
+    assert_eq!(ids, [1, 3, 4]);
+    assert_eq!(out.top_logprobs[0].1, out.logprob);
+    s.params.logprobs = Some(0);
+    let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
+    assert!(out.top_logprobs.is_empty());
+    s.params.logprobs = Some(100);
+    let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
+    assert_eq!(out.top_logprobs.len(), 6);
+    assert_eq!(out.top_logprobs[5], (5, f32::NEG_INFINITY));
+}
+
+#[test]
+fn bad_numbers_never_panic() {
+    let mut scratch = SamplerScratch::with_seed(0);
+    let nan_row = [f32::NAN, 1.0, f32::NAN, 0.5];
+    for i in 0..200 {
+        let t = token(&nan_row, &seeded(1.0, 1, i), &mut scratch);
+        assert!(t == 1 || t == 3, "NaN logit {t} was drawn");
+    }
+    // No finite logit: uniform.
+    let mut s = seeded(1.0, 1, 0);
+    s.params.logprobs = Some(1);
+    let out = sample(
+        &[f32::NAN, f32::NEG_INFINITY, f32::NAN],
+        &s,
+        ReqIdx(0),
+        &mut scratch,
+    );
+    assert!((out.logprob - (-(3f32).ln())).abs() < 1e-6);
+    // +inf dominates.
+    let inf_row = [1.0, f32::INFINITY, 2.0];
+    for i in 0..50 {
+        assert_eq!(token(&inf_row, &seeded(1.0, 2, i), &mut scratch), 1);
+    }
+    assert_eq!(token(&[], &spec(1.0), &mut scratch), 0);
+    let mut s = seeded(f32::INFINITY, 1, 0);
+    s.params.top_p = f32::NAN;
+    s.params.min_p = f32::NAN;
+    assert!(token(&[0.0, 1.0], &s, &mut scratch) < 2);
+}
+
+#[test]
+fn steady_state_sampling_reuses_its_buffers() {
+    let logits = random_logits(1, 4096, 2.0);
+    let mut scratch = SamplerScratch::with_seed(0);
+    let mut s = seeded(0.8, 1, 0);
+    s.params.top_k = 100;
+    s.params.top_p = 0.9;
+    s.params.logprobs = Some(5);
+    sample(&logits, &s, ReqIdx(0), &mut scratch);
+    let (buf, idx) = (scratch.buf.as_ptr(), scratch.keys.as_ptr());
+    for i in 1..20 {
+        s.output_idx = i;
+        sample(&logits, &s, ReqIdx(0), &mut scratch);
+    }
+    assert_eq!(scratch.buf.as_ptr(), buf);
+    assert_eq!(scratch.keys.as_ptr(), idx);
+}
+
+#[test]
+fn order_keys_sort_best_first() {
+    let row = RowStats::new(&[0.0]);
+    let logits = [
+        -1.0,
+        2.5,
+        f32::NEG_INFINITY,
+        -0.0,
+        0.0,
+        2.5,
+        f32::MAX,
+        -3.0e-39,
+        1.0e-39,
+    ];
+    let mut keys = Vec::new();
+    row.fill_keys(&logits, &mut keys);
+    keys.sort_unstable();
+    let order: Vec<usize> = keys.iter().map(|&k| token_of(k)).collect();
+    assert_eq!(order, [6, 1, 5, 8, 3, 4, 7, 0, 2]);
+}
+
+/// The tokens a naive f64 implementation allows after top-k, top-p and min-p, with the top-p
+/// and min-p thresholds loosened by `slack` so f32 rounding at a boundary cannot flake.
+fn naive_allowed(logits: &[f32], p: &SamplerSpec, slack: f64) -> Vec<u32> {
+    let t = f64::from(p.temperature);
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let probs: Vec<f64> = logits
+        .iter()
+        .map(|&l| ((f64::from(l) - f64::from(max)) / t).exp())
+        .collect();
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    order.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
+    if p.top_k > 0 {
+        order.truncate(p.top_k as usize);
+    }
+    if p.top_p < 1.0 {
+        let total: f64 = order.iter().map(|&i| probs[i as usize]).sum();
+        let target = (f64::from(p.top_p) + slack).min(1.0) * total;
+        let mut mass = 0.0;
+        let n = order
+            .iter()
+            .position(|&i| {
+                mass += probs[i as usize];
+                mass >= target
+            })
+            .map_or(order.len(), |j| j + 1);
+        order.truncate(n);
+    }
+    let min_p = f64::from(p.min_p.min(1.0)) - slack;
+    order.retain(|&i| probs[i as usize] >= min_p);
+    order
+}
+
+proptest::proptest! {
+    /// Whatever the parameters, the sampled token is one the filters allow, and its logprob
+    /// is the raw log-softmax.
+    #[test]
+    fn sampled_tokens_respect_every_filter(
+        // Half-integer logits, so exact ties are common.
+        halves in proptest::collection::vec(-20i32..20, 1..150),
+        temperature in 0.05f32..3.0,
+        top_k in 0u32..20,
+        top_p in 0.05f32..1.2,
+        min_p in 0.0f32..1.0,
+        seed in proptest::prelude::any::<u64>(),
+        output_idx in 0u32..1000,
+    ) {
+        let logits: Vec<f32> = halves.iter().map(|&h| h as f32 * 0.5).collect();
+        let s = SampleSpec {
+            params: SamplerSpec { temperature, top_k, top_p, min_p, seed: Some(seed), logprobs: Some(1) },
+            output_idx,
+        };
+        let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
+        let allowed = naive_allowed(&logits, &s.params, 1e-4);
+        proptest::prop_assert!(allowed.contains(&out.token), "token {} not in {:?}", out.token, allowed);
+        let reference = softmax(&logits, 1.0)[out.token as usize].ln();
+        proptest::prop_assert!((f64::from(out.logprob) - reference).abs() < 1e-4);
+        let greedy = token(&logits, &spec(0.0), &mut SamplerScratch::with_seed(0));
+        proptest::prop_assert_eq!(out.top_logprobs[0].0, greedy);
+    }
+}
