@@ -9,10 +9,12 @@ pub mod config;
 pub mod executor;
 pub mod load;
 pub mod sampler;
+pub mod tiny;
 pub mod weights;
 
 pub use checksum::{ChecksumConfigError, ChecksumModel};
 pub use config::{LlamaConfig, RopeScaling};
 pub use executor::{ExecError, Executor};
+pub use load::{default_model_path, expected_tensors, ModelSpec};
 pub use load::{load_model, LoadError, LoadedModel};
 pub use weights::{Tensor, WeightStore};

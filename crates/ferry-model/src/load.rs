@@ -1,10 +1,29 @@
 //! Loading a model: a Hugging Face folder, a GGUF file, or the built-in `tiny` model.
 //!
-//! (Skeleton: the loaders replace the body, keeping the signatures.)
+//! Every loader produces the same [`LoadedModel`]: a [`LlamaConfig`], f32 weights under their
+//! Hugging Face names (GGUF names are mapped, and llama.cpp's q/k row permutation undone), the
+//! tokenizer and the chat template. One naming means a weight update never has to know where the
+//! model came from.
+//!
+//! Files are memory-mapped and converted to f32 tensor by tensor, so peak memory is the f32
+//! weights plus the page cache, never a second full copy.
+
+pub mod config_json;
+pub mod expected;
+pub mod gguf;
+pub mod gguf_model;
+mod safetensors_io;
+pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
 use crate::{LlamaConfig, WeightStore};
+
+pub use expected::expected_tensors;
+
+/// File name of the default real model (SmolLM2-135M-Instruct, Q4_1) inside `<cache>/models/`,
+/// where `scripts/fetch-model.sh` puts it.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// Everything needed to serve a model.
 #[derive(Debug)]
@@ -18,16 +37,159 @@ pub struct LoadedModel {
     pub source: String,
 }
 
+/// What went wrong while loading; every variant names the file, and the tensor or field where
+/// there is one.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{path}: field `{field}`: {message}")]
+    Field {
+        path: PathBuf,
+        field: String,
+        message: String,
+    },
+    #[error("{path}: unsupported architecture `{architecture}` (supported: {supported})")]
+    UnsupportedArchitecture {
+        path: PathBuf,
+        architecture: String,
+        supported: &'static str,
+    },
+    #[error("{path}: unsupported rope scaling type `{rope_type}` (supported: llama3, linear)")]
+    UnsupportedRope { path: PathBuf, rope_type: String },
+    #[error("{path}: missing tensor `{tensor}`")]
+    MissingTensor { path: PathBuf, tensor: String },
+    #[error("{path}: tensor `{tensor}` has shape {actual:?}, expected {expected:?}")]
+    TensorShape {
+        path: PathBuf,
+        tensor: String,
+        expected: Vec<usize>,
+        actual: Vec<usize>,
+    },
+    #[error("{path}: tensor `{tensor}` has unsupported dtype {dtype}")]
+    UnsupportedDtype {
+        path: PathBuf,
+        tensor: String,
+        dtype: String,
+    },
+    #[error("{path}: tensor `{tensor}`: {message}")]
+    TensorData {
+        path: PathBuf,
+        tensor: String,
+        message: String,
+    },
+    #[error("{path}: tokenizer: {message}")]
+    Tokenizer { path: PathBuf, message: String },
+}
+
+impl LoadError {
+    pub(crate) fn invalid(path: &Path, message: impl Into<String>) -> Self {
+        Self::Invalid {
+            path: path.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.to_owned(),
+            source,
+        }
+    }
+
+    pub(crate) fn field(path: &Path, field: &str, message: impl Into<String>) -> Self {
+        Self::Field {
+            path: path.to_owned(),
+            field: field.to_owned(),
+            message: message.into(),
+        }
+    }
 }
 
 /// Loads a Hugging Face model folder or a `.gguf` file.
 pub fn load_model(path: &Path) -> Result<LoadedModel, LoadError> {
-    Err(LoadError::Invalid {
-        path: path.to_owned(),
-        message: "loading is not built yet".into(),
+    let meta = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?;
+    if meta.is_dir() {
+        load_hf_folder(path)
+    } else if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        gguf_model::load_gguf(path)
+    } else {
+        Err(LoadError::invalid(
+            path,
+            "not a model: expected a Hugging Face model folder or a .gguf file",
+        ))
+    }
+}
+
+/// Loads a Hugging Face folder: config.json (+ generation_config.json), safetensors (single
+/// file or sharded with an index), tokenizer.json and the chat template.
+pub fn load_hf_folder(dir: &Path) -> Result<LoadedModel, LoadError> {
+    let config = config_json::read_folder_config(dir)?;
+    let weights = safetensors_io::read_weights(dir, &expected_tensors(&config))?;
+    let tokenizer = tokenizer::read_hf_tokenizer(dir)?;
+    let chat_template = tokenizer::read_chat_template(dir)?;
+    Ok(LoadedModel {
+        config,
+        weights,
+        tokenizer,
+        chat_template,
+        source: dir.display().to_string(),
     })
+}
+
+/// Where `scripts/fetch-model.sh` puts the default model, given the cache folder
+/// (`${FERRY_CACHE:-$HOME/.cache/ferry}`, decided by the binary).
+pub fn default_model_path(cache_dir: &Path) -> PathBuf {
+    cache_dir.join("models").join(DEFAULT_MODEL_FILE)
+}
+
+/// A model as named on the command line: the built-in `tiny` model, or a folder / GGUF path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSpec {
+    /// The deterministic random-weight model built into the binary ([`crate::tiny`]).
+    Tiny,
+    Path(PathBuf),
+}
+
+impl ModelSpec {
+    /// `tiny` → [`ModelSpec::Tiny`]; no argument → the default model in `cache_dir`; anything
+    /// else is a path.
+    pub fn resolve(arg: Option<&str>, cache_dir: &Path) -> Self {
+        match arg {
+            Some("tiny") => Self::Tiny,
+            Some(path) => Self::Path(PathBuf::from(path)),
+            None => Self::Path(default_model_path(cache_dir)),
+        }
+    }
+
+    pub fn load(&self) -> Result<LoadedModel, LoadError> {
+        match self {
+            Self::Tiny => Ok(crate::tiny::tiny_model()),
+            Self::Path(path) => {
+                if !path.exists() {
+                    return Err(LoadError::invalid(
+                        path,
+                        "no such model file or folder (the default model is fetched by \
+                         scripts/fetch-model.sh)",
+                    ));
+                }
+                load_model(path)
+            }
+        }
+    }
 }

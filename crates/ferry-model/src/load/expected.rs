@@ -1,0 +1,46 @@
+//! The tensors a [`LlamaConfig`] needs, by Hugging Face name and PyTorch shape.
+//!
+//! The loaders validate against this list (so a checkpoint that lacks or misshapes a tensor
+//! fails at load, naming it), and the model reads exactly these names.
+
+use crate::LlamaConfig;
+
+/// Every tensor the model needs, in a stable order: embeddings, then each layer, then the
+/// final norm and (unless tied to the embeddings) `lm_head.weight`.
+pub fn expected_tensors(config: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
+    let hidden = config.hidden_size;
+    let q_dim = config.num_attention_heads * config.head_dim;
+    let kv_dim = config.num_key_value_heads * config.head_dim;
+    let inter = config.intermediate_size;
+
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_owned(),
+        vec![config.vocab_size, hidden],
+    )];
+    for layer in 0..config.num_hidden_layers {
+        let p = |name: &str| format!("model.layers.{layer}.{name}");
+        out.push((p("input_layernorm.weight"), vec![hidden]));
+        out.push((p("self_attn.q_proj.weight"), vec![q_dim, hidden]));
+        out.push((p("self_attn.k_proj.weight"), vec![kv_dim, hidden]));
+        out.push((p("self_attn.v_proj.weight"), vec![kv_dim, hidden]));
+        if config.attention_bias {
+            out.push((p("self_attn.q_proj.bias"), vec![q_dim]));
+            out.push((p("self_attn.k_proj.bias"), vec![kv_dim]));
+            out.push((p("self_attn.v_proj.bias"), vec![kv_dim]));
+        }
+        if config.qk_norm {
+            out.push((p("self_attn.q_norm.weight"), vec![config.head_dim]));
+            out.push((p("self_attn.k_norm.weight"), vec![config.head_dim]));
+        }
+        out.push((p("self_attn.o_proj.weight"), vec![hidden, q_dim]));
+        out.push((p("post_attention_layernorm.weight"), vec![hidden]));
+        out.push((p("mlp.gate_proj.weight"), vec![inter, hidden]));
+        out.push((p("mlp.up_proj.weight"), vec![inter, hidden]));
+        out.push((p("mlp.down_proj.weight"), vec![hidden, inter]));
+    }
+    out.push(("model.norm.weight".to_owned(), vec![hidden]));
+    if !config.tie_word_embeddings {
+        out.push(("lm_head.weight".to_owned(), vec![config.vocab_size, hidden]));
+    }
+    out
+}

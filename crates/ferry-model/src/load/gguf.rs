@@ -1,0 +1,473 @@
+//! A GGUF (v2/v3) reader: header, metadata, tensor infos, and dequantization to f32.
+//!
+//! Written by hand because the GGUF crates on crates.io are small, young single-author
+//! projects; the format is simple and this reader is small and exact. Layout (all
+//! little-endian): magic `GGUF`, version u32, tensor count u64, metadata count u64, metadata
+//! key/values, tensor infos (name, dims innermost-first, ggml type, offset), padding to
+//! `general.alignment` (default 32), then the tensor data section.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use super::LoadError;
+
+const MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: u64 = 32;
+/// Elements per quantization block of Q4_0, Q4_1 and Q8_0.
+pub const QK: usize = 32;
+
+/// A metadata value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GgufValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Bool(bool),
+    String(String),
+    Array(Vec<GgufValue>),
+}
+
+impl GgufValue {
+    /// Any integer type that fits in u64.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Self::U8(v) => Some(v.into()),
+            Self::U16(v) => Some(v.into()),
+            Self::U32(v) => Some(v.into()),
+            Self::U64(v) => Some(v),
+            Self::I8(v) => u64::try_from(v).ok(),
+            Self::I16(v) => u64::try_from(v).ok(),
+            Self::I32(v) => u64::try_from(v).ok(),
+            Self::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    pub fn as_i64(&self) -> Option<i64> {
+        match *self {
+            Self::I8(v) => Some(v.into()),
+            Self::I16(v) => Some(v.into()),
+            Self::I32(v) => Some(v.into()),
+            Self::I64(v) => Some(v),
+            _ => self.as_u64().and_then(|v| i64::try_from(v).ok()),
+        }
+    }
+
+    pub fn as_f32(&self) -> Option<f32> {
+        match *self {
+            Self::F32(v) => Some(v),
+            Self::F64(v) => Some(v as f32),
+            _ => self.as_i64().map(|v| v as f32),
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            Self::Bool(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Self::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[GgufValue]> {
+        match self {
+            Self::Array(items) => Some(items),
+            _ => None,
+        }
+    }
+}
+
+/// The ggml tensor types this reader knows by name; only some can be dequantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    BF16,
+    /// Any other ggml type id (k-quants, i-quants, integers...): readable, not loadable.
+    Other(u32),
+}
+
+impl GgmlType {
+    pub fn from_id(id: u32) -> Self {
+        match id {
+            0 => Self::F32,
+            1 => Self::F16,
+            2 => Self::Q4_0,
+            3 => Self::Q4_1,
+            8 => Self::Q8_0,
+            30 => Self::BF16,
+            other => Self::Other(other),
+        }
+    }
+
+    pub fn id(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q4_0 => 2,
+            Self::Q4_1 => 3,
+            Self::Q8_0 => 8,
+            Self::BF16 => 30,
+            Self::Other(id) => id,
+        }
+    }
+
+    /// Bytes that `n` elements take, or `None` for unsupported types or a partial block.
+    pub fn byte_size(self, n: usize) -> Option<usize> {
+        let (block, bytes) = match self {
+            Self::F32 => (1, 4),
+            Self::F16 | Self::BF16 => (1, 2),
+            Self::Q4_0 => (QK, 2 + QK / 2),
+            Self::Q4_1 => (QK, 4 + QK / 2),
+            Self::Q8_0 => (QK, 2 + QK),
+            Self::Other(_) => return None,
+        };
+        if n % block != 0 {
+            return None;
+        }
+        (n / block).checked_mul(bytes)
+    }
+}
+
+impl std::fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Other(id) => write!(f, "ggml type {id}"),
+            known => write!(f, "{known:?}"),
+        }
+    }
+}
+
+/// One tensor's description from the header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GgufTensorInfo {
+    pub name: String,
+    /// Dimensions as GGUF lists them: innermost (contiguous) first.
+    pub dims: Vec<u64>,
+    pub dtype: GgmlType,
+    /// Byte offset from the start of the data section.
+    pub offset: u64,
+}
+
+impl GgufTensorInfo {
+    /// The PyTorch (row-major, outermost-first) shape: the GGUF dims reversed.
+    pub fn shape(&self) -> Vec<usize> {
+        self.dims.iter().rev().map(|&d| d as usize).collect()
+    }
+
+    pub fn numel(&self) -> usize {
+        self.dims.iter().map(|&d| d as usize).product()
+    }
+}
+
+/// A memory-mapped GGUF file.
+#[derive(Debug)]
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub version: u32,
+    pub metadata: BTreeMap<String, GgufValue>,
+    pub tensors: Vec<GgufTensorInfo>,
+    data_start: usize,
+    mmap: memmap2::Mmap,
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self, LoadError> {
+        let file = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
+        // SAFETY: read-only mapping; GGUF files are not rewritten in place while loaded, and
+        // reading a multi-hundred-MB model into a buffer first would double peak memory.
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))?;
+        let mut cur = Cursor {
+            bytes: &mmap,
+            pos: 0,
+            path,
+        };
+        let header = read_header(&mut cur)?;
+        let data_start = header.data_start(cur.pos as u64);
+        let data_start = data_start
+            .and_then(|s| usize::try_from(s).ok())
+            .filter(|&s| s <= mmap.len())
+            .ok_or_else(|| LoadError::invalid(path, "GGUF data section starts past the end"))?;
+        let gguf = Self {
+            path: path.to_owned(),
+            version: header.version,
+            metadata: header.metadata,
+            tensors: header.tensors,
+            data_start,
+            mmap,
+        };
+        // Bounds-check every tensor of a known size now; a tensor of an unsupported type is
+        // reported only if the model needs it (a file may carry extras we never read).
+        for info in &gguf.tensors {
+            if info.dtype.byte_size(info.numel()).is_some() {
+                gguf.tensor_bytes(info)?;
+            }
+        }
+        Ok(gguf)
+    }
+
+    pub fn get(&self, key: &str) -> Option<&GgufValue> {
+        self.metadata.get(key)
+    }
+
+    pub fn tensor_info(&self, name: &str) -> Option<&GgufTensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// The raw bytes of a tensor; errors name the tensor when its type is unsupported or its
+    /// data runs past the end of the file.
+    pub fn tensor_bytes(&self, info: &GgufTensorInfo) -> Result<&[u8], LoadError> {
+        let len = info
+            .dtype
+            .byte_size(info.numel())
+            .ok_or_else(|| self.unsupported(info))?;
+        let start = usize::try_from(info.offset)
+            .ok()
+            .and_then(|o| o.checked_add(self.data_start));
+        start
+            .and_then(|s| Some(s..s.checked_add(len)?))
+            .and_then(|range| self.mmap.get(range))
+            .ok_or_else(|| LoadError::TensorData {
+                path: self.path.clone(),
+                tensor: info.name.clone(),
+                message: format!("{len} bytes at offset {} run past the end", info.offset),
+            })
+    }
+
+    /// A tensor dequantized to f32, in GGUF element order.
+    pub fn dequantize(&self, info: &GgufTensorInfo) -> Result<Vec<f32>, LoadError> {
+        let bytes = self.tensor_bytes(info)?;
+        dequantize(info.dtype, bytes, info.numel()).ok_or_else(|| self.unsupported(info))
+    }
+
+    fn unsupported(&self, info: &GgufTensorInfo) -> LoadError {
+        LoadError::UnsupportedDtype {
+            path: self.path.clone(),
+            tensor: info.name.clone(),
+            dtype: format!(
+                "{} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1; element count {})",
+                info.dtype,
+                info.numel()
+            ),
+        }
+    }
+}
+
+struct Header {
+    version: u32,
+    metadata: BTreeMap<String, GgufValue>,
+    tensors: Vec<GgufTensorInfo>,
+}
+
+impl Header {
+    /// `None` when a corrupt alignment overflows.
+    fn data_start(&self, end_of_infos: u64) -> Option<u64> {
+        let align = self
+            .metadata
+            .get("general.alignment")
+            .and_then(GgufValue::as_u64)
+            .filter(|&a| a > 0)
+            .unwrap_or(DEFAULT_ALIGNMENT);
+        end_of_infos.div_ceil(align).checked_mul(align)
+    }
+}
+
+fn read_header(cur: &mut Cursor<'_>) -> Result<Header, LoadError> {
+    if cur.take(4)? != MAGIC {
+        return Err(cur.err("not a GGUF file (bad magic)"));
+    }
+    let version = cur.u32()?;
+    if !(2..=3).contains(&version) {
+        return Err(cur.err(format!("GGUF version {version} is not supported (2 or 3)")));
+    }
+    let n_tensors = cur.u64()?;
+    let n_kv = cur.u64()?;
+    let mut metadata = BTreeMap::new();
+    for _ in 0..n_kv {
+        let key = cur.string()?;
+        let kind = cur.u32()?;
+        let value = cur.value(kind, 0)?;
+        metadata.insert(key, value);
+    }
+    let mut tensors = Vec::new();
+    for _ in 0..n_tensors {
+        tensors.push(read_tensor_info(cur)?);
+    }
+    Ok(Header {
+        version,
+        metadata,
+        tensors,
+    })
+}
+
+fn read_tensor_info(cur: &mut Cursor<'_>) -> Result<GgufTensorInfo, LoadError> {
+    let name = cur.string()?;
+    let n_dims = cur.u32()?;
+    if n_dims > 8 {
+        return Err(cur.err(format!("tensor `{name}` has {n_dims} dimensions")));
+    }
+    let dims = (0..n_dims)
+        .map(|_| cur.u64())
+        .collect::<Result<Vec<_>, _>>()?;
+    if dims
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        .is_none()
+    {
+        return Err(cur.err(format!("tensor `{name}` has an overflowing element count")));
+    }
+    let dtype = GgmlType::from_id(cur.u32()?);
+    let offset = cur.u64()?;
+    Ok(GgufTensorInfo {
+        name,
+        dims,
+        dtype,
+        offset,
+    })
+}
+
+/// A bounds-checked little-endian reader over the mapped header.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    path: &'a Path,
+}
+
+impl<'a> Cursor<'a> {
+    fn err(&self, message: impl Into<String>) -> LoadError {
+        LoadError::invalid(self.path, message)
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], LoadError> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len());
+        let end =
+            end.ok_or_else(|| self.err(format!("GGUF header truncated at byte {}", self.pos)))?;
+        let out = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(out)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], LoadError> {
+        let mut out = [0; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+
+    fn u32(&mut self) -> Result<u32, LoadError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, LoadError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    fn string(&mut self) -> Result<String, LoadError> {
+        let len = self.u64()?;
+        let len = usize::try_from(len).map_err(|_| self.err("string length overflows"))?;
+        let bytes = self.take(len)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| self.err("string is not valid UTF-8"))
+    }
+
+    fn value(&mut self, kind: u32, depth: u32) -> Result<GgufValue, LoadError> {
+        Ok(match kind {
+            0 => GgufValue::U8(u8::from_le_bytes(self.array()?)),
+            1 => GgufValue::I8(i8::from_le_bytes(self.array()?)),
+            2 => GgufValue::U16(u16::from_le_bytes(self.array()?)),
+            3 => GgufValue::I16(i16::from_le_bytes(self.array()?)),
+            4 => GgufValue::U32(self.u32()?),
+            5 => GgufValue::I32(i32::from_le_bytes(self.array()?)),
+            6 => GgufValue::F32(f32::from_le_bytes(self.array()?)),
+            7 => GgufValue::Bool(self.take(1)?[0] != 0),
+            8 => GgufValue::String(self.string()?),
+            9 => self.array_value(depth)?,
+            10 => GgufValue::U64(self.u64()?),
+            11 => GgufValue::I64(i64::from_le_bytes(self.array()?)),
+            12 => GgufValue::F64(f64::from_le_bytes(self.array()?)),
+            other => return Err(self.err(format!("unknown GGUF metadata value type {other}"))),
+        })
+    }
+
+    fn array_value(&mut self, depth: u32) -> Result<GgufValue, LoadError> {
+        if depth > 4 {
+            return Err(self.err("GGUF metadata arrays nested too deeply"));
+        }
+        let kind = self.u32()?;
+        let n = self.u64()?;
+        // Every element takes at least one byte: a count beyond the remaining bytes is corrupt,
+        // and checking first keeps a bad count from reserving huge memory.
+        if n > (self.bytes.len() - self.pos) as u64 {
+            return Err(self.err(format!("GGUF array of {n} elements runs past the end")));
+        }
+        let items = (0..n)
+            .map(|_| self.value(kind, depth + 1))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(GgufValue::Array(items))
+    }
+}
+
+/// Dequantizes `n` elements of `dtype` from `bytes` (GGML block formats, block size 32):
+/// Q8_0 `d*q`; Q4_0 `d*(q-8)`; Q4_1 `d*q + m`; in a 4-bit block the low nibbles of the 16
+/// bytes are elements 0..16 and the high nibbles 16..32. `None` for other types or when the
+/// byte count does not match.
+pub fn dequantize(dtype: GgmlType, bytes: &[u8], n: usize) -> Option<Vec<f32>> {
+    if dtype.byte_size(n)? != bytes.len() {
+        return None;
+    }
+    let f16_at = |b: &[u8], i: usize| half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+    let mut out = Vec::with_capacity(n);
+    match dtype {
+        GgmlType::F32 => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        ),
+        GgmlType::F16 => out.extend(bytes.chunks_exact(2).map(|c| f16_at(c, 0))),
+        GgmlType::BF16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
+        GgmlType::Q8_0 => {
+            for block in bytes.chunks_exact(2 + QK) {
+                let d = f16_at(block, 0);
+                out.extend(block[2..].iter().map(|&q| d * f32::from(q as i8)));
+            }
+        }
+        GgmlType::Q4_0 => {
+            for block in bytes.chunks_exact(2 + QK / 2) {
+                let d = f16_at(block, 0);
+                push_nibbles(&mut out, &block[2..], |q| d * (f32::from(q) - 8.0));
+            }
+        }
+        GgmlType::Q4_1 => {
+            for block in bytes.chunks_exact(4 + QK / 2) {
+                let (d, m) = (f16_at(block, 0), f16_at(block, 2));
+                push_nibbles(&mut out, &block[4..], |q| d * f32::from(q) + m);
+            }
+        }
+        GgmlType::Other(_) => return None,
+    }
+    Some(out)
+}
+
+/// Low nibbles first (elements 0..16), then high nibbles (16..32).
+fn push_nibbles(out: &mut Vec<f32>, qs: &[u8], f: impl Fn(u8) -> f32) {
+    out.extend(qs.iter().map(|&b| f(b & 0x0f)));
+    out.extend(qs.iter().map(|&b| f(b >> 4)));
+}

@@ -1,0 +1,444 @@
+//! A GGUF file (llama architecture) → [`LoadedModel`]: config from `llama.*` metadata, tensors
+//! renamed to Hugging Face names and dequantized to f32, q/k rows un-permuted, and the
+//! tokenizer and chat template from `tokenizer.*` metadata.
+
+use std::path::Path;
+
+use super::gguf::{GgufFile, GgufValue};
+use super::tokenizer::{byte_level_bpe, byte_to_char, ByteLevelBpeSpec, PreTokenizerKind};
+use super::{expected_tensors, LoadError, LoadedModel};
+use crate::{LlamaConfig, RopeScaling, Tensor, WeightStore};
+
+/// llama.cpp token types (`tokenizer.ggml.token_type`).
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+pub(crate) fn load_gguf(path: &Path) -> Result<LoadedModel, LoadError> {
+    let gguf = GgufFile::open(path)?;
+    let config = gguf_config(&gguf)?;
+    let weights = gguf_weights(&gguf, &config)?;
+    let tokenizer = gguf_tokenizer(&gguf)?;
+    let chat_template = gguf
+        .get("tokenizer.chat_template")
+        .and_then(GgufValue::as_str)
+        .map(str::to_owned);
+    Ok(LoadedModel {
+        config,
+        weights,
+        tokenizer,
+        chat_template,
+        source: path.display().to_string(),
+    })
+}
+
+/// The Hugging Face name of a GGUF tensor name, or `None` for tensors the model does not use.
+pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
+    let fixed = match gguf_name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(name) = fixed {
+        return Some(name.to_owned());
+    }
+    let rest = gguf_name.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (part, suffix) = rest.rsplit_once('.')?;
+    if suffix != "weight" && suffix != "bias" {
+        return None;
+    }
+    let hf = match part {
+        "attn_norm" => "input_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
+        "ffn_norm" => "post_attention_layernorm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+/// The config a llama-architecture GGUF describes.
+pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
+    let meta = Meta { gguf };
+    let arch = meta.str("general.architecture")?;
+    if arch != "llama" {
+        return Err(LoadError::UnsupportedArchitecture {
+            path: gguf.path.clone(),
+            architecture: arch.to_owned(),
+            supported: "llama",
+        });
+    }
+    if gguf.tensor_info("rope_freqs.weight").is_some() {
+        return Err(LoadError::UnsupportedRope {
+            path: gguf.path.clone(),
+            rope_type: "llama3 (per-frequency factors in rope_freqs.weight)".into(),
+        });
+    }
+    let hidden_size = meta.usize("llama.embedding_length")?;
+    let num_attention_heads = meta.usize("llama.attention.head_count")?;
+    if num_attention_heads == 0 {
+        return Err(meta.err("llama.attention.head_count", "must be positive"));
+    }
+    let head_dim = match meta.opt_usize("llama.attention.key_length")? {
+        Some(d) => d,
+        None => hidden_size / num_attention_heads,
+    };
+    // Partial rotary embeddings (rope over fewer dims than the head) are not implemented.
+    if let Some(rope_dims) = meta.opt_usize("llama.rope.dimension_count")? {
+        if rope_dims != head_dim {
+            return Err(LoadError::UnsupportedRope {
+                path: gguf.path.clone(),
+                rope_type: format!("partial rope over {rope_dims} of {head_dim} head dims"),
+            });
+        }
+    }
+    let vocab_size = match gguf
+        .get("tokenizer.ggml.tokens")
+        .and_then(GgufValue::as_array)
+    {
+        Some(tokens) => tokens.len(),
+        None => meta.usize("llama.vocab_size")?,
+    };
+    let mut eos_token_ids = Vec::new();
+    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+        if let Some(id) = meta.opt_u32(key)? {
+            super::config_json::merge_eos(&mut eos_token_ids, &[id]);
+        }
+    }
+    let config = LlamaConfig {
+        architecture: "LlamaForCausalLM".into(),
+        vocab_size,
+        hidden_size,
+        intermediate_size: meta.usize("llama.feed_forward_length")?,
+        num_hidden_layers: meta.usize("llama.block_count")?,
+        num_attention_heads,
+        num_key_value_heads: meta
+            .opt_usize("llama.attention.head_count_kv")?
+            .unwrap_or(num_attention_heads),
+        head_dim,
+        rms_norm_eps: meta
+            .opt_f32("llama.attention.layer_norm_rms_epsilon")?
+            .unwrap_or(1e-5),
+        rope_theta: meta.opt_f32("llama.rope.freq_base")?.unwrap_or(10_000.0),
+        rope_scaling: rope_scaling(&meta)?,
+        max_position_embeddings: meta.opt_usize("llama.context_length")?.unwrap_or(2048),
+        tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
+        attention_bias: gguf.tensor_info("blk.0.attn_q.bias").is_some(),
+        qk_norm: false,
+        bos_token_id: meta.opt_u32("tokenizer.ggml.bos_token_id")?,
+        eos_token_ids,
+    };
+    super::config_json::validate(&config, &gguf.path)?;
+    Ok(config)
+}
+
+fn rope_scaling(meta: &Meta<'_>) -> Result<Option<RopeScaling>, LoadError> {
+    let key = "llama.rope.scaling.type";
+    let kind = match meta.gguf.get(key) {
+        None => return Ok(None),
+        Some(v) => v
+            .as_str()
+            .ok_or_else(|| meta.err(key, "expected a string"))?,
+    };
+    match kind {
+        "none" => Ok(None),
+        "linear" => {
+            let factor = meta
+                .opt_f32("llama.rope.scaling.factor")?
+                .ok_or_else(|| meta.err("llama.rope.scaling.factor", "missing"))?;
+            Ok(Some(RopeScaling::Linear { factor }))
+        }
+        other => Err(LoadError::UnsupportedRope {
+            path: meta.gguf.path.clone(),
+            rope_type: other.to_owned(),
+        }),
+    }
+}
+
+/// Every expected tensor, dequantized, checked against its expected shape, and (q/k) with
+/// llama.cpp's rope permutation undone.
+fn gguf_weights(gguf: &GgufFile, config: &LlamaConfig) -> Result<WeightStore, LoadError> {
+    let expected = expected_tensors(config);
+    let mut by_hf_name = std::collections::HashMap::new();
+    for info in &gguf.tensors {
+        if let Some(hf) = hf_tensor_name(&info.name) {
+            by_hf_name.insert(hf, info);
+        }
+    }
+    let mut store = WeightStore::default();
+    for (name, shape) in expected {
+        let info = by_hf_name
+            .get(&name)
+            .ok_or_else(|| LoadError::MissingTensor {
+                path: gguf.path.clone(),
+                tensor: format!("{name} (GGUF: {})", gguf_name_hint(&name)),
+            })?;
+        if info.shape() != shape {
+            return Err(LoadError::TensorShape {
+                path: gguf.path.clone(),
+                tensor: info.name.clone(),
+                expected: shape,
+                actual: info.shape(),
+            });
+        }
+        let mut data = gguf.dequantize(info)?;
+        if let Some(n_heads) = permuted_heads(&name, config) {
+            data = unpermute_rows(&data, n_heads, &shape);
+        }
+        store.insert(name, Tensor::new(shape, data));
+    }
+    Ok(store)
+}
+
+/// The GGUF name a missing Hugging Face tensor would have had (for error messages).
+fn gguf_name_hint(hf: &str) -> String {
+    let fixed = [
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+        ("lm_head.weight", "output.weight"),
+    ];
+    if let Some((_, g)) = fixed.iter().find(|(h, _)| *h == hf) {
+        return (*g).to_owned();
+    }
+    let Some(rest) = hf.strip_prefix("model.layers.") else {
+        return "?".into();
+    };
+    let Some((layer, _)) = rest.split_once('.') else {
+        return "?".into();
+    };
+    // Search the reverse mapping by trying every known block part.
+    let parts = [
+        "attn_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "attn_q_norm",
+        "attn_k_norm",
+        "ffn_norm",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    ];
+    for part in parts {
+        for suffix in ["weight", "bias"] {
+            let g = format!("blk.{layer}.{part}.{suffix}");
+            if hf_tensor_name(&g).as_deref() == Some(hf) {
+                return g;
+            }
+        }
+    }
+    "?".into()
+}
+
+/// llama.cpp's converter permutes q_proj rows over `num_attention_heads` and k_proj rows over
+/// `num_key_value_heads` (weights and biases) for its interleaved rope.
+fn permuted_heads(hf_name: &str, config: &LlamaConfig) -> Option<usize> {
+    if hf_name.contains(".self_attn.q_proj.") {
+        Some(config.num_attention_heads)
+    } else if hf_name.contains(".self_attn.k_proj.") {
+        Some(config.num_key_value_heads)
+    } else {
+        None
+    }
+}
+
+/// Undoes `w.reshape(n_head, 2, half, in).swapaxes(1, 2)`: within each head, GGUF row
+/// `2*i + s` is Hugging Face row `s*half + i` (the rotate_half layout). `shape[0]` is the row
+/// count; any remaining dims (none for a bias) make up a row.
+pub fn unpermute_rows(data: &[f32], n_heads: usize, shape: &[usize]) -> Vec<f32> {
+    let rows = shape[0];
+    let row_len: usize = shape[1..].iter().product();
+    let head_rows = rows / n_heads;
+    let half = head_rows / 2;
+    let mut out = vec![0.0; data.len()];
+    for head in 0..n_heads {
+        for s in 0..2 {
+            for i in 0..half {
+                let src = head * head_rows + 2 * i + s;
+                let dst = head * head_rows + s * half + i;
+                out[dst * row_len..(dst + 1) * row_len]
+                    .copy_from_slice(&data[src * row_len..(src + 1) * row_len]);
+            }
+        }
+    }
+    out
+}
+
+/// The tokenizer in `tokenizer.ggml.*` (byte-level BPE, model `gpt2`); `None` when the file
+/// has no tokenizer.
+fn gguf_tokenizer(gguf: &GgufFile) -> Result<Option<tokenizers::Tokenizer>, LoadError> {
+    let Some(model) = gguf.get("tokenizer.ggml.model") else {
+        return Ok(None);
+    };
+    let meta = Meta { gguf };
+    let model = model
+        .as_str()
+        .ok_or_else(|| meta.err("tokenizer.ggml.model", "expected a string"))?;
+    if model != "gpt2" {
+        return Err(tokenizer_err(
+            gguf,
+            format!("tokenizer model `{model}` is not supported (only gpt2 byte-level BPE)"),
+        ));
+    }
+    let spec = byte_level_spec(&meta)?;
+    byte_level_bpe(&spec)
+        .map(Some)
+        .map_err(|m| tokenizer_err(gguf, m))
+}
+
+fn byte_level_spec(meta: &Meta<'_>) -> Result<ByteLevelBpeSpec, LoadError> {
+    let table = byte_to_char();
+    let alphabet: std::collections::HashSet<char> = table.iter().copied().collect();
+    // A token spelled outside the byte alphabet is stored as raw text: respell it the way the
+    // vocabulary's merges expect (transformers does the same).
+    let tokens: Vec<String> = meta
+        .str_array("tokenizer.ggml.tokens")?
+        .into_iter()
+        .map(|t| {
+            if t.chars().all(|c| alphabet.contains(&c)) {
+                t.to_owned()
+            } else {
+                super::tokenizer::to_byte_alphabet(t, &table)
+            }
+        })
+        .collect();
+    let merges = meta
+        .str_array("tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_owned(), b.to_owned()))
+                .ok_or_else(|| meta.err("tokenizer.ggml.merges", format!("bad merge `{m}`")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let (special_ids, added_ids) = marked_tokens(meta, &tokens)?;
+    let add_bos = meta
+        .gguf
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(GgufValue::as_bool)
+        .unwrap_or(false);
+    let pre_tokenizer = match meta
+        .gguf
+        .get("tokenizer.ggml.pre")
+        .and_then(GgufValue::as_str)
+    {
+        Some("smollm") => PreTokenizerKind::Gpt2IndividualDigits,
+        _ => PreTokenizerKind::Gpt2,
+    };
+    Ok(ByteLevelBpeSpec {
+        tokens,
+        merges,
+        special_ids,
+        added_ids,
+        bos_id: if add_bos {
+            meta.opt_u32("tokenizer.ggml.bos_token_id")?
+        } else {
+            None
+        },
+        pre_tokenizer,
+    })
+}
+
+/// Ids of control tokens (special) and user-defined tokens (added, not special).
+fn marked_tokens(meta: &Meta<'_>, tokens: &[String]) -> Result<(Vec<u32>, Vec<u32>), LoadError> {
+    let key = "tokenizer.ggml.token_type";
+    let Some(types) = meta.gguf.get(key) else {
+        return Ok((Vec::new(), Vec::new()));
+    };
+    let types = types
+        .as_array()
+        .filter(|t| t.len() == tokens.len())
+        .ok_or_else(|| meta.err(key, "expected one token type per token"))?;
+    let (mut special, mut added) = (Vec::new(), Vec::new());
+    for (id, t) in types.iter().enumerate() {
+        match t.as_i64() {
+            Some(TOKEN_TYPE_CONTROL) => special.push(id as u32),
+            Some(TOKEN_TYPE_USER_DEFINED) => added.push(id as u32),
+            Some(_) => {}
+            None => return Err(meta.err(key, "expected integers")),
+        }
+    }
+    Ok((special, added))
+}
+
+fn tokenizer_err(gguf: &GgufFile, message: String) -> LoadError {
+    LoadError::Tokenizer {
+        path: gguf.path.clone(),
+        message,
+    }
+}
+
+/// Typed access to GGUF metadata, with errors naming the file and key.
+struct Meta<'a> {
+    gguf: &'a GgufFile,
+}
+
+impl<'a> Meta<'a> {
+    fn err(&self, key: &str, message: impl Into<String>) -> LoadError {
+        LoadError::field(&self.gguf.path, key, message)
+    }
+
+    fn str(&self, key: &str) -> Result<&'a str, LoadError> {
+        self.gguf
+            .get(key)
+            .ok_or_else(|| self.err(key, "missing"))?
+            .as_str()
+            .ok_or_else(|| self.err(key, "expected a string"))
+    }
+
+    fn str_array(&self, key: &str) -> Result<Vec<&'a str>, LoadError> {
+        let items = self
+            .gguf
+            .get(key)
+            .ok_or_else(|| self.err(key, "missing"))?
+            .as_array()
+            .ok_or_else(|| self.err(key, "expected an array"))?;
+        items
+            .iter()
+            .map(|v| v.as_str().ok_or_else(|| self.err(key, "expected strings")))
+            .collect()
+    }
+
+    fn usize(&self, key: &str) -> Result<usize, LoadError> {
+        self.opt_usize(key)?.ok_or_else(|| self.err(key, "missing"))
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, LoadError> {
+        self.gguf
+            .get(key)
+            .map(|v| {
+                v.as_u64()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or_else(|| self.err(key, "expected a non-negative integer"))
+            })
+            .transpose()
+    }
+
+    fn opt_u32(&self, key: &str) -> Result<Option<u32>, LoadError> {
+        self.gguf
+            .get(key)
+            .map(|v| {
+                v.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| self.err(key, "expected a token id"))
+            })
+            .transpose()
+    }
+
+    fn opt_f32(&self, key: &str) -> Result<Option<f32>, LoadError> {
+        self.gguf
+            .get(key)
+            .map(|v| v.as_f32().ok_or_else(|| self.err(key, "expected a number")))
+            .transpose()
+    }
+}
