@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod executor;
+pub mod kernels;
 pub mod load;
 pub mod sampler;
 pub mod weights;
