@@ -4,14 +4,21 @@
 //! model (no weights; its next token depends on every KV byte of the sequence, so wrong,
 //! missing or stale KV changes the output).
 
+pub mod attention;
 pub mod config;
 pub mod executor;
 pub mod kernels;
+pub mod llama;
+pub mod llama_weights;
 pub mod load;
+pub mod random_model;
+pub mod rope;
 pub mod sampler;
 pub mod weights;
 
 pub use config::{LlamaConfig, RopeScaling};
 pub use executor::{ExecError, Executor};
+pub use llama::{LlamaModel, Logits};
+pub use llama_weights::{LlamaWeights, ModelError};
 pub use load::{load_model, LoadError, LoadedModel};
 pub use weights::{Tensor, WeightStore};

@@ -70,6 +70,17 @@ fn rows_per_task(n: usize) -> usize {
     n.div_ceil(tasks).next_multiple_of(8).max(8)
 }
 
+/// One dot product in the same order as one element of [`matmul_with`], without the tiling
+/// (attention calls it per position, so it must be cheap).
+pub(super) fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx2Fma` is only chosen after run-time detection of both features.
+        Isa::Avx2Fma => unsafe { avx2::dot(a, b) },
+        _ => portable::dot8(a, b),
+    }
+}
+
 /// All activation rows against W rows `w_rows`.
 #[allow(clippy::too_many_arguments)]
 fn run_rows(
@@ -126,7 +137,7 @@ mod portable {
         }
     }
 
-    fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    pub(super) fn dot8(a: &[f32], b: &[f32]) -> f32 {
         let mut acc = [0.0f32; 8];
         let mut ca = a.chunks_exact(8);
         let mut cb = b.chunks_exact(8);
@@ -231,6 +242,27 @@ mod avx2 {
                 unsafe { out.add((i + c) * t.n + j + r).write(s) };
             }
         }
+    }
+
+    /// The order of `kernel::<1, 1>` for two slices of equal length.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let k = a.len().min(b.len());
+        let k8 = k / 8 * 8;
+        let (ap, bp) = (a.as_ptr(), b.as_ptr());
+        let mut acc = _mm256_setzero_ps();
+        let mut p = 0;
+        while p < k8 {
+            // SAFETY: p + 8 <= k <= both lengths.
+            let (av, bv) = unsafe { (_mm256_loadu_ps(ap.add(p)), _mm256_loadu_ps(bp.add(p))) };
+            acc = _mm256_fmadd_ps(av, bv, acc);
+            p += 8;
+        }
+        let mut s = hsum(acc);
+        for q in k8..k {
+            s = a[q].mul_add(b[q], s);
+        }
+        s
     }
 
     /// Lanes (l, l+4), then (0, 2) and (1, 3), then the last pair: a fixed tree.

@@ -52,10 +52,8 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// [`dot`] with an explicit implementation (tests compare them).
 pub fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "dot of slices of different lengths");
-    let mut out = [0.0f32];
-    matmul_with(isa, a, b, &mut out, 1, 1, a.len());
-    out[0]
+    debug_assert_eq!(a.len(), b.len(), "dot of slices of different lengths");
+    matmul::dot_with(isa, a, b)
 }
 
 /// RMSNorm of each row of `x` (`rows × dim`) into `out`: `x / sqrt(mean(x²) + eps) * weight`,
