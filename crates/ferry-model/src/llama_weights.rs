@@ -91,25 +91,34 @@ impl LlamaWeights {
         self.lm_head.as_deref().unwrap_or(&self.embed)
     }
 
+    /// Bytes of all weights held.
+    pub fn total_bytes(&self) -> usize {
+        let head = self.lm_head.as_ref().map_or(0, Vec::len);
+        (self.embed.len() + head + self.layer_floats() + self.norm.len()) * size_of::<f32>()
+    }
+
     /// Bytes of weights one decode step reads: every layer, the final norm and the head (not
     /// the embedding table, of which a step reads one row per token, unless it is the head).
     pub fn bytes_read_per_step(&self) -> usize {
-        let layers: usize = self
-            .layers
+        (self.layer_floats() + self.norm.len() + self.head().len()) * size_of::<f32>()
+    }
+
+    fn layer_floats(&self) -> usize {
+        let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
+        self.layers
             .iter()
             .map(|l| {
                 l.input_norm.len()
                     + l.qkv.len()
-                    + l.qkv_bias.as_ref().map_or(0, Vec::len)
-                    + l.q_norm.as_ref().map_or(0, Vec::len)
-                    + l.k_norm.as_ref().map_or(0, Vec::len)
+                    + opt(&l.qkv_bias)
+                    + opt(&l.q_norm)
+                    + opt(&l.k_norm)
                     + l.o_proj.len()
                     + l.post_norm.len()
                     + l.gate_up.len()
                     + l.down.len()
             })
-            .sum();
-        (layers + self.norm.len() + self.head().len()) * std::mem::size_of::<f32>()
+            .sum()
     }
 }
 

@@ -1,8 +1,241 @@
-//! `ferry bench model` (being built).
+//! `ferry bench model`: prefill and decode throughput of the real model at several batch
+//! sizes, with the memory-bandwidth bound that limits decode, printed as one JSON line.
+//!
+//! Each batch size gets a fresh arena. Prompts are prefilled in chunks of at most
+//! `--prefill-chunk` tokens per step (as the scheduler would), then every request decodes one
+//! token per step. Times are wall-clock around `Executor::execute`, sampling included.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Context;
+use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplingParams, ScheduledReq, StepPlan};
+use ferry_kv::KvArena;
+use ferry_model::random_model::{random_weights, small_config, smollm2_135m_config, SplitMix64};
+use ferry_model::{Executor, LlamaConfig, LlamaModel, WeightStore};
+use serde_json::json;
+
+const BLOCK_SIZE: usize = 16;
 
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// A Hugging Face model folder, a `.gguf` file, or `tiny`.
+    #[arg(long, conflicts_with = "random")]
+    model: Option<String>,
+    /// Random weights in a known shape instead of a file: `smollm2-135m` or `small`.
+    #[arg(long)]
+    random: Option<String>,
+    /// Batch sizes to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+    batch: Vec<usize>,
+    /// Prompt tokens per request.
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    /// Decode steps measured per batch size.
+    #[arg(long, default_value_t = 32)]
+    decode_steps: usize,
+    /// Most prompt tokens computed in one prefill step.
+    #[arg(long, default_value_t = 2048)]
+    prefill_chunk: usize,
+    /// Print only the JSON line (otherwise it is pretty-printed).
+    #[arg(long)]
+    json: bool,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("not built yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(args.prompt_len > 0, "--prompt-len must be at least 1");
+    anyhow::ensure!(args.prefill_chunk > 0, "--prefill-chunk must be at least 1");
+    anyhow::ensure!(
+        args.batch.iter().all(|&b| b > 0),
+        "--batch sizes must be at least 1"
+    );
+    let (source, config, weights) = load(&args)?;
+    let mut model = LlamaModel::new(&config, &weights).context("building the model")?;
+    drop(weights);
+    let bytes_per_step = model.weights().bytes_read_per_step();
+    let memcpy_gb_s = memcpy_bandwidth_gb_s();
+    let mut results = Vec::new();
+    for &batch in &args.batch {
+        let r = bench_batch(&mut model, batch, &args)?;
+        if !args.json {
+            eprintln!("batch {batch}: {r}");
+        }
+        results.push(r);
+    }
+    let out = json!({
+        "model": source,
+        "isa": format!("{:?}", ferry_model::kernels::Isa::current()),
+        "threads": rayon_threads(),
+        "prompt_len": args.prompt_len,
+        "decode_steps": args.decode_steps,
+        "weights_bytes": model.weights().total_bytes(),
+        "weights_bytes_per_step": bytes_per_step,
+        "memcpy_gb_s": round2(memcpy_gb_s),
+        "batch1_decode_bound_tok_s": round2(memcpy_gb_s * 1e9 / bytes_per_step as f64),
+        "batch1_decode_bound_ms": round2(bytes_per_step as f64 / (memcpy_gb_s * 1e9) * 1e3),
+        "results": results,
+    });
+    if args.json {
+        println!("{out}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    Ok(())
+}
+
+fn load(args: &Args) -> anyhow::Result<(String, LlamaConfig, WeightStore)> {
+    match (&args.model, args.random.as_deref()) {
+        (_, Some("smollm2-135m")) => {
+            let c = smollm2_135m_config();
+            let w = random_weights(&c, 0);
+            Ok(("random:smollm2-135m".into(), c, w))
+        }
+        (_, Some("small")) => {
+            let c = small_config();
+            let w = random_weights(&c, 0);
+            Ok(("random:small".into(), c, w))
+        }
+        (_, Some(other)) => anyhow::bail!("unknown --random shape {other:?} (smollm2-135m, small)"),
+        (Some(path), None) => {
+            let m = ferry_model::load_model(Path::new(path))
+                .with_context(|| format!("loading {path}"))?;
+            Ok((m.source, m.config, m.weights))
+        }
+        (None, None) => anyhow::bail!("give --model PATH|tiny or --random smollm2-135m"),
+    }
+}
+
+/// One request of the benchmark.
+struct BenchReq {
+    tokens: Vec<u32>,
+    computed: usize,
+    table: Vec<BlockId>,
+}
+
+fn bench_batch(
+    model: &mut LlamaModel,
+    batch: usize,
+    args: &Args,
+) -> anyhow::Result<serde_json::Value> {
+    let positions = args.prompt_len + args.decode_steps;
+    let blocks_per_req = positions.div_ceil(BLOCK_SIZE);
+    let n_blocks = 1 + batch * blocks_per_req;
+    let mut kv = KvArena::new(model.kv_layout(BLOCK_SIZE), n_blocks);
+    let mut rng = SplitMix64(batch as u64);
+    let vocab = model.vocab_size() as u64;
+    let mut reqs: Vec<BenchReq> = (0..batch)
+        .map(|i| BenchReq {
+            tokens: (0..args.prompt_len)
+                .map(|_| (rng.next_u64() % vocab) as u32)
+                .collect(),
+            computed: 0,
+            table: (0..blocks_per_req)
+                .map(|b| (1 + i * blocks_per_req + b) as BlockId)
+                .collect(),
+        })
+        .collect();
+
+    let t0 = Instant::now();
+    let mut prefill_steps = 0;
+    while reqs.iter().any(|r| r.computed < r.tokens.len()) {
+        let mut budget = args.prefill_chunk;
+        let counts: Vec<usize> = reqs
+            .iter()
+            .map(|r| {
+                let n = (r.tokens.len() - r.computed).min(budget);
+                budget -= n;
+                n
+            })
+            .collect();
+        run_step(model, &mut kv, &mut reqs, &counts)?;
+        prefill_steps += 1;
+    }
+    let prefill_s = t0.elapsed().as_secs_f64();
+
+    let t1 = Instant::now();
+    for _ in 0..args.decode_steps {
+        run_step(model, &mut kv, &mut reqs, &vec![1; batch])?;
+    }
+    let decode_s = t1.elapsed().as_secs_f64();
+    let decode_tokens = (batch * args.decode_steps) as f64;
+    Ok(json!({
+        "batch": batch,
+        "prefill_tokens": batch * args.prompt_len,
+        "prefill_steps": prefill_steps,
+        "prefill_tok_s": round2((batch * args.prompt_len) as f64 / prefill_s),
+        "decode_tok_s": round2(decode_tokens / decode_s),
+        "decode_ms_per_step": round2(decode_s * 1e3 / args.decode_steps.max(1) as f64),
+    }))
+}
+
+/// Schedules `counts[i]` tokens of request `i`; a request that reaches its last known token
+/// samples, and its sampled token is appended.
+fn run_step(
+    model: &mut LlamaModel,
+    kv: &mut KvArena,
+    reqs: &mut [BenchReq],
+    counts: &[usize],
+) -> anyhow::Result<()> {
+    let mut plan = StepPlan {
+        block_size: BLOCK_SIZE,
+        ..StepPlan::default()
+    };
+    for (i, (r, &n)) in reqs.iter().zip(counts).enumerate() {
+        if n == 0 {
+            continue;
+        }
+        let end = r.computed + n;
+        let t0 = plan.token_ids.len();
+        plan.token_ids.extend(&r.tokens[r.computed..end]);
+        let b0 = plan.block_tables.len();
+        plan.block_tables.extend(&r.table);
+        plan.reqs.push(ScheduledReq {
+            req: ReqIdx(i as u32),
+            start_pos: r.computed,
+            tokens: t0..plan.token_ids.len(),
+            blocks: b0..plan.block_tables.len(),
+            sample: (end == r.tokens.len()).then(|| SampleSpec {
+                params: SamplingParams::greedy(1).sampler_spec(),
+                output_idx: 0,
+            }),
+        });
+    }
+    let out = model.execute(&plan, kv)?;
+    for (r, &n) in reqs.iter_mut().zip(counts) {
+        r.computed += n;
+    }
+    for s in out.sampled {
+        reqs[s.req.0 as usize].tokens.push(s.token);
+    }
+    Ok(())
+}
+
+/// Copy bandwidth (bytes copied per second, in GB/s) of a 256 MiB buffer, split across the
+/// threads the model uses, best of 5 after a warm-up.
+fn memcpy_bandwidth_gb_s() -> f64 {
+    const BYTES: usize = 256 << 20;
+    let src = vec![1u8; BYTES];
+    let mut dst = vec![0u8; BYTES];
+    let threads = rayon_threads();
+    let chunk = BYTES.div_ceil(threads);
+    let mut best = f64::INFINITY;
+    for _ in 0..6 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for (d, c) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+                s.spawn(move || d.copy_from_slice(c));
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    BYTES as f64 / best / 1e9
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
 }
