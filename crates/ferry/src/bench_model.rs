@@ -137,12 +137,12 @@ fn bench_batch(
 
     let t0 = Instant::now();
     let mut prefill_steps = 0;
-    while reqs.iter().any(|r| r.computed < r.tokens.len()) {
+    while reqs.iter().any(|r| r.computed < args.prompt_len) {
         let mut budget = args.prefill_chunk;
         let counts: Vec<usize> = reqs
             .iter()
             .map(|r| {
-                let n = (r.tokens.len() - r.computed).min(budget);
+                let n = (args.prompt_len - r.computed).min(budget);
                 budget -= n;
                 n
             })
