@@ -43,44 +43,59 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    anyhow::ensure!(args.prompt_len > 0, "--prompt-len must be at least 1");
-    anyhow::ensure!(args.prefill_chunk > 0, "--prefill-chunk must be at least 1");
-    anyhow::ensure!(
-        args.batch.iter().all(|&b| b > 0),
-        "--batch sizes must be at least 1"
-    );
-    let (source, config, weights) = load(&args)?;
-    let mut model = LlamaModel::new(&config, &weights).context("building the model")?;
-    drop(weights);
-    let bytes_per_step = model.weights().bytes_read_per_step();
-    let memcpy_gb_s = memcpy_bandwidth_gb_s();
-    let mut results = Vec::new();
-    for &batch in &args.batch {
-        let r = bench_batch(&mut model, batch, &args)?;
-        if !args.json {
-            eprintln!("batch {batch}: {r}");
-        }
-        results.push(r);
-    }
-    let out = json!({
-        "model": source,
-        "isa": format!("{:?}", ferry_model::kernels::Isa::current()),
-        "threads": rayon_threads(),
-        "prompt_len": args.prompt_len,
-        "decode_steps": args.decode_steps,
-        "weights_bytes": model.weights().total_bytes(),
-        "weights_bytes_per_step": bytes_per_step,
-        "memcpy_gb_s": round2(memcpy_gb_s),
-        "batch1_decode_bound_tok_s": round2(memcpy_gb_s * 1e9 / bytes_per_step as f64),
-        "batch1_decode_bound_ms": round2(bytes_per_step as f64 / (memcpy_gb_s * 1e9) * 1e3),
-        "results": results,
-    });
+    let out = measure(&args, BANDWIDTH_BYTES)?;
     if args.json {
         println!("{out}");
     } else {
         println!("{}", serde_json::to_string_pretty(&out)?);
     }
     Ok(())
+}
+
+/// Size of the buffers the bandwidth probes stream through (far above any cache we target).
+const BANDWIDTH_BYTES: usize = 256 << 20;
+
+/// Runs every batch size and returns the report.
+fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Value> {
+    anyhow::ensure!(args.prompt_len > 0, "--prompt-len must be at least 1");
+    anyhow::ensure!(args.prefill_chunk > 0, "--prefill-chunk must be at least 1");
+    anyhow::ensure!(
+        args.batch.iter().all(|&b| b > 0),
+        "--batch sizes must be at least 1"
+    );
+    let (source, config, weights) = load(args)?;
+    let mut model = LlamaModel::new(&config, &weights).context("building the model")?;
+    drop(weights);
+    let bytes_per_step = model.weights().bytes_read_per_step();
+    let memcpy_gb_s = memcpy_bandwidth_gb_s(bandwidth_bytes);
+    let read_gb_s = read_bandwidth_gb_s(bandwidth_bytes);
+    let mut results = Vec::new();
+    for &batch in &args.batch {
+        let r = bench_batch(&mut model, batch, args)?;
+        if !args.json {
+            eprintln!("batch {batch}: {r}");
+        }
+        results.push(r);
+    }
+    // Decode at batch 1 reads every weight once per token, so the fastest it can go is the
+    // weight bytes over the rate memory can stream them. A copy moves each byte twice (read
+    // and write), so the read probe is the fairer bound; both are reported.
+    let bound_ms = |gb_s: f64| round2(bytes_per_step as f64 / (gb_s * 1e9) * 1e3);
+    Ok(json!({
+        "model": source,
+        "isa": format!("{:?}", ferry_model::kernels::Isa::current()),
+        "threads": rayon_threads(),
+        "load_avg_1m": load_avg(),
+        "prompt_len": args.prompt_len,
+        "decode_steps": args.decode_steps,
+        "weights_bytes": model.weights().total_bytes(),
+        "weights_bytes_per_step": bytes_per_step,
+        "memcpy_gb_s": round2(memcpy_gb_s),
+        "read_gb_s": round2(read_gb_s),
+        "batch1_decode_bound_ms_memcpy": bound_ms(memcpy_gb_s),
+        "batch1_decode_bound_ms_read": bound_ms(read_gb_s),
+        "results": results,
+    }))
 }
 
 fn load(args: &Args) -> anyhow::Result<(String, LlamaConfig, WeightStore)> {
@@ -210,14 +225,12 @@ fn run_step(
     Ok(())
 }
 
-/// Copy bandwidth (bytes copied per second, in GB/s) of a 256 MiB buffer, split across the
+/// Copy bandwidth (bytes copied per second, in GB/s) of a `bytes` buffer, split across the
 /// threads the model uses, best of 5 after a warm-up.
-fn memcpy_bandwidth_gb_s() -> f64 {
-    const BYTES: usize = 256 << 20;
-    let src = vec![1u8; BYTES];
-    let mut dst = vec![0u8; BYTES];
-    let threads = rayon_threads();
-    let chunk = BYTES.div_ceil(threads);
+fn memcpy_bandwidth_gb_s(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let chunk = bytes.div_ceil(rayon_threads());
     let mut best = f64::INFINITY;
     for _ in 0..6 {
         let t = Instant::now();
@@ -229,7 +242,37 @@ fn memcpy_bandwidth_gb_s() -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     std::hint::black_box(&dst);
-    BYTES as f64 / best / 1e9
+    bytes as f64 / best / 1e9
+}
+
+/// Read bandwidth (GB/s): every thread sums its share of a `bytes` buffer, best of 5 after a
+/// warm-up. Integer sums so the compiler vectorizes them (float sums are order-bound).
+fn read_bandwidth_gb_s(bytes: usize) -> f64 {
+    let words = bytes / 4;
+    let buf: Vec<u32> = (0..words as u32).collect();
+    let chunk = words.div_ceil(rayon_threads());
+    let mut best = f64::INFINITY;
+    for _ in 0..6 {
+        let t = Instant::now();
+        let total = std::thread::scope(|s| {
+            let handles: Vec<_> = buf
+                .chunks(chunk)
+                .map(|c| s.spawn(move || c.iter().fold(0u32, |a, &b| a.wrapping_add(b))))
+                .collect();
+            handles
+                .into_iter()
+                .fold(0u32, |a, h| a.wrapping_add(h.join().unwrap_or(0)))
+        });
+        std::hint::black_box(total);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (words * 4) as f64 / best / 1e9
+}
+
+/// The 1-minute load average, so a reader can tell a contended run (Linux only).
+fn load_avg() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/loadavg").ok()?;
+    s.split_whitespace().next()?.parse().ok()
 }
 
 fn rayon_threads() -> usize {
@@ -238,4 +281,49 @@ fn rayon_threads() -> usize {
 
 fn round2(v: f64) -> f64 {
     (v * 100.0).round() / 100.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_every_batch_size_with_positive_rates() {
+        let args = Args {
+            model: None,
+            random: Some("small".into()),
+            batch: vec![1, 3],
+            prompt_len: 5,
+            decode_steps: 2,
+            prefill_chunk: 4,
+            json: true,
+        };
+        let out = measure(&args, 1 << 20).unwrap();
+        let results = out["results"].as_array().unwrap();
+        assert_eq!(results.len(), 2);
+        assert_eq!(results[1]["batch"], 3);
+        // 15 prompt tokens in chunks of at most 4.
+        assert_eq!(results[1]["prefill_steps"], 4);
+        for r in results {
+            assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0);
+            assert!(r["prefill_tok_s"].as_f64().unwrap() > 0.0);
+        }
+        assert!(out["weights_bytes_per_step"].as_u64().unwrap() > 0);
+        assert!(out["read_gb_s"].as_f64().unwrap() > 0.0);
+    }
+
+    #[test]
+    fn unknown_random_shape_is_an_error() {
+        let args = Args {
+            model: None,
+            random: Some("gpt-5".into()),
+            batch: vec![1],
+            prompt_len: 1,
+            decode_steps: 1,
+            prefill_chunk: 1,
+            json: true,
+        };
+        let err = measure(&args, 1 << 20).unwrap_err();
+        assert!(err.to_string().contains("unknown --random shape"), "{err}");
+    }
 }
