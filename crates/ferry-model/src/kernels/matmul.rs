@@ -216,6 +216,15 @@ mod avx2 {
         let mut acc = [[_mm256_setzero_ps(); R]; C];
         let mut p = 0;
         while p < k8 {
+            if p % 16 == 0 {
+                // Fetch the next R rows' line at this offset: a row is only a few KiB, too
+                // short for the hardware prefetcher to ramp up on before it ends. (A prefetch
+                // never faults, so running past the last row is harmless.)
+                for r in 0..R {
+                    let line = w.wrapping_add((j + R + r) * k + p);
+                    _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
+                }
+            }
             let mut wv = [_mm256_setzero_ps(); R];
             for (r, v) in wv.iter_mut().enumerate() {
                 // SAFETY: p + 8 <= k inside row j + r.
