@@ -91,6 +91,9 @@ pub fn paged_attention(
     }
 }
 
+/// One token, all heads. Query heads that share a KV head are done together so each K and
+/// V row is fetched once per group; each score and each output element is still computed in
+/// the same order as for one head alone.
 fn attend_token(
     arena: &[f32],
     layout: &KvLayout,
@@ -104,21 +107,27 @@ fn attend_token(
     let group = n_heads / layout.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let n_pos = query.pos + 1;
-    let mut scores = vec![0.0f32; n_pos];
-    for h in 0..n_heads {
-        let kv_head = h / group;
-        let qh = &q[h * hd..(h + 1) * hd];
-        for (p, s) in scores.iter_mut().enumerate() {
+    let mut scores = vec![0.0f32; group * n_pos];
+    for kv_head in 0..layout.n_kv_heads {
+        let heads = kv_head * group..(kv_head + 1) * group;
+        for p in 0..n_pos {
             let o = kv_offset(layout, layer, false, query.block_table, p) + kv_head * hd;
-            *s = dot(qh, &arena[o..o + hd]) * scale;
+            let k = &arena[o..o + hd];
+            for (g, h) in heads.clone().enumerate() {
+                scores[g * n_pos + p] = dot(&q[h * hd..(h + 1) * hd], k) * scale;
+            }
         }
-        softmax_in_place(&mut scores);
-        let oh = &mut out[h * hd..(h + 1) * hd];
-        oh.fill(0.0);
-        for (p, &w) in scores.iter().enumerate() {
+        scores.chunks_exact_mut(n_pos).for_each(softmax_in_place);
+        let out_group = &mut out[heads.start * hd..heads.end * hd];
+        out_group.fill(0.0);
+        for p in 0..n_pos {
             let o = kv_offset(layout, layer, true, query.block_table, p) + kv_head * hd;
-            for (acc, &v) in oh.iter_mut().zip(&arena[o..o + hd]) {
-                *acc += w * v;
+            let v = &arena[o..o + hd];
+            for (g, oh) in out_group.chunks_exact_mut(hd).enumerate() {
+                let w = scores[g * n_pos + p];
+                for (acc, &vi) in oh.iter_mut().zip(v) {
+                    *acc += w * vi;
+                }
             }
         }
     }

@@ -1,9 +1,10 @@
 //! `ferry bench model`: prefill and decode throughput of the real model at several batch
 //! sizes, with the memory-bandwidth bound that limits decode, printed as one JSON line.
 //!
-//! Each batch size gets a fresh arena. Prompts are prefilled in chunks of at most
+//! Each batch size gets its own arena. Prompts are prefilled in chunks of at most
 //! `--prefill-chunk` tokens per step (as the scheduler would), then every request decodes one
-//! token per step. Times are wall-clock around `Executor::execute`, sampling included.
+//! token per step, the batch sizes taking turns step by step. Times are wall-clock around
+//! `Executor::execute`, sampling included.
 
 use std::path::Path;
 use std::time::Instant;
@@ -69,14 +70,7 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
     let bytes_per_step = model.weights().bytes_read_per_step();
     let memcpy_gb_s = memcpy_bandwidth_gb_s(bandwidth_bytes);
     let read_gb_s = read_bandwidth_gb_s(bandwidth_bytes);
-    let mut results = Vec::new();
-    for &batch in &args.batch {
-        let r = bench_batch(&mut model, batch, args)?;
-        if !args.json {
-            eprintln!("batch {batch}: {r}");
-        }
-        results.push(r);
-    }
+    let results = bench_batches(&mut model, args)?;
     // Decode at batch 1 reads every weight once per token, so the fastest it can go is the
     // weight bytes over the rate memory can stream them. A copy moves each byte twice (read
     // and write), so the read probe is the fairer bound; both are reported.
@@ -127,60 +121,105 @@ struct BenchReq {
     table: Vec<BlockId>,
 }
 
-fn bench_batch(
-    model: &mut LlamaModel,
+/// One batch size's requests and their arena.
+struct BatchRun {
     batch: usize,
-    args: &Args,
-) -> anyhow::Result<serde_json::Value> {
-    let positions = args.prompt_len + args.decode_steps;
-    let blocks_per_req = positions.div_ceil(BLOCK_SIZE);
-    let n_blocks = 1 + batch * blocks_per_req;
-    let mut kv = KvArena::new(model.kv_layout(BLOCK_SIZE), n_blocks);
-    let mut rng = SplitMix64(batch as u64);
-    let vocab = model.vocab_size() as u64;
-    let mut reqs: Vec<BenchReq> = (0..batch)
-        .map(|i| BenchReq {
-            tokens: (0..args.prompt_len)
-                .map(|_| (rng.next_u64() % vocab) as u32)
-                .collect(),
-            computed: 0,
-            table: (0..blocks_per_req)
-                .map(|b| (1 + i * blocks_per_req + b) as BlockId)
-                .collect(),
-        })
-        .collect();
+    kv: KvArena,
+    reqs: Vec<BenchReq>,
+    prefill_steps: usize,
+    prefill_s: f64,
+    decode_s: f64,
+}
 
-    let t0 = Instant::now();
-    let mut prefill_steps = 0;
-    while reqs.iter().any(|r| r.computed < args.prompt_len) {
-        let mut budget = args.prefill_chunk;
-        let counts: Vec<usize> = reqs
-            .iter()
-            .map(|r| {
-                let n = (args.prompt_len - r.computed).min(budget);
-                budget -= n;
-                n
+impl BatchRun {
+    fn new(model: &LlamaModel, batch: usize, args: &Args) -> Self {
+        let positions = args.prompt_len + args.decode_steps;
+        let blocks_per_req = positions.div_ceil(BLOCK_SIZE);
+        let kv = KvArena::new(model.kv_layout(BLOCK_SIZE), 1 + batch * blocks_per_req);
+        let mut rng = SplitMix64(batch as u64);
+        let vocab = model.vocab_size() as u64;
+        let reqs = (0..batch)
+            .map(|i| BenchReq {
+                tokens: (0..args.prompt_len)
+                    .map(|_| (rng.next_u64() % vocab) as u32)
+                    .collect(),
+                computed: 0,
+                table: (0..blocks_per_req)
+                    .map(|b| (1 + i * blocks_per_req + b) as BlockId)
+                    .collect(),
             })
             .collect();
-        run_step(model, &mut kv, &mut reqs, &counts)?;
-        prefill_steps += 1;
+        Self {
+            batch,
+            kv,
+            reqs,
+            prefill_steps: 0,
+            prefill_s: 0.0,
+            decode_s: 0.0,
+        }
     }
-    let prefill_s = t0.elapsed().as_secs_f64();
 
-    let t1 = Instant::now();
-    for _ in 0..args.decode_steps {
-        run_step(model, &mut kv, &mut reqs, &vec![1; batch])?;
+    /// Prefills every prompt, at most `prefill_chunk` tokens per step.
+    fn prefill(&mut self, model: &mut LlamaModel, args: &Args) -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        while self.reqs.iter().any(|r| r.computed < args.prompt_len) {
+            let mut budget = args.prefill_chunk;
+            let counts: Vec<usize> = self
+                .reqs
+                .iter()
+                .map(|r| {
+                    let n = (args.prompt_len - r.computed).min(budget);
+                    budget -= n;
+                    n
+                })
+                .collect();
+            run_step(model, &mut self.kv, &mut self.reqs, &counts)?;
+            self.prefill_steps += 1;
+        }
+        self.prefill_s = t0.elapsed().as_secs_f64();
+        Ok(())
     }
-    let decode_s = t1.elapsed().as_secs_f64();
-    let decode_tokens = (batch * args.decode_steps) as f64;
-    Ok(json!({
-        "batch": batch,
-        "prefill_tokens": batch * args.prompt_len,
-        "prefill_steps": prefill_steps,
-        "prefill_tok_s": round2((batch * args.prompt_len) as f64 / prefill_s),
-        "decode_tok_s": round2(decode_tokens / decode_s),
-        "decode_ms_per_step": round2(decode_s * 1e3 / args.decode_steps.max(1) as f64),
-    }))
+
+    /// One decode step of every request, timed.
+    fn decode_step(&mut self, model: &mut LlamaModel) -> anyhow::Result<()> {
+        let t = Instant::now();
+        run_step(model, &mut self.kv, &mut self.reqs, &vec![1; self.batch])?;
+        self.decode_s += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn report(&self, args: &Args) -> serde_json::Value {
+        let prefill_tokens = self.batch * args.prompt_len;
+        let steps = args.decode_steps.max(1) as f64;
+        json!({
+            "batch": self.batch,
+            "prefill_tokens": prefill_tokens,
+            "prefill_steps": self.prefill_steps,
+            "prefill_tok_s": round2(prefill_tokens as f64 / self.prefill_s),
+            "decode_tok_s": round2((self.batch * args.decode_steps) as f64 / self.decode_s),
+            "decode_ms_per_step": round2(self.decode_s * 1e3 / steps),
+        })
+    }
+}
+
+/// Prefills every batch size, then decodes them round-robin, one step each in turn: on a
+/// shared machine the load drifts, and interleaving gives every batch size the same
+/// conditions, so their ratios mean something even when the absolute numbers move.
+fn bench_batches(model: &mut LlamaModel, args: &Args) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut runs: Vec<BatchRun> = args
+        .batch
+        .iter()
+        .map(|&b| BatchRun::new(model, b, args))
+        .collect();
+    for run in &mut runs {
+        run.prefill(model, args)?;
+    }
+    for _ in 0..args.decode_steps {
+        for run in &mut runs {
+            run.decode_step(model)?;
+        }
+    }
+    Ok(runs.iter().map(|r| r.report(args)).collect())
 }
 
 /// Schedules `counts[i]` tokens of request `i`; a request that reaches its last known token
