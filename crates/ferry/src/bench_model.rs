@@ -129,6 +129,8 @@ struct BatchRun {
     prefill_steps: usize,
     prefill_s: f64,
     decode_s: f64,
+    /// CPU time all of the process's threads spent in decode steps (None off Linux).
+    decode_cpu_s: Option<f64>,
 }
 
 impl BatchRun {
@@ -156,6 +158,7 @@ impl BatchRun {
             prefill_steps: 0,
             prefill_s: 0.0,
             decode_s: 0.0,
+            decode_cpu_s: Some(0.0),
         }
     }
 
@@ -182,9 +185,14 @@ impl BatchRun {
 
     /// One decode step of every request, timed.
     fn decode_step(&mut self, model: &mut LlamaModel) -> anyhow::Result<()> {
+        let cpu0 = process_cpu_s();
         let t = Instant::now();
         run_step(model, &mut self.kv, &mut self.reqs, &vec![1; self.batch])?;
         self.decode_s += t.elapsed().as_secs_f64();
+        self.decode_cpu_s = match (self.decode_cpu_s, cpu0, process_cpu_s()) {
+            (Some(sum), Some(a), Some(b)) => Some(sum + (b - a)),
+            _ => None,
+        };
         Ok(())
     }
 
@@ -198,6 +206,7 @@ impl BatchRun {
             "prefill_tok_s": round2(prefill_tokens as f64 / self.prefill_s),
             "decode_tok_s": round2((self.batch * args.decode_steps) as f64 / self.decode_s),
             "decode_ms_per_step": round2(self.decode_s * 1e3 / steps),
+            "decode_cpu_ms_per_step": self.decode_cpu_s.map(|c| round2(c * 1e3 / steps)),
         })
     }
 }
@@ -306,6 +315,18 @@ fn read_bandwidth_gb_s(bytes: usize) -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     (words * 4) as f64 / best / 1e9
+}
+
+/// CPU time (seconds) of every thread of this process so far, from the nanosecond counters
+/// in `/proc/self/task/*/schedstat` (Linux only). On a machine shared with other work, wall
+/// time also counts the time slices others took; CPU time does not.
+fn process_cpu_s() -> Option<f64> {
+    let mut ns: u64 = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        ns += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 / 1e9)
 }
 
 /// The 1-minute load average, so a reader can tell a contended run (Linux only).
