@@ -11,7 +11,7 @@ use ferry_core::BlockId;
 use ferry_kv::KvLayout;
 use rayon::prelude::*;
 
-use crate::kernels::dot;
+use crate::kernels::dot_rows;
 
 /// One query token: where it sits in its request and how to find its request's KV.
 #[derive(Debug, Clone, Copy)]
@@ -110,11 +110,15 @@ fn attend_token(
     let mut scores = vec![0.0f32; group * n_pos];
     for kv_head in 0..layout.n_kv_heads {
         let heads = kv_head * group..(kv_head + 1) * group;
-        for p in 0..n_pos {
-            let o = kv_offset(layout, layer, false, query.block_table, p) + kv_head * hd;
-            let k = &arena[o..o + hd];
+        // Scores a block at a time: the K vectors of a block's slots are evenly spaced.
+        for p0 in (0..n_pos).step_by(layout.block_size) {
+            let n = layout.block_size.min(n_pos - p0);
+            let o = kv_offset(layout, layer, false, query.block_table, p0) + kv_head * hd;
+            let rows = &arena[o..o + (n - 1) * layout.token_floats() + hd];
             for (g, h) in heads.clone().enumerate() {
-                scores[g * n_pos + p] = dot(&q[h * hd..(h + 1) * hd], k) * scale;
+                let s = &mut scores[g * n_pos + p0..g * n_pos + p0 + n];
+                dot_rows(&q[h * hd..(h + 1) * hd], rows, layout.token_floats(), s);
+                s.iter_mut().for_each(|v| *v *= scale);
             }
         }
         scores.chunks_exact_mut(n_pos).for_each(softmax_in_place);

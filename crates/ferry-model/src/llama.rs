@@ -13,7 +13,7 @@ use ferry_kv::{KvArena, KvLayout};
 use crate::attention::{paged_attention, write_kv, AttnQuery};
 use crate::config::LlamaConfig;
 use crate::executor::{ExecError, Executor};
-use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_row, silu_mul};
+use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_row, silu_mul};
 use crate::llama_weights::{LayerWeights, LlamaWeights, ModelError};
 use crate::rope::Rope;
 use crate::sampler::{sample, SamplerScratch};
@@ -305,8 +305,7 @@ impl LlamaModel {
         for (i, head) in row[..kv_end].chunks_exact_mut(hd).enumerate() {
             let norm = if i * hd < q_w { &lw.q_norm } else { &lw.k_norm };
             if let Some(w) = norm {
-                let tmp = head.to_vec();
-                rms_norm_row(&tmp, w, eps, head);
+                rms_norm_in_place(head, w, eps);
             }
             self.rope.apply(head, pos);
         }

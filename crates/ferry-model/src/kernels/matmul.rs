@@ -82,6 +82,38 @@ pub(super) fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// `out[r] = dot(q, rows[r * stride..r * stride + q.len()])`: one query against rows spaced
+/// `stride` floats apart (K vectors of consecutive slots in a KV block), each in the order of
+/// [`dot_with`], several rows at once so the FMA latency is hidden.
+pub(super) fn dot_rows_with(isa: Isa, q: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    let (n, k) = (out.len(), q.len());
+    if n == 0 {
+        return;
+    }
+    assert!(
+        stride >= k,
+        "dot_rows: stride {stride} is shorter than a row ({k})"
+    );
+    assert!(
+        rows.len() >= (n - 1) * stride + k,
+        "dot_rows: rows too short"
+    );
+    let tile = Tile {
+        w_stride: stride,
+        x_rows: 0..1,
+        w_rows: 0..n,
+        n,
+        k,
+    };
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx2Fma` is only chosen after run-time detection of both features; the
+        // asserts above keep every row inside `rows`.
+        Isa::Avx2Fma => unsafe { avx2::tile(q, rows, out.as_mut_ptr(), &tile) },
+        _ => portable::tile(q, rows, out.as_mut_ptr(), &tile),
+    }
+}
+
 /// All activation rows against W rows `w_rows`.
 #[allow(clippy::too_many_arguments)]
 fn run_rows(
@@ -99,6 +131,7 @@ fn run_rows(
         for w0 in w_rows.clone().step_by(W_BLOCK) {
             let wb = w0..(w0 + W_BLOCK).min(w_rows.end);
             let tile = Tile {
+                w_stride: k,
                 x_rows: x_rows.clone(),
                 w_rows: wb,
                 n,
@@ -117,6 +150,8 @@ fn run_rows(
 
 /// One block of the output: activation rows × W rows.
 struct Tile {
+    /// Floats between consecutive W rows (`k` for a matrix; more for K rows in the arena).
+    w_stride: usize,
     x_rows: Range<usize>,
     w_rows: Range<usize>,
     n: usize,
@@ -131,7 +166,7 @@ mod portable {
         for i in t.x_rows.clone() {
             let xi = &x[i * t.k..(i + 1) * t.k];
             for j in t.w_rows.clone() {
-                let s = dot8(xi, &w[j * t.k..(j + 1) * t.k]);
+                let s = dot8(xi, &w[j * t.w_stride..j * t.w_stride + t.k]);
                 // SAFETY: (i, j) is inside the m × n output checked by the caller.
                 unsafe { out.add(i * t.n + j).write(s) };
             }
@@ -214,7 +249,7 @@ mod avx2 {
         i: usize,
         j: usize,
     ) {
-        let k = t.k;
+        let (k, ws) = (t.k, t.w_stride);
         let k8 = k / 8 * 8;
         let mut acc = [[_mm256_setzero_ps(); R]; C];
         let mut p = 0;
@@ -224,14 +259,14 @@ mod avx2 {
                 // short for the hardware prefetcher to ramp up on before it ends. (A prefetch
                 // never faults, so running past the last row is harmless.)
                 for r in 0..R {
-                    let line = w.wrapping_add((j + R + r) * k + p);
+                    let line = w.wrapping_add((j + R + r) * ws + p);
                     _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
                 }
             }
             let mut wv = [_mm256_setzero_ps(); R];
             for (r, v) in wv.iter_mut().enumerate() {
                 // SAFETY: p + 8 <= k inside row j + r.
-                *v = unsafe { _mm256_loadu_ps(w.add((j + r) * k + p)) };
+                *v = unsafe { _mm256_loadu_ps(w.add((j + r) * ws + p)) };
             }
             for (c, row) in acc.iter_mut().enumerate() {
                 // SAFETY: p + 8 <= k inside row i + c.
@@ -247,7 +282,7 @@ mod avx2 {
                 let mut s = hsum(a);
                 for q in k8..k {
                     // SAFETY: q < k inside rows i + c and j + r.
-                    let (xq, wq) = unsafe { (*x.add((i + c) * k + q), *w.add((j + r) * k + q)) };
+                    let (xq, wq) = unsafe { (*x.add((i + c) * k + q), *w.add((j + r) * ws + q)) };
                     s = xq.mul_add(wq, s);
                 }
                 // SAFETY: (i + c, j + r) is inside the m × n output.
@@ -372,6 +407,21 @@ mod tests {
                 super::super::dot_with(isa, &x[..k], &w[k..2 * k]).to_bits(),
                 alone[1].to_bits()
             );
+        }
+    }
+
+    #[test]
+    fn strided_rows_give_the_bits_of_single_dots() {
+        let (k, stride, n) = (20, 27, 13);
+        let q = pseudo(k, 5);
+        let rows = pseudo((n - 1) * stride + k, 6);
+        for isa in isas() {
+            let mut out = vec![0.0; n];
+            dot_rows_with(isa, &q, &rows, stride, &mut out);
+            for (r, o) in out.iter().enumerate() {
+                let single = dot_with(isa, &q, &rows[r * stride..r * stride + k]);
+                assert_eq!(o.to_bits(), single.to_bits(), "{isa:?} row {r}");
+            }
         }
     }
 }

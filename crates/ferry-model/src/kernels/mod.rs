@@ -56,6 +56,11 @@ pub fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     matmul::dot_with(isa, a, b)
 }
 
+/// `out[r] = dot(q, rows[r * stride..][..q.len()])`, each in [`dot`]'s order.
+pub fn dot_rows(q: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    matmul::dot_rows_with(Isa::current(), q, rows, stride, out);
+}
+
 /// RMSNorm of each row of `x` (`rows × dim`) into `out`: `x / sqrt(mean(x²) + eps) * weight`,
 /// computed as Hugging Face does in f32 (normalize, then scale by the weight).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -68,11 +73,24 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 
 /// RMSNorm of one row (also used in place per head for Qwen3's q/k norm).
 pub fn rms_norm_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let mean_sq = dot(x, x) / x.len() as f32;
-    let inv = 1.0 / (mean_sq + eps).sqrt();
+    let inv = rms_inv(x, eps);
     for ((o, &xi), &w) in out.iter_mut().zip(x).zip(weight) {
         *o = w * (xi * inv);
     }
+}
+
+/// [`rms_norm_row`] in place (Qwen3's per-head q/k norm), with the same arithmetic.
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let inv = rms_inv(x, eps);
+    for (xi, &w) in x.iter_mut().zip(weight) {
+        *xi = w * (*xi * inv);
+    }
+}
+
+/// `1 / sqrt(mean(x²) + eps)`.
+fn rms_inv(x: &[f32], eps: f32) -> f32 {
+    let mean_sq = dot(x, x) / x.len() as f32;
+    1.0 / (mean_sq + eps).sqrt()
 }
 
 /// SwiGLU: `out[i] = silu(gate[i]) * up[i]` where each row of `gate_up` is `[gate | up]`.
