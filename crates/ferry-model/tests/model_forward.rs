@@ -363,4 +363,14 @@ fn bad_plans_and_a_released_arena_are_errors_not_panics() {
     ));
 
     assert!(model.forward(&good, &mut kv).is_ok());
+    let empty = model
+        .forward(
+            &ferry_core::StepPlan {
+                block_size: BS,
+                ..Default::default()
+            },
+            &mut kv,
+        )
+        .unwrap();
+    assert!(empty.reqs.is_empty() && empty.data.is_empty());
 }
