@@ -374,3 +374,32 @@ fn bad_plans_and_a_released_arena_are_errors_not_panics() {
         .unwrap();
     assert!(empty.reqs.is_empty() && empty.data.is_empty());
 }
+
+#[test]
+fn replace_weights_swaps_in_place_and_keeps_the_old_on_error() {
+    let config = small_config();
+    let (wa, wb) = (random_weights(&config, 61), random_weights(&config, 62));
+    let prompt = random_tokens(6, config.vocab_size, 63);
+    let logits_of = |model: &mut LlamaModel| {
+        let mut kv = arena_for(model, 16, BS);
+        let mut pool = Pool::new(16, BS, 64);
+        let mut seq = Seq::new(0, prompt.clone());
+        bits(step(model, &mut kv, &mut pool, &mut [&mut seq], &[6]).row(0))
+    };
+    let want_b = logits_of(&mut LlamaModel::new(&config, &wb).unwrap());
+    let mut model = LlamaModel::new(&config, &wa).unwrap();
+    let want_a = logits_of(&mut model);
+    assert_ne!(want_a, want_b);
+
+    let mut broken = wb.clone();
+    broken.tensors.remove("model.norm.weight");
+    assert!(model.replace_weights(&broken).is_err());
+    assert_eq!(
+        logits_of(&mut model),
+        want_a,
+        "a failed update keeps the old weights"
+    );
+
+    model.replace_weights(&wb).unwrap();
+    assert_eq!(logits_of(&mut model), want_b);
+}
