@@ -78,7 +78,7 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
     Ok(json!({
         "model": source,
         "isa": format!("{:?}", ferry_model::kernels::Isa::current()),
-        "threads": rayon_threads(),
+        "threads": ferry_model::kernels::threads(),
         "load_avg_1m": load_avg(),
         "prompt_len": args.prompt_len,
         "decode_steps": args.decode_steps,
@@ -278,7 +278,7 @@ fn run_step(
 fn memcpy_bandwidth_gb_s(bytes: usize) -> f64 {
     let src = vec![1u8; bytes];
     let mut dst = vec![0u8; bytes];
-    let chunk = bytes.div_ceil(rayon_threads());
+    let chunk = bytes.div_ceil(ferry_model::kernels::threads());
     let mut best = f64::INFINITY;
     for _ in 0..6 {
         let t = Instant::now();
@@ -298,7 +298,7 @@ fn memcpy_bandwidth_gb_s(bytes: usize) -> f64 {
 fn read_bandwidth_gb_s(bytes: usize) -> f64 {
     let words = bytes / 4;
     let buf: Vec<u32> = (0..words as u32).collect();
-    let chunk = words.div_ceil(rayon_threads());
+    let chunk = words.div_ceil(ferry_model::kernels::threads());
     let mut best = f64::INFINITY;
     for _ in 0..6 {
         let t = Instant::now();
@@ -333,10 +333,6 @@ fn process_cpu_s() -> Option<f64> {
 fn load_avg() -> Option<f64> {
     let s = std::fs::read_to_string("/proc/loadavg").ok()?;
     s.split_whitespace().next()?.parse().ok()
-}
-
-fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 fn round2(v: f64) -> f64 {

@@ -44,6 +44,11 @@ fn detect() -> Isa {
     Isa::Portable
 }
 
+/// Threads the kernels split work over (rayon's pool: the cores, or `RAYON_NUM_THREADS`).
+pub fn threads() -> usize {
+    rayon::current_num_threads()
+}
+
 /// Dot product of two equal-length slices, in the kernels' fixed order (the same order the
 /// matmul uses for each output element).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
