@@ -206,6 +206,14 @@ impl LlamaModel {
                     table.len()
                 ));
             }
+            if end_pos > self.config.max_position_embeddings {
+                return bad(format!(
+                    "request {:?}: position {} is past the model's context ({})",
+                    r.req,
+                    end_pos - 1,
+                    self.config.max_position_embeddings
+                ));
+            }
             let used = end_pos.div_ceil(plan.block_size);
             if let Some(&b) = table[..used].iter().find(|&&b| b as usize >= n_blocks) {
                 return bad(format!(

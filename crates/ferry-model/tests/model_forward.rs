@@ -355,6 +355,14 @@ fn bad_plans_and_a_released_arena_are_errors_not_panics() {
         matches!(model.forward(&p, &mut kv), Err(ExecError::InvalidPlan(m)) if m.contains("layout"))
     );
 
+    let mut p = good.clone();
+    p.reqs[0].start_pos = config.max_position_embeddings - 2; // the last position is past it
+    p.block_tables = vec![1; config.max_position_embeddings / BS + 1];
+    p.reqs[0].blocks = 0..p.block_tables.len();
+    assert!(
+        matches!(model.forward(&p, &mut kv), Err(ExecError::InvalidPlan(m)) if m.contains("context"))
+    );
+
     let mut released = KvArena::new(model.kv_layout(BS), 8);
     released.release();
     assert!(matches!(
