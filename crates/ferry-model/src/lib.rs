@@ -4,10 +4,16 @@
 //! model (no weights; its next token depends on every KV byte of the sequence, so wrong,
 //! missing or stale KV changes the output).
 
+pub mod attention;
 pub mod checksum;
 pub mod config;
 pub mod executor;
+pub mod kernels;
+pub mod llama;
+pub mod llama_weights;
 pub mod load;
+pub mod random_model;
+pub mod rope;
 pub mod sampler;
 pub mod tiny;
 pub mod weights;
@@ -15,6 +21,8 @@ pub mod weights;
 pub use checksum::{ChecksumConfigError, ChecksumModel};
 pub use config::{LlamaConfig, RopeScaling};
 pub use executor::{ExecError, Executor};
+pub use llama::{LlamaModel, Logits};
+pub use llama_weights::{LlamaWeights, ModelError};
 pub use load::{default_model_path, expected_tensors, ModelSpec};
 pub use load::{load_model, LoadError, LoadedModel};
 pub use weights::{Tensor, WeightStore};

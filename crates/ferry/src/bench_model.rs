@@ -1,8 +1,385 @@
-//! `ferry bench model` (being built).
+//! `ferry bench model`: prefill and decode throughput of the real model at several batch
+//! sizes, with the memory-bandwidth bound that limits decode, printed as one JSON line.
+//!
+//! Each batch size gets its own arena. Prompts are prefilled in chunks of at most
+//! `--prefill-chunk` tokens per step (as the scheduler would), then every request decodes one
+//! token per step, the batch sizes taking turns step by step. Times are wall-clock around
+//! `Executor::execute`, sampling included.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Context;
+use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplingParams, ScheduledReq, StepPlan};
+use ferry_kv::KvArena;
+use ferry_model::random_model::{random_weights, small_config, smollm2_135m_config, SplitMix64};
+use ferry_model::{Executor, LlamaConfig, LlamaModel, WeightStore};
+use serde_json::json;
+
+const BLOCK_SIZE: usize = 16;
 
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// A Hugging Face model folder, a `.gguf` file, or `tiny`.
+    #[arg(long, conflicts_with = "random")]
+    model: Option<String>,
+    /// Random weights in a known shape instead of a file: `smollm2-135m` or `small`.
+    #[arg(long)]
+    random: Option<String>,
+    /// Batch sizes to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+    batch: Vec<usize>,
+    /// Prompt tokens per request.
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    /// Decode steps measured per batch size.
+    #[arg(long, default_value_t = 32)]
+    decode_steps: usize,
+    /// Most prompt tokens computed in one prefill step.
+    #[arg(long, default_value_t = 2048)]
+    prefill_chunk: usize,
+    /// Print only the JSON line (otherwise it is pretty-printed).
+    #[arg(long)]
+    json: bool,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("not built yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let out = measure(&args, BANDWIDTH_BYTES)?;
+    if args.json {
+        println!("{out}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    Ok(())
+}
+
+/// Size of the buffers the bandwidth probes stream through (far above any cache we target).
+const BANDWIDTH_BYTES: usize = 256 << 20;
+
+/// Runs every batch size and returns the report.
+fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Value> {
+    anyhow::ensure!(args.prompt_len > 0, "--prompt-len must be at least 1");
+    anyhow::ensure!(args.prefill_chunk > 0, "--prefill-chunk must be at least 1");
+    anyhow::ensure!(
+        args.batch.iter().all(|&b| b > 0),
+        "--batch sizes must be at least 1"
+    );
+    let (source, config, weights) = load(args)?;
+    let mut model = LlamaModel::new(&config, &weights).context("building the model")?;
+    drop(weights);
+    let bytes_per_step = model.weights().bytes_read_per_step();
+    let memcpy_gb_s = memcpy_bandwidth_gb_s(bandwidth_bytes);
+    let read_gb_s = read_bandwidth_gb_s(bandwidth_bytes);
+    let results = bench_batches(&mut model, args)?;
+    // Decode at batch 1 reads every weight once per token, so the fastest it can go is the
+    // weight bytes over the rate memory can stream them. A copy moves each byte twice (read
+    // and write), so the read probe is the fairer bound; both are reported.
+    let bound_ms = |gb_s: f64| round2(bytes_per_step as f64 / (gb_s * 1e9) * 1e3);
+    Ok(json!({
+        "model": source,
+        "isa": format!("{:?}", ferry_model::kernels::Isa::current()),
+        "threads": ferry_model::kernels::threads(),
+        "load_avg_1m": load_avg(),
+        "prompt_len": args.prompt_len,
+        "decode_steps": args.decode_steps,
+        "weights_bytes": model.weights().total_bytes(),
+        "weights_bytes_per_step": bytes_per_step,
+        "memcpy_gb_s": round2(memcpy_gb_s),
+        "read_gb_s": round2(read_gb_s),
+        "batch1_decode_bound_ms_memcpy": bound_ms(memcpy_gb_s),
+        "batch1_decode_bound_ms_read": bound_ms(read_gb_s),
+        "results": results,
+    }))
+}
+
+fn load(args: &Args) -> anyhow::Result<(String, LlamaConfig, WeightStore)> {
+    match (&args.model, args.random.as_deref()) {
+        (_, Some("smollm2-135m")) => {
+            let c = smollm2_135m_config();
+            let w = random_weights(&c, 0);
+            Ok(("random:smollm2-135m".into(), c, w))
+        }
+        (_, Some("small")) => {
+            let c = small_config();
+            let w = random_weights(&c, 0);
+            Ok(("random:small".into(), c, w))
+        }
+        (_, Some(other)) => anyhow::bail!("unknown --random shape {other:?} (smollm2-135m, small)"),
+        (Some(path), None) => {
+            let m = ferry_model::load_model(Path::new(path))
+                .with_context(|| format!("loading {path}"))?;
+            Ok((m.source, m.config, m.weights))
+        }
+        (None, None) => anyhow::bail!("give --model PATH|tiny or --random smollm2-135m"),
+    }
+}
+
+/// One request of the benchmark.
+struct BenchReq {
+    tokens: Vec<u32>,
+    computed: usize,
+    table: Vec<BlockId>,
+}
+
+/// One batch size's requests and their arena.
+struct BatchRun {
+    batch: usize,
+    kv: KvArena,
+    reqs: Vec<BenchReq>,
+    prefill_steps: usize,
+    prefill_s: f64,
+    decode_s: f64,
+    /// CPU time all of the process's threads spent in decode steps (None off Linux).
+    decode_cpu_s: Option<f64>,
+}
+
+impl BatchRun {
+    fn new(model: &LlamaModel, batch: usize, args: &Args) -> Self {
+        let positions = args.prompt_len + args.decode_steps;
+        let blocks_per_req = positions.div_ceil(BLOCK_SIZE);
+        let kv = KvArena::new(model.kv_layout(BLOCK_SIZE), 1 + batch * blocks_per_req);
+        let mut rng = SplitMix64(batch as u64);
+        let vocab = model.vocab_size() as u64;
+        let reqs = (0..batch)
+            .map(|i| BenchReq {
+                tokens: (0..args.prompt_len)
+                    .map(|_| (rng.next_u64() % vocab) as u32)
+                    .collect(),
+                computed: 0,
+                table: (0..blocks_per_req)
+                    .map(|b| (1 + i * blocks_per_req + b) as BlockId)
+                    .collect(),
+            })
+            .collect();
+        Self {
+            batch,
+            kv,
+            reqs,
+            prefill_steps: 0,
+            prefill_s: 0.0,
+            decode_s: 0.0,
+            decode_cpu_s: Some(0.0),
+        }
+    }
+
+    /// Prefills every prompt, at most `prefill_chunk` tokens per step.
+    fn prefill(&mut self, model: &mut LlamaModel, args: &Args) -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        while self.reqs.iter().any(|r| r.computed < args.prompt_len) {
+            let mut budget = args.prefill_chunk;
+            let counts: Vec<usize> = self
+                .reqs
+                .iter()
+                .map(|r| {
+                    let n = (args.prompt_len - r.computed).min(budget);
+                    budget -= n;
+                    n
+                })
+                .collect();
+            run_step(model, &mut self.kv, &mut self.reqs, &counts)?;
+            self.prefill_steps += 1;
+        }
+        self.prefill_s = t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// One decode step of every request, timed.
+    fn decode_step(&mut self, model: &mut LlamaModel) -> anyhow::Result<()> {
+        let cpu0 = process_cpu_s();
+        let t = Instant::now();
+        run_step(model, &mut self.kv, &mut self.reqs, &vec![1; self.batch])?;
+        self.decode_s += t.elapsed().as_secs_f64();
+        self.decode_cpu_s = match (self.decode_cpu_s, cpu0, process_cpu_s()) {
+            (Some(sum), Some(a), Some(b)) => Some(sum + (b - a)),
+            _ => None,
+        };
+        Ok(())
+    }
+
+    fn report(&self, args: &Args) -> serde_json::Value {
+        let prefill_tokens = self.batch * args.prompt_len;
+        let steps = args.decode_steps.max(1) as f64;
+        json!({
+            "batch": self.batch,
+            "prefill_tokens": prefill_tokens,
+            "prefill_steps": self.prefill_steps,
+            "prefill_tok_s": round2(prefill_tokens as f64 / self.prefill_s),
+            "decode_tok_s": round2((self.batch * args.decode_steps) as f64 / self.decode_s),
+            "decode_ms_per_step": round2(self.decode_s * 1e3 / steps),
+            "decode_cpu_ms_per_step": self.decode_cpu_s.map(|c| round2(c * 1e3 / steps)),
+        })
+    }
+}
+
+/// Prefills every batch size, then decodes them round-robin, one step each in turn: on a
+/// shared machine the load drifts, and interleaving gives every batch size the same
+/// conditions, so their ratios mean something even when the absolute numbers move.
+fn bench_batches(model: &mut LlamaModel, args: &Args) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut runs: Vec<BatchRun> = args
+        .batch
+        .iter()
+        .map(|&b| BatchRun::new(model, b, args))
+        .collect();
+    for run in &mut runs {
+        run.prefill(model, args)?;
+    }
+    for _ in 0..args.decode_steps {
+        for run in &mut runs {
+            run.decode_step(model)?;
+        }
+    }
+    Ok(runs.iter().map(|r| r.report(args)).collect())
+}
+
+/// Schedules `counts[i]` tokens of request `i`; a request that reaches its last known token
+/// samples, and its sampled token is appended.
+fn run_step(
+    model: &mut LlamaModel,
+    kv: &mut KvArena,
+    reqs: &mut [BenchReq],
+    counts: &[usize],
+) -> anyhow::Result<()> {
+    let mut plan = StepPlan {
+        block_size: BLOCK_SIZE,
+        ..StepPlan::default()
+    };
+    for (i, (r, &n)) in reqs.iter().zip(counts).enumerate() {
+        if n == 0 {
+            continue;
+        }
+        let end = r.computed + n;
+        let t0 = plan.token_ids.len();
+        plan.token_ids.extend(&r.tokens[r.computed..end]);
+        let b0 = plan.block_tables.len();
+        plan.block_tables.extend(&r.table);
+        plan.reqs.push(ScheduledReq {
+            req: ReqIdx(i as u32),
+            start_pos: r.computed,
+            tokens: t0..plan.token_ids.len(),
+            blocks: b0..plan.block_tables.len(),
+            sample: (end == r.tokens.len()).then(|| SampleSpec {
+                params: SamplingParams::greedy(1).sampler_spec(),
+                output_idx: 0,
+            }),
+        });
+    }
+    let out = model.execute(&plan, kv)?;
+    for (r, &n) in reqs.iter_mut().zip(counts) {
+        r.computed += n;
+    }
+    for s in out.sampled {
+        reqs[s.req.0 as usize].tokens.push(s.token);
+    }
+    Ok(())
+}
+
+/// Copy bandwidth (bytes copied per second, in GB/s) of a `bytes` buffer, split across the
+/// threads the model uses, best of 5 after a warm-up.
+fn memcpy_bandwidth_gb_s(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let chunk = bytes.div_ceil(ferry_model::kernels::threads());
+    let mut best = f64::INFINITY;
+    for _ in 0..6 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for (d, c) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+                s.spawn(move || d.copy_from_slice(c));
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    bytes as f64 / best / 1e9
+}
+
+/// Read bandwidth (GB/s): every thread sums its share of a `bytes` buffer, best of 5 after a
+/// warm-up. Integer sums so the compiler vectorizes them (float sums are order-bound).
+fn read_bandwidth_gb_s(bytes: usize) -> f64 {
+    let words = bytes / 4;
+    let buf: Vec<u32> = (0..words as u32).collect();
+    let chunk = words.div_ceil(ferry_model::kernels::threads());
+    let mut best = f64::INFINITY;
+    for _ in 0..6 {
+        let t = Instant::now();
+        let total = std::thread::scope(|s| {
+            let handles: Vec<_> = buf
+                .chunks(chunk)
+                .map(|c| s.spawn(move || c.iter().fold(0u32, |a, &b| a.wrapping_add(b))))
+                .collect();
+            handles
+                .into_iter()
+                .fold(0u32, |a, h| a.wrapping_add(h.join().unwrap_or(0)))
+        });
+        std::hint::black_box(total);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (words * 4) as f64 / best / 1e9
+}
+
+/// CPU time (seconds) of every thread of this process so far, from the nanosecond counters
+/// in `/proc/self/task/*/schedstat` (Linux only). On a machine shared with other work, wall
+/// time also counts the time slices others took; CPU time does not.
+fn process_cpu_s() -> Option<f64> {
+    let mut ns: u64 = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        ns += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 / 1e9)
+}
+
+/// The 1-minute load average, so a reader can tell a contended run (Linux only).
+fn load_avg() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/loadavg").ok()?;
+    s.split_whitespace().next()?.parse().ok()
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_every_batch_size_with_positive_rates() {
+        let args = Args {
+            model: None,
+            random: Some("small".into()),
+            batch: vec![1, 3],
+            prompt_len: 5,
+            decode_steps: 2,
+            prefill_chunk: 4,
+            json: true,
+        };
+        let out = measure(&args, 1 << 20).unwrap();
+        let results = out["results"].as_array().unwrap();
+        assert_eq!(results.len(), 2);
+        assert_eq!(results[1]["batch"], 3);
+        // 15 prompt tokens in chunks of at most 4.
+        assert_eq!(results[1]["prefill_steps"], 4);
+        for r in results {
+            assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0);
+            assert!(r["prefill_tok_s"].as_f64().unwrap() > 0.0);
+        }
+        assert!(out["weights_bytes_per_step"].as_u64().unwrap() > 0);
+        assert!(out["read_gb_s"].as_f64().unwrap() > 0.0);
+    }
+
+    #[test]
+    fn unknown_random_shape_is_an_error() {
+        let args = Args {
+            model: None,
+            random: Some("gpt-5".into()),
+            batch: vec![1],
+            prompt_len: 1,
+            decode_steps: 1,
+            prefill_chunk: 1,
+            json: true,
+        };
+        let err = measure(&args, 1 << 20).unwrap_err();
+        assert!(err.to_string().contains("unknown --random shape"), "{err}");
+    }
 }

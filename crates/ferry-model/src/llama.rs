@@ -1,0 +1,369 @@
+//! The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3) as an [`Executor`]: one
+//! forward over a mixed batch of prefill chunks and decode tokens, with paged attention over
+//! the KV arena.
+//!
+//! Every stage is batch invariant: matmuls compute each output element in a fixed order
+//! (see [`crate::kernels`]), norms, rope and activations are per token, and attention reads
+//! only the token's own request. So a request's logits have the same bits whatever else is
+//! in its batch, and chunked prefill gives the same KV as one-shot prefill.
+
+use ferry_core::{ModelOutput, ReqIdx, StepPlan};
+use ferry_kv::{KvArena, KvLayout};
+
+use crate::attention::{paged_attention, write_kv, AttnQuery};
+use crate::config::LlamaConfig;
+use crate::executor::{ExecError, Executor};
+use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_row, silu_mul};
+use crate::llama_weights::{LayerWeights, LlamaWeights, ModelError};
+use crate::rope::Rope;
+use crate::sampler::{sample, SamplerScratch};
+use crate::weights::WeightStore;
+
+/// Positions the rope tables cover from the start (they grow on demand).
+const INITIAL_ROPE_POSITIONS: usize = 4096;
+
+/// Logits of the sampled positions of one step: one row per scheduled request whose
+/// `sample` is set, in plan order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logits {
+    pub vocab_size: usize,
+    pub reqs: Vec<ReqIdx>,
+    /// `reqs.len() × vocab_size`, row-major.
+    pub data: Vec<f32>,
+}
+
+impl Logits {
+    /// The logits row of the `i`-th sampled request.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab_size..(i + 1) * self.vocab_size]
+    }
+}
+
+/// A Llama-family model ready to run steps.
+#[derive(Debug)]
+pub struct LlamaModel {
+    config: LlamaConfig,
+    weights: LlamaWeights,
+    rope: Rope,
+    sampler_scratch: SamplerScratch,
+    /// Activation buffers kept across layers and steps: fresh multi-megabyte vectors would be
+    /// mmapped and page-faulted in on every layer, which cost a third of a batch-64 step.
+    scratch: Scratch,
+}
+
+/// Per-step activation buffers, grown to the largest step seen.
+#[derive(Debug, Default)]
+struct Scratch {
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    q: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+}
+
+/// The first `n` floats of `v`, growing it if needed. Contents are stale: every caller
+/// overwrites the whole slice.
+fn take(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+/// Where each token of a step sits.
+struct TokenMeta<'a> {
+    queries: Vec<AttnQuery<'a>>,
+    /// Arena slot (`block * block_size + offset`) of each token.
+    slots: Vec<usize>,
+    /// Index into the step's tokens of the last token of each request that samples.
+    sample_rows: Vec<usize>,
+    sample_reqs: Vec<ReqIdx>,
+}
+
+impl LlamaModel {
+    /// Builds the model, checking the config and every tensor's presence and shape.
+    pub fn new(config: &LlamaConfig, weights: &WeightStore) -> Result<Self, ModelError> {
+        let weights = LlamaWeights::from_store(config, weights)?;
+        let rope = Rope::new(
+            config,
+            INITIAL_ROPE_POSITIONS.min(config.max_position_embeddings.max(1)),
+        );
+        Ok(Self {
+            config: config.clone(),
+            weights,
+            rope,
+            sampler_scratch: SamplerScratch::default(),
+            scratch: Scratch::default(),
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    pub fn weights(&self) -> &LlamaWeights {
+        &self.weights
+    }
+
+    /// Replaces the weights in place (same architecture); on error the old weights stay.
+    pub fn replace_weights(&mut self, weights: &WeightStore) -> Result<(), ModelError> {
+        self.weights = LlamaWeights::from_store(&self.config, weights)?;
+        Ok(())
+    }
+
+    /// Runs the step: writes every scheduled token's KV into the arena and returns the logits
+    /// of the requests that sample.
+    pub fn forward(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<Logits, ExecError> {
+        self.check_arena(plan, kv)?;
+        let meta = self.token_meta(plan, kv.n_blocks())?;
+        let max_pos = meta.queries.iter().map(|q| q.pos + 1).max().unwrap_or(0);
+        self.rope.ensure(max_pos);
+        let h = self.config.hidden_size;
+        let mut x = vec![0.0f32; plan.num_tokens() * h];
+        for (row, &t) in x.chunks_exact_mut(h).zip(&plan.token_ids) {
+            let t = t as usize;
+            row.copy_from_slice(&self.weights.embed[t * h..(t + 1) * h]);
+        }
+        let layout = kv.layout();
+        let mut scratch = std::mem::take(&mut self.scratch);
+        for (l, lw) in self.weights.layers.iter().enumerate() {
+            self.layer(
+                l,
+                lw,
+                &meta,
+                &layout,
+                kv.as_mut_slice(),
+                &mut x,
+                &mut scratch,
+            );
+        }
+        self.scratch = scratch;
+        Ok(self.logits(&meta, &x))
+    }
+
+    fn check_arena(&self, plan: &StepPlan, kv: &KvArena) -> Result<(), ExecError> {
+        if !kv.is_allocated() {
+            return Err(ExecError::ArenaReleased);
+        }
+        let want = self.kv_layout(plan.block_size);
+        if kv.layout() != want {
+            return Err(ExecError::InvalidPlan(format!(
+                "arena layout {:?} does not match the model's {want:?} at block size {}",
+                kv.layout(),
+                plan.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Validates the plan against the arena and the vocabulary, and lays out its tokens.
+    fn token_meta<'p>(
+        &self,
+        plan: &'p StepPlan,
+        n_blocks: usize,
+    ) -> Result<TokenMeta<'p>, ExecError> {
+        let bad = |m: String| Err(ExecError::InvalidPlan(m));
+        let n = plan.num_tokens();
+        if let Some(&t) = plan
+            .token_ids
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return bad(format!(
+                "token id {t} is outside the vocabulary ({})",
+                self.config.vocab_size
+            ));
+        }
+        let mut meta = TokenMeta {
+            queries: Vec::with_capacity(n),
+            slots: Vec::with_capacity(n),
+            sample_rows: Vec::new(),
+            sample_reqs: Vec::new(),
+        };
+        let mut next_token = 0;
+        for r in &plan.reqs {
+            if r.tokens.start != next_token || r.tokens.end < r.tokens.start || r.tokens.end > n {
+                return bad(format!(
+                    "request {:?}: tokens {:?} are not the next range of the {n} step tokens",
+                    r.req, r.tokens
+                ));
+            }
+            next_token = r.tokens.end;
+            if r.blocks.start > r.blocks.end || r.blocks.end > plan.block_tables.len() {
+                return bad(format!(
+                    "request {:?}: block range {:?} is out of range",
+                    r.req, r.blocks
+                ));
+            }
+            let table = plan.block_table_of(r);
+            let end_pos = r.start_pos + r.tokens.len();
+            if table.len() * plan.block_size < end_pos {
+                return bad(format!(
+                    "request {:?}: {} blocks cannot hold {end_pos} positions",
+                    r.req,
+                    table.len()
+                ));
+            }
+            if end_pos > self.config.max_position_embeddings {
+                return bad(format!(
+                    "request {:?}: position {} is past the model's context ({})",
+                    r.req,
+                    end_pos - 1,
+                    self.config.max_position_embeddings
+                ));
+            }
+            let used = end_pos.div_ceil(plan.block_size);
+            if let Some(&b) = table[..used].iter().find(|&&b| b as usize >= n_blocks) {
+                return bad(format!(
+                    "request {:?}: block {b} is outside the arena ({n_blocks})",
+                    r.req
+                ));
+            }
+            for pos in r.start_pos..end_pos {
+                meta.queries.push(AttnQuery {
+                    pos,
+                    block_table: table,
+                });
+                meta.slots.push(plan.slot_of(r, pos));
+            }
+            if r.sample.is_some() {
+                if r.tokens.is_empty() {
+                    return bad(format!(
+                        "request {:?} samples but has no token this step",
+                        r.req
+                    ));
+                }
+                meta.sample_rows.push(r.tokens.end - 1);
+                meta.sample_reqs.push(r.req);
+            }
+        }
+        if next_token != n {
+            return bad(format!(
+                "the requests cover {next_token} of the {n} step tokens"
+            ));
+        }
+        Ok(meta)
+    }
+
+    /// One decoder layer over all the step's tokens, updating the residual stream `x`.
+    #[allow(clippy::too_many_arguments)]
+    fn layer(
+        &self,
+        l: usize,
+        lw: &LayerWeights,
+        meta: &TokenMeta<'_>,
+        layout: &KvLayout,
+        arena: &mut [f32],
+        x: &mut [f32],
+        s: &mut Scratch,
+    ) {
+        let c = &self.config;
+        let (h, hd, n) = (c.hidden_size, c.head_dim, meta.slots.len());
+        let (q_w, kv_w) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let qkv_w = q_w + 2 * kv_w;
+
+        let normed = take(&mut s.normed, n * h);
+        rms_norm(x, &lw.input_norm, c.rms_norm_eps, normed);
+        let qkv = take(&mut s.qkv, n * qkv_w);
+        matmul(normed, &lw.qkv, qkv, n, qkv_w, h);
+        if let Some(bias) = &lw.qkv_bias {
+            qkv.chunks_exact_mut(qkv_w)
+                .for_each(|row| add_assign(row, bias));
+        }
+        let q = take(&mut s.q, n * q_w);
+        for (t, row) in qkv.chunks_exact_mut(qkv_w).enumerate() {
+            self.position_heads(lw, row, meta.queries[t].pos, q_w);
+            q[t * q_w..(t + 1) * q_w].copy_from_slice(&row[..q_w]);
+            let (k, v) = row[q_w..].split_at(kv_w);
+            write_kv(arena, layout, l, meta.slots[t], k, v);
+        }
+        let attn = take(&mut s.attn, n * q_w);
+        paged_attention(
+            arena,
+            layout,
+            l,
+            c.num_attention_heads,
+            &meta.queries,
+            q,
+            attn,
+        );
+        let proj = take(&mut s.proj, n * h);
+        matmul(attn, &lw.o_proj, proj, n, h, q_w);
+        add_assign(x, proj);
+
+        let normed = take(&mut s.normed, n * h);
+        rms_norm(x, &lw.post_norm, c.rms_norm_eps, normed);
+        let inter = c.intermediate_size;
+        let gate_up = take(&mut s.gate_up, n * 2 * inter);
+        matmul(normed, &lw.gate_up, gate_up, n, 2 * inter, h);
+        let act = take(&mut s.act, n * inter);
+        silu_mul(gate_up, inter, act);
+        let proj = take(&mut s.proj, n * h);
+        matmul(act, &lw.down, proj, n, h, inter);
+        add_assign(x, proj);
+    }
+
+    /// Qwen3's per-head q/k RMSNorm, then rope on every q and k head of one token's qkv row.
+    fn position_heads(&self, lw: &LayerWeights, row: &mut [f32], pos: usize, q_w: usize) {
+        let hd = self.config.head_dim;
+        let kv_end = q_w + self.config.num_key_value_heads * hd;
+        let eps = self.config.rms_norm_eps;
+        for (i, head) in row[..kv_end].chunks_exact_mut(hd).enumerate() {
+            let norm = if i * hd < q_w { &lw.q_norm } else { &lw.k_norm };
+            if let Some(w) = norm {
+                rms_norm_in_place(head, w, eps);
+            }
+            self.rope.apply(head, pos);
+        }
+    }
+
+    /// Final norm and head on the sampled tokens only.
+    fn logits(&self, meta: &TokenMeta<'_>, x: &[f32]) -> Logits {
+        let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
+        let m = meta.sample_rows.len();
+        let mut last = vec![0.0f32; m * h];
+        for (dst, &t) in last.chunks_exact_mut(h).zip(&meta.sample_rows) {
+            rms_norm_row(
+                &x[t * h..(t + 1) * h],
+                &self.weights.norm,
+                self.config.rms_norm_eps,
+                dst,
+            );
+        }
+        let mut data = vec![0.0f32; m * vocab];
+        matmul(&last, self.weights.head(), &mut data, m, vocab, h);
+        Logits {
+            vocab_size: vocab,
+            reqs: meta.sample_reqs.clone(),
+            data,
+        }
+    }
+}
+
+impl Executor for LlamaModel {
+    fn kv_layout(&self, block_size: usize) -> KvLayout {
+        KvLayout {
+            n_layers: self.config.num_hidden_layers,
+            n_kv_heads: self.config.num_key_value_heads,
+            head_dim: self.config.head_dim,
+            block_size,
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
+        let logits = self.forward(plan, kv)?;
+        let specs = plan.reqs.iter().filter_map(|r| r.sample.as_ref());
+        let sampled = specs
+            .zip(&logits.reqs)
+            .enumerate()
+            .map(|(i, (spec, &req))| sample(logits.row(i), spec, req, &mut self.sampler_scratch))
+            .collect();
+        Ok(ModelOutput { sampled })
+    }
+}

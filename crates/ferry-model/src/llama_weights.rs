@@ -1,0 +1,248 @@
+//! The Llama-family weights in the layout the forward wants, built from a [`WeightStore`]
+//! (Hugging Face names) after checking every tensor's presence and shape.
+//!
+//! Q/K/V are fused into one `[(n_heads + 2 n_kv_heads) · head_dim, hidden]` matrix and
+//! gate/up into one `[2 · intermediate, hidden]` matrix, so a layer runs three matmuls plus
+//! the output projection instead of six, with one parallel dispatch each. Fusing only stacks
+//! rows: each output element is still the same dot product, so the bits do not change.
+//! Everything lives in [`LlamaWeights`], so an in-place weight update is "build a new one
+//! and swap it in".
+
+use crate::config::LlamaConfig;
+use crate::weights::WeightStore;
+
+/// What is wrong with a config or a weight store, naming the field or tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("missing tensor {name}")]
+    MissingTensor { name: String },
+    #[error("tensor {name} has shape {got:?}, expected {expected:?}")]
+    BadShape {
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("tensor {name} has {got} values, but its shape {shape:?} needs {expected}")]
+    BadLength {
+        name: String,
+        shape: Vec<usize>,
+        expected: usize,
+        got: usize,
+    },
+    #[error("invalid config: {field}: {message}")]
+    InvalidConfig {
+        field: &'static str,
+        message: String,
+    },
+}
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    pub input_norm: Vec<f32>,
+    /// `[q; k; v]` rows, each `hidden` wide.
+    pub qkv: Vec<f32>,
+    /// `[q; k; v]` bias (Qwen2/2.5).
+    pub qkv_bias: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights on q and k (Qwen3), `head_dim` each.
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub o_proj: Vec<f32>,
+    pub post_norm: Vec<f32>,
+    /// `[gate; up]` rows, each `hidden` wide.
+    pub gate_up: Vec<f32>,
+    pub down: Vec<f32>,
+}
+
+/// The whole model's weights.
+#[derive(Debug, Clone)]
+pub struct LlamaWeights {
+    pub embed: Vec<f32>,
+    pub layers: Vec<LayerWeights>,
+    pub norm: Vec<f32>,
+    /// `None` with tied embeddings: the head is `embed`.
+    pub lm_head: Option<Vec<f32>>,
+}
+
+impl LlamaWeights {
+    /// Checks `config` and copies the tensors it needs out of `store`.
+    pub fn from_store(config: &LlamaConfig, store: &WeightStore) -> Result<Self, ModelError> {
+        check_config(config)?;
+        let h = config.hidden_size;
+        let getter = Getter { store };
+        let layers = (0..config.num_hidden_layers)
+            .map(|l| layer_from_store(config, &getter, l))
+            .collect::<Result<_, _>>()?;
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(getter.get("lm_head.weight", &[config.vocab_size, h])?)
+        };
+        Ok(Self {
+            embed: getter.get("model.embed_tokens.weight", &[config.vocab_size, h])?,
+            layers,
+            norm: getter.get("model.norm.weight", &[h])?,
+            lm_head,
+        })
+    }
+
+    /// The output projection (`vocab × hidden`).
+    pub fn head(&self) -> &[f32] {
+        self.lm_head.as_deref().unwrap_or(&self.embed)
+    }
+
+    /// Bytes of all weights held.
+    pub fn total_bytes(&self) -> usize {
+        let head = self.lm_head.as_ref().map_or(0, Vec::len);
+        (self.embed.len() + head + self.layer_floats() + self.norm.len()) * size_of::<f32>()
+    }
+
+    /// Bytes of weights one decode step reads: every layer, the final norm and the head (not
+    /// the embedding table, of which a step reads one row per token, unless it is the head).
+    pub fn bytes_read_per_step(&self) -> usize {
+        (self.layer_floats() + self.norm.len() + self.head().len()) * size_of::<f32>()
+    }
+
+    fn layer_floats(&self) -> usize {
+        let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
+        self.layers
+            .iter()
+            .map(|l| {
+                l.input_norm.len()
+                    + l.qkv.len()
+                    + opt(&l.qkv_bias)
+                    + opt(&l.q_norm)
+                    + opt(&l.k_norm)
+                    + l.o_proj.len()
+                    + l.post_norm.len()
+                    + l.gate_up.len()
+                    + l.down.len()
+            })
+            .sum()
+    }
+}
+
+fn check_config(c: &LlamaConfig) -> Result<(), ModelError> {
+    let bad = |field, message: String| Err(ModelError::InvalidConfig { field, message });
+    for (field, v) in [
+        ("vocab_size", c.vocab_size),
+        ("hidden_size", c.hidden_size),
+        ("intermediate_size", c.intermediate_size),
+        ("num_hidden_layers", c.num_hidden_layers),
+        ("num_attention_heads", c.num_attention_heads),
+        ("num_key_value_heads", c.num_key_value_heads),
+        ("head_dim", c.head_dim),
+    ] {
+        if v == 0 {
+            return bad(field, "must be positive".into());
+        }
+    }
+    if c.head_dim % 2 != 0 {
+        return bad(
+            "head_dim",
+            format!("{} is odd; rope needs pairs", c.head_dim),
+        );
+    }
+    if c.num_attention_heads % c.num_key_value_heads != 0 {
+        return bad(
+            "num_key_value_heads",
+            format!(
+                "{} does not divide num_attention_heads {}",
+                c.num_key_value_heads, c.num_attention_heads
+            ),
+        );
+    }
+    if !(c.rms_norm_eps.is_finite() && c.rms_norm_eps >= 0.0) {
+        return bad(
+            "rms_norm_eps",
+            format!("{} is not a valid epsilon", c.rms_norm_eps),
+        );
+    }
+    if !(c.rope_theta.is_finite() && c.rope_theta > 0.0) {
+        return bad("rope_theta", format!("{} is not positive", c.rope_theta));
+    }
+    Ok(())
+}
+
+/// Looks tensors up by name and checks their shapes.
+struct Getter<'a> {
+    store: &'a WeightStore,
+}
+
+impl Getter<'_> {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let t = self
+            .store
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+            })?;
+        if t.shape != shape {
+            return Err(ModelError::BadShape {
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                got: t.shape.clone(),
+            });
+        }
+        let expected: usize = shape.iter().product();
+        if t.data.len() != expected {
+            return Err(ModelError::BadLength {
+                name: name.to_string(),
+                shape: shape.to_vec(),
+                expected,
+                got: t.data.len(),
+            });
+        }
+        Ok(t.data.clone())
+    }
+
+    /// Several tensors stacked row-wise, in order.
+    fn stacked(&self, parts: &[(String, Vec<usize>)]) -> Result<Vec<f32>, ModelError> {
+        let mut out = Vec::new();
+        for (name, shape) in parts {
+            out.extend(self.get(name, shape)?);
+        }
+        Ok(out)
+    }
+}
+
+fn layer_from_store(c: &LlamaConfig, g: &Getter<'_>, l: usize) -> Result<LayerWeights, ModelError> {
+    let (h, i, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
+    let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+    let p = format!("model.layers.{l}");
+    let attn =
+        |m: &str, suffix: &str, shape: Vec<usize>| (format!("{p}.self_attn.{m}.{suffix}"), shape);
+    let qkv = g.stacked(&[
+        attn("q_proj", "weight", vec![q_out, h]),
+        attn("k_proj", "weight", vec![kv_out, h]),
+        attn("v_proj", "weight", vec![kv_out, h]),
+    ])?;
+    let qkv_bias = if c.attention_bias {
+        Some(g.stacked(&[
+            attn("q_proj", "bias", vec![q_out]),
+            attn("k_proj", "bias", vec![kv_out]),
+            attn("v_proj", "bias", vec![kv_out]),
+        ])?)
+    } else {
+        None
+    };
+    let (q_norm, k_norm) = if c.qk_norm {
+        let (qn, qs) = attn("q_norm", "weight", vec![hd]);
+        let (kn, ks) = attn("k_norm", "weight", vec![hd]);
+        (Some(g.get(&qn, &qs)?), Some(g.get(&kn, &ks)?))
+    } else {
+        (None, None)
+    };
+    let mlp = |m: &str, shape: Vec<usize>| (format!("{p}.mlp.{m}.weight"), shape);
+    Ok(LayerWeights {
+        input_norm: g.get(&format!("{p}.input_layernorm.weight"), &[h])?,
+        qkv,
+        qkv_bias,
+        q_norm,
+        k_norm,
+        o_proj: g.get(&format!("{p}.self_attn.o_proj.weight"), &[h, q_out])?,
+        post_norm: g.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+        gate_up: g.stacked(&[mlp("gate_proj", vec![i, h]), mlp("up_proj", vec![i, h])])?,
+        down: g.get(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+    })
+}

@@ -1,0 +1,344 @@
+//! Test helpers shared by the `model_*` tests: hand-built step plans over shuffled,
+//! non-contiguous block tables, and a dense naive reference forward in f64.
+
+#![allow(dead_code)]
+
+use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplingParams, ScheduledReq, StepPlan};
+use ferry_kv::KvArena;
+use ferry_model::random_model::SplitMix64;
+use ferry_model::{Executor, LlamaConfig, LlamaModel, Logits, RopeScaling, WeightStore};
+
+/// A request as the tests drive it: its tokens, how many have KV, and its block table.
+#[derive(Debug, Clone)]
+pub struct Seq {
+    pub req: ReqIdx,
+    pub tokens: Vec<u32>,
+    pub computed: usize,
+    pub table: Vec<BlockId>,
+}
+
+impl Seq {
+    pub fn new(id: u32, tokens: Vec<u32>) -> Self {
+        Self {
+            req: ReqIdx(id),
+            tokens,
+            computed: 0,
+            table: Vec::new(),
+        }
+    }
+}
+
+/// Hands out block ids in a seeded random order, never block 0 (the null block).
+#[derive(Debug)]
+pub struct Pool {
+    free: Vec<BlockId>,
+    pub block_size: usize,
+}
+
+impl Pool {
+    pub fn new(n_blocks: usize, block_size: usize, seed: u64) -> Self {
+        let mut free: Vec<BlockId> = (1..n_blocks as BlockId).collect();
+        let mut rng = SplitMix64(seed);
+        for i in (1..free.len()).rev() {
+            let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+            free.swap(i, j);
+        }
+        Self { free, block_size }
+    }
+
+    /// Makes `seq`'s table cover `positions` positions.
+    pub fn grow(&mut self, seq: &mut Seq, positions: usize) {
+        while seq.table.len() * self.block_size < positions {
+            seq.table
+                .push(self.free.pop().expect("test pool is large enough"));
+        }
+    }
+}
+
+/// One step: `counts[i]` new tokens of `seqs[i]` (0 = not scheduled). A request samples when
+/// the step reaches its last known token.
+pub fn build_plan(pool: &mut Pool, seqs: &mut [&mut Seq], counts: &[usize]) -> StepPlan {
+    let mut plan = StepPlan {
+        block_size: pool.block_size,
+        ..StepPlan::default()
+    };
+    for (seq, &count) in seqs.iter_mut().zip(counts) {
+        if count == 0 {
+            continue;
+        }
+        let end = seq.computed + count;
+        pool.grow(seq, end);
+        let t0 = plan.token_ids.len();
+        plan.token_ids.extend(&seq.tokens[seq.computed..end]);
+        let b0 = plan.block_tables.len();
+        plan.block_tables.extend(&seq.table);
+        let sample = (end == seq.tokens.len()).then(|| SampleSpec {
+            params: SamplingParams::greedy(16).sampler_spec(),
+            output_idx: 0,
+        });
+        plan.reqs.push(ScheduledReq {
+            req: seq.req,
+            start_pos: seq.computed,
+            tokens: t0..plan.token_ids.len(),
+            blocks: b0..plan.block_tables.len(),
+            sample,
+        });
+    }
+    plan
+}
+
+/// Runs one step through [`LlamaModel::forward`] and marks the tokens computed.
+pub fn step(
+    model: &mut LlamaModel,
+    kv: &mut KvArena,
+    pool: &mut Pool,
+    seqs: &mut [&mut Seq],
+    counts: &[usize],
+) -> Logits {
+    let plan = build_plan(pool, seqs, counts);
+    let logits = model.forward(&plan, kv).expect("valid plan");
+    for (seq, &count) in seqs.iter_mut().zip(counts) {
+        seq.computed += count;
+    }
+    logits
+}
+
+pub fn arena_for(model: &LlamaModel, n_blocks: usize, block_size: usize) -> KvArena {
+    KvArena::new(model.kv_layout(block_size), n_blocks)
+}
+
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+pub fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = SplitMix64(seed);
+    (0..n)
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Dense naive reference: no paging, no fusion, plain loops in f64, straight from the HF names.
+
+fn t<'a>(w: &'a WeightStore, name: &str) -> &'a [f32] {
+    &w.get(name)
+        .unwrap_or_else(|| panic!("reference: missing {name}"))
+        .data
+}
+
+/// `x · Wᵀ (+ b)` with `W` as `[out, in]`.
+fn linear(x: &[f64], w: &[f32], b: Option<&[f32]>, out_f: usize) -> Vec<f64> {
+    let in_f = x.len();
+    (0..out_f)
+        .map(|o| {
+            let s: f64 = (0..in_f).map(|i| x[i] * w[o * in_f + i] as f64).sum();
+            s + b.map_or(0.0, |b| b[o] as f64)
+        })
+        .collect()
+}
+
+fn rms(x: &[f64], w: &[f32], eps: f64) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / (ms + eps).sqrt();
+    x.iter().zip(w).map(|(v, &w)| v * inv * w as f64).collect()
+}
+
+/// Rope frequencies written out again from the HF formulas (not the crate's code).
+fn ref_inv_freq(c: &LlamaConfig) -> Vec<f64> {
+    let d = c.head_dim as f64;
+    let base: Vec<f64> = (0..c.head_dim / 2)
+        .map(|i| (c.rope_theta as f64).powf(-(2.0 * i as f64) / d))
+        .collect();
+    match &c.rope_scaling {
+        None => base,
+        Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / *factor as f64).collect(),
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }) => {
+            let (factor, lo, hi, old) = (
+                *factor as f64,
+                *low_freq_factor as f64,
+                *high_freq_factor as f64,
+                *original_max_position_embeddings as f64,
+            );
+            base.iter()
+                .map(|&f| {
+                    let wl = 2.0 * std::f64::consts::PI / f;
+                    let scaled = if wl > old / lo { f / factor } else { f };
+                    let smooth = (old / wl - lo) / (hi - lo);
+                    let medium = wl >= old / hi && wl <= old / lo;
+                    if medium {
+                        (1.0 - smooth) * scaled / factor + smooth * scaled
+                    } else {
+                        scaled
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+fn ref_rope(head: &mut [f64], pos: usize, inv_freq: &[f64]) {
+    let half = head.len() / 2;
+    let orig = head.to_vec();
+    for i in 0..half {
+        let (c, s) = (
+            (pos as f64 * inv_freq[i]).cos(),
+            (pos as f64 * inv_freq[i]).sin(),
+        );
+        head[i] = orig[i] * c - orig[i + half] * s;
+        head[i + half] = orig[i + half] * c + orig[i] * s;
+    }
+}
+
+/// Logits (f64) at every position of `tokens`, computed densely.
+pub fn reference_logits(c: &LlamaConfig, w: &WeightStore, tokens: &[u32]) -> Vec<Vec<f64>> {
+    let (h, hd, nh, nkv) = (
+        c.hidden_size,
+        c.head_dim,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+    );
+    let eps = c.rms_norm_eps as f64;
+    let inv_freq = ref_inv_freq(c);
+    let embed = t(w, "model.embed_tokens.weight");
+    let mut xs: Vec<Vec<f64>> = tokens
+        .iter()
+        .map(|&tok| {
+            embed[tok as usize * h..(tok as usize + 1) * h]
+                .iter()
+                .map(|&v| v as f64)
+                .collect()
+        })
+        .collect();
+    for l in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        let bias = |m: &str| {
+            c.attention_bias
+                .then(|| t(w, &format!("{p}.self_attn.{m}.bias")))
+        };
+        let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
+        for (pos, x) in xs.iter().enumerate() {
+            let n = rms(x, t(w, &format!("{p}.input_layernorm.weight")), eps);
+            let mut q = linear(
+                &n,
+                t(w, &format!("{p}.self_attn.q_proj.weight")),
+                bias("q_proj"),
+                nh * hd,
+            );
+            let mut k = linear(
+                &n,
+                t(w, &format!("{p}.self_attn.k_proj.weight")),
+                bias("k_proj"),
+                nkv * hd,
+            );
+            let v = linear(
+                &n,
+                t(w, &format!("{p}.self_attn.v_proj.weight")),
+                bias("v_proj"),
+                nkv * hd,
+            );
+            for (heads, norm) in [(&mut q, "q_norm"), (&mut k, "k_norm")] {
+                for head in heads.chunks_mut(hd) {
+                    if c.qk_norm {
+                        let normed = rms(head, t(w, &format!("{p}.self_attn.{norm}.weight")), eps);
+                        head.copy_from_slice(&normed);
+                    }
+                    ref_rope(head, pos, &inv_freq);
+                }
+            }
+            qs.push(q);
+            ks.push(k);
+            vs.push(v);
+        }
+        for (pos, x) in xs.iter_mut().enumerate() {
+            let mut attn = vec![0.0f64; nh * hd];
+            for head in 0..nh {
+                let g = head / (nh / nkv);
+                let q = &qs[pos][head * hd..(head + 1) * hd];
+                let scores: Vec<f64> = (0..=pos)
+                    .map(|j| {
+                        q.iter()
+                            .zip(&ks[j][g * hd..(g + 1) * hd])
+                            .map(|(a, b)| a * b)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for (j, ej) in e.iter().enumerate() {
+                    for d in 0..hd {
+                        attn[head * hd + d] += ej / sum * vs[j][g * hd + d];
+                    }
+                }
+            }
+            let o = linear(
+                &attn,
+                t(w, &format!("{p}.self_attn.o_proj.weight")),
+                None,
+                h,
+            );
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let n = rms(
+                x,
+                t(w, &format!("{p}.post_attention_layernorm.weight")),
+                eps,
+            );
+            let i = c.intermediate_size;
+            let gate = linear(&n, t(w, &format!("{p}.mlp.gate_proj.weight")), None, i);
+            let up = linear(&n, t(w, &format!("{p}.mlp.up_proj.weight")), None, i);
+            let act: Vec<f64> = gate
+                .iter()
+                .zip(&up)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let d = linear(&act, t(w, &format!("{p}.mlp.down_proj.weight")), None, h);
+            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        }
+    }
+    let head = if c.tie_word_embeddings {
+        embed
+    } else {
+        t(w, "lm_head.weight")
+    };
+    xs.iter()
+        .map(|x| {
+            linear(
+                &rms(x, t(w, "model.norm.weight"), eps),
+                head,
+                None,
+                c.vocab_size,
+            )
+        })
+        .collect()
+}
+
+/// `|got - want| <= tol * max|want|` over a row: relative to the row's scale, so near-zero
+/// logits do not demand impossible precision.
+pub fn assert_close(got: &[f32], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-6);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g as f64 - w).abs() / scale;
+        assert!(
+            err <= tol,
+            "{what}: index {i}: got {g}, want {w} (relative error {err:e} > {tol:e})"
+        );
+    }
+}
