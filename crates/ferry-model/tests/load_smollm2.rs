@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use ferry_model::{default_model_path, load_model, LoadedModel, RopeScaling};
-use load_common::{check_top_logits, floats_of, golden, ids_of, reference_forward};
+use load_common::{check_top_logits, floats_of, golden, ids_of, paged_logits, reference_forward};
 
 fn cache_dir() -> PathBuf {
     match std::env::var_os("FERRY_CACHE") {
@@ -130,4 +130,11 @@ fn dequantized_tensors_equal_the_golden_stats() {
 #[test]
 fn reference_forward_matches_golden_top_logits() {
     check_top_logits(|ids| reference_forward(model(), ids, false).pop().unwrap());
+}
+
+/// The engine's paged forward (one prefill step) against transformers' top-20 last-position
+/// logits of SmolLM2 (tolerance in smollm2.json).
+#[test]
+fn paged_forward_matches_golden_top_logits() {
+    check_top_logits(|ids| paged_logits(model(), ids, false).pop().unwrap());
 }

@@ -6,7 +6,7 @@ mod load_common;
 
 use ferry_model::tiny::{tiny_model, write_hf_folder, CHATML_TEMPLATE, IM_END, IM_START};
 use ferry_model::{load_model, ModelSpec};
-use load_common::{check_tiny_logits, golden, ids_of, reference_forward};
+use load_common::{check_tiny_logits, golden, ids_of, paged_logits, reference_forward};
 use proptest::prelude::*;
 
 #[test]
@@ -125,4 +125,12 @@ fn model_spec_resolution() {
         err.contains("/m/x.gguf") && err.contains("scripts/fetch-model.sh"),
         "{err}"
     );
+}
+
+/// The engine's paged forward, one token at a time through a reversed block table, against
+/// transformers' logits at every position (tolerance in tiny.json).
+#[test]
+fn paged_forward_matches_golden_logits() {
+    let model = ferry_model::tiny::tiny_model();
+    check_tiny_logits(|ids| paged_logits(&model, ids, true));
 }

@@ -4,92 +4,21 @@
 //! (including hits on blocks scheduled earlier in the same step), chunked prefill and
 //! preemption by recompute all hand the executor exactly the right KV.
 
-use std::collections::BTreeMap;
+mod engine_support;
 
-use ferry_core::{SamplingParams, Scheduler, SchedulerConfig, TokenId};
-use ferry_kv::KvArena;
-use ferry_model::{ChecksumModel, Executor};
+use engine_support::{Run, Workload};
+use ferry_core::SchedulerConfig;
+use ferry_model::ChecksumModel;
 
 const VOCAB: usize = 1000;
 
-type Workload = Vec<(String, Vec<TokenId>, u32)>;
-
-struct Run {
-    outputs: BTreeMap<String, Vec<TokenId>>,
-    n_preemptions: u64,
-    prefix_hit_tokens: u64,
-}
-
-/// A small deterministic generator (no RNG dependency needed for a fixed workload).
-fn lcg(state: &mut u64) -> u64 {
-    *state = state
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    *state >> 33
-}
-
 fn workload(n: usize, seed: u64) -> Workload {
-    let mut s = seed;
-    let token = |s: &mut u64| (lcg(s) % VOCAB as u64) as TokenId;
-    let shared: Vec<TokenId> = (0..40).map(|_| token(&mut s)).collect();
-    (0..n)
-        .map(|i| {
-            let mut prompt = if i % 2 == 0 {
-                shared.clone()
-            } else {
-                Vec::new()
-            };
-            let extra = 1 + lcg(&mut s) as usize % 30;
-            prompt.extend((0..extra).map(|_| token(&mut s)));
-            let max_tokens = 1 + (lcg(&mut s) % 12) as u32;
-            (format!("r{i}"), prompt, max_tokens)
-        })
-        .collect()
+    engine_support::workload(n, seed, VOCAB, 40)
 }
 
 fn run(config: SchedulerConfig, reqs: &Workload) -> Run {
     let mut model = ChecksumModel::new(config.weight_version.clone(), VOCAB).unwrap();
-    let mut arena = KvArena::new(model.kv_layout(config.block_size), config.n_blocks as usize);
-    let mut sched = Scheduler::new(config).unwrap();
-    for (id, prompt, max_tokens) in reqs {
-        sched
-            .add_request(
-                id.clone(),
-                prompt.clone(),
-                SamplingParams::greedy(*max_tokens),
-            )
-            .unwrap();
-    }
-    let mut outputs: BTreeMap<String, Vec<TokenId>> = BTreeMap::new();
-    let mut ids = BTreeMap::new();
-    for _ in 0..10_000 {
-        if sched.n_live() == 0 {
-            break;
-        }
-        let plan = sched.schedule();
-        for r in &plan.reqs {
-            ids.insert(r.req, sched.request(r.req).unwrap().id.clone());
-        }
-        let out = model.execute(&plan, &mut arena).unwrap();
-        for o in sched.on_step_output(&plan, &out).unwrap() {
-            if let Some(s) = &o.sampled {
-                outputs
-                    .entry(ids[&o.req].clone())
-                    .or_default()
-                    .push(s.token);
-            }
-        }
-        sched.check_ownership().unwrap();
-        sched.recycle_plan(plan);
-    }
-    assert_eq!(sched.n_live(), 0, "requests left unfinished");
-    let stats = sched.stats();
-    assert_eq!(stats.n_blocks_used, 0, "blocks still held after draining");
-    Run {
-        outputs,
-        n_preemptions: stats.n_preemptions,
-        prefix_hit_tokens: stats.prefix_hit_tokens,
-    }
+    engine_support::run(&mut model, config, reqs)
 }
 
 fn assert_matches_oracle(run: &Run, reqs: &Workload) {

@@ -290,3 +290,46 @@ fn add(acc: &mut [f32], x: &[f32]) {
         *a += b;
     }
 }
+
+/// Logits through the engine's paged forward ([`ferry_model::LlamaModel`]) for one sequence.
+/// With `every_position`, the tokens go in one at a time (each step reads all earlier KV back
+/// through the block table, as decode does) and every position's logits are returned; else
+/// the whole prompt is one prefill step and only the last position's logits come back.
+pub fn paged_logits(model: &LoadedModel, ids: &[u32], every_position: bool) -> Vec<Vec<f32>> {
+    use ferry_core::{SampleSpec, SamplingParams, ScheduledReq, StepPlan};
+
+    const BLOCK_SIZE: usize = 4;
+    let mut llama = ferry_model::LlamaModel::new(&model.config, &model.weights).expect("model");
+    let n_blocks = ids.len().div_ceil(BLOCK_SIZE);
+    let layout = ferry_model::Executor::kv_layout(&llama, BLOCK_SIZE);
+    let mut kv = ferry_kv::KvArena::new(layout, n_blocks + 1);
+    // Blocks in reverse order, so a forward that ignored the table would read the wrong KV.
+    let table: Vec<u32> = (1..=n_blocks as u32).rev().collect();
+    let chunks: Vec<std::ops::Range<usize>> = if every_position {
+        (0..ids.len()).map(|p| p..p + 1).collect()
+    } else {
+        vec![0..ids.len()]
+    };
+    let mut rows = Vec::new();
+    for (step, chunk) in chunks.into_iter().enumerate() {
+        let plan = StepPlan {
+            step: step as u64,
+            block_size: BLOCK_SIZE,
+            reqs: vec![ScheduledReq {
+                req: ferry_core::ReqIdx(0),
+                start_pos: chunk.start,
+                tokens: 0..chunk.len(),
+                blocks: 0..table.len(),
+                sample: Some(SampleSpec {
+                    params: SamplingParams::greedy(1).sampler_spec(),
+                    output_idx: 0,
+                }),
+            }],
+            token_ids: ids[chunk].to_vec(),
+            block_tables: table.clone(),
+        };
+        let logits = llama.forward(&plan, &mut kv).expect("valid plan");
+        rows.push(logits.row(0).to_vec());
+    }
+    rows
+}
