@@ -308,7 +308,7 @@ pub fn paged_logits(model: &LoadedModel, ids: &[u32], every_position: bool) -> V
     let chunks: Vec<std::ops::Range<usize>> = if every_position {
         (0..ids.len()).map(|p| p..p + 1).collect()
     } else {
-        vec![0..ids.len()]
+        std::iter::once(0..ids.len()).collect()
     };
     let mut rows = Vec::new();
     for (step, chunk) in chunks.into_iter().enumerate() {
