@@ -2,6 +2,7 @@
 //! for `ferry bench model --random` (the SmolLM2-135M shape) before or without a download.
 
 use crate::config::LlamaConfig;
+use crate::load::expected_tensors;
 use crate::weights::{Tensor, WeightStore};
 
 /// A small Llama config for tests: hidden 64, 4 heads, 2 KV heads, 2 layers, vocab 97.
@@ -50,55 +51,12 @@ pub fn smollm2_135m_config() -> LlamaConfig {
     }
 }
 
-/// Every tensor `config` needs, by Hugging Face name, with its shape.
-pub fn tensor_shapes(config: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, i, hd) = (
-        config.hidden_size,
-        config.intermediate_size,
-        config.head_dim,
-    );
-    let (q_out, kv_out) = (
-        config.num_attention_heads * hd,
-        config.num_key_value_heads * hd,
-    );
-    let mut v = vec![(
-        "model.embed_tokens.weight".to_string(),
-        vec![config.vocab_size, h],
-    )];
-    for l in 0..config.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        v.push((format!("{p}.input_layernorm.weight"), vec![h]));
-        v.push((format!("{p}.self_attn.q_proj.weight"), vec![q_out, h]));
-        v.push((format!("{p}.self_attn.k_proj.weight"), vec![kv_out, h]));
-        v.push((format!("{p}.self_attn.v_proj.weight"), vec![kv_out, h]));
-        if config.attention_bias {
-            v.push((format!("{p}.self_attn.q_proj.bias"), vec![q_out]));
-            v.push((format!("{p}.self_attn.k_proj.bias"), vec![kv_out]));
-            v.push((format!("{p}.self_attn.v_proj.bias"), vec![kv_out]));
-        }
-        if config.qk_norm {
-            v.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
-            v.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
-        }
-        v.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q_out]));
-        v.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-        v.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
-        v.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
-        v.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
-    }
-    v.push(("model.norm.weight".to_string(), vec![h]));
-    if !config.tie_word_embeddings {
-        v.push(("lm_head.weight".to_string(), vec![config.vocab_size, h]));
-    }
-    v
-}
-
 /// Random weights for `config`, a pure function of `seed`. Norm weights are near 1 and
 /// matrices scaled by `1/sqrt(fan_in)`, so activations stay in a realistic range.
 pub fn random_weights(config: &LlamaConfig, seed: u64) -> WeightStore {
     let mut rng = SplitMix64(seed);
     let mut store = WeightStore::default();
-    for (name, shape) in tensor_shapes(config) {
+    for (name, shape) in expected_tensors(config) {
         let n: usize = shape.iter().product();
         let is_norm = name.ends_with("norm.weight");
         let scale = if is_norm {
