@@ -5,4 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/fetch-model.sh >/dev/null
-cargo test --workspace --locked "$@"
+
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+status=0
+cargo test --workspace --locked "$@" 2>&1 | tee "$log" || status=$?
+
+# cargo prints one "test result" line per test binary, the last ones for doc tests (often
+# empty); close with the totals so the end of the log says how many tests really ran.
+awk '/^test result:/ { p += $4; f += $6 } END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+exit "$status"
