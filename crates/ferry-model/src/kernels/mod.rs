@@ -3,13 +3,14 @@
 //! Why not a BLAS or candle: batch invariance must be *bitwise* (RL needs a request's tokens
 //! not to depend on what else is in its batch), and a gemm library picks its kernel and its
 //! split of the K dimension by the number of rows M. Here every dot product over K is computed
-//! in one fixed order whatever M is: one 8-lane accumulator per output element, chunks of 8 in
-//! order, fused multiply-adds, a fixed horizontal sum, then the tail in order. Parallelism is
-//! only over output features (rows of W), never over K.
+//! in one fixed order whatever M is: one vector accumulator per output element (8 lanes, 16
+//! with AVX-512), chunks of the lane width in order, fused multiply-adds, a fixed horizontal
+//! sum, then the tail in order. Parallelism is only over output features (rows of W), never
+//! over K.
 //!
-//! The instruction set is chosen once per process ([`Isa::current`]): AVX2+FMA when the CPU
-//! has it, a portable path otherwise. The two give different bits, which is fine because a
-//! process never mixes them.
+//! The instruction set is chosen once per process ([`Isa::current`]): AVX-512F when the CPU
+//! has it (16 lanes per accumulator), else AVX2+FMA (8 lanes), else a portable path. They give
+//! different bits, which is fine because a process never mixes them.
 
 mod matmul;
 
@@ -20,6 +21,8 @@ use std::sync::OnceLock;
 /// Which implementation of the kernels this process uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
+    /// x86-64 with AVX-512F (detected at run time): 16 lanes per accumulator.
+    Avx512,
     /// x86-64 with AVX2 and FMA (detected at run time, not compiled in with `target-cpu`).
     Avx2Fma,
     /// Plain Rust, mul then add; any CPU.
@@ -30,18 +33,24 @@ impl Isa {
     /// The implementation for this process, detected once.
     pub fn current() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
-        *ISA.get_or_init(detect)
+        *ISA.get_or_init(|| Isa::available()[0])
     }
-}
 
-fn detect() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            return Isa::Avx2Fma;
+    /// Every implementation this CPU can run, best first (tests compare them all).
+    pub fn available() -> Vec<Isa> {
+        let mut isas = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                isas.push(Isa::Avx512);
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                isas.push(Isa::Avx2Fma);
+            }
         }
+        isas.push(Isa::Portable);
+        isas
     }
-    Isa::Portable
 }
 
 /// Threads the kernels split work over (rayon's pool: the cores, or `RAYON_NUM_THREADS`).
