@@ -11,7 +11,7 @@ use ferry_core::BlockId;
 use ferry_kv::KvLayout;
 use rayon::prelude::*;
 
-use crate::kernels::dot_rows;
+use crate::kernels::{axpy, dot_rows};
 
 /// One query token: where it sits in its request and how to find its request's KV.
 #[derive(Debug, Clone, Copy)]
@@ -128,10 +128,7 @@ fn attend_token(
             let o = kv_offset(layout, layer, true, query.block_table, p) + kv_head * hd;
             let v = &arena[o..o + hd];
             for (g, oh) in out_group.chunks_exact_mut(hd).enumerate() {
-                let w = scores[g * n_pos + p];
-                for (acc, &vi) in oh.iter_mut().zip(v) {
-                    *acc += w * vi;
-                }
+                axpy(scores[g * n_pos + p], v, oh);
             }
         }
     }

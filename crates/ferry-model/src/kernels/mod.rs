@@ -18,6 +18,12 @@ pub use matmul::{matmul, matmul_with};
 
 use std::sync::OnceLock;
 
+use rayon::prelude::*;
+
+/// Rows at which the per-row helpers below go parallel (a decode step at batch 1 stays on
+/// one thread, where handing work to the pool would cost more than it saves).
+const PAR_ROWS: usize = 4;
+
 /// Which implementation of the kernels this process uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
@@ -77,12 +83,19 @@ pub fn dot_rows(q: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
 
 /// RMSNorm of each row of `x` (`rows × dim`) into `out`: `x / sqrt(mean(x²) + eps) * weight`,
 /// computed as Hugging Face does in f32 (normalize, then scale by the weight).
+/// Rows are independent, so they run in parallel with the same bits as one by one.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
     debug_assert_eq!(x.len(), out.len());
-    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        rms_norm_row(xr, weight, eps, or);
+    if x.len() < PAR_ROWS * dim {
+        for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            rms_norm_row(xr, weight, eps, or);
+        }
+        return;
     }
+    x.par_chunks_exact(dim)
+        .zip(out.par_chunks_exact_mut(dim))
+        .for_each(|(xr, or)| rms_norm_row(xr, weight, eps, or));
 }
 
 /// RMSNorm of one row (also used in place per head for Qwen3's q/k norm).
@@ -108,15 +121,52 @@ fn rms_inv(x: &[f32], eps: f32) -> f32 {
 }
 
 /// SwiGLU: `out[i] = silu(gate[i]) * up[i]` where each row of `gate_up` is `[gate | up]`.
+/// Rows run in parallel (the `exp`s are a few percent of a batched step).
 pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
-    for (gu, o) in gate_up
-        .chunks_exact(2 * inter)
-        .zip(out.chunks_exact_mut(inter))
-    {
+    let row = |(gu, o): (&[f32], &mut [f32])| {
         let (gate, up) = gu.split_at(inter);
         for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
             *o = g / (1.0 + (-g).exp()) * u;
         }
+    };
+    if out.len() < PAR_ROWS * inter {
+        gate_up
+            .chunks_exact(2 * inter)
+            .zip(out.chunks_exact_mut(inter))
+            .for_each(row);
+        return;
+    }
+    gate_up
+        .par_chunks_exact(2 * inter)
+        .zip(out.par_chunks_exact_mut(inter))
+        .for_each(row);
+}
+
+/// `y += a * x`, element-wise, a multiply then an add (never fused), so every instruction set
+/// gives the bits of the plain loop; only the vector width changes. Attention's V sums use it.
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    debug_assert_eq!(x.len(), y.len(), "axpy of slices of different lengths");
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current() == Isa::Avx512 {
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
+        return unsafe { axpy_avx512(a, x, y) };
+    }
+    axpy_plain(a, x, y);
+}
+
+fn axpy_plain(a: f32, x: &[f32], y: &mut [f32]) {
+    for (yi, &xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
+    }
+}
+
+/// The same loop compiled for 512-bit vectors (Rust never contracts `+=` of a product into an
+/// FMA, so the bits match [`axpy_plain`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn axpy_avx512(a: f32, x: &[f32], y: &mut [f32]) {
+    for (yi, &xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
     }
 }
 
@@ -124,5 +174,23 @@ pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
 pub fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {
         *a += b;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The vector path of `axpy` gives the plain loop's bits (odd length: a vector tail too).
+    #[test]
+    fn axpy_matches_the_plain_loop_bitwise() {
+        let x: Vec<f32> = (0..67).map(|i| (i as f32 * 0.37).sin()).collect();
+        let y0: Vec<f32> = (0..67).map(|i| (i as f32 * 0.11).cos()).collect();
+        let (mut fast, mut plain) = (y0.clone(), y0.clone());
+        axpy(0.731, &x, &mut fast);
+        axpy_plain(0.731, &x, &mut plain);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fast), bits(&plain));
+        assert_ne!(bits(&fast), bits(&y0), "axpy must change y");
     }
 }
