@@ -142,32 +142,55 @@ pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
         .for_each(row);
 }
 
-/// `y += a * x`, element-wise, a multiply then an add (never fused), so every instruction set
-/// gives the bits of the plain loop; only the vector width changes. Attention's V sums use it.
-pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    debug_assert_eq!(x.len(), y.len(), "axpy of slices of different lengths");
+/// `out += w[r] * rows[r * stride..][..out.len()]` for each `r` in order, each a multiply then
+/// an add (never fused), so every instruction set gives the bits of the plain loop; only the
+/// vector width changes. Attention's V sums use it, one KV block of one head per call.
+pub fn axpy_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    let d = out.len();
+    if w.is_empty() {
+        return;
+    }
+    assert!(
+        stride >= d && rows.len() >= (w.len() - 1) * stride + d,
+        "axpy_rows: {} rows of {d} floats at stride {stride} do not fit in {}",
+        w.len(),
+        rows.len()
+    );
     #[cfg(target_arch = "x86_64")]
     if Isa::current() == Isa::Avx512 {
         // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
-        return unsafe { axpy_avx512(a, x, y) };
+        return unsafe { axpy_rows_avx512(w, rows, stride, out) };
     }
-    axpy_plain(a, x, y);
+    axpy_rows_plain(w, rows, stride, out);
 }
 
-fn axpy_plain(a: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, &xi) in y.iter_mut().zip(x) {
-        *yi += a * xi;
+/// Sixteen outputs at a time held in a local array (one vector register once compiled for
+/// AVX-512) while the rows stream past, rather than a load and store of `out` per row; the
+/// order each element adds the rows in is the same.
+fn axpy_rows_plain(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    const LANES: usize = 16;
+    let mut c0 = 0;
+    while c0 < out.len() {
+        let width = LANES.min(out.len() - c0);
+        let mut acc = [0.0f32; LANES];
+        acc[..width].copy_from_slice(&out[c0..c0 + width]);
+        for (r, &wr) in w.iter().enumerate() {
+            let v = &rows[r * stride + c0..r * stride + c0 + width];
+            for (a, &vi) in acc.iter_mut().zip(v) {
+                *a += wr * vi;
+            }
+        }
+        out[c0..c0 + width].copy_from_slice(&acc[..width]);
+        c0 += width;
     }
 }
 
 /// The same loop compiled for 512-bit vectors (Rust never contracts `+=` of a product into an
-/// FMA, so the bits match [`axpy_plain`]).
+/// FMA, so the bits match [`axpy_rows_plain`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn axpy_avx512(a: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, &xi) in y.iter_mut().zip(x) {
-        *yi += a * xi;
-    }
+fn axpy_rows_avx512(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    axpy_rows_plain(w, rows, stride, out);
 }
 
 /// `x += y`, element-wise.
@@ -181,16 +204,21 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
 mod tests {
     use super::*;
 
-    /// The vector path of `axpy` gives the plain loop's bits (odd length: a vector tail too).
+    /// The vector path of `axpy_rows` gives the plain loop's bits (odd length: a vector
+    /// tail too; a stride longer than a row, as in the KV arena).
     #[test]
-    fn axpy_matches_the_plain_loop_bitwise() {
-        let x: Vec<f32> = (0..67).map(|i| (i as f32 * 0.37).sin()).collect();
-        let y0: Vec<f32> = (0..67).map(|i| (i as f32 * 0.11).cos()).collect();
+    fn axpy_rows_matches_the_plain_loop_bitwise() {
+        let (d, stride, n) = (67, 80, 5);
+        let rows: Vec<f32> = (0..(n - 1) * stride + d)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        let w: Vec<f32> = (0..n).map(|i| 0.3 + i as f32 * 0.17).collect();
+        let y0: Vec<f32> = (0..d).map(|i| (i as f32 * 0.11).cos()).collect();
         let (mut fast, mut plain) = (y0.clone(), y0.clone());
-        axpy(0.731, &x, &mut fast);
-        axpy_plain(0.731, &x, &mut plain);
+        axpy_rows(&w, &rows, stride, &mut fast);
+        axpy_rows_plain(&w, &rows, stride, &mut plain);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&fast), bits(&plain));
-        assert_ne!(bits(&fast), bits(&y0), "axpy must change y");
+        assert_ne!(bits(&fast), bits(&y0), "axpy_rows must change out");
     }
 }
