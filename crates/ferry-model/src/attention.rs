@@ -11,7 +11,7 @@ use ferry_core::BlockId;
 use ferry_kv::KvLayout;
 use rayon::prelude::*;
 
-use crate::kernels::dot_rows;
+use crate::kernels::{axpy_rows, dot_rows};
 
 /// One query token: where it sits in its request and how to find its request's KV.
 #[derive(Debug, Clone, Copy)]
@@ -124,14 +124,14 @@ fn attend_token(
         scores.chunks_exact_mut(n_pos).for_each(softmax_in_place);
         let out_group = &mut out[heads.start * hd..heads.end * hd];
         out_group.fill(0.0);
-        for p in 0..n_pos {
-            let o = kv_offset(layout, layer, true, query.block_table, p) + kv_head * hd;
-            let v = &arena[o..o + hd];
+        // V sums a block at a time too; each output element still adds positions in order.
+        for p0 in (0..n_pos).step_by(layout.block_size) {
+            let n = layout.block_size.min(n_pos - p0);
+            let o = kv_offset(layout, layer, true, query.block_table, p0) + kv_head * hd;
+            let rows = &arena[o..o + (n - 1) * layout.token_floats() + hd];
             for (g, oh) in out_group.chunks_exact_mut(hd).enumerate() {
-                let w = scores[g * n_pos + p];
-                for (acc, &vi) in oh.iter_mut().zip(v) {
-                    *acc += w * vi;
-                }
+                let w = &scores[g * n_pos + p0..g * n_pos + p0 + n];
+                axpy_rows(w, rows, layout.token_floats(), oh);
             }
         }
     }

@@ -33,7 +33,7 @@ use crate::{ExecError, Executor};
 pub const HEAD_DIM: usize = 4;
 
 // The digest folds floats in pairs.
-const _: () = assert!(HEAD_DIM % 2 == 0);
+const _: () = assert!(HEAD_DIM.is_multiple_of(2));
 
 /// Largest vocabulary: token ids are `u32`.
 const MAX_VOCAB: u64 = 1 << 32;

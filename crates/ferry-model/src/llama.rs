@@ -9,6 +9,7 @@
 
 use ferry_core::{ModelOutput, ReqIdx, StepPlan};
 use ferry_kv::{KvArena, KvLayout};
+use rayon::prelude::*;
 
 use crate::attention::{paged_attention, write_kv, AttnQuery};
 use crate::config::LlamaConfig;
@@ -49,6 +50,8 @@ pub struct LlamaModel {
     /// Activation buffers kept across layers and steps: fresh multi-megabyte vectors would be
     /// mmapped and page-faulted in on every layer, which cost a third of a batch-64 step.
     scratch: Scratch,
+    /// Logits rows of [`Executor::execute`], kept across steps (a batch-64 step's are 12 MB).
+    logits_buf: Vec<f32>,
 }
 
 /// Per-step activation buffers, grown to the largest step seen.
@@ -96,6 +99,7 @@ impl LlamaModel {
             rope,
             sampler_scratch: SamplerScratch::default(),
             scratch: Scratch::default(),
+            logits_buf: Vec::new(),
         })
     }
 
@@ -116,6 +120,24 @@ impl LlamaModel {
     /// Runs the step: writes every scheduled token's KV into the arena and returns the logits
     /// of the requests that sample.
     pub fn forward(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<Logits, ExecError> {
+        let mut data = Vec::new();
+        let reqs = self.forward_into(plan, kv, &mut data)?;
+        Ok(Logits {
+            vocab_size: self.config.vocab_size,
+            reqs,
+            data,
+        })
+    }
+
+    /// [`Self::forward`] writing the logits rows into the front of `data` (grown if needed,
+    /// so a caller that keeps it across steps does not fault in megabytes every step).
+    /// Returns the requests the rows belong to.
+    fn forward_into(
+        &mut self,
+        plan: &StepPlan,
+        kv: &mut KvArena,
+        data: &mut Vec<f32>,
+    ) -> Result<Vec<ReqIdx>, ExecError> {
         self.check_arena(plan, kv)?;
         let meta = self.token_meta(plan, kv.n_blocks())?;
         let max_pos = meta.queries.iter().map(|q| q.pos + 1).max().unwrap_or(0);
@@ -140,7 +162,8 @@ impl LlamaModel {
             );
         }
         self.scratch = scratch;
-        Ok(self.logits(&meta, &x))
+        self.logits(&meta, &x, data);
+        Ok(meta.sample_reqs)
     }
 
     fn check_arena(&self, plan: &StepPlan, kv: &KvArena) -> Result<(), ExecError> {
@@ -273,11 +296,10 @@ impl LlamaModel {
                 .for_each(|row| add_assign(row, bias));
         }
         let q = take(&mut s.q, n * q_w);
-        for (t, row) in qkv.chunks_exact_mut(qkv_w).enumerate() {
-            self.position_heads(lw, row, meta.queries[t].pos, q_w);
-            q[t * q_w..(t + 1) * q_w].copy_from_slice(&row[..q_w]);
+        self.position_tokens(lw, meta, qkv, q, (q_w, qkv_w));
+        for (row, &slot) in qkv.chunks_exact(qkv_w).zip(&meta.slots) {
             let (k, v) = row[q_w..].split_at(kv_w);
-            write_kv(arena, layout, l, meta.slots[t], k, v);
+            write_kv(arena, layout, l, slot, k, v);
         }
         let attn = take(&mut s.attn, n * q_w);
         paged_attention(
@@ -305,6 +327,33 @@ impl LlamaModel {
         add_assign(x, proj);
     }
 
+    /// [`Self::position_heads`] on every token's qkv row, copying its q heads into `q`. Tokens
+    /// are independent, so a batch runs them in parallel with the bits of one at a time.
+    fn position_tokens(
+        &self,
+        lw: &LayerWeights,
+        meta: &TokenMeta<'_>,
+        qkv: &mut [f32],
+        q: &mut [f32],
+        (q_w, qkv_w): (usize, usize),
+    ) {
+        let one = |((row, qt), query): ((&mut [f32], &mut [f32]), &AttnQuery<'_>)| {
+            self.position_heads(lw, row, query.pos, q_w);
+            qt.copy_from_slice(&row[..q_w]);
+        };
+        if meta.queries.len() < 4 {
+            qkv.chunks_exact_mut(qkv_w)
+                .zip(q.chunks_exact_mut(q_w))
+                .zip(&meta.queries)
+                .for_each(one);
+        } else {
+            qkv.par_chunks_exact_mut(qkv_w)
+                .zip(q.par_chunks_exact_mut(q_w))
+                .zip(&meta.queries)
+                .for_each(one);
+        }
+    }
+
     /// Qwen3's per-head q/k RMSNorm, then rope on every q and k head of one token's qkv row.
     fn position_heads(&self, lw: &LayerWeights, row: &mut [f32], pos: usize, q_w: usize) {
         let hd = self.config.head_dim;
@@ -320,7 +369,7 @@ impl LlamaModel {
     }
 
     /// Final norm and head on the sampled tokens only.
-    fn logits(&self, meta: &TokenMeta<'_>, x: &[f32]) -> Logits {
+    fn logits(&self, meta: &TokenMeta<'_>, x: &[f32], data: &mut Vec<f32>) {
         let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
         let m = meta.sample_rows.len();
         let mut last = vec![0.0f32; m * h];
@@ -332,13 +381,8 @@ impl LlamaModel {
                 dst,
             );
         }
-        let mut data = vec![0.0f32; m * vocab];
-        matmul(&last, self.weights.head(), &mut data, m, vocab, h);
-        Logits {
-            vocab_size: vocab,
-            reqs: meta.sample_reqs.clone(),
-            data,
-        }
+        let data = take(data, m * vocab);
+        matmul(&last, self.weights.head(), data, m, vocab, h);
     }
 }
 
@@ -357,13 +401,18 @@ impl Executor for LlamaModel {
     }
 
     fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
-        let logits = self.forward(plan, kv)?;
+        let mut data = std::mem::take(&mut self.logits_buf);
+        let reqs = self.forward_into(plan, kv, &mut data);
+        let vocab = self.config.vocab_size;
         let specs = plan.reqs.iter().filter_map(|r| r.sample.as_ref());
-        let sampled = specs
-            .zip(&logits.reqs)
-            .enumerate()
-            .map(|(i, (spec, &req))| sample(logits.row(i), spec, req, &mut self.sampler_scratch))
-            .collect();
-        Ok(ModelOutput { sampled })
+        let sampled = reqs.map(|reqs| {
+            specs
+                .zip(&reqs)
+                .zip(data.chunks_exact(vocab))
+                .map(|((spec, &req), row)| sample(row, spec, req, &mut self.sampler_scratch))
+                .collect()
+        });
+        self.logits_buf = data;
+        Ok(ModelOutput { sampled: sampled? })
     }
 }

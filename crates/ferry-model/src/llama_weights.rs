@@ -137,13 +137,13 @@ fn check_config(c: &LlamaConfig) -> Result<(), ModelError> {
             return bad(field, "must be positive".into());
         }
     }
-    if c.head_dim % 2 != 0 {
+    if !c.head_dim.is_multiple_of(2) {
         return bad(
             "head_dim",
             format!("{} is odd; rope needs pairs", c.head_dim),
         );
     }
-    if c.num_attention_heads % c.num_key_value_heads != 0 {
+    if !c.num_attention_heads.is_multiple_of(c.num_key_value_heads) {
         return bad(
             "num_key_value_heads",
             format!(

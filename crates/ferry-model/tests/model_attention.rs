@@ -72,7 +72,7 @@ fn check_case(seed: u64, n_kv_heads: usize, group: usize, head_dim: usize, block
     let mut reqs = Vec::new();
     for _ in 0..n_reqs {
         let len = 1 + (rng.next_u64() % 40) as usize;
-        let n_queries = if rng.next_u64() % 2 == 0 {
+        let n_queries = if rng.next_u64().is_multiple_of(2) {
             1
         } else {
             1 + (rng.next_u64() % len as u64) as usize

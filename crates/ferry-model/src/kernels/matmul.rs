@@ -12,6 +12,9 @@ use rayon::prelude::*;
 
 use super::Isa;
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 /// Activation rows multiplied by one W block before moving on (bounds the x working set).
 const X_BLOCK: usize = 64;
 /// W rows kept hot while the activation rows stream past.
@@ -64,8 +67,8 @@ pub fn matmul_with(isa: Isa, x: &[f32], w: &[f32], out: &mut [f32], m: usize, n:
     });
 }
 
-/// Enough tasks for load balance (a few per thread), each a multiple of 24 rows (both
-/// register tiles' heights divide it).
+/// Enough tasks for load balance (a few per thread), each a multiple of 24 rows (every
+/// register tile's height divides it).
 fn rows_per_task(n: usize) -> usize {
     let tasks = rayon::current_num_threads() * 4;
     n.div_ceil(tasks).next_multiple_of(24).max(24)
@@ -75,6 +78,9 @@ fn rows_per_task(n: usize) -> usize {
 /// (attention calls it per position, so it must be cheap).
 pub(super) fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
+        Isa::Avx512 => unsafe { avx512::dot(a, b) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Avx2Fma` is only chosen after run-time detection of both features.
         Isa::Avx2Fma => unsafe { avx2::dot(a, b) },
@@ -105,13 +111,7 @@ pub(super) fn dot_rows_with(isa: Isa, q: &[f32], rows: &[f32], stride: usize, ou
         n,
         k,
     };
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Avx2Fma` is only chosen after run-time detection of both features; the
-        // asserts above keep every row inside `rows`.
-        Isa::Avx2Fma => unsafe { avx2::tile(q, rows, out.as_mut_ptr(), &tile) },
-        _ => portable::tile(q, rows, out.as_mut_ptr(), &tile),
-    }
+    run_tile(isa, q, rows, out.as_mut_ptr(), &tile);
 }
 
 /// All activation rows against W rows `w_rows`.
@@ -137,14 +137,22 @@ fn run_rows(
                 n,
                 k,
             };
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `Avx2Fma` is only chosen after run-time detection of both features;
-                // the slices were checked to cover the tile in `matmul_with`.
-                Isa::Avx2Fma => unsafe { avx2::tile(x, w, out.0, &tile) },
-                _ => portable::tile(x, w, out.0, &tile),
-            }
+            run_tile(isa, x, w, out.0, &tile);
         }
+    }
+}
+
+/// One tile on the chosen instruction set. The callers checked that `x` and `w` cover the
+/// tile's rows and that `out` covers its `m × n` output.
+fn run_tile(isa: Isa, x: &[f32], w: &[f32], out: *mut f32, tile: &Tile) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
+        Isa::Avx512 => unsafe { avx512::tile(x, w, out, tile) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx2Fma` is only chosen after run-time detection of both features.
+        Isa::Avx2Fma => unsafe { avx2::tile(x, w, out, tile) },
+        _ => portable::tile(x, w, out, tile),
     }
 }
 
@@ -351,12 +359,10 @@ mod tests {
         out
     }
 
+    /// Every implementation this CPU can run, so the AVX-512 tiles are tested where the
+    /// machine has them and the fallbacks everywhere.
     fn isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Portable];
-        if Isa::current() == Isa::Avx2Fma {
-            v.push(Isa::Avx2Fma);
-        }
-        v
+        Isa::available()
     }
 
     #[test]
@@ -383,24 +389,51 @@ mod tests {
         }
     }
 
+    /// On a CPU with AVX-512 the process uses it, so the model tests run the 16-lane tiles.
+    #[test]
+    fn current_isa_is_the_best_available() {
+        let best = Isa::available()[0];
+        assert_eq!(Isa::current(), best);
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx512f") {
+            assert_eq!(best, Isa::Avx512);
+        }
+    }
+
     /// The heart of batch invariance: a row's result has the same bits whatever M is and
-    /// whichever register tile (8×1, 4×2, 4×1, 1×1) computed it.
+    /// whichever register tile (8×1, 6×4, 6×1, 3×4, 3×1, 1×1) computed it.
     #[test]
     fn row_bits_do_not_depend_on_batch_size() {
-        let (n, k) = (203, 150);
+        // k = 150 has a scalar tail after the vector chunks (of 8 and of 16); k = 160 has
+        // none, the shape of real models.
+        for k in [150, 160] {
+            row_bits_do_not_depend_on_batch_size_at(k);
+        }
+    }
+
+    fn row_bits_do_not_depend_on_batch_size_at(k: usize) {
+        let n = 203;
         let w = pseudo(n * k, 3);
         for isa in isas() {
             let x = pseudo(70 * k, 4);
-            let mut alone = vec![0.0; n];
-            matmul_with(isa, &x[..k], &w, &mut alone, 1, n, k);
-            for m in [2, 3, 64, 70] {
+            // Each row alone (m = 1), then every row of each batch against its row alone, so
+            // every slot of every register tile is checked.
+            let mut alone = vec![0.0; 70 * n];
+            for (xi, oi) in x.chunks_exact(k).zip(alone.chunks_exact_mut(n)) {
+                matmul_with(isa, xi, &w, oi, 1, n, k);
+            }
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for m in [2, 3, 5, 64, 70] {
                 let mut out = vec![0.0; m * n];
                 matmul_with(isa, &x[..m * k], &w, &mut out, m, n, k);
-                assert_eq!(
-                    alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    out[..n].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    "{isa:?} m={m}"
-                );
+                for i in 0..m {
+                    let row = i * n..(i + 1) * n;
+                    assert_eq!(
+                        bits(&alone[row.clone()]),
+                        bits(&out[row]),
+                        "{isa:?} k={k} m={m} row {i}"
+                    );
+                }
             }
             // A dot on its own is the same computation too.
             assert_eq!(

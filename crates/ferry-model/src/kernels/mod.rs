@@ -3,13 +3,14 @@
 //! Why not a BLAS or candle: batch invariance must be *bitwise* (RL needs a request's tokens
 //! not to depend on what else is in its batch), and a gemm library picks its kernel and its
 //! split of the K dimension by the number of rows M. Here every dot product over K is computed
-//! in one fixed order whatever M is: one 8-lane accumulator per output element, chunks of 8 in
-//! order, fused multiply-adds, a fixed horizontal sum, then the tail in order. Parallelism is
-//! only over output features (rows of W), never over K.
+//! in one fixed order whatever M is: one vector accumulator per output element (8 lanes, 16
+//! with AVX-512), chunks of the lane width in order, fused multiply-adds, a fixed horizontal
+//! sum, then the tail in order. Parallelism is only over output features (rows of W), never
+//! over K.
 //!
-//! The instruction set is chosen once per process ([`Isa::current`]): AVX2+FMA when the CPU
-//! has it, a portable path otherwise. The two give different bits, which is fine because a
-//! process never mixes them.
+//! The instruction set is chosen once per process ([`Isa::current`]): AVX-512F when the CPU
+//! has it (16 lanes per accumulator), else AVX2+FMA (8 lanes), else a portable path. They give
+//! different bits, which is fine because a process never mixes them.
 
 mod matmul;
 
@@ -17,9 +18,17 @@ pub use matmul::{matmul, matmul_with};
 
 use std::sync::OnceLock;
 
+use rayon::prelude::*;
+
+/// Rows at which the per-row helpers below go parallel (a decode step at batch 1 stays on
+/// one thread, where handing work to the pool would cost more than it saves).
+const PAR_ROWS: usize = 4;
+
 /// Which implementation of the kernels this process uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
+    /// x86-64 with AVX-512F (detected at run time): 16 lanes per accumulator.
+    Avx512,
     /// x86-64 with AVX2 and FMA (detected at run time, not compiled in with `target-cpu`).
     Avx2Fma,
     /// Plain Rust, mul then add; any CPU.
@@ -30,18 +39,24 @@ impl Isa {
     /// The implementation for this process, detected once.
     pub fn current() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
-        *ISA.get_or_init(detect)
+        *ISA.get_or_init(|| Isa::available()[0])
     }
-}
 
-fn detect() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            return Isa::Avx2Fma;
+    /// Every implementation this CPU can run, best first (tests compare them all).
+    pub fn available() -> Vec<Isa> {
+        let mut isas = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                isas.push(Isa::Avx512);
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                isas.push(Isa::Avx2Fma);
+            }
         }
+        isas.push(Isa::Portable);
+        isas
     }
-    Isa::Portable
 }
 
 /// Threads the kernels split work over (rayon's pool: the cores, or `RAYON_NUM_THREADS`).
@@ -68,12 +83,19 @@ pub fn dot_rows(q: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
 
 /// RMSNorm of each row of `x` (`rows × dim`) into `out`: `x / sqrt(mean(x²) + eps) * weight`,
 /// computed as Hugging Face does in f32 (normalize, then scale by the weight).
+/// Rows are independent, so they run in parallel with the same bits as one by one.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
     debug_assert_eq!(x.len(), out.len());
-    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        rms_norm_row(xr, weight, eps, or);
+    if x.len() < PAR_ROWS * dim {
+        for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            rms_norm_row(xr, weight, eps, or);
+        }
+        return;
     }
+    x.par_chunks_exact(dim)
+        .zip(out.par_chunks_exact_mut(dim))
+        .for_each(|(xr, or)| rms_norm_row(xr, weight, eps, or));
 }
 
 /// RMSNorm of one row (also used in place per head for Qwen3's q/k norm).
@@ -99,21 +121,104 @@ fn rms_inv(x: &[f32], eps: f32) -> f32 {
 }
 
 /// SwiGLU: `out[i] = silu(gate[i]) * up[i]` where each row of `gate_up` is `[gate | up]`.
+/// Rows run in parallel (the `exp`s are a few percent of a batched step).
 pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
-    for (gu, o) in gate_up
-        .chunks_exact(2 * inter)
-        .zip(out.chunks_exact_mut(inter))
-    {
+    let row = |(gu, o): (&[f32], &mut [f32])| {
         let (gate, up) = gu.split_at(inter);
         for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
             *o = g / (1.0 + (-g).exp()) * u;
         }
+    };
+    if out.len() < PAR_ROWS * inter {
+        gate_up
+            .chunks_exact(2 * inter)
+            .zip(out.chunks_exact_mut(inter))
+            .for_each(row);
+        return;
     }
+    gate_up
+        .par_chunks_exact(2 * inter)
+        .zip(out.par_chunks_exact_mut(inter))
+        .for_each(row);
+}
+
+/// `out += w[r] * rows[r * stride..][..out.len()]` for each `r` in order, each a multiply then
+/// an add (never fused), so every instruction set gives the bits of the plain loop; only the
+/// vector width changes. Attention's V sums use it, one KV block of one head per call.
+pub fn axpy_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    let d = out.len();
+    if w.is_empty() {
+        return;
+    }
+    assert!(
+        stride >= d && rows.len() >= (w.len() - 1) * stride + d,
+        "axpy_rows: {} rows of {d} floats at stride {stride} do not fit in {}",
+        w.len(),
+        rows.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current() == Isa::Avx512 {
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
+        return unsafe { axpy_rows_avx512(w, rows, stride, out) };
+    }
+    axpy_rows_plain(w, rows, stride, out);
+}
+
+/// Sixteen outputs at a time held in a local array (one vector register once compiled for
+/// AVX-512) while the rows stream past, rather than a load and store of `out` per row; the
+/// order each element adds the rows in is the same.
+fn axpy_rows_plain(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    const LANES: usize = 16;
+    let mut c0 = 0;
+    while c0 < out.len() {
+        let width = LANES.min(out.len() - c0);
+        let mut acc = [0.0f32; LANES];
+        acc[..width].copy_from_slice(&out[c0..c0 + width]);
+        for (r, &wr) in w.iter().enumerate() {
+            let v = &rows[r * stride + c0..r * stride + c0 + width];
+            for (a, &vi) in acc.iter_mut().zip(v) {
+                *a += wr * vi;
+            }
+        }
+        out[c0..c0 + width].copy_from_slice(&acc[..width]);
+        c0 += width;
+    }
+}
+
+/// The same loop compiled for 512-bit vectors (Rust never contracts `+=` of a product into an
+/// FMA, so the bits match [`axpy_rows_plain`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn axpy_rows_avx512(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    axpy_rows_plain(w, rows, stride, out);
 }
 
 /// `x += y`, element-wise.
 pub fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {
         *a += b;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The vector path of `axpy_rows` gives the plain loop's bits (odd length: a vector
+    /// tail too; a stride longer than a row, as in the KV arena).
+    #[test]
+    fn axpy_rows_matches_the_plain_loop_bitwise() {
+        let (d, stride, n) = (67, 80, 5);
+        let rows: Vec<f32> = (0..(n - 1) * stride + d)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        let w: Vec<f32> = (0..n).map(|i| 0.3 + i as f32 * 0.17).collect();
+        let y0: Vec<f32> = (0..d).map(|i| (i as f32 * 0.11).cos()).collect();
+        let (mut fast, mut plain) = (y0.clone(), y0.clone());
+        axpy_rows(&w, &rows, stride, &mut fast);
+        axpy_rows_plain(&w, &rows, stride, &mut plain);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fast), bits(&plain));
+        assert_ne!(bits(&fast), bits(&y0), "axpy_rows must change out");
     }
 }

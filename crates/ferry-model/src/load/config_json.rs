@@ -121,7 +121,10 @@ pub fn validate(config: &LlamaConfig, path: &Path) -> Result<(), LoadError> {
             format!("{} is more than {MAX_LAYERS}", config.num_hidden_layers),
         ));
     }
-    if config.num_attention_heads % config.num_key_value_heads != 0 {
+    if !config
+        .num_attention_heads
+        .is_multiple_of(config.num_key_value_heads)
+    {
         return Err(LoadError::field(
             path,
             "num_key_value_heads",
@@ -131,7 +134,7 @@ pub fn validate(config: &LlamaConfig, path: &Path) -> Result<(), LoadError> {
             ),
         ));
     }
-    if config.head_dim % 2 != 0 {
+    if !config.head_dim.is_multiple_of(2) {
         return Err(LoadError::field(
             path,
             "head_dim",

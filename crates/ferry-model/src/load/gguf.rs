@@ -138,7 +138,7 @@ impl GgmlType {
             Self::Q8_0 => (QK, 2 + QK),
             Self::Other(_) => return None,
         };
-        if n % block != 0 {
+        if !n.is_multiple_of(block) {
             return None;
         }
         (n / block).checked_mul(bytes)
