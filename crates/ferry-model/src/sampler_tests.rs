@@ -181,23 +181,38 @@ fn naive_nucleus(logits: &[f32], t: f64, p: f64) -> Vec<u32> {
     order
 }
 
-#[test]
-fn top_p_never_picks_outside_the_nucleus() {
-    // Probabilities 1/2, 1/4, 1/8, ...: p = 0.7 keeps exactly tokens 0 and 1.
-    let halving: Vec<f32> = (0..10)
+/// Logits whose probabilities halve from one token to the next: 1/2, 1/4, 1/8, ... (10 tokens).
+fn halving_logits() -> Vec<f32> {
+    (0..10)
         .map(|i| -(i as f32) * std::f32::consts::LN_2)
-        .collect();
+        .collect()
+}
+
+/// Which of the 10 halving tokens `n_draws` seeded draws (seed `seed`, output indexes
+/// `0..n_draws`, temperature 1) produce with the filters `configure` sets.
+fn halving_tokens_seen(n_draws: u32, seed: u64, configure: impl Fn(&mut SampleSpec)) -> [bool; 10] {
+    let halving = halving_logits();
     let mut scratch = SamplerScratch::with_seed(2);
     let mut seen = [false; 10];
-    for i in 0..2000 {
-        let mut s = seeded(1.0, 77, i);
-        s.params.top_p = 0.7;
-        let t = token(&halving, &s, &mut scratch) as usize;
-        assert!(t < 2, "token {t} is outside the nucleus");
-        seen[t] = true;
+    for i in 0..n_draws {
+        let mut s = seeded(1.0, seed, i);
+        configure(&mut s);
+        seen[token(&halving, &s, &mut scratch) as usize] = true;
     }
-    assert!(seen[0] && seen[1]);
+    seen
+}
 
+#[test]
+fn top_p_never_picks_outside_the_nucleus() {
+    // p = 0.7 keeps exactly tokens 0 and 1.
+    let seen = halving_tokens_seen(2000, 77, |s| s.params.top_p = 0.7);
+    assert_eq!(&seen[..2], &[true, true]);
+    assert!(
+        seen[2..].iter().all(|&s| !s),
+        "a token outside the nucleus: {seen:?}"
+    );
+
+    let mut scratch = SamplerScratch::with_seed(2);
     for seed in 0..10 {
         let logits = random_logits(seed, 2000, 3.0);
         for (p, t) in [(0.5f32, 1.0f32), (0.9, 0.8), (0.95, 2.0)] {
@@ -241,24 +256,18 @@ fn nucleus_len_matches_a_full_sort_on_a_large_vocab() {
 
 #[test]
 fn min_p_never_picks_below_the_threshold() {
-    // Probabilities 1/2, 1/4, 1/8, ...: min_p = 0.3 keeps tokens with p >= 0.15 (0 and 1).
-    let halving: Vec<f32> = (0..10)
-        .map(|i| -(i as f32) * std::f32::consts::LN_2)
-        .collect();
-    let mut scratch = SamplerScratch::with_seed(2);
-    let mut seen = [false; 10];
-    for i in 0..2000 {
-        let mut s = seeded(1.0, 5, i);
-        s.params.min_p = 0.3;
-        let t = token(&halving, &s, &mut scratch) as usize;
-        assert!(t < 2, "token {t} is below min_p");
-        seen[t] = true;
-    }
-    assert!(seen[0] && seen[1]);
+    // min_p = 0.3 keeps tokens with p >= 0.15 (0 and 1).
+    let seen = halving_tokens_seen(2000, 5, |s| s.params.min_p = 0.3);
+    assert_eq!(&seen[..2], &[true, true]);
+    assert!(
+        seen[2..].iter().all(|&s| !s),
+        "a token below min_p: {seen:?}"
+    );
     // min_p above 1 still keeps the top token.
     let mut s = seeded(1.0, 5, 0);
     s.params.min_p = 3.0;
-    assert_eq!(token(&halving, &s, &mut scratch), 0);
+    let mut scratch = SamplerScratch::with_seed(2);
+    assert_eq!(token(&halving_logits(), &s, &mut scratch), 0);
 }
 
 #[test]
@@ -266,18 +275,11 @@ fn filters_combine() {
     // Unnormalized masses 1, 1/2, 1/4, ...: top_k 5 keeps 0..5 (mass 1.9375), top_p 0.95
     // then keeps 0..4 (1.875 >= 0.95 * 1.9375), min_p 0.2 then keeps 0..3 (p >= 0.2 of the
     // top): only tokens 0, 1, 2 can appear.
-    let halving: Vec<f32> = (0..10)
-        .map(|i| -(i as f32) * std::f32::consts::LN_2)
-        .collect();
-    let mut scratch = SamplerScratch::with_seed(3);
-    let mut seen = [false; 10];
-    for i in 0..3000 {
-        let mut s = seeded(1.0, 8, i);
+    let seen = halving_tokens_seen(3000, 8, |s| {
         s.params.top_k = 5;
         s.params.top_p = 0.95;
         s.params.min_p = 0.2;
-        seen[token(&halving, &s, &mut scratch) as usize] = true;
-    }
+    });
     assert_eq!(&seen[..4], &[true, true, true, false]);
     assert!(seen[4..].iter().all(|&s| !s));
 }
