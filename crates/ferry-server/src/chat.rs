@@ -14,29 +14,31 @@ use crate::extract::{ApiJson, RequestId};
 use crate::generate::{finish_fields, launch, Collected, LaunchSpec, PreparedPrompt, UsageTally};
 use crate::logprobs::{chat_logprobs, TokenTexts};
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
-use crate::request::ChatRequest;
+use crate::request::{ChatFields, ChatRequest};
 use crate::response::{
     AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta, Usage,
 };
 use crate::sse::{sse_response, to_json, ChunkFormatter};
 use crate::state::{unix_now, AppState};
+use serde_json::Value;
 
 pub async fn chat_completions(
     State(app): State<Arc<AppState>>,
     Extension(RequestId(request_id)): Extension<RequestId>,
-    ApiJson(req): ApiJson<ChatRequest>,
+    ApiJson(body): ApiJson<Value>,
 ) -> Result<Response, ApiError> {
     let arrival = Instant::now();
+    let req = ChatRequest::from_json(&body)?;
     app.check_model(req.common.model.as_deref())?;
-    let logprobs = check_chat_logprobs(req.logprobs, req.top_logprobs, &app.limits)?;
+    let logprobs = check_chat_logprobs(req.own.logprobs, req.own.top_logprobs, &app.limits)?;
     // `max_completion_tokens` replaces the deprecated `max_tokens`; either is accepted.
-    let max_tokens = match req.max_completion_tokens {
+    let max_tokens = match req.own.max_completion_tokens {
         Some(v) => (Some(v), "max_completion_tokens"),
         None => (req.common.max_tokens, "max_tokens"),
     };
     let params = GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
     req.unsupported.check(i64::from(params.n))?;
-    let prompt = render_prompt(&app, &req)?;
+    let prompt = render_prompt(&app, &req.own)?;
     let prompts = [PreparedPrompt {
         sampling: params.for_prompt(prompt.len(), &app.limits)?,
         tokens: prompt,
@@ -67,7 +69,7 @@ pub async fn chat_completions(
 
 /// The messages through the chat template, tokenized (without adding special tokens: the
 /// template writes them) and checked against the context.
-pub fn render_prompt(app: &AppState, req: &ChatRequest) -> Result<Vec<u32>, ApiError> {
+pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiError> {
     let messages = req
         .messages
         .as_deref()

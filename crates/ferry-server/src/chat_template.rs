@@ -106,7 +106,10 @@ fn message_value(i: usize, m: &ChatMessage) -> Result<Json, ApiError> {
             texts.join("\n")
         }
     };
-    let mut obj = m.extra.clone();
+    let mut obj = Map::new();
+    if let Some(name) = &m.name {
+        obj.insert("name".into(), name.clone().into());
+    }
     obj.insert("role".into(), role.into());
     obj.insert("content".into(), content.into());
     Ok(Json::Object(obj))
@@ -120,7 +123,7 @@ mod tests {
     const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
     fn messages(json: &str) -> Vec<ChatMessage> {
-        parse_json(json.as_bytes()).unwrap()
+        serde_json::from_str(json).unwrap()
     }
 
     #[test]

@@ -17,15 +17,17 @@ use crate::request::{CompletionRequest, Prompt};
 use crate::response::{CompletionChoice, CompletionResponse};
 use crate::sse::{sse_response, to_json, ChunkFormatter};
 use crate::state::{unix_now, AppState};
+use serde_json::Value;
 
 pub async fn completions(
     State(app): State<Arc<AppState>>,
     Extension(RequestId(request_id)): Extension<RequestId>,
-    ApiJson(req): ApiJson<CompletionRequest>,
+    ApiJson(body): ApiJson<Value>,
 ) -> Result<Response, ApiError> {
     let arrival = Instant::now();
+    let req = CompletionRequest::from_json(&body)?;
     app.check_model(req.common.model.as_deref())?;
-    let logprobs = check_completion_logprobs(req.logprobs, &app.limits)?;
+    let logprobs = check_completion_logprobs(req.own.logprobs, &app.limits)?;
     let params = GenerationParams::from_common(
         &req.common,
         (req.common.max_tokens, "max_tokens"),
@@ -33,7 +35,7 @@ pub async fn completions(
         &app.limits,
     )?;
     req.unsupported.check(i64::from(params.n))?;
-    let prompts = prepare_prompts(&app, req.prompt.map(|p| p.into_batch()), &params)?;
+    let prompts = prepare_prompts(&app, req.own.prompt.map(|p| p.into_batch()), &params)?;
     let spec = LaunchSpec {
         request_id: &request_id,
         n: params.n,

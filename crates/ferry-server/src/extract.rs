@@ -10,6 +10,7 @@ use axum::http::{HeaderName, HeaderValue};
 use axum::middleware::Next;
 use axum::response::Response;
 use serde::de::DeserializeOwned;
+use serde_json::Value;
 
 use crate::error::ApiError;
 
@@ -39,23 +40,29 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
 
 /// Parses `bytes` as a `T`, naming the field at fault on a type error.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    let mut de = serde_json::Deserializer::from_slice(bytes);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(|err| {
+    let value: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    }
+    from_value(&value)
+}
+
+/// Reads a `T` out of a JSON value, naming the field at fault on a type error. Request types
+/// read their parts with this, one part at a time, rather than with `#[serde(flatten)]`:
+/// flattened fields are buffered and lose their path, so errors could not name them.
+pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|err| {
         let path = err.path().to_string();
         let inner = err.into_inner();
-        match inner.classify() {
-            serde_json::error::Category::Data if path != "." => {
-                ApiError::invalid(path.clone(), format!("invalid value for `{path}`: {inner}"))
-            }
-            serde_json::error::Category::Data => {
-                ApiError::bad_request(format!("the request body has the wrong shape: {inner}"))
-            }
-            _ => ApiError::bad_request(format!("the request body is not valid JSON: {inner}")),
+        if path == "." {
+            ApiError::bad_request(format!("the request body has the wrong shape: {inner}"))
+        } else {
+            ApiError::invalid(path.clone(), format!("invalid value for `{path}`: {inner}"))
         }
-    })?;
-    de.end()
-        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
-    Ok(value)
+    })
 }
 
 /// The request's id: the client's `X-Request-Id`, or a generated one. Handlers read it from

@@ -194,7 +194,7 @@ impl UsageTally {
     pub fn add(&mut self, index: usize, token_ids: &[TokenId], finish: Option<&Finish>) {
         self.completion_tokens += token_ids.len();
         if let Some(f) = finish {
-            if index % self.n == 0 {
+            if index.is_multiple_of(self.n) {
                 self.cached_tokens += f.n_cached_tokens;
             }
         }

@@ -9,6 +9,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::ApiError;
+use crate::extract::from_value;
 
 /// `prompt` of `/v1/completions`: text, token ids, or a batch of either.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -111,6 +112,9 @@ pub struct Unsupported {
     pub chat_template: Option<Value>,
 }
 
+/// A field's name, its value, and whether that value is the default.
+type FieldCheck<'a> = (&'static str, &'a Option<Value>, &'a dyn Fn(&Value) -> bool);
+
 impl Unsupported {
     /// Refuses the first field set to something other than its OpenAI default. `n` is the
     /// request's `n` (`best_of` equal to `n` is the default).
@@ -126,7 +130,7 @@ impl Unsupported {
         };
         let text_format = |v: &Value| v.get("type").and_then(Value::as_str) == Some("text");
         let best_of_n = |v: &Value| v.as_i64().is_some_and(|b| b <= n);
-        let checks: [(&str, &Option<Value>, &dyn Fn(&Value) -> bool); 21] = [
+        let checks: [FieldCheck<'_>; 21] = [
             ("presence_penalty", &self.presence_penalty, &zero),
             ("frequency_penalty", &self.frequency_penalty, &zero),
             ("repetition_penalty", &self.repetition_penalty, &one),
@@ -174,15 +178,29 @@ impl Unsupported {
 }
 
 /// `POST /v1/completions`.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct CompletionRequest {
+    pub own: CompletionFields,
+    pub common: CommonParams,
+    pub unsupported: Unsupported,
+}
+
+/// The fields only `/v1/completions` has.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct CompletionFields {
     pub prompt: Option<PromptInput>,
     /// Top-n count (legacy completions format); `0` returns only the sampled token's logprob.
     pub logprobs: Option<i64>,
-    #[serde(flatten)]
-    pub common: CommonParams,
-    #[serde(flatten)]
-    pub unsupported: Unsupported,
+}
+
+impl CompletionRequest {
+    pub fn from_json(v: &Value) -> Result<Self, ApiError> {
+        Ok(Self {
+            own: from_value(v)?,
+            common: from_value(v)?,
+            unsupported: from_value(v)?,
+        })
+    }
 }
 
 /// A message's `content`: a string or a list of parts (only text parts are supported).
@@ -200,19 +218,35 @@ pub struct ContentPart {
     pub text: Option<String>,
 }
 
-/// One chat message. Fields besides `role` and `content` (`name`, ...) pass through to the
-/// chat template untouched.
+/// One chat message (tool calls are not supported, so these are all a template needs).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct ChatMessage {
     pub role: Option<String>,
     pub content: Option<MessageContent>,
-    #[serde(flatten)]
-    pub extra: serde_json::Map<String, Value>,
+    pub name: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ChatRequest {
+    pub own: ChatFields,
+    pub common: CommonParams,
+    pub unsupported: Unsupported,
+}
+
+impl ChatRequest {
+    pub fn from_json(v: &Value) -> Result<Self, ApiError> {
+        Ok(Self {
+            own: from_value(v)?,
+            common: from_value(v)?,
+            unsupported: from_value(v)?,
+        })
+    }
+}
+
+/// The fields only `/v1/chat/completions` has.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct ChatFields {
     pub messages: Option<Vec<ChatMessage>>,
     pub max_completion_tokens: Option<i64>,
     pub logprobs: Option<bool>,
@@ -220,10 +254,6 @@ pub struct ChatRequest {
     pub add_generation_prompt: Option<bool>,
     /// Extra variables for the chat template (e.g. `enable_thinking`).
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
-    #[serde(flatten)]
-    pub common: CommonParams,
-    #[serde(flatten)]
-    pub unsupported: Unsupported,
 }
 
 #[cfg(test)]
@@ -231,15 +261,13 @@ mod tests {
     use super::*;
     use crate::extract::parse_json;
 
+    fn parse(body: &str) -> CompletionRequest {
+        CompletionRequest::from_json(&parse_json(body.as_bytes()).unwrap()).unwrap()
+    }
+
     #[test]
     fn prompt_shapes_parse() {
-        let p = |s: &str| {
-            parse_json::<CompletionRequest>(s.as_bytes())
-                .unwrap()
-                .prompt
-                .unwrap()
-                .into_batch()
-        };
+        let p = |s: &str| parse(s).own.prompt.unwrap().into_batch();
         assert_eq!(p(r#"{"prompt": "hi"}"#), vec![Prompt::Text("hi".into())]);
         assert_eq!(p(r#"{"prompt": [1, 2]}"#), vec![Prompt::Tokens(vec![1, 2])]);
         assert_eq!(
@@ -253,22 +281,33 @@ mod tests {
     }
 
     #[test]
+    fn type_errors_in_shared_fields_name_the_field() {
+        let v: Value = parse_json(br#"{"prompt": "x", "max_tokens": "ten"}"#).unwrap();
+        let e = CompletionRequest::from_json(&v).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let v: Value = parse_json(br#"{"messages": [{"role": "user", "content": 5}]}"#).unwrap();
+        let e = ChatRequest::from_json(&v).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content"));
+    }
+
+    #[test]
     fn unknown_fields_are_ignored_and_flattened_fields_parse() {
-        let r: ChatRequest = parse_json(
+        let v: Value = parse_json(
             br#"{"messages": [{"role": "user", "content": "x", "name": "bob"}],
                  "max_tokens": 3, "whatever": {"a": 1}, "presence_penalty": 0}"#,
         )
         .unwrap();
+        let r = ChatRequest::from_json(&v).unwrap();
         assert_eq!(r.common.max_tokens, Some(3));
-        let m = &r.messages.as_ref().unwrap()[0];
-        assert_eq!(m.extra.get("name"), Some(&Value::from("bob")));
+        let m = &r.own.messages.as_ref().unwrap()[0];
+        assert_eq!(m.name.as_deref(), Some("bob"));
         assert!(r.unsupported.check(1).is_ok());
     }
 
     #[test]
     fn unsupported_fields_with_values_are_named() {
         let err = |body: &str| {
-            let r: CompletionRequest = parse_json(body.as_bytes()).unwrap();
+            let r = parse(body);
             r.unsupported
                 .check(r.common.n.unwrap_or(1))
                 .unwrap_err()
@@ -289,8 +328,7 @@ mod tests {
             err(r#"{"tools": [{"type": "function"}]}"#).as_deref(),
             Some("tools")
         );
-        let ok: CompletionRequest =
-            parse_json(br#"{"best_of": 2, "n": 2, "echo": false, "logit_bias": {}}"#).unwrap();
+        let ok = parse(r#"{"best_of": 2, "n": 2, "echo": false, "logit_bias": {}}"#);
         assert!(ok.unsupported.check(2).is_ok());
     }
 }

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::chat::render_prompt;
 use crate::error::ApiError;
 use crate::extract::ApiJson;
-use crate::request::{ChatMessage, ChatRequest};
+use crate::request::{ChatFields, ChatMessage};
 use crate::response::{ModelCard, ModelList};
 use crate::state::AppState;
 
@@ -136,11 +136,11 @@ fn tokenize_chat(
         )?;
         return app.tokenize(&text, true, "messages");
     }
-    let chat = ChatRequest {
+    let chat = ChatFields {
         messages: Some(messages),
         add_generation_prompt: req.add_generation_prompt,
         chat_template_kwargs: req.chat_template_kwargs.clone(),
-        ..ChatRequest::default()
+        ..ChatFields::default()
     };
     render_prompt(app, &chat)
 }
