@@ -320,6 +320,14 @@ mod tests {
         assert_eq!(p.stop, vec!["x".to_owned()]);
         assert!(p.include_usage);
         assert_eq!(p.n, 1);
+        assert!(!p.sampling.ignore_eos);
+        assert!(!p.return_token_ids);
+        let p = parse(r#"{"ignore_eos": true, "stop_token_ids": [3, 4], "min_p": 0.1, "cache_salt": "s", "return_token_ids": true}"#).unwrap();
+        assert!(p.sampling.ignore_eos);
+        assert!(p.return_token_ids);
+        assert_eq!(p.sampling.stop_token_ids, vec![3, 4]);
+        assert_eq!(p.sampling.min_p, 0.1);
+        assert_eq!(p.sampling.cache_salt.as_deref(), Some("s"));
         // include_usage only applies to streams.
         assert!(
             !parse(r#"{"stream_options": {"include_usage": true}}"#)

@@ -120,6 +120,22 @@ async fn token_prompts_batches_and_n_are_indexed_choices() {
     let p1 = other["usage"]["prompt_tokens"].as_u64().unwrap();
     assert_eq!(out["usage"]["prompt_tokens"].as_u64(), Some(p0 + p1));
     assert_eq!(out["usage"]["completion_tokens"], 24);
+    // Streamed, the choices interleave; regrouped by index they are the same, and each
+    // choice's prompt ids come once.
+    batch["stream"] = json!(true);
+    let events = s.stream("/v1/completions", &batch).await;
+    let mut streamed = vec![Vec::new(); 4];
+    let mut prompt_ids_seen = [0; 4];
+    for e in &events {
+        let c = &e["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        streamed[i].extend(ids(&c["token_ids"]));
+        prompt_ids_seen[i] += usize::from(c.get("prompt_token_ids").is_some());
+    }
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(streamed[i], ids(&c["token_ids"]), "choice {i}");
+    }
+    assert_eq!(prompt_ids_seen, [1; 4]);
 
     // A batch of token-id prompts.
     let out = s
