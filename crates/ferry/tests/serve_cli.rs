@@ -1,0 +1,152 @@
+//! `ferry serve` as a user runs it: the real binary on a loopback port with the built-in `tiny`
+//! model. Ctrl-C (SIGINT) ends in-flight streams with finish_reason `abort` and the process
+//! exits cleanly; bad flags are errors that name the flag. The HTTP API itself is tested in
+//! `crates/ferry-server/tests`; these tests only cover what the binary adds.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+
+/// A `ferry serve` child process and the port it reported.
+struct Server {
+    child: Child,
+    port: u16,
+    /// The rest of its stderr, line by line.
+    log: mpsc::Receiver<String>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(extra: &[&str]) -> Server {
+    let mut child = Command::new(FERRY)
+        .args(["serve", "--model", "tiny", "--port", "0"])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting ferry serve");
+    let (tx, log) = mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = log
+            .recv_timeout(left)
+            .expect("ferry serve did not report its address within 60 s");
+        if let Some(rest) = line.split("serving on http://").nth(1) {
+            let addr = rest.split_whitespace().next().unwrap();
+            let port = addr.rsplit(':').next().unwrap().parse().unwrap();
+            return Server { child, port, log };
+        }
+    }
+}
+
+/// Sends a raw HTTP/1.1 POST and returns the open connection (the response is read by the
+/// caller), so a test can act while a stream is still coming.
+fn post(port: u16, path: &str, body: &str) -> TcpStream {
+    let mut conn = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    write!(
+        conn,
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    conn
+}
+
+fn read_all(mut conn: TcpStream) -> String {
+    let mut out = String::new();
+    conn.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn serves_a_completion_from_the_built_in_model() {
+    let server = start(&[]);
+    let body = r#"{"model": "tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 0}"#;
+    let response = read_all(post(server.port, "/v1/completions", body));
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(response.contains(r#""completion_tokens":5"#), "{response}");
+}
+
+#[test]
+fn ctrl_c_aborts_in_flight_streams_and_exits_cleanly() {
+    let mut server = start(&[]);
+    let body = r#"{"model": "tiny", "prompt": "Tell me everything", "max_tokens": 1500,
+                   "ignore_eos": true, "temperature": 0, "stream": true}"#;
+    let mut conn = BufReader::new(post(server.port, "/v1/completions", body));
+    // Wait until tokens are flowing, so the request is really in flight.
+    let mut seen = String::new();
+    while !seen.contains("data: {") {
+        let mut line = String::new();
+        assert_ne!(
+            conn.read_line(&mut line).unwrap(),
+            0,
+            "stream ended early: {seen}"
+        );
+        seen.push_str(&line);
+    }
+    let pid = server.child.id().to_string();
+    let status = Command::new("kill").args(["-INT", &pid]).status().unwrap();
+    assert!(status.success());
+
+    let mut rest = String::new();
+    conn.read_to_string(&mut rest).unwrap();
+    assert!(
+        rest.contains(r#""finish_reason":"abort""#),
+        "the in-flight stream did not end with finish_reason abort: {rest}"
+    );
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let exit = loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ferry serve still running 30 s after SIGINT"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(exit.success(), "ferry serve exited with {exit}");
+    let log: Vec<String> = server.log.try_iter().collect();
+    assert!(log.iter().any(|l| l.contains("stopped")), "{log:?}");
+}
+
+#[test]
+fn bad_flags_are_errors_naming_the_flag() {
+    let run = |args: &[&str]| {
+        let out = Command::new(FERRY).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&["serve", "--model", "tiny", "--max-model-len", "1000000"]);
+    assert!(err.contains("--max-model-len"), "{err}");
+    let err = run(&["serve", "--model", "/nonexistent/model-folder"]);
+    assert!(err.contains("/nonexistent/model-folder"), "{err}");
+    let err = run(&["serve", "--model", "tiny", "--kv-cache-bytes", "lots"]);
+    assert!(err.contains("lots"), "{err}");
+    let err = run(&["serve", "--model", "tiny", "--num-kv-blocks", "1"]);
+    assert!(err.to_lowercase().contains("block"), "{err}");
+}
