@@ -45,18 +45,25 @@ fn start(extra: &[&str]) -> Server {
             }
         }
     });
+    // Owned (and killed on drop) before anything below can panic.
+    let mut server = Server {
+        child,
+        port: 0,
+        log,
+    };
     let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    while server.port == 0 {
         let left = deadline.saturating_duration_since(Instant::now());
-        let line = log
+        let line = server
+            .log
             .recv_timeout(left)
             .expect("ferry serve did not report its address within 60 s");
         if let Some(rest) = line.split("serving on http://").nth(1) {
             let addr = rest.split_whitespace().next().unwrap();
-            let port = addr.rsplit(':').next().unwrap().parse().unwrap();
-            return Server { child, port, log };
+            server.port = addr.rsplit(':').next().unwrap().parse().unwrap();
         }
     }
+    server
 }
 
 /// Sends a raw HTTP/1.1 POST and returns the open connection (the response is read by the
