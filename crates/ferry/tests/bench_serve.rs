@@ -147,8 +147,9 @@ async fn start_fake(with_metrics: bool) -> (String, Arc<Fake>) {
     (url, fake)
 }
 
-/// Runs the real binary (blocking, so off the runtime's workers) and parses its JSON line.
-async fn bench(args: Vec<String>) -> Value {
+/// Runs the real binary (blocking, so off the runtime's workers); returns its last line
+/// (the JSON report) parsed, and the whole of its output.
+async fn bench(args: Vec<String>) -> (Value, String) {
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(env!("CARGO_BIN_EXE_ferry"))
             .args(["bench", "serve"])
@@ -164,7 +165,8 @@ async fn bench(args: Vec<String>) -> Value {
         "ferry bench serve failed: {}\n{stdout}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap()
+    let report = serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap();
+    (report, stdout.into_owned())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -183,7 +185,7 @@ async fn trace_run_reports_counts_failures_and_overhead() {
     let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
     std::fs::write(&trace, text).unwrap();
 
-    let r = bench(vec![
+    let (r, _) = bench(vec![
         "--url".into(),
         url.clone(),
         "--trace".into(),
@@ -228,11 +230,11 @@ async fn trace_run_reports_counts_failures_and_overhead() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn synthetic_run_without_metrics_reports_null_overhead() {
+async fn synthetic_run_without_metrics_reports_null_overhead_and_a_summary() {
     // No /metrics here: a server without the counters must give a null overhead.
     let (bare, fake) = start_fake(false).await;
 
-    let r = bench(
+    let (r, stdout) = bench(
         [
             "--url",
             &bare,
@@ -248,7 +250,6 @@ async fn synthetic_run_without_metrics_reports_null_overhead() {
             "200",
             "--seed",
             "3",
-            "--json",
         ]
         .map(str::to_owned)
         .to_vec(),
@@ -264,4 +265,14 @@ async fn synthetic_run_without_metrics_reports_null_overhead() {
     assert!(r["engine_overhead_fraction"].is_null());
     assert_eq!(r["request_rate"], 200.0);
     assert_eq!(fake.n_served.load(Ordering::SeqCst), 5);
+    // Without --json the readable summary comes first.
+    assert!(
+        stdout.contains("requests              5 completed, 0 failed"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("tokens                ") && stdout.contains(" in, 15 out"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("engine overhead       - "), "{stdout}");
 }
