@@ -24,5 +24,5 @@ pub use executor::{ExecError, Executor};
 pub use llama::{LlamaModel, Logits};
 pub use llama_weights::{LlamaWeights, ModelError};
 pub use load::{default_model_path, expected_tensors, ModelSpec};
-pub use load::{load_model, LoadError, LoadedModel};
+pub use load::{load_model, load_model_with_progress, LoadError, LoadedModel, Progress};
 pub use weights::{Tensor, WeightStore};

@@ -103,6 +103,13 @@ impl LlamaModel {
         })
     }
 
+    /// Seeds the engine-level RNG that requests without a seed draw from (`ferry serve
+    /// --seed`), so a whole run of unseeded sampled requests can be replayed.
+    pub fn with_sampler_seed(mut self, engine_seed: u64) -> Self {
+        self.sampler_scratch = SamplerScratch::with_seed(engine_seed);
+        self
+    }
+
     pub fn config(&self) -> &LlamaConfig {
         &self.config
     }

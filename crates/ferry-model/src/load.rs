@@ -25,6 +25,10 @@ pub use expected::expected_tensors;
 /// where `scripts/fetch-model.sh` puts it.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
+/// Called once per tensor as the loader converts it, so a caller can show progress while a
+/// large model loads: `(tensors done, tensors in all, the tensor just loaded)`.
+pub type Progress<'a> = &'a mut dyn FnMut(usize, usize, &str);
+
 /// Everything needed to serve a model.
 #[derive(Debug)]
 pub struct LoadedModel {
@@ -120,14 +124,22 @@ impl LoadError {
 
 /// Loads a Hugging Face model folder or a `.gguf` file.
 pub fn load_model(path: &Path) -> Result<LoadedModel, LoadError> {
+    load_model_with_progress(path, &mut |_, _, _| {})
+}
+
+/// [`load_model`], reporting each converted tensor to `progress`.
+pub fn load_model_with_progress(
+    path: &Path,
+    progress: Progress<'_>,
+) -> Result<LoadedModel, LoadError> {
     let meta = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?;
     if meta.is_dir() {
-        load_hf_folder(path)
+        load_hf_folder_with_progress(path, progress)
     } else if path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
     {
-        gguf_model::load_gguf(path)
+        gguf_model::load_gguf(path, progress)
     } else {
         Err(LoadError::invalid(
             path,
@@ -139,8 +151,15 @@ pub fn load_model(path: &Path) -> Result<LoadedModel, LoadError> {
 /// Loads a Hugging Face folder: config.json (+ generation_config.json), safetensors (single
 /// file or sharded with an index), tokenizer.json and the chat template.
 pub fn load_hf_folder(dir: &Path) -> Result<LoadedModel, LoadError> {
+    load_hf_folder_with_progress(dir, &mut |_, _, _| {})
+}
+
+fn load_hf_folder_with_progress(
+    dir: &Path,
+    progress: Progress<'_>,
+) -> Result<LoadedModel, LoadError> {
     let config = config_json::read_folder_config(dir)?;
-    let weights = safetensors_io::read_weights(dir, &expected_tensors(&config))?;
+    let weights = safetensors_io::read_weights(dir, &expected_tensors(&config), progress)?;
     let tokenizer = tokenizer::read_hf_tokenizer(dir)?;
     let chat_template = tokenizer::read_chat_template(dir)?;
     Ok(LoadedModel {
@@ -178,6 +197,11 @@ impl ModelSpec {
     }
 
     pub fn load(&self) -> Result<LoadedModel, LoadError> {
+        self.load_with_progress(&mut |_, _, _| {})
+    }
+
+    /// [`ModelSpec::load`], reporting each converted tensor to `progress`.
+    pub fn load_with_progress(&self, progress: Progress<'_>) -> Result<LoadedModel, LoadError> {
         match self {
             Self::Tiny => Ok(crate::tiny::tiny_model()),
             Self::Path(path) => {
@@ -188,7 +212,7 @@ impl ModelSpec {
                          scripts/fetch-model.sh)",
                     ));
                 }
-                load_model(path)
+                load_model_with_progress(path, progress)
             }
         }
     }

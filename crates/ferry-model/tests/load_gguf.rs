@@ -7,7 +7,7 @@ use std::path::Path;
 
 use ferry_model::load::gguf::{GgmlType, GgufFile, GgufValue};
 use ferry_model::load::gguf_model::{hf_tensor_name, unpermute_rows};
-use ferry_model::{load_model, LlamaConfig, LoadError};
+use ferry_model::{load_model, load_model_with_progress, LlamaConfig, LoadError};
 
 // ---------------------------------------------------------------------------------------------
 // A minimal GGUF writer (the format as the GGUF spec describes it).
@@ -490,6 +490,29 @@ fn llama_gguf_loads_with_hf_names_and_unpermuted_qk() {
     }
     assert_eq!(model.chat_template.as_deref(), Some("{{ messages }}"));
     assert_eq!(model.source, path.display().to_string());
+}
+
+#[test]
+fn gguf_loading_reports_each_tensor_with_its_hf_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    write_model(&path, false, |_| {});
+    let mut seen = Vec::new();
+    load_model_with_progress(&path, &mut |done, total, name| {
+        seen.push((done, total, name.to_owned()))
+    })
+    .unwrap();
+    let expected = model_tensors(false);
+    assert_eq!(seen.len(), expected.len());
+    let mut names: Vec<_> = seen.iter().map(|(_, _, n)| n.clone()).collect();
+    names.sort();
+    let mut want: Vec<_> = expected.iter().map(|(hf, ..)| hf.to_string()).collect();
+    want.sort();
+    assert_eq!(names, want);
+    assert_eq!(
+        seen.last().map(|s| (s.0, s.1)),
+        Some((expected.len(), expected.len()))
+    );
 }
 
 #[test]

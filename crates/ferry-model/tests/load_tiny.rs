@@ -5,7 +5,7 @@
 mod load_common;
 
 use ferry_model::tiny::{tiny_model, write_hf_folder, CHATML_TEMPLATE, IM_END, IM_START};
-use ferry_model::{load_model, ModelSpec};
+use ferry_model::{expected_tensors, load_model, load_model_with_progress, ModelSpec};
 use load_common::{check_tiny_logits, golden, ids_of, paged_logits, reference_forward};
 use proptest::prelude::*;
 
@@ -25,6 +25,27 @@ fn written_folder_loads_back_as_the_in_memory_model() {
         a.encode(text, false).unwrap().get_ids(),
         b.encode(text, false).unwrap().get_ids()
     );
+}
+
+#[test]
+fn loading_reports_every_tensor_once_in_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model();
+    write_hf_folder(&model, tmp.path()).unwrap();
+    let mut seen = Vec::new();
+    let loaded = load_model_with_progress(tmp.path(), &mut |done, total, name| {
+        seen.push((done, total, name.to_owned()));
+    })
+    .unwrap();
+    let expected = expected_tensors(&loaded.config);
+    assert_eq!(seen.len(), expected.len());
+    for (i, (done, total, name)) in seen.iter().enumerate() {
+        assert_eq!((*done, *total), (i + 1, expected.len()));
+        assert!(
+            loaded.weights.get(name).is_some(),
+            "{name} reported but not loaded"
+        );
+    }
 }
 
 #[test]

@@ -6,17 +6,17 @@ use std::path::Path;
 
 use super::gguf::{GgufFile, GgufValue};
 use super::tokenizer::{byte_level_bpe, byte_to_char, ByteLevelBpeSpec, PreTokenizerKind};
-use super::{expected_tensors, LoadError, LoadedModel};
+use super::{expected_tensors, LoadError, LoadedModel, Progress};
 use crate::{LlamaConfig, RopeScaling, Tensor, WeightStore};
 
 /// llama.cpp token types (`tokenizer.ggml.token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
-pub(crate) fn load_gguf(path: &Path) -> Result<LoadedModel, LoadError> {
+pub(crate) fn load_gguf(path: &Path, progress: Progress<'_>) -> Result<LoadedModel, LoadError> {
     let gguf = GgufFile::open(path)?;
     let config = gguf_config(&gguf)?;
-    let weights = gguf_weights(&gguf, &config)?;
+    let weights = gguf_weights(&gguf, &config, progress)?;
     let tokenizer = gguf_tokenizer(&gguf)?;
     let chat_template = gguf
         .get("tokenizer.chat_template")
@@ -166,8 +166,13 @@ fn rope_scaling(meta: &Meta<'_>) -> Result<Option<RopeScaling>, LoadError> {
 
 /// Every expected tensor, dequantized, checked against its expected shape, and (q/k) with
 /// llama.cpp's rope permutation undone.
-fn gguf_weights(gguf: &GgufFile, config: &LlamaConfig) -> Result<WeightStore, LoadError> {
+fn gguf_weights(
+    gguf: &GgufFile,
+    config: &LlamaConfig,
+    progress: Progress<'_>,
+) -> Result<WeightStore, LoadError> {
     let expected = expected_tensors(config);
+    let n_expected = expected.len();
     let mut by_hf_name = std::collections::HashMap::new();
     for info in &gguf.tensors {
         if let Some(hf) = hf_tensor_name(&info.name) {
@@ -175,7 +180,7 @@ fn gguf_weights(gguf: &GgufFile, config: &LlamaConfig) -> Result<WeightStore, Lo
         }
     }
     let mut store = WeightStore::default();
-    for (name, shape) in expected {
+    for (n_done, (name, shape)) in expected.into_iter().enumerate() {
         let info = by_hf_name
             .get(&name)
             .ok_or_else(|| LoadError::MissingTensor {
@@ -194,6 +199,7 @@ fn gguf_weights(gguf: &GgufFile, config: &LlamaConfig) -> Result<WeightStore, Lo
         if let Some(n_heads) = permuted_heads(&name, config) {
             data = unpermute_rows(&data, n_heads, &shape);
         }
+        progress(n_done + 1, n_expected, &name);
         store.insert(name, Tensor::new(shape, data));
     }
     Ok(store)

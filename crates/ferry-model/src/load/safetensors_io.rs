@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
 
-use super::LoadError;
+use super::{LoadError, Progress};
 use crate::{Tensor, WeightStore};
 
 const SINGLE_FILE: &str = "model.safetensors";
@@ -16,11 +16,20 @@ const INDEX_FILE: &str = "model.safetensors.index.json";
 type Wanted = (String, Vec<usize>);
 
 /// Reads exactly the `expected` tensors (name, shape) from the folder's safetensors files.
-pub(crate) fn read_weights(dir: &Path, expected: &[Wanted]) -> Result<WeightStore, LoadError> {
+pub(crate) fn read_weights(
+    dir: &Path,
+    expected: &[Wanted],
+    progress: Progress<'_>,
+) -> Result<WeightStore, LoadError> {
     let by_file = assign_files(dir, expected)?;
     let mut store = WeightStore::default();
+    let mut n_done = 0;
+    let mut tensor_done = |name: &str| {
+        n_done += 1;
+        progress(n_done, expected.len(), name);
+    };
     for (file, wanted) in by_file {
-        read_file(&file, &wanted, &mut store)?;
+        read_file(&file, &wanted, &mut store, &mut tensor_done)?;
     }
     Ok(store)
 }
@@ -61,7 +70,12 @@ fn assign_files<'a>(
     Ok(by_file)
 }
 
-fn read_file(path: &Path, wanted: &[&Wanted], store: &mut WeightStore) -> Result<(), LoadError> {
+fn read_file(
+    path: &Path,
+    wanted: &[&Wanted],
+    store: &mut WeightStore,
+    tensor_done: &mut dyn FnMut(&str),
+) -> Result<(), LoadError> {
     let file = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
     // SAFETY: the mapping is read-only and lives only for this function. Another process
     // truncating the file while we read it would be undefined behaviour; model files are not
@@ -89,6 +103,7 @@ fn read_file(path: &Path, wanted: &[&Wanted], store: &mut WeightStore) -> Result
                 dtype: format!("{:?} (supported: F32, F16, BF16)", view.dtype()),
             })?;
         store.insert(name.clone(), Tensor::new(shape.clone(), data));
+        tensor_done(name);
     }
     Ok(())
 }

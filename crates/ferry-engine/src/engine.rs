@@ -1,0 +1,399 @@
+//! The engine thread: drains inputs, steps the core and the executor, sends raw outputs.
+//!
+//! `run` reads as its phases: `drain_inputs` (every queued input, in order, between steps),
+//! then `step` while there is work (`schedule` → `Executor::execute` → `on_step_output` →
+//! `dispatch_outputs`), else `run_idle_work` and a blocking wait for the next input. Pending
+//! deferred replies are checked after every step and when idle.
+
+use std::time::{Duration, Instant};
+
+use ferry_core::{FinishReason, ReqIdx, RequestOutput, Scheduler, StepPlan};
+use ferry_kv::KvArena;
+use ferry_model::{ExecError, Executor};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::input::{AddInput, EngineFinish, Event, Input, Queued, Utility};
+use crate::{EngineError, EngineStats};
+
+/// Consecutive failed steps after which every live request is finished with `error`.
+pub(crate) const MAX_CONSECUTIVE_FAILURES: u32 = 3;
+
+/// The engine thread's view of one live request.
+#[derive(Debug)]
+struct Live {
+    events: mpsc::UnboundedSender<Event>,
+    /// `Event::Admitted` was sent (at the first schedule).
+    admitted: bool,
+}
+
+/// A reply held back until the engine reaches a state.
+#[derive(Debug)]
+enum Deferred {
+    /// Until no request is live.
+    Idle(oneshot::Sender<Result<(), EngineError>>),
+}
+
+/// Why a step produced no outputs.
+#[derive(Debug, thiserror::Error)]
+enum StepError {
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    #[error("the executor's output does not answer the plan: {0}")]
+    Output(#[from] ferry_core::OutputError),
+}
+
+/// Everything the engine thread owns.
+pub(crate) struct EngineLoop {
+    core: Scheduler,
+    executor: Box<dyn Executor>,
+    arena: KvArena,
+    inputs: mpsc::UnboundedReceiver<Queued>,
+    /// Indexed by `ReqIdx`: the core reuses slots, so this stays as small as the peak load.
+    live: Vec<Option<Live>>,
+    deferred: Vec<Deferred>,
+    stats: watch::Sender<EngineStats>,
+    consecutive_failures: u32,
+    /// Set by `Shutdown`: its reply is sent as the thread's last act.
+    shutdown: Option<oneshot::Sender<()>>,
+    /// Set when the loop must end (shutdown, or every handle gone).
+    stopping: bool,
+}
+
+impl EngineLoop {
+    pub(crate) fn new(
+        core: Scheduler,
+        executor: Box<dyn Executor>,
+        inputs: mpsc::UnboundedReceiver<Queued>,
+        stats: watch::Sender<EngineStats>,
+    ) -> Self {
+        let config = core.config();
+        let layout = executor.kv_layout(config.block_size);
+        let arena = KvArena::new(layout, config.n_blocks as usize);
+        Self {
+            core,
+            executor,
+            arena,
+            inputs,
+            live: Vec::new(),
+            deferred: Vec::new(),
+            stats,
+            consecutive_failures: 0,
+            shutdown: None,
+            stopping: false,
+        }
+    }
+
+    /// The thread's body: loops until shutdown or until every handle is gone.
+    pub(crate) fn run(mut self) {
+        self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
+        while !self.stopping {
+            let started = Instant::now();
+            self.drain_inputs();
+            if self.stopping {
+                break;
+            }
+            if !self.step(started) {
+                self.run_idle_work();
+                self.wait_for_input();
+            }
+            self.check_deferred();
+        }
+        self.stop();
+    }
+
+    /// Handles every queued input, in arrival order, without blocking.
+    fn drain_inputs(&mut self) {
+        while !self.stopping {
+            match self.inputs.try_recv() {
+                Ok(queued) => self.handle(queued),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => self.stopping = true,
+            }
+        }
+    }
+
+    /// Blocks until an input arrives (only when there is nothing to step).
+    fn wait_for_input(&mut self) {
+        match self.inputs.blocking_recv() {
+            Some(queued) => self.handle(queued),
+            None => self.stopping = true,
+        }
+    }
+
+    fn handle(&mut self, queued: Queued) {
+        // The permit frees a queue slot as soon as the input is off the queue.
+        drop(queued.permit);
+        match queued.input {
+            Input::Add(add) => self.add(add),
+            Input::Abort(id) => self.abort(&id),
+            Input::Utility(call) => self.utility(call),
+        }
+    }
+
+    fn add(&mut self, add: AddInput) {
+        let AddInput {
+            request_id,
+            prompt,
+            params,
+            events,
+            accepted,
+        } = add;
+        match self.core.add_request(request_id.clone(), prompt, params) {
+            Ok(idx) => {
+                if accepted.send(Ok(())).is_err() {
+                    // The caller stopped waiting: nobody would read the stream.
+                    self.core.abort(&request_id);
+                    return;
+                }
+                self.set_live(
+                    idx,
+                    Live {
+                        events,
+                        admitted: false,
+                    },
+                );
+            }
+            Err(e) => {
+                let _ = accepted.send(Err(e));
+            }
+        }
+    }
+
+    fn set_live(&mut self, idx: ReqIdx, live: Live) {
+        let i = idx.0 as usize;
+        if self.live.len() <= i {
+            self.live.resize_with(i + 1, || None);
+        }
+        self.live[i] = Some(live);
+    }
+
+    fn abort(&mut self, id: &str) {
+        if let Some(out) = self.core.abort(id) {
+            self.finish_output(out, None);
+        }
+    }
+
+    fn utility(&mut self, call: Utility) {
+        match call {
+            Utility::Shutdown(reply) => {
+                self.shutdown = Some(reply);
+                self.stopping = true;
+            }
+            Utility::WaitIdle(reply) => self.deferred.push(Deferred::Idle(reply)),
+            Utility::CheckInvariants(reply) => {
+                let result = self
+                    .core
+                    .check_ownership()
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| self.core.check_queues().map_err(|e| e.to_string()));
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    /// Runs one step if there is work; false if there was none (the caller then waits).
+    fn step(&mut self, started: Instant) -> bool {
+        if self.core.n_live() == 0 {
+            return false;
+        }
+        let plan = self.core.schedule();
+        if plan.is_empty() {
+            // Nothing schedulable (e.g. paused): wait for an input rather than spin.
+            self.core.recycle_plan(plan);
+            return false;
+        }
+        self.note_admissions(&plan);
+        let forward_started = Instant::now();
+        let result = self.executor.execute(&plan, &mut self.arena);
+        let forward = forward_started.elapsed();
+        let result = result
+            .map_err(StepError::from)
+            .and_then(|out| Ok(self.core.on_step_output(&plan, &out)?));
+        let (n_tokens, n_finished) = match result {
+            Ok(outputs) => {
+                self.consecutive_failures = 0;
+                self.dispatch_outputs(outputs)
+            }
+            Err(e) => (0, self.on_step_failure(&plan, e)),
+        };
+        self.core.recycle_plan(plan);
+        self.publish_stats(started.elapsed(), forward, n_tokens, n_finished);
+        true
+    }
+
+    /// Sends `Admitted` (with the prefix-cache hit count) to requests scheduled for the first
+    /// time.
+    fn note_admissions(&mut self, plan: &StepPlan) {
+        for r in &plan.reqs {
+            let Some(live) = self.live.get_mut(r.req.0 as usize).and_then(Option::as_mut) else {
+                continue;
+            };
+            if live.admitted {
+                continue;
+            }
+            live.admitted = true;
+            let n_cached_tokens = self
+                .core
+                .request(r.req)
+                .map_or(0, |req| req.n_prefix_hit_tokens);
+            let _ = live.events.send(Event::Admitted { n_cached_tokens });
+        }
+    }
+
+    /// Sends each output to its request's channel. A request whose reader is gone is aborted
+    /// here too (the stream's own abort may still be queued). Returns (tokens, finished).
+    fn dispatch_outputs(&mut self, outputs: Vec<RequestOutput>) -> (u64, u64) {
+        let mut n_tokens = 0;
+        let mut n_finished = 0;
+        for out in outputs {
+            n_tokens += u64::from(out.sampled.is_some());
+            n_finished += u64::from(out.finished.is_some());
+            let i = out.req.0 as usize;
+            let Some(live) = self.live.get(i).and_then(Option::as_ref) else {
+                continue;
+            };
+            let finish = out.finished.as_ref().map(|f| EngineFinish {
+                reason: f.reason,
+                stop_token: (f.reason == FinishReason::Stop)
+                    .then(|| out.sampled.as_ref().map(|s| s.token))
+                    .flatten(),
+            });
+            let event = Event::Output {
+                sampled: out.sampled,
+                finish,
+            };
+            let gone = live.events.send(event).is_err();
+            if finish.is_some() {
+                self.live[i] = None;
+            } else if gone {
+                if let Some(id) = self.core.request(out.req).map(|r| r.id.clone()) {
+                    self.abort(&id);
+                    n_finished += 1;
+                }
+            }
+        }
+        (n_tokens, n_finished)
+    }
+
+    /// Sends the final event of a request finished outside a step (abort, error), with
+    /// `reason` overriding the core's.
+    fn finish_output(&mut self, out: RequestOutput, reason: Option<FinishReason>) {
+        let Some(finished) = out.finished else {
+            return;
+        };
+        let Some(live) = self.live.get_mut(out.req.0 as usize).and_then(Option::take) else {
+            return;
+        };
+        let finish = EngineFinish {
+            reason: reason.unwrap_or(finished.reason),
+            stop_token: None,
+        };
+        let _ = live.events.send(Event::Output {
+            sampled: None,
+            finish: Some(finish),
+        });
+    }
+
+    /// A failed step: the core already advanced its computed counts for the plan, so every
+    /// running request is preempted (its KV recomputed later). After
+    /// `MAX_CONSECUTIVE_FAILURES` in a row, every live request ends with `error` so that no
+    /// client waits forever on a broken executor. Returns how many requests it finished.
+    fn on_step_failure(&mut self, plan: &StepPlan, error: StepError) -> u64 {
+        self.consecutive_failures += 1;
+        tracing::error!(
+            step = plan.step,
+            consecutive = self.consecutive_failures,
+            "engine step failed: {error}"
+        );
+        self.stats.send_modify(|s| s.n_step_failures_total += 1);
+        self.core.preempt_all_running();
+        if self.consecutive_failures < MAX_CONSECUTIVE_FAILURES {
+            return 0;
+        }
+        tracing::error!(
+            n_requests = self.core.n_live(),
+            "{MAX_CONSECUTIVE_FAILURES} consecutive step failures: finishing every request with an error"
+        );
+        self.consecutive_failures = 0;
+        self.finish_all(FinishReason::Error)
+    }
+
+    /// Finishes every live request with `reason` (abort or error). Returns how many.
+    fn finish_all(&mut self, reason: FinishReason) -> u64 {
+        let outs = self.core.abort_all();
+        let n = outs.len() as u64;
+        for out in outs {
+            self.finish_output(out, Some(reason));
+        }
+        n
+    }
+
+    /// Work for idle moments (nothing to step). Issue 5's lifecycle hooks go here.
+    fn run_idle_work(&mut self) {
+        self.check_deferred();
+    }
+
+    /// Completes every deferred reply whose state has been reached.
+    fn check_deferred(&mut self) {
+        if self.deferred.is_empty() {
+            return;
+        }
+        let idle = self.core.n_live() == 0;
+        let mut i = 0;
+        while i < self.deferred.len() {
+            let ready = match &self.deferred[i] {
+                Deferred::Idle(_) => idle,
+            };
+            if ready {
+                match self.deferred.swap_remove(i) {
+                    Deferred::Idle(reply) => {
+                        let _ = reply.send(Ok(()));
+                    }
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn publish_stats(&mut self, step: Duration, forward: Duration, n_tokens: u64, n_fin: u64) {
+        let scheduler = self.core.stats();
+        let n_blocks_total = self.core.config().n_blocks as usize;
+        let version = self.core.weight_version();
+        let stepped = u64::from(!step.is_zero());
+        self.stats.send_modify(|s| {
+            s.scheduler = scheduler;
+            s.n_blocks_total = n_blocks_total;
+            s.n_steps += stepped;
+            s.step_seconds_total += step.as_secs_f64();
+            s.forward_seconds_total += forward.as_secs_f64();
+            s.n_generated_tokens_total += n_tokens;
+            s.n_requests_finished_total += n_fin;
+            if s.weight_version != version {
+                s.weight_version = version.to_owned();
+            }
+            s.running = true;
+        });
+    }
+
+    /// The end: every live request ends with `abort`, every deferred reply with `Stopped`,
+    /// the stats say stopped, then the shutdown caller (if any) is answered.
+    fn stop(mut self) {
+        let n = self.finish_all(FinishReason::Abort);
+        for d in self.deferred.drain(..) {
+            match d {
+                Deferred::Idle(reply) => {
+                    let _ = reply.send(Err(EngineError::Stopped));
+                }
+            }
+        }
+        self.publish_stats(Duration::ZERO, Duration::ZERO, 0, n);
+        self.stats.send_modify(|s| s.running = false);
+        // Inputs queued behind the shutdown are dropped with the receiver: their callers see
+        // their reply channels close and report `Stopped`.
+        self.inputs.close();
+        if let Some(reply) = self.shutdown.take() {
+            let _ = reply.send(());
+        }
+    }
+}

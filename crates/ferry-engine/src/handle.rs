@@ -1,0 +1,224 @@
+//! The caller's side: `spawn` starts the engine thread; [`EngineHandle`] queues inputs and
+//! reads the published stats.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use ferry_core::{Scheduler, SchedulerConfig};
+use tokenizers::Tokenizer;
+use tokio::sync::{mpsc, oneshot, watch, Semaphore, TryAcquireError};
+
+use crate::engine::EngineLoop;
+use crate::input::{AddInput, Input, Queued, Utility};
+use crate::stream::{GenerateStream, StreamSetup};
+use crate::{EngineConfig, EngineError, EngineStats, GenerateRequest};
+
+/// Starts the engine thread. It owns the core, the executor and the KV arena (sized from
+/// `config.scheduler.n_blocks` and `executor.kv_layout`). The tokenizer (if any) is shared
+/// with callers for detokenizing and stop strings.
+pub fn spawn(
+    config: EngineConfig,
+    executor: Box<dyn ferry_model::Executor>,
+    tokenizer: Option<Arc<Tokenizer>>,
+) -> Result<EngineHandle, EngineError> {
+    if config.input_queue_capacity == 0 {
+        return Err(EngineError::ZeroQueueCapacity);
+    }
+    let core = Scheduler::new(config.scheduler.clone())?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (stats_tx, stats_rx) = watch::channel(EngineStats {
+        running: true,
+        n_blocks_total: config.scheduler.n_blocks as usize,
+        weight_version: config.scheduler.weight_version.clone(),
+        ..EngineStats::default()
+    });
+    let engine = EngineLoop::new(core, executor, rx, stats_tx);
+    let thread = std::thread::Builder::new()
+        .name("ferry-engine".into())
+        .spawn(move || engine.run())
+        .map_err(EngineError::Thread)?;
+    Ok(EngineHandle {
+        inner: Arc::new(Inner {
+            tx,
+            permits: Arc::new(Semaphore::new(config.input_queue_capacity)),
+            capacity: config.input_queue_capacity,
+            stats: stats_rx,
+            tokenizer,
+            scheduler_config: config.scheduler,
+            thread: Mutex::new(Some(thread)),
+            stopped: AtomicBool::new(false),
+        }),
+    })
+}
+
+/// Cheap to clone; usable from any tokio task.
+#[derive(Clone)]
+pub struct EngineHandle {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    tx: mpsc::UnboundedSender<Queued>,
+    /// The queue's bound for adds and utility calls (see `input.rs`).
+    permits: Arc<Semaphore>,
+    capacity: usize,
+    stats: watch::Receiver<EngineStats>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    scheduler_config: SchedulerConfig,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// Set by the first `shutdown`.
+    stopped: AtomicBool,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle")
+            .field("capacity", &self.inner.capacity)
+            .field("has_tokenizer", &self.inner.tokenizer.is_some())
+            .field("stopped", &self.inner.stopped.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl EngineHandle {
+    /// Queues the request and resolves once the engine thread has accepted it (between two
+    /// steps) or refused it. Errors: `Overloaded` (queue full, immediate), `Rejected`,
+    /// `NoTokenizer`, `Stopped`.
+    pub async fn generate(&self, req: GenerateRequest) -> Result<GenerateStream, EngineError> {
+        let needs_text = req.detokenize || !req.stop.is_empty();
+        if needs_text && self.inner.tokenizer.is_none() {
+            return Err(EngineError::NoTokenizer);
+        }
+        let permit = self.permit()?;
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let (accepted_tx, accepted_rx) = oneshot::channel();
+        let setup = StreamSetup {
+            request_id: req.request_id.clone(),
+            n_prompt_tokens: req.prompt.len(),
+            prompt_tail: prompt_tail(&req.prompt),
+            want_logprobs: req.params.logprobs.is_some(),
+            stop: req.stop,
+            detokenize: req.detokenize,
+            tokenizer: self.inner.tokenizer.clone().filter(|_| needs_text),
+        };
+        let add = AddInput {
+            request_id: req.request_id,
+            prompt: req.prompt,
+            params: req.params,
+            events: events_tx,
+            accepted: accepted_tx,
+        };
+        self.send(Input::Add(add), Some(permit))?;
+        match accepted_rx.await {
+            Ok(Ok(())) => Ok(GenerateStream::new(setup, events_rx, self.inner.tx.clone())),
+            Ok(Err(e)) => Err(EngineError::Rejected(e)),
+            Err(_) => Err(EngineError::Stopped),
+        }
+    }
+
+    /// Aborts a live request (finish reason `abort`); unknown or finished ids are ignored.
+    /// Never refused for a full queue.
+    pub async fn abort(&self, request_id: &str) -> Result<(), EngineError> {
+        self.send(Input::Abort(request_id.to_owned()), None)
+    }
+
+    /// The latest published snapshot (no round trip to the engine thread).
+    pub fn stats(&self) -> EngineStats {
+        self.inner.stats.borrow().clone()
+    }
+
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.inner.tokenizer.as_ref()
+    }
+
+    /// The resolved scheduler config (block_size, max_model_len, eos ids, ...).
+    pub fn scheduler_config(&self) -> &SchedulerConfig {
+        &self.inner.scheduler_config
+    }
+
+    /// Inputs (adds and utility calls) queued and not yet taken by the engine thread.
+    pub fn n_queued_inputs(&self) -> usize {
+        self.inner.capacity - self.inner.permits.available_permits()
+    }
+
+    /// Resolves once no request is live (a deferred reply). `Stopped` if the engine stops
+    /// first.
+    pub async fn wait_idle(&self) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Input::Utility(Utility::WaitIdle(tx)), Some(self.permit()?))?;
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+
+    /// Runs the core's block-ownership and queue checks on the engine thread (between
+    /// steps); the error names what is wrong. For tests and debugging.
+    pub async fn check_invariants(&self) -> Result<Result<(), String>, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(
+            Input::Utility(Utility::CheckInvariants(tx)),
+            Some(self.permit()?),
+        )?;
+        rx.await.map_err(|_| EngineError::Stopped)
+    }
+
+    /// Aborts every live request (their streams end with `abort`), stops the engine thread
+    /// and waits for it. Later calls return `Stopped`.
+    pub async fn shutdown(&self) -> Result<(), EngineError> {
+        if self.inner.stopped.swap(true, Ordering::SeqCst) {
+            return Err(EngineError::Stopped);
+        }
+        // New adds fail with `Stopped` from now on.
+        self.inner.permits.close();
+        let (tx, rx) = oneshot::channel();
+        // Shutdown takes no permit: it must get through a full queue.
+        let sent = self.send(Input::Utility(Utility::Shutdown(tx)), None);
+        if sent.is_ok() {
+            // An error means the thread ended anyway (it drops the reply only by exiting).
+            let _ = rx.await;
+        }
+        let thread = self
+            .inner
+            .thread
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(thread) = thread {
+            // The reply is the thread's last act, so this join does not block for long.
+            if thread.join().is_err() {
+                tracing::error!("the engine thread panicked");
+            }
+        }
+        Ok(())
+    }
+
+    fn permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, EngineError> {
+        self.inner
+            .permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|e| match e {
+                TryAcquireError::NoPermits => EngineError::Overloaded {
+                    capacity: self.inner.capacity,
+                },
+                TryAcquireError::Closed => EngineError::Stopped,
+            })
+    }
+
+    fn send(
+        &self,
+        input: Input,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Result<(), EngineError> {
+        self.inner
+            .tx
+            .send(Queued { input, permit })
+            .map_err(|_| EngineError::Stopped)
+    }
+}
+
+/// Prompt tokens given to the detokenizer as context, so the first output token decodes as
+/// it would after the prompt (SentencePiece drops a leading space at the start of a text).
+fn prompt_tail(prompt: &[ferry_core::TokenId]) -> Vec<ferry_core::TokenId> {
+    const N_CONTEXT: usize = 6;
+    prompt[prompt.len().saturating_sub(N_CONTEXT)..].to_vec()
+}

@@ -1,0 +1,79 @@
+//! What crosses between callers and the engine thread: the closed input enum (in) and the
+//! per-request raw events (out).
+//!
+//! The queue. Inputs travel on one unbounded tokio channel, and the *bound* is a semaphore of
+//! `input_queue_capacity` permits: an add or a utility call takes a permit with `try_acquire`
+//! (none left: `Overloaded`, at once) and carries it until the engine thread takes it off the
+//! queue. Aborts take no permit. This keeps three properties a plain bounded channel plus a
+//! side channel for aborts would make subtle:
+//! * one queue, so every input, aborts included, is handled in arrival order;
+//! * an abort is never refused or lost, even when the queue is full (a dropped stream must
+//!   free its blocks); aborts are bounded anyway, at most one per stream drop or client call;
+//! * the engine thread blocks on one receiver when idle, so no wake-up can be missed.
+
+use ferry_core::{AddError, FinishReason, SampledToken, SamplingParams, TokenId};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
+
+use crate::EngineError;
+
+/// One queued input with the permit it holds (none for aborts).
+#[derive(Debug)]
+pub(crate) struct Queued {
+    pub input: Input,
+    pub permit: Option<OwnedSemaphorePermit>,
+}
+
+/// Everything that can change the engine thread's state.
+#[derive(Debug)]
+pub(crate) enum Input {
+    Add(AddInput),
+    /// Abort a live request by id; unknown or finished ids are ignored.
+    Abort(String),
+    Utility(Utility),
+}
+
+/// A request to add, with where its outputs go.
+#[derive(Debug)]
+pub(crate) struct AddInput {
+    pub request_id: String,
+    pub prompt: Vec<TokenId>,
+    pub params: SamplingParams,
+    pub events: mpsc::UnboundedSender<Event>,
+    /// Answered once the core accepted or refused the request. If the caller has gone by
+    /// then, the engine aborts the request at once.
+    pub accepted: oneshot::Sender<Result<(), AddError>>,
+}
+
+/// Calls that carry their typed reply. A reply may be deferred until the engine reaches a
+/// state (see `engine::Deferred`); a deferred reply always completes, with success or an
+/// error.
+#[derive(Debug)]
+pub(crate) enum Utility {
+    /// Abort everything, stop the loop; answered as the thread's last act.
+    Shutdown(oneshot::Sender<()>),
+    /// Answered once no request is live (deferred).
+    WaitIdle(oneshot::Sender<Result<(), EngineError>>),
+    /// The core's block-ownership and queue checks, for tests and debugging.
+    CheckInvariants(oneshot::Sender<Result<(), String>>),
+}
+
+/// A raw per-request event from the engine thread. No text: detokenizing is the reader's job.
+#[derive(Debug)]
+pub(crate) enum Event {
+    /// The request was scheduled for the first time; that many prompt tokens were cache hits.
+    Admitted { n_cached_tokens: usize },
+    /// One step's output: a token (none for an abort or error) and, on the last, the finish.
+    /// The two travel together so that a reader sees a stop token and its finish at once.
+    Output {
+        sampled: Option<SampledToken>,
+        finish: Option<EngineFinish>,
+    },
+}
+
+/// The engine's side of a finish: the reader adds prompt and cache counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct EngineFinish {
+    pub reason: FinishReason,
+    /// The stop token, when a token (EOS or a stop token id) stopped the request.
+    pub stop_token: Option<TokenId>,
+}

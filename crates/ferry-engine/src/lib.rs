@@ -1,0 +1,140 @@
+//! ferry-engine: the engine loop, and the async handle that feeds it.
+//!
+//! One `std::thread` (the engine thread, [`engine`]) owns the sans-IO core
+//! ([`ferry_core::Scheduler`]), the executor and the KV arena. Everything that can change its
+//! state arrives as one closed enum ([`input::Input`]) on one queue and is handled between
+//! steps, never during one, in arrival order. Async callers hold an [`EngineHandle`]:
+//! `generate` queues a request and returns a [`GenerateStream`] of [`OutputChunk`]s.
+//!
+//! The key decision: the engine thread does only what must be serial (scheduling, the
+//! forward, bookkeeping) and never blocks on a reader. Per request it pushes raw events
+//! (token, logprobs, finish) into an unbounded channel; the caller's side ([`stream`]) merges
+//! what has queued up, detokenizes incrementally ([`detok`]) and matches stop strings
+//! ([`stop`]), aborting the request when one matches. A slow client therefore costs the engine
+//! nothing, and text work runs on the callers' tokio threads in parallel.
+
+pub mod detok;
+mod engine;
+mod handle;
+mod input;
+pub mod stop;
+mod stream;
+
+pub use ferry_core::{FinishReason, SamplingParams, SchedulerConfig, SchedulerStats, TokenId};
+pub use handle::{spawn, EngineHandle};
+pub use stream::GenerateStream;
+
+/// Everything the engine thread needs, resolved once by the caller.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub scheduler: SchedulerConfig,
+    /// Capacity of the input queue for adds and utility calls. `generate` on a full queue
+    /// fails at once with [`EngineError::Overloaded`]; it never waits. Aborts are not counted
+    /// (see `input.rs`): they are never refused.
+    pub input_queue_capacity: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            scheduler: SchedulerConfig::default(),
+            input_queue_capacity: 4096,
+        }
+    }
+}
+
+/// One generation request. `request_id` must be unique among live requests.
+#[derive(Debug, Clone, Default)]
+pub struct GenerateRequest {
+    pub request_id: String,
+    pub prompt: Vec<TokenId>,
+    /// Enforced by the core and the executor's sampler.
+    pub params: SamplingParams,
+    /// Stop strings: generation stops when the detokenized output contains one; the returned
+    /// text ends before it (OpenAI semantics). Needs a tokenizer.
+    pub stop: Vec<String>,
+    /// Produce text deltas (needs a tokenizer; with `false` the chunks' `text` stays empty).
+    pub detokenize: bool,
+}
+
+/// New output since the previous chunk (usually one token; several if the reader fell behind
+/// and chunks were merged). The last chunk has `finish` set (and may have no tokens).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OutputChunk {
+    pub token_ids: Vec<TokenId>,
+    /// One entry per token in `token_ids` when the request asked for logprobs, else empty.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Text delta (empty unless `detokenize`). Never splits a UTF-8 character; text that could
+    /// be the start of a stop string is held back until it is known not to be one.
+    pub text: String,
+    pub finish: Option<Finish>,
+}
+
+/// The logprob of one generated token, with the top-n alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: TokenId,
+    pub logprob: f32,
+    /// Top-n `(token, logprob)`, best first (n = `params.logprobs`).
+    pub top: Vec<(TokenId, f32)>,
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finish {
+    pub reason: FinishReason,
+    /// What stopped it, for [`FinishReason::Stop`]: a stop token id (EOS or `stop_token_ids`)
+    /// or a stop string.
+    pub stop_reason: Option<StopReason>,
+    pub n_prompt_tokens: usize,
+    pub n_output_tokens: usize,
+    /// Prompt tokens served from the prefix cache (at the request's first admission).
+    pub n_cached_tokens: usize,
+}
+
+/// What stopped a request that finished with [`FinishReason::Stop`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    Token(TokenId),
+    String(String),
+}
+
+/// Published by the engine thread after every step; read without touching the engine thread.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineStats {
+    pub scheduler: SchedulerStats,
+    pub n_blocks_total: usize,
+    pub n_steps: u64,
+    /// Wall time of whole steps (inputs drained → schedule → forward → outputs sent), summed.
+    pub step_seconds_total: f64,
+    /// Wall time inside `Executor::execute`, summed. Engine overhead = 1 - forward/step.
+    pub forward_seconds_total: f64,
+    pub n_generated_tokens_total: u64,
+    pub n_requests_finished_total: u64,
+    pub n_step_failures_total: u64,
+    pub weight_version: String,
+    /// False once the engine thread has stopped.
+    pub running: bool,
+}
+
+/// Why an engine call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("the engine's input queue is full ({capacity} inputs); retry later")]
+    Overloaded { capacity: usize },
+    #[error(transparent)]
+    Rejected(ferry_core::AddError),
+    #[error("stop strings or text output need a tokenizer, and this model has none")]
+    NoTokenizer,
+    #[error("the engine has stopped")]
+    Stopped,
+    /// `spawn` only: the scheduler configuration is invalid.
+    #[error("engine configuration: {0}")]
+    Config(#[from] ferry_core::ConfigError),
+    /// `spawn` only: the input queue capacity must be at least 1.
+    #[error("engine configuration: input_queue_capacity must be at least 1")]
+    ZeroQueueCapacity,
+    /// `spawn` only: the operating system refused to start the engine thread.
+    #[error("cannot start the engine thread: {0}")]
+    Thread(#[source] std::io::Error),
+}

@@ -1,0 +1,238 @@
+//! The caller's side of one request: raw engine events in, [`OutputChunk`]s out.
+//!
+//! Runs on the caller's tokio task, never on the engine thread: it merges every event that
+//! has queued up into one chunk, detokenizes incrementally, matches stop strings (aborting the
+//! core request on a match) and, when dropped before its finish, aborts the request.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use ferry_core::{FinishReason, SampledToken, TokenId};
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc;
+
+use crate::detok::IncrementalDetokenizer;
+use crate::input::{EngineFinish, Event, Input, Queued};
+use crate::stop::{StopMatcher, StopOutcome};
+use crate::{Finish, OutputChunk, StopReason, TokenLogprob};
+
+/// What `generate` knows about the request, for its stream.
+#[derive(Debug)]
+pub(crate) struct StreamSetup {
+    pub request_id: String,
+    pub n_prompt_tokens: usize,
+    pub prompt_tail: Vec<TokenId>,
+    pub want_logprobs: bool,
+    pub stop: Vec<String>,
+    pub detokenize: bool,
+    /// Set when text is needed (detokenize or stop strings).
+    pub tokenizer: Option<Arc<Tokenizer>>,
+}
+
+/// Text state: the decoder, the stop matcher, and whether the caller wants the text.
+#[derive(Debug)]
+struct TextState {
+    detok: IncrementalDetokenizer,
+    stop: StopMatcher,
+    emit: bool,
+}
+
+/// Output of one request. Dropping it before the final chunk aborts the request.
+#[derive(Debug)]
+pub struct GenerateStream {
+    request_id: String,
+    events: mpsc::UnboundedReceiver<Event>,
+    /// For the abort on a stop string or on drop.
+    inputs: mpsc::UnboundedSender<Queued>,
+    text: Option<TextState>,
+    want_logprobs: bool,
+    n_prompt_tokens: usize,
+    n_cached_tokens: usize,
+    n_output_tokens: usize,
+    /// The chunk with `finish` has been returned (or built).
+    done: bool,
+}
+
+impl GenerateStream {
+    pub(crate) fn new(
+        setup: StreamSetup,
+        events: mpsc::UnboundedReceiver<Event>,
+        inputs: mpsc::UnboundedSender<Queued>,
+    ) -> Self {
+        let text = setup.tokenizer.map(|tokenizer| TextState {
+            detok: IncrementalDetokenizer::new(tokenizer, &setup.prompt_tail),
+            stop: StopMatcher::new(setup.stop),
+            emit: setup.detokenize,
+        });
+        Self {
+            request_id: setup.request_id,
+            events,
+            inputs,
+            text,
+            want_logprobs: setup.want_logprobs,
+            n_prompt_tokens: setup.n_prompt_tokens,
+            n_cached_tokens: 0,
+            n_output_tokens: 0,
+            done: false,
+        }
+    }
+
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+
+    /// The next chunk; `None` after the chunk that carries `finish`.
+    pub async fn next(&mut self) -> Option<OutputChunk> {
+        std::future::poll_fn(|cx| self.poll_chunk(cx)).await
+    }
+
+    /// Waits for one event, then takes every event already queued, into one chunk.
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<OutputChunk>> {
+        let mut chunk = OutputChunk::default();
+        while !self.done {
+            match self.events.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(event)) => self.absorb(event, &mut chunk),
+                // Every request gets a finish event unless the engine thread died: end
+                // clearly rather than hang.
+                Poll::Ready(None) => self.finish(
+                    EngineFinish {
+                        reason: FinishReason::Error,
+                        stop_token: None,
+                    },
+                    &mut chunk,
+                ),
+            }
+            while !self.done {
+                let Ok(event) = self.events.try_recv() else {
+                    break;
+                };
+                self.absorb(event, &mut chunk);
+            }
+            if !chunk.token_ids.is_empty() || chunk.finish.is_some() {
+                return Poll::Ready(Some(chunk));
+            }
+        }
+        Poll::Ready(None)
+    }
+
+    fn absorb(&mut self, event: Event, chunk: &mut OutputChunk) {
+        match event {
+            Event::Admitted { n_cached_tokens } => self.n_cached_tokens = n_cached_tokens,
+            Event::Output { sampled, finish } => {
+                if let Some(s) = sampled {
+                    let stop_token = finish.and_then(|f| f.stop_token) == Some(s.token);
+                    self.push_token(s, stop_token, chunk);
+                }
+                if let Some(f) = finish.filter(|_| !self.done) {
+                    self.finish(f, chunk);
+                }
+            }
+        }
+    }
+
+    /// Adds one token to the chunk, and its text unless it is the stop token (whose text is
+    /// not part of the output, as with OpenAI). A stop string match finishes the stream.
+    fn push_token(&mut self, s: SampledToken, is_stop_token: bool, chunk: &mut OutputChunk) {
+        self.n_output_tokens += 1;
+        chunk.token_ids.push(s.token);
+        if self.want_logprobs {
+            chunk.logprobs.push(TokenLogprob {
+                token: s.token,
+                logprob: s.logprob,
+                top: s.top_logprobs,
+            });
+        }
+        let Some(text) = self.text.as_mut() else {
+            return;
+        };
+        if is_stop_token {
+            return;
+        }
+        let delta = text.detok.push(s.token);
+        if text.stop.is_empty() {
+            if text.emit {
+                chunk.text.push_str(&delta);
+            }
+            return;
+        }
+        match text.stop.push(&delta) {
+            StopOutcome::Continue(t) => {
+                if text.emit {
+                    chunk.text.push_str(&t);
+                }
+            }
+            StopOutcome::Stopped { text: t, stop } => {
+                if text.emit {
+                    chunk.text.push_str(&t);
+                }
+                self.stop_on_string(stop, chunk);
+            }
+        }
+    }
+
+    /// A stop string matched: abort the core request and finish with `stop`.
+    fn stop_on_string(&mut self, stop: String, chunk: &mut OutputChunk) {
+        self.send_abort();
+        chunk.finish = Some(self.finish_of(FinishReason::Stop, Some(StopReason::String(stop))));
+        self.done = true;
+    }
+
+    /// The request ended in the engine: flush held text, then finish.
+    fn finish(&mut self, f: EngineFinish, chunk: &mut OutputChunk) {
+        if let Some(text) = self.text.as_mut() {
+            let tail = text.detok.flush();
+            let tail = match text.stop.push(&tail) {
+                StopOutcome::Continue(t) => t + &text.stop.flush(),
+                StopOutcome::Stopped { text: t, stop } => {
+                    if text.emit {
+                        chunk.text.push_str(&t);
+                    }
+                    self.stop_on_string(stop, chunk);
+                    return;
+                }
+            };
+            if text.emit {
+                chunk.text.push_str(&tail);
+            }
+        }
+        let stop_reason = f.stop_token.map(StopReason::Token);
+        chunk.finish = Some(self.finish_of(f.reason, stop_reason));
+        self.done = true;
+    }
+
+    fn finish_of(&self, reason: FinishReason, stop_reason: Option<StopReason>) -> Finish {
+        Finish {
+            reason,
+            stop_reason,
+            n_prompt_tokens: self.n_prompt_tokens,
+            n_output_tokens: self.n_output_tokens,
+            n_cached_tokens: self.n_cached_tokens,
+        }
+    }
+
+    fn send_abort(&self) {
+        // A send error means the engine has stopped: nothing left to abort.
+        let _ = self.inputs.send(Queued {
+            input: Input::Abort(self.request_id.clone()),
+            permit: None,
+        });
+    }
+}
+
+impl futures_core::Stream for GenerateStream {
+    type Item = OutputChunk;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<OutputChunk>> {
+        self.get_mut().poll_chunk(cx)
+    }
+}
+
+impl Drop for GenerateStream {
+    fn drop(&mut self) {
+        if !self.done {
+            self.send_abort();
+        }
+    }
+}

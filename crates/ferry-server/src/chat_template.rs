@@ -1,0 +1,186 @@
+//! Chat templates: renders a model's Jinja chat template (from its tokenizer config) over the
+//! request's messages with minijinja, configured like Hugging Face transformers renders them
+//! (`trim_blocks`, `lstrip_blocks`, Python string methods through `pycompat`,
+//! `raise_exception`).
+
+use minijinja::{Environment, ErrorKind, Value};
+use serde_json::{Map, Value as Json};
+
+use crate::error::ApiError;
+use crate::request::{ChatMessage, MessageContent};
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// A compiled chat template and the special-token strings it may refer to.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+/// Why a chat template could not be used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TemplateError {
+    #[error("the model's chat template does not compile: {0}")]
+    Compile(String),
+}
+
+impl ChatTemplate {
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, TemplateError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_template_owned(TEMPLATE_NAME, source.to_owned())
+            .map_err(|e| TemplateError::Compile(format!("{e:#}")))?;
+        Ok(Self {
+            env,
+            bos_token: bos_token.to_owned(),
+            eos_token: eos_token.to_owned(),
+        })
+    }
+
+    /// Renders `messages` into a prompt. Errors (a template's `raise_exception`, a bad message)
+    /// are 400s on `messages`.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: Option<&Map<String, Json>>,
+    ) -> Result<String, ApiError> {
+        let messages = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| message_value(i, m))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut ctx = kwargs.cloned().unwrap_or_default();
+        ctx.insert("messages".into(), Json::Array(messages));
+        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        ctx.insert("bos_token".into(), self.bos_token.clone().into());
+        ctx.insert("eos_token".into(), self.eos_token.clone().into());
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| ApiError::internal(format!("chat template missing: {e}")))?;
+        template
+            .render(Value::from_serialize(&ctx))
+            .map_err(|e| ApiError::invalid("messages", format!("the chat template failed: {e:#}")))
+    }
+}
+
+fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// One message as the template sees it: `role`, `content` as a string (text parts joined by
+/// newlines, as most templates expect a string), and any other fields unchanged.
+fn message_value(i: usize, m: &ChatMessage) -> Result<Json, ApiError> {
+    let role = m.role.as_deref().ok_or_else(|| {
+        ApiError::invalid(
+            format!("messages[{i}].role"),
+            "every message needs a `role`",
+        )
+    })?;
+    let content = match &m.content {
+        None => String::new(),
+        Some(MessageContent::Text(t)) => t.clone(),
+        Some(MessageContent::Parts(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, p) in parts.iter().enumerate() {
+                match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => texts.push(t.as_str()),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            format!("messages[{i}].content[{j}]"),
+                            format!(
+                                "only text content parts are supported (got type `{}`)",
+                                p.kind
+                            ),
+                        ))
+                    }
+                }
+            }
+            texts.join("\n")
+        }
+    };
+    let mut obj = Map::new();
+    if let Some(name) = &m.name {
+        obj.insert("name".into(), name.clone().into());
+    }
+    obj.insert("role".into(), role.into());
+    obj.insert("content".into(), content.into());
+    Ok(Json::Object(obj))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::extract::parse_json;
+
+    const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+    fn messages(json: &str) -> Vec<ChatMessage> {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn renders_chatml_with_text_parts() {
+        let t = ChatTemplate::new(CHATML, "<s>", "</s>").unwrap();
+        let m = messages(
+            r#"[{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]"#,
+        );
+        assert_eq!(
+            t.render(&m, true, None).unwrap(),
+            "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert!(!t.render(&m, false, None).unwrap().ends_with("assistant\n"));
+    }
+
+    #[test]
+    fn template_variables_pycompat_and_kwargs() {
+        let src = "{{ bos_token }}{% for m in messages %}{{ m.content.strip().upper() }}{% endfor %}{% if flag %}!{% endif %}{{ eos_token }}";
+        let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
+        let kwargs: Map<String, Json> = parse_json(br#"{"flag": true}"#).unwrap();
+        let m = messages(r#"[{"role": "user", "content": "  hi "}]"#);
+        assert_eq!(t.render(&m, false, Some(&kwargs)).unwrap(), "<s>HI!</s>");
+    }
+
+    #[test]
+    fn raise_exception_and_bad_parts_are_400s_on_messages() {
+        let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", "", "").unwrap();
+        let e = t
+            .render(
+                &messages(r#"[{"role": "user", "content": "x"}]"#),
+                true,
+                None,
+            )
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        assert!(e.message.contains("roles must alternate"), "{}", e.message);
+        let t = ChatTemplate::new(CHATML, "", "").unwrap();
+        let e = t
+            .render(
+                &messages(r#"[{"role": "user", "content": [{"type": "image_url"}]}]"#),
+                true,
+                None,
+            )
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content[0]"));
+        let e = t
+            .render(&messages(r#"[{"content": "x"}]"#), true, None)
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+    }
+
+    #[test]
+    fn broken_template_is_a_compile_error() {
+        assert!(matches!(
+            ChatTemplate::new("{% for %}", "", ""),
+            Err(TemplateError::Compile(_))
+        ));
+    }
+}

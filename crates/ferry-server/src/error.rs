@@ -1,0 +1,120 @@
+//! The one error type every handler returns, rendered as an OpenAI error body:
+//! `{"error": {"message", "type", "param", "code"}}` with the HTTP status as `code`.
+//!
+//! Errors are classified where they arise (validation names the field; engine errors map by
+//! variant), so nothing here ever inspects a message's text.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Serialize;
+
+/// An HTTP error with an OpenAI-shaped body.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{status}: {message}")]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// The OpenAI error type (`invalid_request_error`, ...).
+    pub kind: &'static str,
+    /// The request field at fault, as a path (`messages[0].content`), when there is one.
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    /// A 400 naming the field at fault.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.into()),
+        }
+    }
+
+    /// A 400 about the request as a whole (malformed JSON, no chat template).
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+        }
+    }
+
+    /// A 503: the engine is overloaded or has stopped. Clients may retry later.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "service_unavailable_error",
+            param: None,
+        }
+    }
+
+    /// A 500: something the server should have prevented.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "internal_server_error",
+            param: None,
+        }
+    }
+
+    /// The JSON body, also used inside an SSE stream.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorInfo {
+                message: self.message.clone(),
+                kind: self.kind,
+                param: self.param.clone(),
+                code: self.status.as_u16(),
+            },
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct ErrorBody {
+    pub error: ErrorInfo,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ErrorInfo {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: u16,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_has_the_openai_shape() {
+        let e = ApiError::invalid("max_tokens", "max_tokens must be at least 1");
+        let json = serde_json::to_value(e.body()).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"error": {
+                "message": "max_tokens must be at least 1",
+                "type": "invalid_request_error",
+                "param": "max_tokens",
+                "code": 400
+            }})
+        );
+        assert_eq!(
+            ApiError::unavailable("x").status,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+}

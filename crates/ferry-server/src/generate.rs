@@ -1,0 +1,229 @@
+//! Running one HTTP generation request on the engine: `n` engine requests per prompt (distinct
+//! ids, seeds `seed + i`), each wrapped in a [`ChoiceStream`] that records latency metrics as
+//! chunks arrive; then either collected (non-streaming) or merged (streaming).
+//!
+//! Dropping a [`ChoiceStream`] drops its `GenerateStream`, which aborts the engine request:
+//! that is how a client disconnect frees its KV blocks.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ferry_core::{AddError, SamplingParams, TokenId};
+use ferry_engine::{
+    EngineError, EngineHandle, Finish, GenerateRequest, GenerateStream, OutputChunk, TokenLogprob,
+};
+use futures_util::stream::{self, BoxStream, StreamExt};
+
+use crate::error::ApiError;
+use crate::extract::next_engine_seq;
+use crate::metrics::Metrics;
+
+/// One prompt, tokenized and validated, with its resolved sampling parameters.
+#[derive(Debug, Clone)]
+pub struct PreparedPrompt {
+    pub tokens: Vec<TokenId>,
+    pub sampling: SamplingParams,
+}
+
+/// What the launcher needs besides the prompts.
+#[derive(Debug)]
+pub struct LaunchSpec<'a> {
+    /// The HTTP request id; engine ids extend it with a process-wide sequence number.
+    pub request_id: &'a str,
+    pub n: u32,
+    pub stop: &'a [String],
+    /// The request field that holds the prompt (`prompt` or `messages`), for error messages.
+    pub prompt_param: &'static str,
+    /// When the HTTP request arrived (time to first token counts from here).
+    pub arrival: Instant,
+}
+
+/// One choice's engine output, with latency bookkeeping.
+#[derive(Debug)]
+pub struct ChoiceStream {
+    pub index: usize,
+    stream: GenerateStream,
+    arrival: Instant,
+    last_chunk_at: Option<Instant>,
+    metrics: Arc<Metrics>,
+}
+
+impl ChoiceStream {
+    /// The next chunk; `None` once the chunk carrying `finish` was returned.
+    pub async fn next(&mut self) -> Option<OutputChunk> {
+        let chunk = self.stream.next().await?;
+        let now = Instant::now();
+        if !chunk.token_ids.is_empty() {
+            match self.last_chunk_at {
+                None => self
+                    .metrics
+                    .observe_ttft((now - self.arrival).as_secs_f64()),
+                Some(last) => self.metrics.observe_itl((now - last).as_secs_f64()),
+            }
+            self.last_chunk_at = Some(now);
+        }
+        if chunk.finish.is_some() {
+            self.metrics
+                .observe_request((now - self.arrival).as_secs_f64());
+        }
+        Some(chunk)
+    }
+
+    /// Reads the whole output (non-streaming requests).
+    pub async fn collect(mut self) -> Collected {
+        let mut out = Collected {
+            index: self.index,
+            ..Collected::default()
+        };
+        while let Some(chunk) = self.next().await {
+            out.token_ids.extend_from_slice(&chunk.token_ids);
+            out.logprobs.extend(chunk.logprobs);
+            out.text.push_str(&chunk.text);
+            if chunk.finish.is_some() {
+                out.finish = chunk.finish;
+            }
+        }
+        out
+    }
+
+    /// As a `Stream` of `(choice index, chunk)`, for merging.
+    pub fn into_stream(self) -> BoxStream<'static, (usize, OutputChunk)> {
+        stream::unfold(self, |mut c| async move {
+            let chunk = c.next().await?;
+            Some(((c.index, chunk), c))
+        })
+        .boxed()
+    }
+}
+
+/// A choice's whole output.
+#[derive(Debug, Default)]
+pub struct Collected {
+    pub index: usize,
+    pub token_ids: Vec<TokenId>,
+    pub logprobs: Vec<TokenLogprob>,
+    pub text: String,
+    /// `None` only if the engine went away without a final chunk.
+    pub finish: Option<Finish>,
+}
+
+/// Starts `n` engine requests per prompt; choice `p * n + i` is prompt `p`'s `i`-th sample.
+/// Any failure drops (and so aborts) the requests already started.
+pub async fn launch(
+    engine: &EngineHandle,
+    metrics: &Arc<Metrics>,
+    prompts: &[PreparedPrompt],
+    spec: &LaunchSpec<'_>,
+) -> Result<Vec<ChoiceStream>, ApiError> {
+    let seq = next_engine_seq();
+    let n = spec.n as usize;
+    let mut choices = Vec::with_capacity(prompts.len() * n);
+    for (p, prompt) in prompts.iter().enumerate() {
+        for i in 0..n {
+            let index = p * n + i;
+            let mut params = prompt.sampling.clone();
+            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            let req = GenerateRequest {
+                request_id: format!("{}-{seq}-{index}", spec.request_id),
+                prompt: prompt.tokens.clone(),
+                params,
+                stop: spec.stop.to_vec(),
+                detokenize: engine.tokenizer().is_some(),
+            };
+            let stream = engine
+                .generate(req)
+                .await
+                .map_err(|e| engine_error(e, spec.prompt_param))?;
+            metrics.add_prompt_tokens(prompt.tokens.len());
+            choices.push(ChoiceStream {
+                index,
+                stream,
+                arrival: spec.arrival,
+                last_chunk_at: None,
+                metrics: Arc::clone(metrics),
+            });
+        }
+    }
+    Ok(choices)
+}
+
+/// Engine errors as HTTP errors: a full queue or a stopped engine is a 503 (retry later);
+/// a refused request is the client's 400.
+pub fn engine_error(e: EngineError, prompt_param: &str) -> ApiError {
+    match e {
+        EngineError::Overloaded { .. } | EngineError::Stopped => {
+            ApiError::unavailable(e.to_string())
+        }
+        EngineError::NoTokenizer => ApiError::invalid("stop", e.to_string()),
+        EngineError::Rejected(add) => match add {
+            AddError::ZeroMaxTokens { .. } => ApiError::invalid("max_tokens", add.to_string()),
+            AddError::EmptyPrompt { .. }
+            | AddError::PromptTooLong { .. }
+            | AddError::TooLongForKvCache { .. }
+            | AddError::PromptExceedsBatch { .. } => {
+                ApiError::invalid(prompt_param, add.to_string())
+            }
+            AddError::DuplicateId { .. } => ApiError::internal(add.to_string()),
+        },
+        EngineError::Config(_) | EngineError::ZeroQueueCapacity | EngineError::Thread(_) => {
+            ApiError::internal(e.to_string())
+        }
+    }
+}
+
+/// Adds up `usage` over a request's choices: each prompt counted once whatever `n`, cached
+/// tokens as reported for each prompt's first choice.
+#[derive(Debug, Clone)]
+pub struct UsageTally {
+    prompt_lens: Vec<usize>,
+    n: usize,
+    completion_tokens: usize,
+    cached_tokens: usize,
+}
+
+impl UsageTally {
+    pub fn new(prompts: &[PreparedPrompt], n: u32) -> Self {
+        Self {
+            prompt_lens: prompts.iter().map(|p| p.tokens.len()).collect(),
+            n: n as usize,
+            completion_tokens: 0,
+            cached_tokens: 0,
+        }
+    }
+
+    pub fn add(&mut self, index: usize, token_ids: &[TokenId], finish: Option<&Finish>) {
+        self.completion_tokens += token_ids.len();
+        if let Some(f) = finish {
+            if index.is_multiple_of(self.n) {
+                self.cached_tokens += f.n_cached_tokens;
+            }
+        }
+    }
+
+    pub fn usage(&self) -> crate::response::Usage {
+        crate::response::Usage::new(
+            self.prompt_lens.iter().sum(),
+            self.completion_tokens,
+            self.cached_tokens,
+        )
+    }
+}
+
+/// A finish as the wire's `finish_reason` and `stop_reason`. A stream that ended without a
+/// final chunk (the engine went away) reads as `abort`.
+pub fn finish_fields(
+    finish: Option<&Finish>,
+) -> (&'static str, Option<crate::response::StopReasonJson>) {
+    use crate::response::StopReasonJson;
+    use ferry_engine::StopReason;
+    match finish {
+        None => ("abort", None),
+        Some(f) => (
+            f.reason.as_str(),
+            f.stop_reason.as_ref().map(|r| match r {
+                StopReason::Token(t) => StopReasonJson::Token(*t),
+                StopReason::String(s) => StopReasonJson::Text(s.clone()),
+            }),
+        ),
+    }
+}

@@ -1,0 +1,164 @@
+//! ferry-server: the OpenAI-compatible HTTP server (axum + tokio) in front of the ferry engine.
+//!
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent
+//! events or not), `GET /v1/models`, `GET /health`, `GET /version`, `GET /metrics`
+//! (Prometheus text), `POST /tokenize`, `POST /detokenize`.
+//!
+//! The key decision: the server validates *everything* it can before it calls the engine
+//! ([`params`], [`request::Unsupported`]), so a bad request is a 400 naming the field and
+//! never costs the engine anything; the engine's own refusals map by variant (a full queue or
+//! a stopped engine is a 503, never a hang). A response body owns its engine streams, so a
+//! client that goes away aborts its requests and frees their KV blocks.
+//!
+//! Modules: [`extract`] (JSON bodies, request ids), [`request`] / [`response`] (wire types),
+//! [`params`] (validation), [`chat_template`], [`generate`] (engine requests, `n`, usage),
+//! [`sse`] (streaming), [`completions`], [`chat`], [`routes`] (the small routes),
+//! [`metrics`], [`logprobs`], [`state`].
+
+pub mod chat;
+pub mod chat_template;
+pub mod completions;
+pub mod error;
+pub mod extract;
+pub mod generate;
+pub mod logprobs;
+pub mod metrics;
+pub mod params;
+pub mod request;
+pub mod response;
+pub mod routes;
+pub mod sse;
+pub mod state;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use ferry_engine::{EngineHandle, EngineStats};
+
+use crate::chat_template::ChatTemplate;
+use crate::logprobs::TokenTexts;
+use crate::metrics::{EngineFigures, Metrics};
+use crate::params::Limits;
+use crate::state::{unix_now, AppState};
+
+/// Largest request body (a batch of long token-id prompts fits well inside).
+const MAX_BODY_BYTES: usize = 32 << 20;
+
+/// What the server needs besides the engine; built by the binary from the model folder.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerConfig {
+    /// The `model` name clients must use (and `/v1/models` lists).
+    pub served_model_name: String,
+    /// The model's Jinja chat template; without one, chat requests are a 400 saying so.
+    pub chat_template: Option<String>,
+    /// `bos_token` / `eos_token` as the chat template sees them.
+    pub bos_token: String,
+    pub eos_token: String,
+    /// Largest `logprobs` (completions) or `top_logprobs` (chat).
+    pub max_top_logprobs: u32,
+    /// Largest `n`.
+    pub max_n: u32,
+    /// Most stop strings per request.
+    pub max_stop_strings: usize,
+    /// The model's vocabulary size: token ids in prompts and `stop_token_ids` must be below
+    /// it. `None` uses the tokenizer's size (with added tokens), or checks nothing without one.
+    pub vocab_size: Option<usize>,
+}
+
+impl ServerConfig {
+    pub fn new(served_model_name: impl Into<String>) -> Self {
+        Self {
+            served_model_name: served_model_name.into(),
+            chat_template: None,
+            bos_token: String::new(),
+            eos_token: String::new(),
+            max_top_logprobs: 20,
+            max_n: 16,
+            max_stop_strings: 16,
+            vocab_size: None,
+        }
+    }
+}
+
+/// The server's routes over `engine`.
+pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
+    let state = Arc::new(app_state(engine, config));
+    Router::new()
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/models", get(routes::models))
+        .route("/health", get(routes::health))
+        .route("/version", get(routes::version))
+        .route("/metrics", get(routes::metrics))
+        .route("/tokenize", post(routes::tokenize))
+        .route("/detokenize", post(routes::detokenize))
+        .fallback(routes::not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(extract::request_id_layer))
+        .with_state(state)
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves, then waits for open requests
+/// (shut the engine down first so streams end with `abort` rather than run to completion).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+fn app_state(engine: EngineHandle, config: ServerConfig) -> AppState {
+    let vocab_size = config
+        .vocab_size
+        .or_else(|| engine.tokenizer().map(|t| t.get_vocab_size(true)));
+    let limits = Limits {
+        max_model_len: engine.scheduler_config().max_model_len,
+        max_top_logprobs: config.max_top_logprobs,
+        max_n: config.max_n,
+        vocab_size,
+        max_stop_strings: config.max_stop_strings,
+    };
+    let template = match &config.chat_template {
+        None => Err("this model has no chat template, so /v1/chat/completions cannot be used; use /v1/completions".to_owned()),
+        Some(src) => ChatTemplate::new(src, &config.bos_token, &config.eos_token).map_err(|e| {
+            tracing::warn!("{e}");
+            e.to_string()
+        }),
+    };
+    let stats_engine = engine.clone();
+    let metrics = Arc::new(Metrics::new(move || figures(&stats_engine.stats())));
+    AppState {
+        texts: TokenTexts::new(engine.tokenizer().cloned()),
+        engine,
+        config,
+        limits,
+        template,
+        metrics,
+        started_unix_s: unix_now(),
+    }
+}
+
+fn figures(s: &EngineStats) -> EngineFigures {
+    EngineFigures {
+        n_running: s.scheduler.n_running,
+        n_waiting: s.scheduler.n_waiting,
+        n_blocks_used: s.scheduler.n_blocks_used,
+        n_blocks_free: s.scheduler.n_blocks_free,
+        n_blocks_total: s.n_blocks_total,
+        prefix_hit_tokens: s.scheduler.prefix_hit_tokens,
+        prefix_query_tokens: s.scheduler.prefix_query_tokens,
+        n_preemptions: s.scheduler.n_preemptions,
+        n_steps: s.n_steps,
+        step_seconds_total: s.step_seconds_total,
+        forward_seconds_total: s.forward_seconds_total,
+        n_generated_tokens_total: s.n_generated_tokens_total,
+        n_requests_finished_total: s.n_requests_finished_total,
+        n_step_failures_total: s.n_step_failures_total,
+    }
+}

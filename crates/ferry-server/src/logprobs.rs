@@ -1,0 +1,88 @@
+//! Engine logprobs in the two OpenAI shapes: the legacy completions lists (`tokens`,
+//! `token_logprobs`, `top_logprobs`, `text_offset`) and chat's `content` entries (`token`,
+//! `logprob`, `bytes`, `top_logprobs`). A token's text is the tokenizer's decoding of that one
+//! token (special tokens included), as vLLM reports it.
+
+use std::sync::Arc;
+
+use ferry_core::TokenId;
+use ferry_engine::TokenLogprob;
+use tokenizers::Tokenizer;
+
+use crate::response::{
+    finite_logprob, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
+    TopLogprobMap,
+};
+
+/// Token id → text, for logprobs.
+#[derive(Debug, Clone)]
+pub struct TokenTexts {
+    tokenizer: Option<Arc<Tokenizer>>,
+}
+
+impl TokenTexts {
+    pub fn new(tokenizer: Option<Arc<Tokenizer>>) -> Self {
+        Self { tokenizer }
+    }
+
+    /// The token's text; without a tokenizer, `token_id:<id>` (vLLM's token-id form).
+    pub fn text(&self, id: TokenId) -> String {
+        self.tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(&[id], false).ok())
+            .unwrap_or_else(|| format!("token_id:{id}"))
+    }
+}
+
+/// Completions logprobs for `lps`; offsets count characters from `offset` (the length of the
+/// choice's text before these tokens). Returns the offset after the last token as well.
+pub fn completion_logprobs(
+    texts: &TokenTexts,
+    lps: &[TokenLogprob],
+    mut offset: usize,
+) -> (CompletionLogprobs, usize) {
+    let mut out = CompletionLogprobs::default();
+    for lp in lps {
+        let text = texts.text(lp.token);
+        out.text_offset.push(offset);
+        offset += text.chars().count();
+        let mut top: Vec<(String, f32)> = lp
+            .top
+            .iter()
+            .map(|&(id, l)| (texts.text(id), finite_logprob(l)))
+            .collect();
+        top.push((text.clone(), finite_logprob(lp.logprob)));
+        out.top_logprobs.push(TopLogprobMap(top));
+        out.token_logprobs.push(finite_logprob(lp.logprob));
+        out.tokens.push(text);
+    }
+    (out, offset)
+}
+
+/// Chat logprobs for `lps`.
+pub fn chat_logprobs(texts: &TokenTexts, lps: &[TokenLogprob]) -> ChatLogprobs {
+    let content = lps
+        .iter()
+        .map(|lp| {
+            let token = texts.text(lp.token);
+            ChatTokenLogprob {
+                bytes: token.as_bytes().to_vec(),
+                logprob: finite_logprob(lp.logprob),
+                top_logprobs: lp
+                    .top
+                    .iter()
+                    .map(|&(id, l)| {
+                        let token = texts.text(id);
+                        ChatTopLogprob {
+                            bytes: token.as_bytes().to_vec(),
+                            logprob: finite_logprob(l),
+                            token,
+                        }
+                    })
+                    .collect(),
+                token,
+            }
+        })
+        .collect();
+    ChatLogprobs { content }
+}

@@ -1,0 +1,291 @@
+//! `GET /metrics`: Prometheus text. Latency histograms (time to first token, inter-token
+//! latency, request latency) are recorded here, in the server, per output chunk as clients
+//! see them; engine figures (queue lengths, KV blocks, prefix-cache hit rate, step and forward
+//! seconds) are read from the engine's latest stats snapshot at scrape time.
+
+use std::fmt;
+use std::sync::Arc;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// The engine figures /metrics exports, copied out of the engine's stats snapshot.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineFigures {
+    pub n_running: usize,
+    pub n_waiting: usize,
+    pub n_blocks_used: usize,
+    pub n_blocks_free: usize,
+    pub n_blocks_total: usize,
+    pub prefix_hit_tokens: u64,
+    pub prefix_query_tokens: u64,
+    pub n_preemptions: u64,
+    pub n_steps: u64,
+    pub step_seconds_total: f64,
+    pub forward_seconds_total: f64,
+    pub n_generated_tokens_total: u64,
+    pub n_requests_finished_total: u64,
+    pub n_step_failures_total: u64,
+}
+
+type FiguresFn = dyn Fn() -> EngineFigures + Send + Sync;
+
+/// Histograms and counters the server records, and the registry that renders them.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    ttft_seconds: Histogram,
+    itl_seconds: Histogram,
+    request_seconds: Histogram,
+    prompt_tokens: Counter,
+}
+
+const TTFT_BUCKETS: [f64; 17] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+    40.0,
+];
+const ITL_BUCKETS: [f64; 17] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5,
+    1.0, 2.5,
+];
+const REQUEST_BUCKETS: [f64; 14] = [
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+];
+
+impl Metrics {
+    /// `figures` is called on every scrape to read the engine's latest snapshot.
+    pub fn new(figures: impl Fn() -> EngineFigures + Send + Sync + 'static) -> Self {
+        let mut registry = Registry::with_prefix("ferry");
+        let ttft_seconds = Histogram::new(TTFT_BUCKETS);
+        let itl_seconds = Histogram::new(ITL_BUCKETS);
+        let request_seconds = Histogram::new(REQUEST_BUCKETS);
+        let prompt_tokens = Counter::default();
+        registry.register(
+            "time_to_first_token_seconds",
+            "Time from request arrival to the first output token, per choice",
+            ttft_seconds.clone(),
+        );
+        registry.register(
+            "inter_token_latency_seconds",
+            "Time between two output chunks of one choice",
+            itl_seconds.clone(),
+        );
+        registry.register(
+            "request_latency_seconds",
+            "Time from request arrival to a choice's last token",
+            request_seconds.clone(),
+        );
+        registry.register(
+            "prompt_tokens",
+            "Prompt tokens of accepted generation requests (per choice)",
+            prompt_tokens.clone(),
+        );
+        registry.register_collector(Box::new(EngineCollector {
+            figures: Arc::new(figures),
+        }));
+        Self {
+            registry,
+            ttft_seconds,
+            itl_seconds,
+            request_seconds,
+            prompt_tokens,
+        }
+    }
+
+    pub fn observe_ttft(&self, seconds: f64) {
+        self.ttft_seconds.observe(seconds);
+    }
+
+    pub fn observe_itl(&self, seconds: f64) {
+        self.itl_seconds.observe(seconds);
+    }
+
+    pub fn observe_request(&self, seconds: f64) {
+        self.request_seconds.observe(seconds);
+    }
+
+    pub fn add_prompt_tokens(&self, n: usize) {
+        self.prompt_tokens.inc_by(n as u64);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> Result<String, fmt::Error> {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
+        Ok(out)
+    }
+}
+
+/// Reads the engine's snapshot at scrape time (the engine thread is never touched).
+struct EngineCollector {
+    figures: Arc<FiguresFn>,
+}
+
+impl fmt::Debug for EngineCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("EngineCollector")
+    }
+}
+
+impl Collector for EngineCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
+        let s = (self.figures)();
+        let hit_rate = if s.prefix_query_tokens == 0 {
+            0.0
+        } else {
+            s.prefix_hit_tokens as f64 / s.prefix_query_tokens as f64
+        };
+        let gauges: [(&str, &str, f64); 6] = [
+            (
+                "num_requests_running",
+                "Requests running in the engine",
+                s.n_running as f64,
+            ),
+            (
+                "num_requests_waiting",
+                "Requests waiting in the engine",
+                s.n_waiting as f64,
+            ),
+            (
+                "kv_blocks_used",
+                "KV blocks held by requests",
+                s.n_blocks_used as f64,
+            ),
+            (
+                "kv_blocks_free",
+                "KV blocks free (cached or not)",
+                s.n_blocks_free as f64,
+            ),
+            (
+                "kv_blocks_total",
+                "KV blocks in the pool",
+                s.n_blocks_total as f64,
+            ),
+            (
+                "prefix_cache_hit_rate",
+                "Prompt tokens found in the prefix cache / prompt tokens looked up",
+                hit_rate,
+            ),
+        ];
+        for (name, help, v) in gauges {
+            let g = ConstGauge::new(v);
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+        }
+        let counters: [(&str, &str, f64); 9] = [
+            (
+                "prefix_cache_hit_tokens",
+                "Prompt tokens found in the prefix cache",
+                s.prefix_hit_tokens as f64,
+            ),
+            (
+                "prefix_cache_query_tokens",
+                "Prompt tokens looked up in the prefix cache",
+                s.prefix_query_tokens as f64,
+            ),
+            (
+                "preemptions",
+                "Requests preempted for lack of KV blocks",
+                s.n_preemptions as f64,
+            ),
+            ("engine_steps", "Engine steps", s.n_steps as f64),
+            (
+                "engine_step_seconds",
+                "Wall time of whole engine steps",
+                s.step_seconds_total,
+            ),
+            (
+                "engine_forward_seconds",
+                "Wall time inside the model forward",
+                s.forward_seconds_total,
+            ),
+            (
+                "generation_tokens",
+                "Tokens generated by the engine",
+                s.n_generated_tokens_total as f64,
+            ),
+            (
+                "requests_finished",
+                "Requests the engine finished",
+                s.n_requests_finished_total as f64,
+            ),
+            (
+                "engine_step_failures",
+                "Engine steps that failed",
+                s.n_step_failures_total as f64,
+            ),
+        ];
+        for (name, help, v) in counters {
+            let c = ConstCounter::new(v);
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `name value` of every sample line, for exact checks.
+    fn samples(text: &str) -> Vec<(String, f64)> {
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| {
+                let (name, value) = l.rsplit_once(' ').unwrap();
+                (name.to_owned(), value.parse().unwrap())
+            })
+            .collect()
+    }
+
+    fn get(text: &str, name: &str) -> f64 {
+        samples(text)
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("{name} missing from\n{text}"))
+            .1
+    }
+
+    #[test]
+    fn renders_engine_figures_and_histograms() {
+        let m = Metrics::new(|| EngineFigures {
+            n_running: 3,
+            n_waiting: 2,
+            n_blocks_used: 10,
+            n_blocks_free: 5,
+            prefix_hit_tokens: 1,
+            prefix_query_tokens: 4,
+            step_seconds_total: 2.0,
+            forward_seconds_total: 1.5,
+            n_generated_tokens_total: 42,
+            ..EngineFigures::default()
+        });
+        m.observe_ttft(0.03);
+        m.observe_itl(0.002);
+        m.observe_itl(0.004);
+        m.add_prompt_tokens(7);
+        let text = m.render().unwrap();
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        assert_eq!(get(&text, "ferry_num_requests_running"), 3.0);
+        assert_eq!(get(&text, "ferry_num_requests_waiting"), 2.0);
+        assert_eq!(get(&text, "ferry_kv_blocks_used"), 10.0);
+        assert_eq!(get(&text, "ferry_kv_blocks_free"), 5.0);
+        assert_eq!(get(&text, "ferry_prefix_cache_hit_rate"), 0.25);
+        assert_eq!(get(&text, "ferry_engine_step_seconds_total"), 2.0);
+        assert_eq!(get(&text, "ferry_engine_forward_seconds_total"), 1.5);
+        assert_eq!(get(&text, "ferry_generation_tokens_total"), 42.0);
+        assert_eq!(get(&text, "ferry_prompt_tokens_total"), 7.0);
+        assert_eq!(get(&text, "ferry_time_to_first_token_seconds_count"), 1.0);
+        assert_eq!(get(&text, "ferry_inter_token_latency_seconds_count"), 2.0);
+        assert_eq!(
+            get(
+                &text,
+                r#"ferry_inter_token_latency_seconds_bucket{le="0.0025"}"#
+            ),
+            1.0
+        );
+    }
+}

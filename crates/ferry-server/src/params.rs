@@ -1,0 +1,413 @@
+//! Validation: turns the wire fields into engine parameters, refusing every bad value with a
+//! 400 naming its field *before* anything reaches the engine.
+
+use ferry_core::{SamplingParams, TokenId};
+
+use crate::error::ApiError;
+use crate::request::CommonParams;
+
+/// Limits that come from the model and the server's configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    /// Longest sequence (prompt + output).
+    pub max_model_len: usize,
+    /// Largest accepted `logprobs` (completions) / `top_logprobs` (chat).
+    pub max_top_logprobs: u32,
+    /// Largest accepted `n`.
+    pub max_n: u32,
+    /// Token ids must be below this (None: unchecked).
+    pub vocab_size: Option<usize>,
+    /// Most stop strings per request.
+    pub max_stop_strings: usize,
+}
+
+/// Everything a generation route needs besides the prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationParams {
+    /// `max_tokens` is a placeholder until [`GenerationParams::for_prompt`] resolves it.
+    pub sampling: SamplingParams,
+    /// The requested output length, and the field it came from (for error messages).
+    pub max_tokens: Option<(u32, &'static str)>,
+    pub stop: Vec<String>,
+    pub n: u32,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub return_token_ids: bool,
+}
+
+/// Temperatures above this are refused (OpenAI's documented range is [0, 2]).
+const MAX_TEMPERATURE: f64 = 2.0;
+
+impl GenerationParams {
+    /// Validates the fields both routes share. `max_tokens` is the output-length field and its
+    /// name (`max_tokens` or chat's `max_completion_tokens`); `logprobs` the validated top-n.
+    pub fn from_common(
+        common: &CommonParams,
+        max_tokens: (Option<i64>, &'static str),
+        logprobs: Option<u32>,
+        limits: &Limits,
+    ) -> Result<Self, ApiError> {
+        let n = check_n(common.n, limits)?;
+        let sampling = SamplingParams {
+            max_tokens: 1,
+            temperature: check_temperature(common.temperature)? as f32,
+            top_k: check_top_k(common.top_k)?,
+            top_p: check_unit("top_p", common.top_p, 1.0, false)? as f32,
+            min_p: check_unit("min_p", common.min_p, 0.0, true)? as f32,
+            // Negative seeds are valid in OpenAI's API; two's complement keeps them distinct.
+            seed: common.seed.map(|s| s as u64),
+            logprobs,
+            ignore_eos: common.ignore_eos.unwrap_or(false),
+            stop_token_ids: check_token_ids(
+                "stop_token_ids",
+                common.stop_token_ids.as_deref().unwrap_or(&[]),
+                limits,
+            )?,
+            cache_salt: check_cache_salt(common.cache_salt.as_deref())?,
+        };
+        let stop = check_stop(common.stop.clone().map(|s| s.into_vec()), limits)?;
+        let max_tokens = match max_tokens.0 {
+            None => None,
+            Some(v) if v < 1 => {
+                return Err(ApiError::invalid(
+                    max_tokens.1,
+                    format!("`{}` must be at least 1, got {v}", max_tokens.1),
+                ))
+            }
+            Some(v) => Some((u32::try_from(v).unwrap_or(u32::MAX), max_tokens.1)),
+        };
+        let stream = common.stream.unwrap_or(false);
+        Ok(Self {
+            sampling,
+            max_tokens,
+            stop,
+            n,
+            stream,
+            include_usage: stream
+                && common
+                    .stream_options
+                    .as_ref()
+                    .and_then(|o| o.include_usage)
+                    .unwrap_or(false),
+            return_token_ids: common.return_token_ids.unwrap_or(false),
+        })
+    }
+
+    /// The sampling parameters for one prompt of `prompt_len` tokens: `max_tokens` defaults to
+    /// what fits in the context; a request that cannot fit is refused.
+    pub fn for_prompt(
+        &self,
+        prompt_len: usize,
+        limits: &Limits,
+    ) -> Result<SamplingParams, ApiError> {
+        let room = limits.max_model_len.saturating_sub(prompt_len);
+        let max_tokens = match self.max_tokens {
+            None => room,
+            Some((v, field)) if v as usize > room => {
+                return Err(ApiError::invalid(
+                    field,
+                    format!(
+                        "this model's maximum context length is {} tokens; the prompt has {prompt_len} and `{field}` asks for {v} more",
+                        limits.max_model_len
+                    ),
+                ))
+            }
+            Some((v, _)) => v as usize,
+        };
+        Ok(SamplingParams {
+            max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
+            ..self.sampling.clone()
+        })
+    }
+}
+
+/// A prompt's token ids are usable: not empty, shorter than the context (one token must fit
+/// after it), and every id inside the vocabulary.
+pub fn check_prompt(tokens: &[TokenId], param: &str, limits: &Limits) -> Result<(), ApiError> {
+    if tokens.is_empty() {
+        return Err(ApiError::invalid(param, format!("`{param}` is empty")));
+    }
+    if tokens.len() >= limits.max_model_len {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "`{param}` has {} tokens; this model's maximum context length is {} tokens (the prompt must leave room for one generated token)",
+                tokens.len(),
+                limits.max_model_len
+            ),
+        ));
+    }
+    check_token_ids(param, tokens, limits).map(drop)
+}
+
+/// Completions' `logprobs` (an integer top-n).
+pub fn check_completion_logprobs(v: Option<i64>, limits: &Limits) -> Result<Option<u32>, ApiError> {
+    v.map(|v| check_top_n("logprobs", v, limits)).transpose()
+}
+
+/// Chat's `logprobs` (bool) and `top_logprobs` (top-n, only with `logprobs`).
+pub fn check_chat_logprobs(
+    logprobs: Option<bool>,
+    top_logprobs: Option<i64>,
+    limits: &Limits,
+) -> Result<Option<u32>, ApiError> {
+    match (logprobs.unwrap_or(false), top_logprobs) {
+        (false, Some(t)) if t > 0 => Err(ApiError::invalid(
+            "top_logprobs",
+            "`top_logprobs` needs `logprobs` set to true",
+        )),
+        (false, _) => Ok(None),
+        (true, t) => check_top_n("top_logprobs", t.unwrap_or(0), limits).map(Some),
+    }
+}
+
+fn check_top_n(field: &str, v: i64, limits: &Limits) -> Result<u32, ApiError> {
+    if v < 0 || v > i64::from(limits.max_top_logprobs) {
+        return Err(ApiError::invalid(
+            field,
+            format!(
+                "`{field}` must be between 0 and {}, got {v}",
+                limits.max_top_logprobs
+            ),
+        ));
+    }
+    Ok(v as u32)
+}
+
+fn check_n(n: Option<i64>, limits: &Limits) -> Result<u32, ApiError> {
+    let n = n.unwrap_or(1);
+    if n < 1 || n > i64::from(limits.max_n) {
+        return Err(ApiError::invalid(
+            "n",
+            format!("`n` must be between 1 and {}, got {n}", limits.max_n),
+        ));
+    }
+    Ok(n as u32)
+}
+
+fn check_temperature(t: Option<f64>) -> Result<f64, ApiError> {
+    let t = t.unwrap_or(1.0);
+    if !(0.0..=MAX_TEMPERATURE).contains(&t) {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("`temperature` must be between 0 and {MAX_TEMPERATURE}, got {t}"),
+        ));
+    }
+    Ok(t)
+}
+
+/// `top_k`: `0` or `-1` disable it (vLLM uses `-1`).
+fn check_top_k(k: Option<i64>) -> Result<u32, ApiError> {
+    match k.unwrap_or(0) {
+        -1 | 0 => Ok(0),
+        k if k >= 1 && k <= i64::from(u32::MAX) => Ok(k as u32),
+        k => Err(ApiError::invalid(
+            "top_k",
+            format!("`top_k` must be -1 or 0 (disabled) or at least 1, got {k}"),
+        )),
+    }
+}
+
+/// A probability field in `(0, 1]`, or `[0, 1]` when `zero_ok`.
+fn check_unit(field: &str, v: Option<f64>, default: f64, zero_ok: bool) -> Result<f64, ApiError> {
+    let v = v.unwrap_or(default);
+    let low_ok = if zero_ok { v >= 0.0 } else { v > 0.0 };
+    if !low_ok || v > 1.0 {
+        let range = if zero_ok { "[0, 1]" } else { "(0, 1]" };
+        return Err(ApiError::invalid(
+            field,
+            format!("`{field}` must be in {range}, got {v}"),
+        ));
+    }
+    Ok(v)
+}
+
+fn check_token_ids(
+    field: &str,
+    ids: &[TokenId],
+    limits: &Limits,
+) -> Result<Vec<TokenId>, ApiError> {
+    if let Some(vocab) = limits.vocab_size {
+        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(ApiError::invalid(
+                format!("{field}[{i}]"),
+                format!("token id {id} is outside the vocabulary (size {vocab})"),
+            ));
+        }
+    }
+    Ok(ids.to_vec())
+}
+
+fn check_cache_salt(salt: Option<&str>) -> Result<Option<String>, ApiError> {
+    match salt {
+        Some("") => Err(ApiError::invalid(
+            "cache_salt",
+            "`cache_salt` must not be empty",
+        )),
+        other => Ok(other.map(str::to_owned)),
+    }
+}
+
+fn check_stop(stop: Option<Vec<String>>, limits: &Limits) -> Result<Vec<String>, ApiError> {
+    let stop = stop.unwrap_or_default();
+    if stop.len() > limits.max_stop_strings {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "at most {} stop strings are accepted, got {}",
+                limits.max_stop_strings,
+                stop.len()
+            ),
+        ));
+    }
+    if let Some(i) = stop.iter().position(String::is_empty) {
+        return Err(ApiError::invalid(
+            format!("stop[{i}]"),
+            "stop strings must not be empty",
+        ));
+    }
+    Ok(stop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::extract::parse_json;
+
+    fn limits() -> Limits {
+        Limits {
+            max_model_len: 100,
+            max_top_logprobs: 20,
+            max_n: 8,
+            vocab_size: Some(50),
+            max_stop_strings: 4,
+        }
+    }
+
+    fn parse(body: &str) -> Result<GenerationParams, ApiError> {
+        let c: CommonParams = parse_json(body.as_bytes()).unwrap();
+        GenerationParams::from_common(&c, (c.max_tokens, "max_tokens"), None, &limits())
+    }
+
+    fn field(body: &str) -> String {
+        parse(body).unwrap_err().param.unwrap()
+    }
+
+    #[test]
+    fn out_of_range_values_name_their_field() {
+        assert_eq!(field(r#"{"max_tokens": 0}"#), "max_tokens");
+        assert_eq!(field(r#"{"max_tokens": -5}"#), "max_tokens");
+        assert_eq!(field(r#"{"temperature": -0.1}"#), "temperature");
+        assert_eq!(field(r#"{"temperature": 2.5}"#), "temperature");
+        assert_eq!(field(r#"{"top_p": 0}"#), "top_p");
+        assert_eq!(field(r#"{"top_p": 1.5}"#), "top_p");
+        assert_eq!(field(r#"{"top_k": -2}"#), "top_k");
+        assert_eq!(field(r#"{"min_p": 2}"#), "min_p");
+        assert_eq!(field(r#"{"n": 0}"#), "n");
+        assert_eq!(field(r#"{"n": 9}"#), "n");
+        assert_eq!(field(r#"{"stop": ["a", ""]}"#), "stop[1]");
+        assert_eq!(field(r#"{"stop": ["a", "b", "c", "d", "e"]}"#), "stop");
+        assert_eq!(field(r#"{"stop_token_ids": [1, 50]}"#), "stop_token_ids[1]");
+        assert_eq!(field(r#"{"cache_salt": ""}"#), "cache_salt");
+    }
+
+    #[test]
+    fn defaults_and_conversions() {
+        let p = parse(r#"{"top_k": -1, "seed": -1, "stop": "x", "stream": true, "stream_options": {"include_usage": true}}"#).unwrap();
+        assert_eq!(p.sampling.top_k, 0);
+        assert_eq!(p.sampling.seed, Some(u64::MAX));
+        assert_eq!(p.sampling.temperature, 1.0);
+        assert_eq!(p.stop, vec!["x".to_owned()]);
+        assert!(p.include_usage);
+        assert_eq!(p.n, 1);
+        assert!(!p.sampling.ignore_eos);
+        assert!(!p.return_token_ids);
+        let p = parse(r#"{"ignore_eos": true, "stop_token_ids": [3, 4], "min_p": 0.1, "cache_salt": "s", "return_token_ids": true}"#).unwrap();
+        assert!(p.sampling.ignore_eos);
+        assert!(p.return_token_ids);
+        assert_eq!(p.sampling.stop_token_ids, vec![3, 4]);
+        assert_eq!(p.sampling.min_p, 0.1);
+        assert_eq!(p.sampling.cache_salt.as_deref(), Some("s"));
+        // include_usage only applies to streams.
+        assert!(
+            !parse(r#"{"stream_options": {"include_usage": true}}"#)
+                .unwrap()
+                .include_usage
+        );
+    }
+
+    #[test]
+    fn max_tokens_defaults_to_the_room_left_and_refuses_overflow() {
+        let p = parse("{}").unwrap();
+        assert_eq!(p.for_prompt(30, &limits()).unwrap().max_tokens, 70);
+        let p = parse(r#"{"max_tokens": 71}"#).unwrap();
+        assert_eq!(
+            p.for_prompt(30, &limits()).unwrap_err().param.as_deref(),
+            Some("max_tokens")
+        );
+        assert_eq!(p.for_prompt(29, &limits()).unwrap().max_tokens, 71);
+        let p = parse(r#"{"max_tokens": 99999999999}"#).unwrap();
+        assert!(p.for_prompt(1, &limits()).is_err());
+    }
+
+    #[test]
+    fn prompts_are_checked() {
+        let l = limits();
+        assert_eq!(
+            check_prompt(&[], "prompt", &l)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("prompt")
+        );
+        assert!(check_prompt(&[1; 99], "prompt", &l).is_ok());
+        assert!(check_prompt(&[1; 100], "prompt", &l).is_err());
+        assert_eq!(
+            check_prompt(&[1, 60], "prompt", &l)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("prompt[1]")
+        );
+    }
+
+    #[test]
+    fn logprob_fields() {
+        let l = limits();
+        assert_eq!(check_completion_logprobs(Some(5), &l).unwrap(), Some(5));
+        assert_eq!(
+            check_completion_logprobs(Some(21), &l)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("logprobs")
+        );
+        assert_eq!(
+            check_completion_logprobs(Some(-1), &l)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("logprobs")
+        );
+        assert_eq!(check_chat_logprobs(Some(true), None, &l).unwrap(), Some(0));
+        assert_eq!(
+            check_chat_logprobs(Some(true), Some(3), &l).unwrap(),
+            Some(3)
+        );
+        assert_eq!(check_chat_logprobs(None, None, &l).unwrap(), None);
+        assert_eq!(
+            check_chat_logprobs(None, Some(2), &l)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("top_logprobs")
+        );
+        assert_eq!(
+            check_chat_logprobs(Some(true), Some(30), &l)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("top_logprobs")
+        );
+    }
+}

@@ -1,0 +1,334 @@
+//! The request bodies of the OpenAI routes, as sent on the wire.
+//!
+//! Every field is optional here (required ones are checked in [`crate::params`], so a missing
+//! field gets a message naming it); unknown fields are ignored, as OpenAI clients send extras.
+//! Fields we know but do not implement are captured as raw JSON so that a non-default value
+//! is refused with a 400 naming the field, instead of being silently ignored.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::error::ApiError;
+use crate::extract::from_value;
+
+/// `prompt` of `/v1/completions`: text, token ids, or a batch of either.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+    TextBatch(Vec<String>),
+    TokenBatch(Vec<Vec<u32>>),
+}
+
+/// One prompt of a batch, before tokenization.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+impl PromptInput {
+    /// The batch as a list (a single prompt is a batch of one).
+    pub fn into_batch(self) -> Vec<Prompt> {
+        match self {
+            Self::Text(t) => vec![Prompt::Text(t)],
+            Self::Tokens(t) => vec![Prompt::Tokens(t)],
+            Self::TextBatch(b) => b.into_iter().map(Prompt::Text).collect(),
+            Self::TokenBatch(b) => b.into_iter().map(Prompt::Tokens).collect(),
+        }
+    }
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StopInput {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Self::One(s) => vec![s],
+            Self::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// Sampling fields common to both routes.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct CommonParams {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopInput>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: Option<bool>,
+    pub n: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub return_token_ids: Option<bool>,
+    pub cache_salt: Option<String>,
+    /// Accepted and ignored: the scheduler is first-come first-served (no priority classes).
+    pub priority: Option<i64>,
+    /// Accepted and ignored (OpenAI's end-user tag; nothing here is per-user).
+    pub user: Option<String>,
+}
+
+/// Known fields we do not implement. Each is refused when it has a non-default value.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct Unsupported {
+    pub presence_penalty: Option<Value>,
+    pub frequency_penalty: Option<Value>,
+    pub repetition_penalty: Option<Value>,
+    pub logit_bias: Option<Value>,
+    pub best_of: Option<Value>,
+    pub echo: Option<Value>,
+    pub suffix: Option<Value>,
+    pub min_tokens: Option<Value>,
+    pub prompt_logprobs: Option<Value>,
+    pub include_stop_str_in_output: Option<Value>,
+    pub use_beam_search: Option<Value>,
+    pub response_format: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub tools: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+    pub continue_final_message: Option<Value>,
+    pub chat_template: Option<Value>,
+}
+
+/// A field's name, its value, and whether that value is the default.
+type FieldCheck<'a> = (&'static str, &'a Option<Value>, &'a dyn Fn(&Value) -> bool);
+
+impl Unsupported {
+    /// Refuses the first field set to something other than its OpenAI default. `n` is the
+    /// request's `n` (`best_of` equal to `n` is the default).
+    pub fn check(&self, n: i64) -> Result<(), ApiError> {
+        let zero = |v: &Value| v.as_f64() == Some(0.0);
+        let one = |v: &Value| v.as_f64() == Some(1.0);
+        let falsy = |v: &Value| v == &Value::Bool(false);
+        let empty = |v: &Value| match v {
+            Value::String(s) => s.is_empty(),
+            Value::Array(a) => a.is_empty(),
+            Value::Object(o) => o.is_empty(),
+            _ => false,
+        };
+        let text_format = |v: &Value| v.get("type").and_then(Value::as_str) == Some("text");
+        let best_of_n = |v: &Value| v.as_i64().is_some_and(|b| b <= n);
+        let checks: [FieldCheck<'_>; 21] = [
+            ("presence_penalty", &self.presence_penalty, &zero),
+            ("frequency_penalty", &self.frequency_penalty, &zero),
+            ("repetition_penalty", &self.repetition_penalty, &one),
+            ("logit_bias", &self.logit_bias, &empty),
+            ("best_of", &self.best_of, &best_of_n),
+            ("echo", &self.echo, &falsy),
+            ("suffix", &self.suffix, &empty),
+            ("min_tokens", &self.min_tokens, &zero),
+            ("prompt_logprobs", &self.prompt_logprobs, &|_| false),
+            (
+                "include_stop_str_in_output",
+                &self.include_stop_str_in_output,
+                &falsy,
+            ),
+            ("use_beam_search", &self.use_beam_search, &falsy),
+            ("response_format", &self.response_format, &text_format),
+            ("guided_json", &self.guided_json, &|_| false),
+            ("guided_regex", &self.guided_regex, &|_| false),
+            ("guided_choice", &self.guided_choice, &|_| false),
+            ("guided_grammar", &self.guided_grammar, &|_| false),
+            ("tools", &self.tools, &empty),
+            ("functions", &self.functions, &empty),
+            ("function_call", &self.function_call, &|v| v == "none"),
+            (
+                "continue_final_message",
+                &self.continue_final_message,
+                &falsy,
+            ),
+            ("chat_template", &self.chat_template, &|_| false),
+        ];
+        for (name, value, is_default) in checks {
+            match value {
+                None | Some(Value::Null) => {}
+                Some(v) if is_default(v) => {}
+                Some(v) => {
+                    return Err(ApiError::invalid(
+                        name,
+                        format!("`{name}` is not supported by this server (got {v})"),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CompletionRequest {
+    pub own: CompletionFields,
+    pub common: CommonParams,
+    pub unsupported: Unsupported,
+}
+
+/// The fields only `/v1/completions` has.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct CompletionFields {
+    pub prompt: Option<PromptInput>,
+    /// Top-n count (legacy completions format); `0` returns only the sampled token's logprob.
+    pub logprobs: Option<i64>,
+}
+
+impl CompletionRequest {
+    pub fn from_json(v: &Value) -> Result<Self, ApiError> {
+        Ok(Self {
+            own: from_value(v)?,
+            common: from_value(v)?,
+            unsupported: from_value(v)?,
+        })
+    }
+}
+
+/// A message's `content`: a string or a list of parts (only text parts are supported).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// One chat message (tool calls are not supported, so these are all a template needs).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ChatMessage {
+    pub role: Option<String>,
+    pub content: Option<MessageContent>,
+    pub name: Option<String>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChatRequest {
+    pub own: ChatFields,
+    pub common: CommonParams,
+    pub unsupported: Unsupported,
+}
+
+impl ChatRequest {
+    pub fn from_json(v: &Value) -> Result<Self, ApiError> {
+        Ok(Self {
+            own: from_value(v)?,
+            common: from_value(v)?,
+            unsupported: from_value(v)?,
+        })
+    }
+}
+
+/// The fields only `/v1/chat/completions` has.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct ChatFields {
+    pub messages: Option<Vec<ChatMessage>>,
+    pub max_completion_tokens: Option<i64>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub add_generation_prompt: Option<bool>,
+    /// Extra variables for the chat template (e.g. `enable_thinking`).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::extract::parse_json;
+
+    fn parse(body: &str) -> CompletionRequest {
+        CompletionRequest::from_json(&parse_json(body.as_bytes()).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn prompt_shapes_parse() {
+        let p = |s: &str| parse(s).own.prompt.unwrap().into_batch();
+        assert_eq!(p(r#"{"prompt": "hi"}"#), vec![Prompt::Text("hi".into())]);
+        assert_eq!(p(r#"{"prompt": [1, 2]}"#), vec![Prompt::Tokens(vec![1, 2])]);
+        assert_eq!(
+            p(r#"{"prompt": ["a", "b"]}"#),
+            vec![Prompt::Text("a".into()), Prompt::Text("b".into())]
+        );
+        assert_eq!(
+            p(r#"{"prompt": [[1], [2, 3]]}"#),
+            vec![Prompt::Tokens(vec![1]), Prompt::Tokens(vec![2, 3])]
+        );
+    }
+
+    #[test]
+    fn type_errors_in_shared_fields_name_the_field() {
+        let v: Value = parse_json(br#"{"prompt": "x", "max_tokens": "ten"}"#).unwrap();
+        let e = CompletionRequest::from_json(&v).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let v: Value = parse_json(br#"{"messages": [{"role": "user", "content": 5}]}"#).unwrap();
+        let e = ChatRequest::from_json(&v).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content"));
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_and_flattened_fields_parse() {
+        let v: Value = parse_json(
+            br#"{"messages": [{"role": "user", "content": "x", "name": "bob"}],
+                 "max_tokens": 3, "whatever": {"a": 1}, "presence_penalty": 0}"#,
+        )
+        .unwrap();
+        let r = ChatRequest::from_json(&v).unwrap();
+        assert_eq!(r.common.max_tokens, Some(3));
+        let m = &r.own.messages.as_ref().unwrap()[0];
+        assert_eq!(m.name.as_deref(), Some("bob"));
+        assert!(r.unsupported.check(1).is_ok());
+    }
+
+    #[test]
+    fn unsupported_fields_with_values_are_named() {
+        let err = |body: &str| {
+            let r = parse(body);
+            r.unsupported
+                .check(r.common.n.unwrap_or(1))
+                .unwrap_err()
+                .param
+        };
+        assert_eq!(
+            err(r#"{"presence_penalty": 0.5}"#).as_deref(),
+            Some("presence_penalty")
+        );
+        assert_eq!(
+            err(r#"{"logit_bias": {"1": 2}}"#).as_deref(),
+            Some("logit_bias")
+        );
+        assert_eq!(err(r#"{"best_of": 3, "n": 2}"#).as_deref(), Some("best_of"));
+        assert_eq!(err(r#"{"echo": true}"#).as_deref(), Some("echo"));
+        assert_eq!(err(r#"{"suffix": "x"}"#).as_deref(), Some("suffix"));
+        assert_eq!(
+            err(r#"{"tools": [{"type": "function"}]}"#).as_deref(),
+            Some("tools")
+        );
+        let ok = parse(r#"{"best_of": 2, "n": 2, "echo": false, "logit_bias": {}}"#);
+        assert!(ok.unsupported.check(2).is_ok());
+    }
+}

@@ -1,0 +1,258 @@
+//! The response bodies of the OpenAI routes (and their streamed chunks), as sent on the wire.
+//!
+//! `return_token_ids` follows vLLM: completions put `prompt_token_ids` and `token_ids` on each
+//! choice; chat puts `prompt_token_ids` on the response and `token_ids` on each choice. When
+//! streaming, `prompt_token_ids` comes with a choice's first chunk and `token_ids` carries each
+//! chunk's new tokens.
+
+use serde::ser::SerializeMap;
+use serde::{Serialize, Serializer};
+
+use ferry_core::TokenId;
+
+/// `usage`. `prompt_tokens` counts each prompt once, whatever `n`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
+    }
+}
+
+/// A choice's `stop_reason` (vLLM's extension): the stop token id or the stop string.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum StopReasonJson {
+    Token(TokenId),
+    Text(String),
+}
+
+/// `/v1/completions` response, and (with `object` `text_completion` too) each streamed chunk.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompletionChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<StopReasonJson>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<TokenId>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<TokenId>>,
+}
+
+/// The legacy completions logprobs format: parallel lists, one entry per output token.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<TopLogprobMap>,
+    /// Character offset of each token in the choice's text.
+    pub text_offset: Vec<usize>,
+}
+
+/// `{token text: logprob}`, best first. Serialized as a JSON object that keeps this order
+/// (a `BTreeMap` would sort by text); a token text seen twice keeps its first (best) entry.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TopLogprobMap(pub Vec<(String, f32)>);
+
+impl Serialize for TopLogprobMap {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut seen = std::collections::HashSet::new();
+        let entries: Vec<_> = self.0.iter().filter(|(t, _)| seen.insert(t)).collect();
+        let mut map = serializer.serialize_map(Some(entries.len()))?;
+        for (token, logprob) in entries {
+            map.serialize_entry(token, logprob)?;
+        }
+        map.end()
+    }
+}
+
+/// `/v1/chat/completions` response.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<TokenId>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: AssistantMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<StopReasonJson>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<TokenId>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// Chat logprobs: one entry per output token.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// One streamed `chat.completion.chunk`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<TokenId>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatChunkChoice {
+    pub index: usize,
+    pub delta: Delta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<StopReasonJson>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<TokenId>>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub root: String,
+    pub max_model_len: usize,
+}
+
+/// Logprobs as JSON numbers: a `-inf` logprob (a token the filters removed) has no JSON form,
+/// so it is clamped like vLLM does.
+pub fn finite_logprob(v: f32) -> f32 {
+    if v.is_finite() {
+        v
+    } else if v.is_nan() {
+        -9999.0
+    } else {
+        v.clamp(-9999.0, 0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_logprob_map_keeps_order_and_first_duplicate() {
+        let m = TopLogprobMap(vec![
+            ("b".into(), -0.1),
+            ("a".into(), -0.5),
+            ("b".into(), -0.7),
+        ]);
+        assert_eq!(serde_json::to_string(&m).unwrap(), r#"{"b":-0.1,"a":-0.5}"#);
+    }
+
+    #[test]
+    fn infinite_logprobs_are_clamped() {
+        assert_eq!(finite_logprob(f32::NEG_INFINITY), -9999.0);
+        assert_eq!(finite_logprob(-1.5), -1.5);
+    }
+
+    #[test]
+    fn stream_chunk_skips_absent_extras_but_keeps_nulls() {
+        let c = ChatChunk {
+            id: "x".into(),
+            object: "chat.completion.chunk",
+            created: 1,
+            model: "m".into(),
+            choices: vec![ChatChunkChoice {
+                index: 0,
+                delta: Delta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                },
+                logprobs: None,
+                finish_reason: None,
+                stop_reason: None,
+                token_ids: None,
+            }],
+            usage: None,
+            prompt_token_ids: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&c).unwrap(),
+            r#"{"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null,"stop_reason":null}]}"#
+        );
+    }
+}

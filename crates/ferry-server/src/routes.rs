@@ -1,0 +1,198 @@
+//! The small routes: `/v1/models`, `/health`, `/version`, `/metrics`, `/tokenize`,
+//! `/detokenize` (the last two in vLLM's request and response shapes).
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+
+use crate::chat::render_prompt;
+use crate::error::ApiError;
+use crate::extract::ApiJson;
+use crate::request::{ChatFields, ChatMessage};
+use crate::response::{ModelCard, ModelList};
+use crate::state::AppState;
+
+pub async fn models(State(app): State<Arc<AppState>>) -> Json<ModelList> {
+    let name = app.config.served_model_name.clone();
+    Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: name.clone(),
+            object: "model",
+            created: app.started_unix_s,
+            owned_by: "ferry",
+            root: name,
+            max_model_len: app.limits.max_model_len,
+        }],
+    })
+}
+
+/// 200 while the engine runs; 503 once it has stopped.
+pub async fn health(State(app): State<Arc<AppState>>) -> Response {
+    if app.engine.stats().running {
+        StatusCode::OK.into_response()
+    } else {
+        ApiError::unavailable("the engine has stopped").into_response()
+    }
+}
+
+pub async fn version() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "version": env!("CARGO_PKG_VERSION") }))
+}
+
+pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
+    match app.metrics.render() {
+        Ok(text) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => ApiError::internal(format!("could not render metrics: {e}")).into_response(),
+    }
+}
+
+/// `POST /tokenize`: a `prompt` (special tokens added by default) or chat `messages`
+/// (rendered through the chat template; special tokens not added by default).
+#[derive(Debug, Default, Deserialize)]
+pub struct TokenizeRequest {
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<ChatMessage>>,
+    pub add_special_tokens: Option<bool>,
+    pub add_generation_prompt: Option<bool>,
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    pub return_token_strs: Option<bool>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TokenizeResponse {
+    pub count: usize,
+    pub max_model_len: usize,
+    pub tokens: Vec<u32>,
+    pub token_strs: Option<Vec<String>>,
+}
+
+pub async fn tokenize(
+    State(app): State<Arc<AppState>>,
+    ApiJson(mut req): ApiJson<TokenizeRequest>,
+) -> Result<Json<TokenizeResponse>, ApiError> {
+    app.check_model(req.model.as_deref())?;
+    let tokens = match (req.prompt.take(), req.messages.take()) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "messages",
+                "send either `prompt` or `messages`, not both",
+            ))
+        }
+        (Some(prompt), None) => {
+            app.tokenize(&prompt, req.add_special_tokens.unwrap_or(true), "prompt")?
+        }
+        (None, Some(messages)) => tokenize_chat(&app, messages, &req)?,
+        (None, None) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "`prompt` or `messages` is required",
+            ))
+        }
+    };
+    let token_strs = req.return_token_strs.unwrap_or(false).then(|| {
+        tokens
+            .iter()
+            .map(|&id| {
+                app.engine
+                    .tokenizer()
+                    .and_then(|t| t.id_to_token(id))
+                    .unwrap_or_default()
+            })
+            .collect()
+    });
+    Ok(Json(TokenizeResponse {
+        count: tokens.len(),
+        max_model_len: app.limits.max_model_len,
+        tokens,
+        token_strs,
+    }))
+}
+
+/// Chat messages for /tokenize: the same rendering as /v1/chat/completions, so the ids equal
+/// the prompt ids that `return_token_ids` reports.
+fn tokenize_chat(
+    app: &AppState,
+    messages: Vec<ChatMessage>,
+    req: &TokenizeRequest,
+) -> Result<Vec<u32>, ApiError> {
+    if req.add_special_tokens == Some(true) {
+        let text = app.template()?.render(
+            &messages,
+            req.add_generation_prompt.unwrap_or(true),
+            req.chat_template_kwargs.as_ref(),
+        )?;
+        return app.tokenize(&text, true, "messages");
+    }
+    let chat = ChatFields {
+        messages: Some(messages),
+        add_generation_prompt: req.add_generation_prompt,
+        chat_template_kwargs: req.chat_template_kwargs.clone(),
+        ..ChatFields::default()
+    };
+    render_prompt(app, &chat)
+}
+
+/// `POST /detokenize`.
+#[derive(Debug, Default, Deserialize)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct DetokenizeResponse {
+    pub prompt: String,
+}
+
+pub async fn detokenize(
+    State(app): State<Arc<AppState>>,
+    ApiJson(req): ApiJson<DetokenizeRequest>,
+) -> Result<Json<DetokenizeResponse>, ApiError> {
+    app.check_model(req.model.as_deref())?;
+    let tokens = req
+        .tokens
+        .ok_or_else(|| ApiError::invalid("tokens", "`tokens` is required"))?;
+    let tokenizer = app
+        .engine
+        .tokenizer()
+        .ok_or_else(|| ApiError::invalid("tokens", "this model has no tokenizer"))?;
+    if let Some(vocab) = app.limits.vocab_size {
+        if let Some((i, id)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= vocab)
+        {
+            return Err(ApiError::invalid(
+                format!("tokens[{i}]"),
+                format!("token id {id} is outside the vocabulary (size {vocab})"),
+            ));
+        }
+    }
+    let prompt = tokenizer
+        .decode(&tokens, false)
+        .map_err(|e| ApiError::invalid("tokens", format!("could not detokenize: {e}")))?;
+    Ok(Json(DetokenizeResponse { prompt }))
+}
+
+/// Unknown routes get an OpenAI-shaped 404.
+pub async fn not_found() -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "no such route".into(),
+        kind: "not_found_error",
+        param: None,
+    }
+}

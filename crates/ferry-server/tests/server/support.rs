@@ -1,0 +1,233 @@
+//! Test harness: the real engine over the tiny Llama model, the server on a loopback port,
+//! and small HTTP helpers (JSON posts, SSE parsing, metric scraping).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_core::{ModelOutput, SchedulerConfig, StepPlan};
+use ferry_engine::{spawn, EngineConfig, EngineHandle};
+use ferry_kv::{KvArena, KvLayout};
+use ferry_model::tiny::{tiny_model, ENDOFTEXT, IM_END};
+use ferry_model::{ExecError, Executor, LlamaModel};
+use ferry_server::{router, serve, ServerConfig};
+use serde_json::Value;
+
+pub const MODEL: &str = "tiny-test";
+pub const MAX_MODEL_LEN: usize = 96;
+
+/// The tiny model behind a gate (a test can hold the engine inside a step) and an optional
+/// per-step delay (to make a stream slow enough to disconnect from mid-way).
+pub struct TestExecutor {
+    inner: LlamaModel,
+    gate: Arc<Mutex<()>>,
+    delay: Duration,
+    n_steps: Arc<AtomicUsize>,
+}
+
+impl Executor for TestExecutor {
+    fn kv_layout(&self, block_size: usize) -> KvLayout {
+        self.inner.kv_layout(block_size)
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
+        self.n_steps.fetch_add(1, Ordering::SeqCst);
+        drop(self.gate.lock().unwrap_or_else(|e| e.into_inner()));
+        std::thread::sleep(self.delay);
+        self.inner.execute(plan, kv)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub chat_template: bool,
+    pub queue_capacity: usize,
+    pub step_delay: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            chat_template: true,
+            queue_capacity: 256,
+            step_delay: Duration::ZERO,
+        }
+    }
+}
+
+pub struct Server {
+    pub base: String,
+    pub engine: EngineHandle,
+    pub http: reqwest::Client,
+    pub gate: Arc<Mutex<()>>,
+    pub n_steps: Arc<AtomicUsize>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+pub async fn start(opts: Options) -> Server {
+    let tiny = tiny_model();
+    let scheduler = SchedulerConfig {
+        block_size: 4,
+        n_blocks: 512,
+        max_num_seqs: 32,
+        max_num_batched_tokens: 512,
+        max_model_len: MAX_MODEL_LEN,
+        eos_token_ids: tiny.config.eos_token_ids.clone(),
+        ..SchedulerConfig::default()
+    };
+    let gate = Arc::new(Mutex::new(()));
+    let n_steps = Arc::new(AtomicUsize::new(0));
+    let executor = TestExecutor {
+        inner: LlamaModel::new(&tiny.config, &tiny.weights).unwrap(),
+        gate: Arc::clone(&gate),
+        delay: opts.step_delay,
+        n_steps: Arc::clone(&n_steps),
+    };
+    let config = EngineConfig {
+        scheduler,
+        input_queue_capacity: opts.queue_capacity,
+    };
+    let tokenizer = tiny.tokenizer.map(Arc::new);
+    let engine = spawn(config, Box::new(executor), tokenizer).unwrap();
+    let server_config = ServerConfig {
+        chat_template: opts
+            .chat_template
+            .then(|| tiny.chat_template.clone().unwrap()),
+        bos_token: ENDOFTEXT.into(),
+        eos_token: IM_END.into(),
+        vocab_size: Some(tiny.config.vocab_size),
+        ..ServerConfig::new(MODEL)
+    };
+    let app = router(engine.clone(), server_config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve(listener, app, async move {
+        let _ = rx.await;
+    }));
+    Server {
+        base,
+        engine,
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .unwrap(),
+        gate,
+        n_steps,
+        shutdown: Some(tx),
+    }
+}
+
+impl Server {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// POSTs `body`; returns the status and the JSON body.
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let resp = self
+            .http
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        let json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        (status, json)
+    }
+
+    /// POSTs `body`, expecting 200.
+    pub async fn ok(&self, path: &str, body: &Value) -> Value {
+        let (status, json) = self.post(path, body).await;
+        assert_eq!(status, 200, "{json}");
+        json
+    }
+
+    /// POSTs a streaming request; returns the data events (JSON), checking the `[DONE]` end.
+    pub async fn stream(&self, path: &str, body: &Value) -> Vec<Value> {
+        let resp = self
+            .http
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let ctype = resp.headers()["content-type"].to_str().unwrap().to_owned();
+        assert!(ctype.starts_with("text/event-stream"), "{ctype}");
+        parse_sse(&resp.text().await.unwrap())
+    }
+
+    /// Expects a 400 (or `status`) whose error names `param`.
+    pub async fn expect_error(&self, path: &str, body: &Value, status: u16, param: Option<&str>) {
+        let (got, json) = self.post(path, body).await;
+        assert_eq!(got, status, "{body} -> {json}");
+        let err = &json["error"];
+        assert_eq!(err["param"].as_str(), param, "{body} -> {json}");
+        assert!(!err["message"].as_str().unwrap().is_empty());
+        assert_eq!(err["code"].as_u64(), Some(u64::from(status)));
+        if status == 400 {
+            assert_eq!(err["type"], "invalid_request_error");
+        }
+    }
+
+    pub async fn metrics(&self) -> String {
+        self.http
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+}
+
+/// The `data:` payloads of an SSE body; the last must be `[DONE]` (dropped from the result).
+pub fn parse_sse(body: &str) -> Vec<Value> {
+    let data: Vec<&str> = body
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data event: {e:?}"))
+        })
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{body}");
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// A sample's value in Prometheus text (`name` includes any labels).
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (n, v) = l.rsplit_once(' ')?;
+            (n == name).then(|| v.parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+/// Token ids of a JSON array.
+pub fn ids(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not an array: {v}"))
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
