@@ -11,6 +11,10 @@ trap 'rm -f "$log"' EXIT
 status=0
 cargo test --workspace --locked "$@" 2>&1 | tee "$log" || status=$?
 
+# The official `openai` client against `ferry serve --model tiny` (the binary cargo test just
+# built); its checks print cargo-style lines, so the totals below count them too.
+scripts/smoke-openai.sh 2>&1 | tee -a "$log" || status=$?
+
 # cargo prints one "test result" line per test binary, the last ones for doc tests (often
 # empty); close with the totals so the end of the log says how many tests really ran.
 awk '/^test result:/ { p += $4; f += $6 } END { printf "tests: %d passed, %d failed\n", p, f }' "$log"

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod bench_model;
 mod bench_scheduler;
+mod bench_serve;
 mod byte_size;
 mod fetch;
 mod make_model;
@@ -45,6 +46,8 @@ enum BenchCommand {
     Scheduler(bench_scheduler::Args),
     /// Prefill and decode throughput of a model.
     Model(bench_model::Args),
+    /// Load a running OpenAI-compatible server and report throughput and latency.
+    Serve(bench_serve::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,6 +62,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Bench(BenchCommand::Scheduler(args)) => bench_scheduler::run(args),
         Command::Bench(BenchCommand::Model(args)) => bench_model::run(args),
+        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
         Command::MakeModel(cmd) => make_model::run(cmd),
     }
 }

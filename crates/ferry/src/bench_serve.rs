@@ -1,0 +1,228 @@
+//! `ferry bench serve`: a load generator against a running OpenAI-compatible server.
+//!
+//! It sends streaming `/v1/completions` requests with token-id prompts (greedy, `ignore_eos`,
+//! exactly `max_tokens` out), at most `--concurrency` in flight and arriving as a Poisson
+//! process at `--request-rate`, and reports throughput and latency (time to first token, time
+//! per output token, inter-token latency, end to end) as JSON. Scraping `/metrics` before and
+//! after gives the engine's share of step time spent outside the model forward.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::Value;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+
+mod client;
+mod metrics;
+mod sse;
+mod stats;
+mod workload;
+
+use stats::{Outcome, Report, RunInfo};
+use workload::{LenDist, RequestSpec, SyntheticWorkload, MAX_SECONDS};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Base URL of the server.
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    url: String,
+    /// Model name to send (default: the first one `/v1/models` lists).
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long, default_value_t = 64)]
+    num_requests: usize,
+    /// Most requests in flight at once (default: no limit).
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Requests per second, Poisson arrivals (default: all at once).
+    #[arg(long)]
+    request_rate: Option<f64>,
+    /// Prompt tokens: `N` or `uniform:LO:HI`.
+    #[arg(long, default_value = "128")]
+    prompt_len: LenDist,
+    /// Output tokens (`max_tokens`): `N` or `uniform:LO:HI`.
+    #[arg(long, default_value = "128")]
+    output_len: LenDist,
+    /// JSONL trace instead of the length flags: one object per request with `prompt_len` or
+    /// `prompt` (token ids), `output_len`, optional `arrival_s`.
+    #[arg(long, conflicts_with_all = ["num_requests", "request_rate", "prompt_len", "output_len"])]
+    trace: Option<PathBuf>,
+    /// Random prompt token ids are drawn below this.
+    #[arg(long, default_value_t = 32000)]
+    vocab_size: u32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Give up on a request after this many seconds.
+    #[arg(long, default_value_t = 600.0)]
+    request_timeout_s: f64,
+    /// Print only the JSON report (else a readable summary, then the JSON).
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.concurrency == Some(0) {
+        bail!("--concurrency must be at least 1");
+    }
+    if let Some(rate) = args.request_rate {
+        if !(rate.is_finite() && rate > 0.0) {
+            bail!("--request-rate must be a positive number, got {rate}");
+        }
+    }
+    if !(args.request_timeout_s > 0.0 && args.request_timeout_s <= MAX_SECONDS) {
+        bail!("--request-timeout-s must be in (0, {MAX_SECONDS}]");
+    }
+    let specs = match &args.trace {
+        Some(path) => workload::read_trace(path, args.vocab_size, args.seed)?,
+        None => workload::synthetic(&SyntheticWorkload {
+            n_requests: args.num_requests,
+            prompt_len: args.prompt_len,
+            output_len: args.output_len,
+            request_rate: args.request_rate,
+            vocab_size: args.vocab_size,
+            seed: args.seed,
+        })?,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    let report = runtime.block_on(bench(&args, specs))?;
+    if !args.json {
+        print_summary(&report);
+    }
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+async fn bench(args: &Args, specs: Vec<RequestSpec>) -> anyhow::Result<Report> {
+    let base = args.url.trim_end_matches('/').to_owned();
+    let client = reqwest::Client::builder()
+        // The server is on this machine: a proxy from the environment must not be used.
+        .no_proxy()
+        .connect_timeout(Duration::from_secs(10))
+        .timeout(Duration::from_secs_f64(args.request_timeout_s))
+        .build()
+        .context("building the HTTP client")?;
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => first_model(&client, &base).await?,
+    };
+    let before = scrape_engine_time(&client, &base).await;
+    let start = Instant::now();
+    let outcomes = send_all(&client, &base, &model, args.concurrency, specs).await;
+    let duration_s = start.elapsed().as_secs_f64();
+    let after = scrape_engine_time(&client, &base).await;
+    let info = RunInfo {
+        url: base,
+        model,
+        concurrency: args.concurrency,
+        request_rate: args.request_rate,
+        duration_s,
+        engine_overhead_fraction: before
+            .zip(after)
+            .and_then(|(b, a)| metrics::overhead_fraction(b, a)),
+    };
+    Ok(stats::summarise(info, &outcomes))
+}
+
+/// The first model `/v1/models` lists.
+async fn first_model(client: &reqwest::Client, base: &str) -> anyhow::Result<String> {
+    let url = format!("{base}/v1/models");
+    let body: Value = client
+        .get(&url)
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .with_context(|| format!("GET {url}"))?
+        .json()
+        .await
+        .with_context(|| format!("GET {url}: body is not JSON"))?;
+    match body["data"][0]["id"].as_str() {
+        Some(id) => Ok(id.to_owned()),
+        None => bail!("GET {url}: no data[0].id in {body}; pass --model"),
+    }
+}
+
+/// The engine's time counters, or `None` when `/metrics` cannot be read.
+async fn scrape_engine_time(client: &reqwest::Client, base: &str) -> Option<metrics::EngineTime> {
+    let response = client.get(format!("{base}/metrics")).send().await.ok()?;
+    let text = response.error_for_status().ok()?.text().await.ok()?;
+    Some(metrics::EngineTime::parse(&text))
+}
+
+/// Sends every request at its arrival time (or later, while `concurrency` are in flight) and
+/// returns the outcomes in workload order.
+async fn send_all(
+    client: &reqwest::Client,
+    base: &str,
+    model: &str,
+    concurrency: Option<usize>,
+    specs: Vec<RequestSpec>,
+) -> Vec<Outcome> {
+    let url: Arc<str> = format!("{base}/v1/completions").into();
+    let slots = concurrency.map(|n| Arc::new(Semaphore::new(n)));
+    let start = tokio::time::Instant::now();
+    let mut tasks = JoinSet::new();
+    for (idx, spec) in specs.into_iter().enumerate() {
+        tokio::time::sleep_until(start + Duration::from_secs_f64(spec.arrival_s)).await;
+        let permit = match &slots {
+            // The semaphore is never closed, so acquiring cannot fail.
+            Some(s) => s.clone().acquire_owned().await.ok(),
+            None => None,
+        };
+        let body = client::request_body(model, &spec);
+        let (client, url) = (client.clone(), url.clone());
+        tasks.spawn(async move {
+            let result = client::send(&client, &url, &body).await;
+            drop(permit);
+            let outcome = Outcome {
+                prompt_len: spec.prompt.len() as u32,
+                output_len: spec.output_len,
+                result,
+            };
+            (idx, outcome)
+        });
+    }
+    let mut outcomes: Vec<(usize, Outcome)> = tasks.join_all().await;
+    outcomes.sort_by_key(|(idx, _)| *idx);
+    outcomes.into_iter().map(|(_, o)| o).collect()
+}
+
+fn print_summary(r: &Report) {
+    let ms = |l: &stats::LatencyMs| {
+        let f = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.2}"));
+        format!("mean {}  p50 {}  p99 {}", f(l.mean), f(l.p50), f(l.p99))
+    };
+    println!("server                {} (model {})", r.url, r.model);
+    println!(
+        "requests              {} completed, {} failed, in {:.2} s",
+        r.n_completed, r.n_failed, r.duration_s
+    );
+    for f in &r.failures {
+        println!("  request {} failed: {}", f.request_idx, f.error);
+    }
+    println!(
+        "tokens                {} in, {} out",
+        r.total_input_tokens, r.total_output_tokens
+    );
+    println!(
+        "request throughput    {:.2} req/s",
+        r.request_throughput_per_s
+    );
+    println!(
+        "token throughput      {:.1} out tok/s, {:.1} total tok/s",
+        r.output_token_throughput_per_s, r.total_token_throughput_per_s
+    );
+    println!("TTFT (ms)             {}", ms(&r.ttft_ms));
+    println!("TPOT (ms)             {}", ms(&r.tpot_ms));
+    println!("ITL (ms)              {}", ms(&r.itl_ms));
+    println!("E2E (ms)              {}", ms(&r.e2e_ms));
+    match r.engine_overhead_fraction {
+        Some(f) => println!("engine overhead       {:.2}% of step time", f * 100.0),
+        None => println!("engine overhead       - (server exports no step/forward counters)"),
+    }
+}

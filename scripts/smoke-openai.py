@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Smoke test of a running `ferry serve` with the official `openai` Python client.
+
+Usage: smoke-openai.py BASE_URL   (e.g. http://127.0.0.1:8000; scripts/smoke-openai.sh starts the
+server and calls this). Each check prints a cargo-style `test NAME ... ok|FAILED` line, and the
+run closes with `test result: ...`, so scripts/test.sh counts the checks with cargo's tests.
+Exits non-zero if any check fails.
+"""
+
+import math
+import sys
+import traceback
+
+import openai
+
+MAX_TOKENS = 8
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "user", "content": "Say something about ferries."}]
+# The model can stop early on its own; these make the length exact and the finish reason "length".
+EXACT = {"ignore_eos": True}
+
+
+def extra(obj, name):
+    """A field outside the OpenAI schema (the client keeps unknown fields as extras)."""
+    value = getattr(obj, name, None)
+    if value is None and obj.model_extra:
+        value = obj.model_extra.get(name)
+    return value
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+class Smoke:
+    def __init__(self, base_url):
+        self.client = openai.OpenAI(
+            base_url=base_url.rstrip("/") + "/v1",
+            api_key="unused",
+            max_retries=0,  # a retry would hide a failure
+            timeout=120,
+        )
+        self.model = None
+
+    # Each test_* method is one check; they run in definition order.
+
+    def test_models_lists_the_served_model(self):
+        models = self.client.models.list().data
+        check(len(models) >= 1, f"no models: {models}")
+        self.model = models[0].id
+
+    def complete(self, **kw):
+        kw.setdefault("max_tokens", MAX_TOKENS)
+        return self.client.completions.create(model=self.model, temperature=0, **kw)
+
+    def chat(self, **kw):
+        kw.setdefault("max_tokens", MAX_TOKENS)
+        return self.client.chat.completions.create(model=self.model, temperature=0, **kw)
+
+    def test_completion_usage_and_finish_reason(self):
+        r = self.complete(prompt=PROMPT, extra_body=EXACT)
+        check(len(r.choices) == 1, f"choices: {r.choices}")
+        check(r.choices[0].finish_reason == "length", f"finish_reason {r.choices[0].finish_reason}")
+        check(r.usage.completion_tokens == MAX_TOKENS, f"usage {r.usage}")
+        check(r.usage.prompt_tokens > 0, f"usage {r.usage}")
+        check(r.usage.total_tokens == r.usage.prompt_tokens + MAX_TOKENS, f"usage {r.usage}")
+
+    def test_completion_stream_equals_non_stream(self):
+        whole = self.complete(prompt=PROMPT, extra_body=EXACT)
+        chunks = list(
+            self.complete(
+                prompt=PROMPT,
+                extra_body=EXACT,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        check(text == whole.choices[0].text, f"streamed {text!r} != {whole.choices[0].text!r}")
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        check(finishes == ["length"], f"finish reasons in stream: {finishes}")
+        usage = [c.usage for c in chunks if c.usage]
+        check(len(usage) == 1 and usage[0].completion_tokens == MAX_TOKENS, f"stream usage {usage}")
+        check(not chunks[-1].choices, "the usage chunk should come last, with no choices")
+
+    def test_completion_logprobs_are_greedy(self):
+        r = self.complete(prompt=PROMPT, logprobs=2, extra_body=EXACT)
+        lp = r.choices[0].logprobs
+        check(lp is not None, "no logprobs")
+        check(len(lp.tokens) == MAX_TOKENS and len(lp.token_logprobs) == MAX_TOKENS, f"logprobs {lp}")
+        # (No check that the tokens join to the text: a byte-level model's token can be part of
+        # a UTF-8 character, which a per-token string cannot show.)
+        for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+            check(chosen <= 0 and math.isfinite(chosen), f"logprob {chosen}")
+            check(1 <= len(top) <= 2, f"top_logprobs {top}")
+            # Greedy: the chosen token is the most likely one.
+            check(chosen >= max(top.values()) - 1e-4, f"chosen {chosen} below top {top}")
+
+    def test_completion_n2(self):
+        r = self.complete(prompt=PROMPT, n=2, extra_body=EXACT)
+        check(sorted(c.index for c in r.choices) == [0, 1], f"choices {r.choices}")
+        # Both greedy: the same text.
+        check(r.choices[0].text == r.choices[1].text, f"greedy n=2 differ: {r.choices}")
+        check(r.usage.completion_tokens == 2 * MAX_TOKENS, f"usage {r.usage}")
+
+    def test_completion_return_token_ids_and_token_prompt(self):
+        r = self.complete(prompt=PROMPT, extra_body={"return_token_ids": True, **EXACT})
+        choice = r.choices[0]
+        prompt_ids = extra(choice, "prompt_token_ids") or extra(r, "prompt_token_ids")
+        out_ids = extra(choice, "token_ids")
+        check(isinstance(prompt_ids, list) and len(prompt_ids) == r.usage.prompt_tokens, f"prompt_token_ids {prompt_ids}")
+        check(isinstance(out_ids, list) and len(out_ids) == MAX_TOKENS, f"token_ids {out_ids}")
+        # The same prompt as token ids gives the same greedy continuation.
+        again = self.complete(prompt=prompt_ids, extra_body=EXACT)
+        check(again.choices[0].text == choice.text, f"{again.choices[0].text!r} != {choice.text!r}")
+
+    def test_chat_usage_and_finish_reason(self):
+        r = self.chat(messages=MESSAGES, extra_body=EXACT)
+        msg = r.choices[0].message
+        check(msg.role == "assistant", f"role {msg.role}")
+        check(isinstance(msg.content, str), f"content {msg.content!r}")
+        check(r.choices[0].finish_reason == "length", f"finish_reason {r.choices[0].finish_reason}")
+        check(r.usage.completion_tokens == MAX_TOKENS and r.usage.prompt_tokens > 0, f"usage {r.usage}")
+
+    def test_chat_stream_equals_non_stream(self):
+        whole = self.chat(messages=MESSAGES, extra_body=EXACT)
+        chunks = list(
+            self.chat(
+                messages=MESSAGES,
+                extra_body=EXACT,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        want = whole.choices[0].message.content
+        check(text == want, f"streamed {text!r} != {want!r}")
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        check(finishes == ["length"], f"finish reasons in stream: {finishes}")
+        usage = [c.usage for c in chunks if c.usage]
+        check(len(usage) == 1 and usage[0].completion_tokens == MAX_TOKENS, f"stream usage {usage}")
+
+    def test_chat_logprobs(self):
+        r = self.chat(messages=MESSAGES, logprobs=True, top_logprobs=2, extra_body=EXACT)
+        content = r.choices[0].logprobs.content
+        check(len(content) == MAX_TOKENS, f"{len(content)} logprob entries")
+        for entry in content:
+            check(entry.logprob <= 0 and 1 <= len(entry.top_logprobs) <= 2, f"entry {entry}")
+            check(entry.logprob >= max(t.logprob for t in entry.top_logprobs) - 1e-4, f"not greedy: {entry}")
+
+    def test_chat_n2_and_return_token_ids(self):
+        r = self.chat(messages=MESSAGES, n=2, extra_body={"return_token_ids": True, **EXACT})
+        check(sorted(c.index for c in r.choices) == [0, 1], f"choices {r.choices}")
+        check(r.choices[0].message.content == r.choices[1].message.content, "greedy n=2 differ")
+        prompt_ids = extra(r, "prompt_token_ids") or extra(r.choices[0], "prompt_token_ids")
+        check(isinstance(prompt_ids, list) and len(prompt_ids) == r.usage.prompt_tokens, f"prompt_token_ids {prompt_ids}")
+        for c in r.choices:
+            ids = extra(c, "token_ids")
+            check(isinstance(ids, list) and len(ids) == MAX_TOKENS, f"token_ids {ids}")
+
+    def test_bad_requests_raise_bad_request_error(self):
+        cases = {
+            "negative max_tokens": lambda: self.complete(prompt=PROMPT, max_tokens=-1),
+            "unknown model": lambda: self.client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=1),
+            "bad type": lambda: self.complete(prompt=PROMPT, extra_body={"temperature": "hot"}),
+        }
+        for name, call in cases.items():
+            try:
+                call()
+            except openai.BadRequestError as e:
+                check(e.status_code == 400, f"{name}: status {e.status_code}")
+                continue
+            raise AssertionError(f"{name}: no BadRequestError")
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: {sys.argv[0]} BASE_URL")
+    smoke = Smoke(sys.argv[1])
+    names = [n for n in Smoke.__dict__ if n.startswith("test_")]
+    failed = 0
+    for name in names:
+        try:
+            getattr(smoke, name)()
+            print(f"test smoke_openai::{name} ... ok", flush=True)
+        except Exception:  # every failure is reported, and the run goes on
+            failed += 1
+            print(f"test smoke_openai::{name} ... FAILED", flush=True)
+            traceback.print_exc(file=sys.stdout)
+            if smoke.model is None:
+                break
+    passed = len(names) - failed if smoke.model is not None else 0
+    failed = len(names) - passed
+    outcome = "ok" if failed == 0 else "FAILED"
+    print(f"\ntest result: {outcome}. {passed} passed; {failed} failed; 0 ignored (openai {openai.__version__})")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
