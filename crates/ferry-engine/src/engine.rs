@@ -420,3 +420,15 @@ impl EngineLoop {
         }
     }
 }
+
+impl Drop for EngineLoop {
+    /// A panic (a bug, or an executor that panics) unwinds the loop: the stats say stopped
+    /// first, then the fields drop, closing every request's channel, so every stream ends
+    /// with `error` rather than hanging and new calls get `Stopped`.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            tracing::error!("the engine thread panicked; every request ends with an error");
+            self.stats.send_modify(|s| s.running = false);
+        }
+    }
+}

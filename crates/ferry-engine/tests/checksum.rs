@@ -415,3 +415,37 @@ async fn shutdown_with_requests_in_flight_aborts_each() {
     let late = engine.generate(request("late", vec![1], 1)).await;
     assert!(matches!(late, Err(ferry_engine::EngineError::Stopped)));
 }
+
+/// Panics in its second step.
+struct Panicking(ferry_model::ChecksumModel, u32);
+
+impl ferry_model::Executor for Panicking {
+    fn kv_layout(&self, block_size: usize) -> ferry_kv::KvLayout {
+        self.0.kv_layout(block_size)
+    }
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn execute(
+        &mut self,
+        plan: &ferry_core::StepPlan,
+        kv: &mut ferry_kv::KvArena,
+    ) -> Result<ferry_core::ModelOutput, ferry_model::ExecError> {
+        self.1 += 1;
+        assert!(self.1 < 2, "injected executor panic");
+        self.0.execute(plan, kv)
+    }
+}
+
+#[tokio::test]
+async fn an_engine_thread_panic_ends_streams_with_error_not_a_hang() {
+    let engine = engine(Panicking(checksum(), 0), small_config(64, 4));
+    let out = collect(engine.generate(request("a", vec![1, 2], 10)).await.unwrap()).await;
+    assert_eq!((out.tokens.len(), out.reason()), (1, FinishReason::Error));
+    assert!(matches!(
+        engine.generate(request("b", vec![1], 1)).await,
+        Err(ferry_engine::EngineError::Stopped)
+    ));
+    assert!(!engine.stats().running);
+    engine.shutdown().await.unwrap();
+}
