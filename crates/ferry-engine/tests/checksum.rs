@@ -449,3 +449,26 @@ async fn an_engine_thread_panic_ends_streams_with_error_not_a_hang() {
     assert!(!engine.stats().running);
     engine.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_slow_reader_gets_everything_merged_into_one_chunk() {
+    use futures_core::Stream;
+    let engine = engine(checksum(), small_config(64, 4));
+    let mut stream = engine
+        .generate(request("a", vec![1, 2, 3], 20))
+        .await
+        .unwrap();
+    // The engine runs the request to its end without waiting for the reader.
+    engine.wait_idle().await.unwrap();
+    let chunk = std::future::poll_fn(|cx| std::pin::Pin::new(&mut stream).poll_next(cx))
+        .await
+        .unwrap();
+    assert_eq!(chunk.token_ids.len(), 20);
+    let finish = chunk.finish.unwrap();
+    assert_eq!(
+        (finish.reason, finish.n_output_tokens),
+        (FinishReason::Length, 20)
+    );
+    assert_eq!(stream.next().await, None);
+    engine.shutdown().await.unwrap();
+}
