@@ -138,3 +138,11 @@ pub enum EngineError {
     #[error("cannot start the engine thread: {0}")]
     Thread(#[source] std::io::Error),
 }
+
+/// The server shares one handle between tasks and moves streams into them.
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    const fn assert_send<T: Send>() {}
+    assert_send_sync::<EngineHandle>();
+    assert_send::<GenerateStream>();
+};

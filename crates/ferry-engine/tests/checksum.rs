@@ -33,28 +33,17 @@ fn workload(n: usize) -> Vec<(String, Vec<TokenId>, u32)> {
         .collect()
 }
 
-/// Starts a reader task per request, the first alone; returns once the engine is held in
-/// that request's first step with every other add queued behind it.
+/// [`support::spawn_held`] for `(id, prompt, max_tokens)` triples.
 async fn spawn_held(
     engine: &EngineHandle,
     gate: &mut Gate,
     reqs: Vec<(String, Vec<TokenId>, u32)>,
 ) -> Vec<tokio::task::JoinHandle<Collected>> {
-    let n = reqs.len();
-    let mut tasks = Vec::new();
-    for (id, prompt, max_tokens) in reqs {
-        let e = engine.clone();
-        tasks.push(tokio::spawn(async move {
-            collect(e.generate(request(&id, prompt, max_tokens)).await.unwrap()).await
-        }));
-        if tasks.len() == 1 {
-            gate.next_step().await;
-        }
-    }
-    while engine.n_queued_inputs() < n - 1 {
-        tokio::task::yield_now().await;
-    }
-    tasks
+    let reqs = reqs
+        .into_iter()
+        .map(|(id, p, n)| request(&id, p, n))
+        .collect();
+    support::spawn_held(engine, gate, reqs).await
 }
 
 async fn run_all(
@@ -87,9 +76,19 @@ async fn concurrent_requests_get_the_tokens_they_get_alone() {
         alone.extend(run_all(&engine, std::slice::from_ref(r)).await);
         engine.shutdown().await.unwrap();
     }
-    // Few blocks and seats: requests wait, share prefixes and get preempted.
-    let engine = engine(checksum(), small_config(24, 6));
-    let together = run_all(&engine, &reqs).await;
+    // Few blocks and seats, everything queued at once: requests wait, share prefixes and
+    // get preempted.
+    let (exec, mut gate) = gated(checksum());
+    let engine = engine(exec, small_config(12, 6));
+    let tasks = spawn_held(&engine, &mut gate, reqs.clone()).await;
+    gate.open();
+    gate.release();
+    let mut together = BTreeMap::new();
+    for ((id, ..), task) in reqs.iter().zip(tasks) {
+        let c = task.await.unwrap();
+        assert_eq!(c.reason(), FinishReason::Length, "{id}");
+        together.insert(id.clone(), c.tokens);
+    }
     assert_eq!(together, alone);
     engine.wait_idle().await.unwrap();
     engine.check_invariants().await.unwrap().unwrap();
@@ -99,6 +98,7 @@ async fn concurrent_requests_get_the_tokens_they_get_alone() {
     let n_tokens: u64 = reqs.iter().map(|r| u64::from(r.2)).sum();
     assert_eq!(stats.n_generated_tokens_total, n_tokens);
     assert!(stats.scheduler.prefix_hit_tokens > 0);
+    assert!(stats.scheduler.n_preemptions > 0);
     engine.shutdown().await.unwrap();
     assert!(!engine.stats().running);
 }

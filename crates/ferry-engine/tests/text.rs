@@ -311,13 +311,15 @@ fn prompts(tok: &Tokenizer) -> Vec<(String, Vec<TokenId>)> {
         .collect()
 }
 
+/// Runs `reqs` (greedy, 12 tokens, top-3 logprobs, text) all at once through a gated engine.
 async fn generate_all(
     engine: &EngineHandle,
+    gate: &mut Gate,
     reqs: &[(String, Vec<TokenId>)],
 ) -> BTreeMap<String, Collected> {
-    let mut tasks = Vec::new();
-    for (id, prompt) in reqs {
-        let req = GenerateRequest {
+    let requests = reqs
+        .iter()
+        .map(|(id, prompt)| GenerateRequest {
             request_id: id.clone(),
             prompt: prompt.clone(),
             params: SamplingParams {
@@ -326,13 +328,14 @@ async fn generate_all(
             },
             stop: vec![],
             detokenize: true,
-        };
-        let stream = engine.generate(req).await.unwrap();
-        tasks.push((id.clone(), tokio::spawn(collect(stream))));
-    }
+        })
+        .collect();
+    let tasks = spawn_held(engine, gate, requests).await;
+    gate.open();
+    gate.release();
     let mut out = BTreeMap::new();
-    for (id, task) in tasks {
-        out.insert(id, task.await.unwrap());
+    for ((id, _), task) in reqs.iter().zip(tasks) {
+        out.insert(id.clone(), task.await.unwrap());
     }
     out
 }
@@ -343,21 +346,23 @@ async fn tiny_llama_concurrent_requests_match_their_solo_runs() {
     let reqs = prompts(&tok);
     let mut alone = BTreeMap::new();
     for r in &reqs {
-        let engine = text_engine(llama(), &tok);
-        alone.extend(generate_all(&engine, std::slice::from_ref(r)).await);
+        let (exec, mut gate) = gated(llama());
+        let engine = text_engine(exec, &tok);
+        alone.extend(generate_all(&engine, &mut gate, std::slice::from_ref(r)).await);
         engine.shutdown().await.unwrap();
     }
-    // 24 blocks of 4 tokens: not everything fits at once.
+    // 16 blocks of 4 tokens: not everything fits at once.
     let config = EngineConfig {
         scheduler: SchedulerConfig {
-            n_blocks: 24,
+            n_blocks: 16,
             max_num_seqs: 6,
             ..config()
         },
         input_queue_capacity: 64,
     };
-    let engine = spawn(config, Box::new(llama()), Some(tok.clone())).unwrap();
-    let together = generate_all(&engine, &reqs).await;
+    let (exec, mut gate) = gated(llama());
+    let engine = spawn(config, Box::new(exec), Some(tok.clone())).unwrap();
+    let together = generate_all(&engine, &mut gate, &reqs).await;
     for (id, c) in &together {
         let solo = &alone[id];
         assert_eq!(c.tokens, solo.tokens, "{id}");
@@ -380,6 +385,7 @@ async fn tiny_llama_concurrent_requests_match_their_solo_runs() {
     let stats = engine.stats();
     assert_eq!(stats.scheduler.n_blocks_used, 0);
     assert!(stats.scheduler.prefix_hit_tokens > 0);
+    assert!(stats.scheduler.n_preemptions > 0);
     assert!(stats.forward_seconds_total > 0.0);
     assert!(stats.step_seconds_total >= stats.forward_seconds_total);
     engine.shutdown().await.unwrap();
