@@ -82,6 +82,42 @@ fn deltas_add_up_to_the_full_decode_for_multibyte_text() {
 }
 
 #[test]
+fn deltas_add_up_to_the_full_decode_even_for_invalid_utf8() {
+    // Random byte tokens and merges, as a random-weight model emits them: invalid sequences,
+    // stray continuation bytes, characters cut at the end.
+    let tok = tokenizer();
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n) as TokenId
+    };
+    let n_plain = tok.get_vocab_size(true) as u64 - 3; // the specials are last
+    for _ in 0..300 {
+        let len = 1 + next(12) as usize;
+        let ids: Vec<TokenId> = (0..len)
+            .map(|_| {
+                // Mostly multibyte lead and continuation bytes, some ASCII and merges.
+                match next(4) {
+                    0 => 0x80 + next(0x80),
+                    1 => 0xE0 + next(0x20),
+                    2 => next(0x80),
+                    _ => next(n_plain),
+                }
+            })
+            .collect();
+        let mut detok = IncrementalDetokenizer::new(tok.clone(), &[]);
+        let text: String = ids.iter().map(|&t| detok.push(t)).collect();
+        assert_eq!(
+            text + &detok.flush(),
+            tok.decode(&ids, true).unwrap(),
+            "{ids:?}"
+        );
+    }
+}
+
+#[test]
 fn special_tokens_are_skipped() {
     let tok = tokenizer();
     let mut ids = encode(&tok, "ab");
