@@ -472,3 +472,25 @@ async fn a_slow_reader_gets_everything_merged_into_one_chunk() {
     assert_eq!(stream.next().await, None);
     engine.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_prompt_token_outside_the_vocabulary_fails_only_its_request() {
+    let engine = engine(checksum(), small_config(64, 4));
+    let good = engine
+        .generate(request("good", vec![1, 2], 5))
+        .await
+        .unwrap();
+    let bad = engine
+        .generate(request("bad", vec![1, VOCAB as TokenId], 5))
+        .await
+        .unwrap();
+    let bad = collect(bad).await;
+    assert_eq!((bad.tokens.len(), bad.reason()), (0, FinishReason::Error));
+    let good = collect(good).await;
+    assert_eq!(
+        (good.tokens.len(), good.reason()),
+        (5, FinishReason::Length)
+    );
+    assert_eq!(engine.stats().n_step_failures_total, 0);
+    engine.shutdown().await.unwrap();
+}
