@@ -109,10 +109,10 @@ impl EngineHandle {
             detokenize: req.detokenize,
             tokenizer: self.inner.tokenizer.clone().filter(|_| needs_text),
         };
-        let vocab_size = self.inner.vocab_size;
         if self.inner.tx.is_closed() || self.inner.permits.is_closed() {
             return Err(EngineError::Stopped);
         }
+        let vocab_size = self.inner.vocab_size;
         if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= vocab_size) {
             tracing::warn!(
                 request_id = setup.request_id,
@@ -120,14 +120,7 @@ impl EngineHandle {
                 vocab_size,
                 "prompt token outside the vocabulary: the request ends with an error"
             );
-            let error = EngineFinish {
-                reason: FinishReason::Error,
-                stop_token: None,
-            };
-            let _ = events_tx.send(Event::Output {
-                sampled: None,
-                finish: Some(error),
-            });
+            let _ = events_tx.send(error_finish());
             return Ok(GenerateStream::new(setup, events_rx, self.inner.tx.clone()));
         }
         let permit = self.permit()?;
@@ -242,6 +235,17 @@ impl EngineHandle {
             .tx
             .send(Queued { input, permit })
             .map_err(|_| EngineError::Stopped)
+    }
+}
+
+/// The one event of a request that ends with an error before reaching the engine.
+fn error_finish() -> Event {
+    Event::Output {
+        sampled: None,
+        finish: Some(EngineFinish {
+            reason: FinishReason::Error,
+            stop_token: None,
+        }),
     }
 }
 
