@@ -168,3 +168,30 @@ async fn stopped_engine_is_unhealthy_and_refuses_with_503() {
         .await;
     assert_eq!(status, 503);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_shutdown_ends_open_streams_with_abort() {
+    let s = start(Options {
+        step_delay: Duration::from_millis(5),
+        ..Options::default()
+    })
+    .await;
+    let body = json!({"prompt": "hello", "max_tokens": 80, "ignore_eos": true, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let stream = s.stream("/v1/completions", &body);
+    // Shut down once the request has produced a token (bounded wait).
+    let shutdown = async {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while s.engine.stats().n_generated_tokens_total == 0 {
+            assert!(Instant::now() < deadline, "no token was generated");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        s.engine.shutdown().await.unwrap();
+    };
+    let (events, ()) = tokio::join!(stream, shutdown);
+    let (usage, chunks) = events.split_last().unwrap();
+    let last = &chunks.last().unwrap()["choices"][0];
+    assert_eq!(last["finish_reason"], "abort");
+    let n = usage["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!((1..80).contains(&n), "{n}");
+}
