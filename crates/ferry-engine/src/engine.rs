@@ -92,11 +92,12 @@ impl EngineLoop {
             if self.stopping {
                 break;
             }
-            if !self.step(started) {
+            if self.step(started) {
+                self.check_deferred();
+            } else {
                 self.run_idle_work();
                 self.wait_for_input();
             }
-            self.check_deferred();
         }
         self.stop();
     }
@@ -306,6 +307,7 @@ impl EngineLoop {
             "engine step failed: {error}"
         );
         self.stats.send_modify(|s| s.n_step_failures_total += 1);
+        self.evict_unwritten_blocks(plan);
         self.core.preempt_all_running();
         if self.consecutive_failures < MAX_CONSECUTIVE_FAILURES {
             return 0;
@@ -318,6 +320,24 @@ impl EngineLoop {
         self.finish_all(FinishReason::Error)
     }
 
+    /// Drops from the prefix cache every block the failed plan was to write: the core caches
+    /// full blocks when they are scheduled, so without this a recomputing request (or any
+    /// later one with the same prefix) would hit blocks whose KV was never written.
+    fn evict_unwritten_blocks(&mut self, plan: &StepPlan) {
+        for r in &plan.reqs {
+            let table = plan.block_table_of(r);
+            let n = r.tokens.len();
+            if n == 0 || table.is_empty() {
+                continue;
+            }
+            let first = r.start_pos / plan.block_size;
+            let last = ((r.start_pos + n - 1) / plan.block_size).min(table.len() - 1);
+            if first <= last {
+                self.core.evict_blocks(&table[first..=last]);
+            }
+        }
+    }
+
     /// Finishes every live request with `reason` (abort or error). Returns how many.
     fn finish_all(&mut self, reason: FinishReason) -> u64 {
         let outs = self.core.abort_all();
@@ -328,8 +348,11 @@ impl EngineLoop {
         n
     }
 
-    /// Work for idle moments (nothing to step). Issue 5's lifecycle hooks go here.
+    /// Work for idle moments (nothing to step): inputs handled since the last step (aborts,
+    /// adds) changed the core's state, so the stats are published before deferred replies
+    /// are answered. Issue 5's lifecycle hooks go here.
     fn run_idle_work(&mut self) {
+        self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
         self.check_deferred();
     }
 
@@ -394,6 +417,18 @@ impl EngineLoop {
         self.inputs.close();
         if let Some(reply) = self.shutdown.take() {
             let _ = reply.send(());
+        }
+    }
+}
+
+impl Drop for EngineLoop {
+    /// A panic (a bug, or an executor that panics) unwinds the loop: the stats say stopped
+    /// first, then the fields drop, closing every request's channel, so every stream ends
+    /// with `error` rather than hanging and new calls get `Stopped`.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            tracing::error!("the engine thread panicked; every request ends with an error");
+            self.stats.send_modify(|s| s.running = false);
         }
     }
 }

@@ -3,9 +3,11 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
-use ferry_core::{FinishReason, SchedulerConfig, TokenId};
+use ferry_core::{FinishReason, ModelOutput, SampledToken, SchedulerConfig, StepPlan, TokenId};
 use ferry_engine::{spawn, EngineConfig, EngineHandle, Finish, GenerateStream, OutputChunk};
-use ferry_model::{ChecksumModel, Executor};
+use ferry_kv::KvArena;
+use ferry_kv::KvLayout;
+use ferry_model::{ChecksumModel, ExecError, Executor};
 
 pub const VOCAB: usize = 1000;
 
@@ -63,4 +65,170 @@ pub async fn collect(mut stream: GenerateStream) -> Collected {
     }
     assert!(c.finish.is_some(), "stream ended without a finish");
     c
+}
+
+pub fn engine_with_capacity(
+    executor: impl Executor + 'static,
+    config: SchedulerConfig,
+    capacity: usize,
+) -> EngineHandle {
+    let config = EngineConfig {
+        scheduler: config,
+        input_queue_capacity: capacity,
+    };
+    spawn(config, Box::new(executor), None).unwrap()
+}
+
+/// What a gated executor saw in one step: per scheduled request, its first token this step
+/// and how many tokens it computed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepRecord {
+    pub step: u64,
+    pub reqs: Vec<(TokenId, usize)>,
+}
+
+/// Wraps an executor: announces each step on `entered` (with what it holds), then waits for
+/// a release before running it. Once the test drops the release sender, steps run freely.
+/// The engine thread is a plain thread, so blocking here is allowed; the test side awaits.
+pub struct Gated<E> {
+    pub inner: E,
+    entered: tokio::sync::mpsc::UnboundedSender<StepRecord>,
+    release: tokio::sync::mpsc::UnboundedReceiver<()>,
+}
+
+/// The test's side of a [`Gated`] executor.
+pub struct Gate {
+    pub entered: tokio::sync::mpsc::UnboundedReceiver<StepRecord>,
+    release: Option<tokio::sync::mpsc::UnboundedSender<()>>,
+}
+
+impl Gate {
+    /// Waits until the engine is inside a step (blocked before the forward).
+    pub async fn next_step(&mut self) -> StepRecord {
+        self.entered.recv().await.expect("engine gone")
+    }
+
+    /// Lets the step the engine is in run.
+    pub fn release(&self) {
+        if let Some(tx) = &self.release {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Lets every step run from now on.
+    pub fn open(&mut self) {
+        self.release = None;
+    }
+}
+
+pub fn gated<E: Executor>(inner: E) -> (Gated<E>, Gate) {
+    let (entered_tx, entered_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (release_tx, release_rx) = tokio::sync::mpsc::unbounded_channel();
+    (
+        Gated {
+            inner,
+            entered: entered_tx,
+            release: release_rx,
+        },
+        Gate {
+            entered: entered_rx,
+            release: Some(release_tx),
+        },
+    )
+}
+
+impl<E: Executor> Executor for Gated<E> {
+    fn kv_layout(&self, block_size: usize) -> KvLayout {
+        self.inner.kv_layout(block_size)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+
+    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
+        let record = StepRecord {
+            step: plan.step,
+            reqs: plan
+                .reqs
+                .iter()
+                .map(|r| (plan.tokens_of(r)[0], r.tokens.len()))
+                .collect(),
+        };
+        let _ = self.entered.send(record);
+        // `None`: the gate is open (or the test is gone); run freely.
+        let _ = self.release.blocking_recv();
+        self.inner.execute(plan, kv)
+    }
+}
+
+/// Wraps an executor: fails the calls whose number (from 0) `fail` says.
+pub struct Failing<E> {
+    pub inner: E,
+    pub n_calls: u64,
+    pub fail: fn(u64) -> bool,
+}
+
+impl<E: Executor> Executor for Failing<E> {
+    fn kv_layout(&self, block_size: usize) -> KvLayout {
+        self.inner.kv_layout(block_size)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+
+    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
+        let n = self.n_calls;
+        self.n_calls += 1;
+        if (self.fail)(n) {
+            return Err(ExecError::InvalidPlan(format!("injected failure {n}")));
+        }
+        self.inner.execute(plan, kv)
+    }
+}
+
+/// An executor that answers a fixed token script: the `i`-th generated token of every
+/// request is `script[i % len]`, with logprob 0. It writes no KV. For text tests where the
+/// exact output (and so every token boundary) must be known.
+pub struct Scripted {
+    pub script: Vec<TokenId>,
+    pub vocab_size: usize,
+}
+
+impl Executor for Scripted {
+    fn kv_layout(&self, block_size: usize) -> KvLayout {
+        KvLayout {
+            n_layers: 1,
+            n_kv_heads: 1,
+            head_dim: 1,
+            block_size,
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn execute(&mut self, plan: &StepPlan, _kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
+        let sampled = plan
+            .reqs
+            .iter()
+            .filter_map(|r| Some((r.req, r.sample?)))
+            .map(|(req, spec)| {
+                let token = self.script[spec.output_idx as usize % self.script.len()];
+                let top = spec
+                    .params
+                    .logprobs
+                    .map_or(Vec::new(), |_| vec![(token, 0.0)]);
+                SampledToken {
+                    req,
+                    token,
+                    logprob: 0.0,
+                    top_logprobs: top,
+                }
+            })
+            .collect();
+        Ok(ModelOutput { sampled })
+    }
 }
