@@ -90,11 +90,7 @@ async fn disconnect_mid_stream_aborts_and_frees_blocks() {
     assert_eq!(metric(&m, "ferry_num_requests_running"), 1.0);
     assert!(metric(&m, "ferry_kv_blocks_used") > 0.0);
     drop(resp);
-    // The engine publishes stats after steps; an abort handled while idle shows only after a
-    // later step. So each poll that still sees the request sends a one-token request (inputs
-    // are handled in arrival order) until the stats show it gone (bounded).
-    let follow = json!({"prompt": "x", "max_tokens": 1, "ignore_eos": true});
-    let mut n_follow = 0;
+    let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let m = s.metrics().await;
         if metric(&m, "ferry_num_requests_running") == 0.0
@@ -103,16 +99,14 @@ async fn disconnect_mid_stream_aborts_and_frees_blocks() {
             break;
         }
         assert!(
-            n_follow < 200,
+            Instant::now() < deadline,
             "the aborted request still holds blocks:\n{m}"
         );
-        s.ok("/v1/completions", &follow).await;
-        n_follow += 1;
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // It stopped well before its 80 tokens.
     let stats = s.engine.stats();
-    assert!(stats.n_generated_tokens_total - n_follow < 60, "{stats:?}");
+    assert!(stats.n_generated_tokens_total < 60, "{stats:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
