@@ -5,12 +5,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use ferry_core::{Scheduler, SchedulerConfig};
+use ferry_core::{FinishReason, Scheduler, SchedulerConfig};
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore, TryAcquireError};
 
 use crate::engine::EngineLoop;
-use crate::input::{AddInput, Input, Queued, Utility};
+use crate::input::{AddInput, EngineFinish, Event, Input, Queued, Utility};
 use crate::stream::{GenerateStream, StreamSetup};
 use crate::{EngineConfig, EngineError, EngineStats, GenerateRequest};
 
@@ -26,6 +26,7 @@ pub fn spawn(
         return Err(EngineError::ZeroQueueCapacity);
     }
     let core = Scheduler::new(config.scheduler.clone())?;
+    let vocab_size = executor.vocab_size();
     let (tx, rx) = mpsc::unbounded_channel();
     let (stats_tx, stats_rx) = watch::channel(EngineStats {
         running: true,
@@ -43,6 +44,7 @@ pub fn spawn(
             tx,
             permits: Arc::new(Semaphore::new(config.input_queue_capacity)),
             capacity: config.input_queue_capacity,
+            vocab_size,
             stats: stats_rx,
             tokenizer,
             scheduler_config: config.scheduler,
@@ -63,6 +65,8 @@ struct Inner {
     /// The queue's bound for adds and utility calls (see `input.rs`).
     permits: Arc<Semaphore>,
     capacity: usize,
+    /// The executor's: prompt tokens must be below it.
+    vocab_size: usize,
     stats: watch::Receiver<EngineStats>,
     tokenizer: Option<Arc<Tokenizer>>,
     scheduler_config: SchedulerConfig,
@@ -85,12 +89,15 @@ impl EngineHandle {
     /// Queues the request and resolves once the engine thread has accepted it (between two
     /// steps) or refused it. Errors: `Overloaded` (queue full, immediate), `Rejected`,
     /// `NoTokenizer`, `Stopped`.
+    ///
+    /// A prompt token outside the executor's vocabulary never reaches the engine (the
+    /// executor would fail the whole batch's step): the stream ends at once with
+    /// `FinishReason::Error`. Callers should validate ids first and answer a clear error.
     pub async fn generate(&self, req: GenerateRequest) -> Result<GenerateStream, EngineError> {
         let needs_text = req.detokenize || !req.stop.is_empty();
         if needs_text && self.inner.tokenizer.is_none() {
             return Err(EngineError::NoTokenizer);
         }
-        let permit = self.permit()?;
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         let (accepted_tx, accepted_rx) = oneshot::channel();
         let setup = StreamSetup {
@@ -102,6 +109,28 @@ impl EngineHandle {
             detokenize: req.detokenize,
             tokenizer: self.inner.tokenizer.clone().filter(|_| needs_text),
         };
+        let vocab_size = self.inner.vocab_size;
+        if self.inner.tx.is_closed() || self.inner.permits.is_closed() {
+            return Err(EngineError::Stopped);
+        }
+        if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= vocab_size) {
+            tracing::warn!(
+                request_id = setup.request_id,
+                token,
+                vocab_size,
+                "prompt token outside the vocabulary: the request ends with an error"
+            );
+            let error = EngineFinish {
+                reason: FinishReason::Error,
+                stop_token: None,
+            };
+            let _ = events_tx.send(Event::Output {
+                sampled: None,
+                finish: Some(error),
+            });
+            return Ok(GenerateStream::new(setup, events_rx, self.inner.tx.clone()));
+        }
+        let permit = self.permit()?;
         let add = AddInput {
             request_id: req.request_id,
             prompt: req.prompt,

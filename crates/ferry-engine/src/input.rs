@@ -9,7 +9,10 @@
 //! * one queue, so every input, aborts included, is handled in arrival order;
 //! * an abort is never refused or lost, even when the queue is full (a dropped stream must
 //!   free its blocks); aborts are bounded anyway, at most one per stream drop or client call;
-//! * the engine thread blocks on one receiver when idle, so no wake-up can be missed.
+//! * the engine thread blocks on one receiver when idle, so no wake-up can be missed;
+//! * an abort by id sent before an add with the same id (a client retrying with its own
+//!   request id after a disconnect) is always handled before that add, so it can never
+//!   abort the newer request.
 
 use ferry_core::{AddError, FinishReason, SampledToken, SamplingParams, TokenId};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};

@@ -1,14 +1,14 @@
 //! ferry-engine: the engine loop, and the async handle that feeds it.
 //!
-//! One `std::thread` (the engine thread, [`engine`]) owns the sans-IO core
+//! One `std::thread` (the engine thread, `engine.rs`) owns the sans-IO core
 //! ([`ferry_core::Scheduler`]), the executor and the KV arena. Everything that can change its
-//! state arrives as one closed enum ([`input::Input`]) on one queue and is handled between
+//! state arrives as one closed enum (`input::Input`) on one queue and is handled between
 //! steps, never during one, in arrival order. Async callers hold an [`EngineHandle`]:
 //! `generate` queues a request and returns a [`GenerateStream`] of [`OutputChunk`]s.
 //!
 //! The key decision: the engine thread does only what must be serial (scheduling, the
 //! forward, bookkeeping) and never blocks on a reader. Per request it pushes raw events
-//! (token, logprobs, finish) into an unbounded channel; the caller's side ([`stream`]) merges
+//! (token, logprobs, finish) into an unbounded channel; the caller's side (`stream.rs`) merges
 //! what has queued up, detokenizes incrementally ([`detok`]) and matches stop strings
 //! ([`stop`]), aborting the request when one matches. A slow client therefore costs the engine
 //! nothing, and text work runs on the callers' tokio threads in parallel.
@@ -138,3 +138,11 @@ pub enum EngineError {
     #[error("cannot start the engine thread: {0}")]
     Thread(#[source] std::io::Error),
 }
+
+/// The server shares one handle between tasks and moves streams into them.
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync>() {}
+    const fn assert_send<T: Send>() {}
+    assert_send_sync::<EngineHandle>();
+    assert_send::<GenerateStream>();
+};

@@ -33,28 +33,17 @@ fn workload(n: usize) -> Vec<(String, Vec<TokenId>, u32)> {
         .collect()
 }
 
-/// Starts a reader task per request, the first alone; returns once the engine is held in
-/// that request's first step with every other add queued behind it.
+/// [`support::spawn_held`] for `(id, prompt, max_tokens)` triples.
 async fn spawn_held(
     engine: &EngineHandle,
     gate: &mut Gate,
     reqs: Vec<(String, Vec<TokenId>, u32)>,
 ) -> Vec<tokio::task::JoinHandle<Collected>> {
-    let n = reqs.len();
-    let mut tasks = Vec::new();
-    for (id, prompt, max_tokens) in reqs {
-        let e = engine.clone();
-        tasks.push(tokio::spawn(async move {
-            collect(e.generate(request(&id, prompt, max_tokens)).await.unwrap()).await
-        }));
-        if tasks.len() == 1 {
-            gate.next_step().await;
-        }
-    }
-    while engine.n_queued_inputs() < n - 1 {
-        tokio::task::yield_now().await;
-    }
-    tasks
+    let reqs = reqs
+        .into_iter()
+        .map(|(id, p, n)| request(&id, p, n))
+        .collect();
+    support::spawn_held(engine, gate, reqs).await
 }
 
 async fn run_all(
@@ -87,9 +76,19 @@ async fn concurrent_requests_get_the_tokens_they_get_alone() {
         alone.extend(run_all(&engine, std::slice::from_ref(r)).await);
         engine.shutdown().await.unwrap();
     }
-    // Few blocks and seats: requests wait, share prefixes and get preempted.
-    let engine = engine(checksum(), small_config(24, 6));
-    let together = run_all(&engine, &reqs).await;
+    // Few blocks and seats, everything queued at once: requests wait, share prefixes and
+    // get preempted.
+    let (exec, mut gate) = gated(checksum());
+    let engine = engine(exec, small_config(12, 6));
+    let tasks = spawn_held(&engine, &mut gate, reqs.clone()).await;
+    gate.open();
+    gate.release();
+    let mut together = BTreeMap::new();
+    for ((id, ..), task) in reqs.iter().zip(tasks) {
+        let c = task.await.unwrap();
+        assert_eq!(c.reason(), FinishReason::Length, "{id}");
+        together.insert(id.clone(), c.tokens);
+    }
     assert_eq!(together, alone);
     engine.wait_idle().await.unwrap();
     engine.check_invariants().await.unwrap().unwrap();
@@ -99,6 +98,7 @@ async fn concurrent_requests_get_the_tokens_they_get_alone() {
     let n_tokens: u64 = reqs.iter().map(|r| u64::from(r.2)).sum();
     assert_eq!(stats.n_generated_tokens_total, n_tokens);
     assert!(stats.scheduler.prefix_hit_tokens > 0);
+    assert!(stats.scheduler.n_preemptions > 0);
     engine.shutdown().await.unwrap();
     assert!(!engine.stats().running);
 }
@@ -447,5 +447,50 @@ async fn an_engine_thread_panic_ends_streams_with_error_not_a_hang() {
         Err(ferry_engine::EngineError::Stopped)
     ));
     assert!(!engine.stats().running);
+    engine.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_slow_reader_gets_everything_merged_into_one_chunk() {
+    use futures_core::Stream;
+    let engine = engine(checksum(), small_config(64, 4));
+    let mut stream = engine
+        .generate(request("a", vec![1, 2, 3], 20))
+        .await
+        .unwrap();
+    // The engine runs the request to its end without waiting for the reader.
+    engine.wait_idle().await.unwrap();
+    let chunk = std::future::poll_fn(|cx| std::pin::Pin::new(&mut stream).poll_next(cx))
+        .await
+        .unwrap();
+    assert_eq!(chunk.token_ids.len(), 20);
+    let finish = chunk.finish.unwrap();
+    assert_eq!(
+        (finish.reason, finish.n_output_tokens),
+        (FinishReason::Length, 20)
+    );
+    assert_eq!(stream.next().await, None);
+    engine.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_prompt_token_outside_the_vocabulary_fails_only_its_request() {
+    let engine = engine(checksum(), small_config(64, 4));
+    let good = engine
+        .generate(request("good", vec![1, 2], 5))
+        .await
+        .unwrap();
+    let bad = engine
+        .generate(request("bad", vec![1, VOCAB as TokenId], 5))
+        .await
+        .unwrap();
+    let bad = collect(bad).await;
+    assert_eq!((bad.tokens.len(), bad.reason()), (0, FinishReason::Error));
+    let good = collect(good).await;
+    assert_eq!(
+        (good.tokens.len(), good.reason()),
+        (5, FinishReason::Length)
+    );
+    assert_eq!(engine.stats().n_step_failures_total, 0);
     engine.shutdown().await.unwrap();
 }

@@ -82,6 +82,42 @@ fn deltas_add_up_to_the_full_decode_for_multibyte_text() {
 }
 
 #[test]
+fn deltas_add_up_to_the_full_decode_even_for_invalid_utf8() {
+    // Random byte tokens and merges, as a random-weight model emits them: invalid sequences,
+    // stray continuation bytes, characters cut at the end.
+    let tok = tokenizer();
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n) as TokenId
+    };
+    let n_plain = tok.get_vocab_size(true) as u64 - 3; // the specials are last
+    for _ in 0..300 {
+        let len = 1 + next(12) as usize;
+        let ids: Vec<TokenId> = (0..len)
+            .map(|_| {
+                // Mostly multibyte lead and continuation bytes, some ASCII and merges.
+                match next(4) {
+                    0 => 0x80 + next(0x80),
+                    1 => 0xE0 + next(0x20),
+                    2 => next(0x80),
+                    _ => next(n_plain),
+                }
+            })
+            .collect();
+        let mut detok = IncrementalDetokenizer::new(tok.clone(), &[]);
+        let text: String = ids.iter().map(|&t| detok.push(t)).collect();
+        assert_eq!(
+            text + &detok.flush(),
+            tok.decode(&ids, true).unwrap(),
+            "{ids:?}"
+        );
+    }
+}
+
+#[test]
 fn special_tokens_are_skipped() {
     let tok = tokenizer();
     let mut ids = encode(&tok, "ab");
@@ -311,13 +347,15 @@ fn prompts(tok: &Tokenizer) -> Vec<(String, Vec<TokenId>)> {
         .collect()
 }
 
+/// Runs `reqs` (greedy, 12 tokens, top-3 logprobs, text) all at once through a gated engine.
 async fn generate_all(
     engine: &EngineHandle,
+    gate: &mut Gate,
     reqs: &[(String, Vec<TokenId>)],
 ) -> BTreeMap<String, Collected> {
-    let mut tasks = Vec::new();
-    for (id, prompt) in reqs {
-        let req = GenerateRequest {
+    let requests = reqs
+        .iter()
+        .map(|(id, prompt)| GenerateRequest {
             request_id: id.clone(),
             prompt: prompt.clone(),
             params: SamplingParams {
@@ -326,13 +364,14 @@ async fn generate_all(
             },
             stop: vec![],
             detokenize: true,
-        };
-        let stream = engine.generate(req).await.unwrap();
-        tasks.push((id.clone(), tokio::spawn(collect(stream))));
-    }
+        })
+        .collect();
+    let tasks = spawn_held(engine, gate, requests).await;
+    gate.open();
+    gate.release();
     let mut out = BTreeMap::new();
-    for (id, task) in tasks {
-        out.insert(id, task.await.unwrap());
+    for ((id, _), task) in reqs.iter().zip(tasks) {
+        out.insert(id.clone(), task.await.unwrap());
     }
     out
 }
@@ -343,21 +382,23 @@ async fn tiny_llama_concurrent_requests_match_their_solo_runs() {
     let reqs = prompts(&tok);
     let mut alone = BTreeMap::new();
     for r in &reqs {
-        let engine = text_engine(llama(), &tok);
-        alone.extend(generate_all(&engine, std::slice::from_ref(r)).await);
+        let (exec, mut gate) = gated(llama());
+        let engine = text_engine(exec, &tok);
+        alone.extend(generate_all(&engine, &mut gate, std::slice::from_ref(r)).await);
         engine.shutdown().await.unwrap();
     }
-    // 24 blocks of 4 tokens: not everything fits at once.
+    // 16 blocks of 4 tokens: not everything fits at once.
     let config = EngineConfig {
         scheduler: SchedulerConfig {
-            n_blocks: 24,
+            n_blocks: 16,
             max_num_seqs: 6,
             ..config()
         },
         input_queue_capacity: 64,
     };
-    let engine = spawn(config, Box::new(llama()), Some(tok.clone())).unwrap();
-    let together = generate_all(&engine, &reqs).await;
+    let (exec, mut gate) = gated(llama());
+    let engine = spawn(config, Box::new(exec), Some(tok.clone())).unwrap();
+    let together = generate_all(&engine, &mut gate, &reqs).await;
     for (id, c) in &together {
         let solo = &alone[id];
         assert_eq!(c.tokens, solo.tokens, "{id}");
@@ -380,6 +421,7 @@ async fn tiny_llama_concurrent_requests_match_their_solo_runs() {
     let stats = engine.stats();
     assert_eq!(stats.scheduler.n_blocks_used, 0);
     assert!(stats.scheduler.prefix_hit_tokens > 0);
+    assert!(stats.scheduler.n_preemptions > 0);
     assert!(stats.forward_seconds_total > 0.0);
     assert!(stats.step_seconds_total >= stats.forward_seconds_total);
     engine.shutdown().await.unwrap();

@@ -4,7 +4,9 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 use ferry_core::{FinishReason, ModelOutput, SampledToken, SchedulerConfig, StepPlan, TokenId};
-use ferry_engine::{spawn, EngineConfig, EngineHandle, Finish, GenerateStream, OutputChunk};
+use ferry_engine::{
+    spawn, EngineConfig, EngineHandle, Finish, GenerateRequest, GenerateStream, OutputChunk,
+};
 use ferry_kv::KvArena;
 use ferry_kv::KvLayout;
 use ferry_model::{ChecksumModel, ExecError, Executor};
@@ -231,4 +233,29 @@ impl Executor for Scripted {
             .collect();
         Ok(ModelOutput { sampled })
     }
+}
+
+/// Starts a reader task per request, the first alone; returns once the engine is held in
+/// that request's first step with every other add queued behind it (so all of them are in
+/// the engine at once when the gate opens).
+pub async fn spawn_held(
+    engine: &EngineHandle,
+    gate: &mut Gate,
+    reqs: Vec<GenerateRequest>,
+) -> Vec<tokio::task::JoinHandle<Collected>> {
+    let n = reqs.len();
+    let mut tasks = Vec::new();
+    for req in reqs {
+        let e = engine.clone();
+        tasks.push(tokio::spawn(async move {
+            collect(e.generate(req).await.unwrap()).await
+        }));
+        if tasks.len() == 1 {
+            gate.next_step().await;
+        }
+    }
+    while engine.n_queued_inputs() < n - 1 {
+        tokio::task::yield_now().await;
+    }
+    tasks
 }
