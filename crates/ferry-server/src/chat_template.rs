@@ -176,6 +176,39 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
     }
 
+    /// SmolLM2-Instruct's template (the default model): a default system prompt unless the
+    /// first message is one, with `loop.first` and indexing into `messages`.
+    #[test]
+    fn renders_the_smollm2_template() {
+        let src = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+        let t = ChatTemplate::new(src, "<|im_start|>", "<|im_end|>").unwrap();
+        assert_eq!(
+            t.render(&messages(r#"[{"role": "user", "content": "hi"}]"#), true, None).unwrap(),
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            t.render(
+                &messages(
+                    r#"[{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]"#
+                ),
+                false,
+                None
+            )
+            .unwrap(),
+            "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        );
+    }
+
+    /// Block tags on their own lines leave no blank lines (`trim_blocks`, `lstrip_blocks`), as
+    /// in transformers.
+    #[test]
+    fn block_whitespace_is_trimmed_like_transformers() {
+        let src = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        let m = messages(r#"[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]"#);
+        assert_eq!(t.render(&m, false, None).unwrap(), "[a]\n[b]\n");
+    }
+
     #[test]
     fn broken_template_is_a_compile_error() {
         assert!(matches!(

@@ -70,6 +70,16 @@ fn prepare_prompts(
     if batch.is_empty() {
         return Err(ApiError::invalid("prompt", "`prompt` is empty"));
     }
+    if batch.len() > app.limits.max_batch_prompts {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "a batch holds at most {} prompts, got {}",
+                app.limits.max_batch_prompts,
+                batch.len()
+            ),
+        ));
+    }
     let single = batch.len() == 1;
     batch
         .into_iter()

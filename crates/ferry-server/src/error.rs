@@ -91,6 +91,11 @@ pub struct ErrorInfo {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        if self.status.is_server_error() {
+            tracing::warn!(status = %self.status, "{}", self.message);
+        } else {
+            tracing::debug!(status = %self.status, param = ?self.param, "{}", self.message);
+        }
         (self.status, Json(self.body())).into_response()
     }
 }

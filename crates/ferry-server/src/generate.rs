@@ -117,6 +117,13 @@ pub async fn launch(
 ) -> Result<Vec<ChoiceStream>, ApiError> {
     let seq = next_engine_seq();
     let n = spec.n as usize;
+    tracing::debug!(
+        request_id = spec.request_id,
+        seq,
+        n_prompts = prompts.len(),
+        n,
+        "starting engine requests"
+    );
     let mut choices = Vec::with_capacity(prompts.len() * n);
     for (p, prompt) in prompts.iter().enumerate() {
         for i in 0..n {

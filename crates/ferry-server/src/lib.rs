@@ -63,6 +63,8 @@ pub struct ServerConfig {
     pub max_n: u32,
     /// Most stop strings per request.
     pub max_stop_strings: usize,
+    /// Most prompts in one batched `/v1/completions` request.
+    pub max_batch_prompts: usize,
     /// The model's vocabulary size: token ids in prompts and `stop_token_ids` must be below
     /// it. `None` uses the tokenizer's size (with added tokens), or checks nothing without one.
     pub vocab_size: Option<usize>,
@@ -78,6 +80,7 @@ impl ServerConfig {
             max_top_logprobs: 20,
             max_n: 16,
             max_stop_strings: 16,
+            max_batch_prompts: 1024,
             vocab_size: None,
         }
     }
@@ -123,6 +126,7 @@ fn app_state(engine: EngineHandle, config: ServerConfig) -> AppState {
         max_n: config.max_n,
         vocab_size,
         max_stop_strings: config.max_stop_strings,
+        max_batch_prompts: config.max_batch_prompts,
     };
     let template = match &config.chat_template {
         None => Err("this model has no chat template, so /v1/chat/completions cannot be used; use /v1/completions".to_owned()),

@@ -19,6 +19,8 @@ pub struct Limits {
     pub vocab_size: Option<usize>,
     /// Most stop strings per request.
     pub max_stop_strings: usize,
+    /// Most prompts in one batched completions request.
+    pub max_batch_prompts: usize,
 }
 
 /// Everything a generation route needs besides the prompt.
@@ -281,6 +283,7 @@ mod tests {
             max_n: 8,
             vocab_size: Some(50),
             max_stop_strings: 4,
+            max_batch_prompts: 8,
         }
     }
 

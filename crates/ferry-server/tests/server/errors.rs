@@ -55,6 +55,7 @@ async fn bad_completion_requests_name_their_field() {
         (json!({"prompt": ["ok", ""]}), Some("prompt[1]")),
         (json!({"prompt": [1, 99999]}), Some("prompt[1]")),
         (json!({"prompt": long_prompt}), Some("prompt")),
+        (json!({"prompt": vec!["a"; 1025]}), Some("prompt")),
         (json!({"prompt": {"text": "x"}}), Some("prompt")),
         (json!({"max_tokens": 3}), Some("prompt")),
         (
