@@ -256,6 +256,19 @@ fn scheduler_config(
             u32::try_from(n).with_context(|| format!("--kv-cache-bytes gives {n} blocks"))?
         }
     };
+    // A request may run to max_model_len (the server's default max_tokens fills it), so the
+    // pool must hold one such sequence, or those requests could never be admitted.
+    let n_blocks_needed = max_model_len.div_ceil(args.block_size) as u64 + 1;
+    if u64::from(n_blocks) < n_blocks_needed {
+        bail!(
+            "the KV cache ({n_blocks} blocks of {} tokens, {block_bytes} bytes each, from \
+             --num-kv-blocks/--kv-cache-bytes) cannot hold one sequence of --max-model-len \
+             {max_model_len} tokens: give it at least {n_blocks_needed} blocks ({} bytes) or \
+             lower --max-model-len",
+            args.block_size,
+            n_blocks_needed * block_bytes as u64
+        );
+    }
     let config = SchedulerConfig {
         block_size: args.block_size,
         n_blocks,

@@ -155,5 +155,9 @@ fn bad_flags_are_errors_naming_the_flag() {
     let err = run(&["serve", "--model", "tiny", "--kv-cache-bytes", "lots"]);
     assert!(err.contains("lots"), "{err}");
     let err = run(&["serve", "--model", "tiny", "--num-kv-blocks", "1"]);
-    assert!(err.to_lowercase().contains("block"), "{err}");
+    assert!(err.contains("--num-kv-blocks"), "{err}");
+    let err = run(&["serve", "--model", "tiny", "--num-kv-blocks", "100"]);
+    assert!(err.contains("--max-model-len 2048"), "{err}");
+    let err = run(&["serve", "--model", "tiny", "--max-num-seqs", "0"]);
+    assert!(err.contains("--max-num-seqs 0"), "{err}");
 }
