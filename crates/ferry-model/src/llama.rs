@@ -17,7 +17,7 @@ use crate::executor::{ExecError, Executor};
 use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_row, silu_mul};
 use crate::llama_weights::{LayerWeights, LlamaWeights, ModelError};
 use crate::rope::Rope;
-use crate::sampler::{sample, SamplerScratch};
+use crate::sampler::{sample_batch, SamplerScratch};
 use crate::weights::WeightStore;
 
 /// Positions the rope tables cover from the start (they grow on demand).
@@ -413,11 +413,8 @@ impl Executor for LlamaModel {
         let vocab = self.config.vocab_size;
         let specs = plan.reqs.iter().filter_map(|r| r.sample.as_ref());
         let sampled = reqs.map(|reqs| {
-            specs
-                .zip(&reqs)
-                .zip(data.chunks_exact(vocab))
-                .map(|((spec, &req), row)| sample(row, spec, req, &mut self.sampler_scratch))
-                .collect()
+            let rows: Vec<_> = specs.zip(reqs).collect();
+            sample_batch(&data, vocab, &rows, &mut self.sampler_scratch)
         });
         self.logits_buf = data;
         Ok(ModelOutput { sampled: sampled? })

@@ -11,6 +11,10 @@
 //! seed the draw uses the engine-level RNG kept in [`SamplerScratch`]; it is seeded from OS
 //! entropy by default, or explicitly with [`SamplerScratch::with_seed`] (simulations, replays).
 //!
+//! A step's rows are sampled together by [`sample_batch`], spread over rayon's threads: the
+//! engine RNG's draws are taken first in row order, so the result is exactly that of sampling
+//! row by row.
+//!
 //! Stop token ids are not handled here: the scheduler checks each sampled token against the
 //! request's EOS and `stop_token_ids` and finishes the request.
 //!
@@ -21,9 +25,11 @@ use ferry_core::sampling::SamplerSpec;
 use ferry_core::{ReqIdx, SampleSpec, SampledToken, TokenId};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 
-/// Reusable buffers (and the engine-level RNG) so sampling allocates nothing per token in
-/// steady state; only a non-empty `top_logprobs` in the returned token allocates.
+/// Reusable buffers (and the engine-level RNG) so sampling on the caller's thread allocates
+/// nothing per token in steady state; only a non-empty `top_logprobs` in the returned token
+/// allocates (and, in a parallel batch, each helper thread's buffers, once per call).
 #[derive(Debug)]
 pub struct SamplerScratch {
     /// Unnormalized probabilities after temperature (the max-logit token has exactly 1.0).
@@ -65,6 +71,69 @@ pub fn sample(
     req: ReqIdx,
     scratch: &mut SamplerScratch,
 ) -> SampledToken {
+    let draw = engine_draw(spec, &mut scratch.rng);
+    sample_with_draw(logits, spec, req, draw, &mut scratch.buf, &mut scratch.keys)
+}
+
+/// Below this many rows a batch is sampled on the calling thread: splitting costs more than
+/// it saves.
+const PARALLEL_MIN_ROWS: usize = 8;
+
+/// Samples one token per row of `logits` (`rows.len()` rows of `vocab` logits each), giving
+/// exactly what calling [`sample`] row by row in order gives, but with the rows spread over
+/// rayon's threads. The engine RNG's draws for unseeded requests are taken first, in row
+/// order, so the parallel split never changes which draw a request gets. Threads other than
+/// the caller's allocate their own buffers once per call.
+pub fn sample_batch(
+    logits: &[f32],
+    vocab: usize,
+    rows: &[(&SampleSpec, ReqIdx)],
+    scratch: &mut SamplerScratch,
+) -> Vec<SampledToken> {
+    let draws: Vec<Option<f64>> = rows
+        .iter()
+        .map(|(spec, _)| engine_draw(spec, &mut scratch.rng))
+        .collect();
+    let row_logits = |i: usize| logits.get(i * vocab..(i + 1) * vocab).unwrap_or(&[]);
+    if rows.len() < PARALLEL_MIN_ROWS {
+        return rows
+            .iter()
+            .zip(&draws)
+            .enumerate()
+            .map(|(i, ((spec, req), &draw))| {
+                let (buf, keys) = (&mut scratch.buf, &mut scratch.keys);
+                sample_with_draw(row_logits(i), spec, *req, draw, buf, keys)
+            })
+            .collect();
+    }
+    rows.par_iter()
+        .zip(&draws)
+        .enumerate()
+        .map_init(
+            || (Vec::new(), Vec::new()),
+            |(buf, keys), (i, ((spec, req), &draw))| {
+                sample_with_draw(row_logits(i), spec, *req, draw, buf, keys)
+            },
+        )
+        .collect()
+}
+
+/// The engine RNG's draw a request consumes: one for a sampled (non-greedy) request without
+/// its own seed, none otherwise.
+fn engine_draw(spec: &SampleSpec, rng: &mut ChaCha8Rng) -> Option<f64> {
+    let params = &spec.params;
+    (!is_greedy(params) && params.seed.is_none()).then(|| unit_f64(rng))
+}
+
+/// [`sample`] with the engine draw already taken (`None` for greedy or seeded requests).
+fn sample_with_draw(
+    logits: &[f32],
+    spec: &SampleSpec,
+    req: ReqIdx,
+    engine_draw: Option<f64>,
+    probs: &mut Vec<f32>,
+    keys: &mut Vec<u64>,
+) -> SampledToken {
     if logits.is_empty() {
         // Nothing to sample from (a zero vocabulary): answer rather than panic.
         return SampledToken {
@@ -79,22 +148,24 @@ pub fn sample(
     let token = if is_greedy(params) {
         row.argmax
     } else {
-        let u = match params.seed {
-            Some(seed) => {
+        let u = match (params.seed, engine_draw) {
+            (Some(seed), _) => {
                 let mut rng = ChaCha8Rng::seed_from_u64(seed);
                 rng.set_stream(u64::from(spec.output_idx));
                 unit_f64(&mut rng)
             }
-            None => unit_f64(&mut scratch.rng),
+            (None, Some(u)) => u,
+            // Not reachable: `engine_draw` gives a draw to every unseeded sampled request.
+            (None, None) => 0.0,
         };
-        draw(logits, &row, params, u, scratch)
+        draw(logits, &row, params, u, probs, keys)
     };
     let n_top = params.logprobs.map_or(0, |n| n as usize);
     SampledToken {
         req,
         token: token as TokenId,
         logprob: row.logprob(logits[token]),
-        top_logprobs: top_logprobs(logits, &row, n_top, &mut scratch.keys),
+        top_logprobs: top_logprobs(logits, &row, n_top, keys),
     }
 }
 
@@ -204,11 +275,9 @@ fn draw(
     row: &RowStats,
     params: &SamplerSpec,
     u: f64,
-    scratch: &mut SamplerScratch,
+    probs: &mut Vec<f32>,
+    keys: &mut Vec<u64>,
 ) -> usize {
-    let SamplerScratch {
-        buf: probs, keys, ..
-    } = scratch;
     fill_probs(logits, row, params.temperature, probs);
     row.fill_keys(logits, keys);
 

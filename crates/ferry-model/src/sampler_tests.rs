@@ -464,3 +464,53 @@ proptest::proptest! {
         proptest::prop_assert_eq!(out.top_logprobs[0].0, greedy);
     }
 }
+
+/// A mixed batch: greedy, seeded and unseeded rows, filters and logprobs.
+fn mixed_batch(n: usize) -> Vec<SampleSpec> {
+    (0..n)
+        .map(|i| {
+            let mut s = match i % 4 {
+                0 => spec(0.0),
+                1 => seeded(0.8, 40 + i as u64, i as u32),
+                _ => spec(0.5 + i as f32 * 0.1),
+            };
+            s.params.top_k = if i % 5 == 0 { 20 } else { 0 };
+            s.params.top_p = if i % 3 == 0 { 0.9 } else { 1.0 };
+            s.params.min_p = if i % 7 == 0 { 0.05 } else { 0.0 };
+            s.params.logprobs = (i % 2 == 0).then_some(3);
+            s
+        })
+        .collect()
+}
+
+#[test]
+fn a_batch_samples_exactly_what_row_by_row_sampling_gives() {
+    let vocab = 2000;
+    // Below and above the parallel threshold.
+    for n in [3, PARALLEL_MIN_ROWS, 37] {
+        let logits: Vec<f32> = (0..n)
+            .flat_map(|i| random_logits(100 + i as u64, vocab, 6.0))
+            .collect();
+        let specs = mixed_batch(n);
+        let rows: Vec<(&SampleSpec, ReqIdx)> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s, ReqIdx(i as u32)))
+            .collect();
+        for engine_seed in [1, 2] {
+            let mut serial = SamplerScratch::with_seed(engine_seed);
+            let expected: Vec<SampledToken> = rows
+                .iter()
+                .enumerate()
+                .map(|(i, (s, req))| {
+                    sample(&logits[i * vocab..(i + 1) * vocab], s, *req, &mut serial)
+                })
+                .collect();
+            let mut batch = SamplerScratch::with_seed(engine_seed);
+            let got = sample_batch(&logits, vocab, &rows, &mut batch);
+            assert_eq!(got, expected, "{n} rows, engine seed {engine_seed}");
+            // The engine RNG advanced by exactly the same draws.
+            assert_eq!(unit_f64(&mut batch.rng), unit_f64(&mut serial.rng));
+        }
+    }
+}
