@@ -36,11 +36,11 @@ use std::sync::Arc;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
-use ferry_engine::{EngineHandle, EngineStats};
+use ferry_engine::EngineHandle;
 
 use crate::chat_template::ChatTemplate;
 use crate::logprobs::TokenTexts;
-use crate::metrics::{EngineFigures, Metrics};
+use crate::metrics::Metrics;
 use crate::params::Limits;
 use crate::state::{unix_now, AppState};
 
@@ -136,7 +136,7 @@ fn app_state(engine: EngineHandle, config: ServerConfig) -> AppState {
         }),
     };
     let stats_engine = engine.clone();
-    let metrics = Arc::new(Metrics::new(move || figures(&stats_engine.stats())));
+    let metrics = Arc::new(Metrics::new(move || stats_engine.stats()));
     AppState {
         texts: TokenTexts::new(engine.tokenizer().cloned()),
         engine,
@@ -145,24 +145,5 @@ fn app_state(engine: EngineHandle, config: ServerConfig) -> AppState {
         template,
         metrics,
         started_unix_s: unix_now(),
-    }
-}
-
-fn figures(s: &EngineStats) -> EngineFigures {
-    EngineFigures {
-        n_running: s.scheduler.n_running,
-        n_waiting: s.scheduler.n_waiting,
-        n_blocks_used: s.scheduler.n_blocks_used,
-        n_blocks_free: s.scheduler.n_blocks_free,
-        n_blocks_total: s.n_blocks_total,
-        prefix_hit_tokens: s.scheduler.prefix_hit_tokens,
-        prefix_query_tokens: s.scheduler.prefix_query_tokens,
-        n_preemptions: s.scheduler.n_preemptions,
-        n_steps: s.n_steps,
-        step_seconds_total: s.step_seconds_total,
-        forward_seconds_total: s.forward_seconds_total,
-        n_generated_tokens_total: s.n_generated_tokens_total,
-        n_requests_finished_total: s.n_requests_finished_total,
-        n_step_failures_total: s.n_step_failures_total,
     }
 }
