@@ -1,20 +1,13 @@
 //! `POST /v1/chat/completions`: messages rendered through the model's chat template, then
 //! generated like a completion; streaming or not.
 
-use std::sync::Arc;
-use std::time::Instant;
-
-use axum::extract::State;
-use axum::response::Response;
-use axum::Extension;
 use ferry_engine::OutputChunk;
 
 use crate::error::ApiError;
-use crate::extract::{ApiJson, RequestId};
 use crate::generate::{
-    collect_choices, respond, Collected, GenerationRoute, Head, PreparedPrompt, StreamBase,
+    Collected, Generation, GenerationRoute, Head, Prepared, PreparedPrompt, StreamBase,
 };
-use crate::logprobs::{chat_logprobs, TokenTexts};
+use crate::logprobs::chat_logprobs;
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
 use crate::request::{ChatFields, ChatRequest};
 use crate::response::{
@@ -24,28 +17,77 @@ use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
 use serde_json::Value;
 
-pub async fn chat_completions(
-    State(app): State<Arc<AppState>>,
-    Extension(RequestId(request_id)): Extension<RequestId>,
-    ApiJson(body): ApiJson<Value>,
-) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    let req = ChatRequest::from_json(&body)?;
-    app.check_model(req.common.model.as_deref())?;
-    let logprobs = check_chat_logprobs(req.own.logprobs, req.own.top_logprobs, &app.limits)?;
-    // `max_completion_tokens` replaces the deprecated `max_tokens`; either is accepted.
-    let max_tokens = match req.own.max_completion_tokens {
-        Some(v) => (Some(v), "max_completion_tokens"),
-        None => (req.common.max_tokens, "max_tokens"),
-    };
-    let params = GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
-    req.unsupported.check(i64::from(params.n))?;
-    let prompt = render_prompt(&app, &req.own)?;
-    let prompts = [PreparedPrompt {
-        sampling: params.for_prompt(prompt.len(), &app.limits)?,
-        tokens: prompt,
-    }];
-    respond::<Formatter>(&app, request_id, &prompts, &params, "messages", arrival).await
+/// The chat route, for [`crate::generate::handle`].
+#[derive(Debug)]
+pub struct Chat;
+
+impl GenerationRoute for Chat {
+    const PROMPT_PARAM: &'static str = "messages";
+    type Formatter = Formatter;
+    type Response = ChatResponse;
+
+    fn prepare(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
+        let req = ChatRequest::from_json(body)?;
+        app.check_model(req.common.model.as_deref())?;
+        let logprobs = check_chat_logprobs(req.own.logprobs, req.own.top_logprobs, &app.limits)?;
+        // `max_completion_tokens` replaces the deprecated `max_tokens`; either is accepted.
+        let max_tokens = match req.own.max_completion_tokens {
+            Some(v) => (Some(v), "max_completion_tokens"),
+            None => (req.common.max_tokens, "max_tokens"),
+        };
+        let params = GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
+        req.unsupported.check(i64::from(params.n))?;
+        let prompt = render_prompt(app, &req.own)?;
+        let prompts = vec![PreparedPrompt {
+            sampling: params.for_prompt(prompt.len(), &app.limits)?,
+            tokens: prompt,
+        }];
+        Ok((prompts, params))
+    }
+
+    fn streaming(base: StreamBase, generation: Generation<'_>) -> Formatter {
+        Formatter {
+            base,
+            prompt: generation.prompts[0].tokens.clone(),
+            n_choices: generation.params.n as usize,
+        }
+    }
+
+    fn full_response(
+        head: Head,
+        generation: Generation<'_>,
+        collected: Vec<Collected>,
+    ) -> ChatResponse {
+        let Generation {
+            prompts,
+            params,
+            texts,
+        } = generation;
+        let (choices, usage) =
+            generation.collect_choices(collected, |c, finish_reason, stop_reason| ChatChoice {
+                index: c.index,
+                logprobs: params
+                    .sampling
+                    .logprobs
+                    .map(|_| chat_logprobs(texts, &c.logprobs)),
+                message: AssistantMessage {
+                    role: "assistant",
+                    content: c.text,
+                },
+                finish_reason: Some(finish_reason),
+                stop_reason,
+                token_ids: params.return_token_ids.then_some(c.token_ids),
+            });
+        ChatResponse {
+            id: head.id,
+            object: "chat.completion",
+            created: head.created,
+            model: head.model,
+            choices,
+            usage,
+            prompt_token_ids: params.return_token_ids.then(|| prompts[0].tokens.clone()),
+        }
+    }
 }
 
 /// The messages through the chat template, tokenized (without adding special tokens: the
@@ -82,59 +124,11 @@ fn chat_chunk(head: &Head, choices: Vec<ChatChunkChoice>) -> ChatChunk {
 }
 
 /// Streaming state.
-struct Formatter {
+#[derive(Debug)]
+pub struct Formatter {
     base: StreamBase,
     prompt: Vec<u32>,
     n_choices: usize,
-}
-
-impl GenerationRoute for Formatter {
-    type Response = ChatResponse;
-
-    fn streaming(base: StreamBase, prompts: &[PreparedPrompt], params: &GenerationParams) -> Self {
-        Self {
-            base,
-            prompt: prompts[0].tokens.clone(),
-            n_choices: params.n as usize,
-        }
-    }
-
-    fn full_response(
-        head: Head,
-        prompts: &[PreparedPrompt],
-        params: &GenerationParams,
-        texts: &TokenTexts,
-        collected: Vec<Collected>,
-    ) -> ChatResponse {
-        let (choices, usage) = collect_choices(
-            prompts,
-            params.n,
-            collected,
-            |c, finish_reason, stop_reason| ChatChoice {
-                index: c.index,
-                logprobs: params
-                    .sampling
-                    .logprobs
-                    .map(|_| chat_logprobs(texts, &c.logprobs)),
-                message: AssistantMessage {
-                    role: "assistant",
-                    content: c.text,
-                },
-                finish_reason: Some(finish_reason),
-                stop_reason,
-                token_ids: params.return_token_ids.then_some(c.token_ids),
-            },
-        );
-        ChatResponse {
-            id: head.id,
-            object: "chat.completion",
-            created: head.created,
-            model: head.model,
-            choices,
-            usage,
-            prompt_token_ids: params.return_token_ids.then(|| prompts[0].tokens.clone()),
-        }
-    }
 }
 
 impl ChunkFormatter for Formatter {

@@ -1,19 +1,12 @@
 //! `POST /v1/completions`: text or token-id prompts (single or batched), streaming or not.
 
-use std::sync::Arc;
-use std::time::Instant;
-
-use axum::extract::State;
-use axum::response::Response;
-use axum::Extension;
 use ferry_engine::OutputChunk;
 
 use crate::error::ApiError;
-use crate::extract::{ApiJson, RequestId};
 use crate::generate::{
-    collect_choices, respond, Collected, GenerationRoute, Head, PreparedPrompt, StreamBase,
+    Collected, Generation, GenerationRoute, Head, Prepared, PreparedPrompt, StreamBase,
 };
-use crate::logprobs::{completion_logprobs, TokenTexts};
+use crate::logprobs::completion_logprobs;
 use crate::params::{check_completion_logprobs, check_prompt, GenerationParams};
 use crate::request::{CompletionRequest, Prompt};
 use crate::response::{CompletionChoice, CompletionResponse, Usage};
@@ -21,24 +14,76 @@ use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
 use serde_json::Value;
 
-pub async fn completions(
-    State(app): State<Arc<AppState>>,
-    Extension(RequestId(request_id)): Extension<RequestId>,
-    ApiJson(body): ApiJson<Value>,
-) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    let req = CompletionRequest::from_json(&body)?;
-    app.check_model(req.common.model.as_deref())?;
-    let logprobs = check_completion_logprobs(req.own.logprobs, &app.limits)?;
-    let params = GenerationParams::from_common(
-        &req.common,
-        (req.common.max_tokens, "max_tokens"),
-        logprobs,
-        &app.limits,
-    )?;
-    req.unsupported.check(i64::from(params.n))?;
-    let prompts = prepare_prompts(&app, req.own.prompt.map(|p| p.into_batch()), &params)?;
-    respond::<Formatter>(&app, request_id, &prompts, &params, "prompt", arrival).await
+/// The completions route, for [`crate::generate::handle`].
+#[derive(Debug)]
+pub struct Completions;
+
+impl GenerationRoute for Completions {
+    const PROMPT_PARAM: &'static str = "prompt";
+    type Formatter = Formatter;
+    type Response = CompletionResponse;
+
+    fn prepare(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
+        let req = CompletionRequest::from_json(body)?;
+        app.check_model(req.common.model.as_deref())?;
+        let logprobs = check_completion_logprobs(req.own.logprobs, &app.limits)?;
+        let params = GenerationParams::from_common(
+            &req.common,
+            (req.common.max_tokens, "max_tokens"),
+            logprobs,
+            &app.limits,
+        )?;
+        req.unsupported.check(i64::from(params.n))?;
+        let prompts = prepare_prompts(app, req.own.prompt.map(|p| p.into_batch()), &params)?;
+        Ok((prompts, params))
+    }
+
+    fn streaming(base: StreamBase, generation: Generation<'_>) -> Formatter {
+        let n = generation.params.n as usize;
+        let n_choices = generation.prompts.len() * n;
+        Formatter {
+            base,
+            prompts: generation
+                .prompts
+                .iter()
+                .map(|p| p.tokens.clone())
+                .collect(),
+            n,
+            started: vec![false; n_choices],
+            text_offsets: vec![0; n_choices],
+        }
+    }
+
+    fn full_response(
+        head: Head,
+        generation: Generation<'_>,
+        collected: Vec<Collected>,
+    ) -> CompletionResponse {
+        let Generation {
+            prompts,
+            params,
+            texts,
+        } = generation;
+        let n = params.n as usize;
+        let (choices, usage) =
+            generation.collect_choices(collected, |c, finish_reason, stop_reason| {
+                CompletionChoice {
+                    index: c.index,
+                    logprobs: params
+                        .sampling
+                        .logprobs
+                        .map(|_| completion_logprobs(texts, &c.logprobs, 0).0),
+                    text: c.text,
+                    finish_reason: Some(finish_reason),
+                    stop_reason,
+                    prompt_token_ids: params
+                        .return_token_ids
+                        .then(|| prompts[c.index / n].tokens.clone()),
+                    token_ids: params.return_token_ids.then_some(c.token_ids),
+                }
+            });
+        completion_response(&head, choices, Some(usage))
+    }
 }
 
 /// Tokenizes and validates every prompt of the batch.
@@ -105,57 +150,13 @@ fn completion_response(
 }
 
 /// Streaming state: per choice, whether its prompt ids went out and its text offset.
-struct Formatter {
+#[derive(Debug)]
+pub struct Formatter {
     base: StreamBase,
     prompts: Vec<Vec<u32>>,
     n: usize,
     started: Vec<bool>,
     text_offsets: Vec<usize>,
-}
-
-impl GenerationRoute for Formatter {
-    type Response = CompletionResponse;
-
-    fn streaming(base: StreamBase, prompts: &[PreparedPrompt], params: &GenerationParams) -> Self {
-        let n_choices = prompts.len() * params.n as usize;
-        Self {
-            base,
-            prompts: prompts.iter().map(|p| p.tokens.clone()).collect(),
-            n: params.n as usize,
-            started: vec![false; n_choices],
-            text_offsets: vec![0; n_choices],
-        }
-    }
-
-    fn full_response(
-        head: Head,
-        prompts: &[PreparedPrompt],
-        params: &GenerationParams,
-        texts: &TokenTexts,
-        collected: Vec<Collected>,
-    ) -> CompletionResponse {
-        let n = params.n as usize;
-        let (choices, usage) = collect_choices(
-            prompts,
-            params.n,
-            collected,
-            |c, finish_reason, stop_reason| CompletionChoice {
-                index: c.index,
-                logprobs: params
-                    .sampling
-                    .logprobs
-                    .map(|_| completion_logprobs(texts, &c.logprobs, 0).0),
-                text: c.text,
-                finish_reason: Some(finish_reason),
-                stop_reason,
-                prompt_token_ids: params
-                    .return_token_ids
-                    .then(|| prompts[c.index / n].tokens.clone()),
-                token_ids: params.return_token_ids.then_some(c.token_ids),
-            },
-        );
-        completion_response(&head, choices, Some(usage))
-    }
 }
 
 impl ChunkFormatter for Formatter {

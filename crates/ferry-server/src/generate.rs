@@ -1,8 +1,8 @@
 //! Running one HTTP generation request on the engine: `n` engine requests per prompt (distinct
 //! ids, seeds `seed + i`), each wrapped in a [`ChoiceStream`] that records latency metrics as
-//! chunks arrive; then either collected (non-streaming) or merged (streaming). [`respond`] is
-//! that whole tail, shared by the generation routes; each route supplies only its wire format
-//! through [`GenerationRoute`].
+//! chunks arrive; then either collected (non-streaming) or merged (streaming). [`handle`] is
+//! the one handler of both generation routes; each route supplies only its request parsing
+//! and its wire format through [`GenerationRoute`].
 //!
 //! Dropping a [`ChoiceStream`] drops its `GenerateStream`, which aborts the engine request:
 //! that is how a client disconnect frees its KV blocks.
@@ -10,17 +10,19 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use ferry_core::{AddError, SamplingParams, TokenId};
 use ferry_engine::{
     EngineError, EngineHandle, Finish, GenerateRequest, GenerateStream, OutputChunk, TokenLogprob,
 };
 use futures_util::stream::{self, BoxStream, StreamExt};
 use serde::Serialize;
+use serde_json::Value;
 
 use crate::error::ApiError;
-use crate::extract::next_engine_seq;
+use crate::extract::{next_engine_seq, ApiJson, RequestId};
 use crate::logprobs::TokenTexts;
 use crate::metrics::Metrics;
 use crate::params::GenerationParams;
@@ -250,75 +252,95 @@ pub struct Head {
     pub model: String,
 }
 
-/// What a generation route adds to [`respond`]: its streaming formatter (this type) and its
-/// whole, non-streaming response.
-pub trait GenerationRoute: ChunkFormatter + Sized {
+/// A request's tokenized prompts and their parameters, as [`GenerationRoute::prepare`] reads
+/// them.
+pub type Prepared = (Vec<PreparedPrompt>, GenerationParams);
+
+/// One generation request once parsed and validated: its prompts and parameters, and the
+/// token texts its logprobs need.
+#[derive(Debug, Clone, Copy)]
+pub struct Generation<'a> {
+    pub prompts: &'a [PreparedPrompt],
+    pub params: &'a GenerationParams,
+    pub texts: &'a TokenTexts,
+}
+
+/// What a generation route adds to [`handle`]: how it reads a request, and its wire format
+/// (a streaming formatter and a whole response).
+pub trait GenerationRoute {
+    /// The request field that holds the prompt (`prompt` or `messages`), for engine refusals.
+    const PROMPT_PARAM: &'static str;
+    type Formatter: ChunkFormatter;
     type Response: Serialize;
 
+    /// Parses and validates the request body into tokenized prompts and their parameters.
+    fn prepare(app: &AppState, body: &Value) -> Result<Prepared, ApiError>;
+
     /// The streaming formatter, around the state every route's stream keeps.
-    fn streaming(base: StreamBase, prompts: &[PreparedPrompt], params: &GenerationParams) -> Self;
+    fn streaming(base: StreamBase, generation: Generation<'_>) -> Self::Formatter;
 
     /// The whole response once every choice is collected.
     fn full_response(
         head: Head,
-        prompts: &[PreparedPrompt],
-        params: &GenerationParams,
-        texts: &TokenTexts,
+        generation: Generation<'_>,
         collected: Vec<Collected>,
     ) -> Self::Response;
 }
 
-/// The tail both generation routes share: starts the engine requests for `prompts`, then
-/// streams `R`'s chunks or collects `R`'s whole response. `prompt_param` names the request
-/// field that holds the prompt, for engine refusals.
-pub async fn respond<R: GenerationRoute>(
-    app: &AppState,
-    request_id: String,
-    prompts: &[PreparedPrompt],
-    params: &GenerationParams,
-    prompt_param: &'static str,
-    arrival: Instant,
+/// The handler of a generation route: prepares the request, starts its engine requests, then
+/// streams `R`'s chunks or collects `R`'s whole response.
+pub async fn handle<R: GenerationRoute>(
+    State(app): State<Arc<AppState>>,
+    Extension(RequestId(request_id)): Extension<RequestId>,
+    ApiJson(body): ApiJson<Value>,
 ) -> Result<Response, ApiError> {
+    let arrival = Instant::now();
+    let (prompts, params) = R::prepare(&app, &body)?;
     let spec = LaunchSpec {
         request_id: &request_id,
         n: params.n,
         stop: &params.stop,
-        prompt_param,
+        prompt_param: R::PROMPT_PARAM,
         arrival,
     };
-    let choices = launch(&app.engine, &app.metrics, prompts, &spec).await?;
+    let choices = launch(&app.engine, &app.metrics, &prompts, &spec).await?;
     let head = Head {
         id: request_id,
         created: unix_now(),
         model: app.config.served_model_name.clone(),
     };
+    let generation = Generation {
+        prompts: &prompts,
+        params: &params,
+        texts: &app.texts,
+    };
     if params.stream {
-        let base = StreamBase::new(head, prompts, params, app.texts.clone());
-        return Ok(sse_response(choices, R::streaming(base, prompts, params)));
+        let base = StreamBase::new(head, &prompts, &params, app.texts.clone());
+        return Ok(sse_response(choices, R::streaming(base, generation)));
     }
     let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
-    let response = R::full_response(head, prompts, params, &app.texts, collected);
-    Ok(Json(response).into_response())
+    Ok(Json(R::full_response(head, generation, collected)).into_response())
 }
 
-/// Maps every collected choice through `choice` (given its `finish_reason` and
-/// `stop_reason`), adding up the request's usage on the way.
-pub fn collect_choices<C>(
-    prompts: &[PreparedPrompt],
-    n: u32,
-    collected: Vec<Collected>,
-    mut choice: impl FnMut(Collected, &'static str, Option<StopReasonJson>) -> C,
-) -> (Vec<C>, Usage) {
-    let mut usage = UsageTally::new(prompts, n);
-    let choices = collected
-        .into_iter()
-        .map(|c| {
-            usage.add(c.index, &c.token_ids, c.finish.as_ref());
-            let (finish_reason, stop_reason) = finish_fields(c.finish.as_ref());
-            choice(c, finish_reason, stop_reason)
-        })
-        .collect();
-    (choices, usage.usage())
+impl Generation<'_> {
+    /// Maps every collected choice through `choice` (given its `finish_reason` and
+    /// `stop_reason`), adding up the request's usage on the way.
+    pub fn collect_choices<C>(
+        self,
+        collected: Vec<Collected>,
+        mut choice: impl FnMut(Collected, &'static str, Option<StopReasonJson>) -> C,
+    ) -> (Vec<C>, Usage) {
+        let mut usage = UsageTally::new(self.prompts, self.params.n);
+        let choices = collected
+            .into_iter()
+            .map(|c| {
+                usage.add(c.index, &c.token_ids, c.finish.as_ref());
+                let (finish_reason, stop_reason) = finish_fields(c.finish.as_ref());
+                choice(c, finish_reason, stop_reason)
+            })
+            .collect();
+        (choices, usage.usage())
+    }
 }
 
 /// What every route's streaming formatter keeps: the head, the output options, the token

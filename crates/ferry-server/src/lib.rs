@@ -11,8 +11,9 @@
 //! client that goes away aborts its requests and frees their KV blocks.
 //!
 //! Modules: [`extract`] (JSON bodies, request ids), [`request`] / [`response`] (wire types),
-//! [`params`] (validation), [`chat_template`], [`generate`] (engine requests, `n`, usage),
-//! [`sse`] (streaming), [`completions`], [`chat`], [`routes`] (the small routes),
+//! [`params`] (validation), [`chat_template`], [`generate`] (the one handler of both
+//! generation routes: engine requests, `n`, usage), [`sse`] (streaming), [`completions`] and
+//! [`chat`] (each route's request parsing and wire format), [`routes`] (the small routes),
 //! [`metrics`], [`logprobs`], [`state`].
 
 pub mod chat;
@@ -90,8 +91,11 @@ impl ServerConfig {
 pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
     let state = Arc::new(app_state(engine, config));
     Router::new()
-        .route("/v1/completions", post(completions::completions))
-        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route(
+            "/v1/completions",
+            post(generate::handle::<completions::Completions>),
+        )
+        .route("/v1/chat/completions", post(generate::handle::<chat::Chat>))
         .route("/v1/models", get(routes::models))
         .route("/health", get(routes::health))
         .route("/version", get(routes::version))
