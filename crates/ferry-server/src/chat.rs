@@ -1,70 +1,93 @@
 //! `POST /v1/chat/completions`: messages rendered through the model's chat template, then
 //! generated like a completion; streaming or not.
 
-use std::sync::Arc;
-use std::time::Instant;
-
-use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
 use ferry_engine::OutputChunk;
 
 use crate::error::ApiError;
-use crate::extract::{ApiJson, RequestId};
-use crate::generate::{finish_fields, launch, Collected, LaunchSpec, PreparedPrompt, UsageTally};
-use crate::logprobs::{chat_logprobs, TokenTexts};
+use crate::generate::{
+    Collected, Generation, GenerationRoute, Head, Prepared, PreparedPrompt, StreamBase,
+};
+use crate::logprobs::chat_logprobs;
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
 use crate::request::{ChatFields, ChatRequest};
 use crate::response::{
-    AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta, Usage,
+    AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta,
 };
-use crate::sse::{sse_response, to_json, ChunkFormatter};
-use crate::state::{unix_now, AppState};
+use crate::sse::{to_json, ChunkFormatter};
+use crate::state::AppState;
 use serde_json::Value;
 
-pub async fn chat_completions(
-    State(app): State<Arc<AppState>>,
-    Extension(RequestId(request_id)): Extension<RequestId>,
-    ApiJson(body): ApiJson<Value>,
-) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    let req = ChatRequest::from_json(&body)?;
-    app.check_model(req.common.model.as_deref())?;
-    let logprobs = check_chat_logprobs(req.own.logprobs, req.own.top_logprobs, &app.limits)?;
-    // `max_completion_tokens` replaces the deprecated `max_tokens`; either is accepted.
-    let max_tokens = match req.own.max_completion_tokens {
-        Some(v) => (Some(v), "max_completion_tokens"),
-        None => (req.common.max_tokens, "max_tokens"),
-    };
-    let params = GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
-    req.unsupported.check(i64::from(params.n))?;
-    let prompt = render_prompt(&app, &req.own)?;
-    let prompts = [PreparedPrompt {
-        sampling: params.for_prompt(prompt.len(), &app.limits)?,
-        tokens: prompt,
-    }];
-    let spec = LaunchSpec {
-        request_id: &request_id,
-        n: params.n,
-        stop: &params.stop,
-        prompt_param: "messages",
-        arrival,
-    };
-    let choices = launch(&app.engine, &app.metrics, &prompts, &spec).await?;
-    let head = Head {
-        id: request_id,
-        created: unix_now(),
-        model: app.config.served_model_name.clone(),
-    };
-    if params.stream {
-        let formatter = Formatter::new(head, &prompts, &params, app.texts.clone());
-        return Ok(sse_response(choices, formatter));
+/// The chat route, for [`crate::generate::handle`].
+#[derive(Debug)]
+pub struct Chat;
+
+impl GenerationRoute for Chat {
+    const PROMPT_PARAM: &'static str = "messages";
+    type Formatter = Formatter;
+    type Response = ChatResponse;
+
+    fn prepare(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
+        let req = ChatRequest::from_json(body)?;
+        app.check_model(req.common.model.as_deref())?;
+        let logprobs = check_chat_logprobs(req.own.logprobs, req.own.top_logprobs, &app.limits)?;
+        // `max_completion_tokens` replaces the deprecated `max_tokens`; either is accepted.
+        let max_tokens = match req.own.max_completion_tokens {
+            Some(v) => (Some(v), "max_completion_tokens"),
+            None => (req.common.max_tokens, "max_tokens"),
+        };
+        let params = GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
+        req.unsupported.check(i64::from(params.n))?;
+        let prompt = render_prompt(app, &req.own)?;
+        let prompts = vec![PreparedPrompt {
+            sampling: params.for_prompt(prompt.len(), &app.limits)?,
+            tokens: prompt,
+        }];
+        Ok((prompts, params))
     }
-    let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
-    Ok(Json(full_response(
-        head, &prompts, &params, &app.texts, collected,
-    ))
-    .into_response())
+
+    fn streaming(base: StreamBase, generation: Generation<'_>) -> Formatter {
+        Formatter {
+            base,
+            prompt: generation.prompts[0].tokens.clone(),
+            n_choices: generation.params.n as usize,
+        }
+    }
+
+    fn full_response(
+        head: Head,
+        generation: Generation<'_>,
+        collected: Vec<Collected>,
+    ) -> ChatResponse {
+        let Generation {
+            prompts,
+            params,
+            texts,
+        } = generation;
+        let (choices, usage) =
+            generation.collect_choices(collected, |c, finish_reason, stop_reason| ChatChoice {
+                index: c.index,
+                logprobs: params
+                    .sampling
+                    .logprobs
+                    .map(|_| chat_logprobs(texts, &c.logprobs)),
+                message: AssistantMessage {
+                    role: "assistant",
+                    content: c.text,
+                },
+                finish_reason: Some(finish_reason),
+                stop_reason,
+                token_ids: params.return_token_ids.then_some(c.token_ids),
+            });
+        ChatResponse {
+            id: head.id,
+            object: "chat.completion",
+            created: head.created,
+            model: head.model,
+            choices,
+            usage,
+            prompt_token_ids: params.return_token_ids.then(|| prompts[0].tokens.clone()),
+        }
+    }
 }
 
 /// The messages through the chat template, tokenized (without adding special tokens: the
@@ -87,116 +110,39 @@ pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiEr
     Ok(tokens)
 }
 
-#[derive(Debug, Clone)]
-struct Head {
-    id: String,
-    created: u64,
-    model: String,
-}
-
-impl Head {
-    fn chunk(&self, choices: Vec<ChatChunkChoice>) -> ChatChunk {
-        ChatChunk {
-            id: self.id.clone(),
-            object: "chat.completion.chunk",
-            created: self.created,
-            model: self.model.clone(),
-            choices,
-            usage: None,
-            prompt_token_ids: None,
-        }
-    }
-}
-
-fn full_response(
-    head: Head,
-    prompts: &[PreparedPrompt],
-    params: &GenerationParams,
-    texts: &TokenTexts,
-    collected: Vec<Collected>,
-) -> ChatResponse {
-    let mut usage = UsageTally::new(prompts, params.n);
-    let choices = collected
-        .into_iter()
-        .map(|c| {
-            usage.add(c.index, &c.token_ids, c.finish.as_ref());
-            let (finish_reason, stop_reason) = finish_fields(c.finish.as_ref());
-            ChatChoice {
-                index: c.index,
-                logprobs: params
-                    .sampling
-                    .logprobs
-                    .map(|_| chat_logprobs(texts, &c.logprobs)),
-                message: AssistantMessage {
-                    role: "assistant",
-                    content: c.text,
-                },
-                finish_reason: Some(finish_reason),
-                stop_reason,
-                token_ids: params.return_token_ids.then_some(c.token_ids),
-            }
-        })
-        .collect();
-    ChatResponse {
-        id: head.id,
-        object: "chat.completion",
+/// A `chat.completion.chunk` with these choices.
+fn chat_chunk(head: &Head, choices: Vec<ChatChunkChoice>) -> ChatChunk {
+    ChatChunk {
+        id: head.id.clone(),
+        object: "chat.completion.chunk",
         created: head.created,
-        model: head.model,
+        model: head.model.clone(),
         choices,
-        usage: usage.usage(),
-        prompt_token_ids: params.return_token_ids.then(|| prompts[0].tokens.clone()),
+        usage: None,
+        prompt_token_ids: None,
     }
 }
 
 /// Streaming state.
-struct Formatter {
-    head: Head,
+#[derive(Debug)]
+pub struct Formatter {
+    base: StreamBase,
     prompt: Vec<u32>,
     n_choices: usize,
-    logprobs: bool,
-    return_token_ids: bool,
-    include_usage: bool,
-    texts: TokenTexts,
-    usage: UsageTally,
-}
-
-impl Formatter {
-    fn new(
-        head: Head,
-        prompts: &[PreparedPrompt],
-        params: &GenerationParams,
-        texts: TokenTexts,
-    ) -> Self {
-        Self {
-            head,
-            prompt: prompts[0].tokens.clone(),
-            n_choices: params.n as usize,
-            logprobs: params.sampling.logprobs.is_some(),
-            return_token_ids: params.return_token_ids,
-            include_usage: params.include_usage,
-            texts,
-            usage: UsageTally::new(prompts, params.n),
-        }
-    }
 }
 
 impl ChunkFormatter for Formatter {
     /// One role delta per choice, as OpenAI streams start; the first carries the prompt ids.
     fn start(&mut self) -> Vec<String> {
+        let return_token_ids = self.base.return_token_ids;
         (0..self.n_choices)
             .map(|index| {
-                let mut chunk = self.head.chunk(vec![ChatChunkChoice {
-                    index,
-                    delta: Delta {
-                        role: Some("assistant"),
-                        content: Some(String::new()),
-                    },
-                    logprobs: None,
-                    finish_reason: None,
-                    stop_reason: None,
-                    token_ids: self.return_token_ids.then(Vec::new),
-                }]);
-                if index == 0 && self.return_token_ids {
+                let token_ids = return_token_ids.then(Vec::new);
+                let mut chunk = chat_chunk(
+                    &self.base.head,
+                    vec![ChatChunkChoice::role_delta(index, token_ids)],
+                );
+                if index == 0 && return_token_ids {
                     chunk.prompt_token_ids = Some(self.prompt.clone());
                 }
                 to_json(&chunk)
@@ -204,38 +150,31 @@ impl ChunkFormatter for Formatter {
             .collect()
     }
 
-    fn chunk(&mut self, index: usize, chunk: OutputChunk) -> Vec<String> {
-        self.usage
-            .add(index, &chunk.token_ids, chunk.finish.as_ref());
-        let (finish_reason, stop_reason) = match &chunk.finish {
-            Some(f) => {
-                let (r, s) = finish_fields(Some(f));
-                (Some(r), s)
-            }
-            None => (None, None),
-        };
+    fn chunk(&mut self, index: usize, out: OutputChunk) -> Vec<String> {
+        let (finish_reason, stop_reason) = self.base.observe(index, &out);
         let choice = ChatChunkChoice {
             index,
             delta: Delta {
                 role: None,
-                content: (!chunk.text.is_empty() || chunk.finish.is_none()).then_some(chunk.text),
+                content: (!out.text.is_empty() || out.finish.is_none()).then_some(out.text),
             },
             logprobs: self
+                .base
                 .logprobs
-                .then(|| chat_logprobs(&self.texts, &chunk.logprobs)),
+                .then(|| chat_logprobs(&self.base.texts, &out.logprobs)),
             finish_reason,
             stop_reason,
-            token_ids: self.return_token_ids.then_some(chunk.token_ids),
+            token_ids: self.base.return_token_ids.then_some(out.token_ids),
         };
-        vec![to_json(&self.head.chunk(vec![choice]))]
+        vec![to_json(&chat_chunk(&self.base.head, vec![choice]))]
     }
 
     fn end(&mut self) -> Vec<String> {
-        if !self.include_usage {
+        let Some(usage) = self.base.final_usage() else {
             return Vec::new();
-        }
-        let mut chunk = self.head.chunk(Vec::new());
-        chunk.usage = Some(Usage::clone(&self.usage.usage()));
+        };
+        let mut chunk = chat_chunk(&self.base.head, Vec::new());
+        chunk.usage = Some(usage);
         vec![to_json(&chunk)]
     }
 }

@@ -1,6 +1,8 @@
 //! Running one HTTP generation request on the engine: `n` engine requests per prompt (distinct
 //! ids, seeds `seed + i`), each wrapped in a [`ChoiceStream`] that records latency metrics as
-//! chunks arrive; then either collected (non-streaming) or merged (streaming).
+//! chunks arrive; then either collected (non-streaming) or merged (streaming). [`handle`] is
+//! the one handler of both generation routes; each route supplies only its request parsing
+//! and its wire format through [`GenerationRoute`].
 //!
 //! Dropping a [`ChoiceStream`] drops its `GenerateStream`, which aborts the engine request:
 //! that is how a client disconnect frees its KV blocks.
@@ -8,15 +10,25 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use ferry_core::{AddError, SamplingParams, TokenId};
 use ferry_engine::{
     EngineError, EngineHandle, Finish, GenerateRequest, GenerateStream, OutputChunk, TokenLogprob,
 };
 use futures_util::stream::{self, BoxStream, StreamExt};
+use serde::Serialize;
+use serde_json::Value;
 
 use crate::error::ApiError;
-use crate::extract::next_engine_seq;
+use crate::extract::{next_engine_seq, ApiJson, RequestId};
+use crate::logprobs::TokenTexts;
 use crate::metrics::Metrics;
+use crate::params::GenerationParams;
+use crate::response::{StopReasonJson, Usage};
+use crate::sse::{sse_response, ChunkFormatter};
+use crate::state::{unix_now, AppState};
 
 /// One prompt, tokenized and validated, with its resolved sampling parameters.
 #[derive(Debug, Clone)]
@@ -207,8 +219,8 @@ impl UsageTally {
         }
     }
 
-    pub fn usage(&self) -> crate::response::Usage {
-        crate::response::Usage::new(
+    pub fn usage(&self) -> Usage {
+        Usage::new(
             self.prompt_lens.iter().sum(),
             self.completion_tokens,
             self.cached_tokens,
@@ -218,10 +230,7 @@ impl UsageTally {
 
 /// A finish as the wire's `finish_reason` and `stop_reason`. A stream that ended without a
 /// final chunk (the engine went away) reads as `abort`.
-pub fn finish_fields(
-    finish: Option<&Finish>,
-) -> (&'static str, Option<crate::response::StopReasonJson>) {
-    use crate::response::StopReasonJson;
+pub fn finish_fields(finish: Option<&Finish>) -> (&'static str, Option<StopReasonJson>) {
     use ferry_engine::StopReason;
     match finish {
         None => ("abort", None),
@@ -232,5 +241,157 @@ pub fn finish_fields(
                 StopReason::String(s) => StopReasonJson::Text(s.clone()),
             }),
         ),
+    }
+}
+
+/// The fields every response and streamed chunk of one request repeats.
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+/// A request's tokenized prompts and their parameters, as [`GenerationRoute::prepare`] reads
+/// them.
+pub type Prepared = (Vec<PreparedPrompt>, GenerationParams);
+
+/// One generation request once parsed and validated: its prompts and parameters, and the
+/// token texts its logprobs need.
+#[derive(Debug, Clone, Copy)]
+pub struct Generation<'a> {
+    pub prompts: &'a [PreparedPrompt],
+    pub params: &'a GenerationParams,
+    pub texts: &'a TokenTexts,
+}
+
+/// What a generation route adds to [`handle`]: how it reads a request, and its wire format
+/// (a streaming formatter and a whole response).
+pub trait GenerationRoute {
+    /// The request field that holds the prompt (`prompt` or `messages`), for engine refusals.
+    const PROMPT_PARAM: &'static str;
+    type Formatter: ChunkFormatter;
+    type Response: Serialize;
+
+    /// Parses and validates the request body into tokenized prompts and their parameters.
+    fn prepare(app: &AppState, body: &Value) -> Result<Prepared, ApiError>;
+
+    /// The streaming formatter, around the state every route's stream keeps.
+    fn streaming(base: StreamBase, generation: Generation<'_>) -> Self::Formatter;
+
+    /// The whole response once every choice is collected.
+    fn full_response(
+        head: Head,
+        generation: Generation<'_>,
+        collected: Vec<Collected>,
+    ) -> Self::Response;
+}
+
+/// The handler of a generation route: prepares the request, starts its engine requests, then
+/// streams `R`'s chunks or collects `R`'s whole response.
+pub async fn handle<R: GenerationRoute>(
+    State(app): State<Arc<AppState>>,
+    Extension(RequestId(request_id)): Extension<RequestId>,
+    ApiJson(body): ApiJson<Value>,
+) -> Result<Response, ApiError> {
+    let arrival = Instant::now();
+    let (prompts, params) = R::prepare(&app, &body)?;
+    let spec = LaunchSpec {
+        request_id: &request_id,
+        n: params.n,
+        stop: &params.stop,
+        prompt_param: R::PROMPT_PARAM,
+        arrival,
+    };
+    let choices = launch(&app.engine, &app.metrics, &prompts, &spec).await?;
+    let head = Head {
+        id: request_id,
+        created: unix_now(),
+        model: app.config.served_model_name.clone(),
+    };
+    let generation = Generation {
+        prompts: &prompts,
+        params: &params,
+        texts: &app.texts,
+    };
+    if params.stream {
+        let base = StreamBase::new(head, &prompts, &params, app.texts.clone());
+        return Ok(sse_response(choices, R::streaming(base, generation)));
+    }
+    let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
+    Ok(Json(R::full_response(head, generation, collected)).into_response())
+}
+
+impl Generation<'_> {
+    /// Maps every collected choice through `choice` (given its `finish_reason` and
+    /// `stop_reason`), adding up the request's usage on the way.
+    pub fn collect_choices<C>(
+        self,
+        collected: Vec<Collected>,
+        mut choice: impl FnMut(Collected, &'static str, Option<StopReasonJson>) -> C,
+    ) -> (Vec<C>, Usage) {
+        let mut usage = UsageTally::new(self.prompts, self.params.n);
+        let choices = collected
+            .into_iter()
+            .map(|c| {
+                usage.add(c.index, &c.token_ids, c.finish.as_ref());
+                let (finish_reason, stop_reason) = finish_fields(c.finish.as_ref());
+                choice(c, finish_reason, stop_reason)
+            })
+            .collect();
+        (choices, usage.usage())
+    }
+}
+
+/// What every route's streaming formatter keeps: the head, the output options, the token
+/// texts and the usage so far.
+#[derive(Debug, Clone)]
+pub struct StreamBase {
+    pub head: Head,
+    pub logprobs: bool,
+    pub return_token_ids: bool,
+    pub texts: TokenTexts,
+    include_usage: bool,
+    usage: UsageTally,
+}
+
+impl StreamBase {
+    pub fn new(
+        head: Head,
+        prompts: &[PreparedPrompt],
+        params: &GenerationParams,
+        texts: TokenTexts,
+    ) -> Self {
+        Self {
+            head,
+            logprobs: params.sampling.logprobs.is_some(),
+            return_token_ids: params.return_token_ids,
+            texts,
+            include_usage: params.include_usage,
+            usage: UsageTally::new(prompts, params.n),
+        }
+    }
+
+    /// Counts choice `index`'s chunk into the usage; returns the chunk's `finish_reason` and
+    /// `stop_reason` (both null but on a choice's last chunk).
+    pub fn observe(
+        &mut self,
+        index: usize,
+        chunk: &OutputChunk,
+    ) -> (Option<&'static str>, Option<StopReasonJson>) {
+        self.usage
+            .add(index, &chunk.token_ids, chunk.finish.as_ref());
+        match &chunk.finish {
+            Some(f) => {
+                let (reason, stop_reason) = finish_fields(Some(f));
+                (Some(reason), stop_reason)
+            }
+            None => (None, None),
+        }
+    }
+
+    /// The usage for the stream's last chunk, if the client asked for it.
+    pub fn final_usage(&self) -> Option<Usage> {
+        self.include_usage.then(|| self.usage.usage())
     }
 }

@@ -11,8 +11,9 @@
 //! client that goes away aborts its requests and frees their KV blocks.
 //!
 //! Modules: [`extract`] (JSON bodies, request ids), [`request`] / [`response`] (wire types),
-//! [`params`] (validation), [`chat_template`], [`generate`] (engine requests, `n`, usage),
-//! [`sse`] (streaming), [`completions`], [`chat`], [`routes`] (the small routes),
+//! [`params`] (validation), [`chat_template`], [`generate`] (the one handler of both
+//! generation routes: engine requests, `n`, usage), [`sse`] (streaming), [`completions`] and
+//! [`chat`] (each route's request parsing and wire format), [`routes`] (the small routes),
 //! [`metrics`], [`logprobs`], [`state`].
 
 pub mod chat;
@@ -36,11 +37,11 @@ use std::sync::Arc;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
-use ferry_engine::{EngineHandle, EngineStats};
+use ferry_engine::EngineHandle;
 
 use crate::chat_template::ChatTemplate;
 use crate::logprobs::TokenTexts;
-use crate::metrics::{EngineFigures, Metrics};
+use crate::metrics::Metrics;
 use crate::params::Limits;
 use crate::state::{unix_now, AppState};
 
@@ -90,8 +91,11 @@ impl ServerConfig {
 pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
     let state = Arc::new(app_state(engine, config));
     Router::new()
-        .route("/v1/completions", post(completions::completions))
-        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route(
+            "/v1/completions",
+            post(generate::handle::<completions::Completions>),
+        )
+        .route("/v1/chat/completions", post(generate::handle::<chat::Chat>))
         .route("/v1/models", get(routes::models))
         .route("/health", get(routes::health))
         .route("/version", get(routes::version))
@@ -136,7 +140,7 @@ fn app_state(engine: EngineHandle, config: ServerConfig) -> AppState {
         }),
     };
     let stats_engine = engine.clone();
-    let metrics = Arc::new(Metrics::new(move || figures(&stats_engine.stats())));
+    let metrics = Arc::new(Metrics::new(move || stats_engine.stats()));
     AppState {
         texts: TokenTexts::new(engine.tokenizer().cloned()),
         engine,
@@ -145,24 +149,5 @@ fn app_state(engine: EngineHandle, config: ServerConfig) -> AppState {
         template,
         metrics,
         started_unix_s: unix_now(),
-    }
-}
-
-fn figures(s: &EngineStats) -> EngineFigures {
-    EngineFigures {
-        n_running: s.scheduler.n_running,
-        n_waiting: s.scheduler.n_waiting,
-        n_blocks_used: s.scheduler.n_blocks_used,
-        n_blocks_free: s.scheduler.n_blocks_free,
-        n_blocks_total: s.n_blocks_total,
-        prefix_hit_tokens: s.scheduler.prefix_hit_tokens,
-        prefix_query_tokens: s.scheduler.prefix_query_tokens,
-        n_preemptions: s.scheduler.n_preemptions,
-        n_steps: s.n_steps,
-        step_seconds_total: s.step_seconds_total,
-        forward_seconds_total: s.forward_seconds_total,
-        n_generated_tokens_total: s.n_generated_tokens_total,
-        n_requests_finished_total: s.n_requests_finished_total,
-        n_step_failures_total: s.n_step_failures_total,
     }
 }

@@ -6,6 +6,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use ferry_engine::EngineStats;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -13,26 +14,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// The engine figures /metrics exports, copied out of the engine's stats snapshot.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct EngineFigures {
-    pub n_running: usize,
-    pub n_waiting: usize,
-    pub n_blocks_used: usize,
-    pub n_blocks_free: usize,
-    pub n_blocks_total: usize,
-    pub prefix_hit_tokens: u64,
-    pub prefix_query_tokens: u64,
-    pub n_preemptions: u64,
-    pub n_steps: u64,
-    pub step_seconds_total: f64,
-    pub forward_seconds_total: f64,
-    pub n_generated_tokens_total: u64,
-    pub n_requests_finished_total: u64,
-    pub n_step_failures_total: u64,
-}
-
-type FiguresFn = dyn Fn() -> EngineFigures + Send + Sync;
+type StatsFn = dyn Fn() -> EngineStats + Send + Sync;
 
 /// Histograms and counters the server records, and the registry that renders them.
 #[derive(Debug)]
@@ -57,8 +39,8 @@ const REQUEST_BUCKETS: [f64; 14] = [
 ];
 
 impl Metrics {
-    /// `figures` is called on every scrape to read the engine's latest snapshot.
-    pub fn new(figures: impl Fn() -> EngineFigures + Send + Sync + 'static) -> Self {
+    /// `stats` is called on every scrape to read the engine's latest snapshot.
+    pub fn new(stats: impl Fn() -> EngineStats + Send + Sync + 'static) -> Self {
         let mut registry = Registry::with_prefix("ferry");
         let ttft_seconds = Histogram::new(TTFT_BUCKETS);
         let itl_seconds = Histogram::new(ITL_BUCKETS);
@@ -85,7 +67,7 @@ impl Metrics {
             prompt_tokens.clone(),
         );
         registry.register_collector(Box::new(EngineCollector {
-            figures: Arc::new(figures),
+            stats: Arc::new(stats),
         }));
         Self {
             registry,
@@ -122,7 +104,7 @@ impl Metrics {
 
 /// Reads the engine's snapshot at scrape time (the engine thread is never touched).
 struct EngineCollector {
-    figures: Arc<FiguresFn>,
+    stats: Arc<StatsFn>,
 }
 
 impl fmt::Debug for EngineCollector {
@@ -133,32 +115,33 @@ impl fmt::Debug for EngineCollector {
 
 impl Collector for EngineCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
-        let s = (self.figures)();
-        let hit_rate = if s.prefix_query_tokens == 0 {
+        let s = (self.stats)();
+        let sched = &s.scheduler;
+        let hit_rate = if sched.prefix_query_tokens == 0 {
             0.0
         } else {
-            s.prefix_hit_tokens as f64 / s.prefix_query_tokens as f64
+            sched.prefix_hit_tokens as f64 / sched.prefix_query_tokens as f64
         };
         let gauges: [(&str, &str, f64); 6] = [
             (
                 "num_requests_running",
                 "Requests running in the engine",
-                s.n_running as f64,
+                sched.n_running as f64,
             ),
             (
                 "num_requests_waiting",
                 "Requests waiting in the engine",
-                s.n_waiting as f64,
+                sched.n_waiting as f64,
             ),
             (
                 "kv_blocks_used",
                 "KV blocks held by requests",
-                s.n_blocks_used as f64,
+                sched.n_blocks_used as f64,
             ),
             (
                 "kv_blocks_free",
                 "KV blocks free (cached or not)",
-                s.n_blocks_free as f64,
+                sched.n_blocks_free as f64,
             ),
             (
                 "kv_blocks_total",
@@ -179,17 +162,17 @@ impl Collector for EngineCollector {
             (
                 "prefix_cache_hit_tokens",
                 "Prompt tokens found in the prefix cache",
-                s.prefix_hit_tokens as f64,
+                sched.prefix_hit_tokens as f64,
             ),
             (
                 "prefix_cache_query_tokens",
                 "Prompt tokens looked up in the prefix cache",
-                s.prefix_query_tokens as f64,
+                sched.prefix_query_tokens as f64,
             ),
             (
                 "preemptions",
                 "Requests preempted for lack of KV blocks",
-                s.n_preemptions as f64,
+                sched.n_preemptions as f64,
             ),
             ("engine_steps", "Engine steps", s.n_steps as f64),
             (
@@ -229,6 +212,7 @@ impl Collector for EngineCollector {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferry_engine::SchedulerStats;
 
     /// `name value` of every sample line, for exact checks.
     fn samples(text: &str) -> Vec<(String, f64)> {
@@ -251,17 +235,23 @@ mod tests {
 
     #[test]
     fn renders_engine_figures_and_histograms() {
-        let m = Metrics::new(|| EngineFigures {
-            n_running: 3,
-            n_waiting: 2,
-            n_blocks_used: 10,
-            n_blocks_free: 5,
-            prefix_hit_tokens: 1,
-            prefix_query_tokens: 4,
+        let m = Metrics::new(|| EngineStats {
+            scheduler: SchedulerStats {
+                n_running: 3,
+                n_waiting: 2,
+                n_blocks_used: 10,
+                n_blocks_free: 5,
+                prefix_hit_tokens: 1,
+                prefix_query_tokens: 4,
+                // The engine's own step count is the one exported.
+                n_steps: 99,
+                ..SchedulerStats::default()
+            },
+            n_steps: 7,
             step_seconds_total: 2.0,
             forward_seconds_total: 1.5,
             n_generated_tokens_total: 42,
-            ..EngineFigures::default()
+            ..EngineStats::default()
         });
         m.observe_ttft(0.03);
         m.observe_itl(0.002);
@@ -277,6 +267,7 @@ mod tests {
         assert_eq!(get(&text, "ferry_engine_step_seconds_total"), 2.0);
         assert_eq!(get(&text, "ferry_engine_forward_seconds_total"), 1.5);
         assert_eq!(get(&text, "ferry_generation_tokens_total"), 42.0);
+        assert_eq!(get(&text, "ferry_engine_steps_total"), 7.0);
         assert_eq!(get(&text, "ferry_prompt_tokens_total"), 7.0);
         assert_eq!(get(&text, "ferry_time_to_first_token_seconds_count"), 1.0);
         assert_eq!(get(&text, "ferry_inter_token_latency_seconds_count"), 2.0);

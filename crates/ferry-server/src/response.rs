@@ -172,6 +172,23 @@ pub struct ChatChunkChoice {
     pub token_ids: Option<Vec<TokenId>>,
 }
 
+impl ChatChunkChoice {
+    /// A stream's opening chunk for choice `index`: the assistant role and empty content.
+    pub fn role_delta(index: usize, token_ids: Option<Vec<TokenId>>) -> Self {
+        Self {
+            index,
+            delta: Delta {
+                role: Some("assistant"),
+                content: Some(String::new()),
+            },
+            logprobs: None,
+            finish_reason: None,
+            stop_reason: None,
+            token_ids,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -236,17 +253,7 @@ mod tests {
             object: "chat.completion.chunk",
             created: 1,
             model: "m".into(),
-            choices: vec![ChatChunkChoice {
-                index: 0,
-                delta: Delta {
-                    role: Some("assistant"),
-                    content: Some(String::new()),
-                },
-                logprobs: None,
-                finish_reason: None,
-                stop_reason: None,
-                token_ids: None,
-            }],
+            choices: vec![ChatChunkChoice::role_delta(0, None)],
             usage: None,
             prompt_token_ids: None,
         };

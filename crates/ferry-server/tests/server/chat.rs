@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use crate::support::{ids, start, Options, MODEL};
+use crate::support::{assert_usage_after_cached_rerun, ids, start, Options, MODEL};
 
 fn messages() -> Value {
     json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}])
@@ -37,18 +37,7 @@ async fn chat_stream_equals_non_stream_and_prompt_ids_equal_tokenize() {
     streamed["stream_options"] = json!({"include_usage": true});
     let events = s.stream("/v1/chat/completions", &streamed).await;
     let (usage_event, chunks) = events.split_last().unwrap();
-    // Same usage, except that the second run found the prompt in the prefix cache (all but the
-    // last token, which is always computed, rounded down to whole blocks of 4).
-    let (u, f) = (&usage_event["usage"], &full["usage"]);
-    for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
-        assert_eq!(u[k], f[k], "{k}");
-    }
-    assert_eq!(f["prompt_tokens_details"]["cached_tokens"], 0);
-    let n_prompt = f["prompt_tokens"].as_u64().unwrap();
-    assert_eq!(
-        u["prompt_tokens_details"]["cached_tokens"].as_u64(),
-        Some((n_prompt - 1) / 4 * 4)
-    );
+    assert_usage_after_cached_rerun(&usage_event["usage"], &full["usage"]);
     assert_eq!(usage_event["choices"], json!([]));
     // The first chunk is the role delta, with the prompt ids.
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");

@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use crate::support::{ids, start, Options, MODEL};
+use crate::support::{assert_usage_after_cached_rerun, ids, start, Options, MODEL};
 
 const PROMPT: &str = "the quick brown fox and the lazy dog";
 
@@ -41,18 +41,7 @@ async fn greedy_stream_equals_non_stream_and_prompt_ids_equal_tokenize() {
     let events = s.stream("/v1/completions", &streamed).await;
     let (usage_event, chunks) = events.split_last().unwrap();
     assert_eq!(usage_event["choices"], json!([]));
-    // Same usage, except that the second run found the prompt in the prefix cache (all but the
-    // last token, which is always computed, rounded down to whole blocks of 4).
-    let (u, f) = (&usage_event["usage"], &full["usage"]);
-    for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
-        assert_eq!(u[k], f[k], "{k}");
-    }
-    assert_eq!(f["prompt_tokens_details"]["cached_tokens"], 0);
-    let n_prompt = f["prompt_tokens"].as_u64().unwrap();
-    assert_eq!(
-        u["prompt_tokens_details"]["cached_tokens"].as_u64(),
-        Some((n_prompt - 1) / 4 * 4)
-    );
+    assert_usage_after_cached_rerun(&usage_event["usage"], &full["usage"]);
     let mut stream_text = String::new();
     let mut stream_tokens = Vec::new();
     for (i, c) in chunks.iter().enumerate() {
@@ -319,13 +308,7 @@ async fn request_ids_are_echoed_and_may_repeat() {
         assert_eq!(v["id"], "client-id-1");
     }
     // Without one, an id is generated and returned in both places.
-    let resp = s
-        .http
-        .post(s.url("/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = s.send_post("/v1/completions", &body).await;
     let header = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
     let v: Value = resp.json().await.unwrap();
     assert_eq!(v["id"], header);

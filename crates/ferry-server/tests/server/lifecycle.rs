@@ -22,36 +22,14 @@ async fn full_queue_is_a_503_and_accepted_requests_finish() {
     let body = json!({"prompt": "hello", "max_tokens": 3, "ignore_eos": true});
     // Hold the engine inside its first step.
     let guard = s.gate.lock().unwrap();
-    let first = tokio::spawn({
-        let (http, url, body) = (s.http.clone(), s.url("/v1/completions"), body.clone());
-        async move {
-            http.post(url)
-                .json(&body)
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        }
-    });
+    let first = s.spawn_post("/v1/completions", &body);
     let deadline = Instant::now() + Duration::from_secs(10);
     while s.n_steps.load(Ordering::SeqCst) == 0 {
         assert!(Instant::now() < deadline, "the engine never started a step");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // The second request takes the queue's one slot and waits for the engine...
-    let second = tokio::spawn({
-        let (http, url, body) = (s.http.clone(), s.url("/v1/completions"), body.clone());
-        async move {
-            http.post(url)
-                .json(&body)
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        }
-    });
+    let second = s.spawn_post("/v1/completions", &body);
     while s.engine.n_queued_inputs() == 0 {
         assert!(Instant::now() < deadline, "the second request never queued");
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -73,13 +51,7 @@ async fn disconnect_mid_stream_aborts_and_frees_blocks() {
     })
     .await;
     let body = json!({"prompt": "hello", "max_tokens": 80, "ignore_eos": true, "stream": true});
-    let mut resp = s
-        .http
-        .post(s.url("/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let mut resp = s.send_post("/v1/completions", &body).await;
     assert_eq!(resp.status().as_u16(), 200);
     let mut received = String::new();
     while received.matches("data: ").count() < 3 {
@@ -145,15 +117,7 @@ async fn concurrent_clients_get_the_tokens_they_get_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopped_engine_is_unhealthy_and_refuses_with_503() {
     let s = start(Options::default()).await;
-    let health = || async {
-        s.http
-            .get(s.url("/health"))
-            .send()
-            .await
-            .unwrap()
-            .status()
-            .as_u16()
-    };
+    let health = || async { s.get("/health").await.status().as_u16() };
     assert_eq!(health().await, 200);
     s.engine.shutdown().await.unwrap();
     assert_eq!(health().await, 503);

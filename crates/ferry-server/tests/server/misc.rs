@@ -8,32 +8,16 @@ use crate::support::{ids, metric, start, Options, MAX_MODEL_LEN, MODEL};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_version_and_unknown_routes() {
     let s = start(Options::default()).await;
-    let models: serde_json::Value = s
-        .http
-        .get(s.url("/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = s.get_json("/v1/models").await;
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], MODEL);
     assert_eq!(
         models["data"][0]["max_model_len"].as_u64(),
         Some(MAX_MODEL_LEN as u64)
     );
-    let version: serde_json::Value = s
-        .http
-        .get(s.url("/version"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let version = s.get_json("/version").await;
     assert_eq!(version["version"], env!("CARGO_PKG_VERSION"));
-    let resp = s.http.get(s.url("/v1/nope")).send().await.unwrap();
+    let resp = s.get("/v1/nope").await;
     assert_eq!(resp.status().as_u16(), 404);
     assert!(resp.headers().contains_key("x-request-id"));
 }

@@ -133,15 +133,36 @@ impl Server {
         format!("{}{path}", self.base)
     }
 
-    /// POSTs `body`; returns the status and the JSON body.
-    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let resp = self
-            .http
+    /// POSTs `body` as JSON; the raw response.
+    pub async fn send_post(&self, path: &str, body: &Value) -> reqwest::Response {
+        self.http
             .post(self.url(path))
             .json(body)
             .send()
             .await
-            .unwrap();
+            .unwrap()
+    }
+
+    /// GETs `path`; the raw response.
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        self.http.get(self.url(path)).send().await.unwrap()
+    }
+
+    /// GETs `path`; its JSON body.
+    pub async fn get_json(&self, path: &str) -> Value {
+        self.get(path).await.json().await.unwrap()
+    }
+
+    /// POSTs `body` from a task of its own (so the test can go on while it waits); the task
+    /// returns the status.
+    pub fn spawn_post(&self, path: &str, body: &Value) -> tokio::task::JoinHandle<u16> {
+        let request = self.http.post(self.url(path)).json(body);
+        tokio::spawn(async move { request.send().await.unwrap().status().as_u16() })
+    }
+
+    /// POSTs `body`; returns the status and the JSON body.
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let resp = self.send_post(path, body).await;
         let status = resp.status().as_u16();
         let text = resp.text().await.unwrap();
         let json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
@@ -157,13 +178,7 @@ impl Server {
 
     /// POSTs a streaming request; returns the data events (JSON), checking the `[DONE]` end.
     pub async fn stream(&self, path: &str, body: &Value) -> Vec<Value> {
-        let resp = self
-            .http
-            .post(self.url(path))
-            .json(body)
-            .send()
-            .await
-            .unwrap();
+        let resp = self.send_post(path, body).await;
         assert_eq!(resp.status().as_u16(), 200);
         let ctype = resp.headers()["content-type"].to_str().unwrap().to_owned();
         assert!(ctype.starts_with("text/event-stream"), "{ctype}");
@@ -184,14 +199,7 @@ impl Server {
     }
 
     pub async fn metrics(&self) -> String {
-        self.http
-            .get(self.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        self.get("/metrics").await.text().await.unwrap()
     }
 }
 
@@ -221,6 +229,22 @@ pub fn metric(text: &str, name: &str) -> f64 {
             (n == name).then(|| v.parse().unwrap())
         })
         .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+/// A streamed request's usage (`streamed`) against the same request's non-streaming usage
+/// (`full`), run first: the same counts, except that the second run found the prompt in the
+/// prefix cache (all but the last token, which is always computed, rounded down to whole
+/// blocks of 4).
+pub fn assert_usage_after_cached_rerun(streamed: &Value, full: &Value) {
+    for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(streamed[k], full[k], "{k}");
+    }
+    assert_eq!(full["prompt_tokens_details"]["cached_tokens"], 0);
+    let n_prompt = full["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        streamed["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some((n_prompt - 1) / 4 * 4)
+    );
 }
 
 /// Token ids of a JSON array.
