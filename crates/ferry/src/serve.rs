@@ -26,6 +26,7 @@ pub struct Args {
     /// The model name clients use (default: the model's file or folder name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Address to listen on (`0.0.0.0` for every interface).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 8000)]
@@ -56,6 +57,7 @@ pub struct Args {
     /// HTTP 503.
     #[arg(long, default_value_t = 4096)]
     pub max_queued_inputs: usize,
+    /// Compute every prompt in full instead of reusing cached KV blocks of shared prefixes.
     #[arg(long)]
     pub disable_prefix_caching: bool,
     /// Python whose pip fetches the default model.
