@@ -5,12 +5,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use ferry_core::{FinishReason, Scheduler, SchedulerConfig};
+use ferry_core::{Scheduler, SchedulerConfig};
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore, TryAcquireError};
 
 use crate::engine::EngineLoop;
-use crate::input::{AddInput, EngineFinish, Event, Input, Queued, Utility};
+use crate::input::{AddInput, Input, Queued, Utility};
 use crate::stream::{GenerateStream, StreamSetup};
 use crate::{EngineConfig, EngineError, EngineStats, GenerateRequest};
 
@@ -88,11 +88,10 @@ impl std::fmt::Debug for EngineHandle {
 impl EngineHandle {
     /// Queues the request and resolves once the engine thread has accepted it (between two
     /// steps) or refused it. Errors: `Overloaded` (queue full, immediate), `Rejected`,
-    /// `NoTokenizer`, `Stopped`.
+    /// `NoTokenizer`, `TokenOutOfVocabulary`, `Stopped`.
     ///
     /// A prompt token outside the executor's vocabulary never reaches the engine (the
-    /// executor would fail the whole batch's step): the stream ends at once with
-    /// `FinishReason::Error`. Callers should validate ids first and answer a clear error.
+    /// executor would fail the whole batch's step): `TokenOutOfVocabulary`.
     pub async fn generate(&self, req: GenerateRequest) -> Result<GenerateStream, EngineError> {
         let needs_text = req.detokenize || !req.stop.is_empty();
         if needs_text && self.inner.tokenizer.is_none() {
@@ -114,14 +113,7 @@ impl EngineHandle {
         }
         let vocab_size = self.inner.vocab_size;
         if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= vocab_size) {
-            tracing::warn!(
-                request_id = setup.request_id,
-                token,
-                vocab_size,
-                "prompt token outside the vocabulary: the request ends with an error"
-            );
-            let _ = events_tx.send(error_finish());
-            return Ok(GenerateStream::new(setup, events_rx, self.inner.tx.clone()));
+            return Err(EngineError::TokenOutOfVocabulary { token, vocab_size });
         }
         let permit = self.permit()?;
         let add = AddInput {
@@ -235,17 +227,6 @@ impl EngineHandle {
             .tx
             .send(Queued { input, permit })
             .map_err(|_| EngineError::Stopped)
-    }
-}
-
-/// The one event of a request that ends with an error before reaching the engine.
-fn error_finish() -> Event {
-    Event::Output {
-        sampled: None,
-        finish: Some(EngineFinish {
-            reason: FinishReason::Error,
-            stop_token: None,
-        }),
     }
 }
 

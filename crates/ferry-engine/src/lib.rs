@@ -126,6 +126,10 @@ pub enum EngineError {
     Rejected(ferry_core::AddError),
     #[error("stop strings or text output need a tokenizer, and this model has none")]
     NoTokenizer,
+    /// A prompt token the executor has no embedding for; refused before it reaches the
+    /// engine, where it would fail the whole batch's step.
+    #[error("prompt token {token} is outside the model's vocabulary of {vocab_size} tokens")]
+    TokenOutOfVocabulary { token: TokenId, vocab_size: usize },
     #[error("the engine has stopped")]
     Stopped,
     /// `spawn` only: the scheduler configuration is invalid.

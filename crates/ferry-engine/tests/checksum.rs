@@ -6,7 +6,7 @@ mod support;
 use std::collections::BTreeMap;
 
 use ferry_core::{FinishReason, SamplingParams, TokenId};
-use ferry_engine::{EngineHandle, GenerateRequest};
+use ferry_engine::{EngineError, EngineHandle, GenerateRequest};
 use support::*;
 
 fn request(id: &str, prompt: Vec<TokenId>, max_tokens: u32) -> GenerateRequest {
@@ -474,7 +474,7 @@ async fn a_slow_reader_gets_everything_merged_into_one_chunk() {
 }
 
 #[tokio::test]
-async fn a_prompt_token_outside_the_vocabulary_fails_only_its_request() {
+async fn a_prompt_token_outside_the_vocabulary_is_refused_and_harms_no_one() {
     let engine = engine(checksum(), small_config(64, 4));
     let good = engine
         .generate(request("good", vec![1, 2], 5))
@@ -482,10 +482,15 @@ async fn a_prompt_token_outside_the_vocabulary_fails_only_its_request() {
         .unwrap();
     let bad = engine
         .generate(request("bad", vec![1, VOCAB as TokenId], 5))
-        .await
-        .unwrap();
-    let bad = collect(bad).await;
-    assert_eq!((bad.tokens.len(), bad.reason()), (0, FinishReason::Error));
+        .await;
+    assert!(
+        matches!(
+            bad,
+            Err(EngineError::TokenOutOfVocabulary { token, vocab_size })
+                if token == VOCAB as TokenId && vocab_size == VOCAB
+        ),
+        "{bad:?}"
+    );
     let good = collect(good).await;
     assert_eq!(
         (good.tokens.len(), good.reason()),

@@ -174,6 +174,7 @@ pub fn engine_error(e: EngineError, prompt_param: &str) -> ApiError {
             ApiError::unavailable(e.to_string())
         }
         EngineError::NoTokenizer => ApiError::invalid("stop", e.to_string()),
+        EngineError::TokenOutOfVocabulary { .. } => ApiError::invalid(prompt_param, e.to_string()),
         EngineError::Rejected(add) => match add {
             AddError::ZeroMaxTokens { .. } => ApiError::invalid("max_tokens", add.to_string()),
             AddError::EmptyPrompt { .. }
