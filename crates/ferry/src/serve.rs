@@ -183,11 +183,11 @@ async fn shutdown_signal() {
 /// `--model`, with the default model fetched when it is not cached.
 fn resolve_model(args: &Args) -> anyhow::Result<ModelSpec> {
     let cache = crate::make_model::cache_dir()?;
-    let spec = ModelSpec::resolve(args.model.as_deref(), &cache);
-    if args.model.is_none() {
-        crate::fetch::ensure_default_model(&cache, &args.python)?;
-    }
-    Ok(spec)
+    Ok(match args.model.as_deref() {
+        // The fetcher knows where the default model lives; use the path it returns.
+        None => ModelSpec::Path(crate::fetch::ensure_default_model(&cache, &args.python)?),
+        Some(model) => ModelSpec::resolve(Some(model), &cache),
+    })
 }
 
 /// Loads the model with a progress bar over its tensors (none for `tiny`).
