@@ -34,6 +34,10 @@ pub struct KvCacheManager {
     enable_prefix_caching: bool,
     /// Blocks found by the latest `find_computed_blocks`, reused to avoid an allocation.
     hit_blocks: Vec<BlockId>,
+    /// The hash root of the weights now loaded, once the scheduler has set it: a request
+    /// whose chain has another root (it was running across a weight update, so its KV mixes
+    /// both weights) caches no further blocks.
+    current_root: Option<BlockHash>,
 }
 
 impl KvCacheManager {
@@ -43,7 +47,12 @@ impl KvCacheManager {
             block_size,
             enable_prefix_caching,
             hit_blocks: Vec::new(),
+            current_root: None,
         }
+    }
+
+    pub fn set_current_root(&mut self, root: BlockHash) {
+        self.current_root = Some(root);
     }
 
     pub fn pool(&self) -> &BlockPool {
@@ -144,7 +153,7 @@ impl KvCacheManager {
     /// registered when scheduled, before their KV is written: a request admitted later in the
     /// same step comes later in the plan, so the executor writes the KV before reading it.
     fn cache_full_blocks(&mut self, req: &mut Request, n_tokens: usize) {
-        if !self.enable_prefix_caching {
+        if !self.enable_prefix_caching || self.current_root.is_some_and(|r| r != req.hash_root) {
             return;
         }
         let n_full = (n_tokens.min(req.tokens.len()) / self.block_size)

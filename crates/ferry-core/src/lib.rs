@@ -36,8 +36,10 @@
 
 pub mod block_pool;
 pub mod config;
+pub mod connector;
 pub mod hash;
 pub mod kv_cache;
+pub mod lifecycle;
 pub mod ownership;
 pub mod plan;
 pub mod request;
@@ -45,6 +47,11 @@ pub mod sampling;
 pub mod scheduler;
 
 pub use config::{ConfigError, PauseState, SchedulerConfig};
+pub use connector::KvConnector;
+pub use lifecycle::{
+    LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
+    WeightsState,
+};
 pub use ownership::{BlockStatus, Owner, OwnershipError, TransferId};
 pub use plan::{
     BlockId, ModelOutput, ReqIdx, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenId,

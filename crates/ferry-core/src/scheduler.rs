@@ -17,6 +17,7 @@
 //! the plan, never to the number of waiting requests: the waiting queue is only looked at from
 //! its head.
 
+mod control;
 pub mod lifecycle;
 mod render;
 
@@ -123,6 +124,12 @@ pub struct Scheduler {
     /// In admission order: the last one is the first to be preempted.
     running: Vec<ReqIdx>,
     pause: PauseState,
+    /// Pending lifecycle operations and sleep state (`control.rs`).
+    control: control::Control,
+    connectors: Vec<Box<dyn crate::connector::KvConnector>>,
+    /// Counts weight-version changes; with the version it seeds the hash chains, so even a
+    /// version string used twice never lets a prefix hit cross a weight update.
+    weight_epoch: u64,
     hash_root: BlockHash,
     transfers: BTreeMap<TransferId, Vec<BlockId>>,
     next_transfer: u64,
@@ -139,13 +146,16 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
         config.validate()?;
+        let hash_root = chain_root(&config.weight_version);
+        let mut kv = KvCacheManager::new(
+            config.n_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+        );
+        kv.set_current_root(hash_root);
         Ok(Self {
-            kv: KvCacheManager::new(
-                config.n_blocks,
-                config.block_size,
-                config.enable_prefix_caching,
-            ),
-            hash_root: chain_root(&config.weight_version),
+            kv,
+            hash_root,
             config,
             requests: Vec::new(),
             free_slots: Vec::new(),
@@ -153,6 +163,9 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             pause: PauseState::Unpaused,
+            control: control::Control::default(),
+            connectors: Vec::new(),
+            weight_epoch: 0,
             transfers: BTreeMap::new(),
             next_transfer: 0,
             next_step: 0,
@@ -272,16 +285,20 @@ impl Scheduler {
         self.ids.get(id).copied()
     }
 
-    /// Plans the next step. Frozen: an empty plan. Paused with `NoAdmit`: running requests only.
+    /// Plans the next step. Frozen: an empty plan. Paused with `NoAdmit`: running requests and
+    /// preempted ones (admitted before the pause) only.
     pub fn schedule(&mut self) -> StepPlan {
+        self.poll_connectors();
         let mut decisions = std::mem::take(&mut self.decisions);
         decisions.clear();
         if self.pause != PauseState::Frozen {
             let budget = self.config.max_num_batched_tokens;
             let (budget, n_preempted) = self.schedule_running(budget, &mut decisions);
             // Admitting while preempting would only thrash: the blocks are not there.
-            if n_preempted == 0 && self.pause == PauseState::Unpaused {
-                self.schedule_waiting(budget, &mut decisions);
+            if n_preempted == 0 {
+                // A `wait` pause readmits preempted requests (they were admitted) only.
+                let readmit_only = self.pause == PauseState::NoAdmit;
+                self.schedule_waiting(budget, readmit_only, &mut decisions);
             }
         }
         let plan = self.finish_plan(&decisions);
@@ -340,7 +357,7 @@ impl Scheduler {
 
     /// Phase 2: waiting requests from the head of the queue (FCFS), while budget, seats and
     /// blocks allow. Stops at the first request that does not fit, keeping the order.
-    fn schedule_waiting(&mut self, mut budget: usize, out: &mut Vec<Decision>) {
+    fn schedule_waiting(&mut self, mut budget: usize, readmit_only: bool, out: &mut Vec<Decision>) {
         let block_size = self.config.block_size;
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&r) = self.waiting.front() else {
@@ -350,6 +367,11 @@ impl Scheduler {
                 self.waiting.pop_front();
                 continue;
             };
+            // Preempted requests sit at the head of the queue, so the first never-admitted
+            // one ends readmission.
+            if readmit_only && req.state == RequestState::Waiting {
+                break;
+            }
             self.kv.rehash_if_stale(req, &self.hash_root);
             let hit = self.kv.find_computed_blocks(req);
             let n_hit_tokens = hit.n_blocks() * block_size;

@@ -5,15 +5,20 @@
 //! `dispatch_outputs`), else `run_idle_work` and a blocking wait for the next input. Pending
 //! deferred replies are checked after every step and when idle.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry_core::{FinishReason, ReqIdx, RequestOutput, Scheduler, StepPlan};
+use ferry_core::{
+    FinishReason, LifecycleError, LifecycleEvent, OpId, ReqIdx, RequestOutput, Scheduler, StepPlan,
+    WakeTag, WeightsState,
+};
 use ferry_kv::KvArena;
-use ferry_model::{ExecError, Executor};
+use ferry_model::{ExecError, Executor, PreparedWeights};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::input::{AddInput, EngineFinish, Event, Input, Queued, Utility};
-use crate::{EngineError, EngineStats};
+use crate::input::{AddInput, EngineFinish, Event, Input, LifecycleCall, Queued, Reply, Utility};
+use crate::{EngineError, EngineStats, WeightInfo};
 
 /// Consecutive failed steps after which every live request is finished with `error`.
 pub(crate) const MAX_CONSECUTIVE_FAILURES: u32 = 3;
@@ -51,6 +56,14 @@ pub(crate) struct EngineLoop {
     /// Indexed by `ReqIdx`: the core reuses slots, so this stays as small as the peak load.
     live: Vec<Option<Live>>,
     deferred: Vec<Deferred>,
+    /// Replies of pending lifecycle operations, by the id the core knows them by.
+    ops: BTreeMap<OpId, Reply<()>>,
+    next_op: u64,
+    /// Reused by `poll_lifecycle`.
+    lifecycle_events: Vec<LifecycleEvent>,
+    /// Stamped on every output token: the version of the weights that computed it.
+    weight_version: Arc<str>,
+    n_weight_updates: u64,
     stats: watch::Sender<EngineStats>,
     consecutive_failures: u32,
     /// Set by `Shutdown`: its reply is sent as the thread's last act.
@@ -69,6 +82,7 @@ impl EngineLoop {
         let config = core.config();
         let layout = executor.kv_layout(config.block_size);
         let arena = KvArena::new(layout, config.n_blocks as usize);
+        let weight_version = Arc::from(core.weight_version());
         Self {
             core,
             executor,
@@ -76,6 +90,11 @@ impl EngineLoop {
             inputs,
             live: Vec::new(),
             deferred: Vec::new(),
+            ops: BTreeMap::new(),
+            next_op: 0,
+            lifecycle_events: Vec::new(),
+            weight_version,
+            n_weight_updates: 0,
             stats,
             consecutive_failures: 0,
             shutdown: None,
@@ -93,10 +112,17 @@ impl EngineLoop {
                 break;
             }
             if self.step(started) {
+                self.poll_lifecycle();
                 self.check_deferred();
             } else {
                 self.run_idle_work();
-                self.wait_for_input();
+                if self.core.needs_idle_steps() {
+                    // A reset waits for transfers to hand blocks back: keep polling (the
+                    // zero-token steps of the contract) without spinning hot.
+                    std::thread::yield_now();
+                } else {
+                    self.wait_for_input();
+                }
             }
         }
         self.stop();
@@ -126,7 +152,9 @@ impl EngineLoop {
         drop(queued.permit);
         match queued.input {
             Input::Add(add) => self.add(add),
-            Input::Abort(id) => self.abort(&id),
+            Input::Abort(id) => {
+                self.abort(&id);
+            }
             Input::Utility(call) => self.utility(call),
         }
     }
@@ -168,10 +196,13 @@ impl EngineLoop {
         self.live[i] = Some(live);
     }
 
-    fn abort(&mut self, id: &str) {
-        if let Some(out) = self.core.abort(id) {
-            self.finish_output(out, None);
-        }
+    /// Aborts a live request; false if `id` is not live.
+    fn abort(&mut self, id: &str) -> bool {
+        let Some(out) = self.core.abort(id) else {
+            return false;
+        };
+        self.finish_output(out, None);
+        true
     }
 
     fn utility(&mut self, call: Utility) {
@@ -189,6 +220,160 @@ impl EngineLoop {
                     .and_then(|()| self.core.check_queues().map_err(|e| e.to_string()));
                 let _ = reply.send(result);
             }
+            Utility::Lifecycle(call) => {
+                self.lifecycle(call);
+                // Operations that can complete at once reply now, not after the next step.
+                self.poll_lifecycle();
+            }
+        }
+    }
+
+    fn next_op(&mut self) -> OpId {
+        self.next_op += 1;
+        OpId(self.next_op)
+    }
+
+    /// One lifecycle call (see `lifecycle.rs` for each one's contract).
+    fn lifecycle(&mut self, call: LifecycleCall) {
+        match call {
+            LifecycleCall::Pause {
+                mode,
+                clear_cache,
+                reply,
+            } => {
+                let op = self.next_op();
+                self.ops.insert(op, reply);
+                let aborted = self.core.pause(op, mode, clear_cache);
+                self.finish_outputs(aborted);
+            }
+            LifecycleCall::Sleep { level, mode, reply } => {
+                let op = self.next_op();
+                self.ops.insert(op, reply);
+                let aborted = self.core.sleep(op, level, mode);
+                self.finish_outputs(aborted);
+            }
+            LifecycleCall::Resume(reply) => {
+                let _ = reply.send(self.core.resume().map_err(EngineError::from));
+            }
+            LifecycleCall::WakeUp { tags, reply } => {
+                let _ = reply.send(self.wake_up(&tags));
+            }
+            LifecycleCall::ReleaseKvCacheMemory(reply) => {
+                let op = self.next_op();
+                match self.core.release_kv_cache_memory(op) {
+                    Ok(()) => {
+                        self.ops.insert(op, reply);
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e.into()));
+                    }
+                }
+            }
+            LifecycleCall::ResetPrefixCache {
+                reset_running_requests,
+                reset_connector,
+                reply,
+            } => {
+                let ok = self
+                    .core
+                    .reset_caches(reset_running_requests, reset_connector);
+                let _ = reply.send(Ok(ok));
+            }
+            LifecycleCall::AbortRequests { ids, reply } => {
+                let n = match ids {
+                    None => self.finish_all(FinishReason::Abort) as usize,
+                    Some(ids) => ids.iter().filter(|id| self.abort(id)).count(),
+                };
+                let _ = reply.send(Ok(n));
+            }
+            LifecycleCall::InstallWeights {
+                weights,
+                version,
+                reply,
+            } => {
+                let _ = reply.send(self.install_weights(weights, version));
+            }
+            LifecycleCall::SetWeightVersion { version, reply } => {
+                self.set_weight_version(version);
+                let _ = reply.send(Ok(()));
+            }
+            LifecycleCall::Status(reply) => {
+                let info = WeightInfo {
+                    weight_version: self.weight_version.to_string(),
+                    n_weight_updates: self.n_weight_updates,
+                    residency: self.executor.weight_ops().residency(),
+                };
+                let _ = reply.send(Ok((self.core.lifecycle_status(), info)));
+            }
+        }
+        self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
+    }
+
+    /// Restores the memory of `tags` (empty: all), weights first since only they can fail,
+    /// then tells the core, which resumes once nothing is asleep after a sleep.
+    fn wake_up(&mut self, tags: &[WakeTag]) -> Result<(), EngineError> {
+        let status = self.core.lifecycle_status();
+        let wants = |t: WakeTag| tags.is_empty() || tags.contains(&t);
+        if wants(WakeTag::Weights) && status.weights != WeightsState::Awake {
+            self.executor
+                .weight_ops_mut()
+                .restore()
+                .map_err(|_| LifecycleError::WeightsDropped)?;
+        }
+        if wants(WakeTag::KvCache) && status.kv_released {
+            self.arena.reallocate();
+        }
+        self.core.wake_up(tags);
+        Ok(())
+    }
+
+    /// Installs weights prepared off this thread; a new weight version seeds every hash chain
+    /// from now on, so no prefix hit crosses the update, reset or not.
+    fn install_weights(
+        &mut self,
+        weights: PreparedWeights,
+        version: Option<String>,
+    ) -> Result<(String, Option<ferry_model::RetiredWeights>), EngineError> {
+        let retired = self.executor.weight_ops_mut().install(weights)?;
+        let version = version.unwrap_or_else(|| next_version(&self.weight_version));
+        self.executor.weight_ops_mut().set_version(&version);
+        self.set_weight_version(version.clone());
+        self.n_weight_updates += 1;
+        Ok((version, retired))
+    }
+
+    fn set_weight_version(&mut self, version: String) {
+        self.core.set_weight_version(version.as_str());
+        self.weight_version = Arc::from(version);
+    }
+
+    /// Moves pending lifecycle operations forward and acts on what the core asks: memory
+    /// first, then replies.
+    fn poll_lifecycle(&mut self) {
+        let mut events = std::mem::take(&mut self.lifecycle_events);
+        self.core.poll_lifecycle(&mut events);
+        for event in events.drain(..) {
+            match event {
+                LifecycleEvent::ReleaseKvMemory => self.arena.release(),
+                LifecycleEvent::OffloadWeights => self.executor.weight_ops_mut().offload(),
+                // Dropped here, not on another thread: a sleep returns once memory is free.
+                LifecycleEvent::DropWeights => drop(self.executor.weight_ops_mut().drop_weights()),
+                LifecycleEvent::Done(op) => self.reply_op(op, Ok(())),
+                LifecycleEvent::Failed(op, e) => self.reply_op(op, Err(e.into())),
+            }
+        }
+        self.lifecycle_events = events;
+    }
+
+    fn reply_op(&mut self, op: OpId, result: Result<(), EngineError>) {
+        if let Some(reply) = self.ops.remove(&op) {
+            let _ = reply.send(result);
+        }
+    }
+
+    fn finish_outputs(&mut self, outs: Vec<RequestOutput>) {
+        for out in outs {
+            self.finish_output(out, None);
         }
     }
 
@@ -259,17 +444,18 @@ impl EngineLoop {
                     .then(|| out.sampled.as_ref().map(|s| s.token))
                     .flatten(),
             });
+            let weight_version = out.sampled.is_some().then(|| self.weight_version.clone());
             let event = Event::Output {
                 sampled: out.sampled,
                 finish,
+                weight_version,
             };
             let gone = live.events.send(event).is_err();
             if finish.is_some() {
                 self.live[i] = None;
             } else if gone {
                 if let Some(id) = self.core.request(out.req).map(|r| r.id.clone()) {
-                    self.abort(&id);
-                    n_finished += 1;
+                    n_finished += u64::from(self.abort(&id));
                 }
             }
         }
@@ -292,6 +478,7 @@ impl EngineLoop {
         let _ = live.events.send(Event::Output {
             sampled: None,
             finish: Some(finish),
+            weight_version: None,
         });
     }
 
@@ -348,10 +535,12 @@ impl EngineLoop {
         n
     }
 
-    /// Work for idle moments (nothing to step): inputs handled since the last step (aborts,
-    /// adds) changed the core's state, so the stats are published before deferred replies
-    /// are answered. Issue 5's lifecycle hooks go here.
+    /// Work for idle moments (nothing to step): the lifecycle moves forward (a pause that
+    /// waited for the drain, the idle-time reset), and since inputs handled since the last
+    /// step changed the core's state, the stats are published before deferred replies are
+    /// answered.
     fn run_idle_work(&mut self) {
+        self.poll_lifecycle();
         self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
         self.check_deferred();
     }
@@ -383,6 +572,7 @@ impl EngineLoop {
         let scheduler = self.core.stats();
         let n_blocks_total = self.core.config().n_blocks as usize;
         let version = self.core.weight_version();
+        let lifecycle = self.core.lifecycle_status();
         let stepped = u64::from(!step.is_zero());
         self.stats.send_modify(|s| {
             s.scheduler = scheduler;
@@ -395,6 +585,7 @@ impl EngineLoop {
             if s.weight_version != version {
                 s.weight_version = version.to_owned();
             }
+            s.lifecycle = lifecycle;
             s.running = true;
         });
     }
@@ -410,6 +601,9 @@ impl EngineLoop {
                 }
             }
         }
+        for (_, reply) in std::mem::take(&mut self.ops) {
+            let _ = reply.send(Err(EngineError::Stopped));
+        }
         self.publish_stats(Duration::ZERO, Duration::ZERO, 0, n);
         self.stats.send_modify(|s| s.running = false);
         // Inputs queued behind the shutdown are dropped with the receiver: their callers see
@@ -419,6 +613,16 @@ impl EngineLoop {
             let _ = reply.send(());
         }
     }
+}
+
+/// The version a weight update gets when the caller names none: `v` → `v+1`, `v+1` → `v+2`.
+fn next_version(current: &str) -> String {
+    if let Some((base, n)) = current.rsplit_once('+') {
+        if let Ok(n) = n.parse::<u64>() {
+            return format!("{base}+{}", n + 1);
+        }
+    }
+    format!("{current}+1")
 }
 
 impl Drop for EngineLoop {

@@ -34,6 +34,7 @@ pub fn spawn(
         weight_version: config.scheduler.weight_version.clone(),
         ..EngineStats::default()
     });
+    let weight_preparer = executor.weight_ops().preparer();
     let engine = EngineLoop::new(core, executor, rx, stats_tx);
     let thread = std::thread::Builder::new()
         .name("ferry-engine".into())
@@ -48,6 +49,7 @@ pub fn spawn(
             stats: stats_rx,
             tokenizer,
             scheduler_config: config.scheduler,
+            weight_preparer,
             thread: Mutex::new(Some(thread)),
             stopped: AtomicBool::new(false),
         }),
@@ -70,6 +72,8 @@ struct Inner {
     stats: watch::Receiver<EngineStats>,
     tokenizer: Option<Arc<Tokenizer>>,
     scheduler_config: SchedulerConfig,
+    /// Checks and converts weight updates off the engine thread.
+    weight_preparer: Arc<dyn ferry_model::WeightPreparer>,
     thread: Mutex<Option<JoinHandle<()>>>,
     /// Set by the first `shutdown`.
     stopped: AtomicBool,
@@ -203,6 +207,15 @@ impl EngineHandle {
             }
         }
         Ok(())
+    }
+
+    pub(crate) fn weight_preparer(&self) -> Arc<dyn ferry_model::WeightPreparer> {
+        self.inner.weight_preparer.clone()
+    }
+
+    /// Queues an input that takes no permit (aborts, lifecycle calls, shutdown).
+    pub(crate) fn send_utility_unbounded(&self, input: Input) -> Result<(), EngineError> {
+        self.send(input, None)
     }
 
     fn permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, EngineError> {

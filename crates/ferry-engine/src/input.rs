@@ -14,10 +14,19 @@
 //!   request id after a disconnect) is always handled before that add, so it can never
 //!   abort the newer request.
 
-use ferry_core::{AddError, FinishReason, SampledToken, SamplingParams, TokenId};
+use std::sync::Arc;
+
+use ferry_core::{
+    AddError, FinishReason, LifecycleStatus, PauseMode, SampledToken, SamplingParams, SleepLevel,
+    TokenId, WakeTag,
+};
+use ferry_model::{PreparedWeights, RetiredWeights};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
-use crate::EngineError;
+use crate::{EngineError, WeightInfo};
+
+/// A reply that carries an engine error.
+pub(crate) type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 
 /// One queued input with the permit it holds (none for aborts).
 #[derive(Debug)]
@@ -58,6 +67,50 @@ pub(crate) enum Utility {
     WaitIdle(oneshot::Sender<Result<(), EngineError>>),
     /// The core's block-ownership and queue checks, for tests and debugging.
     CheckInvariants(oneshot::Sender<Result<(), String>>),
+    /// A lifecycle operation (take no queue permit: they must get through a full queue).
+    Lifecycle(LifecycleCall),
+}
+
+/// The lifecycle operations of `../shared/design/lifecycle.md`, each with its reply.
+#[derive(Debug)]
+pub(crate) enum LifecycleCall {
+    Pause {
+        mode: PauseMode,
+        clear_cache: bool,
+        reply: Reply<()>,
+    },
+    Resume(Reply<()>),
+    Sleep {
+        level: SleepLevel,
+        mode: PauseMode,
+        reply: Reply<()>,
+    },
+    WakeUp {
+        tags: Vec<WakeTag>,
+        reply: Reply<()>,
+    },
+    ReleaseKvCacheMemory(Reply<()>),
+    ResetPrefixCache {
+        reset_running_requests: bool,
+        reset_connector: bool,
+        reply: Reply<bool>,
+    },
+    /// `None`: every live request.
+    AbortRequests {
+        ids: Option<Vec<String>>,
+        reply: Reply<usize>,
+    },
+    /// Weights already checked and converted off the engine thread.
+    InstallWeights {
+        weights: PreparedWeights,
+        version: Option<String>,
+        reply: Reply<(String, Option<RetiredWeights>)>,
+    },
+    SetWeightVersion {
+        version: String,
+        reply: Reply<()>,
+    },
+    Status(Reply<(LifecycleStatus, WeightInfo)>),
 }
 
 /// A raw per-request event from the engine thread. No text: detokenizing is the reader's job.
@@ -70,6 +123,8 @@ pub(crate) enum Event {
     Output {
         sampled: Option<SampledToken>,
         finish: Option<EngineFinish>,
+        /// The weight version the token was computed with (set with `sampled`).
+        weight_version: Option<Arc<str>>,
     },
 }
 

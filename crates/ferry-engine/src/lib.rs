@@ -17,10 +17,15 @@ pub mod detok;
 mod engine;
 mod handle;
 mod input;
+mod lifecycle;
 pub mod stop;
 mod stream;
 
-pub use ferry_core::{FinishReason, SamplingParams, SchedulerConfig, SchedulerStats, TokenId};
+pub use ferry_core::{
+    FinishReason, LifecycleError, LifecycleStatus, PauseMode, SamplingParams, SchedulerConfig,
+    SchedulerStats, SleepLevel, TokenId, WakeTag, WeightsState,
+};
+pub use ferry_model::{WeightError, WeightStore};
 pub use handle::{spawn, EngineHandle};
 pub use stream::GenerateStream;
 
@@ -90,6 +95,9 @@ pub struct Finish {
     pub n_output_tokens: usize,
     /// Prompt tokens served from the prefix cache (at the request's first admission).
     pub n_cached_tokens: usize,
+    /// The weight versions the output tokens were computed with, in order, each once (more
+    /// than one when a weight update came while the request was running).
+    pub weight_versions: Vec<String>,
 }
 
 /// What stopped a request that finished with [`FinishReason::Stop`].
@@ -113,8 +121,36 @@ pub struct EngineStats {
     pub n_requests_finished_total: u64,
     pub n_step_failures_total: u64,
     pub weight_version: String,
+    /// The lifecycle state after the latest step or idle moment.
+    pub lifecycle: LifecycleStatus,
     /// False once the engine thread has stopped.
     pub running: bool,
+}
+
+/// What a weight update did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WeightUpdateInfo {
+    /// The version now loaded (given, or made from the previous one: `v` → `v+1`).
+    pub weight_version: String,
+    pub n_tensors: usize,
+    /// f32 bytes installed.
+    pub n_bytes: usize,
+    /// Every parameter was replaced (else only the named ones).
+    pub complete: bool,
+    /// Reading and converting, off the engine thread.
+    pub prepare_seconds: f64,
+    /// From queueing the install to its reply; the engine thread's share is a swap or a copy
+    /// of the pushed bytes.
+    pub install_seconds: f64,
+}
+
+/// The weights as the engine sees them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightInfo {
+    pub weight_version: String,
+    /// Completed weight updates (reloads and pushes) since start.
+    pub n_weight_updates: u64,
+    pub residency: ferry_model::WeightResidency,
 }
 
 /// Why an engine call failed.
@@ -138,6 +174,15 @@ pub enum EngineError {
     /// `spawn` only: the input queue capacity must be at least 1.
     #[error("engine configuration: input_queue_capacity must be at least 1")]
     ZeroQueueCapacity,
+    /// A lifecycle operation was refused or cancelled (nothing was lost).
+    #[error(transparent)]
+    Lifecycle(#[from] LifecycleError),
+    /// A weight update was refused; the weights did not change.
+    #[error("weight update refused: {0}")]
+    Weights(#[from] WeightError),
+    /// A reload could not read the model folder; the weights did not change.
+    #[error("weight reload failed: {0}")]
+    Load(#[from] ferry_model::LoadError),
     /// `spawn` only: the operating system refused to start the engine thread.
     #[error("cannot start the engine thread: {0}")]
     Thread(#[source] std::io::Error),

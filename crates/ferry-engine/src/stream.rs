@@ -50,6 +50,8 @@ pub struct GenerateStream {
     n_prompt_tokens: usize,
     n_cached_tokens: usize,
     n_output_tokens: usize,
+    /// Distinct weight versions of the output tokens, in order.
+    weight_versions: Vec<String>,
     /// The chunk with `finish` has been returned (or built).
     done: bool,
 }
@@ -74,6 +76,7 @@ impl GenerateStream {
             n_prompt_tokens: setup.n_prompt_tokens,
             n_cached_tokens: 0,
             n_output_tokens: 0,
+            weight_versions: Vec::new(),
             done: false,
         }
     }
@@ -120,7 +123,16 @@ impl GenerateStream {
     fn absorb(&mut self, event: Event, chunk: &mut OutputChunk) {
         match event {
             Event::Admitted { n_cached_tokens } => self.n_cached_tokens = n_cached_tokens,
-            Event::Output { sampled, finish } => {
+            Event::Output {
+                sampled,
+                finish,
+                weight_version,
+            } => {
+                if let Some(v) = weight_version {
+                    if self.weight_versions.last().map(String::as_str) != Some(&*v) {
+                        self.weight_versions.push(v.to_string());
+                    }
+                }
                 if let Some(s) = sampled {
                     let stop_token = finish.and_then(|f| f.stop_token) == Some(s.token);
                     self.push_token(s, stop_token, chunk);
@@ -209,6 +221,7 @@ impl GenerateStream {
             n_prompt_tokens: self.n_prompt_tokens,
             n_output_tokens: self.n_output_tokens,
             n_cached_tokens: self.n_cached_tokens,
+            weight_versions: self.weight_versions.clone(),
         }
     }
 

@@ -426,6 +426,12 @@ impl ferry_model::Executor for Panicking {
     fn vocab_size(&self) -> usize {
         self.0.vocab_size()
     }
+    fn weight_ops(&self) -> &dyn ferry_model::ModelWeights {
+        self.0.weight_ops()
+    }
+    fn weight_ops_mut(&mut self) -> &mut dyn ferry_model::ModelWeights {
+        self.0.weight_ops_mut()
+    }
     fn execute(
         &mut self,
         plan: &ferry_core::StepPlan,

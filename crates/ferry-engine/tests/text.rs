@@ -47,6 +47,7 @@ fn scripted(tok: &Tokenizer, text: &str) -> (Scripted, Vec<TokenId>) {
     let exec = Scripted {
         script: script.clone(),
         vocab_size: tok.get_vocab_size(true),
+        weights: Default::default(),
     };
     (exec, script)
 }

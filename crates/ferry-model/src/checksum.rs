@@ -27,7 +27,12 @@
 use ferry_core::{BlockId, ModelOutput, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenId};
 use ferry_kv::{KvArena, KvLayout, KvPlane};
 
-use crate::{ExecError, Executor};
+use std::sync::Arc;
+
+use crate::weight_update::{
+    ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer, Weightless,
+};
+use crate::{ExecError, Executor, WeightResidency};
 
 /// Floats of K (and of V) per token.
 pub const HEAD_DIM: usize = 4;
@@ -56,6 +61,8 @@ pub enum ChecksumConfigError {
 #[derive(Debug, Clone)]
 pub struct ChecksumModel {
     weight_version: String,
+    /// Sleep states, and a version an update set (applied at the next step).
+    weights: ChecksumWeights,
     /// Hash of `weight_version`, mixed into every token's KV.
     seed: u64,
     vocab_size: u64,
@@ -71,6 +78,7 @@ impl ChecksumModel {
         }
         let weight_version = weight_version.into();
         Ok(Self {
+            weights: ChecksumWeights::default(),
             seed: version_seed(&weight_version),
             weight_version,
             vocab_size: vocab_size as u64,
@@ -280,6 +288,12 @@ impl Executor for ChecksumModel {
         if !kv.is_allocated() {
             return Err(ExecError::ArenaReleased);
         }
+        if self.weights.residency() != WeightResidency::Resident {
+            return Err(ExecError::WeightsUnloaded);
+        }
+        if let Some(version) = self.weights.version.take() {
+            self.set_weight_version(version);
+        }
         self.validate(plan, kv)?;
         for r in &plan.reqs {
             self.write_tokens(plan, r, kv);
@@ -290,6 +304,52 @@ impl Executor for ChecksumModel {
             .filter_map(|r| r.sample.as_ref().map(|s| self.sample_one(plan, r, s, kv)))
             .collect();
         Ok(ModelOutput { sampled })
+    }
+
+    fn weight_ops(&self) -> &dyn ModelWeights {
+        &self.weights
+    }
+
+    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
+        &mut self.weights
+    }
+}
+
+/// The checksum model's weights: none, but an update's version changes its KV.
+#[derive(Debug, Clone, Default)]
+struct ChecksumWeights {
+    states: Weightless,
+    /// A version set by an update, for `ChecksumModel` to pick up at its next step.
+    version: Option<String>,
+}
+
+impl ModelWeights for ChecksumWeights {
+    fn preparer(&self) -> Arc<dyn WeightPreparer> {
+        self.states.preparer()
+    }
+
+    fn install(&mut self, weights: PreparedWeights) -> Result<Option<RetiredWeights>, WeightError> {
+        self.states.install(weights)
+    }
+
+    fn set_version(&mut self, version: &str) {
+        self.version = Some(version.to_owned());
+    }
+
+    fn offload(&mut self) {
+        self.states.offload();
+    }
+
+    fn drop_weights(&mut self) -> Option<RetiredWeights> {
+        self.states.drop_weights()
+    }
+
+    fn restore(&mut self) -> Result<(), ExecError> {
+        self.states.restore()
+    }
+
+    fn residency(&self) -> WeightResidency {
+        self.states.residency()
     }
 }
 

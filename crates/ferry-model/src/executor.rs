@@ -7,6 +7,8 @@
 use ferry_core::{ModelOutput, StepPlan};
 use ferry_kv::{KvArena, KvLayout};
 
+use crate::weight_update::ModelWeights;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
     #[error("KV arena is released (sleeping); wake it before running a step")]
@@ -27,4 +29,9 @@ pub trait Executor: Send {
     /// Runs one step: writes the KV of every scheduled token into the arena, and samples the
     /// next token of every request whose `sample` is set (in plan order).
     fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError>;
+
+    /// The executor's weights, for updates and sleep (see `weight_update.rs`).
+    fn weight_ops(&self) -> &dyn ModelWeights;
+
+    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights;
 }

@@ -16,6 +16,7 @@ pub mod random_model;
 pub mod rope;
 pub mod sampler;
 pub mod tiny;
+pub mod weight_update;
 pub mod weights;
 
 pub use checksum::{ChecksumConfigError, ChecksumModel};
@@ -25,4 +26,8 @@ pub use llama::{LlamaModel, Logits};
 pub use llama_weights::{LlamaWeights, ModelError};
 pub use load::{default_model_path, expected_tensors, ModelSpec};
 pub use load::{load_model, load_model_with_progress, LoadError, LoadedModel, Progress};
+pub use weight_update::{
+    parse_safetensors, ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer,
+    WeightResidency, Weightless,
+};
 pub use weights::{Tensor, WeightStore};

@@ -419,4 +419,12 @@ impl Executor for LlamaModel {
         self.logits_buf = data;
         Ok(ModelOutput { sampled: sampled? })
     }
+
+    fn weight_ops(&self) -> &dyn crate::ModelWeights {
+        todo!("weight updates for LlamaModel")
+    }
+
+    fn weight_ops_mut(&mut self) -> &mut dyn crate::ModelWeights {
+        todo!("weight updates for LlamaModel")
+    }
 }

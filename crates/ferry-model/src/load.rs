@@ -13,6 +13,8 @@ pub mod expected;
 pub mod gguf;
 pub mod gguf_model;
 mod safetensors_io;
+
+pub(crate) use safetensors_io::to_f32;
 pub mod tokenizer;
 
 use std::path::{Path, PathBuf};

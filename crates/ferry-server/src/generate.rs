@@ -185,9 +185,13 @@ pub fn engine_error(e: EngineError, prompt_param: &str) -> ApiError {
             }
             AddError::DuplicateId { .. } => ApiError::internal(add.to_string()),
         },
-        EngineError::Config(_) | EngineError::ZeroQueueCapacity | EngineError::Thread(_) => {
-            ApiError::internal(e.to_string())
-        }
+        // Generation never meets lifecycle or weight errors; the admin routes map their own.
+        EngineError::Config(_)
+        | EngineError::ZeroQueueCapacity
+        | EngineError::Thread(_)
+        | EngineError::Lifecycle(_)
+        | EngineError::Weights(_)
+        | EngineError::Load(_) => ApiError::internal(e.to_string()),
     }
 }
 

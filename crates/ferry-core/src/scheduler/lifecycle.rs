@@ -86,14 +86,17 @@ impl Scheduler {
         self.kv.pool_mut().reset_cache()
     }
 
-    /// Switches the weight version: every new hash chain is seeded by it, so KV computed under
-    /// the old weights can never be hit again (old entries age out of the cache). Requests
-    /// holding no KV rehash on admission; running ones keep their (old-rooted) chain, so blocks
-    /// they fill later are cached under the old version. Versions must therefore never be
-    /// reused for different weights.
+    /// Switches the weight version: every new hash chain is seeded by it and by a count of
+    /// changes, so KV computed under the old weights can never be hit again (old entries age
+    /// out of the cache). Requests holding no KV rehash on admission; running ones keep their
+    /// old-rooted chain and cache no further blocks (their KV mixes both weights).
     pub fn set_weight_version(&mut self, version: impl Into<String>) {
         self.config.weight_version = version.into();
-        self.hash_root = chain_root(&self.config.weight_version);
+        self.weight_epoch += 1;
+        // The epoch makes every change a new root, even back to a version string seen before.
+        let seed = format!("{}\u{0}{}", self.config.weight_version, self.weight_epoch);
+        self.hash_root = chain_root(&seed);
+        self.kv.set_current_root(self.hash_root);
     }
 
     pub fn weight_version(&self) -> &str {

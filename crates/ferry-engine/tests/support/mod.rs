@@ -9,7 +9,7 @@ use ferry_engine::{
 };
 use ferry_kv::KvArena;
 use ferry_kv::KvLayout;
-use ferry_model::{ChecksumModel, ExecError, Executor};
+use ferry_model::{ChecksumModel, ExecError, Executor, ModelWeights, Weightless};
 
 pub const VOCAB: usize = 1000;
 
@@ -147,6 +147,12 @@ impl<E: Executor> Executor for Gated<E> {
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
     }
+    fn weight_ops(&self) -> &dyn ModelWeights {
+        self.inner.weight_ops()
+    }
+    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
+        self.inner.weight_ops_mut()
+    }
 
     fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
         let record = StepRecord {
@@ -179,6 +185,12 @@ impl<E: Executor> Executor for Failing<E> {
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
     }
+    fn weight_ops(&self) -> &dyn ModelWeights {
+        self.inner.weight_ops()
+    }
+    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
+        self.inner.weight_ops_mut()
+    }
 
     fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
         let n = self.n_calls;
@@ -196,6 +208,7 @@ impl<E: Executor> Executor for Failing<E> {
 pub struct Scripted {
     pub script: Vec<TokenId>,
     pub vocab_size: usize,
+    pub weights: Weightless,
 }
 
 impl Executor for Scripted {
@@ -210,6 +223,14 @@ impl Executor for Scripted {
 
     fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    fn weight_ops(&self) -> &dyn ModelWeights {
+        &self.weights
+    }
+
+    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
+        &mut self.weights
     }
 
     fn execute(&mut self, plan: &StepPlan, _kv: &mut KvArena) -> Result<ModelOutput, ExecError> {

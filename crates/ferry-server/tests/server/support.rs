@@ -9,7 +9,7 @@ use ferry_core::{ModelOutput, SchedulerConfig, StepPlan};
 use ferry_engine::{spawn, EngineConfig, EngineHandle};
 use ferry_kv::{KvArena, KvLayout};
 use ferry_model::tiny::{tiny_model, ENDOFTEXT, IM_END};
-use ferry_model::{ExecError, Executor, LlamaModel};
+use ferry_model::{ExecError, Executor, LlamaModel, ModelWeights};
 use ferry_server::{router, serve, ServerConfig};
 use serde_json::Value;
 
@@ -31,6 +31,12 @@ impl Executor for TestExecutor {
     }
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
+    }
+    fn weight_ops(&self) -> &dyn ModelWeights {
+        self.inner.weight_ops()
+    }
+    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
+        self.inner.weight_ops_mut()
     }
     fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
         self.n_steps.fetch_add(1, Ordering::SeqCst);

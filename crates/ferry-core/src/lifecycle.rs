@@ -1,0 +1,148 @@
+//! Lifecycle types: pause modes, sleep levels, wake-up tags, and what the lifecycle state
+//! machine (`scheduler/control.rs`) asks the engine to do.
+//!
+//! The contract is `../shared/design/lifecycle.md`. The core decides *when* an operation can
+//! complete (idle, every transfer back, the reset done); the engine thread owns the reply
+//! channels, the KV arena and the executor, so it acts on [`LifecycleEvent`]s.
+
+/// How a pause treats requests already in the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PauseMode {
+    /// Finish every running and waiting request as aborted (partial output, `abort`).
+    Abort,
+    /// Admit nothing new; let admitted requests finish; then stop.
+    Wait,
+    /// Freeze everything where it is; frozen requests continue on resume.
+    Keep,
+}
+
+impl PauseMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Abort => "abort",
+            Self::Wait => "wait",
+            Self::Keep => "keep",
+        }
+    }
+}
+
+impl std::str::FromStr for PauseMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "abort" => Ok(Self::Abort),
+            "wait" => Ok(Self::Wait),
+            "keep" => Ok(Self::Keep),
+            _ => Err(format!(
+                "unknown pause mode `{s}` (expected abort, wait or keep)"
+            )),
+        }
+    }
+}
+
+/// How deep a sleep goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SleepLevel {
+    /// Pause only.
+    L0,
+    /// Reset caches, release KV memory, move the weights to a host copy.
+    L1,
+    /// Reset caches, release KV memory, drop the weights.
+    L2,
+}
+
+impl SleepLevel {
+    pub fn from_u8(level: u8) -> Option<Self> {
+        match level {
+            0 => Some(Self::L0),
+            1 => Some(Self::L1),
+            2 => Some(Self::L2),
+            _ => None,
+        }
+    }
+
+    pub fn as_u8(self) -> u8 {
+        self as u8
+    }
+}
+
+/// What `wake_up` restores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WakeTag {
+    Weights,
+    KvCache,
+}
+
+impl std::str::FromStr for WakeTag {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "weights" => Ok(Self::Weights),
+            "kv_cache" => Ok(Self::KvCache),
+            _ => Err(format!(
+                "unknown wake-up tag `{s}` (expected weights or kv_cache)"
+            )),
+        }
+    }
+}
+
+/// Where the weights are, as the lifecycle sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightsState {
+    #[default]
+    Awake,
+    /// Sleep level 1: in a host copy.
+    Offloaded,
+    /// Sleep level 2: dropped.
+    Dropped,
+}
+
+/// Names a deferred lifecycle operation; the engine maps it to the caller's reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct OpId(pub u64);
+
+/// Why a lifecycle operation failed or was refused. Nothing is lost either way: requests stay
+/// queued or frozen.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LifecycleError {
+    #[error("a resume cancelled this operation before it completed")]
+    CancelledByResume,
+    #[error("a wake_up cancelled this sleep before it completed")]
+    CancelledByWakeUp,
+    #[error("release_kv_cache_memory needs a completed pause: pause the engine first (and wait for the pause to return)")]
+    NotPaused,
+    #[error("the engine is sleeping ({what} released): call wake_up before resuming")]
+    Asleep { what: &'static str },
+    #[error("the weights were dropped by sleep(level=2): reload or push a complete set of weights before waking them")]
+    WeightsDropped,
+}
+
+/// What the lifecycle state machine asks of the engine, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LifecycleEvent {
+    /// Free the KV arena's memory (the cache reset is done; no block is in use).
+    ReleaseKvMemory,
+    /// Sleep level 1: move the weights to a host copy.
+    OffloadWeights,
+    /// Sleep level 2: drop the weights.
+    DropWeights,
+    /// The operation completed: reply success.
+    Done(OpId),
+    /// The operation failed: reply with the error.
+    Failed(OpId, LifecycleError),
+}
+
+/// A snapshot of the lifecycle state, for `is_paused` / `is_sleeping` and stats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LifecycleStatus {
+    /// Between a pause (or sleep) and a resume (or full wake-up).
+    pub paused: bool,
+    /// A sleep completed and not every tag is awake yet.
+    pub sleeping: bool,
+    pub kv_released: bool,
+    pub weights: WeightsState,
+    /// Operations waiting for a state (drain, idle, transfers, reset).
+    pub n_pending: usize,
+}

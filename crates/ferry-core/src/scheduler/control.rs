@@ -1,0 +1,352 @@
+//! The lifecycle state machine: pause, resume, sleep, wake-up, KV release, and the one
+//! idle-time cache reset they share (`../shared/design/lifecycle.md`).
+//!
+//! Operations that cannot complete at once are *pending*, named by an [`OpId`] the engine
+//! maps to its caller's reply. [`Scheduler::poll_lifecycle`] runs after every step and when
+//! idle; it moves pending operations forward and says what the engine must do
+//! ([`LifecycleEvent`]): free memory, then reply. Every pending operation ends with `Done` or
+//! `Failed`: a resume or wake-up fails what it cancels, and nothing here ever waits on
+//! anything but the engine reaching a state.
+//!
+//! The idle-time reset, in order: (1) wait until the engine is frozen (a `wait` pause has
+//! drained); (2) preempt what is frozen (it recomputes after resume) and call
+//! `release_transfer_kv` once; (3) keep polling until every transfer has handed its blocks
+//! back and no connector has pending work; (4) drop every cached hash and every connector's
+//! cache; then the memory steps of a sleep or KV release, then the replies.
+
+use super::Scheduler;
+use crate::config::PauseState;
+use crate::connector::KvConnector;
+use crate::lifecycle::{
+    LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
+    WeightsState,
+};
+use crate::ownership::TransferId;
+use crate::request::RequestState;
+use crate::scheduler::RequestOutput;
+
+/// The lifecycle's state, inside the scheduler.
+#[derive(Debug, Default)]
+pub(crate) struct Control {
+    /// Between a pause (or sleep) and a resume (or full wake-up).
+    paused: bool,
+    /// The pause came from a sleep: the wake-up that brings everything back resumes.
+    paused_by_sleep: bool,
+    /// In arrival order.
+    pending: Vec<Pending>,
+    reset: ResetStage,
+    /// The deepest completed sleep, until a full wake-up or a resume.
+    sleeping: Option<SleepLevel>,
+    kv_released: bool,
+    weights: WeightsState,
+    /// Produced between polls (immediate completions and cancellations).
+    events: Vec<LifecycleEvent>,
+    /// Reused by `poll_connectors`.
+    finished_transfers: Vec<TransferId>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    op: OpId,
+    kind: OpKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpKind {
+    Pause { clear_cache: bool },
+    Sleep(SleepLevel),
+    ReleaseKv,
+}
+
+impl OpKind {
+    fn needs_reset(self) -> bool {
+        match self {
+            Self::Pause { clear_cache } => clear_cache,
+            Self::Sleep(level) => level >= SleepLevel::L1,
+            Self::ReleaseKv => true,
+        }
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum ResetStage {
+    #[default]
+    NotStarted,
+    /// `release_transfer_kv` was called; waiting for the transfers' blocks.
+    Releasing,
+}
+
+impl Scheduler {
+    /// Pauses with `mode` (see [`PauseMode`]); the pause completes (a `Done(op)` from
+    /// `poll_lifecycle`) once frozen, and with `clear_cache` once the cache reset is done.
+    /// Returns the outputs of requests an `abort` pause finished. A pause never loosens an
+    /// earlier one: `wait` on a frozen engine stays frozen.
+    pub fn pause(&mut self, op: OpId, mode: PauseMode, clear_cache: bool) -> Vec<RequestOutput> {
+        let aborted = self.enter_pause(mode);
+        self.control.pending.push(Pending {
+            op,
+            kind: OpKind::Pause { clear_cache },
+        });
+        aborted
+    }
+
+    /// Sleeps: pauses with `mode`, then (level 1 and 2) resets every cache, releases the KV
+    /// memory and offloads or drops the weights. A full wake-up resumes.
+    pub fn sleep(&mut self, op: OpId, level: SleepLevel, mode: PauseMode) -> Vec<RequestOutput> {
+        let aborted = self.enter_pause(mode);
+        self.control.paused_by_sleep = true;
+        self.control.pending.push(Pending {
+            op,
+            kind: OpKind::Sleep(level),
+        });
+        aborted
+    }
+
+    fn enter_pause(&mut self, mode: PauseMode) -> Vec<RequestOutput> {
+        self.control.paused = true;
+        let target = match mode {
+            PauseMode::Wait => PauseState::NoAdmit,
+            PauseMode::Abort | PauseMode::Keep => PauseState::Frozen,
+        };
+        if self.pause != PauseState::Frozen {
+            self.pause = target;
+        }
+        match mode {
+            PauseMode::Abort => self.abort_all(),
+            PauseMode::Wait | PauseMode::Keep => Vec::new(),
+        }
+    }
+
+    /// Resets every cache and frees the KV memory; needs a completed pause (no pause or sleep
+    /// still pending). `wake_up([KvCache])` brings the memory back.
+    pub fn release_kv_cache_memory(&mut self, op: OpId) -> Result<(), LifecycleError> {
+        let pause_pending = self
+            .control
+            .pending
+            .iter()
+            .any(|p| matches!(p.kind, OpKind::Pause { .. } | OpKind::Sleep(_)));
+        if !self.control.paused || self.pause != PauseState::Frozen || pause_pending {
+            return Err(LifecycleError::NotPaused);
+        }
+        self.control.pending.push(Pending {
+            op,
+            kind: OpKind::ReleaseKv,
+        });
+        Ok(())
+    }
+
+    /// Continues scheduling. Every pending operation fails (`CancelledByResume`); no request
+    /// is lost. Refused while memory is released (wake it up first).
+    pub fn resume(&mut self) -> Result<(), LifecycleError> {
+        if self.control.kv_released {
+            return Err(LifecycleError::Asleep { what: "KV cache" });
+        }
+        if self.control.weights != WeightsState::Awake {
+            return Err(LifecycleError::Asleep { what: "weights" });
+        }
+        self.cancel_pending(LifecycleError::CancelledByResume);
+        self.unpause();
+        Ok(())
+    }
+
+    /// Marks `tags` (none: all) awake; the engine has already restored their memory. A sleep
+    /// still pending is cancelled. When nothing is asleep any more and the pause came from a
+    /// sleep, scheduling resumes.
+    pub fn wake_up(&mut self, tags: &[WakeTag]) {
+        let all = tags.is_empty();
+        if all || tags.contains(&WakeTag::KvCache) {
+            self.control.kv_released = false;
+        }
+        if all || tags.contains(&WakeTag::Weights) {
+            self.control.weights = WeightsState::Awake;
+        }
+        let cancelled = |p: &Pending| matches!(p.kind, OpKind::Sleep(_));
+        for p in self.control.pending.iter().filter(|p| cancelled(p)) {
+            self.control.events.push(LifecycleEvent::Failed(
+                p.op,
+                LifecycleError::CancelledByWakeUp,
+            ));
+        }
+        self.control.pending.retain(|p| !cancelled(p));
+        let awake = !self.control.kv_released && self.control.weights == WeightsState::Awake;
+        if awake {
+            self.control.sleeping = None;
+            if self.control.paused_by_sleep {
+                self.cancel_pending(LifecycleError::CancelledByWakeUp);
+                self.unpause();
+            }
+        }
+    }
+
+    fn cancel_pending(&mut self, error: LifecycleError) {
+        for p in self.control.pending.drain(..) {
+            self.control
+                .events
+                .push(LifecycleEvent::Failed(p.op, error.clone()));
+        }
+        self.control.reset = ResetStage::NotStarted;
+    }
+
+    fn unpause(&mut self) {
+        self.control.paused = false;
+        self.control.paused_by_sleep = false;
+        self.control.sleeping = None;
+        self.pause = PauseState::Unpaused;
+    }
+
+    pub fn lifecycle_status(&self) -> LifecycleStatus {
+        let c = &self.control;
+        LifecycleStatus {
+            paused: c.paused,
+            sleeping: c.sleeping.is_some() || c.kv_released || c.weights != WeightsState::Awake,
+            kv_released: c.kv_released,
+            weights: c.weights,
+            n_pending: c.pending.len(),
+        }
+    }
+
+    /// Whether the engine must keep stepping with nothing to compute: a reset waits for
+    /// transfers to hand blocks back, or a connector has work to deliver.
+    pub fn needs_idle_steps(&self) -> bool {
+        let waiting_for_transfers = self.control.reset == ResetStage::Releasing
+            && self.pause == PauseState::Frozen
+            && !self.control.pending.is_empty();
+        waiting_for_transfers || self.connectors.iter().any(|c| c.has_pending_work())
+    }
+
+    /// Moves pending operations forward; appends what the engine must do, in order, to `out`.
+    /// Call after every step and when idle.
+    pub fn poll_lifecycle(&mut self, out: &mut Vec<LifecycleEvent>) {
+        self.poll_connectors();
+        if self.pause == PauseState::NoAdmit && self.drained() {
+            self.pause = PauseState::Frozen;
+        }
+        if self.pause == PauseState::Frozen && !self.control.pending.is_empty() {
+            self.complete_without_reset();
+            let reset_wanted = self.control.pending.iter().any(|p| p.kind.needs_reset());
+            if reset_wanted && self.advance_reset() {
+                self.complete_after_reset();
+            }
+        }
+        out.append(&mut self.control.events);
+    }
+
+    /// No admitted request is left: none running, none preempted waiting to be readmitted.
+    fn drained(&self) -> bool {
+        self.running.is_empty()
+            && self.waiting.iter().all(|&r| {
+                self.request(r)
+                    .is_none_or(|req| req.state == RequestState::Waiting)
+            })
+    }
+
+    /// Completes, in order, the pending operations that need no reset.
+    fn complete_without_reset(&mut self) {
+        let c = &mut self.control;
+        for p in c.pending.iter().filter(|p| !p.kind.needs_reset()) {
+            if p.kind == OpKind::Sleep(SleepLevel::L0) {
+                c.sleeping = c.sleeping.max(Some(SleepLevel::L0));
+            }
+            c.events.push(LifecycleEvent::Done(p.op));
+        }
+        c.pending.retain(|p| p.kind.needs_reset());
+    }
+
+    /// Runs the idle-time reset as far as it can go; true once it is done.
+    fn advance_reset(&mut self) -> bool {
+        if self.control.reset == ResetStage::NotStarted {
+            // Frozen requests lose their KV and recompute after resume, in queue order.
+            self.preempt_all_running();
+            self.release_transfer_kv();
+            self.control.reset = ResetStage::Releasing;
+        }
+        self.poll_connectors();
+        let busy =
+            !self.transfers.is_empty() || self.connectors.iter().any(|c| c.has_pending_work());
+        // With every request preempted and every transfer back, no block is held, so the pool
+        // reset cannot refuse; should it, the reset simply tries again at the next poll.
+        if busy || !self.kv.pool_mut().reset_cache() {
+            return false;
+        }
+        for c in &mut self.connectors {
+            c.reset_cache();
+        }
+        self.control.reset = ResetStage::NotStarted;
+        true
+    }
+
+    /// After a reset: every pending operation needs it (the others completed first), so all
+    /// complete now, each with its memory steps before its reply.
+    fn complete_after_reset(&mut self) {
+        let c = &mut self.control;
+        for p in std::mem::take(&mut c.pending) {
+            let release_kv = matches!(p.kind, OpKind::ReleaseKv | OpKind::Sleep(_));
+            if release_kv && !c.kv_released {
+                c.kv_released = true;
+                c.events.push(LifecycleEvent::ReleaseKvMemory);
+            }
+            if let OpKind::Sleep(level) = p.kind {
+                if level == SleepLevel::L1 && c.weights == WeightsState::Awake {
+                    c.weights = WeightsState::Offloaded;
+                    c.events.push(LifecycleEvent::OffloadWeights);
+                }
+                if level == SleepLevel::L2 && c.weights != WeightsState::Dropped {
+                    c.weights = WeightsState::Dropped;
+                    c.events.push(LifecycleEvent::DropWeights);
+                }
+                c.sleeping = c.sleeping.max(Some(level));
+            }
+            c.events.push(LifecycleEvent::Done(p.op));
+        }
+    }
+
+    /// Asks every connector to end its transfers (`abort_transfers`); their blocks come back
+    /// as the transfers end. Holds no connector owns (none is registered) have no reader to
+    /// wait for and are released at once. Touches only KV that transfers hold.
+    pub fn release_transfer_kv(&mut self) {
+        if self.connectors.is_empty() {
+            let ids: Vec<TransferId> = self.transfer_ids().collect();
+            for id in ids {
+                self.release_transfer(id);
+            }
+            return;
+        }
+        for c in &mut self.connectors {
+            c.abort_transfers();
+        }
+    }
+
+    /// Frees the blocks of every transfer a connector reports ended.
+    pub(crate) fn poll_connectors(&mut self) {
+        let mut ended = std::mem::take(&mut self.control.finished_transfers);
+        for c in &mut self.connectors {
+            c.take_finished_transfers(&mut ended);
+        }
+        for id in ended.drain(..) {
+            self.release_transfer(id);
+        }
+        self.control.finished_transfers = ended;
+    }
+
+    /// Registers a connector; the lifecycle drives it from now on.
+    pub fn add_connector(&mut self, connector: Box<dyn KvConnector>) {
+        self.connectors.push(connector);
+    }
+
+    /// `reset_prefix_cache` as the admin API has it: with `reset_running_requests`, running
+    /// requests are preempted first (kept, recomputed later, queue order preserved); with
+    /// `reset_connector`, every connector's cache is reset too. Never fails on busy blocks:
+    /// false (the prefix cache unchanged) while any block is held.
+    pub fn reset_caches(&mut self, reset_running_requests: bool, reset_connector: bool) -> bool {
+        self.poll_connectors();
+        if reset_running_requests {
+            self.preempt_all_running();
+        }
+        if reset_connector {
+            for c in &mut self.connectors {
+                c.reset_cache();
+            }
+        }
+        self.reset_prefix_cache()
+    }
+}

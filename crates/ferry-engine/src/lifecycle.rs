@@ -1,0 +1,191 @@
+//! The lifecycle operations on [`EngineHandle`]: pause, resume, sleep, wake-up, KV release,
+//! cache reset, aborts and weight updates (`../shared/design/lifecycle.md`).
+//!
+//! Each is one utility call handled on the engine thread between steps, in arrival order.
+//! They take no queue permit, so a full queue never delays a pause. Weight updates read and
+//! convert tensors *before* queueing (on a blocking thread), so the engine thread only swaps
+//! them in, and the replaced weights are dropped back on a blocking thread.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use ferry_core::{LifecycleStatus, PauseMode, SleepLevel, WakeTag};
+use ferry_model::{PreparedWeights, WeightStore};
+use tokio::sync::oneshot;
+
+use crate::input::{Input, LifecycleCall, Reply};
+use crate::{EngineError, EngineHandle, WeightInfo, WeightUpdateInfo};
+
+impl EngineHandle {
+    /// Stops compute (see [`PauseMode`]). Returns once paused: at once for `keep` and `abort`
+    /// without `clear_cache`, after the drain for `wait`, and after the cache reset with
+    /// `clear_cache`. Requests arriving while paused are queued.
+    pub async fn pause(&self, mode: PauseMode, clear_cache: bool) -> Result<(), EngineError> {
+        self.lifecycle(|reply| LifecycleCall::Pause {
+            mode,
+            clear_cache,
+            reply,
+        })
+        .await
+    }
+
+    /// Continues scheduling; a pending reset or sleep fails with a "cancelled by resume"
+    /// error. Refused while memory is released (call `wake_up`).
+    pub async fn resume(&self) -> Result<(), EngineError> {
+        self.lifecycle(LifecycleCall::Resume).await
+    }
+
+    /// Pauses with `mode`, then (levels 1 and 2) resets every cache, frees the KV memory and
+    /// offloads (1) or drops (2) the weights. A full `wake_up` resumes.
+    pub async fn sleep(&self, level: SleepLevel, mode: PauseMode) -> Result<(), EngineError> {
+        self.lifecycle(|reply| LifecycleCall::Sleep { level, mode, reply })
+            .await
+    }
+
+    /// Restores what sleep or `release_kv_cache_memory` released (`tags` empty: everything).
+    pub async fn wake_up(&self, tags: &[WakeTag]) -> Result<(), EngineError> {
+        let tags = tags.to_vec();
+        self.lifecycle(|reply| LifecycleCall::WakeUp { tags, reply })
+            .await
+    }
+
+    /// Resets every cache and frees the KV memory; needs a completed pause.
+    pub async fn release_kv_cache_memory(&self) -> Result<(), EngineError> {
+        self.lifecycle(LifecycleCall::ReleaseKvCacheMemory).await
+    }
+
+    /// Drops every cached block hash now: false (nothing changed) while blocks are held.
+    /// `reset_running_requests` preempts running requests first; `reset_connector` resets
+    /// every connector's cache too.
+    pub async fn reset_prefix_cache(
+        &self,
+        reset_running_requests: bool,
+        reset_connector: bool,
+    ) -> Result<bool, EngineError> {
+        self.lifecycle(|reply| LifecycleCall::ResetPrefixCache {
+            reset_running_requests,
+            reset_connector,
+            reply,
+        })
+        .await
+    }
+
+    /// Finishes the named live requests (`None`: all) as aborted; unknown ids are ignored.
+    /// Returns how many were aborted.
+    pub async fn abort_requests(&self, ids: Option<Vec<String>>) -> Result<usize, EngineError> {
+        self.lifecycle(|reply| LifecycleCall::AbortRequests { ids, reply })
+            .await
+    }
+
+    /// Pushes tensors (some or all parameters). Names, shapes and dtypes are checked before
+    /// anything changes. `version`: the new weight version (default: the previous one with
+    /// its `+N` suffix bumped).
+    pub async fn update_weights(
+        &self,
+        tensors: WeightStore,
+        version: Option<String>,
+    ) -> Result<WeightUpdateInfo, EngineError> {
+        let preparer = self.weight_preparer();
+        let started = Instant::now();
+        let prepared = blocking(move || Ok(preparer.prepare(tensors)?)).await?;
+        self.install(prepared, version, started).await
+    }
+
+    /// Reloads every weight from a model folder (or GGUF file) of the same model.
+    pub async fn update_weights_from_disk(
+        &self,
+        path: PathBuf,
+        version: Option<String>,
+    ) -> Result<WeightUpdateInfo, EngineError> {
+        let preparer = self.weight_preparer();
+        let started = Instant::now();
+        let prepared = blocking(move || {
+            let loaded = ferry_model::load_model(&path)?;
+            preparer.check_config(&loaded.config)?;
+            let prepared = preparer.prepare(loaded.weights)?;
+            if !prepared.complete {
+                return Err(EngineError::Weights(ferry_model::WeightError::Incomplete {
+                    n_missing: 1,
+                    first: "(the folder does not hold every parameter)".into(),
+                }));
+            }
+            Ok(prepared)
+        })
+        .await?;
+        self.install(prepared, version, started).await
+    }
+
+    async fn install(
+        &self,
+        weights: PreparedWeights,
+        version: Option<String>,
+        started: Instant,
+    ) -> Result<WeightUpdateInfo, EngineError> {
+        let (n_tensors, n_bytes, complete) = (weights.n_tensors, weights.n_bytes, weights.complete);
+        let prepare_seconds = started.elapsed().as_secs_f64();
+        let queued = Instant::now();
+        let (weight_version, retired) = self
+            .lifecycle(|reply| LifecycleCall::InstallWeights {
+                weights,
+                version,
+                reply,
+            })
+            .await?;
+        let install_seconds = queued.elapsed().as_secs_f64();
+        if let Some(old) = retired {
+            // Freeing hundreds of megabytes takes milliseconds: not on this task.
+            tokio::task::spawn_blocking(move || drop(old));
+        }
+        Ok(WeightUpdateInfo {
+            weight_version,
+            n_tensors,
+            n_bytes,
+            complete,
+            prepare_seconds,
+            install_seconds,
+        })
+    }
+
+    /// Renames the weights now loaded (no weights change). Prefix-cache entries of the old
+    /// name are never hit again.
+    pub async fn update_weight_version(&self, version: String) -> Result<(), EngineError> {
+        self.lifecycle(|reply| LifecycleCall::SetWeightVersion { version, reply })
+            .await
+    }
+
+    /// The lifecycle state and the weights, read on the engine thread (so it reflects every
+    /// call handled before it).
+    pub async fn lifecycle_status(&self) -> Result<(LifecycleStatus, WeightInfo), EngineError> {
+        self.lifecycle(LifecycleCall::Status).await
+    }
+
+    pub async fn is_paused(&self) -> Result<bool, EngineError> {
+        Ok(self.lifecycle_status().await?.0.paused)
+    }
+
+    pub async fn is_sleeping(&self) -> Result<bool, EngineError> {
+        Ok(self.lifecycle_status().await?.0.sleeping)
+    }
+
+    pub async fn weight_info(&self) -> Result<WeightInfo, EngineError> {
+        Ok(self.lifecycle_status().await?.1)
+    }
+
+    async fn lifecycle<T>(
+        &self,
+        call: impl FnOnce(Reply<T>) -> LifecycleCall,
+    ) -> Result<T, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send_utility_unbounded(Input::Utility(crate::input::Utility::Lifecycle(call(tx))))?;
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+}
+
+/// Runs `f` on tokio's blocking pool (file reads, tensor conversion).
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, EngineError> + Send + 'static,
+) -> Result<T, EngineError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| EngineError::Stopped)?
+}

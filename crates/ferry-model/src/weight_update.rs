@@ -1,0 +1,239 @@
+//! In-place weight updates: pushed or reloaded tensors are checked and converted into an
+//! executor's own layout *off the engine thread* ([`WeightPreparer`]), then installed between
+//! two steps ([`crate::Executor::install_weights`]), which only swaps or patches memory.
+//!
+//! The split keeps the engine thread's share of a weight update to a pointer swap (a full
+//! reload) or a copy of the pushed bytes (a partial push), so a pause → update → resume cycle
+//! costs the time to read the weights and little else.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use crate::{ExecError, LlamaConfig, WeightStore};
+
+/// What is wrong with a weight update; nothing has changed when one is returned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WeightError {
+    #[error("the update holds no tensors")]
+    Empty,
+    #[error("unknown tensor `{name}`: this model has no parameter by that name")]
+    UnknownTensor { name: String },
+    #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    BadShape {
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("tensor `{name}` has unsupported dtype {dtype} (supported: F32, F16, BF16)")]
+    UnsupportedDtype { name: String, dtype: String },
+    #[error("invalid safetensors data: {0}")]
+    Malformed(String),
+    /// A full set was required (the weights were dropped by sleep level 2, or a reload).
+    #[error("the update must hold every parameter; missing {n_missing}, first `{first}`")]
+    Incomplete { n_missing: usize, first: String },
+    #[error("the new model's config differs from the running one: {field}: running {running}, new {new}")]
+    ConfigMismatch {
+        field: &'static str,
+        running: String,
+        new: String,
+    },
+    #[error("these weights were prepared for another executor")]
+    WrongExecutor,
+}
+
+/// Weights checked and converted for one executor, ready for
+/// [`crate::Executor::install_weights`]. Opaque: only the executor that prepared them reads
+/// the payload.
+pub struct PreparedWeights {
+    /// Tensors in the update.
+    pub n_tensors: usize,
+    /// f32 bytes in the update.
+    pub n_bytes: usize,
+    /// Every parameter is present (a partial push leaves the others as they are).
+    pub complete: bool,
+    payload: Box<dyn Any + Send>,
+}
+
+impl std::fmt::Debug for PreparedWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedWeights")
+            .field("n_tensors", &self.n_tensors)
+            .field("n_bytes", &self.n_bytes)
+            .field("complete", &self.complete)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PreparedWeights {
+    pub fn new(
+        n_tensors: usize,
+        n_bytes: usize,
+        complete: bool,
+        payload: Box<dyn Any + Send>,
+    ) -> Self {
+        Self {
+            n_tensors,
+            n_bytes,
+            complete,
+            payload,
+        }
+    }
+
+    /// The payload, if it is a `T` (else [`WeightError::WrongExecutor`]).
+    pub fn into_payload<T: 'static>(self) -> Result<Box<T>, WeightError> {
+        self.payload
+            .downcast()
+            .map_err(|_| WeightError::WrongExecutor)
+    }
+}
+
+/// Weights an executor gave up (replaced or dropped): the caller drops them, off the engine
+/// thread when they are large (freeing hundreds of megabytes takes milliseconds).
+pub type RetiredWeights = Box<dyn Any + Send>;
+
+/// Checks and converts tensors for one executor, on any thread. Shares nothing mutable with
+/// the executor: it holds a copy of the model's config.
+pub trait WeightPreparer: Send + Sync {
+    /// Checks every name and shape against the model (nothing is converted before all pass),
+    /// then converts the tensors into the executor's layout.
+    fn prepare(&self, tensors: WeightStore) -> Result<PreparedWeights, WeightError>;
+
+    /// For a reload from a model folder: the folder's config must describe the same model.
+    fn check_config(&self, config: &LlamaConfig) -> Result<(), WeightError>;
+}
+
+/// An executor's weights as the lifecycle drives them: updates (between steps) and sleep.
+/// Wrapping executors (test gates) forward [`crate::Executor::weight_ops`] to the inner one.
+pub trait ModelWeights: Send {
+    /// Checks and converts weight updates for this executor on any thread.
+    fn preparer(&self) -> Arc<dyn WeightPreparer>;
+
+    /// Installs prepared weights between steps: a complete set replaces the weights (also
+    /// after sleep level 2 dropped them), a partial one patches the named tensors in place.
+    /// Nothing changes on error. Returns what was replaced, for the caller to drop.
+    fn install(&mut self, weights: PreparedWeights) -> Result<Option<RetiredWeights>, WeightError>;
+
+    /// The weight version the weights now installed are known by. The checksum model's KV
+    /// depends on it; a real model ignores it.
+    fn set_version(&mut self, _version: &str) {}
+
+    /// Sleep level 1: moves the weights to a host copy. A CPU executor's weights already live
+    /// in host memory, so this only marks them unusable until `restore`.
+    fn offload(&mut self);
+
+    /// Sleep level 2: drops the weights, returning them for the caller to drop.
+    fn drop_weights(&mut self) -> Option<RetiredWeights>;
+
+    /// Wake-up: makes offloaded weights usable again. Fails with `WeightsUnloaded` when they
+    /// were dropped and no complete install came since.
+    fn restore(&mut self) -> Result<(), ExecError>;
+
+    fn residency(&self) -> WeightResidency;
+}
+
+/// The weights of an executor that has none (the checksum model, test scripts): it accepts
+/// only an empty update, which stands for "new weights" (the version says which), and models
+/// the sleep states so lifecycle tests see what a real model would do.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Weightless {
+    residency: WeightResidency,
+}
+
+impl ModelWeights for Weightless {
+    fn preparer(&self) -> Arc<dyn WeightPreparer> {
+        Arc::new(WeightlessPreparer)
+    }
+
+    fn install(&mut self, weights: PreparedWeights) -> Result<Option<RetiredWeights>, WeightError> {
+        weights.into_payload::<WeightlessPreparer>()?;
+        if self.residency == WeightResidency::Dropped {
+            // Back, but still asleep until a wake-up.
+            self.residency = WeightResidency::Offloaded;
+        }
+        Ok(None)
+    }
+
+    fn offload(&mut self) {
+        if self.residency == WeightResidency::Resident {
+            self.residency = WeightResidency::Offloaded;
+        }
+    }
+
+    fn drop_weights(&mut self) -> Option<RetiredWeights> {
+        self.residency = WeightResidency::Dropped;
+        None
+    }
+
+    fn restore(&mut self) -> Result<(), ExecError> {
+        if self.residency == WeightResidency::Dropped {
+            return Err(ExecError::WeightsUnloaded);
+        }
+        self.residency = WeightResidency::Resident;
+        Ok(())
+    }
+
+    fn residency(&self) -> WeightResidency {
+        self.residency
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct WeightlessPreparer;
+
+impl WeightPreparer for WeightlessPreparer {
+    fn prepare(&self, tensors: WeightStore) -> Result<PreparedWeights, WeightError> {
+        if let Some(name) = tensors.tensors.keys().next() {
+            return Err(WeightError::UnknownTensor { name: name.clone() });
+        }
+        Ok(PreparedWeights::new(
+            0,
+            0,
+            true,
+            Box::new(WeightlessPreparer),
+        ))
+    }
+
+    fn check_config(&self, _config: &LlamaConfig) -> Result<(), WeightError> {
+        Ok(())
+    }
+}
+
+/// Where an executor's weights are (sleep levels 1 and 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightResidency {
+    /// Ready to run steps.
+    #[default]
+    Resident,
+    /// Sleep level 1: moved to a host copy; `restore_weights` brings them back.
+    Offloaded,
+    /// Sleep level 2: dropped; a complete install must come before they can be restored.
+    Dropped,
+}
+
+/// Reads safetensors bytes (a tensor push) into f32 tensors by name. Every tensor's dtype is
+/// checked before any is converted, so an error names the first bad tensor and costs nothing.
+pub fn parse_safetensors(bytes: &[u8]) -> Result<WeightStore, WeightError> {
+    let tensors = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| WeightError::Malformed(e.to_string()))?;
+    let mut views = tensors.tensors();
+    // Sorted, so errors and conversion order do not depend on the header's order.
+    views.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, view) in &views {
+        if crate::load::to_f32(view.dtype(), &[]).is_none() {
+            return Err(WeightError::UnsupportedDtype {
+                name: name.clone(),
+                dtype: format!("{:?}", view.dtype()),
+            });
+        }
+    }
+    let mut store = WeightStore::default();
+    for (name, view) in views {
+        let data = crate::load::to_f32(view.dtype(), view.data())
+            .ok_or_else(|| WeightError::Malformed(format!("tensor `{name}`: bad data")))?;
+        store.insert(name, crate::Tensor::new(view.shape().to_vec(), data));
+    }
+    if store.tensors.is_empty() {
+        return Err(WeightError::Empty);
+    }
+    Ok(store)
+}
