@@ -52,6 +52,7 @@ pub struct LlamaModel {
     scratch: Scratch,
     /// Logits rows of [`Executor::execute`], kept across steps (a batch-64 step's are 12 MB).
     logits_buf: Vec<f32>,
+    interim_weight_ops: crate::Weightless,
 }
 
 /// Per-step activation buffers, grown to the largest step seen.
@@ -100,6 +101,7 @@ impl LlamaModel {
             sampler_scratch: SamplerScratch::default(),
             scratch: Scratch::default(),
             logits_buf: Vec::new(),
+            interim_weight_ops: crate::Weightless::default(),
         })
     }
 
@@ -420,11 +422,12 @@ impl Executor for LlamaModel {
         Ok(ModelOutput { sampled: sampled? })
     }
 
+    // Interim: sleep states only; weight updates for the Llama model are being written.
     fn weight_ops(&self) -> &dyn crate::ModelWeights {
-        todo!("weight updates for LlamaModel")
+        &self.interim_weight_ops
     }
 
     fn weight_ops_mut(&mut self) -> &mut dyn crate::ModelWeights {
-        todo!("weight updates for LlamaModel")
+        &mut self.interim_weight_ops
     }
 }
