@@ -55,9 +55,16 @@ fn keep_pause_completes_at_once_freezes_and_resume_continues_with_the_same_token
     assert!(h.sched.lifecycle_status().paused);
     let used = h.sched.stats().n_blocks_used;
     for _ in 0..3 {
-        assert!(h.step().reqs.is_empty(), "a frozen engine schedules nothing");
+        assert!(
+            h.step().reqs.is_empty(),
+            "a frozen engine schedules nothing"
+        );
     }
-    assert_eq!(h.sched.stats().n_blocks_used, used, "frozen requests keep their KV");
+    assert_eq!(
+        h.sched.stats().n_blocks_used,
+        used,
+        "frozen requests keep their KV"
+    );
     // Requests that arrive while paused are queued, not rejected.
     h.add("c", prompt(3, 8), greedy(5));
     h.sched.resume().unwrap();
@@ -79,7 +86,11 @@ fn abort_pause_finishes_every_request_as_aborted_with_its_partial_output() {
     ids.sort();
     assert_eq!(ids, ["a", "b", "w"]);
     assert!(h.finished.values().all(|f| f.0 == FinishReason::Abort));
-    assert_eq!(h.generated["a"].len(), 3, "partial output (one token a step) was kept");
+    assert_eq!(
+        h.generated["a"].len(),
+        3,
+        "partial output (one token a step) was kept"
+    );
     assert_eq!(poll(&mut h), vec![done(1)]);
     assert_eq!(h.sched.stats().n_blocks_used, 0);
 }
@@ -93,7 +104,10 @@ fn wait_pause_drains_admitted_requests_admits_nothing_new_then_completes() {
     let mut n = 0;
     while h.sched.stats().n_running > 0 {
         let plan = h.step();
-        assert!(plan.reqs.iter().all(|r| h.sched.request(r.req).is_none_or(|q| q.id != "late")));
+        assert!(plan
+            .reqs
+            .iter()
+            .all(|r| h.sched.request(r.req).is_none_or(|q| q.id != "late")));
         n += 1;
         assert!(n < 100);
         if h.sched.stats().n_running > 0 {
@@ -102,8 +116,14 @@ fn wait_pause_drains_admitted_requests_admits_nothing_new_then_completes() {
     }
     assert_eq!(poll(&mut h), vec![done(7)]);
     assert!(h.finished.contains_key("a") && h.finished.contains_key("b"));
-    assert!(!h.finished.contains_key("late"), "a queued request is kept, not run or lost");
-    assert!(h.step().reqs.is_empty(), "after the drain the engine is frozen");
+    assert!(
+        !h.finished.contains_key("late"),
+        "a queued request is kept, not run or lost"
+    );
+    assert!(
+        h.step().reqs.is_empty(),
+        "after the drain the engine is frozen"
+    );
     h.sched.resume().unwrap();
     h.drain(100);
     assert_eq!(h.finished["late"].0, FinishReason::Length);
@@ -128,7 +148,10 @@ fn wait_pause_readmits_preempted_requests_since_they_were_admitted() {
     assert_eq!(h.finished["b"].0, FinishReason::Length);
     assert!(!h.finished.contains_key("late"));
     let r = reference();
-    assert_eq!(h.generated["a"], r.generated["a"], "recomputed after preemption");
+    assert_eq!(
+        h.generated["a"], r.generated["a"],
+        "recomputed after preemption"
+    );
 }
 
 #[test]
@@ -169,7 +192,10 @@ fn resume_fails_a_pending_reset_with_a_clear_error_and_loses_no_request() {
     h.sched.resume().unwrap();
     assert_eq!(
         poll(&mut h),
-        vec![LifecycleEvent::Failed(OpId(1), LifecycleError::CancelledByResume)]
+        vec![LifecycleEvent::Failed(
+            OpId(1),
+            LifecycleError::CancelledByResume
+        )]
     );
     h.drain(100);
     let r = reference();
@@ -180,9 +206,15 @@ fn resume_fails_a_pending_reset_with_a_clear_error_and_loses_no_request() {
 fn reset_prefix_cache_is_false_while_blocks_are_held_and_never_fails() {
     let mut h = busy(3);
     let cached = h.sched.stats().n_blocks_cached;
-    assert!(!h.sched.reset_caches(false, false), "running requests hold blocks");
+    assert!(
+        !h.sched.reset_caches(false, false),
+        "running requests hold blocks"
+    );
     assert_eq!(h.sched.stats().n_blocks_cached, cached, "nothing changed");
-    assert!(h.sched.reset_caches(true, false), "preempted first, then reset");
+    assert!(
+        h.sched.reset_caches(true, false),
+        "preempted first, then reset"
+    );
     assert_eq!(h.sched.stats().n_blocks_cached, 0);
     assert_eq!(h.sched.stats().n_waiting, 2);
     h.drain(100);
@@ -207,17 +239,17 @@ fn release_kv_cache_memory_needs_a_completed_pause() {
     h.sched.pause(OpId(4), PauseMode::Keep, false);
     assert_eq!(poll(&mut h), vec![done(4)]);
     h.sched.release_kv_cache_memory(OpId(5)).unwrap();
-    assert_eq!(
-        poll(&mut h),
-        vec![LifecycleEvent::ReleaseKvMemory, done(5)]
-    );
+    assert_eq!(poll(&mut h), vec![LifecycleEvent::ReleaseKvMemory, done(5)]);
     assert!(h.sched.lifecycle_status().sleeping);
     assert_eq!(
         h.sched.resume(),
         Err(LifecycleError::Asleep { what: "KV cache" })
     );
     h.sched.wake_up(&[WakeTag::KvCache]);
-    assert!(h.sched.lifecycle_status().paused, "release after a pause: resume is explicit");
+    assert!(
+        h.sched.lifecycle_status().paused,
+        "release after a pause: resume is explicit"
+    );
     h.sched.resume().unwrap();
     h.drain(100);
     assert_eq!(h.generated, reference().generated);
@@ -226,8 +258,16 @@ fn release_kv_cache_memory_needs_a_completed_pause() {
 #[test]
 fn sleep_levels_release_memory_in_order_and_a_full_wake_up_resumes() {
     for (level, weights_event, weights_state) in [
-        (SleepLevel::L1, LifecycleEvent::OffloadWeights, WeightsState::Offloaded),
-        (SleepLevel::L2, LifecycleEvent::DropWeights, WeightsState::Dropped),
+        (
+            SleepLevel::L1,
+            LifecycleEvent::OffloadWeights,
+            WeightsState::Offloaded,
+        ),
+        (
+            SleepLevel::L2,
+            LifecycleEvent::DropWeights,
+            WeightsState::Dropped,
+        ),
     ] {
         let mut h = busy(3);
         h.sched.sleep(OpId(1), level, PauseMode::Keep);
@@ -240,8 +280,14 @@ fn sleep_levels_release_memory_in_order_and_a_full_wake_up_resumes() {
         assert_eq!(s.weights, weights_state);
         assert_eq!(h.sched.stats().n_blocks_cached, 0);
         h.sched.wake_up(&[WakeTag::Weights]);
-        assert!(h.sched.lifecycle_status().sleeping, "kv_cache is still asleep");
-        assert!(h.step().reqs.is_empty(), "no scheduling until everything is back");
+        assert!(
+            h.sched.lifecycle_status().sleeping,
+            "kv_cache is still asleep"
+        );
+        assert!(
+            h.step().reqs.is_empty(),
+            "no scheduling until everything is back"
+        );
         h.sched.wake_up(&[WakeTag::KvCache]);
         let s = h.sched.lifecycle_status();
         assert!(!s.sleeping && !s.paused);
@@ -270,7 +316,10 @@ fn wake_up_cancels_a_pending_sleep() {
     h.sched.wake_up(&[]);
     assert_eq!(
         poll(&mut h),
-        vec![LifecycleEvent::Failed(OpId(1), LifecycleError::CancelledByWakeUp)]
+        vec![LifecycleEvent::Failed(
+            OpId(1),
+            LifecycleError::CancelledByWakeUp
+        )]
     );
     h.drain(100);
     assert_eq!(h.generated, reference().generated);
@@ -323,7 +372,10 @@ fn a_reset_waits_for_transfers_to_hand_their_blocks_back_then_resets_connectors(
     let a = h.sched.request_idx("a").unwrap();
     let t = h.sched.hold_blocks_for_transfer(a).unwrap();
     shared.lock().unwrap().held.push(t);
-    assert!(!h.sched.reset_caches(true, false), "a transfer still holds blocks");
+    assert!(
+        !h.sched.reset_caches(true, false),
+        "a transfer still holds blocks"
+    );
     h.sched.pause(OpId(1), PauseMode::Keep, true);
     let mut polls = 0;
     let events = loop {
@@ -340,7 +392,10 @@ fn a_reset_waits_for_transfers_to_hand_their_blocks_back_then_resets_connectors(
     assert!(shared.lock().unwrap().aborted);
     assert_eq!(shared.lock().unwrap().n_resets, 1);
     let s = h.sched.stats();
-    assert_eq!((s.n_blocks_used, s.n_transfers, s.n_blocks_cached), (0, 0, 0));
+    assert_eq!(
+        (s.n_blocks_used, s.n_transfers, s.n_blocks_cached),
+        (0, 0, 0)
+    );
     h.sched.resume().unwrap();
     h.drain(100);
     assert_eq!(h.generated, reference().generated);
