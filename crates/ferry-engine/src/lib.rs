@@ -22,11 +22,11 @@ pub mod stop;
 mod stream;
 
 pub use ferry_core::{
-    FinishReason, LifecycleError, LifecycleStatus, PauseMode, SamplingParams, SchedulerConfig,
-    SchedulerStats, SleepLevel, TokenId, WakeTag, WeightsState,
+    FinishReason, KvConnector, LifecycleError, LifecycleStatus, PauseMode, SamplingParams,
+    SchedulerConfig, SchedulerStats, SleepLevel, TokenId, WakeTag, WeightsState,
 };
 pub use ferry_model::{WeightError, WeightStore};
-pub use handle::{spawn, EngineHandle};
+pub use handle::{spawn, spawn_with_connectors, EngineHandle};
 pub use stream::GenerateStream;
 
 /// Everything the engine thread needs, resolved once by the caller.
