@@ -6,6 +6,9 @@
 //! (see [`crate::kernels`]), norms, rope and activations are per token, and attention reads
 //! only the token's own request. So a request's logits have the same bits whatever else is
 //! in its batch, and chunked prefill gives the same KV as one-shot prefill.
+//!
+//! Weight updates and sleep ([`crate::ModelWeights`]) live in `llama/weight_ops.rs`; the
+//! checks and layout conversion that run off the engine thread in [`crate::llama_update`].
 
 use ferry_core::{ModelOutput, ReqIdx, StepPlan};
 use ferry_kv::{KvArena, KvLayout};

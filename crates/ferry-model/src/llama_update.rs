@@ -339,11 +339,13 @@ pub(crate) fn empty_weights() -> LlamaWeights {
 pub(crate) fn missing(config: &LlamaConfig, patches: &[Patch]) -> (usize, String) {
     let present: std::collections::BTreeSet<&str> =
         patches.iter().map(|p| p.name.as_str()).collect();
-    let mut absent = expected_tensors(config)
+    let absent: Vec<String> = expected_tensors(config)
         .into_iter()
-        .filter(|(name, _)| !present.contains(name.as_str()));
-    let first = absent.next().map(|(name, _)| name).unwrap_or_default();
-    (1 + absent.count(), first)
+        .map(|(name, _)| name)
+        .filter(|name| !present.contains(name.as_str()))
+        .collect();
+    let n_missing = absent.len();
+    (n_missing, absent.into_iter().next().unwrap_or_default())
 }
 
 #[cfg(test)]
