@@ -353,6 +353,8 @@ fn drop_frees_the_weights_and_only_a_complete_install_brings_them_back() {
         model.weight_ops_mut().drop_weights().is_none(),
         "nothing left to drop"
     );
+    model.weight_ops_mut().offload();
+    assert_eq!(model.weight_ops().residency(), WeightResidency::Dropped);
     assert!(matches!(
         execute_once(&mut model),
         Err(ExecError::WeightsUnloaded)
