@@ -107,7 +107,7 @@ async fn a_bad_push_changes_nothing_and_names_what_is_wrong() {
     let want = fresh(&a).await;
     let engine = engine(llama(&a), config());
     let good = "model.norm.weight";
-    let cases: Vec<(WeightStore, fn(&WeightError) -> bool)> = vec![
+    let cases: Vec<(WeightStore, IsExpected)> = vec![
         (
             store(&[
                 (good, a.get(good).unwrap().clone()),
@@ -137,6 +137,9 @@ async fn a_bad_push_changes_nothing_and_names_what_is_wrong() {
     assert_eq!(after.finish.unwrap().weight_versions, ["base"]);
     engine.shutdown().await.unwrap();
 }
+
+/// Says whether a push's error is the one expected.
+type IsExpected = fn(&WeightError) -> bool;
 
 fn store(tensors: &[(&str, Tensor)]) -> WeightStore {
     let mut s = WeightStore::default();
