@@ -226,9 +226,15 @@ impl EngineLoop {
                 let _ = reply.send(result);
             }
             Utility::Lifecycle(call) => {
+                let started = Instant::now();
                 self.lifecycle(call);
                 // Operations that can complete at once reply now, not after the next step.
                 self.poll_lifecycle();
+                let handled = started.elapsed().as_secs_f64();
+                self.stats.send_modify(|s| {
+                    s.n_lifecycle_calls_total += 1;
+                    s.lifecycle_call_seconds_total += handled;
+                });
                 self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
             }
         }

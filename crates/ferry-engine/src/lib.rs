@@ -123,6 +123,11 @@ pub struct EngineStats {
     pub weight_version: String,
     /// The lifecycle state after the latest step or idle moment.
     pub lifecycle: LifecycleStatus,
+    /// Lifecycle calls handled, and the engine thread's time handling them (from taking the
+    /// call off the queue to its reply or, for a deferred one, its registration), summed:
+    /// the engine-side cost of pause, resume and the rest, without the wait for a step to end.
+    pub n_lifecycle_calls_total: u64,
+    pub lifecycle_call_seconds_total: f64,
     /// False once the engine thread has stopped.
     pub running: bool,
 }
