@@ -412,3 +412,29 @@ fn a_running_request_caches_no_blocks_after_a_weight_update() {
     // It filled two more blocks after the update: their KV mixes both weights.
     assert_eq!(h.sched.stats().n_blocks_cached, cached);
 }
+
+#[test]
+fn a_wake_up_keeps_a_pause_the_client_made_before_the_sleep() {
+    let mut h = busy(2);
+    h.sched.pause(OpId(1), PauseMode::Keep, false);
+    h.sched.sleep(OpId(2), SleepLevel::L1, PauseMode::Keep);
+    assert_eq!(
+        poll(&mut h),
+        vec![
+            done(1),
+            LifecycleEvent::ReleaseKvMemory,
+            LifecycleEvent::OffloadWeights,
+            done(2)
+        ]
+    );
+    h.sched.wake_up(&[]);
+    let s = h.sched.lifecycle_status();
+    assert!(
+        !s.sleeping && s.paused,
+        "the client's pause outlives the sleep"
+    );
+    assert!(h.step().reqs.is_empty());
+    h.sched.resume().unwrap();
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}

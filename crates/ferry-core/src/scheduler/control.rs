@@ -91,10 +91,13 @@ impl Scheduler {
     }
 
     /// Sleeps: pauses with `mode`, then (level 1 and 2) resets every cache, releases the KV
-    /// memory and offloads or drops the weights. A full wake-up resumes.
+    /// memory and offloads or drops the weights. A full wake-up resumes, unless the engine
+    /// was already paused when it went to sleep.
     pub fn sleep(&mut self, op: OpId, level: SleepLevel, mode: PauseMode) -> Vec<RequestOutput> {
+        // A wake-up undoes only the sleep's own pause: an engine the client paused before it
+        // slept stays paused until the client resumes it.
+        self.control.paused_by_sleep |= !self.control.paused;
         let aborted = self.enter_pause(mode);
-        self.control.paused_by_sleep = true;
         self.control.pending.push(Pending {
             op,
             kind: OpKind::Sleep(level),
