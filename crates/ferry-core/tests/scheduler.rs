@@ -216,7 +216,8 @@ fn same_weights_hit_and_a_new_weight_version_never_does() {
         second_request_hit(|h| h.sched.set_weight_version("1"), None, None),
         0
     );
-    // Switching back finds the old chain again: the hash depends on the version, nothing else.
+    // Switching back to a version string used before never finds the old chain: each change
+    // is a new weight load, and the string alone cannot prove the weights are the same.
     assert_eq!(
         second_request_hit(
             |h| {
@@ -226,7 +227,7 @@ fn same_weights_hit_and_a_new_weight_version_never_does() {
             None,
             None
         ),
-        32
+        0
     );
 }
 
