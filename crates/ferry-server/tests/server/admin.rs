@@ -479,6 +479,53 @@ async fn pushed_weights_change_the_output_and_its_weight_version() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_weight_version_never_hits_the_old_prefix_cache() {
+    let s = admin_server().await;
+    let body = json!({"prompt": "the quick brown fox jumps over the lazy dog again and again",
+                      "max_tokens": 2, "temperature": 0});
+    let cached = |r: &Value| r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    s.ok("/v1/completions", &body).await;
+    let again = s.ok("/v1/completions", &body).await;
+    assert!(cached(&again) > Some(0), "{again}");
+    // No reset: the version alone keeps the old entries from being hit.
+    s.admin_json_ok("/update_weight_version", &json!({"new_version": "v2"}))
+        .await;
+    let after = s.ok("/v1/completions", &body).await;
+    assert_eq!(cached(&after), Some(0), "{after}");
+    assert_eq!(after["choices"][0]["weight_versions"], json!(["v2"]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_from_disk_after_sleep_level_2_wakes_the_engine() {
+    let s = admin_server().await;
+    let before = generate(&s).await;
+    let dir = tempfile::tempdir().unwrap();
+    ferry_model::tiny::write_hf_folder(&ferry_model::tiny::tiny_model(), dir.path()).unwrap();
+    s.admin_ok("/sleep?level=2").await;
+    assert_eq!(weight_info(&s).await["residency"], "dropped");
+    // The weights are gone: waking them is a conflict until new ones come.
+    s.expect_admin_error(s.http.post(s.url("/wake_up")), "wake_up", 409, None)
+        .await;
+    assert!(s.is_sleeping().await);
+    let reload = json!({"model_path": dir.path(), "weight_version": "step-1"});
+    let reply = s.admin_json_ok("/update_weights_from_disk", &reload).await;
+    assert_eq!(
+        (&reply["weight_version"], &reply["complete"]),
+        (&json!("step-1"), &json!(true))
+    );
+    s.admin_ok("/wake_up").await;
+    assert!(!s.is_sleeping().await && !s.is_paused().await);
+    let after = generate(&s).await;
+    // The same weights again: the same tokens, under the new version.
+    assert_eq!(
+        after["choices"][0]["token_ids"],
+        before["choices"][0]["token_ids"]
+    );
+    assert_eq!(after["choices"][0]["weight_versions"], json!(["step-1"]));
+    assert_eq!(weight_info(&s).await["n_weight_updates"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_push_over_the_body_limit_is_a_413() {
     let s = start(Options {
         admin_api: true,

@@ -171,6 +171,63 @@ async fn keep_pauses_and_sleeps_continue_with_the_unpaused_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn released_kv_memory_comes_back_and_frozen_requests_recompute() {
+    let s = slow_admin_server().await;
+    let want = reference(&s).await;
+    let streams = start_streams(&s, "release").await;
+    s.admin_ok("/pause?mode=keep&clear_cache=false").await;
+    s.admin_ok("/release_kv_cache_memory").await;
+    assert!(s.is_sleeping().await);
+    assert_frozen(&s).await;
+    s.admin_ok("/wake_up?tags=kv_cache").await;
+    s.admin_ok("/resume").await;
+    let got: Vec<Vec<u64>> = finish_all(streams)
+        .await
+        .into_iter()
+        .map(|o| {
+            assert_eq!(o.finish_reason, "length", "{o:?}");
+            o.tokens
+        })
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(s.engine.check_invariants().await.unwrap(), Ok(()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_up_cancels_a_pending_sleep_with_a_409() {
+    let s = slow_admin_server().await;
+    let want = reference(&s).await;
+    let streams = start_streams(&s, "pending-sleep").await;
+    // A wait-mode sleep waits for the streams to drain; a wake-up first cancels it.
+    let sleep = {
+        let req = s.http.post(s.url("/sleep?level=1&mode=wait"));
+        tokio::spawn(async move { req.send().await.unwrap().status().as_u16() })
+    };
+    // The sleep is taken (the engine admits nothing new) but still waits for the drain.
+    let deadline = Instant::now() + BOUND;
+    while !s.engine.is_paused().await.unwrap() {
+        assert!(
+            Instant::now() < deadline,
+            "the sleep never reached the engine"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(!sleep.is_finished());
+    s.admin_ok("/wake_up").await;
+    assert_eq!(bounded("sleep", sleep).await.unwrap(), 409);
+    let got: Vec<Vec<u64>> = finish_all(streams)
+        .await
+        .into_iter()
+        .map(|o| {
+            assert_eq!(o.finish_reason, "length", "{o:?}");
+            o.tokens
+        })
+        .collect();
+    assert_eq!(got, want);
+    assert!(!s.is_sleeping().await && !s.is_paused().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_pause_replies_after_the_streams_finish() {
     let s = slow_admin_server().await;
     let want = reference(&s).await;
