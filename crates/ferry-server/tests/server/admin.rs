@@ -542,6 +542,27 @@ async fn a_push_over_the_body_limit_is_a_413() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_are_not_held_to_the_json_body_limit() {
+    let s = admin_server().await;
+    // Over the 32 MiB limit of the JSON routes: read in full, then refused as not safetensors.
+    let (status, json) = s
+        .send_json(
+            s.http
+                .post(s.url("/update_weights"))
+                .body(vec![b'x'; 40 << 20]),
+        )
+        .await;
+    assert_eq!(status, 400, "{json}");
+    assert!(
+        json["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("safetensors"),
+        "{json}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_engine_makes_admin_calls_503() {
     let s = admin_server().await;
     s.engine.shutdown().await.unwrap();
