@@ -21,7 +21,6 @@ use serde_json::{json, Value};
 use super::args::{admin_error, optional_json, weight_error, QueryArgs};
 use super::AdminReply;
 use crate::error::ApiError;
-use crate::extract::parse_json;
 use crate::state::AppState;
 
 /// `POST /update_weights_from_disk`'s body (SGLang's and vLLM's field names; other SGLang
@@ -38,7 +37,7 @@ pub async fn update_weights_from_disk(
     State(app): State<Arc<AppState>>,
     body: axum::body::Bytes,
 ) -> AdminReply {
-    let req: UpdateFromDisk = parse_json(&body)?;
+    let req: UpdateFromDisk = optional_json(&body)?;
     let path = match req.model_path.as_deref() {
         None => return Err(ApiError::invalid("model_path", "`model_path` is required")),
         Some("") => return Err(ApiError::invalid("model_path", "`model_path` is empty")),
