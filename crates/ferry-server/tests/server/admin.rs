@@ -243,6 +243,13 @@ async fn sglang_aliases_idle() {
     s.admin_json_ok("/resume_memory_occupation", &kv).await;
     assert!(!s.is_sleeping().await && !s.is_paused().await);
 
+    let weights = json!({"tags": ["weights"]});
+    s.admin_json_ok("/release_memory_occupation", &weights).await;
+    assert_eq!(weight_info(&s).await["residency"], "offloaded");
+    assert!(s.is_sleeping().await && s.is_paused().await);
+    s.admin_json_ok("/resume_memory_occupation", &weights).await;
+    assert!(!s.is_sleeping().await && !s.is_paused().await);
+
     // No tags: everything (a GET with no body, as some clients send it).
     let (status, _) = s
         .send_json(s.http.get(s.url("/release_memory_occupation")))
