@@ -149,8 +149,13 @@ impl EngineLoop {
 
     fn handle(&mut self, queued: Queued) {
         // The permit frees a queue slot as soon as the input is off the queue.
-        drop(queued.permit);
-        match queued.input {
+        let Queued {
+            input,
+            permit,
+            slot,
+        } = queued;
+        drop((permit, slot));
+        match input {
             Input::Add(add) => self.add(add),
             Input::Abort(id) => {
                 self.abort(&id);
@@ -221,9 +226,16 @@ impl EngineLoop {
                 let _ = reply.send(result);
             }
             Utility::Lifecycle(call) => {
+                let started = Instant::now();
                 self.lifecycle(call);
                 // Operations that can complete at once reply now, not after the next step.
                 self.poll_lifecycle();
+                let handled = started.elapsed().as_secs_f64();
+                self.stats.send_modify(|s| {
+                    s.n_lifecycle_calls_total += 1;
+                    s.lifecycle_call_seconds_total += handled;
+                });
+                self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
             }
         }
     }
@@ -306,7 +318,6 @@ impl EngineLoop {
                 let _ = reply.send(Ok((self.core.lifecycle_status(), info)));
             }
         }
-        self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
     }
 
     /// Restores the memory of `tags` (empty: all), weights first since only they can fail,
@@ -348,18 +359,30 @@ impl EngineLoop {
     }
 
     /// Moves pending lifecycle operations forward and acts on what the core asks: memory
-    /// first, then replies.
+    /// first, then the stats, then replies (a caller that reads the stats after its reply
+    /// sees the state its operation reached).
     fn poll_lifecycle(&mut self) {
         let mut events = std::mem::take(&mut self.lifecycle_events);
         self.core.poll_lifecycle(&mut events);
+        if !events.is_empty() {
+            for event in &events {
+                match event {
+                    LifecycleEvent::ReleaseKvMemory => self.arena.release(),
+                    LifecycleEvent::OffloadWeights => self.executor.weight_ops_mut().offload(),
+                    // Dropped here, not on another thread: a sleep returns once memory is free.
+                    LifecycleEvent::DropWeights => {
+                        drop(self.executor.weight_ops_mut().drop_weights())
+                    }
+                    LifecycleEvent::Done(_) | LifecycleEvent::Failed(..) => {}
+                }
+            }
+            self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
+        }
         for event in events.drain(..) {
             match event {
-                LifecycleEvent::ReleaseKvMemory => self.arena.release(),
-                LifecycleEvent::OffloadWeights => self.executor.weight_ops_mut().offload(),
-                // Dropped here, not on another thread: a sleep returns once memory is free.
-                LifecycleEvent::DropWeights => drop(self.executor.weight_ops_mut().drop_weights()),
                 LifecycleEvent::Done(op) => self.reply_op(op, Ok(())),
                 LifecycleEvent::Failed(op, e) => self.reply_op(op, Err(e.into())),
+                _ => {}
             }
         }
         self.lifecycle_events = events;

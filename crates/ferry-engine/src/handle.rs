@@ -1,16 +1,16 @@
 //! The caller's side: `spawn` starts the engine thread; [`EngineHandle`] queues inputs and
 //! reads the published stats.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use ferry_core::{Scheduler, SchedulerConfig};
+use ferry_core::{KvConnector, Scheduler, SchedulerConfig};
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore, TryAcquireError};
 
 use crate::engine::EngineLoop;
-use crate::input::{AddInput, Input, Queued, Utility};
+use crate::input::{AddInput, Input, QueueSlot, Queued, Utility};
 use crate::stream::{GenerateStream, StreamSetup};
 use crate::{EngineConfig, EngineError, EngineStats, GenerateRequest};
 
@@ -22,10 +22,24 @@ pub fn spawn(
     executor: Box<dyn ferry_model::Executor>,
     tokenizer: Option<Arc<Tokenizer>>,
 ) -> Result<EngineHandle, EngineError> {
+    spawn_with_connectors(config, executor, tokenizer, Vec::new())
+}
+
+/// [`spawn`] with KV connectors (P/D transfer, offload tier): the core drives them, and every
+/// cache reset waits for their transfers to hand blocks back.
+pub fn spawn_with_connectors(
+    config: EngineConfig,
+    executor: Box<dyn ferry_model::Executor>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    connectors: Vec<Box<dyn KvConnector>>,
+) -> Result<EngineHandle, EngineError> {
     if config.input_queue_capacity == 0 {
         return Err(EngineError::ZeroQueueCapacity);
     }
-    let core = Scheduler::new(config.scheduler.clone())?;
+    let mut core = Scheduler::new(config.scheduler.clone())?;
+    for c in connectors {
+        core.add_connector(c);
+    }
     let vocab_size = executor.vocab_size();
     let (tx, rx) = mpsc::unbounded_channel();
     let (stats_tx, stats_rx) = watch::channel(EngineStats {
@@ -52,6 +66,7 @@ pub fn spawn(
             weight_preparer,
             thread: Mutex::new(Some(thread)),
             stopped: AtomicBool::new(false),
+            n_queued: Arc::new(AtomicUsize::new(0)),
         }),
     })
 }
@@ -77,6 +92,8 @@ struct Inner {
     thread: Mutex<Option<JoinHandle<()>>>,
     /// Set by the first `shutdown`.
     stopped: AtomicBool,
+    /// Inputs queued and not yet taken (see `QueueSlot`).
+    n_queued: Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -155,9 +172,10 @@ impl EngineHandle {
         &self.inner.scheduler_config
     }
 
-    /// Inputs (adds and utility calls) queued and not yet taken by the engine thread.
+    /// Inputs sent through a handle (adds, aborts, utility and lifecycle calls) and not yet
+    /// taken by the engine thread.
     pub fn n_queued_inputs(&self) -> usize {
-        self.inner.capacity - self.inner.permits.available_permits()
+        self.inner.n_queued.load(Ordering::SeqCst)
     }
 
     /// Resolves once no request is live (a deferred reply). `Stopped` if the engine stops
@@ -238,7 +256,11 @@ impl EngineHandle {
     ) -> Result<(), EngineError> {
         self.inner
             .tx
-            .send(Queued { input, permit })
+            .send(Queued {
+                input,
+                permit,
+                slot: Some(QueueSlot::new(&self.inner.n_queued)),
+            })
             .map_err(|_| EngineError::Stopped)
     }
 }

@@ -14,6 +14,7 @@
 //!   request id after a disconnect) is always handled before that add, so it can never
 //!   abort the newer request.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ferry_core::{
@@ -33,6 +34,27 @@ pub(crate) type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 pub(crate) struct Queued {
     pub input: Input,
     pub permit: Option<OwnedSemaphorePermit>,
+    /// Counts the input as queued until the engine thread takes it (none for the aborts a
+    /// dropped stream sends).
+    pub slot: Option<QueueSlot>,
+}
+
+/// One queued input in [`crate::EngineHandle::n_queued_inputs`]'s count, for as long as it
+/// lives (like a permit, but for every input, permit or not).
+#[derive(Debug)]
+pub(crate) struct QueueSlot(Arc<AtomicUsize>);
+
+impl QueueSlot {
+    pub fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count.clone())
+    }
+}
+
+impl Drop for QueueSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Everything that can change the engine thread's state.

@@ -22,11 +22,11 @@ pub mod stop;
 mod stream;
 
 pub use ferry_core::{
-    FinishReason, LifecycleError, LifecycleStatus, PauseMode, SamplingParams, SchedulerConfig,
-    SchedulerStats, SleepLevel, TokenId, WakeTag, WeightsState,
+    FinishReason, KvConnector, LifecycleError, LifecycleStatus, PauseMode, SamplingParams,
+    SchedulerConfig, SchedulerStats, SleepLevel, TokenId, WakeTag, WeightsState,
 };
 pub use ferry_model::{WeightError, WeightStore};
-pub use handle::{spawn, EngineHandle};
+pub use handle::{spawn, spawn_with_connectors, EngineHandle};
 pub use stream::GenerateStream;
 
 /// Everything the engine thread needs, resolved once by the caller.
@@ -123,6 +123,11 @@ pub struct EngineStats {
     pub weight_version: String,
     /// The lifecycle state after the latest step or idle moment.
     pub lifecycle: LifecycleStatus,
+    /// Lifecycle calls handled, and the engine thread's time handling them (from taking the
+    /// call off the queue to its reply or, for a deferred one, its registration), summed:
+    /// the engine-side cost of pause, resume and the rest, without the wait for a step to end.
+    pub n_lifecycle_calls_total: u64,
+    pub lifecycle_call_seconds_total: f64,
     /// False once the engine thread has stopped.
     pub running: bool,
 }

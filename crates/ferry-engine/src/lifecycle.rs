@@ -102,14 +102,8 @@ impl EngineHandle {
         let prepared = blocking(move || {
             let loaded = ferry_model::load_model(&path)?;
             preparer.check_config(&loaded.config)?;
-            let prepared = preparer.prepare(loaded.weights)?;
-            if !prepared.complete {
-                return Err(EngineError::Weights(ferry_model::WeightError::Incomplete {
-                    n_missing: 1,
-                    first: "(the folder does not hold every parameter)".into(),
-                }));
-            }
-            Ok(prepared)
+            // Complete: `load_model` reads every tensor the config needs or fails naming it.
+            Ok(preparer.prepare(loaded.weights)?)
         })
         .await?;
         self.install(prepared, version, started).await

@@ -230,6 +230,7 @@ impl GenerateStream {
         let _ = self.inputs.send(Queued {
             input: Input::Abort(self.request_id.clone()),
             permit: None,
+            slot: None,
         });
     }
 }

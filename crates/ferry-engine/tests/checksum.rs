@@ -175,7 +175,7 @@ async fn inputs_are_handled_between_steps_in_arrival_order() {
     engine.abort("a").await.unwrap();
     let e = engine.clone();
     let c = tokio::spawn(async move { e.generate(request("c", vec![30, 31, 32], 2)).await });
-    while engine.n_queued_inputs() < 2 {
+    while engine.n_queued_inputs() < 3 {
         tokio::task::yield_now().await;
     }
     for _ in 0..10 {

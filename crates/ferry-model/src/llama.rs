@@ -6,6 +6,9 @@
 //! (see [`crate::kernels`]), norms, rope and activations are per token, and attention reads
 //! only the token's own request. So a request's logits have the same bits whatever else is
 //! in its batch, and chunked prefill gives the same KV as one-shot prefill.
+//!
+//! Weight updates and sleep ([`crate::ModelWeights`]) live in `llama/weight_ops.rs`; the
+//! checks and layout conversion that run off the engine thread in [`crate::llama_update`].
 
 use ferry_core::{ModelOutput, ReqIdx, StepPlan};
 use ferry_kv::{KvArena, KvLayout};
@@ -18,7 +21,10 @@ use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_r
 use crate::llama_weights::{LayerWeights, LlamaWeights, ModelError};
 use crate::rope::Rope;
 use crate::sampler::{sample_batch, SamplerScratch};
+use crate::weight_update::WeightResidency;
 use crate::weights::WeightStore;
+
+mod weight_ops;
 
 /// Positions the rope tables cover from the start (they grow on demand).
 const INITIAL_ROPE_POSITIONS: usize = 4096;
@@ -52,7 +58,8 @@ pub struct LlamaModel {
     scratch: Scratch,
     /// Logits rows of [`Executor::execute`], kept across steps (a batch-64 step's are 12 MB).
     logits_buf: Vec<f32>,
-    interim_weight_ops: crate::Weightless,
+    /// Sleep state of `weights` (see `llama/weight_ops.rs`): steps run only when `Resident`.
+    residency: WeightResidency,
 }
 
 /// Per-step activation buffers, grown to the largest step seen.
@@ -101,7 +108,7 @@ impl LlamaModel {
             sampler_scratch: SamplerScratch::default(),
             scratch: Scratch::default(),
             logits_buf: Vec::new(),
-            interim_weight_ops: crate::Weightless::default(),
+            residency: WeightResidency::Resident,
         })
     }
 
@@ -121,8 +128,12 @@ impl LlamaModel {
     }
 
     /// Replaces the weights in place (same architecture); on error the old weights stay.
+    /// Like a complete install, weights dropped by sleep come back asleep until `restore`.
     pub fn replace_weights(&mut self, weights: &WeightStore) -> Result<(), ModelError> {
         self.weights = LlamaWeights::from_store(&self.config, weights)?;
+        if self.residency == WeightResidency::Dropped {
+            self.residency = WeightResidency::Offloaded;
+        }
         Ok(())
     }
 
@@ -147,6 +158,9 @@ impl LlamaModel {
         kv: &mut KvArena,
         data: &mut Vec<f32>,
     ) -> Result<Vec<ReqIdx>, ExecError> {
+        if self.residency != WeightResidency::Resident {
+            return Err(ExecError::WeightsUnloaded);
+        }
         self.check_arena(plan, kv)?;
         let meta = self.token_meta(plan, kv.n_blocks())?;
         let max_pos = meta.queries.iter().map(|q| q.pos + 1).max().unwrap_or(0);
@@ -422,12 +436,11 @@ impl Executor for LlamaModel {
         Ok(ModelOutput { sampled: sampled? })
     }
 
-    // Interim: sleep states only; weight updates for the Llama model are being written.
     fn weight_ops(&self) -> &dyn crate::ModelWeights {
-        &self.interim_weight_ops
+        self
     }
 
     fn weight_ops_mut(&mut self) -> &mut dyn crate::ModelWeights {
-        &mut self.interim_weight_ops
+        self
     }
 }

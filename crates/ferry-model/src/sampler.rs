@@ -55,6 +55,13 @@ impl SamplerScratch {
         Self::with_rng(ChaCha8Rng::seed_from_u64(engine_seed))
     }
 
+    /// Frees the buffers (sleep level 2), keeping the RNG's place in its stream; they grow
+    /// back on the next sample.
+    pub fn release_buffers(&mut self) {
+        self.buf = Vec::new();
+        self.keys = Vec::new();
+    }
+
     fn with_rng(rng: ChaCha8Rng) -> Self {
         Self {
             buf: Vec::new(),

@@ -21,6 +21,8 @@ pub fn small_config(n_blocks: u32, max_num_seqs: usize) -> SchedulerConfig {
         max_num_seqs,
         max_num_batched_tokens: 64,
         max_model_len: 256,
+        // The checksum model's (see `checksum()`).
+        weight_version: "v0".into(),
         ..SchedulerConfig::default()
     }
 }

@@ -1,0 +1,105 @@
+//! [`ModelWeights`] for [`LlamaModel`]: installing prepared updates between steps, and the
+//! sleep states.
+//!
+//! The model's weights live in host memory, so sleep level 1 (`offload`) keeps them and only
+//! refuses steps until `restore`; level 2 (`drop_weights`) really frees them, along with the
+//! activation and logits buffers, which grow back on the first step after a wake-up.
+
+use std::sync::Arc;
+
+use super::{LlamaModel, Scratch};
+use crate::executor::ExecError;
+use crate::llama_update::{
+    buffer_mut, copy_patch, empty_weights, missing, LlamaPayload, LlamaPreparer, LlamaUpdate, Patch,
+};
+use crate::llama_weights::LlamaWeights;
+use crate::weight_update::{
+    ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer, WeightResidency,
+};
+
+impl ModelWeights for LlamaModel {
+    fn preparer(&self) -> Arc<dyn WeightPreparer> {
+        Arc::new(LlamaPreparer::new(self.config.clone()))
+    }
+
+    fn install(&mut self, weights: PreparedWeights) -> Result<Option<RetiredWeights>, WeightError> {
+        let payload = weights.into_payload::<LlamaPayload>()?;
+        if payload.config != self.config {
+            return Err(WeightError::WrongExecutor);
+        }
+        match payload.update {
+            LlamaUpdate::Full(weights) => Ok(self.swap_weights(*weights)),
+            LlamaUpdate::Partial(patches) => {
+                self.patch_weights(&patches)?;
+                Ok(None)
+            }
+        }
+    }
+
+    fn offload(&mut self) {
+        if self.residency == WeightResidency::Resident {
+            self.residency = WeightResidency::Offloaded;
+        }
+    }
+
+    fn drop_weights(&mut self) -> Option<RetiredWeights> {
+        if self.residency == WeightResidency::Dropped {
+            return None;
+        }
+        self.residency = WeightResidency::Dropped;
+        // Buffers sized for the largest step seen: hundreds of megabytes for a big batch.
+        self.scratch = Scratch::default();
+        self.logits_buf = Vec::new();
+        self.sampler_scratch.release_buffers();
+        let old = std::mem::replace(&mut self.weights, empty_weights());
+        Some(Box::new(old))
+    }
+
+    fn restore(&mut self) -> Result<(), ExecError> {
+        if self.residency == WeightResidency::Dropped {
+            return Err(ExecError::WeightsUnloaded);
+        }
+        self.residency = WeightResidency::Resident;
+        Ok(())
+    }
+
+    fn residency(&self) -> WeightResidency {
+        self.residency
+    }
+}
+
+impl LlamaModel {
+    /// Puts a complete set in place. Weights dropped by sleep come back asleep: a wake-up
+    /// (`restore`) makes them usable, as with every executor.
+    fn swap_weights(&mut self, weights: LlamaWeights) -> Option<RetiredWeights> {
+        let old = std::mem::replace(&mut self.weights, weights);
+        if self.residency == WeightResidency::Dropped {
+            self.residency = WeightResidency::Offloaded;
+            // The empty stand-in: nothing worth handing to another thread.
+            return None;
+        }
+        Some(Box::new(old))
+    }
+
+    /// Copies every patch into place, after checking that all of them fit, so a refused
+    /// update changes nothing.
+    fn patch_weights(&mut self, patches: &[Patch]) -> Result<(), WeightError> {
+        if self.residency == WeightResidency::Dropped {
+            let (n_missing, first) = missing(&self.config, patches);
+            return Err(WeightError::Incomplete { n_missing, first });
+        }
+        for patch in patches {
+            let fits = buffer_mut(&mut self.weights, patch.place.buffer)
+                .is_some_and(|b| patch.place.offset + patch.data.len() <= b.len());
+            if !fits {
+                return Err(WeightError::WrongExecutor);
+            }
+        }
+        for patch in patches {
+            if let Some(buffer) = buffer_mut(&mut self.weights, patch.place.buffer) {
+                copy_patch(buffer, patch)?;
+            }
+        }
+        Ok(())
+    }
+}
