@@ -244,7 +244,8 @@ async fn sglang_aliases_idle() {
     assert!(!s.is_sleeping().await && !s.is_paused().await);
 
     let weights = json!({"tags": ["weights"]});
-    s.admin_json_ok("/release_memory_occupation", &weights).await;
+    s.admin_json_ok("/release_memory_occupation", &weights)
+        .await;
     assert_eq!(weight_info(&s).await["residency"], "offloaded");
     assert!(s.is_sleeping().await && s.is_paused().await);
     s.admin_json_ok("/resume_memory_occupation", &weights).await;
