@@ -177,7 +177,17 @@ impl Collector for EngineCollector {
             info.metric_type(),
         )?;
         info.encode(family.encode_family(&[("version", s.weight_version.as_str())])?)?;
-        let counters: [(&str, &str, f64); 9] = [
+        let counters: [(&str, &str, f64); 11] = [
+            (
+                "lifecycle_calls",
+                "Lifecycle calls (pause, resume, sleep, ...) the engine handled",
+                s.n_lifecycle_calls_total as f64,
+            ),
+            (
+                "lifecycle_call_seconds",
+                "Engine-thread time spent handling lifecycle calls",
+                s.lifecycle_call_seconds_total,
+            ),
             (
                 "prefix_cache_hit_tokens",
                 "Prompt tokens found in the prefix cache",
@@ -271,6 +281,8 @@ mod tests {
             forward_seconds_total: 1.5,
             n_generated_tokens_total: 42,
             weight_version: "v7".into(),
+            n_lifecycle_calls_total: 3,
+            lifecycle_call_seconds_total: 0.5,
             lifecycle: ferry_engine::LifecycleStatus {
                 paused: true,
                 ..Default::default()
@@ -294,6 +306,8 @@ mod tests {
         assert_eq!(get(&text, "ferry_engine_steps_total"), 7.0);
         assert_eq!(get(&text, "ferry_prompt_tokens_total"), 7.0);
         assert_eq!(get(&text, "ferry_engine_paused"), 1.0);
+        assert_eq!(get(&text, "ferry_lifecycle_calls_total"), 3.0);
+        assert_eq!(get(&text, "ferry_lifecycle_call_seconds_total"), 0.5);
         assert_eq!(get(&text, "ferry_engine_sleeping"), 0.0);
         assert_eq!(
             get(&text, r#"ferry_weight_version_info{version="v7"}"#),
