@@ -145,6 +145,26 @@ async fn pause_resume_and_sleep_cycles_idle() {
     assert_generates(&s).await;
 }
 
+/// Engine bug (reported to the lead): a sleep on an engine paused by the client marks the
+/// pause as the sleep's own, so the wake-up resumes it. A trainer that pauses, sleeps, wakes
+/// and only then updates the weights gets tokens from the old weights in between; SGLang's
+/// pause_generation → release → resume_memory_occupation → continue_generation relies on the
+/// pause lasting until continue_generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_up_keeps_a_pause_that_came_before_the_sleep() {
+    let s = admin_server().await;
+    s.admin_ok("/pause?mode=keep&clear_cache=false").await;
+    s.admin_ok("/sleep?level=1&mode=keep").await;
+    s.admin_ok("/wake_up").await;
+    assert!(!s.is_sleeping().await);
+    assert!(
+        s.is_paused().await,
+        "the wake-up resumed a pause the client made before the sleep"
+    );
+    s.admin_ok("/resume").await;
+    assert!(!s.is_paused().await);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_kv_cache_memory_needs_a_pause_and_wakes_with_kv_cache() {
     let s = admin_server().await;

@@ -399,3 +399,87 @@ async fn outputs_report_their_weight_versions() {
     let after = s.ok("/v1/completions", &body(PROMPTS[0], false)).await;
     assert_eq!(after["choices"][0]["weight_versions"], json!(["v1"]));
 }
+
+/// The tiny model written as a folder (to reload from) and its safetensors file (to push).
+fn tiny_folder() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    ferry_model::tiny::write_hf_folder(&ferry_model::tiny::tiny_model(), dir.path()).unwrap();
+    dir
+}
+
+/// Finished streams' tokens, each checked to have run to its length.
+async fn lengths(streams: Vec<tokio::task::JoinHandle<Streamed>>) -> Vec<Streamed> {
+    let out = finish_all(streams).await;
+    for o in &out {
+        assert_eq!(o.finish_reason, "length", "{o:?}");
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weight_updates_while_streaming_with_and_without_a_pause() {
+    let s = slow_admin_server().await;
+    let want = reference(&s).await;
+    let dir = tiny_folder();
+    let file = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+
+    // Paused (keep): the same weights pushed under a new version; frozen requests continue.
+    let streams = start_streams(&s, "push").await;
+    s.admin_ok("/pause?mode=keep&clear_cache=false").await;
+    let (status, reply) = bounded(
+        "push",
+        s.send_json(
+            s.http
+                .post(s.url("/update_weights?weight_version=v1"))
+                .body(file.clone()),
+        ),
+    )
+    .await;
+    assert_eq!((status, &reply["complete"]), (200, &json!(true)), "{reply}");
+    s.admin_ok("/resume").await;
+    for (o, want) in lengths(streams).await.iter().zip(&want) {
+        assert_eq!(&o.tokens, want);
+        assert_eq!(o.weight_versions, json!(["0", "v1"]));
+    }
+
+    // Not paused: a reload between two steps; the streams never stop.
+    let streams = start_streams(&s, "reload").await;
+    let reload = json!({"model_path": dir.path(), "weight_version": "v2"});
+    s.admin_json_ok("/update_weights_from_disk", &reload).await;
+    for (o, want) in lengths(streams).await.iter().zip(&want) {
+        assert_eq!(&o.tokens, want);
+        assert_eq!(o.weight_versions, json!(["v1", "v2"]));
+    }
+    assert_eq!(s.engine.check_invariants().await.unwrap(), Ok(()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_rl_cycle_while_streaming_loses_nothing() {
+    let s = slow_admin_server().await;
+    let want = reference(&s).await;
+    let dir = tiny_folder();
+    let streams = start_streams(&s, "sglang").await;
+    s.admin_json_ok("/pause_generation", &json!({"mode": "in_place"}))
+        .await;
+    s.admin_json_ok("/release_memory_occupation", &json!({}))
+        .await;
+    assert!(s.is_sleeping().await);
+    assert_frozen(&s).await;
+    s.admin_json_ok("/resume_memory_occupation", &json!({"tags": ["weights"]}))
+        .await;
+    let reload = json!({"model_path": dir.path(), "weight_version": "step-1"});
+    s.admin_json_ok("/update_weights_from_disk", &reload).await;
+    s.admin_json_ok("/resume_memory_occupation", &json!({"tags": ["kv_cache"]}))
+        .await;
+    assert!(!s.is_sleeping().await);
+    s.admin_ok("/continue_generation").await;
+    for (o, want) in lengths(streams).await.iter().zip(&want) {
+        // The release dropped their KV: recomputed under step-1, with the same weights.
+        assert_eq!(&o.tokens, want);
+        assert_eq!(o.weight_versions, json!(["0", "step-1"]));
+    }
+    assert_eq!(
+        s.admin_get("/get_weight_version").await,
+        json!({"weight_version": "step-1"})
+    );
+}
