@@ -66,6 +66,14 @@ class Smoke:
         check(r.usage.prompt_tokens > 0, f"usage {r.usage}")
         check(r.usage.total_tokens == r.usage.prompt_tokens + MAX_TOKENS, f"usage {r.usage}")
 
+    def test_choices_report_their_weight_versions(self):
+        # ferry's non-standard field: the weight versions the tokens were computed with.
+        r = self.complete(prompt=PROMPT, extra_body=EXACT)
+        versions = extra(r.choices[0], "weight_versions")
+        check(isinstance(versions, list) and len(versions) == 1, f"weight_versions {versions!r}")
+        c = self.chat(messages=MESSAGES, extra_body=EXACT)
+        check(extra(c.choices[0], "weight_versions") == versions, f"chat {c.choices[0]}")
+
     def test_completion_stream_equals_non_stream(self):
         whole = self.complete(prompt=PROMPT, extra_body=EXACT)
         chunks = list(

@@ -5,7 +5,8 @@ use ferry_engine::OutputChunk;
 
 use crate::error::ApiError;
 use crate::generate::{
-    Collected, Generation, GenerationRoute, Head, Prepared, PreparedPrompt, StreamBase,
+    weight_versions, ChunkFinish, Collected, Generation, GenerationRoute, Head, Prepared,
+    PreparedPrompt, StreamBase,
 };
 use crate::logprobs::chat_logprobs;
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
@@ -65,6 +66,7 @@ impl GenerationRoute for Chat {
         } = generation;
         let (choices, usage) =
             generation.collect_choices(collected, |c, finish_reason, stop_reason| ChatChoice {
+                weight_versions: Some(weight_versions(c.finish.as_ref())),
                 index: c.index,
                 logprobs: params
                     .sampling
@@ -151,7 +153,11 @@ impl ChunkFormatter for Formatter {
     }
 
     fn chunk(&mut self, index: usize, out: OutputChunk) -> Vec<String> {
-        let (finish_reason, stop_reason) = self.base.observe(index, &out);
+        let ChunkFinish {
+            finish_reason,
+            stop_reason,
+            weight_versions,
+        } = self.base.observe(index, &out);
         let choice = ChatChunkChoice {
             index,
             delta: Delta {
@@ -165,6 +171,7 @@ impl ChunkFormatter for Formatter {
             finish_reason,
             stop_reason,
             token_ids: self.base.return_token_ids.then_some(out.token_ids),
+            weight_versions,
         };
         vec![to_json(&chat_chunk(&self.base.head, vec![choice]))]
     }

@@ -4,7 +4,8 @@ use ferry_engine::OutputChunk;
 
 use crate::error::ApiError;
 use crate::generate::{
-    Collected, Generation, GenerationRoute, Head, Prepared, PreparedPrompt, StreamBase,
+    weight_versions, ChunkFinish, Collected, Generation, GenerationRoute, Head, Prepared,
+    PreparedPrompt, StreamBase,
 };
 use crate::logprobs::completion_logprobs;
 use crate::params::{check_completion_logprobs, check_prompt, GenerationParams};
@@ -68,6 +69,7 @@ impl GenerationRoute for Completions {
         let (choices, usage) =
             generation.collect_choices(collected, |c, finish_reason, stop_reason| {
                 CompletionChoice {
+                    weight_versions: Some(weight_versions(c.finish.as_ref())),
                     index: c.index,
                     logprobs: params
                         .sampling
@@ -165,7 +167,11 @@ impl ChunkFormatter for Formatter {
     }
 
     fn chunk(&mut self, index: usize, chunk: OutputChunk) -> Vec<String> {
-        let (finish_reason, stop_reason) = self.base.observe(index, &chunk);
+        let ChunkFinish {
+            finish_reason,
+            stop_reason,
+            weight_versions,
+        } = self.base.observe(index, &chunk);
         let first = !std::mem::replace(&mut self.started[index], true);
         let logprobs = self.base.logprobs.then(|| {
             let (lp, end) =
@@ -183,6 +189,7 @@ impl ChunkFormatter for Formatter {
             prompt_token_ids: (return_token_ids && first)
                 .then(|| self.prompts[index / self.n].clone()),
             token_ids: return_token_ids.then_some(chunk.token_ids),
+            weight_versions,
         };
         vec![to_json(&completion_response(
             &self.base.head,

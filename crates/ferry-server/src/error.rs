@@ -42,6 +42,27 @@ impl ApiError {
         }
     }
 
+    /// A 409: a lifecycle operation conflicts with the engine's state (not paused, asleep,
+    /// cancelled by a resume). Nothing was lost; the caller may retry in another state.
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::CONFLICT,
+            message: message.into(),
+            kind: "conflict_error",
+            param: None,
+        }
+    }
+
+    /// A 413: the request body is over the route's limit.
+    pub fn too_large(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some("body".into()),
+        }
+    }
+
     /// A 503: the engine is overloaded or has stopped. Clients may retry later.
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self {

@@ -23,6 +23,7 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 use crate::extract::{next_engine_seq, ApiJson, RequestId};
+use crate::live::{LiveRequests, Registration};
 use crate::logprobs::TokenTexts;
 use crate::metrics::Metrics;
 use crate::params::GenerationParams;
@@ -58,6 +59,8 @@ pub struct ChoiceStream {
     arrival: Instant,
     last_chunk_at: Option<Instant>,
     metrics: Arc<Metrics>,
+    /// Shared by the request's choices: the last one dropped unregisters the request.
+    _live: Arc<Registration>,
 }
 
 impl ChoiceStream {
@@ -119,16 +122,31 @@ pub struct Collected {
     pub finish: Option<Finish>,
 }
 
+/// Where launched requests are recorded: latency metrics, and the requests in flight by
+/// HTTP id (for `/abort_requests`).
+#[derive(Debug, Clone, Copy)]
+pub struct Recorders<'a> {
+    pub metrics: &'a Arc<Metrics>,
+    pub live: &'a Arc<LiveRequests>,
+}
+
 /// Starts `n` engine requests per prompt; choice `p * n + i` is prompt `p`'s `i`-th sample.
 /// Any failure drops (and so aborts) the requests already started.
 pub async fn launch(
     engine: &EngineHandle,
-    metrics: &Arc<Metrics>,
+    recorders: Recorders<'_>,
     prompts: &[PreparedPrompt],
     spec: &LaunchSpec<'_>,
 ) -> Result<Vec<ChoiceStream>, ApiError> {
+    let Recorders { metrics, live } = recorders;
     let seq = next_engine_seq();
     let n = spec.n as usize;
+    let engine_id = |index: usize| format!("{}-{seq}-{index}", spec.request_id);
+    // Registered before any request starts, so an abort by HTTP id never misses one.
+    let registration = Arc::new(live.register(
+        spec.request_id,
+        (0..prompts.len() * n).map(engine_id).collect(),
+    ));
     tracing::debug!(
         request_id = spec.request_id,
         seq,
@@ -143,7 +161,7 @@ pub async fn launch(
             let mut params = prompt.sampling.clone();
             params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
             let req = GenerateRequest {
-                request_id: format!("{}-{seq}-{index}", spec.request_id),
+                request_id: engine_id(index),
                 prompt: prompt.tokens.clone(),
                 params,
                 stop: spec.stop.to_vec(),
@@ -160,6 +178,7 @@ pub async fn launch(
                 arrival: spec.arrival,
                 last_chunk_at: None,
                 metrics: Arc::clone(metrics),
+                _live: Arc::clone(&registration),
             });
         }
     }
@@ -231,6 +250,14 @@ impl UsageTally {
             self.cached_tokens,
         )
     }
+}
+
+/// The weight versions a finished choice's tokens were computed with (non-standard field
+/// `weight_versions`); empty for a stream that ended without a final chunk.
+pub fn weight_versions(finish: Option<&Finish>) -> Vec<String> {
+    finish
+        .map(|f| f.weight_versions.clone())
+        .unwrap_or_default()
 }
 
 /// A finish as the wire's `finish_reason` and `stop_reason`. A stream that ended without a
@@ -308,7 +335,11 @@ pub async fn handle<R: GenerationRoute>(
         prompt_param: R::PROMPT_PARAM,
         arrival,
     };
-    let choices = launch(&app.engine, &app.metrics, &prompts, &spec).await?;
+    let recorders = Recorders {
+        metrics: &app.metrics,
+        live: &app.live,
+    };
+    let choices = launch(&app.engine, recorders, &prompts, &spec).await?;
     let head = Head {
         id: request_id,
         created: unix_now(),
@@ -348,6 +379,15 @@ impl Generation<'_> {
     }
 }
 
+/// A streamed chunk's finish fields: set only on a choice's last chunk.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChunkFinish {
+    pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<StopReasonJson>,
+    /// The weight versions the choice's tokens were computed with.
+    pub weight_versions: Option<Vec<String>>,
+}
+
 /// What every route's streaming formatter keeps: the head, the output options, the token
 /// texts and the usage so far.
 #[derive(Debug, Clone)]
@@ -377,21 +417,21 @@ impl StreamBase {
         }
     }
 
-    /// Counts choice `index`'s chunk into the usage; returns the chunk's `finish_reason` and
-    /// `stop_reason` (both null but on a choice's last chunk).
-    pub fn observe(
-        &mut self,
-        index: usize,
-        chunk: &OutputChunk,
-    ) -> (Option<&'static str>, Option<StopReasonJson>) {
+    /// Counts choice `index`'s chunk into the usage; returns the chunk's finish fields (all
+    /// absent but on a choice's last chunk).
+    pub fn observe(&mut self, index: usize, chunk: &OutputChunk) -> ChunkFinish {
         self.usage
             .add(index, &chunk.token_ids, chunk.finish.as_ref());
         match &chunk.finish {
             Some(f) => {
                 let (reason, stop_reason) = finish_fields(Some(f));
-                (Some(reason), stop_reason)
+                ChunkFinish {
+                    finish_reason: Some(reason),
+                    stop_reason,
+                    weight_versions: Some(f.weight_versions.clone()),
+                }
             }
-            None => (None, None),
+            None => ChunkFinish::default(),
         }
     }
 

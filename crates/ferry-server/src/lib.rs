@@ -2,7 +2,8 @@
 //!
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent
 //! events or not), `GET /v1/models`, `GET /health`, `GET /version`, `GET /metrics`
-//! (Prometheus text), `POST /tokenize`, `POST /detokenize`.
+//! (Prometheus text), `POST /tokenize`, `POST /detokenize`; with
+//! [`ServerConfig::enable_admin_api`], the lifecycle admin API ([`admin`]).
 //!
 //! The key decision: the server validates *everything* it can before it calls the engine
 //! ([`params`], [`request::Unsupported`]), so a bad request is a 400 naming the field and
@@ -10,18 +11,21 @@
 //! a stopped engine is a 503, never a hang). A response body owns its engine streams, so a
 //! client that goes away aborts its requests and frees their KV blocks.
 //!
-//! Modules: [`extract`] (JSON bodies, request ids), [`request`] / [`response`] (wire types),
+//! Modules: [`admin`] (pause, sleep, cache reset, weight updates), [`live`] (requests in
+//! flight by HTTP id), [`extract`] (JSON bodies, request ids), [`request`] / [`response`] (wire types),
 //! [`params`] (validation), [`chat_template`], [`generate`] (the one handler of both
 //! generation routes: engine requests, `n`, usage), [`sse`] (streaming), [`completions`] and
 //! [`chat`] (each route's request parsing and wire format), [`routes`] (the small routes),
 //! [`metrics`], [`logprobs`], [`state`].
 
+pub mod admin;
 pub mod chat;
 pub mod chat_template;
 pub mod completions;
 pub mod error;
 pub mod extract;
 pub mod generate;
+pub mod live;
 pub mod logprobs;
 pub mod metrics;
 pub mod params;
@@ -69,7 +73,21 @@ pub struct ServerConfig {
     /// The model's vocabulary size: token ids in prompts and `stop_token_ids` must be below
     /// it. `None` uses the tokenizer's size (with added tokens), or checks nothing without one.
     pub vocab_size: Option<usize>,
+    /// Mount the lifecycle admin API ([`admin`]). Off by default: any client that reaches it
+    /// can pause the engine and replace its weights.
+    pub enable_admin_api: bool,
+    /// Largest safetensors body `POST /update_weights` accepts.
+    pub max_weight_push_bytes: usize,
 }
+
+/// The default push limit: 16 GiB (whole checkpoints of mid-sized models), capped at the
+/// address space on 32-bit targets.
+#[allow(clippy::cast_possible_truncation)]
+pub const DEFAULT_MAX_WEIGHT_PUSH_BYTES: usize = if usize::BITS >= 64 {
+    (16u64 << 30) as usize
+} else {
+    usize::MAX
+};
 
 impl ServerConfig {
     pub fn new(served_model_name: impl Into<String>) -> Self {
@@ -83,14 +101,17 @@ impl ServerConfig {
             max_stop_strings: 16,
             max_batch_prompts: 1024,
             vocab_size: None,
+            enable_admin_api: false,
+            max_weight_push_bytes: DEFAULT_MAX_WEIGHT_PUSH_BYTES,
         }
     }
 }
 
 /// The server's routes over `engine`.
 pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
+    let admin = config.enable_admin_api;
     let state = Arc::new(app_state(engine, config));
-    Router::new()
+    let routes = Router::new()
         .route(
             "/v1/completions",
             post(generate::handle::<completions::Completions>),
@@ -101,7 +122,13 @@ pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
         .route("/version", get(routes::version))
         .route("/metrics", get(routes::metrics))
         .route("/tokenize", post(routes::tokenize))
-        .route("/detokenize", post(routes::detokenize))
+        .route("/detokenize", post(routes::detokenize));
+    let routes = if admin {
+        routes.merge(admin::routes())
+    } else {
+        routes
+    };
+    routes
         .fallback(routes::not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(extract::request_id_layer))
@@ -148,6 +175,7 @@ fn app_state(engine: EngineHandle, config: ServerConfig) -> AppState {
         limits,
         template,
         metrics,
+        live: Arc::default(),
         started_unix_s: unix_now(),
     }
 }

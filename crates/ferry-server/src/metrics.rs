@@ -122,7 +122,17 @@ impl Collector for EngineCollector {
         } else {
             sched.prefix_hit_tokens as f64 / sched.prefix_query_tokens as f64
         };
-        let gauges: [(&str, &str, f64); 6] = [
+        let gauges: [(&str, &str, f64); 8] = [
+            (
+                "engine_paused",
+                "1 while the engine is paused (between a pause or sleep and a resume)",
+                f64::from(u8::from(s.lifecycle.paused)),
+            ),
+            (
+                "engine_sleeping",
+                "1 while some memory is released by a sleep",
+                f64::from(u8::from(s.lifecycle.sleeping)),
+            ),
             (
                 "num_requests_running",
                 "Requests running in the engine",
@@ -158,7 +168,26 @@ impl Collector for EngineCollector {
             let g = ConstGauge::new(v);
             g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
-        let counters: [(&str, &str, f64); 9] = [
+        // An info metric: the version is a label, the value always 1.
+        let info = ConstGauge::new(1.0);
+        let mut family = encoder.encode_descriptor(
+            "weight_version_info",
+            "The weight version now loaded (label `version`)",
+            None,
+            info.metric_type(),
+        )?;
+        info.encode(family.encode_family(&[("version", s.weight_version.as_str())])?)?;
+        let counters: [(&str, &str, f64); 11] = [
+            (
+                "lifecycle_calls",
+                "Lifecycle calls (pause, resume, sleep, ...) the engine handled",
+                s.n_lifecycle_calls_total as f64,
+            ),
+            (
+                "lifecycle_call_seconds",
+                "Engine-thread time spent handling lifecycle calls",
+                s.lifecycle_call_seconds_total,
+            ),
             (
                 "prefix_cache_hit_tokens",
                 "Prompt tokens found in the prefix cache",
@@ -251,6 +280,13 @@ mod tests {
             step_seconds_total: 2.0,
             forward_seconds_total: 1.5,
             n_generated_tokens_total: 42,
+            weight_version: "v7".into(),
+            n_lifecycle_calls_total: 3,
+            lifecycle_call_seconds_total: 0.5,
+            lifecycle: ferry_engine::LifecycleStatus {
+                paused: true,
+                ..Default::default()
+            },
             ..EngineStats::default()
         });
         m.observe_ttft(0.03);
@@ -269,6 +305,14 @@ mod tests {
         assert_eq!(get(&text, "ferry_generation_tokens_total"), 42.0);
         assert_eq!(get(&text, "ferry_engine_steps_total"), 7.0);
         assert_eq!(get(&text, "ferry_prompt_tokens_total"), 7.0);
+        assert_eq!(get(&text, "ferry_engine_paused"), 1.0);
+        assert_eq!(get(&text, "ferry_lifecycle_calls_total"), 3.0);
+        assert_eq!(get(&text, "ferry_lifecycle_call_seconds_total"), 0.5);
+        assert_eq!(get(&text, "ferry_engine_sleeping"), 0.0);
+        assert_eq!(
+            get(&text, r#"ferry_weight_version_info{version="v7"}"#),
+            1.0
+        );
         assert_eq!(get(&text, "ferry_time_to_first_token_seconds_count"), 1.0);
         assert_eq!(get(&text, "ferry_inter_token_latency_seconds_count"), 2.0);
         assert_eq!(

@@ -67,6 +67,10 @@ pub struct CompletionChoice {
     pub prompt_token_ids: Option<Vec<TokenId>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<TokenId>>,
+    /// The weight versions the choice's tokens were computed with (non-standard; when
+    /// streaming, only on the chunk that carries `finish_reason`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weight_versions: Option<Vec<String>>,
 }
 
 /// The legacy completions logprobs format: parallel lists, one entry per output token.
@@ -118,6 +122,10 @@ pub struct ChatChoice {
     pub stop_reason: Option<StopReasonJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<TokenId>>,
+    /// The weight versions the choice's tokens were computed with (non-standard; when
+    /// streaming, only on the chunk that carries `finish_reason`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weight_versions: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -170,6 +178,10 @@ pub struct ChatChunkChoice {
     pub stop_reason: Option<StopReasonJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<TokenId>>,
+    /// The weight versions the choice's tokens were computed with (non-standard; when
+    /// streaming, only on the chunk that carries `finish_reason`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weight_versions: Option<Vec<String>>,
 }
 
 impl ChatChunkChoice {
@@ -185,6 +197,7 @@ impl ChatChunkChoice {
             finish_reason: None,
             stop_reason: None,
             token_ids,
+            weight_versions: None,
         }
     }
 }

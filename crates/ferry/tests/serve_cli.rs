@@ -1,6 +1,8 @@
 //! `ferry serve` as a user runs it: the real binary on a loopback port with the built-in `tiny`
 //! model. Ctrl-C (SIGINT) ends in-flight streams with finish_reason `abort` and the process
-//! exits cleanly; bad flags are errors that name the flag. The HTTP API itself is tested in
+//! exits cleanly; bad flags are errors that name the flag; the admin API is a 404 unless
+//! `--enable-admin-api`, and with it an RL cycle (generate, pause, new weight version,
+//! resume, generate) works end to end. The HTTP API itself is tested in
 //! `crates/ferry-server/tests`; these tests only cover what the binary adds.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -86,6 +88,79 @@ fn read_all(mut conn: TcpStream) -> String {
     let mut out = String::new();
     conn.read_to_string(&mut out).unwrap();
     out
+}
+
+/// The status code and JSON body of a whole HTTP/1.1 response (`Content-Length` bodies).
+fn status_and_json(response: &str) -> (u16, serde_json::Value) {
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {response}"));
+    let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let json = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {response}"));
+    (status, json)
+}
+
+fn call(port: u16, method: &str, path: &str, body: &str) -> (u16, serde_json::Value) {
+    let mut conn = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    write!(
+        conn,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    status_and_json(&read_all(conn))
+}
+
+#[test]
+fn admin_api_is_off_unless_enabled() {
+    let server = start(&[]);
+    for path in ["/pause", "/update_weights_from_disk", "/flush_cache"] {
+        let (status, body) = call(server.port, "POST", path, "");
+        assert_eq!(status, 404, "{path}: {body}");
+    }
+    let help = Command::new(FERRY)
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("--enable-admin-api"), "{help}");
+    assert!(help.contains("trusted network"), "{help}");
+}
+
+#[test]
+fn admin_api_runs_an_rl_cycle_through_the_binary() {
+    let server = start(&["--enable-admin-api"]);
+    let port = server.port;
+    let generate = || {
+        let body = r#"{"prompt": "Hello", "max_tokens": 4, "temperature": 0}"#;
+        let (status, out) = call(port, "POST", "/v1/completions", body);
+        assert_eq!(status, 200, "{out}");
+        out["choices"][0]["weight_versions"].clone()
+    };
+    assert_eq!(generate(), serde_json::json!(["0"]));
+    let (status, out) = call(port, "POST", "/pause?mode=keep", "");
+    assert_eq!(
+        (status, &out),
+        (200, &serde_json::json!({"status": "paused"}))
+    );
+    assert_eq!(call(port, "GET", "/is_paused", "").1["is_paused"], true);
+    let (status, out) = call(
+        port,
+        "POST",
+        "/update_weight_version",
+        r#"{"new_version": "v1"}"#,
+    );
+    assert_eq!(status, 200, "{out}");
+    let (status, out) = call(port, "POST", "/resume", "");
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(generate(), serde_json::json!(["v1"]));
+    let (_, info) = call(port, "GET", "/weight_info", "");
+    assert_eq!(info["weight_version"], "v1", "{info}");
 }
 
 #[test]

@@ -51,6 +51,9 @@ pub struct Options {
     pub chat_template: bool,
     pub queue_capacity: usize,
     pub step_delay: Duration,
+    pub admin_api: bool,
+    /// `ServerConfig::max_weight_push_bytes` (default: the server's default).
+    pub max_weight_push_bytes: Option<usize>,
 }
 
 impl Default for Options {
@@ -59,6 +62,8 @@ impl Default for Options {
             chat_template: true,
             queue_capacity: 256,
             step_delay: Duration::ZERO,
+            admin_api: false,
+            max_weight_push_bytes: None,
         }
     }
 }
@@ -112,6 +117,10 @@ pub async fn start(opts: Options) -> Server {
         bos_token: ENDOFTEXT.into(),
         eos_token: IM_END.into(),
         vocab_size: Some(tiny.config.vocab_size),
+        enable_admin_api: opts.admin_api,
+        max_weight_push_bytes: opts
+            .max_weight_push_bytes
+            .unwrap_or(ferry_server::DEFAULT_MAX_WEIGHT_PUSH_BYTES),
         ..ServerConfig::new(MODEL)
     };
     let app = router(engine.clone(), server_config);
@@ -202,6 +211,24 @@ impl Server {
         if status == 400 {
             assert_eq!(err["type"], "invalid_request_error");
         }
+    }
+
+    /// Sends `req`; returns the status and the JSON body (`null` for an empty body).
+    pub async fn send_json(&self, req: reqwest::RequestBuilder) -> (u16, Value) {
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        if text.is_empty() {
+            return (status, Value::Null);
+        }
+        let json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        (status, json)
+    }
+
+    /// POSTs to an admin route with no body (arguments in the query string).
+    pub async fn admin(&self, path_and_query: &str) -> (u16, Value) {
+        self.send_json(self.http.post(self.url(path_and_query)))
+            .await
     }
 
     pub async fn metrics(&self) -> String {

@@ -1,0 +1,152 @@
+//! The weight routes of the admin API: a reload from a model folder, a tensor push
+//! (safetensors bytes), renaming the weight version, and what the engine reports about its
+//! weights.
+//!
+//! Both updates are checked in full (names, shapes, dtypes) before anything changes, so a
+//! refused update is a 400 naming the tensor or field at fault and the weights stay as they
+//! were. Neither needs a pause: the engine swaps weights between two steps, and the new
+//! weight version seeds every block hash from then on, so no prefix hit crosses the update.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{RawQuery, State};
+use axum::Json;
+use ferry_engine::{EngineError, WeightInfo, WeightUpdateInfo};
+use ferry_model::WeightResidency;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::args::{admin_error, optional_json, weight_error, QueryArgs};
+use super::AdminReply;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// `POST /update_weights_from_disk`'s body (SGLang's and vLLM's field names; other SGLang
+/// fields such as `load_format` are accepted and ignored).
+#[derive(Debug, Default, Deserialize)]
+pub struct UpdateFromDisk {
+    pub model_path: Option<String>,
+    pub weight_version: Option<String>,
+}
+
+/// `POST /update_weights_from_disk {"model_path": ..., "weight_version": optional}`: reloads
+/// every weight from a model folder (or GGUF file) of the same model.
+pub async fn update_weights_from_disk(
+    State(app): State<Arc<AppState>>,
+    body: axum::body::Bytes,
+) -> AdminReply {
+    let req: UpdateFromDisk = optional_json(&body)?;
+    let path = match req.model_path.as_deref() {
+        None => return Err(ApiError::invalid("model_path", "`model_path` is required")),
+        Some("") => return Err(ApiError::invalid("model_path", "`model_path` is empty")),
+        Some(p) => PathBuf::from(p),
+    };
+    let version = non_empty_version(req.weight_version, "weight_version")?;
+    let info = app
+        .engine
+        .update_weights_from_disk(path, version)
+        .await
+        .map_err(|e| admin_error(e, "model_path"))?;
+    Ok(Json(update_reply(&info, "weights reloaded from disk")))
+}
+
+/// `POST /update_weights?weight_version=v7` with a safetensors body (`Content-Type:
+/// application/octet-stream`): replaces the named parameters (some or all). The body may be
+/// up to `ServerConfig::max_weight_push_bytes`.
+pub async fn push(
+    State(app): State<Arc<AppState>>,
+    RawQuery(raw): RawQuery,
+    body: Body,
+) -> AdminReply {
+    let q = QueryArgs::parse(raw.as_deref(), &["weight_version"])?;
+    let version = q.non_empty("weight_version")?;
+    let limit = app.config.max_weight_push_bytes;
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+        ApiError::too_large(format!(
+            "could not read the safetensors body (at most {limit} bytes, \
+             see --max-weight-push-bytes): {e}"
+        ))
+    })?;
+    // Converting hundreds of megabytes to f32 takes a while: not on an async worker.
+    let tensors = tokio::task::spawn_blocking(move || ferry_model::parse_safetensors(&bytes))
+        .await
+        .map_err(|e| ApiError::internal(format!("the safetensors reader failed: {e}")))?
+        .map_err(|e| weight_error(e, "body"))?;
+    let info = app
+        .engine
+        .update_weights(tensors, version)
+        .await
+        .map_err(|e| admin_error(e, "body"))?;
+    Ok(Json(update_reply(&info, "weights updated")))
+}
+
+fn update_reply(info: &WeightUpdateInfo, message: &str) -> Value {
+    json!({
+        "success": true,
+        "message": message,
+        "weight_version": info.weight_version,
+        "n_tensors": info.n_tensors,
+        "n_bytes": info.n_bytes,
+        "complete": info.complete,
+        "prepare_seconds": info.prepare_seconds,
+        "install_seconds": info.install_seconds,
+    })
+}
+
+/// `POST /update_weight_version`'s body.
+#[derive(Debug, Default, Deserialize)]
+pub struct UpdateWeightVersion {
+    pub new_version: Option<String>,
+}
+
+/// `POST /update_weight_version {"new_version": ...}`: renames the weights now loaded (no
+/// weight changes); prefix-cache entries of the old name are never hit again.
+pub async fn update_weight_version(
+    State(app): State<Arc<AppState>>,
+    body: axum::body::Bytes,
+) -> AdminReply {
+    let req: UpdateWeightVersion = optional_json(&body)?;
+    let version = non_empty_version(req.new_version, "new_version")?
+        .ok_or_else(|| ApiError::invalid("new_version", "`new_version` is required"))?;
+    app.engine
+        .update_weight_version(version.clone())
+        .await
+        .map_err(|e| admin_error(e, "new_version"))?;
+    Ok(Json(json!({"success": true, "new_version": version})))
+}
+
+/// `GET /weight_info` → `{"weight_version", "n_weight_updates", "residency"}` (`resident`,
+/// `offloaded` by sleep level 1, `dropped` by sleep level 2).
+pub async fn weight_info(State(app): State<Arc<AppState>>) -> AdminReply {
+    let info = engine_weight_info(&app).await?;
+    Ok(Json(json!({
+        "weight_version": info.weight_version,
+        "n_weight_updates": info.n_weight_updates,
+        "residency": residency_name(info.residency),
+    })))
+}
+
+pub(super) async fn engine_weight_info(app: &AppState) -> Result<WeightInfo, ApiError> {
+    app.engine
+        .weight_info()
+        .await
+        .map_err(|e: EngineError| admin_error(e, "weight_info"))
+}
+
+fn residency_name(r: WeightResidency) -> &'static str {
+    match r {
+        WeightResidency::Resident => "resident",
+        WeightResidency::Offloaded => "offloaded",
+        WeightResidency::Dropped => "dropped",
+    }
+}
+
+/// A version string, which must not be empty when given.
+fn non_empty_version(v: Option<String>, param: &str) -> Result<Option<String>, ApiError> {
+    match v {
+        Some(s) if s.is_empty() => Err(ApiError::invalid(param, format!("`{param}` is empty"))),
+        v => Ok(v),
+    }
+}
