@@ -397,50 +397,41 @@ async fn a_weight_update_without_a_reset_never_serves_a_stale_prefix_hit() {
     assert_clean(&engine).await;
 }
 
+/// Runs pause(keep, `clear_cache`) → weight update to `v1` → resume while 4 requests are
+/// mid-decode, and returns their outputs.
+async fn keep_update_resume(clear_cache: bool) -> Vec<Collected> {
+    let (engine, mut gate, tasks) = busy(4).await;
+    step_once(&mut gate).await;
+    let e = engine.clone();
+    let cycle = tokio::spawn(async move {
+        e.pause(PauseMode::Keep, clear_cache).await.unwrap();
+        e.update_weights(WeightStore::default(), Some("v1".into()))
+            .await
+            .unwrap();
+        e.resume().await.unwrap();
+    });
+    until_queued(&engine, 1).await;
+    gate.release();
+    within(cycle).await.unwrap();
+    gate.open();
+    let results = results(tasks).await;
+    assert_clean(&engine).await;
+    results
+}
+
 #[tokio::test]
 async fn pause_keep_update_resume_reports_both_versions_and_clear_cache_recomputes() {
     // Keep: frozen requests continue on their old KV with the new weights.
-    let (engine, mut gate, tasks) = busy(4).await;
-    step_once(&mut gate).await;
-    let e = engine.clone();
-    let cycle = tokio::spawn(async move {
-        e.pause(PauseMode::Keep, false).await.unwrap();
-        e.update_weights(WeightStore::default(), Some("v1".into()))
-            .await
-            .unwrap();
-        e.resume().await.unwrap();
-    });
-    until_queued(&engine, 1).await;
-    gate.release();
-    within(cycle).await.unwrap();
-    gate.open();
-    for c in results(tasks).await {
+    for c in keep_update_resume(false).await {
         assert_eq!(c.reason(), FinishReason::Length);
         assert_eq!(c.finish.unwrap().weight_versions, ["v0", "v1"]);
     }
-    assert_clean(&engine).await;
-
     // Keep with clear_cache: everything recomputes with the new weights.
-    let (engine, mut gate, tasks) = busy(4).await;
-    step_once(&mut gate).await;
-    let e = engine.clone();
-    let cycle = tokio::spawn(async move {
-        e.pause(PauseMode::Keep, true).await.unwrap();
-        e.update_weights(WeightStore::default(), Some("v1".into()))
-            .await
-            .unwrap();
-        e.resume().await.unwrap();
-    });
-    until_queued(&engine, 1).await;
-    gate.release();
-    within(cycle).await.unwrap();
-    gate.open();
-    for (c, (id, p)) in results(tasks).await.iter().zip(prompts(4)) {
+    for (c, (id, p)) in keep_update_resume(true).await.iter().zip(prompts(4)) {
         let f = c.finish.as_ref().unwrap();
         assert_eq!(f.weight_versions, ["v0", "v1"], "{id}");
         assert_spliced(c, &p);
     }
-    assert_clean(&engine).await;
 }
 
 #[tokio::test]

@@ -110,6 +110,19 @@ async fn finish_all(streams: Vec<tokio::task::JoinHandle<Streamed>>) -> Vec<Stre
     out
 }
 
+/// Waits for every stream; each must end with `length`. Returns their tokens.
+async fn finish_all_length(
+    streams: Vec<tokio::task::JoinHandle<Streamed>>,
+    context: &str,
+) -> Vec<Vec<u64>> {
+    let mut tokens = Vec::new();
+    for o in finish_all(streams).await {
+        assert_eq!(o.finish_reason, "length", "{context}: {o:?}");
+        tokens.push(o.tokens);
+    }
+    tokens
+}
+
 /// No token is produced for a while (the engine is really paused).
 async fn assert_frozen(s: &Server) {
     let before = s.engine.stats().n_generated_tokens_total;
@@ -157,15 +170,7 @@ async fn keep_pauses_and_sleeps_continue_with_the_unpaused_tokens() {
         assert!(streams.iter().all(|t| !t.is_finished()), "{pause}");
         s.admin_ok(resume).await;
         assert!(!s.is_paused().await, "{pause}");
-        let got: Vec<Vec<u64>> = finish_all(streams)
-            .await
-            .into_iter()
-            .map(|o| {
-                assert_eq!(o.finish_reason, "length", "{pause}: {o:?}");
-                o.tokens
-            })
-            .collect();
-        assert_eq!(got, want, "{pause}");
+        assert_eq!(finish_all_length(streams, pause).await, want);
         assert_eq!(s.engine.check_invariants().await.unwrap(), Ok(()));
     }
 }
@@ -181,15 +186,7 @@ async fn released_kv_memory_comes_back_and_frozen_requests_recompute() {
     assert_frozen(&s).await;
     s.admin_ok("/wake_up?tags=kv_cache").await;
     s.admin_ok("/resume").await;
-    let got: Vec<Vec<u64>> = finish_all(streams)
-        .await
-        .into_iter()
-        .map(|o| {
-            assert_eq!(o.finish_reason, "length", "{o:?}");
-            o.tokens
-        })
-        .collect();
-    assert_eq!(got, want);
+    assert_eq!(finish_all_length(streams, "").await, want);
     assert_eq!(s.engine.check_invariants().await.unwrap(), Ok(()));
 }
 
@@ -215,15 +212,7 @@ async fn a_wake_up_cancels_a_pending_sleep_with_a_409() {
     assert!(!sleep.is_finished());
     s.admin_ok("/wake_up").await;
     assert_eq!(bounded("sleep", sleep).await.unwrap(), 409);
-    let got: Vec<Vec<u64>> = finish_all(streams)
-        .await
-        .into_iter()
-        .map(|o| {
-            assert_eq!(o.finish_reason, "length", "{o:?}");
-            o.tokens
-        })
-        .collect();
-    assert_eq!(got, want);
+    assert_eq!(finish_all_length(streams, "").await, want);
     assert!(!s.is_sleeping().await && !s.is_paused().await);
 }
 
@@ -235,15 +224,7 @@ async fn wait_pause_replies_after_the_streams_finish() {
     s.admin_ok("/pause?mode=wait").await;
     // Every request finished in the engine before the pause replied.
     assert_eq!(s.engine.stats().scheduler.n_running, 0);
-    let got: Vec<Vec<u64>> = finish_all(streams)
-        .await
-        .into_iter()
-        .map(|o| {
-            assert_eq!(o.finish_reason, "length", "{o:?}");
-            o.tokens
-        })
-        .collect();
-    assert_eq!(got, want);
+    assert_eq!(finish_all_length(streams, "").await, want);
     s.admin_ok("/resume").await;
 }
 
@@ -289,15 +270,7 @@ async fn resume_cancels_a_pending_clear_cache_pause_with_a_409_and_loses_nothing
         200
     );
     assert!(!s.is_paused().await);
-    let got: Vec<Vec<u64>> = finish_all(streams)
-        .await
-        .into_iter()
-        .map(|o| {
-            assert_eq!(o.finish_reason, "length", "{o:?}");
-            o.tokens
-        })
-        .collect();
-    assert_eq!(got, want);
+    assert_eq!(finish_all_length(streams, "").await, want);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -319,15 +292,7 @@ async fn cache_resets_while_streaming_answer_and_keep_the_tokens() {
     let (a, b) = tokio::join!(s.admin_ok(query), s.admin_ok(query));
     assert_eq!(a["success"], true, "{a}");
     assert!(b["success"].is_boolean(), "{b}");
-    let got: Vec<Vec<u64>> = finish_all(streams)
-        .await
-        .into_iter()
-        .map(|o| {
-            assert_eq!(o.finish_reason, "length", "{o:?}");
-            o.tokens
-        })
-        .collect();
-    assert_eq!(got, want);
+    assert_eq!(finish_all_length(streams, "").await, want);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
