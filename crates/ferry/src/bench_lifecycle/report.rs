@@ -206,7 +206,8 @@ impl Report {
         let m = &self.memory;
         let mut s = format!(
             "ferry bench lifecycle: {} | {} in flight, prompt {} + output {} tokens, {} repeats\n\
-             weights {:.1} MiB, KV arena {:.1} MiB ({} blocks), mean step {:.2} ms, {} preemptions\n\n\
+             weights {:.1} MiB, KV arena {:.1} MiB ({} blocks), mean step {:.2} ms, {} preemptions \
+             (recomputes after the keep resets included)\n\n\
              {:<46} {:>10} {:>10} {:>10}\n",
             self.model,
             self.in_flight,
@@ -242,8 +243,14 @@ impl Report {
                 "pause(wait, clear_cache), call to reply",
                 &p.pause_wait_clear,
             ),
-            ("  drain: tokens produced", &p.pause_wait_clear_drain_tokens),
-            ("  drain: steps", &p.pause_wait_clear_drain_steps),
+            (
+                "  drain: tokens produced (count)",
+                &p.pause_wait_clear_drain_tokens,
+            ),
+            (
+                "  drain: engine steps (count)",
+                &p.pause_wait_clear_drain_steps,
+            ),
             (
                 "  last finish to reply (the reset)",
                 &p.pause_wait_clear_reset,
