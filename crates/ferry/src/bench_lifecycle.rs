@@ -8,7 +8,8 @@
 //!    frozen requests recompute); then `pause(wait, clear_cache)`, which drains the load.
 //! 2. After the last round (paused, the arena written by the load): `release_kv_cache_memory`
 //!    and `wake_up(["kv_cache"])`, with resident memory around them.
-//! 3. `--repeat` RL cycles on the idle engine: pause(keep) → reload from disk → resume.
+//! 3. `--repeat` RL cycles on the idle engine (no step in flight, so each figure is the
+//!    operation's own cost): pause(keep) → reload from disk → resume.
 //! 4. A load that writes the KV arena, then `sleep(1)` + `wake_up`; another such load, then
 //!    `sleep(2)` + reload + `wake_up`, with resident memory around each.
 //!

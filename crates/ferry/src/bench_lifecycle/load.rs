@@ -4,7 +4,9 @@
 //! Times are taken when a reader task sees a chunk. The benchmark runs on a current-thread
 //! tokio runtime, where tasks woken by the engine thread run in the order they were woken; a
 //! lifecycle call whose reply is awaited in a spawned task (see `timed_call`) is therefore
-//! observed after every output the engine sent before the reply.
+//! observed after every output the engine sent before the reply. A reader that gets the CPU
+//! late (a loaded machine) stamps its output late, which can only make the "after the step in
+//! flight" figures smaller, never the call-to-reply ones.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
