@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench_lifecycle;
 mod bench_model;
 mod bench_scheduler;
 mod bench_serve;
@@ -48,6 +49,9 @@ enum BenchCommand {
     Model(bench_model::Args),
     /// Load a running OpenAI-compatible server and report throughput and latency.
     Serve(bench_serve::Args),
+    /// Time and memory of the lifecycle operations (pause, resume, reset, sleep, weight
+    /// reload) on an in-process engine under load.
+    Lifecycle(bench_lifecycle::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -63,6 +67,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Scheduler(args)) => bench_scheduler::run(args),
         Command::Bench(BenchCommand::Model(args)) => bench_model::run(args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
+        Command::Bench(BenchCommand::Lifecycle(args)) => bench_lifecycle::run(args),
         Command::MakeModel(cmd) => make_model::run(cmd),
     }
 }

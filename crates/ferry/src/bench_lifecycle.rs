@@ -1,0 +1,435 @@
+//! `ferry bench lifecycle`: timing and memory of the lifecycle operations
+//! (`../shared/design/lifecycle.md`) on an engine spawned in-process, so every time is
+//! engine-side (no HTTP).
+//!
+//! Phases, in order:
+//! 1. `--repeat` rounds, each under a fresh load of `--in-flight` requests: once all are
+//!    decoding, `pause(keep)` + `resume()`; then `pause(keep, clear_cache)` + `resume()` (the
+//!    frozen requests recompute); then `pause(wait, clear_cache)`, which drains the load.
+//! 2. After the last round (paused, the arena written by the load): `release_kv_cache_memory`
+//!    and `wake_up(["kv_cache"])`, with resident memory around them.
+//! 3. `--repeat` RL cycles on the idle engine (no step in flight, so each figure is the
+//!    operation's own cost): pause(keep) → reload from disk → resume.
+//! 4. A load that writes the KV arena, then `sleep(1)` + `wake_up`; another such load, then
+//!    `sleep(2)` + reload + `wake_up`, with resident memory around each.
+//!
+//! A lifecycle call is handled between engine steps, so under load a pause's reply waits for
+//! the step in flight; the `after_step` figures subtract it (see `load.rs` for how).
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context};
+use ferry_core::{PauseMode, SchedulerConfig, SleepLevel, WakeTag};
+use ferry_engine::{EngineConfig, EngineError, EngineHandle};
+use ferry_model::{Executor, LlamaModel, ModelSpec};
+
+use crate::byte_size::ByteSize;
+
+mod load;
+mod report;
+
+use load::{Load, LoadSpec, Snapshot};
+use report::{CycleTimings, MemoryReport, PauseTimings, Report, RssStep};
+
+const BLOCK_SIZE: usize = 16;
+/// Prompt tokens per step, as `ferry serve` defaults to.
+const MAX_NUM_BATCHED_TOKENS: usize = 2048;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A Hugging Face model folder, a GGUF file, or `tiny` (written to a temporary folder, since
+    /// a reload needs one). Default: the default model, fetched like `ferry serve` does.
+    #[arg(long)]
+    model: Option<String>,
+    /// Requests in flight during the pauses.
+    #[arg(long, default_value_t = 64)]
+    in_flight: usize,
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    /// Output tokens per request (greedy, EOS ignored); at least 16, so requests are still
+    /// decoding when the pauses come.
+    #[arg(long, default_value_t = 256)]
+    output_len: u32,
+    /// Times each operation is measured.
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// Memory for the KV arena, e.g. `1GiB` (as `ferry serve`).
+    #[arg(long, default_value = "1GiB")]
+    kv_cache_bytes: ByteSize,
+    /// Python whose pip fetches the default model.
+    #[arg(long, env = "PYTHON", default_value = "python3")]
+    python: String,
+    /// Print one JSON object instead of a readable summary.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    ensure!(args.in_flight > 0, "--in-flight must be at least 1");
+    ensure!(args.prompt_len > 0, "--prompt-len must be at least 1");
+    ensure!(args.output_len >= 16, "--output-len must be at least 16");
+    ensure!(args.repeat > 0, "--repeat must be at least 1");
+    // One thread: tasks woken by the engine thread then run in wake order (see `load.rs`).
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .context("starting the tokio runtime")?;
+    let report = runtime.block_on(measure(&args))?;
+    if args.json {
+        println!("{}", report.to_json());
+    } else {
+        print!("{}", report.summary());
+    }
+    Ok(())
+}
+
+/// The engine under test and what the report says about it.
+struct Bench {
+    engine: EngineHandle,
+    /// The folder or file the reloads read.
+    model_path: PathBuf,
+    /// Holds the `tiny` model's folder until the end.
+    _tmp: Option<tempfile::TempDir>,
+    source: String,
+    weights_bytes: u64,
+    kv_block_bytes: u64,
+    scheduler: SchedulerConfig,
+    vocab_size: usize,
+    n_loads: usize,
+}
+
+async fn measure(args: &Args) -> anyhow::Result<Report> {
+    let mut bench = start(args)?;
+    let mut pauses = PauseTimings::default();
+    for round in 0..args.repeat {
+        if round > 0 {
+            bench.engine.resume().await?;
+        }
+        run_round(&mut bench, args, &mut pauses).await?;
+    }
+    let release_kv = release_kv(&bench.engine).await?;
+    let mut cycle = CycleTimings::default();
+    for i in 0..args.repeat {
+        run_cycle(&bench, i, &mut cycle).await?;
+    }
+    let sleep1 = sleep1(&mut bench, args).await?;
+    let sleep2 = sleep2(&mut bench, args).await?;
+    let stats = bench.engine.stats();
+    bench.engine.shutdown().await?;
+    let n_blocks = bench.scheduler.n_blocks;
+    let fill_blocks = (args.in_flight * fill_prompt_len(args).div_ceil(BLOCK_SIZE)) as u64;
+    Ok(Report {
+        model: bench.source.clone(),
+        in_flight: args.in_flight,
+        prompt_len: args.prompt_len,
+        output_len: args.output_len,
+        repeat: args.repeat,
+        weights_bytes: bench.weights_bytes,
+        kv_arena_bytes: u64::from(n_blocks) * bench.kv_block_bytes,
+        n_kv_blocks: n_blocks,
+        step_ms_mean: stats.step_seconds_total * 1e3 / stats.n_steps.max(1) as f64,
+        n_preemptions: stats.scheduler.n_preemptions,
+        pauses,
+        cycle,
+        memory: MemoryReport {
+            release_kv,
+            sleep1,
+            sleep2,
+            kv_fill_bytes: fill_blocks.min(u64::from(n_blocks)) * bench.kv_block_bytes,
+        },
+    })
+}
+
+/// Loads the model, sizes the KV arena like `ferry serve` and spawns the engine.
+fn start(args: &Args) -> anyhow::Result<Bench> {
+    let (model_path, tmp) = model_path(args)?;
+    let loaded = ferry_model::load_model(&model_path)
+        .with_context(|| format!("loading the model {}", model_path.display()))?;
+    let model = LlamaModel::new(&loaded.config, &loaded.weights)
+        .with_context(|| format!("building the model from {}", loaded.source))?;
+    drop(loaded.weights);
+    let weights_bytes = model.weights().total_bytes() as u64;
+    let kv_block_bytes = model.kv_layout(BLOCK_SIZE).block_bytes() as u64;
+    let vocab_size = model.vocab_size();
+    let scheduler = scheduler_config(args, &loaded.config, kv_block_bytes)?;
+    let engine = ferry_engine::spawn(
+        EngineConfig {
+            scheduler: scheduler.clone(),
+            input_queue_capacity: 4096,
+        },
+        Box::new(model),
+        None,
+    )
+    .context("starting the engine")?;
+    Ok(Bench {
+        engine,
+        model_path,
+        _tmp: tmp,
+        source: loaded.source,
+        weights_bytes,
+        kv_block_bytes,
+        scheduler,
+        vocab_size,
+        n_loads: 0,
+    })
+}
+
+/// The path reloads read: `--model` (the default model fetched when missing), or a temporary
+/// folder holding the `tiny` model.
+fn model_path(args: &Args) -> anyhow::Result<(PathBuf, Option<tempfile::TempDir>)> {
+    let cache = crate::make_model::cache_dir()?;
+    let spec = match args.model.as_deref() {
+        None => ModelSpec::Path(crate::fetch::ensure_default_model(&cache, &args.python)?),
+        Some(model) => ModelSpec::resolve(Some(model), &cache),
+    };
+    match spec {
+        ModelSpec::Path(path) => Ok((path, None)),
+        ModelSpec::Tiny => {
+            let tmp = tempfile::tempdir().context("creating a folder for the tiny model")?;
+            let dir = tmp.path().join("tiny");
+            ferry_model::tiny::write_hf_folder(&ferry_model::tiny::tiny_model(), &dir)
+                .with_context(|| format!("writing the tiny model to {}", dir.display()))?;
+            Ok((dir, Some(tmp)))
+        }
+    }
+}
+
+/// The scheduler as `ferry serve` would size it for `--kv-cache-bytes`, with room for the
+/// longest sequence the benchmark sends.
+fn scheduler_config(
+    args: &Args,
+    model: &ferry_model::LlamaConfig,
+    block_bytes: u64,
+) -> anyhow::Result<SchedulerConfig> {
+    let max_model_len = fill_prompt_len(args) + 1;
+    if max_model_len > model.max_position_embeddings {
+        bail!(
+            "--prompt-len + --output-len ({}) exceeds the model's max_position_embeddings ({})",
+            max_model_len - 1,
+            model.max_position_embeddings
+        );
+    }
+    let n_blocks = u32::try_from(args.kv_cache_bytes.0 / block_bytes.max(1))
+        .context("--kv-cache-bytes gives more than 2^32 blocks")?;
+    let n_needed = max_model_len.div_ceil(BLOCK_SIZE) as u32 + 1;
+    if n_blocks < n_needed {
+        bail!(
+            "--kv-cache-bytes holds {n_blocks} KV blocks of {block_bytes} bytes; one request \
+             needs {n_needed}"
+        );
+    }
+    let config = SchedulerConfig {
+        block_size: BLOCK_SIZE,
+        n_blocks,
+        max_num_seqs: args.in_flight.max(256),
+        max_num_batched_tokens: MAX_NUM_BATCHED_TOKENS,
+        max_model_len,
+        enable_prefix_caching: true,
+        enable_chunked_prefill: true,
+        eos_token_ids: model.eos_token_ids.clone(),
+        weight_version: "0".to_owned(),
+    };
+    config
+        .validate()
+        .context("the benchmark's scheduler config")?;
+    Ok(config)
+}
+
+/// Prompt tokens of the loads that fill the KV arena: as many KV tokens as a round's load
+/// reaches at its end.
+fn fill_prompt_len(args: &Args) -> usize {
+    args.prompt_len + args.output_len as usize
+}
+
+impl Bench {
+    /// A new load's spec; every load gets its own prompts.
+    fn next_load(&mut self, n_requests: usize, prompt_len: usize, output_len: u32) -> LoadSpec {
+        self.n_loads += 1;
+        LoadSpec {
+            n_requests,
+            prompt_len,
+            output_len,
+            salt: self.n_loads,
+            vocab_size: self.vocab_size,
+        }
+    }
+
+    /// Runs a load that writes as much KV as a round's load does, to its end.
+    async fn fill_kv(&mut self, args: &Args) -> anyhow::Result<()> {
+        let spec = self.next_load(args.in_flight, fill_prompt_len(args), 1);
+        Load::start(&self.engine, spec).await?.finish().await?;
+        Ok(())
+    }
+}
+
+/// One round under a fresh load (phase 1); ends paused, drained, the cache reset.
+async fn run_round(bench: &mut Bench, args: &Args, t: &mut PauseTimings) -> anyhow::Result<()> {
+    let spec = bench.next_load(args.in_flight, args.prompt_len, args.output_len);
+    let engine = bench.engine.clone();
+    let load = Load::start(&engine, spec).await?;
+    load.wait_all_advanced(&Snapshot::default(), "every request's first token")
+        .await?;
+
+    let (total, after_step) = timed_pause(&engine, &load, PauseMode::Keep, false).await?;
+    t.pause_keep.push_ms(total);
+    t.pause_keep_after_step.push_ms(after_step);
+    let started = Instant::now();
+    engine.resume().await?;
+    t.resume.push_ms(started.elapsed());
+
+    load.wait_all_advanced(&load.snapshot(), "a decode step after resume")
+        .await?;
+    let (total, after_step) = timed_pause(&engine, &load, PauseMode::Keep, true).await?;
+    t.pause_keep_clear.push_ms(total);
+    t.pause_keep_clear_after_step.push_ms(after_step);
+    let before_resume = load.snapshot();
+    engine.resume().await?;
+    load.wait_all_advanced(&before_resume, "every request's recompute after the reset")
+        .await?;
+
+    let before = load.snapshot();
+    let steps_before = engine.stats().n_steps;
+    let (called, replied) = timed_call(&engine, PauseMode::Wait, true).await?;
+    let end = load.finish().await?;
+    t.pause_wait_clear.push_ms(replied - called);
+    t.pause_wait_clear_drain_tokens
+        .push((end.n_tokens_total() - before.n_tokens_total()) as f64);
+    t.pause_wait_clear_drain_steps
+        .push(engine.stats().n_steps.saturating_sub(steps_before) as f64);
+    let last_finish = end.last_finish.unwrap_or(called);
+    t.pause_wait_clear_reset
+        .push_ms(replied.saturating_duration_since(last_finish));
+    Ok(())
+}
+
+/// A pause under `load`: (call to reply, end of the step in flight to reply). The step in
+/// flight ends with its outputs, which the readers see before the reply (see `load.rs`).
+async fn timed_pause(
+    engine: &EngineHandle,
+    load: &Load,
+    mode: PauseMode,
+    clear_cache: bool,
+) -> anyhow::Result<(Duration, Duration)> {
+    let (called, replied) = timed_call(engine, mode, clear_cache).await?;
+    let step_end = load.snapshot().last_token.map_or(called, |t| t.max(called));
+    Ok((
+        replied - called,
+        replied.saturating_duration_since(step_end),
+    ))
+}
+
+/// `pause` awaited in a spawned task, so its reply is seen in wake order with the readers.
+/// Returns (called, replied).
+async fn timed_call(
+    engine: &EngineHandle,
+    mode: PauseMode,
+    clear_cache: bool,
+) -> anyhow::Result<(Instant, Instant)> {
+    let engine = engine.clone();
+    let task = tokio::spawn(async move {
+        let called = Instant::now();
+        engine.pause(mode, clear_cache).await?;
+        Ok::<_, EngineError>((called, Instant::now()))
+    });
+    let what = format!("pause({}, clear_cache={clear_cache})", mode.as_str());
+    task.await
+        .with_context(|| format!("{what} task"))?
+        .with_context(|| what)
+}
+
+/// Phase 2: the engine is paused after a drain, its arena written by the round's load.
+async fn release_kv(engine: &EngineHandle) -> anyhow::Result<RssStep> {
+    let before = report::rss_bytes()?;
+    let started = Instant::now();
+    engine.release_kv_cache_memory().await?;
+    let op_ms = ms(started);
+    let after = report::rss_bytes()?;
+    let started = Instant::now();
+    engine.wake_up(&[WakeTag::KvCache]).await?;
+    let wake_ms = ms(started);
+    let after_wake = report::rss_bytes()?;
+    engine.resume().await?;
+    Ok(RssStep {
+        before,
+        after,
+        after_wake,
+        op_ms,
+        wake_ms,
+    })
+}
+
+/// Phase 3: one RL cycle on the idle engine.
+async fn run_cycle(bench: &Bench, i: usize, t: &mut CycleTimings) -> anyhow::Result<()> {
+    let engine = &bench.engine;
+    let started = Instant::now();
+    engine.pause(PauseMode::Keep, false).await?;
+    let paused = Instant::now();
+    let info = engine
+        .update_weights_from_disk(bench.model_path.clone(), Some(format!("cycle-{i}")))
+        .await
+        .with_context(|| format!("reloading {}", bench.model_path.display()))?;
+    let reloaded = Instant::now();
+    engine.resume().await?;
+    let resumed = Instant::now();
+    t.pause.push_ms(paused - started);
+    t.prepare.push(info.prepare_seconds * 1e3);
+    t.install.push(info.install_seconds * 1e3);
+    t.resume.push_ms(resumed - reloaded);
+    t.total.push_ms(resumed - started);
+    Ok(())
+}
+
+/// Phase 4a: a load writes the arena, then `sleep(1)` and a full `wake_up`.
+async fn sleep1(bench: &mut Bench, args: &Args) -> anyhow::Result<RssStep> {
+    bench.fill_kv(args).await?;
+    let engine = &bench.engine;
+    let before = report::rss_bytes()?;
+    let started = Instant::now();
+    engine.sleep(SleepLevel::L1, PauseMode::Wait).await?;
+    let op_ms = ms(started);
+    let after = report::rss_bytes()?;
+    let started = Instant::now();
+    engine.wake_up(&[]).await?;
+    let wake_ms = ms(started);
+    Ok(RssStep {
+        before,
+        after,
+        after_wake: report::rss_bytes()?,
+        op_ms,
+        wake_ms,
+    })
+}
+
+/// Phase 4b: a load writes the arena, then `sleep(2)`, a reload and a full `wake_up`.
+async fn sleep2(bench: &mut Bench, args: &Args) -> anyhow::Result<RssStep> {
+    bench.fill_kv(args).await?;
+    let engine = &bench.engine;
+    let before = report::rss_bytes()?;
+    let started = Instant::now();
+    engine.sleep(SleepLevel::L2, PauseMode::Wait).await?;
+    let op_ms = ms(started);
+    let after = report::rss_bytes()?;
+    let started = Instant::now();
+    engine
+        .update_weights_from_disk(bench.model_path.clone(), Some("after-sleep2".into()))
+        .await
+        .with_context(|| format!("reloading {}", bench.model_path.display()))?;
+    engine.wake_up(&[]).await?;
+    let wake_ms = ms(started);
+    ensure!(
+        !engine.is_sleeping().await?,
+        "the engine still sleeps after the reload and wake_up"
+    );
+    Ok(RssStep {
+        before,
+        after,
+        after_wake: report::rss_bytes()?,
+        op_ms,
+        wake_ms,
+    })
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}

@@ -1,0 +1,336 @@
+//! What `ferry bench lifecycle` measured: the samples, resident memory, and how they print
+//! (one flat JSON object with units in the key names, or a readable summary).
+
+use std::time::Duration;
+
+use anyhow::Context;
+use serde_json::{json, Map, Value};
+
+/// Repeated measurements of one quantity, reported as min / p50 / max.
+#[derive(Debug, Clone, Default)]
+pub struct Samples(Vec<f64>);
+
+impl Samples {
+    pub fn push(&mut self, value: f64) {
+        self.0.push(value);
+    }
+
+    pub fn push_ms(&mut self, d: Duration) {
+        self.push(d.as_secs_f64() * 1e3);
+    }
+
+    fn sorted(&self) -> Vec<f64> {
+        let mut v = self.0.clone();
+        v.sort_by(f64::total_cmp);
+        v
+    }
+
+    pub fn min(&self) -> f64 {
+        self.sorted().first().copied().unwrap_or(f64::NAN)
+    }
+
+    /// The nearest-rank median (the lower middle of an even count).
+    pub fn p50(&self) -> f64 {
+        let v = self.sorted();
+        v.get(v.len().saturating_sub(1) / 2)
+            .copied()
+            .unwrap_or(f64::NAN)
+    }
+
+    pub fn max(&self) -> f64 {
+        self.sorted().last().copied().unwrap_or(f64::NAN)
+    }
+
+    /// `{key}_min`, `{key}_p50`, `{key}_max`, rounded to 0.1 µs.
+    fn insert(&self, out: &mut Map<String, Value>, key: &str) {
+        for (suffix, v) in [
+            ("min", self.min()),
+            ("p50", self.p50()),
+            ("max", self.max()),
+        ] {
+            out.insert(format!("{key}_{suffix}"), json!(round4(v)));
+        }
+    }
+
+    fn summary(&self) -> String {
+        format!(
+            "{:>10.3} {:>10.3} {:>10.3}",
+            self.min(),
+            self.p50(),
+            self.max()
+        )
+    }
+}
+
+/// Timings of the pause and resume calls under load (milliseconds unless named otherwise).
+#[derive(Debug, Default)]
+pub struct PauseTimings {
+    /// `pause(keep)`: from the call to the reply.
+    pub pause_keep: Samples,
+    /// `pause(keep)`: from the end of the step in flight (its last output seen) to the reply.
+    pub pause_keep_after_step: Samples,
+    pub resume: Samples,
+    pub pause_keep_clear: Samples,
+    pub pause_keep_clear_after_step: Samples,
+    pub pause_wait_clear: Samples,
+    /// Tokens the `wait` drain produced after the call (the step in flight included).
+    pub pause_wait_clear_drain_tokens: Samples,
+    pub pause_wait_clear_drain_steps: Samples,
+    /// From the last request's finish (seen by its reader) to the reply: the reset's own cost.
+    pub pause_wait_clear_reset: Samples,
+}
+
+/// Timings of the RL cycle pause(keep) → reload from disk → resume, engine idle.
+#[derive(Debug, Default)]
+pub struct CycleTimings {
+    pub pause: Samples,
+    pub prepare: Samples,
+    pub install: Samples,
+    pub resume: Samples,
+    pub total: Samples,
+}
+
+/// Resident memory around one memory operation, in bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct RssStep {
+    pub before: u64,
+    pub after: u64,
+    /// After the matching wake-up (for sleep level 2: after the reload and the wake-up).
+    pub after_wake: u64,
+    /// The operation's own time (the release or the sleep call).
+    pub op_ms: f64,
+    /// The wake-up call's time (level 2: the reload and the wake-up).
+    pub wake_ms: f64,
+}
+
+impl RssStep {
+    fn freed(&self) -> i64 {
+        self.before as i64 - self.after as i64
+    }
+}
+
+#[derive(Debug)]
+pub struct MemoryReport {
+    pub release_kv: RssStep,
+    pub sleep1: RssStep,
+    pub sleep2: RssStep,
+    /// KV bytes the load that precedes each measurement wrote (at most the arena).
+    pub kv_fill_bytes: u64,
+}
+
+/// Everything the benchmark prints.
+#[derive(Debug)]
+pub struct Report {
+    pub model: String,
+    pub in_flight: usize,
+    pub prompt_len: usize,
+    pub output_len: u32,
+    pub repeat: usize,
+    pub weights_bytes: u64,
+    pub kv_arena_bytes: u64,
+    pub n_kv_blocks: u32,
+    pub step_ms_mean: f64,
+    pub n_preemptions: u64,
+    pub pauses: PauseTimings,
+    pub cycle: CycleTimings,
+    pub memory: MemoryReport,
+}
+
+impl Report {
+    pub fn to_json(&self) -> Value {
+        let mut out = Map::new();
+        let scalars = [
+            ("model", json!(self.model)),
+            ("in_flight", json!(self.in_flight)),
+            ("prompt_len", json!(self.prompt_len)),
+            ("output_len", json!(self.output_len)),
+            ("repeat", json!(self.repeat)),
+            ("weights_bytes", json!(self.weights_bytes)),
+            ("kv_arena_bytes", json!(self.kv_arena_bytes)),
+            ("n_kv_blocks", json!(self.n_kv_blocks)),
+            ("step_ms_mean", json!(round4(self.step_ms_mean))),
+            ("n_preemptions", json!(self.n_preemptions)),
+            ("load_avg_1m", json!(load_avg())),
+        ];
+        for (k, v) in scalars {
+            out.insert(k.to_owned(), v);
+        }
+        let p = &self.pauses;
+        p.pause_keep.insert(&mut out, "pause_keep_ms");
+        p.pause_keep_after_step
+            .insert(&mut out, "pause_keep_after_step_ms");
+        p.resume.insert(&mut out, "resume_ms");
+        p.pause_keep_clear.insert(&mut out, "pause_keep_clear_ms");
+        p.pause_keep_clear_after_step
+            .insert(&mut out, "pause_keep_clear_after_step_ms");
+        p.pause_wait_clear.insert(&mut out, "pause_wait_clear_ms");
+        p.pause_wait_clear_drain_tokens
+            .insert(&mut out, "pause_wait_clear_drain_tokens");
+        p.pause_wait_clear_drain_steps
+            .insert(&mut out, "pause_wait_clear_drain_steps");
+        p.pause_wait_clear_reset
+            .insert(&mut out, "pause_wait_clear_reset_ms");
+        let c = &self.cycle;
+        c.pause.insert(&mut out, "cycle_pause_ms");
+        c.prepare.insert(&mut out, "cycle_prepare_ms");
+        c.install.insert(&mut out, "cycle_install_ms");
+        c.resume.insert(&mut out, "cycle_resume_ms");
+        c.total.insert(&mut out, "cycle_total_ms");
+        self.memory_json(&mut out);
+        Value::Object(out)
+    }
+
+    fn memory_json(&self, out: &mut Map<String, Value>) {
+        let m = &self.memory;
+        out.insert("kv_fill_bytes".into(), json!(m.kv_fill_bytes));
+        let steps = [
+            ("release_kv", "wake_kv", &m.release_kv),
+            ("sleep1", "wake1", &m.sleep1),
+            ("sleep2", "reload_wake2", &m.sleep2),
+        ];
+        for (op, wake, s) in steps {
+            out.insert(format!("rss_before_{op}_bytes"), json!(s.before));
+            out.insert(format!("rss_after_{op}_bytes"), json!(s.after));
+            out.insert(format!("rss_after_{wake}_bytes"), json!(s.after_wake));
+            out.insert(format!("{op}_freed_bytes"), json!(s.freed()));
+            out.insert(format!("{op}_ms"), json!(round4(s.op_ms)));
+            out.insert(format!("{wake}_ms"), json!(round4(s.wake_ms)));
+        }
+    }
+
+    /// The readable form.
+    pub fn summary(&self) -> String {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        let p = &self.pauses;
+        let c = &self.cycle;
+        let m = &self.memory;
+        let mut s = format!(
+            "ferry bench lifecycle: {} | {} in flight, prompt {} + output {} tokens, {} repeats\n\
+             weights {:.1} MiB, KV arena {:.1} MiB ({} blocks), mean step {:.2} ms, {} preemptions \
+             (recomputes after the keep resets included)\n\n\
+             {:<46} {:>10} {:>10} {:>10}\n",
+            self.model,
+            self.in_flight,
+            self.prompt_len,
+            self.output_len,
+            self.repeat,
+            mib(self.weights_bytes),
+            mib(self.kv_arena_bytes),
+            self.n_kv_blocks,
+            self.step_ms_mean,
+            self.n_preemptions,
+            "ms (engine-side, in-process)",
+            "min",
+            "p50",
+            "max"
+        );
+        let rows = [
+            ("pause(keep), call to reply", &p.pause_keep),
+            (
+                "  of which after the step in flight",
+                &p.pause_keep_after_step,
+            ),
+            ("resume()", &p.resume),
+            (
+                "pause(keep, clear_cache), call to reply",
+                &p.pause_keep_clear,
+            ),
+            (
+                "  of which after the step in flight",
+                &p.pause_keep_clear_after_step,
+            ),
+            (
+                "pause(wait, clear_cache), call to reply",
+                &p.pause_wait_clear,
+            ),
+            (
+                "  drain: tokens produced (count)",
+                &p.pause_wait_clear_drain_tokens,
+            ),
+            (
+                "  drain: engine steps (count)",
+                &p.pause_wait_clear_drain_steps,
+            ),
+            (
+                "  last finish to reply (the reset)",
+                &p.pause_wait_clear_reset,
+            ),
+            ("cycle: pause(keep)", &c.pause),
+            ("cycle: reload prepare (read + convert)", &c.prepare),
+            ("cycle: install (engine side)", &c.install),
+            ("cycle: resume", &c.resume),
+            ("cycle: total", &c.total),
+        ];
+        for (name, samples) in rows {
+            s += &format!("{name:<46} {}\n", samples.summary());
+        }
+        s += &format!(
+            "\nresident memory (MiB; each preceded by a load that wrote {:.1} MiB of KV):\n",
+            mib(m.kv_fill_bytes)
+        );
+        let steps = [
+            ("release_kv_cache_memory / wake_up(kv_cache)", &m.release_kv),
+            ("sleep(1) / wake_up", &m.sleep1),
+            ("sleep(2) / reload + wake_up", &m.sleep2),
+        ];
+        for (name, r) in steps {
+            s += &format!(
+                "{name:<46} before {:>8.1}  after {:>8.1}  (freed {:>8.1})  after wake {:>8.1}  \
+                 [{:.1} ms / {:.1} ms]\n",
+                mib(r.before),
+                mib(r.after),
+                r.freed() as f64 / (1 << 20) as f64,
+                mib(r.after_wake),
+                r.op_ms,
+                r.wake_ms
+            );
+        }
+        s
+    }
+}
+
+/// This process's resident memory (`VmRSS` in `/proc/self/status`), in bytes.
+pub fn rss_bytes() -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string("/proc/self/status")
+        .context("reading /proc/self/status (resident memory needs Linux)")?;
+    parse_vm_rss(&status).context("no VmRSS line in /proc/self/status")
+}
+
+fn parse_vm_rss(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The 1-minute load average, so a reader can tell a contended run (Linux only).
+fn load_avg() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/loadavg").ok()?;
+    s.split_whitespace().next()?.parse().ok()
+}
+
+fn round4(v: f64) -> f64 {
+    (v * 1e4).round() / 1e4
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_give_min_lower_median_and_max() {
+        let mut s = Samples::default();
+        for v in [4.0, 1.0, 3.0, 2.0] {
+            s.push(v);
+        }
+        assert_eq!((s.min(), s.p50(), s.max()), (1.0, 2.0, 4.0));
+        s.push(5.0);
+        assert_eq!(s.p50(), 3.0);
+    }
+
+    #[test]
+    fn vm_rss_is_read_in_bytes() {
+        let status = "Name:\tferry\nVmPeak:\t  999 kB\nVmRSS:\t    1234 kB\nThreads:\t3\n";
+        assert_eq!(parse_vm_rss(status), Some(1234 * 1024));
+        assert_eq!(parse_vm_rss("Name:\tferry\n"), None);
+    }
+}
