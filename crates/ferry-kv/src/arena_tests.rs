@@ -203,21 +203,7 @@ fn release_frees_and_reallocate_gives_zeroed_memory() {
 /// the page size the kernel reports in `/proc/self/smaps`.
 #[cfg(target_os = "linux")]
 fn rss_bytes() -> usize {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
-    let resident_pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-    resident_pages * page_size()
-}
-
-#[cfg(target_os = "linux")]
-fn page_size() -> usize {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let kb: usize = smaps
-        .lines()
-        .find_map(|l| l.strip_prefix("KernelPageSize:"))
-        .and_then(|rest| rest.trim().strip_suffix("kB"))
-        .map(|n| n.trim().parse().unwrap())
-        .unwrap();
-    kb * 1024
+    crate::resident_bytes().expect("VmRSS") as usize
 }
 
 /// Releasing really gives the memory back to the OS (a 256 MiB allocation is mmap'd by the

@@ -7,5 +7,7 @@
 //! attention uses the typed accessors ([`KvArena::token`], [`KvArena::plane`]).
 
 pub mod arena;
+pub mod resident;
 
 pub use arena::{KvArena, KvError, KvLayout, KvPlane};
+pub use resident::resident_bytes;

@@ -6,17 +6,9 @@ use ferry_model::{Executor, LlamaConfig, LlamaModel, WeightResidency};
 
 const MIB: usize = 1 << 20;
 
-/// Resident set size of this process in bytes (`VmRSS` in `/proc/self/status`).
 #[cfg(target_os = "linux")]
 fn rss_bytes() -> usize {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kb: usize = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.trim().strip_suffix("kB"))
-        .map(|n| n.trim().parse().unwrap())
-        .unwrap();
-    kb * 1024
+    ferry_kv::resident_bytes().expect("VmRSS") as usize
 }
 
 /// The SmolLM2-135M shape cut to 4 layers with an untied head: about 280 MB of f32, of

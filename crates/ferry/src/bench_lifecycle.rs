@@ -14,7 +14,8 @@
 //!    `sleep(2)` + reload + `wake_up`, with resident memory around each.
 //!
 //! A lifecycle call is handled between engine steps, so under load a pause's reply waits for
-//! the step in flight; the `after_step` figures subtract it (see `load.rs` for how).
+//! the step in flight; the `after_step` figures subtract it (see `load.rs` for how), and the
+//! `engine` figures are the engine thread's own time handling the call, from its counters.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -271,18 +272,25 @@ async fn run_round(bench: &mut Bench, args: &Args, t: &mut PauseTimings) -> anyh
     load.wait_all_advanced(&Snapshot::default(), "every request's first token")
         .await?;
 
+    let calls = EngineTime::start(&engine);
     let (total, after_step) = timed_pause(&engine, &load, PauseMode::Keep, false).await?;
     t.pause_keep.push_ms(total);
     t.pause_keep_after_step.push_ms(after_step);
+    t.pause_keep_engine.push_ms(calls.wait(&engine, 1).await?);
+    let calls = EngineTime::start(&engine);
     let started = Instant::now();
     engine.resume().await?;
     t.resume.push_ms(started.elapsed());
+    t.resume_engine.push_ms(calls.wait(&engine, 1).await?);
 
     load.wait_all_advanced(&load.snapshot(), "a decode step after resume")
         .await?;
+    let calls = EngineTime::start(&engine);
     let (total, after_step) = timed_pause(&engine, &load, PauseMode::Keep, true).await?;
     t.pause_keep_clear.push_ms(total);
     t.pause_keep_clear_after_step.push_ms(after_step);
+    t.pause_keep_clear_engine
+        .push_ms(calls.wait(&engine, 1).await?);
     let before_resume = load.snapshot();
     engine.resume().await?;
     load.wait_all_advanced(&before_resume, "every request's recompute after the reset")
@@ -301,6 +309,44 @@ async fn run_round(bench: &mut Bench, args: &Args, t: &mut PauseTimings) -> anyh
     t.pause_wait_clear_reset
         .push_ms(replied.saturating_duration_since(last_finish));
     Ok(())
+}
+
+/// The engine thread's own time handling lifecycle calls, from `EngineStats`'s counters.
+struct EngineTime {
+    n_calls: u64,
+    seconds: f64,
+}
+
+impl EngineTime {
+    fn start(engine: &EngineHandle) -> Self {
+        let s = engine.stats();
+        Self {
+            n_calls: s.n_lifecycle_calls_total,
+            seconds: s.lifecycle_call_seconds_total,
+        }
+    }
+
+    /// The time of the `n` calls made since `start`. The engine publishes it just after each
+    /// reply, so this waits (briefly) until all `n` are counted.
+    async fn wait(&self, engine: &EngineHandle, n: u64) -> anyhow::Result<Duration> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let s = engine.stats();
+            if s.n_lifecycle_calls_total >= self.n_calls + n {
+                ensure!(
+                    s.n_lifecycle_calls_total == self.n_calls + n,
+                    "more lifecycle calls than measured"
+                );
+                let secs = (s.lifecycle_call_seconds_total - self.seconds).max(0.0);
+                return Ok(Duration::from_secs_f64(secs));
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "the engine never counted the call"
+            );
+            tokio::task::yield_now().await;
+        }
+    }
 }
 
 /// A pause under `load`: (call to reply, end of the step in flight to reply). The step in
@@ -362,6 +408,7 @@ async fn release_kv(engine: &EngineHandle) -> anyhow::Result<RssStep> {
 /// Phase 3: one RL cycle on the idle engine.
 async fn run_cycle(bench: &Bench, i: usize, t: &mut CycleTimings) -> anyhow::Result<()> {
     let engine = &bench.engine;
+    let calls = EngineTime::start(engine);
     let started = Instant::now();
     engine.pause(PauseMode::Keep, false).await?;
     let paused = Instant::now();
@@ -377,6 +424,7 @@ async fn run_cycle(bench: &Bench, i: usize, t: &mut CycleTimings) -> anyhow::Res
     t.install.push(info.install_seconds * 1e3);
     t.resume.push_ms(resumed - reloaded);
     t.total.push_ms(resumed - started);
+    t.engine.push_ms(calls.wait(engine, 3).await?);
     Ok(())
 }
 

@@ -22,6 +22,10 @@ const POSITIVE_MS: &[&str] = &[
     "cycle_install_ms",
     "cycle_resume_ms",
     "cycle_total_ms",
+    "pause_keep_engine_ms",
+    "resume_engine_ms",
+    "pause_keep_clear_engine_ms",
+    "cycle_engine_ms",
 ];
 
 /// Differences of two observed instants: zero is possible.

@@ -69,9 +69,15 @@ pub struct PauseTimings {
     pub pause_keep: Samples,
     /// `pause(keep)`: from the end of the step in flight (its last output seen) to the reply.
     pub pause_keep_after_step: Samples,
+    /// The engine thread's own time handling the call (`EngineStats`'s lifecycle counters):
+    /// from taking it off the queue to its reply, no queueing, no step, no wake-ups.
+    pub pause_keep_engine: Samples,
     pub resume: Samples,
+    pub resume_engine: Samples,
     pub pause_keep_clear: Samples,
     pub pause_keep_clear_after_step: Samples,
+    /// Includes the cache reset itself (the frozen engine is idle at once).
+    pub pause_keep_clear_engine: Samples,
     pub pause_wait_clear: Samples,
     /// Tokens the `wait` drain produced after the call (the step in flight included).
     pub pause_wait_clear_drain_tokens: Samples,
@@ -88,6 +94,8 @@ pub struct CycleTimings {
     pub install: Samples,
     pub resume: Samples,
     pub total: Samples,
+    /// The engine thread's own time for the pause, the install and the resume together.
+    pub engine: Samples,
 }
 
 /// Resident memory around one memory operation, in bytes.
@@ -159,10 +167,14 @@ impl Report {
         p.pause_keep.insert(&mut out, "pause_keep_ms");
         p.pause_keep_after_step
             .insert(&mut out, "pause_keep_after_step_ms");
+        p.pause_keep_engine.insert(&mut out, "pause_keep_engine_ms");
         p.resume.insert(&mut out, "resume_ms");
+        p.resume_engine.insert(&mut out, "resume_engine_ms");
         p.pause_keep_clear.insert(&mut out, "pause_keep_clear_ms");
         p.pause_keep_clear_after_step
             .insert(&mut out, "pause_keep_clear_after_step_ms");
+        p.pause_keep_clear_engine
+            .insert(&mut out, "pause_keep_clear_engine_ms");
         p.pause_wait_clear.insert(&mut out, "pause_wait_clear_ms");
         p.pause_wait_clear_drain_tokens
             .insert(&mut out, "pause_wait_clear_drain_tokens");
@@ -176,6 +188,7 @@ impl Report {
         c.install.insert(&mut out, "cycle_install_ms");
         c.resume.insert(&mut out, "cycle_resume_ms");
         c.total.insert(&mut out, "cycle_total_ms");
+        c.engine.insert(&mut out, "cycle_engine_ms");
         self.memory_json(&mut out);
         Value::Object(out)
     }
@@ -230,7 +243,9 @@ impl Report {
                 "  of which after the step in flight",
                 &p.pause_keep_after_step,
             ),
+            ("  engine thread's own time", &p.pause_keep_engine),
             ("resume()", &p.resume),
+            ("  engine thread's own time", &p.resume_engine),
             (
                 "pause(keep, clear_cache), call to reply",
                 &p.pause_keep_clear,
@@ -238,6 +253,10 @@ impl Report {
             (
                 "  of which after the step in flight",
                 &p.pause_keep_clear_after_step,
+            ),
+            (
+                "  engine thread's own time (reset included)",
+                &p.pause_keep_clear_engine,
             ),
             (
                 "pause(wait, clear_cache), call to reply",
@@ -257,9 +276,10 @@ impl Report {
             ),
             ("cycle: pause(keep)", &c.pause),
             ("cycle: reload prepare (read + convert)", &c.prepare),
-            ("cycle: install (engine side)", &c.install),
+            ("cycle: install (queue to reply)", &c.install),
             ("cycle: resume", &c.resume),
             ("cycle: total", &c.total),
+            ("cycle: engine thread's own time", &c.engine),
         ];
         for (name, samples) in rows {
             s += &format!("{name:<46} {}\n", samples.summary());
@@ -291,15 +311,8 @@ impl Report {
 
 /// This process's resident memory (`VmRSS` in `/proc/self/status`), in bytes.
 pub fn rss_bytes() -> anyhow::Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")
-        .context("reading /proc/self/status (resident memory needs Linux)")?;
-    parse_vm_rss(&status).context("no VmRSS line in /proc/self/status")
-}
-
-fn parse_vm_rss(status: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    ferry_kv::resident_bytes()
+        .context("no VmRSS in /proc/self/status (resident memory needs Linux)")
 }
 
 /// The 1-minute load average, so a reader can tell a contended run (Linux only).
@@ -325,12 +338,5 @@ mod tests {
         assert_eq!((s.min(), s.p50(), s.max()), (1.0, 2.0, 4.0));
         s.push(5.0);
         assert_eq!(s.p50(), 3.0);
-    }
-
-    #[test]
-    fn vm_rss_is_read_in_bytes() {
-        let status = "Name:\tferry\nVmPeak:\t  999 kB\nVmRSS:\t    1234 kB\nThreads:\t3\n";
-        assert_eq!(parse_vm_rss(status), Some(1234 * 1024));
-        assert_eq!(parse_vm_rss("Name:\tferry\n"), None);
     }
 }
