@@ -61,6 +61,8 @@ pub(crate) struct EngineLoop {
     next_op: u64,
     /// Reused by `poll_lifecycle`.
     lifecycle_events: Vec<LifecycleEvent>,
+    /// Lifecycle replies waiting for the stats to be published (`reply_later`).
+    replies: Vec<Box<dyn FnOnce() + Send>>,
     /// Stamped on every output token: the version of the weights that computed it.
     weight_version: Arc<str>,
     n_weight_updates: u64,
@@ -93,6 +95,7 @@ impl EngineLoop {
             ops: BTreeMap::new(),
             next_op: 0,
             lifecycle_events: Vec::new(),
+            replies: Vec::new(),
             weight_version,
             n_weight_updates: 0,
             stats,
@@ -113,6 +116,10 @@ impl EngineLoop {
             }
             if self.step(started) {
                 self.poll_lifecycle();
+                if !self.replies.is_empty() {
+                    self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
+                    self.send_replies();
+                }
                 self.check_deferred();
             } else {
                 self.run_idle_work();
@@ -236,6 +243,7 @@ impl EngineLoop {
                     s.lifecycle_call_seconds_total += handled;
                 });
                 self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
+                self.send_replies();
             }
         }
     }
@@ -265,10 +273,12 @@ impl EngineLoop {
                 self.finish_outputs(aborted);
             }
             LifecycleCall::Resume(reply) => {
-                let _ = reply.send(self.core.resume().map_err(EngineError::from));
+                let result = self.core.resume().map_err(EngineError::from);
+                self.reply_later(reply, result);
             }
             LifecycleCall::WakeUp { tags, reply } => {
-                let _ = reply.send(self.wake_up(&tags));
+                let result = self.wake_up(&tags);
+                self.reply_later(reply, result);
             }
             LifecycleCall::ReleaseKvCacheMemory(reply) => {
                 let op = self.next_op();
@@ -277,7 +287,7 @@ impl EngineLoop {
                         self.ops.insert(op, reply);
                     }
                     Err(e) => {
-                        let _ = reply.send(Err(e.into()));
+                        self.reply_later(reply, Err(e.into()));
                     }
                 }
             }
@@ -289,25 +299,26 @@ impl EngineLoop {
                 let ok = self
                     .core
                     .reset_caches(reset_running_requests, reset_connector);
-                let _ = reply.send(Ok(ok));
+                self.reply_later(reply, Ok(ok));
             }
             LifecycleCall::AbortRequests { ids, reply } => {
                 let n = match ids {
                     None => self.finish_all(FinishReason::Abort) as usize,
                     Some(ids) => ids.iter().filter(|id| self.abort(id)).count(),
                 };
-                let _ = reply.send(Ok(n));
+                self.reply_later(reply, Ok(n));
             }
             LifecycleCall::InstallWeights {
                 weights,
                 version,
                 reply,
             } => {
-                let _ = reply.send(self.install_weights(weights, version));
+                let result = self.install_weights(weights, version);
+                self.reply_later(reply, result);
             }
             LifecycleCall::SetWeightVersion { version, reply } => {
                 self.set_weight_version(version);
-                let _ = reply.send(Ok(()));
+                self.reply_later(reply, Ok(()));
             }
             LifecycleCall::Status(reply) => {
                 let info = WeightInfo {
@@ -315,7 +326,8 @@ impl EngineLoop {
                     n_weight_updates: self.n_weight_updates,
                     residency: self.executor.weight_ops().residency(),
                 };
-                let _ = reply.send(Ok((self.core.lifecycle_status(), info)));
+                let status = self.core.lifecycle_status();
+                self.reply_later(reply, Ok((status, info)));
             }
         }
     }
@@ -359,30 +371,18 @@ impl EngineLoop {
     }
 
     /// Moves pending lifecycle operations forward and acts on what the core asks: memory
-    /// first, then the stats, then replies (a caller that reads the stats after its reply
-    /// sees the state its operation reached).
+    /// first, then the replies (queued; see `reply_later`).
     fn poll_lifecycle(&mut self) {
         let mut events = std::mem::take(&mut self.lifecycle_events);
         self.core.poll_lifecycle(&mut events);
-        if !events.is_empty() {
-            for event in &events {
-                match event {
-                    LifecycleEvent::ReleaseKvMemory => self.arena.release(),
-                    LifecycleEvent::OffloadWeights => self.executor.weight_ops_mut().offload(),
-                    // Dropped here, not on another thread: a sleep returns once memory is free.
-                    LifecycleEvent::DropWeights => {
-                        drop(self.executor.weight_ops_mut().drop_weights())
-                    }
-                    LifecycleEvent::Done(_) | LifecycleEvent::Failed(..) => {}
-                }
-            }
-            self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
-        }
         for event in events.drain(..) {
             match event {
+                LifecycleEvent::ReleaseKvMemory => self.arena.release(),
+                LifecycleEvent::OffloadWeights => self.executor.weight_ops_mut().offload(),
+                // Dropped here, not on another thread: a sleep returns once memory is free.
+                LifecycleEvent::DropWeights => drop(self.executor.weight_ops_mut().drop_weights()),
                 LifecycleEvent::Done(op) => self.reply_op(op, Ok(())),
                 LifecycleEvent::Failed(op, e) => self.reply_op(op, Err(e.into())),
-                _ => {}
             }
         }
         self.lifecycle_events = events;
@@ -390,7 +390,21 @@ impl EngineLoop {
 
     fn reply_op(&mut self, op: OpId, result: Result<(), EngineError>) {
         if let Some(reply) = self.ops.remove(&op) {
+            self.reply_later(reply, result);
+        }
+    }
+
+    /// Queues a lifecycle reply until `send_replies`, which runs after the stats are
+    /// published: a caller that reads the stats after its reply sees what its call did.
+    fn reply_later<T: Send + 'static>(&mut self, reply: Reply<T>, result: Result<T, EngineError>) {
+        self.replies.push(Box::new(move || {
             let _ = reply.send(result);
+        }));
+    }
+
+    fn send_replies(&mut self) {
+        for send in self.replies.drain(..) {
+            send();
         }
     }
 
@@ -565,6 +579,7 @@ impl EngineLoop {
     fn run_idle_work(&mut self) {
         self.poll_lifecycle();
         self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
+        self.send_replies();
         self.check_deferred();
     }
 
@@ -624,6 +639,7 @@ impl EngineLoop {
                 }
             }
         }
+        self.send_replies();
         for (_, reply) in std::mem::take(&mut self.ops) {
             let _ = reply.send(Err(EngineError::Stopped));
         }
