@@ -13,7 +13,7 @@ use crate::weight_update::ModelWeights;
 pub enum ExecError {
     #[error("KV arena is released (sleeping); wake it before running a step")]
     ArenaReleased,
-    #[error("weights are not loaded (sleep level 2); reload or update them before running a step")]
+    #[error("weights are asleep (sleep level 1 offloaded them, level 2 dropped them); wake them, after a reload for level 2, before running a step")]
     WeightsUnloaded,
     #[error("invalid step plan: {0}")]
     InvalidPlan(String),

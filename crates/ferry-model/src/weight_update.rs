@@ -165,11 +165,7 @@ impl ModelWeights for Weightless {
     }
 
     fn restore(&mut self) -> Result<(), ExecError> {
-        if self.residency == WeightResidency::Dropped {
-            return Err(ExecError::WeightsUnloaded);
-        }
-        self.residency = WeightResidency::Resident;
-        Ok(())
+        self.residency.restore()
     }
 
     fn residency(&self) -> WeightResidency {
@@ -204,10 +200,21 @@ pub enum WeightResidency {
     /// Ready to run steps.
     #[default]
     Resident,
-    /// Sleep level 1: moved to a host copy; `restore_weights` brings them back.
+    /// Sleep level 1: moved to a host copy; `restore` brings them back.
     Offloaded,
     /// Sleep level 2: dropped; a complete install must come before they can be restored.
     Dropped,
+}
+
+impl WeightResidency {
+    /// Wake-up: resident again, unless the weights were dropped and not installed since.
+    pub fn restore(&mut self) -> Result<(), ExecError> {
+        if *self == Self::Dropped {
+            return Err(ExecError::WeightsUnloaded);
+        }
+        *self = Self::Resident;
+        Ok(())
+    }
 }
 
 /// Reads safetensors bytes (a tensor push) into f32 tensors by name. Every tensor's dtype is

@@ -56,11 +56,7 @@ impl ModelWeights for LlamaModel {
     }
 
     fn restore(&mut self) -> Result<(), ExecError> {
-        if self.residency == WeightResidency::Dropped {
-            return Err(ExecError::WeightsUnloaded);
-        }
-        self.residency = WeightResidency::Resident;
-        Ok(())
+        self.residency.restore()
     }
 
     fn residency(&self) -> WeightResidency {
