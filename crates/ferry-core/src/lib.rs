@@ -50,7 +50,7 @@ pub use config::{ConfigError, PauseState, SchedulerConfig};
 pub use connector::KvConnector;
 pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
-    WeightsState,
+    WeightResidency,
 };
 pub use ownership::{BlockStatus, Owner, OwnershipError, TransferId};
 pub use plan::{

@@ -88,15 +88,44 @@ impl std::str::FromStr for WakeTag {
     }
 }
 
-/// Where the weights are, as the lifecycle sees them.
+/// Where weights are (sleep levels 1 and 2). The lifecycle tracks the state it asked for;
+/// each executor tracks its own weights' (`ferry_model::ModelWeights::residency`), with the
+/// same transitions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum WeightsState {
+pub enum WeightResidency {
+    /// Ready to run steps.
     #[default]
-    Awake,
-    /// Sleep level 1: in a host copy.
+    Resident,
+    /// Sleep level 1: moved to a host copy; `restore` brings them back.
     Offloaded,
-    /// Sleep level 2: dropped.
+    /// Sleep level 2: dropped; a complete install must come before they can be restored.
     Dropped,
+}
+
+impl WeightResidency {
+    /// Sleep level 1: resident weights move to the host copy (dropped ones stay dropped).
+    pub fn offload(&mut self) {
+        if *self == Self::Resident {
+            *self = Self::Offloaded;
+        }
+    }
+
+    /// A complete set of weights was installed: dropped weights are back, but asleep until
+    /// a wake-up restores them.
+    pub fn refill(&mut self) {
+        if *self == Self::Dropped {
+            *self = Self::Offloaded;
+        }
+    }
+
+    /// Wake-up: resident again. False, changing nothing, while the weights are dropped.
+    pub fn restore(&mut self) -> bool {
+        if *self == Self::Dropped {
+            return false;
+        }
+        *self = Self::Resident;
+        true
+    }
 }
 
 /// Names a deferred lifecycle operation; the engine maps it to the caller's reply.
@@ -142,7 +171,7 @@ pub struct LifecycleStatus {
     /// A sleep completed and not every tag is awake yet.
     pub sleeping: bool,
     pub kv_released: bool,
-    pub weights: WeightsState,
+    pub weights: WeightResidency,
     /// Operations waiting for a state (drain, idle, transfers, reset).
     pub n_pending: usize,
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use common::{prompt, small_config, Harness};
 use ferry_core::{
     FinishReason, KvConnector, LifecycleError, LifecycleEvent, OpId, PauseMode, SamplingParams,
-    SleepLevel, TransferId, WakeTag, WeightsState,
+    SleepLevel, TransferId, WakeTag, WeightResidency,
 };
 
 fn greedy(n: u32) -> SamplingParams {
@@ -261,12 +261,12 @@ fn sleep_levels_release_memory_in_order_and_a_full_wake_up_resumes() {
         (
             SleepLevel::L1,
             LifecycleEvent::OffloadWeights,
-            WeightsState::Offloaded,
+            WeightResidency::Offloaded,
         ),
         (
             SleepLevel::L2,
             LifecycleEvent::DropWeights,
-            WeightsState::Dropped,
+            WeightResidency::Dropped,
         ),
     ] {
         let mut h = busy(3);

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use ferry_core::{
     FinishReason, LifecycleError, LifecycleEvent, OpId, ReqIdx, RequestOutput, Scheduler, StepPlan,
-    WakeTag, WeightsState,
+    WakeTag, WeightResidency,
 };
 use ferry_kv::KvArena;
 use ferry_model::{ExecError, Executor, PreparedWeights};
@@ -337,7 +337,7 @@ impl EngineLoop {
     fn wake_up(&mut self, tags: &[WakeTag]) -> Result<(), EngineError> {
         let status = self.core.lifecycle_status();
         let wants = |t: WakeTag| tags.is_empty() || tags.contains(&t);
-        if wants(WakeTag::Weights) && status.weights != WeightsState::Awake {
+        if wants(WakeTag::Weights) && status.weights != WeightResidency::Resident {
             self.executor
                 .weight_ops_mut()
                 .restore()

@@ -23,7 +23,7 @@ mod stream;
 
 pub use ferry_core::{
     FinishReason, KvConnector, LifecycleError, LifecycleStatus, PauseMode, SamplingParams,
-    SchedulerConfig, SchedulerStats, SleepLevel, TokenId, WakeTag, WeightsState,
+    SchedulerConfig, SchedulerStats, SleepLevel, TokenId, WakeTag, WeightResidency,
 };
 pub use ferry_model::{WeightError, WeightStore};
 pub use handle::{spawn, spawn_with_connectors, EngineHandle};
@@ -155,7 +155,7 @@ pub struct WeightInfo {
     pub weight_version: String,
     /// Completed weight updates (reloads and pushes) since start.
     pub n_weight_updates: u64,
-    pub residency: ferry_model::WeightResidency,
+    pub residency: WeightResidency,
 }
 
 /// Why an engine call failed.

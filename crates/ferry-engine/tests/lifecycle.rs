@@ -14,7 +14,7 @@ use std::time::Duration;
 use ferry_core::{FinishReason, SamplingParams, TokenId, TransferId};
 use ferry_engine::{
     spawn_with_connectors, EngineConfig, EngineError, EngineHandle, GenerateRequest, KvConnector,
-    LifecycleError, PauseMode, SleepLevel, WakeTag, WeightStore, WeightsState,
+    LifecycleError, PauseMode, SleepLevel, WakeTag, WeightResidency, WeightStore,
 };
 use ferry_model::ChecksumModel;
 use support::*;
@@ -453,7 +453,7 @@ async fn sleep_levels_release_memory_and_wake_up_restores_it_under_load() {
                 .await
                 .unwrap();
             if level == SleepLevel::L2 {
-                assert_eq!(lifecycle.weights, WeightsState::Dropped);
+                assert_eq!(lifecycle.weights, WeightResidency::Dropped);
                 assert!(matches!(
                     within(engine.wake_up(&[WakeTag::Weights])).await,
                     Err(EngineError::Lifecycle(LifecycleError::WeightsDropped))

@@ -131,9 +131,7 @@ impl LlamaModel {
     /// Like a complete install, weights dropped by sleep come back asleep until `restore`.
     pub fn replace_weights(&mut self, weights: &WeightStore) -> Result<(), ModelError> {
         self.weights = LlamaWeights::from_store(&self.config, weights)?;
-        if self.residency == WeightResidency::Dropped {
-            self.residency = WeightResidency::Offloaded;
-        }
+        self.residency.refill();
         Ok(())
     }
 

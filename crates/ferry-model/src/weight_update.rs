@@ -9,6 +9,8 @@
 use std::any::Any;
 use std::sync::Arc;
 
+pub use ferry_core::WeightResidency;
+
 use crate::{ExecError, LlamaConfig, WeightStore};
 
 /// What is wrong with a weight update; nothing has changed when one is returned.
@@ -146,17 +148,12 @@ impl ModelWeights for Weightless {
 
     fn install(&mut self, weights: PreparedWeights) -> Result<Option<RetiredWeights>, WeightError> {
         weights.into_payload::<WeightlessPreparer>()?;
-        if self.residency == WeightResidency::Dropped {
-            // Back, but still asleep until a wake-up.
-            self.residency = WeightResidency::Offloaded;
-        }
+        self.residency.refill();
         Ok(None)
     }
 
     fn offload(&mut self) {
-        if self.residency == WeightResidency::Resident {
-            self.residency = WeightResidency::Offloaded;
-        }
+        self.residency.offload();
     }
 
     fn drop_weights(&mut self) -> Option<RetiredWeights> {
@@ -165,11 +162,20 @@ impl ModelWeights for Weightless {
     }
 
     fn restore(&mut self) -> Result<(), ExecError> {
-        self.residency.restore()
+        restore(&mut self.residency)
     }
 
     fn residency(&self) -> WeightResidency {
         self.residency
+    }
+}
+
+/// [`ModelWeights::restore`] for an executor that tracks its residency: the error names why.
+pub fn restore(residency: &mut WeightResidency) -> Result<(), ExecError> {
+    if residency.restore() {
+        Ok(())
+    } else {
+        Err(ExecError::WeightsUnloaded)
     }
 }
 
@@ -190,29 +196,6 @@ impl WeightPreparer for WeightlessPreparer {
     }
 
     fn check_config(&self, _config: &LlamaConfig) -> Result<(), WeightError> {
-        Ok(())
-    }
-}
-
-/// Where an executor's weights are (sleep levels 1 and 2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum WeightResidency {
-    /// Ready to run steps.
-    #[default]
-    Resident,
-    /// Sleep level 1: moved to a host copy; `restore` brings them back.
-    Offloaded,
-    /// Sleep level 2: dropped; a complete install must come before they can be restored.
-    Dropped,
-}
-
-impl WeightResidency {
-    /// Wake-up: resident again, unless the weights were dropped and not installed since.
-    pub fn restore(&mut self) -> Result<(), ExecError> {
-        if *self == Self::Dropped {
-            return Err(ExecError::WeightsUnloaded);
-        }
-        *self = Self::Resident;
         Ok(())
     }
 }

@@ -19,7 +19,7 @@ use crate::config::PauseState;
 use crate::connector::KvConnector;
 use crate::lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
-    WeightsState,
+    WeightResidency,
 };
 use crate::ownership::TransferId;
 use crate::request::RequestState;
@@ -38,7 +38,7 @@ pub(crate) struct Control {
     /// The deepest completed sleep, until a full wake-up or a resume.
     sleeping: Option<SleepLevel>,
     kv_released: bool,
-    weights: WeightsState,
+    weights: WeightResidency,
     /// Produced between polls (immediate completions and cancellations).
     events: Vec<LifecycleEvent>,
     /// Reused by `poll_connectors`.
@@ -144,7 +144,7 @@ impl Scheduler {
         if self.control.kv_released {
             return Err(LifecycleError::Asleep { what: "KV cache" });
         }
-        if self.control.weights != WeightsState::Awake {
+        if self.control.weights != WeightResidency::Resident {
             return Err(LifecycleError::Asleep { what: "weights" });
         }
         self.cancel_pending(LifecycleError::CancelledByResume);
@@ -161,7 +161,7 @@ impl Scheduler {
             self.control.kv_released = false;
         }
         if all || tags.contains(&WakeTag::Weights) {
-            self.control.weights = WeightsState::Awake;
+            self.control.weights = WeightResidency::Resident;
         }
         let cancelled = |p: &Pending| matches!(p.kind, OpKind::Sleep(_));
         for p in self.control.pending.iter().filter(|p| cancelled(p)) {
@@ -171,7 +171,7 @@ impl Scheduler {
             ));
         }
         self.control.pending.retain(|p| !cancelled(p));
-        let awake = !self.control.kv_released && self.control.weights == WeightsState::Awake;
+        let awake = !self.control.kv_released && self.control.weights == WeightResidency::Resident;
         if awake {
             self.control.sleeping = None;
             if self.control.paused_by_sleep {
@@ -201,7 +201,9 @@ impl Scheduler {
         let c = &self.control;
         LifecycleStatus {
             paused: c.paused,
-            sleeping: c.sleeping.is_some() || c.kv_released || c.weights != WeightsState::Awake,
+            sleeping: c.sleeping.is_some()
+                || c.kv_released
+                || c.weights != WeightResidency::Resident,
             kv_released: c.kv_released,
             weights: c.weights,
             n_pending: c.pending.len(),
@@ -289,12 +291,12 @@ impl Scheduler {
                 c.events.push(LifecycleEvent::ReleaseKvMemory);
             }
             if let OpKind::Sleep(level) = p.kind {
-                if level == SleepLevel::L1 && c.weights == WeightsState::Awake {
-                    c.weights = WeightsState::Offloaded;
+                if level == SleepLevel::L1 && c.weights == WeightResidency::Resident {
+                    c.weights = WeightResidency::Offloaded;
                     c.events.push(LifecycleEvent::OffloadWeights);
                 }
-                if level == SleepLevel::L2 && c.weights != WeightsState::Dropped {
-                    c.weights = WeightsState::Dropped;
+                if level == SleepLevel::L2 && c.weights != WeightResidency::Dropped {
+                    c.weights = WeightResidency::Dropped;
                     c.events.push(LifecycleEvent::DropWeights);
                 }
                 c.sleeping = c.sleeping.max(Some(level));

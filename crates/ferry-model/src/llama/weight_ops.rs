@@ -14,7 +14,8 @@ use crate::llama_update::{
 };
 use crate::llama_weights::LlamaWeights;
 use crate::weight_update::{
-    ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer, WeightResidency,
+    self, ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer,
+    WeightResidency,
 };
 
 impl ModelWeights for LlamaModel {
@@ -37,9 +38,7 @@ impl ModelWeights for LlamaModel {
     }
 
     fn offload(&mut self) {
-        if self.residency == WeightResidency::Resident {
-            self.residency = WeightResidency::Offloaded;
-        }
+        self.residency.offload();
     }
 
     fn drop_weights(&mut self) -> Option<RetiredWeights> {
@@ -56,7 +55,7 @@ impl ModelWeights for LlamaModel {
     }
 
     fn restore(&mut self) -> Result<(), ExecError> {
-        self.residency.restore()
+        weight_update::restore(&mut self.residency)
     }
 
     fn residency(&self) -> WeightResidency {
@@ -70,7 +69,7 @@ impl LlamaModel {
     fn swap_weights(&mut self, weights: LlamaWeights) -> Option<RetiredWeights> {
         let old = std::mem::replace(&mut self.weights, weights);
         if self.residency == WeightResidency::Dropped {
-            self.residency = WeightResidency::Offloaded;
+            self.residency.refill();
             // The empty stand-in: nothing worth handing to another thread.
             return None;
         }
