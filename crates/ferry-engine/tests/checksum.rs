@@ -9,15 +9,6 @@ use ferry_core::{FinishReason, SamplingParams, TokenId};
 use ferry_engine::{EngineError, EngineHandle, GenerateRequest};
 use support::*;
 
-fn request(id: &str, prompt: Vec<TokenId>, max_tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id.to_owned(),
-        prompt,
-        params: SamplingParams::greedy(max_tokens),
-        ..GenerateRequest::default()
-    }
-}
-
 /// `n` requests, every other one sharing a 10-token prefix.
 fn workload(n: usize) -> Vec<(String, Vec<TokenId>, u32)> {
     (0..n)

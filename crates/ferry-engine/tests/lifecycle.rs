@@ -11,12 +11,11 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::{FinishReason, SamplingParams, TokenId, TransferId};
+use ferry_core::{FinishReason, TokenId, TransferId};
 use ferry_engine::{
-    spawn_with_connectors, EngineConfig, EngineError, EngineHandle, GenerateRequest, KvConnector,
-    LifecycleError, PauseMode, SleepLevel, WakeTag, WeightResidency, WeightStore,
+    spawn_with_connectors, EngineConfig, EngineError, EngineHandle, KvConnector, LifecycleError,
+    PauseMode, SleepLevel, WakeTag, WeightResidency, WeightStore,
 };
-use ferry_model::ChecksumModel;
 use support::*;
 
 /// Every reply must come well within this (they take microseconds; CI machines are slow).
@@ -26,15 +25,6 @@ async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(BOUND, f)
         .await
         .expect("the reply did not come within the bound")
-}
-
-fn request(id: &str, prompt: Vec<TokenId>, max_tokens: u32) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id.to_owned(),
-        prompt,
-        params: SamplingParams::greedy(max_tokens),
-        ..GenerateRequest::default()
-    }
 }
 
 fn prompts(n: usize) -> Vec<(String, Vec<TokenId>)> {
@@ -48,24 +38,6 @@ fn prompts(n: usize) -> Vec<(String, Vec<TokenId>)> {
 }
 
 const MAX_TOKENS: u32 = 12;
-
-/// What the checksum model generates for `prompt` under `version` with intact KV.
-fn oracle(version: &str, prompt: &[TokenId], n: usize) -> Vec<TokenId> {
-    continue_with(version, prompt, &[], n)
-}
-
-/// Output continued under `version` after `done` tokens (all KV recomputed with `version`).
-fn continue_with(version: &str, prompt: &[TokenId], done: &[TokenId], n: usize) -> Vec<TokenId> {
-    let model = ChecksumModel::new(version, VOCAB).unwrap();
-    let mut seq: Vec<TokenId> = prompt.iter().chain(done).copied().collect();
-    let mut out = done.to_vec();
-    while out.len() < n {
-        let t = model.reference_next_token(&seq);
-        seq.push(t);
-        out.push(t);
-    }
-    out
-}
 
 /// A gated engine with requests `r0..rn` all admitted, held inside a step.
 async fn busy(n: usize) -> (EngineHandle, Gate, Vec<tokio::task::JoinHandle<Collected>>) {

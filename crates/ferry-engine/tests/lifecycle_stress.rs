@@ -11,12 +11,10 @@ mod support;
 
 use std::time::Duration;
 
-use ferry_core::{FinishReason, SamplingParams, TokenId};
+use ferry_core::{FinishReason, TokenId};
 use ferry_engine::{
-    EngineError, EngineHandle, GenerateRequest, LifecycleError, PauseMode, SleepLevel, WakeTag,
-    WeightStore,
+    EngineError, EngineHandle, LifecycleError, PauseMode, SleepLevel, WakeTag, WeightStore,
 };
-use ferry_model::ChecksumModel;
 use support::*;
 
 const BOUND: Duration = Duration::from_secs(20);
@@ -41,18 +39,6 @@ impl Rng {
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
-}
-
-fn oracle(prompt: &[TokenId], n: usize) -> Vec<TokenId> {
-    let model = ChecksumModel::new("v0", VOCAB).unwrap();
-    let mut seq = prompt.to_vec();
-    (0..n)
-        .map(|_| {
-            let t = model.reference_next_token(&seq);
-            seq.push(t);
-            t
-        })
-        .collect()
 }
 
 fn mode(rng: &mut Rng) -> PauseMode {
@@ -133,12 +119,7 @@ async fn random_lifecycle_operations_under_load_lose_nothing() {
                 })
                 .collect();
             let max_tokens = 4 + rng.below(24) as u32;
-            let req = GenerateRequest {
-                request_id: format!("q{i}"),
-                prompt: prompt.clone(),
-                params: SamplingParams::greedy(max_tokens),
-                ..GenerateRequest::default()
-            };
+            let req = request(&format!("q{i}"), prompt.clone(), max_tokens);
             let stream = within("generate", engine.generate(req)).await.unwrap();
             clients.push((prompt, max_tokens, tokio::spawn(collect(stream))));
             // A few operations between arrivals.
@@ -156,7 +137,7 @@ async fn random_lifecycle_operations_under_load_lose_nothing() {
         assert!(!within("is_paused", engine.is_paused()).await.unwrap());
         for (i, (prompt, max_tokens, client)) in clients.into_iter().enumerate() {
             let c = within("stream", client).await.unwrap();
-            let want = oracle(&prompt, max_tokens as usize);
+            let want = oracle("v0", &prompt, max_tokens as usize);
             match c.reason() {
                 FinishReason::Length => assert_eq!(c.tokens, want, "seed {seed} q{i}"),
                 FinishReason::Abort => {

@@ -3,7 +3,9 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
-use ferry_core::{FinishReason, ModelOutput, SampledToken, SchedulerConfig, StepPlan, TokenId};
+use ferry_core::{
+    FinishReason, ModelOutput, SampledToken, SamplingParams, SchedulerConfig, StepPlan, TokenId,
+};
 use ferry_engine::{
     spawn, EngineConfig, EngineHandle, Finish, GenerateRequest, GenerateStream, OutputChunk,
 };
@@ -29,6 +31,39 @@ pub fn small_config(n_blocks: u32, max_num_seqs: usize) -> SchedulerConfig {
 
 pub fn checksum() -> ChecksumModel {
     ChecksumModel::new("v0", VOCAB).unwrap()
+}
+
+/// A greedy request for raw token ids.
+pub fn request(id: &str, prompt: Vec<TokenId>, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id.to_owned(),
+        prompt,
+        params: SamplingParams::greedy(max_tokens),
+        ..GenerateRequest::default()
+    }
+}
+
+/// What the checksum model generates for `prompt` under `version` with intact KV.
+pub fn oracle(version: &str, prompt: &[TokenId], n: usize) -> Vec<TokenId> {
+    continue_with(version, prompt, &[], n)
+}
+
+/// Output continued under `version` after `done` tokens (all KV recomputed with `version`).
+pub fn continue_with(
+    version: &str,
+    prompt: &[TokenId],
+    done: &[TokenId],
+    n: usize,
+) -> Vec<TokenId> {
+    let model = ChecksumModel::new(version, VOCAB).unwrap();
+    let mut seq: Vec<TokenId> = prompt.iter().chain(done).copied().collect();
+    let mut out = done.to_vec();
+    while out.len() < n {
+        let t = model.reference_next_token(&seq);
+        seq.push(t);
+        out.push(t);
+    }
+    out
 }
 
 pub fn engine(executor: impl Executor + 'static, config: SchedulerConfig) -> EngineHandle {
