@@ -88,10 +88,15 @@ impl QueryArgs {
 
     /// A string value that must not be empty when given.
     pub fn non_empty(&self, name: &str) -> Result<Option<String>, ApiError> {
-        match self.last(name) {
-            Some("") => Err(ApiError::invalid(name, format!("`{name}` is empty"))),
-            v => Ok(v.map(str::to_owned)),
-        }
+        non_empty(self.last(name).map(str::to_owned), name)
+    }
+}
+
+/// A string argument (query or JSON), which must not be empty when given.
+pub fn non_empty(v: Option<String>, param: &str) -> Result<Option<String>, ApiError> {
+    match v {
+        Some(s) if s.is_empty() => Err(ApiError::invalid(param, format!("`{param}` is empty"))),
+        v => Ok(v),
     }
 }
 

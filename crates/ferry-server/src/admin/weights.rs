@@ -18,7 +18,7 @@ use ferry_model::WeightResidency;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::args::{admin_error, optional_json, weight_error, QueryArgs};
+use super::args::{admin_error, non_empty, optional_json, weight_error, QueryArgs};
 use super::AdminReply;
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -43,7 +43,7 @@ pub async fn update_weights_from_disk(
         Some("") => return Err(ApiError::invalid("model_path", "`model_path` is empty")),
         Some(p) => PathBuf::from(p),
     };
-    let version = non_empty_version(req.weight_version, "weight_version")?;
+    let version = non_empty(req.weight_version, "weight_version")?;
     let info = app
         .engine
         .update_weights_from_disk(path, version)
@@ -108,7 +108,7 @@ pub async fn update_weight_version(
     body: axum::body::Bytes,
 ) -> AdminReply {
     let req: UpdateWeightVersion = optional_json(&body)?;
-    let version = non_empty_version(req.new_version, "new_version")?
+    let version = non_empty(req.new_version, "new_version")?
         .ok_or_else(|| ApiError::invalid("new_version", "`new_version` is required"))?;
     app.engine
         .update_weight_version(version.clone())
@@ -140,13 +140,5 @@ fn residency_name(r: WeightResidency) -> &'static str {
         WeightResidency::Resident => "resident",
         WeightResidency::Offloaded => "offloaded",
         WeightResidency::Dropped => "dropped",
-    }
-}
-
-/// A version string, which must not be empty when given.
-fn non_empty_version(v: Option<String>, param: &str) -> Result<Option<String>, ApiError> {
-    match v {
-        Some(s) if s.is_empty() => Err(ApiError::invalid(param, format!("`{param}` is empty"))),
-        v => Ok(v),
     }
 }
