@@ -438,3 +438,46 @@ fn a_wake_up_keeps_a_pause_the_client_made_before_the_sleep() {
     h.drain(100);
     assert_eq!(h.generated, reference().generated);
 }
+
+#[test]
+fn a_reset_cancelled_by_a_wake_up_starts_over_next_time() {
+    let mut h = busy(3);
+    let shared = Arc::new(Mutex::new(SlowTransfers {
+        polls_left: 2,
+        ..SlowTransfers::default()
+    }));
+    h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let a = h.sched.request_idx("a").unwrap();
+    let t = h.sched.hold_blocks_for_transfer(a).unwrap();
+    shared.lock().unwrap().held.push(t);
+    // The sleep's reset starts (requests preempted, transfers asked to end), then a wake-up
+    // cancels it before the transfer hands its blocks back.
+    h.sched.sleep(OpId(1), SleepLevel::L1, PauseMode::Keep);
+    assert_eq!(poll(&mut h), vec![]);
+    h.sched.wake_up(&[]);
+    assert_eq!(
+        poll(&mut h),
+        vec![LifecycleEvent::Failed(
+            OpId(1),
+            LifecycleError::CancelledByWakeUp
+        )]
+    );
+    assert!(!h.sched.lifecycle_status().paused);
+    // Requests run again and hold blocks; a later reset must preempt them afresh.
+    h.step();
+    assert!(h.sched.stats().n_running > 0);
+    h.sched.pause(OpId(2), PauseMode::Keep, true);
+    let mut events = Vec::new();
+    for _ in 0..10 {
+        events = poll(&mut h);
+        if !events.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(events, vec![done(2)]);
+    let s = h.sched.stats();
+    assert_eq!((s.n_blocks_used, s.n_running, s.n_blocks_cached), (0, 0, 0));
+    h.sched.resume().unwrap();
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}

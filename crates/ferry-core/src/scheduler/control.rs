@@ -163,14 +163,10 @@ impl Scheduler {
         if all || tags.contains(&WakeTag::Weights) {
             self.control.weights = WeightResidency::Resident;
         }
-        let cancelled = |p: &Pending| matches!(p.kind, OpKind::Sleep(_));
-        for p in self.control.pending.iter().filter(|p| cancelled(p)) {
-            self.control.events.push(LifecycleEvent::Failed(
-                p.op,
-                LifecycleError::CancelledByWakeUp,
-            ));
-        }
-        self.control.pending.retain(|p| !cancelled(p));
+        self.cancel_pending_where(
+            |p| matches!(p.kind, OpKind::Sleep(_)),
+            LifecycleError::CancelledByWakeUp,
+        );
         let awake = !self.control.kv_released && self.control.weights == WeightResidency::Resident;
         if awake {
             self.control.sleeping = None;
@@ -182,12 +178,20 @@ impl Scheduler {
     }
 
     fn cancel_pending(&mut self, error: LifecycleError) {
-        for p in self.control.pending.drain(..) {
-            self.control
-                .events
-                .push(LifecycleEvent::Failed(p.op, error.clone()));
+        self.cancel_pending_where(|_| true, error);
+    }
+
+    /// Fails the pending operations `cancel` picks. A reset no operation waits for any more
+    /// starts over next time (frozen requests preempted, transfers released again).
+    fn cancel_pending_where(&mut self, cancel: impl Fn(&Pending) -> bool, error: LifecycleError) {
+        let c = &mut self.control;
+        for p in c.pending.iter().filter(|p| cancel(p)) {
+            c.events.push(LifecycleEvent::Failed(p.op, error.clone()));
         }
-        self.control.reset = ResetStage::NotStarted;
+        c.pending.retain(|p| !cancel(p));
+        if !c.pending.iter().any(|p| p.kind.needs_reset()) {
+            c.reset = ResetStage::NotStarted;
+        }
     }
 
     fn unpause(&mut self) {
