@@ -192,12 +192,10 @@ mod tests {
     use crate::sampling::SamplingParams;
 
     fn req(tokens: Vec<TokenId>) -> Request {
-        let params = SamplingParams::greedy(4);
         Request {
             id: "r".into(),
             idx: ReqIdx(0),
-            sampler: params.sampler_spec(),
-            params,
+            params: SamplingParams::greedy(4),
             state: RequestState::Waiting,
             prompt_len: tokens.len(),
             tokens,

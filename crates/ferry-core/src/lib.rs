@@ -57,6 +57,6 @@ pub use plan::{
     BlockId, ModelOutput, ReqIdx, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenId,
 };
 pub use request::{AddError, FinishReason, Request, RequestState};
-pub use sampling::SamplingParams;
+pub use sampling::{SamplerSpec, SamplingParams};
 pub use scheduler::lifecycle::TransferError;
 pub use scheduler::{Finished, OutputError, QueueError, RequestOutput, Scheduler, SchedulerStats};

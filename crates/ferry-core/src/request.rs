@@ -4,7 +4,7 @@
 use crate::hash::BlockHash;
 use crate::ownership::TransferId;
 use crate::plan::{BlockId, ReqIdx, TokenId};
-use crate::sampling::{SamplerSpec, SamplingParams};
+use crate::sampling::SamplingParams;
 
 /// Why a request finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -83,7 +83,6 @@ pub struct Request {
     pub id: String,
     pub idx: ReqIdx,
     pub params: SamplingParams,
-    pub(crate) sampler: SamplerSpec,
     pub state: RequestState,
     /// Prompt followed by the generated tokens.
     pub tokens: Vec<TokenId>,

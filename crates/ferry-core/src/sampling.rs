@@ -1,5 +1,6 @@
-//! Per-request sampling parameters: what the scheduler needs (stop conditions, lengths) and
-//! what the executor's sampler needs (temperature, top-k/p, min-p, seed, logprobs).
+//! Per-request sampling parameters: what the scheduler needs (stop conditions, lengths) and,
+//! as one part of them, what the executor's sampler needs ([`SamplerSpec`]: temperature,
+//! top-k/p, min-p, seed, logprobs), which the plan carries to the executor as it is.
 
 use crate::plan::TokenId;
 
@@ -9,18 +10,8 @@ use crate::plan::TokenId;
 pub struct SamplingParams {
     /// Maximum number of generated tokens.
     pub max_tokens: u32,
-    /// `0.0` means greedy.
-    pub temperature: f32,
-    /// `0` means disabled.
-    pub top_k: u32,
-    /// `1.0` means disabled.
-    pub top_p: f32,
-    /// `0.0` means disabled.
-    pub min_p: f32,
-    /// Per-request seed; with a seed, sampling is reproducible whatever the batch.
-    pub seed: Option<u64>,
-    /// Number of top logprobs to return besides the sampled token's (None: no logprobs).
-    pub logprobs: Option<u32>,
+    /// How each token is drawn; copied into every step plan that samples this request.
+    pub sampler: SamplerSpec,
     /// Keep generating past EOS.
     pub ignore_eos: bool,
     /// Extra token ids that stop generation (the stop token is included in the output).
@@ -33,12 +24,7 @@ impl Default for SamplingParams {
     fn default() -> Self {
         Self {
             max_tokens: 16,
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: None,
-            logprobs: None,
+            sampler: SamplerSpec::default(),
             ignore_eos: false,
             stop_token_ids: Vec::new(),
             cache_salt: None,
@@ -55,27 +41,36 @@ impl SamplingParams {
             ..Self::default()
         }
     }
-
-    /// The part of the parameters the executor's sampler needs (small, `Copy`).
-    pub fn sampler_spec(&self) -> SamplerSpec {
-        SamplerSpec {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            seed: self.seed,
-            logprobs: self.logprobs,
-        }
-    }
 }
 
-/// What the sampler needs to draw one token; copied into the [`crate::StepPlan`].
+/// What the sampler needs to draw one token (small, `Copy`): the part of
+/// [`SamplingParams`] the executor reads, carried in the [`crate::StepPlan`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplerSpec {
+    /// `0.0` means greedy.
     pub temperature: f32,
+    /// `0` means disabled.
     pub top_k: u32,
+    /// `1.0` means disabled.
     pub top_p: f32,
+    /// `0.0` means disabled.
     pub min_p: f32,
+    /// Per-request seed; with a seed, sampling is reproducible whatever the batch.
     pub seed: Option<u64>,
+    /// Number of top logprobs to return besides the sampled token's (None: no logprobs).
     pub logprobs: Option<u32>,
+}
+
+impl Default for SamplerSpec {
+    /// Greedy, no filters, no seed, no logprobs.
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: None,
+            logprobs: None,
+        }
+    }
 }

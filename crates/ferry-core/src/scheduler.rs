@@ -199,7 +199,6 @@ impl Scheduler {
         let mut req = Request {
             id: id.clone(),
             idx,
-            sampler: params.sampler_spec(),
             params,
             state: RequestState::Waiting,
             prompt_len: tokens.len(),
@@ -429,7 +428,7 @@ impl Scheduler {
             let blocks = plan.block_tables.len()..plan.block_tables.len() + req.blocks.len();
             plan.block_tables.extend_from_slice(&req.blocks);
             let sample = (end_pos == req.tokens.len()).then(|| SampleSpec {
-                params: req.sampler,
+                params: req.params.sampler,
                 output_idx: req.n_output_tokens() as u32,
             });
             req.n_computed = end_pos;

@@ -14,11 +14,13 @@ use ferry_core::{
     WakeTag, WeightResidency,
 };
 use ferry_kv::KvArena;
-use ferry_model::{ExecError, Executor, PreparedWeights};
+use ferry_model::{ExecError, Executor, PreparedWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::input::{AddInput, EngineFinish, Event, Input, LifecycleCall, Queued, Reply, Utility};
-use crate::{EngineError, EngineStats, WeightInfo};
+use crate::input::{
+    AddInput, EngineFinish, Event, Input, LifecycleCall, OpReply, Queued, Reply, Utility,
+};
+use crate::{EngineStats, WeightInfo};
 
 /// Consecutive failed steps after which every live request is finished with `error`.
 pub(crate) const MAX_CONSECUTIVE_FAILURES: u32 = 3;
@@ -35,7 +37,7 @@ struct Live {
 #[derive(Debug)]
 enum Deferred {
     /// Until no request is live.
-    Idle(oneshot::Sender<Result<(), EngineError>>),
+    Idle(Reply<()>),
 }
 
 /// Why a step produced no outputs.
@@ -57,7 +59,7 @@ pub(crate) struct EngineLoop {
     live: Vec<Option<Live>>,
     deferred: Vec<Deferred>,
     /// Replies of pending lifecycle operations, by the id the core knows them by.
-    ops: BTreeMap<OpId, Reply<()>>,
+    ops: BTreeMap<OpId, OpReply>,
     next_op: u64,
     /// Reused by `poll_lifecycle`.
     lifecycle_events: Vec<LifecycleEvent>,
@@ -273,7 +275,7 @@ impl EngineLoop {
                 self.finish_outputs(aborted);
             }
             LifecycleCall::Resume(reply) => {
-                let result = self.core.resume().map_err(EngineError::from);
+                let result = self.core.resume();
                 self.reply_later(reply, result);
             }
             LifecycleCall::WakeUp { tags, reply } => {
@@ -287,7 +289,7 @@ impl EngineLoop {
                         self.ops.insert(op, reply);
                     }
                     Err(e) => {
-                        self.reply_later(reply, Err(e.into()));
+                        self.reply_later(reply, Err(e));
                     }
                 }
             }
@@ -299,14 +301,14 @@ impl EngineLoop {
                 let ok = self
                     .core
                     .reset_caches(reset_running_requests, reset_connector);
-                self.reply_later(reply, Ok(ok));
+                self.reply_later(reply, ok);
             }
             LifecycleCall::AbortRequests { ids, reply } => {
                 let n = match ids {
                     None => self.finish_all(FinishReason::Abort) as usize,
                     Some(ids) => ids.iter().filter(|id| self.abort(id)).count(),
                 };
-                self.reply_later(reply, Ok(n));
+                self.reply_later(reply, n);
             }
             LifecycleCall::InstallWeights {
                 weights,
@@ -318,7 +320,7 @@ impl EngineLoop {
             }
             LifecycleCall::SetWeightVersion { version, reply } => {
                 self.set_weight_version(version);
-                self.reply_later(reply, Ok(()));
+                self.reply_later(reply, ());
             }
             LifecycleCall::Status(reply) => {
                 let info = WeightInfo {
@@ -327,14 +329,14 @@ impl EngineLoop {
                     residency: self.executor.weight_ops().residency(),
                 };
                 let status = self.core.lifecycle_status();
-                self.reply_later(reply, Ok((status, info)));
+                self.reply_later(reply, (status, info));
             }
         }
     }
 
     /// Restores the memory of `tags` (empty: all), weights first since only they can fail,
     /// then tells the core, which resumes once nothing is asleep after a sleep.
-    fn wake_up(&mut self, tags: &[WakeTag]) -> Result<(), EngineError> {
+    fn wake_up(&mut self, tags: &[WakeTag]) -> Result<(), LifecycleError> {
         let status = self.core.lifecycle_status();
         let wants = |t: WakeTag| tags.is_empty() || tags.contains(&t);
         if wants(WakeTag::Weights) && status.weights != WeightResidency::Resident {
@@ -356,7 +358,7 @@ impl EngineLoop {
         &mut self,
         weights: PreparedWeights,
         version: Option<String>,
-    ) -> Result<(String, Option<ferry_model::RetiredWeights>), EngineError> {
+    ) -> Result<(String, Option<ferry_model::RetiredWeights>), WeightError> {
         let retired = self.executor.weight_ops_mut().install(weights)?;
         let version = version.unwrap_or_else(|| next_version(&self.weight_version));
         self.executor.weight_ops_mut().set_version(&version);
@@ -382,13 +384,13 @@ impl EngineLoop {
                 // Dropped here, not on another thread: a sleep returns once memory is free.
                 LifecycleEvent::DropWeights => drop(self.executor.weight_ops_mut().drop_weights()),
                 LifecycleEvent::Done(op) => self.reply_op(op, Ok(())),
-                LifecycleEvent::Failed(op, e) => self.reply_op(op, Err(e.into())),
+                LifecycleEvent::Failed(op, e) => self.reply_op(op, Err(e)),
             }
         }
         self.lifecycle_events = events;
     }
 
-    fn reply_op(&mut self, op: OpId, result: Result<(), EngineError>) {
+    fn reply_op(&mut self, op: OpId, result: Result<(), LifecycleError>) {
         if let Some(reply) = self.ops.remove(&op) {
             self.reply_later(reply, result);
         }
@@ -396,7 +398,7 @@ impl EngineLoop {
 
     /// Queues a lifecycle reply until `send_replies`, which runs after the stats are
     /// published: a caller that reads the stats after its reply sees what its call did.
-    fn reply_later<T: Send + 'static>(&mut self, reply: Reply<T>, result: Result<T, EngineError>) {
+    fn reply_later<T: Send + 'static>(&mut self, reply: Reply<T>, result: T) {
         self.replies.push(Box::new(move || {
             let _ = reply.send(result);
         }));
@@ -597,7 +599,7 @@ impl EngineLoop {
             if ready {
                 match self.deferred.swap_remove(i) {
                     Deferred::Idle(reply) => {
-                        let _ = reply.send(Ok(()));
+                        let _ = reply.send(());
                     }
                 }
             } else {
@@ -632,17 +634,10 @@ impl EngineLoop {
     /// the stats say stopped, then the shutdown caller (if any) is answered.
     fn stop(mut self) {
         let n = self.finish_all(FinishReason::Abort);
-        for d in self.deferred.drain(..) {
-            match d {
-                Deferred::Idle(reply) => {
-                    let _ = reply.send(Err(EngineError::Stopped));
-                }
-            }
-        }
+        // A reply dropped unanswered reads as `Stopped` to its caller.
+        drop(std::mem::take(&mut self.deferred));
         self.send_replies();
-        for (_, reply) in std::mem::take(&mut self.ops) {
-            let _ = reply.send(Err(EngineError::Stopped));
-        }
+        drop(std::mem::take(&mut self.ops));
         self.publish_stats(Duration::ZERO, Duration::ZERO, 0, n);
         self.stats.send_modify(|s| s.running = false);
         // Inputs queued behind the shutdown are dropped with the receiver: their callers see

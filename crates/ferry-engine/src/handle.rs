@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore, TryAcquireError};
 use crate::engine::EngineLoop;
 use crate::input::{AddInput, Input, QueueSlot, Queued, Utility};
 use crate::stream::{GenerateStream, StreamSetup};
-use crate::{EngineConfig, EngineError, EngineStats, GenerateRequest};
+use crate::{EngineConfig, EngineStats, GenerateError, GenerateRequest, SpawnError, Stopped};
 
 /// Starts the engine thread. It owns the core, the executor and the KV arena (sized from
 /// `config.scheduler.n_blocks` and `executor.kv_layout`). The tokenizer (if any) is shared
@@ -21,7 +21,7 @@ pub fn spawn(
     config: EngineConfig,
     executor: Box<dyn ferry_model::Executor>,
     tokenizer: Option<Arc<Tokenizer>>,
-) -> Result<EngineHandle, EngineError> {
+) -> Result<EngineHandle, SpawnError> {
     spawn_with_connectors(config, executor, tokenizer, Vec::new())
 }
 
@@ -32,9 +32,9 @@ pub fn spawn_with_connectors(
     executor: Box<dyn ferry_model::Executor>,
     tokenizer: Option<Arc<Tokenizer>>,
     connectors: Vec<Box<dyn KvConnector>>,
-) -> Result<EngineHandle, EngineError> {
+) -> Result<EngineHandle, SpawnError> {
     if config.input_queue_capacity == 0 {
-        return Err(EngineError::ZeroQueueCapacity);
+        return Err(SpawnError::ZeroQueueCapacity);
     }
     let mut core = Scheduler::new(config.scheduler.clone())?;
     for c in connectors {
@@ -53,7 +53,7 @@ pub fn spawn_with_connectors(
     let thread = std::thread::Builder::new()
         .name("ferry-engine".into())
         .spawn(move || engine.run())
-        .map_err(EngineError::Thread)?;
+        .map_err(SpawnError::Thread)?;
     Ok(EngineHandle {
         inner: Arc::new(Inner {
             tx,
@@ -113,10 +113,10 @@ impl EngineHandle {
     ///
     /// A prompt token outside the executor's vocabulary never reaches the engine (the
     /// executor would fail the whole batch's step): `TokenOutOfVocabulary`.
-    pub async fn generate(&self, req: GenerateRequest) -> Result<GenerateStream, EngineError> {
+    pub async fn generate(&self, req: GenerateRequest) -> Result<GenerateStream, GenerateError> {
         let needs_text = req.detokenize || !req.stop.is_empty();
         if needs_text && self.inner.tokenizer.is_none() {
-            return Err(EngineError::NoTokenizer);
+            return Err(GenerateError::NoTokenizer);
         }
         let (events_tx, events_rx) = mpsc::unbounded_channel();
         let (accepted_tx, accepted_rx) = oneshot::channel();
@@ -124,17 +124,17 @@ impl EngineHandle {
             request_id: req.request_id.clone(),
             n_prompt_tokens: req.prompt.len(),
             prompt_tail: prompt_tail(&req.prompt),
-            want_logprobs: req.params.logprobs.is_some(),
+            want_logprobs: req.params.sampler.logprobs.is_some(),
             stop: req.stop,
             detokenize: req.detokenize,
             tokenizer: self.inner.tokenizer.clone().filter(|_| needs_text),
         };
         if self.inner.tx.is_closed() || self.inner.permits.is_closed() {
-            return Err(EngineError::Stopped);
+            return Err(Stopped.into());
         }
         let vocab_size = self.inner.vocab_size;
         if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= vocab_size) {
-            return Err(EngineError::TokenOutOfVocabulary { token, vocab_size });
+            return Err(GenerateError::TokenOutOfVocabulary { token, vocab_size });
         }
         let permit = self.permit()?;
         let add = AddInput {
@@ -147,14 +147,14 @@ impl EngineHandle {
         self.send(Input::Add(add), Some(permit))?;
         match accepted_rx.await {
             Ok(Ok(())) => Ok(GenerateStream::new(setup, events_rx, self.inner.tx.clone())),
-            Ok(Err(e)) => Err(EngineError::Rejected(e)),
-            Err(_) => Err(EngineError::Stopped),
+            Ok(Err(e)) => Err(GenerateError::Rejected(e)),
+            Err(_) => Err(Stopped.into()),
         }
     }
 
     /// Aborts a live request (finish reason `abort`); unknown or finished ids are ignored.
     /// Never refused for a full queue.
-    pub async fn abort(&self, request_id: &str) -> Result<(), EngineError> {
+    pub async fn abort(&self, request_id: &str) -> Result<(), Stopped> {
         self.send(Input::Abort(request_id.to_owned()), None)
     }
 
@@ -179,29 +179,27 @@ impl EngineHandle {
     }
 
     /// Resolves once no request is live (a deferred reply). `Stopped` if the engine stops
-    /// first.
-    pub async fn wait_idle(&self) -> Result<(), EngineError> {
+    /// first. Like lifecycle calls, it takes no queue permit.
+    pub async fn wait_idle(&self) -> Result<(), Stopped> {
         let (tx, rx) = oneshot::channel();
-        self.send(Input::Utility(Utility::WaitIdle(tx)), Some(self.permit()?))?;
-        rx.await.map_err(|_| EngineError::Stopped)?
+        self.send(Input::Utility(Utility::WaitIdle(tx)), None)?;
+        rx.await.map_err(|_| Stopped)
     }
 
     /// Runs the core's block-ownership and queue checks on the engine thread (between
     /// steps); the error names what is wrong. For tests and debugging.
-    pub async fn check_invariants(&self) -> Result<Result<(), String>, EngineError> {
+    /// Takes no queue permit.
+    pub async fn check_invariants(&self) -> Result<Result<(), String>, Stopped> {
         let (tx, rx) = oneshot::channel();
-        self.send(
-            Input::Utility(Utility::CheckInvariants(tx)),
-            Some(self.permit()?),
-        )?;
-        rx.await.map_err(|_| EngineError::Stopped)
+        self.send(Input::Utility(Utility::CheckInvariants(tx)), None)?;
+        rx.await.map_err(|_| Stopped)
     }
 
     /// Aborts every live request (their streams end with `abort`), stops the engine thread
     /// and waits for it. Later calls return `Stopped`.
-    pub async fn shutdown(&self) -> Result<(), EngineError> {
+    pub async fn shutdown(&self) -> Result<(), Stopped> {
         if self.inner.stopped.swap(true, Ordering::SeqCst) {
-            return Err(EngineError::Stopped);
+            return Err(Stopped);
         }
         // New adds fail with `Stopped` from now on.
         self.inner.permits.close();
@@ -232,20 +230,20 @@ impl EngineHandle {
     }
 
     /// Queues an input that takes no permit (aborts, lifecycle calls, shutdown).
-    pub(crate) fn send_utility_unbounded(&self, input: Input) -> Result<(), EngineError> {
+    pub(crate) fn send_utility_unbounded(&self, input: Input) -> Result<(), Stopped> {
         self.send(input, None)
     }
 
-    fn permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, EngineError> {
+    fn permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, GenerateError> {
         self.inner
             .permits
             .clone()
             .try_acquire_owned()
             .map_err(|e| match e {
-                TryAcquireError::NoPermits => EngineError::Overloaded {
+                TryAcquireError::NoPermits => GenerateError::Overloaded {
                     capacity: self.inner.capacity,
                 },
-                TryAcquireError::Closed => EngineError::Stopped,
+                TryAcquireError::Closed => Stopped.into(),
             })
     }
 
@@ -253,7 +251,7 @@ impl EngineHandle {
         &self,
         input: Input,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), Stopped> {
         self.inner
             .tx
             .send(Queued {
@@ -261,7 +259,7 @@ impl EngineHandle {
                 permit,
                 slot: Some(QueueSlot::new(&self.inner.n_queued)),
             })
-            .map_err(|_| EngineError::Stopped)
+            .map_err(|_| Stopped)
     }
 }
 

@@ -2,9 +2,10 @@
 //! per-request raw events (out).
 //!
 //! The queue. Inputs travel on one unbounded tokio channel, and the *bound* is a semaphore of
-//! `input_queue_capacity` permits: an add or a utility call takes a permit with `try_acquire`
-//! (none left: `Overloaded`, at once) and carries it until the engine thread takes it off the
-//! queue. Aborts take no permit. This keeps three properties a plain bounded channel plus a
+//! `input_queue_capacity` permits: an add takes a permit with `try_acquire` (none left:
+//! `Overloaded`, at once) and carries it until the engine thread takes it off the queue.
+//! Aborts and utility calls (lifecycle calls, waits, checks, shutdown: each awaited by its
+//! caller, so bounded by their number) take none. This keeps three properties a plain bounded channel plus a
 //! side channel for aborts would make subtle:
 //! * one queue, so every input, aborts included, is handled in arrival order;
 //! * an abort is never refused or lost, even when the queue is full (a dropped stream must
@@ -18,16 +19,20 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ferry_core::{
-    AddError, FinishReason, LifecycleStatus, PauseMode, SampledToken, SamplingParams, SleepLevel,
-    TokenId, WakeTag,
+    AddError, FinishReason, LifecycleError, LifecycleStatus, PauseMode, SampledToken,
+    SamplingParams, SleepLevel, TokenId, WakeTag,
 };
-use ferry_model::{PreparedWeights, RetiredWeights};
+use ferry_model::{PreparedWeights, RetiredWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
-use crate::{EngineError, WeightInfo};
+use crate::WeightInfo;
 
-/// A reply that carries an engine error.
-pub(crate) type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
+/// A call's reply. The engine thread never sends "stopped": a reply it drops unanswered (it
+/// stopped, or panicked) reads as [`crate::Stopped`] on the caller's side.
+pub(crate) type Reply<T> = oneshot::Sender<T>;
+
+/// The reply of an operation the lifecycle state machine may refuse or cancel.
+pub(crate) type OpReply = Reply<Result<(), LifecycleError>>;
 
 /// One queued input with the permit it holds (none for aborts).
 #[derive(Debug)]
@@ -86,7 +91,7 @@ pub(crate) enum Utility {
     /// Abort everything, stop the loop; answered as the thread's last act.
     Shutdown(oneshot::Sender<()>),
     /// Answered once no request is live (deferred).
-    WaitIdle(oneshot::Sender<Result<(), EngineError>>),
+    WaitIdle(Reply<()>),
     /// The core's block-ownership and queue checks, for tests and debugging.
     CheckInvariants(oneshot::Sender<Result<(), String>>),
     /// A lifecycle operation (take no queue permit: they must get through a full queue).
@@ -99,19 +104,19 @@ pub(crate) enum LifecycleCall {
     Pause {
         mode: PauseMode,
         clear_cache: bool,
-        reply: Reply<()>,
+        reply: OpReply,
     },
-    Resume(Reply<()>),
+    Resume(OpReply),
     Sleep {
         level: SleepLevel,
         mode: PauseMode,
-        reply: Reply<()>,
+        reply: OpReply,
     },
     WakeUp {
         tags: Vec<WakeTag>,
-        reply: Reply<()>,
+        reply: OpReply,
     },
-    ReleaseKvCacheMemory(Reply<()>),
+    ReleaseKvCacheMemory(OpReply),
     ResetPrefixCache {
         reset_running_requests: bool,
         reset_connector: bool,
@@ -126,7 +131,7 @@ pub(crate) enum LifecycleCall {
     InstallWeights {
         weights: PreparedWeights,
         version: Option<String>,
-        reply: Reply<(String, Option<RetiredWeights>)>,
+        reply: Reply<Result<(String, Option<RetiredWeights>), WeightError>>,
     },
     SetWeightVersion {
         version: String,

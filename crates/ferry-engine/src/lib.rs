@@ -15,26 +15,42 @@
 
 pub mod detok;
 mod engine;
+mod error;
 mod handle;
 mod input;
 mod lifecycle;
+mod start;
 pub mod stop;
 mod stream;
+#[cfg(feature = "testing")]
+pub mod testing;
 
-pub use ferry_core::{
-    FinishReason, KvConnector, LifecycleError, LifecycleStatus, PauseMode, SamplingParams,
-    SchedulerConfig, SchedulerStats, SleepLevel, TokenId, WakeTag, WeightResidency,
+// What the engine's API takes and returns, so its callers (the server, the binary) need no
+// other ferry crate.
+pub use error::{
+    GenerateError, LifecycleCallError, SpawnError, StartError, Stopped, WeightReloadError,
+    WeightUpdateError,
 };
-pub use ferry_model::{WeightError, WeightStore};
+pub use ferry_core::{
+    AddError, FinishReason, KvConnector, LifecycleError, LifecycleStatus, PauseMode, SamplerSpec,
+    SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, TokenId, WakeTag, WeightResidency,
+};
+pub use ferry_model::{
+    Executor, LoadError, LoadedModel, ModelSpec, Tensor, WeightError, WeightStore,
+};
 pub use handle::{spawn, spawn_with_connectors, EngineHandle};
+pub use start::{
+    start_model, start_model_with, KvCacheSize, ModelEngineConfig, ModelInfo, StartedEngine,
+    DEFAULT_MAX_MODEL_LEN_CAP,
+};
 pub use stream::GenerateStream;
 
 /// Everything the engine thread needs, resolved once by the caller.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
-    /// Capacity of the input queue for adds and utility calls. `generate` on a full queue
-    /// fails at once with [`EngineError::Overloaded`]; it never waits. Aborts are not counted
+    /// Capacity of the input queue for adds. `generate` on a full queue fails at once with
+    /// [`GenerateError::Overloaded`]; it never waits. Aborts are not counted
     /// (see `input.rs`): they are never refused.
     pub input_queue_capacity: usize,
 }
@@ -80,7 +96,7 @@ pub struct OutputChunk {
 pub struct TokenLogprob {
     pub token: TokenId,
     pub logprob: f32,
-    /// Top-n `(token, logprob)`, best first (n = `params.logprobs`).
+    /// Top-n `(token, logprob)`, best first (n = `params.sampler.logprobs`).
     pub top: Vec<(TokenId, f32)>,
 }
 
@@ -156,41 +172,6 @@ pub struct WeightInfo {
     /// Completed weight updates (reloads and pushes) since start.
     pub n_weight_updates: u64,
     pub residency: WeightResidency,
-}
-
-/// Why an engine call failed.
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("the engine's input queue is full ({capacity} inputs); retry later")]
-    Overloaded { capacity: usize },
-    #[error(transparent)]
-    Rejected(ferry_core::AddError),
-    #[error("stop strings or text output need a tokenizer, and this model has none")]
-    NoTokenizer,
-    /// A prompt token the executor has no embedding for; refused before it reaches the
-    /// engine, where it would fail the whole batch's step.
-    #[error("prompt token {token} is outside the model's vocabulary of {vocab_size} tokens")]
-    TokenOutOfVocabulary { token: TokenId, vocab_size: usize },
-    #[error("the engine has stopped")]
-    Stopped,
-    /// `spawn` only: the scheduler configuration is invalid.
-    #[error("engine configuration: {0}")]
-    Config(#[from] ferry_core::ConfigError),
-    /// `spawn` only: the input queue capacity must be at least 1.
-    #[error("engine configuration: input_queue_capacity must be at least 1")]
-    ZeroQueueCapacity,
-    /// A lifecycle operation was refused or cancelled (nothing was lost).
-    #[error(transparent)]
-    Lifecycle(#[from] LifecycleError),
-    /// A weight update was refused; the weights did not change.
-    #[error("weight update refused: {0}")]
-    Weights(#[from] WeightError),
-    /// A reload could not read the model folder; the weights did not change.
-    #[error("weight reload failed: {0}")]
-    Load(#[from] ferry_model::LoadError),
-    /// `spawn` only: the operating system refused to start the engine thread.
-    #[error("cannot start the engine thread: {0}")]
-    Thread(#[source] std::io::Error),
 }
 
 /// The server shares one handle between tasks and moves streams into them.

@@ -13,15 +13,22 @@ use ferry_core::{LifecycleStatus, PauseMode, SleepLevel, WakeTag};
 use ferry_model::{PreparedWeights, WeightStore};
 use tokio::sync::oneshot;
 
-use crate::input::{Input, LifecycleCall, Reply};
-use crate::{EngineError, EngineHandle, WeightInfo, WeightUpdateInfo};
+use crate::input::{Input, LifecycleCall, OpReply, Reply};
+use crate::{
+    EngineHandle, LifecycleCallError, Stopped, WeightInfo, WeightReloadError, WeightUpdateError,
+    WeightUpdateInfo,
+};
 
 impl EngineHandle {
     /// Stops compute (see [`PauseMode`]). Returns once paused: at once for `keep` and `abort`
     /// without `clear_cache`, after the drain for `wait`, and after the cache reset with
     /// `clear_cache`. Requests arriving while paused are queued.
-    pub async fn pause(&self, mode: PauseMode, clear_cache: bool) -> Result<(), EngineError> {
-        self.lifecycle(|reply| LifecycleCall::Pause {
+    pub async fn pause(
+        &self,
+        mode: PauseMode,
+        clear_cache: bool,
+    ) -> Result<(), LifecycleCallError> {
+        self.operation(|reply| LifecycleCall::Pause {
             mode,
             clear_cache,
             reply,
@@ -31,27 +38,31 @@ impl EngineHandle {
 
     /// Continues scheduling; a pending reset or sleep fails with a "cancelled by resume"
     /// error. Refused while memory is released (call `wake_up`).
-    pub async fn resume(&self) -> Result<(), EngineError> {
-        self.lifecycle(LifecycleCall::Resume).await
+    pub async fn resume(&self) -> Result<(), LifecycleCallError> {
+        self.operation(LifecycleCall::Resume).await
     }
 
     /// Pauses with `mode`, then (levels 1 and 2) resets every cache, frees the KV memory and
     /// offloads (1) or drops (2) the weights. A full `wake_up` resumes.
-    pub async fn sleep(&self, level: SleepLevel, mode: PauseMode) -> Result<(), EngineError> {
-        self.lifecycle(|reply| LifecycleCall::Sleep { level, mode, reply })
+    pub async fn sleep(
+        &self,
+        level: SleepLevel,
+        mode: PauseMode,
+    ) -> Result<(), LifecycleCallError> {
+        self.operation(|reply| LifecycleCall::Sleep { level, mode, reply })
             .await
     }
 
     /// Restores what sleep or `release_kv_cache_memory` released (`tags` empty: everything).
-    pub async fn wake_up(&self, tags: &[WakeTag]) -> Result<(), EngineError> {
+    pub async fn wake_up(&self, tags: &[WakeTag]) -> Result<(), LifecycleCallError> {
         let tags = tags.to_vec();
-        self.lifecycle(|reply| LifecycleCall::WakeUp { tags, reply })
+        self.operation(|reply| LifecycleCall::WakeUp { tags, reply })
             .await
     }
 
     /// Resets every cache and frees the KV memory; needs a completed pause.
-    pub async fn release_kv_cache_memory(&self) -> Result<(), EngineError> {
-        self.lifecycle(LifecycleCall::ReleaseKvCacheMemory).await
+    pub async fn release_kv_cache_memory(&self) -> Result<(), LifecycleCallError> {
+        self.operation(LifecycleCall::ReleaseKvCacheMemory).await
     }
 
     /// Drops every cached block hash now: false (nothing changed) while blocks are held.
@@ -61,7 +72,7 @@ impl EngineHandle {
         &self,
         reset_running_requests: bool,
         reset_connector: bool,
-    ) -> Result<bool, EngineError> {
+    ) -> Result<bool, Stopped> {
         self.lifecycle(|reply| LifecycleCall::ResetPrefixCache {
             reset_running_requests,
             reset_connector,
@@ -72,7 +83,7 @@ impl EngineHandle {
 
     /// Finishes the named live requests (`None`: all) as aborted; unknown ids are ignored.
     /// Returns how many were aborted.
-    pub async fn abort_requests(&self, ids: Option<Vec<String>>) -> Result<usize, EngineError> {
+    pub async fn abort_requests(&self, ids: Option<Vec<String>>) -> Result<usize, Stopped> {
         self.lifecycle(|reply| LifecycleCall::AbortRequests { ids, reply })
             .await
     }
@@ -84,10 +95,29 @@ impl EngineHandle {
         &self,
         tensors: WeightStore,
         version: Option<String>,
-    ) -> Result<WeightUpdateInfo, EngineError> {
+    ) -> Result<WeightUpdateInfo, WeightUpdateError> {
         let preparer = self.weight_preparer();
         let started = Instant::now();
-        let prepared = blocking(move || Ok(preparer.prepare(tensors)?)).await?;
+        let prepared = blocking(move || preparer.prepare(tensors)).await??;
+        self.install(prepared, version, started).await
+    }
+
+    /// [`EngineHandle::update_weights`] from a safetensors file's bytes (F32, F16 or BF16
+    /// tensors under their Hugging Face names), as the admin API's push receives them. They
+    /// are parsed and converted off the engine thread and off the caller's task.
+    pub async fn update_weights_from_safetensors(
+        &self,
+        bytes: impl AsRef<[u8]> + Send + 'static,
+        version: Option<String>,
+    ) -> Result<WeightUpdateInfo, WeightUpdateError> {
+        let preparer = self.weight_preparer();
+        let started = Instant::now();
+        let prepared = blocking(move || {
+            let tensors = ferry_model::parse_safetensors(bytes.as_ref())?;
+            drop(bytes);
+            preparer.prepare(tensors)
+        })
+        .await??;
         self.install(prepared, version, started).await
     }
 
@@ -96,17 +126,17 @@ impl EngineHandle {
         &self,
         path: PathBuf,
         version: Option<String>,
-    ) -> Result<WeightUpdateInfo, EngineError> {
+    ) -> Result<WeightUpdateInfo, WeightReloadError> {
         let preparer = self.weight_preparer();
         let started = Instant::now();
-        let prepared = blocking(move || {
+        let prepared = blocking(move || -> Result<_, WeightReloadError> {
             let loaded = ferry_model::load_model(&path)?;
             preparer.check_config(&loaded.config)?;
             // Complete: `load_model` reads every tensor the config needs or fails naming it.
             Ok(preparer.prepare(loaded.weights)?)
         })
-        .await?;
-        self.install(prepared, version, started).await
+        .await??;
+        Ok(self.install(prepared, version, started).await?)
     }
 
     async fn install(
@@ -114,7 +144,7 @@ impl EngineHandle {
         weights: PreparedWeights,
         version: Option<String>,
         started: Instant,
-    ) -> Result<WeightUpdateInfo, EngineError> {
+    ) -> Result<WeightUpdateInfo, WeightUpdateError> {
         let (n_tensors, n_bytes, complete) = (weights.n_tensors, weights.n_bytes, weights.complete);
         let prepare_seconds = started.elapsed().as_secs_f64();
         let queued = Instant::now();
@@ -124,7 +154,7 @@ impl EngineHandle {
                 version,
                 reply,
             })
-            .await?;
+            .await??;
         let install_seconds = queued.elapsed().as_secs_f64();
         if let Some(old) = retired {
             // Freeing hundreds of megabytes takes milliseconds: not on this task.
@@ -142,44 +172,50 @@ impl EngineHandle {
 
     /// Renames the weights now loaded (no weights change). Prefix-cache entries of the old
     /// name are never hit again.
-    pub async fn update_weight_version(&self, version: String) -> Result<(), EngineError> {
+    pub async fn update_weight_version(&self, version: String) -> Result<(), Stopped> {
         self.lifecycle(|reply| LifecycleCall::SetWeightVersion { version, reply })
             .await
     }
 
     /// The lifecycle state and the weights, read on the engine thread (so it reflects every
     /// call handled before it).
-    pub async fn lifecycle_status(&self) -> Result<(LifecycleStatus, WeightInfo), EngineError> {
+    pub async fn lifecycle_status(&self) -> Result<(LifecycleStatus, WeightInfo), Stopped> {
         self.lifecycle(LifecycleCall::Status).await
     }
 
-    pub async fn is_paused(&self) -> Result<bool, EngineError> {
+    pub async fn is_paused(&self) -> Result<bool, Stopped> {
         Ok(self.lifecycle_status().await?.0.paused)
     }
 
-    pub async fn is_sleeping(&self) -> Result<bool, EngineError> {
+    pub async fn is_sleeping(&self) -> Result<bool, Stopped> {
         Ok(self.lifecycle_status().await?.0.sleeping)
     }
 
-    pub async fn weight_info(&self) -> Result<WeightInfo, EngineError> {
+    pub async fn weight_info(&self) -> Result<WeightInfo, Stopped> {
         Ok(self.lifecycle_status().await?.1)
     }
 
+    /// A lifecycle call and its reply; an unanswered reply means the engine stopped.
     async fn lifecycle<T>(
         &self,
         call: impl FnOnce(Reply<T>) -> LifecycleCall,
-    ) -> Result<T, EngineError> {
+    ) -> Result<T, Stopped> {
         let (tx, rx) = oneshot::channel();
         self.send_utility_unbounded(Input::Utility(crate::input::Utility::Lifecycle(call(tx))))?;
-        rx.await.map_err(|_| EngineError::Stopped)?
+        rx.await.map_err(|_| Stopped)
+    }
+
+    /// A lifecycle operation the core may refuse or cancel.
+    async fn operation(
+        &self,
+        call: impl FnOnce(OpReply) -> LifecycleCall,
+    ) -> Result<(), LifecycleCallError> {
+        Ok(self.lifecycle(call).await??)
     }
 }
 
-/// Runs `f` on tokio's blocking pool (file reads, tensor conversion).
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, EngineError> + Send + 'static,
-) -> Result<T, EngineError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|_| EngineError::Stopped)?
+/// Runs `f` on tokio's blocking pool (file reads, tensor conversion). `Stopped` if the pool
+/// is gone (the runtime is shutting down) or `f` panicked.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Stopped> {
+    tokio::task::spawn_blocking(f).await.map_err(|_| Stopped)
 }

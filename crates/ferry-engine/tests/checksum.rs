@@ -6,7 +6,7 @@ mod support;
 use std::collections::BTreeMap;
 
 use ferry_core::{FinishReason, SamplingParams, TokenId};
-use ferry_engine::{EngineError, EngineHandle, GenerateRequest};
+use ferry_engine::{EngineHandle, GenerateError, GenerateRequest, Stopped};
 use support::*;
 
 /// `n` requests, every other one sharing a 10-token prefix.
@@ -213,7 +213,7 @@ async fn a_full_queue_is_overloaded_at_once_and_aborts_still_get_through() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, ferry_engine::EngineError::Overloaded { capacity: 2 }),
+        matches!(err, GenerateError::Overloaded { capacity: 2 }),
         "{err}"
     );
     // The client of A goes away while the queue is full: its abort must not be lost.
@@ -295,10 +295,8 @@ async fn stop_token_ids_eos_ignore_eos_and_max_tokens() {
 #[tokio::test]
 async fn logprobs_come_one_per_token_only_when_asked() {
     let config = small_config(64, 4);
-    let params = SamplingParams {
-        logprobs: Some(1),
-        ..SamplingParams::greedy(6)
-    };
+    let mut params = SamplingParams::greedy(6);
+    params.sampler.logprobs = Some(1);
     let with = alone(config.clone(), params).await;
     for chunk in &with.chunks {
         assert_eq!(chunk.logprobs.len(), chunk.token_ids.len());
@@ -316,11 +314,7 @@ async fn logprobs_come_one_per_token_only_when_asked() {
 async fn a_step_failing_once_is_recovered_with_the_same_tokens() {
     let reqs = workload(6);
     let clean = run_all(&engine(checksum(), small_config(64, 4)), &reqs).await;
-    let failing = Failing {
-        inner: checksum(),
-        n_calls: 0,
-        fail: |n| n == 1,
-    };
+    let failing = failing(checksum(), |n| n == 1);
     // Deterministic: every request queued behind step 0, so the failing step 1 is the
     // prefill of the others, shared-prefix blocks included (cached when scheduled, never
     // written: they must not be hit afterwards).
@@ -343,11 +337,7 @@ async fn a_step_failing_once_is_recovered_with_the_same_tokens() {
 
 #[tokio::test]
 async fn an_executor_failing_always_ends_every_request_with_error() {
-    let failing = Failing {
-        inner: checksum(),
-        n_calls: 0,
-        fail: |_| true,
-    };
+    let failing = failing(checksum(), |_| true);
     let (exec, mut gate) = gated(failing);
     let engine = engine(exec, small_config(64, 4));
     // All requests queued while step 0 (of the first) is held: the three failures in a row
@@ -399,12 +389,9 @@ async fn shutdown_with_requests_in_flight_aborts_each() {
     shutdown.await.unwrap().unwrap();
     assert!(wait.await.unwrap().is_err(), "a deferred reply completes");
     assert!(!engine.stats().running);
-    assert!(matches!(
-        engine.shutdown().await,
-        Err(ferry_engine::EngineError::Stopped)
-    ));
+    assert!(matches!(engine.shutdown().await, Err(Stopped)));
     let late = engine.generate(request("late", vec![1], 1)).await;
-    assert!(matches!(late, Err(ferry_engine::EngineError::Stopped)));
+    assert!(matches!(late, Err(GenerateError::Stopped(_))));
 }
 
 /// Panics in its second step.
@@ -441,7 +428,7 @@ async fn an_engine_thread_panic_ends_streams_with_error_not_a_hang() {
     assert_eq!((out.tokens.len(), out.reason()), (1, FinishReason::Error));
     assert!(matches!(
         engine.generate(request("b", vec![1], 1)).await,
-        Err(ferry_engine::EngineError::Stopped)
+        Err(GenerateError::Stopped(_))
     ));
     assert!(!engine.stats().running);
     engine.shutdown().await.unwrap();
@@ -483,7 +470,7 @@ async fn a_prompt_token_outside_the_vocabulary_is_refused_and_harms_no_one() {
     assert!(
         matches!(
             bad,
-            Err(EngineError::TokenOutOfVocabulary { token, vocab_size })
+            Err(GenerateError::TokenOutOfVocabulary { token, vocab_size })
                 if token == VOCAB as TokenId && vocab_size == VOCAB
         ),
         "{bad:?}"

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use ferry_core::{FinishReason, TokenId, TransferId};
 use ferry_engine::{
-    spawn_with_connectors, EngineConfig, EngineError, EngineHandle, KvConnector, LifecycleError,
-    PauseMode, SleepLevel, WakeTag, WeightResidency, WeightStore,
+    spawn_with_connectors, EngineConfig, EngineHandle, KvConnector, LifecycleCallError,
+    LifecycleError, PauseMode, SleepLevel, WakeTag, WeightResidency, WeightStore,
 };
 use support::*;
 
@@ -239,11 +239,15 @@ async fn resume_while_a_reset_is_pending_fails_it_clearly_and_loses_no_request()
     within(resume).await.unwrap().unwrap();
     assert!(matches!(
         within(pause).await.unwrap(),
-        Err(EngineError::Lifecycle(LifecycleError::CancelledByResume))
+        Err(LifecycleCallError::Lifecycle(
+            LifecycleError::CancelledByResume
+        ))
     ));
     assert!(matches!(
         within(sleep).await.unwrap(),
-        Err(EngineError::Lifecycle(LifecycleError::CancelledByResume))
+        Err(LifecycleCallError::Lifecycle(
+            LifecycleError::CancelledByResume
+        ))
     ));
     gate.open();
     assert_oracle(&results(tasks).await, "v0");
@@ -428,7 +432,9 @@ async fn sleep_levels_release_memory_and_wake_up_restores_it_under_load() {
                 assert_eq!(lifecycle.weights, WeightResidency::Dropped);
                 assert!(matches!(
                     within(engine.wake_up(&[WakeTag::Weights])).await,
-                    Err(EngineError::Lifecycle(LifecycleError::WeightsDropped))
+                    Err(LifecycleCallError::Lifecycle(
+                        LifecycleError::WeightsDropped
+                    ))
                 ));
                 within(engine.update_weights(WeightStore::default(), Some("v0".into())))
                     .await
@@ -436,7 +442,7 @@ async fn sleep_levels_release_memory_and_wake_up_restores_it_under_load() {
             }
             assert!(matches!(
                 within(engine.resume()).await,
-                Err(EngineError::Lifecycle(LifecycleError::Asleep { .. })) | Ok(())
+                Err(LifecycleCallError::Lifecycle(LifecycleError::Asleep { .. })) | Ok(())
             ));
             within(engine.wake_up(&[WakeTag::Weights])).await.unwrap();
             within(engine.wake_up(&[WakeTag::KvCache])).await.unwrap();
@@ -479,7 +485,7 @@ async fn release_kv_cache_memory_needs_a_pause_and_wake_up_brings_it_back() {
     gate.release();
     assert!(matches!(
         within(early).await.unwrap(),
-        Err(EngineError::Lifecycle(LifecycleError::NotPaused))
+        Err(LifecycleCallError::Lifecycle(LifecycleError::NotPaused))
     ));
     step_once(&mut gate).await;
     let e = engine.clone();
@@ -494,7 +500,7 @@ async fn release_kv_cache_memory_needs_a_pause_and_wake_up_brings_it_back() {
     assert!(within(engine.is_sleeping()).await.unwrap());
     assert!(matches!(
         within(engine.resume()).await,
-        Err(EngineError::Lifecycle(LifecycleError::Asleep { .. }))
+        Err(LifecycleCallError::Lifecycle(LifecycleError::Asleep { .. }))
     ));
     within(engine.wake_up(&[WakeTag::KvCache])).await.unwrap();
     within(engine.resume()).await.unwrap();
@@ -564,6 +570,6 @@ async fn shutdown_fails_a_pending_operation_with_stopped() {
     within(stop).await.unwrap().unwrap();
     assert!(matches!(
         within(pause).await.unwrap(),
-        Err(EngineError::Stopped)
+        Err(LifecycleCallError::Stopped(_))
     ));
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use ferry_core::{FinishReason, TokenId};
 use ferry_engine::{
-    EngineError, EngineHandle, LifecycleError, PauseMode, SleepLevel, WakeTag, WeightStore,
+    EngineHandle, LifecycleCallError, LifecycleError, PauseMode, SleepLevel, WakeTag, WeightStore,
 };
 use support::*;
 
@@ -48,7 +48,7 @@ fn mode(rng: &mut Rng) -> PauseMode {
 /// Weights dropped by a level-2 sleep come back by a (checksum) update to the same version.
 async fn wake(engine: &EngineHandle, tags: &[WakeTag]) {
     match within("wake_up", engine.wake_up(tags)).await {
-        Err(EngineError::Lifecycle(LifecycleError::WeightsDropped)) => {
+        Err(LifecycleCallError::Lifecycle(LifecycleError::WeightsDropped)) => {
             within(
                 "update_weights",
                 engine.update_weights(WeightStore::default(), Some("v0".into())),
@@ -64,8 +64,8 @@ async fn wake(engine: &EngineHandle, tags: &[WakeTag]) {
 async fn random_operation(engine: &EngineHandle, rng: &mut Rng, n_requests: usize) {
     // Every error a random order can provoke is a lifecycle conflict with a clear cause;
     // anything else (a lost reply, a stopped engine) fails the test.
-    let conflict = |r: Result<(), EngineError>| match r {
-        Ok(()) | Err(EngineError::Lifecycle(_)) => {}
+    let conflict = |r: Result<(), LifecycleCallError>| match r {
+        Ok(()) | Err(LifecycleCallError::Lifecycle(_)) => {}
         Err(e) => panic!("unexpected error: {e}"),
     };
     match rng.below(9) {

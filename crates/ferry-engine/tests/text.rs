@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use ferry_core::{AddError, FinishReason, SamplingParams, SchedulerConfig, TokenId};
 use ferry_engine::detok::IncrementalDetokenizer;
-use ferry_engine::{spawn, EngineConfig, EngineError, EngineHandle, GenerateRequest, StopReason};
+use ferry_engine::{spawn, EngineConfig, EngineHandle, GenerateError, GenerateRequest, StopReason};
 use ferry_model::tiny::{tiny_config, tiny_model, IM_END};
 use ferry_model::{Executor, LlamaModel};
 use support::*;
@@ -292,7 +292,7 @@ async fn bad_requests_are_refused_with_a_named_reason() {
     let no_tok = engine(checksum(), small_config(64, 4));
     for req in [text_request("a", 4, &["x"]), text_request("b", 4, &[])] {
         let err = no_tok.generate(req).await.unwrap_err();
-        assert!(matches!(err, EngineError::NoTokenizer), "{err}");
+        assert!(matches!(err, GenerateError::NoTokenizer), "{err}");
     }
     let (exec, _) = scripted(&tok, "abc");
     // Held step by step, so that "dup" stays live.
@@ -304,7 +304,7 @@ async fn bad_requests_are_refused_with_a_named_reason() {
     };
     let err = engine.generate(empty).await.unwrap_err();
     assert!(
-        matches!(err, EngineError::Rejected(AddError::EmptyPrompt { .. })),
+        matches!(err, GenerateError::Rejected(AddError::EmptyPrompt { .. })),
         "{err}"
     );
     let _live = engine
@@ -320,7 +320,7 @@ async fn bad_requests_are_refused_with_a_named_reason() {
     gate.release();
     let err = dup.await.unwrap().unwrap_err();
     assert!(
-        matches!(err, EngineError::Rejected(AddError::DuplicateId { .. })),
+        matches!(err, GenerateError::Rejected(AddError::DuplicateId { .. })),
         "{err}"
     );
     gate.open();
@@ -360,7 +360,10 @@ async fn generate_all(
             request_id: id.clone(),
             prompt: prompt.clone(),
             params: SamplingParams {
-                logprobs: Some(3),
+                sampler: ferry_core::SamplerSpec {
+                    logprobs: Some(3),
+                    ..Default::default()
+                },
                 ..SamplingParams::greedy(12)
             },
             stop: vec![],

@@ -7,7 +7,10 @@ mod support;
 use std::time::Duration;
 
 use ferry_core::{FinishReason, SamplingParams, TokenId};
-use ferry_engine::{EngineError, EngineHandle, GenerateRequest, PauseMode, WeightError};
+use ferry_engine::{
+    EngineHandle, GenerateRequest, LifecycleCallError, PauseMode, WeightError, WeightReloadError,
+    WeightUpdateError,
+};
 use ferry_model::random_model::random_weights;
 use ferry_model::tiny::{tiny_config, tiny_model, write_hf_folder};
 use ferry_model::{LlamaModel, Tensor, WeightStore};
@@ -123,7 +126,7 @@ async fn a_bad_push_changes_nothing_and_names_what_is_wrong() {
     ];
     for (push, expected) in cases {
         match engine.update_weights(push, Some("bad".into())).await {
-            Err(EngineError::Weights(e)) => assert!(expected(&e), "{e}"),
+            Err(WeightUpdateError::Weights(e)) => assert!(expected(&e), "{e}"),
             other => panic!("expected a weight error, got {other:?}"),
         }
     }
@@ -164,7 +167,10 @@ async fn reload_from_disk_in_a_pause_keep_cycle_and_a_bad_folder_changes_nothing
     let missing = engine
         .update_weights_from_disk(dir.path().join("nope"), None)
         .await;
-    assert!(matches!(missing, Err(EngineError::Load(_))), "{missing:?}");
+    assert!(
+        matches!(missing, Err(WeightReloadError::Load(_))),
+        "{missing:?}"
+    );
     engine.pause(PauseMode::Keep, false).await.unwrap();
     let info = engine
         .update_weights_from_disk(dir.path().to_owned(), Some("step-1".into()))
@@ -195,7 +201,7 @@ async fn sleep_level_2_drops_the_weights_and_a_reload_must_come_before_waking() 
     let refused = engine.wake_up(&[]).await;
     assert!(matches!(
         refused,
-        Err(EngineError::Lifecycle(
+        Err(LifecycleCallError::Lifecycle(
             ferry_engine::LifecycleError::WeightsDropped
         ))
     ));
@@ -207,7 +213,7 @@ async fn sleep_level_2_drops_the_weights_and_a_reload_must_come_before_waking() 
     );
     assert!(matches!(
         engine.update_weights(one, None).await,
-        Err(EngineError::Weights(WeightError::Incomplete { .. }))
+        Err(WeightUpdateError::Weights(WeightError::Incomplete { .. }))
     ));
     engine
         .update_weights(a.clone(), Some("again".into()))

@@ -35,3 +35,57 @@ pub trait Executor: Send {
 
     fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights;
 }
+
+/// A boxed executor is an executor (so wrappers such as [`Hooked`] can take the engine's
+/// `Box<dyn Executor>`).
+impl<E: Executor + ?Sized> Executor for Box<E> {
+    fn kv_layout(&self, block_size: usize) -> KvLayout {
+        (**self).kv_layout(block_size)
+    }
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
+        (**self).execute(plan, kv)
+    }
+    fn weight_ops(&self) -> &dyn ModelWeights {
+        (**self).weight_ops()
+    }
+    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
+        (**self).weight_ops_mut()
+    }
+}
+
+/// Runs before each step of a [`Hooked`] executor: tests hold, slow, count or fail steps
+/// this way without writing out the whole [`Executor`] again.
+pub trait StepHook: Send {
+    /// Called with the plan before the inner executor runs it; an error fails the step
+    /// instead.
+    fn before_step(&mut self, plan: &StepPlan) -> Result<(), ExecError>;
+}
+
+/// `inner`, with `hook` called before each of its steps.
+#[derive(Debug)]
+pub struct Hooked<E, H> {
+    pub inner: E,
+    pub hook: H,
+}
+
+impl<E: Executor, H: StepHook> Executor for Hooked<E, H> {
+    fn kv_layout(&self, block_size: usize) -> KvLayout {
+        self.inner.kv_layout(block_size)
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
+        self.hook.before_step(plan)?;
+        self.inner.execute(plan, kv)
+    }
+    fn weight_ops(&self) -> &dyn ModelWeights {
+        self.inner.weight_ops()
+    }
+    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
+        self.inner.weight_ops_mut()
+    }
+}

@@ -22,7 +22,7 @@ pub mod weights;
 
 pub use checksum::{ChecksumConfigError, ChecksumModel};
 pub use config::{LlamaConfig, RopeScaling};
-pub use executor::{ExecError, Executor};
+pub use executor::{ExecError, Executor, Hooked, StepHook};
 pub use llama::{LlamaModel, Logits};
 pub use llama_update::LlamaPreparer;
 pub use llama_weights::{LlamaWeights, ModelError};

@@ -61,11 +61,8 @@ fn sampled_tokens(engine_seed: u64) -> Vec<ferry_core::TokenId> {
         config.n_blocks as usize,
     );
     let mut sched = Scheduler::new(config).unwrap();
-    let params = SamplingParams {
-        temperature: 1.0,
-        ignore_eos: true,
-        ..SamplingParams::greedy(24)
-    };
+    let mut params = SamplingParams::greedy(24);
+    params.sampler.temperature = 1.0;
     sched.add_request("r", vec![1, 2, 3], params).unwrap();
     let mut tokens = Vec::new();
     while sched.n_live() > 0 {

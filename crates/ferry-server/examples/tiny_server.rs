@@ -4,12 +4,7 @@
 //!
 //! `cargo run -p ferry-server --example tiny_server -- 8000`
 
-use std::sync::Arc;
-
-use ferry_core::SchedulerConfig;
-use ferry_engine::{spawn, EngineConfig};
-use ferry_model::tiny::{tiny_model, ENDOFTEXT, IM_END};
-use ferry_model::LlamaModel;
+use ferry_engine::{start_model, ModelEngineConfig, ModelSpec};
 use ferry_server::{router, serve, ServerConfig};
 
 #[tokio::main]
@@ -19,25 +14,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|p| p.parse())
         .transpose()?
         .unwrap_or(8000);
-    let tiny = tiny_model();
-    let scheduler = SchedulerConfig {
-        max_model_len: 512,
-        eos_token_ids: tiny.config.eos_token_ids.clone(),
-        ..SchedulerConfig::default()
+    let config = ModelEngineConfig {
+        max_model_len: Some(512),
+        ..ModelEngineConfig::default()
     };
-    let executor = LlamaModel::new(&tiny.config, &tiny.weights)?;
-    let config = EngineConfig {
-        scheduler,
-        ..EngineConfig::default()
-    };
-    let engine = spawn(config, Box::new(executor), tiny.tokenizer.map(Arc::new))?;
-    let server_config = ServerConfig {
-        chat_template: tiny.chat_template.clone(),
-        bos_token: ENDOFTEXT.into(),
-        eos_token: IM_END.into(),
-        vocab_size: Some(tiny.config.vocab_size),
-        ..ServerConfig::new("tiny")
-    };
+    let started = start_model(ModelSpec::Tiny.load()?, &config)?;
+    let engine = started.handle;
+    let server_config = ServerConfig::for_model("tiny", &started.model);
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     eprintln!(
         "serving the tiny model on http://{}",

@@ -12,7 +12,8 @@ use crate::logprobs::chat_logprobs;
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
 use crate::request::{ChatFields, ChatRequest};
 use crate::response::{
-    AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta,
+    AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta, DeltaContent,
+    Message, Response,
 };
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
@@ -70,24 +71,24 @@ impl GenerationRoute for Chat {
                 index: c.index,
                 logprobs: params
                     .sampling
+                    .sampler
                     .logprobs
                     .map(|_| chat_logprobs(texts, &c.logprobs)),
-                message: AssistantMessage {
-                    role: "assistant",
-                    content: c.text,
+                content: Message {
+                    message: AssistantMessage {
+                        role: "assistant",
+                        content: c.text,
+                    },
                 },
                 finish_reason: Some(finish_reason),
                 stop_reason,
+                prompt_token_ids: None,
                 token_ids: params.return_token_ids.then_some(c.token_ids),
             });
         ChatResponse {
-            id: head.id,
-            object: "chat.completion",
-            created: head.created,
-            model: head.model,
-            choices,
-            usage,
+            usage: Some(usage),
             prompt_token_ids: params.return_token_ids.then(|| prompts[0].tokens.clone()),
+            ..Response::new(&head, "chat.completion", choices)
         }
     }
 }
@@ -114,15 +115,7 @@ pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiEr
 
 /// A `chat.completion.chunk` with these choices.
 fn chat_chunk(head: &Head, choices: Vec<ChatChunkChoice>) -> ChatChunk {
-    ChatChunk {
-        id: head.id.clone(),
-        object: "chat.completion.chunk",
-        created: head.created,
-        model: head.model.clone(),
-        choices,
-        usage: None,
-        prompt_token_ids: None,
-    }
+    Response::new(head, "chat.completion.chunk", choices)
 }
 
 /// Streaming state.
@@ -160,9 +153,11 @@ impl ChunkFormatter for Formatter {
         } = self.base.observe(index, &out);
         let choice = ChatChunkChoice {
             index,
-            delta: Delta {
-                role: None,
-                content: (!out.text.is_empty() || out.finish.is_none()).then_some(out.text),
+            content: DeltaContent {
+                delta: Delta {
+                    role: None,
+                    content: (!out.text.is_empty() || out.finish.is_none()).then_some(out.text),
+                },
             },
             logprobs: self
                 .base
@@ -170,6 +165,7 @@ impl ChunkFormatter for Formatter {
                 .then(|| chat_logprobs(&self.base.texts, &out.logprobs)),
             finish_reason,
             stop_reason,
+            prompt_token_ids: None,
             token_ids: self.base.return_token_ids.then_some(out.token_ids),
             weight_versions,
         };

@@ -10,7 +10,7 @@ use crate::generate::{
 use crate::logprobs::completion_logprobs;
 use crate::params::{check_completion_logprobs, check_prompt, GenerationParams};
 use crate::request::{CompletionRequest, Prompt};
-use crate::response::{CompletionChoice, CompletionResponse, Usage};
+use crate::response::{CompletionChoice, CompletionResponse, Response, Text, Usage};
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
 use serde_json::Value;
@@ -73,9 +73,10 @@ impl GenerationRoute for Completions {
                     index: c.index,
                     logprobs: params
                         .sampling
+                        .sampler
                         .logprobs
                         .map(|_| completion_logprobs(texts, &c.logprobs, 0).0),
-                    text: c.text,
+                    content: Text { text: c.text },
                     finish_reason: Some(finish_reason),
                     stop_reason,
                     prompt_token_ids: params
@@ -142,12 +143,8 @@ fn completion_response(
     usage: Option<Usage>,
 ) -> CompletionResponse {
     CompletionResponse {
-        id: head.id.clone(),
-        object: "text_completion",
-        created: head.created,
-        model: head.model.clone(),
-        choices,
         usage,
+        ..Response::new(head, "text_completion", choices)
     }
 }
 
@@ -182,7 +179,7 @@ impl ChunkFormatter for Formatter {
         let return_token_ids = self.base.return_token_ids;
         let choice = CompletionChoice {
             index,
-            text: chunk.text,
+            content: Text { text: chunk.text },
             logprobs,
             finish_reason,
             stop_reason,

@@ -121,6 +121,13 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A stopped engine: a 503, as for any call that needs one.
+impl From<ferry_engine::Stopped> for ApiError {
+    fn from(e: ferry_engine::Stopped) -> Self {
+        ApiError::unavailable(e.to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

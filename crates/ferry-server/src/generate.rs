@@ -13,9 +13,9 @@ use std::time::Instant;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use ferry_core::{AddError, SamplingParams, TokenId};
 use ferry_engine::{
-    EngineError, EngineHandle, Finish, GenerateRequest, GenerateStream, OutputChunk, TokenLogprob,
+    AddError, EngineHandle, Finish, GenerateError, GenerateRequest, GenerateStream, OutputChunk,
+    SamplingParams, TokenId, TokenLogprob,
 };
 use futures_util::stream::{self, BoxStream, StreamExt};
 use serde::Serialize;
@@ -159,7 +159,7 @@ pub async fn launch(
         for i in 0..n {
             let index = p * n + i;
             let mut params = prompt.sampling.clone();
-            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            params.sampler.seed = params.sampler.seed.map(|s| s.wrapping_add(i as u64));
             let req = GenerateRequest {
                 request_id: engine_id(index),
                 prompt: prompt.tokens.clone(),
@@ -170,7 +170,7 @@ pub async fn launch(
             let stream = engine
                 .generate(req)
                 .await
-                .map_err(|e| engine_error(e, spec.prompt_param))?;
+                .map_err(|e| generate_error(e, spec.prompt_param))?;
             metrics.add_prompt_tokens(prompt.tokens.len());
             choices.push(ChoiceStream {
                 index,
@@ -185,16 +185,18 @@ pub async fn launch(
     Ok(choices)
 }
 
-/// Engine errors as HTTP errors: a full queue or a stopped engine is a 503 (retry later);
-/// a refused request is the client's 400.
-pub fn engine_error(e: EngineError, prompt_param: &str) -> ApiError {
+/// A refused generation as an HTTP error: a full queue or a stopped engine is a 503 (retry
+/// later); a refused request is the client's 400, naming `prompt_param` (`prompt` or
+/// `messages`) when the prompt is at fault.
+pub fn generate_error(e: GenerateError, prompt_param: &str) -> ApiError {
     match e {
-        EngineError::Overloaded { .. } | EngineError::Stopped => {
-            ApiError::unavailable(e.to_string())
+        GenerateError::Overloaded { .. } => ApiError::unavailable(e.to_string()),
+        GenerateError::Stopped(e) => e.into(),
+        GenerateError::NoTokenizer => ApiError::invalid("stop", e.to_string()),
+        GenerateError::TokenOutOfVocabulary { .. } => {
+            ApiError::invalid(prompt_param, e.to_string())
         }
-        EngineError::NoTokenizer => ApiError::invalid("stop", e.to_string()),
-        EngineError::TokenOutOfVocabulary { .. } => ApiError::invalid(prompt_param, e.to_string()),
-        EngineError::Rejected(add) => match add {
+        GenerateError::Rejected(add) => match add {
             AddError::ZeroMaxTokens { .. } => ApiError::invalid("max_tokens", add.to_string()),
             AddError::EmptyPrompt { .. }
             | AddError::PromptTooLong { .. }
@@ -204,13 +206,6 @@ pub fn engine_error(e: EngineError, prompt_param: &str) -> ApiError {
             }
             AddError::DuplicateId { .. } => ApiError::internal(add.to_string()),
         },
-        // Generation never meets lifecycle or weight errors; the admin routes map their own.
-        EngineError::Config(_)
-        | EngineError::ZeroQueueCapacity
-        | EngineError::Thread(_)
-        | EngineError::Lifecycle(_)
-        | EngineError::Weights(_)
-        | EngineError::Load(_) => ApiError::internal(e.to_string()),
     }
 }
 
@@ -409,7 +404,7 @@ impl StreamBase {
     ) -> Self {
         Self {
             head,
-            logprobs: params.sampling.logprobs.is_some(),
+            logprobs: params.sampling.sampler.logprobs.is_some(),
             return_token_ids: params.return_token_ids,
             texts,
             include_usage: params.include_usage,

@@ -41,7 +41,7 @@ use std::sync::Arc;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
-use ferry_engine::EngineHandle;
+use ferry_engine::{EngineHandle, ModelInfo};
 
 use crate::chat_template::ChatTemplate;
 use crate::logprobs::TokenTexts;
@@ -103,6 +103,18 @@ impl ServerConfig {
             vocab_size: None,
             enable_admin_api: false,
             max_weight_push_bytes: DEFAULT_MAX_WEIGHT_PUSH_BYTES,
+        }
+    }
+
+    /// [`ServerConfig::new`] with what the model brings: its chat template, the special tokens
+    /// the template sees, and its vocabulary size.
+    pub fn for_model(served_model_name: impl Into<String>, model: &ModelInfo) -> Self {
+        Self {
+            chat_template: model.chat_template.clone(),
+            bos_token: model.bos_token.clone(),
+            eos_token: model.eos_token.clone(),
+            vocab_size: Some(model.vocab_size),
+            ..Self::new(served_model_name)
         }
     }
 }

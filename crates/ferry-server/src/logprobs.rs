@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use ferry_core::TokenId;
+use ferry_engine::TokenId;
 use ferry_engine::TokenLogprob;
 use tokenizers::Tokenizer;
 

@@ -1,7 +1,7 @@
 //! Validation: turns the wire fields into engine parameters, refusing every bad value with a
 //! 400 naming its field *before* anything reaches the engine.
 
-use ferry_core::{SamplingParams, TokenId};
+use ferry_engine::{SamplerSpec, SamplingParams, TokenId};
 
 use crate::error::ApiError;
 use crate::request::CommonParams;
@@ -52,13 +52,16 @@ impl GenerationParams {
         let n = check_n(common.n, limits)?;
         let sampling = SamplingParams {
             max_tokens: 1,
-            temperature: check_temperature(common.temperature)? as f32,
-            top_k: check_top_k(common.top_k)?,
-            top_p: check_unit("top_p", common.top_p, 1.0, false)? as f32,
-            min_p: check_unit("min_p", common.min_p, 0.0, true)? as f32,
-            // Negative seeds are valid in OpenAI's API; two's complement keeps them distinct.
-            seed: common.seed.map(|s| s as u64),
-            logprobs,
+            sampler: SamplerSpec {
+                temperature: check_temperature(common.temperature)? as f32,
+                top_k: check_top_k(common.top_k)?,
+                top_p: check_unit("top_p", common.top_p, 1.0, false)? as f32,
+                min_p: check_unit("min_p", common.min_p, 0.0, true)? as f32,
+                // Negative seeds are valid in OpenAI's API; two's complement keeps them
+                // distinct.
+                seed: common.seed.map(|s| s as u64),
+                logprobs,
+            },
             ignore_eos: common.ignore_eos.unwrap_or(false),
             stop_token_ids: check_token_ids(
                 "stop_token_ids",
@@ -317,9 +320,9 @@ mod tests {
     #[test]
     fn defaults_and_conversions() {
         let p = parse(r#"{"top_k": -1, "seed": -1, "stop": "x", "stream": true, "stream_options": {"include_usage": true}}"#).unwrap();
-        assert_eq!(p.sampling.top_k, 0);
-        assert_eq!(p.sampling.seed, Some(u64::MAX));
-        assert_eq!(p.sampling.temperature, 1.0);
+        assert_eq!(p.sampling.sampler.top_k, 0);
+        assert_eq!(p.sampling.sampler.seed, Some(u64::MAX));
+        assert_eq!(p.sampling.sampler.temperature, 1.0);
         assert_eq!(p.stop, vec!["x".to_owned()]);
         assert!(p.include_usage);
         assert_eq!(p.n, 1);
@@ -329,7 +332,7 @@ mod tests {
         assert!(p.sampling.ignore_eos);
         assert!(p.return_token_ids);
         assert_eq!(p.sampling.stop_token_ids, vec![3, 4]);
-        assert_eq!(p.sampling.min_p, 0.1);
+        assert_eq!(p.sampling.sampler.min_p, 0.1);
         assert_eq!(p.sampling.cache_salt.as_deref(), Some("s"));
         // include_usage only applies to streams.
         assert!(

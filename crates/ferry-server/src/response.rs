@@ -8,7 +8,9 @@
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
-use ferry_core::TokenId;
+use ferry_engine::TokenId;
+
+use crate::generate::Head;
 
 /// `usage`. `prompt_tokens` counts each prompt once, whatever `n`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -44,25 +46,49 @@ pub enum StopReasonJson {
     Text(String),
 }
 
-/// `/v1/completions` response, and (with `object` `text_completion` too) each streamed chunk.
+/// A response of the generation routes, or one streamed chunk: the head, the choices, and
+/// the extras. `object` says which (`text_completion`, `chat.completion`,
+/// `chat.completion.chunk`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CompletionResponse {
+pub struct Response<C> {
     pub id: String,
     pub object: &'static str,
     pub created: u64,
     pub model: String,
-    pub choices: Vec<CompletionChoice>,
+    pub choices: Vec<C>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// Chat's prompt ids (vLLM's placement; completions put them on each choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<TokenId>>,
 }
 
+impl<C> Response<C> {
+    /// A response (or chunk) of `object` with these choices and no extras.
+    pub fn new(head: &Head, object: &'static str, choices: Vec<C>) -> Self {
+        Self {
+            id: head.id.clone(),
+            object,
+            created: head.created,
+            model: head.model.clone(),
+            choices,
+            usage: None,
+            prompt_token_ids: None,
+        }
+    }
+}
+
+/// One choice of a response or chunk: its content (`text`, `message` or `delta`, flattened
+/// into the choice), its logprobs in the route's format, how it ended, and the extras.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CompletionChoice {
+pub struct Choice<Content, Logprobs> {
     pub index: usize,
-    pub text: String,
-    pub logprobs: Option<CompletionLogprobs>,
+    #[serde(flatten)]
+    pub content: Content,
+    pub logprobs: Option<Logprobs>,
     pub finish_reason: Option<&'static str>,
     pub stop_reason: Option<StopReasonJson>,
+    /// Completions' prompt ids (chat puts them on the response).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<TokenId>>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -72,6 +98,34 @@ pub struct CompletionChoice {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weight_versions: Option<Vec<String>>,
 }
+
+/// A completion choice's content.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Text {
+    pub text: String,
+}
+
+/// A chat choice's content.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Message {
+    pub message: AssistantMessage,
+}
+
+/// A streamed chat choice's content.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DeltaContent {
+    pub delta: Delta,
+}
+
+/// `/v1/completions` response, and each streamed chunk.
+pub type CompletionResponse = Response<CompletionChoice>;
+pub type CompletionChoice = Choice<Text, CompletionLogprobs>;
+/// `/v1/chat/completions` response.
+pub type ChatResponse = Response<ChatChoice>;
+pub type ChatChoice = Choice<Message, ChatLogprobs>;
+/// One streamed `chat.completion.chunk`.
+pub type ChatChunk = Response<ChatChunkChoice>;
+pub type ChatChunkChoice = Choice<DeltaContent, ChatLogprobs>;
 
 /// The legacy completions logprobs format: parallel lists, one entry per output token.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -98,34 +152,6 @@ impl Serialize for TopLogprobMap {
         }
         map.end()
     }
-}
-
-/// `/v1/chat/completions` response.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ChatResponse {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChoice>,
-    pub usage: Usage,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_token_ids: Option<Vec<TokenId>>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ChatChoice {
-    pub index: usize,
-    pub message: AssistantMessage,
-    pub logprobs: Option<ChatLogprobs>,
-    pub finish_reason: Option<&'static str>,
-    pub stop_reason: Option<StopReasonJson>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub token_ids: Option<Vec<TokenId>>,
-    /// The weight versions the choice's tokens were computed with (non-standard; when
-    /// streaming, only on the chunk that carries `finish_reason`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub weight_versions: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -155,47 +181,21 @@ pub struct ChatTopLogprob {
     pub bytes: Vec<u8>,
 }
 
-/// One streamed `chat.completion.chunk`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ChatChunk {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChunkChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_token_ids: Option<Vec<TokenId>>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ChatChunkChoice {
-    pub index: usize,
-    pub delta: Delta,
-    pub logprobs: Option<ChatLogprobs>,
-    pub finish_reason: Option<&'static str>,
-    pub stop_reason: Option<StopReasonJson>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub token_ids: Option<Vec<TokenId>>,
-    /// The weight versions the choice's tokens were computed with (non-standard; when
-    /// streaming, only on the chunk that carries `finish_reason`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub weight_versions: Option<Vec<String>>,
-}
-
 impl ChatChunkChoice {
     /// A stream's opening chunk for choice `index`: the assistant role and empty content.
     pub fn role_delta(index: usize, token_ids: Option<Vec<TokenId>>) -> Self {
         Self {
             index,
-            delta: Delta {
-                role: Some("assistant"),
-                content: Some(String::new()),
+            content: DeltaContent {
+                delta: Delta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                },
             },
             logprobs: None,
             finish_reason: None,
             stop_reason: None,
+            prompt_token_ids: None,
             token_ids,
             weight_versions: None,
         }
@@ -261,15 +261,16 @@ mod tests {
 
     #[test]
     fn stream_chunk_skips_absent_extras_but_keeps_nulls() {
-        let c = ChatChunk {
+        let head = Head {
             id: "x".into(),
-            object: "chat.completion.chunk",
             created: 1,
             model: "m".into(),
-            choices: vec![ChatChunkChoice::role_delta(0, None)],
-            usage: None,
-            prompt_token_ids: None,
         };
+        let c: ChatChunk = Response::new(
+            &head,
+            "chat.completion.chunk",
+            vec![ChatChunkChoice::role_delta(0, None)],
+        );
         assert_eq!(
             serde_json::to_string(&c).unwrap(),
             r#"{"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null,"stop_reason":null}]}"#

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use ferry_core::TokenId;
 use ferry_engine::EngineHandle;
+use ferry_engine::TokenId;
 
 use crate::chat_template::ChatTemplate;
 use crate::error::ApiError;

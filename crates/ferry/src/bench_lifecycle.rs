@@ -20,10 +20,12 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context};
-use ferry_core::{PauseMode, SchedulerConfig, SleepLevel, WakeTag};
-use ferry_engine::{EngineConfig, EngineError, EngineHandle};
-use ferry_model::{Executor, LlamaModel, ModelSpec};
+use anyhow::{ensure, Context};
+use ferry_engine::{
+    EngineHandle, KvCacheSize, LifecycleCallError, ModelEngineConfig, PauseMode, SchedulerConfig,
+    SleepLevel, StartError, WakeTag,
+};
+use ferry_model::ModelSpec;
 
 use crate::byte_size::ByteSize;
 
@@ -142,36 +144,47 @@ async fn measure(args: &Args) -> anyhow::Result<Report> {
     })
 }
 
-/// Loads the model, sizes the KV arena like `ferry serve` and spawns the engine.
+/// Loads the model and starts the engine as `ferry serve` would, with room for the longest
+/// sequence the benchmark sends.
 fn start(args: &Args) -> anyhow::Result<Bench> {
     let (model_path, tmp) = model_path(args)?;
     let loaded = ferry_model::load_model(&model_path)
         .with_context(|| format!("loading the model {}", model_path.display()))?;
-    let model = LlamaModel::new(&loaded.config, &loaded.weights)
-        .with_context(|| format!("building the model from {}", loaded.source))?;
-    drop(loaded.weights);
-    let weights_bytes = model.weights().total_bytes() as u64;
-    let kv_block_bytes = model.kv_layout(BLOCK_SIZE).block_bytes() as u64;
-    let vocab_size = model.vocab_size();
-    let scheduler = scheduler_config(args, &loaded.config, kv_block_bytes)?;
-    let engine = ferry_engine::spawn(
-        EngineConfig {
-            scheduler: scheduler.clone(),
-            input_queue_capacity: 4096,
-        },
-        Box::new(model),
-        None,
-    )
-    .context("starting the engine")?;
+    let max_model_len = fill_prompt_len(args) + 1;
+    let config = ModelEngineConfig {
+        block_size: BLOCK_SIZE,
+        kv_cache: KvCacheSize::Bytes(args.kv_cache_bytes.0),
+        max_num_seqs: args.in_flight.max(256),
+        max_num_batched_tokens: MAX_NUM_BATCHED_TOKENS,
+        max_model_len: Some(max_model_len),
+        ..ModelEngineConfig::default()
+    };
+    let started = ferry_engine::start_model(loaded, &config).map_err(|e| match e {
+        StartError::MaxModelLenTooLong { model_max, .. } => anyhow::anyhow!(
+            "--prompt-len + --output-len ({}) exceeds the model's max_position_embeddings \
+             ({model_max})",
+            max_model_len - 1
+        ),
+        StartError::KvCacheTooSmall {
+            n_blocks,
+            block_bytes,
+            n_blocks_needed,
+            ..
+        } => anyhow::anyhow!(
+            "--kv-cache-bytes holds {n_blocks} KV blocks of {block_bytes} bytes; one request \
+             needs {n_blocks_needed}"
+        ),
+        e => anyhow::Error::new(e).context("starting the engine"),
+    })?;
     Ok(Bench {
-        engine,
+        engine: started.handle,
         model_path,
         _tmp: tmp,
-        source: loaded.source,
-        weights_bytes,
-        kv_block_bytes,
-        scheduler,
-        vocab_size,
+        source: started.model.source,
+        weights_bytes: started.model.weights_bytes,
+        kv_block_bytes: started.model.kv_block_bytes,
+        scheduler: started.scheduler,
+        vocab_size: started.model.vocab_size,
         n_loads: 0,
     })
 }
@@ -194,47 +207,6 @@ fn model_path(args: &Args) -> anyhow::Result<(PathBuf, Option<tempfile::TempDir>
             Ok((dir, Some(tmp)))
         }
     }
-}
-
-/// The scheduler as `ferry serve` would size it for `--kv-cache-bytes`, with room for the
-/// longest sequence the benchmark sends.
-fn scheduler_config(
-    args: &Args,
-    model: &ferry_model::LlamaConfig,
-    block_bytes: u64,
-) -> anyhow::Result<SchedulerConfig> {
-    let max_model_len = fill_prompt_len(args) + 1;
-    if max_model_len > model.max_position_embeddings {
-        bail!(
-            "--prompt-len + --output-len ({}) exceeds the model's max_position_embeddings ({})",
-            max_model_len - 1,
-            model.max_position_embeddings
-        );
-    }
-    let n_blocks = u32::try_from(args.kv_cache_bytes.0 / block_bytes.max(1))
-        .context("--kv-cache-bytes gives more than 2^32 blocks")?;
-    let n_needed = max_model_len.div_ceil(BLOCK_SIZE) as u32 + 1;
-    if n_blocks < n_needed {
-        bail!(
-            "--kv-cache-bytes holds {n_blocks} KV blocks of {block_bytes} bytes; one request \
-             needs {n_needed}"
-        );
-    }
-    let config = SchedulerConfig {
-        block_size: BLOCK_SIZE,
-        n_blocks,
-        max_num_seqs: args.in_flight.max(256),
-        max_num_batched_tokens: MAX_NUM_BATCHED_TOKENS,
-        max_model_len,
-        enable_prefix_caching: true,
-        enable_chunked_prefill: true,
-        eos_token_ids: model.eos_token_ids.clone(),
-        weight_version: "0".to_owned(),
-    };
-    config
-        .validate()
-        .context("the benchmark's scheduler config")?;
-    Ok(config)
 }
 
 /// Prompt tokens of the loads that fill the KV arena: as many KV tokens as a round's load
@@ -376,7 +348,7 @@ async fn timed_call(
     let task = tokio::spawn(async move {
         let called = Instant::now();
         engine.pause(mode, clear_cache).await?;
-        Ok::<_, EngineError>((called, Instant::now()))
+        Ok::<_, LifecycleCallError>((called, Instant::now()))
     });
     let what = format!("pause({}, clear_cache={clear_cache})", mode.as_str());
     task.await

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Context;
-use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplingParams, ScheduledReq, StepPlan};
+use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
 use ferry_kv::KvArena;
 use ferry_model::random_model::{random_weights, small_config, smollm2_135m_config, SplitMix64};
 use ferry_model::{Executor, LlamaConfig, LlamaModel, WeightStore};
@@ -258,7 +258,7 @@ fn run_step(
             tokens: t0..plan.token_ids.len(),
             blocks: b0..plan.block_tables.len(),
             sample: (end == r.tokens.len()).then(|| SampleSpec {
-                params: SamplingParams::greedy(1).sampler_spec(),
+                params: SamplerSpec::default(),
                 output_idx: 0,
             }),
         });

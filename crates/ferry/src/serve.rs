@@ -1,17 +1,16 @@
 //! `ferry serve`: load a model, start the engine thread and serve the OpenAI-compatible API.
 //!
 //! All configuration is resolved here, once: flags and the model folder become an immutable
-//! [`SchedulerConfig`], [`EngineConfig`] and [`ServerConfig`] passed down; the library crates
-//! never read flags or environment variables.
+//! [`ModelEngineConfig`] (which `ferry_engine::start_model` turns into the scheduler's) and
+//! [`ServerConfig`] passed down; the library crates never read flags or environment
+//! variables, and errors about sizes are told here in terms of the flags that set them.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
-use ferry_core::SchedulerConfig;
-use ferry_engine::{EngineConfig, EngineHandle};
-use ferry_model::{Executor, LlamaModel, LoadedModel, ModelSpec};
+use anyhow::{anyhow, Context};
+use ferry_engine::{EngineHandle, KvCacheSize, ModelEngineConfig, SpawnError, StartError};
+use ferry_model::{LoadedModel, ModelSpec};
 use ferry_server::ServerConfig;
 
 use crate::byte_size::ByteSize;
@@ -75,10 +74,6 @@ pub struct Args {
     pub python: String,
 }
 
-/// The model's cap on `--max-model-len` when the flag is absent: larger contexts only make
-/// the KV pool's worst case bigger on a CPU.
-const DEFAULT_MAX_MODEL_LEN_CAP: usize = 8192;
-
 pub fn run(args: Args) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         // The forward runs on rayon's threads; HTTP needs little, so keep tokio's pool small.
@@ -98,40 +93,28 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| model_name(&model.source));
-    let LoadedModel {
-        config,
-        weights,
-        tokenizer,
-        chat_template,
-        source,
-    } = model;
-    let mut executor = LlamaModel::new(&config, &weights)
-        .with_context(|| format!("building the model from {source}"))?;
-    // The executor holds its own copy in its layout; the loaded tensors can go.
-    drop(weights);
-    if let Some(seed) = args.seed {
-        executor = executor.with_sampler_seed(seed);
-    }
-    let scheduler = scheduler_config(&args, &config, &executor)?;
-    let tokenizer = tokenizer.map(Arc::new);
-    let engine = ferry_engine::spawn(
-        EngineConfig {
-            scheduler: scheduler.clone(),
-            input_queue_capacity: args.max_queued_inputs,
+    let config = ModelEngineConfig {
+        block_size: args.block_size,
+        kv_cache: match args.num_kv_blocks {
+            Some(n) => KvCacheSize::Blocks(n),
+            None => KvCacheSize::Bytes(args.kv_cache_bytes.0),
         },
-        Box::new(executor),
-        tokenizer.clone(),
-    )
-    .context("starting the engine")?;
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_model_len: args.max_model_len,
+        enable_prefix_caching: !args.disable_prefix_caching,
+        input_queue_capacity: args.max_queued_inputs,
+        sampler_seed: args.seed,
+        weight_version: "0".to_owned(),
+    };
+    let started = ferry_engine::start_model(model, &config).map_err(|e| flag_error(&args, e))?;
+    let engine = started.handle;
+    let scheduler = started.scheduler;
     let server_config = ServerConfig {
-        chat_template,
-        bos_token: token_text(tokenizer.as_deref(), config.bos_token_id),
-        eos_token: token_text(tokenizer.as_deref(), config.eos_token_ids.first().copied()),
-        vocab_size: Some(config.vocab_size),
         enable_admin_api: args.enable_admin_api,
         max_weight_push_bytes: usize::try_from(args.max_weight_push_bytes.0)
             .context("--max-weight-push-bytes is larger than this machine's address space")?,
-        ..ServerConfig::new(served_model_name.clone())
+        ..ServerConfig::for_model(served_model_name.clone(), &started.model)
     };
     if args.enable_admin_api {
         tracing::warn!(
@@ -170,13 +153,6 @@ async fn shutdown(engine: EngineHandle) {
     if let Err(e) = engine.shutdown().await {
         tracing::warn!("engine shutdown: {e}");
     }
-}
-
-/// The text of a special token, for chat templates that use `bos_token` / `eos_token` (empty
-/// when the model has no such token).
-fn token_text(tokenizer: Option<&tokenizers::Tokenizer>, id: Option<u32>) -> String {
-    id.and_then(|id| tokenizer?.id_to_token(id))
-        .unwrap_or_default()
 }
 
 async fn shutdown_signal() {
@@ -253,61 +229,44 @@ fn model_name(source: &str) -> String {
     }
 }
 
-fn scheduler_config(
-    args: &Args,
-    model: &ferry_model::LlamaConfig,
-    executor: &dyn Executor,
-) -> anyhow::Result<SchedulerConfig> {
-    let max_model_len = match args.max_model_len {
-        Some(n) if n > model.max_position_embeddings => bail!(
-            "--max-model-len {n} is longer than the model's max_position_embeddings ({})",
-            model.max_position_embeddings
+/// A failed start, told in the flags' terms: each error names the flag that set the value at
+/// fault.
+fn flag_error(args: &Args, e: StartError) -> anyhow::Error {
+    match e {
+        StartError::MaxModelLenTooLong {
+            requested,
+            model_max,
+        } => anyhow!(
+            "--max-model-len {requested} is longer than the model's max_position_embeddings \
+             ({model_max})"
         ),
-        Some(n) => n,
-        None => model.max_position_embeddings.min(DEFAULT_MAX_MODEL_LEN_CAP),
-    };
-    if args.block_size == 0 {
-        bail!("--block-size must be at least 1");
-    }
-    let block_bytes = executor.kv_layout(args.block_size).block_bytes();
-    let n_blocks = match args.num_kv_blocks {
-        Some(n) => n,
-        None => {
-            let n = args.kv_cache_bytes.0 / block_bytes as u64;
-            u32::try_from(n).with_context(|| format!("--kv-cache-bytes gives {n} blocks"))?
+        StartError::ZeroBlockSize => anyhow!("--block-size must be at least 1"),
+        StartError::TooManyBlocks { n_blocks } => {
+            anyhow!("--kv-cache-bytes gives {n_blocks} blocks, more than a block id can name")
         }
-    };
-    // A request may run to max_model_len (the server's default max_tokens fills it), so the
-    // pool must hold one such sequence, or those requests could never be admitted.
-    let n_blocks_needed = max_model_len.div_ceil(args.block_size) as u64 + 1;
-    if u64::from(n_blocks) < n_blocks_needed {
-        bail!(
-            "the KV cache ({n_blocks} blocks of {} tokens, {block_bytes} bytes each, from \
-             --num-kv-blocks/--kv-cache-bytes) cannot hold one sequence of --max-model-len \
-             {max_model_len} tokens: give it at least {n_blocks_needed} blocks ({} bytes) or \
-             lower --max-model-len",
-            args.block_size,
-            n_blocks_needed * block_bytes as u64
-        );
+        StartError::KvCacheTooSmall {
+            n_blocks,
+            block_size,
+            block_bytes,
+            max_model_len,
+            n_blocks_needed,
+        } => anyhow!(
+            "the KV cache ({n_blocks} blocks of {block_size} tokens, {block_bytes} bytes each, \
+             from --num-kv-blocks/--kv-cache-bytes) cannot hold one sequence of \
+             --max-model-len {max_model_len} tokens: give it at least {n_blocks_needed} blocks \
+             ({} bytes) or lower --max-model-len",
+            n_blocks_needed * block_bytes
+        ),
+        StartError::Spawn(SpawnError::Config(e)) => anyhow::Error::new(e).context(format!(
+            "invalid flags: --block-size {}, --num-kv-blocks/--kv-cache-bytes, --max-num-seqs \
+             {}, --max-num-batched-tokens {}, --max-model-len {:?}",
+            args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len
+        )),
+        StartError::Spawn(SpawnError::ZeroQueueCapacity) => {
+            anyhow!("--max-queued-inputs must be at least 1")
+        }
+        e @ (StartError::Model { .. } | StartError::Spawn(SpawnError::Thread(_))) => {
+            anyhow::Error::new(e).context("starting the engine")
+        }
     }
-    let config = SchedulerConfig {
-        block_size: args.block_size,
-        n_blocks,
-        max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        max_model_len,
-        enable_prefix_caching: !args.disable_prefix_caching,
-        enable_chunked_prefill: true,
-        eos_token_ids: model.eos_token_ids.clone(),
-        weight_version: "0".to_owned(),
-    };
-    config.validate().with_context(|| {
-        format!(
-            "invalid flags: --block-size {}, --num-kv-blocks/--kv-cache-bytes ({n_blocks} KV \
-             blocks of {block_bytes} bytes), --max-num-seqs {}, --max-num-batched-tokens {}, \
-             --max-model-len {max_model_len}",
-            args.block_size, args.max_num_seqs, args.max_num_batched_tokens
-        )
-    })?;
-    Ok(config)
 }

@@ -11,7 +11,7 @@ use ferry_engine::{
 };
 use ferry_kv::KvArena;
 use ferry_kv::KvLayout;
-use ferry_model::{ChecksumModel, ExecError, Executor, ModelWeights, Weightless};
+use ferry_model::{ChecksumModel, ExecError, Executor, Hooked, ModelWeights, StepHook, Weightless};
 
 pub const VOCAB: usize = 1000;
 
@@ -129,8 +129,10 @@ pub struct StepRecord {
 /// Wraps an executor: announces each step on `entered` (with what it holds), then waits for
 /// a release before running it. Once the test drops the release sender, steps run freely.
 /// The engine thread is a plain thread, so blocking here is allowed; the test side awaits.
-pub struct Gated<E> {
-    pub inner: E,
+pub type Gated<E> = Hooked<E, GateHook>;
+
+/// The engine's side of a [`Gated`] executor.
+pub struct GateHook {
     entered: tokio::sync::mpsc::UnboundedSender<StepRecord>,
     release: tokio::sync::mpsc::UnboundedReceiver<()>,
 }
@@ -164,10 +166,12 @@ pub fn gated<E: Executor>(inner: E) -> (Gated<E>, Gate) {
     let (entered_tx, entered_rx) = tokio::sync::mpsc::unbounded_channel();
     let (release_tx, release_rx) = tokio::sync::mpsc::unbounded_channel();
     (
-        Gated {
+        Hooked {
             inner,
-            entered: entered_tx,
-            release: release_rx,
+            hook: GateHook {
+                entered: entered_tx,
+                release: release_rx,
+            },
         },
         Gate {
             entered: entered_rx,
@@ -176,22 +180,8 @@ pub fn gated<E: Executor>(inner: E) -> (Gated<E>, Gate) {
     )
 }
 
-impl<E: Executor> Executor for Gated<E> {
-    fn kv_layout(&self, block_size: usize) -> KvLayout {
-        self.inner.kv_layout(block_size)
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn weight_ops(&self) -> &dyn ModelWeights {
-        self.inner.weight_ops()
-    }
-    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
-        self.inner.weight_ops_mut()
-    }
-
-    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
+impl StepHook for GateHook {
+    fn before_step(&mut self, plan: &StepPlan) -> Result<(), ExecError> {
         let record = StepRecord {
             step: plan.step,
             reqs: plan
@@ -203,39 +193,31 @@ impl<E: Executor> Executor for Gated<E> {
         let _ = self.entered.send(record);
         // `None`: the gate is open (or the test is gone); run freely.
         let _ = self.release.blocking_recv();
-        self.inner.execute(plan, kv)
+        Ok(())
     }
 }
 
-/// Wraps an executor: fails the calls whose number (from 0) `fail` says.
-pub struct Failing<E> {
-    pub inner: E,
-    pub n_calls: u64,
-    pub fail: fn(u64) -> bool,
+/// `inner`, failing the calls whose number (from 0) `fail` says.
+pub fn failing<E: Executor>(inner: E, fail: fn(u64) -> bool) -> Hooked<E, FailHook> {
+    Hooked {
+        inner,
+        hook: FailHook { n_calls: 0, fail },
+    }
 }
 
-impl<E: Executor> Executor for Failing<E> {
-    fn kv_layout(&self, block_size: usize) -> KvLayout {
-        self.inner.kv_layout(block_size)
-    }
+pub struct FailHook {
+    n_calls: u64,
+    fail: fn(u64) -> bool,
+}
 
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn weight_ops(&self) -> &dyn ModelWeights {
-        self.inner.weight_ops()
-    }
-    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
-        self.inner.weight_ops_mut()
-    }
-
-    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
+impl StepHook for FailHook {
+    fn before_step(&mut self, _plan: &StepPlan) -> Result<(), ExecError> {
         let n = self.n_calls;
         self.n_calls += 1;
         if (self.fail)(n) {
             return Err(ExecError::InvalidPlan(format!("injected failure {n}")));
         }
-        self.inner.execute(plan, kv)
+        Ok(())
     }
 }
 

@@ -296,7 +296,7 @@ fn add(acc: &mut [f32], x: &[f32]) {
 /// through the block table, as decode does) and every position's logits are returned; else
 /// the whole prompt is one prefill step and only the last position's logits come back.
 pub fn paged_logits(model: &LoadedModel, ids: &[u32], every_position: bool) -> Vec<Vec<f32>> {
-    use ferry_core::{SampleSpec, SamplingParams, ScheduledReq, StepPlan};
+    use ferry_core::{SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
 
     const BLOCK_SIZE: usize = 4;
     let mut llama = ferry_model::LlamaModel::new(&model.config, &model.weights).expect("model");
@@ -321,7 +321,7 @@ pub fn paged_logits(model: &LoadedModel, ids: &[u32], every_position: bool) -> V
                 tokens: 0..chunk.len(),
                 blocks: 0..table.len(),
                 sample: Some(SampleSpec {
-                    params: SamplingParams::greedy(1).sampler_spec(),
+                    params: SamplerSpec::default(),
                     output_idx: 0,
                 }),
             }],

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplingParams, ScheduledReq, StepPlan};
+use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
 use ferry_kv::KvArena;
 use ferry_model::random_model::SplitMix64;
 use ferry_model::{Executor, LlamaConfig, LlamaModel, Logits, RopeScaling, WeightStore};
@@ -73,7 +73,7 @@ pub fn build_plan(pool: &mut Pool, seqs: &mut [&mut Seq], counts: &[usize]) -> S
         let b0 = plan.block_tables.len();
         plan.block_tables.extend(&seq.table);
         let sample = (end == seq.tokens.len()).then(|| SampleSpec {
-            params: SamplingParams::greedy(16).sampler_spec(),
+            params: SamplerSpec::default(),
             output_idx: 0,
         });
         plan.reqs.push(ScheduledReq {

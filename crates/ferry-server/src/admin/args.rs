@@ -1,5 +1,5 @@
 //! Reading the admin routes' arguments (query strings and small JSON bodies) and mapping the
-//! engine's lifecycle and weight errors to HTTP.
+//! engine's lifecycle and weight errors to HTTP (`From` impls, so a handler's `?` maps them).
 //!
 //! Query strings are parsed by hand over `form_urlencoded` rather than with `axum::Query`:
 //! `wake_up?tags=weights&tags=kv_cache` repeats a key, which `serde_urlencoded` cannot read
@@ -7,8 +7,10 @@
 //! parameters are refused too: a typo such as `clear_cach=false` would otherwise silently
 //! clear the cache.
 
-use ferry_core::{PauseMode, SleepLevel, WakeTag};
-use ferry_engine::{EngineError, WeightError};
+use ferry_engine::{
+    LifecycleCallError, PauseMode, SleepLevel, WakeTag, WeightError, WeightReloadError,
+    WeightUpdateError,
+};
 use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
@@ -136,27 +138,41 @@ pub fn optional_json<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, A
     parse_json(bytes)
 }
 
-/// How an admin call's engine error reaches the client. `load_param` names the request field
-/// a failed reload blames (`model_path`).
-pub fn admin_error(e: EngineError, load_param: &str) -> ApiError {
-    match e {
-        EngineError::Lifecycle(_) => ApiError::conflict(e.to_string()),
-        EngineError::Weights(w) => weight_error(w, load_param),
-        EngineError::Load(_) => ApiError::invalid(load_param, e.to_string()),
-        EngineError::Overloaded { .. } | EngineError::Stopped => {
-            ApiError::unavailable(e.to_string())
+/// A lifecycle operation the core refused or cancelled is a conflict with the engine's state
+/// (409); nothing was lost and the caller may retry in another state.
+impl From<LifecycleCallError> for ApiError {
+    fn from(e: LifecycleCallError) -> Self {
+        match e {
+            LifecycleCallError::Lifecycle(e) => ApiError::conflict(e.to_string()),
+            LifecycleCallError::Stopped(e) => e.into(),
         }
-        EngineError::Rejected(_)
-        | EngineError::NoTokenizer
-        | EngineError::TokenOutOfVocabulary { .. }
-        | EngineError::Config(_)
-        | EngineError::ZeroQueueCapacity
-        | EngineError::Thread(_) => ApiError::internal(e.to_string()),
     }
 }
 
-/// A refused weight update: the tensor at fault is the `param` where there is one.
-pub fn weight_error(w: WeightError, load_param: &str) -> ApiError {
+/// A refused push: the tensor at fault is the `param` where there is one, else the body.
+impl From<WeightUpdateError> for ApiError {
+    fn from(e: WeightUpdateError) -> Self {
+        match e {
+            WeightUpdateError::Weights(w) => weight_error(w, "body"),
+            WeightUpdateError::Stopped(e) => e.into(),
+        }
+    }
+}
+
+/// A failed reload: the tensor at fault where there is one, else `model_path`.
+impl From<WeightReloadError> for ApiError {
+    fn from(e: WeightReloadError) -> Self {
+        match e {
+            WeightReloadError::Load(_) => ApiError::invalid("model_path", e.to_string()),
+            WeightReloadError::Weights(w) => weight_error(w, "model_path"),
+            WeightReloadError::Stopped(e) => e.into(),
+        }
+    }
+}
+
+/// A refused weight update. `source_param` is the request field the weights came from (the
+/// push's body, the reload's `model_path`), blamed when no tensor is at fault.
+fn weight_error(w: WeightError, source_param: &str) -> ApiError {
     let message = format!("weight update refused: {w}");
     match &w {
         WeightError::UnknownTensor { name }
@@ -164,7 +180,7 @@ pub fn weight_error(w: WeightError, load_param: &str) -> ApiError {
         | WeightError::UnsupportedDtype { name, .. } => ApiError::invalid(name.clone(), message),
         WeightError::Empty | WeightError::Malformed(_) => ApiError::invalid("body", message),
         WeightError::Incomplete { .. } | WeightError::ConfigMismatch { .. } => {
-            ApiError::invalid(load_param, message)
+            ApiError::invalid(source_param, message)
         }
         WeightError::WrongExecutor => ApiError::internal(message),
     }
@@ -227,20 +243,19 @@ mod tests {
     #[test]
     fn errors_map_to_status_by_kind() {
         use axum::http::StatusCode;
-        let e = admin_error(ferry_engine::LifecycleError::NotPaused.into(), "model_path");
+        let e = ApiError::from(LifecycleCallError::from(
+            ferry_engine::LifecycleError::NotPaused,
+        ));
         assert_eq!(e.status, StatusCode::CONFLICT);
         assert_eq!(
-            admin_error(EngineError::Stopped, "x").status,
+            ApiError::from(LifecycleCallError::from(ferry_engine::Stopped)).status,
             StatusCode::SERVICE_UNAVAILABLE
         );
-        let e = weight_error(
-            WeightError::BadShape {
-                name: "a.weight".into(),
-                expected: vec![2],
-                got: vec![3],
-            },
-            "model_path",
-        );
+        let e = ApiError::from(WeightReloadError::from(WeightError::BadShape {
+            name: "a.weight".into(),
+            expected: vec![2],
+            got: vec![3],
+        }));
         assert_eq!(
             (e.status, e.param.as_deref()),
             (StatusCode::BAD_REQUEST, Some("a.weight"))

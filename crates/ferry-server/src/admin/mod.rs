@@ -8,8 +8,8 @@
 //!
 //! Every handler validates its arguments before it calls the engine (a bad argument is a 400
 //! naming it and changes nothing), then makes one [`ferry_engine::EngineHandle`] call; the
-//! engine's errors map by variant in [`args::admin_error`]: lifecycle conflicts are 409, a
-//! refused weight update or an unreadable model folder is 400, a stopped engine is 503.
+//! engine's errors map by variant (the `From` impls in [`args`]): lifecycle conflicts are 409,
+//! a refused weight update or an unreadable model folder is 400, a stopped engine is 503.
 
 pub mod args;
 pub mod sglang;
@@ -20,13 +20,13 @@ use std::sync::Arc;
 use axum::extract::{RawQuery, State};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use ferry_core::{PauseMode, SleepLevel};
+use ferry_engine::{PauseMode, SleepLevel};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::state::AppState;
-use args::{admin_error, optional_json, wake_tags, QueryArgs};
+use args::{optional_json, wake_tags, QueryArgs};
 
 /// A handler's reply: a small JSON object, or an OpenAI-shaped error.
 pub type AdminReply = Result<Json<Value>, ApiError>;
@@ -72,30 +72,20 @@ pub async fn pause(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) ->
     };
     let mode = q.pause_mode("mode", default_mode)?;
     let clear_cache = q.bool("clear_cache", true)?;
-    app.engine
-        .pause(mode, clear_cache)
-        .await
-        .map_err(|e| admin_error(e, "mode"))?;
+    app.engine.pause(mode, clear_cache).await?;
     Ok(Json(json!({"status": "paused"})))
 }
 
 /// `POST /resume`: continues scheduling; a pending cache reset or sleep fails with 409.
 pub async fn resume(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) -> AdminReply {
     QueryArgs::parse(raw.as_deref(), &[])?;
-    app.engine
-        .resume()
-        .await
-        .map_err(|e| admin_error(e, "resume"))?;
+    app.engine.resume().await?;
     Ok(Json(json!({"status": "resumed"})))
 }
 
 /// `GET /is_paused` → `{"is_paused": bool}`.
 pub async fn is_paused(State(app): State<Arc<AppState>>) -> AdminReply {
-    let paused = app
-        .engine
-        .is_paused()
-        .await
-        .map_err(|e| admin_error(e, "is_paused"))?;
+    let paused = app.engine.is_paused().await?;
     Ok(Json(json!({"is_paused": paused})))
 }
 
@@ -104,10 +94,7 @@ pub async fn sleep(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) ->
     let q = QueryArgs::parse(raw.as_deref(), &["level", "mode"])?;
     let level = q.sleep_level("level", SleepLevel::L1)?;
     let mode = q.pause_mode("mode", PauseMode::Abort)?;
-    app.engine
-        .sleep(level, mode)
-        .await
-        .map_err(|e| admin_error(e, "level"))?;
+    app.engine.sleep(level, mode).await?;
     Ok(Json(json!({"status": "sleeping", "level": level.as_u8()})))
 }
 
@@ -116,20 +103,13 @@ pub async fn sleep(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) ->
 pub async fn wake_up(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) -> AdminReply {
     let q = QueryArgs::parse(raw.as_deref(), &["tags"])?;
     let tags = wake_tags(&q.all("tags"), "tags", &[])?;
-    app.engine
-        .wake_up(&tags)
-        .await
-        .map_err(|e| admin_error(e, "tags"))?;
+    app.engine.wake_up(&tags).await?;
     is_sleeping(State(app)).await
 }
 
 /// `GET /is_sleeping` → `{"is_sleeping": bool}`.
 pub async fn is_sleeping(State(app): State<Arc<AppState>>) -> AdminReply {
-    let sleeping = app
-        .engine
-        .is_sleeping()
-        .await
-        .map_err(|e| admin_error(e, "is_sleeping"))?;
+    let sleeping = app.engine.is_sleeping().await?;
     Ok(Json(json!({"is_sleeping": sleeping})))
 }
 
@@ -140,10 +120,7 @@ pub async fn release_kv_cache_memory(
     RawQuery(raw): RawQuery,
 ) -> AdminReply {
     QueryArgs::parse(raw.as_deref(), &[])?;
-    app.engine
-        .release_kv_cache_memory()
-        .await
-        .map_err(|e| admin_error(e, "release_kv_cache_memory"))?;
+    app.engine.release_kv_cache_memory().await?;
     Ok(Json(json!({"status": "released"})))
 }
 
@@ -160,11 +137,7 @@ pub async fn reset_prefix_cache(
     )?;
     let running = q.bool("reset_running_requests", false)?;
     let external = q.bool("reset_external", false)?;
-    let success = app
-        .engine
-        .reset_prefix_cache(running, external)
-        .await
-        .map_err(|e| admin_error(e, "reset_prefix_cache"))?;
+    let success = app.engine.reset_prefix_cache(running, external).await?;
     Ok(Json(json!({"success": success})))
 }
 
@@ -186,10 +159,6 @@ pub async fn abort_requests(
         .request_ids
         .filter(|ids| !ids.is_empty())
         .map(|ids| app.live.expand(&ids));
-    let n = app
-        .engine
-        .abort_requests(ids)
-        .await
-        .map_err(|e| admin_error(e, "request_ids"))?;
+    let n = app.engine.abort_requests(ids).await?;
     Ok(Json(json!({"status": "aborted", "aborted": n})))
 }

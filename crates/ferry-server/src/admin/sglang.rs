@@ -16,11 +16,11 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use ferry_core::{PauseMode, SleepLevel, WakeTag};
+use ferry_engine::{PauseMode, SleepLevel, WakeTag};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::args::{admin_error, optional_json, wake_tags};
+use super::args::{optional_json, wake_tags};
 use super::weights::engine_weight_info;
 use super::AdminReply;
 use crate::error::ApiError;
@@ -68,10 +68,7 @@ pub async fn pause_generation(
             ))
         }
     };
-    app.engine
-        .pause(mode, clear_cache)
-        .await
-        .map_err(|e| admin_error(e, "mode"))?;
+    app.engine.pause(mode, clear_cache).await?;
     Ok(Json(
         json!({"message": "Generation paused successfully.", "status": "ok"}),
     ))
@@ -79,10 +76,7 @@ pub async fn pause_generation(
 
 /// `POST /continue_generation`.
 pub async fn continue_generation(State(app): State<Arc<AppState>>) -> AdminReply {
-    app.engine
-        .resume()
-        .await
-        .map_err(|e| admin_error(e, "continue_generation"))?;
+    app.engine.resume().await?;
     Ok(Json(
         json!({"message": "Generation continued successfully.", "status": "ok"}),
     ))
@@ -91,11 +85,7 @@ pub async fn continue_generation(State(app): State<Arc<AppState>>) -> AdminReply
 /// `GET|POST /flush_cache`: drops every cached prefix; 400 (nothing changed) while requests
 /// or transfers still hold blocks, as SGLang refuses a flush while requests run.
 pub async fn flush_cache(State(app): State<Arc<AppState>>) -> AdminReply {
-    let flushed = app
-        .engine
-        .reset_prefix_cache(false, false)
-        .await
-        .map_err(|e| admin_error(e, "flush_cache"))?;
+    let flushed = app.engine.reset_prefix_cache(false, false).await?;
     if !flushed {
         return Err(ApiError::bad_request(
             "the cache was not flushed: requests or transfers still hold KV blocks; \
@@ -135,20 +125,14 @@ pub async fn release_memory_occupation(
     if tags.as_ref().is_some_and(Vec::is_empty) {
         return Ok(Json(json!({"success": true})));
     }
-    app.engine
-        .sleep(SleepLevel::L1, PauseMode::Keep)
-        .await
-        .map_err(|e| admin_error(e, "tags"))?;
+    app.engine.sleep(SleepLevel::L1, PauseMode::Keep).await?;
     if let Some(tags) = tags {
         let keep: Vec<WakeTag> = [WakeTag::Weights, WakeTag::KvCache]
             .into_iter()
             .filter(|t| !tags.contains(t))
             .collect();
         if !keep.is_empty() {
-            app.engine
-                .wake_up(&keep)
-                .await
-                .map_err(|e| admin_error(e, "tags"))?;
+            app.engine.wake_up(&keep).await?;
         }
     }
     Ok(Json(json!({"success": true})))
@@ -164,10 +148,7 @@ pub async fn resume_memory_occupation(
     if tags.as_ref().is_some_and(Vec::is_empty) {
         return Ok(Json(json!({"success": true})));
     }
-    app.engine
-        .wake_up(tags.as_deref().unwrap_or(&[]))
-        .await
-        .map_err(|e| admin_error(e, "tags"))?;
+    app.engine.wake_up(tags.as_deref().unwrap_or(&[])).await?;
     Ok(Json(json!({"success": true})))
 }
 

@@ -13,12 +13,11 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::{RawQuery, State};
 use axum::Json;
-use ferry_engine::{EngineError, WeightInfo, WeightUpdateInfo};
-use ferry_model::WeightResidency;
+use ferry_engine::{WeightInfo, WeightResidency, WeightUpdateInfo};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::args::{admin_error, non_empty, optional_json, weight_error, QueryArgs};
+use super::args::{non_empty, optional_json, QueryArgs};
 use super::AdminReply;
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -44,11 +43,7 @@ pub async fn update_weights_from_disk(
         Some(p) => PathBuf::from(p),
     };
     let version = non_empty(req.weight_version, "weight_version")?;
-    let info = app
-        .engine
-        .update_weights_from_disk(path, version)
-        .await
-        .map_err(|e| admin_error(e, "model_path"))?;
+    let info = app.engine.update_weights_from_disk(path, version).await?;
     Ok(Json(update_reply(&info, "weights reloaded from disk")))
 }
 
@@ -69,16 +64,11 @@ pub async fn push(
              see --max-weight-push-bytes): {e}"
         ))
     })?;
-    // Converting hundreds of megabytes to f32 takes a while: not on an async worker.
-    let tensors = tokio::task::spawn_blocking(move || ferry_model::parse_safetensors(&bytes))
-        .await
-        .map_err(|e| ApiError::internal(format!("the safetensors reader failed: {e}")))?
-        .map_err(|e| weight_error(e, "body"))?;
+    // Parsed and converted off the async workers and the engine thread.
     let info = app
         .engine
-        .update_weights(tensors, version)
-        .await
-        .map_err(|e| admin_error(e, "body"))?;
+        .update_weights_from_safetensors(bytes, version)
+        .await?;
     Ok(Json(update_reply(&info, "weights updated")))
 }
 
@@ -110,10 +100,7 @@ pub async fn update_weight_version(
     let req: UpdateWeightVersion = optional_json(&body)?;
     let version = non_empty(req.new_version, "new_version")?
         .ok_or_else(|| ApiError::invalid("new_version", "`new_version` is required"))?;
-    app.engine
-        .update_weight_version(version.clone())
-        .await
-        .map_err(|e| admin_error(e, "new_version"))?;
+    app.engine.update_weight_version(version.clone()).await?;
     Ok(Json(json!({"success": true, "new_version": version})))
 }
 
@@ -129,10 +116,7 @@ pub async fn weight_info(State(app): State<Arc<AppState>>) -> AdminReply {
 }
 
 pub(super) async fn engine_weight_info(app: &AppState) -> Result<WeightInfo, ApiError> {
-    app.engine
-        .weight_info()
-        .await
-        .map_err(|e: EngineError| admin_error(e, "weight_info"))
+    Ok(app.engine.weight_info().await?)
 }
 
 fn residency_name(r: WeightResidency) -> &'static str {

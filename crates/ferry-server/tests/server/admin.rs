@@ -528,7 +528,7 @@ async fn reload_from_disk_after_sleep_level_2_wakes_the_engine() {
     let s = admin_server().await;
     let before = generate(&s).await;
     let dir = tempfile::tempdir().unwrap();
-    ferry_model::tiny::write_hf_folder(&ferry_model::tiny::tiny_model(), dir.path()).unwrap();
+    ferry_engine::testing::write_tiny_folder(dir.path()).unwrap();
     s.admin_ok("/sleep?level=2").await;
     assert_eq!(weight_info(&s).await["residency"], "dropped");
     // The weights are gone: waking them is a conflict until new ones come.
@@ -622,8 +622,8 @@ async fn assert_generates(s: &Server) {
     assert_eq!(out["choices"][0]["finish_reason"], "length", "{out}");
 }
 
-fn tiny_tensor(name: &str) -> ferry_model::Tensor {
-    ferry_model::tiny::tiny_model()
+fn tiny_tensor(name: &str) -> ferry_engine::Tensor {
+    ferry_engine::testing::tiny_model()
         .weights
         .get(name)
         .unwrap_or_else(|| panic!("the tiny model has no {name}"))

@@ -368,7 +368,7 @@ async fn outputs_report_their_weight_versions() {
 /// The tiny model written as a folder (to reload from) and its safetensors file (to push).
 fn tiny_folder() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    ferry_model::tiny::write_hf_folder(&ferry_model::tiny::tiny_model(), dir.path()).unwrap();
+    ferry_engine::testing::write_tiny_folder(dir.path()).unwrap();
     dir
 }
 

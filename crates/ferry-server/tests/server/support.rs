@@ -1,50 +1,17 @@
 //! Test harness: the real engine over the tiny Llama model, the server on a loopback port,
 //! and small HTTP helpers (JSON posts, SSE parsing, metric scraping).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::{ModelOutput, SchedulerConfig, StepPlan};
-use ferry_engine::{spawn, EngineConfig, EngineHandle};
-use ferry_kv::{KvArena, KvLayout};
-use ferry_model::tiny::{tiny_model, ENDOFTEXT, IM_END};
-use ferry_model::{ExecError, Executor, LlamaModel, ModelWeights};
+use ferry_engine::testing::{tiny_model, StepThrottle};
+use ferry_engine::{start_model_with, EngineHandle, KvCacheSize, ModelEngineConfig};
 use ferry_server::{router, serve, ServerConfig};
 use serde_json::Value;
 
 pub const MODEL: &str = "tiny-test";
 pub const MAX_MODEL_LEN: usize = 96;
-
-/// The tiny model behind a gate (a test can hold the engine inside a step) and an optional
-/// per-step delay (to make a stream slow enough to disconnect from mid-way).
-pub struct TestExecutor {
-    inner: LlamaModel,
-    gate: Arc<Mutex<()>>,
-    delay: Duration,
-    n_steps: Arc<AtomicUsize>,
-}
-
-impl Executor for TestExecutor {
-    fn kv_layout(&self, block_size: usize) -> KvLayout {
-        self.inner.kv_layout(block_size)
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn weight_ops(&self) -> &dyn ModelWeights {
-        self.inner.weight_ops()
-    }
-    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
-        self.inner.weight_ops_mut()
-    }
-    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
-        self.n_steps.fetch_add(1, Ordering::SeqCst);
-        drop(self.gate.lock().unwrap_or_else(|e| e.into_inner()));
-        std::thread::sleep(self.delay);
-        self.inner.execute(plan, kv)
-    }
-}
 
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -86,42 +53,31 @@ impl Drop for Server {
 }
 
 pub async fn start(opts: Options) -> Server {
-    let tiny = tiny_model();
-    let scheduler = SchedulerConfig {
+    let config = ModelEngineConfig {
         block_size: 4,
-        n_blocks: 512,
+        kv_cache: KvCacheSize::Blocks(512),
         max_num_seqs: 32,
         max_num_batched_tokens: 512,
-        max_model_len: MAX_MODEL_LEN,
-        eos_token_ids: tiny.config.eos_token_ids.clone(),
-        ..SchedulerConfig::default()
-    };
-    let gate = Arc::new(Mutex::new(()));
-    let n_steps = Arc::new(AtomicUsize::new(0));
-    let executor = TestExecutor {
-        inner: LlamaModel::new(&tiny.config, &tiny.weights).unwrap(),
-        gate: Arc::clone(&gate),
-        delay: opts.step_delay,
-        n_steps: Arc::clone(&n_steps),
-    };
-    let config = EngineConfig {
-        scheduler,
+        max_model_len: Some(MAX_MODEL_LEN),
         input_queue_capacity: opts.queue_capacity,
+        ..ModelEngineConfig::default()
     };
-    let tokenizer = tiny.tokenizer.map(Arc::new);
-    let engine = spawn(config, Box::new(executor), tokenizer).unwrap();
+    let throttle = StepThrottle {
+        delay: opts.step_delay,
+        ..StepThrottle::default()
+    };
+    let mut model = tiny_model();
+    if !opts.chat_template {
+        model.chat_template = None;
+    }
+    let started = start_model_with(model, &config, throttle.wrap()).unwrap();
+    let engine = started.handle;
     let server_config = ServerConfig {
-        chat_template: opts
-            .chat_template
-            .then(|| tiny.chat_template.clone().unwrap()),
-        bos_token: ENDOFTEXT.into(),
-        eos_token: IM_END.into(),
-        vocab_size: Some(tiny.config.vocab_size),
         enable_admin_api: opts.admin_api,
         max_weight_push_bytes: opts
             .max_weight_push_bytes
             .unwrap_or(ferry_server::DEFAULT_MAX_WEIGHT_PUSH_BYTES),
-        ..ServerConfig::new(MODEL)
+        ..ServerConfig::for_model(MODEL, &started.model)
     };
     let app = router(engine.clone(), server_config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -137,8 +93,8 @@ pub async fn start(opts: Options) -> Server {
             .timeout(Duration::from_secs(30))
             .build()
             .unwrap(),
-        gate,
-        n_steps,
+        gate: throttle.gate,
+        n_steps: throttle.n_steps,
         shutdown: Some(tx),
     }
 }
