@@ -35,3 +35,26 @@ pub trait Executor: Send {
 
     fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights;
 }
+
+/// A borrowed executor is one too, so a caller can lend its model to a driver for a run.
+impl<E: Executor + ?Sized> Executor for &mut E {
+    fn kv_layout(&self, block_size: usize) -> KvLayout {
+        (**self).kv_layout(block_size)
+    }
+
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+
+    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
+        (**self).execute(plan, kv)
+    }
+
+    fn weight_ops(&self) -> &dyn ModelWeights {
+        (**self).weight_ops()
+    }
+
+    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
+        (**self).weight_ops_mut()
+    }
+}
