@@ -12,7 +12,8 @@
 //!
 //! Modules, bottom up: [`hash`] (chained blake3 block hashes), [`block_pool`] (ref counts, LRU
 //! free queue, prefix-cache index), [`kv_cache`] (per-request block arithmetic),
-//! [`ownership`] (the ledger and its checker), [`request`], [`config`], [`scheduler`].
+//! [`ownership`] (the ledger and its checker), [`request`], [`config`], [`scheduler`];
+//! [`driver`] runs one step against a model (tests, benches, simulation).
 //!
 //! One step, with a stand-in for the executor:
 //!
@@ -37,6 +38,7 @@
 pub mod block_pool;
 pub mod config;
 pub mod connector;
+pub mod driver;
 pub mod hash;
 pub mod kv_cache;
 pub mod lifecycle;
@@ -48,6 +50,7 @@ pub mod scheduler;
 
 pub use config::{ConfigError, PauseState, SchedulerConfig};
 pub use connector::KvConnector;
+pub use driver::{Step, StepDriver, StepError, StepModel};
 pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,

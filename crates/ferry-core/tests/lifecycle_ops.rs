@@ -135,7 +135,7 @@ impl Run {
     fn new() -> Self {
         let conn = Arc::new(Mutex::new(Transfers::default()));
         let mut h = Harness::new(config());
-        h.vocab = 12;
+        h.model.vocab = 12;
         h.sched.add_connector(Box::new(Conn(conn.clone())));
         Self {
             h,
@@ -177,15 +177,12 @@ impl Run {
     }
 
     fn step(&mut self) {
-        let plan = self.h.sched.schedule();
+        let step = self.h.step_outputs();
         assert!(
-            !self.kv_released || plan.is_empty(),
+            !self.kv_released || step.plan.is_empty(),
             "a step was planned with the KV memory released"
         );
-        let out = self.h.run_model(&plan);
-        let outs = self.h.sched.on_step_output(&plan, &out).unwrap();
-        self.h.record(&outs);
-        self.h.sched.recycle_plan(plan);
+        self.h.recycle(step);
         self.poll();
     }
 

@@ -175,7 +175,7 @@ proptest! {
         chunked in any::<bool>(),
     ) {
         let mut run = Run { h: Harness::new(config(chunked)), added: Vec::new(), transfers: Vec::new() };
-        run.h.vocab = 12; // small vocabulary: EOS (3) comes up often
+        run.h.model.vocab = 12; // small vocabulary: EOS (3) comes up often
         for op in &ops {
             run.apply(op);
         }

@@ -3,10 +3,12 @@
 
 mod common;
 
+use std::convert::Infallible;
+
 use common::{fake_token, prompt, small_config, Harness};
 use ferry_core::{
     AddError, BlockStatus, FinishReason, ModelOutput, OutputError, Owner, SampledToken,
-    SamplingParams, Scheduler, SchedulerConfig, TransferError,
+    SamplingParams, Scheduler, SchedulerConfig, StepDriver, StepModel, StepPlan, TransferError,
 };
 
 #[test]
@@ -60,30 +62,43 @@ fn bad_requests_are_rejected_with_their_reason() {
     ));
 }
 
+/// A model that samples the script's tokens in turn, one per step.
+struct Script<'a>(std::slice::Iter<'a, u32>);
+
+impl StepModel for Script<'_> {
+    type Error = Infallible;
+
+    fn compute(&mut self, _: &Scheduler, plan: &StepPlan) -> Result<ModelOutput, Infallible> {
+        let sampled = plan
+            .reqs
+            .iter()
+            .filter(|r| r.sample.is_some())
+            .map(|r| SampledToken {
+                req: r.req,
+                token: *self.0.next().expect("script long enough"),
+                logprob: 0.0,
+                top_logprobs: vec![],
+            })
+            .collect();
+        Ok(ModelOutput { sampled })
+    }
+}
+
 /// Runs one request alone with a scripted model and returns its tokens and finish reason.
 fn run_scripted(
     config: SchedulerConfig,
     params: SamplingParams,
     script: &[u32],
 ) -> (Vec<u32>, FinishReason) {
-    let mut s = Scheduler::new(config).unwrap();
-    let idx = s.add_request("r", prompt(1, 5), params).unwrap();
+    let mut d = StepDriver::new(Scheduler::new(config).unwrap(), Script(script.iter()));
+    d.sched.add_request("r", prompt(1, 5), params).unwrap();
     let mut tokens = Vec::new();
-    for &t in script {
-        let plan = s.schedule();
-        let out = ModelOutput {
-            sampled: vec![SampledToken {
-                req: idx,
-                token: t,
-                logprob: 0.0,
-                top_logprobs: vec![],
-            }],
-        };
-        let outs = s.on_step_output(&plan, &out).unwrap();
+    for _ in script {
+        let outs = d.step().unwrap().outputs;
         tokens.push(outs[0].sampled.as_ref().unwrap().token);
         if let Some(f) = &outs[0].finished {
-            s.check_ownership().unwrap();
-            assert_eq!(s.stats().n_blocks_used, 0);
+            d.sched.check_ownership().unwrap();
+            assert_eq!(d.sched.stats().n_blocks_used, 0);
             return (tokens, f.reason);
         }
     }
@@ -327,7 +342,9 @@ fn many_requests_drain_with_exact_outputs() {
     h.drain(500);
     for i in 0..12u32 {
         let id = format!("r{i}");
-        let want: Vec<u32> = (0..3 + i).map(|k| fake_token(&id, k, h.vocab)).collect();
+        let want: Vec<u32> = (0..3 + i)
+            .map(|k| fake_token(&id, k, h.model.vocab))
+            .collect();
         assert_eq!(h.generated[&id], want, "{id}");
         assert_eq!(h.finished[&id], (FinishReason::Length, 1));
     }
@@ -396,15 +413,12 @@ fn hold_kv_on_finish_hands_blocks_to_a_transfer() {
     }
     let mut transfer = None;
     for _ in 0..3 {
-        let plan = h.sched.schedule();
-        let out = h.run_model(&plan);
-        for o in h.sched.on_step_output(&plan, &out).unwrap() {
+        for o in h.step_outputs().outputs {
             if let Some(f) = &o.finished {
                 assert_eq!(f.request_id, "P");
                 transfer = f.transfer;
             }
         }
-        h.check();
     }
     let t = transfer.expect("P finished with its KV held");
     assert_eq!(h.sched.transfer_blocks(t), Some(&[1, 2, 3][..]));

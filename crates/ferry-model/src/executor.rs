@@ -36,25 +36,35 @@ pub trait Executor: Send {
     fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights;
 }
 
-/// A boxed executor is an executor (so wrappers such as [`Hooked`] can take the engine's
-/// `Box<dyn Executor>`).
-impl<E: Executor + ?Sized> Executor for Box<E> {
-    fn kv_layout(&self, block_size: usize) -> KvLayout {
-        (**self).kv_layout(block_size)
-    }
-    fn vocab_size(&self) -> usize {
-        (**self).vocab_size()
-    }
-    fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
-        (**self).execute(plan, kv)
-    }
-    fn weight_ops(&self) -> &dyn ModelWeights {
-        (**self).weight_ops()
-    }
-    fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
-        (**self).weight_ops_mut()
-    }
+/// Boxed and borrowed executors are executors too: wrappers such as [`Hooked`] take the
+/// engine's `Box<dyn Executor>`, and a caller can lend its model to a driver for a run.
+macro_rules! forward_executor {
+    ($($pointer:ty),*) => {$(
+        impl<E: Executor + ?Sized> Executor for $pointer {
+            fn kv_layout(&self, block_size: usize) -> KvLayout {
+                (**self).kv_layout(block_size)
+            }
+            fn vocab_size(&self) -> usize {
+                (**self).vocab_size()
+            }
+            fn execute(
+                &mut self,
+                plan: &StepPlan,
+                kv: &mut KvArena,
+            ) -> Result<ModelOutput, ExecError> {
+                (**self).execute(plan, kv)
+            }
+            fn weight_ops(&self) -> &dyn ModelWeights {
+                (**self).weight_ops()
+            }
+            fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
+                (**self).weight_ops_mut()
+            }
+        }
+    )*};
 }
+
+forward_executor!(Box<E>, &mut E);
 
 /// Runs before each step of a [`Hooked`] executor: tests hold, slow, count or fail steps
 /// this way without writing out the whole [`Executor`] again.

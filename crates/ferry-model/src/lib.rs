@@ -7,6 +7,7 @@
 pub mod attention;
 pub mod checksum;
 pub mod config;
+pub mod driver;
 pub mod executor;
 pub mod kernels;
 pub mod llama;
@@ -22,6 +23,7 @@ pub mod weights;
 
 pub use checksum::{ChecksumConfigError, ChecksumModel};
 pub use config::{LlamaConfig, RopeScaling};
+pub use driver::ExecutorModel;
 pub use executor::{ExecError, Executor, Hooked, StepHook};
 pub use llama::{LlamaModel, Logits};
 pub use llama_update::LlamaPreparer;

@@ -53,26 +53,26 @@ fn tokens_in_a_crowded_engine_equal_tokens_alone() {
 /// Tokens of one unseeded request sampled at temperature 1 by a model whose engine RNG has
 /// `engine_seed`.
 fn sampled_tokens(engine_seed: u64) -> Vec<ferry_core::TokenId> {
-    use ferry_core::{SamplingParams, Scheduler};
-    let mut model = model().with_sampler_seed(engine_seed);
+    use ferry_core::{SamplingParams, Scheduler, StepDriver};
     let config = SchedulerConfig::default();
-    let mut arena = ferry_kv::KvArena::new(
-        ferry_model::Executor::kv_layout(&model, config.block_size),
-        config.n_blocks as usize,
-    );
-    let mut sched = Scheduler::new(config).unwrap();
+    let model = ferry_model::ExecutorModel::new(model().with_sampler_seed(engine_seed), &config);
+    let mut driver = StepDriver::new(Scheduler::new(config).unwrap(), model);
     let mut params = SamplingParams::greedy(24);
     params.sampler.temperature = 1.0;
-    sched.add_request("r", vec![1, 2, 3], params).unwrap();
+    driver
+        .sched
+        .add_request("r", vec![1, 2, 3], params)
+        .unwrap();
     let mut tokens = Vec::new();
-    while sched.n_live() > 0 {
-        let plan = sched.schedule();
-        let out = ferry_model::Executor::execute(&mut model, &plan, &mut arena).unwrap();
-        for o in sched.on_step_output(&plan, &out).unwrap() {
-            tokens.extend(o.sampled.map(|s| s.token));
-        }
-        sched.recycle_plan(plan);
-    }
+    driver
+        .drain(usize::MAX, |_, step| {
+            tokens.extend(
+                step.outputs
+                    .iter()
+                    .filter_map(|o| o.sampled.as_ref().map(|s| s.token)),
+            );
+        })
+        .unwrap();
     tokens
 }
 

@@ -2,17 +2,20 @@
 //! model and prints step-time figures.
 //!
 //! The trace is gzip'd JSON lines, each `{"request_id", "prompt_token_ids", "max_tokens"}`.
-//! Every request is added before the first step; each step is schedule → fake model → feed
-//! back, and only `schedule()` and `on_step_output()` are timed. The fake model gives request
+//! Every request is added before the first step; each step is one `StepDriver` step
+//! (schedule → fake model → feed back), and only `schedule()` and `on_step_output()` are timed
+//! (the fake model times itself and its time is subtracted). The fake model gives request
 //! `i` (its line index) the token `(i*7 + n_output_tokens_so_far) % 32000 + 1`.
 
+use std::convert::Infallible;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use ferry_core::{
-    ModelOutput, SampledToken, SamplingParams, Scheduler, SchedulerConfig, StepPlan, TokenId,
+    ModelOutput, ReqIdx, SampledToken, SamplingParams, Scheduler, SchedulerConfig, Step,
+    StepDriver, StepModel, StepPlan, TokenId,
 };
 use serde::{Deserialize, Serialize};
 
@@ -153,45 +156,36 @@ pub fn replay(
     steps: &mut Vec<StepRecord>,
 ) -> anyhow::Result<Report> {
     let max_num_seqs = config.max_num_seqs;
-    let mut sched = Scheduler::new(config)?;
-    // ReqIdx → line index: slots are only reused after a request finishes, and every request
-    // is added before the first step, so this stays valid for the whole run.
-    let mut line_of = Vec::new();
+    let mut driver = StepDriver::new(Scheduler::new(config)?, FakeModel::default());
     for (i, r) in trace.iter().enumerate() {
-        let idx = sched.add_request(
+        let idx = driver.sched.add_request(
             r.request_id.clone(),
             r.prompt_token_ids.clone(),
             SamplingParams::greedy(r.max_tokens),
         )?;
-        let slot = idx.0 as usize;
-        if line_of.len() <= slot {
-            line_of.resize(slot + 1, 0);
-        }
-        line_of[slot] = i as u64;
+        driver.model.set_line(idx, i as u64);
     }
     let mut step_ns = Vec::new();
     let mut steady_ns = Vec::new();
     let mut output_tokens = 0u64;
     let mut n_finished = 0usize;
-    let mut output = ModelOutput::default();
-    while sched.n_live() > 0 {
+    while driver.sched.n_live() > 0 {
+        // Timed: the step less the fake model's own time, then handing the plan back.
         let t0 = Instant::now();
-        let plan = sched.schedule();
-        let t_schedule = t0.elapsed();
+        let Step { plan, outputs } = driver.step()?;
+        let mut elapsed = t0.elapsed().saturating_sub(driver.model.elapsed);
         if plan.is_empty() {
             bail!(
                 "stalled: nothing scheduled with {} requests live",
-                sched.n_live()
+                driver.sched.n_live()
             );
         }
         let steady = is_steady_decode(&plan, max_num_seqs);
-        fake_model(&plan, &line_of, &mut output);
-        let t1 = Instant::now();
-        let outs = sched.on_step_output(&plan, &output)?;
         let n_reqs = plan.reqs.len();
         let n_tokens = plan.num_tokens();
-        sched.recycle_plan(plan);
-        let elapsed = t_schedule + t1.elapsed();
+        let t1 = Instant::now();
+        driver.sched.recycle_plan(plan);
+        elapsed += t1.elapsed();
         step_ns.push(elapsed.as_nanos() as u64);
         steps.push(StepRecord {
             ns: elapsed.as_nanos() as u64,
@@ -201,15 +195,14 @@ pub fn replay(
         if steady {
             steady_ns.push(elapsed.as_nanos() as u64);
         }
-        output_tokens += outs.iter().filter(|o| o.sampled.is_some()).count() as u64;
-        n_finished += outs.iter().filter(|o| o.finished.is_some()).count();
+        output_tokens += outputs.iter().filter(|o| o.sampled.is_some()).count() as u64;
+        n_finished += outputs.iter().filter(|o| o.finished.is_some()).count();
         if check {
-            sched.check_ownership()?;
-            sched.check_queues()?;
+            driver.check()?;
         }
     }
-    sched.check_ownership()?;
-    let stats = sched.stats();
+    driver.sched.check_ownership()?;
+    let stats = driver.sched.stats();
     if n_finished != trace.len() || stats.n_blocks_used != 0 {
         bail!(
             "{} of {} requests finished, {} blocks still used",
@@ -244,19 +237,54 @@ fn is_steady_decode(plan: &StepPlan, max_num_seqs: usize) -> bool {
             .all(|r| r.tokens.len() == 1 && r.sample.is_some())
 }
 
-/// The fake model: request `i` gets `(i*7 + n_output_tokens_so_far) % 32000 + 1`.
-fn fake_model(plan: &StepPlan, line_of: &[u64], output: &mut ModelOutput) {
-    output.sampled.clear();
-    for r in &plan.reqs {
-        let Some(spec) = r.sample else { continue };
-        let i = line_of[r.req.0 as usize];
-        let token = ((i * 7 + u64::from(spec.output_idx)) % 32000 + 1) as TokenId;
-        output.sampled.push(SampledToken {
-            req: r.req,
-            token,
-            logprob: 0.0,
-            top_logprobs: Vec::new(),
-        });
+/// The fake model: request `i` (its line in the trace) gets
+/// `(i*7 + n_output_tokens_so_far) % 32000 + 1`. It times itself, so that the step time can
+/// leave it out.
+#[derive(Debug, Default)]
+struct FakeModel {
+    /// `ReqIdx` → line index: slots are only reused after a request finishes, and every
+    /// request is added before the first step, so this stays valid for the whole run.
+    line_of: Vec<u64>,
+    /// The last output, handed back for reuse.
+    spare: ModelOutput,
+    /// Time spent in the last `compute`.
+    elapsed: Duration,
+}
+
+impl FakeModel {
+    fn set_line(&mut self, idx: ReqIdx, line: u64) {
+        let slot = idx.0 as usize;
+        if self.line_of.len() <= slot {
+            self.line_of.resize(slot + 1, 0);
+        }
+        self.line_of[slot] = line;
+    }
+}
+
+impl StepModel for FakeModel {
+    type Error = Infallible;
+
+    fn compute(&mut self, _: &Scheduler, plan: &StepPlan) -> Result<ModelOutput, Infallible> {
+        let t0 = Instant::now();
+        let mut output = std::mem::take(&mut self.spare);
+        output.sampled.clear();
+        for r in &plan.reqs {
+            let Some(spec) = r.sample else { continue };
+            let i = self.line_of[r.req.0 as usize];
+            let token = ((i * 7 + u64::from(spec.output_idx)) % 32000 + 1) as TokenId;
+            output.sampled.push(SampledToken {
+                req: r.req,
+                token,
+                logprob: 0.0,
+                top_logprobs: Vec::new(),
+            });
+        }
+        self.elapsed = t0.elapsed();
+        Ok(output)
+    }
+
+    fn recycle_output(&mut self, output: ModelOutput) {
+        self.spare = output;
     }
 }
 

@@ -1,14 +1,16 @@
-//! Test harness: a scheduler driven by a fake model, with invariants checked after every step
-//! and a text log of what happened.
+//! Test harness: the step driver with a fake model, invariants checked in every step, and a
+//! record and text log of what happened.
 
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
+use std::convert::Infallible;
 use std::fmt::Write;
+use std::ops::{Deref, DerefMut};
 
 use ferry_core::{
     FinishReason, ModelOutput, RequestOutput, SampledToken, SamplingParams, Scheduler,
-    SchedulerConfig, StepPlan, TokenId, TransferId,
+    SchedulerConfig, Step, StepDriver, StepModel, StepPlan, TokenId, TransferId,
 };
 
 /// The fake model's token for a request: a function of its id and output index, so runs are
@@ -25,10 +27,37 @@ pub fn prompt(seed: u32, n: usize) -> Vec<TokenId> {
     (0..n as u32).map(|p| seed * 10_000 + p).collect()
 }
 
+/// The fake model: every sampled token is [`fake_token`] of the request's id.
+#[derive(Debug)]
+pub struct FakeModel {
+    pub vocab: u32,
+}
+
+impl StepModel for FakeModel {
+    type Error = Infallible;
+
+    fn compute(&mut self, sched: &Scheduler, plan: &StepPlan) -> Result<ModelOutput, Infallible> {
+        let mut out = ModelOutput::default();
+        for r in &plan.reqs {
+            let Some(spec) = r.sample else { continue };
+            let id = &sched.request(r.req).expect("planned request is live").id;
+            out.sampled.push(SampledToken {
+                req: r.req,
+                token: fake_token(id, spec.output_idx, self.vocab),
+                logprob: -0.5,
+                top_logprobs: Vec::new(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// The step driver with the fake model and checks on, plus a record of what every step
+/// produced. Derefs to the driver, so tests reach the core as `h.sched` and the model as
+/// `h.model`.
 #[derive(Debug)]
 pub struct Harness {
-    pub sched: Scheduler,
-    pub vocab: u32,
+    pub driver: StepDriver<FakeModel>,
     /// Every finished request with how it finished, and how many times (must be once).
     pub finished: BTreeMap<String, (FinishReason, usize)>,
     /// Generated tokens per request id.
@@ -37,11 +66,24 @@ pub struct Harness {
     pub exports: Vec<TransferId>,
 }
 
+impl Deref for Harness {
+    type Target = StepDriver<FakeModel>;
+    fn deref(&self) -> &Self::Target {
+        &self.driver
+    }
+}
+
+impl DerefMut for Harness {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.driver
+    }
+}
+
 impl Harness {
     pub fn new(config: SchedulerConfig) -> Self {
+        let sched = Scheduler::new(config).expect("valid test config");
         Self {
-            sched: Scheduler::new(config).expect("valid test config"),
-            vocab: 32_000,
+            driver: StepDriver::new(sched, FakeModel { vocab: 32_000 }).checked(),
             finished: BTreeMap::new(),
             generated: BTreeMap::new(),
             exports: Vec::new(),
@@ -54,37 +96,32 @@ impl Harness {
             .expect("valid test request");
     }
 
-    /// One step: schedule, fake model, feed back, check invariants. Returns the plan.
+    /// One step (invariants checked after scheduling and after the output), recorded.
+    /// Returns the plan.
     pub fn step(&mut self) -> StepPlan {
-        let plan = self.sched.schedule();
-        self.check();
-        let output = self.run_model(&plan);
-        let outs = self
-            .sched
-            .on_step_output(&plan, &output)
-            .expect("output matches plan");
-        self.record(&outs);
-        self.check();
-        plan
+        self.step_outputs().plan
+    }
+
+    /// Like `step`, returning the step's outputs too.
+    pub fn step_outputs(&mut self) -> Step {
+        let step = self.driver.step().unwrap_or_else(|e| panic!("step: {e}"));
+        self.record(&step.outputs);
+        step
     }
 
     /// Like `step`, rendering the plan and what finished as text.
     pub fn step_text(&mut self) -> String {
-        let plan = self.sched.schedule();
-        self.check();
-        let mut text = self.sched.render_plan(&plan);
-        let output = self.run_model(&plan);
-        let outs = self
-            .sched
-            .on_step_output(&plan, &output)
-            .expect("output matches plan");
-        for o in &outs {
+        let mut text = String::new();
+        let step = self
+            .driver
+            .step_with(|sched, plan| text = sched.render_plan(plan))
+            .unwrap_or_else(|e| panic!("step: {e}"));
+        for o in &step.outputs {
             if let Some(f) = &o.finished {
                 let _ = writeln!(text, "  {} finished: {}", f.request_id, f.reason.as_str());
             }
         }
-        self.record(&outs);
-        self.check();
+        self.record(&step.outputs);
         text
     }
 
@@ -94,30 +131,62 @@ impl Harness {
             .collect()
     }
 
-    pub fn run_model(&self, plan: &StepPlan) -> ModelOutput {
-        let mut out = ModelOutput::default();
-        for r in &plan.reqs {
-            let Some(spec) = r.sample else { continue };
-            let id = &self
-                .sched
-                .request(r.req)
-                .expect("planned request is live")
-                .id;
-            out.sampled.push(SampledToken {
-                req: r.req,
-                token: fake_token(id, spec.output_idx, self.vocab),
-                logprob: -0.5,
-                top_logprobs: Vec::new(),
-            });
-        }
+    /// The fake model's output for `plan`, for tests that feed it back by hand.
+    pub fn run_model(&mut self, plan: &StepPlan) -> ModelOutput {
+        let Ok(out) = self.driver.model.compute(&self.driver.sched, plan);
         out
     }
 
     pub fn record(&mut self, outs: &[RequestOutput]) {
+        let (driver, mut recorder) = self.split();
+        recorder.add(&driver.sched, outs);
+    }
+
+    /// The driver and the record, borrowed apart, so `drain`'s callback can record while the
+    /// driver steps.
+    fn split(&mut self) -> (&mut StepDriver<FakeModel>, Recorder<'_>) {
+        let Self {
+            driver,
+            finished,
+            generated,
+            exports,
+        } = self;
+        let recorder = Recorder {
+            finished,
+            generated,
+            exports,
+        };
+        (driver, recorder)
+    }
+
+    pub fn check(&self) {
+        if let Err(e) = self.driver.check() {
+            panic!("{e}");
+        }
+    }
+
+    /// Steps until nothing is live; panics after `max_steps`.
+    pub fn drain(&mut self, max_steps: usize) {
+        let (driver, mut recorder) = self.split();
+        let drained = driver.drain(max_steps, |sched, step| recorder.add(sched, &step.outputs));
+        if let Err(e) = drained {
+            panic!("{e}: {:?}", self.sched.stats());
+        }
+    }
+}
+
+/// A harness's record, borrowed.
+struct Recorder<'a> {
+    finished: &'a mut BTreeMap<String, (FinishReason, usize)>,
+    generated: &'a mut BTreeMap<String, Vec<TokenId>>,
+    exports: &'a mut Vec<TransferId>,
+}
+
+impl Recorder<'_> {
+    fn add(&mut self, sched: &Scheduler, outs: &[RequestOutput]) {
         for o in outs {
             if let Some(s) = &o.sampled {
-                let id = self
-                    .sched
+                let id = sched
                     .request(o.req)
                     .map(|r| r.id.clone())
                     .or_else(|| o.finished.as_ref().map(|f| f.request_id.clone()))
@@ -133,29 +202,6 @@ impl Harness {
                 e.1 += 1;
             }
         }
-    }
-
-    pub fn check(&self) {
-        if let Err(e) = self.sched.check_ownership() {
-            panic!("ownership: {e}");
-        }
-        if let Err(e) = self.sched.check_queues() {
-            panic!("queues: {e}");
-        }
-    }
-
-    /// Steps until nothing is live; panics after `max_steps`.
-    pub fn drain(&mut self, max_steps: usize) {
-        for _ in 0..max_steps {
-            if self.sched.n_live() == 0 {
-                return;
-            }
-            self.step();
-        }
-        panic!(
-            "not drained after {max_steps} steps: {:?}",
-            self.sched.stats()
-        );
     }
 }
 

@@ -1,13 +1,12 @@
-//! Shared by the scheduler-driven tests: a deterministic workload and the engine step loop in
-//! miniature (schedule → execute → on_step_output, block ownership checked after every step).
+//! Shared by the scheduler-driven tests: a deterministic workload and a run of it through the
+//! core's step driver with a real executor (block ownership checked in every step).
 
 #![allow(dead_code)] // each test binary uses a different subset
 
 use std::collections::BTreeMap;
 
-use ferry_core::{SamplingParams, Scheduler, SchedulerConfig, TokenId};
-use ferry_kv::KvArena;
-use ferry_model::Executor;
+use ferry_core::{SamplingParams, Scheduler, SchedulerConfig, StepDriver, TokenId};
+use ferry_model::{Executor, ExecutorModel};
 
 /// `(request id, prompt, max_tokens)` per request, in arrival order.
 pub type Workload = Vec<(String, Vec<TokenId>, u32)>;
@@ -48,12 +47,14 @@ pub fn workload(n: usize, seed: u64, vocab: usize, shared_len: usize) -> Workloa
 }
 
 /// Runs every request of `reqs` to completion (greedy) through a scheduler built from
-/// `config` and `model`; asserts nothing is left running and every block is free at the end.
-pub fn run(model: &mut dyn Executor, config: SchedulerConfig, reqs: &Workload) -> Run {
-    let mut arena = KvArena::new(model.kv_layout(config.block_size), config.n_blocks as usize);
-    let mut sched = Scheduler::new(config).unwrap();
+/// `config` and `model`, block ownership and queues checked in every step; asserts nothing is
+/// left running and every block is free at the end.
+pub fn run(model: impl Executor, config: SchedulerConfig, reqs: &Workload) -> Run {
+    let model = ExecutorModel::new(model, &config);
+    let mut driver = StepDriver::new(Scheduler::new(config).unwrap(), model).checked();
     for (id, prompt, max_tokens) in reqs {
-        sched
+        driver
+            .sched
             .add_request(
                 id.clone(),
                 prompt.clone(),
@@ -62,29 +63,20 @@ pub fn run(model: &mut dyn Executor, config: SchedulerConfig, reqs: &Workload) -
             .unwrap();
     }
     let mut outputs: BTreeMap<String, Vec<TokenId>> = BTreeMap::new();
-    let mut ids = BTreeMap::new();
-    for _ in 0..10_000 {
-        if sched.n_live() == 0 {
-            break;
-        }
-        let plan = sched.schedule();
-        for r in &plan.reqs {
-            ids.insert(r.req, sched.request(r.req).unwrap().id.clone());
-        }
-        let out = model.execute(&plan, &mut arena).unwrap();
-        for o in sched.on_step_output(&plan, &out).unwrap() {
+    let drained = driver.drain(10_000, |sched, step| {
+        for o in &step.outputs {
             if let Some(s) = &o.sampled {
-                outputs
-                    .entry(ids[&o.req].clone())
-                    .or_default()
-                    .push(s.token);
+                // A finished request is gone from the core; its output names it.
+                let id = o.finished.as_ref().map_or_else(
+                    || sched.request(o.req).unwrap().id.clone(),
+                    |f| f.request_id.clone(),
+                );
+                outputs.entry(id).or_default().push(s.token);
             }
         }
-        sched.check_ownership().unwrap();
-        sched.recycle_plan(plan);
-    }
-    assert_eq!(sched.n_live(), 0, "requests left unfinished");
-    let stats = sched.stats();
+    });
+    drained.expect("requests left unfinished");
+    let stats = driver.sched.stats();
     assert_eq!(stats.n_blocks_used, 0, "blocks still held after draining");
     Run {
         outputs,

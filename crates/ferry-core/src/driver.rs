@@ -1,0 +1,141 @@
+//! The step driver: one engine step (`schedule` → model → `on_step_output`) written once, for
+//! everything that runs the core without the engine thread: tests, `ferry bench scheduler`,
+//! and the simulation.
+//!
+//! The model is anything implementing [`StepModel`]: a fake in the core's tests, an executor
+//! with its KV arena in `ferry-model` (`ExecutorModel`). The driver stays sans-IO: no clock,
+//! no thread; a caller that wants timings measures around [`StepDriver::step`] (and inside its
+//! model). With checks on, block ownership and the queues are verified after `schedule()` (so
+//! a broken plan never reaches the model) and after `on_step_output()`.
+
+use crate::ownership::OwnershipError;
+use crate::plan::{ModelOutput, StepPlan};
+use crate::scheduler::{OutputError, QueueError, RequestOutput, Scheduler};
+
+/// Whatever computes a plan: an executor, or a stand-in for one.
+pub trait StepModel {
+    type Error;
+
+    /// Computes `plan` and samples a token for each of its requests whose `sample` is set, in
+    /// plan order. `core` is read-only (a fake model may look up request ids).
+    fn compute(&mut self, core: &Scheduler, plan: &StepPlan) -> Result<ModelOutput, Self::Error>;
+
+    /// Takes an output back once the core has read it, so the next `compute` can reuse its
+    /// buffers (optional, like `Scheduler::recycle_plan`).
+    fn recycle_output(&mut self, output: ModelOutput) {
+        drop(output);
+    }
+}
+
+/// What one step did: the plan it ran and what it produced, in plan order.
+#[derive(Debug)]
+pub struct Step {
+    pub plan: StepPlan,
+    pub outputs: Vec<RequestOutput>,
+}
+
+/// A step that failed; the core is left as the failing call left it.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError<E> {
+    #[error("model: {0}")]
+    Model(E),
+    #[error(transparent)]
+    Output(#[from] OutputError),
+    #[error("ownership: {0}")]
+    Ownership(#[from] OwnershipError),
+    #[error("queues: {0}")]
+    Queues(#[from] QueueError),
+    #[error("{n_live} requests still live after {max_steps} steps")]
+    NotDrained { max_steps: usize, n_live: usize },
+}
+
+/// The core and a model, stepped together.
+///
+/// Both fields are public: between steps, callers add and abort requests and make lifecycle
+/// calls on the core directly, as the engine thread does between its steps.
+#[derive(Debug)]
+pub struct StepDriver<M> {
+    pub sched: Scheduler,
+    pub model: M,
+    check: bool,
+}
+
+impl<M: StepModel> StepDriver<M> {
+    /// A driver without checks.
+    pub fn new(sched: Scheduler, model: M) -> Self {
+        Self {
+            sched,
+            model,
+            check: false,
+        }
+    }
+
+    /// Verifies block ownership and the queues after `schedule()` and after
+    /// `on_step_output()` in every step (slow; for tests and `--check` runs).
+    pub fn checked(mut self) -> Self {
+        self.check = true;
+        self
+    }
+
+    /// One step: schedule, compute, feed the output back.
+    pub fn step(&mut self) -> Result<Step, StepError<M::Error>> {
+        self.step_with(|_, _| {})
+    }
+
+    /// Like [`step`](Self::step), calling `before_compute` with the plan while the core still
+    /// shows the state it was planned from (every planned request still live), e.g. to render it.
+    pub fn step_with(
+        &mut self,
+        before_compute: impl FnOnce(&Scheduler, &StepPlan),
+    ) -> Result<Step, StepError<M::Error>> {
+        let plan = self.sched.schedule();
+        if self.check {
+            self.check()?;
+        }
+        before_compute(&self.sched, &plan);
+        let output = self
+            .model
+            .compute(&self.sched, &plan)
+            .map_err(StepError::Model)?;
+        let outputs = self.sched.on_step_output(&plan, &output);
+        self.model.recycle_output(output);
+        let outputs = outputs?;
+        if self.check {
+            self.check()?;
+        }
+        Ok(Step { plan, outputs })
+    }
+
+    /// Hands a step's plan back to the core for reuse (optional).
+    pub fn recycle(&mut self, step: Step) {
+        self.sched.recycle_plan(step.plan);
+    }
+
+    /// Steps until no request is live, calling `on_step` after each step; fails if requests
+    /// are still live after `max_steps` steps. Returns the number of steps taken.
+    pub fn drain(
+        &mut self,
+        max_steps: usize,
+        mut on_step: impl FnMut(&Scheduler, &Step),
+    ) -> Result<usize, StepError<M::Error>> {
+        for n_steps in 0..max_steps {
+            if self.sched.n_live() == 0 {
+                return Ok(n_steps);
+            }
+            let step = self.step()?;
+            on_step(&self.sched, &step);
+            self.recycle(step);
+        }
+        match self.sched.n_live() {
+            0 => Ok(max_steps),
+            n_live => Err(StepError::NotDrained { max_steps, n_live }),
+        }
+    }
+
+    /// Block ownership, then the queues.
+    pub fn check(&self) -> Result<(), StepError<M::Error>> {
+        self.sched.check_ownership()?;
+        self.sched.check_queues()?;
+        Ok(())
+    }
+}
