@@ -45,19 +45,18 @@ impl SamplingParams {
 
 /// What the sampler needs to draw one token (small, `Copy`): the part of
 /// [`SamplingParams`] the executor reads, carried in the [`crate::StepPlan`].
+///
+/// * `temperature`: `0.0` is greedy;
+/// * `top_k` (`0`: off), `top_p` (`1.0`: off), `min_p` (`0.0`: off): the filters;
+/// * `seed`: with one, sampling is reproducible whatever the batch;
+/// * `logprobs`: how many top logprobs to return besides the sampled token's (`None`: none).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplerSpec {
-    /// `0.0` means greedy.
     pub temperature: f32,
-    /// `0` means disabled.
     pub top_k: u32,
-    /// `1.0` means disabled.
     pub top_p: f32,
-    /// `0.0` means disabled.
     pub min_p: f32,
-    /// Per-request seed; with a seed, sampling is reproducible whatever the batch.
     pub seed: Option<u64>,
-    /// Number of top logprobs to return besides the sampled token's (None: no logprobs).
     pub logprobs: Option<u32>,
 }
 
