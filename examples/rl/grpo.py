@@ -283,7 +283,7 @@ def loop(args, rng, task, model, prev, push_names, opt, ferry, checks):
     history = []
     for step in range(1, args.steps + 1):
         t_step = time.perf_counter()
-        nxt = submit_batch() if step < args.steps else []
+        nxt = submit_batch() if step < args.steps and not args.pause_mid_rollout else []
         all_rollouts += nxt
 
         # -- rewards and advantages --------------------------------------------------------
@@ -349,8 +349,11 @@ def loop(args, rng, task, model, prev, push_names, opt, ferry, checks):
 
         # -- the weight sync: pause(keep) -> push -> resume ---------------------------------
         new_version = f"step-{step}"
-        if args.pause_mid_rollout:
-            # (tests) make the update land inside the next batch: wait for its first tokens
+        if args.pause_mid_rollout and step < args.steps:
+            # (tests) make the update land inside the next batch whatever the speeds: submit it
+            # only now, and pause once every rollout has its first tokens
+            nxt = submit_batch()
+            all_rollouts += nxt
             deadline = time.monotonic() + args.request_timeout
             while time.monotonic() < deadline and not all(
                     r.done.is_set() or all(c.token_ids for c in r.choices) for r in nxt):
@@ -514,7 +517,8 @@ def main():
     ap.add_argument("--check", action="store_true", help="print cargo-style checks; exit 1 if any fails")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--pause-mid-rollout", action="store_true",
-                    help="(tests) pause only once every rollout of the next batch has started")
+                    help="(tests) submit the next batch after training, not before, and pause "
+                         "once each of its rollouts has started: every update lands mid-rollout")
     args = ap.parse_args()
     if args.trainer is None:
         try:
