@@ -506,7 +506,7 @@ def main():
     ap.add_argument("--group", type=int, default=4, help="samples per prompt (n)")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--ignore-eos", action="store_true", help="every sample max-tokens long")
-    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
