@@ -15,6 +15,11 @@ cargo test --workspace --locked "$@" 2>&1 | tee "$log" || status=$?
 # built); its checks print cargo-style lines, so the totals below count them too.
 scripts/smoke-openai.sh 2>&1 | tee -a "$log" || status=$?
 
+# The RL example (examples/rl/grpo.py) for a few GRPO steps on the tiny model, against the same
+# binary with the admin API: logprobs equal the trainer's under the generating weights, weight
+# versions reported in order across updates, no request lost. Cargo-style lines too.
+scripts/rl-example.sh 2>&1 | tee -a "$log" || status=$?
+
 # cargo prints one "test result" line per test binary, the last ones for doc tests (often
 # empty); close with the totals so the end of the log says how many tests really ran.
 awk '/^test result:/ { p += $4; f += $6 } END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
