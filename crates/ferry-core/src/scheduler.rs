@@ -24,6 +24,7 @@ mod render;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::config::{ConfigError, PauseState, SchedulerConfig};
+use crate::connector::Holder;
 use crate::hash::{chain_root, BlockHash};
 use crate::kv_cache::{KvCacheManager, PrefixHit};
 use crate::ownership::{self, Owner, OwnershipError, TransferId};
@@ -131,7 +132,7 @@ pub struct Scheduler {
     /// version string used twice never lets a prefix hit cross a weight update.
     weight_epoch: u64,
     hash_root: BlockHash,
-    transfers: BTreeMap<TransferId, Vec<BlockId>>,
+    transfers: BTreeMap<TransferId, lifecycle::Hold>,
     next_transfer: u64,
     next_step: u64,
     prefix_hit_tokens: u64,
@@ -209,7 +210,7 @@ impl Scheduler {
             hash_root: self.hash_root,
             n_cached_blocks: 0,
             n_prefix_hit_tokens: 0,
-            hold_kv_on_finish: false,
+            export_on_finish: None,
         };
         self.kv.rehash_if_stale(&mut req, &self.hash_root);
         self.requests[idx.0 as usize] = Some(req);
@@ -540,9 +541,17 @@ impl Scheduler {
         let mut req = self.requests[idx.0 as usize]
             .take()
             .expect("release_request on a live request");
-        let keep = req.hold_kv_on_finish && reason != FinishReason::Abort && !req.blocks.is_empty();
+        let export = req
+            .export_on_finish
+            .filter(|_| reason != FinishReason::Abort && !req.blocks.is_empty());
         // Ownership moves from the request to the transfer: no reference count changes.
-        let transfer = keep.then(|| self.new_transfer(std::mem::take(&mut req.blocks)));
+        let transfer =
+            export.map(|holder| self.new_transfer(std::mem::take(&mut req.blocks), holder));
+        if let (Some(t), Some(Holder::Connector(c))) = (transfer, export) {
+            // The connector that asked for the export owns it: it must know the hold to
+            // report it finished, or its blocks would never come back.
+            self.connectors[c.0 as usize].export_held(t, &req.id);
+        }
         self.kv.free(&mut req);
         self.ids.remove(&req.id);
         self.free_slots.push(idx.0);
@@ -613,7 +622,7 @@ impl Scheduler {
         let transfers = self
             .transfers
             .iter()
-            .map(|(&id, blocks)| (Owner::Transfer(id), &blocks[..]));
+            .map(|(&id, hold)| (Owner::Transfer(id), &hold.blocks[..]));
         reqs.chain(transfers)
     }
 

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use common::{prompt, small_config, Harness};
 use ferry_core::{
-    FinishReason, KvConnector, LifecycleError, LifecycleEvent, OpId, PauseMode, SamplingParams,
-    SleepLevel, TransferId, WakeTag, WeightResidency,
+    FinishReason, Holder, KvConnector, LifecycleError, LifecycleEvent, OpId, PauseMode,
+    SamplingParams, SleepLevel, TransferId, WakeTag, WeightResidency,
 };
 
 fn greedy(n: u32) -> SamplingParams {
@@ -359,6 +359,9 @@ impl KvConnector for Conn {
     fn reset_cache(&mut self) {
         self.0.lock().unwrap().n_resets += 1;
     }
+    fn export_held(&mut self, transfer: TransferId, _request_id: &str) {
+        self.0.lock().unwrap().held.push(transfer);
+    }
 }
 
 #[test]
@@ -368,9 +371,12 @@ fn a_reset_waits_for_transfers_to_hand_their_blocks_back_then_resets_connectors(
         polls_left: 3,
         ..SlowTransfers::default()
     }));
-    h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let conn = h.sched.add_connector(Box::new(Conn(shared.clone())));
     let a = h.sched.request_idx("a").unwrap();
-    let t = h.sched.hold_blocks_for_transfer(a).unwrap();
+    let t = h
+        .sched
+        .hold_blocks_for_transfer(a, Holder::Connector(conn))
+        .unwrap();
     shared.lock().unwrap().held.push(t);
     assert!(
         !h.sched.reset_caches(true, false),
@@ -446,9 +452,12 @@ fn a_reset_cancelled_by_a_wake_up_starts_over_next_time() {
         polls_left: 2,
         ..SlowTransfers::default()
     }));
-    h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let conn = h.sched.add_connector(Box::new(Conn(shared.clone())));
     let a = h.sched.request_idx("a").unwrap();
-    let t = h.sched.hold_blocks_for_transfer(a).unwrap();
+    let t = h
+        .sched
+        .hold_blocks_for_transfer(a, Holder::Connector(conn))
+        .unwrap();
     shared.lock().unwrap().held.push(t);
     // The sleep's reset starts (requests preempted, transfers asked to end), then a wake-up
     // cancels it before the transfer hands its blocks back.
@@ -478,6 +487,57 @@ fn a_reset_cancelled_by_a_wake_up_starts_over_next_time() {
     let s = h.sched.stats();
     assert_eq!((s.n_blocks_used, s.n_running, s.n_blocks_cached), (0, 0, 0));
     h.sched.resume().unwrap();
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}
+
+/// Polls until the lifecycle has something to say, at most `max` times.
+fn poll_until_events(h: &mut Harness, max: usize) -> Vec<LifecycleEvent> {
+    for _ in 0..max {
+        let events = poll(h);
+        if !events.is_empty() {
+            return events;
+        }
+    }
+    Vec::new()
+}
+
+#[test]
+fn a_reset_releases_at_once_holds_no_connector_owns_even_with_a_connector() {
+    let mut h = busy(3);
+    let shared = Arc::new(Mutex::new(SlowTransfers::default()));
+    h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let a = h.sched.request_idx("a").unwrap();
+    h.sched.hold_blocks_for_transfer(a, Holder::Caller).unwrap();
+    h.sched.pause(OpId(1), PauseMode::Keep, true);
+    assert_eq!(
+        poll_until_events(&mut h, 5),
+        vec![done(1)],
+        "no connector reports the caller's hold: the reset releases it"
+    );
+    let s = h.sched.stats();
+    assert_eq!(
+        (s.n_blocks_used, s.n_transfers, s.n_blocks_cached),
+        (0, 0, 0)
+    );
+    h.sched.resume().unwrap();
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}
+
+#[test]
+fn a_connector_frees_only_the_holds_it_owns() {
+    let mut h = busy(3);
+    let shared = Arc::new(Mutex::new(SlowTransfers::default()));
+    h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let a = h.sched.request_idx("a").unwrap();
+    let t = h.sched.hold_blocks_for_transfer(a, Holder::Caller).unwrap();
+    // A connector reporting a hold it does not own changes nothing.
+    shared.lock().unwrap().held.push(t);
+    shared.lock().unwrap().aborted = true;
+    h.step();
+    assert_eq!(h.sched.transfer_holder(t), Some(Holder::Caller));
+    assert!(h.sched.release_transfer(t));
     h.drain(100);
     assert_eq!(h.generated, reference().generated);
 }

@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use common::Harness;
 use ferry_core::{
-    KvConnector, LifecycleEvent, OpId, PauseMode, SamplingParams, SchedulerConfig, SleepLevel,
-    TokenId, TransferId, WakeTag,
+    ConnectorId, Holder, KvConnector, LifecycleEvent, OpId, PauseMode, SamplingParams,
+    SchedulerConfig, SleepLevel, TokenId, TransferId, WakeTag,
 };
 use proptest::prelude::*;
 
@@ -119,6 +119,9 @@ impl KvConnector for Conn {
         s.aborted && !s.live.is_empty()
     }
     fn reset_cache(&mut self) {}
+    fn export_held(&mut self, _transfer: TransferId, _request_id: &str) {
+        unreachable!("holds are made with hold_blocks_for_transfer here")
+    }
 }
 
 struct Run {
@@ -136,7 +139,8 @@ impl Run {
         let conn = Arc::new(Mutex::new(Transfers::default()));
         let mut h = Harness::new(config());
         h.model.vocab = 12;
-        h.sched.add_connector(Box::new(Conn(conn.clone())));
+        let id = h.sched.add_connector(Box::new(Conn(conn.clone())));
+        assert_eq!(id, ConnectorId(0));
         Self {
             h,
             conn,
@@ -224,7 +228,11 @@ impl Run {
             Op::Hold(k) => {
                 let idx = self.pick(k).and_then(|id| self.h.sched.request_idx(id));
                 if let Some(idx) = idx {
-                    if let Ok(t) = self.h.sched.hold_blocks_for_transfer(idx) {
+                    if let Ok(t) = self
+                        .h
+                        .sched
+                        .hold_blocks_for_transfer(idx, Holder::Connector(ConnectorId(0)))
+                    {
                         let lifetime = (k % 7) as u32 + 1;
                         self.conn
                             .lock()

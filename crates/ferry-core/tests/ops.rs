@@ -8,7 +8,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::Harness;
-use ferry_core::{PauseState, SamplingParams, SchedulerConfig, TokenId, TransferId};
+use ferry_core::{Holder, PauseState, SamplingParams, SchedulerConfig, TokenId, TransferId};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -141,7 +141,7 @@ impl Run {
             Op::Hold(k) => {
                 if let Some(id) = self.added.get(k % self.added.len().max(1)) {
                     if let Some(idx) = self.h.sched.request_idx(id) {
-                        if let Ok(t) = self.h.sched.hold_blocks_for_transfer(idx) {
+                        if let Ok(t) = self.h.sched.hold_blocks_for_transfer(idx, Holder::Caller) {
                             self.transfers.push(t);
                         }
                     }
@@ -150,7 +150,7 @@ impl Run {
             Op::HoldOnFinish(k) => {
                 if let Some(id) = self.added.get(k % self.added.len().max(1)) {
                     if let Some(idx) = self.h.sched.request_idx(id) {
-                        self.h.sched.hold_kv_on_finish(idx).unwrap();
+                        self.h.sched.hold_kv_on_finish(idx, Holder::Caller).unwrap();
                     }
                 }
             }

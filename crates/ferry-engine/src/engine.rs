@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_core::{
-    FinishReason, LifecycleError, LifecycleEvent, OpId, ReqIdx, RequestOutput, Scheduler, StepPlan,
-    WakeTag, WeightResidency,
+    FinishReason, Holder, LifecycleError, LifecycleEvent, OpId, ReqIdx, RequestOutput, Scheduler,
+    StepPlan, WakeTag, WeightResidency,
 };
 use ferry_kv::KvArena;
 use ferry_model::{ExecError, Executor, PreparedWeights, WeightError};
@@ -180,9 +180,15 @@ impl EngineLoop {
             params,
             events,
             accepted,
+            export,
         } = add;
         match self.core.add_request(request_id.clone(), prompt, params) {
             Ok(idx) => {
+                if let Some(connector) = export {
+                    self.core
+                        .hold_kv_on_finish(idx, Holder::Connector(connector))
+                        .expect("a live request, and a connector `generate_with_export` checked");
+                }
                 if accepted.send(Ok(())).is_err() {
                     // The caller stopped waiting: nobody would read the stream.
                     self.core.abort(&request_id);
@@ -482,6 +488,7 @@ impl EngineLoop {
                 stop_token: (f.reason == FinishReason::Stop)
                     .then(|| out.sampled.as_ref().map(|s| s.token))
                     .flatten(),
+                transfer: f.transfer,
             });
             let weight_version = out.sampled.is_some().then(|| self.weight_version.clone());
             let event = Event::Output {
@@ -513,6 +520,7 @@ impl EngineLoop {
         let finish = EngineFinish {
             reason: reason.unwrap_or(finished.reason),
             stop_token: None,
+            transfer: finished.transfer,
         };
         let _ = live.events.send(Event::Output {
             sampled: None,

@@ -16,7 +16,7 @@
 
 use super::Scheduler;
 use crate::config::PauseState;
-use crate::connector::KvConnector;
+use crate::connector::{ConnectorId, Holder, KvConnector};
 use crate::lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,
@@ -310,36 +310,45 @@ impl Scheduler {
     }
 
     /// Asks every connector to end its transfers (`abort_transfers`); their blocks come back
-    /// as the transfers end. Holds no connector owns (none is registered) have no reader to
-    /// wait for and are released at once. Touches only KV that transfers hold.
+    /// as the connectors report them ended. Holds the caller owns ([`Holder::Caller`]) have
+    /// no connector to report them and no reader a connector could tell, so they are
+    /// released at once. Touches only KV that transfers hold.
     pub fn release_transfer_kv(&mut self) {
-        if self.connectors.is_empty() {
-            let ids: Vec<TransferId> = self.transfer_ids().collect();
-            for id in ids {
-                self.release_transfer(id);
-            }
-            return;
+        let callers: Vec<TransferId> = self
+            .transfers
+            .iter()
+            .filter(|(_, h)| h.holder == Holder::Caller)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in callers {
+            self.release_transfer(id);
         }
         for c in &mut self.connectors {
             c.abort_transfers();
         }
     }
 
-    /// Frees the blocks of every transfer a connector reports ended.
+    /// Frees the blocks of every transfer a connector reports ended, if that connector owns
+    /// it: a connector can never free another's hold (or the caller's).
     pub(crate) fn poll_connectors(&mut self) {
         let mut ended = std::mem::take(&mut self.control.finished_transfers);
-        for c in &mut self.connectors {
-            c.take_finished_transfers(&mut ended);
-        }
-        for id in ended.drain(..) {
-            self.release_transfer(id);
+        for i in 0..self.connectors.len() {
+            let owner = Holder::Connector(ConnectorId(i as u32));
+            self.connectors[i].take_finished_transfers(&mut ended);
+            for id in ended.drain(..) {
+                if self.transfer_holder(id) == Some(owner) {
+                    self.release_transfer(id);
+                }
+            }
         }
         self.control.finished_transfers = ended;
     }
 
-    /// Registers a connector; the lifecycle drives it from now on.
-    pub fn add_connector(&mut self, connector: Box<dyn KvConnector>) {
+    /// Registers a connector; the lifecycle drives it from now on. Holds it owns name it by
+    /// the returned id (its index in registration order).
+    pub fn add_connector(&mut self, connector: Box<dyn KvConnector>) -> ConnectorId {
         self.connectors.push(connector);
+        ConnectorId(self.connectors.len() as u32 - 1)
     }
 
     /// `reset_prefix_cache` as the admin API has it: with `reset_running_requests`, running

@@ -7,6 +7,7 @@
 
 use super::{RequestOutput, Scheduler};
 use crate::config::PauseState;
+use crate::connector::{ConnectorId, Holder};
 use crate::hash::chain_root;
 use crate::ownership::TransferId;
 use crate::plan::{BlockId, ReqIdx};
@@ -19,6 +20,15 @@ pub enum TransferError {
     UnknownRequest(ReqIdx),
     #[error("request {id:?} holds no KV blocks to transfer")]
     NoBlocks { id: String },
+    #[error("no connector {0:?} is registered to own the hold")]
+    UnknownConnector(ConnectorId),
+}
+
+/// A transfer hold: the blocks it keeps allocated, and who frees them.
+#[derive(Debug)]
+pub(crate) struct Hold {
+    pub(crate) blocks: Vec<BlockId>,
+    pub(crate) holder: Holder,
 }
 
 impl Scheduler {
@@ -104,9 +114,15 @@ impl Scheduler {
     }
 
     /// Holds a live request's blocks for a transfer (an export for a remote reader): the blocks
-    /// stay allocated after the request finishes or is preempted, until `release_transfer`.
-    /// Call it before the request's final output is fed back (its handle is freed then).
-    pub fn hold_blocks_for_transfer(&mut self, req: ReqIdx) -> Result<TransferId, TransferError> {
+    /// stay allocated after the request finishes or is preempted, until `holder` frees them
+    /// (see [`Holder`]). Call it before the request's final output is fed back (its handle is
+    /// freed then).
+    pub fn hold_blocks_for_transfer(
+        &mut self,
+        req: ReqIdx,
+        holder: Holder,
+    ) -> Result<TransferId, TransferError> {
+        self.check_holder(holder)?;
         let r = self
             .request(req)
             .ok_or(TransferError::UnknownRequest(req))?;
@@ -117,36 +133,47 @@ impl Scheduler {
         for &b in &blocks {
             self.kv.pool_mut().touch(b);
         }
-        Ok(self.new_transfer(blocks))
+        Ok(self.new_transfer(blocks, holder))
+    }
+
+    fn check_holder(&self, holder: Holder) -> Result<(), TransferError> {
+        match holder {
+            Holder::Connector(c) if c.0 as usize >= self.connectors.len() => {
+                Err(TransferError::UnknownConnector(c))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Marks a live request so that when it finishes (other than by abort) its blocks go to a
-    /// new transfer hold instead of being freed; `Finished::transfer` names the hold. This is
-    /// the P side of a P/D export.
-    pub fn hold_kv_on_finish(&mut self, req: ReqIdx) -> Result<(), TransferError> {
+    /// new transfer hold owned by `holder` instead of being freed; `Finished::transfer` names
+    /// the hold, and a connector holder is told it (`KvConnector::export_held`), since only
+    /// it can free it. This is the P side of a P/D export.
+    pub fn hold_kv_on_finish(&mut self, req: ReqIdx, holder: Holder) -> Result<(), TransferError> {
+        self.check_holder(holder)?;
         let r = self
             .requests
             .get_mut(req.0 as usize)
             .and_then(Option::as_mut)
             .ok_or(TransferError::UnknownRequest(req))?;
-        r.hold_kv_on_finish = true;
+        r.export_on_finish = Some(holder);
         Ok(())
     }
 
     /// Registers `blocks` (whose references the caller hands over) as a new transfer hold.
-    pub(super) fn new_transfer(&mut self, blocks: Vec<BlockId>) -> TransferId {
+    pub(super) fn new_transfer(&mut self, blocks: Vec<BlockId>, holder: Holder) -> TransferId {
         let id = TransferId(self.next_transfer);
         self.next_transfer += 1;
-        self.transfers.insert(id, blocks);
+        self.transfers.insert(id, Hold { blocks, holder });
         id
     }
 
     /// Ends a transfer hold, freeing its blocks tail first. False if `id` is not held.
     pub fn release_transfer(&mut self, id: TransferId) -> bool {
-        let Some(blocks) = self.transfers.remove(&id) else {
+        let Some(hold) = self.transfers.remove(&id) else {
             return false;
         };
-        for &b in blocks.iter().rev() {
+        for &b in hold.blocks.iter().rev() {
             self.kv.pool_mut().release(b);
         }
         true
@@ -154,7 +181,12 @@ impl Scheduler {
 
     /// The blocks a transfer holds, in block-table order.
     pub fn transfer_blocks(&self, id: TransferId) -> Option<&[BlockId]> {
-        self.transfers.get(&id).map(|b| &b[..])
+        self.transfers.get(&id).map(|h| &h.blocks[..])
+    }
+
+    /// Who frees a transfer hold.
+    pub fn transfer_holder(&self, id: TransferId) -> Option<Holder> {
+        self.transfers.get(&id).map(|h| h.holder)
     }
 
     /// Transfer holds, in id order.
