@@ -541,3 +541,72 @@ fn a_connector_frees_only_the_holds_it_owns() {
     h.drain(100);
     assert_eq!(h.generated, reference().generated);
 }
+
+/// A connector whose reset leaves a flush set for its workers: pending work until the next
+/// turn of the engine (a step, or a poll when idle) hands it over.
+#[derive(Debug, Default)]
+struct Flush {
+    n_resets: u32,
+    undelivered: bool,
+}
+
+#[derive(Debug)]
+struct FlushConn(Arc<Mutex<Flush>>);
+
+impl KvConnector for FlushConn {
+    fn name(&self) -> &str {
+        "flush"
+    }
+    fn abort_transfers(&mut self) {}
+    fn take_finished_transfers(&mut self, _out: &mut Vec<TransferId>) {
+        self.0.lock().unwrap().undelivered = false;
+    }
+    fn has_pending_work(&self) -> bool {
+        self.0.lock().unwrap().undelivered
+    }
+    fn reset_cache(&mut self) {
+        let mut s = self.0.lock().unwrap();
+        s.n_resets += 1;
+        s.undelivered = true;
+    }
+    fn export_held(&mut self, _transfer: TransferId, _request_id: &str) {
+        unreachable!("no request here asks for an export")
+    }
+}
+
+#[test]
+fn memory_is_released_and_the_reply_sent_only_after_the_reset_flush_reached_the_workers() {
+    let mut h = busy(3);
+    let shared = Arc::new(Mutex::new(Flush::default()));
+    h.sched.add_connector(Box::new(FlushConn(shared.clone())));
+    h.sched.sleep(OpId(1), SleepLevel::L1, PauseMode::Keep);
+    let events = poll(&mut h);
+    assert_eq!(
+        shared.lock().unwrap().n_resets,
+        1,
+        "the connectors were reset"
+    );
+    assert_eq!(
+        events,
+        vec![],
+        "neither memory nor a reply in the poll that reset the connectors"
+    );
+    assert!(
+        h.sched.needs_idle_steps(),
+        "the engine must turn once more so the flush reaches the workers"
+    );
+    assert!(h.step().reqs.is_empty());
+    assert_eq!(
+        poll(&mut h),
+        vec![
+            LifecycleEvent::ReleaseKvMemory,
+            LifecycleEvent::OffloadWeights,
+            done(1)
+        ]
+    );
+    assert_eq!(shared.lock().unwrap().n_resets, 1);
+    assert!(!h.sched.needs_idle_steps());
+    h.sched.wake_up(&[]);
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}

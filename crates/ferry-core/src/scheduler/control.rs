@@ -12,7 +12,9 @@
 //! drained); (2) preempt what is frozen (it recomputes after resume) and call
 //! `release_transfer_kv` once; (3) keep polling until every transfer has handed its blocks
 //! back and no connector has pending work; (4) drop every cached hash and every connector's
-//! cache; then the memory steps of a sleep or KV release, then the replies.
+//! cache; then, with connectors, on a later poll once no connector has pending work again
+//! (the engine turned once more, so what their reset left for the workers reached them),
+//! the memory steps of a sleep or KV release, then the replies.
 
 use super::Scheduler;
 use crate::config::PauseState;
@@ -74,6 +76,10 @@ enum ResetStage {
     NotStarted,
     /// `release_transfer_kv` was called; waiting for the transfers' blocks.
     Releasing,
+    /// Hashes and connector caches were dropped; waiting for a later turn of the engine,
+    /// once no connector has pending work, so that what the connectors' reset left for their
+    /// workers (a flush set) reached them before memory is released or anyone is told.
+    Flushing,
 }
 
 impl Scheduler {
@@ -217,7 +223,7 @@ impl Scheduler {
     /// Whether the engine must keep stepping with nothing to compute: a reset waits for
     /// transfers to hand blocks back, or a connector has work to deliver.
     pub fn needs_idle_steps(&self) -> bool {
-        let waiting_for_transfers = self.control.reset == ResetStage::Releasing
+        let waiting_for_transfers = self.control.reset != ResetStage::NotStarted
             && self.pause == PauseState::Frozen
             && !self.control.pending.is_empty();
         waiting_for_transfers || self.connectors.iter().any(|c| c.has_pending_work())
@@ -277,8 +283,15 @@ impl Scheduler {
         if busy || !self.kv.pool_mut().reset_cache() {
             return false;
         }
-        for c in &mut self.connectors {
-            c.reset_cache();
+        if self.control.reset == ResetStage::Releasing {
+            for c in &mut self.connectors {
+                c.reset_cache();
+            }
+            if !self.connectors.is_empty() {
+                // Done on a later poll: the engine turns once more (`needs_idle_steps`).
+                self.control.reset = ResetStage::Flushing;
+                return false;
+            }
         }
         self.control.reset = ResetStage::NotStarted;
         true
