@@ -610,3 +610,42 @@ fn memory_is_released_and_the_reply_sent_only_after_the_reset_flush_reached_the_
     h.drain(100);
     assert_eq!(h.generated, reference().generated);
 }
+
+#[test]
+fn a_wake_up_of_the_kv_cache_cancels_a_pending_kv_release() {
+    let mut h = busy(3);
+    let shared = Arc::new(Mutex::new(SlowTransfers {
+        polls_left: 1000,
+        ..SlowTransfers::default()
+    }));
+    let conn = h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let a = h.sched.request_idx("a").unwrap();
+    let t = h
+        .sched
+        .hold_blocks_for_transfer(a, Holder::Connector(conn))
+        .unwrap();
+    shared.lock().unwrap().held.push(t);
+    h.sched.pause(OpId(1), PauseMode::Keep, false);
+    assert_eq!(poll(&mut h), vec![done(1)]);
+    h.sched.release_kv_cache_memory(OpId(2)).unwrap();
+    assert_eq!(poll(&mut h), vec![], "the release waits for the transfer");
+    h.sched.wake_up(&[WakeTag::KvCache]);
+    assert_eq!(
+        poll(&mut h),
+        vec![LifecycleEvent::Failed(
+            OpId(2),
+            LifecycleError::CancelledByWakeUp
+        )]
+    );
+    // The transfer ends later: nothing is released after the wake-up.
+    shared.lock().unwrap().polls_left = 0;
+    for _ in 0..5 {
+        assert_eq!(poll(&mut h), vec![]);
+    }
+    let s = h.sched.lifecycle_status();
+    assert!(!s.kv_released && s.paused && !s.sleeping);
+    assert_eq!(h.sched.stats().n_transfers, 0);
+    h.sched.resume().unwrap();
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}

@@ -159,7 +159,7 @@ impl Scheduler {
     }
 
     /// Marks `tags` (none: all) awake; the engine has already restored their memory. A sleep
-    /// still pending is cancelled. When nothing is asleep any more and the pause came from a
+    /// still pending is cancelled, and so is a pending KV release when the KV cache wakes. When nothing is asleep any more and the pause came from a
     /// sleep, scheduling resumes.
     pub fn wake_up(&mut self, tags: &[WakeTag]) {
         let all = tags.is_empty();
@@ -169,8 +169,11 @@ impl Scheduler {
         if all || tags.contains(&WakeTag::Weights) {
             self.control.weights = WeightResidency::Resident;
         }
+        // What the wake-up brings back must not be released again by an operation that was
+        // still waiting: a sleep, or (for the KV cache) a KV release.
+        let kv = all || tags.contains(&WakeTag::KvCache);
         self.cancel_pending_where(
-            |p| matches!(p.kind, OpKind::Sleep(_)),
+            |p| matches!(p.kind, OpKind::Sleep(_)) || (kv && p.kind == OpKind::ReleaseKv),
             LifecycleError::CancelledByWakeUp,
         );
         let awake = !self.control.kv_released && self.control.weights == WeightResidency::Resident;
