@@ -649,3 +649,29 @@ fn a_wake_up_of_the_kv_cache_cancels_a_pending_kv_release() {
     h.drain(100);
     assert_eq!(h.generated, reference().generated);
 }
+
+#[test]
+fn a_wake_up_keeps_a_pause_the_client_made_during_the_sleep() {
+    let mut h = busy(2);
+    h.sched.sleep(OpId(1), SleepLevel::L1, PauseMode::Keep);
+    assert_eq!(
+        poll(&mut h),
+        vec![
+            LifecycleEvent::ReleaseKvMemory,
+            LifecycleEvent::OffloadWeights,
+            done(1)
+        ]
+    );
+    h.sched.pause(OpId(2), PauseMode::Keep, false);
+    assert_eq!(poll(&mut h), vec![done(2)]);
+    h.sched.wake_up(&[]);
+    let s = h.sched.lifecycle_status();
+    assert!(
+        !s.sleeping && s.paused,
+        "the client's pause outlives the sleep"
+    );
+    assert!(h.step().reqs.is_empty());
+    h.sched.resume().unwrap();
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}

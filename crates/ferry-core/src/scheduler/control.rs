@@ -89,6 +89,9 @@ impl Scheduler {
     /// earlier one: `wait` on a frozen engine stays frozen.
     pub fn pause(&mut self, op: OpId, mode: PauseMode, clear_cache: bool) -> Vec<RequestOutput> {
         let aborted = self.enter_pause(mode);
+        // The client paused: the pause is the client's now, and only its resume ends it (a
+        // wake-up from a sleep under way does not).
+        self.control.paused_by_sleep = false;
         self.control.pending.push(Pending {
             op,
             kind: OpKind::Pause { clear_cache },
