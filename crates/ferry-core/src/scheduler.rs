@@ -23,7 +23,7 @@ mod render;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use crate::config::{ConfigError, PauseState, SchedulerConfig};
+use crate::config::{ConfigError, SchedulerConfig};
 use crate::connector::Holder;
 use crate::hash::{chain_root, BlockHash};
 use crate::kv_cache::{KvCacheManager, PrefixHit};
@@ -124,13 +124,11 @@ pub struct Scheduler {
     waiting: VecDeque<ReqIdx>,
     /// In admission order: the last one is the first to be preempted.
     running: Vec<ReqIdx>,
-    pause: PauseState,
-    /// Pending lifecycle operations and sleep state (`control.rs`).
+    /// Every piece of lifecycle state: the pause, pending operations, what is asleep, the
+    /// weight version (`control.rs`).
     control: control::Control,
     connectors: Vec<Box<dyn crate::connector::KvConnector>>,
-    /// Counts weight-version changes; with the version it seeds the hash chains, so even a
-    /// version string used twice never lets a prefix hit cross a weight update.
-    weight_epoch: u64,
+    /// The chain root new block hashes start from; follows the weight version.
     hash_root: BlockHash,
     transfers: BTreeMap<TransferId, lifecycle::Hold>,
     next_transfer: u64,
@@ -154,6 +152,7 @@ impl Scheduler {
             config.enable_prefix_caching,
         );
         kv.set_current_root(hash_root);
+        let control = control::Control::new(&config.weight_version);
         Ok(Self {
             kv,
             hash_root,
@@ -163,10 +162,8 @@ impl Scheduler {
             ids: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
-            pause: PauseState::Unpaused,
-            control: control::Control::default(),
+            control,
             connectors: Vec::new(),
-            weight_epoch: 0,
             transfers: BTreeMap::new(),
             next_transfer: 0,
             next_step: 0,
@@ -291,13 +288,13 @@ impl Scheduler {
         self.poll_connectors();
         let mut decisions = std::mem::take(&mut self.decisions);
         decisions.clear();
-        if self.pause != PauseState::Frozen {
+        if !self.control.frozen() {
             let budget = self.config.max_num_batched_tokens;
             let (budget, n_preempted) = self.schedule_running(budget, &mut decisions);
             // Admitting while preempting would only thrash: the blocks are not there.
             if n_preempted == 0 {
                 // A `wait` pause readmits preempted requests (they were admitted) only.
-                let readmit_only = self.pause == PauseState::NoAdmit;
+                let readmit_only = !self.control.admits_new();
                 self.schedule_waiting(budget, readmit_only, &mut decisions);
             }
         }

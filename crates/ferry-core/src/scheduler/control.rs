@@ -1,5 +1,10 @@
-//! The lifecycle state machine: pause, resume, sleep, wake-up, KV release, and the one
-//! idle-time cache reset they share (`../shared/design/lifecycle.md`).
+//! The lifecycle state machine: pause, resume, sleep, wake-up, KV release, weight version,
+//! and the one idle-time cache reset they share (`../shared/design/lifecycle.md`).
+//!
+//! This is the one home of lifecycle state ([`Control`]): the pause (one enum saying how far
+//! compute is paused and whose pause it is), pending operations, the reset's stage, what is
+//! asleep (KV memory, weight residency) and the weight version. The scheduler reads the pause
+//! through [`Control::frozen`] and [`Control::admits_new`] only.
 //!
 //! Operations that cannot complete at once are *pending*, named by an [`OpId`] the engine
 //! maps to its caller's reply. [`Scheduler::poll_lifecycle`] runs after every step and when
@@ -16,24 +21,50 @@
 //! (the engine turned once more, so what their reset left for the workers reached them),
 //! the memory steps of a sleep or KV release, then the replies.
 
+use std::sync::Arc;
+
 use super::Scheduler;
-use crate::config::PauseState;
 use crate::connector::{ConnectorId, Holder, KvConnector};
+use crate::hash::chain_root;
 use crate::lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,
 };
 use crate::ownership::TransferId;
-use crate::request::RequestState;
+use crate::plan::ReqIdx;
+use crate::request::{Request, RequestState};
 use crate::scheduler::RequestOutput;
 
-/// The lifecycle's state, inside the scheduler.
-#[derive(Debug, Default)]
+/// Whether compute is paused, how far, and whose pause it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Pause {
+    #[default]
+    Running,
+    /// Between a pause (or sleep) and a resume (or the full wake-up that ends a sleep's pause).
+    Paused { compute: Compute, by: PausedBy },
+}
+
+/// How far a pause stops compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compute {
+    /// Admit nothing new, but keep running admitted requests (pause mode `wait`); becomes
+    /// `Frozen` once they have drained.
+    Draining,
+    /// Schedule nothing at all; requests stay where they are (`keep`, `abort`, or drained).
+    Frozen,
+}
+
+/// Whose pause it is: a wake-up ends only a sleep's own pause.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PausedBy {
+    Client,
+    Sleep,
+}
+
+/// The lifecycle's state, inside the scheduler: all of it, in one place.
+#[derive(Debug)]
 pub(crate) struct Control {
-    /// Between a pause (or sleep) and a resume (or full wake-up).
-    paused: bool,
-    /// The pause came from a sleep: the wake-up that brings everything back resumes.
-    paused_by_sleep: bool,
+    pause: Pause,
     /// In arrival order.
     pending: Vec<Pending>,
     reset: ResetStage,
@@ -45,6 +76,48 @@ pub(crate) struct Control {
     events: Vec<LifecycleEvent>,
     /// Reused by `poll_connectors`.
     finished_transfers: Vec<TransferId>,
+    /// The version of the weights loaded now; stamped on outputs by the engine.
+    weight_version: Arc<str>,
+    /// Counts weight-version changes; with the version it seeds the hash chains, so even a
+    /// version string used twice never lets a prefix hit cross a weight update.
+    weight_epoch: u64,
+}
+
+impl Control {
+    pub(super) fn new(weight_version: &str) -> Self {
+        Self {
+            pause: Pause::Running,
+            pending: Vec::new(),
+            reset: ResetStage::NotStarted,
+            sleeping: None,
+            kv_released: false,
+            weights: WeightResidency::Resident,
+            events: Vec::new(),
+            finished_transfers: Vec::new(),
+            weight_version: Arc::from(weight_version),
+            weight_epoch: 0,
+        }
+    }
+
+    /// Schedule nothing at all.
+    pub(super) fn frozen(&self) -> bool {
+        matches!(
+            self.pause,
+            Pause::Paused {
+                compute: Compute::Frozen,
+                ..
+            }
+        )
+    }
+
+    /// Admit never-admitted requests (false while any pause is in force).
+    pub(super) fn admits_new(&self) -> bool {
+        self.pause == Pause::Running
+    }
+
+    fn paused(&self) -> bool {
+        self.pause != Pause::Running
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -88,10 +161,9 @@ impl Scheduler {
     /// Returns the outputs of requests an `abort` pause finished. A pause never loosens an
     /// earlier one: `wait` on a frozen engine stays frozen.
     pub fn pause(&mut self, op: OpId, mode: PauseMode, clear_cache: bool) -> Vec<RequestOutput> {
-        let aborted = self.enter_pause(mode);
         // The client paused: the pause is the client's now, and only its resume ends it (a
         // wake-up from a sleep under way does not).
-        self.control.paused_by_sleep = false;
+        let aborted = self.enter_pause(mode, PausedBy::Client);
         self.control.pending.push(Pending {
             op,
             kind: OpKind::Pause { clear_cache },
@@ -105,8 +177,7 @@ impl Scheduler {
     pub fn sleep(&mut self, op: OpId, level: SleepLevel, mode: PauseMode) -> Vec<RequestOutput> {
         // A wake-up undoes only the sleep's own pause: an engine the client paused before it
         // slept stays paused until the client resumes it.
-        self.control.paused_by_sleep |= !self.control.paused;
-        let aborted = self.enter_pause(mode);
+        let aborted = self.enter_pause(mode, PausedBy::Sleep);
         self.control.pending.push(Pending {
             op,
             kind: OpKind::Sleep(level),
@@ -114,15 +185,31 @@ impl Scheduler {
         aborted
     }
 
-    fn enter_pause(&mut self, mode: PauseMode) -> Vec<RequestOutput> {
-        self.control.paused = true;
+    /// Pauses (never loosening a pause in force). A client's pause takes the pause over; a
+    /// sleep's pause stays the client's if the client had paused first.
+    fn enter_pause(&mut self, mode: PauseMode, by: PausedBy) -> Vec<RequestOutput> {
         let target = match mode {
-            PauseMode::Wait => PauseState::NoAdmit,
-            PauseMode::Abort | PauseMode::Keep => PauseState::Frozen,
+            PauseMode::Wait => Compute::Draining,
+            PauseMode::Abort | PauseMode::Keep => Compute::Frozen,
         };
-        if self.pause != PauseState::Frozen {
-            self.pause = target;
-        }
+        self.control.pause = match self.control.pause {
+            Pause::Running => Pause::Paused {
+                compute: target,
+                by,
+            },
+            Pause::Paused { compute, by: was } => Pause::Paused {
+                compute: if compute == Compute::Frozen {
+                    Compute::Frozen
+                } else {
+                    target
+                },
+                by: if by == PausedBy::Client {
+                    PausedBy::Client
+                } else {
+                    was
+                },
+            },
+        };
         match mode {
             PauseMode::Abort => self.abort_all(),
             PauseMode::Wait | PauseMode::Keep => Vec::new(),
@@ -137,7 +224,7 @@ impl Scheduler {
             .pending
             .iter()
             .any(|p| matches!(p.kind, OpKind::Pause { .. } | OpKind::Sleep(_)));
-        if !self.control.paused || self.pause != PauseState::Frozen || pause_pending {
+        if !self.control.frozen() || pause_pending {
             return Err(LifecycleError::NotPaused);
         }
         self.control.pending.push(Pending {
@@ -182,7 +269,13 @@ impl Scheduler {
         let awake = !self.control.kv_released && self.control.weights == WeightResidency::Resident;
         if awake {
             self.control.sleeping = None;
-            if self.control.paused_by_sleep {
+            if matches!(
+                self.control.pause,
+                Pause::Paused {
+                    by: PausedBy::Sleep,
+                    ..
+                }
+            ) {
                 self.cancel_pending(LifecycleError::CancelledByWakeUp);
                 self.unpause();
             }
@@ -207,16 +300,14 @@ impl Scheduler {
     }
 
     fn unpause(&mut self) {
-        self.control.paused = false;
-        self.control.paused_by_sleep = false;
+        self.control.pause = Pause::Running;
         self.control.sleeping = None;
-        self.pause = PauseState::Unpaused;
     }
 
     pub fn lifecycle_status(&self) -> LifecycleStatus {
         let c = &self.control;
         LifecycleStatus {
-            paused: c.paused,
+            paused: c.paused(),
             sleeping: c.sleeping.is_some()
                 || c.kv_released
                 || c.weights != WeightResidency::Resident,
@@ -230,7 +321,7 @@ impl Scheduler {
     /// transfers to hand blocks back, or a connector has work to deliver.
     pub fn needs_idle_steps(&self) -> bool {
         let waiting_for_transfers = self.control.reset != ResetStage::NotStarted
-            && self.pause == PauseState::Frozen
+            && self.control.frozen()
             && !self.control.pending.is_empty();
         waiting_for_transfers || self.connectors.iter().any(|c| c.has_pending_work())
     }
@@ -239,10 +330,16 @@ impl Scheduler {
     /// Call after every step and when idle.
     pub fn poll_lifecycle(&mut self, out: &mut Vec<LifecycleEvent>) {
         self.poll_connectors();
-        if self.pause == PauseState::NoAdmit && self.drained() {
-            self.pause = PauseState::Frozen;
+        if let Pause::Paused {
+            compute: compute @ Compute::Draining,
+            ..
+        } = &mut self.control.pause
+        {
+            if self.running.is_empty() && drained(&self.waiting, &self.requests) {
+                *compute = Compute::Frozen;
+            }
         }
-        if self.pause == PauseState::Frozen && !self.control.pending.is_empty() {
+        if self.control.frozen() && !self.control.pending.is_empty() {
             self.complete_without_reset();
             let reset_wanted = self.control.pending.iter().any(|p| p.kind.needs_reset());
             if reset_wanted && self.advance_reset() {
@@ -250,15 +347,6 @@ impl Scheduler {
             }
         }
         out.append(&mut self.control.events);
-    }
-
-    /// No admitted request is left: none running, none preempted waiting to be readmitted.
-    fn drained(&self) -> bool {
-        self.running.is_empty()
-            && self.waiting.iter().all(|&r| {
-                self.request(r)
-                    .is_none_or(|req| req.state == RequestState::Waiting)
-            })
     }
 
     /// Completes, in order, the pending operations that need no reset.
@@ -385,5 +473,42 @@ impl Scheduler {
             }
         }
         self.reset_prefix_cache()
+    }
+}
+
+/// No admitted request is waiting to be readmitted (preempted): the waiting queue holds only
+/// never-admitted requests.
+fn drained(waiting: &std::collections::VecDeque<ReqIdx>, requests: &[Option<Request>]) -> bool {
+    waiting.iter().all(|&r| {
+        requests[r.0 as usize]
+            .as_ref()
+            .is_none_or(|req| req.state == RequestState::Waiting)
+    })
+}
+
+impl Scheduler {
+    /// Switches the weight version: every new hash chain is seeded by it and by a count of
+    /// changes, so KV computed under the old weights can never be hit again (old entries age
+    /// out of the cache). Requests holding no KV rehash on admission; running ones keep their
+    /// old-rooted chain and cache no further blocks (their KV mixes both weights).
+    pub fn set_weight_version(&mut self, version: impl Into<String>) {
+        let c = &mut self.control;
+        c.weight_version = Arc::from(version.into());
+        c.weight_epoch += 1;
+        // The epoch makes every change a new root, even back to a version string seen before.
+        let seed = format!("{}\u{0}{}", c.weight_version, c.weight_epoch);
+        self.hash_root = chain_root(&seed);
+        self.kv.set_current_root(self.hash_root);
+    }
+
+    /// The version of the weights loaded now.
+    pub fn weight_version(&self) -> &str {
+        &self.control.weight_version
+    }
+
+    /// [`weight_version`](Self::weight_version), shared: the engine stamps it on every output
+    /// token without copying the string.
+    pub fn weight_version_shared(&self) -> Arc<str> {
+        self.control.weight_version.clone()
     }
 }

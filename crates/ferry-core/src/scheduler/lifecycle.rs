@@ -1,14 +1,12 @@
-//! Lifecycle hooks on the scheduler: pause state, aborts, preempting everything, prefix-cache
-//! reset, weight version, and transfer holds.
+//! Lifecycle primitives on the scheduler: aborts, preempting everything, prefix-cache reset,
+//! and transfer holds.
 //!
-//! These are the primitives the engine's lifecycle operations (pause, sleep, reset, weight
-//! update, P/D exports) are built from. Each is immediate; waiting for a state (idle, all
-//! transfers released) is the engine loop's job.
+//! These are what the lifecycle state machine (`control.rs`, which holds every piece of
+//! lifecycle state) and P/D exports are built from. Each is immediate and holds no state of
+//! its own beyond the holds.
 
 use super::{RequestOutput, Scheduler};
-use crate::config::PauseState;
 use crate::connector::{ConnectorId, Holder};
-use crate::hash::chain_root;
 use crate::ownership::TransferId;
 use crate::plan::{BlockId, ReqIdx};
 use crate::request::{FinishReason, RequestState};
@@ -32,15 +30,6 @@ pub(crate) struct Hold {
 }
 
 impl Scheduler {
-    pub fn pause_state(&self) -> PauseState {
-        self.pause
-    }
-
-    /// Sets how far compute is paused; takes effect at the next `schedule()`.
-    pub fn set_pause(&mut self, state: PauseState) {
-        self.pause = state;
-    }
-
     /// Finishes a live request as aborted, freeing its blocks (transfers holding some of them
     /// keep theirs). Unknown or finished ids are ignored (`None`).
     pub fn abort(&mut self, id: &str) -> Option<RequestOutput> {
@@ -94,23 +83,6 @@ impl Scheduler {
     /// (by a running request or a transfer); never fails otherwise.
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.kv.pool_mut().reset_cache()
-    }
-
-    /// Switches the weight version: every new hash chain is seeded by it and by a count of
-    /// changes, so KV computed under the old weights can never be hit again (old entries age
-    /// out of the cache). Requests holding no KV rehash on admission; running ones keep their
-    /// old-rooted chain and cache no further blocks (their KV mixes both weights).
-    pub fn set_weight_version(&mut self, version: impl Into<String>) {
-        self.config.weight_version = version.into();
-        self.weight_epoch += 1;
-        // The epoch makes every change a new root, even back to a version string seen before.
-        let seed = format!("{}\u{0}{}", self.config.weight_version, self.weight_epoch);
-        self.hash_root = chain_root(&seed);
-        self.kv.set_current_root(self.hash_root);
-    }
-
-    pub fn weight_version(&self) -> &str {
-        &self.config.weight_version
     }
 
     /// Holds a live request's blocks for a transfer (an export for a remote reader): the blocks
