@@ -172,8 +172,8 @@ impl Scheduler {
     }
 
     /// Sleeps: pauses with `mode`, then (level 1 and 2) resets every cache, releases the KV
-    /// memory and offloads or drops the weights. A full wake-up resumes, unless the engine
-    /// was already paused when it went to sleep.
+    /// memory and offloads or drops the weights. A full wake-up resumes, unless the client
+    /// paused the engine before it went to sleep or while it slept.
     pub fn sleep(&mut self, op: OpId, level: SleepLevel, mode: PauseMode) -> Vec<RequestOutput> {
         // A wake-up undoes only the sleep's own pause: an engine the client paused before it
         // slept stays paused until the client resumes it.
@@ -249,8 +249,8 @@ impl Scheduler {
     }
 
     /// Marks `tags` (none: all) awake; the engine has already restored their memory. A sleep
-    /// still pending is cancelled, and so is a pending KV release when the KV cache wakes. When nothing is asleep any more and the pause came from a
-    /// sleep, scheduling resumes.
+    /// still pending is cancelled, and so is a pending KV release when the KV cache wakes.
+    /// When nothing is asleep any more and the pause is the sleep's own, scheduling resumes.
     pub fn wake_up(&mut self, tags: &[WakeTag]) {
         let all = tags.is_empty();
         if all || tags.contains(&WakeTag::KvCache) {
