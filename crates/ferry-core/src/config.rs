@@ -2,8 +2,7 @@
 
 use crate::plan::TokenId;
 
-/// Everything the scheduler needs to know up front. Immutable after `Scheduler::new`, except
-/// the weight version (see `Scheduler::set_weight_version`).
+/// Everything the scheduler needs to know up front. Immutable after `Scheduler::new`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchedulerConfig {
     /// Tokens per KV block.
@@ -21,7 +20,9 @@ pub struct SchedulerConfig {
     pub enable_chunked_prefill: bool,
     /// Tokens that end generation unless a request sets `ignore_eos`.
     pub eos_token_ids: Vec<TokenId>,
-    /// Seeds every prefix-cache hash chain.
+    /// The weight version at start: it seeds every prefix-cache hash chain until the first
+    /// update. The current version lives with the rest of the lifecycle state
+    /// (`Scheduler::weight_version`, `Scheduler::set_weight_version`).
     pub weight_version: String,
 }
 
@@ -80,17 +81,6 @@ impl SchedulerConfig {
         }
         Ok(())
     }
-}
-
-/// How far compute is paused. The lifecycle layer drives it; the scheduler only obeys.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PauseState {
-    #[default]
-    Unpaused,
-    /// Admit nothing new, but keep running admitted requests (pause mode `wait`).
-    NoAdmit,
-    /// Schedule nothing at all; requests stay where they are (pause modes `keep`, `abort`).
-    Frozen,
 }
 
 #[cfg(test)]

@@ -119,7 +119,11 @@ impl KvCacheManager {
     /// Gives `req` blocks for `hit` (from the preceding `find_computed_blocks`), then for
     /// `n_external` tokens a connector will load and `n_new` tokens computed this step, all
     /// after its current `n_computed`; registers the blocks that will be full in the prefix
-    /// cache. All or nothing: returns false, changing nothing, if the pool is short.
+    /// cache, except those a connector will load (and every block after them, since cache
+    /// entries are a chain): until the load has landed their KV is not there, so no other
+    /// request may hit them. They are registered by the request's first allocation after the
+    /// load, when its `n_computed` counts the loaded tokens. All or nothing: returns false,
+    /// changing nothing, if the pool is short.
     pub fn allocate_slots(
         &mut self,
         req: &mut Request,
@@ -129,7 +133,8 @@ impl KvCacheManager {
     ) -> bool {
         // A stale `PrefixHit` (another lookup ran since) can claim at most what is listed.
         let hits = &self.hit_blocks[..hit.n_blocks.min(self.hit_blocks.len())];
-        let n_tokens = req.n_computed + hits.len() * self.block_size + n_external + n_new;
+        let n_hit_tokens = hits.len() * self.block_size;
+        let n_tokens = req.n_computed + n_hit_tokens + n_external + n_new;
         let n_required = n_tokens.div_ceil(self.block_size);
         let n_take = n_required.saturating_sub(req.blocks.len() + hits.len());
         // Hit blocks nobody holds sit in the free queue: touching them uses up free blocks too.
@@ -145,7 +150,12 @@ impl KvCacheManager {
         let taken = self.pool.take(n_take, &mut req.blocks);
         debug_assert!(taken);
         self.hit_blocks.clear();
-        self.cache_full_blocks(req, n_tokens);
+        let n_cacheable = if n_external == 0 {
+            n_tokens
+        } else {
+            req.n_computed + n_hit_tokens
+        };
+        self.cache_full_blocks(req, n_cacheable);
         true
     }
 
@@ -205,7 +215,7 @@ mod tests {
             hash_root: chain_root("w"),
             n_cached_blocks: 0,
             n_prefix_hit_tokens: 0,
-            hold_kv_on_finish: false,
+            export_on_finish: None,
         }
     }
 
@@ -263,6 +273,26 @@ mod tests {
         let mut a = req((0..3).collect());
         assert!(kv.allocate_slots(&mut a, PrefixHit::default(), 3, 8));
         assert_eq!(a.blocks.len(), 3);
+    }
+
+    #[test]
+    fn blocks_a_connector_will_load_are_hit_only_once_the_load_landed() {
+        let mut kv = KvCacheManager::new(16, 4, true);
+        let mut a = req((0..10).collect());
+        kv.rehash_if_stale(&mut a, &chain_root("w"));
+        // 8 tokens (two full blocks) come from a connector; 1 is computed after them.
+        assert!(kv.allocate_slots(&mut a, PrefixHit::default(), 1, 8));
+        let mut b = req((0..10).collect());
+        kv.rehash_if_stale(&mut b, &chain_root("w"));
+        assert_eq!(
+            kv.find_computed_blocks(&b).n_blocks(),
+            0,
+            "blocks still being loaded must not be prefix hits"
+        );
+        // The load landed: the tokens are computed, and the next allocation registers them.
+        a.n_computed = 9;
+        assert!(kv.allocate_slots(&mut a, PrefixHit::default(), 1, 0));
+        assert_eq!(kv.find_computed_blocks(&b).n_blocks(), 2);
     }
 
     #[test]

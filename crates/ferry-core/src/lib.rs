@@ -48,8 +48,8 @@ pub mod request;
 pub mod sampling;
 pub mod scheduler;
 
-pub use config::{ConfigError, PauseState, SchedulerConfig};
-pub use connector::KvConnector;
+pub use config::{ConfigError, SchedulerConfig};
+pub use connector::{ConnectorId, Holder, KvConnector};
 pub use driver::{Step, StepDriver, StepError, StepModel};
 pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,

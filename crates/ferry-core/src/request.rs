@@ -100,9 +100,9 @@ pub struct Request {
     pub(crate) n_cached_blocks: usize,
     /// Prompt tokens that came from a prefix hit at (the latest) admission.
     pub n_prefix_hit_tokens: usize,
-    /// On a non-abort finish, hand the blocks to a transfer hold instead of freeing them
-    /// (a P/D export).
-    pub(crate) hold_kv_on_finish: bool,
+    /// On a non-abort finish, hand the blocks to a transfer hold owned by this holder
+    /// instead of freeing them (a P/D export).
+    pub(crate) export_on_finish: Option<crate::connector::Holder>,
 }
 
 impl Request {

@@ -23,7 +23,8 @@ mod render;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use crate::config::{ConfigError, PauseState, SchedulerConfig};
+use crate::config::{ConfigError, SchedulerConfig};
+use crate::connector::Holder;
 use crate::hash::{chain_root, BlockHash};
 use crate::kv_cache::{KvCacheManager, PrefixHit};
 use crate::ownership::{self, Owner, OwnershipError, TransferId};
@@ -123,15 +124,13 @@ pub struct Scheduler {
     waiting: VecDeque<ReqIdx>,
     /// In admission order: the last one is the first to be preempted.
     running: Vec<ReqIdx>,
-    pause: PauseState,
-    /// Pending lifecycle operations and sleep state (`control.rs`).
+    /// Every piece of lifecycle state: the pause, pending operations, what is asleep, the
+    /// weight version (`control.rs`).
     control: control::Control,
     connectors: Vec<Box<dyn crate::connector::KvConnector>>,
-    /// Counts weight-version changes; with the version it seeds the hash chains, so even a
-    /// version string used twice never lets a prefix hit cross a weight update.
-    weight_epoch: u64,
+    /// The chain root new block hashes start from; follows the weight version.
     hash_root: BlockHash,
-    transfers: BTreeMap<TransferId, Vec<BlockId>>,
+    transfers: BTreeMap<TransferId, lifecycle::Hold>,
     next_transfer: u64,
     next_step: u64,
     prefix_hit_tokens: u64,
@@ -153,6 +152,7 @@ impl Scheduler {
             config.enable_prefix_caching,
         );
         kv.set_current_root(hash_root);
+        let control = control::Control::new(&config.weight_version);
         Ok(Self {
             kv,
             hash_root,
@@ -162,10 +162,8 @@ impl Scheduler {
             ids: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
-            pause: PauseState::Unpaused,
-            control: control::Control::default(),
+            control,
             connectors: Vec::new(),
-            weight_epoch: 0,
             transfers: BTreeMap::new(),
             next_transfer: 0,
             next_step: 0,
@@ -209,7 +207,7 @@ impl Scheduler {
             hash_root: self.hash_root,
             n_cached_blocks: 0,
             n_prefix_hit_tokens: 0,
-            hold_kv_on_finish: false,
+            export_on_finish: None,
         };
         self.kv.rehash_if_stale(&mut req, &self.hash_root);
         self.requests[idx.0 as usize] = Some(req);
@@ -290,13 +288,13 @@ impl Scheduler {
         self.poll_connectors();
         let mut decisions = std::mem::take(&mut self.decisions);
         decisions.clear();
-        if self.pause != PauseState::Frozen {
+        if !self.control.frozen() {
             let budget = self.config.max_num_batched_tokens;
             let (budget, n_preempted) = self.schedule_running(budget, &mut decisions);
             // Admitting while preempting would only thrash: the blocks are not there.
             if n_preempted == 0 {
                 // A `wait` pause readmits preempted requests (they were admitted) only.
-                let readmit_only = self.pause == PauseState::NoAdmit;
+                let readmit_only = !self.control.admits_new();
                 self.schedule_waiting(budget, readmit_only, &mut decisions);
             }
         }
@@ -540,9 +538,17 @@ impl Scheduler {
         let mut req = self.requests[idx.0 as usize]
             .take()
             .expect("release_request on a live request");
-        let keep = req.hold_kv_on_finish && reason != FinishReason::Abort && !req.blocks.is_empty();
+        let export = req
+            .export_on_finish
+            .filter(|_| reason != FinishReason::Abort && !req.blocks.is_empty());
         // Ownership moves from the request to the transfer: no reference count changes.
-        let transfer = keep.then(|| self.new_transfer(std::mem::take(&mut req.blocks)));
+        let transfer =
+            export.map(|holder| self.new_transfer(std::mem::take(&mut req.blocks), holder));
+        if let (Some(t), Some(Holder::Connector(c))) = (transfer, export) {
+            // The connector that asked for the export owns it: it must know the hold to
+            // report it finished, or its blocks would never come back.
+            self.connectors[c.0 as usize].export_held(t, &req.id);
+        }
         self.kv.free(&mut req);
         self.ids.remove(&req.id);
         self.free_slots.push(idx.0);
@@ -613,7 +619,7 @@ impl Scheduler {
         let transfers = self
             .transfers
             .iter()
-            .map(|(&id, blocks)| (Owner::Transfer(id), &blocks[..]));
+            .map(|(&id, hold)| (Owner::Transfer(id), &hold.blocks[..]));
         reqs.chain(transfers)
     }
 

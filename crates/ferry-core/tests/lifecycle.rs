@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use common::{prompt, small_config, Harness};
 use ferry_core::{
-    FinishReason, KvConnector, LifecycleError, LifecycleEvent, OpId, PauseMode, SamplingParams,
-    SleepLevel, TransferId, WakeTag, WeightResidency,
+    FinishReason, Holder, KvConnector, LifecycleError, LifecycleEvent, OpId, PauseMode,
+    SamplingParams, SleepLevel, TransferId, WakeTag, WeightResidency,
 };
 
 fn greedy(n: u32) -> SamplingParams {
@@ -359,6 +359,9 @@ impl KvConnector for Conn {
     fn reset_cache(&mut self) {
         self.0.lock().unwrap().n_resets += 1;
     }
+    fn export_held(&mut self, transfer: TransferId, _request_id: &str) {
+        self.0.lock().unwrap().held.push(transfer);
+    }
 }
 
 #[test]
@@ -368,9 +371,12 @@ fn a_reset_waits_for_transfers_to_hand_their_blocks_back_then_resets_connectors(
         polls_left: 3,
         ..SlowTransfers::default()
     }));
-    h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let conn = h.sched.add_connector(Box::new(Conn(shared.clone())));
     let a = h.sched.request_idx("a").unwrap();
-    let t = h.sched.hold_blocks_for_transfer(a).unwrap();
+    let t = h
+        .sched
+        .hold_blocks_for_transfer(a, Holder::Connector(conn))
+        .unwrap();
     shared.lock().unwrap().held.push(t);
     assert!(
         !h.sched.reset_caches(true, false),
@@ -446,9 +452,12 @@ fn a_reset_cancelled_by_a_wake_up_starts_over_next_time() {
         polls_left: 2,
         ..SlowTransfers::default()
     }));
-    h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let conn = h.sched.add_connector(Box::new(Conn(shared.clone())));
     let a = h.sched.request_idx("a").unwrap();
-    let t = h.sched.hold_blocks_for_transfer(a).unwrap();
+    let t = h
+        .sched
+        .hold_blocks_for_transfer(a, Holder::Connector(conn))
+        .unwrap();
     shared.lock().unwrap().held.push(t);
     // The sleep's reset starts (requests preempted, transfers asked to end), then a wake-up
     // cancels it before the transfer hands its blocks back.
@@ -477,6 +486,191 @@ fn a_reset_cancelled_by_a_wake_up_starts_over_next_time() {
     assert_eq!(events, vec![done(2)]);
     let s = h.sched.stats();
     assert_eq!((s.n_blocks_used, s.n_running, s.n_blocks_cached), (0, 0, 0));
+    h.sched.resume().unwrap();
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}
+
+/// Polls until the lifecycle has something to say, at most `max` times.
+fn poll_until_events(h: &mut Harness, max: usize) -> Vec<LifecycleEvent> {
+    for _ in 0..max {
+        let events = poll(h);
+        if !events.is_empty() {
+            return events;
+        }
+    }
+    Vec::new()
+}
+
+#[test]
+fn a_reset_releases_at_once_holds_no_connector_owns_even_with_a_connector() {
+    let mut h = busy(3);
+    let shared = Arc::new(Mutex::new(SlowTransfers::default()));
+    h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let a = h.sched.request_idx("a").unwrap();
+    h.sched.hold_blocks_for_transfer(a, Holder::Caller).unwrap();
+    h.sched.pause(OpId(1), PauseMode::Keep, true);
+    assert_eq!(
+        poll_until_events(&mut h, 5),
+        vec![done(1)],
+        "no connector reports the caller's hold: the reset releases it"
+    );
+    let s = h.sched.stats();
+    assert_eq!(
+        (s.n_blocks_used, s.n_transfers, s.n_blocks_cached),
+        (0, 0, 0)
+    );
+    h.sched.resume().unwrap();
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}
+
+#[test]
+fn a_connector_frees_only_the_holds_it_owns() {
+    let mut h = busy(3);
+    let shared = Arc::new(Mutex::new(SlowTransfers::default()));
+    h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let a = h.sched.request_idx("a").unwrap();
+    let t = h.sched.hold_blocks_for_transfer(a, Holder::Caller).unwrap();
+    // A connector reporting a hold it does not own changes nothing.
+    shared.lock().unwrap().held.push(t);
+    shared.lock().unwrap().aborted = true;
+    h.step();
+    assert_eq!(h.sched.transfer_holder(t), Some(Holder::Caller));
+    assert!(h.sched.release_transfer(t));
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}
+
+/// A connector whose reset leaves a flush set for its workers: pending work until the next
+/// turn of the engine (a step, or a poll when idle) hands it over.
+#[derive(Debug, Default)]
+struct Flush {
+    n_resets: u32,
+    undelivered: bool,
+}
+
+#[derive(Debug)]
+struct FlushConn(Arc<Mutex<Flush>>);
+
+impl KvConnector for FlushConn {
+    fn name(&self) -> &str {
+        "flush"
+    }
+    fn abort_transfers(&mut self) {}
+    fn take_finished_transfers(&mut self, _out: &mut Vec<TransferId>) {
+        self.0.lock().unwrap().undelivered = false;
+    }
+    fn has_pending_work(&self) -> bool {
+        self.0.lock().unwrap().undelivered
+    }
+    fn reset_cache(&mut self) {
+        let mut s = self.0.lock().unwrap();
+        s.n_resets += 1;
+        s.undelivered = true;
+    }
+    fn export_held(&mut self, _transfer: TransferId, _request_id: &str) {
+        unreachable!("no request here asks for an export")
+    }
+}
+
+#[test]
+fn memory_is_released_and_the_reply_sent_only_after_the_reset_flush_reached_the_workers() {
+    let mut h = busy(3);
+    let shared = Arc::new(Mutex::new(Flush::default()));
+    h.sched.add_connector(Box::new(FlushConn(shared.clone())));
+    h.sched.sleep(OpId(1), SleepLevel::L1, PauseMode::Keep);
+    let events = poll(&mut h);
+    assert_eq!(
+        shared.lock().unwrap().n_resets,
+        1,
+        "the connectors were reset"
+    );
+    assert_eq!(
+        events,
+        vec![],
+        "neither memory nor a reply in the poll that reset the connectors"
+    );
+    assert!(
+        h.sched.needs_idle_steps(),
+        "the engine must turn once more so the flush reaches the workers"
+    );
+    assert!(h.step().reqs.is_empty());
+    assert_eq!(
+        poll(&mut h),
+        vec![
+            LifecycleEvent::ReleaseKvMemory,
+            LifecycleEvent::OffloadWeights,
+            done(1)
+        ]
+    );
+    assert_eq!(shared.lock().unwrap().n_resets, 1);
+    assert!(!h.sched.needs_idle_steps());
+    h.sched.wake_up(&[]);
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}
+
+#[test]
+fn a_wake_up_of_the_kv_cache_cancels_a_pending_kv_release() {
+    let mut h = busy(3);
+    let shared = Arc::new(Mutex::new(SlowTransfers {
+        polls_left: 1000,
+        ..SlowTransfers::default()
+    }));
+    let conn = h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let a = h.sched.request_idx("a").unwrap();
+    let t = h
+        .sched
+        .hold_blocks_for_transfer(a, Holder::Connector(conn))
+        .unwrap();
+    shared.lock().unwrap().held.push(t);
+    h.sched.pause(OpId(1), PauseMode::Keep, false);
+    assert_eq!(poll(&mut h), vec![done(1)]);
+    h.sched.release_kv_cache_memory(OpId(2)).unwrap();
+    assert_eq!(poll(&mut h), vec![], "the release waits for the transfer");
+    h.sched.wake_up(&[WakeTag::KvCache]);
+    assert_eq!(
+        poll(&mut h),
+        vec![LifecycleEvent::Failed(
+            OpId(2),
+            LifecycleError::CancelledByWakeUp
+        )]
+    );
+    // The transfer ends later: nothing is released after the wake-up.
+    shared.lock().unwrap().polls_left = 0;
+    for _ in 0..5 {
+        assert_eq!(poll(&mut h), vec![]);
+    }
+    let s = h.sched.lifecycle_status();
+    assert!(!s.kv_released && s.paused && !s.sleeping);
+    assert_eq!(h.sched.stats().n_transfers, 0);
+    h.sched.resume().unwrap();
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+}
+
+#[test]
+fn a_wake_up_keeps_a_pause_the_client_made_during_the_sleep() {
+    let mut h = busy(2);
+    h.sched.sleep(OpId(1), SleepLevel::L1, PauseMode::Keep);
+    assert_eq!(
+        poll(&mut h),
+        vec![
+            LifecycleEvent::ReleaseKvMemory,
+            LifecycleEvent::OffloadWeights,
+            done(1)
+        ]
+    );
+    h.sched.pause(OpId(2), PauseMode::Keep, false);
+    assert_eq!(poll(&mut h), vec![done(2)]);
+    h.sched.wake_up(&[]);
+    let s = h.sched.lifecycle_status();
+    assert!(
+        !s.sleeping && s.paused,
+        "the client's pause outlives the sleep"
+    );
+    assert!(h.step().reqs.is_empty());
     h.sched.resume().unwrap();
     h.drain(100);
     assert_eq!(h.generated, reference().generated);

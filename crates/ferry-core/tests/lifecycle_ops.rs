@@ -1,9 +1,11 @@
 //! Property test of the lifecycle under load: random interleavings of requests, steps,
 //! aborts, transfers (held by a connector that hands blocks back after a random delay) and
 //! every lifecycle operation. Checked after every operation: block ownership and queues; no
-//! plan while KV memory is released; KV memory released only when no block is in use. At the
-//! end (wake everything, resume, drain): every operation got exactly one reply, every request
-//! finished exactly once, every block is free.
+//! plan while KV memory is released; KV memory released only when no block is in use; an
+//! operation that resets the caches succeeds only with the reset done (no block held, no
+//! hash cached, no transfer out); an operation fails only when a resume or wake-up cancels
+//! it, with the error naming which. At the end (wake everything, resume, drain): every
+//! operation got exactly one reply, every request finished exactly once, every block is free.
 
 mod common;
 
@@ -12,8 +14,8 @@ use std::sync::{Arc, Mutex};
 
 use common::Harness;
 use ferry_core::{
-    KvConnector, LifecycleEvent, OpId, PauseMode, SamplingParams, SchedulerConfig, SleepLevel,
-    TokenId, TransferId, WakeTag,
+    ConnectorId, Holder, KvConnector, LifecycleError, LifecycleEvent, OpId, PauseMode,
+    SamplingParams, SchedulerConfig, SleepLevel, TokenId, TransferId, WakeTag,
 };
 use proptest::prelude::*;
 
@@ -119,6 +121,9 @@ impl KvConnector for Conn {
         s.aborted && !s.live.is_empty()
     }
     fn reset_cache(&mut self) {}
+    fn export_held(&mut self, _transfer: TransferId, _request_id: &str) {
+        unreachable!("holds are made with hold_blocks_for_transfer here")
+    }
 }
 
 struct Run {
@@ -126,8 +131,15 @@ struct Run {
     conn: Arc<Mutex<Transfers>>,
     added: Vec<String>,
     next_op: u64,
-    issued: Vec<OpId>,
+    /// Every operation issued, and whether it resets the caches.
+    issued: BTreeMap<OpId, bool>,
     replies: BTreeMap<OpId, usize>,
+    /// The error that may cancel pending operations in the poll after the current call: set
+    /// by a resume or a wake-up, none otherwise.
+    cancelling: Option<LifecycleError>,
+    /// Operations a resume or wake-up cancelled, and resets that completed.
+    n_cancelled: usize,
+    n_resets_done: usize,
     kv_released: bool,
 }
 
@@ -136,21 +148,25 @@ impl Run {
         let conn = Arc::new(Mutex::new(Transfers::default()));
         let mut h = Harness::new(config());
         h.model.vocab = 12;
-        h.sched.add_connector(Box::new(Conn(conn.clone())));
+        let id = h.sched.add_connector(Box::new(Conn(conn.clone())));
+        assert_eq!(id, ConnectorId(0));
         Self {
             h,
             conn,
             added: Vec::new(),
             next_op: 0,
-            issued: Vec::new(),
+            issued: BTreeMap::new(),
             replies: BTreeMap::new(),
+            cancelling: None,
+            n_cancelled: 0,
+            n_resets_done: 0,
             kv_released: false,
         }
     }
 
-    fn op_id(&mut self) -> OpId {
+    fn op_id(&mut self, resets: bool) -> OpId {
         self.next_op += 1;
-        self.issued.push(OpId(self.next_op));
+        self.issued.insert(OpId(self.next_op), resets);
         OpId(self.next_op)
     }
 
@@ -167,7 +183,32 @@ impl Run {
                     );
                     self.kv_released = true;
                 }
-                LifecycleEvent::Done(op) | LifecycleEvent::Failed(op, _) => {
+                LifecycleEvent::Done(op) => {
+                    if self.issued[&op] {
+                        // A reset that says it is done is done.
+                        let s = self.h.sched.stats();
+                        assert_eq!(
+                            (
+                                s.n_blocks_used,
+                                s.n_blocks_cached,
+                                s.n_transfers,
+                                s.n_running
+                            ),
+                            (0, 0, 0, 0),
+                            "{op:?} completed without its reset done"
+                        );
+                        assert!(self.h.sched.lifecycle_status().paused);
+                        self.n_resets_done += 1;
+                    }
+                    *self.replies.entry(op).or_default() += 1;
+                }
+                LifecycleEvent::Failed(op, e) => {
+                    assert_eq!(
+                        Some(&e),
+                        self.cancelling.as_ref(),
+                        "{op:?} failed, but only a resume or a wake-up may cancel it"
+                    );
+                    self.n_cancelled += 1;
                     *self.replies.entry(op).or_default() += 1;
                 }
                 LifecycleEvent::OffloadWeights | LifecycleEvent::DropWeights => {}
@@ -224,7 +265,11 @@ impl Run {
             Op::Hold(k) => {
                 let idx = self.pick(k).and_then(|id| self.h.sched.request_idx(id));
                 if let Some(idx) = idx {
-                    if let Ok(t) = self.h.sched.hold_blocks_for_transfer(idx) {
+                    if let Ok(t) = self
+                        .h
+                        .sched
+                        .hold_blocks_for_transfer(idx, Holder::Connector(ConnectorId(0)))
+                    {
                         let lifetime = (k % 7) as u32 + 1;
                         self.conn
                             .lock()
@@ -235,15 +280,17 @@ impl Run {
                 }
             }
             Op::Pause(mode, clear) => {
-                let id = self.op_id();
+                let id = self.op_id(clear);
                 let outs = self.h.sched.pause(id, mode, clear);
                 self.h.record(&outs);
             }
             Op::Resume => {
-                let _ = self.h.sched.resume();
+                if self.h.sched.resume().is_ok() {
+                    self.cancelling = Some(LifecycleError::CancelledByResume);
+                }
             }
             Op::Sleep(level, mode) => {
-                let id = self.op_id();
+                let id = self.op_id(level >= SleepLevel::L1);
                 let outs = self.h.sched.sleep(id, level, mode);
                 self.h.record(&outs);
             }
@@ -257,10 +304,13 @@ impl Run {
                     self.kv_released = false;
                 }
                 self.h.sched.wake_up(tags);
+                self.cancelling = Some(LifecycleError::CancelledByWakeUp);
             }
             Op::ReleaseKv => {
-                let id = self.op_id();
-                if self.h.sched.release_kv_cache_memory(id).is_err() {
+                let id = self.op_id(true);
+                if let Err(e) = self.h.sched.release_kv_cache_memory(id) {
+                    assert_eq!(e, LifecycleError::NotPaused);
+                    self.issued.insert(id, false);
                     *self.replies.entry(id).or_default() += 1;
                 }
             }
@@ -281,6 +331,7 @@ impl Run {
             }
         }
         self.poll();
+        self.cancelling = None;
     }
 }
 
@@ -301,8 +352,13 @@ proptest! {
         }
         run.kv_released = false;
         run.h.sched.wake_up(&[]);
-        let _ = run.h.sched.resume();
+        run.cancelling = Some(LifecycleError::CancelledByWakeUp);
         run.poll();
+        if run.h.sched.resume().is_ok() {
+            run.cancelling = Some(LifecycleError::CancelledByResume);
+        }
+        run.poll();
+        run.cancelling = None;
         prop_assert!(!run.h.sched.lifecycle_status().paused);
         for _ in 0..2000 {
             if run.h.sched.n_live() == 0 && run.h.sched.stats().n_transfers == 0 {
@@ -311,7 +367,7 @@ proptest! {
             run.step();
         }
         prop_assert_eq!(run.h.sched.n_live(), 0, "not drained: {:?}", run.h.sched.stats());
-        for op in &run.issued {
+        for op in run.issued.keys() {
             prop_assert_eq!(run.replies.get(op).copied(), Some(1), "operation {:?} replies", op);
         }
         for id in &run.added {

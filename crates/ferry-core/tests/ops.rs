@@ -8,7 +8,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::Harness;
-use ferry_core::{PauseState, SamplingParams, SchedulerConfig, TokenId, TransferId};
+use ferry_core::{Holder, OpId, PauseMode, SamplingParams, SchedulerConfig, TokenId, TransferId};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -25,7 +25,8 @@ enum Op {
     Abort(usize),
     PreemptAll,
     Reset,
-    Pause(PauseState),
+    /// A pause with this mode (`wait` or `keep`; no cache clearing), or a resume.
+    Pause(Option<PauseMode>),
     WeightVersion(u8),
     Hold(usize),
     HoldOnFinish(usize),
@@ -34,9 +35,9 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     let pause = prop_oneof![
-        Just(PauseState::Unpaused),
-        Just(PauseState::NoAdmit),
-        Just(PauseState::Frozen),
+        Just(None),
+        Just(Some(PauseMode::Wait)),
+        Just(Some(PauseMode::Keep)),
     ];
     prop_oneof![
         4 => (0u8..3, 0usize..24, 1usize..40, 1u32..12, any::<bool>(), any::<bool>()).prop_map(
@@ -86,6 +87,8 @@ struct Run {
     h: Harness,
     added: Vec<String>,
     transfers: Vec<TransferId>,
+    /// Op ids of pauses issued (their completions are not looked at here).
+    n_pauses: u64,
 }
 
 impl Run {
@@ -136,12 +139,17 @@ impl Run {
                     assert_eq!(self.h.sched.stats().n_blocks_cached, 0);
                 }
             }
-            Op::Pause(p) => self.h.sched.set_pause(p),
+            Op::Pause(Some(mode)) => {
+                self.n_pauses += 1;
+                let aborted = self.h.sched.pause(OpId(self.n_pauses), mode, false);
+                assert!(aborted.is_empty());
+            }
+            Op::Pause(None) => self.h.sched.resume().unwrap(),
             Op::WeightVersion(v) => self.h.sched.set_weight_version(v.to_string()),
             Op::Hold(k) => {
                 if let Some(id) = self.added.get(k % self.added.len().max(1)) {
                     if let Some(idx) = self.h.sched.request_idx(id) {
-                        if let Ok(t) = self.h.sched.hold_blocks_for_transfer(idx) {
+                        if let Ok(t) = self.h.sched.hold_blocks_for_transfer(idx, Holder::Caller) {
                             self.transfers.push(t);
                         }
                     }
@@ -150,7 +158,7 @@ impl Run {
             Op::HoldOnFinish(k) => {
                 if let Some(id) = self.added.get(k % self.added.len().max(1)) {
                     if let Some(idx) = self.h.sched.request_idx(id) {
-                        self.h.sched.hold_kv_on_finish(idx).unwrap();
+                        self.h.sched.hold_kv_on_finish(idx, Holder::Caller).unwrap();
                     }
                 }
             }
@@ -174,12 +182,17 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..80),
         chunked in any::<bool>(),
     ) {
-        let mut run = Run { h: Harness::new(config(chunked)), added: Vec::new(), transfers: Vec::new() };
+        let mut run = Run {
+            h: Harness::new(config(chunked)),
+            added: Vec::new(),
+            transfers: Vec::new(),
+            n_pauses: 0,
+        };
         run.h.model.vocab = 12; // small vocabulary: EOS (3) comes up often
         for op in &ops {
             run.apply(op);
         }
-        run.h.sched.set_pause(PauseState::Unpaused);
+        run.h.sched.resume().unwrap();
         for t in std::mem::take(&mut run.transfers) {
             prop_assert!(run.h.sched.release_transfer(t));
         }

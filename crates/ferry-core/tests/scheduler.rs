@@ -7,7 +7,7 @@ use std::convert::Infallible;
 
 use common::{fake_token, prompt, small_config, Harness};
 use ferry_core::{
-    AddError, BlockStatus, FinishReason, ModelOutput, OutputError, Owner, SampledToken,
+    AddError, BlockStatus, FinishReason, Holder, ModelOutput, OutputError, Owner, SampledToken,
     SamplingParams, Scheduler, SchedulerConfig, StepDriver, StepModel, StepPlan, TransferError,
 };
 
@@ -291,7 +291,10 @@ fn transfer_hold_outlives_the_request_and_blocks_reset() {
     let plan = h.sched.schedule();
     let idx = plan.reqs[0].req;
     // P/D export: hold the prompt's KV before the final output frees the request.
-    let t = h.sched.hold_blocks_for_transfer(idx).unwrap();
+    let t = h
+        .sched
+        .hold_blocks_for_transfer(idx, Holder::Caller)
+        .unwrap();
     let out = h.run_model(&plan);
     let outs = h.sched.on_step_output(&plan, &out).unwrap();
     h.record(&outs);
@@ -310,7 +313,7 @@ fn transfer_hold_outlives_the_request_and_blocks_reset() {
     h.check();
     assert!(h.sched.reset_prefix_cache());
     assert_eq!(
-        h.sched.hold_blocks_for_transfer(idx),
+        h.sched.hold_blocks_for_transfer(idx, Holder::Caller),
         Err(TransferError::UnknownRequest(idx))
     );
 }
@@ -321,7 +324,7 @@ fn waiting_request_has_no_blocks_to_hold() {
     h.add("W", prompt(1, 4), SamplingParams::greedy(1));
     let idx = h.sched.request_idx("W").unwrap();
     assert_eq!(
-        h.sched.hold_blocks_for_transfer(idx),
+        h.sched.hold_blocks_for_transfer(idx, Holder::Caller),
         Err(TransferError::NoBlocks { id: "W".into() })
     );
 }
@@ -409,7 +412,7 @@ fn hold_kv_on_finish_hands_blocks_to_a_transfer() {
     h.add("X", prompt(2, 20), SamplingParams::greedy(5));
     for id in ["P", "X"] {
         let idx = h.sched.request_idx(id).unwrap();
-        h.sched.hold_kv_on_finish(idx).unwrap();
+        h.sched.hold_kv_on_finish(idx, Holder::Caller).unwrap();
     }
     let mut transfer = None;
     for _ in 0..3 {

@@ -4,7 +4,7 @@ mod common;
 
 use common::{prompt, small_config, Harness};
 use expect_test::expect;
-use ferry_core::{PauseState, SamplingParams, SchedulerConfig};
+use ferry_core::{OpId, PauseMode, SamplingParams, SchedulerConfig};
 
 #[test]
 fn two_requests_chunked_prefill_then_decode() {
@@ -141,12 +141,12 @@ fn pause_states_gate_admission_and_compute() {
     let mut h = Harness::new(small_config());
     h.add("A", prompt(1, 20), SamplingParams::greedy(3));
     h.step();
-    h.sched.set_pause(PauseState::NoAdmit);
+    h.sched.pause(OpId(1), PauseMode::Wait, false);
     h.add("B", prompt(2, 20), SamplingParams::greedy(1));
     let no_admit = h.step_text();
-    h.sched.set_pause(PauseState::Frozen);
+    h.sched.pause(OpId(2), PauseMode::Keep, false);
     let frozen = h.step_text();
-    h.sched.set_pause(PauseState::Unpaused);
+    h.sched.resume().unwrap();
     let resumed = h.step_text();
     expect![[r#"
         no-admit:

@@ -6,12 +6,11 @@
 //! deferred replies are checked after every step and when idle.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_core::{
-    FinishReason, LifecycleError, LifecycleEvent, OpId, ReqIdx, RequestOutput, Scheduler, StepPlan,
-    WakeTag, WeightResidency,
+    FinishReason, Holder, LifecycleError, LifecycleEvent, OpId, ReqIdx, RequestOutput, Scheduler,
+    StepPlan, WakeTag, WeightResidency,
 };
 use ferry_kv::KvArena;
 use ferry_model::{ExecError, Executor, PreparedWeights, WeightError};
@@ -65,8 +64,6 @@ pub(crate) struct EngineLoop {
     lifecycle_events: Vec<LifecycleEvent>,
     /// Lifecycle replies waiting for the stats to be published (`reply_later`).
     replies: Vec<Box<dyn FnOnce() + Send>>,
-    /// Stamped on every output token: the version of the weights that computed it.
-    weight_version: Arc<str>,
     n_weight_updates: u64,
     stats: watch::Sender<EngineStats>,
     consecutive_failures: u32,
@@ -86,7 +83,6 @@ impl EngineLoop {
         let config = core.config();
         let layout = executor.kv_layout(config.block_size);
         let arena = KvArena::new(layout, config.n_blocks as usize);
-        let weight_version = Arc::from(core.weight_version());
         Self {
             core,
             executor,
@@ -98,7 +94,6 @@ impl EngineLoop {
             next_op: 0,
             lifecycle_events: Vec::new(),
             replies: Vec::new(),
-            weight_version,
             n_weight_updates: 0,
             stats,
             consecutive_failures: 0,
@@ -180,9 +175,15 @@ impl EngineLoop {
             params,
             events,
             accepted,
+            export,
         } = add;
         match self.core.add_request(request_id.clone(), prompt, params) {
             Ok(idx) => {
+                if let Some(connector) = export {
+                    self.core
+                        .hold_kv_on_finish(idx, Holder::Connector(connector))
+                        .expect("a live request, and a connector `generate_with_export` checked");
+                }
                 if accepted.send(Ok(())).is_err() {
                     // The caller stopped waiting: nobody would read the stream.
                     self.core.abort(&request_id);
@@ -324,7 +325,7 @@ impl EngineLoop {
             }
             LifecycleCall::Status(reply) => {
                 let info = WeightInfo {
-                    weight_version: self.weight_version.to_string(),
+                    weight_version: self.core.weight_version().to_owned(),
                     n_weight_updates: self.n_weight_updates,
                     residency: self.executor.weight_ops().residency(),
                 };
@@ -360,7 +361,7 @@ impl EngineLoop {
         version: Option<String>,
     ) -> Result<(String, Option<ferry_model::RetiredWeights>), WeightError> {
         let retired = self.executor.weight_ops_mut().install(weights)?;
-        let version = version.unwrap_or_else(|| next_version(&self.weight_version));
+        let version = version.unwrap_or_else(|| next_version(self.core.weight_version()));
         self.executor.weight_ops_mut().set_version(&version);
         self.set_weight_version(version.clone());
         self.n_weight_updates += 1;
@@ -368,8 +369,7 @@ impl EngineLoop {
     }
 
     fn set_weight_version(&mut self, version: String) {
-        self.core.set_weight_version(version.as_str());
-        self.weight_version = Arc::from(version);
+        self.core.set_weight_version(version);
     }
 
     /// Moves pending lifecycle operations forward and acts on what the core asks: memory
@@ -470,6 +470,8 @@ impl EngineLoop {
     fn dispatch_outputs(&mut self, outputs: Vec<RequestOutput>) -> (u64, u64) {
         let mut n_tokens = 0;
         let mut n_finished = 0;
+        // Stamped on every output token: the version of the weights that computed it.
+        let version = self.core.weight_version_shared();
         for out in outputs {
             n_tokens += u64::from(out.sampled.is_some());
             n_finished += u64::from(out.finished.is_some());
@@ -482,8 +484,9 @@ impl EngineLoop {
                 stop_token: (f.reason == FinishReason::Stop)
                     .then(|| out.sampled.as_ref().map(|s| s.token))
                     .flatten(),
+                transfer: f.transfer,
             });
-            let weight_version = out.sampled.is_some().then(|| self.weight_version.clone());
+            let weight_version = out.sampled.is_some().then(|| version.clone());
             let event = Event::Output {
                 sampled: out.sampled,
                 finish,
@@ -513,6 +516,7 @@ impl EngineLoop {
         let finish = EngineFinish {
             reason: reason.unwrap_or(finished.reason),
             stop_token: None,
+            transfer: finished.transfer,
         };
         let _ = live.events.send(Event::Output {
             sampled: None,

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use ferry_core::{KvConnector, Scheduler, SchedulerConfig};
+use ferry_core::{ConnectorId, KvConnector, Scheduler, SchedulerConfig};
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore, TryAcquireError};
 
@@ -37,6 +37,7 @@ pub fn spawn_with_connectors(
         return Err(SpawnError::ZeroQueueCapacity);
     }
     let mut core = Scheduler::new(config.scheduler.clone())?;
+    let n_connectors = connectors.len();
     for c in connectors {
         core.add_connector(c);
     }
@@ -67,6 +68,7 @@ pub fn spawn_with_connectors(
             thread: Mutex::new(Some(thread)),
             stopped: AtomicBool::new(false),
             n_queued: Arc::new(AtomicUsize::new(0)),
+            n_connectors,
         }),
     })
 }
@@ -94,6 +96,8 @@ struct Inner {
     stopped: AtomicBool,
     /// Inputs queued and not yet taken (see `QueueSlot`).
     n_queued: Arc<AtomicUsize>,
+    /// Registered connectors, ids `0..n_connectors`.
+    n_connectors: usize,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -114,6 +118,35 @@ impl EngineHandle {
     /// A prompt token outside the executor's vocabulary never reaches the engine (the
     /// executor would fail the whole batch's step): `TokenOutOfVocabulary`.
     pub async fn generate(&self, req: GenerateRequest) -> Result<GenerateStream, GenerateError> {
+        self.add(req, None).await
+    }
+
+    /// [`generate`](Self::generate) for a request whose KV is exported when it finishes
+    /// (other than by abort): its blocks go to a transfer hold owned by `connector` (the
+    /// index of the connector in `spawn_with_connectors`' list), which the core tells about
+    /// the hold and which frees it by reporting it finished. The P side of a P/D transfer.
+    ///
+    /// # Panics
+    ///
+    /// If no connector `connector` was registered (a caller's bug, like an index out of
+    /// bounds).
+    pub async fn generate_with_export(
+        &self,
+        req: GenerateRequest,
+        connector: ConnectorId,
+    ) -> Result<GenerateStream, GenerateError> {
+        assert!(
+            (connector.0 as usize) < self.inner.n_connectors,
+            "generate_with_export: no connector {connector:?} is registered"
+        );
+        self.add(req, Some(connector)).await
+    }
+
+    async fn add(
+        &self,
+        req: GenerateRequest,
+        export: Option<ConnectorId>,
+    ) -> Result<GenerateStream, GenerateError> {
         let needs_text = req.detokenize || !req.stop.is_empty();
         if needs_text && self.inner.tokenizer.is_none() {
             return Err(GenerateError::NoTokenizer);
@@ -143,6 +176,7 @@ impl EngineHandle {
             params: req.params,
             events: events_tx,
             accepted: accepted_tx,
+            export,
         };
         self.send(Input::Add(add), Some(permit))?;
         match accepted_rx.await {

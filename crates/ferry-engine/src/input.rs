@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ferry_core::{
-    AddError, FinishReason, LifecycleError, LifecycleStatus, PauseMode, SampledToken,
-    SamplingParams, SleepLevel, TokenId, WakeTag,
+    AddError, ConnectorId, FinishReason, LifecycleError, LifecycleStatus, PauseMode, SampledToken,
+    SamplingParams, SleepLevel, TokenId, TransferId, WakeTag,
 };
 use ferry_model::{PreparedWeights, RetiredWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
@@ -81,6 +81,8 @@ pub(crate) struct AddInput {
     /// Answered once the core accepted or refused the request. If the caller has gone by
     /// then, the engine aborts the request at once.
     pub accepted: oneshot::Sender<Result<(), AddError>>,
+    /// Export the request's KV on finish, in a hold owned by this connector.
+    pub export: Option<ConnectorId>,
 }
 
 /// Calls that carry their typed reply. A reply may be deferred until the engine reaches a
@@ -161,4 +163,6 @@ pub(crate) struct EngineFinish {
     pub reason: FinishReason,
     /// The stop token, when a token (EOS or a stop token id) stopped the request.
     pub stop_token: Option<TokenId>,
+    /// The export holding the request's KV (`Finished::transfer`), owned by its connector.
+    pub transfer: Option<TransferId>,
 }

@@ -32,8 +32,9 @@ pub use error::{
     WeightUpdateError,
 };
 pub use ferry_core::{
-    AddError, FinishReason, KvConnector, LifecycleError, LifecycleStatus, PauseMode, SamplerSpec,
-    SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, TokenId, WakeTag, WeightResidency,
+    AddError, ConnectorId, FinishReason, KvConnector, LifecycleError, LifecycleStatus, PauseMode,
+    SamplerSpec, SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, TokenId, TransferId,
+    WakeTag, WeightResidency,
 };
 pub use ferry_model::{
     Executor, LoadError, LoadedModel, ModelSpec, Tensor, WeightError, WeightStore,
@@ -114,6 +115,9 @@ pub struct Finish {
     /// The weight versions the output tokens were computed with, in order, each once (more
     /// than one when a weight update came while the request was running).
     pub weight_versions: Vec<String>,
+    /// The transfer hold that keeps the request's KV for a remote reader, when it was
+    /// generated with an export (`EngineHandle::generate_with_export`); its connector frees it.
+    pub export: Option<TransferId>,
 }
 
 /// What stopped a request that finished with [`FinishReason::Stop`].

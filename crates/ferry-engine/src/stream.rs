@@ -103,6 +103,7 @@ impl GenerateStream {
                     EngineFinish {
                         reason: FinishReason::Error,
                         stop_token: None,
+                        transfer: None,
                     },
                     &mut chunk,
                 ),
@@ -210,7 +211,9 @@ impl GenerateStream {
             }
         }
         let stop_reason = f.stop_token.map(StopReason::Token);
-        chunk.finish = Some(self.finish_of(f.reason, stop_reason));
+        let mut finish = self.finish_of(f.reason, stop_reason);
+        finish.export = f.transfer;
+        chunk.finish = Some(finish);
         self.done = true;
     }
 
@@ -222,6 +225,7 @@ impl GenerateStream {
             n_output_tokens: self.n_output_tokens,
             n_cached_tokens: self.n_cached_tokens,
             weight_versions: self.weight_versions.clone(),
+            export: None,
         }
     }
 

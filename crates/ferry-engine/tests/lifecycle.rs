@@ -13,8 +13,9 @@ use std::time::Duration;
 
 use ferry_core::{FinishReason, TokenId, TransferId};
 use ferry_engine::{
-    spawn_with_connectors, EngineConfig, EngineHandle, KvConnector, LifecycleCallError,
-    LifecycleError, PauseMode, SleepLevel, WakeTag, WeightResidency, WeightStore,
+    spawn_with_connectors, ConnectorId, EngineConfig, EngineHandle, KvConnector,
+    LifecycleCallError, LifecycleError, PauseMode, SleepLevel, WakeTag, WeightResidency,
+    WeightStore,
 };
 use support::*;
 
@@ -533,6 +534,9 @@ impl KvConnector for Pending {
     fn reset_cache(&mut self) {
         self.0.lock().unwrap().1 += 1;
     }
+    fn export_held(&mut self, _transfer: TransferId, _request_id: &str) {
+        unreachable!("no request here asks for an export")
+    }
 }
 
 #[tokio::test]
@@ -572,4 +576,76 @@ async fn shutdown_fails_a_pending_operation_with_stopped() {
         within(pause).await.unwrap(),
         Err(LifecycleCallError::Stopped(_))
     ));
+}
+
+/// The P side of a P/D connector: it knows the exports it asked for and reports them
+/// finished once their reader pulled them, or when `abort_transfers` revokes them.
+#[derive(Debug, Default)]
+struct ExportState {
+    exports: Vec<TransferId>,
+    /// The reader pulled every export (or they were revoked).
+    pulled: bool,
+}
+
+#[derive(Debug)]
+struct Exports(Arc<Mutex<ExportState>>);
+
+impl KvConnector for Exports {
+    fn name(&self) -> &str {
+        "exports"
+    }
+    fn abort_transfers(&mut self) {
+        self.0.lock().unwrap().pulled = true;
+    }
+    fn take_finished_transfers(&mut self, out: &mut Vec<TransferId>) {
+        let mut s = self.0.lock().unwrap();
+        if s.pulled {
+            out.append(&mut s.exports);
+        }
+    }
+    fn has_pending_work(&self) -> bool {
+        false
+    }
+    fn reset_cache(&mut self) {}
+    fn export_held(&mut self, transfer: TransferId, _request_id: &str) {
+        self.0.lock().unwrap().exports.push(transfer);
+    }
+}
+
+#[tokio::test]
+async fn an_export_holds_its_blocks_until_its_connector_reports_it_finished() {
+    let state = Arc::new(Mutex::new(ExportState::default()));
+    let config = EngineConfig {
+        scheduler: small_config(128, 8),
+        input_queue_capacity: 64,
+    };
+    let conn: Box<dyn KvConnector> = Box::new(Exports(state.clone()));
+    let engine = spawn_with_connectors(config, Box::new(checksum()), None, vec![conn]).unwrap();
+    let (id, p) = prompts(1).remove(0);
+    let stream = within(engine.generate_with_export(request(&id, p, MAX_TOKENS), ConnectorId(0)))
+        .await
+        .unwrap();
+    let c = within(collect(stream)).await;
+    let export = c.finish.as_ref().unwrap().export;
+    assert!(export.is_some(), "the finish names the export");
+    assert_oracle(&[c], "v0");
+    within(engine.wait_idle()).await.unwrap();
+    assert_eq!(
+        state.lock().unwrap().exports,
+        Vec::from_iter(export),
+        "the connector that asked for the export owns its hold"
+    );
+    let s = engine.stats().scheduler;
+    assert_eq!(
+        s.n_transfers, 1,
+        "the finished request's KV is held for its reader"
+    );
+    assert!(s.n_blocks_used > 0);
+    // A clearing pause revokes the export; its connector reports it ended, and the reset
+    // gets every block back.
+    within(engine.pause(PauseMode::Keep, true)).await.unwrap();
+    let s = engine.stats().scheduler;
+    assert_eq!((s.n_transfers, s.n_blocks_used), (0, 0));
+    within(engine.resume()).await.unwrap();
+    assert_clean(&engine).await;
 }

@@ -1,5 +1,10 @@
-//! The lifecycle state machine: pause, resume, sleep, wake-up, KV release, and the one
-//! idle-time cache reset they share (`../shared/design/lifecycle.md`).
+//! The lifecycle state machine: pause, resume, sleep, wake-up, KV release, weight version,
+//! and the one idle-time cache reset they share (`../shared/design/lifecycle.md`).
+//!
+//! This is the one home of lifecycle state ([`Control`]): the pause (one enum saying how far
+//! compute is paused and whose pause it is), pending operations, the reset's stage, what is
+//! asleep (KV memory, weight residency) and the weight version. The scheduler reads the pause
+//! through [`Control::frozen`] and [`Control::admits_new`] only.
 //!
 //! Operations that cannot complete at once are *pending*, named by an [`OpId`] the engine
 //! maps to its caller's reply. [`Scheduler::poll_lifecycle`] runs after every step and when
@@ -12,26 +17,54 @@
 //! drained); (2) preempt what is frozen (it recomputes after resume) and call
 //! `release_transfer_kv` once; (3) keep polling until every transfer has handed its blocks
 //! back and no connector has pending work; (4) drop every cached hash and every connector's
-//! cache; then the memory steps of a sleep or KV release, then the replies.
+//! cache; then, with connectors, on a later poll once no connector has pending work again
+//! (the engine turned once more, so what their reset left for the workers reached them),
+//! the memory steps of a sleep or KV release, then the replies.
+
+use std::sync::Arc;
 
 use super::Scheduler;
-use crate::config::PauseState;
-use crate::connector::KvConnector;
+use crate::connector::{ConnectorId, Holder, KvConnector};
+use crate::hash::chain_root;
 use crate::lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,
 };
 use crate::ownership::TransferId;
-use crate::request::RequestState;
+use crate::plan::ReqIdx;
+use crate::request::{Request, RequestState};
 use crate::scheduler::RequestOutput;
 
-/// The lifecycle's state, inside the scheduler.
-#[derive(Debug, Default)]
+/// Whether compute is paused, how far, and whose pause it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum Pause {
+    #[default]
+    Running,
+    /// Between a pause (or sleep) and a resume (or the full wake-up that ends a sleep's pause).
+    Paused { compute: Compute, by: PausedBy },
+}
+
+/// How far a pause stops compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compute {
+    /// Admit nothing new, but keep running admitted requests (pause mode `wait`); becomes
+    /// `Frozen` once they have drained.
+    Draining,
+    /// Schedule nothing at all; requests stay where they are (`keep`, `abort`, or drained).
+    Frozen,
+}
+
+/// Whose pause it is: a wake-up ends only a sleep's own pause.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PausedBy {
+    Client,
+    Sleep,
+}
+
+/// The lifecycle's state, inside the scheduler: all of it, in one place.
+#[derive(Debug)]
 pub(crate) struct Control {
-    /// Between a pause (or sleep) and a resume (or full wake-up).
-    paused: bool,
-    /// The pause came from a sleep: the wake-up that brings everything back resumes.
-    paused_by_sleep: bool,
+    pause: Pause,
     /// In arrival order.
     pending: Vec<Pending>,
     reset: ResetStage,
@@ -43,6 +76,48 @@ pub(crate) struct Control {
     events: Vec<LifecycleEvent>,
     /// Reused by `poll_connectors`.
     finished_transfers: Vec<TransferId>,
+    /// The version of the weights loaded now; stamped on outputs by the engine.
+    weight_version: Arc<str>,
+    /// Counts weight-version changes; with the version it seeds the hash chains, so even a
+    /// version string used twice never lets a prefix hit cross a weight update.
+    weight_epoch: u64,
+}
+
+impl Control {
+    pub(super) fn new(weight_version: &str) -> Self {
+        Self {
+            pause: Pause::Running,
+            pending: Vec::new(),
+            reset: ResetStage::NotStarted,
+            sleeping: None,
+            kv_released: false,
+            weights: WeightResidency::Resident,
+            events: Vec::new(),
+            finished_transfers: Vec::new(),
+            weight_version: Arc::from(weight_version),
+            weight_epoch: 0,
+        }
+    }
+
+    /// Schedule nothing at all.
+    pub(super) fn frozen(&self) -> bool {
+        matches!(
+            self.pause,
+            Pause::Paused {
+                compute: Compute::Frozen,
+                ..
+            }
+        )
+    }
+
+    /// Admit never-admitted requests (false while any pause is in force).
+    pub(super) fn admits_new(&self) -> bool {
+        self.pause == Pause::Running
+    }
+
+    fn paused(&self) -> bool {
+        self.pause != Pause::Running
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -74,6 +149,10 @@ enum ResetStage {
     NotStarted,
     /// `release_transfer_kv` was called; waiting for the transfers' blocks.
     Releasing,
+    /// Hashes and connector caches were dropped; waiting for a later turn of the engine,
+    /// once no connector has pending work, so that what the connectors' reset left for their
+    /// workers (a flush set) reached them before memory is released or anyone is told.
+    Flushing,
 }
 
 impl Scheduler {
@@ -82,7 +161,9 @@ impl Scheduler {
     /// Returns the outputs of requests an `abort` pause finished. A pause never loosens an
     /// earlier one: `wait` on a frozen engine stays frozen.
     pub fn pause(&mut self, op: OpId, mode: PauseMode, clear_cache: bool) -> Vec<RequestOutput> {
-        let aborted = self.enter_pause(mode);
+        // The client paused: the pause is the client's now, and only its resume ends it (a
+        // wake-up from a sleep under way does not).
+        let aborted = self.enter_pause(mode, PausedBy::Client);
         self.control.pending.push(Pending {
             op,
             kind: OpKind::Pause { clear_cache },
@@ -91,13 +172,12 @@ impl Scheduler {
     }
 
     /// Sleeps: pauses with `mode`, then (level 1 and 2) resets every cache, releases the KV
-    /// memory and offloads or drops the weights. A full wake-up resumes, unless the engine
-    /// was already paused when it went to sleep.
+    /// memory and offloads or drops the weights. A full wake-up resumes, unless the client
+    /// paused the engine before it went to sleep or while it slept.
     pub fn sleep(&mut self, op: OpId, level: SleepLevel, mode: PauseMode) -> Vec<RequestOutput> {
         // A wake-up undoes only the sleep's own pause: an engine the client paused before it
         // slept stays paused until the client resumes it.
-        self.control.paused_by_sleep |= !self.control.paused;
-        let aborted = self.enter_pause(mode);
+        let aborted = self.enter_pause(mode, PausedBy::Sleep);
         self.control.pending.push(Pending {
             op,
             kind: OpKind::Sleep(level),
@@ -105,15 +185,31 @@ impl Scheduler {
         aborted
     }
 
-    fn enter_pause(&mut self, mode: PauseMode) -> Vec<RequestOutput> {
-        self.control.paused = true;
+    /// Pauses (never loosening a pause in force). A client's pause takes the pause over; a
+    /// sleep's pause stays the client's if the client had paused first.
+    fn enter_pause(&mut self, mode: PauseMode, by: PausedBy) -> Vec<RequestOutput> {
         let target = match mode {
-            PauseMode::Wait => PauseState::NoAdmit,
-            PauseMode::Abort | PauseMode::Keep => PauseState::Frozen,
+            PauseMode::Wait => Compute::Draining,
+            PauseMode::Abort | PauseMode::Keep => Compute::Frozen,
         };
-        if self.pause != PauseState::Frozen {
-            self.pause = target;
-        }
+        self.control.pause = match self.control.pause {
+            Pause::Running => Pause::Paused {
+                compute: target,
+                by,
+            },
+            Pause::Paused { compute, by: was } => Pause::Paused {
+                compute: if compute == Compute::Frozen {
+                    Compute::Frozen
+                } else {
+                    target
+                },
+                by: if by == PausedBy::Client {
+                    PausedBy::Client
+                } else {
+                    was
+                },
+            },
+        };
         match mode {
             PauseMode::Abort => self.abort_all(),
             PauseMode::Wait | PauseMode::Keep => Vec::new(),
@@ -128,7 +224,7 @@ impl Scheduler {
             .pending
             .iter()
             .any(|p| matches!(p.kind, OpKind::Pause { .. } | OpKind::Sleep(_)));
-        if !self.control.paused || self.pause != PauseState::Frozen || pause_pending {
+        if !self.control.frozen() || pause_pending {
             return Err(LifecycleError::NotPaused);
         }
         self.control.pending.push(Pending {
@@ -153,8 +249,8 @@ impl Scheduler {
     }
 
     /// Marks `tags` (none: all) awake; the engine has already restored their memory. A sleep
-    /// still pending is cancelled. When nothing is asleep any more and the pause came from a
-    /// sleep, scheduling resumes.
+    /// still pending is cancelled, and so is a pending KV release when the KV cache wakes.
+    /// When nothing is asleep any more and the pause is the sleep's own, scheduling resumes.
     pub fn wake_up(&mut self, tags: &[WakeTag]) {
         let all = tags.is_empty();
         if all || tags.contains(&WakeTag::KvCache) {
@@ -163,14 +259,23 @@ impl Scheduler {
         if all || tags.contains(&WakeTag::Weights) {
             self.control.weights = WeightResidency::Resident;
         }
+        // What the wake-up brings back must not be released again by an operation that was
+        // still waiting: a sleep, or (for the KV cache) a KV release.
+        let kv = all || tags.contains(&WakeTag::KvCache);
         self.cancel_pending_where(
-            |p| matches!(p.kind, OpKind::Sleep(_)),
+            |p| matches!(p.kind, OpKind::Sleep(_)) || (kv && p.kind == OpKind::ReleaseKv),
             LifecycleError::CancelledByWakeUp,
         );
         let awake = !self.control.kv_released && self.control.weights == WeightResidency::Resident;
         if awake {
             self.control.sleeping = None;
-            if self.control.paused_by_sleep {
+            if matches!(
+                self.control.pause,
+                Pause::Paused {
+                    by: PausedBy::Sleep,
+                    ..
+                }
+            ) {
                 self.cancel_pending(LifecycleError::CancelledByWakeUp);
                 self.unpause();
             }
@@ -195,16 +300,14 @@ impl Scheduler {
     }
 
     fn unpause(&mut self) {
-        self.control.paused = false;
-        self.control.paused_by_sleep = false;
+        self.control.pause = Pause::Running;
         self.control.sleeping = None;
-        self.pause = PauseState::Unpaused;
     }
 
     pub fn lifecycle_status(&self) -> LifecycleStatus {
         let c = &self.control;
         LifecycleStatus {
-            paused: c.paused,
+            paused: c.paused(),
             sleeping: c.sleeping.is_some()
                 || c.kv_released
                 || c.weights != WeightResidency::Resident,
@@ -217,8 +320,8 @@ impl Scheduler {
     /// Whether the engine must keep stepping with nothing to compute: a reset waits for
     /// transfers to hand blocks back, or a connector has work to deliver.
     pub fn needs_idle_steps(&self) -> bool {
-        let waiting_for_transfers = self.control.reset == ResetStage::Releasing
-            && self.pause == PauseState::Frozen
+        let waiting_for_transfers = self.control.reset != ResetStage::NotStarted
+            && self.control.frozen()
             && !self.control.pending.is_empty();
         waiting_for_transfers || self.connectors.iter().any(|c| c.has_pending_work())
     }
@@ -227,10 +330,16 @@ impl Scheduler {
     /// Call after every step and when idle.
     pub fn poll_lifecycle(&mut self, out: &mut Vec<LifecycleEvent>) {
         self.poll_connectors();
-        if self.pause == PauseState::NoAdmit && self.drained() {
-            self.pause = PauseState::Frozen;
+        if let Pause::Paused {
+            compute: compute @ Compute::Draining,
+            ..
+        } = &mut self.control.pause
+        {
+            if self.running.is_empty() && drained(&self.waiting, &self.requests) {
+                *compute = Compute::Frozen;
+            }
         }
-        if self.pause == PauseState::Frozen && !self.control.pending.is_empty() {
+        if self.control.frozen() && !self.control.pending.is_empty() {
             self.complete_without_reset();
             let reset_wanted = self.control.pending.iter().any(|p| p.kind.needs_reset());
             if reset_wanted && self.advance_reset() {
@@ -238,15 +347,6 @@ impl Scheduler {
             }
         }
         out.append(&mut self.control.events);
-    }
-
-    /// No admitted request is left: none running, none preempted waiting to be readmitted.
-    fn drained(&self) -> bool {
-        self.running.is_empty()
-            && self.waiting.iter().all(|&r| {
-                self.request(r)
-                    .is_none_or(|req| req.state == RequestState::Waiting)
-            })
     }
 
     /// Completes, in order, the pending operations that need no reset.
@@ -277,8 +377,15 @@ impl Scheduler {
         if busy || !self.kv.pool_mut().reset_cache() {
             return false;
         }
-        for c in &mut self.connectors {
-            c.reset_cache();
+        if self.control.reset == ResetStage::Releasing {
+            for c in &mut self.connectors {
+                c.reset_cache();
+            }
+            if !self.connectors.is_empty() {
+                // Done on a later poll: the engine turns once more (`needs_idle_steps`).
+                self.control.reset = ResetStage::Flushing;
+                return false;
+            }
         }
         self.control.reset = ResetStage::NotStarted;
         true
@@ -310,36 +417,45 @@ impl Scheduler {
     }
 
     /// Asks every connector to end its transfers (`abort_transfers`); their blocks come back
-    /// as the transfers end. Holds no connector owns (none is registered) have no reader to
-    /// wait for and are released at once. Touches only KV that transfers hold.
+    /// as the connectors report them ended. Holds the caller owns ([`Holder::Caller`]) have
+    /// no connector to report them and no reader a connector could tell, so they are
+    /// released at once. Touches only KV that transfers hold.
     pub fn release_transfer_kv(&mut self) {
-        if self.connectors.is_empty() {
-            let ids: Vec<TransferId> = self.transfer_ids().collect();
-            for id in ids {
-                self.release_transfer(id);
-            }
-            return;
+        let callers: Vec<TransferId> = self
+            .transfers
+            .iter()
+            .filter(|(_, h)| h.holder == Holder::Caller)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in callers {
+            self.release_transfer(id);
         }
         for c in &mut self.connectors {
             c.abort_transfers();
         }
     }
 
-    /// Frees the blocks of every transfer a connector reports ended.
+    /// Frees the blocks of every transfer a connector reports ended, if that connector owns
+    /// it: a connector can never free another's hold (or the caller's).
     pub(crate) fn poll_connectors(&mut self) {
         let mut ended = std::mem::take(&mut self.control.finished_transfers);
-        for c in &mut self.connectors {
-            c.take_finished_transfers(&mut ended);
-        }
-        for id in ended.drain(..) {
-            self.release_transfer(id);
+        for i in 0..self.connectors.len() {
+            let owner = Holder::Connector(ConnectorId(i as u32));
+            self.connectors[i].take_finished_transfers(&mut ended);
+            for id in ended.drain(..) {
+                if self.transfer_holder(id) == Some(owner) {
+                    self.release_transfer(id);
+                }
+            }
         }
         self.control.finished_transfers = ended;
     }
 
-    /// Registers a connector; the lifecycle drives it from now on.
-    pub fn add_connector(&mut self, connector: Box<dyn KvConnector>) {
+    /// Registers a connector; the lifecycle drives it from now on. Holds it owns name it by
+    /// the returned id (its index in registration order).
+    pub fn add_connector(&mut self, connector: Box<dyn KvConnector>) -> ConnectorId {
         self.connectors.push(connector);
+        ConnectorId(self.connectors.len() as u32 - 1)
     }
 
     /// `reset_prefix_cache` as the admin API has it: with `reset_running_requests`, running
@@ -357,5 +473,42 @@ impl Scheduler {
             }
         }
         self.reset_prefix_cache()
+    }
+}
+
+/// No admitted request is waiting to be readmitted (preempted): the waiting queue holds only
+/// never-admitted requests.
+fn drained(waiting: &std::collections::VecDeque<ReqIdx>, requests: &[Option<Request>]) -> bool {
+    waiting.iter().all(|&r| {
+        requests[r.0 as usize]
+            .as_ref()
+            .is_none_or(|req| req.state == RequestState::Waiting)
+    })
+}
+
+impl Scheduler {
+    /// Switches the weight version: every new hash chain is seeded by it and by a count of
+    /// changes, so KV computed under the old weights can never be hit again (old entries age
+    /// out of the cache). Requests holding no KV rehash on admission; running ones keep their
+    /// old-rooted chain and cache no further blocks (their KV mixes both weights).
+    pub fn set_weight_version(&mut self, version: impl Into<String>) {
+        let c = &mut self.control;
+        c.weight_version = Arc::from(version.into());
+        c.weight_epoch += 1;
+        // The epoch makes every change a new root, even back to a version string seen before.
+        let seed = format!("{}\u{0}{}", c.weight_version, c.weight_epoch);
+        self.hash_root = chain_root(&seed);
+        self.kv.set_current_root(self.hash_root);
+    }
+
+    /// The version of the weights loaded now.
+    pub fn weight_version(&self) -> &str {
+        &self.control.weight_version
+    }
+
+    /// [`weight_version`](Self::weight_version), shared: the engine stamps it on every output
+    /// token without copying the string.
+    pub fn weight_version_shared(&self) -> Arc<str> {
+        self.control.weight_version.clone()
     }
 }

@@ -1,13 +1,12 @@
-//! Lifecycle hooks on the scheduler: pause state, aborts, preempting everything, prefix-cache
-//! reset, weight version, and transfer holds.
+//! Lifecycle primitives on the scheduler: aborts, preempting everything, prefix-cache reset,
+//! and transfer holds.
 //!
-//! These are the primitives the engine's lifecycle operations (pause, sleep, reset, weight
-//! update, P/D exports) are built from. Each is immediate; waiting for a state (idle, all
-//! transfers released) is the engine loop's job.
+//! These are what the lifecycle state machine (`control.rs`, which holds every piece of
+//! lifecycle state) and P/D exports are built from. Each is immediate and holds no state of
+//! its own beyond the holds.
 
 use super::{RequestOutput, Scheduler};
-use crate::config::PauseState;
-use crate::hash::chain_root;
+use crate::connector::{ConnectorId, Holder};
 use crate::ownership::TransferId;
 use crate::plan::{BlockId, ReqIdx};
 use crate::request::{FinishReason, RequestState};
@@ -19,18 +18,18 @@ pub enum TransferError {
     UnknownRequest(ReqIdx),
     #[error("request {id:?} holds no KV blocks to transfer")]
     NoBlocks { id: String },
+    #[error("no connector {0:?} is registered to own the hold")]
+    UnknownConnector(ConnectorId),
+}
+
+/// A transfer hold: the blocks it keeps allocated, and who frees them.
+#[derive(Debug)]
+pub(crate) struct Hold {
+    pub(crate) blocks: Vec<BlockId>,
+    pub(crate) holder: Holder,
 }
 
 impl Scheduler {
-    pub fn pause_state(&self) -> PauseState {
-        self.pause
-    }
-
-    /// Sets how far compute is paused; takes effect at the next `schedule()`.
-    pub fn set_pause(&mut self, state: PauseState) {
-        self.pause = state;
-    }
-
     /// Finishes a live request as aborted, freeing its blocks (transfers holding some of them
     /// keep theirs). Unknown or finished ids are ignored (`None`).
     pub fn abort(&mut self, id: &str) -> Option<RequestOutput> {
@@ -86,27 +85,16 @@ impl Scheduler {
         self.kv.pool_mut().reset_cache()
     }
 
-    /// Switches the weight version: every new hash chain is seeded by it and by a count of
-    /// changes, so KV computed under the old weights can never be hit again (old entries age
-    /// out of the cache). Requests holding no KV rehash on admission; running ones keep their
-    /// old-rooted chain and cache no further blocks (their KV mixes both weights).
-    pub fn set_weight_version(&mut self, version: impl Into<String>) {
-        self.config.weight_version = version.into();
-        self.weight_epoch += 1;
-        // The epoch makes every change a new root, even back to a version string seen before.
-        let seed = format!("{}\u{0}{}", self.config.weight_version, self.weight_epoch);
-        self.hash_root = chain_root(&seed);
-        self.kv.set_current_root(self.hash_root);
-    }
-
-    pub fn weight_version(&self) -> &str {
-        &self.config.weight_version
-    }
-
     /// Holds a live request's blocks for a transfer (an export for a remote reader): the blocks
-    /// stay allocated after the request finishes or is preempted, until `release_transfer`.
-    /// Call it before the request's final output is fed back (its handle is freed then).
-    pub fn hold_blocks_for_transfer(&mut self, req: ReqIdx) -> Result<TransferId, TransferError> {
+    /// stay allocated after the request finishes or is preempted, until `holder` frees them
+    /// (see [`Holder`]). Call it before the request's final output is fed back (its handle is
+    /// freed then).
+    pub fn hold_blocks_for_transfer(
+        &mut self,
+        req: ReqIdx,
+        holder: Holder,
+    ) -> Result<TransferId, TransferError> {
+        self.check_holder(holder)?;
         let r = self
             .request(req)
             .ok_or(TransferError::UnknownRequest(req))?;
@@ -117,36 +105,47 @@ impl Scheduler {
         for &b in &blocks {
             self.kv.pool_mut().touch(b);
         }
-        Ok(self.new_transfer(blocks))
+        Ok(self.new_transfer(blocks, holder))
+    }
+
+    fn check_holder(&self, holder: Holder) -> Result<(), TransferError> {
+        match holder {
+            Holder::Connector(c) if c.0 as usize >= self.connectors.len() => {
+                Err(TransferError::UnknownConnector(c))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Marks a live request so that when it finishes (other than by abort) its blocks go to a
-    /// new transfer hold instead of being freed; `Finished::transfer` names the hold. This is
-    /// the P side of a P/D export.
-    pub fn hold_kv_on_finish(&mut self, req: ReqIdx) -> Result<(), TransferError> {
+    /// new transfer hold owned by `holder` instead of being freed; `Finished::transfer` names
+    /// the hold, and a connector holder is told it (`KvConnector::export_held`), since only
+    /// it can free it. This is the P side of a P/D export.
+    pub fn hold_kv_on_finish(&mut self, req: ReqIdx, holder: Holder) -> Result<(), TransferError> {
+        self.check_holder(holder)?;
         let r = self
             .requests
             .get_mut(req.0 as usize)
             .and_then(Option::as_mut)
             .ok_or(TransferError::UnknownRequest(req))?;
-        r.hold_kv_on_finish = true;
+        r.export_on_finish = Some(holder);
         Ok(())
     }
 
     /// Registers `blocks` (whose references the caller hands over) as a new transfer hold.
-    pub(super) fn new_transfer(&mut self, blocks: Vec<BlockId>) -> TransferId {
+    pub(super) fn new_transfer(&mut self, blocks: Vec<BlockId>, holder: Holder) -> TransferId {
         let id = TransferId(self.next_transfer);
         self.next_transfer += 1;
-        self.transfers.insert(id, blocks);
+        self.transfers.insert(id, Hold { blocks, holder });
         id
     }
 
     /// Ends a transfer hold, freeing its blocks tail first. False if `id` is not held.
     pub fn release_transfer(&mut self, id: TransferId) -> bool {
-        let Some(blocks) = self.transfers.remove(&id) else {
+        let Some(hold) = self.transfers.remove(&id) else {
             return false;
         };
-        for &b in blocks.iter().rev() {
+        for &b in hold.blocks.iter().rev() {
             self.kv.pool_mut().release(b);
         }
         true
@@ -154,7 +153,12 @@ impl Scheduler {
 
     /// The blocks a transfer holds, in block-table order.
     pub fn transfer_blocks(&self, id: TransferId) -> Option<&[BlockId]> {
-        self.transfers.get(&id).map(|b| &b[..])
+        self.transfers.get(&id).map(|h| &h.blocks[..])
+    }
+
+    /// Who frees a transfer hold.
+    pub fn transfer_holder(&self, id: TransferId) -> Option<Holder> {
+        self.transfers.get(&id).map(|h| h.holder)
     }
 
     /// Transfer holds, in id order.
