@@ -20,6 +20,13 @@ pub trait StepModel {
     /// plan order. `core` is read-only (a fake model may look up request ids).
     fn compute(&mut self, core: &Scheduler, plan: &StepPlan) -> Result<ModelOutput, Self::Error>;
 
+    /// Runs the plan's connector work (`StepPlan::connector_work`) before `compute`: a stand-in
+    /// for the connectors' workers. Called on every step that has some, also when the plan
+    /// computes nothing (a connector-only step). Default: none to run.
+    fn run_connector_work(&mut self, plan: &StepPlan) {
+        let _ = plan;
+    }
+
     /// Takes an output back once the core has read it, so the next `compute` can reuse its
     /// buffers (optional, like `Scheduler::recycle_plan`).
     fn recycle_output(&mut self, output: ModelOutput) {
@@ -27,7 +34,8 @@ pub trait StepModel {
     }
 }
 
-/// What one step did: the plan it ran and what it produced, in plan order.
+/// What one step did: the plan it ran and what it produced: first the outputs of requests
+/// that finished between steps (`Scheduler::take_outputs`), then the step's, in plan order.
 #[derive(Debug)]
 pub struct Step {
     pub plan: StepPlan,
@@ -93,13 +101,17 @@ impl<M: StepModel> StepDriver<M> {
             self.check()?;
         }
         before_compute(&self.sched, &plan);
+        if !plan.connector_work.is_empty() {
+            self.model.run_connector_work(&plan);
+        }
         let output = self
             .model
             .compute(&self.sched, &plan)
             .map_err(StepError::Model)?;
-        let outputs = self.sched.on_step_output(&plan, &output);
+        let step_outputs = self.sched.on_step_output(&plan, &output);
         self.model.recycle_output(output);
-        let outputs = outputs?;
+        let mut outputs = self.sched.take_outputs();
+        outputs.extend(step_outputs?);
         if self.check {
             self.check()?;
         }
@@ -119,7 +131,7 @@ impl<M: StepModel> StepDriver<M> {
         mut on_step: impl FnMut(&Scheduler, &Step),
     ) -> Result<usize, StepError<M::Error>> {
         for n_steps in 0..max_steps {
-            if self.sched.n_live() == 0 {
+            if self.sched.n_live() == 0 && !self.sched.needs_idle_steps() {
                 return Ok(n_steps);
             }
             let step = self.step()?;
