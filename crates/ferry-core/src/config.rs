@@ -32,6 +32,9 @@ pub struct SchedulerConfig {
     /// (`KvConnector::export_expired`), which stops serving it and hands its blocks back. A
     /// reader that never comes costs no more.
     pub export_lease: Duration,
+    /// How long an asynchronous KV load may take before it counts as failed (its connector
+    /// cancels it; `kv_load_failure_policy` decides for the request).
+    pub kv_load_timeout: Duration,
     /// How long a clearing lifecycle operation (pause with `clear_cache`, sleep >= 1, KV
     /// release) waits for transfers to hand their blocks back and for connector work (a
     /// flush) to reach the workers; past it the operation fails with
@@ -57,6 +60,7 @@ impl Default for SchedulerConfig {
             eos_token_ids: Vec::new(),
             weight_version: "0".to_owned(),
             export_lease: Duration::from_secs(30),
+            kv_load_timeout: Duration::from_secs(30),
             lifecycle_wait_timeout: Duration::from_secs(60),
             kv_load_failure_policy: KvLoadFailurePolicy::Fail,
         }

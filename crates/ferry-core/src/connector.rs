@@ -20,7 +20,7 @@
 //! | worker results arrive (engine inputs) | [`KvConnector::on_worker_report`] |
 //! | between steps | [`KvConnector::take_finished_transfers`], [`KvConnector::take_finished_loads`] |
 //! | a request finishes | [`KvConnector::request_finished`] → export parameters, or nothing |
-//! | time passes | [`KvConnector::export_expired`] |
+//! | time passes | [`KvConnector::hold_expired`] |
 //! | the lifecycle | [`KvConnector::abort_transfers`], [`KvConnector::reset_cache`], [`KvConnector::has_pending_work`] |
 //!
 //! Several connectors are an ordered list (`Scheduler::add_connector`): the first with a hit
@@ -217,7 +217,10 @@ pub struct FinishedRequest<'a> {
 pub enum LoadOutcome {
     /// Every block arrived and was checked.
     Loaded,
-    /// The load failed; the first `good_blocks` blocks arrived intact.
+    /// The load failed; the first `good_blocks` blocks arrived intact. A connector reports
+    /// `good_blocks > 0` only once nothing writes the blocks any more (the hold ends with the
+    /// same report); with 0 the request starts over in fresh blocks, so a load still being
+    /// cancelled (a timeout) can never write into KV the request uses.
     Failed { good_blocks: usize, reason: String },
     /// Cut short by `abort_transfers` (a cache reset) or by the request's end: a retraction,
     /// never a failure of the request.
@@ -367,9 +370,11 @@ pub trait KvConnector: Send + std::fmt::Debug {
     /// Loads that ended since the last call.
     fn take_finished_loads(&mut self, _out: &mut Vec<LoadResult>) {}
 
-    /// The lease of export `hold` ran out: the scheduler has freed its blocks already. The
-    /// connector forgets it and tells its worker to stop serving it.
-    fn export_expired(&mut self, _hold: TransferId) {}
+    /// The time of hold `hold` ran out: an export's lease (`SchedulerConfig::export_lease`)
+    /// or a load's bound (`SchedulerConfig::kv_load_timeout`). The connector stops serving
+    /// the export, or cancels the load and reports it failed; either way it reports the hold
+    /// ended once its worker let go of the blocks (they are not freed before).
+    fn hold_expired(&mut self, _hold: TransferId) {}
 
     /// Work that needs the engine to keep stepping even with no request to compute (jobs not
     /// yet handed to the worker).

@@ -483,11 +483,25 @@ impl KvConnector for PdConnector {
         out.append(&mut self.loads);
     }
 
-    fn export_expired(&mut self, hold: TransferId) {
+    fn hold_expired(&mut self, hold: TransferId) {
         if let Some(export) = self.exports.get_mut(&hold) {
             if !export.unpublished {
                 export.unpublished = true;
                 self.jobs.push(WorkerJob::Unpublish { hold });
+            }
+        }
+        if let Some(l) = self.loading.get_mut(&hold) {
+            if !l.cancelled {
+                l.cancelled = true;
+                self.jobs.push(WorkerJob::CancelFetch { hold });
+                self.loads.push(LoadResult {
+                    req: l.req,
+                    hold,
+                    outcome: LoadOutcome::Failed {
+                        good_blocks: 0,
+                        reason: "the load did not answer in time".into(),
+                    },
+                });
             }
         }
     }

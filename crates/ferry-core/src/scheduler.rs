@@ -615,7 +615,8 @@ impl Scheduler {
             // nothing writes them any more, whatever happens to the request.
             self.kv.pool_mut().touch(b);
         }
-        let hold = self.new_transfer(blocks, Holder::Connector(c), kind, None);
+        let deadline = self.now + self.config.kv_load_timeout;
+        let hold = self.new_transfer(blocks, Holder::Connector(c), kind, Some(deadline));
         let req = self.requests[r.0 as usize]
             .as_mut()
             .expect("a live request");
@@ -903,7 +904,16 @@ impl Scheduler {
                 good_blocks,
                 reason,
             } => match self.config.kv_load_failure_policy {
+                KvLoadFailurePolicy::Recompute if good_blocks == 0 => {
+                    // Nothing usable arrived, and the load may still be writing (a timeout
+                    // reports before the worker let go): start over in fresh blocks.
+                    self.kv.free(req);
+                    req.n_computed = 0;
+                    req.n_prefix_hit_tokens = 0;
+                    req.state = RequestState::Waiting;
+                }
                 KvLoadFailurePolicy::Recompute => {
+                    // A worker reports good blocks only once nothing writes them any more.
                     req.n_computed += (good_blocks * block_size).min(n_tokens);
                     req.state = RequestState::Waiting;
                 }

@@ -2,8 +2,8 @@
 //! asks when the core next needs it ([`Scheduler::next_deadline`]); the core never reads a
 //! clock, so tests and the simulation drive time by hand.
 //!
-//! Deadlines: export leases (an expired export's connector is told, stops serving it and
-//! hands its blocks back) and the bound on a clearing lifecycle operation's wait for
+//! Deadlines: export leases and load bounds (the hold's connector is told, stops serving or
+//! cancels, and hands the blocks back) and the bound on a clearing lifecycle operation's wait for
 //! transfers (`control.rs`).
 
 use std::time::Duration;
@@ -14,9 +14,10 @@ use crate::connector::Holder;
 impl Scheduler {
     /// Moves the core's clock to `now` (a monotonic time since an epoch the engine chose;
     /// an earlier `now` than the last one is ignored) and acts on what fell due: the
-    /// connector of every export whose lease ran out is told (`KvConnector::export_expired`)
-    /// and hands its blocks back once its worker stopped serving them (a reader may be
-    /// copying them right now, so they are not freed here). Deadlines of lifecycle
+    /// connector of every export whose lease ran out, and of every load that did not answer
+    /// in time, is told (`KvConnector::hold_expired`) and hands the blocks back once its
+    /// worker let go of them (a reader may be copying them right now, so they are not freed
+    /// here). Deadlines of lifecycle
     /// operations are checked by the next `poll_lifecycle`. Call before every step and
     /// after every wait.
     pub fn advance_time(&mut self, now: Duration) {
@@ -31,7 +32,7 @@ impl Scheduler {
         }
         for (id, holder) in expired {
             match holder {
-                Holder::Connector(c) => self.connectors[c.0 as usize].export_expired(id),
+                Holder::Connector(c) => self.connectors[c.0 as usize].hold_expired(id),
                 Holder::Caller => {
                     self.release_transfer(id);
                 }
