@@ -193,5 +193,7 @@ fn scheduler_config(
         enable_chunked_prefill: true,
         eos_token_ids: model.eos_token_ids.clone(),
         weight_version: config.weight_version.clone(),
+        // Leases, load and lifecycle bounds, the failed-load policy: the core's defaults.
+        ..SchedulerConfig::default()
     })
 }

@@ -6,8 +6,14 @@
 //! its byte-level block access, which reports bad block ids as a [`KvError`] naming the block;
 //! attention uses the typed accessors ([`KvArena::token`], [`KvArena::plane`]).
 
+pub mod access;
 pub mod arena;
 pub mod resident;
+pub mod transport;
+pub mod worker;
 
+pub use access::{Access, BlockGrant};
 pub use arena::{KvArena, KvError, KvLayout, KvPlane};
 pub use resident::resident_bytes;
+pub use transport::{ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, Transport};
+pub use worker::{PdWorker, Reports, WorkerConnector};

@@ -166,6 +166,7 @@ pub async fn launch(
                 params,
                 stop: spec.stop.to_vec(),
                 detokenize: engine.tokenizer().is_some(),
+                kv_transfer_params: None,
             };
             let stream = engine
                 .generate(req)
