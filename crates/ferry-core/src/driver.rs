@@ -8,6 +8,7 @@
 //! model). With checks on, block ownership and the queues are verified after `schedule()` (so
 //! a broken plan never reaches the model) and after `on_step_output()`.
 
+use crate::connector::StepWork;
 use crate::ownership::OwnershipError;
 use crate::plan::{ModelOutput, StepPlan};
 use crate::scheduler::{OutputError, QueueError, RequestOutput, Scheduler};
@@ -20,11 +21,12 @@ pub trait StepModel {
     /// plan order. `core` is read-only (a fake model may look up request ids).
     fn compute(&mut self, core: &Scheduler, plan: &StepPlan) -> Result<ModelOutput, Self::Error>;
 
-    /// Runs the plan's connector work (`StepPlan::connector_work`) before `compute`: a stand-in
-    /// for the connectors' workers. Called on every step that has some, also when the plan
-    /// computes nothing (a connector-only step). Default: none to run.
-    fn run_connector_work(&mut self, plan: &StepPlan) {
-        let _ = plan;
+    /// Runs connector work: a stand-in for the connectors' workers. Called with the plan's
+    /// work (`StepPlan::connector_work`) before `compute`, also when the plan computes
+    /// nothing (a connector-only step), and with the work the step's finishes produced (P's
+    /// exports) after the output was fed back. Default: none to run.
+    fn run_connector_work(&mut self, work: &[StepWork]) {
+        let _ = work;
     }
 
     /// Takes an output back once the core has read it, so the next `compute` can reuse its
@@ -40,6 +42,8 @@ pub trait StepModel {
 pub struct Step {
     pub plan: StepPlan,
     pub outputs: Vec<RequestOutput>,
+    /// Connector work the step's finishes produced, run after the output was fed back.
+    pub after_work: Vec<StepWork>,
 }
 
 /// A step that failed; the core is left as the failing call left it.
@@ -102,7 +106,7 @@ impl<M: StepModel> StepDriver<M> {
         }
         before_compute(&self.sched, &plan);
         if !plan.connector_work.is_empty() {
-            self.model.run_connector_work(&plan);
+            self.model.run_connector_work(&plan.connector_work);
         }
         let output = self
             .model
@@ -112,10 +116,19 @@ impl<M: StepModel> StepDriver<M> {
         self.model.recycle_output(output);
         let mut outputs = self.sched.take_outputs();
         outputs.extend(step_outputs?);
+        let mut after_work = Vec::new();
+        self.sched.take_connector_work(&mut after_work);
+        if !after_work.is_empty() {
+            self.model.run_connector_work(&after_work);
+        }
         if self.check {
             self.check()?;
         }
-        Ok(Step { plan, outputs })
+        Ok(Step {
+            plan,
+            outputs,
+            after_work,
+        })
     }
 
     /// Hands a step's plan back to the core for reuse (optional).

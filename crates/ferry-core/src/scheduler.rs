@@ -373,17 +373,20 @@ impl Scheduler {
         }
         let mut plan = self.finish_plan(&decisions);
         self.decisions = decisions;
-        self.collect_connector_work(&mut plan);
+        self.take_connector_work(&mut plan.connector_work);
         plan
     }
 
-    /// Each connector's jobs for its worker this step, also when nothing is computed.
-    fn collect_connector_work(&mut self, plan: &mut StepPlan) {
+    /// Each connector's jobs for its worker now. `schedule()` puts them in the plan (run
+    /// before the forward); call it again after `on_step_output` for what the step's
+    /// finishes produced (P's exports), and run those before the outputs reach anyone, so an
+    /// export is served before its parameters can be used.
+    pub fn take_connector_work(&mut self, out: &mut Vec<StepWork>) {
         for (i, c) in self.connectors.iter_mut().enumerate() {
             let mut jobs = Vec::new();
             c.step_work(&mut jobs);
             if !jobs.is_empty() {
-                plan.connector_work.push(StepWork {
+                out.push(StepWork {
                     connector: ConnectorId(i as u32),
                     jobs,
                 });

@@ -87,8 +87,8 @@ struct Fabric {
 }
 
 impl Fabric {
-    fn jobs(&mut self, engine: &str, plan: &StepPlan) {
-        for work in &plan.connector_work {
+    fn jobs(&mut self, engine: &str, step: &ferry_core::Step) {
+        for work in step.plan.connector_work.iter().chain(&step.after_work) {
             assert_eq!(work.connector, CONN);
             for job in &work.jobs {
                 self.job(engine, job.clone());
@@ -218,7 +218,7 @@ impl Fabric {
 /// Steps `h` (named `engine`) once and gives its jobs to the fabric.
 fn step(f: &mut Fabric, engine: &str, h: &mut Harness) -> StepPlan {
     let s = h.step_outputs();
-    f.jobs(engine, &s.plan);
+    f.jobs(engine, &s);
     s.plan
 }
 
@@ -244,7 +244,7 @@ fn export(f: &mut Fabric, p: &mut Harness, id: &str, prompt: Vec<u32>) -> KvTran
     let mut found = None;
     for _ in 0..20 {
         let s = p.step_outputs();
-        f.jobs("P", &s.plan);
+        f.jobs("P", &s);
         for o in &s.outputs {
             if o.req == idx {
                 if let Some(fin) = &o.finished {
@@ -257,8 +257,12 @@ fn export(f: &mut Fabric, p: &mut Harness, id: &str, prompt: Vec<u32>) -> KvTran
         }
     }
     let params = found.expect("P exported the request");
-    // The next step hands the export to P's worker.
-    step(f, "P", p);
+    assert!(
+        f.exports
+            .values()
+            .any(|e| Some(&e.blocks) == params.remote_block_ids.as_ref()),
+        "the export is served before its parameters are out"
+    );
     params
 }
 

@@ -80,6 +80,8 @@ pub(crate) struct EngineLoop {
     reports: Vec<Reports>,
     /// The core's clock is `epoch.elapsed()`.
     epoch: Instant,
+    /// Reused for the connector work a step's output produces.
+    after_work: Vec<ferry_core::StepWork>,
     /// Runs the timed wait for an input (tokio's channel has no blocking receive with a
     /// timeout); current-thread, so it adds no thread.
     waiter: tokio::runtime::Runtime,
@@ -135,6 +137,7 @@ impl EngineLoop {
             workers,
             reports,
             epoch: Instant::now(),
+            after_work: Vec::new(),
             waiter,
         })
     }
@@ -504,9 +507,8 @@ impl EngineLoop {
             self.core.recycle_plan(plan);
             return false;
         }
-        self.run_workers_before(&plan);
+        self.run_workers(&plan.connector_work, false);
         if plan.is_empty() {
-            self.run_workers_after();
             self.core.recycle_plan(plan);
             return true;
         }
@@ -514,13 +516,19 @@ impl EngineLoop {
         let forward_started = Instant::now();
         let result = self.executor.execute(&plan, &mut self.arena);
         let forward = forward_started.elapsed();
-        self.run_workers_after();
         let result = result
             .map_err(StepError::from)
             .and_then(|out| Ok(self.core.on_step_output(&plan, &out)?));
         let (n_tokens, n_finished) = match result {
             Ok(outputs) => {
                 self.consecutive_failures = 0;
+                // Exports of requests that just finished are served before their parameters
+                // reach anyone.
+                let mut work = std::mem::take(&mut self.after_work);
+                self.core.take_connector_work(&mut work);
+                self.run_workers(&work, true);
+                work.clear();
+                self.after_work = work;
                 self.dispatch_outputs(outputs)
             }
             Err(e) => (0, self.on_step_failure(&plan, e)),
@@ -530,28 +538,20 @@ impl EngineLoop {
         true
     }
 
-    /// Hands each connector's jobs to its worker, before the forward.
-    fn run_workers_before(&mut self, plan: &StepPlan) {
-        for work in &plan.connector_work {
-            let c = work.connector.0 as usize;
+    /// Hands each connector's jobs to its worker: the plan's before the forward, those the
+    /// step's output produced after it (`after`).
+    fn run_workers(&mut self, work: &[ferry_core::StepWork], after: bool) {
+        for w in work {
+            let c = w.connector.0 as usize;
+            let reports = &self.reports[c];
             match self.workers.get_mut(c).and_then(Option::as_mut) {
-                Some(worker) => {
-                    worker.before_forward(&work.jobs, &mut self.arena, &self.reports[c])
-                }
+                Some(worker) if after => worker.after_forward(&w.jobs, &mut self.arena, reports),
+                Some(worker) => worker.before_forward(&w.jobs, &mut self.arena, reports),
                 None => tracing::error!(
                     connector = c,
-                    n_jobs = work.jobs.len(),
+                    n_jobs = w.jobs.len(),
                     "a connector planned worker jobs but has no worker; they are dropped"
                 ),
-            }
-        }
-    }
-
-    /// Tells every worker the forward is done.
-    fn run_workers_after(&mut self) {
-        for (c, worker) in self.workers.iter_mut().enumerate() {
-            if let Some(worker) = worker {
-                worker.after_forward(&mut self.arena, &self.reports[c]);
             }
         }
     }

@@ -43,8 +43,8 @@ pub use ferry_model::{
 };
 pub use handle::{spawn, spawn_with_connectors, Connector, EngineHandle};
 pub use start::{
-    start_model, start_model_with, KvCacheSize, ModelEngineConfig, ModelInfo, StartedEngine,
-    DEFAULT_MAX_MODEL_LEN_CAP,
+    start_model, start_model_with, start_model_with_connectors, KvCacheSize, ModelEngineConfig,
+    ModelInfo, StartedEngine, DEFAULT_MAX_MODEL_LEN_CAP,
 };
 pub use stream::GenerateStream;
 

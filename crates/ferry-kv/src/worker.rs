@@ -49,10 +49,11 @@ pub trait WorkerConnector: Send + std::fmt::Debug {
     /// asks for.
     fn before_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports);
 
-    /// After the forward of the same step (a store of blocks the step just wrote would start
-    /// here). Default: nothing.
-    fn after_forward(&mut self, arena: &mut KvArena, reports: &Reports) {
-        let _ = (arena, reports);
+    /// After the forward, once the core has the step's output: the jobs that output produced
+    /// (P's exports of requests that just finished, before their parameters reach anyone; a
+    /// store of blocks the step just wrote). Same contract as `before_forward`.
+    fn after_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports) {
+        self.before_forward(jobs, arena, reports);
     }
 }
 
