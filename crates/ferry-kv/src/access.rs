@@ -20,18 +20,22 @@
 //!    neither reads nor writes its blocks. This module cannot see the ledger, so the promise is
 //!    the contract of the `unsafe fn` [`KvArena::grant`], discharged once where the engine turns a
 //!    hold into a grant.
-//! 2. **Whole-arena slices on the engine thread.** The executor takes `as_mut_slice()` over the
-//!    whole arena while a worker writes granted blocks. That is not undefined behaviour: under Tree
-//!    Borrows (the aliasing model Miri checks with `-Zmiri-tree-borrows`), a `&mut [f32]` or
-//!    `&[f32]` does not assert anything about the locations it never accesses; a foreign write to
-//!    such a location only disables the reference there, which matters only if the reference
-//!    later accesses it, and by (1) it does not. LLVM's `noalias` has the same meaning (it
-//!    constrains accessed memory only). Neither side ever holds a reference derived from the
-//!    other: `Storage` keeps a raw pointer, never a `&` or `&mut` to the memory, the engine's
-//!    slices and every grant's block pointers are derived from that raw pointer separately, and a
-//!    grant creates a reference only to its own blocks, for the duration of one call's borrow of
-//!    the grant. (Stacked Borrows, the older model, rejects whole-range `&mut` next to foreign
-//!    writes; that is why the tests here are meant for Miri's Tree Borrows.)
+//! 2. **References stay as narrow as the blocks they are for.** Disjoint accesses are not enough:
+//!    making a reference (a retag) counts, for data races, as an access to its whole range, since
+//!    it licenses the compiler to insert speculative reads (and, for `&mut`, writes) anywhere in
+//!    it. Miri with Tree Borrows reports a whole-arena `&mut [f32]` made while a worker writes a
+//!    granted block as a data race even if the slice never touches that block (Tree Borrows'
+//!    aliasing rules alone would accept it: a location another pointer writes is only disabled
+//!    for a reference that never accesses it; the race is the retag). So `Storage` keeps a raw
+//!    pointer and
+//!    never a reference to the memory; every block- and token-level accessor of [`KvArena`]
+//!    (`block`, `token`, `plane`, `head`, `block_bytes`, `write_block_bytes`, `copy_block_from`,
+//!    their `_mut`s) derives its slice from that pointer for exactly the block it names; and a
+//!    grant makes references only to its own blocks, for one borrow of the grant. The whole-arena
+//!    [`KvArena::as_slice`] and [`KvArena::as_mut_slice`] cover granted blocks too, so they must
+//!    not be called while a grant over the current memory is outstanding (debug builds assert
+//!    it). The Llama executor's attention still takes `as_mut_slice()`; it has to move to
+//!    block-level access before transfers run concurrently with its steps.
 //! 3. **Grant against grant: the claim registry.** Each `Storage` keeps a small registry of the
 //!    blocks live grants claim, touched only when a grant is made or dropped (never per access).
 //!    A write grant needs its blocks unclaimed and distinct; a read grant needs them not claimed
@@ -48,12 +52,18 @@
 //! Checked at run time: every id in range and the arena allocated when the grant is made (an
 //! error naming the block, [`KvError`]), distinct ids and no overlapping claims for write grants,
 //! exact block lengths on every write and copy, equal layouts on a copy between arenas, writes
-//! only through write grants, and the generation on request. Not checked: (1), which is the
-//! ledger's job and `grant`'s safety contract.
+//! only through write grants, the generation on request, and in debug builds no whole-arena
+//! slice while a grant is outstanding. Not checked: (1), which is the ledger's job and `grant`'s
+//! safety contract.
+//!
+//! The tests (`access_tests.rs`) run under Miri, with Stacked and with Tree Borrows, sizes shrunk:
+//! `MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test -p ferry-kv --lib -- access`. Miri is
+//! a manual check (it needs nightly), not part of `.ci/run`.
 
 use std::alloc::{self, Layout};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -78,6 +88,8 @@ pub(crate) struct Storage {
     n_floats: usize,
     /// Blocks claimed by live grants over this storage.
     claims: Mutex<BTreeMap<u32, Claim>>,
+    /// Live grants over this storage, for the whole-arena slices' debug assertion.
+    n_grants: AtomicUsize,
 }
 
 /// How the live grants over one storage use one block.
@@ -111,6 +123,7 @@ impl Storage {
             ptr,
             n_floats,
             claims: Mutex::default(),
+            n_grants: AtomicUsize::new(0),
         })
     }
 
@@ -248,18 +261,52 @@ impl ArenaMemory {
         self.len
     }
 
+    /// Floats `range` of the memory, and a reference to no other float (module doc, point 2).
+    /// Panics when out of bounds, like slice indexing.
+    #[inline]
+    pub(crate) fn floats(&self, range: Range<usize>) -> &[f32] {
+        self.check_range(&range);
+        // SAFETY: `range` lies inside the `len` initialised floats (zeroed at allocation) that
+        // `storage` keeps alive; the engine thread's `&`/`&mut` discipline goes through `self`,
+        // and a block a grant may write is never in such a range (module doc, point 1).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(range.start), range.len()) }
+    }
+
+    #[inline]
+    pub(crate) fn floats_mut(&mut self, range: Range<usize>) -> &mut [f32] {
+        self.check_range(&range);
+        // SAFETY: as in `floats`, and `&mut self` makes this the engine's only live reference;
+        // no grant reads or writes a block in `range` (module doc, point 1).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(range.start), range.len()) }
+    }
+
+    #[inline]
+    fn check_range(&self, range: &Range<usize>) {
+        if range.start > range.end || range.end > self.len {
+            out_of_bounds(range, self.len);
+        }
+    }
+
+    /// Every float; only while no grant over this memory is outstanding (module doc, point 2).
     #[inline]
     pub(crate) fn as_slice(&self) -> &[f32] {
-        // SAFETY: `ptr` points to `len` initialised floats (zeroed at allocation) kept alive by
-        // `storage`; the engine thread's `&`/`&mut` discipline goes through `self`, and granted
-        // blocks are never accessed through this slice (module doc, points 1 and 2).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        self.debug_assert_no_grants();
+        self.floats(0..self.len)
     }
 
     #[inline]
     pub(crate) fn as_mut_slice(&mut self) -> &mut [f32] {
-        // SAFETY: as in `as_slice`, and `&mut self` makes this the engine's only live slice.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+        self.debug_assert_no_grants();
+        self.floats_mut(0..self.len)
+    }
+
+    #[inline]
+    fn debug_assert_no_grants(&self) {
+        debug_assert_eq!(
+            self.storage.n_grants.load(Ordering::Relaxed),
+            0,
+            "a whole-arena KV slice while workers hold grants over the arena races with them"
+        );
     }
 
     #[cfg(test)]
@@ -271,6 +318,11 @@ impl ArenaMemory {
     pub(crate) fn n_claimed_blocks(&self) -> usize {
         self.storage.n_claimed_blocks()
     }
+}
+
+#[cold]
+fn out_of_bounds(range: &Range<usize>, len: usize) -> ! {
+    panic!("KV float range {range:?} is out of bounds of an arena of {len} floats")
 }
 
 impl fmt::Debug for ArenaMemory {
@@ -309,6 +361,7 @@ impl KvArena {
         }
         let memory = self.memory();
         memory.storage.claim(blocks, access)?;
+        memory.storage.n_grants.fetch_add(1, Ordering::Relaxed);
         memory.n_grants.fetch_add(1, Ordering::Relaxed);
         Ok(BlockGrant {
             storage: Arc::clone(&memory.storage),
@@ -459,6 +512,7 @@ fn check_len(block: u32, expected: usize, actual: usize) -> Result<(), KvError> 
 impl Drop for BlockGrant {
     fn drop(&mut self) {
         self.storage.unclaim(&self.blocks, self.access);
+        self.storage.n_grants.fetch_sub(1, Ordering::Release);
         // Release: this grant's accesses happen before an `n_outstanding_grants` that reads the
         // decremented count.
         self.n_grants.fetch_sub(1, Ordering::Release);

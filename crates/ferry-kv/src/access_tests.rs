@@ -1,9 +1,9 @@
 //! Tests of cross-thread arena access: workers and the engine thread on disjoint blocks, copies
 //! between arenas, refused grants, release under an outstanding grant, stale generations.
 //!
-//! Also meant for Miri with Tree Borrows, which checks the module's safety argument rather than
-//! just the results (sizes shrink under Miri):
-//! `MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test -p ferry-kv access`.
+//! Also meant for Miri (Stacked and Tree Borrows), which checks the module's safety argument
+//! rather than just the results; sizes shrink under Miri:
+//! `MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test -p ferry-kv --lib -- access`.
 
 use std::sync::mpsc;
 use std::thread;
@@ -35,14 +35,6 @@ fn engine_value(block: u32, round: usize) -> f32 {
     (block as usize * 1000 + round) as f32
 }
 
-/// Writes the whole block through a whole-arena `&mut [f32]` passed as an argument, as the
-/// Llama executor does (`layer(.., kv.as_mut_slice(), ..)`), while workers own other blocks.
-fn fill_through_whole_arena_slice(kv: &mut [f32], layout: KvLayout, block: u32, value: f32) {
-    let n = layout.block_floats();
-    let start = block as usize * n;
-    kv[start..start + n].fill(value);
-}
-
 /// Fills every float of the arena with its own index.
 fn indexed_arena(n_blocks: usize) -> KvArena {
     let mut arena = KvArena::new(layout(), n_blocks);
@@ -64,8 +56,10 @@ fn workers_use_granted_blocks_while_the_engine_writes_the_others() {
     let layout = layout();
     let mut arena = KvArena::new(layout, 8);
     arena.block_bytes_mut(0).copy_from_slice(&pattern(0, 0));
-    // SAFETY: below, the engine thread writes only blocks 2, 4, 6 while the grants live, and it
-    // reads the granted blocks only after both workers dropped their grants.
+    let other = indexed_arena(8);
+    // SAFETY: below, the engine thread reads and writes only blocks 2, 4, 6 while the grants
+    // live (through block- and token-level accessors, never a whole-arena slice), and it reads
+    // the granted blocks only after both workers dropped their grants.
     let (mut writer, reader) = unsafe {
         (
             arena.grant(&[1, 3, 5, 7], Access::Write).unwrap(),
@@ -108,7 +102,21 @@ fn workers_use_granted_blocks_while_the_engine_writes_the_others() {
                 }
             }
         }
-        fill_through_whole_arena_slice(arena.as_mut_slice(), layout, 6, engine_value(6, round));
+        arena.block_mut(6).fill(engine_value(6, round));
+        // The byte-level engine paths too, on blocks no grant holds.
+        arena.copy_block_from(6, &other, 3).unwrap();
+        let bytes = arena.block_bytes(6).to_vec();
+        arena.write_block_bytes(6, &bytes).unwrap();
+        assert_eq!(
+            arena.token(6, 1, 1, KvPlane::V),
+            other.token(3, 1, 1, KvPlane::V)
+        );
+        arena.block_mut(6).fill(engine_value(6, round));
+        assert_eq!(
+            arena.head(4, 3, 1, KvPlane::K, 1)[0],
+            engine_value(4, round)
+        );
+        assert_eq!(arena.plane(2, 0, KvPlane::V)[0], engine_value(2, round));
     }
     writer.join().unwrap();
     reader.join().unwrap();
@@ -137,7 +145,7 @@ fn a_worker_copies_between_arenas_byte_exactly() {
     let mut src = indexed_arena(4);
     // Bit patterns a float round trip could change: a signalling NaN, a negative zero.
     src.block_bytes_mut(2)[..8].copy_from_slice(&[0x01, 0x00, 0x80, 0x7f, 0, 0, 0, 0x80]);
-    let mut dst = KvArena::new(layout(), 6);
+    let dst = KvArena::new(layout(), 6);
     // SAFETY: the engine thread touches neither arena until the worker is joined.
     let (from, mut to) = unsafe {
         (
@@ -296,7 +304,7 @@ fn bad_grants_are_refused_with_errors_naming_the_block() {
             KvError::Released { block: 3 }
         );
         assert_eq!(
-            arena.grant(&[3, 4], Access::Read).unwrap_err(),
+            arena.grant(&[4, 3], Access::Read).unwrap_err(),
             KvError::BlockOutOfRange {
                 block: 4,
                 n_blocks: 4
@@ -366,6 +374,32 @@ fn a_release_keeps_an_outstanding_grants_memory_until_it_drops() {
             "freed when the last grant dropped"
         );
     }
+}
+
+/// Whole-arena slices would race with a worker (module doc, point 2); debug builds catch them.
+#[cfg(debug_assertions)]
+#[test]
+fn whole_arena_slices_are_refused_while_a_grant_is_outstanding() {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    let mut arena = KvArena::new(layout(), 4);
+    // SAFETY: the grant is used on this thread only, and the engine never touches block 1.
+    let grant = unsafe { arena.grant(&[1], Access::Read).unwrap() };
+    let err = catch_unwind(AssertUnwindSafe(|| arena.as_mut_slice().len())).unwrap_err();
+    let message = err.downcast_ref::<String>().unwrap();
+    assert!(message.contains("whole-arena KV slice"), "{message}");
+    assert!(catch_unwind(AssertUnwindSafe(|| arena.as_slice().len())).is_err());
+    // Block-level access to the other blocks is fine.
+    arena.block_mut(2)[0] = 1.0;
+    drop(grant);
+    assert_eq!(arena.as_slice().len(), 4 * layout().block_floats());
+
+    // A grant over released memory does not cover the new memory.
+    // SAFETY: as above.
+    let stale = unsafe { arena.grant(&[1], Access::Write).unwrap() };
+    arena.release();
+    arena.reallocate();
+    arena.as_mut_slice()[0] = 1.0;
+    drop(stale);
 }
 
 #[test]

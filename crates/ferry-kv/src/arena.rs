@@ -183,13 +183,16 @@ impl KvArena {
     }
 
     /// One block's floats. Panics if the block is out of range or the arena is released.
+    ///
+    /// Like every block- and token-level accessor, it makes a reference to that block only, never
+    /// to the whole arena, so it may run while workers hold grants over other blocks.
     pub fn block(&self, block: u32) -> &[f32] {
-        &self.as_slice()[self.range(block)]
+        self.memory.floats(self.range(block))
     }
 
     pub fn block_mut(&mut self, block: u32) -> &mut [f32] {
         let r = self.range(block);
-        &mut self.as_mut_slice()[r]
+        self.memory.floats_mut(r)
     }
 
     /// Layer `layer`'s K or V plane of `block`: `block_size` token vectors back to back.
@@ -303,10 +306,15 @@ impl KvArena {
     }
 
     /// The whole arena as floats (for kernels that index by `block * block_floats`).
+    ///
+    /// Not while a worker holds a grant over this memory: a reference to the whole arena counts
+    /// as an access to every block, the granted ones included, and so races with the worker
+    /// (see [`crate::access`], point 2). Debug builds assert there is none.
     pub fn as_slice(&self) -> &[f32] {
         self.memory.as_slice()
     }
 
+    /// Mutable [`KvArena::as_slice`], under the same rule.
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
         self.memory.as_mut_slice()
     }
