@@ -145,6 +145,7 @@ impl EngineLoop {
     /// The thread's body: loops until shutdown or until every handle is gone.
     pub(crate) fn run(mut self) {
         self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
+        let mut busy_since = Instant::now();
         while !self.stopping {
             let started = Instant::now();
             self.drain_inputs();
@@ -164,7 +165,10 @@ impl EngineLoop {
                 // A connector with jobs to deliver, or a reset's flush, needs another turn
                 // (a connector-only step); otherwise wait for an input or the next deadline.
                 if !self.core.needs_idle_steps() {
+                    let busy = busy_since.elapsed().as_secs_f64();
+                    self.stats.send_modify(|s| s.busy_seconds_total += busy);
                     self.wait_for_input();
+                    busy_since = Instant::now();
                 }
             }
         }

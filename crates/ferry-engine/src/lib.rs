@@ -41,7 +41,7 @@ pub use ferry_kv::{InMemoryFabric, InMemoryTransport, PdWorker, Transport, Worke
 pub use ferry_model::{
     Executor, LoadError, LoadedModel, ModelSpec, Tensor, WeightError, WeightStore,
 };
-pub use handle::{spawn, spawn_with_connectors, Connector, EngineHandle};
+pub use handle::{random_secret, spawn, spawn_with_connectors, Connector, EngineHandle};
 pub use start::{
     start_model, start_model_with, start_model_with_connectors, KvCacheSize, ModelEngineConfig,
     ModelInfo, StartedEngine, DEFAULT_MAX_MODEL_LEN_CAP,
@@ -160,6 +160,9 @@ pub struct EngineStats {
     /// the engine-side cost of pause, resume and the rest, without the wait for a step to end.
     pub n_lifecycle_calls_total: u64,
     pub lifecycle_call_seconds_total: f64,
+    /// Wall time the engine thread spent not waiting for an input (steps, connector-only
+    /// steps, lifecycle calls, worker reports), summed; published when it goes idle.
+    pub busy_seconds_total: f64,
     /// False once the engine thread has stopped.
     pub running: bool,
 }
