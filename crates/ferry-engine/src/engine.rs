@@ -253,7 +253,7 @@ impl EngineLoop {
             request_id.clone(),
             prompt,
             params,
-            kv_transfer_params,
+            kv_transfer_params.map(|p| *p),
         );
         match added {
             Ok(idx) => {

@@ -193,7 +193,7 @@ impl EngineHandle {
             params: req.params,
             events: events_tx,
             accepted: accepted_tx,
-            kv_transfer_params: req.kv_transfer_params,
+            kv_transfer_params: req.kv_transfer_params.map(Box::new),
         };
         self.send(Input::Add(add), Some(permit))?;
         match accepted_rx.await {

@@ -86,8 +86,9 @@ pub(crate) struct AddInput {
     /// Answered once the core accepted or refused the request. If the caller has gone by
     /// then, the engine aborts the request at once.
     pub accepted: oneshot::Sender<Result<(), AddError>>,
-    /// P/D transfer parameters, for the connectors (`KvConnector::on_new_request`).
-    pub kv_transfer_params: Option<KvTransferParams>,
+    /// P/D transfer parameters, for the connectors (`KvConnector::on_new_request`). Boxed:
+    /// most requests have none, and every input is as large as the largest.
+    pub kv_transfer_params: Option<Box<KvTransferParams>>,
 }
 
 /// Calls that carry their typed reply. A reply may be deferred until the engine reaches a

@@ -206,9 +206,7 @@ pub fn generate_error(e: GenerateError, prompt_param: &str) -> ApiError {
                 ApiError::invalid(prompt_param, add.to_string())
             }
             AddError::DuplicateId { .. } => ApiError::internal(add.to_string()),
-            AddError::KvTransfer { .. } => {
-                ApiError::invalid("kv_transfer_params", add.to_string())
-            }
+            AddError::KvTransfer { .. } => ApiError::invalid("kv_transfer_params", add.to_string()),
         },
     }
 }
