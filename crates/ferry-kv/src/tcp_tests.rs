@@ -529,3 +529,47 @@ fn unpublish_of_a_ready_export_reports_gone_at_once() {
         "unknown: gone"
     );
 }
+
+#[test]
+fn a_connection_over_the_producers_limit_is_refused_after_the_timeout() {
+    let mut cfg = config("P", LAYOUT, "m", Duration::from_millis(300));
+    cfg.max_connections = 1;
+    let p = TcpTransport::start(cfg).unwrap();
+    let p_arena = filled_arena(LAYOUT, 4);
+    let _p_rx = publish(&p, &p_arena, &[0, 1], "tok");
+    let addr = p.local_addr();
+    // A reader that keeps its connection busy with refused pulls, each well within the timeout.
+    let (stop_tx, stop_rx) = channel::<()>();
+    let (busy_tx, busy_rx) = channel::<()>();
+    let busy = std::thread::spawn(move || {
+        let mut s = StdStream::connect(addr).unwrap();
+        let mut msg = Vec::new();
+        write_handshake(&mut msg, &config("D", LAYOUT, "m", WAIT));
+        s.write_all(&msg).unwrap();
+        let mut status = [9u8];
+        s.read_exact(&mut status).unwrap();
+        assert_eq!(status, [STATUS_OK]);
+        busy_tx.send(()).unwrap();
+        msg.clear();
+        write_pull(&mut msg, &spec(addr, "forged", 0, &[0]));
+        let reason = no_export("P");
+        while stop_rx.try_recv().is_err() {
+            s.write_all(&msg).unwrap();
+            let mut reply = vec![0u8; 1 + 4 + reason.len()];
+            s.read_exact(&mut reply).unwrap();
+            assert_eq!(reply[0], STATUS_REFUSED);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    busy_rx.recv_timeout(WAIT).unwrap();
+    let d = transport("D");
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &[0, 1]), &[0, 1]);
+    let reason = refused(&rx);
+    assert!(reason.contains("maximum of 1 connections"), "{reason}");
+    stop_tx.send(()).unwrap();
+    busy.join().unwrap();
+    // The slot is free again once the busy reader left.
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &[0, 1]), &[0, 1]);
+    assert_eq!(fetch_result(&rx), Ok(()));
+}
