@@ -141,7 +141,7 @@ async fn d_generates_what_a_single_engine_generates() {
 }
 
 #[tokio::test]
-async fn an_unreachable_producer_is_a_failed_load_that_recomputes_or_fails() {
+async fn a_producer_gone_is_a_failed_load_that_recomputes_or_fails() {
     let (p, _p_transport) = pd_engine("P", PdRole::Producer, small_config(128, 8));
     let mut cfg = small_config(128, 8);
     cfg.kv_load_failure_policy = KvLoadFailurePolicy::Recompute;
@@ -149,13 +149,18 @@ async fn an_unreachable_producer_is_a_failed_load_that_recomputes_or_fails() {
     let (d_fail, _d_fail) = pd_engine("D2", PdRole::Consumer, small_config(128, 8));
     let a = prompt(1, 13);
     let params = prefill(&p, "a", a.clone()).await;
-    // A port nobody listens on any more.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    // A listener that dies on every connection (a dropped port could be reused by another
+    // test's transport).
+    let dying = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dead = KvTransferParams {
-        remote_port: Some(closed.local_addr().unwrap().port()),
+        remote_port: Some(dying.local_addr().unwrap().port()),
         ..params.clone()
     };
-    drop(closed);
+    std::thread::spawn(move || {
+        for stream in dying.incoming() {
+            drop(stream);
+        }
+    });
     let c = decode(&d, "a", a.clone(), dead.clone()).await;
     assert_eq!(
         c.tokens,

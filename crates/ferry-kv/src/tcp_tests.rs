@@ -294,12 +294,17 @@ fn forged_or_wrong_pulls_are_refused_and_consume_nothing() {
 }
 
 #[test]
-fn a_fetch_without_an_address_or_listener_fails() {
+fn a_fetch_without_an_address_or_with_a_producer_gone_fails() {
     let d = transport("D");
     let d_arena = KvArena::new(LAYOUT, 4);
-    let p = transport("P");
-    let addr = p.local_addr();
-    drop(p);
+    // A P that dies on every connection (a dropped port could be reused by another test).
+    let listener = StdListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            drop(stream);
+        }
+    });
     let no_address = FetchSpec {
         remote_host: None,
         ..spec(addr, "tok", 0, &[0])
@@ -307,7 +312,12 @@ fn a_fetch_without_an_address_or_listener_fails() {
     let rx = fetch(&d, &d_arena, no_address, &[0]);
     assert!(refused(&rx).contains("no remote_host"));
     let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &[0]), &[0]);
-    assert!(refused(&rx).contains(&format!("P's transfer listener {addr}")));
+    let reason = refused(&rx);
+    assert!(
+        reason.contains(&format!("handshake with {addr}")),
+        "{reason}"
+    );
+    assert_eq!(d_arena.n_outstanding_grants(), 0);
 }
 
 /// A hand-written P: answers the handshake and the pull with ok, sends `n_blocks` blocks,
@@ -572,4 +582,44 @@ fn a_connection_over_the_producers_limit_is_refused_after_the_timeout() {
     // The slot is free again once the busy reader left.
     let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &[0, 1]), &[0, 1]);
     assert_eq!(fetch_result(&rx), Ok(()));
+}
+
+#[test]
+fn a_producer_transport_dropped_mid_pull_is_a_failed_load_on_d() {
+    let p = TcpTransport::start(config("P", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let d = TcpTransport::start(config("D", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let blocks: Vec<u32> = (0..128).collect();
+    let p_arena = filled_arena(LAYOUT_BIG, 128);
+    let _p_rx = publish(&p, &p_arena, &blocks, "tok");
+    let d_arena = KvArena::new(LAYOUT_BIG, 128);
+    let started = Instant::now();
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(p.local_addr(), "tok", 0, &blocks),
+        &blocks,
+    );
+    // Until P started streaming (128 MiB take far longer than this loop's step).
+    while !lock(&p.inner.exports)
+        .values()
+        .any(|s| matches!(s, Slot::Pulling { .. }))
+    {
+        assert!(started.elapsed() < WAIT, "the pull never started");
+        std::thread::yield_now();
+    }
+    drop(p);
+    let e = fetch_result(&rx).unwrap_err();
+    assert!(started.elapsed() < WAIT);
+    assert!(e.good_blocks < 128, "{}", e.good_blocks);
+    assert!(
+        e.reason.contains("the peer closed the connection"),
+        "{}",
+        e.reason
+    );
+    assert_eq!(d_arena.n_outstanding_grants(), 0);
+    // P's runtime let go of the export's grant.
+    while p_arena.n_outstanding_grants() != 0 {
+        assert!(started.elapsed() < WAIT, "P's grant leaked");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
