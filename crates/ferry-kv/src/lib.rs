@@ -17,11 +17,13 @@
 pub mod access;
 pub mod arena;
 pub mod resident;
+pub mod tcp;
 pub mod transport;
 pub mod worker;
 
 pub use access::{Access, BlockGrant};
 pub use arena::{KvArena, KvError, KvLayout, KvPlane};
 pub use resident::resident_bytes;
+pub use tcp::{TcpTransport, TcpTransportConfig};
 pub use transport::{ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, Transport};
 pub use worker::{PdWorker, Reports, WorkerConnector};

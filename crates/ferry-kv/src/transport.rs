@@ -86,32 +86,46 @@ struct Published {
     reports: Reports,
 }
 
-impl Published {
-    /// P's checks on a pull; `Ok` names the blocks to read (positions in the grant).
-    fn check(&self, spec: &FetchSpec, n_dst: usize) -> Result<std::ops::Range<usize>, String> {
-        let o = &self.offer;
-        if spec.weight_version != o.weight_version {
-            return Err(format!(
-                "the export holds KV of weights {:?}, the reader expects {:?}",
-                o.weight_version, spec.weight_version
-            ));
-        }
-        if spec.prompt_hash != o.prompt_hash {
-            return Err("the reader's prompt is not the exported one".into());
-        }
-        let range = spec.first_block..spec.first_block + spec.src_blocks.len();
-        if o.grant.blocks().get(range.clone()) != Some(&spec.src_blocks[..]) {
-            return Err("remote_block_ids are not the export's blocks".into());
-        }
-        if n_dst != spec.src_blocks.len() {
-            return Err(format!(
-                "{} destination blocks for {} source blocks",
-                n_dst,
-                spec.src_blocks.len()
-            ));
-        }
-        Ok(range)
+/// P's checks on a pull, the same for every transport (the token is checked by looking the
+/// export up by it): the weight version, the prompt hash, and exactly the export's block ids
+/// at the asked positions. `Ok` names the blocks to read (positions in the offer's grant).
+pub(crate) fn check_pull(
+    offer: &ExportOffer,
+    spec: &FetchSpec,
+) -> Result<std::ops::Range<usize>, String> {
+    if spec.weight_version != offer.weight_version {
+        return Err(format!(
+            "the export holds KV of weights {:?}, the reader expects {:?}",
+            offer.weight_version, spec.weight_version
+        ));
     }
+    if spec.prompt_hash != offer.prompt_hash {
+        return Err("the reader's prompt is not the exported one".into());
+    }
+    let range = spec.first_block..spec.first_block.saturating_add(spec.src_blocks.len());
+    if offer.grant.blocks().get(range.clone()) != Some(&spec.src_blocks[..]) {
+        return Err("remote_block_ids are not the export's blocks".into());
+    }
+    Ok(range)
+}
+
+/// D's own check before a pull: one destination block per source block.
+pub(crate) fn check_destination(spec: &FetchSpec, n_dst: usize) -> Result<(), String> {
+    if n_dst != spec.src_blocks.len() {
+        return Err(format!(
+            "{} destination blocks for {} source blocks",
+            n_dst,
+            spec.src_blocks.len()
+        ));
+    }
+    Ok(())
+}
+
+/// The message of a pull whose token names no export.
+pub(crate) fn no_export(engine_id: &str) -> String {
+    format!(
+        "no export with this token on engine {engine_id:?} (unknown, expired, revoked or already pulled)"
+    )
 }
 
 /// The exports of every engine in one process, shared by their [`InMemoryTransport`]s.
@@ -148,12 +162,10 @@ impl InMemoryFabric {
         let key = (spec.remote_engine_id.clone(), spec.token.clone());
         let mut exports = lock(&self.exports);
         let Some(published) = exports.get(&key) else {
-            return Err(fail(format!(
-                "no export with this token on engine {:?} (unknown, expired, revoked or already pulled)",
-                spec.remote_engine_id
-            )));
+            return Err(fail(no_export(&spec.remote_engine_id)));
         };
-        let range = published.check(spec, dst.blocks().len()).map_err(fail)?;
+        check_destination(spec, dst.blocks().len()).map_err(fail)?;
+        let range = check_pull(&published.offer, spec).map_err(fail)?;
         for (j, i) in range.enumerate() {
             published
                 .offer

@@ -6,6 +6,7 @@ mod bench_lifecycle;
 mod bench_model;
 mod bench_scheduler;
 mod bench_serve;
+mod bench_transfer;
 mod byte_size;
 mod fetch;
 mod make_model;
@@ -52,6 +53,9 @@ enum BenchCommand {
     /// Time and memory of the lifecycle operations (pause, resume, reset, sleep, weight
     /// reload) on an in-process engine under load.
     Lifecycle(bench_lifecycle::Args),
+    /// KV transfer throughput P→D through two TCP transports on loopback, against plain
+    /// loopback TCP.
+    Transfer(bench_transfer::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -68,6 +72,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Model(args)) => bench_model::run(args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
         Command::Bench(BenchCommand::Lifecycle(args)) => bench_lifecycle::run(args),
+        Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run(args),
         Command::MakeModel(cmd) => make_model::run(cmd),
     }
 }

@@ -1,0 +1,179 @@
+//! P/D disaggregation between two engines in one process over the TCP transport on
+//! 127.0.0.1: each engine has its own `TcpTransport`, and P advertises its listener in the
+//! transfer parameters, so D reaches it only through what the parameters carry. The checksum
+//! model makes every sampled token a function of the whole KV it attends over, so D producing
+//! the single-engine tokens proves the right bytes crossed the socket into the right blocks.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_core::{FinishReason, TokenId};
+use ferry_engine::{
+    spawn_with_connectors, Connector, EngineConfig, EngineHandle, Executor, KvLoadFailurePolicy,
+    KvTransferParams, PdConfig, PdRole, SchedulerConfig,
+};
+use ferry_kv::{TcpTransport, TcpTransportConfig};
+use support::*;
+
+const BOUND: Duration = Duration::from_secs(20);
+const MAX_TOKENS: u32 = 10;
+
+async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(BOUND, f)
+        .await
+        .expect("no answer within the bound")
+}
+
+/// An engine with a P/D connector over its own TCP transport (listening on 127.0.0.1).
+fn pd_engine(id: &str, role: PdRole, config: SchedulerConfig) -> (EngineHandle, Arc<TcpTransport>) {
+    let bs = config.block_size;
+    let transport = TcpTransport::start(TcpTransportConfig {
+        engine_id: id.to_owned(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        layout: checksum().kv_layout(bs),
+        model_id: format!("checksum/v0/vocab{VOCAB}"),
+        max_in_flight_fetches: 4,
+        max_connections: 8,
+        io_timeout: Duration::from_secs(5),
+    })
+    .unwrap();
+    let addr = transport.local_addr();
+    let pd = PdConfig {
+        role,
+        engine_id: id.to_owned(),
+        host: Some(addr.ip().to_string()),
+        port: Some(addr.port()),
+        secret: [id.len() as u8 + 41; 32],
+        block_size: bs,
+    };
+    let engine = spawn_with_connectors(
+        EngineConfig {
+            scheduler: config,
+            input_queue_capacity: 256,
+        },
+        Box::new(checksum()),
+        None,
+        vec![Connector::pd(pd, transport.clone())],
+    )
+    .unwrap();
+    (engine, transport)
+}
+
+fn prompt(i: usize, len: usize) -> Vec<TokenId> {
+    (0..len)
+        .map(|j| (3 + 7 * i + 11 * j) as TokenId % 900 + 1)
+        .collect()
+}
+
+/// P's part: the prompt to its first token, exported.
+async fn prefill(p: &EngineHandle, id: &str, prompt: Vec<TokenId>) -> KvTransferParams {
+    let mut req = request(id, prompt, 1);
+    req.kv_transfer_params = Some(KvTransferParams {
+        do_remote_decode: true,
+        ..KvTransferParams::default()
+    });
+    let c = within(collect(within(p.generate(req)).await.unwrap())).await;
+    let finish = c.finish.expect("finished");
+    assert_eq!(finish.reason, FinishReason::Length);
+    finish.kv_transfer_params.expect("P returns the parameters")
+}
+
+/// D's part, with P's parameters.
+async fn decode(
+    d: &EngineHandle,
+    id: &str,
+    prompt: Vec<TokenId>,
+    params: KvTransferParams,
+) -> Collected {
+    let mut req = request(id, prompt, MAX_TOKENS);
+    req.kv_transfer_params = Some(KvTransferParams {
+        do_remote_prefill: true,
+        do_remote_decode: false,
+        ..params
+    });
+    within(collect(within(d.generate(req)).await.unwrap())).await
+}
+
+/// Waits until `engine` holds no transfer and no block.
+async fn until_clean(engine: &EngineHandle) {
+    let started = Instant::now();
+    loop {
+        let s = engine.stats().scheduler;
+        if s.n_transfers == 0 && s.n_blocks_used == 0 {
+            break;
+        }
+        assert!(started.elapsed() < BOUND, "still held: {s:?}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    within(engine.check_invariants()).await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn d_generates_what_a_single_engine_generates() {
+    let (p, p_transport) = pd_engine("P", PdRole::Producer, small_config(256, 16));
+    let (d, _d_transport) = pd_engine("D", PdRole::Consumer, small_config(256, 16));
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        let (p, d) = (p.clone(), d.clone());
+        tasks.push(tokio::spawn(async move {
+            let id = format!("r{i}");
+            let prompt = prompt(i, 5 + 3 * i);
+            let params = prefill(&p, &id, prompt.clone()).await;
+            assert_eq!(params.remote_host.as_deref(), Some("127.0.0.1"));
+            let c = decode(&d, &id, prompt.clone(), params).await;
+            (prompt, c)
+        }));
+    }
+    for t in tasks {
+        let (prompt, c) = t.await.unwrap();
+        assert_eq!(c.reason(), FinishReason::Length);
+        assert_eq!(
+            c.tokens,
+            oracle("v0", &prompt, MAX_TOKENS as usize),
+            "D's tokens are a single engine's"
+        );
+    }
+    until_clean(&p).await;
+    until_clean(&d).await;
+    assert_eq!(p_transport.n_published(), 0, "every export was pulled");
+}
+
+#[tokio::test]
+async fn a_producer_gone_is_a_failed_load_that_recomputes_or_fails() {
+    let (p, _p_transport) = pd_engine("P", PdRole::Producer, small_config(128, 8));
+    let mut cfg = small_config(128, 8);
+    cfg.kv_load_failure_policy = KvLoadFailurePolicy::Recompute;
+    let (d, _d) = pd_engine("D", PdRole::Consumer, cfg);
+    let (d_fail, _d_fail) = pd_engine("D2", PdRole::Consumer, small_config(128, 8));
+    let a = prompt(1, 13);
+    let params = prefill(&p, "a", a.clone()).await;
+    // A listener that dies on every connection (a dropped port could be reused by another
+    // test's transport).
+    let dying = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = KvTransferParams {
+        remote_port: Some(dying.local_addr().unwrap().port()),
+        ..params.clone()
+    };
+    std::thread::spawn(move || {
+        for stream in dying.incoming() {
+            drop(stream);
+        }
+    });
+    let c = decode(&d, "a", a.clone(), dead.clone()).await;
+    assert_eq!(
+        c.tokens,
+        oracle("v0", &a, MAX_TOKENS as usize),
+        "recomputed"
+    );
+    let c = decode(&d_fail, "a", a.clone(), dead).await;
+    assert_eq!(c.reason(), FinishReason::Error);
+    assert!(c.tokens.is_empty());
+    // The export is still there for a reader that reaches P.
+    let c = decode(&d_fail, "a2", a.clone(), params).await;
+    assert_eq!(c.tokens, oracle("v0", &a, MAX_TOKENS as usize));
+    until_clean(&p).await;
+    until_clean(&d).await;
+    until_clean(&d_fail).await;
+}

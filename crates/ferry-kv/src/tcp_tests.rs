@@ -1,0 +1,625 @@
+//! Two arenas, two `TcpTransport`s (or one and a hand-written peer) on loopback.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::{Duration, Instant};
+
+use ferry_core::{FetchError, TransferId, WorkerReport};
+
+use super::*;
+use crate::access::Access;
+use crate::arena::KvArena;
+
+const LAYOUT: KvLayout = KvLayout {
+    n_layers: 2,
+    n_kv_heads: 2,
+    head_dim: 8,
+    block_size: 4,
+};
+const WAIT: Duration = Duration::from_secs(10);
+const HASH: [u8; 32] = [7; 32];
+
+fn config(id: &str, layout: KvLayout, model_id: &str, io_timeout: Duration) -> TcpTransportConfig {
+    TcpTransportConfig {
+        engine_id: id.into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        layout,
+        model_id: model_id.into(),
+        max_in_flight_fetches: 4,
+        max_connections: 4,
+        io_timeout,
+    }
+}
+
+fn transport(id: &str) -> Arc<TcpTransport> {
+    TcpTransport::start(config(id, LAYOUT, "m", WAIT)).unwrap()
+}
+
+/// Every byte of block `b` depends on `b` and its position.
+fn pattern(layout: KvLayout, b: u32) -> Vec<u8> {
+    (0..layout.block_bytes())
+        .map(|i| (i as u32).wrapping_mul(31).wrapping_add(b * 101) as u8)
+        .collect()
+}
+
+fn filled_arena(layout: KvLayout, n_blocks: usize) -> KvArena {
+    let mut arena = KvArena::new(layout, n_blocks);
+    for b in 0..n_blocks as u32 {
+        arena.write_block_bytes(b, &pattern(layout, b)).unwrap();
+    }
+    arena
+}
+
+fn reports() -> (Reports, Receiver<WorkerReport>) {
+    let (tx, rx) = channel();
+    let tx = Mutex::new(tx);
+    (
+        Reports::new(move |r| {
+            let _ = lock(&tx).send(r);
+        }),
+        rx,
+    )
+}
+
+fn publish(
+    p: &TcpTransport,
+    arena: &KvArena,
+    blocks: &[u32],
+    token: &str,
+) -> Receiver<WorkerReport> {
+    // SAFETY: the test's arenas are touched by nothing else while grants live.
+    let grant = unsafe { arena.grant(blocks, Access::Read) }.unwrap();
+    let (r, rx) = reports();
+    p.publish(
+        ExportOffer {
+            engine_id: "P".into(),
+            hold: TransferId(1),
+            token: token.into(),
+            weight_version: "v0".into(),
+            prompt_hash: HASH,
+            n_tokens: blocks.len() * LAYOUT.block_size,
+            grant,
+        },
+        r,
+    );
+    rx
+}
+
+fn spec(addr: SocketAddr, token: &str, first_block: usize, src_blocks: &[u32]) -> FetchSpec {
+    FetchSpec {
+        hold: TransferId(9),
+        remote_engine_id: "P".into(),
+        remote_host: Some(addr.ip().to_string()),
+        remote_port: Some(addr.port()),
+        token: token.into(),
+        weight_version: "v0".into(),
+        prompt_hash: HASH,
+        first_block,
+        src_blocks: src_blocks.to_vec(),
+    }
+}
+
+/// Starts a fetch into `dst_blocks` of `arena`; the receiver gets its `FetchDone`.
+fn fetch(
+    d: &TcpTransport,
+    arena: &KvArena,
+    spec: FetchSpec,
+    dst_blocks: &[u32],
+) -> Receiver<WorkerReport> {
+    // SAFETY: as in `publish`.
+    let grant = unsafe { arena.grant(dst_blocks, Access::Write) }.unwrap();
+    let (r, rx) = reports();
+    d.fetch(spec, grant, r);
+    rx
+}
+
+fn fetch_result(rx: &Receiver<WorkerReport>) -> Result<(), FetchError> {
+    match rx.recv_timeout(WAIT).expect("a FetchDone") {
+        WorkerReport::FetchDone { hold, result } => {
+            assert_eq!(hold, TransferId(9));
+            result
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+fn refused(rx: &Receiver<WorkerReport>) -> String {
+    let e = fetch_result(rx).expect_err("refused");
+    assert_eq!(e.good_blocks, 0, "{}", e.reason);
+    e.reason
+}
+
+#[test]
+fn a_pull_is_byte_exact_and_ends_the_export() {
+    let (p, d) = (transport("P"), transport("D"));
+    let p_arena = filled_arena(LAYOUT, 8);
+    let d_arena = KvArena::new(LAYOUT, 8);
+    let p_rx = publish(&p, &p_arena, &[5, 2, 7, 1], "tok");
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(p.local_addr(), "tok", 1, &[2, 7, 1]),
+        &[0, 3, 4],
+    );
+    assert_eq!(fetch_result(&rx), Ok(()));
+    assert!(matches!(
+        p_rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::ExportPulled {
+            hold: TransferId(1)
+        }
+    ));
+    assert_eq!(d_arena.n_outstanding_grants(), 0);
+    assert_eq!(
+        p_arena.n_outstanding_grants(),
+        0,
+        "P dropped its grant before reporting"
+    );
+    for (src, dst) in [(2, 0), (7, 3), (1, 4)] {
+        assert_eq!(
+            d_arena.block_bytes(dst),
+            &pattern(LAYOUT, src)[..],
+            "block {src} → {dst}"
+        );
+    }
+    assert_eq!(
+        d_arena.block_bytes(1),
+        &vec![0u8; LAYOUT.block_bytes()][..],
+        "untouched"
+    );
+    assert_eq!(p.n_published(), 0);
+
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(p.local_addr(), "tok", 1, &[2, 7, 1]),
+        &[0, 3, 4],
+    );
+    assert!(
+        refused(&rx).contains("no export with this token"),
+        "one pull per export"
+    );
+}
+
+#[test]
+fn a_handshake_mismatch_fails_closed_with_its_reason() {
+    let p = transport("P");
+    let p_arena = filled_arena(LAYOUT, 4);
+    let _p_rx = publish(&p, &p_arena, &[0, 1], "tok");
+
+    let other_model = TcpTransport::start(config("D", LAYOUT, "other", WAIT)).unwrap();
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let rx = fetch(
+        &other_model,
+        &d_arena,
+        spec(p.local_addr(), "tok", 0, &[0, 1]),
+        &[2, 3],
+    );
+    let reason = refused(&rx);
+    assert!(
+        reason.contains("handshake") && reason.contains("model mismatch"),
+        "{reason}"
+    );
+    assert!(reason.contains("\"other\""), "{reason}");
+
+    let layout = KvLayout {
+        block_size: 8,
+        ..LAYOUT
+    };
+    let other_layout = TcpTransport::start(config("D", layout, "m", WAIT)).unwrap();
+    let d_arena = KvArena::new(layout, 4);
+    let rx = fetch(
+        &other_layout,
+        &d_arena,
+        spec(p.local_addr(), "tok", 0, &[0, 1]),
+        &[2, 3],
+    );
+    let reason = refused(&rx);
+    assert!(
+        reason.contains("KV layout mismatch") && reason.contains("block_size 8"),
+        "{reason}"
+    );
+    assert_eq!(d_arena.block_bytes(2), &vec![0u8; layout.block_bytes()][..]);
+    assert_eq!(p.n_published(), 1, "a refused reader consumes nothing");
+}
+
+#[test]
+fn forged_or_wrong_pulls_are_refused_and_consume_nothing() {
+    let (p, d) = (transport("P"), transport("D"));
+    let p_arena = filled_arena(LAYOUT, 8);
+    let d_arena = KvArena::new(LAYOUT, 8);
+    let p_rx = publish(&p, &p_arena, &[5, 2, 7], "tok");
+    let addr = p.local_addr();
+    let good = spec(addr, "tok", 0, &[5, 2, 7]);
+    let cases = [
+        (
+            FetchSpec {
+                token: "forged".into(),
+                ..good.clone()
+            },
+            "no export with this token",
+        ),
+        (
+            FetchSpec {
+                prompt_hash: [8; 32],
+                ..good.clone()
+            },
+            "prompt is not the exported one",
+        ),
+        (
+            FetchSpec {
+                weight_version: "v1".into(),
+                ..good.clone()
+            },
+            "KV of weights \"v0\"",
+        ),
+        (
+            spec(addr, "tok", 0, &[5, 2, 6]),
+            "remote_block_ids are not the export's blocks",
+        ),
+        (
+            spec(addr, "tok", 1, &[5, 2, 7]),
+            "remote_block_ids are not the export's blocks",
+        ),
+        (
+            spec(addr, "tok", usize::MAX, &[5, 2, 7]),
+            "remote_block_ids are not the export's blocks",
+        ),
+        (
+            FetchSpec {
+                remote_engine_id: "Q".into(),
+                ..good.clone()
+            },
+            "serves engine \"P\", not \"Q\"",
+        ),
+    ];
+    for (bad, expected) in cases {
+        let rx = fetch(&d, &d_arena, bad, &[0, 1, 2]);
+        let reason = refused(&rx);
+        assert!(reason.contains(expected), "{reason} lacks {expected}");
+    }
+    let rx = fetch(&d, &d_arena, good.clone(), &[0, 1]);
+    assert!(refused(&rx).contains("2 destination blocks for 3 source blocks"));
+    assert!(p_rx.try_recv().is_err(), "P learnt nothing");
+    assert_eq!(d_arena.block_bytes(0), &vec![0u8; LAYOUT.block_bytes()][..]);
+
+    let rx = fetch(&d, &d_arena, good.clone(), &[0, 1, 2]);
+    assert_eq!(fetch_result(&rx), Ok(()));
+    assert_eq!(d_arena.block_bytes(2), &pattern(LAYOUT, 7)[..]);
+    let rx = fetch(&d, &d_arena, good, &[3, 4, 5]);
+    assert!(
+        refused(&rx).contains("no export with this token"),
+        "a second pull"
+    );
+}
+
+#[test]
+fn a_fetch_without_an_address_or_with_a_producer_gone_fails() {
+    let d = transport("D");
+    let d_arena = KvArena::new(LAYOUT, 4);
+    // A P that dies on every connection (a dropped port could be reused by another test).
+    let listener = StdListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            drop(stream);
+        }
+    });
+    let no_address = FetchSpec {
+        remote_host: None,
+        ..spec(addr, "tok", 0, &[0])
+    };
+    let rx = fetch(&d, &d_arena, no_address, &[0]);
+    assert!(refused(&rx).contains("no remote_host"));
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &[0]), &[0]);
+    let reason = refused(&rx);
+    assert!(
+        reason.contains(&format!("handshake with {addr}")),
+        "{reason}"
+    );
+    assert_eq!(d_arena.n_outstanding_grants(), 0);
+}
+
+/// A hand-written P: answers the handshake and the pull with ok, sends `n_blocks` blocks,
+/// then either closes (`stall: None`) or keeps the connection open without sending for
+/// `stall`.
+fn fake_p(n_blocks: usize, stall: Option<Duration>) -> SocketAddr {
+    let listener = StdListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut hello = Vec::new();
+        write_handshake(&mut hello, &config("D", LAYOUT, "m", WAIT));
+        s.read_exact(&mut vec![0; hello.len()]).unwrap();
+        s.write_all(&[STATUS_OK]).unwrap();
+        let mut pull = Vec::new();
+        write_pull(&mut pull, &spec(addr, "tok", 0, &[0, 1, 2, 3]));
+        s.read_exact(&mut vec![0; pull.len()]).unwrap();
+        s.write_all(&[STATUS_OK]).unwrap();
+        for b in 0..n_blocks {
+            s.write_all(&pattern(LAYOUT, b as u32)).unwrap();
+        }
+        if let Some(stall) = stall {
+            std::thread::sleep(stall);
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_producer_that_dies_mid_transfer_is_a_failed_load_with_the_good_blocks() {
+    let d = transport("D");
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let addr = fake_p(2, None);
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(addr, "tok", 0, &[0, 1, 2, 3]),
+        &[0, 1, 2, 3],
+    );
+    let e = fetch_result(&rx).unwrap_err();
+    assert_eq!(e.good_blocks, 2, "{}", e.reason);
+    assert!(
+        e.reason.contains("reading block 2") && e.reason.contains("closed"),
+        "{}",
+        e.reason
+    );
+    assert_eq!(d_arena.block_bytes(1), &pattern(LAYOUT, 1)[..]);
+    assert_eq!(d_arena.n_outstanding_grants(), 0);
+}
+
+#[test]
+fn a_producer_that_stalls_mid_transfer_fails_the_load_within_the_timeout() {
+    let d = TcpTransport::start(config("D", LAYOUT, "m", Duration::from_millis(300))).unwrap();
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let addr = fake_p(1, Some(Duration::from_secs(5)));
+    let started = Instant::now();
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(addr, "tok", 0, &[0, 1, 2, 3]),
+        &[0, 1, 2, 3],
+    );
+    let e = fetch_result(&rx).unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(e.good_blocks, 1, "{}", e.reason);
+    assert!(e.reason.contains("timed out after 300ms"), "{}", e.reason);
+}
+
+#[test]
+fn a_cancel_mid_transfer_stops_at_a_block_boundary_and_releases_the_grant() {
+    let d = transport("D");
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let addr = fake_p(1, Some(Duration::from_secs(5)));
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(addr, "tok", 0, &[0, 1, 2, 3]),
+        &[0, 1, 2, 3],
+    );
+    // Until block 0 landed (the fake P then stalls).
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(rx.try_recv().is_err(), "still waiting for block 1");
+    let started = Instant::now();
+    d.cancel_fetch(TransferId(9));
+    let e = fetch_result(&rx).unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!((e.good_blocks, e.reason.as_str()), (1, "cancelled"));
+    assert_eq!(
+        d_arena.n_outstanding_grants(),
+        0,
+        "dropped before the report"
+    );
+}
+
+/// A hand-written D: handshake, a pull of `blocks`, reads the status and one block, then
+/// stops reading. Dropping the stream closes it.
+fn fake_d(addr: SocketAddr, blocks: &[u32]) -> StdStream {
+    let mut s = StdStream::connect(addr).unwrap();
+    let mut msg = Vec::new();
+    write_handshake(&mut msg, &config("D", LAYOUT_BIG, "m", WAIT));
+    s.write_all(&msg).unwrap();
+    let mut status = [9u8];
+    s.read_exact(&mut status).unwrap();
+    assert_eq!(status, [STATUS_OK]);
+    msg.clear();
+    write_pull(&mut msg, &spec(addr, "tok", 0, blocks));
+    s.write_all(&msg).unwrap();
+    s.read_exact(&mut status).unwrap();
+    assert_eq!(status, [STATUS_OK]);
+    s.read_exact(&mut vec![0; LAYOUT_BIG.block_bytes()])
+        .unwrap();
+    s
+}
+
+/// 1 MiB blocks: an export of 48 of them does not fit in loopback socket buffers, so P is
+/// still writing when a fake D stops reading.
+const LAYOUT_BIG: KvLayout = KvLayout {
+    n_layers: 16,
+    n_kv_heads: 4,
+    head_dim: 64,
+    block_size: 16,
+};
+
+fn until_ready(p: &TcpTransport) {
+    let started = Instant::now();
+    while !lock(&p.inner.exports)
+        .values()
+        .any(|s| matches!(s, Slot::Ready(_)))
+    {
+        assert!(started.elapsed() < WAIT, "the export never came back");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_reader_gone_mid_pull_leaves_the_export_published() {
+    let p = TcpTransport::start(config("P", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let d = TcpTransport::start(config("D", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let blocks: Vec<u32> = (0..48).collect();
+    let p_arena = filled_arena(LAYOUT_BIG, 48);
+    let p_rx = publish(&p, &p_arena, &blocks, "tok");
+    drop(fake_d(p.local_addr(), &blocks));
+    until_ready(&p);
+    assert!(p_rx.try_recv().is_err(), "P learnt nothing");
+    let d_arena = KvArena::new(LAYOUT_BIG, 48);
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(p.local_addr(), "tok", 0, &blocks),
+        &blocks,
+    );
+    assert_eq!(fetch_result(&rx), Ok(()));
+    assert_eq!(d_arena.block_bytes(47), &pattern(LAYOUT_BIG, 47)[..]);
+    assert!(matches!(
+        p_rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::ExportPulled { .. }
+    ));
+}
+
+#[test]
+fn an_unpublish_during_a_pull_reports_gone_once_the_pull_ended() {
+    let p = TcpTransport::start(config("P", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let blocks: Vec<u32> = (0..48).collect();
+    let p_arena = filled_arena(LAYOUT_BIG, 48);
+    let p_rx = publish(&p, &p_arena, &blocks, "tok");
+    let reader = fake_d(p.local_addr(), &blocks);
+    let (r, gone_rx) = reports();
+    p.unpublish("P", TransferId(1), r);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        gone_rx.try_recv().is_err(),
+        "the pull in progress holds the export"
+    );
+    assert_eq!(p_arena.n_outstanding_grants(), 1);
+    drop(reader);
+    assert!(matches!(
+        gone_rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::ExportGone {
+            hold: TransferId(1)
+        }
+    ));
+    assert_eq!(
+        p_arena.n_outstanding_grants(),
+        0,
+        "dropped before the report"
+    );
+    assert_eq!(p.n_published(), 0);
+    assert!(p_rx.try_recv().is_err(), "not pulled");
+}
+
+#[test]
+fn unpublish_of_a_ready_export_reports_gone_at_once() {
+    let p = transport("P");
+    let p_arena = filled_arena(LAYOUT, 4);
+    let _p_rx = publish(&p, &p_arena, &[0, 1], "tok");
+    let (r, rx) = reports();
+    p.unpublish("P", TransferId(1), r.clone());
+    assert!(matches!(
+        rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::ExportGone {
+            hold: TransferId(1)
+        }
+    ));
+    assert_eq!((p.n_published(), p_arena.n_outstanding_grants()), (0, 0));
+    p.unpublish("P", TransferId(1), r);
+    assert!(
+        matches!(
+            rx.recv_timeout(WAIT).unwrap(),
+            WorkerReport::ExportGone { .. }
+        ),
+        "unknown: gone"
+    );
+}
+
+#[test]
+fn a_connection_over_the_producers_limit_is_refused_after_the_timeout() {
+    let mut cfg = config("P", LAYOUT, "m", Duration::from_millis(300));
+    cfg.max_connections = 1;
+    let p = TcpTransport::start(cfg).unwrap();
+    let p_arena = filled_arena(LAYOUT, 4);
+    let _p_rx = publish(&p, &p_arena, &[0, 1], "tok");
+    let addr = p.local_addr();
+    // A reader that keeps its connection busy with refused pulls, each well within the timeout.
+    let (stop_tx, stop_rx) = channel::<()>();
+    let (busy_tx, busy_rx) = channel::<()>();
+    let busy = std::thread::spawn(move || {
+        let mut s = StdStream::connect(addr).unwrap();
+        let mut msg = Vec::new();
+        write_handshake(&mut msg, &config("D", LAYOUT, "m", WAIT));
+        s.write_all(&msg).unwrap();
+        let mut status = [9u8];
+        s.read_exact(&mut status).unwrap();
+        assert_eq!(status, [STATUS_OK]);
+        busy_tx.send(()).unwrap();
+        msg.clear();
+        write_pull(&mut msg, &spec(addr, "forged", 0, &[0]));
+        let reason = no_export("P");
+        while stop_rx.try_recv().is_err() {
+            s.write_all(&msg).unwrap();
+            let mut reply = vec![0u8; 1 + 4 + reason.len()];
+            s.read_exact(&mut reply).unwrap();
+            assert_eq!(reply[0], STATUS_REFUSED);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    busy_rx.recv_timeout(WAIT).unwrap();
+    let d = transport("D");
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &[0, 1]), &[0, 1]);
+    let reason = refused(&rx);
+    assert!(reason.contains("maximum of 1 connections"), "{reason}");
+    stop_tx.send(()).unwrap();
+    busy.join().unwrap();
+    // The slot is free again once the busy reader left.
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &[0, 1]), &[0, 1]);
+    assert_eq!(fetch_result(&rx), Ok(()));
+}
+
+#[test]
+fn a_producer_transport_dropped_mid_pull_is_a_failed_load_on_d() {
+    let p = TcpTransport::start(config("P", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let d = TcpTransport::start(config("D", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let blocks: Vec<u32> = (0..128).collect();
+    let p_arena = filled_arena(LAYOUT_BIG, 128);
+    let _p_rx = publish(&p, &p_arena, &blocks, "tok");
+    let d_arena = KvArena::new(LAYOUT_BIG, 128);
+    let started = Instant::now();
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(p.local_addr(), "tok", 0, &blocks),
+        &blocks,
+    );
+    // Until P started streaming (128 MiB take far longer than this loop's step).
+    while !lock(&p.inner.exports)
+        .values()
+        .any(|s| matches!(s, Slot::Pulling { .. }))
+    {
+        assert!(started.elapsed() < WAIT, "the pull never started");
+        std::thread::yield_now();
+    }
+    drop(p);
+    let e = fetch_result(&rx).unwrap_err();
+    assert!(started.elapsed() < WAIT);
+    assert!(e.good_blocks < 128, "{}", e.good_blocks);
+    assert!(
+        e.reason.contains("the peer closed the connection"),
+        "{}",
+        e.reason
+    );
+    assert_eq!(d_arena.n_outstanding_grants(), 0);
+    // P's runtime let go of the export's grant.
+    while p_arena.n_outstanding_grants() != 0 {
+        assert!(started.elapsed() < WAIT, "P's grant leaked");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
