@@ -97,6 +97,22 @@ async fn d_generates_what_a_single_engine_generates() {
     );
     assert_eq!(out["choices"][0]["text"], reference["choices"][0]["text"]);
     assert!(out.get("kv_transfer_params").is_none(), "{out}");
+    // P counts an export's blocks once pulled (the bytes give one block's size); D counts
+    // the blocks it fetched, which may leave out what it computes anyway.
+    let n_blocks_1 = n_prompt.div_ceil(4) as f64;
+    until_metric(&p, "ferry_kv_exports_pulled_total", 1.0).await;
+    until_metric(&d, "ferry_kv_loads_finished_total", 1.0).await;
+    let block_bytes = metric(&p.metrics().await, "ferry_kv_transfer_bytes_total") / n_blocks_1;
+    assert!(
+        block_bytes > 0.0 && block_bytes.fract() == 0.0,
+        "{block_bytes}"
+    );
+    let bytes_1 = metric(&d.metrics().await, "ferry_kv_transfer_bytes_total");
+    assert!(
+        bytes_1 > 0.0 && bytes_1 <= n_blocks_1 * block_bytes,
+        "{bytes_1}"
+    );
+    assert_eq!((bytes_1 / block_bytes).fract(), 0.0, "{bytes_1}");
 
     // Chat: P streaming (its parameters come on the finishing chunk), D with n = 2 (the
     // export is loaded once; the second choice takes prefix hits on it).
@@ -115,6 +131,7 @@ async fn d_generates_what_a_single_engine_generates() {
     assert_eq!(with.len(), 1, "{events:?}");
     assert_eq!(with[0]["choices"][0]["finish_reason"], "length");
     let params = with[0]["kv_transfer_params"].clone();
+    let n_blocks_2 = ids(&params["remote_block_ids"]).len() as f64;
     let mut two = with_params(&chat, &params);
     two["n"] = json!(2);
     let out = d.ok("/v1/chat/completions", &two).await;
@@ -130,12 +147,13 @@ async fn d_generates_what_a_single_engine_generates() {
     let text = d.metrics().await;
     assert_eq!(metric(&text, "ferry_kv_loads_started_total"), 2.0);
     assert_eq!(metric(&text, "ferry_kv_loads_failed_total"), 0.0);
+    let d_bytes = metric(&text, "ferry_kv_transfer_bytes_total");
     assert!(
-        metric(&text, "ferry_kv_transfer_bytes_total") > 0.0,
+        d_bytes > bytes_1 && d_bytes <= bytes_1 + n_blocks_2 * block_bytes,
         "{text}"
     );
     let p_bytes = metric(&p.metrics().await, "ferry_kv_transfer_bytes_total");
-    assert_eq!(p_bytes, metric(&text, "ferry_kv_transfer_bytes_total"));
+    assert_eq!(p_bytes, (n_blocks_1 + n_blocks_2) * block_bytes);
     assert_eq!(
         metric(&p.metrics().await, "ferry_kv_exports_expired_total"),
         0.0
