@@ -225,21 +225,46 @@ fn kv_connector(
     Ok((Connector::pd(config, transport), bound))
 }
 
-/// The transport between P and D processes, listening on `plan.listen`; returns it and the
-/// address it bound. Cross-process transfers need a network transport (TCP), which this build
-/// does not have yet: the in-memory one only reaches engines in this process.
+/// The transport between P and D processes: TCP, listening on `plan.listen`; returns it and
+/// the address it bound (the port picked when `--kv-transfer-port` is 0). Its handshake
+/// compares `model_id` and the KV layout between P and D.
 fn kv_transport(
     plan: &KvPlan,
-    _model: &LoadedModel,
-    _model_id: &str,
-    _block_size: usize,
+    model: &LoadedModel,
+    model_id: &str,
+    block_size: usize,
 ) -> anyhow::Result<(Arc<dyn Transport>, SocketAddr)> {
-    bail!(
-        "--kv-role (engine {}): P/D across processes needs the TCP transport, which this \
-         build of ferry does not include",
-        plan.engine_id
-    )
+    let c = &model.config;
+    let layout = ferry_kv::KvLayout {
+        n_layers: c.num_hidden_layers,
+        n_kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        block_size,
+    };
+    let transport = ferry_kv::TcpTransport::start(ferry_kv::TcpTransportConfig {
+        engine_id: plan.engine_id.clone(),
+        listen: plan.listen,
+        layout,
+        model_id: model_id.to_owned(),
+        max_in_flight_fetches: KV_MAX_IN_FLIGHT_FETCHES,
+        max_connections: KV_MAX_CONNECTIONS,
+        io_timeout: KV_IO_TIMEOUT,
+    })
+    .with_context(|| {
+        format!(
+            "starting the KV transfer listener on {} (--host, --kv-transfer-port)",
+            plan.listen
+        )
+    })?;
+    let bound = transport.local_addr();
+    Ok((transport, bound))
 }
+
+/// Bounds of the TCP transport: loads in flight, peer connections, and the wait for one read
+/// or write on a transfer connection.
+const KV_MAX_IN_FLIGHT_FETCHES: usize = 64;
+const KV_MAX_CONNECTIONS: usize = 256;
+const KV_IO_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
