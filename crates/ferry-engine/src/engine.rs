@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::input::{
     AddInput, EngineFinish, Event, Input, LifecycleCall, OpReply, Queued, Reply, Utility,
 };
+use crate::transfer_stats::TransferTally;
 use crate::{EngineStats, WeightInfo};
 
 /// Consecutive failed steps after which every live request is finished with `error`.
@@ -85,6 +86,8 @@ pub(crate) struct EngineLoop {
     /// Runs the timed wait for an input (tokio's channel has no blocking receive with a
     /// timeout); current-thread, so it adds no thread.
     waiter: tokio::runtime::Runtime,
+    /// KV transfer counters for the stats.
+    transfers: TransferTally,
 }
 
 impl EngineLoop {
@@ -98,6 +101,7 @@ impl EngineLoop {
     ) -> std::io::Result<Self> {
         let config = core.config();
         let layout = executor.kv_layout(config.block_size);
+        let transfers = TransferTally::new(layout.block_bytes());
         let arena = KvArena::new(layout, config.n_blocks as usize);
         let reports = (0..workers.len())
             .map(|c| {
@@ -139,6 +143,7 @@ impl EngineLoop {
             epoch: Instant::now(),
             after_work: Vec::new(),
             waiter,
+            transfers,
         })
     }
 
@@ -166,7 +171,11 @@ impl EngineLoop {
                 // (a connector-only step); otherwise wait for an input or the next deadline.
                 if !self.core.needs_idle_steps() {
                     let busy = busy_since.elapsed().as_secs_f64();
-                    self.stats.send_modify(|s| s.busy_seconds_total += busy);
+                    let transfers = &self.transfers.stats;
+                    self.stats.send_modify(|s| {
+                        s.busy_seconds_total += busy;
+                        s.transfers.clone_from(transfers);
+                    });
                     self.wait_for_input();
                     busy_since = Instant::now();
                 }
@@ -227,6 +236,7 @@ impl EngineLoop {
             }
             Input::Utility(call) => self.utility(call),
             Input::Connector(connector, report) => {
+                self.transfers.on_report(connector, &report, Instant::now());
                 self.core.on_worker_report(connector, report);
                 self.finish_side_outputs();
             }
@@ -546,6 +556,7 @@ impl EngineLoop {
     /// step's output produced after it (`after`).
     fn run_workers(&mut self, work: &[ferry_core::StepWork], after: bool) {
         for w in work {
+            self.transfers.on_jobs(w.connector, &w.jobs, Instant::now());
             let c = w.connector.0 as usize;
             let reports = &self.reports[c];
             match self.workers.get_mut(c).and_then(Option::as_mut) {
@@ -739,6 +750,7 @@ impl EngineLoop {
         let n_blocks_total = self.core.config().n_blocks as usize;
         let version = self.core.weight_version();
         let lifecycle = self.core.lifecycle_status();
+        let transfers = &self.transfers.stats;
         let stepped = u64::from(!step.is_zero());
         self.stats.send_modify(|s| {
             s.scheduler = scheduler;
@@ -752,6 +764,7 @@ impl EngineLoop {
                 s.weight_version = version.to_owned();
             }
             s.lifecycle = lifecycle;
+            s.transfers.clone_from(transfers);
             s.running = true;
         });
     }

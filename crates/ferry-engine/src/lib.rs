@@ -24,6 +24,7 @@ pub mod stop;
 mod stream;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod transfer_stats;
 
 // What the engine's API takes and returns, so its callers (the server, the binary) need no
 // other ferry crate.
@@ -47,6 +48,7 @@ pub use start::{
     ModelInfo, StartedEngine, DEFAULT_MAX_MODEL_LEN_CAP,
 };
 pub use stream::GenerateStream;
+pub use transfer_stats::TransferStats;
 
 /// Everything the engine thread needs, resolved once by the caller.
 #[derive(Debug, Clone)]
@@ -163,6 +165,8 @@ pub struct EngineStats {
     /// Wall time the engine thread spent not waiting for an input (steps, connector-only
     /// steps, lifecycle calls, worker reports), summed; published when it goes idle.
     pub busy_seconds_total: f64,
+    /// KV transfers (P/D connectors): started, ended by kind, bytes, load time.
+    pub transfers: TransferStats,
     /// False once the engine thread has stopped.
     pub running: bool,
 }

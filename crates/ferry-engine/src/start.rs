@@ -4,8 +4,9 @@
 //! example and the server's tests all start engines this way, so they size them alike.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use ferry_core::SchedulerConfig;
+use ferry_core::{KvLoadFailurePolicy, SchedulerConfig};
 use ferry_model::{Executor, LlamaModel, LoadedModel};
 
 use crate::{spawn_with_connectors, Connector, EngineConfig, EngineHandle, StartError};
@@ -40,11 +41,20 @@ pub struct ModelEngineConfig {
     pub sampler_seed: Option<u64>,
     /// The weight version the model starts as.
     pub weight_version: String,
+    /// How long P keeps an export for its reader (`SchedulerConfig::export_lease`).
+    pub export_lease: Duration,
+    /// How long D waits for a load (`SchedulerConfig::kv_load_timeout`).
+    pub kv_load_timeout: Duration,
+    /// Bound of a deferred lifecycle operation's wait (`SchedulerConfig::lifecycle_wait_timeout`).
+    pub lifecycle_wait_timeout: Duration,
+    /// What a failed KV load does to its request.
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
 }
 
 impl Default for ModelEngineConfig {
-    /// `ferry serve`'s defaults.
+    /// `ferry serve`'s defaults (the core's for leases, bounds and the failed-load policy).
     fn default() -> Self {
+        let core = SchedulerConfig::default();
         Self {
             block_size: 16,
             kv_cache: KvCacheSize::Bytes(1 << 30),
@@ -55,6 +65,10 @@ impl Default for ModelEngineConfig {
             input_queue_capacity: 4096,
             sampler_seed: None,
             weight_version: "0".to_owned(),
+            export_lease: core.export_lease,
+            kv_load_timeout: core.kv_load_timeout,
+            lifecycle_wait_timeout: core.lifecycle_wait_timeout,
+            kv_load_failure_policy: core.kv_load_failure_policy,
         }
     }
 }
@@ -204,7 +218,9 @@ fn scheduler_config(
         enable_chunked_prefill: true,
         eos_token_ids: model.eos_token_ids.clone(),
         weight_version: config.weight_version.clone(),
-        // Leases, load and lifecycle bounds, the failed-load policy: the core's defaults.
-        ..SchedulerConfig::default()
+        export_lease: config.export_lease,
+        kv_load_timeout: config.kv_load_timeout,
+        lifecycle_wait_timeout: config.lifecycle_wait_timeout,
+        kv_load_failure_policy: config.kv_load_failure_policy,
     })
 }

@@ -5,8 +5,8 @@ use ferry_engine::OutputChunk;
 
 use crate::error::ApiError;
 use crate::generate::{
-    weight_versions, ChunkFinish, Collected, Generation, GenerationRoute, Head, Prepared,
-    PreparedPrompt, StreamBase,
+    response_transfer_params, weight_versions, ChunkFinish, Collected, Generation, GenerationRoute,
+    Head, Prepared, PreparedPrompt, StreamBase,
 };
 use crate::logprobs::chat_logprobs;
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
@@ -65,6 +65,7 @@ impl GenerationRoute for Chat {
             params,
             texts,
         } = generation;
+        let kv_transfer_params = response_transfer_params(&collected);
         let (choices, usage) =
             generation.collect_choices(collected, |c, finish_reason, stop_reason| ChatChoice {
                 weight_versions: Some(weight_versions(c.finish.as_ref())),
@@ -88,6 +89,7 @@ impl GenerationRoute for Chat {
         ChatResponse {
             usage: Some(usage),
             prompt_token_ids: params.return_token_ids.then(|| prompts[0].tokens.clone()),
+            kv_transfer_params,
             ..Response::new(&head, "chat.completion", choices)
         }
     }
@@ -150,6 +152,8 @@ impl ChunkFormatter for Formatter {
             finish_reason,
             stop_reason,
             weight_versions,
+            kv_transfer_params,
+            error,
         } = self.base.observe(index, &out);
         let choice = ChatChunkChoice {
             index,
@@ -169,7 +173,11 @@ impl ChunkFormatter for Formatter {
             token_ids: self.base.return_token_ids.then_some(out.token_ids),
             weight_versions,
         };
-        vec![to_json(&chat_chunk(&self.base.head, vec![choice]))]
+        let chunk = ChatChunk {
+            kv_transfer_params,
+            ..chat_chunk(&self.base.head, vec![choice])
+        };
+        std::iter::once(to_json(&chunk)).chain(error).collect()
     }
 
     fn end(&mut self) -> Vec<String> {

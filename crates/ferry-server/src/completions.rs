@@ -4,8 +4,8 @@ use ferry_engine::OutputChunk;
 
 use crate::error::ApiError;
 use crate::generate::{
-    weight_versions, ChunkFinish, Collected, Generation, GenerationRoute, Head, Prepared,
-    PreparedPrompt, StreamBase,
+    response_transfer_params, weight_versions, ChunkFinish, Collected, Generation, GenerationRoute,
+    Head, Prepared, PreparedPrompt, StreamBase,
 };
 use crate::logprobs::completion_logprobs;
 use crate::params::{check_completion_logprobs, check_prompt, GenerationParams};
@@ -66,6 +66,7 @@ impl GenerationRoute for Completions {
             texts,
         } = generation;
         let n = params.n as usize;
+        let kv_transfer_params = response_transfer_params(&collected);
         let (choices, usage) =
             generation.collect_choices(collected, |c, finish_reason, stop_reason| {
                 CompletionChoice {
@@ -85,7 +86,10 @@ impl GenerationRoute for Completions {
                     token_ids: params.return_token_ids.then_some(c.token_ids),
                 }
             });
-        completion_response(&head, choices, Some(usage))
+        CompletionResponse {
+            kv_transfer_params,
+            ..completion_response(&head, choices, Some(usage))
+        }
     }
 }
 
@@ -168,6 +172,8 @@ impl ChunkFormatter for Formatter {
             finish_reason,
             stop_reason,
             weight_versions,
+            kv_transfer_params,
+            error,
         } = self.base.observe(index, &chunk);
         let first = !std::mem::replace(&mut self.started[index], true);
         let logprobs = self.base.logprobs.then(|| {
@@ -188,11 +194,11 @@ impl ChunkFormatter for Formatter {
             token_ids: return_token_ids.then_some(chunk.token_ids),
             weight_versions,
         };
-        vec![to_json(&completion_response(
-            &self.base.head,
-            vec![choice],
-            None,
-        ))]
+        let response = CompletionResponse {
+            kv_transfer_params,
+            ..completion_response(&self.base.head, vec![choice], None)
+        };
+        std::iter::once(to_json(&response)).chain(error).collect()
     }
 
     fn end(&mut self) -> Vec<String> {

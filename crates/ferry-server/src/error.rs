@@ -94,6 +94,17 @@ impl ApiError {
         }
     }
 
+    /// A 500: the engine finished a choice with an explained `error` (a KV load that failed
+    /// under `--kv-load-failure-policy fail`); the message says why.
+    pub fn generation_failed(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "generation_error",
+            param: None,
+        }
+    }
+
     /// The JSON body, also used inside an SSE stream.
     pub fn body(&self) -> ErrorBody {
         ErrorBody {

@@ -14,8 +14,8 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use ferry_engine::{
-    AddError, EngineHandle, Finish, GenerateError, GenerateRequest, GenerateStream, OutputChunk,
-    SamplingParams, TokenId, TokenLogprob,
+    AddError, EngineHandle, Finish, FinishReason, GenerateError, GenerateRequest, GenerateStream,
+    KvTransferParams, OutputChunk, SamplingParams, TokenId, TokenLogprob,
 };
 use futures_util::stream::{self, BoxStream, StreamExt};
 use serde::Serialize;
@@ -23,12 +23,13 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 use crate::extract::{next_engine_seq, ApiJson, RequestId};
+use crate::kv_transfer::{KvTransferParamsJson, TransferLimits};
 use crate::live::{LiveRequests, Registration};
 use crate::logprobs::TokenTexts;
 use crate::metrics::Metrics;
 use crate::params::GenerationParams;
 use crate::response::{StopReasonJson, Usage};
-use crate::sse::{sse_response, ChunkFormatter};
+use crate::sse::{sse_response, to_json, ChunkFormatter};
 use crate::state::{unix_now, AppState};
 
 /// One prompt, tokenized and validated, with its resolved sampling parameters.
@@ -49,6 +50,8 @@ pub struct LaunchSpec<'a> {
     pub prompt_param: &'static str,
     /// When the HTTP request arrived (time to first token counts from here).
     pub arrival: Instant,
+    /// The request's checked transfer parameters (one prompt only).
+    pub kv_transfer_params: Option<&'a KvTransferParams>,
 }
 
 /// One choice's engine output, with latency bookkeeping.
@@ -166,7 +169,7 @@ pub async fn launch(
                 params,
                 stop: spec.stop.to_vec(),
                 detokenize: engine.tokenizer().is_some(),
-                kv_transfer_params: None,
+                kv_transfer_params: choice_transfer_params(spec.kv_transfer_params, i),
             };
             let stream = engine
                 .generate(req)
@@ -184,6 +187,52 @@ pub async fn launch(
         }
     }
     Ok(choices)
+}
+
+/// Choice `i`'s transfer parameters. A load (D) goes to every choice: the core imports the
+/// export once and the other choices take prefix hits on what arrived. An export (P) is asked
+/// of the first choice only: a reader pulls one export, so the other choices' would only wait
+/// for their lease to run out.
+fn choice_transfer_params(params: Option<&KvTransferParams>, i: usize) -> Option<KvTransferParams> {
+    let params = params?;
+    let params = if i > 0 && params.do_remote_decode {
+        KvTransferParams {
+            do_remote_decode: false,
+            ..params.clone()
+        }
+    } else {
+        params.clone()
+    };
+    (params.do_remote_decode || params.do_remote_prefill).then_some(params)
+}
+
+/// The response's `kv_transfer_params`: those of the first choice that has any (P's export).
+pub fn response_transfer_params(collected: &[Collected]) -> Option<KvTransferParamsJson> {
+    collected
+        .iter()
+        .find_map(|c| c.finish.as_ref()?.kv_transfer_params.as_ref())
+        .map(KvTransferParamsJson::from)
+}
+
+/// A choice that finished with an explained `error` (a failed KV load under the `fail`
+/// policy) fails a non-streaming request as a whole, as vLLM does: a 500 whose message says
+/// why, since a partial set of choices would read as a complete answer.
+pub fn check_failed_choices(collected: &[Collected]) -> Result<(), ApiError> {
+    match collected
+        .iter()
+        .find_map(|c| failure(c.index, c.finish.as_ref()?))
+    {
+        None => Ok(()),
+        Some(e) => Err(e),
+    }
+}
+
+/// Choice `index`'s explained `error` finish as an error (an unexplained one, such as a failed
+/// step, stays a plain `finish_reason: "error"`).
+fn failure(index: usize, finish: &Finish) -> Option<ApiError> {
+    let message = finish.message.as_deref()?;
+    (finish.reason == FinishReason::Error)
+        .then(|| ApiError::generation_failed(format!("choice {index} failed: {message}")))
 }
 
 /// A refused generation as an HTTP error: a full queue or a stopped engine is a 503 (retry
@@ -325,12 +374,24 @@ pub async fn handle<R: GenerationRoute>(
 ) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     let (prompts, params) = R::prepare(&app, &body)?;
+    let kv_transfer_params = params
+        .kv_transfer_params
+        .clone()
+        .map(|p| {
+            let limits = TransferLimits {
+                kv_connector: app.config.kv_connector,
+                max_model_len: app.limits.max_model_len,
+            };
+            p.check(limits, prompts.len())
+        })
+        .transpose()?;
     let spec = LaunchSpec {
         request_id: &request_id,
         n: params.n,
         stop: &params.stop,
         prompt_param: R::PROMPT_PARAM,
         arrival,
+        kv_transfer_params: kv_transfer_params.as_ref(),
     };
     let recorders = Recorders {
         metrics: &app.metrics,
@@ -352,6 +413,7 @@ pub async fn handle<R: GenerationRoute>(
         return Ok(sse_response(choices, R::streaming(base, generation)));
     }
     let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
+    check_failed_choices(&collected)?;
     Ok(Json(R::full_response(head, generation, collected)).into_response())
 }
 
@@ -383,6 +445,10 @@ pub struct ChunkFinish {
     pub stop_reason: Option<StopReasonJson>,
     /// The weight versions the choice's tokens were computed with.
     pub weight_versions: Option<Vec<String>>,
+    /// P's transfer parameters, for the chunk's `kv_transfer_params`.
+    pub kv_transfer_params: Option<KvTransferParamsJson>,
+    /// An explained `error` finish: the error event that follows the chunk.
+    pub error: Option<String>,
 }
 
 /// What every route's streaming formatter keeps: the head, the output options, the token
@@ -426,6 +492,8 @@ impl StreamBase {
                     finish_reason: Some(reason),
                     stop_reason,
                     weight_versions: Some(f.weight_versions.clone()),
+                    kv_transfer_params: f.kv_transfer_params.as_ref().map(Into::into),
+                    error: failure(index, f).map(|e| to_json(&e.body())),
                 }
             }
             None => ChunkFinish::default(),

@@ -25,6 +25,7 @@ pub mod completions;
 pub mod error;
 pub mod extract;
 pub mod generate;
+pub mod kv_transfer;
 pub mod live;
 pub mod logprobs;
 pub mod metrics;
@@ -78,6 +79,9 @@ pub struct ServerConfig {
     pub enable_admin_api: bool,
     /// Largest safetensors body `POST /update_weights` accepts.
     pub max_weight_push_bytes: usize,
+    /// Whether the engine runs a P/D connector (`ferry serve --kv-role`): without one, a
+    /// request asking for a transfer (`kv_transfer_params.do_remote_*`) is a 400.
+    pub kv_connector: bool,
 }
 
 /// The default push limit: 16 GiB (whole checkpoints of mid-sized models), capped at the
@@ -103,6 +107,7 @@ impl ServerConfig {
             vocab_size: None,
             enable_admin_api: false,
             max_weight_push_bytes: DEFAULT_MAX_WEIGHT_PUSH_BYTES,
+            kv_connector: false,
         }
     }
 

@@ -1,7 +1,8 @@
 //! `GET /metrics`: Prometheus text. Latency histograms (time to first token, inter-token
 //! latency, request latency) are recorded here, in the server, per output chunk as clients
 //! see them; engine figures (queue lengths, KV blocks, prefix-cache hit rate, step and forward
-//! seconds) are read from the engine's latest stats snapshot at scrape time.
+//! seconds, KV transfers started, pulled, expired, failed, bytes and load seconds) are read
+//! from the engine's latest stats snapshot at scrape time.
 
 use std::fmt;
 use std::sync::Arc;
@@ -177,7 +178,8 @@ impl Collector for EngineCollector {
             info.metric_type(),
         )?;
         info.encode(family.encode_family(&[("version", s.weight_version.as_str())])?)?;
-        let counters: [(&str, &str, f64); 11] = [
+        let t = &s.transfers;
+        let counters: [(&str, &str, f64); 19] = [
             (
                 "lifecycle_calls",
                 "Lifecycle calls (pause, resume, sleep, ...) the engine handled",
@@ -228,6 +230,47 @@ impl Collector for EngineCollector {
                 "engine_step_failures",
                 "Engine steps that failed",
                 s.n_step_failures_total as f64,
+            ),
+            (
+                "kv_exports_started",
+                "P/D (P): prompt KV exports published for a reader",
+                t.n_exports_started_total as f64,
+            ),
+            (
+                "kv_exports_pulled",
+                "P/D (P): exports a reader pulled in full",
+                t.n_exports_pulled_total as f64,
+            ),
+            (
+                "kv_exports_expired",
+                "P/D (P): exports whose blocks came back unread (lease expired, or revoked by a \
+                 cache reset)",
+                t.n_exports_expired_total as f64,
+            ),
+            (
+                "kv_loads_started",
+                "P/D (D): KV loads started",
+                t.n_loads_started_total as f64,
+            ),
+            (
+                "kv_loads_finished",
+                "P/D (D): KV loads whose blocks landed",
+                t.n_loads_finished_total as f64,
+            ),
+            (
+                "kv_loads_failed",
+                "P/D (D): KV loads that failed, timed out or were cancelled",
+                t.n_loads_failed_total as f64,
+            ),
+            (
+                "kv_transfer_bytes",
+                "P/D: KV bytes moved (landed loads on D, pulled exports on P)",
+                t.bytes_total as f64,
+            ),
+            (
+                "kv_load_seconds",
+                "P/D (D): wall time of finished KV loads, start to landing",
+                t.load_seconds_total,
             ),
         ];
         for (name, help, v) in counters {
@@ -287,6 +330,16 @@ mod tests {
                 paused: true,
                 ..Default::default()
             },
+            transfers: ferry_engine::TransferStats {
+                n_exports_started_total: 4,
+                n_exports_pulled_total: 3,
+                n_exports_expired_total: 1,
+                n_loads_started_total: 6,
+                n_loads_finished_total: 5,
+                n_loads_failed_total: 1,
+                bytes_total: 4096,
+                load_seconds_total: 0.25,
+            },
             ..EngineStats::default()
         });
         m.observe_ttft(0.03);
@@ -309,6 +362,14 @@ mod tests {
         assert_eq!(get(&text, "ferry_lifecycle_calls_total"), 3.0);
         assert_eq!(get(&text, "ferry_lifecycle_call_seconds_total"), 0.5);
         assert_eq!(get(&text, "ferry_engine_sleeping"), 0.0);
+        assert_eq!(get(&text, "ferry_kv_exports_started_total"), 4.0);
+        assert_eq!(get(&text, "ferry_kv_exports_pulled_total"), 3.0);
+        assert_eq!(get(&text, "ferry_kv_exports_expired_total"), 1.0);
+        assert_eq!(get(&text, "ferry_kv_loads_started_total"), 6.0);
+        assert_eq!(get(&text, "ferry_kv_loads_finished_total"), 5.0);
+        assert_eq!(get(&text, "ferry_kv_loads_failed_total"), 1.0);
+        assert_eq!(get(&text, "ferry_kv_transfer_bytes_total"), 4096.0);
+        assert_eq!(get(&text, "ferry_kv_load_seconds_total"), 0.25);
         assert_eq!(
             get(&text, r#"ferry_weight_version_info{version="v7"}"#),
             1.0

@@ -4,6 +4,7 @@
 use ferry_engine::{SamplerSpec, SamplingParams, TokenId};
 
 use crate::error::ApiError;
+use crate::kv_transfer::KvTransferParamsJson;
 use crate::request::CommonParams;
 
 /// Limits that come from the model and the server's configuration.
@@ -35,6 +36,8 @@ pub struct GenerationParams {
     pub stream: bool,
     pub include_usage: bool,
     pub return_token_ids: bool,
+    /// As sent; checked against the batch in [`crate::generate::handle`].
+    pub kv_transfer_params: Option<KvTransferParamsJson>,
 }
 
 /// Temperatures above this are refused (OpenAI's documented range is [0, 2]).
@@ -95,6 +98,7 @@ impl GenerationParams {
                     .and_then(|o| o.include_usage)
                     .unwrap_or(false),
             return_token_ids: common.return_token_ids.unwrap_or(false),
+            kv_transfer_params: common.kv_transfer_params.clone(),
         })
     }
 

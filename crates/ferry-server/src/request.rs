@@ -10,6 +10,7 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 use crate::extract::from_value;
+use crate::kv_transfer::KvTransferParamsJson;
 
 /// `prompt` of `/v1/completions`: text, token ids, or a batch of either.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -84,6 +85,8 @@ pub struct CommonParams {
     pub priority: Option<i64>,
     /// Accepted and ignored (OpenAI's end-user tag; nothing here is per-user).
     pub user: Option<String>,
+    /// P/D disaggregation: `do_remote_decode` on P, P's returned parameters on D.
+    pub kv_transfer_params: Option<KvTransferParamsJson>,
 }
 
 /// Known fields we do not implement. Each is refused when it has a non-default value.
@@ -288,6 +291,19 @@ mod tests {
         let v: Value = parse_json(br#"{"messages": [{"role": "user", "content": 5}]}"#).unwrap();
         let e = ChatRequest::from_json(&v).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].content"));
+        let v: Value =
+            parse_json(br#"{"prompt": "x", "kv_transfer_params": {"remote_block_ids": [1, -2]}}"#)
+                .unwrap();
+        let e = CompletionRequest::from_json(&v).unwrap_err();
+        assert_eq!(
+            e.param.as_deref(),
+            Some("kv_transfer_params.remote_block_ids[1]")
+        );
+        let v: Value =
+            parse_json(br#"{"messages": [], "kv_transfer_params": {"remote_port": 70000}}"#)
+                .unwrap();
+        let e = ChatRequest::from_json(&v).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("kv_transfer_params.remote_port"));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use serde::{Serialize, Serializer};
 use ferry_engine::TokenId;
 
 use crate::generate::Head;
+use crate::kv_transfer::KvTransferParamsJson;
 
 /// `usage`. `prompt_tokens` counts each prompt once, whatever `n`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -61,6 +62,10 @@ pub struct Response<C> {
     /// Chat's prompt ids (vLLM's placement; completions put them on each choice).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<TokenId>>,
+    /// P's transfer parameters after an export (vLLM's placement: on the response; when
+    /// streaming, on the chunk that finishes the exporting choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<KvTransferParamsJson>,
 }
 
 impl<C> Response<C> {
@@ -74,6 +79,7 @@ impl<C> Response<C> {
             choices,
             usage: None,
             prompt_token_ids: None,
+            kv_transfer_params: None,
         }
     }
 }

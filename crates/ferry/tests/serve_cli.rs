@@ -236,3 +236,50 @@ fn bad_flags_are_errors_naming_the_flag() {
     let err = run(&["serve", "--model", "tiny", "--max-num-seqs", "0"]);
     assert!(err.contains("--max-num-seqs 0"), "{err}");
 }
+
+#[test]
+fn bad_kv_flags_are_errors_naming_the_flag() {
+    let run = |args: &[&str]| {
+        let out = Command::new(FERRY)
+            .args(["serve", "--model", "tiny", "--port", "0"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&["--kv-role", "sideways"]);
+    assert!(err.contains("--kv-role"), "{err}");
+    assert!(
+        err.contains("kv_producer"),
+        "the accepted values are listed: {err}"
+    );
+    let err = run(&["--kv-role", "producer", "--host", "0.0.0.0"]);
+    assert!(err.contains("--kv-transfer-host is required"), "{err}");
+    let err = run(&["--kv-role", "kv_both", "--host", "::"]);
+    assert!(err.contains("--kv-transfer-host is required"), "{err}");
+    let err = run(&["--kv-role", "consumer", "--host", "localhost"]);
+    assert!(err.contains("--host \"localhost\""), "{err}");
+    let err = run(&["--kv-role", "both", "--kv-transfer-host", ""]);
+    assert!(err.contains("--kv-transfer-host"), "{err}");
+    let err = run(&["--kv-role", "both", "--kv-engine-id", "a b"]);
+    assert!(err.contains("--kv-engine-id"), "{err}");
+    let err = run(&["--kv-role", "both", "--kv-transfer-port", "70000"]);
+    assert!(err.contains("--kv-transfer-port"), "{err}");
+    let err = run(&["--kv-lease-seconds", "0"]);
+    assert!(
+        err.contains("--kv-lease-seconds must be at least 1"),
+        "{err}"
+    );
+    let err = run(&["--kv-load-failure-policy", "maybe"]);
+    assert!(err.contains("--kv-load-failure-policy"), "{err}");
+    // The transfer flags mean nothing without a role.
+    for flag in [
+        ["--kv-transfer-port", "9000"],
+        ["--kv-transfer-host", "10.0.0.1"],
+        ["--kv-engine-id", "p0"],
+    ] {
+        let err = run(&flag);
+        assert!(err.contains("--kv-role"), "{flag:?}: {err}");
+    }
+}

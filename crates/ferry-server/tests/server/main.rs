@@ -8,4 +8,5 @@ mod completions;
 mod errors;
 mod lifecycle;
 mod misc;
+mod pd;
 mod support;

@@ -6,7 +6,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_engine::testing::{tiny_model, StepThrottle};
-use ferry_engine::{start_model_with, EngineHandle, KvCacheSize, ModelEngineConfig};
+use ferry_engine::{
+    start_model_with_connectors, Connector, EngineHandle, InMemoryFabric, InMemoryTransport,
+    KvCacheSize, KvLoadFailurePolicy, ModelEngineConfig, PdConfig, PdRole,
+};
 use ferry_server::{router, serve, ServerConfig};
 use serde_json::Value;
 
@@ -35,6 +38,15 @@ impl Default for Options {
     }
 }
 
+/// A P/D role for [`start_with`]: a P/D connector over the in-memory transport, on `fabric`
+/// (shared by the engines that transfer to each other).
+pub struct Pd {
+    pub engine_id: &'static str,
+    pub role: PdRole,
+    pub fabric: Arc<InMemoryFabric>,
+    pub policy: KvLoadFailurePolicy,
+}
+
 pub struct Server {
     pub base: String,
     pub engine: EngineHandle,
@@ -53,7 +65,12 @@ impl Drop for Server {
 }
 
 pub async fn start(opts: Options) -> Server {
-    let config = ModelEngineConfig {
+    start_with(opts, None).await
+}
+
+/// [`start`], with a P/D connector when `pd` is given.
+pub async fn start_with(opts: Options, pd: Option<Pd>) -> Server {
+    let mut config = ModelEngineConfig {
         block_size: 4,
         kv_cache: KvCacheSize::Blocks(512),
         max_num_seqs: 32,
@@ -70,13 +87,30 @@ pub async fn start(opts: Options) -> Server {
     if !opts.chat_template {
         model.chat_template = None;
     }
-    let started = start_model_with(model, &config, throttle.wrap()).unwrap();
+    let connectors = match &pd {
+        None => Vec::new(),
+        Some(pd) => {
+            config.kv_load_failure_policy = pd.policy;
+            let pd_config = PdConfig {
+                role: pd.role,
+                engine_id: pd.engine_id.to_owned(),
+                host: Some("127.0.0.1".to_owned()),
+                port: Some(1),
+                secret: ferry_engine::random_secret(),
+                block_size: config.block_size,
+            };
+            let transport = InMemoryTransport::new(pd.engine_id, pd.fabric.clone());
+            vec![Connector::pd(pd_config, Arc::new(transport))]
+        }
+    };
+    let started = start_model_with_connectors(model, &config, throttle.wrap(), connectors).unwrap();
     let engine = started.handle;
     let server_config = ServerConfig {
         enable_admin_api: opts.admin_api,
         max_weight_push_bytes: opts
             .max_weight_push_bytes
             .unwrap_or(ferry_server::DEFAULT_MAX_WEIGHT_PUSH_BYTES),
+        kv_connector: pd.is_some(),
         ..ServerConfig::for_model(MODEL, &started.model)
     };
     let app = router(engine.clone(), server_config);
