@@ -1,5 +1,8 @@
 //! Scheduler configuration, resolved once by the caller and validated here.
 
+use std::time::Duration;
+
+use crate::connector::KvLoadFailurePolicy;
 use crate::plan::TokenId;
 
 /// Everything the scheduler needs to know up front. Immutable after `Scheduler::new`.
@@ -24,6 +27,24 @@ pub struct SchedulerConfig {
     /// update. The current version lives with the rest of the lifecycle state
     /// (`Scheduler::weight_version`, `Scheduler::set_weight_version`).
     pub weight_version: String,
+    /// How long an export (a finished request's KV held for a remote reader) lives: once the
+    /// engine's `now` passes it, the scheduler tells its connector
+    /// (`KvConnector::export_expired`), which stops serving it and hands its blocks back. A
+    /// reader that never comes costs no more.
+    pub export_lease: Duration,
+    /// How long an asynchronous KV load may take before it counts as failed (its connector
+    /// cancels it; `kv_load_failure_policy` decides for the request).
+    pub kv_load_timeout: Duration,
+    /// How long a clearing lifecycle operation (pause with `clear_cache`, sleep >= 1, KV
+    /// release) waits for transfers to hand their blocks back and for connector work (a
+    /// flush) to reach the workers; past it the operation fails with
+    /// `LifecycleError::Timeout`, the engine stays paused, and the reset can be asked again.
+    /// A `wait` pause's drain of running requests is not bounded by it.
+    pub lifecycle_wait_timeout: Duration,
+    /// What a failed (or refused) KV load does to its request: recompute from the first bad
+    /// block, or finish it with an error (the default, as in vLLM). A load cut short by a
+    /// reset is neither: the request recomputes after the resume.
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
 }
 
 impl Default for SchedulerConfig {
@@ -38,6 +59,10 @@ impl Default for SchedulerConfig {
             enable_chunked_prefill: true,
             eos_token_ids: Vec::new(),
             weight_version: "0".to_owned(),
+            export_lease: Duration::from_secs(30),
+            kv_load_timeout: Duration::from_secs(30),
+            lifecycle_wait_timeout: Duration::from_secs(60),
+            kv_load_failure_policy: KvLoadFailurePolicy::Fail,
         }
     }
 }

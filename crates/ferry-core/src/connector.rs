@@ -1,15 +1,36 @@
-//! The scheduler-side connector trait: what the lifecycle needs from anything that holds KV
-//! blocks outside the running batch (a P/D transfer, an offload tier).
+//! The scheduler-side connector trait: the points where anything that moves KV blocks in or
+//! out of the arena outside the running batch (a P/D transfer, an offload tier) meets the
+//! scheduler (`../shared/design/connectors.md`).
 //!
-//! A connector's transfers hold blocks through the scheduler's transfer holds
-//! ([`crate::Scheduler::hold_blocks_for_transfer`], and exports made when a request finishes,
-//! [`crate::Scheduler::hold_kv_on_finish`]), each owned by one [`Holder`]; the connector only
-//! says which of *its* transfers ended, and the scheduler frees their blocks. That keeps every
-//! block's owner in the scheduler's ledger, so a reset that waits always knows what it waits
-//! for: holds a connector owns come back when it reports them, holds the caller owns (no
-//! connector reads them) are released at once.
+//! A connector decides *what* moves; its worker side (in `ferry-kv`) does the moving. The
+//! ledger stays in the scheduler: every block a transfer touches is held through a transfer
+//! hold the scheduler makes and names ([`Holder`], [`HoldKind`]), and is freed only when the
+//! connector that owns the hold reports it ended ([`KvConnector::take_finished_transfers`]).
+//! So a reset that waits always knows what it waits for, and a connector can never free or
+//! reuse a block itself.
+//!
+//! The hooks, in the order a request meets them:
+//!
+//! | when | hook |
+//! | --- | --- |
+//! | a request arrives | [`KvConnector::on_new_request`] |
+//! | admission, after the local prefix hit | [`KvConnector::match_external`] (no side effects) |
+//! | after blocks are allocated for a hit | [`KvConnector::after_alloc`] (the request parks in `WaitingForRemoteKv`) |
+//! | every step, also a zero-token one | [`KvConnector::step_work`] (carried in the `StepPlan`) |
+//! | worker results arrive (engine inputs) | [`KvConnector::on_worker_report`] |
+//! | between steps | [`KvConnector::take_finished_transfers`], [`KvConnector::take_finished_loads`] |
+//! | a request finishes | [`KvConnector::request_finished`] → export parameters, or nothing |
+//! | time passes | [`KvConnector::hold_expired`] |
+//! | the lifecycle | [`KvConnector::abort_transfers`], [`KvConnector::reset_cache`], [`KvConnector::has_pending_work`] |
+//!
+//! Several connectors are an ordered list (`Scheduler::add_connector`): the first with a hit
+//! supplies a load, the first to ask for an export holds it, finishes and resets reach every
+//! connector, pending work is the OR, and transfer parameters are merged with an error on a
+//! clash. The scheduler names no particular connector.
 
 use crate::ownership::TransferId;
+use crate::plan::{BlockId, ReqIdx, TokenId};
+use crate::request::FinishReason;
 
 /// Names a registered connector: its index in registration order (`Scheduler::add_connector`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -26,28 +47,337 @@ pub enum Holder {
     Connector(ConnectorId),
 }
 
-/// The lifecycle's view of a connector. Sans-IO like the rest of the core: a connector records
-/// what it must do and its worker side (in `ferry-kv`) does it.
+/// What a transfer hold is for; the ownership ledger shows it with the holder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum HoldKind {
+    /// A finished request's KV, kept for a remote reader (P of P/D).
+    Export,
+    /// Blocks a remote load writes (D of P/D).
+    Import,
+    /// Blocks a store job reads (offload tier).
+    Store,
+    /// Blocks a local tier's load writes (offload tier).
+    Load,
+    /// A hold made by the caller (`Scheduler::hold_blocks_for_transfer`).
+    Caller,
+}
+
+/// What to do when a KV load fails (engine config; vLLM's `kv_load_failure_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvLoadFailurePolicy {
+    /// The request keeps its place and recomputes from the first bad block.
+    Recompute,
+    /// The request finishes with `finish_reason: "error"` and a message.
+    #[default]
+    Fail,
+}
+
+/// The P/D transfer parameters of a request, with vLLM's keys plus ferry's weight version
+/// and export token. Plain data: the server parses and shape-checks them, connectors check
+/// what they mean.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct KvTransferParams {
+    /// D: load this request's prompt KV from `remote_engine_id`.
+    pub do_remote_prefill: bool,
+    /// P: compute the prompt, then keep its KV for a remote reader.
+    pub do_remote_decode: bool,
+    pub remote_engine_id: Option<String>,
+    pub remote_block_ids: Option<Vec<BlockId>>,
+    pub remote_request_id: Option<String>,
+    pub remote_host: Option<String>,
+    pub remote_port: Option<u16>,
+    /// The weight version the exported KV was computed with.
+    pub weight_version: Option<String>,
+    /// The unguessable token that names the export on its engine.
+    pub export_token: Option<String>,
+    /// How many prompt tokens the export holds KV for.
+    pub n_tokens: Option<usize>,
+}
+
+impl KvTransferParams {
+    /// Adds `other`'s keys; a key both set to different values is an error naming it.
+    pub fn merge(&mut self, other: KvTransferParams) -> Result<(), String> {
+        fn one<T: PartialEq + std::fmt::Debug>(
+            key: &str,
+            a: &mut Option<T>,
+            b: Option<T>,
+        ) -> Result<(), String> {
+            match (a.as_ref(), b) {
+                (Some(x), Some(y)) if *x != y => Err(format!(
+                    "two connectors set kv_transfer_params.{key}: {x:?} and {y:?}"
+                )),
+                (None, Some(y)) => {
+                    *a = Some(y);
+                    Ok(())
+                }
+                _ => Ok(()),
+            }
+        }
+        self.do_remote_prefill |= other.do_remote_prefill;
+        self.do_remote_decode |= other.do_remote_decode;
+        one(
+            "remote_engine_id",
+            &mut self.remote_engine_id,
+            other.remote_engine_id,
+        )?;
+        one(
+            "remote_block_ids",
+            &mut self.remote_block_ids,
+            other.remote_block_ids,
+        )?;
+        one(
+            "remote_request_id",
+            &mut self.remote_request_id,
+            other.remote_request_id,
+        )?;
+        one("remote_host", &mut self.remote_host, other.remote_host)?;
+        one("remote_port", &mut self.remote_port, other.remote_port)?;
+        one(
+            "weight_version",
+            &mut self.weight_version,
+            other.weight_version,
+        )?;
+        one("export_token", &mut self.export_token, other.export_token)?;
+        one("n_tokens", &mut self.n_tokens, other.n_tokens)
+    }
+}
+
+/// What a connector can supply for a request at admission (`match_external`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExternalMatch {
+    /// Nothing: compute locally.
+    None,
+    /// Not yet (another request is loading the same KV): leave the request at its place in
+    /// the queue and ask again next step.
+    NotYet,
+    /// The KV of `tokens` prompt tokens after the local hit can be loaded, asynchronously:
+    /// the request parks in `WaitingForRemoteKv` until the load lands.
+    Hit { tokens: usize, kind: HoldKind },
+    /// The request asked for KV this connector will not load (another weight version, a
+    /// malformed or stale export): the engine's `KvLoadFailurePolicy` decides, as for a
+    /// failed load with no good block.
+    Refused { reason: String },
+}
+
+/// The admission question (`match_external`).
+#[derive(Debug, Clone, Copy)]
+pub struct ExternalQuery<'a> {
+    pub req: ReqIdx,
+    pub prompt_len: usize,
+    /// Tokens found in the local prefix cache (whole blocks).
+    pub local_hit_tokens: usize,
+    /// The weight version loaded now.
+    pub weight_version: &'a str,
+}
+
+/// A request as the hooks see it at arrival.
+#[derive(Debug, Clone, Copy)]
+pub struct NewRequest<'a> {
+    pub req: ReqIdx,
+    pub request_id: &'a str,
+    pub prompt: &'a [TokenId],
+    pub kv_transfer_params: Option<&'a KvTransferParams>,
+}
+
+/// An asynchronous load the scheduler allocated blocks for (`after_alloc`).
+#[derive(Debug, Clone, Copy)]
+pub struct AllocatedLoad<'a> {
+    pub req: ReqIdx,
+    /// The hold over `blocks` (kind `Import` or `Load`), owned by the connector: it ends
+    /// when the connector reports it, whatever happened to the request.
+    pub hold: TransferId,
+    /// The blocks the load writes, in block-table order: block `i` holds positions
+    /// `(first_block + i) * block_size ..`.
+    pub blocks: &'a [BlockId],
+    /// Index in the request's block table of `blocks[0]` (the local prefix hit's length).
+    pub first_block: usize,
+    /// Prompt tokens the load supplies, after the local hit.
+    pub n_tokens: usize,
+}
+
+/// A finished request as `request_finished` sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct FinishedRequest<'a> {
+    pub req: ReqIdx,
+    pub request_id: &'a str,
+    pub reason: FinishReason,
+    /// The request's blocks, in block-table order; they hold KV for `n_computed` tokens.
+    pub blocks: &'a [BlockId],
+    pub n_computed: usize,
+    /// The hold the blocks would go to if this connector exports them.
+    pub hold: TransferId,
+    /// The weight version the KV was computed with.
+    pub weight_version: &'a str,
+    /// The core's clock and when the export's lease would end.
+    pub lease_end: std::time::Duration,
+}
+
+/// How an asynchronous load ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoadOutcome {
+    /// Every block arrived and was checked.
+    Loaded,
+    /// The load failed; the first `good_blocks` blocks arrived intact. A connector reports
+    /// `good_blocks > 0` only once nothing writes the blocks any more (the hold ends with the
+    /// same report); with 0 the request starts over in fresh blocks, so a load still being
+    /// cancelled (a timeout) can never write into KV the request uses.
+    Failed { good_blocks: usize, reason: String },
+    /// Cut short by `abort_transfers` (a cache reset) or by the request's end: a retraction,
+    /// never a failure of the request.
+    Cancelled,
+}
+
+/// One load's end, for the scheduler (`take_finished_loads`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadResult {
+    pub req: ReqIdx,
+    pub hold: TransferId,
+    pub outcome: LoadOutcome,
+}
+
+/// One job for a connector's worker this step: plain data, carried in the `StepPlan`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerJob {
+    /// Serve `blocks` to a reader that presents `token` (P): the export of `hold`.
+    Publish {
+        hold: TransferId,
+        token: String,
+        weight_version: String,
+        blocks: Vec<BlockId>,
+        /// Hash of the prompt tokens the KV is for (`prompt_hash`), so a reader with another
+        /// prompt is refused.
+        prompt_hash: [u8; 32],
+        n_tokens: usize,
+        /// When the export lapses, on the core's clock.
+        expires_at: std::time::Duration,
+    },
+    /// Stop serving `hold` (revoked, expired or pulled): readers are told it is gone.
+    Unpublish { hold: TransferId },
+    /// Load `src_blocks[i]` of the export `token` on `remote_engine_id` into local `blocks[i]`
+    /// (D), then report the hold's outcome.
+    Fetch {
+        hold: TransferId,
+        remote_engine_id: String,
+        remote_host: Option<String>,
+        remote_port: Option<u16>,
+        token: String,
+        weight_version: String,
+        prompt_hash: [u8; 32],
+        /// Index in the export's blocks of `src_blocks[0]`.
+        first_block: usize,
+        src_blocks: Vec<BlockId>,
+        blocks: Vec<BlockId>,
+    },
+    /// Cancel a fetch in flight; the worker reports it ended once nothing writes its blocks.
+    CancelFetch { hold: TransferId },
+}
+
+/// What one connector's worker does this step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepWork {
+    pub connector: ConnectorId,
+    pub jobs: Vec<WorkerJob>,
+}
+
+/// A worker's result, delivered to the engine as an input and to the connector in order,
+/// between steps (`Scheduler::on_worker_report`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerReport {
+    /// P: a reader pulled the export `hold` (all of it): its blocks may go.
+    ExportPulled { hold: TransferId },
+    /// P: the worker stopped serving `hold` (after `Unpublish`): nothing reads it any more.
+    ExportGone { hold: TransferId },
+    /// D: the fetch of `hold` ended: `Ok`, or failed after `good_blocks` intact blocks.
+    /// After a `CancelFetch` this is the acknowledgement (whatever it says).
+    FetchDone {
+        hold: TransferId,
+        result: Result<(), FetchError>,
+    },
+}
+
+/// Why a fetch failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchError {
+    pub good_blocks: usize,
+    pub reason: String,
+}
+
+/// A connector refused a request at arrival (its transfer parameters make no sense to it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("kv_transfer_params: {0}")]
+pub struct TransferParamsError(pub String);
+
+/// The hash of the prompt tokens an export's KV is for: a reader whose prompt differs is
+/// refused, so KV is never used for tokens it was not computed from.
+pub fn prompt_hash(tokens: &[TokenId]) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    h.update(b"ferry prompt v1");
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    *h.finalize().as_bytes()
+}
+
+/// The scheduler side of a connector. Sans-IO like the rest of the core: a connector records
+/// what must happen and its worker side (in `ferry-kv`) does it.
 pub trait KvConnector: Send + std::fmt::Debug {
-    /// A short name for logs and errors (`"p2p"`, `"offload"`).
+    /// A short name for logs and errors (`"pd"`, `"offload"`).
     fn name(&self) -> &str;
+
+    /// A request arrived. An error refuses it (the caller sees why).
+    fn on_new_request(&mut self, _req: NewRequest<'_>) -> Result<(), TransferParamsError> {
+        Ok(())
+    }
+
+    /// Admission, after the local prefix hit: what can this connector supply? No side
+    /// effects; may be asked again for the same request.
+    fn match_external(&mut self, _query: ExternalQuery<'_>) -> ExternalMatch {
+        ExternalMatch::None
+    }
+
+    /// Blocks were allocated for the `Hit` this connector gave: start the load (in its next
+    /// [`step_work`](Self::step_work)). The request waits in `WaitingForRemoteKv` until
+    /// [`take_finished_loads`](Self::take_finished_loads) reports the load.
+    fn after_alloc(&mut self, load: AllocatedLoad<'_>) {
+        let _ = load;
+    }
+
+    /// The jobs for this connector's worker in the step being planned (also a zero-token
+    /// step). Appends to `out`.
+    fn step_work(&mut self, _out: &mut Vec<WorkerJob>) {}
+
+    /// A worker's result arrived.
+    fn on_worker_report(&mut self, _report: WorkerReport) {}
+
+    /// A request finished (any reason, aborts included) or was retracted from the engine.
+    /// Return `Some` to keep its blocks as an export under `req.hold`, owned by this connector
+    /// (only the first connector to ask gets it; the others are told, and their `Some` is
+    /// merged into the parameters the client gets). Only for finishes that are not aborts and
+    /// hold blocks.
+    fn request_finished(&mut self, _req: FinishedRequest<'_>) -> Option<KvTransferParams> {
+        None
+    }
 
     /// Ends every transfer: revokes exports (tells readers they are gone), cancels loads in
     /// flight. Blocks come back later through [`KvConnector::take_finished_transfers`], once
-    /// nothing can still write into them. Called once per cache reset.
+    /// nothing can still read or write them. Called once per cache reset.
     fn abort_transfers(&mut self);
 
     /// Transfers that ended since the last call (completed, failed or revoked); the scheduler
     /// frees their blocks. Only holds this connector owns are freed; other ids are ignored.
     fn take_finished_transfers(&mut self, out: &mut Vec<TransferId>);
 
-    /// A request whose KV this connector asked to export (`Scheduler::hold_kv_on_finish`)
-    /// finished: `transfer` now holds its blocks, owned by this connector, until it reports
-    /// `transfer` finished (its reader pulled it, or `abort_transfers` revoked it).
-    fn export_held(&mut self, transfer: TransferId, request_id: &str);
+    /// Loads that ended since the last call.
+    fn take_finished_loads(&mut self, _out: &mut Vec<LoadResult>) {}
 
-    /// Work that needs the engine to keep stepping even with no request to compute (a flush
-    /// set not yet handed to the workers, a revoked transfer not yet acknowledged).
+    /// The time of hold `hold` ran out: an export's lease (`SchedulerConfig::export_lease`)
+    /// or a load's bound (`SchedulerConfig::kv_load_timeout`). The connector stops serving
+    /// the export, or cancels the load and reports it failed; either way it reports the hold
+    /// ended once its worker let go of the blocks (they are not freed before).
+    fn hold_expired(&mut self, _hold: TransferId) {}
+
+    /// Work that needs the engine to keep stepping even with no request to compute (jobs not
+    /// yet handed to the worker).
     fn has_pending_work(&self) -> bool;
 
     /// Drops the connector's own cache (an offload tier's index). Re-entrant: a second call

@@ -8,6 +8,7 @@
 //! model). With checks on, block ownership and the queues are verified after `schedule()` (so
 //! a broken plan never reaches the model) and after `on_step_output()`.
 
+use crate::connector::StepWork;
 use crate::ownership::OwnershipError;
 use crate::plan::{ModelOutput, StepPlan};
 use crate::scheduler::{OutputError, QueueError, RequestOutput, Scheduler};
@@ -20,6 +21,14 @@ pub trait StepModel {
     /// plan order. `core` is read-only (a fake model may look up request ids).
     fn compute(&mut self, core: &Scheduler, plan: &StepPlan) -> Result<ModelOutput, Self::Error>;
 
+    /// Runs connector work: a stand-in for the connectors' workers. Called with the plan's
+    /// work (`StepPlan::connector_work`) before `compute`, also when the plan computes
+    /// nothing (a connector-only step), and with the work the step's finishes produced (P's
+    /// exports) after the output was fed back. Default: none to run.
+    fn run_connector_work(&mut self, work: &[StepWork]) {
+        let _ = work;
+    }
+
     /// Takes an output back once the core has read it, so the next `compute` can reuse its
     /// buffers (optional, like `Scheduler::recycle_plan`).
     fn recycle_output(&mut self, output: ModelOutput) {
@@ -27,11 +36,14 @@ pub trait StepModel {
     }
 }
 
-/// What one step did: the plan it ran and what it produced, in plan order.
+/// What one step did: the plan it ran and what it produced: first the outputs of requests
+/// that finished between steps (`Scheduler::take_outputs`), then the step's, in plan order.
 #[derive(Debug)]
 pub struct Step {
     pub plan: StepPlan,
     pub outputs: Vec<RequestOutput>,
+    /// Connector work the step's finishes produced, run after the output was fed back.
+    pub after_work: Vec<StepWork>,
 }
 
 /// A step that failed; the core is left as the failing call left it.
@@ -93,17 +105,30 @@ impl<M: StepModel> StepDriver<M> {
             self.check()?;
         }
         before_compute(&self.sched, &plan);
+        if !plan.connector_work.is_empty() {
+            self.model.run_connector_work(&plan.connector_work);
+        }
         let output = self
             .model
             .compute(&self.sched, &plan)
             .map_err(StepError::Model)?;
-        let outputs = self.sched.on_step_output(&plan, &output);
+        let step_outputs = self.sched.on_step_output(&plan, &output);
         self.model.recycle_output(output);
-        let outputs = outputs?;
+        let mut outputs = self.sched.take_outputs();
+        outputs.extend(step_outputs?);
+        let mut after_work = Vec::new();
+        self.sched.take_connector_work(&mut after_work);
+        if !after_work.is_empty() {
+            self.model.run_connector_work(&after_work);
+        }
         if self.check {
             self.check()?;
         }
-        Ok(Step { plan, outputs })
+        Ok(Step {
+            plan,
+            outputs,
+            after_work,
+        })
     }
 
     /// Hands a step's plan back to the core for reuse (optional).
@@ -119,7 +144,7 @@ impl<M: StepModel> StepDriver<M> {
         mut on_step: impl FnMut(&Scheduler, &Step),
     ) -> Result<usize, StepError<M::Error>> {
         for n_steps in 0..max_steps {
-            if self.sched.n_live() == 0 {
+            if self.sched.n_live() == 0 && !self.sched.needs_idle_steps() {
                 return Ok(n_steps);
             }
             let step = self.step()?;

@@ -43,19 +43,25 @@ pub mod hash;
 pub mod kv_cache;
 pub mod lifecycle;
 pub mod ownership;
+pub mod pd;
 pub mod plan;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
 
 pub use config::{ConfigError, SchedulerConfig};
-pub use connector::{ConnectorId, Holder, KvConnector};
+pub use connector::{
+    prompt_hash, AllocatedLoad, ConnectorId, ExternalMatch, ExternalQuery, FetchError,
+    FinishedRequest, HoldKind, Holder, KvConnector, KvLoadFailurePolicy, KvTransferParams,
+    LoadOutcome, LoadResult, NewRequest, StepWork, TransferParamsError, WorkerJob, WorkerReport,
+};
 pub use driver::{Step, StepDriver, StepError, StepModel};
 pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,
 };
 pub use ownership::{BlockStatus, Owner, OwnershipError, TransferId};
+pub use pd::{PdConfig, PdConnector, PdRole};
 pub use plan::{
     BlockId, ModelOutput, ReqIdx, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenId,
 };

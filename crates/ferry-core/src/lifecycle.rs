@@ -146,6 +146,15 @@ pub enum LifecycleError {
     Asleep { what: &'static str },
     #[error("the weights were dropped by sleep(level=2): reload or push a complete set of weights before waking them")]
     WeightsDropped,
+    /// A clearing operation's wait for transfers and connector work outlasted
+    /// `SchedulerConfig::lifecycle_wait_timeout`. The engine stays paused and consistent; the
+    /// operation can be asked for again (it completes once the transfers are gone).
+    #[error("timed out after {waited:?} waiting for {waiting_for} before resetting the KV cache; the engine stays paused: ask again, or resume")]
+    Timeout {
+        waited: std::time::Duration,
+        /// What was still out: transfer holds, connector work.
+        waiting_for: String,
+    },
 }
 
 /// What the lifecycle state machine asks of the engine, in order.

@@ -7,6 +7,7 @@
 //! block, a double free or a block both free and held shows up at the step that caused it.
 
 use crate::block_pool::{BlockPool, NULL_BLOCK};
+use crate::connector::{HoldKind, Holder};
 use crate::plan::{BlockId, ReqIdx};
 
 /// Identifies a transfer hold (an export for a remote reader, or an import being written).
@@ -17,7 +18,12 @@ pub struct TransferId(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Owner {
     Request(ReqIdx),
-    Transfer(TransferId),
+    /// A transfer hold, with who frees it and what it is for.
+    Transfer {
+        hold: TransferId,
+        holder: Holder,
+        kind: HoldKind,
+    },
 }
 
 /// One block's line in the ledger.
@@ -187,7 +193,11 @@ mod tests {
     use super::*;
 
     const A: Owner = Owner::Request(ReqIdx(0));
-    const T: Owner = Owner::Transfer(TransferId(7));
+    const T: Owner = Owner::Transfer {
+        hold: TransferId(7),
+        holder: Holder::Caller,
+        kind: HoldKind::Caller,
+    };
 
     #[test]
     fn agreeing_pool_and_owners_pass() {

@@ -56,6 +56,10 @@ pub struct StepPlan {
     pub reqs: Vec<ScheduledReq>,
     pub token_ids: Vec<TokenId>,
     pub block_tables: Vec<BlockId>,
+    /// What each connector's worker does this step (before the forward), in connector order;
+    /// only connectors with jobs appear. A plan with no requests but some work is a
+    /// connector-only step: the engine runs the workers and no forward.
+    pub connector_work: Vec<crate::connector::StepWork>,
 }
 
 impl StepPlan {
@@ -63,8 +67,14 @@ impl StepPlan {
         self.token_ids.len()
     }
 
+    /// No request to compute (there may still be connector work).
     pub fn is_empty(&self) -> bool {
         self.reqs.is_empty()
+    }
+
+    /// Nothing at all to do: no request and no connector work.
+    pub fn is_idle(&self) -> bool {
+        self.reqs.is_empty() && self.connector_work.is_empty()
     }
 
     pub fn tokens_of(&self, r: &ScheduledReq) -> &[TokenId] {

@@ -36,9 +36,13 @@ impl FinishReason {
 pub enum RequestState {
     /// In the waiting queue, never admitted.
     Waiting,
-    /// Its prompt KV is being loaded from a remote engine by `transfer`; not schedulable
-    /// until the load ends. (A connector drives this state; none exists yet.)
-    WaitingForRemoteKv { transfer: TransferId },
+    /// In the waiting queue, at its place, while a connector loads `n_tokens` tokens of its
+    /// prompt KV into its blocks through the hold `transfer`; not schedulable until the load
+    /// ends (`KvConnector::take_finished_loads`).
+    WaitingForRemoteKv {
+        transfer: TransferId,
+        n_tokens: usize,
+    },
     /// Admitted: in the running list, holding blocks.
     Running,
     /// Was running, lost its KV to preemption (recompute) and is back in the waiting queue;
@@ -69,6 +73,8 @@ pub enum AddError {
         n_blocks_needed: usize,
         n_blocks_usable: usize,
     },
+    #[error("request {id:?}: {reason}")]
+    KvTransfer { id: String, reason: String },
     #[error("request {id:?}: prompt has {prompt_len} tokens but chunked prefill is off and a step holds at most {max_num_batched_tokens}")]
     PromptExceedsBatch {
         id: String,
@@ -100,9 +106,9 @@ pub struct Request {
     pub(crate) n_cached_blocks: usize,
     /// Prompt tokens that came from a prefix hit at (the latest) admission.
     pub n_prefix_hit_tokens: usize,
-    /// On a non-abort finish, hand the blocks to a transfer hold owned by this holder
-    /// instead of freeing them (a P/D export).
-    pub(crate) export_on_finish: Option<crate::connector::Holder>,
+    /// On a non-abort finish, hand the blocks to a transfer hold the caller frees
+    /// (`Scheduler::hold_kv_on_finish`) instead of freeing them.
+    pub(crate) export_on_finish: bool,
 }
 
 impl Request {

@@ -20,11 +20,16 @@
 mod control;
 pub mod lifecycle;
 mod render;
+mod time;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::config::{ConfigError, SchedulerConfig};
-use crate::connector::Holder;
+use crate::connector::{
+    AllocatedLoad, ConnectorId, ExternalMatch, ExternalQuery, FinishedRequest, HoldKind, Holder,
+    KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest, StepWork,
+    WorkerReport,
+};
 use crate::hash::{chain_root, BlockHash};
 use crate::kv_cache::{KvCacheManager, PrefixHit};
 use crate::ownership::{self, Owner, OwnershipError, TransferId};
@@ -51,9 +56,14 @@ pub struct RequestOutput {
 pub struct Finished {
     pub request_id: String,
     pub reason: FinishReason,
-    /// The transfer now holding the request's KV, if it asked to keep it on finish (see
-    /// `Scheduler::hold_kv_on_finish`).
+    /// The transfer now holding the request's KV: an export a connector made
+    /// (`KvConnector::request_finished`), or a caller's hold (`Scheduler::hold_kv_on_finish`).
     pub transfer: Option<TransferId>,
+    /// The connectors' transfer parameters for the client (P's export: where and how D
+    /// loads it).
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// Why, for a request finished with `Error` (a failed KV load under the `fail` policy).
+    pub message: Option<String>,
 }
 
 /// The model output does not answer the plan it is given.
@@ -104,6 +114,20 @@ pub struct SchedulerStats {
     pub n_preemptions: u64,
 }
 
+/// What admitting one waiting request did.
+#[derive(Debug)]
+enum Admit {
+    /// Runs this step, computing this many tokens.
+    Scheduled(usize),
+    /// Stays at its place in the queue (a load started, or another request's load of the
+    /// same KV must land first).
+    Parked,
+    /// Finished with an error (a refused load under the `fail` policy).
+    Failed(String),
+    /// Does not fit now; the queue stops here.
+    NoRoom,
+}
+
 /// One request's share of the step being planned.
 #[derive(Debug, Clone, Copy)]
 struct Decision {
@@ -132,10 +156,18 @@ pub struct Scheduler {
     hash_root: BlockHash,
     transfers: BTreeMap<TransferId, lifecycle::Hold>,
     next_transfer: u64,
+    /// The engine's monotonic clock as of its last `advance_time` (since an epoch the engine
+    /// chose); the core never reads a clock.
+    now: std::time::Duration,
     next_step: u64,
     prefix_hit_tokens: u64,
     prefix_query_tokens: u64,
     n_preemptions: u64,
+    /// Outputs of requests finished between steps (a failed load under the `fail` policy),
+    /// until `take_outputs`.
+    side_outputs: Vec<RequestOutput>,
+    /// Reused by `poll_connectors`.
+    load_results: Vec<LoadResult>,
     /// Reused every step so planning does not allocate.
     decisions: Vec<Decision>,
     /// Buffers of a plan handed back by `recycle_plan`, reused by the next `schedule()`.
@@ -166,10 +198,13 @@ impl Scheduler {
             connectors: Vec::new(),
             transfers: BTreeMap::new(),
             next_transfer: 0,
+            now: std::time::Duration::ZERO,
             next_step: 0,
             prefix_hit_tokens: 0,
             prefix_query_tokens: 0,
             n_preemptions: 0,
+            side_outputs: Vec::new(),
+            load_results: Vec::new(),
             decisions: Vec::new(),
             spare: StepPlan::default(),
         })
@@ -185,6 +220,18 @@ impl Scheduler {
         id: impl Into<String>,
         prompt: Vec<TokenId>,
         params: SamplingParams,
+    ) -> Result<ReqIdx, AddError> {
+        self.add_request_with_transfer(id, prompt, params, None)
+    }
+
+    /// [`add_request`](Self::add_request) with P/D transfer parameters, which every connector
+    /// sees (`KvConnector::on_new_request`); one that refuses them refuses the request.
+    pub fn add_request_with_transfer(
+        &mut self,
+        id: impl Into<String>,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+        kv_transfer_params: Option<KvTransferParams>,
     ) -> Result<ReqIdx, AddError> {
         let id = id.into();
         self.validate_request(&id, &prompt, &params)?;
@@ -207,9 +254,35 @@ impl Scheduler {
             hash_root: self.hash_root,
             n_cached_blocks: 0,
             n_prefix_hit_tokens: 0,
-            export_on_finish: None,
+            export_on_finish: false,
         };
         self.kv.rehash_if_stale(&mut req, &self.hash_root);
+        let version = self.control.weight_version.clone();
+        for i in 0..self.connectors.len() {
+            let new = NewRequest {
+                req: idx,
+                request_id: &id,
+                prompt: &req.tokens,
+                kv_transfer_params: kv_transfer_params.as_ref(),
+            };
+            if let Err(e) = self.connectors[i].on_new_request(new) {
+                // The connectors that took it forget it again.
+                for c in &mut self.connectors[..i] {
+                    c.request_finished(FinishedRequest {
+                        req: idx,
+                        request_id: &id,
+                        reason: FinishReason::Abort,
+                        blocks: &[],
+                        n_computed: 0,
+                        hold: TransferId(self.next_transfer),
+                        weight_version: &version,
+                        lease_end: self.now,
+                    });
+                }
+                self.free_slots.push(idx.0);
+                return Err(AddError::KvTransfer { id, reason: e.0 });
+            }
+        }
         self.requests[idx.0 as usize] = Some(req);
         self.ids.insert(id, idx);
         self.waiting.push_back(idx);
@@ -298,9 +371,27 @@ impl Scheduler {
                 self.schedule_waiting(budget, readmit_only, &mut decisions);
             }
         }
-        let plan = self.finish_plan(&decisions);
+        let mut plan = self.finish_plan(&decisions);
         self.decisions = decisions;
+        self.take_connector_work(&mut plan.connector_work);
         plan
+    }
+
+    /// Each connector's jobs for its worker now. `schedule()` puts them in the plan (run
+    /// before the forward); call it again after `on_step_output` for what the step's
+    /// finishes produced (P's exports), and run those before the outputs reach anyone, so an
+    /// export is served before its parameters can be used.
+    pub fn take_connector_work(&mut self, out: &mut Vec<StepWork>) {
+        for (i, c) in self.connectors.iter_mut().enumerate() {
+            let mut jobs = Vec::new();
+            c.step_work(&mut jobs);
+            if !jobs.is_empty() {
+                out.push(StepWork {
+                    connector: ConnectorId(i as u32),
+                    jobs,
+                });
+            }
+        }
     }
 
     /// Phase 1: running requests in admission order, each getting its uncomputed tokens (one
@@ -353,49 +444,198 @@ impl Scheduler {
     }
 
     /// Phase 2: waiting requests from the head of the queue (FCFS), while budget, seats and
-    /// blocks allow. Stops at the first request that does not fit, keeping the order.
+    /// blocks allow. Stops at the first request that does not fit, keeping the order. A
+    /// request whose KV a connector is loading (or will load once another request's load of
+    /// the same KV landed) keeps its place and is passed over, so it never holds up the queue.
     fn schedule_waiting(&mut self, mut budget: usize, readmit_only: bool, out: &mut Vec<Decision>) {
-        let block_size = self.config.block_size;
-        while budget > 0 && self.running.len() < self.config.max_num_seqs {
-            let Some(&r) = self.waiting.front() else {
-                break;
-            };
-            let Some(req) = self.requests[r.0 as usize].as_mut() else {
-                self.waiting.pop_front();
+        let mut i = 0;
+        while budget > 0 && self.running.len() < self.config.max_num_seqs && i < self.waiting.len()
+        {
+            let r = self.waiting[i];
+            let Some(req) = self.requests[r.0 as usize].as_ref() else {
+                self.waiting.remove(i);
                 continue;
             };
-            // Preempted requests sit at the head of the queue, so the first never-admitted
-            // one ends readmission.
-            if readmit_only && req.state == RequestState::Waiting {
-                break;
+            match req.state {
+                RequestState::WaitingForRemoteKv { .. } => {
+                    i += 1;
+                    continue;
+                }
+                // Preempted requests sit at the head of the queue, so the first never-admitted
+                // one ends readmission.
+                RequestState::Waiting if readmit_only => break,
+                _ => {}
             }
-            self.kv.rehash_if_stale(req, &self.hash_root);
-            let hit = self.kv.find_computed_blocks(req);
-            let n_hit_tokens = hit.n_blocks() * block_size;
-            let n_left = req.tokens.len() - req.n_computed - n_hit_tokens;
-            // A preempted request recomputes in chunks even with chunked prefill off: its
-            // prompt fit in one step, but prompt + output may not, and it must not block the
-            // queue forever.
-            let n_new = if self.config.enable_chunked_prefill || req.n_output_tokens() > 0 {
-                n_left.min(budget)
-            } else if n_left <= budget {
-                n_left
+            let admit = if req.blocks.is_empty() {
+                self.admit_fresh(r, budget)
             } else {
-                break;
+                self.admit_holding_kv(r, budget)
             };
-            if !self.kv.allocate_slots(req, hit, n_new, 0) {
-                break;
+            match admit {
+                Admit::Scheduled(n_new) => {
+                    self.waiting.remove(i);
+                    self.running.push(r);
+                    out.push(Decision { req: r, n_new });
+                    budget -= n_new;
+                }
+                Admit::Parked => i += 1,
+                Admit::Failed(reason) => {
+                    self.waiting.remove(i);
+                    self.finish_between_steps(r, reason);
+                }
+                Admit::NoRoom => break,
             }
-            req.n_computed += n_hit_tokens;
-            req.n_prefix_hit_tokens = n_hit_tokens;
-            req.state = RequestState::Running;
-            self.prefix_hit_tokens += n_hit_tokens as u64;
-            self.prefix_query_tokens += req.tokens.len() as u64;
-            self.waiting.pop_front();
-            self.running.push(r);
-            out.push(Decision { req: r, n_new });
-            budget -= n_new;
         }
+    }
+
+    /// Admits a request holding no KV: local prefix hit, then the connectors' offers.
+    fn admit_fresh(&mut self, r: ReqIdx, budget: usize) -> Admit {
+        let block_size = self.config.block_size;
+        let req = self.requests[r.0 as usize]
+            .as_mut()
+            .expect("a live request");
+        self.kv.rehash_if_stale(req, &self.hash_root);
+        let hit = self.kv.find_computed_blocks(req);
+        let n_hit_tokens = hit.n_blocks() * block_size;
+        let query = ExternalQuery {
+            req: r,
+            prompt_len: req.prompt_len,
+            local_hit_tokens: n_hit_tokens,
+            weight_version: &self.control.weight_version,
+        };
+        let mut external = None;
+        for (c, connector) in self.connectors.iter_mut().enumerate() {
+            match connector.match_external(query) {
+                ExternalMatch::None => {}
+                m => {
+                    external = Some((ConnectorId(c as u32), m));
+                    break;
+                }
+            }
+        }
+        match external {
+            Some((_, ExternalMatch::NotYet)) => return Admit::Parked,
+            Some((_, ExternalMatch::Refused { reason })) => {
+                if self.config.kv_load_failure_policy == KvLoadFailurePolicy::Fail {
+                    return Admit::Failed(reason);
+                }
+            }
+            Some((c, ExternalMatch::Hit { tokens, kind })) => {
+                // Loads supply prompt KV only, and never the last prompt token (its logits
+                // are needed to sample).
+                let n_max = req.prompt_len.saturating_sub(1 + n_hit_tokens);
+                let n_external = tokens.min(n_max);
+                if n_external > 0 {
+                    return self.start_load(r, hit, c, n_external, kind);
+                }
+            }
+            Some((_, ExternalMatch::None)) | None => {}
+        }
+        let req = self.requests[r.0 as usize]
+            .as_mut()
+            .expect("a live request");
+        let n_left = req.tokens.len() - req.n_computed - n_hit_tokens;
+        let Some(n_new) = Self::chunk(&self.config, req, n_left, budget) else {
+            return Admit::NoRoom;
+        };
+        if !self.kv.allocate_slots(req, hit, n_new, 0) {
+            return Admit::NoRoom;
+        }
+        req.n_computed += n_hit_tokens;
+        req.n_prefix_hit_tokens = n_hit_tokens;
+        req.state = RequestState::Running;
+        self.prefix_hit_tokens += n_hit_tokens as u64;
+        self.prefix_query_tokens += req.tokens.len() as u64;
+        Admit::Scheduled(n_new)
+    }
+
+    /// Admits a request that already holds KV while waiting (a load that landed, or the good
+    /// part of a failed one): it computes the rest, and its loaded blocks enter the prefix
+    /// cache with this allocation.
+    fn admit_holding_kv(&mut self, r: ReqIdx, budget: usize) -> Admit {
+        let req = self.requests[r.0 as usize]
+            .as_mut()
+            .expect("a live request");
+        let n_left = req.tokens.len() - req.n_computed;
+        let Some(n_new) = Self::chunk(&self.config, req, n_left, budget) else {
+            return Admit::NoRoom;
+        };
+        if !self
+            .kv
+            .allocate_slots(req, crate::kv_cache::PrefixHit::default(), n_new, 0)
+        {
+            return Admit::NoRoom;
+        }
+        req.state = RequestState::Running;
+        self.prefix_query_tokens += req.tokens.len() as u64;
+        Admit::Scheduled(n_new)
+    }
+
+    /// How many of `n_left` tokens an admission computes this step; `None` if the request
+    /// must wait (chunked prefill off and its prompt does not fit the budget).
+    fn chunk(
+        config: &SchedulerConfig,
+        req: &Request,
+        n_left: usize,
+        budget: usize,
+    ) -> Option<usize> {
+        // A preempted request recomputes in chunks even with chunked prefill off: its prompt
+        // fit in one step, but prompt + output may not, and it must not block the queue
+        // forever.
+        if config.enable_chunked_prefill || req.n_output_tokens() > 0 {
+            Some(n_left.min(budget))
+        } else {
+            (n_left <= budget).then_some(n_left)
+        }
+    }
+
+    /// Allocates blocks for the local hit and `n_external` loaded tokens, holds the blocks
+    /// the load writes for connector `c`, and parks the request until the load ends.
+    fn start_load(
+        &mut self,
+        r: ReqIdx,
+        hit: crate::kv_cache::PrefixHit,
+        c: ConnectorId,
+        n_external: usize,
+        kind: HoldKind,
+    ) -> Admit {
+        let block_size = self.config.block_size;
+        let req = self.requests[r.0 as usize]
+            .as_mut()
+            .expect("a live request");
+        let n_hit_tokens = hit.n_blocks() * block_size;
+        if !self.kv.allocate_slots(req, hit, 0, n_external) {
+            return Admit::NoRoom;
+        }
+        req.n_computed += n_hit_tokens;
+        req.n_prefix_hit_tokens = n_hit_tokens;
+        self.prefix_hit_tokens += n_hit_tokens as u64;
+        let first_block = n_hit_tokens / block_size;
+        let end_block = (n_hit_tokens + n_external).div_ceil(block_size);
+        let blocks = req.blocks[first_block..end_block].to_vec();
+        for &b in &blocks {
+            // The hold's own reference: the blocks stay allocated until the connector says
+            // nothing writes them any more, whatever happens to the request.
+            self.kv.pool_mut().touch(b);
+        }
+        let deadline = self.now + self.config.kv_load_timeout;
+        let hold = self.new_transfer(blocks, Holder::Connector(c), kind, Some(deadline));
+        let req = self.requests[r.0 as usize]
+            .as_mut()
+            .expect("a live request");
+        req.state = RequestState::WaitingForRemoteKv {
+            transfer: hold,
+            n_tokens: n_external,
+        };
+        let load = AllocatedLoad {
+            req: r,
+            hold,
+            blocks: &self.transfers[&hold].blocks,
+            first_block,
+            n_tokens: n_external,
+        };
+        self.connectors[c.0 as usize].after_alloc(load);
+        Admit::Parked
     }
 
     /// Phase 3: the plan, in decision order (running first, then admissions). Advances each
@@ -447,6 +687,7 @@ impl Scheduler {
         plan.reqs.clear();
         plan.token_ids.clear();
         plan.block_tables.clear();
+        plan.connector_work.clear();
         if plan.block_tables.capacity() >= self.spare.block_tables.capacity() {
             self.spare = plan;
         }
@@ -533,21 +774,69 @@ impl Scheduler {
     }
 
     /// Frees a request's blocks and slot; it must already be out of every queue (or be
-    /// removed by the caller).
+    /// removed by the caller). Every connector hears of the finish; the first that asks for
+    /// an export gets the blocks as a leased hold, and the parameters go to the client.
     fn release_request(&mut self, idx: ReqIdx, reason: FinishReason) -> Finished {
         let mut req = self.requests[idx.0 as usize]
             .take()
             .expect("release_request on a live request");
-        let export = req
-            .export_on_finish
-            .filter(|_| reason != FinishReason::Abort && !req.blocks.is_empty());
-        // Ownership moves from the request to the transfer: no reference count changes.
-        let transfer =
-            export.map(|holder| self.new_transfer(std::mem::take(&mut req.blocks), holder));
-        if let (Some(t), Some(Holder::Connector(c))) = (transfer, export) {
-            // The connector that asked for the export owns it: it must know the hold to
-            // report it finished, or its blocks would never come back.
-            self.connectors[c.0 as usize].export_held(t, &req.id);
+        let exportable =
+            !matches!(reason, FinishReason::Abort | FinishReason::Error) && !req.blocks.is_empty();
+        let mut transfer = None;
+        let mut kv_transfer_params: Option<KvTransferParams> = None;
+        if req.export_on_finish && exportable {
+            // Ownership moves from the request to the transfer: no reference count changes.
+            transfer = Some(self.new_transfer(
+                std::mem::take(&mut req.blocks),
+                Holder::Caller,
+                HoldKind::Caller,
+                None,
+            ));
+        }
+        let hold = self.peek_transfer_id();
+        let lease_end = self.now + self.config.export_lease;
+        let version = self.control.weight_version.clone();
+        let mut exporter = None;
+        for (c, connector) in self.connectors.iter_mut().enumerate() {
+            let finished = FinishedRequest {
+                req: idx,
+                request_id: &req.id,
+                reason,
+                blocks: if exportable && transfer.is_none() {
+                    &req.blocks
+                } else {
+                    &[]
+                },
+                n_computed: req.n_computed,
+                hold,
+                weight_version: &version,
+                lease_end,
+            };
+            let Some(params) = connector.request_finished(finished) else {
+                continue;
+            };
+            if exporter.is_none() && exportable && transfer.is_none() {
+                exporter = Some(ConnectorId(c as u32));
+            }
+            match kv_transfer_params.as_mut() {
+                None => kv_transfer_params = Some(params),
+                Some(all) => {
+                    if let Err(e) = all.merge(params) {
+                        debug_assert!(false, "{e}");
+                    }
+                }
+            }
+        }
+        if let Some(c) = exporter {
+            let blocks = std::mem::take(&mut req.blocks);
+            let id = self.new_transfer(
+                blocks,
+                Holder::Connector(c),
+                HoldKind::Export,
+                Some(lease_end),
+            );
+            debug_assert_eq!(id, hold);
+            transfer = Some(id);
         }
         self.kv.free(&mut req);
         self.ids.remove(&req.id);
@@ -556,6 +845,112 @@ impl Scheduler {
             request_id: req.id,
             reason,
             transfer,
+            kv_transfer_params,
+            message: None,
+        }
+    }
+
+    /// Finishes a request that is out of every queue with an error, between steps; its
+    /// output waits for [`take_outputs`](Self::take_outputs).
+    fn finish_between_steps(&mut self, r: ReqIdx, message: String) {
+        let n_output_tokens = self.request(r).map_or(0, |q| q.n_output_tokens());
+        let mut finished = self.release_request(r, FinishReason::Error);
+        finished.message = Some(message);
+        self.side_outputs.push(RequestOutput {
+            req: r,
+            sampled: None,
+            n_output_tokens,
+            finished: Some(finished),
+        });
+    }
+
+    /// Outputs of requests that finished between steps (a failed KV load under the `fail`
+    /// policy). The engine calls it after every `schedule` and every worker report.
+    pub fn take_outputs(&mut self) -> Vec<RequestOutput> {
+        std::mem::take(&mut self.side_outputs)
+    }
+
+    /// A connector's worker reported: the connector learns it, then the scheduler frees what
+    /// ended and moves loads forward (in order, between steps).
+    pub fn on_worker_report(&mut self, connector: ConnectorId, report: WorkerReport) {
+        let Some(c) = self.connectors.get_mut(connector.0 as usize) else {
+            return;
+        };
+        c.on_worker_report(report);
+        self.poll_connectors();
+    }
+
+    /// A load ended: the request continues (loaded), recomputes from the first bad block or
+    /// fails (per `kv_load_failure_policy`), or is retracted (cut short by a reset: it holds
+    /// no KV and recomputes, keeping its place).
+    pub(crate) fn on_load_result(&mut self, result: LoadResult) {
+        let block_size = self.config.block_size;
+        let Some(req) = self
+            .requests
+            .get_mut(result.req.0 as usize)
+            .and_then(Option::as_mut)
+        else {
+            return;
+        };
+        let RequestState::WaitingForRemoteKv { transfer, n_tokens } = req.state else {
+            return;
+        };
+        if transfer != result.hold {
+            return;
+        }
+        match result.outcome {
+            LoadOutcome::Loaded => {
+                req.n_computed += n_tokens;
+                req.state = RequestState::Waiting;
+            }
+            LoadOutcome::Failed {
+                good_blocks,
+                reason,
+            } => match self.config.kv_load_failure_policy {
+                KvLoadFailurePolicy::Recompute if good_blocks == 0 => {
+                    // Nothing usable arrived, and the load may still be writing (a timeout
+                    // reports before the worker let go): start over in fresh blocks.
+                    self.kv.free(req);
+                    req.n_computed = 0;
+                    req.n_prefix_hit_tokens = 0;
+                    req.state = RequestState::Waiting;
+                }
+                KvLoadFailurePolicy::Recompute => {
+                    // A worker reports good blocks only once nothing writes them any more.
+                    req.n_computed += (good_blocks * block_size).min(n_tokens);
+                    req.state = RequestState::Waiting;
+                }
+                KvLoadFailurePolicy::Fail => {
+                    self.remove_from_queues(result.req);
+                    self.finish_between_steps(
+                        result.req,
+                        format!("loading the prompt's KV failed: {reason}"),
+                    );
+                }
+            },
+            LoadOutcome::Cancelled => {
+                self.kv.free(req);
+                req.n_computed = 0;
+                req.n_prefix_hit_tokens = 0;
+                req.state = RequestState::Waiting;
+            }
+        }
+    }
+
+    /// Waiting requests that hold KV (arrived loads, the good part of failed ones) lose it:
+    /// part of a cache reset. They recompute in queue order.
+    pub(crate) fn retract_waiting_kv(&mut self) {
+        for &r in &self.waiting {
+            let Some(req) = self.requests[r.0 as usize].as_mut() else {
+                continue;
+            };
+            if !req.blocks.is_empty()
+                && !matches!(req.state, RequestState::WaitingForRemoteKv { .. })
+            {
+                self.kv.free(req);
+                req.n_computed = 0;
+                req.n_prefix_hit_tokens = 0;
+            }
         }
     }
 
@@ -616,10 +1011,14 @@ impl Scheduler {
             .iter()
             .flatten()
             .map(|r| (Owner::Request(r.idx), &r.blocks[..]));
-        let transfers = self
-            .transfers
-            .iter()
-            .map(|(&id, hold)| (Owner::Transfer(id), &hold.blocks[..]));
+        let transfers = self.transfers.iter().map(|(&id, hold)| {
+            let owner = Owner::Transfer {
+                hold: id,
+                holder: hold.holder,
+                kind: hold.kind,
+            };
+            (owner, &hold.blocks[..])
+        });
         reqs.chain(transfers)
     }
 
@@ -652,7 +1051,9 @@ impl Scheduler {
             let i = req.idx.0 as usize;
             let (queue, n_listed, want) = match req.state {
                 RequestState::Running => ("running", n_running[i], n_waiting[i] == 0),
-                RequestState::Waiting | RequestState::Preempted { .. } => {
+                RequestState::Waiting
+                | RequestState::Preempted { .. }
+                | RequestState::WaitingForRemoteKv { .. } => {
                     ("waiting", n_waiting[i], n_running[i] == 0)
                 }
                 _ => ("none", n_waiting[i] + n_running[i], true),

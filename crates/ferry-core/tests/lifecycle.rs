@@ -359,9 +359,6 @@ impl KvConnector for Conn {
     fn reset_cache(&mut self) {
         self.0.lock().unwrap().n_resets += 1;
     }
-    fn export_held(&mut self, transfer: TransferId, _request_id: &str) {
-        self.0.lock().unwrap().held.push(transfer);
-    }
 }
 
 #[test]
@@ -568,9 +565,6 @@ impl KvConnector for FlushConn {
         let mut s = self.0.lock().unwrap();
         s.n_resets += 1;
         s.undelivered = true;
-    }
-    fn export_held(&mut self, _transfer: TransferId, _request_id: &str) {
-        unreachable!("no request here asks for an export")
     }
 }
 

@@ -121,9 +121,6 @@ impl KvConnector for Conn {
         s.aborted && !s.live.is_empty()
     }
     fn reset_cache(&mut self) {}
-    fn export_held(&mut self, _transfer: TransferId, _request_id: &str) {
-        unreachable!("holds are made with hold_blocks_for_transfer here")
-    }
 }
 
 struct Run {

@@ -158,7 +158,7 @@ impl Run {
             Op::HoldOnFinish(k) => {
                 if let Some(id) = self.added.get(k % self.added.len().max(1)) {
                     if let Some(idx) = self.h.sched.request_idx(id) {
-                        self.h.sched.hold_kv_on_finish(idx, Holder::Caller).unwrap();
+                        self.h.sched.hold_kv_on_finish(idx).unwrap();
                     }
                 }
             }

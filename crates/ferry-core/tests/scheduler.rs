@@ -7,8 +7,9 @@ use std::convert::Infallible;
 
 use common::{fake_token, prompt, small_config, Harness};
 use ferry_core::{
-    AddError, BlockStatus, FinishReason, Holder, ModelOutput, OutputError, Owner, SampledToken,
-    SamplingParams, Scheduler, SchedulerConfig, StepDriver, StepModel, StepPlan, TransferError,
+    AddError, BlockStatus, FinishReason, HoldKind, Holder, ModelOutput, OutputError, Owner,
+    SampledToken, SamplingParams, Scheduler, SchedulerConfig, StepDriver, StepModel, StepPlan,
+    TransferError,
 };
 
 #[test]
@@ -302,7 +303,14 @@ fn transfer_hold_outlives_the_request_and_blocks_reset() {
     assert_eq!(h.finished["P"].0, FinishReason::Length);
     assert_eq!(h.sched.transfer_blocks(t), Some(&[1, 2, 3][..]));
     let ledger = h.sched.block_ledger().unwrap();
-    assert_eq!(ledger[1], BlockStatus::Held(vec![Owner::Transfer(t)]));
+    assert_eq!(
+        ledger[1],
+        BlockStatus::Held(vec![Owner::Transfer {
+            hold: t,
+            holder: Holder::Caller,
+            kind: HoldKind::Caller
+        }])
+    );
     assert_eq!(ledger[4], BlockStatus::Free { cached: false });
     assert!(
         !h.sched.reset_prefix_cache(),
@@ -412,7 +420,7 @@ fn hold_kv_on_finish_hands_blocks_to_a_transfer() {
     h.add("X", prompt(2, 20), SamplingParams::greedy(5));
     for id in ["P", "X"] {
         let idx = h.sched.request_idx(id).unwrap();
-        h.sched.hold_kv_on_finish(idx, Holder::Caller).unwrap();
+        h.sched.hold_kv_on_finish(idx).unwrap();
     }
     let mut transfer = None;
     for _ in 0..3 {
@@ -427,7 +435,11 @@ fn hold_kv_on_finish_hands_blocks_to_a_transfer() {
     assert_eq!(h.sched.transfer_blocks(t), Some(&[1, 2, 3][..]));
     assert_eq!(
         h.sched.block_ledger().unwrap()[2],
-        BlockStatus::Held(vec![Owner::Transfer(t)])
+        BlockStatus::Held(vec![Owner::Transfer {
+            hold: t,
+            holder: Holder::Caller,
+            kind: HoldKind::Caller
+        }])
     );
     // An aborted request exports nothing.
     let aborted = h.sched.abort("X").unwrap().finished.unwrap();

@@ -57,6 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 params: SamplingParams::greedy(output_len),
                 stop: vec![],
                 detokenize: tokenizer.is_some(),
+                kv_transfer_params: None,
             };
             let mut stream = engine.generate(req).await?;
             tasks.push(tokio::spawn(async move {

@@ -1,18 +1,21 @@
 //! The engine thread: drains inputs, steps the core and the executor, sends raw outputs.
 //!
 //! `run` reads as its phases: `drain_inputs` (every queued input, in order, between steps),
-//! then `step` while there is work (`schedule` → `Executor::execute` → `on_step_output` →
-//! `dispatch_outputs`), else `run_idle_work` and a blocking wait for the next input. Pending
-//! deferred replies are checked after every step and when idle.
+//! the core's clock moved to now, then `step` while there is work (`schedule` → the
+//! connectors' workers → `Executor::execute` → `on_step_output` → `dispatch_outputs`; a
+//! step with connector work but no tokens runs the workers only), else `run_idle_work` and a
+//! wait for the next input or the core's next deadline (an export's lease, a lifecycle
+//! operation's bound), whichever comes first. Nothing spins: workers report on the input
+//! queue. Pending deferred replies are checked after every step and when idle.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use ferry_core::{
-    FinishReason, Holder, LifecycleError, LifecycleEvent, OpId, ReqIdx, RequestOutput, Scheduler,
-    StepPlan, WakeTag, WeightResidency,
+    ConnectorId, FinishReason, LifecycleError, LifecycleEvent, OpId, ReqIdx, RequestOutput,
+    Scheduler, StepPlan, WakeTag, WeightResidency,
 };
-use ferry_kv::KvArena;
+use ferry_kv::{KvArena, Reports, WorkerConnector};
 use ferry_model::{ExecError, Executor, PreparedWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -71,6 +74,17 @@ pub(crate) struct EngineLoop {
     shutdown: Option<oneshot::Sender<()>>,
     /// Set when the loop must end (shutdown, or every handle gone).
     stopping: bool,
+    /// Each connector's worker side, by `ConnectorId` (`None`: its jobs need no worker).
+    workers: Vec<Option<Box<dyn WorkerConnector>>>,
+    /// Each connector's report sink: puts a worker's result on this engine's input queue.
+    reports: Vec<Reports>,
+    /// The core's clock is `epoch.elapsed()`.
+    epoch: Instant,
+    /// Reused for the connector work a step's output produces.
+    after_work: Vec<ferry_core::StepWork>,
+    /// Runs the timed wait for an input (tokio's channel has no blocking receive with a
+    /// timeout); current-thread, so it adds no thread.
+    waiter: tokio::runtime::Runtime,
 }
 
 impl EngineLoop {
@@ -79,11 +93,32 @@ impl EngineLoop {
         executor: Box<dyn Executor>,
         inputs: mpsc::UnboundedReceiver<Queued>,
         stats: watch::Sender<EngineStats>,
-    ) -> Self {
+        workers: Vec<Option<Box<dyn WorkerConnector>>>,
+        reports: mpsc::WeakUnboundedSender<Queued>,
+    ) -> std::io::Result<Self> {
         let config = core.config();
         let layout = executor.kv_layout(config.block_size);
         let arena = KvArena::new(layout, config.n_blocks as usize);
-        Self {
+        let reports = (0..workers.len())
+            .map(|c| {
+                let tx = reports.clone();
+                let connector = ConnectorId(c as u32);
+                Reports::new(move |report| {
+                    // A weak sender: reports never keep a stopped engine's queue alive.
+                    if let Some(tx) = tx.upgrade() {
+                        let _ = tx.send(Queued {
+                            input: Input::Connector(connector, report),
+                            permit: None,
+                            slot: None,
+                        });
+                    }
+                })
+            })
+            .collect();
+        let waiter = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()?;
+        Ok(Self {
             core,
             executor,
             arena,
@@ -99,18 +134,25 @@ impl EngineLoop {
             consecutive_failures: 0,
             shutdown: None,
             stopping: false,
-        }
+            workers,
+            reports,
+            epoch: Instant::now(),
+            after_work: Vec::new(),
+            waiter,
+        })
     }
 
     /// The thread's body: loops until shutdown or until every handle is gone.
     pub(crate) fn run(mut self) {
         self.publish_stats(Duration::ZERO, Duration::ZERO, 0, 0);
+        let mut busy_since = Instant::now();
         while !self.stopping {
             let started = Instant::now();
             self.drain_inputs();
             if self.stopping {
                 break;
             }
+            self.core.advance_time(self.epoch.elapsed());
             if self.step(started) {
                 self.poll_lifecycle();
                 if !self.replies.is_empty() {
@@ -120,12 +162,13 @@ impl EngineLoop {
                 self.check_deferred();
             } else {
                 self.run_idle_work();
-                if self.core.needs_idle_steps() {
-                    // A reset waits for transfers to hand blocks back: keep polling (the
-                    // zero-token steps of the contract) without spinning hot.
-                    std::thread::yield_now();
-                } else {
+                // A connector with jobs to deliver, or a reset's flush, needs another turn
+                // (a connector-only step); otherwise wait for an input or the next deadline.
+                if !self.core.needs_idle_steps() {
+                    let busy = busy_since.elapsed().as_secs_f64();
+                    self.stats.send_modify(|s| s.busy_seconds_total += busy);
                     self.wait_for_input();
+                    busy_since = Instant::now();
                 }
             }
         }
@@ -143,9 +186,27 @@ impl EngineLoop {
         }
     }
 
-    /// Blocks until an input arrives (only when there is nothing to step).
+    /// Blocks until an input arrives or the core's next deadline passes (only when there is
+    /// nothing to step). An idle engine with an export on lease wakes to expire it.
     fn wait_for_input(&mut self) {
-        match self.inputs.blocking_recv() {
+        let received = match self.core.next_deadline() {
+            None => self.inputs.blocking_recv(),
+            Some(deadline) => {
+                let Some(left) = deadline.checked_sub(self.epoch.elapsed()) else {
+                    return;
+                };
+                let inputs = &mut self.inputs;
+                match self
+                    .waiter
+                    .block_on(async { tokio::time::timeout(left, inputs.recv()).await })
+                {
+                    Ok(received) => received,
+                    // The deadline: the loop moves the core's clock and acts on it.
+                    Err(_) => return,
+                }
+            }
+        };
+        match received {
             Some(queued) => self.handle(queued),
             None => self.stopping = true,
         }
@@ -165,6 +226,17 @@ impl EngineLoop {
                 self.abort(&id);
             }
             Input::Utility(call) => self.utility(call),
+            Input::Connector(connector, report) => {
+                self.core.on_worker_report(connector, report);
+                self.finish_side_outputs();
+            }
+        }
+    }
+
+    /// Sends the outputs of requests the core finished between steps (a failed KV load).
+    fn finish_side_outputs(&mut self) {
+        for out in self.core.take_outputs() {
+            self.finish_output(out, None);
         }
     }
 
@@ -175,15 +247,16 @@ impl EngineLoop {
             params,
             events,
             accepted,
-            export,
+            kv_transfer_params,
         } = add;
-        match self.core.add_request(request_id.clone(), prompt, params) {
+        let added = self.core.add_request_with_transfer(
+            request_id.clone(),
+            prompt,
+            params,
+            kv_transfer_params.map(|p| *p),
+        );
+        match added {
             Ok(idx) => {
-                if let Some(connector) = export {
-                    self.core
-                        .hold_kv_on_finish(idx, Holder::Connector(connector))
-                        .expect("a live request, and a connector `generate_with_export` checked");
-                }
                 if accepted.send(Ok(())).is_err() {
                     // The caller stopped waiting: nobody would read the stream.
                     self.core.abort(&request_id);
@@ -379,7 +452,15 @@ impl EngineLoop {
         self.core.poll_lifecycle(&mut events);
         for event in events.drain(..) {
             match event {
-                LifecycleEvent::ReleaseKvMemory => self.arena.release(),
+                LifecycleEvent::ReleaseKvMemory => {
+                    // Every transfer hold came back before this, so every worker let go of
+                    // its grant; one still out would keep only the old memory alive.
+                    let n = self.arena.n_outstanding_grants();
+                    if n > 0 {
+                        tracing::warn!(n, "KV memory released with worker grants still out");
+                    }
+                    self.arena.release();
+                }
                 LifecycleEvent::OffloadWeights => self.executor.weight_ops_mut().offload(),
                 // Dropped here, not on another thread: a sleep returns once memory is free.
                 LifecycleEvent::DropWeights => drop(self.executor.weight_ops_mut().drop_weights()),
@@ -416,16 +497,24 @@ impl EngineLoop {
         }
     }
 
-    /// Runs one step if there is work; false if there was none (the caller then waits).
+    /// Runs one step if there is work; false if there was none (the caller then waits). A
+    /// plan with connector work and no tokens is a connector-only step: the workers run, the
+    /// executor does not.
     fn step(&mut self, started: Instant) -> bool {
-        if self.core.n_live() == 0 {
+        if self.core.n_live() == 0 && !self.core.needs_idle_steps() {
             return false;
         }
         let plan = self.core.schedule();
-        if plan.is_empty() {
+        self.finish_side_outputs();
+        if plan.is_idle() {
             // Nothing schedulable (e.g. paused): wait for an input rather than spin.
             self.core.recycle_plan(plan);
             return false;
+        }
+        self.run_workers(&plan.connector_work, false);
+        if plan.is_empty() {
+            self.core.recycle_plan(plan);
+            return true;
         }
         self.note_admissions(&plan);
         let forward_started = Instant::now();
@@ -437,6 +526,13 @@ impl EngineLoop {
         let (n_tokens, n_finished) = match result {
             Ok(outputs) => {
                 self.consecutive_failures = 0;
+                // Exports of requests that just finished are served before their parameters
+                // reach anyone.
+                let mut work = std::mem::take(&mut self.after_work);
+                self.core.take_connector_work(&mut work);
+                self.run_workers(&work, true);
+                work.clear();
+                self.after_work = work;
                 self.dispatch_outputs(outputs)
             }
             Err(e) => (0, self.on_step_failure(&plan, e)),
@@ -444,6 +540,24 @@ impl EngineLoop {
         self.core.recycle_plan(plan);
         self.publish_stats(started.elapsed(), forward, n_tokens, n_finished);
         true
+    }
+
+    /// Hands each connector's jobs to its worker: the plan's before the forward, those the
+    /// step's output produced after it (`after`).
+    fn run_workers(&mut self, work: &[ferry_core::StepWork], after: bool) {
+        for w in work {
+            let c = w.connector.0 as usize;
+            let reports = &self.reports[c];
+            match self.workers.get_mut(c).and_then(Option::as_mut) {
+                Some(worker) if after => worker.after_forward(&w.jobs, &mut self.arena, reports),
+                Some(worker) => worker.before_forward(&w.jobs, &mut self.arena, reports),
+                None => tracing::error!(
+                    connector = c,
+                    n_jobs = w.jobs.len(),
+                    "a connector planned worker jobs but has no worker; they are dropped"
+                ),
+            }
+        }
     }
 
     /// Sends `Admitted` (with the prefix-cache hit count) to requests scheduled for the first
@@ -479,21 +593,24 @@ impl EngineLoop {
             let Some(live) = self.live.get(i).and_then(Option::as_ref) else {
                 continue;
             };
-            let finish = out.finished.as_ref().map(|f| EngineFinish {
+            let finish = out.finished.map(|f| EngineFinish {
                 reason: f.reason,
                 stop_token: (f.reason == FinishReason::Stop)
                     .then(|| out.sampled.as_ref().map(|s| s.token))
                     .flatten(),
                 transfer: f.transfer,
+                kv_transfer_params: f.kv_transfer_params.map(Box::new),
+                message: f.message,
             });
             let weight_version = out.sampled.is_some().then(|| version.clone());
+            let finished = finish.is_some();
             let event = Event::Output {
                 sampled: out.sampled,
                 finish,
                 weight_version,
             };
             let gone = live.events.send(event).is_err();
-            if finish.is_some() {
+            if finished {
                 self.live[i] = None;
             } else if gone {
                 if let Some(id) = self.core.request(out.req).map(|r| r.id.clone()) {
@@ -513,10 +630,15 @@ impl EngineLoop {
         let Some(live) = self.live.get_mut(out.req.0 as usize).and_then(Option::take) else {
             return;
         };
+        if let Some(message) = &finished.message {
+            tracing::warn!(request_id = %finished.request_id, "request failed: {message}");
+        }
         let finish = EngineFinish {
             reason: reason.unwrap_or(finished.reason),
             stop_token: None,
             transfer: finished.transfer,
+            kv_transfer_params: finished.kv_transfer_params.map(Box::new),
+            message: finished.message,
         };
         let _ = live.events.send(Event::Output {
             sampled: None,

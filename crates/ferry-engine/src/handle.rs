@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use ferry_core::{ConnectorId, KvConnector, Scheduler, SchedulerConfig};
+use ferry_core::{KvConnector, PdConfig, PdConnector, Scheduler, SchedulerConfig};
+use ferry_kv::{PdWorker, Transport, WorkerConnector};
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore, TryAcquireError};
 
@@ -25,21 +26,68 @@ pub fn spawn(
     spawn_with_connectors(config, executor, tokenizer, Vec::new())
 }
 
-/// [`spawn`] with KV connectors (P/D transfer, offload tier): the core drives them, and every
-/// cache reset waits for their transfers to hand blocks back.
+/// One KV connector: its scheduler side, which the core drives, and its worker side, which
+/// the engine thread hands each step's jobs to (none for a connector that plans no jobs).
+#[derive(Debug)]
+pub struct Connector {
+    pub scheduler: Box<dyn KvConnector>,
+    pub worker: Option<Box<dyn WorkerConnector>>,
+}
+
+impl Connector {
+    pub fn new(scheduler: Box<dyn KvConnector>, worker: Box<dyn WorkerConnector>) -> Self {
+        Self {
+            scheduler,
+            worker: Some(worker),
+        }
+    }
+
+    /// The P/D connector over `transport`, both sides.
+    pub fn pd(config: PdConfig, transport: Arc<dyn Transport>) -> Self {
+        let worker = PdWorker::new(config.engine_id.clone(), transport);
+        Self::new(Box::new(PdConnector::new(config)), Box::new(worker))
+    }
+}
+
+/// 32 random bytes from the OS (through the standard library's randomly keyed hasher, so no
+/// extra dependency): the secret a P/D connector keys its export tokens with.
+pub fn random_secret() -> [u8; 32] {
+    use std::hash::{BuildHasher, Hasher};
+    let mut out = [0u8; 32];
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_usize(i);
+        chunk.copy_from_slice(&h.finish().to_le_bytes());
+    }
+    out
+}
+
+impl From<Box<dyn KvConnector>> for Connector {
+    fn from(scheduler: Box<dyn KvConnector>) -> Self {
+        Self {
+            scheduler,
+            worker: None,
+        }
+    }
+}
+
+/// [`spawn`] with KV connectors (P/D transfer, offload tier), in order: the core drives them,
+/// every cache reset waits for their transfers to hand blocks back, and their workers report
+/// on the engine's input queue.
 pub fn spawn_with_connectors(
     config: EngineConfig,
     executor: Box<dyn ferry_model::Executor>,
     tokenizer: Option<Arc<Tokenizer>>,
-    connectors: Vec<Box<dyn KvConnector>>,
+    connectors: Vec<Connector>,
 ) -> Result<EngineHandle, SpawnError> {
     if config.input_queue_capacity == 0 {
         return Err(SpawnError::ZeroQueueCapacity);
     }
     let mut core = Scheduler::new(config.scheduler.clone())?;
-    let n_connectors = connectors.len();
+    let mut workers = Vec::with_capacity(connectors.len());
     for c in connectors {
-        core.add_connector(c);
+        core.add_connector(c.scheduler);
+        workers.push(c.worker);
     }
     let vocab_size = executor.vocab_size();
     let (tx, rx) = mpsc::unbounded_channel();
@@ -50,7 +98,8 @@ pub fn spawn_with_connectors(
         ..EngineStats::default()
     });
     let weight_preparer = executor.weight_ops().preparer();
-    let engine = EngineLoop::new(core, executor, rx, stats_tx);
+    let engine = EngineLoop::new(core, executor, rx, stats_tx, workers, tx.downgrade())
+        .map_err(SpawnError::Thread)?;
     let thread = std::thread::Builder::new()
         .name("ferry-engine".into())
         .spawn(move || engine.run())
@@ -68,7 +117,6 @@ pub fn spawn_with_connectors(
             thread: Mutex::new(Some(thread)),
             stopped: AtomicBool::new(false),
             n_queued: Arc::new(AtomicUsize::new(0)),
-            n_connectors,
         }),
     })
 }
@@ -96,8 +144,6 @@ struct Inner {
     stopped: AtomicBool,
     /// Inputs queued and not yet taken (see `QueueSlot`).
     n_queued: Arc<AtomicUsize>,
-    /// Registered connectors, ids `0..n_connectors`.
-    n_connectors: usize,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -118,35 +164,6 @@ impl EngineHandle {
     /// A prompt token outside the executor's vocabulary never reaches the engine (the
     /// executor would fail the whole batch's step): `TokenOutOfVocabulary`.
     pub async fn generate(&self, req: GenerateRequest) -> Result<GenerateStream, GenerateError> {
-        self.add(req, None).await
-    }
-
-    /// [`generate`](Self::generate) for a request whose KV is exported when it finishes
-    /// (other than by abort): its blocks go to a transfer hold owned by `connector` (the
-    /// index of the connector in `spawn_with_connectors`' list), which the core tells about
-    /// the hold and which frees it by reporting it finished. The P side of a P/D transfer.
-    ///
-    /// # Panics
-    ///
-    /// If no connector `connector` was registered (a caller's bug, like an index out of
-    /// bounds).
-    pub async fn generate_with_export(
-        &self,
-        req: GenerateRequest,
-        connector: ConnectorId,
-    ) -> Result<GenerateStream, GenerateError> {
-        assert!(
-            (connector.0 as usize) < self.inner.n_connectors,
-            "generate_with_export: no connector {connector:?} is registered"
-        );
-        self.add(req, Some(connector)).await
-    }
-
-    async fn add(
-        &self,
-        req: GenerateRequest,
-        export: Option<ConnectorId>,
-    ) -> Result<GenerateStream, GenerateError> {
         let needs_text = req.detokenize || !req.stop.is_empty();
         if needs_text && self.inner.tokenizer.is_none() {
             return Err(GenerateError::NoTokenizer);
@@ -176,7 +193,7 @@ impl EngineHandle {
             params: req.params,
             events: events_tx,
             accepted: accepted_tx,
-            export,
+            kv_transfer_params: req.kv_transfer_params.map(Box::new),
         };
         self.send(Input::Add(add), Some(permit))?;
         match accepted_rx.await {

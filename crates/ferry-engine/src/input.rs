@@ -10,7 +10,8 @@
 //! * one queue, so every input, aborts included, is handled in arrival order;
 //! * an abort is never refused or lost, even when the queue is full (a dropped stream must
 //!   free its blocks); aborts are bounded anyway, at most one per stream drop or client call;
-//! * the engine thread blocks on one receiver when idle, so no wake-up can be missed;
+//! * the engine thread blocks on one receiver when idle (until an input or the core's next
+//!   deadline), so no wake-up can be missed; connectors' workers report on the same queue;
 //! * an abort by id sent before an add with the same id (a client retrying with its own
 //!   request id after a disconnect) is always handled before that add, so it can never
 //!   abort the newer request.
@@ -19,8 +20,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ferry_core::{
-    AddError, ConnectorId, FinishReason, LifecycleError, LifecycleStatus, PauseMode, SampledToken,
-    SamplingParams, SleepLevel, TokenId, TransferId, WakeTag,
+    AddError, ConnectorId, FinishReason, KvTransferParams, LifecycleError, LifecycleStatus,
+    PauseMode, SampledToken, SamplingParams, SleepLevel, TokenId, TransferId, WakeTag,
+    WorkerReport,
 };
 use ferry_model::{PreparedWeights, RetiredWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
@@ -69,6 +71,9 @@ pub(crate) enum Input {
     /// Abort a live request by id; unknown or finished ids are ignored.
     Abort(String),
     Utility(Utility),
+    /// A connector's worker reported (a transfer ended, a load landed): sent by transport and
+    /// copier threads, so their results wake the engine and reach the core in order.
+    Connector(ConnectorId, WorkerReport),
 }
 
 /// A request to add, with where its outputs go.
@@ -81,8 +86,9 @@ pub(crate) struct AddInput {
     /// Answered once the core accepted or refused the request. If the caller has gone by
     /// then, the engine aborts the request at once.
     pub accepted: oneshot::Sender<Result<(), AddError>>,
-    /// Export the request's KV on finish, in a hold owned by this connector.
-    pub export: Option<ConnectorId>,
+    /// P/D transfer parameters, for the connectors (`KvConnector::on_new_request`). Boxed:
+    /// most requests have none, and every input is as large as the largest.
+    pub kv_transfer_params: Option<Box<KvTransferParams>>,
 }
 
 /// Calls that carry their typed reply. A reply may be deferred until the engine reaches a
@@ -158,11 +164,15 @@ pub(crate) enum Event {
 }
 
 /// The engine's side of a finish: the reader adds prompt and cache counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct EngineFinish {
     pub reason: FinishReason,
     /// The stop token, when a token (EOS or a stop token id) stopped the request.
     pub stop_token: Option<TokenId>,
-    /// The export holding the request's KV (`Finished::transfer`), owned by its connector.
+    /// The hold keeping the request's KV (`Finished::transfer`): a connector's export.
     pub transfer: Option<TransferId>,
+    /// The connectors' transfer parameters for the client (P's export).
+    pub kv_transfer_params: Option<Box<KvTransferParams>>,
+    /// Why, for an `error` finish the core explained (a failed KV load).
+    pub message: Option<String>,
 }

@@ -32,17 +32,19 @@ pub use error::{
     WeightUpdateError,
 };
 pub use ferry_core::{
-    AddError, ConnectorId, FinishReason, KvConnector, LifecycleError, LifecycleStatus, PauseMode,
-    SamplerSpec, SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, TokenId, TransferId,
-    WakeTag, WeightResidency,
+    AddError, ConnectorId, FinishReason, KvConnector, KvLoadFailurePolicy, KvTransferParams,
+    LifecycleError, LifecycleStatus, PauseMode, PdConfig, PdConnector, PdRole, SamplerSpec,
+    SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, TokenId, TransferId, WakeTag,
+    WeightResidency,
 };
+pub use ferry_kv::{InMemoryFabric, InMemoryTransport, PdWorker, Transport, WorkerConnector};
 pub use ferry_model::{
     Executor, LoadError, LoadedModel, ModelSpec, Tensor, WeightError, WeightStore,
 };
-pub use handle::{spawn, spawn_with_connectors, EngineHandle};
+pub use handle::{random_secret, spawn, spawn_with_connectors, Connector, EngineHandle};
 pub use start::{
-    start_model, start_model_with, KvCacheSize, ModelEngineConfig, ModelInfo, StartedEngine,
-    DEFAULT_MAX_MODEL_LEN_CAP,
+    start_model, start_model_with, start_model_with_connectors, KvCacheSize, ModelEngineConfig,
+    ModelInfo, StartedEngine, DEFAULT_MAX_MODEL_LEN_CAP,
 };
 pub use stream::GenerateStream;
 
@@ -77,6 +79,10 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Produce text deltas (needs a tokenizer; with `false` the chunks' `text` stays empty).
     pub detokenize: bool,
+    /// P/D transfer parameters (vLLM's `kv_transfer_params`): `do_remote_decode` on P,
+    /// P's returned parameters on D. Every connector sees them; one that refuses them
+    /// refuses the request (`AddError::KvTransfer`).
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 /// New output since the previous chunk (usually one token; several if the reader fell behind
@@ -115,9 +121,15 @@ pub struct Finish {
     /// The weight versions the output tokens were computed with, in order, each once (more
     /// than one when a weight update came while the request was running).
     pub weight_versions: Vec<String>,
-    /// The transfer hold that keeps the request's KV for a remote reader, when it was
-    /// generated with an export (`EngineHandle::generate_with_export`); its connector frees it.
+    /// The transfer hold that keeps the request's KV for a remote reader (a connector
+    /// exported it); its connector frees it.
     pub export: Option<TransferId>,
+    /// The connectors' transfer parameters (P: where and how D loads the export), for the
+    /// response's `kv_transfer_params`.
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// Why, for an `error` finish the engine explained (a failed KV load under the `fail`
+    /// policy).
+    pub message: Option<String>,
 }
 
 /// What stopped a request that finished with [`FinishReason::Stop`].
@@ -148,6 +160,9 @@ pub struct EngineStats {
     /// the engine-side cost of pause, resume and the rest, without the wait for a step to end.
     pub n_lifecycle_calls_total: u64,
     pub lifecycle_call_seconds_total: f64,
+    /// Wall time the engine thread spent not waiting for an input (steps, connector-only
+    /// steps, lifecycle calls, worker reports), summed; published when it goes idle.
+    pub busy_seconds_total: f64,
     /// False once the engine thread has stopped.
     pub running: bool,
 }

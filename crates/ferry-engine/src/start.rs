@@ -8,7 +8,7 @@ use std::sync::Arc;
 use ferry_core::SchedulerConfig;
 use ferry_model::{Executor, LlamaModel, LoadedModel};
 
-use crate::{spawn, EngineConfig, EngineHandle, StartError};
+use crate::{spawn_with_connectors, Connector, EngineConfig, EngineHandle, StartError};
 
 /// `max_model_len` when none is given: the model's, capped here, since larger contexts only
 /// make the KV pool's worst case bigger on a CPU.
@@ -102,6 +102,16 @@ pub fn start_model_with(
     config: &ModelEngineConfig,
     wrap: impl FnOnce(Box<dyn Executor>) -> Box<dyn Executor>,
 ) -> Result<StartedEngine, StartError> {
+    start_model_with_connectors(model, config, wrap, Vec::new())
+}
+
+/// [`start_model_with`] with KV connectors (P/D, offload), in order.
+pub fn start_model_with_connectors(
+    model: LoadedModel,
+    config: &ModelEngineConfig,
+    wrap: impl FnOnce(Box<dyn Executor>) -> Box<dyn Executor>,
+    connectors: Vec<Connector>,
+) -> Result<StartedEngine, StartError> {
     let LoadedModel {
         config: llama,
         weights,
@@ -132,13 +142,14 @@ pub fn start_model_with(
         weights_bytes,
         kv_block_bytes: executor.kv_layout(config.block_size).block_bytes() as u64,
     };
-    let handle = spawn(
+    let handle = spawn_with_connectors(
         EngineConfig {
             scheduler: scheduler.clone(),
             input_queue_capacity: config.input_queue_capacity,
         },
         wrap(Box::new(executor)),
         tokenizer.map(Arc::new),
+        connectors,
     )?;
     Ok(StartedEngine {
         handle,
@@ -193,5 +204,7 @@ fn scheduler_config(
         enable_chunked_prefill: true,
         eos_token_ids: model.eos_token_ids.clone(),
         weight_version: config.weight_version.clone(),
+        // Leases, load and lifecycle bounds, the failed-load policy: the core's defaults.
+        ..SchedulerConfig::default()
     })
 }

@@ -104,6 +104,8 @@ impl GenerateStream {
                         reason: FinishReason::Error,
                         stop_token: None,
                         transfer: None,
+                        kv_transfer_params: None,
+                        message: Some("the engine stopped".into()),
                     },
                     &mut chunk,
                 ),
@@ -135,7 +137,7 @@ impl GenerateStream {
                     }
                 }
                 if let Some(s) = sampled {
-                    let stop_token = finish.and_then(|f| f.stop_token) == Some(s.token);
+                    let stop_token = finish.as_ref().and_then(|f| f.stop_token) == Some(s.token);
                     self.push_token(s, stop_token, chunk);
                 }
                 if let Some(f) = finish.filter(|_| !self.done) {
@@ -213,6 +215,8 @@ impl GenerateStream {
         let stop_reason = f.stop_token.map(StopReason::Token);
         let mut finish = self.finish_of(f.reason, stop_reason);
         finish.export = f.transfer;
+        finish.kv_transfer_params = f.kv_transfer_params.map(|p| *p);
+        finish.message = f.message;
         chunk.finish = Some(finish);
         self.done = true;
     }
@@ -226,6 +230,8 @@ impl GenerateStream {
             n_cached_tokens: self.n_cached_tokens,
             weight_versions: self.weight_versions.clone(),
             export: None,
+            kv_transfer_params: None,
+            message: None,
         }
     }
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use ferry_core::{FinishReason, TokenId, TransferId};
 use ferry_engine::{
-    spawn_with_connectors, ConnectorId, EngineConfig, EngineHandle, KvConnector,
+    spawn_with_connectors, EngineConfig, EngineHandle, KvConnector, KvTransferParams,
     LifecycleCallError, LifecycleError, PauseMode, SleepLevel, WakeTag, WeightResidency,
     WeightStore,
 };
@@ -54,6 +54,7 @@ async fn busy_with(
         scheduler: small_config(128, 8),
         input_queue_capacity: 64,
     };
+    let connectors = connectors.into_iter().map(Into::into).collect();
     let engine = spawn_with_connectors(config, Box::new(exec), None, connectors).unwrap();
     let reqs = prompts(n)
         .into_iter()
@@ -534,9 +535,6 @@ impl KvConnector for Pending {
     fn reset_cache(&mut self) {
         self.0.lock().unwrap().1 += 1;
     }
-    fn export_held(&mut self, _transfer: TransferId, _request_id: &str) {
-        unreachable!("no request here asks for an export")
-    }
 }
 
 #[tokio::test]
@@ -582,6 +580,8 @@ async fn shutdown_fails_a_pending_operation_with_stopped() {
 /// finished once their reader pulled them, or when `abort_transfers` revokes them.
 #[derive(Debug, Default)]
 struct ExportState {
+    /// Requests that asked for an export (`do_remote_decode`).
+    wanted: Vec<ferry_core::ReqIdx>,
     exports: Vec<TransferId>,
     /// The reader pulled every export (or they were revoked).
     pulled: bool,
@@ -607,8 +607,28 @@ impl KvConnector for Exports {
         false
     }
     fn reset_cache(&mut self) {}
-    fn export_held(&mut self, transfer: TransferId, _request_id: &str) {
-        self.0.lock().unwrap().exports.push(transfer);
+    fn on_new_request(
+        &mut self,
+        new: ferry_core::NewRequest<'_>,
+    ) -> Result<(), ferry_core::TransferParamsError> {
+        if new.kv_transfer_params.is_some_and(|p| p.do_remote_decode) {
+            self.0.lock().unwrap().wanted.push(new.req);
+        }
+        Ok(())
+    }
+    fn request_finished(&mut self, f: ferry_core::FinishedRequest<'_>) -> Option<KvTransferParams> {
+        let mut s = self.0.lock().unwrap();
+        let at = s.wanted.iter().position(|&r| r == f.req)?;
+        s.wanted.swap_remove(at);
+        if f.blocks.is_empty() {
+            return None;
+        }
+        s.exports.push(f.hold);
+        Some(KvTransferParams {
+            remote_engine_id: Some("exports".into()),
+            remote_block_ids: Some(f.blocks.to_vec()),
+            ..KvTransferParams::default()
+        })
     }
 }
 
@@ -620,14 +640,22 @@ async fn an_export_holds_its_blocks_until_its_connector_reports_it_finished() {
         input_queue_capacity: 64,
     };
     let conn: Box<dyn KvConnector> = Box::new(Exports(state.clone()));
-    let engine = spawn_with_connectors(config, Box::new(checksum()), None, vec![conn]).unwrap();
+    let engine =
+        spawn_with_connectors(config, Box::new(checksum()), None, vec![conn.into()]).unwrap();
     let (id, p) = prompts(1).remove(0);
-    let stream = within(engine.generate_with_export(request(&id, p, MAX_TOKENS), ConnectorId(0)))
-        .await
-        .unwrap();
+    let mut req = request(&id, p, MAX_TOKENS);
+    req.kv_transfer_params = Some(KvTransferParams {
+        do_remote_decode: true,
+        ..KvTransferParams::default()
+    });
+    let stream = within(engine.generate(req)).await.unwrap();
     let c = within(collect(stream)).await;
-    let export = c.finish.as_ref().unwrap().export;
+    let finish = c.finish.as_ref().unwrap();
+    let export = finish.export;
     assert!(export.is_some(), "the finish names the export");
+    let params = finish.kv_transfer_params.as_ref().expect("P's parameters");
+    assert_eq!(params.remote_engine_id.as_deref(), Some("exports"));
+    assert!(!params.remote_block_ids.as_ref().unwrap().is_empty());
     assert_oracle(&[c], "v0");
     within(engine.wait_idle()).await.unwrap();
     assert_eq!(

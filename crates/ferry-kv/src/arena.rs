@@ -13,8 +13,14 @@
 //!   [`KvArena::write_block_bytes`], [`KvArena::copy_block_from`]): their block ids come from
 //!   another process or a job queue, so a bad id is an error ([`KvError`]) naming the block,
 //!   never a panic.
+//!
+//! The memory itself is shared storage ([`crate::access`]): the engine thread uses it through
+//! `&self`/`&mut self` as if it were a `Vec<f32>`, and worker threads reach the blocks a transfer
+//! holds through a [`BlockGrant`](crate::BlockGrant).
 
 use std::ops::Range;
+
+use crate::access::{Access, ArenaMemory};
 
 /// Shape of the KV a model needs per block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +94,12 @@ pub enum KvError {
         src: KvLayout,
         dst: KvLayout,
     },
+    #[error("KV block {block} appears more than once in one write grant")]
+    DuplicateBlock { block: u32 },
+    #[error("KV block {block} is already granted to another worker ({held:?})")]
+    BlockBusy { block: u32, held: Access },
+    #[error("KV block {block}: the grant is read-only")]
+    ReadOnlyGrant { block: u32 },
 }
 
 /// Block-major KV memory. Can be released (sleep, KV memory release) and reallocated.
@@ -96,19 +108,17 @@ pub struct KvArena {
     layout: KvLayout,
     n_blocks: usize,
     /// Empty while released.
-    data: Vec<f32>,
+    memory: ArenaMemory,
 }
 
 impl KvArena {
     /// Allocates and zeroes `n_blocks` blocks.
     pub fn new(layout: KvLayout, n_blocks: usize) -> Self {
-        let mut arena = Self {
+        Self {
             layout,
             n_blocks,
-            data: Vec::new(),
-        };
-        arena.reallocate();
-        arena
+            memory: ArenaMemory::zeroed(n_blocks * layout.block_floats()),
+        }
     }
 
     pub fn layout(&self) -> KvLayout {
@@ -120,26 +130,31 @@ impl KvArena {
     }
 
     pub fn is_allocated(&self) -> bool {
-        !self.data.is_empty() || self.total_floats() == 0
+        !self.memory.is_released() || self.total_floats() == 0
     }
 
-    /// Bytes held right now (0 while released).
+    /// Bytes held right now (0 while released, even while a grant keeps the old memory alive).
     pub fn bytes(&self) -> usize {
-        self.data.len() * std::mem::size_of::<f32>()
+        self.memory.len() * std::mem::size_of::<f32>()
     }
 
-    /// Frees the memory itself (not just marks it free): the allocation goes back to the OS.
+    /// Frees the memory itself (not just marks it free): the allocation goes back to the OS, at
+    /// once, or when the last outstanding [`BlockGrant`](crate::BlockGrant) over it drops
+    /// ([`KvArena::n_outstanding_grants`]).
     pub fn release(&mut self) {
-        self.data = Vec::new();
+        self.memory.release();
     }
 
-    /// Allocates (zeroed) memory again after [`KvArena::release`]; a no-op when allocated.
+    /// Allocates fresh zeroed memory after [`KvArena::release`], one [`KvArena::generation`]
+    /// later; a no-op when allocated. Untouched blocks cost no resident memory until written.
     pub fn reallocate(&mut self) {
-        if self.data.is_empty() {
-            // `vec![0.0; n]` asks the allocator for zeroed pages (calloc), so untouched blocks
-            // cost no resident memory until they are written.
-            self.data = vec![0.0; self.total_floats()];
+        if self.memory.is_released() {
+            self.memory.reallocate(self.total_floats());
         }
+    }
+
+    pub(crate) fn memory(&self) -> &ArenaMemory {
+        &self.memory
     }
 
     fn total_floats(&self) -> usize {
@@ -168,13 +183,16 @@ impl KvArena {
     }
 
     /// One block's floats. Panics if the block is out of range or the arena is released.
+    ///
+    /// Like every block- and token-level accessor, it makes a reference to that block only, never
+    /// to the whole arena, so it may run while workers hold grants over other blocks.
     pub fn block(&self, block: u32) -> &[f32] {
-        &self.data[self.range(block)]
+        self.memory.floats(self.range(block))
     }
 
     pub fn block_mut(&mut self, block: u32) -> &mut [f32] {
         let r = self.range(block);
-        &mut self.data[r]
+        self.memory.floats_mut(r)
     }
 
     /// Layer `layer`'s K or V plane of `block`: `block_size` token vectors back to back.
@@ -288,12 +306,17 @@ impl KvArena {
     }
 
     /// The whole arena as floats (for kernels that index by `block * block_floats`).
+    ///
+    /// Not while a worker holds a grant over this memory: a reference to the whole arena counts
+    /// as an access to every block, the granted ones included, and so races with the worker
+    /// (see [`crate::access`], point 2). Debug builds assert there is none.
     pub fn as_slice(&self) -> &[f32] {
-        &self.data
+        self.memory.as_slice()
     }
 
+    /// Mutable [`KvArena::as_slice`], under the same rule.
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
-        &mut self.data
+        self.memory.as_mut_slice()
     }
 }
 

@@ -5,9 +5,23 @@
 //! whole block with one copy. Worker-side connectors and transports (later issues) build on
 //! its byte-level block access, which reports bad block ids as a [`KvError`] naming the block;
 //! attention uses the typed accessors ([`KvArena::token`], [`KvArena::plane`]).
+//!
+//! Transports and offload copiers run on their own threads and must not stop the engine thread,
+//! so the arena's memory is shared, reference-counted storage: the engine thread keeps its
+//! ordinary `&`/`&mut` access, and a worker gets a [`BlockGrant`] over exactly the blocks a
+//! transfer hold names ([`KvArena::grant`]). All cross-thread `unsafe` lives in [`access`], whose
+//! safety argument is the scheduler's block ledger (a block a transfer holds is never touched by
+//! a step, and the reverse); the module checks what it can at run time (ids, lengths, conflicting
+//! grants, generations) and keeps released memory alive until the last grant drops.
 
+pub mod access;
 pub mod arena;
 pub mod resident;
+pub mod transport;
+pub mod worker;
 
+pub use access::{Access, BlockGrant};
 pub use arena::{KvArena, KvError, KvLayout, KvPlane};
 pub use resident::resident_bytes;
+pub use transport::{ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, Transport};
+pub use worker::{PdWorker, Reports, WorkerConnector};

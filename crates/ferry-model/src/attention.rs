@@ -8,7 +8,7 @@
 //! the rest of the batch.
 
 use ferry_core::BlockId;
-use ferry_kv::KvLayout;
+use ferry_kv::{KvArena, KvLayout, KvPlane};
 use rayon::prelude::*;
 
 use crate::kernels::{axpy_rows, dot_rows};
@@ -22,44 +22,23 @@ pub struct AttnQuery<'a> {
     pub block_table: &'a [BlockId],
 }
 
-/// Float offset in the arena of the K (`v = false`) or V vector of `slot_pos` in `block`.
-fn token_offset(
-    layout: &KvLayout,
-    layer: usize,
-    v: bool,
-    block: BlockId,
-    slot_pos: usize,
-) -> usize {
-    block as usize * layout.block_floats()
-        + layout.plane_offset(layer, v)
-        + slot_pos * layout.token_floats()
-}
-
 /// Writes one token's K and V (`n_kv_heads × head_dim` floats each) of layer `layer` into
-/// the arena at arena slot `slot` (`block * block_size + offset`).
-pub fn write_kv(
-    arena: &mut [f32],
-    layout: &KvLayout,
-    layer: usize,
-    slot: usize,
-    k: &[f32],
-    v: &[f32],
-) {
-    let (block, off) = (
-        (slot / layout.block_size) as BlockId,
-        slot % layout.block_size,
-    );
-    let tf = layout.token_floats();
-    let ko = token_offset(layout, layer, false, block, off);
-    arena[ko..ko + tf].copy_from_slice(&k[..tf]);
-    let vo = token_offset(layout, layer, true, block, off);
-    arena[vo..vo + tf].copy_from_slice(&v[..tf]);
+/// the arena at arena slot `slot` (`block * block_size + offset`). Touches only that block:
+/// blocks a transfer holds may be in use on another thread (`ferry_kv::access`).
+pub fn write_kv(arena: &mut KvArena, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+    let tf = arena.layout().token_floats();
+    arena
+        .token_at_mut(slot, layer, KvPlane::K)
+        .copy_from_slice(&k[..tf]);
+    arena
+        .token_at_mut(slot, layer, KvPlane::V)
+        .copy_from_slice(&v[..tf]);
 }
 
 /// Attention of every query of one layer: `q` is `queries.len() × n_heads × head_dim`, and so
 /// is `out`. Query head `h` reads KV head `h / (n_heads / n_kv_heads)` (GQA).
 pub fn paged_attention(
-    arena: &[f32],
+    arena: &KvArena,
     layout: &KvLayout,
     layer: usize,
     n_heads: usize,
@@ -95,7 +74,7 @@ pub fn paged_attention(
 /// V row is fetched once per group; each score and each output element is still computed in
 /// the same order as for one head alone.
 fn attend_token(
-    arena: &[f32],
+    arena: &KvArena,
     layout: &KvLayout,
     layer: usize,
     n_heads: usize,
@@ -113,8 +92,8 @@ fn attend_token(
         // Scores a block at a time: the K vectors of a block's slots are evenly spaced.
         for p0 in (0..n_pos).step_by(layout.block_size) {
             let n = layout.block_size.min(n_pos - p0);
-            let o = kv_offset(layout, layer, false, query.block_table, p0) + kv_head * hd;
-            let rows = &arena[o..o + (n - 1) * layout.token_floats() + hd];
+            let rows = kv_rows(arena, layout, layer, KvPlane::K, query.block_table, p0, n);
+            let rows = &rows[kv_head * hd..];
             for (g, h) in heads.clone().enumerate() {
                 let s = &mut scores[g * n_pos + p0..g * n_pos + p0 + n];
                 dot_rows(&q[h * hd..(h + 1) * hd], rows, layout.token_floats(), s);
@@ -127,8 +106,8 @@ fn attend_token(
         // V sums a block at a time too; each output element still adds positions in order.
         for p0 in (0..n_pos).step_by(layout.block_size) {
             let n = layout.block_size.min(n_pos - p0);
-            let o = kv_offset(layout, layer, true, query.block_table, p0) + kv_head * hd;
-            let rows = &arena[o..o + (n - 1) * layout.token_floats() + hd];
+            let rows = kv_rows(arena, layout, layer, KvPlane::V, query.block_table, p0, n);
+            let rows = &rows[kv_head * hd..];
             for (g, oh) in out_group.chunks_exact_mut(hd).enumerate() {
                 let w = &scores[g * n_pos + p0..g * n_pos + p0 + n];
                 axpy_rows(w, rows, layout.token_floats(), oh);
@@ -137,10 +116,21 @@ fn attend_token(
     }
 }
 
-/// Offset of position `pos`'s K or V vector (all KV heads) through a block table.
-fn kv_offset(layout: &KvLayout, layer: usize, v: bool, table: &[BlockId], pos: usize) -> usize {
-    let bs = layout.block_size;
-    token_offset(layout, layer, v, table[pos / bs], pos % bs)
+/// The K or V vectors (all KV heads) of the `n` positions from `p0` (a block boundary) on,
+/// back to back, from the one block that holds them: slices never span blocks, since blocks a
+/// transfer holds may be in use on another thread (`ferry_kv::access`).
+fn kv_rows<'a>(
+    arena: &'a KvArena,
+    layout: &KvLayout,
+    layer: usize,
+    plane: KvPlane,
+    table: &[BlockId],
+    p0: usize,
+    n: usize,
+) -> &'a [f32] {
+    debug_assert_eq!(p0 % layout.block_size, 0);
+    let start = layout.token_offset(layer, plane, 0);
+    &arena.block(table[p0 / layout.block_size])[start..start + n * layout.token_floats()]
 }
 
 /// Softmax in f32, max-subtracted, summed in position order.

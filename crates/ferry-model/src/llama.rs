@@ -169,18 +169,9 @@ impl LlamaModel {
             let t = t as usize;
             row.copy_from_slice(&self.weights.embed[t * h..(t + 1) * h]);
         }
-        let layout = kv.layout();
         let mut scratch = std::mem::take(&mut self.scratch);
         for (l, lw) in self.weights.layers.iter().enumerate() {
-            self.layer(
-                l,
-                lw,
-                &meta,
-                &layout,
-                kv.as_mut_slice(),
-                &mut x,
-                &mut scratch,
-            );
+            self.layer(l, lw, &meta, kv, &mut x, &mut scratch);
         }
         self.scratch = scratch;
         self.logits(&meta, &x, data);
@@ -292,17 +283,16 @@ impl LlamaModel {
     }
 
     /// One decoder layer over all the step's tokens, updating the residual stream `x`.
-    #[allow(clippy::too_many_arguments)]
     fn layer(
         &self,
         l: usize,
         lw: &LayerWeights,
         meta: &TokenMeta<'_>,
-        layout: &KvLayout,
-        arena: &mut [f32],
+        arena: &mut KvArena,
         x: &mut [f32],
         s: &mut Scratch,
     ) {
+        let layout = arena.layout();
         let c = &self.config;
         let (h, hd, n) = (c.hidden_size, c.head_dim, meta.slots.len());
         let (q_w, kv_w) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
@@ -320,12 +310,12 @@ impl LlamaModel {
         self.position_tokens(lw, meta, qkv, q, (q_w, qkv_w));
         for (row, &slot) in qkv.chunks_exact(qkv_w).zip(&meta.slots) {
             let (k, v) = row[q_w..].split_at(kv_w);
-            write_kv(arena, layout, l, slot, k, v);
+            write_kv(arena, l, slot, k, v);
         }
         let attn = take(&mut s.attn, n * q_w);
         paged_attention(
             arena,
-            layout,
+            &layout,
             l,
             c.num_attention_heads,
             &meta.queries,

@@ -88,14 +88,7 @@ fn check_case(seed: u64, n_kv_heads: usize, group: usize, head_dim: usize, block
         };
         for p in 0..len {
             let slot = r.table[p / block_size] as usize * block_size + p % block_size;
-            write_kv(
-                kv.as_mut_slice(),
-                &layout,
-                layer,
-                slot,
-                &r.k[p * tf..],
-                &r.v[p * tf..],
-            );
+            write_kv(&mut kv, layer, slot, &r.k[p * tf..], &r.v[p * tf..]);
         }
         reqs.push(r);
     }
@@ -111,15 +104,7 @@ fn check_case(seed: u64, n_kv_heads: usize, group: usize, head_dim: usize, block
     let width = n_heads * head_dim;
     let q = rand_vec(&mut rng, queries.len() * width);
     let mut out = vec![f32::NAN; q.len()];
-    paged_attention(
-        kv.as_slice(),
-        &layout,
-        layer,
-        n_heads,
-        &queries,
-        &q,
-        &mut out,
-    );
+    paged_attention(&kv, &layout, layer, n_heads, &queries, &q, &mut out);
 
     let owners = reqs
         .iter()
@@ -168,14 +153,7 @@ fn attention_reads_only_through_the_block_table() {
     for (table, n) in [(&ta, 4), (&tb, 3)] {
         for p in 0..n {
             let (k, v) = (rand_vec(&mut rng, 8), rand_vec(&mut rng, 8));
-            write_kv(
-                kv.as_mut_slice(),
-                &layout,
-                0,
-                table[p / 2] as usize * 2 + p % 2,
-                &k,
-                &v,
-            );
+            write_kv(&mut kv, 0, table[p / 2] as usize * 2 + p % 2, &k, &v);
         }
     }
     let queries = [
@@ -191,7 +169,7 @@ fn attention_reads_only_through_the_block_table() {
     let q = rand_vec(&mut rng, 16);
     let run = |kv: &KvArena| {
         let mut out = vec![0.0; 16];
-        paged_attention(kv.as_slice(), &layout, 0, 1, &queries, &q, &mut out);
+        paged_attention(kv, &layout, 0, 1, &queries, &q, &mut out);
         out
     };
     let before = run(&kv);

@@ -53,6 +53,17 @@ impl ApiError {
         }
     }
 
+    /// A 504: a lifecycle operation's wait for transfers outlasted its bound. The engine
+    /// stays paused and consistent; the operation can be asked for again.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::GATEWAY_TIMEOUT,
+            message: message.into(),
+            kind: "timeout_error",
+            param: None,
+        }
+    }
+
     /// A 413: the request body is over the route's limit.
     pub fn too_large(message: impl Into<String>) -> Self {
         Self {

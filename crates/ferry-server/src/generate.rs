@@ -166,6 +166,7 @@ pub async fn launch(
                 params,
                 stop: spec.stop.to_vec(),
                 detokenize: engine.tokenizer().is_some(),
+                kv_transfer_params: None,
             };
             let stream = engine
                 .generate(req)
@@ -205,6 +206,7 @@ pub fn generate_error(e: GenerateError, prompt_param: &str) -> ApiError {
                 ApiError::invalid(prompt_param, add.to_string())
             }
             AddError::DuplicateId { .. } => ApiError::internal(add.to_string()),
+            AddError::KvTransfer { .. } => ApiError::invalid("kv_transfer_params", add.to_string()),
         },
     }
 }

@@ -30,6 +30,7 @@ use ferry_model::ModelSpec;
 use crate::byte_size::ByteSize;
 
 mod load;
+mod pd;
 mod report;
 
 use load::{Load, LoadSpec, Snapshot};
@@ -66,6 +67,11 @@ pub struct Args {
     /// Print one JSON object instead of a readable summary.
     #[arg(long)]
     json: bool,
+    /// P/D mode instead of the single-engine phases: a producer and a consumer engine in this
+    /// process over the in-memory transport, `--in-flight` requests mid-transfer, and
+    /// `pause(keep, clear_cache)` on both at once (see `pd.rs`).
+    #[arg(long)]
+    pd: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -78,6 +84,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .enable_time()
         .build()
         .context("starting the tokio runtime")?;
+    if args.pd {
+        let (model_path, _tmp) = model_path(&args)?;
+        let pd = runtime.block_on(pd::measure(&args, &model_path))?;
+        if args.json {
+            println!("{}", serde_json::json!({ "pd": pd }));
+        } else {
+            print!("{}", pd::summary(&pd));
+        }
+        return Ok(());
+    }
     let report = runtime.block_on(measure(&args))?;
     if args.json {
         println!("{}", report.to_json());

@@ -94,6 +94,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         enable_chunked_prefill: args.chunked_prefill,
         eos_token_ids: Vec::new(),
         weight_version: "bench".to_owned(),
+        ..SchedulerConfig::default()
     };
     let mut steps = Vec::new();
     let report = replay(&trace, config, args.check, &mut steps)?;
@@ -172,7 +173,7 @@ pub fn replay(
     while driver.sched.n_live() > 0 {
         // Timed: the step less the fake model's own time, then handing the plan back.
         let t0 = Instant::now();
-        let Step { plan, outputs } = driver.step()?;
+        let Step { plan, outputs, .. } = driver.step()?;
         let mut elapsed = t0.elapsed().saturating_sub(driver.model.elapsed);
         if plan.is_empty() {
             bail!(

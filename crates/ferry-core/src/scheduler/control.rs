@@ -20,6 +20,11 @@
 //! cache; then, with connectors, on a later poll once no connector has pending work again
 //! (the engine turned once more, so what their reset left for the workers reached them),
 //! the memory steps of a sleep or KV release, then the replies.
+//!
+//! Steps (3) and (4)'s waits are bounded: past `SchedulerConfig::lifecycle_wait_timeout`
+//! from the release, every operation waiting for the reset fails with
+//! [`LifecycleError::Timeout`]; the pause stays, nothing is lost, and asking again starts
+//! the reset over. The drain of step (1) is the caller's choice and is not bounded.
 
 use std::sync::Arc;
 
@@ -68,6 +73,9 @@ pub(crate) struct Control {
     /// In arrival order.
     pending: Vec<Pending>,
     reset: ResetStage,
+    /// When the reset under way gives up waiting for transfers and connector work (set when
+    /// it releases the transfers; meaningful only while `reset` is not `NotStarted`).
+    reset_deadline: std::time::Duration,
     /// The deepest completed sleep, until a full wake-up or a resume.
     sleeping: Option<SleepLevel>,
     kv_released: bool,
@@ -77,7 +85,7 @@ pub(crate) struct Control {
     /// Reused by `poll_connectors`.
     finished_transfers: Vec<TransferId>,
     /// The version of the weights loaded now; stamped on outputs by the engine.
-    weight_version: Arc<str>,
+    pub(super) weight_version: Arc<str>,
     /// Counts weight-version changes; with the version it seeds the hash chains, so even a
     /// version string used twice never lets a prefix hit cross a weight update.
     weight_epoch: u64,
@@ -89,6 +97,7 @@ impl Control {
             pause: Pause::Running,
             pending: Vec::new(),
             reset: ResetStage::NotStarted,
+            reset_deadline: std::time::Duration::ZERO,
             sleeping: None,
             kv_released: false,
             weights: WeightResidency::Resident,
@@ -317,13 +326,24 @@ impl Scheduler {
         }
     }
 
-    /// Whether the engine must keep stepping with nothing to compute: a reset waits for
-    /// transfers to hand blocks back, or a connector has work to deliver.
+    /// When the reset under way stops waiting, if one is waiting (see [`Self::next_deadline`]).
+    pub(super) fn reset_deadline(&self) -> Option<std::time::Duration> {
+        let waiting = self.control.reset != ResetStage::NotStarted
+            && self.control.frozen()
+            && self.control.pending.iter().any(|p| p.kind.needs_reset());
+        waiting.then_some(self.control.reset_deadline)
+    }
+
+    /// Whether the engine must keep stepping with nothing to compute: a connector has jobs
+    /// to hand to its worker (a zero-token step delivers them), or a reset's connector flush
+    /// needs one more turn of the engine. Waiting for transfers to hand blocks back needs no
+    /// steps: the worker's report arrives as an input and wakes the engine (or the reset's
+    /// deadline does, `next_deadline`).
     pub fn needs_idle_steps(&self) -> bool {
-        let waiting_for_transfers = self.control.reset != ResetStage::NotStarted
+        let flushing = self.control.reset == ResetStage::Flushing
             && self.control.frozen()
             && !self.control.pending.is_empty();
-        waiting_for_transfers || self.connectors.iter().any(|c| c.has_pending_work())
+        flushing || self.connectors.iter().any(|c| c.has_pending_work())
     }
 
     /// Moves pending operations forward; appends what the engine must do, in order, to `out`.
@@ -342,8 +362,12 @@ impl Scheduler {
         if self.control.frozen() && !self.control.pending.is_empty() {
             self.complete_without_reset();
             let reset_wanted = self.control.pending.iter().any(|p| p.kind.needs_reset());
-            if reset_wanted && self.advance_reset() {
-                self.complete_after_reset();
+            if reset_wanted {
+                if self.advance_reset() {
+                    self.complete_after_reset();
+                } else if self.now >= self.control.reset_deadline {
+                    self.time_out_reset();
+                }
             }
         }
         out.append(&mut self.control.events);
@@ -364,10 +388,14 @@ impl Scheduler {
     /// Runs the idle-time reset as far as it can go; true once it is done.
     fn advance_reset(&mut self) -> bool {
         if self.control.reset == ResetStage::NotStarted {
-            // Frozen requests lose their KV and recompute after resume, in queue order.
+            // Frozen requests lose their KV and recompute after resume, in queue order; so do
+            // waiting ones holding KV (loads that landed), and loads in flight are retracted
+            // once their connectors cut them short.
             self.preempt_all_running();
+            self.retract_waiting_kv();
             self.release_transfer_kv();
             self.control.reset = ResetStage::Releasing;
+            self.control.reset_deadline = self.now + self.config.lifecycle_wait_timeout;
         }
         self.poll_connectors();
         let busy =
@@ -389,6 +417,41 @@ impl Scheduler {
         }
         self.control.reset = ResetStage::NotStarted;
         true
+    }
+
+    /// The reset waited past its deadline: every operation waiting for it fails with a
+    /// timeout naming what was still out. The pause stays in force; the reset starts over
+    /// (transfers released again) when an operation asks for it again.
+    fn time_out_reset(&mut self) {
+        let n_holds = self.transfers.len();
+        let n_blocks: usize = self.transfers.values().map(|h| h.blocks.len()).sum();
+        let mut parts = Vec::new();
+        if n_holds > 0 {
+            parts.push(format!(
+                "{n_holds} transfer hold(s) to hand back {n_blocks} KV block(s)"
+            ));
+        }
+        let busy: Vec<&str> = self
+            .connectors
+            .iter()
+            .filter(|c| c.has_pending_work())
+            .map(|c| c.name())
+            .collect();
+        if !busy.is_empty() {
+            parts.push(format!(
+                "connector work (a flush or revocation) to reach the workers of {}",
+                busy.join(", ")
+            ));
+        }
+        if parts.is_empty() {
+            // Released and flushed, but the flush's later turn did not come in time.
+            parts.push("the connectors' reset to reach their workers".to_owned());
+        }
+        let error = LifecycleError::Timeout {
+            waited: self.config.lifecycle_wait_timeout,
+            waiting_for: parts.join(" and "),
+        };
+        self.cancel_pending_where(|p| p.kind.needs_reset(), error);
     }
 
     /// After a reset: every pending operation needs it (the others completed first), so all
@@ -435,12 +498,20 @@ impl Scheduler {
         }
     }
 
-    /// Frees the blocks of every transfer a connector reports ended, if that connector owns
-    /// it: a connector can never free another's hold (or the caller's).
+    /// Moves loads forward as connectors report them ended, then frees the blocks of every
+    /// transfer a connector reports ended, if that connector owns it: a connector can never
+    /// free another's hold (or the caller's).
     pub(crate) fn poll_connectors(&mut self) {
         let mut ended = std::mem::take(&mut self.control.finished_transfers);
+        let mut loads = std::mem::take(&mut self.load_results);
         for i in 0..self.connectors.len() {
             let owner = Holder::Connector(ConnectorId(i as u32));
+            self.connectors[i].take_finished_loads(&mut loads);
+            for load in loads.drain(..) {
+                if self.transfer_holder(load.hold) == Some(owner) {
+                    self.on_load_result(load);
+                }
+            }
             self.connectors[i].take_finished_transfers(&mut ended);
             for id in ended.drain(..) {
                 if self.transfer_holder(id) == Some(owner) {
@@ -449,6 +520,7 @@ impl Scheduler {
             }
         }
         self.control.finished_transfers = ended;
+        self.load_results = loads;
     }
 
     /// Registers a connector; the lifecycle drives it from now on. Holds it owns name it by
@@ -477,12 +549,15 @@ impl Scheduler {
 }
 
 /// No admitted request is waiting to be readmitted (preempted): the waiting queue holds only
-/// never-admitted requests.
+/// never-admitted requests (some maybe loading their KV).
 fn drained(waiting: &std::collections::VecDeque<ReqIdx>, requests: &[Option<Request>]) -> bool {
     waiting.iter().all(|&r| {
-        requests[r.0 as usize]
-            .as_ref()
-            .is_none_or(|req| req.state == RequestState::Waiting)
+        requests[r.0 as usize].as_ref().is_none_or(|req| {
+            matches!(
+                req.state,
+                RequestState::Waiting | RequestState::WaitingForRemoteKv { .. }
+            )
+        })
     })
 }
 

@@ -6,7 +6,7 @@
 //! its own beyond the holds.
 
 use super::{RequestOutput, Scheduler};
-use crate::connector::{ConnectorId, Holder};
+use crate::connector::{ConnectorId, HoldKind, Holder};
 use crate::ownership::TransferId;
 use crate::plan::{BlockId, ReqIdx};
 use crate::request::{FinishReason, RequestState};
@@ -27,6 +27,10 @@ pub enum TransferError {
 pub(crate) struct Hold {
     pub(crate) blocks: Vec<BlockId>,
     pub(crate) holder: Holder,
+    pub(crate) kind: HoldKind,
+    /// When the hold's lease runs out (exports); `None`: until its holder frees it (or its
+    /// lease already ran out and its connector was told).
+    pub(crate) expires_at: Option<std::time::Duration>,
 }
 
 impl Scheduler {
@@ -48,12 +52,14 @@ impl Scheduler {
         order.into_iter().map(|r| self.aborted_output(r)).collect()
     }
 
-    fn remove_from_queues(&mut self, idx: ReqIdx) {
+    pub(super) fn remove_from_queues(&mut self, idx: ReqIdx) {
         match self.request(idx).map(|r| &r.state) {
             Some(RequestState::Running) => self.running.retain(|&r| r != idx),
-            Some(RequestState::Waiting | RequestState::Preempted { .. }) => {
-                self.waiting.retain(|&r| r != idx)
-            }
+            Some(
+                RequestState::Waiting
+                | RequestState::Preempted { .. }
+                | RequestState::WaitingForRemoteKv { .. },
+            ) => self.waiting.retain(|&r| r != idx),
             _ => {}
         }
     }
@@ -105,7 +111,11 @@ impl Scheduler {
         for &b in &blocks {
             self.kv.pool_mut().touch(b);
         }
-        Ok(self.new_transfer(blocks, holder))
+        let kind = match holder {
+            Holder::Caller => HoldKind::Caller,
+            Holder::Connector(_) => HoldKind::Export,
+        };
+        Ok(self.new_transfer(blocks, holder, kind, None))
     }
 
     fn check_holder(&self, holder: Holder) -> Result<(), TransferError> {
@@ -118,26 +128,44 @@ impl Scheduler {
     }
 
     /// Marks a live request so that when it finishes (other than by abort) its blocks go to a
-    /// new transfer hold owned by `holder` instead of being freed; `Finished::transfer` names
-    /// the hold, and a connector holder is told it (`KvConnector::export_held`), since only
-    /// it can free it. This is the P side of a P/D export.
-    pub fn hold_kv_on_finish(&mut self, req: ReqIdx, holder: Holder) -> Result<(), TransferError> {
-        self.check_holder(holder)?;
+    /// new transfer hold the caller frees (`release_transfer`) instead of being freed;
+    /// `Finished::transfer` names the hold. Connectors export through
+    /// `KvConnector::request_finished` instead.
+    pub fn hold_kv_on_finish(&mut self, req: ReqIdx) -> Result<(), TransferError> {
         let r = self
             .requests
             .get_mut(req.0 as usize)
             .and_then(Option::as_mut)
             .ok_or(TransferError::UnknownRequest(req))?;
-        r.export_on_finish = Some(holder);
+        r.export_on_finish = true;
         Ok(())
     }
 
     /// Registers `blocks` (whose references the caller hands over) as a new transfer hold.
-    pub(super) fn new_transfer(&mut self, blocks: Vec<BlockId>, holder: Holder) -> TransferId {
-        let id = TransferId(self.next_transfer);
+    pub(super) fn new_transfer(
+        &mut self,
+        blocks: Vec<BlockId>,
+        holder: Holder,
+        kind: HoldKind,
+        expires_at: Option<std::time::Duration>,
+    ) -> TransferId {
+        let id = self.peek_transfer_id();
         self.next_transfer += 1;
-        self.transfers.insert(id, Hold { blocks, holder });
+        self.transfers.insert(
+            id,
+            Hold {
+                blocks,
+                holder,
+                kind,
+                expires_at,
+            },
+        );
         id
+    }
+
+    /// The id the next transfer hold will get.
+    pub(super) fn peek_transfer_id(&self) -> TransferId {
+        TransferId(self.next_transfer)
     }
 
     /// Ends a transfer hold, freeing its blocks tail first. False if `id` is not held.

@@ -327,6 +327,7 @@ pub fn paged_logits(model: &LoadedModel, ids: &[u32], every_position: bool) -> V
             }],
             token_ids: ids[chunk].to_vec(),
             block_tables: table.clone(),
+            connector_work: Vec::new(),
         };
         let logits = llama.forward(&plan, &mut kv).expect("valid plan");
         rows.push(logits.row(0).to_vec());

@@ -143,6 +143,9 @@ pub fn optional_json<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, A
 impl From<LifecycleCallError> for ApiError {
     fn from(e: LifecycleCallError) -> Self {
         match e {
+            LifecycleCallError::Lifecycle(e @ ferry_engine::LifecycleError::Timeout { .. }) => {
+                ApiError::timeout(e.to_string())
+            }
             LifecycleCallError::Lifecycle(e) => ApiError::conflict(e.to_string()),
             LifecycleCallError::Stopped(e) => e.into(),
         }
@@ -247,6 +250,14 @@ mod tests {
             ferry_engine::LifecycleError::NotPaused,
         ));
         assert_eq!(e.status, StatusCode::CONFLICT);
+        let e = ApiError::from(LifecycleCallError::from(
+            ferry_engine::LifecycleError::Timeout {
+                waited: std::time::Duration::from_secs(60),
+                waiting_for: "1 transfer hold(s) to hand back 4 KV block(s)".into(),
+            },
+        ));
+        assert_eq!(e.status, StatusCode::GATEWAY_TIMEOUT);
+        assert!(e.message.contains("4 KV block(s)"), "{}", e.message);
         assert_eq!(
             ApiError::from(LifecycleCallError::from(ferry_engine::Stopped)).status,
             StatusCode::SERVICE_UNAVAILABLE

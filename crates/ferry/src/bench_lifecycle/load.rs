@@ -96,6 +96,7 @@ impl Load {
                     params: SamplingParams::greedy(spec.output_len),
                     stop: Vec::new(),
                     detokenize: false,
+                    kv_transfer_params: None,
                 })
                 .await
                 .with_context(|| format!("queueing request {request_id}"))?;

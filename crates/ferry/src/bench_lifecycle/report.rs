@@ -42,7 +42,7 @@ impl Samples {
     }
 
     /// `{key}_min`, `{key}_p50`, `{key}_max`, rounded to 0.1 µs.
-    fn insert(&self, out: &mut Map<String, Value>, key: &str) {
+    pub(super) fn insert(&self, out: &mut Map<String, Value>, key: &str) {
         for (suffix, v) in [
             ("min", self.min()),
             ("p50", self.p50()),

@@ -1,0 +1,516 @@
+//! The P/D connector, scheduler side: P exports a finished prefill's KV, D imports it.
+//!
+//! * **P** (`do_remote_decode` in a request's transfer parameters): when the request
+//!   finishes (after its first token), its blocks become an export held by this connector
+//!   under a lease, and the request's output carries the parameters D needs (vLLM's keys,
+//!   plus the weight version, the number of tokens and an unguessable export token). The
+//!   worker publishes the export; it ends when a reader pulled it (`ExportPulled`), or when
+//!   a revocation or lease expiry was acknowledged (`ExportGone`).
+//! * **D** (`do_remote_prefill`): at admission the connector offers the prompt's KV after the
+//!   local prefix hit as an asynchronous load; the worker fetches it from P's export into the
+//!   blocks the scheduler holds for it, and the request continues once it landed.
+//!
+//! Transfers fail closed. D refuses parameters of another weight version, or that do not
+//! fit its prompt, before loading anything (`ExternalMatch::Refused`); P's worker refuses a
+//! pull with a wrong token, a wrong prompt hash, a wrong version or block ids that are not
+//! exactly the export's, an export pulled before (one load per export), expired or revoked.
+//! Requests with the same parameters (`n` > 1 choices) import once: the first loads, the
+//! others wait (`NotYet`) and then take prefix hits on what arrived.
+//!
+//! The export token is a keyed hash of the hold id under a secret the engine draws at start
+//! (`PdConfig::secret`), so it is unguessable to clients yet deterministic under simulation.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::connector::{
+    prompt_hash, AllocatedLoad, ExternalMatch, ExternalQuery, FinishedRequest, HoldKind,
+    KvConnector, KvTransferParams, LoadOutcome, LoadResult, NewRequest, TransferParamsError,
+    WorkerJob, WorkerReport,
+};
+use crate::ownership::TransferId;
+use crate::plan::{BlockId, ReqIdx};
+use crate::request::FinishReason;
+
+/// Which side(s) of P/D an engine plays (vLLM's `kv_role`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PdRole {
+    /// P: exports (`kv_producer`).
+    Producer,
+    /// D: imports (`kv_consumer`).
+    Consumer,
+    /// Both (`kv_both`).
+    Both,
+}
+
+impl PdRole {
+    fn produces(self) -> bool {
+        matches!(self, Self::Producer | Self::Both)
+    }
+
+    fn consumes(self) -> bool {
+        matches!(self, Self::Consumer | Self::Both)
+    }
+}
+
+/// The P/D connector's configuration.
+#[derive(Debug, Clone)]
+pub struct PdConfig {
+    pub role: PdRole,
+    /// This engine's id, as readers name it (`remote_engine_id`).
+    pub engine_id: String,
+    /// Where readers reach this engine's transfer listener (advertised in the parameters).
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    /// Keys the export tokens; draw it at random when the engine starts.
+    pub secret: [u8; 32],
+    pub block_size: usize,
+}
+
+/// One export P holds.
+#[derive(Debug)]
+struct Export {
+    /// The worker was told to stop serving it (revoked or expired); its hold ends with the
+    /// worker's `ExportGone`.
+    unpublished: bool,
+}
+
+/// D's view of a request that asked for a remote prefill.
+#[derive(Debug, Clone)]
+struct Import {
+    params: KvTransferParams,
+    /// Why the parameters cannot be used, found at arrival.
+    refused: Option<String>,
+    prompt_hash: [u8; 32],
+    /// Prompt tokens the export holds KV for.
+    n_tokens: usize,
+    /// The hold of its load in flight.
+    loading: Option<TransferId>,
+}
+
+/// A load in flight.
+#[derive(Debug, Clone)]
+struct Loading {
+    req: ReqIdx,
+    export: ExportKey,
+    /// `CancelFetch` was sent (reset or the request ended): the load's outcome no longer
+    /// matters, only its acknowledgement.
+    cancelled: bool,
+}
+
+/// Names one export across engines: (engine id, token).
+type ExportKey = (String, String);
+
+/// The P/D connector (see the module docs).
+#[derive(Debug)]
+pub struct PdConnector {
+    config: PdConfig,
+    /// P: requests that asked to export, with their prompt's hash and length.
+    wants_export: HashMap<ReqIdx, ([u8; 32], usize)>,
+    /// P: exports held, by hold.
+    exports: BTreeMap<TransferId, Export>,
+    /// D: requests that asked to import.
+    imports: HashMap<ReqIdx, Import>,
+    /// D: loads in flight, by hold.
+    loading: BTreeMap<TransferId, Loading>,
+    /// D: exports this engine loaded or is loading, with how many live requests name them:
+    /// an export is loaded once; the others take prefix hits.
+    seen: HashMap<ExportKey, Seen>,
+    jobs: Vec<WorkerJob>,
+    ended: Vec<TransferId>,
+    loads: Vec<LoadResult>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Seen {
+    n_requests: usize,
+    /// A load of it is in flight.
+    loading: bool,
+    /// It was loaded (or a load of it was tried): it is never fetched again.
+    used: bool,
+}
+
+impl PdConnector {
+    pub fn new(config: PdConfig) -> Self {
+        Self {
+            config,
+            wants_export: HashMap::new(),
+            exports: BTreeMap::new(),
+            imports: HashMap::new(),
+            loading: BTreeMap::new(),
+            seen: HashMap::new(),
+            jobs: Vec::new(),
+            ended: Vec::new(),
+            loads: Vec::new(),
+        }
+    }
+
+    pub fn config(&self) -> &PdConfig {
+        &self.config
+    }
+
+    /// The export token of hold `hold`: a keyed hash, hex.
+    fn token(&self, hold: TransferId) -> String {
+        let mut input = Vec::with_capacity(8 + self.config.engine_id.len());
+        input.extend_from_slice(&hold.0.to_le_bytes());
+        input.extend_from_slice(self.config.engine_id.as_bytes());
+        blake3::keyed_hash(&self.config.secret, &input)
+            .to_hex()
+            .to_string()
+    }
+
+    /// Exports held now (for tests and stats).
+    pub fn n_exports(&self) -> usize {
+        self.exports.len()
+    }
+
+    /// Loads in flight now.
+    pub fn n_loading(&self) -> usize {
+        self.loading.len()
+    }
+
+    /// Checks D's parameters against the prompt: `Ok(n_tokens)` or why they cannot be used.
+    fn check_import(&self, params: &KvTransferParams, prompt_len: usize) -> Result<usize, String> {
+        if !self.config.role.consumes() {
+            return Err(format!(
+                "do_remote_prefill: this engine ({}) is not a KV consumer",
+                self.config.engine_id
+            ));
+        }
+        let missing = |key: &str| format!("do_remote_prefill needs {key}");
+        params
+            .remote_engine_id
+            .as_ref()
+            .ok_or_else(|| missing("remote_engine_id"))?;
+        params
+            .export_token
+            .as_ref()
+            .ok_or_else(|| missing("export_token"))?;
+        params
+            .weight_version
+            .as_ref()
+            .ok_or_else(|| missing("weight_version"))?;
+        let ids = params
+            .remote_block_ids
+            .as_ref()
+            .ok_or_else(|| missing("remote_block_ids"))?;
+        let n_tokens = params.n_tokens.ok_or_else(|| missing("n_tokens"))?;
+        if n_tokens == 0 || n_tokens > prompt_len {
+            return Err(format!(
+                "n_tokens is {n_tokens}, but the prompt has {prompt_len} tokens"
+            ));
+        }
+        let n_blocks = n_tokens.div_ceil(self.config.block_size);
+        if ids.len() != n_blocks {
+            return Err(format!(
+                "remote_block_ids has {} ids, {n_tokens} tokens take {n_blocks} blocks of {}",
+                ids.len(),
+                self.config.block_size
+            ));
+        }
+        Ok(n_tokens)
+    }
+
+    fn forget_import(&mut self, req: ReqIdx) {
+        let Some(import) = self.imports.remove(&req) else {
+            return;
+        };
+        if let Some(hold) = import.loading {
+            if let Some(l) = self.loading.get_mut(&hold) {
+                if !l.cancelled {
+                    l.cancelled = true;
+                    self.jobs.push(WorkerJob::CancelFetch { hold });
+                }
+            }
+        }
+        if let Some(key) = export_key(&import.params) {
+            if let Some(seen) = self.seen.get_mut(&key) {
+                seen.n_requests -= 1;
+                if seen.n_requests == 0 && !seen.loading {
+                    self.seen.remove(&key);
+                }
+            }
+        }
+    }
+}
+
+fn export_key(params: &KvTransferParams) -> Option<ExportKey> {
+    Some((
+        params.remote_engine_id.clone()?,
+        params.export_token.clone()?,
+    ))
+}
+
+impl KvConnector for PdConnector {
+    fn name(&self) -> &str {
+        "pd"
+    }
+
+    fn on_new_request(&mut self, new: NewRequest<'_>) -> Result<(), TransferParamsError> {
+        let Some(params) = new.kv_transfer_params else {
+            return Ok(());
+        };
+        if params.do_remote_decode {
+            if !self.config.role.produces() {
+                return Err(TransferParamsError(format!(
+                    "do_remote_decode: this engine ({}) is not a KV producer",
+                    self.config.engine_id
+                )));
+            }
+            self.wants_export
+                .insert(new.req, (prompt_hash(new.prompt), new.prompt.len()));
+        }
+        if params.do_remote_prefill {
+            let (refused, n_tokens) = match self.check_import(params, new.prompt.len()) {
+                Ok(n) => (None, n),
+                Err(e) => (Some(e), 0),
+            };
+            let hash = prompt_hash(&new.prompt[..n_tokens]);
+            if let Some(key) = export_key(params).filter(|_| refused.is_none()) {
+                self.seen.entry(key).or_default().n_requests += 1;
+            }
+            self.imports.insert(
+                new.req,
+                Import {
+                    params: params.clone(),
+                    refused,
+                    prompt_hash: hash,
+                    n_tokens,
+                    loading: None,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    fn match_external(&mut self, query: ExternalQuery<'_>) -> ExternalMatch {
+        let Some(import) = self.imports.get(&query.req) else {
+            return ExternalMatch::None;
+        };
+        if import.loading.is_some() {
+            return ExternalMatch::NotYet;
+        }
+        if let Some(reason) = &import.refused {
+            return ExternalMatch::Refused {
+                reason: reason.clone(),
+            };
+        }
+        let version = import.params.weight_version.as_deref().unwrap_or_default();
+        if version != query.weight_version {
+            return ExternalMatch::Refused {
+                reason: format!(
+                    "the exported KV was computed with weights {version:?}, this engine runs {:?}",
+                    query.weight_version
+                ),
+            };
+        }
+        let key = export_key(&import.params).expect("checked at arrival");
+        let seen = self.seen.get(&key).copied().unwrap_or_default();
+        if seen.loading {
+            // Another choice of the same prompt is loading it: wait, then take prefix hits.
+            return ExternalMatch::NotYet;
+        }
+        if seen.used {
+            return ExternalMatch::None;
+        }
+        let tokens = import.n_tokens.saturating_sub(query.local_hit_tokens);
+        if tokens == 0 {
+            return ExternalMatch::None;
+        }
+        ExternalMatch::Hit {
+            tokens,
+            kind: HoldKind::Import,
+        }
+    }
+
+    fn after_alloc(&mut self, load: AllocatedLoad<'_>) {
+        let Some(import) = self.imports.get_mut(&load.req) else {
+            // Not ours to load: end the hold at once, as a failed load.
+            self.loads.push(LoadResult {
+                req: load.req,
+                hold: load.hold,
+                outcome: LoadOutcome::Failed {
+                    good_blocks: 0,
+                    reason: "no transfer parameters for this request".into(),
+                },
+            });
+            self.ended.push(load.hold);
+            return;
+        };
+        import.loading = Some(load.hold);
+        let p = &import.params;
+        let key = export_key(p).expect("checked at arrival");
+        let remote = p.remote_block_ids.as_deref().unwrap_or_default();
+        let src_blocks: Vec<BlockId> = remote
+            .iter()
+            .skip(load.first_block)
+            .take(load.blocks.len())
+            .copied()
+            .collect();
+        self.jobs.push(WorkerJob::Fetch {
+            hold: load.hold,
+            remote_engine_id: key.0.clone(),
+            remote_host: p.remote_host.clone(),
+            remote_port: p.remote_port,
+            token: key.1.clone(),
+            weight_version: p.weight_version.clone().unwrap_or_default(),
+            prompt_hash: import.prompt_hash,
+            first_block: load.first_block,
+            src_blocks,
+            blocks: load.blocks.to_vec(),
+        });
+        let seen = self.seen.entry(key.clone()).or_default();
+        seen.loading = true;
+        seen.used = true;
+        self.loading.insert(
+            load.hold,
+            Loading {
+                req: load.req,
+                export: key,
+                cancelled: false,
+            },
+        );
+    }
+
+    fn step_work(&mut self, out: &mut Vec<WorkerJob>) {
+        out.append(&mut self.jobs);
+    }
+
+    fn on_worker_report(&mut self, report: WorkerReport) {
+        match report {
+            WorkerReport::ExportPulled { hold } | WorkerReport::ExportGone { hold } => {
+                if self.exports.remove(&hold).is_some() {
+                    self.ended.push(hold);
+                }
+            }
+            WorkerReport::FetchDone { hold, result } => {
+                let Some(l) = self.loading.remove(&hold) else {
+                    return;
+                };
+                if let Some(seen) = self.seen.get_mut(&l.export) {
+                    seen.loading = false;
+                    if seen.n_requests == 0 {
+                        self.seen.remove(&l.export);
+                    }
+                }
+                if let Some(import) = self.imports.get_mut(&l.req) {
+                    if import.loading == Some(hold) {
+                        import.loading = None;
+                    }
+                }
+                self.ended.push(hold);
+                if l.cancelled {
+                    return;
+                }
+                let outcome = match result {
+                    Ok(()) => LoadOutcome::Loaded,
+                    Err(e) => LoadOutcome::Failed {
+                        good_blocks: e.good_blocks,
+                        reason: e.reason,
+                    },
+                };
+                self.loads.push(LoadResult {
+                    req: l.req,
+                    hold,
+                    outcome,
+                });
+            }
+        }
+    }
+
+    fn request_finished(&mut self, f: FinishedRequest<'_>) -> Option<KvTransferParams> {
+        self.forget_import(f.req);
+        let (hash, prompt_len) = self.wants_export.remove(&f.req)?;
+        if f.blocks.is_empty() || matches!(f.reason, FinishReason::Abort | FinishReason::Error) {
+            return None;
+        }
+        let n_tokens = f.n_computed.min(prompt_len);
+        let n_blocks = n_tokens.div_ceil(self.config.block_size);
+        if n_tokens == 0 || n_blocks > f.blocks.len() {
+            return None;
+        }
+        let blocks = f.blocks[..n_blocks].to_vec();
+        let token = self.token(f.hold);
+        self.jobs.push(WorkerJob::Publish {
+            hold: f.hold,
+            token: token.clone(),
+            weight_version: f.weight_version.to_owned(),
+            blocks: blocks.clone(),
+            prompt_hash: hash,
+            n_tokens,
+            expires_at: f.lease_end,
+        });
+        self.exports.insert(f.hold, Export { unpublished: false });
+        Some(KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_engine_id: Some(self.config.engine_id.clone()),
+            remote_block_ids: Some(blocks),
+            remote_request_id: Some(f.request_id.to_owned()),
+            remote_host: self.config.host.clone(),
+            remote_port: self.config.port,
+            weight_version: Some(f.weight_version.to_owned()),
+            export_token: Some(token),
+            n_tokens: Some(n_tokens),
+        })
+    }
+
+    fn abort_transfers(&mut self) {
+        for (&hold, export) in &mut self.exports {
+            if !export.unpublished {
+                export.unpublished = true;
+                self.jobs.push(WorkerJob::Unpublish { hold });
+            }
+        }
+        for (&hold, l) in &mut self.loading {
+            if !l.cancelled {
+                l.cancelled = true;
+                self.jobs.push(WorkerJob::CancelFetch { hold });
+                // A retraction: the request holds no KV and recomputes after the resume.
+                self.loads.push(LoadResult {
+                    req: l.req,
+                    hold,
+                    outcome: LoadOutcome::Cancelled,
+                });
+            }
+        }
+    }
+
+    fn take_finished_transfers(&mut self, out: &mut Vec<TransferId>) {
+        out.append(&mut self.ended);
+    }
+
+    fn take_finished_loads(&mut self, out: &mut Vec<LoadResult>) {
+        out.append(&mut self.loads);
+    }
+
+    fn hold_expired(&mut self, hold: TransferId) {
+        if let Some(export) = self.exports.get_mut(&hold) {
+            if !export.unpublished {
+                export.unpublished = true;
+                self.jobs.push(WorkerJob::Unpublish { hold });
+            }
+        }
+        if let Some(l) = self.loading.get_mut(&hold) {
+            if !l.cancelled {
+                l.cancelled = true;
+                self.jobs.push(WorkerJob::CancelFetch { hold });
+                self.loads.push(LoadResult {
+                    req: l.req,
+                    hold,
+                    outcome: LoadOutcome::Failed {
+                        good_blocks: 0,
+                        reason: "the load did not answer in time".into(),
+                    },
+                });
+            }
+        }
+    }
+
+    fn has_pending_work(&self) -> bool {
+        !self.jobs.is_empty()
+    }
+
+    fn reset_cache(&mut self) {
+        // No cache of its own: exports and loads ended in `abort_transfers`.
+    }
+}

@@ -1,0 +1,749 @@
+//! The P/D connector's scheduler side between two cores, with a stand-in for the workers and
+//! the transport (`Fabric`): exports, loads, their failures, leases, and every clearing path
+//! of the lifecycle while transfers hold blocks. Block ownership and the queues are checked
+//! after every step (the harness's driver runs checked). That the bytes that move are the
+//! right KV is for the engine's tests, which run real workers over the in-memory transport
+//! with the checksum model.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::{prompt, Harness};
+use ferry_core::{
+    ConnectorId, FetchError, FinishReason, HoldKind, KvLoadFailurePolicy, KvTransferParams,
+    LifecycleError, LifecycleEvent, OpId, Owner, PauseMode, PdConfig, PdConnector, PdRole,
+    RequestState, SamplingParams, SchedulerConfig, StepPlan, TransferId, WorkerJob, WorkerReport,
+};
+
+const BS: usize = 4;
+const CONN: ConnectorId = ConnectorId(0);
+
+fn config(policy: KvLoadFailurePolicy) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: BS,
+        n_blocks: 64,
+        max_num_batched_tokens: 64,
+        max_num_seqs: 8,
+        max_model_len: 128,
+        kv_load_failure_policy: policy,
+        ..SchedulerConfig::default()
+    }
+}
+
+fn engine(id: &str, role: PdRole, policy: KvLoadFailurePolicy) -> Harness {
+    let mut h = Harness::new(config(policy));
+    let c = h.sched.add_connector(Box::new(PdConnector::new(PdConfig {
+        role,
+        engine_id: id.to_owned(),
+        host: Some("127.0.0.1".into()),
+        port: Some(7000),
+        secret: [7; 32],
+        block_size: BS,
+    })));
+    assert_eq!(c, CONN);
+    h
+}
+
+fn greedy(n: u32) -> SamplingParams {
+    SamplingParams::greedy(n)
+}
+
+/// An export as the fabric serves it.
+#[derive(Debug, Clone)]
+struct Published {
+    hold: TransferId,
+    weight_version: String,
+    blocks: Vec<u32>,
+    prompt_hash: [u8; 32],
+}
+
+/// A fetch the fabric has not answered yet.
+#[derive(Debug, Clone)]
+struct Fetch {
+    hold: TransferId,
+    engine: String,
+    token: String,
+    weight_version: String,
+    prompt_hash: [u8; 32],
+    first_block: usize,
+    src_blocks: Vec<u32>,
+    n_blocks: usize,
+    cancelled: bool,
+}
+
+/// The workers and the transport of both engines: it takes each step's jobs and answers
+/// them when the test says, checking pulls exactly as P's worker must (token, version,
+/// prompt hash, block ids; one pull per export).
+#[derive(Debug, Default)]
+struct Fabric {
+    /// (engine, token) → export.
+    exports: BTreeMap<(String, String), Published>,
+    fetches: Vec<Fetch>,
+    /// Reports for each engine, in order.
+    reports: BTreeMap<String, Vec<WorkerReport>>,
+    n_pulls: usize,
+}
+
+impl Fabric {
+    fn jobs(&mut self, engine: &str, step: &ferry_core::Step) {
+        for work in step.plan.connector_work.iter().chain(&step.after_work) {
+            assert_eq!(work.connector, CONN);
+            for job in &work.jobs {
+                self.job(engine, job.clone());
+            }
+        }
+    }
+
+    fn job(&mut self, engine: &str, job: WorkerJob) {
+        match job {
+            WorkerJob::Publish {
+                hold,
+                token,
+                weight_version,
+                blocks,
+                prompt_hash,
+                ..
+            } => {
+                self.exports.insert(
+                    (engine.to_owned(), token),
+                    Published {
+                        hold,
+                        weight_version,
+                        blocks,
+                        prompt_hash,
+                    },
+                );
+            }
+            WorkerJob::Unpublish { hold } => {
+                self.exports
+                    .retain(|(e, _), p| !(e == engine && p.hold == hold));
+                self.report(engine, WorkerReport::ExportGone { hold });
+            }
+            WorkerJob::Fetch {
+                hold,
+                remote_engine_id,
+                token,
+                weight_version,
+                prompt_hash,
+                first_block,
+                src_blocks,
+                blocks,
+                ..
+            } => {
+                assert_eq!(src_blocks.len(), blocks.len());
+                self.fetches.push(Fetch {
+                    hold,
+                    engine: remote_engine_id,
+                    token,
+                    weight_version,
+                    prompt_hash,
+                    first_block,
+                    n_blocks: blocks.len(),
+                    src_blocks,
+                    cancelled: false,
+                });
+            }
+            WorkerJob::CancelFetch { hold } => {
+                for f in &mut self.fetches {
+                    if f.hold == hold {
+                        f.cancelled = true;
+                    }
+                }
+            }
+        }
+    }
+
+    fn report(&mut self, engine: &str, r: WorkerReport) {
+        self.reports.entry(engine.to_owned()).or_default().push(r);
+    }
+
+    /// Answers every fetch D made: a pull from the export it names, checked.
+    fn complete_fetches(&mut self, d: &str) {
+        for f in std::mem::take(&mut self.fetches) {
+            let result = if f.cancelled {
+                Err(FetchError {
+                    good_blocks: 0,
+                    reason: "cancelled".into(),
+                })
+            } else {
+                self.pull(&f)
+            };
+            self.report(
+                d,
+                WorkerReport::FetchDone {
+                    hold: f.hold,
+                    result,
+                },
+            );
+        }
+    }
+
+    fn pull(&mut self, f: &Fetch) -> Result<(), FetchError> {
+        let refuse = |reason: &str| {
+            Err(FetchError {
+                good_blocks: 0,
+                reason: reason.to_owned(),
+            })
+        };
+        let key = (f.engine.clone(), f.token.clone());
+        let Some(p) = self.exports.get(&key).cloned() else {
+            return refuse("no such export");
+        };
+        if p.weight_version != f.weight_version || p.prompt_hash != f.prompt_hash {
+            return refuse("version or prompt differ");
+        }
+        let end = f.first_block + f.n_blocks;
+        if p.blocks.get(f.first_block..end) != Some(&f.src_blocks[..]) {
+            return refuse("block ids are not the export's");
+        }
+        self.exports.remove(&key);
+        self.n_pulls += 1;
+        self.report(&f.engine, WorkerReport::ExportPulled { hold: p.hold });
+        Ok(())
+    }
+
+    /// Hands `engine` the reports meant for it.
+    fn deliver(&mut self, engine: &str, h: &mut Harness) {
+        for r in self.reports.remove(engine).unwrap_or_default() {
+            h.sched.on_worker_report(CONN, r);
+        }
+        let outs = h.sched.take_outputs();
+        h.record(&outs);
+        h.check();
+    }
+}
+
+/// Steps `h` (named `engine`) once and gives its jobs to the fabric.
+fn step(f: &mut Fabric, engine: &str, h: &mut Harness) -> StepPlan {
+    let s = h.step_outputs();
+    f.jobs(engine, &s);
+    s.plan
+}
+
+fn poll(f: &mut Fabric, engine: &str, h: &mut Harness) -> Vec<LifecycleEvent> {
+    let mut out = Vec::new();
+    h.sched.poll_lifecycle(&mut out);
+    if h.sched.needs_idle_steps() {
+        step(f, engine, h);
+    }
+    out
+}
+
+/// P computes `prompt` to its first token and exports it; returns the parameters.
+fn export(f: &mut Fabric, p: &mut Harness, id: &str, prompt: Vec<u32>) -> KvTransferParams {
+    let params = KvTransferParams {
+        do_remote_decode: true,
+        ..KvTransferParams::default()
+    };
+    let idx = p
+        .sched
+        .add_request_with_transfer(id, prompt, greedy(1), Some(params))
+        .unwrap();
+    let mut found = None;
+    for _ in 0..20 {
+        let s = p.step_outputs();
+        f.jobs("P", &s);
+        for o in &s.outputs {
+            if o.req == idx {
+                if let Some(fin) = &o.finished {
+                    found = fin.kv_transfer_params.clone();
+                }
+            }
+        }
+        if found.is_some() {
+            break;
+        }
+    }
+    let params = found.expect("P exported the request");
+    assert!(
+        f.exports
+            .values()
+            .any(|e| Some(&e.blocks) == params.remote_block_ids.as_ref()),
+        "the export is served before its parameters are out"
+    );
+    params
+}
+
+fn remote(params: &KvTransferParams) -> KvTransferParams {
+    KvTransferParams {
+        do_remote_prefill: true,
+        do_remote_decode: false,
+        ..params.clone()
+    }
+}
+
+fn export_holds(h: &Harness) -> usize {
+    h.sched
+        .transfer_ids()
+        .filter(|&t| {
+            h.sched.block_ledger().unwrap().iter().any(|b| {
+                matches!(b, ferry_core::BlockStatus::Held(o) if o.contains(&Owner::Transfer {
+                    hold: t,
+                    holder: ferry_core::Holder::Connector(CONN),
+                    kind: HoldKind::Export,
+                }))
+            })
+        })
+        .count()
+}
+
+fn state(h: &Harness, id: &str) -> RequestState {
+    let idx = h.sched.request_idx(id).expect("live");
+    h.sched.request(idx).unwrap().state.clone()
+}
+
+/// A single engine's output for the same request, as the reference.
+fn reference(id: &str, prompt: Vec<u32>, max_tokens: u32) -> Vec<u32> {
+    let mut h = Harness::new(config(KvLoadFailurePolicy::Fail));
+    h.add(id, prompt, greedy(max_tokens));
+    h.drain(100);
+    h.generated[id].clone()
+}
+
+#[test]
+fn d_loads_p_export_and_computes_only_the_last_prompt_token() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 19));
+    assert_eq!(params.n_tokens, Some(19));
+    assert_eq!(params.remote_block_ids.as_ref().map(Vec::len), Some(5));
+    assert_eq!(params.remote_engine_id.as_deref(), Some("P"));
+    assert_eq!(export_holds(&p), 1, "P holds the export for its reader");
+    assert_eq!(p.finished["x"].0, FinishReason::Length);
+
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 19), greedy(6), Some(remote(&params)))
+        .unwrap();
+    let plan = step(&mut f, "D", &mut d);
+    assert!(plan.reqs.is_empty(), "the request waits for its KV");
+    assert!(matches!(
+        state(&d, "x"),
+        RequestState::WaitingForRemoteKv { n_tokens: 18, .. }
+    ));
+    assert_eq!(f.fetches.len(), 1);
+    f.complete_fetches("D");
+    f.deliver("P", &mut p);
+    f.deliver("D", &mut d);
+    assert_eq!(
+        p.sched.stats().n_blocks_used,
+        0,
+        "the pull freed P's blocks"
+    );
+    let plan = step(&mut f, "D", &mut d);
+    assert_eq!(plan.reqs.len(), 1);
+    assert_eq!(
+        (plan.reqs[0].start_pos, plan.reqs[0].tokens.len()),
+        (18, 1),
+        "D computes only the last prompt token"
+    );
+    d.drain(100);
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 19), 6));
+    assert_eq!(d.sched.stats().n_blocks_used, 0);
+}
+
+#[test]
+fn a_load_keeps_the_queue_moving_and_its_place() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    d.add("y", prompt(2, 8), greedy(4));
+    let plan = step(&mut f, "D", &mut d);
+    let ids: Vec<_> = plan
+        .reqs
+        .iter()
+        .map(|r| d.sched.request(r.req).unwrap().id.clone())
+        .collect();
+    assert_eq!(ids, ["y"], "a parked load does not hold up the queue");
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    d.drain(100);
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
+    assert_eq!(d.generated["y"], reference("y", prompt(2, 8), 4));
+}
+
+#[test]
+fn n_choices_import_once_and_take_prefix_hits() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 17));
+    for id in ["x-0", "x-1", "x-2"] {
+        d.sched
+            .add_request_with_transfer(id, prompt(1, 17), greedy(3), Some(remote(&params)))
+            .unwrap();
+    }
+    step(&mut f, "D", &mut d);
+    assert_eq!(f.fetches.len(), 1, "one load for the three choices");
+    for id in ["x-1", "x-2"] {
+        assert_eq!(state(&d, id), RequestState::Waiting, "waits for the load");
+    }
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    d.drain(100);
+    assert_eq!(f.n_pulls, 1);
+    assert!(
+        d.sched.stats().prefix_hit_tokens >= 2 * 16,
+        "the others hit"
+    );
+    for id in ["x-0", "x-1", "x-2"] {
+        assert_eq!(d.finished[id].0, FinishReason::Length);
+    }
+}
+
+/// Parameters that must never produce output from wrong KV: each is refused (by D before any
+/// load, or by P's worker at the pull), and the policy decides.
+fn forged(params: &KvTransferParams) -> Vec<(&'static str, KvTransferParams)> {
+    let mut token = remote(params);
+    token.export_token = Some("0".repeat(64));
+    let mut version = remote(params);
+    version.weight_version = Some("v-other".into());
+    let mut ids = remote(params);
+    ids.remote_block_ids = ids
+        .remote_block_ids
+        .map(|v| v.iter().map(|b| b + 1).collect());
+    let mut short = remote(params);
+    short.remote_block_ids = short.remote_block_ids.map(|v| v[1..].to_vec());
+    vec![
+        ("token", token),
+        ("version", version),
+        ("ids", ids),
+        ("short", short),
+    ]
+}
+
+#[test]
+fn forged_stale_and_out_of_range_parameters_fail_under_fail() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    for (what, bad) in forged(&params) {
+        let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+        d.sched
+            .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(bad))
+            .unwrap();
+        for _ in 0..4 {
+            step(&mut f, "D", &mut d);
+            f.complete_fetches("D");
+            f.deliver("D", &mut d);
+        }
+        assert_eq!(
+            d.finished.get("x").map(|x| x.0),
+            Some(FinishReason::Error),
+            "{what}: refused, and the request fails"
+        );
+        assert!(!d.generated.contains_key("x"), "{what}: no output");
+        assert_eq!(d.sched.stats().n_blocks_used, 0, "{what}");
+    }
+    assert_eq!(f.n_pulls, 0, "no forged pull reached the export");
+    // The real parameters still work: the export was never consumed.
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    step(&mut f, "D", &mut d);
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    d.drain(100);
+    assert_eq!(f.n_pulls, 1);
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
+}
+
+#[test]
+fn bad_parameters_recompute_under_recompute() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    for (what, bad) in forged(&params) {
+        let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Recompute);
+        d.sched
+            .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(bad))
+            .unwrap();
+        for _ in 0..30 {
+            step(&mut f, "D", &mut d);
+            f.complete_fetches("D");
+            f.deliver("D", &mut d);
+            if d.sched.n_live() == 0 {
+                break;
+            }
+        }
+        assert_eq!(
+            d.generated.get("x"),
+            Some(&reference("x", prompt(1, 16), 4)),
+            "{what}: recomputed"
+        );
+    }
+    assert_eq!(f.n_pulls, 0);
+}
+
+#[test]
+fn a_reused_export_is_not_loaded_twice() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    for id in ["a", "b"] {
+        d.sched
+            .add_request_with_transfer(id, prompt(1, 16), greedy(2), Some(remote(&params)))
+            .unwrap();
+        for _ in 0..10 {
+            step(&mut f, "D", &mut d);
+            f.complete_fetches("D");
+            f.deliver("D", &mut d);
+        }
+        d.drain(100);
+    }
+    assert_eq!(f.n_pulls, 1);
+    // A second engine that reuses the parameters is refused by P and fails closed.
+    let mut d2 = engine("D2", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    d2.sched
+        .add_request_with_transfer("c", prompt(1, 16), greedy(2), Some(remote(&params)))
+        .unwrap();
+    step(&mut f, "D2", &mut d2);
+    f.complete_fetches("D2");
+    f.deliver("D2", &mut d2);
+    assert_eq!(d2.finished["c"].0, FinishReason::Error);
+}
+
+#[test]
+fn a_load_in_flight_at_a_reset_is_retracted_keeps_its_blocks_then_recomputes() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    step(&mut f, "D", &mut d);
+    let used = d.sched.stats().n_blocks_used;
+    assert!(used >= 4);
+    d.sched.pause(OpId(1), PauseMode::Keep, true);
+    for _ in 0..3 {
+        assert!(poll(&mut f, "D", &mut d).is_empty(), "the reset waits");
+    }
+    assert_eq!(state(&d, "x"), RequestState::Waiting, "retracted");
+    let idx = d.sched.request_idx("x").unwrap();
+    assert!(d.sched.request(idx).unwrap().blocks.is_empty());
+    assert_eq!(
+        d.sched.stats().n_blocks_used,
+        4,
+        "the load's hold keeps the blocks it may still write"
+    );
+    assert!(
+        !d.sched.reset_caches(false, false),
+        "a transfer holds blocks"
+    );
+    f.complete_fetches("D"); // the worker acknowledges the cancel
+    f.deliver("D", &mut d);
+    let mut events = Vec::new();
+    for _ in 0..3 {
+        events.extend(poll(&mut f, "D", &mut d));
+    }
+    assert_eq!(events, vec![LifecycleEvent::Done(OpId(1))]);
+    assert_eq!(d.sched.stats().n_blocks_used, 0);
+    d.sched.resume().unwrap();
+    let plan = step(&mut f, "D", &mut d);
+    assert_eq!(plan.reqs[0].start_pos, 0, "recomputes from the start");
+    d.drain(100);
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
+    assert_eq!(f.n_pulls, 0, "the cancelled load never pulled");
+}
+
+#[test]
+fn an_arrived_but_unscheduled_load_recomputes_after_a_reset() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    step(&mut f, "D", &mut d);
+    d.sched.pause(OpId(1), PauseMode::Keep, false);
+    assert_eq!(
+        poll(&mut f, "D", &mut d),
+        vec![LifecycleEvent::Done(OpId(1))]
+    );
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    assert_eq!(state(&d, "x"), RequestState::Waiting);
+    assert!(
+        d.sched.stats().n_blocks_used > 0,
+        "arrived KV, not scheduled"
+    );
+    d.sched.pause(OpId(2), PauseMode::Keep, true);
+    let mut events = Vec::new();
+    for _ in 0..3 {
+        events.extend(poll(&mut f, "D", &mut d));
+    }
+    assert_eq!(events, vec![LifecycleEvent::Done(OpId(2))]);
+    assert_eq!(d.sched.stats().n_blocks_used, 0);
+    d.sched.resume().unwrap();
+    let plan = step(&mut f, "D", &mut d);
+    assert_eq!(plan.reqs[0].start_pos, 0);
+    d.drain(100);
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
+}
+
+#[test]
+fn p_revokes_exports_on_every_clearing_path_and_keep_does_not_wait() {
+    for path in ["pause", "sleep", "release"] {
+        let mut f = Fabric::default();
+        let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+        export(&mut f, &mut p, "x", prompt(1, 16));
+        assert!(p.sched.stats().n_blocks_used > 0);
+        assert!(
+            !p.sched.reset_caches(false, false),
+            "reset_prefix_cache answers false at once while an export holds blocks"
+        );
+        assert_eq!(export_holds(&p), 1, "and revokes nothing");
+        p.sched.pause(OpId(1), PauseMode::Keep, false);
+        assert_eq!(
+            poll(&mut f, "P", &mut p),
+            vec![LifecycleEvent::Done(OpId(1))],
+            "a keep pause does not wait for exports"
+        );
+        match path {
+            "pause" => {
+                p.sched.pause(OpId(2), PauseMode::Keep, true);
+            }
+            "sleep" => {
+                p.sched
+                    .sleep(OpId(2), ferry_core::SleepLevel::L1, PauseMode::Keep);
+            }
+            _ => p.sched.release_kv_cache_memory(OpId(2)).unwrap(),
+        }
+        let mut events = Vec::new();
+        for _ in 0..4 {
+            events.extend(poll(&mut f, "P", &mut p));
+            f.deliver("P", &mut p);
+        }
+        assert!(
+            events.contains(&LifecycleEvent::Done(OpId(2))),
+            "{path}: {events:?}"
+        );
+        assert_eq!(p.sched.stats().n_blocks_used, 0, "{path}");
+        assert!(f.exports.is_empty(), "{path}: unpublished");
+    }
+}
+
+#[test]
+fn an_idle_producer_expires_a_lease_and_a_load_that_never_answers_times_out() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    let lease = p.sched.next_deadline().expect("the lease is a deadline");
+    assert_eq!(lease, Duration::from_secs(30));
+    p.sched.advance_time(Duration::from_secs(29));
+    assert!(!p.sched.needs_idle_steps());
+    p.sched.advance_time(lease);
+    assert!(
+        p.sched.needs_idle_steps(),
+        "the revocation must reach the worker"
+    );
+    step(&mut f, "P", &mut p);
+    assert!(f.exports.is_empty());
+    assert!(
+        p.sched.stats().n_blocks_used > 0,
+        "freed once the worker let go"
+    );
+    f.deliver("P", &mut p);
+    assert_eq!(p.sched.stats().n_blocks_used, 0);
+    assert_eq!(p.sched.next_deadline(), None);
+
+    // D: the export is gone, but the fabric never answers this load.
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Recompute);
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    step(&mut f, "D", &mut d);
+    assert_eq!(d.sched.next_deadline(), Some(Duration::from_secs(30)));
+    d.sched.advance_time(Duration::from_secs(31));
+    let plan = step(&mut f, "D", &mut d);
+    assert!(
+        plan.reqs.is_empty(),
+        "its blocks are still held by the load"
+    );
+    assert!(f.fetches[0].cancelled, "the load was cancelled");
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    d.drain(100);
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
+}
+
+#[test]
+fn a_reset_waiting_for_a_transfer_times_out_stays_paused_and_can_be_asked_again() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    step(&mut f, "D", &mut d);
+    d.sched.pause(OpId(1), PauseMode::Keep, true);
+    assert!(poll(&mut f, "D", &mut d).is_empty());
+    assert_eq!(
+        d.sched.next_deadline(),
+        Some(Duration::from_secs(30)),
+        "the load's bound comes first"
+    );
+    d.sched.advance_time(Duration::from_secs(30));
+    assert!(poll(&mut f, "D", &mut d).is_empty(), "still waiting");
+    assert_eq!(
+        d.sched.next_deadline(),
+        Some(Duration::from_secs(60)),
+        "the reset's bound"
+    );
+    d.sched.advance_time(Duration::from_secs(60));
+    let events = poll(&mut f, "D", &mut d);
+    assert!(
+        matches!(
+            &events[..],
+            [LifecycleEvent::Failed(
+                OpId(1),
+                LifecycleError::Timeout { .. }
+            )]
+        ),
+        "{events:?}"
+    );
+    assert!(d.sched.lifecycle_status().paused, "stays paused");
+    // The worker lets go late; asking again completes.
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    d.sched.pause(OpId(2), PauseMode::Keep, true);
+    let mut events = Vec::new();
+    for _ in 0..3 {
+        events.extend(poll(&mut f, "D", &mut d));
+    }
+    assert_eq!(events, vec![LifecycleEvent::Done(OpId(2))]);
+    d.sched.resume().unwrap();
+    d.drain(100);
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
+}
+
+#[test]
+fn roles_are_checked_at_arrival() {
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let err = d
+        .sched
+        .add_request_with_transfer(
+            "x",
+            prompt(1, 8),
+            greedy(1),
+            Some(KvTransferParams {
+                do_remote_decode: true,
+                ..KvTransferParams::default()
+            }),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("not a KV producer"), "{err}");
+    assert_eq!(d.sched.n_live(), 0);
+    d.check();
+}

@@ -1,0 +1,262 @@
+//! Transports: how an export's blocks get from P's arena into D's.
+//!
+//! The trait is shaped for a one-sided transport (NIXL, RDMA reads P never sees): D pulls;
+//! everything P must learn (a pull finished, an export gone) arrives as a report
+//! (`WorkerReport::ExportPulled`, `ExportGone`) through the [`Reports`] it published with,
+//! never as a side effect of serving bytes that P's engine thread would have to wait for.
+//!
+//! P's checks live with the export (they are the same for every transport): a pull must
+//! present the export's token, weight version and prompt hash, and name exactly the
+//! export's block ids at the positions it asks for; an export is pulled once. Anything else
+//! fails closed (`FetchError`), and D recomputes or fails per its policy.
+//!
+//! [`InMemoryTransport`] moves blocks between engines in one process (tests, the P/D bench):
+//! a shared [`InMemoryFabric`] maps engine ids to their published exports, and each fetch
+//! runs on its own thread, copying block to block between the two arenas' grants.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use ferry_core::{BlockId, FetchError, TransferId, WorkerReport};
+
+use crate::access::BlockGrant;
+use crate::worker::Reports;
+
+/// An export P offers: its blocks (a read grant over the hold's blocks) and what a reader
+/// must present.
+pub struct ExportOffer {
+    pub engine_id: String,
+    pub hold: TransferId,
+    pub token: String,
+    pub weight_version: String,
+    pub prompt_hash: [u8; 32],
+    pub n_tokens: usize,
+    pub grant: BlockGrant,
+}
+
+impl std::fmt::Debug for ExportOffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExportOffer")
+            .field("engine_id", &self.engine_id)
+            .field("hold", &self.hold)
+            .field("weight_version", &self.weight_version)
+            .field("n_tokens", &self.n_tokens)
+            .field("blocks", &self.grant.blocks())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What D asks for.
+#[derive(Debug, Clone)]
+pub struct FetchSpec {
+    pub hold: TransferId,
+    pub remote_engine_id: String,
+    pub remote_host: Option<String>,
+    pub remote_port: Option<u16>,
+    pub token: String,
+    pub weight_version: String,
+    pub prompt_hash: [u8; 32],
+    /// Index in the export's blocks of `src_blocks[0]`.
+    pub first_block: usize,
+    pub src_blocks: Vec<BlockId>,
+}
+
+/// Moves exports between engines. Every method returns at once; results are reports.
+pub trait Transport: Send + Sync {
+    /// P: serve `offer` until it is pulled (report `ExportPulled`) or unpublished.
+    fn publish(&self, offer: ExportOffer, reports: Reports);
+
+    /// P: stop serving `hold`; once no pull of it is in progress any more, report
+    /// `ExportGone` (also if it was pulled already: the connector ignores a second end).
+    fn unpublish(&self, engine_id: &str, hold: TransferId, reports: Reports);
+
+    /// D: copy the export's blocks into `dst` (a write grant over the hold's blocks), then
+    /// report `FetchDone` with the outcome. The grant is dropped before the report.
+    fn fetch(&self, spec: FetchSpec, dst: BlockGrant, reports: Reports);
+
+    /// D: cut the fetch of `hold` short; its `FetchDone` still comes, once nothing writes
+    /// its blocks.
+    fn cancel_fetch(&self, hold: TransferId);
+}
+
+/// A published export, as a transport keeps it.
+struct Published {
+    offer: ExportOffer,
+    reports: Reports,
+}
+
+impl Published {
+    /// P's checks on a pull; `Ok` names the blocks to read (positions in the grant).
+    fn check(&self, spec: &FetchSpec, n_dst: usize) -> Result<std::ops::Range<usize>, String> {
+        let o = &self.offer;
+        if spec.weight_version != o.weight_version {
+            return Err(format!(
+                "the export holds KV of weights {:?}, the reader expects {:?}",
+                o.weight_version, spec.weight_version
+            ));
+        }
+        if spec.prompt_hash != o.prompt_hash {
+            return Err("the reader's prompt is not the exported one".into());
+        }
+        let range = spec.first_block..spec.first_block + spec.src_blocks.len();
+        if o.grant.blocks().get(range.clone()) != Some(&spec.src_blocks[..]) {
+            return Err("remote_block_ids are not the export's blocks".into());
+        }
+        if n_dst != spec.src_blocks.len() {
+            return Err(format!(
+                "{} destination blocks for {} source blocks",
+                n_dst,
+                spec.src_blocks.len()
+            ));
+        }
+        Ok(range)
+    }
+}
+
+/// The exports of every engine in one process, shared by their [`InMemoryTransport`]s.
+#[derive(Default)]
+pub struct InMemoryFabric {
+    /// (engine id, token) → export. A pull copies under this lock, so an unpublish that
+    /// takes it waits for a pull in progress.
+    exports: Mutex<HashMap<(String, String), Published>>,
+    /// Fetches in flight, by (D's engine id, hold): their cancel flags.
+    fetches: Mutex<HashMap<(String, TransferId), Arc<AtomicBool>>>,
+}
+
+impl InMemoryFabric {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Exports published now, over every engine.
+    pub fn n_published(&self) -> usize {
+        lock(&self.exports).len()
+    }
+
+    /// Runs one pull: checks, copies, takes the export off the fabric. `Ok`: P's reports and
+    /// its hold, to tell P the export was pulled.
+    fn pull(
+        &self,
+        spec: &FetchSpec,
+        dst: &mut BlockGrant,
+    ) -> Result<(Reports, TransferId), FetchError> {
+        let fail = |reason: String| FetchError {
+            good_blocks: 0,
+            reason,
+        };
+        let key = (spec.remote_engine_id.clone(), spec.token.clone());
+        let mut exports = lock(&self.exports);
+        let Some(published) = exports.get(&key) else {
+            return Err(fail(format!(
+                "no export with this token on engine {:?} (unknown, expired, revoked or already pulled)",
+                spec.remote_engine_id
+            )));
+        };
+        let range = published.check(spec, dst.blocks().len()).map_err(fail)?;
+        for (j, i) in range.enumerate() {
+            published
+                .offer
+                .grant
+                .copy_into(i, dst, j)
+                .map_err(|e| FetchError {
+                    good_blocks: j,
+                    reason: e.to_string(),
+                })?;
+        }
+        let published = exports.remove(&key).expect("looked up above");
+        Ok((published.reports, published.offer.hold))
+    }
+}
+
+impl std::fmt::Debug for InMemoryFabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InMemoryFabric")
+            .field("n_published", &self.n_published())
+            .finish()
+    }
+}
+
+/// One engine's endpoint on an [`InMemoryFabric`].
+#[derive(Debug, Clone)]
+pub struct InMemoryTransport {
+    engine_id: String,
+    fabric: Arc<InMemoryFabric>,
+}
+
+impl InMemoryTransport {
+    pub fn new(engine_id: impl Into<String>, fabric: Arc<InMemoryFabric>) -> Self {
+        Self {
+            engine_id: engine_id.into(),
+            fabric,
+        }
+    }
+}
+
+impl Transport for InMemoryTransport {
+    fn publish(&self, offer: ExportOffer, reports: Reports) {
+        let key = (offer.engine_id.clone(), offer.token.clone());
+        lock(&self.fabric.exports).insert(key, Published { offer, reports });
+    }
+
+    fn unpublish(&self, engine_id: &str, hold: TransferId, reports: Reports) {
+        let mut exports = lock(&self.fabric.exports);
+        exports.retain(|(e, _), p| !(e == engine_id && p.offer.hold == hold));
+        drop(exports);
+        reports.send(WorkerReport::ExportGone { hold });
+    }
+
+    fn fetch(&self, spec: FetchSpec, mut dst: BlockGrant, reports: Reports) {
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let key = (self.engine_id.clone(), spec.hold);
+        lock(&self.fabric.fetches).insert(key.clone(), cancelled.clone());
+        let fabric = self.fabric.clone();
+        let hold = spec.hold;
+        let reports_on_failure = reports.clone();
+        // One thread per fetch: in-process copies are short, and a fetch must never run on
+        // the engine thread.
+        let spawned = std::thread::Builder::new()
+            .name("ferry-kv-fetch".into())
+            .spawn(move || {
+                let result = if cancelled.load(Ordering::Acquire) {
+                    Err(FetchError {
+                        good_blocks: 0,
+                        reason: "cancelled".into(),
+                    })
+                } else {
+                    fabric.pull(&spec, &mut dst)
+                };
+                // Nothing writes the blocks once the grant is gone: only then is it reported.
+                drop(dst);
+                lock(&fabric.fetches).remove(&key);
+                let result = result.map(|(p_reports, p_hold)| {
+                    p_reports.send(WorkerReport::ExportPulled { hold: p_hold });
+                });
+                reports.send(WorkerReport::FetchDone {
+                    hold: spec.hold,
+                    result,
+                });
+            });
+        if let Err(e) = spawned {
+            // The closure (and its grant) is dropped with the error.
+            lock(&self.fabric.fetches).remove(&(self.engine_id.clone(), hold));
+            reports_on_failure.send(WorkerReport::FetchDone {
+                hold,
+                result: Err(FetchError {
+                    good_blocks: 0,
+                    reason: format!("cannot start a fetch thread: {e}"),
+                }),
+            });
+        }
+    }
+
+    fn cancel_fetch(&self, hold: TransferId) {
+        if let Some(flag) = lock(&self.fabric.fetches).get(&(self.engine_id.clone(), hold)) {
+            flag.store(true, Ordering::Release);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}

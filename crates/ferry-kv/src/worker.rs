@@ -1,0 +1,163 @@
+//! The worker side of connectors: what runs the jobs a connector's scheduler side plans
+//! (`ferry_core::WorkerJob`), and how its results get back to the engine.
+//!
+//! The engine thread hands each step's jobs to the connector's [`WorkerConnector`] before the
+//! forward (also on a step with no tokens: a connector-only step) and calls it again after
+//! the forward. A worker never blocks the engine thread on a transfer: it starts the work
+//! (a transport's threads move the bytes through [`BlockGrant`]s) and returns; results come
+//! back through [`Reports`], which puts them on the engine's input queue, so they wake the
+//! engine and reach the core in order, between steps.
+
+use std::sync::Arc;
+
+use ferry_core::{BlockId, FetchError, WorkerJob, WorkerReport};
+
+use crate::access::{Access, BlockGrant};
+use crate::arena::KvArena;
+use crate::transport::{ExportOffer, FetchSpec, Transport};
+
+/// Where a worker's results go: the engine's input queue, tagged with the connector. Cheap
+/// to clone into transport threads. Reporting to an engine that has stopped does nothing.
+#[derive(Clone)]
+pub struct Reports(Arc<dyn Fn(WorkerReport) + Send + Sync>);
+
+impl Reports {
+    pub fn new(send: impl Fn(WorkerReport) + Send + Sync + 'static) -> Self {
+        Self(Arc::new(send))
+    }
+
+    pub fn send(&self, report: WorkerReport) {
+        (self.0)(report);
+    }
+}
+
+impl std::fmt::Debug for Reports {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Reports")
+    }
+}
+
+/// The worker side of one connector, on the engine thread.
+pub trait WorkerConnector: Send + std::fmt::Debug {
+    /// This step's jobs, before the forward. Start them; do not wait for transfers.
+    ///
+    /// # Safety contract of the grants it makes
+    ///
+    /// Every job names blocks the scheduler holds for it (a transfer hold), so no step
+    /// touches them until the hold ends, and the hold ends only after the worker reported
+    /// the job done (and dropped its grant). That is the ledger argument `KvArena::grant`
+    /// asks for.
+    fn before_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports);
+
+    /// After the forward, once the core has the step's output: the jobs that output produced
+    /// (P's exports of requests that just finished, before their parameters reach anyone; a
+    /// store of blocks the step just wrote). Same contract as `before_forward`.
+    fn after_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports) {
+        self.before_forward(jobs, arena, reports);
+    }
+}
+
+/// The P/D connector's worker: publishes exports on its transport (P) and fetches remote
+/// exports into the arena (D).
+pub struct PdWorker {
+    engine_id: String,
+    transport: Arc<dyn Transport>,
+}
+
+impl std::fmt::Debug for PdWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PdWorker")
+            .field("engine_id", &self.engine_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PdWorker {
+    pub fn new(engine_id: impl Into<String>, transport: Arc<dyn Transport>) -> Self {
+        Self {
+            engine_id: engine_id.into(),
+            transport,
+        }
+    }
+
+    fn grant(arena: &KvArena, blocks: &[BlockId], access: Access) -> Result<BlockGrant, String> {
+        // SAFETY: the blocks are those of a transfer hold the scheduler made for this job
+        // (see `WorkerConnector::before_forward`): no step touches them while the grant lives.
+        unsafe { arena.grant(blocks, access) }.map_err(|e| e.to_string())
+    }
+}
+
+impl WorkerConnector for PdWorker {
+    fn before_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports) {
+        for job in jobs {
+            match job {
+                WorkerJob::Publish {
+                    hold,
+                    token,
+                    weight_version,
+                    blocks,
+                    prompt_hash,
+                    n_tokens,
+                    ..
+                } => match Self::grant(arena, blocks, Access::Read) {
+                    Ok(grant) => self.transport.publish(
+                        ExportOffer {
+                            engine_id: self.engine_id.clone(),
+                            hold: *hold,
+                            token: token.clone(),
+                            weight_version: weight_version.clone(),
+                            prompt_hash: *prompt_hash,
+                            n_tokens: *n_tokens,
+                            grant,
+                        },
+                        reports.clone(),
+                    ),
+                    Err(e) => {
+                        tracing::warn!(hold = hold.0, "cannot publish an export: {e}");
+                        reports.send(WorkerReport::ExportGone { hold: *hold });
+                    }
+                },
+                WorkerJob::Unpublish { hold } => {
+                    self.transport
+                        .unpublish(&self.engine_id, *hold, reports.clone())
+                }
+                WorkerJob::Fetch {
+                    hold,
+                    remote_engine_id,
+                    remote_host,
+                    remote_port,
+                    token,
+                    weight_version,
+                    prompt_hash,
+                    first_block,
+                    src_blocks,
+                    blocks,
+                } => match Self::grant(arena, blocks, Access::Write) {
+                    Ok(grant) => self.transport.fetch(
+                        FetchSpec {
+                            hold: *hold,
+                            remote_engine_id: remote_engine_id.clone(),
+                            remote_host: remote_host.clone(),
+                            remote_port: *remote_port,
+                            token: token.clone(),
+                            weight_version: weight_version.clone(),
+                            prompt_hash: *prompt_hash,
+                            first_block: *first_block,
+                            src_blocks: src_blocks.clone(),
+                        },
+                        grant,
+                        reports.clone(),
+                    ),
+                    Err(e) => reports.send(WorkerReport::FetchDone {
+                        hold: *hold,
+                        result: Err(FetchError {
+                            good_blocks: 0,
+                            reason: e,
+                        }),
+                    }),
+                },
+                WorkerJob::CancelFetch { hold } => self.transport.cancel_fetch(*hold),
+            }
+        }
+    }
+}
