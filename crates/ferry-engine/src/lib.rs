@@ -37,7 +37,7 @@ pub use ferry_core::{
     WakeTag, WeightResidency,
 };
 pub use ferry_model::{
-    Executor, LoadError, LoadedModel, ModelSpec, Tensor, WeightError, WeightStore,
+    Executor, LoadError, LoadedModel, LogprobsMode, ModelSpec, Tensor, WeightError, WeightStore,
 };
 pub use handle::{spawn, spawn_with_connectors, EngineHandle};
 pub use start::{
