@@ -49,8 +49,9 @@ use crate::metrics::Metrics;
 use crate::params::Limits;
 use crate::state::{unix_now, AppState};
 
-/// Largest request body (a batch of long token-id prompts fits well inside).
-const MAX_BODY_BYTES: usize = 32 << 20;
+/// Largest request body (a batch of long token-id prompts fits well inside); a larger one is
+/// a 413 (`POST /update_weights` has its own limit, `ServerConfig::max_weight_push_bytes`).
+pub const MAX_BODY_BYTES: usize = 32 << 20;
 
 /// What the server needs besides the engine; built by the binary from the model folder.
 #[derive(Debug, Clone, PartialEq)]

@@ -5,6 +5,7 @@ mod admin;
 mod admin_load;
 mod chat;
 mod completions;
+mod conformance;
 mod errors;
 mod lifecycle;
 mod misc;
