@@ -39,7 +39,7 @@ pub use ferry_core::{
 };
 pub use ferry_kv::{InMemoryFabric, InMemoryTransport, PdWorker, Transport, WorkerConnector};
 pub use ferry_model::{
-    Executor, LoadError, LoadedModel, ModelSpec, Tensor, WeightError, WeightStore,
+    Executor, LoadError, LoadedModel, LogprobsMode, ModelSpec, Tensor, WeightError, WeightStore,
 };
 pub use handle::{random_secret, spawn, spawn_with_connectors, Connector, EngineHandle};
 pub use start::{

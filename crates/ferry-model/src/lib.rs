@@ -30,6 +30,7 @@ pub use llama_update::LlamaPreparer;
 pub use llama_weights::{LlamaWeights, ModelError};
 pub use load::{default_model_path, expected_tensors, ModelSpec};
 pub use load::{load_model, load_model_with_progress, LoadError, LoadedModel, Progress};
+pub use sampler::LogprobsMode;
 pub use weight_update::{
     parse_safetensors, ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer,
     WeightResidency, Weightless,

@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use super::args::{non_empty, optional_json, QueryArgs};
 use super::AdminReply;
 use crate::error::ApiError;
+use crate::extract::ApiBytes;
 use crate::state::AppState;
 
 /// `POST /update_weights_from_disk`'s body (SGLang's and vLLM's field names; other SGLang
@@ -34,7 +35,7 @@ pub struct UpdateFromDisk {
 /// every weight from a model folder (or GGUF file) of the same model.
 pub async fn update_weights_from_disk(
     State(app): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> AdminReply {
     let req: UpdateFromDisk = optional_json(&body)?;
     let path = match req.model_path.as_deref() {
@@ -95,7 +96,7 @@ pub struct UpdateWeightVersion {
 /// weight changes); prefix-cache entries of the old name are never hit again.
 pub async fn update_weight_version(
     State(app): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> AdminReply {
     let req: UpdateWeightVersion = optional_json(&body)?;
     let version = non_empty(req.new_version, "new_version")?
