@@ -634,6 +634,33 @@ fn p_revokes_exports_on_every_clearing_path_and_keep_does_not_wait() {
 }
 
 #[test]
+fn a_draining_clearing_pause_waits_for_running_requests_then_for_exports() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    export(&mut f, &mut p, "x", prompt(1, 16));
+    p.add("y", prompt(2, 8), greedy(6));
+    step(&mut f, "P", &mut p);
+    p.sched.pause(OpId(1), PauseMode::Wait, true);
+    let mut events = Vec::new();
+    let mut n_steps = 0;
+    while events.is_empty() {
+        if p.sched.n_live() > 0 || p.sched.needs_idle_steps() {
+            step(&mut f, "P", &mut p);
+            n_steps += 1;
+        }
+        let mut out = Vec::new();
+        p.sched.poll_lifecycle(&mut out);
+        events.extend(out);
+        f.deliver("P", &mut p);
+        assert!(n_steps < 20, "the pause never completed");
+    }
+    assert_eq!(events, vec![LifecycleEvent::Done(OpId(1))]);
+    assert_eq!(p.finished["y"].0, FinishReason::Length, "drained, not cut");
+    assert_eq!(p.sched.stats().n_blocks_used, 0, "the export was revoked");
+    assert!(f.exports.is_empty());
+}
+
+#[test]
 fn an_idle_producer_expires_a_lease_and_a_load_that_never_answers_times_out() {
     let mut f = Fabric::default();
     let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
