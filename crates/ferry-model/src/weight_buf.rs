@@ -7,8 +7,9 @@
 //! on 64-bit), so from then on every layer matrix lands in an arena. A weight update allocates
 //! hundreds of megabytes on one blocking-pool thread and the replaced weights are freed on
 //! another, so each update left a copy of the layer matrices resident in some thread's arena:
-//! serving a 538 MB model, resident memory grew from 557 MiB to 1,345 MiB after the first
-//! update and to about 2,230 MiB after four. A `WeightBuf` is its own anonymous mapping
+//! serving SmolLM2-135M (513 MiB of f32 weights), resident memory went from 650 MiB idle to
+//! 1,516 MiB after the first full push and 2,068 MiB after four (with the threshold fixed by
+//! `MALLOC_MMAP_THRESHOLD_`, it stayed at 546 MiB). A `WeightBuf` is its own anonymous mapping
 //! (`memmap2`, already used for model files), so it starts as untouched zero pages, costs
 //! nothing to zero, and `munmap` on drop returns every page at once.
 
