@@ -169,3 +169,28 @@ fn residency_name(r: WeightResidency) -> &'static str {
         WeightResidency::Dropped => "dropped",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chunked body (no length declared) is cut off past the limit, as it arrives: the
+    /// pieces within it pass whole, the one that crosses it is `TooLarge`. (Over HTTP the
+    /// client may still be sending when the 413 comes, so this is checked here.)
+    #[tokio::test]
+    async fn a_body_past_the_limit_ends_with_too_large() {
+        let pieces = |n: usize, len: usize| {
+            let pieces = (0..n).map(move |_| Ok::<_, std::io::Error>(vec![1u8; len]));
+            Body::from_stream(futures_util::stream::iter(pieces))
+        };
+        let body = pieces(3, 40);
+        assert_eq!(body.size_hint().lower(), 0, "no declared length");
+        let got: Vec<_> = limited(body, 100).collect().await;
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[0].as_ref().unwrap().len(), 40);
+        assert_eq!(got[1].as_ref().unwrap().len(), 40);
+        assert!(matches!(got[2], Err(BodyError::TooLarge { limit: 100 })));
+        let got: Vec<_> = limited(pieces(2, 50), 100).collect().await;
+        assert!(got.iter().all(Result::is_ok) && got.len() == 2);
+    }
+}
