@@ -92,7 +92,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     if args.pd {
-        let (model_path, _tmp) = model_path(&args)?;
+        let tmp = tempfile::tempdir().context("creating a temporary folder")?;
+        let model_path = model_path(&args, tmp.path())?;
         let pd = runtime.block_on(pd::measure(&args, &model_path))?;
         if args.json {
             println!("{}", serde_json::json!({ "pd": pd }));
