@@ -28,8 +28,8 @@ pub mod testing;
 // What the engine's API takes and returns, so its callers (the server, the binary) need no
 // other ferry crate.
 pub use error::{
-    GenerateError, LifecycleCallError, SpawnError, StartError, Stopped, WeightReloadError,
-    WeightUpdateError,
+    GenerateError, LifecycleCallError, SpawnError, StartError, Stopped, WeightPushError,
+    WeightReloadError, WeightUpdateError,
 };
 pub use ferry_core::{
     AddError, ConnectorId, FinishReason, KvConnector, KvLoadFailurePolicy, KvTransferParams,
