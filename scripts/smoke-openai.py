@@ -170,8 +170,8 @@ class Smoke:
     def test_bad_requests_raise_bad_request_error(self):
         cases = {
             "negative max_tokens": lambda: self.complete(prompt=PROMPT, max_tokens=-1),
-            "unknown model": lambda: self.client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=1),
             "bad type": lambda: self.complete(prompt=PROMPT, extra_body={"temperature": "hot"}),
+            "unknown role": lambda: self.chat(messages=[{"role": "wizard", "content": "hi"}]),
         }
         for name, call in cases.items():
             try:
@@ -180,6 +180,20 @@ class Smoke:
                 check(e.status_code == 400, f"{name}: status {e.status_code}")
                 continue
             raise AssertionError(f"{name}: no BadRequestError")
+
+    def test_unknown_model_raises_not_found_error(self):
+        # As the OpenAI and vLLM servers answer; the body keeps the OpenAI error shape.
+        for call in (
+            lambda: self.client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=1),
+            lambda: self.client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=1),
+        ):
+            try:
+                call()
+            except openai.NotFoundError as e:
+                check(e.status_code == 404, f"status {e.status_code}")
+                check("no-such-model" in str(e), f"message {e}")
+                continue
+            raise AssertionError("unknown model: no NotFoundError")
 
 
 def main():

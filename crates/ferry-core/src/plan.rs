@@ -43,7 +43,7 @@ pub struct ScheduledReq {
 pub struct SampleSpec {
     pub params: SamplerSpec,
     /// Number of tokens this request has generated so far: with a seed, the random draw is a
-    /// function of (seed, output_idx) alone, so it does not depend on the batch.
+    /// function of (seed, seed stream, output_idx) alone, so it does not depend on the batch.
     pub output_idx: u32,
 }
 
@@ -98,10 +98,12 @@ pub struct SampledToken {
     pub req: ReqIdx,
     pub token: TokenId,
     /// Log-probability of `token` under the raw model logits (log-softmax before temperature,
-    /// top-k/p or min-p): the same logits the sample was drawn from, as vLLM's default
-    /// `raw_logprobs` reports them.
+    /// top-k/p or min-p), as vLLM's default `raw_logprobs` reports them; an executor set to
+    /// another logprobs mode reports that mode's value here instead (processed logprobs,
+    /// raw or processed logits; `ferry_model::sampler::LogprobsMode`).
     pub logprob: f32,
-    /// The top-n `(token, logprob)` pairs, best first, when logprobs were asked for.
+    /// The top-n `(token, logprob)` pairs, best first, when logprobs were asked for (values
+    /// in the same mode as `logprob`).
     pub top_logprobs: Vec<(TokenId, f32)>,
 }
 

@@ -49,6 +49,9 @@ impl SamplingParams {
 /// * `temperature`: `0.0` is greedy;
 /// * `top_k` (`0`: off), `top_p` (`1.0`: off), `min_p` (`0.0`: off): the filters;
 /// * `seed`: with one, sampling is reproducible whatever the batch;
+/// * `seed_stream`: which of the seed's independent random streams the request draws from
+///   (choice `i` of an `n > 1` request uses stream `i`, so choices of nearby seeds never share
+///   draws); `0` for a lone request, whose draws are those of the seed alone;
 /// * `logprobs`: how many top logprobs to return besides the sampled token's (`None`: none).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplerSpec {
@@ -57,6 +60,7 @@ pub struct SamplerSpec {
     pub top_p: f32,
     pub min_p: f32,
     pub seed: Option<u64>,
+    pub seed_stream: u32,
     pub logprobs: Option<u32>,
 }
 
@@ -69,6 +73,7 @@ impl Default for SamplerSpec {
             top_p: 1.0,
             min_p: 0.0,
             seed: None,
+            seed_stream: 0,
             logprobs: None,
         }
     }

@@ -8,8 +8,9 @@
 //!   waits): [`Stopped`].
 //! * Pause, resume, sleep, wake-up, KV release (the core may refuse or cancel them):
 //!   [`LifecycleCallError`].
-//! * A tensor push: [`WeightUpdateError`]; a reload from disk, which can also fail to read the
-//!   model: [`WeightReloadError`].
+//! * A tensor push: [`WeightUpdateError`]; a streamed push, whose body can also fail to read:
+//!   [`WeightPushError`]; a reload from disk, which can also fail to read the model:
+//!   [`WeightReloadError`].
 
 use ferry_core::{AddError, ConfigError, LifecycleError, TokenId};
 use ferry_model::{LoadError, ModelError, WeightError};
@@ -103,6 +104,16 @@ pub enum WeightUpdateError {
     Weights(#[from] WeightError),
     #[error(transparent)]
     Stopped(#[from] Stopped),
+}
+
+/// Why a streamed tensor push failed; the weights did not change.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightPushError<E> {
+    /// The body could not be read (the caller's stream yielded this error).
+    #[error("reading the pushed body: {0}")]
+    Body(E),
+    #[error(transparent)]
+    Update(#[from] WeightUpdateError),
 }
 
 /// Why a reload from disk failed; the weights did not change.

@@ -29,8 +29,8 @@ mod transfer_stats;
 // What the engine's API takes and returns, so its callers (the server, the binary) need no
 // other ferry crate.
 pub use error::{
-    GenerateError, LifecycleCallError, SpawnError, StartError, Stopped, WeightReloadError,
-    WeightUpdateError,
+    GenerateError, LifecycleCallError, SpawnError, StartError, Stopped, WeightPushError,
+    WeightReloadError, WeightUpdateError,
 };
 pub use ferry_core::{
     AddError, ConnectorId, FinishReason, KvConnector, KvLoadFailurePolicy, KvTransferParams,
@@ -40,7 +40,7 @@ pub use ferry_core::{
 };
 pub use ferry_kv::{InMemoryFabric, InMemoryTransport, PdWorker, Transport, WorkerConnector};
 pub use ferry_model::{
-    Executor, LoadError, LoadedModel, ModelSpec, Tensor, WeightError, WeightStore,
+    Executor, LoadError, LoadedModel, LogprobsMode, ModelSpec, Tensor, WeightError, WeightStore,
 };
 pub use handle::{random_secret, spawn, spawn_with_connectors, Connector, EngineHandle};
 pub use start::{

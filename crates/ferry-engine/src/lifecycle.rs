@@ -5,19 +5,32 @@
 //! They take no queue permit, so a full queue never delays a pause. Weight updates read and
 //! convert tensors *before* queueing (on a blocking thread), so the engine thread only swaps
 //! them in, and the replaced weights are dropped back on a blocking thread.
+//!
+//! Memory: pushed bytes and model files are converted straight into the new weights
+//! (`ferry_model::WeightSlots`), never parsed into a copy first, and a streamed push
+//! ([`EngineHandle::update_weights_from_safetensors_stream`]) never holds its whole body; so
+//! an update costs one extra copy of the tensors it replaces while it runs, and the replaced
+//! weights go back to the OS when dropped (`ferry_model::WeightBuf`).
 
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::time::Instant;
 
 use ferry_core::{LifecycleStatus, PauseMode, SleepLevel, WakeTag};
-use ferry_model::{PreparedWeights, WeightStore};
-use tokio::sync::oneshot;
+use ferry_model::{expected_tensors, PreparedWeights, SafetensorsPush, WeightFiles, WeightStore};
+use futures_core::Stream;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::input::{Input, LifecycleCall, OpReply, Reply};
 use crate::{
-    EngineHandle, LifecycleCallError, Stopped, WeightInfo, WeightReloadError, WeightUpdateError,
-    WeightUpdateInfo,
+    EngineHandle, LifecycleCallError, Stopped, WeightInfo, WeightPushError, WeightReloadError,
+    WeightUpdateError, WeightUpdateInfo,
 };
+
+/// Pieces of a streamed push read ahead of the conversion: enough to keep the blocking
+/// thread busy while the next arrive, few enough that the body is never held (a network
+/// piece is kilobytes to a megabyte).
+const PUSH_PIECES_AHEAD: usize = 8;
 
 impl EngineHandle {
     /// Stops compute (see [`PauseMode`]). Returns once paused: at once for `keep` and `abort`
@@ -103,25 +116,76 @@ impl EngineHandle {
     }
 
     /// [`EngineHandle::update_weights`] from a safetensors file's bytes (F32, F16 or BF16
-    /// tensors under their Hugging Face names), as the admin API's push receives them. They
-    /// are parsed and converted off the engine thread and off the caller's task.
+    /// tensors under their Hugging Face names). They are converted straight into the new
+    /// weights, off the engine thread and off the caller's task.
     pub async fn update_weights_from_safetensors(
         &self,
         bytes: impl AsRef<[u8]> + Send + 'static,
         version: Option<String>,
     ) -> Result<WeightUpdateInfo, WeightUpdateError> {
-        let preparer = self.weight_preparer();
+        let mut push = SafetensorsPush::new(self.weight_preparer());
         let started = Instant::now();
         let prepared = blocking(move || {
-            let tensors = ferry_model::parse_safetensors(bytes.as_ref())?;
-            drop(bytes);
-            preparer.prepare(tensors)
+            push.feed(bytes.as_ref())?;
+            push.finish()
         })
         .await??;
         self.install(prepared, version, started).await
     }
 
-    /// Reloads every weight from a model folder (or GGUF file) of the same model.
+    /// [`EngineHandle::update_weights_from_safetensors`] as the body arrives, as the admin
+    /// API's push receives it: each piece is converted into the new weights on a blocking
+    /// thread while the next is read, so the body is never held whole. The header is checked
+    /// before any weight memory is taken; on a refusal the rest of `body` is left unread.
+    pub async fn update_weights_from_safetensors_stream<S, B, E>(
+        &self,
+        body: &mut S,
+        version: Option<String>,
+    ) -> Result<WeightUpdateInfo, WeightPushError<E>>
+    where
+        S: Stream<Item = Result<B, E>> + Unpin,
+        B: AsRef<[u8]> + Send + 'static,
+    {
+        let mut push = SafetensorsPush::new(self.weight_preparer());
+        let started = Instant::now();
+        let (tx, mut rx) = mpsc::channel::<B>(PUSH_PIECES_AHEAD);
+        let reader = tokio::task::spawn_blocking(move || {
+            while let Some(piece) = rx.blocking_recv() {
+                push.feed(piece.as_ref())?;
+            }
+            push.finish()
+        });
+        let mut body_error = None;
+        while let Some(piece) = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_next(cx)).await
+        {
+            match piece {
+                // A send fails only once the reader has refused the push: its error says why.
+                Ok(piece) => {
+                    if tx.send(piece).await.is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    body_error = Some(e);
+                    break;
+                }
+            }
+        }
+        drop(tx);
+        // Awaited even after a body error, so the partial update is freed before returning.
+        let prepared = reader
+            .await
+            .map_err(|_| WeightUpdateError::Stopped(Stopped));
+        if let Some(e) = body_error {
+            return Err(WeightPushError::Body(e));
+        }
+        let prepared = prepared?.map_err(WeightUpdateError::Weights)?;
+        Ok(self.install(prepared, version, started).await?)
+    }
+
+    /// Reloads every weight from a model folder (or GGUF file) of the same model. The
+    /// config is checked before a tensor is read; each tensor is then converted straight
+    /// into the new weights.
     pub async fn update_weights_from_disk(
         &self,
         path: PathBuf,
@@ -130,10 +194,13 @@ impl EngineHandle {
         let preparer = self.weight_preparer();
         let started = Instant::now();
         let prepared = blocking(move || -> Result<_, WeightReloadError> {
-            let loaded = ferry_model::load_model(&path)?;
-            preparer.check_config(&loaded.config)?;
-            // Complete: `load_model` reads every tensor the config needs or fails naming it.
-            Ok(preparer.prepare(loaded.weights)?)
+            let files = WeightFiles::open(&path)?;
+            preparer.check_config(files.config())?;
+            // Complete: the files must hold every tensor the config needs, or reading fails
+            // naming it.
+            let mut slots = preparer.slots(&expected_tensors(files.config()))?;
+            files.read_into(&mut *slots)?;
+            Ok(slots.finish())
         })
         .await??;
         Ok(self.install(prepared, version, started).await?)
@@ -157,8 +224,11 @@ impl EngineHandle {
             .await??;
         let install_seconds = queued.elapsed().as_secs_f64();
         if let Some(old) = retired {
-            // Freeing hundreds of megabytes takes milliseconds: not on this task.
-            tokio::task::spawn_blocking(move || drop(old));
+            // Freeing hundreds of megabytes takes milliseconds: not on this task, nor on the
+            // engine thread. Awaited, so when an update returns its memory is back (the
+            // replaced weights are unmapped, see `ferry_model::WeightBuf`); the weights are
+            // already serving, so only this caller waits.
+            blocking(move || drop(old)).await?;
         }
         Ok(WeightUpdateInfo {
             weight_version,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_core::{KvLoadFailurePolicy, SchedulerConfig};
-use ferry_model::{Executor, LlamaModel, LoadedModel};
+use ferry_model::{Executor, LlamaModel, LoadedModel, LogprobsMode};
 
 use crate::{spawn_with_connectors, Connector, EngineConfig, EngineHandle, StartError};
 
@@ -39,6 +39,8 @@ pub struct ModelEngineConfig {
     pub input_queue_capacity: usize,
     /// Seed of the engine RNG that requests without a seed draw from (`None`: OS entropy).
     pub sampler_seed: Option<u64>,
+    /// What logprobs report for every request (vLLM's `--logprobs-mode`).
+    pub logprobs_mode: LogprobsMode,
     /// The weight version the model starts as.
     pub weight_version: String,
     /// How long P keeps an export for its reader (`SchedulerConfig::export_lease`).
@@ -64,6 +66,7 @@ impl Default for ModelEngineConfig {
             enable_prefix_caching: true,
             input_queue_capacity: 4096,
             sampler_seed: None,
+            logprobs_mode: LogprobsMode::default(),
             weight_version: "0".to_owned(),
             export_lease: core.export_lease,
             kv_load_timeout: core.kv_load_timeout,
@@ -141,6 +144,7 @@ pub fn start_model_with_connectors(
     if let Some(seed) = config.sampler_seed {
         executor = executor.with_sampler_seed(seed);
     }
+    let executor = executor.with_logprobs_mode(config.logprobs_mode);
     let weights_bytes = executor.weights().total_bytes() as u64;
     let scheduler = scheduler_config(config, &llama, &executor)?;
     let token_text = |id: Option<u32>| {

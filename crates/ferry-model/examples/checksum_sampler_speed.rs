@@ -27,6 +27,7 @@ fn spec(temperature: f32, top_k: u32, top_p: f32, min_p: f32, logprobs: Option<u
             top_p,
             min_p,
             seed: Some(1),
+            seed_stream: 0,
             logprobs,
         },
         output_idx: 0,

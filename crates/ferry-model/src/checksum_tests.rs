@@ -36,6 +36,7 @@ fn sample_spec(logprobs: Option<u32>) -> SampleSpec {
             top_p: 1.0,
             min_p: 0.0,
             seed: None,
+            seed_stream: 0,
             logprobs,
         },
         output_idx: 0,

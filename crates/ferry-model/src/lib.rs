@@ -18,6 +18,8 @@ pub mod random_model;
 pub mod rope;
 pub mod sampler;
 pub mod tiny;
+pub mod weight_buf;
+pub mod weight_push;
 pub mod weight_update;
 pub mod weights;
 
@@ -29,9 +31,14 @@ pub use llama::{LlamaModel, Logits};
 pub use llama_update::LlamaPreparer;
 pub use llama_weights::{LlamaWeights, ModelError};
 pub use load::{default_model_path, expected_tensors, ModelSpec};
-pub use load::{load_model, load_model_with_progress, LoadError, LoadedModel, Progress};
+pub use load::{
+    load_model, load_model_with_progress, LoadError, LoadedModel, Progress, WeightFiles,
+};
+pub use sampler::LogprobsMode;
+pub use weight_buf::WeightBuf;
+pub use weight_push::SafetensorsPush;
 pub use weight_update::{
     parse_safetensors, ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer,
-    WeightResidency, Weightless,
+    WeightResidency, WeightSlots, Weightless,
 };
 pub use weights::{Tensor, WeightStore};

@@ -20,7 +20,7 @@ use crate::executor::{ExecError, Executor};
 use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_row, silu_mul};
 use crate::llama_weights::{LayerWeights, LlamaWeights, ModelError};
 use crate::rope::Rope;
-use crate::sampler::{sample_batch, SamplerScratch};
+use crate::sampler::{sample_batch, LogprobsMode, SamplerScratch};
 use crate::weight_update::WeightResidency;
 use crate::weights::WeightStore;
 
@@ -115,7 +115,15 @@ impl LlamaModel {
     /// Seeds the engine-level RNG that requests without a seed draw from (`ferry serve
     /// --seed`), so a whole run of unseeded sampled requests can be replayed.
     pub fn with_sampler_seed(mut self, engine_seed: u64) -> Self {
+        let mode = self.sampler_scratch.logprobs_mode();
         self.sampler_scratch = SamplerScratch::with_seed(engine_seed);
+        self.sampler_scratch.set_logprobs_mode(mode);
+        self
+    }
+
+    /// Reports logprobs in `mode` (`ferry serve --logprobs-mode`) for every request.
+    pub fn with_logprobs_mode(mut self, mode: LogprobsMode) -> Self {
+        self.sampler_scratch.set_logprobs_mode(mode);
         self
     }
 

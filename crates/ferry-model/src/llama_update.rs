@@ -5,15 +5,16 @@
 //! The model keeps its weights fused (q/k/v rows in one `qkv` matrix, gate/up rows in one
 //! `gate_up` matrix, see [`crate::llama_weights`]), so every Hugging Face tensor maps to a
 //! [`Place`]: a buffer of [`LlamaWeights`] and a float offset in it. A complete set is
-//! assembled into a whole new [`LlamaWeights`] here, so installing it is a pointer swap; a
-//! partial set stays a list of [`Patch`]es, and installing it copies each patch's floats to
-//! its place, nothing else.
+//! written straight into a whole new [`LlamaWeights`] ([`LlamaSlots`]), so installing it is
+//! a pointer swap; a partial set is a list of [`Patch`]es, each in its own buffer, and
+//! installing it copies each patch's floats to its place, nothing else.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::llama_weights::{LayerWeights, LlamaWeights};
 use crate::load::expected_tensors;
-use crate::weight_update::{PreparedWeights, WeightError, WeightPreparer};
+use crate::weight_buf::WeightBuf;
+use crate::weight_update::{PreparedWeights, WeightError, WeightPreparer, WeightSlots};
 use crate::{LlamaConfig, WeightStore};
 
 /// A buffer of [`LayerWeights`].
@@ -52,7 +53,7 @@ pub(crate) struct Place {
 pub(crate) struct Patch {
     pub name: String,
     pub place: Place,
-    pub data: Vec<f32>,
+    pub data: WeightBuf,
 }
 
 /// What a prepared Llama update holds.
@@ -93,25 +94,51 @@ impl WeightPreparer for LlamaPreparer {
         let expected: BTreeMap<String, Vec<usize>> =
             expected_tensors(&self.config).into_iter().collect();
         check_store(&expected, &store)?;
-        let (n_tensors, n_bytes) = (store.tensors.len(), store.total_bytes());
+        let list: Vec<(String, Vec<usize>)> = store
+            .tensors
+            .iter()
+            .map(|(name, t)| (name.clone(), t.shape.clone()))
+            .collect();
+        let mut slots = self.slots(&list)?;
+        for (idx, tensor) in store.tensors.into_values().enumerate() {
+            slots.slot(idx).copy_from_slice(&tensor.data);
+        }
+        Ok(slots.finish())
+    }
+
+    fn slots(&self, tensors: &[(String, Vec<usize>)]) -> Result<Box<dyn WeightSlots>, WeightError> {
+        if tensors.is_empty() {
+            return Err(WeightError::Empty);
+        }
+        let expected: BTreeMap<String, Vec<usize>> =
+            expected_tensors(&self.config).into_iter().collect();
+        let places = check_list(&self.config, &expected, tensors)?;
         // Names are unique and all expected, so as many as expected means every one.
-        let complete = n_tensors == expected.len();
-        let patches = into_patches(&self.config, store)?;
-        let update = if complete {
-            LlamaUpdate::Full(Box::new(assemble(&self.config, patches)?))
+        let target = if tensors.len() == expected.len() {
+            Target::Full(Box::new(zeroed_weights(&self.config)))
         } else {
-            LlamaUpdate::Partial(patches)
+            Target::Partial(
+                tensors
+                    .iter()
+                    .zip(&places)
+                    .map(|((name, shape), &place)| Patch {
+                        name: name.clone(),
+                        place,
+                        data: WeightBuf::zeroed(shape.iter().product()),
+                    })
+                    .collect(),
+            )
         };
-        let payload = LlamaPayload {
+        let lens = tensors
+            .iter()
+            .map(|(_, shape)| shape.iter().product())
+            .collect();
+        Ok(Box::new(LlamaSlots {
             config: self.config.clone(),
-            update,
-        };
-        Ok(PreparedWeights::new(
-            n_tensors,
-            n_bytes,
-            complete,
-            Box::new(payload),
-        ))
+            places,
+            lens,
+            target,
+        }))
     }
 
     fn check_config(&self, config: &LlamaConfig) -> Result<(), WeightError> {
@@ -182,20 +209,82 @@ fn check_store(
     Ok(())
 }
 
-/// Moves every tensor out of a checked store, paired with its place.
-fn into_patches(config: &LlamaConfig, store: WeightStore) -> Result<Vec<Patch>, WeightError> {
-    store
-        .tensors
-        .into_iter()
-        .map(|(name, tensor)| match place_of(config, &name) {
-            Some(place) => Ok(Patch {
-                name,
-                place,
-                data: tensor.data,
-            }),
-            None => Err(WeightError::UnknownTensor { name }),
+/// Every name known and given once, every shape as expected, checked in name order (the
+/// first failure is the error); the place of each tensor of the list, in list order.
+fn check_list(
+    config: &LlamaConfig,
+    expected: &BTreeMap<String, Vec<usize>>,
+    tensors: &[(String, Vec<usize>)],
+) -> Result<Vec<Place>, WeightError> {
+    let mut by_name: Vec<&(String, Vec<usize>)> = tensors.iter().collect();
+    by_name.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut seen = BTreeSet::new();
+    for (name, shape) in by_name {
+        let Some(want) = expected.get(name) else {
+            return Err(WeightError::UnknownTensor { name: name.clone() });
+        };
+        if shape != want {
+            return Err(WeightError::BadShape {
+                name: name.clone(),
+                expected: want.clone(),
+                got: shape.clone(),
+            });
+        }
+        if !seen.insert(name) {
+            return Err(WeightError::Malformed(format!(
+                "tensor `{name}` is given twice"
+            )));
+        }
+    }
+    tensors
+        .iter()
+        .map(|(name, _)| {
+            place_of(config, name).ok_or_else(|| WeightError::UnknownTensor { name: name.clone() })
         })
         .collect()
+}
+
+/// What [`LlamaSlots`] fills: new whole weights, or one buffer per pushed tensor.
+enum Target {
+    Full(Box<LlamaWeights>),
+    Partial(Vec<Patch>),
+}
+
+/// The slots of a checked Llama update (see [`WeightPreparer::slots`]).
+struct LlamaSlots {
+    config: LlamaConfig,
+    /// Where each tensor of the list goes, and its length in floats.
+    places: Vec<Place>,
+    lens: Vec<usize>,
+    target: Target,
+}
+
+impl WeightSlots for LlamaSlots {
+    fn slot(&mut self, idx: usize) -> &mut [f32] {
+        let (place, len) = (self.places[idx], self.lens[idx]);
+        match &mut self.target {
+            Target::Full(weights) => {
+                let buffer = buffer_mut(weights, place.buffer)
+                    .expect("zeroed_weights has a buffer for every place of its config");
+                &mut buffer[place.offset..place.offset + len]
+            }
+            Target::Partial(patches) => &mut patches[idx].data,
+        }
+    }
+
+    fn finish(self: Box<Self>) -> PreparedWeights {
+        let n_tensors = self.lens.len();
+        let n_bytes = self.lens.iter().sum::<usize>() * size_of::<f32>();
+        let (update, complete) = match self.target {
+            Target::Full(weights) => (LlamaUpdate::Full(weights), true),
+            Target::Partial(patches) => (LlamaUpdate::Partial(patches), false),
+        };
+        let payload = LlamaPayload {
+            config: self.config,
+            update,
+        };
+        PreparedWeights::new(n_tensors, n_bytes, complete, Box::new(payload))
+    }
 }
 
 /// Where the tensor `name` goes in the fused layout; `None` for a name the model lacks.
@@ -246,22 +335,6 @@ fn layer_place(c: &LlamaConfig, param: &str) -> Option<(LayerBuffer, usize)> {
     })
 }
 
-/// Builds whole weights from a complete set of patches. Buffers start zeroed (the allocator
-/// hands out untouched zero pages) and every float is then written by exactly one patch; a
-/// patch that fills a buffer whole is moved in, not copied.
-fn assemble(config: &LlamaConfig, patches: Vec<Patch>) -> Result<LlamaWeights, WeightError> {
-    let mut weights = zeroed_weights(config);
-    for patch in patches {
-        let buffer = buffer_mut(&mut weights, patch.place.buffer).ok_or_else(out_of_place)?;
-        if patch.place.offset == 0 && patch.data.len() == buffer.len() {
-            *buffer = patch.data;
-        } else {
-            copy_patch(buffer, &patch)?;
-        }
-    }
-    Ok(weights)
-}
-
 /// Copies one patch's floats to its place in `buffer`, or says the place is not there.
 pub(crate) fn copy_patch(buffer: &mut [f32], patch: &Patch) -> Result<(), WeightError> {
     let end = patch.place.offset + patch.data.len();
@@ -279,7 +352,7 @@ fn out_of_place() -> WeightError {
 }
 
 /// The buffer `b` names in `w`, if the model has it (biases and q/k norms are optional).
-pub(crate) fn buffer_mut(w: &mut LlamaWeights, b: Buffer) -> Option<&mut Vec<f32>> {
+pub(crate) fn buffer_mut(w: &mut LlamaWeights, b: Buffer) -> Option<&mut WeightBuf> {
     match b {
         Buffer::Embed => Some(&mut w.embed),
         Buffer::Norm => Some(&mut w.norm),
@@ -301,11 +374,11 @@ pub(crate) fn buffer_mut(w: &mut LlamaWeights, b: Buffer) -> Option<&mut Vec<f32
     }
 }
 
-/// Weights of `config`'s shapes, all zero.
+/// Weights of `config`'s shapes, all zero: untouched pages until a reader writes them.
 fn zeroed_weights(c: &LlamaConfig) -> LlamaWeights {
     let (h, i, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
     let qkv_out = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
-    let zeros = |n: usize| vec![0.0f32; n];
+    let zeros = WeightBuf::zeroed;
     let layer = || LayerWeights {
         input_norm: zeros(h),
         qkv: zeros(qkv_out * h),
@@ -328,9 +401,9 @@ fn zeroed_weights(c: &LlamaConfig) -> LlamaWeights {
 /// Weights that hold nothing: what a model keeps after sleep level 2 dropped its own.
 pub(crate) fn empty_weights() -> LlamaWeights {
     LlamaWeights {
-        embed: Vec::new(),
+        embed: WeightBuf::default(),
         layers: Vec::new(),
-        norm: Vec::new(),
+        norm: WeightBuf::default(),
         lm_head: None,
     }
 }
@@ -405,7 +478,7 @@ mod tests {
         let patch = |name: &str| Patch {
             name: name.into(),
             place: place_of(&c, name).unwrap(),
-            data: Vec::new(),
+            data: WeightBuf::default(),
         };
         let n = expected_tensors(&c).len();
         let (n_missing, first) = missing(&c, &[patch("model.embed_tokens.weight")]);

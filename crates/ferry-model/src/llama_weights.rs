@@ -9,6 +9,7 @@
 //! and swap it in".
 
 use crate::config::LlamaConfig;
+use crate::weight_buf::WeightBuf;
 use crate::weights::WeightStore;
 
 /// What is wrong with a config or a weight store, naming the field or tensor.
@@ -39,29 +40,32 @@ pub enum ModelError {
 /// One decoder layer.
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
-    pub input_norm: Vec<f32>,
+    pub input_norm: WeightBuf,
     /// `[q; k; v]` rows, each `hidden` wide.
-    pub qkv: Vec<f32>,
+    pub qkv: WeightBuf,
     /// `[q; k; v]` bias (Qwen2/2.5).
-    pub qkv_bias: Option<Vec<f32>>,
+    pub qkv_bias: Option<WeightBuf>,
     /// Per-head RMSNorm weights on q and k (Qwen3), `head_dim` each.
-    pub q_norm: Option<Vec<f32>>,
-    pub k_norm: Option<Vec<f32>>,
-    pub o_proj: Vec<f32>,
-    pub post_norm: Vec<f32>,
+    pub q_norm: Option<WeightBuf>,
+    pub k_norm: Option<WeightBuf>,
+    pub o_proj: WeightBuf,
+    pub post_norm: WeightBuf,
     /// `[gate; up]` rows, each `hidden` wide.
-    pub gate_up: Vec<f32>,
-    pub down: Vec<f32>,
+    pub gate_up: WeightBuf,
+    pub down: WeightBuf,
 }
 
 /// The whole model's weights.
+///
+/// Every buffer is a [`WeightBuf`], its own memory mapping, so weights replaced by an update
+/// or dropped by sleep give their memory back to the OS wherever they are freed.
 #[derive(Debug, Clone)]
 pub struct LlamaWeights {
-    pub embed: Vec<f32>,
+    pub embed: WeightBuf,
     pub layers: Vec<LayerWeights>,
-    pub norm: Vec<f32>,
+    pub norm: WeightBuf,
     /// `None` with tied embeddings: the head is `embed`.
-    pub lm_head: Option<Vec<f32>>,
+    pub lm_head: Option<WeightBuf>,
 }
 
 impl LlamaWeights {
@@ -93,7 +97,7 @@ impl LlamaWeights {
 
     /// Bytes of all weights held.
     pub fn total_bytes(&self) -> usize {
-        let head = self.lm_head.as_ref().map_or(0, Vec::len);
+        let head = self.lm_head.as_ref().map_or(0, |b| b.len());
         (self.embed.len() + head + self.layer_floats() + self.norm.len()) * size_of::<f32>()
     }
 
@@ -104,7 +108,7 @@ impl LlamaWeights {
     }
 
     fn layer_floats(&self) -> usize {
-        let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
+        let opt = |v: &Option<WeightBuf>| v.as_ref().map_or(0, |b| b.len());
         self.layers
             .iter()
             .map(|l| {
@@ -170,7 +174,11 @@ struct Getter<'a> {
 }
 
 impl Getter<'_> {
-    fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<WeightBuf, ModelError> {
+        self.get_slice(name, shape).map(WeightBuf::from_slice)
+    }
+
+    fn get_slice(&self, name: &str, shape: &[usize]) -> Result<&[f32], ModelError> {
         let t = self
             .store
             .get(name)
@@ -193,14 +201,20 @@ impl Getter<'_> {
                 got: t.data.len(),
             });
         }
-        Ok(t.data.clone())
+        Ok(&t.data)
     }
 
     /// Several tensors stacked row-wise, in order.
-    fn stacked(&self, parts: &[(String, Vec<usize>)]) -> Result<Vec<f32>, ModelError> {
-        let mut out = Vec::new();
-        for (name, shape) in parts {
-            out.extend(self.get(name, shape)?);
+    fn stacked(&self, parts: &[(String, Vec<usize>)]) -> Result<WeightBuf, ModelError> {
+        let slices = parts
+            .iter()
+            .map(|(name, shape)| self.get_slice(name, shape))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = WeightBuf::zeroed(slices.iter().map(|s| s.len()).sum());
+        let mut at = 0;
+        for s in slices {
+            out[at..at + s.len()].copy_from_slice(s);
+            at += s.len();
         }
         Ok(out)
     }

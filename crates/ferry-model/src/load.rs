@@ -14,12 +14,13 @@ pub mod gguf;
 pub mod gguf_model;
 mod safetensors_io;
 
-pub(crate) use safetensors_io::to_f32;
+pub(crate) use safetensors_io::{decode_into, f32_source_width, to_f32};
 pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
-use crate::{LlamaConfig, WeightStore};
+use crate::weight_update::WeightSlots;
+use crate::{LlamaConfig, Tensor, WeightStore};
 
 pub use expected::expected_tensors;
 
@@ -161,7 +162,8 @@ fn load_hf_folder_with_progress(
     progress: Progress<'_>,
 ) -> Result<LoadedModel, LoadError> {
     let config = config_json::read_folder_config(dir)?;
-    let weights = safetensors_io::read_weights(dir, &expected_tensors(&config), progress)?;
+    let mut weights = WeightStore::default();
+    safetensors_io::read_weights(dir, &expected_tensors(&config), &mut weights, progress)?;
     let tokenizer = tokenizer::read_hf_tokenizer(dir)?;
     let chat_template = tokenizer::read_chat_template(dir)?;
     Ok(LoadedModel {
@@ -171,6 +173,129 @@ fn load_hf_folder_with_progress(
         chat_template,
         source: dir.display().to_string(),
     })
+}
+
+/// Where a loader writes each tensor it reads: a new [`WeightStore`] (loading a model), or
+/// the slots of a prepared update (a reload, [`WeightFiles::read_into`]), so a reload never
+/// holds a tensor twice.
+pub(crate) trait TensorDest {
+    /// The floats of tensor `idx` of [`expected_tensors`] (`name`, `shape`, already checked),
+    /// which the loader then writes whole.
+    fn tensor_mut(&mut self, idx: usize, name: &str, shape: &[usize]) -> &mut [f32];
+}
+
+impl TensorDest for WeightStore {
+    fn tensor_mut(&mut self, _idx: usize, name: &str, shape: &[usize]) -> &mut [f32] {
+        let zeros = vec![0.0; shape.iter().product()];
+        self.insert(name, Tensor::new(shape.to_vec(), zeros));
+        let tensor = self.tensors.get_mut(name).expect("inserted just above");
+        &mut tensor.data
+    }
+}
+
+/// Bytes read per call by [`read_chunks`].
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// Reads `len` bytes at `offset` of `file` in chunks of whole `unit`-byte units, handing
+/// `each(byte offset in the range, chunk)` every one. Reads rather than a memory map, so the
+/// file's pages never count in this process's resident memory: a reload's peak is the new
+/// weights, not the new weights plus the file.
+pub(crate) fn read_chunks(
+    file: &std::fs::File,
+    path: &Path,
+    offset: u64,
+    len: usize,
+    unit: usize,
+    mut each: impl FnMut(usize, &[u8]),
+) -> Result<(), LoadError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let chunk = (CHUNK_BYTES / unit).max(1) * unit;
+    let mut buf = vec![0u8; chunk.min(len)];
+    let mut reader = file;
+    reader
+        .seek(SeekFrom::Start(offset))
+        .map_err(|e| LoadError::io(path, e))?;
+    let mut done = 0;
+    while done < len {
+        let n = chunk.min(len - done);
+        reader
+            .read_exact(&mut buf[..n])
+            .map_err(|e| LoadError::io(path, e))?;
+        each(done, &buf[..n]);
+        done += n;
+    }
+    Ok(())
+}
+
+/// [`WeightSlots`] made for [`expected_tensors`], in that order.
+struct ExpectedSlots<'a>(&'a mut dyn WeightSlots);
+
+impl TensorDest for ExpectedSlots<'_> {
+    fn tensor_mut(&mut self, idx: usize, _name: &str, _shape: &[usize]) -> &mut [f32] {
+        self.0.slot(idx)
+    }
+}
+
+/// A model's weights on disk (a Hugging Face folder or a GGUF file) for a reload: opened and
+/// its config read first, so the caller can check the config and make the update's
+/// [`WeightSlots`] before a tensor is read; then each tensor is converted straight into its
+/// slot. Tokenizer and chat template are not read (a reload keeps the running ones).
+#[derive(Debug)]
+pub struct WeightFiles {
+    config: LlamaConfig,
+    source: WeightSource,
+}
+
+#[derive(Debug)]
+enum WeightSource {
+    Folder(PathBuf),
+    Gguf(Box<gguf::GgufFile>),
+}
+
+impl WeightFiles {
+    pub fn open(path: &Path) -> Result<Self, LoadError> {
+        let meta = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?;
+        if meta.is_dir() {
+            let config = config_json::read_folder_config(path)?;
+            Ok(Self {
+                config,
+                source: WeightSource::Folder(path.to_owned()),
+            })
+        } else if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
+            let file = gguf::GgufFile::open(path)?;
+            Ok(Self {
+                config: gguf_model::gguf_config(&file)?,
+                source: WeightSource::Gguf(Box::new(file)),
+            })
+        } else {
+            Err(LoadError::invalid(
+                path,
+                "not a model: expected a Hugging Face model folder or a .gguf file",
+            ))
+        }
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Reads every tensor of [`expected_tensors`] of the config into `slots`, which must have
+    /// been made for that list, in that order.
+    pub fn read_into(&self, slots: &mut dyn WeightSlots) -> Result<(), LoadError> {
+        let dest = &mut ExpectedSlots(slots);
+        let progress = &mut |_: usize, _: usize, _: &str| {};
+        match &self.source {
+            WeightSource::Folder(dir) => {
+                safetensors_io::read_weights(dir, &expected_tensors(&self.config), dest, progress)
+            }
+            WeightSource::Gguf(file) => {
+                gguf_model::gguf_weights(file, &self.config, dest, progress)
+            }
+        }
+    }
 }
 
 /// Where `scripts/fetch-model.sh` puts the default model, given the cache folder

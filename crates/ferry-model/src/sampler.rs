@@ -2,12 +2,16 @@
 //!
 //! Order of operations, as in the usual engines: temperature, then the top-k, top-p and min-p
 //! filters, then one random draw from what is left. `temperature <= 0` (or NaN) is greedy:
-//! the argmax, ties going to the lowest token id. Logprobs are always those of the *raw*
-//! logits (log-softmax before temperature and filters; see [`SampledToken`]).
+//! the argmax, ties going to the lowest token id. By default logprobs are those of the *raw*
+//! logits (log-softmax before temperature and filters; see [`SampledToken`]); an engine-wide
+//! [`LogprobsMode`] (vLLM's `--logprobs-mode`) reports the distribution actually sampled from,
+//! or logits, instead.
 //!
-//! Randomness: with a per-request seed the draw is a function of `(seed, output_idx)` alone
-//! (a ChaCha8 stream keyed by the seed, stream number `output_idx`), so a seeded request gives
-//! the same tokens whatever else is in its batch and whatever was sampled before. Without a
+//! Randomness: with a per-request seed the draw is a function of `(seed, seed_stream,
+//! output_idx)` alone (a ChaCha8 stream keyed by the seed, stream number `seed_stream << 32 |
+//! output_idx`; see [`seeded_draw`]), so a seeded request gives the same tokens whatever else
+//! is in its batch and whatever was sampled before, and the `n` choices of one seeded request
+//! (seed streams `0..n`) never share draws with another seed's choices. Without a
 //! seed the draw uses the engine-level RNG kept in [`SamplerScratch`]; it is seeded from OS
 //! entropy by default, or explicitly with [`SamplerScratch::with_seed`] (simulations, replays).
 //!
@@ -21,11 +25,79 @@
 //! Bad numbers never panic: a NaN logit counts as `-inf`, `+inf` as `f32::MAX`, and a row with
 //! no finite logit at all is treated as uniform.
 
+use std::fmt;
+use std::str::FromStr;
+
 use ferry_core::sampling::SamplerSpec;
 use ferry_core::{ReqIdx, SampleSpec, SampledToken, TokenId};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
+
+/// What the sampler reports as a token's logprob, for the sampled token and its top-n alike:
+/// vLLM's `--logprobs-mode`, one setting for the whole engine.
+///
+/// "Processed" is the distribution the token was actually drawn from: the logits divided by
+/// the temperature, then every token the top-k, top-p and min-p filters removed set to
+/// `-inf` (ferry applies them in that order). A greedy request (temperature 0) is not scaled
+/// or filtered, as in vLLM, where temperature 0 means greedy and resets the filters: its
+/// processed values equal its raw ones. Top-n lists stay in the raw logits' order (best
+/// first, ties to the lower id), which is also the processed order, filtered tokens last.
+/// Logits are reported as the sampler sees them: NaN as `-inf`, `+inf` as `f32::MAX`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogprobsMode {
+    /// Log-softmax of the model's logits, before temperature and filters (the default).
+    #[default]
+    RawLogprobs,
+    /// Log-softmax of the processed logits: the logprobs of the sampling policy.
+    ProcessedLogprobs,
+    /// The model's logits.
+    RawLogits,
+    /// The processed logits: `logit / temperature`, filtered tokens at `-inf`.
+    ProcessedLogits,
+}
+
+impl LogprobsMode {
+    /// Every mode, in the order of vLLM's documentation.
+    pub const ALL: [Self; 4] = [
+        Self::RawLogprobs,
+        Self::ProcessedLogprobs,
+        Self::RawLogits,
+        Self::ProcessedLogits,
+    ];
+
+    /// vLLM's name for the mode (`raw_logprobs`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::RawLogprobs => "raw_logprobs",
+            Self::ProcessedLogprobs => "processed_logprobs",
+            Self::RawLogits => "raw_logits",
+            Self::ProcessedLogits => "processed_logits",
+        }
+    }
+}
+
+impl fmt::Display for LogprobsMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A name that is not one of [`LogprobsMode::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown logprobs mode `{0}` (expected raw_logprobs, processed_logprobs, raw_logits or processed_logits)")]
+pub struct UnknownLogprobsMode(pub String);
+
+impl FromStr for LogprobsMode {
+    type Err = UnknownLogprobsMode;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| UnknownLogprobsMode(s.to_owned()))
+    }
+}
 
 /// Reusable buffers (and the engine-level RNG) so sampling on the caller's thread allocates
 /// nothing per token in steady state; only a non-empty `top_logprobs` in the returned token
@@ -39,6 +111,8 @@ pub struct SamplerScratch {
     keys: Vec<u64>,
     /// Draws for requests without a seed.
     rng: ChaCha8Rng,
+    /// What logprobs report (engine-wide).
+    logprobs_mode: LogprobsMode,
 }
 
 impl Default for SamplerScratch {
@@ -55,6 +129,15 @@ impl SamplerScratch {
         Self::with_rng(ChaCha8Rng::seed_from_u64(engine_seed))
     }
 
+    /// Reports logprobs in `mode` from now on.
+    pub fn set_logprobs_mode(&mut self, mode: LogprobsMode) {
+        self.logprobs_mode = mode;
+    }
+
+    pub fn logprobs_mode(&self) -> LogprobsMode {
+        self.logprobs_mode
+    }
+
     /// Frees the buffers (sleep level 2), keeping the RNG's place in its stream; they grow
     /// back on the next sample.
     pub fn release_buffers(&mut self) {
@@ -67,6 +150,7 @@ impl SamplerScratch {
             buf: Vec::new(),
             keys: Vec::new(),
             rng,
+            logprobs_mode: LogprobsMode::default(),
         }
     }
 }
@@ -79,7 +163,15 @@ pub fn sample(
     scratch: &mut SamplerScratch,
 ) -> SampledToken {
     let draw = engine_draw(spec, &mut scratch.rng);
-    sample_with_draw(logits, spec, req, draw, &mut scratch.buf, &mut scratch.keys)
+    let mode = scratch.logprobs_mode;
+    sample_with_draw(
+        logits,
+        spec,
+        req,
+        (draw, mode),
+        &mut scratch.buf,
+        &mut scratch.keys,
+    )
 }
 
 /// Below this many rows a batch is sampled on the calling thread: splitting costs more than
@@ -102,6 +194,7 @@ pub fn sample_batch(
         .map(|(spec, _)| engine_draw(spec, &mut scratch.rng))
         .collect();
     let row_logits = |i: usize| logits.get(i * vocab..(i + 1) * vocab).unwrap_or(&[]);
+    let mode = scratch.logprobs_mode;
     if rows.len() < PARALLEL_MIN_ROWS {
         return rows
             .iter()
@@ -109,7 +202,7 @@ pub fn sample_batch(
             .enumerate()
             .map(|(i, ((spec, req), &draw))| {
                 let (buf, keys) = (&mut scratch.buf, &mut scratch.keys);
-                sample_with_draw(row_logits(i), spec, *req, draw, buf, keys)
+                sample_with_draw(row_logits(i), spec, *req, (draw, mode), buf, keys)
             })
             .collect();
     }
@@ -119,7 +212,7 @@ pub fn sample_batch(
         .map_init(
             || (Vec::new(), Vec::new()),
             |(buf, keys), (i, ((spec, req), &draw))| {
-                sample_with_draw(row_logits(i), spec, *req, draw, buf, keys)
+                sample_with_draw(row_logits(i), spec, *req, (draw, mode), buf, keys)
             },
         )
         .collect()
@@ -132,12 +225,13 @@ fn engine_draw(spec: &SampleSpec, rng: &mut ChaCha8Rng) -> Option<f64> {
     (!is_greedy(params) && params.seed.is_none()).then(|| unit_f64(rng))
 }
 
-/// [`sample`] with the engine draw already taken (`None` for greedy or seeded requests).
+/// [`sample`] with the engine draw already taken (`None` for greedy or seeded requests) and
+/// the engine's logprobs mode.
 fn sample_with_draw(
     logits: &[f32],
     spec: &SampleSpec,
     req: ReqIdx,
-    engine_draw: Option<f64>,
+    (engine_draw, mode): (Option<f64>, LogprobsMode),
     probs: &mut Vec<f32>,
     keys: &mut Vec<u64>,
 ) -> SampledToken {
@@ -152,27 +246,102 @@ fn sample_with_draw(
     }
     let row = RowStats::new(logits);
     let params = &spec.params;
-    let token = if is_greedy(params) {
-        row.argmax
+    let (token, survivors) = if is_greedy(params) {
+        (row.argmax, None)
     } else {
         let u = match (params.seed, engine_draw) {
-            (Some(seed), _) => {
-                let mut rng = ChaCha8Rng::seed_from_u64(seed);
-                rng.set_stream(u64::from(spec.output_idx));
-                unit_f64(&mut rng)
-            }
+            (Some(seed), _) => seeded_draw(seed, params.seed_stream, spec.output_idx),
             (None, Some(u)) => u,
             // Not reachable: `engine_draw` gives a draw to every unseeded sampled request.
             (None, None) => 0.0,
         };
-        draw(logits, &row, params, u, probs, keys)
+        let token = draw(logits, &row, params, u, probs, keys);
+        // Read before `top_logprobs` reuses `keys`; only processed modes need it.
+        let survivors = matches!(
+            mode,
+            LogprobsMode::ProcessedLogprobs | LogprobsMode::ProcessedLogits
+        )
+        .then(|| Survivors::new(keys, probs, params.temperature));
+        (token, survivors)
+    };
+    let reported = Reported {
+        logits,
+        row: &row,
+        mode,
+        survivors,
     };
     let n_top = params.logprobs.map_or(0, |n| n as usize);
     SampledToken {
         req,
         token: token as TokenId,
-        logprob: row.logprob(logits[token]),
-        top_logprobs: top_logprobs(logits, &row, n_top, keys),
+        logprob: reported.value(token),
+        top_logprobs: top_logprobs(&reported, n_top, keys),
+    }
+}
+
+/// The uniform draw in `[0, 1)` of a seeded request: ChaCha8 keyed by `seed`, on stream
+/// `seed_stream << 32 | output_idx`. Every `(seed, seed_stream, output_idx)` has a stream of
+/// its own (ChaCha's stream number is 64 bits wide), and seed stream 0 is the stream
+/// `output_idx` alone, which a seeded request has always drawn from.
+pub fn seeded_draw(seed: u64, seed_stream: u32, output_idx: u32) -> f64 {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream((u64::from(seed_stream) << 32) | u64::from(output_idx));
+    unit_f64(&mut rng)
+}
+
+/// What survived the filters of a sampled (non-greedy) draw, for processed logprobs.
+#[derive(Debug, Clone, Copy)]
+struct Survivors {
+    /// The worst surviving order key: the survivors are a best-first prefix of the order
+    /// (top-k, the nucleus and min-p each keep one), so a token survived iff its key is at
+    /// most this.
+    cutoff_key: u64,
+    /// `ln` of the survivors' unnormalized mass in `probs` (what the draw picked from).
+    ln_mass: f64,
+    temperature: f32,
+}
+
+impl Survivors {
+    fn new(keys: &[u64], probs: &[f32], temperature: f32) -> Self {
+        let mass: f64 = keys.iter().map(|&k| f64::from(probs[token_of(k)])).sum();
+        Self {
+            cutoff_key: keys.iter().copied().max().unwrap_or(u64::MAX),
+            ln_mass: mass.ln(),
+            temperature,
+        }
+    }
+}
+
+/// A row's reported values in the engine's [`LogprobsMode`].
+#[derive(Debug)]
+struct Reported<'a> {
+    logits: &'a [f32],
+    row: &'a RowStats,
+    mode: LogprobsMode,
+    /// `None` for a greedy request, whose processed values are its raw ones.
+    survivors: Option<Survivors>,
+}
+
+impl Reported<'_> {
+    fn value(&self, token: usize) -> f32 {
+        let clean = self.row.clean(self.logits[token]);
+        let processed = match (self.mode, self.survivors) {
+            (LogprobsMode::RawLogprobs, _) => return self.row.logprob(self.logits[token]),
+            (LogprobsMode::RawLogits, _) => return clean,
+            (LogprobsMode::ProcessedLogprobs, None) => return self.row.logprob(self.logits[token]),
+            (LogprobsMode::ProcessedLogits, None) => return clean,
+            (_, Some(s)) => s,
+        };
+        let x = clean - self.row.max;
+        if order_key(clean, token as u32) > processed.cutoff_key || x == f32::NEG_INFINITY {
+            return f32::NEG_INFINITY;
+        }
+        if self.mode == LogprobsMode::ProcessedLogits {
+            clean / processed.temperature
+        } else {
+            // The same `x / t` that `fill_probs` exponentiated for the draw.
+            (f64::from(x / processed.temperature) - processed.ln_mass) as f32
+        }
     }
 }
 
@@ -378,25 +547,21 @@ fn pick(keys: &[u64], probs: &[f32], u: f64) -> usize {
     last_nonzero
 }
 
-/// The `n` best `(token, logprob)` pairs of the raw logits, best first (ties: lower id).
-fn top_logprobs(
-    logits: &[f32],
-    row: &RowStats,
-    n: usize,
-    keys: &mut Vec<u64>,
-) -> Vec<(TokenId, f32)> {
+/// The `n` best tokens of the raw logits, best first (ties: lower id), with their values.
+fn top_logprobs(reported: &Reported<'_>, n: usize, keys: &mut Vec<u64>) -> Vec<(TokenId, f32)> {
+    let logits = reported.logits;
     let n = n.min(logits.len());
     if n == 0 {
         return Vec::new();
     }
-    row.fill_keys(logits, keys);
+    reported.row.fill_keys(logits, keys);
     if n < keys.len() {
         keys.select_nth_unstable(n - 1);
     }
     keys[..n].sort_unstable();
     keys[..n]
         .iter()
-        .map(|&k| (k as u32, row.logprob(logits[token_of(k)])))
+        .map(|&k| (k as u32, reported.value(token_of(k))))
         .collect()
 }
 

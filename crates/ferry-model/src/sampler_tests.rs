@@ -11,6 +11,7 @@ fn spec(temperature: f32) -> SampleSpec {
             top_p: 1.0,
             min_p: 0.0,
             seed: None,
+            seed_stream: 0,
             logprobs: None,
         },
         output_idx: 0,
@@ -106,6 +107,50 @@ fn seeded_draws_depend_only_on_seed_and_output_idx() {
     // The draws vary along the sequence and between seeds.
     assert!(first.iter().any(|&t| t != first[0]));
     assert_ne!(draws(&mut a, 43), first);
+}
+
+/// The first four draws of each seeded stream, as bits (a stream's fingerprint).
+fn stream_fingerprint(seed: u64, seed_stream: u32) -> [u64; 4] {
+    std::array::from_fn(|i| seeded_draw(seed, seed_stream, i as u32).to_bits())
+}
+
+/// An RL loop seeds prompt k with `base + k` and asks for n = 16 samples each: choice i of
+/// seed s draws from stream (s, i), so 128 seeds × 16 choices are 2,048 distinct streams.
+/// Keyed by `seed + i` instead (vLLM's way, and ferry's before), the same grid reuses
+/// streams: only 143 distinct ones.
+#[test]
+fn seed_streams_are_distinct_across_seeds_and_choices() {
+    let keyed_by_pair: std::collections::BTreeSet<[u64; 4]> = (0..128u64)
+        .flat_map(|seed| (0..16u32).map(move |i| stream_fingerprint(seed, i)))
+        .collect();
+    assert_eq!(keyed_by_pair.len(), 2048);
+    let keyed_by_sum: std::collections::BTreeSet<[u64; 4]> = (0..128u64)
+        .flat_map(|seed| (0..16u64).map(move |i| stream_fingerprint(seed + i, 0)))
+        .collect();
+    assert_eq!(keyed_by_sum.len(), 143);
+    // Stream 0 is the stream a lone seeded request always drew from: ChaCha8 keyed by the
+    // seed, stream number `output_idx`.
+    for (seed, output_idx) in [(0u64, 0u32), (7, 3), (u64::MAX, 1000)] {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(u64::from(output_idx));
+        assert_eq!(seeded_draw(seed, 0, output_idx), unit_f64(&mut rng));
+    }
+    // The sampler draws from the request's seed stream: choice 3 of seed 7 is not seed 10's
+    // choice 0, and a spec with seed stream i samples what `seeded_draw(seed, i, _)` says.
+    let logits = random_logits(5, 4000, 0.1);
+    let tokens = |seed: u64, seed_stream: u32| -> Vec<u32> {
+        let mut scratch = SamplerScratch::with_seed(0);
+        (0..16)
+            .map(|idx| {
+                let mut s = seeded(1.0, seed, idx);
+                s.params.seed_stream = seed_stream;
+                token(&logits, &s, &mut scratch)
+            })
+            .collect()
+    };
+    assert_ne!(tokens(7, 3), tokens(10, 0));
+    assert_ne!(tokens(7, 3), tokens(7, 0));
+    assert_eq!(tokens(7, 3), tokens(7, 3));
 }
 
 #[test]
@@ -452,7 +497,7 @@ proptest::proptest! {
     ) {
         let logits: Vec<f32> = halves.iter().map(|&h| h as f32 * 0.5).collect();
         let s = SampleSpec {
-            params: SamplerSpec { temperature, top_k, top_p, min_p, seed: Some(seed), logprobs: Some(1) },
+            params: SamplerSpec { temperature, top_k, top_p, min_p, seed: Some(seed), seed_stream: 0, logprobs: Some(1) },
             output_idx,
         };
         let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
@@ -513,4 +558,159 @@ fn a_batch_samples_exactly_what_row_by_row_sampling_gives() {
             assert_eq!(unit_f64(&mut batch.rng), unit_f64(&mut serial.rng));
         }
     }
+}
+
+#[test]
+fn logprobs_modes_parse_and_print_as_vllm_names() {
+    for mode in LogprobsMode::ALL {
+        assert_eq!(mode.to_string().parse::<LogprobsMode>(), Ok(mode));
+    }
+    assert_eq!(LogprobsMode::default(), LogprobsMode::RawLogprobs);
+    assert_eq!(
+        "processed_logprobs".parse::<LogprobsMode>(),
+        Ok(LogprobsMode::ProcessedLogprobs)
+    );
+    assert!("processed".parse::<LogprobsMode>().is_err());
+}
+
+/// What each mode must report for token `tok`, computed in f64 from the raw logits alone:
+/// `allowed` is the set the filters keep (from `naive_allowed`), `t` the temperature.
+fn mode_reference(mode: LogprobsMode, logits: &[f32], allowed: &[u32], t: f64, tok: u32) -> f64 {
+    let l = f64::from(logits[tok as usize]);
+    let lse = |xs: &mut dyn Iterator<Item = f64>| -> f64 {
+        let xs: Vec<f64> = xs.collect();
+        let max = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        max + xs.iter().map(|x| (x - max).exp()).sum::<f64>().ln()
+    };
+    let kept = allowed.contains(&tok);
+    match mode {
+        LogprobsMode::RawLogprobs => l - lse(&mut logits.iter().map(|&x| f64::from(x))),
+        LogprobsMode::RawLogits => l,
+        LogprobsMode::ProcessedLogits if kept => l / t,
+        LogprobsMode::ProcessedLogprobs if kept => {
+            l / t - lse(&mut allowed.iter().map(|&i| f64::from(logits[i as usize]) / t))
+        }
+        LogprobsMode::ProcessedLogits | LogprobsMode::ProcessedLogprobs => f64::NEG_INFINITY,
+    }
+}
+
+/// Every mode against its reference from the raw logits: the sampled token's value and every
+/// top-n value (the whole vocabulary), sampled with temperature 0.7 and all three filters.
+#[test]
+fn each_logprobs_mode_matches_a_reference_from_the_raw_logits() {
+    let logits = random_logits(21, 400, 4.0);
+    let (t, top_k, top_p, min_p) = (0.7f32, 40u32, 0.9f32, 0.02f32);
+    let filters = SamplerSpec {
+        temperature: t,
+        top_k,
+        top_p,
+        min_p,
+        seed: None,
+        seed_stream: 0,
+        logprobs: Some(400),
+    };
+    let allowed = naive_allowed(&logits, &filters, 0.0);
+    // The filters bite: fewer than top_k survive, more than one does.
+    assert!(
+        allowed.len() > 1 && allowed.len() < top_k as usize,
+        "{allowed:?}"
+    );
+    for mode in LogprobsMode::ALL {
+        let mut scratch = SamplerScratch::with_seed(9);
+        scratch.set_logprobs_mode(mode);
+        for i in 0..20 {
+            let s = SampleSpec {
+                params: SamplerSpec {
+                    seed: Some(3),
+                    ..filters
+                },
+                output_idx: i,
+            };
+            let out = sample(&logits, &s, ReqIdx(0), &mut scratch);
+            assert!(allowed.contains(&out.token), "{mode}: token {}", out.token);
+            let check = |tok: u32, got: f32| {
+                let want = mode_reference(mode, &logits, &allowed, f64::from(t), tok);
+                if want == f64::NEG_INFINITY {
+                    assert_eq!(got, f32::NEG_INFINITY, "{mode}: token {tok}");
+                } else {
+                    let err = (f64::from(got) - want).abs();
+                    assert!(err < 1e-4, "{mode}: token {tok}: {got} vs {want}");
+                }
+            };
+            check(out.token, out.logprob);
+            assert_eq!(out.top_logprobs.len(), 400);
+            for &(tok, v) in &out.top_logprobs {
+                check(tok, v);
+            }
+            // The list is in the raw order whatever the mode: filtered tokens last.
+            let ids: Vec<u32> = out.top_logprobs.iter().map(|&(tok, _)| tok).collect();
+            assert_eq!(&ids[..allowed.len()], &allowed[..], "{mode}");
+        }
+        // The processed logprobs are a distribution over the survivors.
+        if mode == LogprobsMode::ProcessedLogprobs {
+            let s = SampleSpec {
+                params: SamplerSpec {
+                    seed: Some(3),
+                    ..filters
+                },
+                output_idx: 0,
+            };
+            let out = sample(&logits, &s, ReqIdx(0), &mut scratch);
+            let mass: f64 = out
+                .top_logprobs
+                .iter()
+                .map(|&(_, lp)| f64::from(lp).exp())
+                .sum();
+            assert!((mass - 1.0).abs() < 1e-5, "mass {mass}");
+        }
+    }
+}
+
+/// Temperature 0 is greedy (as in vLLM): nothing is scaled or filtered, so the processed
+/// values are the raw ones; without filters at temperature 1, processed equals raw too.
+#[test]
+fn processed_values_of_greedy_and_unfiltered_requests_are_the_raw_ones() {
+    let logits = random_logits(22, 300, 3.0);
+    let run = |mode: LogprobsMode, temperature: f32, top_k: u32| {
+        let mut scratch = SamplerScratch::with_seed(1);
+        scratch.set_logprobs_mode(mode);
+        let mut s = seeded(temperature, 4, 0);
+        s.params.top_k = top_k;
+        s.params.logprobs = Some(300);
+        sample(&logits, &s, ReqIdx(0), &mut scratch)
+    };
+    let close = |a: &SampledToken, b: &SampledToken| {
+        assert_eq!(a.token, b.token);
+        assert!((a.logprob - b.logprob).abs() < 1e-5);
+        for (x, y) in a.top_logprobs.iter().zip(&b.top_logprobs) {
+            assert_eq!(x.0, y.0);
+            assert!((x.1 - y.1).abs() < 1e-5, "{x:?} {y:?}");
+        }
+    };
+    for top_k in [0, 5] {
+        assert_eq!(
+            run(LogprobsMode::ProcessedLogprobs, 0.0, top_k),
+            run(LogprobsMode::RawLogprobs, 0.0, top_k)
+        );
+        assert_eq!(
+            run(LogprobsMode::ProcessedLogits, 0.0, top_k),
+            run(LogprobsMode::RawLogits, 0.0, top_k)
+        );
+    }
+    close(
+        &run(LogprobsMode::ProcessedLogprobs, 1.0, 0),
+        &run(LogprobsMode::RawLogprobs, 1.0, 0),
+    );
+    close(
+        &run(LogprobsMode::ProcessedLogits, 1.0, 0),
+        &run(LogprobsMode::RawLogits, 1.0, 0),
+    );
+    // With top-k 5 at temperature 1, processed masks all but five tokens.
+    let out = run(LogprobsMode::ProcessedLogprobs, 1.0, 5);
+    let finite = out
+        .top_logprobs
+        .iter()
+        .filter(|(_, v)| v.is_finite())
+        .count();
+    assert_eq!(finite, 5);
 }

@@ -226,36 +226,36 @@ fn write_json(path: &Path, value: &serde_json::Value) -> Result<(), LoadError> {
     std::fs::write(path, text + "\n").map_err(|e| LoadError::io(path, e))
 }
 
-/// An f32 tensor as little-endian bytes, for the safetensors writer.
-struct F32View {
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
+/// An f32 tensor viewed as little-endian bytes, converted only when the writer asks for
+/// them: a model's worth of bytes is never held at once, only one tensor's.
+struct F32View<'a> {
+    shape: &'a [usize],
+    data: &'a [f32],
 }
 
-impl View for &F32View {
+impl View for &F32View<'_> {
     fn dtype(&self) -> Dtype {
         Dtype::F32
     }
     fn shape(&self) -> &[usize] {
-        &self.shape
+        self.shape
     }
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(&self.bytes)
+        std::borrow::Cow::Owned(self.data.iter().flat_map(|x| x.to_le_bytes()).collect())
     }
     fn data_len(&self) -> usize {
-        self.bytes.len()
+        size_of_val(self.data)
     }
 }
 
 fn write_safetensors(path: &Path, weights: &WeightStore) -> Result<(), LoadError> {
-    let views: Vec<(&str, F32View)> = weights
+    let views: Vec<(&str, F32View<'_>)> = weights
         .tensors
         .iter()
         .map(|(name, t)| {
-            let bytes = t.data.iter().flat_map(|x| x.to_le_bytes()).collect();
             let view = F32View {
-                shape: t.shape.clone(),
-                bytes,
+                shape: &t.shape,
+                data: &t.data,
             };
             (name.as_str(), view)
         })

@@ -5,6 +5,12 @@
 //! The split keeps the engine thread's share of a weight update to a pointer swap (a full
 //! reload) or a copy of the pushed bytes (a partial push), so a pause → update → resume cycle
 //! costs the time to read the weights and little else.
+//!
+//! Memory: a reader (a pushed body, [`crate::weight_push::SafetensorsPush`]; a model file,
+//! [`crate::load::WeightFiles`]) converts each tensor straight into its place in the new
+//! weights ([`WeightSlots`]), so an update holds at most one extra copy of the tensors it
+//! replaces, and the weights it replaces give their memory back to the OS when dropped
+//! ([`crate::WeightBuf`]).
 
 use std::any::Any;
 use std::sync::Arc;
@@ -89,6 +95,18 @@ impl PreparedWeights {
     }
 }
 
+/// The destinations of an update's tensors, from [`WeightPreparer::slots`]: a reader converts
+/// each tensor straight into its slot, so no tensor is held twice on its way in, then
+/// [`WeightSlots::finish`] makes the update.
+pub trait WeightSlots: Send {
+    /// The floats of the `idx`-th tensor of the list the slots were made for, row-major. The
+    /// reader writes every one of them before `finish`.
+    fn slot(&mut self, idx: usize) -> &mut [f32];
+
+    /// The update, once every slot has been written.
+    fn finish(self: Box<Self>) -> PreparedWeights;
+}
+
 /// Weights an executor gave up (replaced or dropped): the caller drops them, off the engine
 /// thread when they are large (freeing hundreds of megabytes takes milliseconds).
 pub type RetiredWeights = Box<dyn Any + Send>;
@@ -99,6 +117,11 @@ pub trait WeightPreparer: Send + Sync {
     /// Checks every name and shape against the model (nothing is converted before all pass),
     /// then converts the tensors into the executor's layout.
     fn prepare(&self, tensors: WeightStore) -> Result<PreparedWeights, WeightError>;
+
+    /// Checks the names and shapes of an update's tensors (`(name, shape)`, at most once
+    /// each; the first failure in name order is the error, and nothing is allocated then) and
+    /// makes their destinations in the executor's layout, for a reader to fill.
+    fn slots(&self, tensors: &[(String, Vec<usize>)]) -> Result<Box<dyn WeightSlots>, WeightError>;
 
     /// For a reload from a model folder: the folder's config must describe the same model.
     fn check_config(&self, config: &LlamaConfig) -> Result<(), WeightError>;
@@ -195,8 +218,26 @@ impl WeightPreparer for WeightlessPreparer {
         ))
     }
 
+    fn slots(&self, tensors: &[(String, Vec<usize>)]) -> Result<Box<dyn WeightSlots>, WeightError> {
+        match tensors.iter().map(|(name, _)| name).min() {
+            Some(name) => Err(WeightError::UnknownTensor { name: name.clone() }),
+            None => Ok(Box::new(WeightlessPreparer)),
+        }
+    }
+
     fn check_config(&self, _config: &LlamaConfig) -> Result<(), WeightError> {
         Ok(())
+    }
+}
+
+/// No tensor, no slot: only an empty update gets this far.
+impl WeightSlots for WeightlessPreparer {
+    fn slot(&mut self, idx: usize) -> &mut [f32] {
+        unreachable!("a weightless update has no tensor {idx}")
+    }
+
+    fn finish(self: Box<Self>) -> PreparedWeights {
+        PreparedWeights::new(0, 0, true, Box::new(WeightlessPreparer))
     }
 }
 

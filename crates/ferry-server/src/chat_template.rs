@@ -75,6 +75,10 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
 }
 
+/// The roles a chat message may have: OpenAI's (`developer` is its newer `system`), as vLLM
+/// accepts them. Anything else is a 400 rather than text a template renders unchecked.
+pub const CHAT_ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
+
 /// One message as the template sees it: `role`, `content` as a string (text parts joined by
 /// newlines, as most templates expect a string), and any other fields unchanged.
 fn message_value(i: usize, m: &ChatMessage) -> Result<Json, ApiError> {
@@ -84,6 +88,15 @@ fn message_value(i: usize, m: &ChatMessage) -> Result<Json, ApiError> {
             "every message needs a `role`",
         )
     })?;
+    if !CHAT_ROLES.contains(&role) {
+        return Err(ApiError::invalid(
+            format!("messages[{i}].role"),
+            format!(
+                "unknown role `{role}` in `messages[{i}].role`; expected one of {}",
+                CHAT_ROLES.join(", ")
+            ),
+        ));
+    }
     let content = match &m.content {
         None => String::new(),
         Some(MessageContent::Text(t)) => t.clone(),
@@ -174,6 +187,25 @@ mod tests {
             .render(&messages(r#"[{"content": "x"}]"#), true, None)
             .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+    }
+
+    #[test]
+    fn only_openai_roles_are_accepted() {
+        let t = ChatTemplate::new(CHATML, "", "").unwrap();
+        for role in CHAT_ROLES {
+            let m = messages(&format!(r#"[{{"role": "{role}", "content": "x"}}]"#));
+            let text = t.render(&m, false, None).unwrap();
+            assert_eq!(text, format!("<|im_start|>{role}\nx<|im_end|>\n"));
+        }
+        for role in ["function", "User", "", "system "] {
+            let m = messages(&format!(
+                r#"[{{"role": "user", "content": "a"}}, {{"role": "{role}", "content": "x"}}]"#
+            ));
+            let e = t.render(&m, false, None).unwrap_err();
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+            assert_eq!(e.param.as_deref(), Some("messages[1].role"), "{role:?}");
+            assert!(e.message.contains(&format!("`{role}`")), "{}", e.message);
+        }
     }
 
     /// SmolLM2-Instruct's template (the default model): a default system prompt unless the

@@ -42,6 +42,26 @@ impl ApiError {
         }
     }
 
+    /// A 404: the request names something this server does not have (a model, a route).
+    pub fn not_found(param: Option<&str>, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: message.into(),
+            kind: "not_found_error",
+            param: param.map(str::to_owned),
+        }
+    }
+
+    /// A 401: the request lacks the server's API key (see [`crate::auth`]).
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            message: message.into(),
+            kind: "authentication_error",
+            param: None,
+        }
+    }
+
     /// A 409: a lifecycle operation conflicts with the engine's state (not paused, asleep,
     /// cancelled by a resume). Nothing was lost; the caller may retry in another state.
     pub fn conflict(message: impl Into<String>) -> Self {

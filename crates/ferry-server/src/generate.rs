@@ -1,5 +1,5 @@
 //! Running one HTTP generation request on the engine: `n` engine requests per prompt (distinct
-//! ids, seeds `seed + i`), each wrapped in a [`ChoiceStream`] that records latency metrics as
+//! ids; with a seed, choice `i` draws from the seed's stream `i`), each wrapped in a [`ChoiceStream`] that records latency metrics as
 //! chunks arrive; then either collected (non-streaming) or merged (streaming). [`handle`] is
 //! the one handler of both generation routes; each route supplies only its request parsing
 //! and its wire format through [`GenerationRoute`].
@@ -161,12 +161,10 @@ pub async fn launch(
     for (p, prompt) in prompts.iter().enumerate() {
         for i in 0..n {
             let index = p * n + i;
-            let mut params = prompt.sampling.clone();
-            params.sampler.seed = params.sampler.seed.map(|s| s.wrapping_add(i as u64));
             let req = GenerateRequest {
                 request_id: engine_id(index),
                 prompt: prompt.tokens.clone(),
-                params,
+                params: choice_params(&prompt.sampling, i as u32),
                 stop: spec.stop.to_vec(),
                 detokenize: engine.tokenizer().is_some(),
                 kv_transfer_params: choice_transfer_params(spec.kv_transfer_params, i),
@@ -233,6 +231,16 @@ fn failure(index: usize, finish: &Finish) -> Option<ApiError> {
     let message = finish.message.as_deref()?;
     (finish.reason == FinishReason::Error)
         .then(|| ApiError::generation_failed(format!("choice {index} failed: {message}")))
+}
+
+/// The sampling parameters of a prompt's choice `choice`: with a seed, the choice draws from
+/// the seed's stream `choice` (not from seed + `choice`, which would replay choice 0 of a
+/// later seed, so that prompts seeded base + k would share random draws); choice 0 draws what
+/// a lone request with that seed draws.
+pub fn choice_params(prompt: &SamplingParams, choice: u32) -> SamplingParams {
+    let mut params = prompt.clone();
+    params.sampler.seed_stream = choice;
+    params
 }
 
 /// A refused generation as an HTTP error: a full queue or a stopped engine is a 503 (retry
@@ -308,15 +316,24 @@ pub fn weight_versions(finish: Option<&Finish>) -> Vec<String> {
 
 /// A finish as the wire's `finish_reason` and `stop_reason`. A stream that ended without a
 /// final chunk (the engine went away) reads as `abort`.
-pub fn finish_fields(finish: Option<&Finish>) -> (&'static str, Option<StopReasonJson>) {
+///
+/// `stop_reason` is set, as vLLM sets it, only for a stop string or a hit of one of the
+/// request's `stop_token_ids`: a model that stopped on its own EOS token has a `null`
+/// `stop_reason` (the engine reports the EOS id, which is no stop the client asked for).
+pub fn finish_fields(
+    finish: Option<&Finish>,
+    stop_token_ids: &[TokenId],
+) -> (&'static str, Option<StopReasonJson>) {
     use ferry_engine::StopReason;
     match finish {
         None => ("abort", None),
         Some(f) => (
             f.reason.as_str(),
-            f.stop_reason.as_ref().map(|r| match r {
-                StopReason::Token(t) => StopReasonJson::Token(*t),
-                StopReason::String(s) => StopReasonJson::Text(s.clone()),
+            f.stop_reason.as_ref().and_then(|r| match r {
+                StopReason::Token(t) => stop_token_ids
+                    .contains(t)
+                    .then_some(StopReasonJson::Token(*t)),
+                StopReason::String(s) => Some(StopReasonJson::Text(s.clone())),
             }),
         ),
     }
@@ -430,7 +447,8 @@ impl Generation<'_> {
             .into_iter()
             .map(|c| {
                 usage.add(c.index, &c.token_ids, c.finish.as_ref());
-                let (finish_reason, stop_reason) = finish_fields(c.finish.as_ref());
+                let (finish_reason, stop_reason) =
+                    finish_fields(c.finish.as_ref(), &self.params.sampling.stop_token_ids);
                 choice(c, finish_reason, stop_reason)
             })
             .collect();
@@ -461,6 +479,8 @@ pub struct StreamBase {
     pub texts: TokenTexts,
     include_usage: bool,
     usage: UsageTally,
+    /// The request's `stop_token_ids` (see [`finish_fields`]).
+    stop_token_ids: Vec<TokenId>,
 }
 
 impl StreamBase {
@@ -477,6 +497,7 @@ impl StreamBase {
             texts,
             include_usage: params.include_usage,
             usage: UsageTally::new(prompts, params.n),
+            stop_token_ids: params.sampling.stop_token_ids.clone(),
         }
     }
 
@@ -487,7 +508,7 @@ impl StreamBase {
             .add(index, &chunk.token_ids, chunk.finish.as_ref());
         match &chunk.finish {
             Some(f) => {
-                let (reason, stop_reason) = finish_fields(Some(f));
+                let (reason, stop_reason) = finish_fields(Some(f), &self.stop_token_ids);
                 ChunkFinish {
                     finish_reason: Some(reason),
                     stop_reason,

@@ -3,7 +3,9 @@
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent
 //! events or not), `GET /v1/models`, `GET /health`, `GET /version`, `GET /metrics`
 //! (Prometheus text), `POST /tokenize`, `POST /detokenize`; with
-//! [`ServerConfig::enable_admin_api`], the lifecycle admin API ([`admin`]).
+//! [`ServerConfig::enable_admin_api`], the lifecycle admin API ([`admin`]). With
+//! [`ServerConfig::api_key`], every route but `/health` and `/metrics` needs the key
+//! ([`auth`]).
 //!
 //! The key decision: the server validates *everything* it can before it calls the engine
 //! ([`params`], [`request::Unsupported`]), so a bad request is a 400 naming the field and
@@ -11,7 +13,8 @@
 //! a stopped engine is a 503, never a hang). A response body owns its engine streams, so a
 //! client that goes away aborts its requests and frees their KV blocks.
 //!
-//! Modules: [`admin`] (pause, sleep, cache reset, weight updates), [`live`] (requests in
+//! Modules: [`admin`] (pause, sleep, cache reset, weight updates), [`auth`] (the API key),
+//! [`live`] (requests in
 //! flight by HTTP id), [`extract`] (JSON bodies, request ids), [`request`] / [`response`] (wire types),
 //! [`params`] (validation), [`chat_template`], [`generate`] (the one handler of both
 //! generation routes: engine requests, `n`, usage), [`sse`] (streaming), [`completions`] and
@@ -19,6 +22,7 @@
 //! [`metrics`], [`logprobs`], [`state`].
 
 pub mod admin;
+pub mod auth;
 pub mod chat;
 pub mod chat_template;
 pub mod completions;
@@ -44,14 +48,16 @@ use axum::routing::{get, post};
 use axum::Router;
 use ferry_engine::{EngineHandle, ModelInfo};
 
+pub use crate::auth::ApiKey;
 use crate::chat_template::ChatTemplate;
 use crate::logprobs::TokenTexts;
 use crate::metrics::Metrics;
 use crate::params::Limits;
 use crate::state::{unix_now, AppState};
 
-/// Largest request body (a batch of long token-id prompts fits well inside).
-const MAX_BODY_BYTES: usize = 32 << 20;
+/// Largest request body (a batch of long token-id prompts fits well inside); a larger one is
+/// a 413 (`POST /update_weights` has its own limit, `ServerConfig::max_weight_push_bytes`).
+pub const MAX_BODY_BYTES: usize = 32 << 20;
 
 /// What the server needs besides the engine; built by the binary from the model folder.
 #[derive(Debug, Clone, PartialEq)]
@@ -82,6 +88,9 @@ pub struct ServerConfig {
     /// Whether the engine runs a P/D connector (`ferry serve --kv-role`): without one, a
     /// request asking for a transfer (`kv_transfer_params.do_remote_*`) is a 400.
     pub kv_connector: bool,
+    /// With a key, every route but `/health` and `/metrics` needs `Authorization: Bearer
+    /// <key>` ([`auth`]); its `Debug` is redacted.
+    pub api_key: Option<ApiKey>,
 }
 
 /// The default push limit: 16 GiB (whole checkpoints of mid-sized models), capped at the
@@ -108,6 +117,7 @@ impl ServerConfig {
             enable_admin_api: false,
             max_weight_push_bytes: DEFAULT_MAX_WEIGHT_PUSH_BYTES,
             kv_connector: false,
+            api_key: None,
         }
     }
 
@@ -127,6 +137,7 @@ impl ServerConfig {
 /// The server's routes over `engine`.
 pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
     let admin = config.enable_admin_api;
+    let api_key = config.api_key.clone().map(Arc::new);
     let state = Arc::new(app_state(engine, config));
     let routes = Router::new()
         .route(
@@ -145,8 +156,16 @@ pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
     } else {
         routes
     };
+    let routes = routes.fallback(routes::not_found);
+    // Unknown paths need the key too, so a client without it learns nothing of the routes.
+    let routes = match api_key {
+        Some(key) => routes.layer(axum::middleware::from_fn_with_state(
+            key,
+            auth::require_api_key,
+        )),
+        None => routes,
+    };
     routes
-        .fallback(routes::not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(extract::request_id_layer))
         .with_state(state)

@@ -63,6 +63,7 @@ impl GenerationParams {
                 // Negative seeds are valid in OpenAI's API; two's complement keeps them
                 // distinct.
                 seed: common.seed.map(|s| s as u64),
+                seed_stream: 0,
                 logprobs,
             },
             ignore_eos: common.ignore_eos.unwrap_or(false),

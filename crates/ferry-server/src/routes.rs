@@ -189,10 +189,5 @@ pub async fn detokenize(
 
 /// Unknown routes get an OpenAI-shaped 404.
 pub async fn not_found() -> ApiError {
-    ApiError {
-        status: StatusCode::NOT_FOUND,
-        message: "no such route".into(),
-        kind: "not_found_error",
-        param: None,
-    }
+    ApiError::not_found(None, "no such route")
 }

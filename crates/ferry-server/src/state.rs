@@ -31,11 +31,12 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// Refuses a `model` other than the served name (an absent `model` is fine).
+    /// Refuses a `model` other than the served name with a 404, as OpenAI and vLLM answer
+    /// (an absent `model` is fine).
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model {
-            Some(m) if m != self.config.served_model_name => Err(ApiError::invalid(
-                "model",
+            Some(m) if m != self.config.served_model_name => Err(ApiError::not_found(
+                Some("model"),
                 format!(
                     "the model `{m}` does not exist; this server serves `{}`",
                     self.config.served_model_name

@@ -3,6 +3,9 @@
 //! engine-side (no HTTP).
 //!
 //! Phases, in order:
+//! 0. On the idle engine, `--updates` full weight pushes (the model's own weights as a
+//!    safetensors body, streamed in pieces) then as many reloads from disk, with resident
+//!    memory before the first, after each, and each one's peak (`updates.rs`).
 //! 1. `--repeat` rounds, each under a fresh load of `--in-flight` requests: once all are
 //!    decoding, `pause(keep)` + `resume()`; then `pause(keep, clear_cache)` + `resume()` (the
 //!    frozen requests recompute); then `pause(wait, clear_cache)`, which drains the load.
@@ -17,7 +20,7 @@
 //! the step in flight; the `after_step` figures subtract it (see `load.rs` for how), and the
 //! `engine` figures are the engine thread's own time handling the call, from its counters.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context};
@@ -32,6 +35,7 @@ use crate::byte_size::ByteSize;
 mod load;
 mod pd;
 mod report;
+mod updates;
 
 use load::{Load, LoadSpec, Snapshot};
 use report::{CycleTimings, MemoryReport, PauseTimings, Report, RssStep};
@@ -58,6 +62,9 @@ pub struct Args {
     /// Times each operation is measured.
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Weight pushes, and then reloads, whose resident memory is measured (phase 0).
+    #[arg(long, default_value_t = 8)]
+    updates: usize,
     /// Memory for the KV arena, e.g. `1GiB` (as `ferry serve`).
     #[arg(long, default_value = "1GiB")]
     kv_cache_bytes: ByteSize,
@@ -85,7 +92,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     if args.pd {
-        let (model_path, _tmp) = model_path(&args)?;
+        let tmp = tempfile::tempdir().context("creating a temporary folder")?;
+        let model_path = model_path(&args, tmp.path())?;
         let pd = runtime.block_on(pd::measure(&args, &model_path))?;
         if args.json {
             println!("{}", serde_json::json!({ "pd": pd }));
@@ -108,8 +116,10 @@ struct Bench {
     engine: EngineHandle,
     /// The folder or file the reloads read.
     model_path: PathBuf,
-    /// Holds the `tiny` model's folder until the end.
-    _tmp: Option<tempfile::TempDir>,
+    /// The model's weights as one safetensors file: the body of the pushes.
+    push_body: PathBuf,
+    /// Holds the `tiny` model's folder and the push body until the end.
+    _tmp: tempfile::TempDir,
     source: String,
     weights_bytes: u64,
     kv_block_bytes: u64,
@@ -120,6 +130,13 @@ struct Bench {
 
 async fn measure(args: &Args) -> anyhow::Result<Report> {
     let mut bench = start(args)?;
+    let updates = updates::measure(
+        &bench.engine,
+        &bench.push_body,
+        &bench.model_path,
+        args.updates,
+    )
+    .await?;
     let mut pauses = PauseTimings::default();
     for round in 0..args.repeat {
         if round > 0 {
@@ -157,15 +174,21 @@ async fn measure(args: &Args) -> anyhow::Result<Report> {
             sleep2,
             kv_fill_bytes: fill_blocks.min(u64::from(n_blocks)) * bench.kv_block_bytes,
         },
+        updates,
     })
 }
 
 /// Loads the model and starts the engine as `ferry serve` would, with room for the longest
 /// sequence the benchmark sends.
 fn start(args: &Args) -> anyhow::Result<Bench> {
-    let (model_path, tmp) = model_path(args)?;
+    let tmp = tempfile::tempdir().context("creating a temporary folder")?;
+    let model_path = model_path(args, tmp.path())?;
     let loaded = ferry_model::load_model(&model_path)
         .with_context(|| format!("loading the model {}", model_path.display()))?;
+    // Tensor by tensor, so writing it never holds the model's bytes at once.
+    let push_dir = tmp.path().join("push");
+    ferry_model::tiny::write_hf_folder(&loaded, &push_dir)
+        .with_context(|| format!("writing the push body to {}", push_dir.display()))?;
     let max_model_len = fill_prompt_len(args) + 1;
     let config = ModelEngineConfig {
         block_size: BLOCK_SIZE,
@@ -195,6 +218,7 @@ fn start(args: &Args) -> anyhow::Result<Bench> {
     Ok(Bench {
         engine: started.handle,
         model_path,
+        push_body: push_dir.join("model.safetensors"),
         _tmp: tmp,
         source: started.model.source,
         weights_bytes: started.model.weights_bytes,
@@ -205,22 +229,21 @@ fn start(args: &Args) -> anyhow::Result<Bench> {
     })
 }
 
-/// The path reloads read: `--model` (the default model fetched when missing), or a temporary
-/// folder holding the `tiny` model.
-fn model_path(args: &Args) -> anyhow::Result<(PathBuf, Option<tempfile::TempDir>)> {
+/// The path reloads read: `--model` (the default model fetched when missing), or a folder
+/// in `tmp` holding the `tiny` model.
+fn model_path(args: &Args, tmp: &Path) -> anyhow::Result<PathBuf> {
     let cache = crate::make_model::cache_dir()?;
     let spec = match args.model.as_deref() {
         None => ModelSpec::Path(crate::fetch::ensure_default_model(&cache, &args.python)?),
         Some(model) => ModelSpec::resolve(Some(model), &cache),
     };
     match spec {
-        ModelSpec::Path(path) => Ok((path, None)),
+        ModelSpec::Path(path) => Ok(path),
         ModelSpec::Tiny => {
-            let tmp = tempfile::tempdir().context("creating a folder for the tiny model")?;
-            let dir = tmp.path().join("tiny");
+            let dir = tmp.join("tiny");
             ferry_model::tiny::write_hf_folder(&ferry_model::tiny::tiny_model(), &dir)
                 .with_context(|| format!("writing the tiny model to {}", dir.display()))?;
-            Ok((dir, Some(tmp)))
+            Ok(dir)
         }
     }
 }

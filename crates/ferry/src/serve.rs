@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
 use ferry_engine::{
-    Connector, EngineHandle, KvCacheSize, KvLoadFailurePolicy, ModelEngineConfig, PdConfig, PdRole,
-    SpawnError, StartError, Transport,
+    Connector, EngineHandle, KvCacheSize, KvLoadFailurePolicy, LogprobsMode, ModelEngineConfig,
+    PdConfig, PdRole, SpawnError, StartError, Transport,
 };
 use ferry_model::{LoadedModel, ModelSpec};
-use ferry_server::ServerConfig;
+use ferry_server::{ApiKey, ServerConfig};
 
 use crate::byte_size::ByteSize;
 
@@ -69,6 +69,16 @@ pub struct Args {
     /// replace the weights, so bind the server to a trusted network only.
     #[arg(long)]
     pub enable_admin_api: bool,
+    /// Require `Authorization: Bearer <key>` on every route but /health and /metrics, the
+    /// admin routes included (a missing or wrong key is HTTP 401). Prefer the environment
+    /// variable: a flag shows in the process list.
+    #[arg(long, env = "FERRY_API_KEY", hide_env_values = true)]
+    pub api_key: Option<ApiKey>,
+    /// What `logprobs` report: `raw_logprobs` (log-softmax of the model's logits),
+    /// `processed_logprobs` (of the distribution sampled from: after temperature, top-k,
+    /// top-p and min-p), `raw_logits` or `processed_logits` (vLLM's values).
+    #[arg(long, default_value_t = LogprobsMode::RawLogprobs)]
+    pub logprobs_mode: LogprobsMode,
     /// Largest safetensors body `POST /update_weights` accepts (with --enable-admin-api),
     /// e.g. `16GiB`.
     #[arg(long, default_value = "16GiB")]
@@ -298,6 +308,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         enable_prefix_caching: !args.disable_prefix_caching,
         input_queue_capacity: args.max_queued_inputs,
         sampler_seed: args.seed,
+        logprobs_mode: args.logprobs_mode,
         weight_version: "0".to_owned(),
         export_lease: Duration::from_secs(args.kv_lease_seconds),
         kv_load_failure_policy: args.kv_load_failure_policy.into(),
@@ -324,12 +335,16 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     let scheduler = started.scheduler;
     let server_config = ServerConfig {
         enable_admin_api: args.enable_admin_api,
+        api_key: args.api_key.clone(),
         max_weight_push_bytes: usize::try_from(args.max_weight_push_bytes.0)
             .context("--max-weight-push-bytes is larger than this machine's address space")?,
         kv_connector: kv.is_some(),
         ..ServerConfig::for_model(served_model_name.clone(), &started.model)
     };
-    if args.enable_admin_api {
+    if args.api_key.is_some() {
+        tracing::info!("an API key is required on every route but /health and /metrics");
+    }
+    if args.enable_admin_api && args.api_key.is_none() {
         tracing::warn!(
             "the lifecycle admin API is on (--enable-admin-api): any client that reaches \
              this server can pause it and replace its weights"

@@ -1,7 +1,9 @@
 //! End to end: `ferry bench lifecycle --model tiny` runs every phase on the real binary and
 //! prints one JSON object with every key and sane values. No timing thresholds: only that
 //! each figure exists, is finite and positive where it must be, that the counts add up, and
-//! that the memory a sleep or KV release frees is really returned (RSS drops).
+//! that the memory a sleep or KV release frees is really returned (RSS drops). (Resident
+//! memory across weight updates is bounded by `ferry-engine`'s `tests/weight_memory.rs`, on
+//! a model large enough to measure; the tiny model's updates are below the noise.)
 
 use std::process::Command;
 
@@ -10,6 +12,7 @@ use serde_json::Value;
 const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
 const IN_FLIGHT: u64 = 8;
 const OUTPUT_LEN: u64 = 256;
+const N_UPDATES: usize = 3;
 
 /// Millisecond figures that are round trips or sums of work: always above zero.
 const POSITIVE_MS: &[&str] = &[
@@ -26,6 +29,8 @@ const POSITIVE_MS: &[&str] = &[
     "resume_engine_ms",
     "pause_keep_clear_engine_ms",
     "cycle_engine_ms",
+    "push_ms",
+    "reload_ms",
 ];
 
 /// Differences of two observed instants: zero is possible.
@@ -46,6 +51,8 @@ fn run_bench() -> Value {
             "8",
             "--repeat",
             "2",
+            "--updates",
+            "3",
             "--json",
         ])
         .env("RUST_LOG", "warn")
@@ -143,4 +150,35 @@ fn tiny_run_reports_every_figure_and_returns_memory() {
         "{report}"
     );
     assert!(obj.contains_key("model") && obj.contains_key("load_avg_1m"));
+    check_updates(&report);
+}
+
+/// Phase 0: resident memory before the updates, after each and each one's peak, per kind.
+fn check_updates(report: &Value) {
+    assert_eq!(report["n_updates"], N_UPDATES);
+    let before = number(report, "rss_before_updates_bytes");
+    assert!(before > 0.0);
+    for kind in ["push", "reload"] {
+        let series = |key: &str| -> Vec<f64> {
+            let key = format!("{kind}_{key}");
+            let values = report[&key]
+                .as_array()
+                .unwrap_or_else(|| panic!("{key} is not an array: {report}"));
+            assert_eq!(values.len(), N_UPDATES, "{key}");
+            values.iter().map(|v| v.as_f64().unwrap()).collect()
+        };
+        let after = series("rss_after_bytes");
+        let peak = series("peak_extra_bytes");
+        assert!(after.iter().all(|&b| b > 0.0), "{report}");
+        assert_eq!(
+            number(report, &format!("{kind}_rss_growth_bytes")),
+            after[N_UPDATES - 1] - before,
+            "{kind}"
+        );
+        assert_eq!(
+            number(report, &format!("{kind}_peak_extra_bytes_max")),
+            peak.iter().copied().fold(0.0, f64::max),
+            "{kind}"
+        );
+    }
 }

@@ -17,6 +17,8 @@ const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
 struct Server {
     child: Child,
     port: u16,
+    /// Its stderr up to the line with its address.
+    startup_log: Vec<String>,
     /// The rest of its stderr, line by line.
     log: mpsc::Receiver<String>,
 }
@@ -29,10 +31,20 @@ impl Drop for Server {
 }
 
 fn start(extra: &[&str]) -> Server {
-    let mut child = Command::new(FERRY)
+    start_with(extra, None, "info")
+}
+
+/// [`start`] with `FERRY_API_KEY` set to `api_key` (else removed) and `RUST_LOG` = `log`.
+fn start_with(extra: &[&str], api_key: Option<&str>, log: &str) -> Server {
+    let mut command = Command::new(FERRY);
+    match api_key {
+        Some(key) => command.env("FERRY_API_KEY", key),
+        None => command.env_remove("FERRY_API_KEY"),
+    };
+    let mut child = command
         .args(["serve", "--model", "tiny", "--port", "0"])
         .args(extra)
-        .env("RUST_LOG", "info")
+        .env("RUST_LOG", log)
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -51,6 +63,7 @@ fn start(extra: &[&str]) -> Server {
     let mut server = Server {
         child,
         port: 0,
+        startup_log: Vec::new(),
         log,
     };
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -64,6 +77,7 @@ fn start(extra: &[&str]) -> Server {
             let addr = rest.split_whitespace().next().unwrap();
             server.port = addr.rsplit(':').next().unwrap().parse().unwrap();
         }
+        server.startup_log.push(line);
     }
     server
 }
@@ -216,6 +230,63 @@ fn ctrl_c_aborts_in_flight_streams_and_exits_cleanly() {
     assert!(log.iter().any(|l| l.contains("stopped")), "{log:?}");
 }
 
+/// A raw GET with an optional `Authorization` header; the status and the whole response.
+fn get_with(port: u16, path: &str, authorization: Option<&str>) -> (u16, String) {
+    let mut conn = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let auth = authorization.map_or(String::new(), |a| format!("Authorization: {a}\r\n"));
+    write!(
+        conn,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\n{auth}Connection: close\r\n\r\n"
+    )
+    .unwrap();
+    let response = read_all(conn);
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {response}"));
+    (status, response)
+}
+
+#[test]
+fn an_api_key_from_the_environment_guards_the_server_and_is_never_logged() {
+    let key = "sk-cli-test-9f8e7d6c5b4a";
+    let mut server = start_with(&["--enable-admin-api"], Some(key), "debug");
+    let bearer = format!("Bearer {key}");
+    let wrong = format!("Bearer {key}x");
+    for path in ["/v1/models", "/is_paused"] {
+        assert_eq!(get_with(server.port, path, None).0, 401, "{path}");
+        assert_eq!(get_with(server.port, path, Some(&wrong)).0, 401, "{path}");
+        assert_eq!(get_with(server.port, path, Some(&bearer)).0, 200, "{path}");
+    }
+    assert_eq!(get_with(server.port, "/health", None).0, 200);
+    let (status, body) = get_with(server.port, "/metrics", None);
+    assert_eq!(status, 200);
+    assert!(!body.contains(key));
+    // Everything the server logged at debug level, up to its exit.
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    let mut log = std::mem::take(&mut server.startup_log);
+    log.extend(server.log.iter());
+    assert!(
+        log.iter().any(|l| l.contains("an API key is required")),
+        "{log:?}"
+    );
+    assert!(log.iter().all(|l| !l.contains(key)), "{log:?}");
+    // `--help` names the variable but never shows its value.
+    let help = Command::new(FERRY)
+        .args(["serve", "--help"])
+        .env("FERRY_API_KEY", key)
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("--api-key"), "{help}");
+    assert!(help.contains("FERRY_API_KEY"), "{help}");
+    assert!(!help.contains(key), "{help}");
+}
+
 #[test]
 fn bad_flags_are_errors_naming_the_flag() {
     let run = |args: &[&str]| {
@@ -235,6 +306,12 @@ fn bad_flags_are_errors_naming_the_flag() {
     assert!(err.contains("--max-model-len 2048"), "{err}");
     let err = run(&["serve", "--model", "tiny", "--max-num-seqs", "0"]);
     assert!(err.contains("--max-num-seqs 0"), "{err}");
+    let err = run(&["serve", "--model", "tiny", "--logprobs-mode", "processed"]);
+    assert!(err.contains("--logprobs-mode"), "{err}");
+    assert!(err.contains("processed_logprobs"), "{err}");
+    let err = run(&["serve", "--model", "tiny", "--api-key", ""]);
+    assert!(err.contains("--api-key"), "{err}");
+    assert!(err.contains("the API key is empty"), "{err}");
 }
 
 #[test]

@@ -130,18 +130,25 @@ impl GgmlType {
 
     /// Bytes that `n` elements take, or `None` for unsupported types or a partial block.
     pub fn byte_size(self, n: usize) -> Option<usize> {
-        let (block, bytes) = match self {
+        let (block, bytes) = self.block()?;
+        if !n.is_multiple_of(block) {
+            return None;
+        }
+        (n / block).checked_mul(bytes)
+    }
+}
+
+impl GgmlType {
+    /// (elements, bytes) of one block; `None` for unsupported types.
+    fn block(self) -> Option<(usize, usize)> {
+        Some(match self {
             Self::F32 => (1, 4),
             Self::F16 | Self::BF16 => (1, 2),
             Self::Q4_0 => (QK, 2 + QK / 2),
             Self::Q4_1 => (QK, 4 + QK / 2),
             Self::Q8_0 => (QK, 2 + QK),
             Self::Other(_) => return None,
-        };
-        if !n.is_multiple_of(block) {
-            return None;
-        }
-        (n / block).checked_mul(bytes)
+        })
     }
 }
 
@@ -185,6 +192,8 @@ pub struct GgufFile {
     pub tensors: Vec<GgufTensorInfo>,
     data_start: usize,
     mmap: memmap2::Mmap,
+    /// The same file, for [`GgufFile::dequantize_into`]'s reads.
+    file: std::fs::File,
 }
 
 impl GgufFile {
@@ -192,6 +201,8 @@ impl GgufFile {
         let file = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
         // SAFETY: read-only mapping; GGUF files are not rewritten in place while loaded, and
         // reading a multi-hundred-MB model into a buffer first would double peak memory.
+        // Loading reads tensors with `dequantize_into` (positioned reads), so only the header
+        // and metadata pages are ever touched through it.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))?;
         let mut cur = Cursor {
             bytes: &mmap,
@@ -211,6 +222,7 @@ impl GgufFile {
             tensors: header.tensors,
             data_start,
             mmap,
+            file,
         };
         // Bounds-check every tensor of a known size now; a tensor of an unsupported type is
         // reported only if the model needs it (a file may carry extras we never read).
@@ -254,6 +266,38 @@ impl GgufFile {
     pub fn dequantize(&self, info: &GgufTensorInfo) -> Result<Vec<f32>, LoadError> {
         let bytes = self.tensor_bytes(info)?;
         dequantize(info.dtype, bytes, info.numel()).ok_or_else(|| self.unsupported(info))
+    }
+
+    /// [`GgufFile::dequantize`] into `out`, which holds the tensor's element count. The bytes
+    /// are read a chunk of blocks at a time rather than through the mapping, so the file's
+    /// pages stay out of resident memory (see [`super::read_chunks`]).
+    pub fn dequantize_into(&self, info: &GgufTensorInfo, out: &mut [f32]) -> Result<(), LoadError> {
+        // Bounds-checks the range, and refuses an unsupported type naming the tensor.
+        let len = self.tensor_bytes(info)?.len();
+        let (block_elems, block_bytes) =
+            info.dtype.block().ok_or_else(|| self.unsupported(info))?;
+        if out.len() != info.numel() {
+            return Err(self.unsupported(info));
+        }
+        let offset = (self.data_start as u64).saturating_add(info.offset);
+        let mut ok = true;
+        super::read_chunks(
+            &self.file,
+            &self.path,
+            offset,
+            len,
+            block_bytes,
+            |at, bytes| {
+                let first = at / block_bytes * block_elems;
+                let n = bytes.len() / block_bytes * block_elems;
+                ok &= dequantize_into(info.dtype, bytes, &mut out[first..first + n]).is_some();
+            },
+        )?;
+        if ok {
+            Ok(())
+        } else {
+            Err(self.unsupported(info))
+        }
     }
 
     fn unsupported(&self, info: &GgufTensorInfo) -> LoadError {
@@ -426,48 +470,63 @@ impl<'a> Cursor<'a> {
 /// bytes are elements 0..16 and the high nibbles 16..32. `None` for other types or when the
 /// byte count does not match.
 pub fn dequantize(dtype: GgmlType, bytes: &[u8], n: usize) -> Option<Vec<f32>> {
-    if dtype.byte_size(n)? != bytes.len() {
+    let mut out = vec![0.0; n];
+    dequantize_into(dtype, bytes, &mut out)?;
+    Some(out)
+}
+
+/// [`dequantize`] into `out`, whose length is the element count.
+pub fn dequantize_into(dtype: GgmlType, bytes: &[u8], out: &mut [f32]) -> Option<()> {
+    if dtype.byte_size(out.len())? != bytes.len() {
         return None;
     }
     let f16_at = |b: &[u8], i: usize| half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
-    let mut out = Vec::with_capacity(n);
     match dtype {
-        GgmlType::F32 => out.extend(
-            bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        ),
-        GgmlType::F16 => out.extend(bytes.chunks_exact(2).map(|c| f16_at(c, 0))),
-        GgmlType::BF16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
-        ),
+        GgmlType::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16_at(c, 0);
+            }
+        }
+        GgmlType::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
         GgmlType::Q8_0 => {
-            for block in bytes.chunks_exact(2 + QK) {
+            for (o, block) in out.chunks_exact_mut(QK).zip(bytes.chunks_exact(2 + QK)) {
                 let d = f16_at(block, 0);
-                out.extend(block[2..].iter().map(|&q| d * f32::from(q as i8)));
+                for (o, &q) in o.iter_mut().zip(&block[2..]) {
+                    *o = d * f32::from(q as i8);
+                }
             }
         }
         GgmlType::Q4_0 => {
-            for block in bytes.chunks_exact(2 + QK / 2) {
+            for (o, block) in out.chunks_exact_mut(QK).zip(bytes.chunks_exact(2 + QK / 2)) {
                 let d = f16_at(block, 0);
-                push_nibbles(&mut out, &block[2..], |q| d * (f32::from(q) - 8.0));
+                put_nibbles(o, &block[2..], |q| d * (f32::from(q) - 8.0));
             }
         }
         GgmlType::Q4_1 => {
-            for block in bytes.chunks_exact(4 + QK / 2) {
+            for (o, block) in out.chunks_exact_mut(QK).zip(bytes.chunks_exact(4 + QK / 2)) {
                 let (d, m) = (f16_at(block, 0), f16_at(block, 2));
-                push_nibbles(&mut out, &block[4..], |q| d * f32::from(q) + m);
+                put_nibbles(o, &block[4..], |q| d * f32::from(q) + m);
             }
         }
         GgmlType::Other(_) => return None,
     }
-    Some(out)
+    Some(())
 }
 
-/// Low nibbles first (elements 0..16), then high nibbles (16..32).
-fn push_nibbles(out: &mut Vec<f32>, qs: &[u8], f: impl Fn(u8) -> f32) {
-    out.extend(qs.iter().map(|&b| f(b & 0x0f)));
-    out.extend(qs.iter().map(|&b| f(b >> 4)));
+/// Low nibbles first (elements 0..16), then high nibbles (16..32), into one block's `out`.
+fn put_nibbles(out: &mut [f32], qs: &[u8], f: impl Fn(u8) -> f32) {
+    let (low, high) = out.split_at_mut(qs.len());
+    for ((l, h), &b) in low.iter_mut().zip(high).zip(qs) {
+        *l = f(b & 0x0f);
+        *h = f(b >> 4);
+    }
 }

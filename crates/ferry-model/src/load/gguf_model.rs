@@ -6,8 +6,8 @@ use std::path::Path;
 
 use super::gguf::{GgufFile, GgufValue};
 use super::tokenizer::{byte_level_bpe, byte_to_char, ByteLevelBpeSpec, PreTokenizerKind};
-use super::{expected_tensors, LoadError, LoadedModel, Progress};
-use crate::{LlamaConfig, RopeScaling, Tensor, WeightStore};
+use super::{expected_tensors, LoadError, LoadedModel, Progress, TensorDest};
+use crate::{LlamaConfig, RopeScaling, WeightStore};
 
 /// llama.cpp token types (`tokenizer.ggml.token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -16,7 +16,8 @@ const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 pub(crate) fn load_gguf(path: &Path, progress: Progress<'_>) -> Result<LoadedModel, LoadError> {
     let gguf = GgufFile::open(path)?;
     let config = gguf_config(&gguf)?;
-    let weights = gguf_weights(&gguf, &config, progress)?;
+    let mut weights = WeightStore::default();
+    gguf_weights(&gguf, &config, &mut weights, progress)?;
     let tokenizer = gguf_tokenizer(&gguf)?;
     let chat_template = gguf
         .get("tokenizer.chat_template")
@@ -164,13 +165,15 @@ fn rope_scaling(meta: &Meta<'_>) -> Result<Option<RopeScaling>, LoadError> {
     }
 }
 
-/// Every expected tensor, dequantized, checked against its expected shape, and (q/k) with
-/// llama.cpp's rope permutation undone.
-fn gguf_weights(
+/// Every expected tensor, dequantized straight into `dest` (as tensor `idx` of
+/// [`expected_tensors`]), checked against its expected shape, and (q/k) with llama.cpp's
+/// rope permutation undone.
+pub(crate) fn gguf_weights(
     gguf: &GgufFile,
     config: &LlamaConfig,
+    dest: &mut dyn TensorDest,
     progress: Progress<'_>,
-) -> Result<WeightStore, LoadError> {
+) -> Result<(), LoadError> {
     let expected = expected_tensors(config);
     let n_expected = expected.len();
     let mut by_hf_name = std::collections::HashMap::new();
@@ -179,8 +182,7 @@ fn gguf_weights(
             by_hf_name.insert(hf, info);
         }
     }
-    let mut store = WeightStore::default();
-    for (n_done, (name, shape)) in expected.into_iter().enumerate() {
+    for (idx, (name, shape)) in expected.into_iter().enumerate() {
         let info = by_hf_name
             .get(&name)
             .ok_or_else(|| LoadError::MissingTensor {
@@ -195,14 +197,19 @@ fn gguf_weights(
                 actual: info.shape(),
             });
         }
-        let mut data = gguf.dequantize(info)?;
-        if let Some(n_heads) = permuted_heads(&name, config) {
-            data = unpermute_rows(&data, n_heads, &shape);
+        let out = dest.tensor_mut(idx, &name, &shape);
+        match permuted_heads(&name, config) {
+            // q and k are a few rows of the hidden size: the one copy left.
+            Some(n_heads) => {
+                let mut rows = vec![0.0; out.len()];
+                gguf.dequantize_into(info, &mut rows)?;
+                unpermute_rows_into(&rows, n_heads, &shape, out);
+            }
+            None => gguf.dequantize_into(info, out)?,
         }
-        progress(n_done + 1, n_expected, &name);
-        store.insert(name, Tensor::new(shape, data));
+        progress(idx + 1, n_expected, &name);
     }
-    Ok(store)
+    Ok(())
 }
 
 /// The GGUF name a missing Hugging Face tensor would have had (for error messages).
@@ -262,11 +269,17 @@ fn permuted_heads(hf_name: &str, config: &LlamaConfig) -> Option<usize> {
 /// `2*i + s` is Hugging Face row `s*half + i` (the rotate_half layout). `shape[0]` is the row
 /// count; any remaining dims (none for a bias) make up a row.
 pub fn unpermute_rows(data: &[f32], n_heads: usize, shape: &[usize]) -> Vec<f32> {
+    let mut out = vec![0.0; data.len()];
+    unpermute_rows_into(data, n_heads, shape, &mut out);
+    out
+}
+
+/// [`unpermute_rows`] into `out` (as long as `data`).
+fn unpermute_rows_into(data: &[f32], n_heads: usize, shape: &[usize], out: &mut [f32]) {
     let rows = shape[0];
     let row_len: usize = shape[1..].iter().product();
     let head_rows = rows / n_heads;
     let half = head_rows / 2;
-    let mut out = vec![0.0; data.len()];
     for head in 0..n_heads {
         for s in 0..2 {
             for i in 0..half {
@@ -277,7 +290,6 @@ pub fn unpermute_rows(data: &[f32], n_heads: usize, shape: &[usize]) -> Vec<f32>
             }
         }
     }
-    out
 }
 
 /// The tokenizer in `tokenizer.ggml.*` (byte-level BPE, model `gpt2`); `None` when the file

@@ -6,42 +6,44 @@ use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
 
-use super::{LoadError, Progress};
-use crate::{Tensor, WeightStore};
+use super::{read_chunks, LoadError, Progress, TensorDest};
 
 const SINGLE_FILE: &str = "model.safetensors";
+/// Bytes of the header's length prefix.
+const HEADER_LEN_BYTES: usize = 8;
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// A tensor the model needs: Hugging Face name and shape.
 type Wanted = (String, Vec<usize>);
+/// The tensors each file holds, each with its index in the expected list.
+type ByFile<'a> = BTreeMap<PathBuf, Vec<(usize, &'a Wanted)>>;
 
-/// Reads exactly the `expected` tensors (name, shape) from the folder's safetensors files.
+/// Reads exactly the `expected` tensors (name, shape) from the folder's safetensors files,
+/// each converted straight into `dest` (as tensor `idx` of `expected`).
 pub(crate) fn read_weights(
     dir: &Path,
     expected: &[Wanted],
+    dest: &mut dyn TensorDest,
     progress: Progress<'_>,
-) -> Result<WeightStore, LoadError> {
+) -> Result<(), LoadError> {
     let by_file = assign_files(dir, expected)?;
-    let mut store = WeightStore::default();
     let mut n_done = 0;
     let mut tensor_done = |name: &str| {
         n_done += 1;
         progress(n_done, expected.len(), name);
     };
     for (file, wanted) in by_file {
-        read_file(&file, &wanted, &mut store, &mut tensor_done)?;
+        read_file(&file, &wanted, dest, &mut tensor_done)?;
     }
-    Ok(store)
+    Ok(())
 }
 
-/// Which file holds each expected tensor: all in `model.safetensors`, or as the index says.
-fn assign_files<'a>(
-    dir: &Path,
-    expected: &'a [Wanted],
-) -> Result<BTreeMap<PathBuf, Vec<&'a Wanted>>, LoadError> {
+/// Which file holds each expected tensor (with its index in `expected`): all in
+/// `model.safetensors`, or as the index says.
+fn assign_files<'a>(dir: &Path, expected: &'a [Wanted]) -> Result<ByFile<'a>, LoadError> {
     let index_path = dir.join(INDEX_FILE);
     let single_path = dir.join(SINGLE_FILE);
-    let mut by_file: BTreeMap<PathBuf, Vec<_>> = BTreeMap::new();
+    let mut by_file: ByFile<'a> = BTreeMap::new();
     if index_path.exists() {
         let index = super::config_json::read_json(&index_path)?;
         let map = index
@@ -50,17 +52,17 @@ fn assign_files<'a>(
             .ok_or_else(|| {
                 LoadError::field(&index_path, "weight_map", "missing or not an object")
             })?;
-        for item in expected {
+        for (idx, item) in expected.iter().enumerate() {
             let file = map.get(&item.0).and_then(|f| f.as_str()).ok_or_else(|| {
                 LoadError::MissingTensor {
                     path: index_path.clone(),
                     tensor: item.0.clone(),
                 }
             })?;
-            by_file.entry(dir.join(file)).or_default().push(item);
+            by_file.entry(dir.join(file)).or_default().push((idx, item));
         }
     } else if single_path.exists() {
-        by_file.insert(single_path, expected.iter().collect());
+        by_file.insert(single_path, expected.iter().enumerate().collect());
     } else {
         return Err(LoadError::invalid(
             dir,
@@ -72,37 +74,57 @@ fn assign_files<'a>(
 
 fn read_file(
     path: &Path,
-    wanted: &[&Wanted],
-    store: &mut WeightStore,
+    wanted: &[(usize, &Wanted)],
+    dest: &mut dyn TensorDest,
     tensor_done: &mut dyn FnMut(&str),
 ) -> Result<(), LoadError> {
     let file = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
     // SAFETY: the mapping is read-only and lives only for this function. Another process
     // truncating the file while we read it would be undefined behaviour; model files are not
     // rewritten in place while a server loads them, and a copy would double peak memory.
+    // Only the header is read through it (validating it touches no tensor data); tensors
+    // are read with `read_chunks`, so their pages stay out of resident memory.
     let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))?;
-    let tensors = SafeTensors::deserialize(&mmap)
+    let (n_header, header) = SafeTensors::read_metadata(&mmap)
         .map_err(|e| LoadError::invalid(path, format!("invalid safetensors file: {e}")))?;
-    for (name, shape) in wanted {
-        let view = tensors.tensor(name).map_err(|_| LoadError::MissingTensor {
+    let data_start = (HEADER_LEN_BYTES + n_header) as u64;
+    for &(idx, (name, shape)) in wanted {
+        let info = header.info(name).ok_or_else(|| LoadError::MissingTensor {
             path: path.to_owned(),
             tensor: name.clone(),
         })?;
-        if view.shape() != shape.as_slice() {
+        if info.shape != *shape {
             return Err(LoadError::TensorShape {
                 path: path.to_owned(),
                 tensor: name.clone(),
                 expected: shape.clone(),
-                actual: view.shape().to_vec(),
+                actual: info.shape.clone(),
             });
         }
-        let data =
-            to_f32(view.dtype(), view.data()).ok_or_else(|| LoadError::UnsupportedDtype {
+        let Some(width) = f32_source_width(info.dtype) else {
+            return Err(LoadError::UnsupportedDtype {
                 path: path.to_owned(),
                 tensor: name.clone(),
-                dtype: format!("{:?} (supported: F32, F16, BF16)", view.dtype()),
-            })?;
-        store.insert(name.clone(), Tensor::new(shape.clone(), data));
+                dtype: format!("{:?} (supported: F32, F16, BF16)", info.dtype),
+            });
+        };
+        // The shape matches and the header was validated: the bytes are exactly its elements.
+        let (start, end) = info.data_offsets;
+        let out = dest.tensor_mut(idx, name, shape);
+        read_chunks(
+            &file,
+            path,
+            data_start + start as u64,
+            end - start,
+            width,
+            |at, bytes| {
+                decode_into(
+                    info.dtype,
+                    bytes,
+                    &mut out[at / width..(at + bytes.len()) / width],
+                );
+            },
+        )?;
         tensor_done(name);
     }
     Ok(())
@@ -111,19 +133,41 @@ fn read_file(
 /// Little-endian F32/F16/BF16 bytes → f32; `None` for other dtypes. The bytes of a mapped
 /// file need not be aligned, so values are decoded from byte chunks, not cast in place.
 pub(crate) fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    Some(match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        _ => return None,
-    })
+    let width = f32_source_width(dtype)?;
+    let mut out = vec![0.0; bytes.len() / width];
+    decode_into(dtype, &bytes[..out.len() * width], &mut out);
+    Some(out)
+}
+
+/// Bytes per element of a dtype that converts to f32 (F32, F16, BF16); `None` for others.
+pub(crate) fn f32_source_width(dtype: Dtype) -> Option<usize> {
+    match dtype {
+        Dtype::F32 => Some(4),
+        Dtype::F16 | Dtype::BF16 => Some(2),
+        _ => None,
+    }
+}
+
+/// Decodes little-endian `dtype` values from `bytes` into `out`, one per element
+/// (`bytes.len()` is `out.len()` times the dtype's width; a dtype [`f32_source_width`]
+/// refuses writes nothing).
+pub(crate) fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        Dtype::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        Dtype::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        Dtype::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        _ => {}
+    }
 }

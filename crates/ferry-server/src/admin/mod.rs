@@ -25,6 +25,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
+use crate::extract::ApiBytes;
 use crate::state::AppState;
 use args::{optional_json, wake_tags, QueryArgs};
 
@@ -152,7 +153,7 @@ pub struct AbortRequests {
 /// engine request id; unknown or finished ids are ignored. Empty or missing: every request.
 pub async fn abort_requests(
     State(app): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> AdminReply {
     let req: AbortRequests = optional_json(&body)?;
     let ids = req

@@ -24,6 +24,7 @@ use super::args::{optional_json, wake_tags};
 use super::weights::engine_weight_info;
 use super::AdminReply;
 use crate::error::ApiError;
+use crate::extract::ApiBytes;
 use crate::state::AppState;
 
 /// SGLang's memory tag for CUDA graphs: a CPU engine has none, so it is accepted and skipped.
@@ -53,7 +54,7 @@ pub struct PauseGeneration {
 /// `POST /pause_generation {"mode": ...}` (default `abort`).
 pub async fn pause_generation(
     State(app): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> AdminReply {
     let req: PauseGeneration = optional_json(&body)?;
     let (mode, clear_cache) = match req.mode.as_deref().unwrap_or("abort") {
@@ -119,7 +120,7 @@ fn memory_tags(body: &[u8]) -> Result<Option<Vec<WakeTag>>, ApiError> {
 /// are woken again, so only the named memory stays released.
 pub async fn release_memory_occupation(
     State(app): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> AdminReply {
     let tags = memory_tags(&body)?;
     if tags.as_ref().is_some_and(Vec::is_empty) {
@@ -142,7 +143,7 @@ pub async fn release_memory_occupation(
 /// generation continues once everything is back.
 pub async fn resume_memory_occupation(
     State(app): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> AdminReply {
     let tags = memory_tags(&body)?;
     if tags.as_ref().is_some_and(Vec::is_empty) {

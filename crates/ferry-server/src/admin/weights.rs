@@ -6,20 +6,25 @@
 //! refused update is a 400 naming the tensor or field at fault and the weights stay as they
 //! were. Neither needs a pause: the engine swaps weights between two steps, and the new
 //! weight version seeds every block hash from then on, so no prefix hit crosses the update.
+//!
+//! A push's body is streamed to the engine as it arrives, never collected: a full push of a
+//! model costs the new weights, not the body plus copies of it.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use axum::body::Body;
+use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::{RawQuery, State};
 use axum::Json;
-use ferry_engine::{WeightInfo, WeightResidency, WeightUpdateInfo};
+use ferry_engine::{WeightInfo, WeightPushError, WeightResidency, WeightUpdateInfo};
+use futures_util::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::args::{non_empty, optional_json, QueryArgs};
 use super::AdminReply;
 use crate::error::ApiError;
+use crate::extract::ApiBytes;
 use crate::state::AppState;
 
 /// `POST /update_weights_from_disk`'s body (SGLang's and vLLM's field names; other SGLang
@@ -34,7 +39,7 @@ pub struct UpdateFromDisk {
 /// every weight from a model folder (or GGUF file) of the same model.
 pub async fn update_weights_from_disk(
     State(app): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> AdminReply {
     let req: UpdateFromDisk = optional_json(&body)?;
     let path = match req.model_path.as_deref() {
@@ -49,7 +54,7 @@ pub async fn update_weights_from_disk(
 
 /// `POST /update_weights?weight_version=v7` with a safetensors body (`Content-Type:
 /// application/octet-stream`): replaces the named parameters (some or all). The body may be
-/// up to `ServerConfig::max_weight_push_bytes`.
+/// up to `ServerConfig::max_weight_push_bytes`; it is converted as it arrives.
 pub async fn push(
     State(app): State<Arc<AppState>>,
     RawQuery(raw): RawQuery,
@@ -58,18 +63,56 @@ pub async fn push(
     let q = QueryArgs::parse(raw.as_deref(), &["weight_version"])?;
     let version = q.non_empty("weight_version")?;
     let limit = app.config.max_weight_push_bytes;
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
-        ApiError::too_large(format!(
-            "could not read the safetensors body (at most {limit} bytes, \
-             see --max-weight-push-bytes): {e}"
-        ))
-    })?;
-    // Parsed and converted off the async workers and the engine thread.
-    let info = app
+    // A declared length over the limit is refused before a byte is read.
+    if body.size_hint().lower() > limit as u64 {
+        return Err(BodyError::TooLarge { limit }.into());
+    }
+    let mut body = Box::pin(limited(body, limit));
+    match app
         .engine
-        .update_weights_from_safetensors(bytes, version)
-        .await?;
-    Ok(Json(update_reply(&info, "weights updated")))
+        .update_weights_from_safetensors_stream(&mut body, version)
+        .await
+    {
+        Ok(info) => Ok(Json(update_reply(&info, "weights updated"))),
+        Err(WeightPushError::Body(e)) => Err(e.into()),
+        Err(WeightPushError::Update(e)) => {
+            // A refused push leaves the body unread: read it out (within the limit), so the
+            // client, still sending, gets the 400 rather than a reset connection.
+            while let Some(Ok(_)) = body.next().await {}
+            Err(e.into())
+        }
+    }
+}
+
+/// Why a pushed body could not be read.
+#[derive(Debug, thiserror::Error)]
+enum BodyError {
+    #[error("the safetensors body is over {limit} bytes (see --max-weight-push-bytes)")]
+    TooLarge { limit: usize },
+    #[error("could not read the safetensors body: {0}")]
+    Read(axum::Error),
+}
+
+impl From<BodyError> for ApiError {
+    fn from(e: BodyError) -> Self {
+        match e {
+            BodyError::TooLarge { .. } => ApiError::too_large(e.to_string()),
+            BodyError::Read(_) => ApiError::invalid("body", e.to_string()),
+        }
+    }
+}
+
+/// The body's pieces, ending with `TooLarge` once more than `limit` bytes came.
+fn limited(body: Body, limit: usize) -> impl Stream<Item = Result<Bytes, BodyError>> {
+    let mut n_read = 0usize;
+    body.into_data_stream().map(move |piece| {
+        let piece = piece.map_err(BodyError::Read)?;
+        n_read = n_read.saturating_add(piece.len());
+        if n_read > limit {
+            return Err(BodyError::TooLarge { limit });
+        }
+        Ok(piece)
+    })
 }
 
 fn update_reply(info: &WeightUpdateInfo, message: &str) -> Value {
@@ -95,7 +138,7 @@ pub struct UpdateWeightVersion {
 /// weight changes); prefix-cache entries of the old name are never hit again.
 pub async fn update_weight_version(
     State(app): State<Arc<AppState>>,
-    body: axum::body::Bytes,
+    ApiBytes(body): ApiBytes,
 ) -> AdminReply {
     let req: UpdateWeightVersion = optional_json(&body)?;
     let version = non_empty(req.new_version, "new_version")?
@@ -124,5 +167,30 @@ fn residency_name(r: WeightResidency) -> &'static str {
         WeightResidency::Resident => "resident",
         WeightResidency::Offloaded => "offloaded",
         WeightResidency::Dropped => "dropped",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chunked body (no length declared) is cut off past the limit, as it arrives: the
+    /// pieces within it pass whole, the one that crosses it is `TooLarge`. (Over HTTP the
+    /// client may still be sending when the 413 comes, so this is checked here.)
+    #[tokio::test]
+    async fn a_body_past_the_limit_ends_with_too_large() {
+        let pieces = |n: usize, len: usize| {
+            let pieces = (0..n).map(move |_| Ok::<_, std::io::Error>(vec![1u8; len]));
+            Body::from_stream(futures_util::stream::iter(pieces))
+        };
+        let body = pieces(3, 40);
+        assert_eq!(body.size_hint().lower(), 0, "no declared length");
+        let got: Vec<_> = limited(body, 100).collect().await;
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[0].as_ref().unwrap().len(), 40);
+        assert_eq!(got[1].as_ref().unwrap().len(), 40);
+        assert!(matches!(got[2], Err(BodyError::TooLarge { limit: 100 })));
+        let got: Vec<_> = limited(pieces(2, 50), 100).collect().await;
+        assert!(got.iter().all(Result::is_ok) && got.len() == 2);
     }
 }

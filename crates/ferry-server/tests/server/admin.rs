@@ -569,6 +569,45 @@ async fn a_push_over_the_body_limit_is_a_413() {
     assert_eq!(weight_info(&s).await["n_weight_updates"], 0);
 }
 
+/// The tiny model's own weights as one safetensors body.
+fn tiny_body() -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    ferry_engine::testing::write_tiny_folder(dir.path()).unwrap();
+    std::fs::read(dir.path().join("model.safetensors")).unwrap()
+}
+
+/// `body` sent chunked (no `Content-Length`), in pieces of `piece` bytes.
+fn chunked(body: &[u8], piece: usize) -> reqwest::Body {
+    let pieces: Vec<Result<Vec<u8>, std::io::Error>> =
+        body.chunks(piece).map(|c| Ok(c.to_vec())).collect();
+    reqwest::Body::wrap_stream(futures_util::stream::iter(pieces))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_complete_push_in_small_chunks_gives_the_same_tokens() {
+    let s = admin_server().await;
+    let before = generate_ids(&s).await;
+    // Pieces of 1000 bytes split elements and the header: the body is converted as it comes.
+    let (status, reply) = bounded(
+        "push",
+        s.send_json(
+            s.http
+                .post(s.url("/update_weights?weight_version=same"))
+                .header("content-type", "application/octet-stream")
+                .body(chunked(&tiny_body(), 1000)),
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(
+        (&reply["complete"], &reply["weight_version"]),
+        (&json!(true), &json!("same"))
+    );
+    // The same weights, bit for bit: the same tokens.
+    assert_eq!(generate_ids(&s).await, before);
+    assert_eq!(weight_info(&s).await["n_weight_updates"], 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pushes_are_not_held_to_the_json_body_limit() {
     let s = admin_server().await;

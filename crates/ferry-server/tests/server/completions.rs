@@ -162,7 +162,9 @@ async fn seeds_filters_and_n_follow_the_sampling_parameters() {
         let out = s.ok("/v1/completions", &req(f)).await;
         assert_eq!(tokens(&out, 0), tokens(&greedy, 0), "{filter}");
     }
-    // A seed reproduces; choice i of n uses seed + i.
+    // A seed reproduces; choice i of n draws from the seed's stream i (choice 0 is the lone
+    // request's draws), never from seed + i's: choice 1 of seed 7 is not seed 8's choice 0,
+    // and choice 3 of seed 7 is not seed 10's (they were equal before).
     let seeded = |seed: i64, n: i64| req(json!({"temperature": 1.0, "seed": seed, "n": n}));
     let a = s.ok("/v1/completions", &seeded(7, 1)).await;
     let b = s.ok("/v1/completions", &seeded(7, 1)).await;
@@ -173,9 +175,18 @@ async fn seeds_filters_and_n_follow_the_sampling_parameters() {
         tokens(&c, 0),
         "seeds 7 and 8 sampled the same 10 tokens"
     );
-    let n2 = s.ok("/v1/completions", &seeded(7, 2)).await;
-    assert_eq!(tokens(&n2, 0), tokens(&a, 0));
-    assert_eq!(tokens(&n2, 1), tokens(&c, 0));
+    let n4 = s.ok("/v1/completions", &seeded(7, 4)).await;
+    assert_eq!(tokens(&n4, 0), tokens(&a, 0));
+    assert_ne!(tokens(&n4, 1), tokens(&c, 0));
+    let d = s.ok("/v1/completions", &seeded(10, 1)).await;
+    assert_ne!(tokens(&n4, 3), tokens(&d, 0));
+    let choices: std::collections::BTreeSet<Vec<u64>> = (0..4).map(|i| tokens(&n4, i)).collect();
+    assert_eq!(choices.len(), 4, "{n4}");
+    // n > 1 reproduces choice by choice.
+    let again = s.ok("/v1/completions", &seeded(7, 4)).await;
+    for i in 0..4 {
+        assert_eq!(tokens(&again, i), tokens(&n4, i));
+    }
     // Accepted and ignored fields.
     let out = s
         .ok("/v1/completions", &req(json!({"temperature": 0, "priority": 5, "user": "u", "cache_salt": "salt",

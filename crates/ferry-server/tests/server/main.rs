@@ -3,10 +3,13 @@
 
 mod admin;
 mod admin_load;
+mod auth;
 mod chat;
 mod completions;
+mod conformance;
 mod errors;
 mod lifecycle;
+mod logprobs_mode;
 mod misc;
 mod pd;
 mod support;

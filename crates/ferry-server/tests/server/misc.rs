@@ -59,7 +59,7 @@ async fn tokenize_and_detokenize_round_trip() {
     s.expect_error(
         "/tokenize",
         &json!({"prompt": "x", "model": "other"}),
-        400,
+        404,
         Some("model"),
     )
     .await;

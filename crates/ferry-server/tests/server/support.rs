@@ -8,9 +8,9 @@ use std::time::Duration;
 use ferry_engine::testing::{tiny_model, StepThrottle};
 use ferry_engine::{
     start_model_with_connectors, Connector, EngineHandle, InMemoryFabric, InMemoryTransport,
-    KvCacheSize, KvLoadFailurePolicy, ModelEngineConfig, PdConfig, PdRole,
+    KvCacheSize, KvLoadFailurePolicy, LogprobsMode, ModelEngineConfig, PdConfig, PdRole,
 };
-use ferry_server::{router, serve, ServerConfig};
+use ferry_server::{router, serve, ApiKey, ServerConfig};
 use serde_json::Value;
 
 pub const MODEL: &str = "tiny-test";
@@ -24,6 +24,12 @@ pub struct Options {
     pub admin_api: bool,
     /// `ServerConfig::max_weight_push_bytes` (default: the server's default).
     pub max_weight_push_bytes: Option<usize>,
+    /// `ServerConfig::api_key`.
+    pub api_key: Option<String>,
+    /// The engine's logprobs mode.
+    pub logprobs_mode: LogprobsMode,
+    /// `ServerConfig::max_top_logprobs` (default: the server's default).
+    pub max_top_logprobs: Option<u32>,
 }
 
 impl Default for Options {
@@ -34,6 +40,9 @@ impl Default for Options {
             step_delay: Duration::ZERO,
             admin_api: false,
             max_weight_push_bytes: None,
+            api_key: None,
+            logprobs_mode: LogprobsMode::default(),
+            max_top_logprobs: None,
         }
     }
 }
@@ -77,6 +86,7 @@ pub async fn start_with(opts: Options, pd: Option<Pd>) -> Server {
         max_num_batched_tokens: 512,
         max_model_len: Some(MAX_MODEL_LEN),
         input_queue_capacity: opts.queue_capacity,
+        logprobs_mode: opts.logprobs_mode,
         ..ModelEngineConfig::default()
     };
     let throttle = StepThrottle {
@@ -105,13 +115,16 @@ pub async fn start_with(opts: Options, pd: Option<Pd>) -> Server {
     };
     let started = start_model_with_connectors(model, &config, throttle.wrap(), connectors).unwrap();
     let engine = started.handle;
+    let defaults = ServerConfig::for_model(MODEL, &started.model);
     let server_config = ServerConfig {
         enable_admin_api: opts.admin_api,
+        api_key: opts.api_key.map(|k| ApiKey::new(k).unwrap()),
+        max_top_logprobs: opts.max_top_logprobs.unwrap_or(defaults.max_top_logprobs),
         max_weight_push_bytes: opts
             .max_weight_push_bytes
             .unwrap_or(ferry_server::DEFAULT_MAX_WEIGHT_PUSH_BYTES),
         kv_connector: pd.is_some(),
-        ..ServerConfig::for_model(MODEL, &started.model)
+        ..defaults
     };
     let app = router(engine.clone(), server_config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -6,6 +6,8 @@ use std::time::Duration;
 use anyhow::Context;
 use serde_json::{json, Map, Value};
 
+use super::updates::{UpdateMemory, UpdateRss};
+
 /// Repeated measurements of one quantity, reported as min / p50 / max.
 #[derive(Debug, Clone, Default)]
 pub struct Samples(Vec<f64>);
@@ -142,6 +144,7 @@ pub struct Report {
     pub pauses: PauseTimings,
     pub cycle: CycleTimings,
     pub memory: MemoryReport,
+    pub updates: UpdateMemory,
 }
 
 impl Report {
@@ -190,7 +193,37 @@ impl Report {
         c.total.insert(&mut out, "cycle_total_ms");
         c.engine.insert(&mut out, "cycle_engine_ms");
         self.memory_json(&mut out);
+        self.updates_json(&mut out);
         Value::Object(out)
+    }
+
+    /// `rss_before_updates_bytes`, then per kind (`push`, `reload`): resident memory after
+    /// each update and each one's peak over what was resident before it (arrays, in update
+    /// order), the growth from before the first to after the last, the largest peak, and
+    /// each update's time.
+    fn updates_json(&self, out: &mut Map<String, Value>) {
+        let u = &self.updates;
+        out.insert("n_updates".into(), json!(u.pushes.len()));
+        out.insert("rss_before_updates_bytes".into(), json!(u.rss_before));
+        for (kind, rows, ms) in [
+            ("push", &u.pushes, &u.push_ms),
+            ("reload", &u.reloads, &u.reload_ms),
+        ] {
+            let after: Vec<u64> = rows.iter().map(|r| r.after).collect();
+            let peak: Vec<u64> = rows.iter().map(UpdateRss::peak_extra).collect();
+            let last = after.last().copied().unwrap_or(u.rss_before);
+            out.insert(format!("{kind}_rss_after_bytes"), json!(after));
+            out.insert(format!("{kind}_peak_extra_bytes"), json!(peak));
+            out.insert(
+                format!("{kind}_rss_growth_bytes"),
+                json!(last as i64 - u.rss_before as i64),
+            );
+            out.insert(
+                format!("{kind}_peak_extra_bytes_max"),
+                json!(peak.iter().max().copied().unwrap_or(0)),
+            );
+            ms.insert(out, &format!("{kind}_ms"));
+        }
     }
 
     fn memory_json(&self, out: &mut Map<String, Value>) {
@@ -305,6 +338,27 @@ impl Report {
                 r.wake_ms
             );
         }
+        s + &self.updates_summary()
+    }
+
+    fn updates_summary(&self) -> String {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        let u = &self.updates;
+        let mut s = format!(
+            "\nweight updates on the idle engine (resident MiB; before the first {:.1}):\n",
+            mib(u.rss_before)
+        );
+        for (kind, rows) in [("push", &u.pushes), ("reload", &u.reloads)] {
+            for (i, r) in rows.iter().enumerate() {
+                s += &format!(
+                    "{kind:<6} {:>3}  after {:>8.1}  peak +{:>7.1} over the {:.1} before it\n",
+                    i + 1,
+                    mib(r.after),
+                    mib(r.peak_extra()),
+                    mib(r.before)
+                );
+            }
+        }
         s
     }
 }
@@ -313,6 +367,30 @@ impl Report {
 pub fn rss_bytes() -> anyhow::Result<u64> {
     ferry_kv::resident_bytes()
         .context("no VmRSS in /proc/self/status (resident memory needs Linux)")
+}
+
+/// Resets this process's peak resident memory (`VmHWM`) to its current resident memory, by
+/// writing `5` to `/proc/self/clear_refs` (Linux ≥ 4.0).
+pub fn reset_peak_rss() -> anyhow::Result<()> {
+    std::fs::write("/proc/self/clear_refs", "5")
+        .context("resetting the peak resident memory through /proc/self/clear_refs")
+}
+
+/// This process's peak resident memory since start or the last [`reset_peak_rss`]
+/// (`VmHWM`), in bytes.
+pub fn peak_rss_bytes() -> anyhow::Result<u64> {
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .context("no VmHWM in /proc/self/status")?;
+    let kib: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .context("a malformed VmHWM line")?;
+    Ok(kib * 1024)
 }
 
 /// The 1-minute load average, so a reader can tell a contended run (Linux only).
