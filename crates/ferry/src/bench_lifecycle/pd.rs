@@ -83,6 +83,9 @@ pub async fn measure(args: &Args, model_path: &std::path::Path) -> anyhow::Resul
         max_num_seqs: args.in_flight.max(256),
         max_num_batched_tokens: super::MAX_NUM_BATCHED_TOKENS,
         max_model_len: Some(args.prompt_len + 16),
+        // The exports must outlive P's prefill of every request (minutes for a real model on
+        // a small CPU): the bench times the pause, not lease expiry.
+        export_lease: Duration::from_secs(3600),
         ..ModelEngineConfig::default()
     };
     let start = |id: &str, role, transport: Arc<dyn Transport>| -> anyhow::Result<_> {
