@@ -215,12 +215,8 @@ impl PdConnector {
             return;
         };
         if let Some(hold) = import.loading {
-            if let Some(l) = self.loading.get_mut(&hold) {
-                if !l.cancelled {
-                    l.cancelled = true;
-                    self.jobs.push(WorkerJob::CancelFetch { hold });
-                }
-            }
+            // The request is gone: nobody waits for the load's outcome.
+            self.cancel_load(hold, None);
         }
         if let Some(key) = export_key(&import.params) {
             if let Some(seen) = self.seen.get_mut(&key) {
@@ -229,6 +225,33 @@ impl PdConnector {
                     self.seen.remove(&key);
                 }
             }
+        }
+    }
+
+    /// Tells the worker to stop serving export `hold`, once; its hold ends with `ExportGone`.
+    fn unpublish(&mut self, hold: TransferId) {
+        if let Some(export) = self.exports.get_mut(&hold) {
+            if !export.unpublished {
+                export.unpublished = true;
+                self.jobs.push(WorkerJob::Unpublish { hold });
+            }
+        }
+    }
+
+    /// Tells the worker to cancel load `hold`, once, and reports `outcome` for its request
+    /// now (none when the request is gone); the hold ends with the worker's `FetchDone`.
+    fn cancel_load(&mut self, hold: TransferId, outcome: Option<LoadOutcome>) {
+        let Some(l) = self.loading.get_mut(&hold).filter(|l| !l.cancelled) else {
+            return;
+        };
+        l.cancelled = true;
+        self.jobs.push(WorkerJob::CancelFetch { hold });
+        if let Some(outcome) = outcome {
+            self.loads.push(LoadResult {
+                req: l.req,
+                hold,
+                outcome,
+            });
         }
     }
 }
@@ -455,23 +478,14 @@ impl KvConnector for PdConnector {
     }
 
     fn abort_transfers(&mut self) {
-        for (&hold, export) in &mut self.exports {
-            if !export.unpublished {
-                export.unpublished = true;
-                self.jobs.push(WorkerJob::Unpublish { hold });
-            }
+        let exports: Vec<TransferId> = self.exports.keys().copied().collect();
+        for hold in exports {
+            self.unpublish(hold);
         }
-        for (&hold, l) in &mut self.loading {
-            if !l.cancelled {
-                l.cancelled = true;
-                self.jobs.push(WorkerJob::CancelFetch { hold });
-                // A retraction: the request holds no KV and recomputes after the resume.
-                self.loads.push(LoadResult {
-                    req: l.req,
-                    hold,
-                    outcome: LoadOutcome::Cancelled,
-                });
-            }
+        let loads: Vec<TransferId> = self.loading.keys().copied().collect();
+        for hold in loads {
+            // A retraction: the request holds no KV and recomputes after the resume.
+            self.cancel_load(hold, Some(LoadOutcome::Cancelled));
         }
     }
 
@@ -484,26 +498,12 @@ impl KvConnector for PdConnector {
     }
 
     fn hold_expired(&mut self, hold: TransferId) {
-        if let Some(export) = self.exports.get_mut(&hold) {
-            if !export.unpublished {
-                export.unpublished = true;
-                self.jobs.push(WorkerJob::Unpublish { hold });
-            }
-        }
-        if let Some(l) = self.loading.get_mut(&hold) {
-            if !l.cancelled {
-                l.cancelled = true;
-                self.jobs.push(WorkerJob::CancelFetch { hold });
-                self.loads.push(LoadResult {
-                    req: l.req,
-                    hold,
-                    outcome: LoadOutcome::Failed {
-                        good_blocks: 0,
-                        reason: "the load did not answer in time".into(),
-                    },
-                });
-            }
-        }
+        self.unpublish(hold);
+        let timed_out = LoadOutcome::Failed {
+            good_blocks: 0,
+            reason: "the load did not answer in time".into(),
+        };
+        self.cancel_load(hold, Some(timed_out));
     }
 
     fn has_pending_work(&self) -> bool {
