@@ -222,6 +222,13 @@ fn step(f: &mut Fabric, engine: &str, h: &mut Harness) -> StepPlan {
     s.plan
 }
 
+/// Steps D once and lets the fabric answer its fetches, delivering the reports.
+fn step_and_load(f: &mut Fabric, engine: &str, h: &mut Harness) {
+    step(f, engine, h);
+    f.complete_fetches(engine);
+    f.deliver(engine, h);
+}
+
 fn poll(f: &mut Fabric, engine: &str, h: &mut Harness) -> Vec<LifecycleEvent> {
     let mut out = Vec::new();
     h.sched.poll_lifecycle(&mut out);
@@ -429,9 +436,7 @@ fn forged_stale_and_out_of_range_parameters_fail_under_fail() {
             .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(bad))
             .unwrap();
         for _ in 0..4 {
-            step(&mut f, "D", &mut d);
-            f.complete_fetches("D");
-            f.deliver("D", &mut d);
+            step_and_load(&mut f, "D", &mut d);
         }
         assert_eq!(
             d.finished.get("x").map(|x| x.0),
@@ -447,9 +452,7 @@ fn forged_stale_and_out_of_range_parameters_fail_under_fail() {
     d.sched
         .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
         .unwrap();
-    step(&mut f, "D", &mut d);
-    f.complete_fetches("D");
-    f.deliver("D", &mut d);
+    step_and_load(&mut f, "D", &mut d);
     d.drain(100);
     assert_eq!(f.n_pulls, 1);
     assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
@@ -466,9 +469,7 @@ fn bad_parameters_recompute_under_recompute() {
             .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(bad))
             .unwrap();
         for _ in 0..30 {
-            step(&mut f, "D", &mut d);
-            f.complete_fetches("D");
-            f.deliver("D", &mut d);
+            step_and_load(&mut f, "D", &mut d);
             if d.sched.n_live() == 0 {
                 break;
             }
@@ -493,9 +494,7 @@ fn a_reused_export_is_not_loaded_twice() {
             .add_request_with_transfer(id, prompt(1, 16), greedy(2), Some(remote(&params)))
             .unwrap();
         for _ in 0..10 {
-            step(&mut f, "D", &mut d);
-            f.complete_fetches("D");
-            f.deliver("D", &mut d);
+            step_and_load(&mut f, "D", &mut d);
         }
         d.drain(100);
     }
@@ -505,9 +504,7 @@ fn a_reused_export_is_not_loaded_twice() {
     d2.sched
         .add_request_with_transfer("c", prompt(1, 16), greedy(2), Some(remote(&params)))
         .unwrap();
-    step(&mut f, "D2", &mut d2);
-    f.complete_fetches("D2");
-    f.deliver("D2", &mut d2);
+    step_and_load(&mut f, "D2", &mut d2);
     assert_eq!(d2.finished["c"].0, FinishReason::Error);
 }
 

@@ -4,29 +4,21 @@
 //! model makes every sampled token a function of the whole KV it attends over, so D producing
 //! the single-engine tokens proves the right bytes crossed the socket into the right blocks.
 
+mod pd_common;
 mod support;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use ferry_core::{FinishReason, TokenId};
+use ferry_core::FinishReason;
 use ferry_engine::{
     spawn_with_connectors, Connector, EngineConfig, EngineHandle, Executor, KvLoadFailurePolicy,
     KvTransferParams, PdConfig, PdRole, SchedulerConfig,
 };
 use ferry_kv::{TcpTransport, TcpTransportConfig};
+use pd_common::*;
 use support::*;
 
-const BOUND: Duration = Duration::from_secs(20);
-const MAX_TOKENS: u32 = 10;
-
-async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(BOUND, f)
-        .await
-        .expect("no answer within the bound")
-}
-
-/// An engine with a P/D connector over its own TCP transport (listening on 127.0.0.1).
 fn pd_engine(id: &str, role: PdRole, config: SchedulerConfig) -> (EngineHandle, Arc<TcpTransport>) {
     let bs = config.block_size;
     let transport = TcpTransport::start(TcpTransportConfig {
@@ -59,55 +51,6 @@ fn pd_engine(id: &str, role: PdRole, config: SchedulerConfig) -> (EngineHandle, 
     )
     .unwrap();
     (engine, transport)
-}
-
-fn prompt(i: usize, len: usize) -> Vec<TokenId> {
-    (0..len)
-        .map(|j| (3 + 7 * i + 11 * j) as TokenId % 900 + 1)
-        .collect()
-}
-
-/// P's part: the prompt to its first token, exported.
-async fn prefill(p: &EngineHandle, id: &str, prompt: Vec<TokenId>) -> KvTransferParams {
-    let mut req = request(id, prompt, 1);
-    req.kv_transfer_params = Some(KvTransferParams {
-        do_remote_decode: true,
-        ..KvTransferParams::default()
-    });
-    let c = within(collect(within(p.generate(req)).await.unwrap())).await;
-    let finish = c.finish.expect("finished");
-    assert_eq!(finish.reason, FinishReason::Length);
-    finish.kv_transfer_params.expect("P returns the parameters")
-}
-
-/// D's part, with P's parameters.
-async fn decode(
-    d: &EngineHandle,
-    id: &str,
-    prompt: Vec<TokenId>,
-    params: KvTransferParams,
-) -> Collected {
-    let mut req = request(id, prompt, MAX_TOKENS);
-    req.kv_transfer_params = Some(KvTransferParams {
-        do_remote_prefill: true,
-        do_remote_decode: false,
-        ..params
-    });
-    within(collect(within(d.generate(req)).await.unwrap())).await
-}
-
-/// Waits until `engine` holds no transfer and no block.
-async fn until_clean(engine: &EngineHandle) {
-    let started = Instant::now();
-    loop {
-        let s = engine.stats().scheduler;
-        if s.n_transfers == 0 && s.n_blocks_used == 0 {
-            break;
-        }
-        assert!(started.elapsed() < BOUND, "still held: {s:?}");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    within(engine.check_invariants()).await.unwrap().unwrap();
 }
 
 #[tokio::test]
