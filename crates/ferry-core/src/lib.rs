@@ -63,7 +63,8 @@ pub use lifecycle::{
 pub use ownership::{BlockStatus, Owner, OwnershipError, TransferId};
 pub use pd::{PdConfig, PdConnector, PdRole};
 pub use plan::{
-    BlockId, ModelOutput, ReqIdx, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenId,
+    mask_allows, BlockId, ModelOutput, ReqIdx, SampleSpec, SampledToken, ScheduledReq, StepPlan,
+    TokenId, TokenMask,
 };
 pub use request::{AddError, FinishReason, Request, RequestState};
 pub use sampling::{SamplerSpec, SamplingParams};

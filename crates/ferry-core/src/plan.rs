@@ -45,6 +45,20 @@ pub struct SampleSpec {
     /// Number of tokens this request has generated so far: with a seed, the random draw is a
     /// function of (seed, seed stream, output_idx) alone, so it does not depend on the batch.
     pub output_idx: u32,
+    /// The tokens the sample may take (a structured-output constraint), as an index into
+    /// [`StepPlan::token_masks`]; `None`: any token. The scheduler never sets it: the engine
+    /// fills it in, from the request's constraint, between `schedule` and the forward.
+    pub mask: Option<u32>,
+}
+
+/// The tokens one sample may take: bit `t % 32` of word `t / 32` set means token `t` is
+/// allowed (llguidance's layout). Tokens past the end are not allowed.
+pub type TokenMask = Vec<u32>;
+
+/// Whether `mask` allows `token`.
+pub fn mask_allows(mask: &[u32], token: TokenId) -> bool {
+    let t = token as usize;
+    mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)
 }
 
 /// Everything the executor runs in one step.
@@ -60,6 +74,8 @@ pub struct StepPlan {
     /// only connectors with jobs appear. A plan with no requests but some work is a
     /// connector-only step: the engine runs the workers and no forward.
     pub connector_work: Vec<crate::connector::StepWork>,
+    /// The masks of constrained samples ([`SampleSpec::mask`] indexes them).
+    pub token_masks: Vec<TokenMask>,
 }
 
 impl StepPlan {
@@ -86,6 +102,13 @@ impl StepPlan {
     }
 
     /// Arena slot (`block * block_size + offset`) of the token at absolute position `pos`.
+    /// The mask a sample is held to, if any.
+    pub fn mask_of(&self, spec: &SampleSpec) -> Option<&[u32]> {
+        spec.mask
+            .and_then(|i| self.token_masks.get(i as usize))
+            .map(Vec::as_slice)
+    }
+
     pub fn slot_of(&self, r: &ScheduledReq, pos: usize) -> usize {
         let table = self.block_table_of(r);
         table[pos / self.block_size] as usize * self.block_size + pos % self.block_size

@@ -668,6 +668,7 @@ impl Scheduler {
             let sample = (end_pos == req.tokens.len()).then(|| SampleSpec {
                 params: req.params.sampler,
                 output_idx: req.n_output_tokens() as u32,
+                mask: None,
             });
             req.n_computed = end_pos;
             plan.reqs.push(ScheduledReq {
@@ -688,6 +689,7 @@ impl Scheduler {
         plan.token_ids.clear();
         plan.block_tables.clear();
         plan.connector_work.clear();
+        plan.token_masks.clear();
         if plan.block_tables.capacity() >= self.spare.block_tables.capacity() {
             self.spare = plan;
         }

@@ -58,6 +58,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 stop: vec![],
                 detokenize: tokenizer.is_some(),
                 kv_transfer_params: None,
+                constraint: None,
             };
             let mut stream = engine.generate(req).await?;
             tasks.push(tokio::spawn(async move {

@@ -19,6 +19,7 @@ use ferry_kv::{KvArena, Reports, WorkerConnector};
 use ferry_model::{ExecError, Executor, PreparedWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::constraint::{ConstraintState, Next};
 use crate::input::{
     AddInput, EngineFinish, Event, Input, LifecycleCall, OpReply, Queued, Reply, Utility,
 };
@@ -34,6 +35,8 @@ struct Live {
     events: mpsc::UnboundedSender<Event>,
     /// `Event::Admitted` was sent (at the first schedule).
     admitted: bool,
+    /// The structured-output constraint, with the mask of the next token.
+    constraint: Option<ConstraintState>,
 }
 
 /// A reply held back until the engine reaches a state.
@@ -258,7 +261,15 @@ impl EngineLoop {
             events,
             accepted,
             kv_transfer_params,
+            constraint,
         } = add;
+        // The first mask, before the request can be scheduled. A constraint that allows no
+        // first token ends the request at once (with `stop`, and why).
+        let (constraint, refused) = match constraint.map(|c| ConstraintState::start(*c)) {
+            Some((state, Next::Continue)) => (Some(state), None),
+            Some((_, Next::Stop(why))) => (None, Some(why)),
+            None => (None, None),
+        };
         let added = self.core.add_request_with_transfer(
             request_id.clone(),
             prompt,
@@ -277,8 +288,12 @@ impl EngineLoop {
                     Live {
                         events,
                         admitted: false,
+                        constraint,
                     },
                 );
+                if let Some(why) = refused {
+                    self.stop_for_constraint(idx, why);
+                }
             }
             Err(e) => {
                 let _ = accepted.send(Err(e));
@@ -514,7 +529,8 @@ impl EngineLoop {
         if self.core.n_live() == 0 && !self.core.needs_idle_steps() {
             return false;
         }
-        let plan = self.core.schedule();
+        let mut plan = self.core.schedule();
+        self.attach_masks(&mut plan);
         self.finish_side_outputs();
         if plan.is_idle() {
             // Nothing schedulable (e.g. paused): wait for an input rather than spin.
@@ -601,10 +617,10 @@ impl EngineLoop {
             n_tokens += u64::from(out.sampled.is_some());
             n_finished += u64::from(out.finished.is_some());
             let i = out.req.0 as usize;
-            let Some(live) = self.live.get(i).and_then(Option::as_ref) else {
+            let Some(live) = self.live.get_mut(i).and_then(Option::as_mut) else {
                 continue;
             };
-            let finish = out.finished.map(|f| EngineFinish {
+            let mut finish = out.finished.map(|f| EngineFinish {
                 reason: f.reason,
                 stop_token: (f.reason == FinishReason::Stop)
                     .then(|| out.sampled.as_ref().map(|s| s.token))
@@ -612,13 +628,33 @@ impl EngineLoop {
                 transfer: f.transfer,
                 kv_transfer_params: f.kv_transfer_params.map(Box::new),
                 message: f.message,
+                constraint_stop: None,
             });
+            // The constraint takes the token and readies the next mask; one that cannot go
+            // on ends the request with this token.
+            let mut forced = false;
+            if let (Some(state), Some(s)) = (live.constraint.as_mut(), out.sampled.as_ref()) {
+                forced = state.forced();
+                if let (Next::Stop(why), None) = (state.advance(s.token), &finish) {
+                    let aborted = abort_idx(&mut self.core, out.req);
+                    n_finished += 1;
+                    finish = aborted.and_then(|a| a.finished).map(|f| EngineFinish {
+                        reason: FinishReason::Stop,
+                        stop_token: None,
+                        transfer: f.transfer,
+                        kv_transfer_params: f.kv_transfer_params.map(Box::new),
+                        message: None,
+                        constraint_stop: Some(why),
+                    });
+                }
+            }
             let weight_version = out.sampled.is_some().then(|| version.clone());
             let finished = finish.is_some();
             let event = Event::Output {
                 sampled: out.sampled,
                 finish,
                 weight_version,
+                forced,
             };
             let gone = live.events.send(event).is_err();
             if finished {
@@ -650,12 +686,56 @@ impl EngineLoop {
             transfer: finished.transfer,
             kv_transfer_params: finished.kv_transfer_params.map(Box::new),
             message: finished.message,
+            constraint_stop: None,
         };
         let _ = live.events.send(Event::Output {
             sampled: None,
             finish: Some(finish),
             weight_version: None,
+            forced: false,
         });
+    }
+
+    /// Ends a live request whose constraint cannot go on: `stop`, with why.
+    fn stop_for_constraint(&mut self, idx: ReqIdx, why: String) {
+        let Some(out) = abort_idx(&mut self.core, idx) else {
+            return;
+        };
+        let Some(live) = self.live.get_mut(idx.0 as usize).and_then(Option::take) else {
+            return;
+        };
+        let finished = out.finished;
+        let _ = live.events.send(Event::Output {
+            sampled: None,
+            finish: Some(EngineFinish {
+                reason: FinishReason::Stop,
+                stop_token: None,
+                transfer: finished.as_ref().and_then(|f| f.transfer),
+                kv_transfer_params: None,
+                message: None,
+                constraint_stop: Some(why),
+            }),
+            weight_version: None,
+            forced: false,
+        });
+    }
+
+    /// Gives each constrained sample of `plan` its request's mask: the plan's
+    /// `token_masks`, indexed by the sample's `mask`.
+    fn attach_masks(&self, plan: &mut StepPlan) {
+        let StepPlan {
+            reqs, token_masks, ..
+        } = plan;
+        for r in reqs.iter_mut() {
+            let Some(sample) = r.sample.as_mut() else {
+                continue;
+            };
+            let live = self.live.get(r.req.0 as usize).and_then(Option::as_ref);
+            if let Some(state) = live.and_then(|l| l.constraint.as_ref()) {
+                sample.mask = Some(token_masks.len() as u32);
+                token_masks.push(state.mask().clone());
+            }
+        }
     }
 
     /// A failed step: the core already advanced its computed counts for the plan, so every
@@ -789,6 +869,12 @@ impl EngineLoop {
 }
 
 /// The version a weight update gets when the caller names none: `v` → `v+1`, `v+1` → `v+2`.
+/// Aborts the live request at `idx` in the core.
+fn abort_idx(core: &mut Scheduler, idx: ReqIdx) -> Option<RequestOutput> {
+    let id = core.request(idx)?.id.clone();
+    core.abort(&id)
+}
+
 fn next_version(current: &str) -> String {
     if let Some((base, n)) = current.rsplit_once('+') {
         if let Ok(n) = n.parse::<u64>() {

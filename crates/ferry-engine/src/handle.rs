@@ -2,7 +2,7 @@
 //! reads the published stats.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use ferry_core::{KvConnector, PdConfig, PdConnector, Scheduler, SchedulerConfig};
@@ -10,6 +10,7 @@ use ferry_kv::{PdWorker, Transport, WorkerConnector};
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore, TryAcquireError};
 
+use crate::constraint::{ConstraintError, Constraints};
 use crate::engine::EngineLoop;
 use crate::input::{AddInput, Input, QueueSlot, Queued, Utility};
 use crate::stream::{GenerateStream, StreamSetup};
@@ -117,6 +118,7 @@ pub fn spawn_with_connectors(
             thread: Mutex::new(Some(thread)),
             stopped: AtomicBool::new(false),
             n_queued: Arc::new(AtomicUsize::new(0)),
+            constraints: OnceLock::new(),
         }),
     })
 }
@@ -144,6 +146,8 @@ struct Inner {
     stopped: AtomicBool,
     /// Inputs queued and not yet taken (see `QueueSlot`).
     n_queued: Arc<AtomicUsize>,
+    /// The structured-output compiler, built at its first use (it indexes the vocabulary).
+    constraints: OnceLock<Result<Arc<Constraints>, ConstraintError>>,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -175,6 +179,7 @@ impl EngineHandle {
             n_prompt_tokens: req.prompt.len(),
             prompt_tail: prompt_tail(&req.prompt),
             want_logprobs: req.params.sampler.logprobs.is_some(),
+            constrained: req.constraint.is_some(),
             stop: req.stop,
             detokenize: req.detokenize,
             tokenizer: self.inner.tokenizer.clone().filter(|_| needs_text),
@@ -194,6 +199,7 @@ impl EngineHandle {
             events: events_tx,
             accepted: accepted_tx,
             kv_transfer_params: req.kv_transfer_params.map(Box::new),
+            constraint: req.constraint.map(Box::new),
         };
         self.send(Input::Add(add), Some(permit))?;
         match accepted_rx.await {
@@ -216,6 +222,30 @@ impl EngineHandle {
 
     pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
         self.inner.tokenizer.as_ref()
+    }
+
+    /// The structured-output compiler for this engine's tokenizer, built on the first call
+    /// (tens of milliseconds for a 50k vocabulary: call it off the async threads). An error
+    /// says why this model cannot take constraints (no tokenizer, no EOS token, a vocabulary
+    /// llguidance does not read).
+    pub fn constraints(&self) -> Result<Arc<Constraints>, ConstraintError> {
+        self.inner
+            .constraints
+            .get_or_init(|| {
+                let tokenizer = self.inner.tokenizer.clone().ok_or_else(|| {
+                    ConstraintError::Unavailable("the model has no tokenizer".into())
+                })?;
+                let eos = *self
+                    .inner
+                    .scheduler_config
+                    .eos_token_ids
+                    .first()
+                    .ok_or_else(|| {
+                        ConstraintError::Unavailable("the model has no EOS token".into())
+                    })?;
+                Constraints::new(tokenizer, eos, self.inner.vocab_size).map(Arc::new)
+            })
+            .clone()
     }
 
     /// The resolved scheduler config (block_size, max_model_len, eos ids, ...).

@@ -89,6 +89,8 @@ pub(crate) struct AddInput {
     /// P/D transfer parameters, for the connectors (`KvConnector::on_new_request`). Boxed:
     /// most requests have none, and every input is as large as the largest.
     pub kv_transfer_params: Option<Box<KvTransferParams>>,
+    /// The structured-output constraint (boxed for the same reason).
+    pub constraint: Option<Box<crate::Constraint>>,
 }
 
 /// Calls that carry their typed reply. A reply may be deferred until the engine reaches a
@@ -160,6 +162,8 @@ pub(crate) enum Event {
         finish: Option<EngineFinish>,
         /// The weight version the token was computed with (set with `sampled`).
         weight_version: Option<Arc<str>>,
+        /// The token was the only one the request's constraint allowed.
+        forced: bool,
     },
 }
 
@@ -175,4 +179,6 @@ pub(crate) struct EngineFinish {
     pub kv_transfer_params: Option<Box<KvTransferParams>>,
     /// Why, for an `error` finish the core explained (a failed KV load).
     pub message: Option<String>,
+    /// Why, for a `stop` a structured-output constraint decided.
+    pub constraint_stop: Option<String>,
 }

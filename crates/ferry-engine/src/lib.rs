@@ -13,6 +13,7 @@
 //! ([`stop`]), aborting the request when one matches. A slow client therefore costs the engine
 //! nothing, and text work runs on the callers' tokio threads in parallel.
 
+pub mod constraint;
 pub mod detok;
 mod engine;
 mod error;
@@ -28,6 +29,7 @@ mod transfer_stats;
 
 // What the engine's API takes and returns, so its callers (the server, the binary) need no
 // other ferry crate.
+pub use constraint::{Constraint, ConstraintError, Constraints, StructuredOutput};
 pub use error::{
     GenerateError, LifecycleCallError, SpawnError, StartError, Stopped, WeightPushError,
     WeightReloadError, WeightUpdateError,
@@ -85,6 +87,9 @@ pub struct GenerateRequest {
     /// P's returned parameters on D. Every connector sees them; one that refuses them
     /// refuses the request (`AddError::KvTransfer`).
     pub kv_transfer_params: Option<KvTransferParams>,
+    /// A structured-output constraint ([`EngineHandle::constraints`] compiles one): every
+    /// output token is one the constraint allows.
+    pub constraint: Option<Constraint>,
 }
 
 /// New output since the previous chunk (usually one token; several if the reader fell behind
@@ -97,6 +102,9 @@ pub struct OutputChunk {
     /// Text delta (empty unless `detokenize`). Never splits a UTF-8 character; text that could
     /// be the start of a stop string is held back until it is known not to be one.
     pub text: String,
+    /// For a constrained request, one entry per token in `token_ids`: the constraint allowed
+    /// only that token (it was forced, not chosen by the model). Empty otherwise.
+    pub forced: Vec<bool>,
     pub finish: Option<Finish>,
 }
 
@@ -139,6 +147,9 @@ pub struct Finish {
 pub enum StopReason {
     Token(TokenId),
     String(String),
+    /// A structured-output constraint ended the output: complete (with `ignore_eos`), or
+    /// no token could continue it. The text says which.
+    Constraint(String),
 }
 
 /// Published by the engine thread after every step; read without touching the engine thread.

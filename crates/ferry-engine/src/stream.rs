@@ -24,6 +24,8 @@ pub(crate) struct StreamSetup {
     pub n_prompt_tokens: usize,
     pub prompt_tail: Vec<TokenId>,
     pub want_logprobs: bool,
+    /// The request has a structured-output constraint (chunks say which tokens it forced).
+    pub constrained: bool,
     pub stop: Vec<String>,
     pub detokenize: bool,
     /// Set when text is needed (detokenize or stop strings).
@@ -47,6 +49,7 @@ pub struct GenerateStream {
     inputs: mpsc::UnboundedSender<Queued>,
     text: Option<TextState>,
     want_logprobs: bool,
+    constrained: bool,
     n_prompt_tokens: usize,
     n_cached_tokens: usize,
     n_output_tokens: usize,
@@ -73,6 +76,7 @@ impl GenerateStream {
             inputs,
             text,
             want_logprobs: setup.want_logprobs,
+            constrained: setup.constrained,
             n_prompt_tokens: setup.n_prompt_tokens,
             n_cached_tokens: 0,
             n_output_tokens: 0,
@@ -106,6 +110,7 @@ impl GenerateStream {
                         transfer: None,
                         kv_transfer_params: None,
                         message: Some("the engine stopped".into()),
+                        constraint_stop: None,
                     },
                     &mut chunk,
                 ),
@@ -130,6 +135,7 @@ impl GenerateStream {
                 sampled,
                 finish,
                 weight_version,
+                forced,
             } => {
                 if let Some(v) = weight_version {
                     if self.weight_versions.last().map(String::as_str) != Some(&*v) {
@@ -138,6 +144,9 @@ impl GenerateStream {
                 }
                 if let Some(s) = sampled {
                     let stop_token = finish.as_ref().and_then(|f| f.stop_token) == Some(s.token);
+                    if self.constrained {
+                        chunk.forced.push(forced);
+                    }
                     self.push_token(s, stop_token, chunk);
                 }
                 if let Some(f) = finish.filter(|_| !self.done) {
@@ -212,7 +221,10 @@ impl GenerateStream {
                 chunk.text.push_str(&tail);
             }
         }
-        let stop_reason = f.stop_token.map(StopReason::Token);
+        let stop_reason = match f.constraint_stop {
+            Some(why) => Some(StopReason::Constraint(why)),
+            None => f.stop_token.map(StopReason::Token),
+        };
         let mut finish = self.finish_of(f.reason, stop_reason);
         finish.export = f.transfer;
         finish.kv_transfer_params = f.kv_transfer_params.map(|p| *p);

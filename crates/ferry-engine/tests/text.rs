@@ -60,6 +60,7 @@ fn text_request(id: &str, max_tokens: usize, stop: &[&str]) -> GenerateRequest {
         stop: stop.iter().map(|s| s.to_string()).collect(),
         detokenize: true,
         kv_transfer_params: None,
+        constraint: None,
     }
 }
 
@@ -370,6 +371,7 @@ async fn generate_all(
             stop: vec![],
             detokenize: true,
             kv_transfer_params: None,
+            constraint: None,
         })
         .collect();
     let tasks = spawn_held(engine, gate, requests).await;

@@ -122,6 +122,16 @@ impl ChecksumModel {
         self.token_of(digest.finish(tokens.len()))
     }
 
+    /// Under a constraint: the first token the mask allows at or after `token`, wrapping
+    /// around (`token` itself when the mask allows nothing in the vocabulary).
+    pub fn allowed_token_from(&self, token: TokenId, mask: &[u32]) -> TokenId {
+        let vocab = self.vocab_size;
+        (0..vocab)
+            .map(|i| ((u64::from(token) + i) % vocab) as TokenId)
+            .find(|&t| ferry_core::mask_allows(mask, t))
+            .unwrap_or(token)
+    }
+
     fn token_of(&self, digest: u64) -> TokenId {
         // In range: vocab_size <= 2^32.
         (digest % self.vocab_size) as TokenId
@@ -174,7 +184,10 @@ impl ChecksumModel {
     ) -> SampledToken {
         let end = r.start_pos + r.tokens.len();
         let digest = self.sequence_digest(kv, plan.block_table_of(r), plan.block_size, end);
-        let token = self.token_of(digest);
+        let token = match plan.mask_of(spec) {
+            Some(mask) => self.allowed_token_from(self.token_of(digest), mask),
+            None => self.token_of(digest),
+        };
         let top_logprobs = match spec.params.logprobs {
             Some(n) if n > 0 => vec![(token, 0.0)],
             _ => Vec::new(),

@@ -40,6 +40,7 @@ fn sample_spec(logprobs: Option<u32>) -> SampleSpec {
             logprobs,
         },
         output_idx: 0,
+        mask: None,
     }
 }
 

@@ -20,7 +20,7 @@ use crate::executor::{ExecError, Executor};
 use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_row, silu_mul};
 use crate::llama_weights::{LayerWeights, LlamaWeights, ModelError};
 use crate::rope::Rope;
-use crate::sampler::{sample_batch, LogprobsMode, SamplerScratch};
+use crate::sampler::{sample_batch, LogprobsMode, SampleRow, SamplerScratch};
 use crate::weight_update::WeightResidency;
 use crate::weights::WeightStore;
 
@@ -425,7 +425,14 @@ impl Executor for LlamaModel {
         let vocab = self.config.vocab_size;
         let specs = plan.reqs.iter().filter_map(|r| r.sample.as_ref());
         let sampled = reqs.map(|reqs| {
-            let rows: Vec<_> = specs.zip(reqs).collect();
+            let rows: Vec<_> = specs
+                .zip(reqs)
+                .map(|(spec, req)| SampleRow {
+                    spec,
+                    req,
+                    mask: plan.mask_of(spec),
+                })
+                .collect();
             sample_batch(&data, vocab, &rows, &mut self.sampler_scratch)
         });
         self.logits_buf = data;

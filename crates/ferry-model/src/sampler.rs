@@ -19,6 +19,12 @@
 //! engine RNG's draws are taken first in row order, so the result is exactly that of sampling
 //! row by row.
 //!
+//! Constraints: a row may come with a token mask (a structured-output constraint; see
+//! `ferry_core::TokenMask`). The sample, greedy or drawn, is then taken from the allowed
+//! tokens alone (the others count as `-inf`), while the reported logprobs stay in the
+//! engine's mode: the raw modes report the model's own distribution, as without a mask, and
+//! the processed modes the distribution actually sampled, the mask included.
+//!
 //! Stop token ids are not handled here: the scheduler checks each sampled token against the
 //! request's EOS and `stop_token_ids` and finishes the request.
 //!
@@ -29,7 +35,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use ferry_core::sampling::SamplerSpec;
-use ferry_core::{ReqIdx, SampleSpec, SampledToken, TokenId};
+use ferry_core::{mask_allows, ReqIdx, SampleSpec, SampledToken, TokenId};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -109,6 +115,8 @@ pub struct SamplerScratch {
     /// Candidates as order keys (see `order_key`) while filtering, then while selecting the
     /// top-n logprobs.
     keys: Vec<u64>,
+    /// A constrained row's logits with the disallowed tokens at `-inf`.
+    masked: Vec<f32>,
     /// Draws for requests without a seed.
     rng: ChaCha8Rng,
     /// What logprobs report (engine-wide).
@@ -143,12 +151,14 @@ impl SamplerScratch {
     pub fn release_buffers(&mut self) {
         self.buf = Vec::new();
         self.keys = Vec::new();
+        self.masked = Vec::new();
     }
 
     fn with_rng(rng: ChaCha8Rng) -> Self {
         Self {
             buf: Vec::new(),
             keys: Vec::new(),
+            masked: Vec::new(),
             rng,
             logprobs_mode: LogprobsMode::default(),
         }
@@ -162,16 +172,50 @@ pub fn sample(
     req: ReqIdx,
     scratch: &mut SamplerScratch,
 ) -> SampledToken {
-    let draw = engine_draw(spec, &mut scratch.rng);
+    sample_masked(logits, SampleRow::new(spec, req), scratch)
+}
+
+/// [`sample`], held to `row.mask` when it has one.
+pub fn sample_masked(
+    logits: &[f32],
+    row: SampleRow<'_>,
+    scratch: &mut SamplerScratch,
+) -> SampledToken {
+    let draw = engine_draw(row.spec, &mut scratch.rng);
     let mode = scratch.logprobs_mode;
-    sample_with_draw(
-        logits,
-        spec,
-        req,
-        (draw, mode),
-        &mut scratch.buf,
-        &mut scratch.keys,
-    )
+    let mut bufs = Buffers {
+        probs: &mut scratch.buf,
+        keys: &mut scratch.keys,
+        masked: &mut scratch.masked,
+    };
+    sample_with_draw(logits, row, (draw, mode), &mut bufs)
+}
+
+/// One row of a batch to sample: its spec, its request, and the tokens it may take (`None`:
+/// any; see `ferry_core::TokenMask`).
+#[derive(Debug, Clone, Copy)]
+pub struct SampleRow<'a> {
+    pub spec: &'a SampleSpec,
+    pub req: ReqIdx,
+    pub mask: Option<&'a [u32]>,
+}
+
+impl<'a> SampleRow<'a> {
+    /// A row with no constraint.
+    pub fn new(spec: &'a SampleSpec, req: ReqIdx) -> Self {
+        Self {
+            spec,
+            req,
+            mask: None,
+        }
+    }
+}
+
+/// The sampler's working buffers for one row at a time.
+struct Buffers<'a> {
+    probs: &'a mut Vec<f32>,
+    keys: &'a mut Vec<u64>,
+    masked: &'a mut Vec<f32>,
 }
 
 /// Below this many rows a batch is sampled on the calling thread: splitting costs more than
@@ -186,33 +230,40 @@ const PARALLEL_MIN_ROWS: usize = 8;
 pub fn sample_batch(
     logits: &[f32],
     vocab: usize,
-    rows: &[(&SampleSpec, ReqIdx)],
+    rows: &[SampleRow<'_>],
     scratch: &mut SamplerScratch,
 ) -> Vec<SampledToken> {
     let draws: Vec<Option<f64>> = rows
         .iter()
-        .map(|(spec, _)| engine_draw(spec, &mut scratch.rng))
+        .map(|row| engine_draw(row.spec, &mut scratch.rng))
         .collect();
     let row_logits = |i: usize| logits.get(i * vocab..(i + 1) * vocab).unwrap_or(&[]);
     let mode = scratch.logprobs_mode;
     if rows.len() < PARALLEL_MIN_ROWS {
+        let mut bufs = Buffers {
+            probs: &mut scratch.buf,
+            keys: &mut scratch.keys,
+            masked: &mut scratch.masked,
+        };
         return rows
             .iter()
             .zip(&draws)
             .enumerate()
-            .map(|(i, ((spec, req), &draw))| {
-                let (buf, keys) = (&mut scratch.buf, &mut scratch.keys);
-                sample_with_draw(row_logits(i), spec, *req, (draw, mode), buf, keys)
-            })
+            .map(|(i, (row, &draw))| sample_with_draw(row_logits(i), *row, (draw, mode), &mut bufs))
             .collect();
     }
     rows.par_iter()
         .zip(&draws)
         .enumerate()
         .map_init(
-            || (Vec::new(), Vec::new()),
-            |(buf, keys), (i, ((spec, req), &draw))| {
-                sample_with_draw(row_logits(i), spec, *req, (draw, mode), buf, keys)
+            || (Vec::new(), Vec::new(), Vec::new()),
+            |(probs, keys, masked), (i, (row, &draw))| {
+                let mut bufs = Buffers {
+                    probs,
+                    keys,
+                    masked,
+                };
+                sample_with_draw(row_logits(i), *row, (draw, mode), &mut bufs)
             },
         )
         .collect()
@@ -228,14 +279,17 @@ fn engine_draw(spec: &SampleSpec, rng: &mut ChaCha8Rng) -> Option<f64> {
 /// [`sample`] with the engine draw already taken (`None` for greedy or seeded requests) and
 /// the engine's logprobs mode.
 fn sample_with_draw(
-    logits: &[f32],
-    spec: &SampleSpec,
-    req: ReqIdx,
+    raw_logits: &[f32],
+    SampleRow { spec, req, mask }: SampleRow<'_>,
     (engine_draw, mode): (Option<f64>, LogprobsMode),
-    probs: &mut Vec<f32>,
-    keys: &mut Vec<u64>,
+    bufs: &mut Buffers<'_>,
 ) -> SampledToken {
-    if logits.is_empty() {
+    let Buffers {
+        probs,
+        keys,
+        masked,
+    } = bufs;
+    if raw_logits.is_empty() {
         // Nothing to sample from (a zero vocabulary): answer rather than panic.
         return SampledToken {
             req,
@@ -244,6 +298,14 @@ fn sample_with_draw(
             top_logprobs: Vec::new(),
         };
     }
+    // A constrained row samples from its allowed tokens alone; a mask that allows none of
+    // this row's tokens (the engine never sends one) is ignored rather than sampled from.
+    let constrained = mask.is_some_and(|mask| apply_mask(raw_logits, mask, masked));
+    let logits = if constrained {
+        masked.as_slice()
+    } else {
+        raw_logits
+    };
     let row = RowStats::new(logits);
     let params = &spec.params;
     let (token, survivors) = if is_greedy(params) {
@@ -264,9 +326,18 @@ fn sample_with_draw(
         .then(|| Survivors::new(keys, probs, params.temperature));
         (token, survivors)
     };
+    // The raw modes report the model's own distribution, mask or not.
+    let raw_row;
+    let (reported_logits, reported_row) = match mode {
+        LogprobsMode::RawLogprobs | LogprobsMode::RawLogits if constrained => {
+            raw_row = RowStats::new(raw_logits);
+            (raw_logits, &raw_row)
+        }
+        _ => (logits, &row),
+    };
     let reported = Reported {
-        logits,
-        row: &row,
+        logits: reported_logits,
+        row: reported_row,
         mode,
         survivors,
     };
@@ -277,6 +348,20 @@ fn sample_with_draw(
         logprob: reported.value(token),
         top_logprobs: top_logprobs(&reported, n_top, keys),
     }
+}
+
+/// Fills `masked` with `logits`, every token `mask` does not allow at `-inf`; false (and
+/// `masked` unspecified) when the mask allows none of them.
+fn apply_mask(logits: &[f32], mask: &[u32], masked: &mut Vec<f32>) -> bool {
+    masked.clear();
+    masked.extend(logits.iter().enumerate().map(|(t, &l)| {
+        if mask_allows(mask, t as TokenId) {
+            l
+        } else {
+            f32::NEG_INFINITY
+        }
+    }));
+    (0..logits.len()).any(|t| mask_allows(mask, t as TokenId))
 }
 
 /// The uniform draw in `[0, 1)` of a seeded request: ChaCha8 keyed by `seed`, on stream

@@ -15,6 +15,7 @@ fn spec(temperature: f32) -> SampleSpec {
             logprobs: None,
         },
         output_idx: 0,
+        mask: None,
     }
 }
 
@@ -499,6 +500,7 @@ proptest::proptest! {
         let s = SampleSpec {
             params: SamplerSpec { temperature, top_k, top_p, min_p, seed: Some(seed), seed_stream: 0, logprobs: Some(1) },
             output_idx,
+            mask: None,
         };
         let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
         let allowed = naive_allowed(&logits, &s.params, 1e-4);
@@ -537,18 +539,23 @@ fn a_batch_samples_exactly_what_row_by_row_sampling_gives() {
             .flat_map(|i| random_logits(100 + i as u64, vocab, 6.0))
             .collect();
         let specs = mixed_batch(n);
-        let rows: Vec<(&SampleSpec, ReqIdx)> = specs
+        let rows: Vec<SampleRow<'_>> = specs
             .iter()
             .enumerate()
-            .map(|(i, s)| (s, ReqIdx(i as u32)))
+            .map(|(i, s)| SampleRow::new(s, ReqIdx(i as u32)))
             .collect();
         for engine_seed in [1, 2] {
             let mut serial = SamplerScratch::with_seed(engine_seed);
             let expected: Vec<SampledToken> = rows
                 .iter()
                 .enumerate()
-                .map(|(i, (s, req))| {
-                    sample(&logits[i * vocab..(i + 1) * vocab], s, *req, &mut serial)
+                .map(|(i, row)| {
+                    sample(
+                        &logits[i * vocab..(i + 1) * vocab],
+                        row.spec,
+                        row.req,
+                        &mut serial,
+                    )
                 })
                 .collect();
             let mut batch = SamplerScratch::with_seed(engine_seed);
@@ -625,6 +632,7 @@ fn each_logprobs_mode_matches_a_reference_from_the_raw_logits() {
                     ..filters
                 },
                 output_idx: i,
+                mask: None,
             };
             let out = sample(&logits, &s, ReqIdx(0), &mut scratch);
             assert!(allowed.contains(&out.token), "{mode}: token {}", out.token);
@@ -654,6 +662,7 @@ fn each_logprobs_mode_matches_a_reference_from_the_raw_logits() {
                     ..filters
                 },
                 output_idx: 0,
+                mask: None,
             };
             let out = sample(&logits, &s, ReqIdx(0), &mut scratch);
             let mass: f64 = out
@@ -713,4 +722,126 @@ fn processed_values_of_greedy_and_unfiltered_requests_are_the_raw_ones() {
         .filter(|(_, v)| v.is_finite())
         .count();
     assert_eq!(finite, 5);
+}
+
+/// A mask allowing exactly `allowed` out of `vocab` tokens.
+fn mask_of(vocab: usize, allowed: &[usize]) -> Vec<u32> {
+    let mut mask = vec![0u32; vocab.div_ceil(32)];
+    for &t in allowed {
+        mask[t / 32] |= 1 << (t % 32);
+    }
+    mask
+}
+
+/// The logits a mask leaves: disallowed tokens at `-inf`.
+fn masked_by_hand(logits: &[f32], allowed: &[usize]) -> Vec<f32> {
+    (0..logits.len())
+        .map(|t| {
+            if allowed.contains(&t) {
+                logits[t]
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn a_masked_sample_is_the_sample_of_the_masked_logits_with_raw_logprobs() {
+    let vocab = 300;
+    let logits = random_logits(9, vocab, 5.0);
+    // Not the argmax, and spread over several mask words.
+    let best = RowStats::new(&logits).argmax;
+    let allowed: Vec<usize> = (0..vocab).filter(|t| t % 7 == 3 && *t != best).collect();
+    let mask = mask_of(vocab, &allowed);
+    let by_hand = masked_by_hand(&logits, &allowed);
+    let mut specs = mixed_batch(24);
+    specs.iter_mut().for_each(|s| s.params.logprobs = Some(4));
+    for mode in LogprobsMode::ALL {
+        for (i, s) in specs.iter().enumerate() {
+            let row = SampleRow {
+                spec: s,
+                req: ReqIdx(0),
+                mask: Some(&mask),
+            };
+            let mut a = SamplerScratch::with_seed(i as u64);
+            a.set_logprobs_mode(mode);
+            let got = sample_masked(&logits, row, &mut a);
+            assert!(
+                allowed.contains(&(got.token as usize)),
+                "{mode} spec {i}: {got:?}"
+            );
+            // The same draw from logits masked by hand.
+            let mut b = SamplerScratch::with_seed(i as u64);
+            b.set_logprobs_mode(mode);
+            let reference = sample(&by_hand, s, ReqIdx(0), &mut b);
+            assert_eq!(got.token, reference.token, "{mode} spec {i}");
+            match mode {
+                // Raw modes: the model's own values, as without a mask.
+                LogprobsMode::RawLogprobs | LogprobsMode::RawLogits => {
+                    let raw = RowStats::new(&logits);
+                    let want = if mode == LogprobsMode::RawLogprobs {
+                        raw.logprob(logits[got.token as usize])
+                    } else {
+                        logits[got.token as usize]
+                    };
+                    assert_eq!(got.logprob, want, "{mode} spec {i}");
+                    // The top list is the raw top list: the argmax leads though it is masked.
+                    assert_eq!(got.top_logprobs[0].0 as usize, best, "{mode} spec {i}");
+                }
+                // Processed modes: the distribution sampled, the mask included.
+                _ => {
+                    assert_eq!(got.logprob, reference.logprob, "{mode} spec {i}");
+                    assert_eq!(got.top_logprobs, reference.top_logprobs, "{mode} spec {i}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_mask_that_allows_one_token_forces_it_and_a_batch_with_masks_matches_rows() {
+    let vocab = 100;
+    let n = 12;
+    let logits: Vec<f32> = (0..n)
+        .flat_map(|i| random_logits(500 + i as u64, vocab, 8.0))
+        .collect();
+    let specs = mixed_batch(n);
+    let masks: Vec<Vec<u32>> = (0..n)
+        .map(|i| mask_of(vocab, &[(i * 13) % vocab]))
+        .collect();
+    let rows: Vec<SampleRow<'_>> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| SampleRow {
+            spec: s,
+            req: ReqIdx(i as u32),
+            // Every other row unconstrained: both kinds in one batch.
+            mask: (i % 2 == 0).then(|| masks[i].as_slice()),
+        })
+        .collect();
+    let mut serial = SamplerScratch::with_seed(5);
+    let expected: Vec<SampledToken> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, row)| sample_masked(&logits[i * vocab..(i + 1) * vocab], *row, &mut serial))
+        .collect();
+    let got = sample_batch(&logits, vocab, &rows, &mut SamplerScratch::with_seed(5));
+    assert_eq!(got, expected);
+    for (i, t) in got.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+        assert_eq!(t.token as usize, (i * 13) % vocab, "row {i} is forced");
+    }
+    // A mask that allows nothing in the row is ignored rather than sampled from.
+    let empty = vec![0u32; vocab.div_ceil(32)];
+    let s = spec(0.0);
+    let row = SampleRow {
+        spec: &s,
+        req: ReqIdx(0),
+        mask: Some(&empty),
+    };
+    let row_logits = &logits[..vocab];
+    assert_eq!(
+        sample_masked(row_logits, row, &mut SamplerScratch::with_seed(0)),
+        sample(row_logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0))
+    );
 }

@@ -260,6 +260,7 @@ fn run_step(
             sample: (end == r.tokens.len()).then(|| SampleSpec {
                 params: SamplerSpec::default(),
                 output_idx: 0,
+                mask: None,
             }),
         });
     }

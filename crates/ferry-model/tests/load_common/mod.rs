@@ -323,11 +323,13 @@ pub fn paged_logits(model: &LoadedModel, ids: &[u32], every_position: bool) -> V
                 sample: Some(SampleSpec {
                     params: SamplerSpec::default(),
                     output_idx: 0,
+                    mask: None,
                 }),
             }],
             token_ids: ids[chunk].to_vec(),
             block_tables: table.clone(),
             connector_work: Vec::new(),
+            token_masks: Vec::new(),
         };
         let logits = llama.forward(&plan, &mut kv).expect("valid plan");
         rows.push(logits.row(0).to_vec());

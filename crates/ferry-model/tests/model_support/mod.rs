@@ -75,6 +75,7 @@ pub fn build_plan(pool: &mut Pool, seqs: &mut [&mut Seq], counts: &[usize]) -> S
         let sample = (end == seq.tokens.len()).then(|| SampleSpec {
             params: SamplerSpec::default(),
             output_idx: 0,
+            mask: None,
         });
         plan.reqs.push(ScheduledReq {
             req: seq.req,

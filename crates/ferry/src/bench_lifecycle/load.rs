@@ -97,6 +97,7 @@ impl Load {
                     stop: Vec::new(),
                     detokenize: false,
                     kv_transfer_params: None,
+                    constraint: None,
                 })
                 .await
                 .with_context(|| format!("queueing request {request_id}"))?;
