@@ -17,6 +17,7 @@ use crate::response::{
 };
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
+use crate::structured::structured_output;
 use serde_json::Value;
 
 /// The chat route, for [`crate::generate::handle`].
@@ -37,7 +38,9 @@ impl GenerationRoute for Chat {
             Some(v) => (Some(v), "max_completion_tokens"),
             None => (req.common.max_tokens, "max_tokens"),
         };
-        let params = GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
+        let mut params =
+            GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
+        params.structured = structured_output(&req.structured)?;
         req.unsupported.check(i64::from(params.n))?;
         let prompt = render_prompt(app, &req.own)?;
         let prompts = vec![PreparedPrompt {
@@ -85,6 +88,7 @@ impl GenerationRoute for Chat {
                 stop_reason,
                 prompt_token_ids: None,
                 token_ids: params.return_token_ids.then_some(c.token_ids),
+                forced_tokens: params.structured.is_some().then_some(c.forced),
             });
         ChatResponse {
             usage: Some(usage),
@@ -171,6 +175,7 @@ impl ChunkFormatter for Formatter {
             stop_reason,
             prompt_token_ids: None,
             token_ids: self.base.return_token_ids.then_some(out.token_ids),
+            forced_tokens: self.base.constrained.then_some(out.forced),
             weight_versions,
         };
         let chunk = ChatChunk {

@@ -13,6 +13,7 @@ use crate::request::{CompletionRequest, Prompt};
 use crate::response::{CompletionChoice, CompletionResponse, Response, Text, Usage};
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
+use crate::structured::structured_output;
 use serde_json::Value;
 
 /// The completions route, for [`crate::generate::handle`].
@@ -28,12 +29,13 @@ impl GenerationRoute for Completions {
         let req = CompletionRequest::from_json(body)?;
         app.check_model(req.common.model.as_deref())?;
         let logprobs = check_completion_logprobs(req.own.logprobs, &app.limits)?;
-        let params = GenerationParams::from_common(
+        let mut params = GenerationParams::from_common(
             &req.common,
             (req.common.max_tokens, "max_tokens"),
             logprobs,
             &app.limits,
         )?;
+        params.structured = structured_output(&req.structured)?;
         req.unsupported.check(i64::from(params.n))?;
         let prompts = prepare_prompts(app, req.own.prompt.map(|p| p.into_batch()), &params)?;
         Ok((prompts, params))
@@ -84,6 +86,7 @@ impl GenerationRoute for Completions {
                         .return_token_ids
                         .then(|| prompts[c.index / n].tokens.clone()),
                     token_ids: params.return_token_ids.then_some(c.token_ids),
+                    forced_tokens: params.structured.is_some().then_some(c.forced),
                 }
             });
         CompletionResponse {
@@ -192,6 +195,7 @@ impl ChunkFormatter for Formatter {
             prompt_token_ids: (return_token_ids && first)
                 .then(|| self.prompts[index / self.n].clone()),
             token_ids: return_token_ids.then_some(chunk.token_ids),
+            forced_tokens: self.base.constrained.then_some(chunk.forced),
             weight_versions,
         };
         let response = CompletionResponse {

@@ -14,8 +14,8 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use ferry_engine::{
-    AddError, EngineHandle, Finish, FinishReason, GenerateError, GenerateRequest, GenerateStream,
-    KvTransferParams, OutputChunk, SamplingParams, TokenId, TokenLogprob,
+    AddError, Constraint, EngineHandle, Finish, FinishReason, GenerateError, GenerateRequest,
+    GenerateStream, KvTransferParams, OutputChunk, SamplingParams, TokenId, TokenLogprob,
 };
 use futures_util::stream::{self, BoxStream, StreamExt};
 use serde::Serialize;
@@ -31,6 +31,7 @@ use crate::params::GenerationParams;
 use crate::response::{StopReasonJson, Usage};
 use crate::sse::{sse_response, to_json, ChunkFormatter};
 use crate::state::{unix_now, AppState};
+use crate::structured::compile;
 
 /// One prompt, tokenized and validated, with its resolved sampling parameters.
 #[derive(Debug, Clone)]
@@ -52,6 +53,8 @@ pub struct LaunchSpec<'a> {
     pub arrival: Instant,
     /// The request's checked transfer parameters (one prompt only).
     pub kv_transfer_params: Option<&'a KvTransferParams>,
+    /// The compiled structured-output constraint: each choice gets its own copy.
+    pub constraint: Option<&'a Constraint>,
 }
 
 /// One choice's engine output, with latency bookkeeping.
@@ -95,6 +98,7 @@ impl ChoiceStream {
         };
         while let Some(chunk) = self.next().await {
             out.token_ids.extend_from_slice(&chunk.token_ids);
+            out.forced.extend_from_slice(&chunk.forced);
             out.logprobs.extend(chunk.logprobs);
             out.text.push_str(&chunk.text);
             if chunk.finish.is_some() {
@@ -119,6 +123,8 @@ impl ChoiceStream {
 pub struct Collected {
     pub index: usize,
     pub token_ids: Vec<TokenId>,
+    /// Per token, for a constrained request: the constraint allowed only that token.
+    pub forced: Vec<bool>,
     pub logprobs: Vec<TokenLogprob>,
     pub text: String,
     /// `None` only if the engine went away without a final chunk.
@@ -168,6 +174,7 @@ pub async fn launch(
                 stop: spec.stop.to_vec(),
                 detokenize: engine.tokenizer().is_some(),
                 kv_transfer_params: choice_transfer_params(spec.kv_transfer_params, i),
+                constraint: spec.constraint.cloned(),
             };
             let stream = engine
                 .generate(req)
@@ -333,7 +340,9 @@ pub fn finish_fields(
                 StopReason::Token(t) => stop_token_ids
                     .contains(t)
                     .then_some(StopReasonJson::Token(*t)),
-                StopReason::String(s) => Some(StopReasonJson::Text(s.clone())),
+                StopReason::String(s) | StopReason::Constraint(s) => {
+                    Some(StopReasonJson::Text(s.clone()))
+                }
             }),
         ),
     }
@@ -402,6 +411,10 @@ pub async fn handle<R: GenerationRoute>(
             p.check(limits, prompts.len())
         })
         .transpose()?;
+    let constraint = match params.structured.clone() {
+        Some(spec) => Some(compile(&app.engine, spec).await?),
+        None => None,
+    };
     let spec = LaunchSpec {
         request_id: &request_id,
         n: params.n,
@@ -409,6 +422,7 @@ pub async fn handle<R: GenerationRoute>(
         prompt_param: R::PROMPT_PARAM,
         arrival,
         kv_transfer_params: kv_transfer_params.as_ref(),
+        constraint: constraint.as_ref(),
     };
     let recorders = Recorders {
         metrics: &app.metrics,
@@ -476,6 +490,8 @@ pub struct StreamBase {
     pub head: Head,
     pub logprobs: bool,
     pub return_token_ids: bool,
+    /// The request has a structured-output constraint (chunks carry `forced_tokens`).
+    pub constrained: bool,
     pub texts: TokenTexts,
     include_usage: bool,
     usage: UsageTally,
@@ -494,6 +510,7 @@ impl StreamBase {
             head,
             logprobs: params.sampling.sampler.logprobs.is_some(),
             return_token_ids: params.return_token_ids,
+            constrained: params.structured.is_some(),
             texts,
             include_usage: params.include_usage,
             usage: UsageTally::new(prompts, params.n),

@@ -39,6 +39,7 @@ pub mod response;
 pub mod routes;
 pub mod sse;
 pub mod state;
+pub mod structured;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -6,6 +6,7 @@ use ferry_engine::{SamplerSpec, SamplingParams, TokenId};
 use crate::error::ApiError;
 use crate::kv_transfer::KvTransferParamsJson;
 use crate::request::CommonParams;
+use crate::structured::StructuredSpec;
 
 /// Limits that come from the model and the server's configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,6 +39,8 @@ pub struct GenerationParams {
     pub return_token_ids: bool,
     /// As sent; checked against the batch in [`crate::generate::handle`].
     pub kv_transfer_params: Option<KvTransferParamsJson>,
+    /// The structured-output constraint, if any; compiled in [`crate::generate::handle`].
+    pub structured: Option<StructuredSpec>,
 }
 
 /// Temperatures above this are refused (OpenAI's documented range is [0, 2]).
@@ -100,6 +103,7 @@ impl GenerationParams {
                     .unwrap_or(false),
             return_token_ids: common.return_token_ids.unwrap_or(false),
             kv_transfer_params: common.kv_transfer_params.clone(),
+            structured: None,
         })
     }
 

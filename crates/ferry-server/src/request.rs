@@ -89,6 +89,18 @@ pub struct CommonParams {
     pub kv_transfer_params: Option<KvTransferParamsJson>,
 }
 
+/// The structured-output fields (see [`crate::structured`]), raw: their shapes vary, so
+/// they are read there, where each error can name the field.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct StructuredFields {
+    pub response_format: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+}
+
 /// Known fields we do not implement. Each is refused when it has a non-default value.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct Unsupported {
@@ -103,11 +115,6 @@ pub struct Unsupported {
     pub prompt_logprobs: Option<Value>,
     pub include_stop_str_in_output: Option<Value>,
     pub use_beam_search: Option<Value>,
-    pub response_format: Option<Value>,
-    pub guided_json: Option<Value>,
-    pub guided_regex: Option<Value>,
-    pub guided_choice: Option<Value>,
-    pub guided_grammar: Option<Value>,
     pub tools: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
@@ -131,9 +138,8 @@ impl Unsupported {
             Value::Object(o) => o.is_empty(),
             _ => false,
         };
-        let text_format = |v: &Value| v.get("type").and_then(Value::as_str) == Some("text");
         let best_of_n = |v: &Value| v.as_i64().is_some_and(|b| b <= n);
-        let checks: [FieldCheck<'_>; 21] = [
+        let checks: [FieldCheck<'_>; 16] = [
             ("presence_penalty", &self.presence_penalty, &zero),
             ("frequency_penalty", &self.frequency_penalty, &zero),
             ("repetition_penalty", &self.repetition_penalty, &one),
@@ -149,11 +155,6 @@ impl Unsupported {
                 &falsy,
             ),
             ("use_beam_search", &self.use_beam_search, &falsy),
-            ("response_format", &self.response_format, &text_format),
-            ("guided_json", &self.guided_json, &|_| false),
-            ("guided_regex", &self.guided_regex, &|_| false),
-            ("guided_choice", &self.guided_choice, &|_| false),
-            ("guided_grammar", &self.guided_grammar, &|_| false),
             ("tools", &self.tools, &empty),
             ("functions", &self.functions, &empty),
             ("function_call", &self.function_call, &|v| v == "none"),
@@ -185,6 +186,7 @@ impl Unsupported {
 pub struct CompletionRequest {
     pub own: CompletionFields,
     pub common: CommonParams,
+    pub structured: StructuredFields,
     pub unsupported: Unsupported,
 }
 
@@ -201,6 +203,7 @@ impl CompletionRequest {
         Ok(Self {
             own: from_value(v)?,
             common: from_value(v)?,
+            structured: from_value(v)?,
             unsupported: from_value(v)?,
         })
     }
@@ -234,6 +237,7 @@ pub struct ChatMessage {
 pub struct ChatRequest {
     pub own: ChatFields,
     pub common: CommonParams,
+    pub structured: StructuredFields,
     pub unsupported: Unsupported,
 }
 
@@ -242,6 +246,7 @@ impl ChatRequest {
         Ok(Self {
             own: from_value(v)?,
             common: from_value(v)?,
+            structured: from_value(v)?,
             unsupported: from_value(v)?,
         })
     }

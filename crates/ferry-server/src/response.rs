@@ -99,6 +99,11 @@ pub struct Choice<Content, Logprobs> {
     pub prompt_token_ids: Option<Vec<TokenId>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<TokenId>>,
+    /// With a structured-output constraint, one entry per output token (of this chunk, when
+    /// streaming): `true` where the constraint allowed only that token, so the model did not
+    /// choose it (non-standard, for RL trainers that mask such tokens out of the loss).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forced_tokens: Option<Vec<bool>>,
     /// The weight versions the choice's tokens were computed with (non-standard; when
     /// streaming, only on the chunk that carries `finish_reason`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -203,6 +208,7 @@ impl ChatChunkChoice {
             stop_reason: None,
             prompt_token_ids: None,
             token_ids,
+            forced_tokens: None,
             weight_versions: None,
         }
     }

@@ -141,8 +141,8 @@ async fn bad_chat_requests_name_their_field() {
             Some("tools"),
         ),
         (
-            json!({"messages": user, "response_format": {"type": "json_object"}}),
-            Some("response_format"),
+            json!({"messages": user, "response_format": {"type": "yaml"}}),
+            Some("response_format.type"),
         ),
         (json!({"messages": user, "n": -1}), Some("n")),
     ];

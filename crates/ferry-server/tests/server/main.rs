@@ -12,4 +12,5 @@ mod lifecycle;
 mod logprobs_mode;
 mod misc;
 mod pd;
+mod structured;
 mod support;
