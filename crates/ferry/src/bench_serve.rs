@@ -21,6 +21,7 @@ mod sse;
 mod stats;
 mod workload;
 
+use client::Variant;
 use stats::{Outcome, Report, RunInfo};
 use workload::{LenDist, RequestSpec, SyntheticWorkload, MAX_SECONDS};
 
@@ -61,6 +62,14 @@ pub struct Args {
     /// Print only the JSON report (else a readable summary, then the JSON).
     #[arg(long)]
     json: bool,
+    /// The cost of a structured-output constraint: run the workload unconstrained, then again
+    /// with this JSON schema (a file, or the schema itself when it starts with `{`) on every
+    /// request, each run under its own `cache_salt` so that neither hits the other's prefix
+    /// cache. The report has both runs and the constrained/unconstrained throughput ratio.
+    /// Pick a schema the output cannot complete within `--output-len` (e.g. an array with a
+    /// large `minItems`), or a request ends early and the ratio compares unequal work.
+    #[arg(long)]
+    json_schema: Option<String>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -90,15 +99,66 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    let report = runtime.block_on(bench(&args, specs))?;
+    let Some(schema) = &args.json_schema else {
+        let report = runtime.block_on(bench(&args, specs, &Variant::default()))?;
+        if !args.json {
+            print_summary(&report);
+        }
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    };
+    let schema = read_schema(schema)?;
+    let salt = |run: &str| Some(format!("ferry-bench-{run}-{}", std::process::id()));
+    let plain = Variant {
+        json_schema: None,
+        cache_salt: salt("unconstrained"),
+    };
+    let constrained = Variant {
+        json_schema: Some(schema),
+        cache_salt: salt("constrained"),
+    };
+    let unconstrained = runtime.block_on(bench(&args, specs.clone(), &plain))?;
+    let constrained = runtime.block_on(bench(&args, specs, &constrained))?;
     if !args.json {
-        print_summary(&report);
+        println!("== unconstrained");
+        print_summary(&unconstrained);
+        println!("== constrained (--json-schema)");
+        print_summary(&constrained);
     }
-    println!("{}", serde_json::to_string(&report)?);
+    let ratio = (unconstrained.output_token_throughput_per_s > 0.0).then(|| {
+        constrained.output_token_throughput_per_s / unconstrained.output_token_throughput_per_s
+    });
+    if !args.json {
+        match ratio {
+            Some(r) => println!("constrained/unconstrained output throughput {r:.3}"),
+            None => println!("constrained/unconstrained output throughput -"),
+        }
+    }
+    let report = serde_json::json!({
+        "unconstrained": unconstrained,
+        "constrained": constrained,
+        "constrained_output_throughput_ratio": ratio,
+    });
+    println!("{report}");
     Ok(())
 }
 
-async fn bench(args: &Args, specs: Vec<RequestSpec>) -> anyhow::Result<Report> {
+/// `--json-schema`: the schema itself, or a file holding it.
+fn read_schema(arg: &str) -> anyhow::Result<Value> {
+    let text = if arg.trim_start().starts_with('{') {
+        arg.to_owned()
+    } else {
+        std::fs::read_to_string(arg).with_context(|| format!("--json-schema: reading {arg}"))?
+    };
+    let schema: Value =
+        serde_json::from_str(&text).with_context(|| format!("--json-schema: {arg} is not JSON"))?;
+    if !schema.is_object() {
+        bail!("--json-schema: a JSON schema is an object, got {schema}");
+    }
+    Ok(schema)
+}
+
+async fn bench(args: &Args, specs: Vec<RequestSpec>, variant: &Variant) -> anyhow::Result<Report> {
     let base = args.url.trim_end_matches('/').to_owned();
     let client = reqwest::Client::builder()
         // The server is on this machine: a proxy from the environment must not be used.
@@ -113,7 +173,7 @@ async fn bench(args: &Args, specs: Vec<RequestSpec>) -> anyhow::Result<Report> {
     };
     let before = scrape_engine_time(&client, &base).await;
     let start = Instant::now();
-    let outcomes = send_all(&client, &base, &model, args.concurrency, specs).await;
+    let outcomes = send_all(&client, &base, &model, args.concurrency, specs, variant).await;
     let duration_s = start.elapsed().as_secs_f64();
     let after = scrape_engine_time(&client, &base).await;
     let info = RunInfo {
@@ -162,6 +222,7 @@ async fn send_all(
     model: &str,
     concurrency: Option<usize>,
     specs: Vec<RequestSpec>,
+    variant: &Variant,
 ) -> Vec<Outcome> {
     let url: Arc<str> = format!("{base}/v1/completions").into();
     let slots = concurrency.map(|n| Arc::new(Semaphore::new(n)));
@@ -174,7 +235,7 @@ async fn send_all(
             Some(s) => s.clone().acquire_owned().await.ok(),
             None => None,
         };
-        let body = client::request_body(model, &spec);
+        let body = client::request_body(model, &spec, variant);
         let (client, url) = (client.clone(), url.clone());
         tasks.spawn(async move {
             let result = client::send(&client, &url, &body).await;

@@ -28,6 +28,8 @@ struct Fake {
     /// Streams served to the end; the fake engine "spends" 1 s per stream, 0.75 s of it in
     /// the forward.
     n_served: AtomicUsize,
+    /// Requests seen, in arrival order: (cache salt, JSON schema), each `null` when absent.
+    variants: std::sync::Mutex<Vec<(Value, Value)>>,
 }
 
 /// Decrements the in-flight count when the response body is dropped (done or abandoned).
@@ -79,6 +81,13 @@ fn check_body(body: &Value) -> Result<(), String> {
     if !prompt_ok || !body["max_tokens"].is_u64() {
         return Err("prompt or max_tokens".into());
     }
+    let constraint_ok = match &body["structured_outputs"] {
+        Value::Null => true,
+        v => v.as_object().is_some_and(|o| o.len() == 1 && o["json"].is_object()),
+    };
+    if !constraint_ok || !(body["cache_salt"].is_null() || body["cache_salt"].is_string()) {
+        return Err("structured_outputs or cache_salt".into());
+    }
     Ok(())
 }
 
@@ -86,6 +95,10 @@ async fn completions(State(fake): State<Arc<Fake>>, Json(body): Json<Value>) -> 
     if let Err(e) = check_body(&body) {
         return bad_request(e);
     }
+    fake.variants.lock().unwrap().push((
+        body["cache_salt"].clone(),
+        body["structured_outputs"]["json"].clone(),
+    ));
     let first = body["prompt"][0].as_u64().unwrap_or(0);
     if first == REFUSED_TOKEN {
         return bad_request(format!("prompt: token {REFUSED_TOKEN} is not allowed"));
@@ -275,4 +288,44 @@ async fn synthetic_run_without_metrics_reports_null_overhead_and_a_summary() {
         "{stdout}"
     );
     assert!(stdout.contains("engine overhead       - "), "{stdout}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_schema_runs_the_workload_twice_and_reports_the_ratio() {
+    let (url, fake) = start_fake(true).await;
+    let schema = json!({"type": "array", "items": {"type": "integer"}, "minItems": 100});
+    let (r, _) = bench(
+        [
+            "--url",
+            &url,
+            "--num-requests",
+            "4",
+            "--prompt-len",
+            "3",
+            "--output-len",
+            "5",
+            "--seed",
+            "1",
+            "--json",
+            "--json-schema",
+            &schema.to_string(),
+        ]
+        .map(str::to_owned)
+        .to_vec(),
+    )
+    .await;
+    for run in ["unconstrained", "constrained"] {
+        assert_eq!(r[run]["n_completed"], 4, "{run}: {r}");
+        assert_eq!(r[run]["total_output_tokens"], 20, "{run}: {r}");
+    }
+    let ratio = r["constrained_output_throughput_ratio"].as_f64().unwrap();
+    assert!(ratio > 0.0, "{r}");
+    // First every request unconstrained, then every one with the schema; each run under
+    // one salt of its own.
+    let seen = fake.variants.lock().unwrap().clone();
+    assert_eq!(seen.len(), 8);
+    let (plain, constrained) = seen.split_at(4);
+    assert!(plain.iter().all(|(salt, s)| s.is_null() && salt == &plain[0].0));
+    assert!(constrained.iter().all(|(salt, s)| s == &schema && salt == &constrained[0].0));
+    assert!(plain[0].0.is_string() && plain[0].0 != constrained[0].0);
 }

@@ -6,6 +6,9 @@ use serde_json::{json, Value};
 
 use crate::support::{ids, start, Options, MODEL};
 
+/// Checks a constrained output's text.
+type Check = dyn Fn(&str);
+
 fn schema() -> Value {
     json!({
         "type": "object",
@@ -68,7 +71,7 @@ async fn every_spelling_constrains_completions_streamed_or_not() {
             "{t:?}"
         );
     };
-    let cases: Vec<(Value, &dyn Fn(&str))> = vec![
+    let cases: Vec<(Value, &Check)> = vec![
         (
             json!({"response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema(), "strict": true}}}),
             &json_check,

@@ -42,9 +42,10 @@ pub struct Timing {
     pub n_prompt_tokens: Option<u32>,
 }
 
-/// The body of a benchmark request: greedy, exactly `output_len` tokens, streamed with usage.
-pub fn request_body(model: &str, spec: &RequestSpec) -> Value {
-    json!({
+/// The body of a benchmark request: greedy, exactly `output_len` tokens, streamed with usage;
+/// with the run's variant (a JSON-schema constraint, a cache salt) when it has one.
+pub fn request_body(model: &str, spec: &RequestSpec, variant: &Variant) -> Value {
+    let mut body = json!({
         "model": model,
         "prompt": spec.prompt,
         "max_tokens": spec.output_len,
@@ -52,7 +53,23 @@ pub fn request_body(model: &str, spec: &RequestSpec) -> Value {
         "temperature": 0.0,
         "stream": true,
         "stream_options": {"include_usage": true},
-    })
+    });
+    if let Some(schema) = &variant.json_schema {
+        body["structured_outputs"] = json!({ "json": schema });
+    }
+    if let Some(salt) = &variant.cache_salt {
+        body["cache_salt"] = json!(salt);
+    }
+    body
+}
+
+/// What one run of the workload adds to every request.
+#[derive(Debug, Clone, Default)]
+pub struct Variant {
+    /// vLLM's `structured_outputs.json`.
+    pub json_schema: Option<Value>,
+    /// Keeps this run's prefix-cache entries apart from another run's on the same server.
+    pub cache_salt: Option<String>,
 }
 
 /// Sends `body` to `url` and reads the whole stream.
