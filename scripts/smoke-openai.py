@@ -7,6 +7,7 @@ run closes with `test result: ...`, so scripts/test.sh counts the checks with ca
 Exits non-zero if any check fails.
 """
 
+import json
 import math
 import sys
 import traceback
@@ -194,6 +195,35 @@ class Smoke:
                 check("no-such-model" in str(e), f"message {e}")
                 continue
             raise AssertionError("unknown model: no NotFoundError")
+
+    def test_structured_outputs_through_the_client(self):
+        # OpenAI's response_format, as the client sends it, and vLLM's extra fields.
+        schema = {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+            "required": ["answer"],
+            "additionalProperties": False,
+            "x-guidance": {"whitespace_flexible": False},
+        }
+        r = self.chat(
+            messages=MESSAGES,
+            max_tokens=32,
+            response_format={"type": "json_schema", "json_schema": {"name": "yes_no", "schema": schema, "strict": True}},
+        )
+        content = r.choices[0].message.content
+        check(r.choices[0].finish_reason == "stop", f"finish_reason {r.choices[0].finish_reason}: {content!r}")
+        check(json.loads(content)["answer"] in ("yes", "no"), f"content {content!r}")
+        forced = extra(r.choices[0], "forced_tokens")
+        check(isinstance(forced, list) and forced and forced[-1] is True, f"forced_tokens {forced}")
+        r = self.complete(prompt=PROMPT, max_tokens=16,
+                          extra_body={"structured_outputs": {"choice": ["port", "starboard"]}})
+        check(r.choices[0].text in ("port", "starboard"), f"choice {r.choices[0].text!r}")
+        try:
+            self.complete(prompt=PROMPT, max_tokens=4, extra_body={"guided_regex": "([a-z]"})
+        except openai.BadRequestError as e:
+            check(e.status_code == 400 and "guided_regex" in str(e), f"{e}")
+        else:
+            raise AssertionError("invalid regex: no BadRequestError")
 
 
 def main():
