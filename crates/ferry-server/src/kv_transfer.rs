@@ -15,7 +15,7 @@ use crate::error::ApiError;
 const FIELD: &str = "kv_transfer_params";
 
 /// The wire form. Unknown keys are ignored (proxies add their own); `null` reads as absent.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize, utoipa::ToSchema)]
 pub struct KvTransferParamsJson {
     #[serde(default, deserialize_with = "null_as_false")]
     pub do_remote_prefill: bool,

@@ -33,6 +33,7 @@ pub mod kv_transfer;
 pub mod live;
 pub mod logprobs;
 pub mod metrics;
+pub mod openapi;
 pub mod params;
 pub mod request;
 pub mod response;
@@ -151,7 +152,8 @@ pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
         .route("/version", get(routes::version))
         .route("/metrics", get(routes::metrics))
         .route("/tokenize", post(routes::tokenize))
-        .route("/detokenize", post(routes::detokenize));
+        .route("/detokenize", post(routes::detokenize))
+        .route("/openapi.json", get(routes::openapi));
     let routes = if admin {
         routes.merge(admin::routes())
     } else {

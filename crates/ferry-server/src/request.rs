@@ -7,13 +7,14 @@
 
 use serde::Deserialize;
 use serde_json::Value;
+use utoipa::ToSchema;
 
 use crate::error::ApiError;
 use crate::extract::from_value;
 use crate::kv_transfer::KvTransferParamsJson;
 
 /// `prompt` of `/v1/completions`: text, token ids, or a batch of either.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum PromptInput {
     Text(String),
@@ -42,7 +43,7 @@ impl PromptInput {
 }
 
 /// `stop`: one string or a list.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum StopInput {
     One(String),
@@ -58,13 +59,13 @@ impl StopInput {
     }
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, ToSchema)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
 /// Sampling fields common to both routes.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, ToSchema)]
 pub struct CommonParams {
     pub model: Option<String>,
     pub max_tokens: Option<i64>,
@@ -91,13 +92,26 @@ pub struct CommonParams {
 
 /// The structured-output fields (see [`crate::structured`]), raw: their shapes vary, so
 /// they are read there, where each error can name the field.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, ToSchema)]
 pub struct StructuredFields {
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}`.
+    #[schema(value_type = Option<Object>)]
     pub response_format: Option<Value>,
+    /// Exactly one of `json` (a schema, or a JSON string of one), `regex`, `choice`, `grammar`
+    /// (Lark), `json_object: true`.
+    #[schema(value_type = Option<Object>)]
     pub structured_outputs: Option<Value>,
+    /// A JSON schema (vLLM's older name).
+    #[schema(value_type = Option<Object>)]
     pub guided_json: Option<Value>,
+    /// A regular expression (Rust syntax) the whole output matches.
+    #[schema(value_type = Option<String>)]
     pub guided_regex: Option<Value>,
+    /// The output is one of these strings.
+    #[schema(value_type = Option<Vec<String>>)]
     pub guided_choice: Option<Value>,
+    /// A Lark grammar.
+    #[schema(value_type = Option<String>)]
     pub guided_grammar: Option<Value>,
 }
 
@@ -191,7 +205,7 @@ pub struct CompletionRequest {
 }
 
 /// The fields only `/v1/completions` has.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, ToSchema)]
 pub struct CompletionFields {
     pub prompt: Option<PromptInput>,
     /// Top-n count (legacy completions format); `0` returns only the sampled token's logprob.
@@ -210,14 +224,14 @@ impl CompletionRequest {
 }
 
 /// A message's `content`: a string or a list of parts (only text parts are supported).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum MessageContent {
     Text(String),
     Parts(Vec<ContentPart>),
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
 pub struct ContentPart {
     #[serde(rename = "type")]
     pub kind: String,
@@ -225,7 +239,7 @@ pub struct ContentPart {
 }
 
 /// One chat message (tool calls are not supported, so these are all a template needs).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
 pub struct ChatMessage {
     pub role: Option<String>,
     pub content: Option<MessageContent>,
@@ -253,7 +267,7 @@ impl ChatRequest {
 }
 
 /// The fields only `/v1/chat/completions` has.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, ToSchema)]
 pub struct ChatFields {
     pub messages: Option<Vec<ChatMessage>>,
     pub max_completion_tokens: Option<i64>,
@@ -261,6 +275,7 @@ pub struct ChatFields {
     pub top_logprobs: Option<i64>,
     pub add_generation_prompt: Option<bool>,
     /// Extra variables for the chat template (e.g. `enable_thinking`).
+    #[schema(value_type = Option<Object>)]
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 

@@ -7,6 +7,7 @@
 
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
+use utoipa::ToSchema;
 
 use ferry_engine::TokenId;
 
@@ -14,7 +15,7 @@ use crate::generate::Head;
 use crate::kv_transfer::KvTransferParamsJson;
 
 /// `usage`. `prompt_tokens` counts each prompt once, whatever `n`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -22,7 +23,7 @@ pub struct Usage {
     pub prompt_tokens_details: PromptTokensDetails,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]
 pub struct PromptTokensDetails {
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
@@ -40,7 +41,7 @@ impl Usage {
 }
 
 /// A choice's `stop_reason` (vLLM's extension): the stop token id or the stop string.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum StopReasonJson {
     Token(TokenId),
@@ -50,7 +51,7 @@ pub enum StopReasonJson {
 /// A response of the generation routes, or one streamed chunk: the head, the choices, and
 /// the extras. `object` says which (`text_completion`, `chat.completion`,
 /// `chat.completion.chunk`).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct Response<C> {
     pub id: String,
     pub object: &'static str,
@@ -86,7 +87,7 @@ impl<C> Response<C> {
 
 /// One choice of a response or chunk: its content (`text`, `message` or `delta`, flattened
 /// into the choice), its logprobs in the route's format, how it ended, and the extras.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct Choice<Content, Logprobs> {
     pub index: usize,
     #[serde(flatten)]
@@ -111,19 +112,19 @@ pub struct Choice<Content, Logprobs> {
 }
 
 /// A completion choice's content.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct Text {
     pub text: String,
 }
 
 /// A chat choice's content.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct Message {
     pub message: AssistantMessage,
 }
 
 /// A streamed chat choice's content.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct DeltaContent {
     pub delta: Delta,
 }
@@ -139,10 +140,12 @@ pub type ChatChunk = Response<ChatChunkChoice>;
 pub type ChatChunkChoice = Choice<DeltaContent, ChatLogprobs>;
 
 /// The legacy completions logprobs format: parallel lists, one entry per output token.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     pub token_logprobs: Vec<f32>,
+    /// `{token text: logprob}` per token, best first.
+    #[schema(value_type = Vec<std::collections::HashMap<String, f32>>)]
     pub top_logprobs: Vec<TopLogprobMap>,
     /// Character offset of each token in the choice's text.
     pub text_offset: Vec<usize>,
@@ -165,19 +168,19 @@ impl Serialize for TopLogprobMap {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct AssistantMessage {
     pub role: &'static str,
     pub content: String,
 }
 
 /// Chat logprobs: one entry per output token.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]
 pub struct ChatLogprobs {
     pub content: Vec<ChatTokenLogprob>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChatTokenLogprob {
     pub token: String,
     pub logprob: f32,
@@ -185,7 +188,7 @@ pub struct ChatTokenLogprob {
     pub top_logprobs: Vec<ChatTopLogprob>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChatTopLogprob {
     pub token: String,
     pub logprob: f32,
@@ -214,7 +217,7 @@ impl ChatChunkChoice {
     }
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]
 pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
@@ -223,13 +226,13 @@ pub struct Delta {
 }
 
 /// `GET /v1/models`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ModelList {
     pub object: &'static str,
     pub data: Vec<ModelCard>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ModelCard {
     pub id: String,
     pub object: &'static str,

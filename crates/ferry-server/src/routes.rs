@@ -60,13 +60,14 @@ pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
 
 /// `POST /tokenize`: a `prompt` (special tokens added by default) or chat `messages`
 /// (rendered through the chat template; special tokens not added by default).
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct TokenizeRequest {
     pub model: Option<String>,
     pub prompt: Option<String>,
     pub messages: Option<Vec<ChatMessage>>,
     pub add_special_tokens: Option<bool>,
     pub add_generation_prompt: Option<bool>,
+    #[schema(value_type = Option<Object>)]
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     pub return_token_strs: Option<bool>,
 }
@@ -146,7 +147,7 @@ fn tokenize_chat(
 }
 
 /// `POST /detokenize`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct DetokenizeRequest {
     pub model: Option<String>,
     pub tokens: Option<Vec<u32>>,
@@ -190,4 +191,9 @@ pub async fn detokenize(
 /// Unknown routes get an OpenAI-shaped 404.
 pub async fn not_found() -> ApiError {
     ApiError::not_found(None, "no such route")
+}
+
+/// `GET /openapi.json`: the API's OpenAPI document (with the admin routes when they are on).
+pub async fn openapi(State(app): State<Arc<AppState>>) -> Json<utoipa::openapi::OpenApi> {
+    Json(crate::openapi::document(app.config.enable_admin_api))
 }

@@ -83,7 +83,9 @@ fn check_body(body: &Value) -> Result<(), String> {
     }
     let constraint_ok = match &body["structured_outputs"] {
         Value::Null => true,
-        v => v.as_object().is_some_and(|o| o.len() == 1 && o["json"].is_object()),
+        v => v
+            .as_object()
+            .is_some_and(|o| o.len() == 1 && o["json"].is_object()),
     };
     if !constraint_ok || !(body["cache_salt"].is_null() || body["cache_salt"].is_string()) {
         return Err("structured_outputs or cache_salt".into());
@@ -325,7 +327,11 @@ async fn json_schema_runs_the_workload_twice_and_reports_the_ratio() {
     let seen = fake.variants.lock().unwrap().clone();
     assert_eq!(seen.len(), 8);
     let (plain, constrained) = seen.split_at(4);
-    assert!(plain.iter().all(|(salt, s)| s.is_null() && salt == &plain[0].0));
-    assert!(constrained.iter().all(|(salt, s)| s == &schema && salt == &constrained[0].0));
+    assert!(plain
+        .iter()
+        .all(|(salt, s)| s.is_null() && salt == &plain[0].0));
+    assert!(constrained
+        .iter()
+        .all(|(salt, s)| s == &schema && salt == &constrained[0].0));
     assert!(plain[0].0.is_string() && plain[0].0 != constrained[0].0);
 }

@@ -143,7 +143,7 @@ pub async fn reset_prefix_cache(
 }
 
 /// `POST /abort_requests`'s body (absent or empty: abort everything).
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct AbortRequests {
     pub request_ids: Option<Vec<String>>,
 }

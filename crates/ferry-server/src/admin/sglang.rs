@@ -46,7 +46,7 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/get_weight_version", get(get_weight_version))
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct PauseGeneration {
     pub mode: Option<String>,
 }
@@ -96,7 +96,7 @@ pub async fn flush_cache(State(app): State<Arc<AppState>>) -> AdminReply {
     Ok(Json(json!({"success": true, "message": "Cache flushed."})))
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct MemoryTags {
     pub tags: Option<Vec<String>>,
 }

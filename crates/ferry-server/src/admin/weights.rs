@@ -29,7 +29,7 @@ use crate::state::AppState;
 
 /// `POST /update_weights_from_disk`'s body (SGLang's and vLLM's field names; other SGLang
 /// fields such as `load_format` are accepted and ignored).
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct UpdateFromDisk {
     pub model_path: Option<String>,
     pub weight_version: Option<String>,
@@ -129,7 +129,7 @@ fn update_reply(info: &WeightUpdateInfo, message: &str) -> Value {
 }
 
 /// `POST /update_weight_version`'s body.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct UpdateWeightVersion {
     pub new_version: Option<String>,
 }

@@ -11,6 +11,7 @@ mod errors;
 mod lifecycle;
 mod logprobs_mode;
 mod misc;
+mod openapi;
 mod pd;
 mod structured;
 mod support;

@@ -1,0 +1,343 @@
+//! `GET /openapi.json`: the API as an OpenAPI 3.1 document.
+//!
+//! The schemas come from the wire types themselves (`utoipa`'s `ToSchema` derives on the
+//! request and response structs), so a field added to a request is in the document by
+//! construction. The routes are the table below; `tests/server/openapi.rs` checks it against
+//! the live router (every documented route answers its method, every documented query
+//! parameter is one its handler knows) and against the README (every route and parameter the
+//! README lists is here).
+
+use utoipa::openapi::path::{
+    HttpMethod, OperationBuilder, ParameterBuilder, ParameterIn, PathsBuilder,
+};
+use utoipa::openapi::request_body::RequestBodyBuilder;
+use utoipa::openapi::schema::{AllOfBuilder, ComponentsBuilder, ObjectBuilder, Schema, Type};
+use utoipa::openapi::{
+    ContentBuilder, InfoBuilder, OpenApi, OpenApiBuilder, Ref, RefOr, Required, ResponseBuilder,
+};
+use utoipa::ToSchema;
+
+use crate::admin::sglang::{MemoryTags, PauseGeneration};
+use crate::admin::weights::{UpdateFromDisk, UpdateWeightVersion};
+use crate::admin::AbortRequests;
+use crate::error::ErrorBody;
+use crate::kv_transfer::KvTransferParamsJson;
+use crate::request::{ChatFields, CommonParams, CompletionFields, StructuredFields};
+use crate::response::{ChatChunk, ChatResponse, CompletionResponse, ModelList};
+use crate::routes::{DetokenizeRequest, TokenizeRequest};
+
+/// An HTTP method of a documented route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    Get,
+    Post,
+}
+
+impl Method {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Get => "GET",
+            Self::Post => "POST",
+        }
+    }
+
+    fn http(self) -> HttpMethod {
+        match self {
+            Self::Get => HttpMethod::Get,
+            Self::Post => HttpMethod::Post,
+        }
+    }
+}
+
+/// One documented route.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteDoc {
+    pub methods: &'static [Method],
+    pub path: &'static str,
+    pub summary: &'static str,
+    /// Query parameters: name and meaning.
+    pub query: &'static [(&'static str, &'static str)],
+    /// The JSON body's schema (a component name), if the route takes one.
+    pub body: Option<&'static str>,
+    /// The 200 reply's schema (a component name), if it has a fixed one.
+    pub reply: Option<&'static str>,
+    /// Only with `--enable-admin-api`.
+    pub admin: bool,
+}
+
+const POST: &[Method] = &[Method::Post];
+const GET: &[Method] = &[Method::Get];
+const GET_POST: &[Method] = &[Method::Get, Method::Post];
+
+const fn route(methods: &'static [Method], path: &'static str, summary: &'static str) -> RouteDoc {
+    RouteDoc {
+        methods,
+        path,
+        summary,
+        query: &[],
+        body: None,
+        reply: None,
+        admin: false,
+    }
+}
+
+const fn admin(methods: &'static [Method], path: &'static str, summary: &'static str) -> RouteDoc {
+    RouteDoc {
+        admin: true,
+        ..route(methods, path, summary)
+    }
+}
+
+const PAUSE_QUERY: &[(&str, &str)] = &[
+    ("mode", "`abort` (default), `wait` or `keep`"),
+    (
+        "clear_cache",
+        "reset the prefix cache once paused (default true)",
+    ),
+    (
+        "wait_for_inflight_requests",
+        "deprecated: `true` means `mode=wait`",
+    ),
+];
+
+/// Every route the server serves.
+pub const ROUTES: &[RouteDoc] = &[
+    RouteDoc {
+        body: Some("CompletionRequest"),
+        reply: Some("CompletionResponse"),
+        ..route(
+            POST,
+            "/v1/completions",
+            "Completions (streamed as server-sent events with `stream: true`)",
+        )
+    },
+    RouteDoc {
+        body: Some("ChatRequest"),
+        reply: Some("ChatResponse"),
+        ..route(
+            POST,
+            "/v1/chat/completions",
+            "Chat completions (streamed as `ChatChunk` events with `stream: true`)",
+        )
+    },
+    RouteDoc {
+        reply: Some("ModelList"),
+        ..route(GET, "/v1/models", "The served model")
+    },
+    route(
+        GET,
+        "/health",
+        "200 while the engine runs, 503 once it has stopped",
+    ),
+    route(GET, "/version", "The server's version"),
+    route(GET, "/metrics", "Prometheus metrics"),
+    route(GET, "/openapi.json", "This document"),
+    RouteDoc {
+        body: Some("TokenizeRequest"),
+        ..route(
+            POST,
+            "/tokenize",
+            "Text or chat messages to token ids (vLLM's shape)",
+        )
+    },
+    RouteDoc {
+        body: Some("DetokenizeRequest"),
+        ..route(POST, "/detokenize", "Token ids to text (vLLM's shape)")
+    },
+    RouteDoc {
+        query: PAUSE_QUERY,
+        ..admin(POST, "/pause", "Pause generation")
+    },
+    admin(POST, "/resume", "Resume after a pause"),
+    admin(GET, "/is_paused", "Whether the engine is paused"),
+    RouteDoc {
+        query: &[
+            (
+                "level",
+                "0, 1 (default: weights offloaded) or 2 (weights dropped)",
+            ),
+            ("mode", "`abort` (default), `wait` or `keep`"),
+        ],
+        ..admin(POST, "/sleep", "Release memory")
+    },
+    RouteDoc {
+        query: &[("tags", "`weights` or `kv_cache`, repeatable (none: all)")],
+        ..admin(POST, "/wake_up", "Bring memory back")
+    },
+    admin(GET, "/is_sleeping", "Whether anything is asleep"),
+    admin(
+        POST,
+        "/release_kv_cache_memory",
+        "Free the KV cache of a paused engine",
+    ),
+    RouteDoc {
+        query: &[
+            (
+                "reset_running_requests",
+                "also preempt running requests (default false)",
+            ),
+            (
+                "reset_external",
+                "also reset the connectors' caches (default false)",
+            ),
+        ],
+        ..admin(POST, "/reset_prefix_cache", "Drop every cached KV block")
+    },
+    RouteDoc {
+        body: Some("AbortRequests"),
+        ..admin(POST, "/abort_requests", "Abort requests by id (none: all)")
+    },
+    RouteDoc {
+        query: &[(
+            "weight_version",
+            "the version the pushed weights get (default: bumped)",
+        )],
+        ..admin(
+            POST,
+            "/update_weights",
+            "Push weights: the body is safetensors bytes",
+        )
+    },
+    RouteDoc {
+        body: Some("UpdateFromDisk"),
+        ..admin(
+            POST,
+            "/update_weights_from_disk",
+            "Reload weights from a model folder or GGUF file",
+        )
+    },
+    RouteDoc {
+        body: Some("UpdateWeightVersion"),
+        ..admin(
+            POST,
+            "/update_weight_version",
+            "Rename the current weights' version",
+        )
+    },
+    admin(
+        GET,
+        "/weight_info",
+        "The weights' version, update count and residency",
+    ),
+    RouteDoc {
+        body: Some("PauseGeneration"),
+        ..admin(POST, "/pause_generation", "SGLang's pause")
+    },
+    admin(POST, "/continue_generation", "SGLang's resume"),
+    admin(GET_POST, "/flush_cache", "SGLang's prefix-cache reset"),
+    RouteDoc {
+        body: Some("MemoryTags"),
+        ..admin(GET_POST, "/release_memory_occupation", "SGLang's sleep")
+    },
+    RouteDoc {
+        body: Some("MemoryTags"),
+        ..admin(GET_POST, "/resume_memory_occupation", "SGLang's wake-up")
+    },
+    admin(GET, "/get_weight_version", "SGLang's weight version"),
+];
+
+/// The document, with the admin routes when the server mounts them.
+pub fn document(with_admin: bool) -> OpenApi {
+    let mut paths = PathsBuilder::new().build();
+    for r in ROUTES.iter().filter(|r| with_admin || !r.admin) {
+        let mut op = OperationBuilder::new().summary(Some(r.summary));
+        for (name, about) in r.query {
+            op = op.parameter(
+                ParameterBuilder::new()
+                    .name(*name)
+                    .parameter_in(ParameterIn::Query)
+                    .required(Required::False)
+                    .description(Some(*about))
+                    .schema(Some(ObjectBuilder::new().schema_type(Type::String))),
+            );
+        }
+        if let Some(body) = r.body {
+            op = op.request_body(Some(
+                RequestBodyBuilder::new()
+                    .content("application/json", json_of(body))
+                    .build(),
+            ));
+        }
+        let mut ok = ResponseBuilder::new().description("success");
+        if let Some(reply) = r.reply {
+            ok = ok.content("application/json", json_of(reply));
+        }
+        let error = ResponseBuilder::new()
+            .description("an OpenAI-style error naming the field at fault")
+            .content("application/json", json_of("ErrorBody"));
+        let op = op
+            .response("200", ok.build())
+            .response("4XX", error.build());
+        let methods = r.methods.iter().map(|m| m.http()).collect();
+        paths.add_path_operation(r.path, methods, op.build());
+    }
+    let mut schemas: Vec<(String, RefOr<Schema>)> = Vec::new();
+    add::<CommonParams>(&mut schemas);
+    add::<CompletionFields>(&mut schemas);
+    add::<ChatFields>(&mut schemas);
+    add::<StructuredFields>(&mut schemas);
+    add::<KvTransferParamsJson>(&mut schemas);
+    add::<ModelList>(&mut schemas);
+    add::<TokenizeRequest>(&mut schemas);
+    add::<DetokenizeRequest>(&mut schemas);
+    add::<ErrorBody>(&mut schemas);
+    if with_admin {
+        add::<AbortRequests>(&mut schemas);
+        add::<UpdateFromDisk>(&mut schemas);
+        add::<UpdateWeightVersion>(&mut schemas);
+        add::<PauseGeneration>(&mut schemas);
+        add::<MemoryTags>(&mut schemas);
+    }
+    // The two generation requests: each route's own fields, the shared sampling fields and
+    // the structured-output fields, as read by `CompletionRequest::from_json` and
+    // `ChatRequest::from_json`.
+    for (name, own) in [
+        ("CompletionRequest", "CompletionFields"),
+        ("ChatRequest", "ChatFields"),
+    ] {
+        let all = AllOfBuilder::new()
+            .item(Ref::from_schema_name(own))
+            .item(Ref::from_schema_name("CommonParams"))
+            .item(Ref::from_schema_name("StructuredFields"));
+        schemas.push((name.to_owned(), Schema::AllOf(all.build()).into()));
+    }
+    let completion = generic::<CompletionResponse>(&mut schemas);
+    schemas.push(("CompletionResponse".into(), completion));
+    let chat = generic::<ChatResponse>(&mut schemas);
+    schemas.push(("ChatResponse".into(), chat));
+    let chunk = generic::<ChatChunk>(&mut schemas);
+    schemas.push(("ChatChunk".into(), chunk));
+    let components = ComponentsBuilder::new().schemas_from_iter(schemas).build();
+    OpenApiBuilder::new()
+        .info(
+            InfoBuilder::new()
+                .title("ferry")
+                .version(env!("CARGO_PKG_VERSION"))
+                .description(Some(
+                    "An OpenAI-compatible LLM server for RL training loops, with vLLM's and SGLang's admin routes.",
+                ))
+                .build(),
+        )
+        .paths(paths)
+        .components(Some(components))
+        .build()
+}
+
+/// `application/json` content of the component `name`.
+fn json_of(name: &str) -> utoipa::openapi::Content {
+    ContentBuilder::new()
+        .schema(Some(Ref::from_schema_name(name)))
+        .build()
+}
+
+/// `T`'s schema and those it refers to.
+fn add<T: ToSchema>(schemas: &mut Vec<(String, RefOr<Schema>)>) {
+    schemas.push((T::name().into_owned(), T::schema()));
+    T::schemas(schemas);
+}
+
+/// A generic instance's schema (inlined by `utoipa`, so it has no name of its own).
+fn generic<T: ToSchema>(schemas_out: &mut Vec<(String, RefOr<Schema>)>) -> RefOr<Schema> {
+    T::schemas(schemas_out);
+    T::schema()
+}
