@@ -26,9 +26,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::config::{ConfigError, SchedulerConfig};
 use crate::connector::{
-    AllocatedLoad, ConnectorId, ExternalMatch, ExternalQuery, FinishedRequest, HoldKind, Holder,
-    KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest, StepWork,
-    WorkerReport,
+    AllocatedLoad, ComputedBlocks, ConnectorId, ExternalMatch, ExternalQuery, FinishedRequest,
+    HoldKind, Holder, KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest,
+    StepWork, WorkerReport,
 };
 use crate::hash::{chain_root, BlockHash};
 use crate::kv_cache::{KvCacheManager, PrefixHit};
@@ -501,6 +501,7 @@ impl Scheduler {
             req: r,
             prompt_len: req.prompt_len,
             local_hit_tokens: n_hit_tokens,
+            block_hashes: &req.block_hashes,
             weight_version: &self.control.weight_version,
         };
         let mut external = None;
@@ -633,6 +634,7 @@ impl Scheduler {
             blocks: &self.transfers[&hold].blocks,
             first_block,
             n_tokens: n_external,
+            block_hashes: &req.block_hashes,
         };
         self.connectors[c.0 as usize].after_alloc(load);
         Admit::Parked
@@ -702,6 +704,7 @@ impl Scheduler {
         output: &ModelOutput,
     ) -> Result<Vec<RequestOutput>, OutputError> {
         self.validate_output(plan, output)?;
+        self.offer_computed_blocks(plan);
         let mut outs = Vec::with_capacity(output.sampled.len());
         let mut any_finished = false;
         for s in &output.sampled {
@@ -716,6 +719,55 @@ impl Scheduler {
             self.running.retain(|r| requests[r.0 as usize].is_some());
         }
         Ok(outs)
+    }
+
+    /// Tells the connectors that store blocks (a local tier) which full blocks the step just
+    /// computed, before any finish frees them; a store holds its blocks under a `Store` hold.
+    /// Requests whose hash chain is not the current weights' (running across an update)
+    /// offer nothing: their KV mixes two weight versions.
+    fn offer_computed_blocks(&mut self, plan: &StepPlan) {
+        for c in 0..self.connectors.len() {
+            if !self.connectors[c].stores_blocks() {
+                continue;
+            }
+            let holder = Holder::Connector(ConnectorId(c as u32));
+            for s in &plan.reqs {
+                let Some(req) = self.requests.get(s.req.0 as usize).and_then(Option::as_ref) else {
+                    continue;
+                };
+                let n_after = s.start_pos + s.tokens.len();
+                let bs = self.config.block_size;
+                if req.state != RequestState::Running
+                    || req.hash_root != self.hash_root
+                    || n_after / bs == s.start_pos / bs
+                {
+                    continue;
+                }
+                let computed = ComputedBlocks {
+                    req: s.req,
+                    blocks: &req.blocks,
+                    block_hashes: &req.block_hashes,
+                    n_before: s.start_pos,
+                    n_after,
+                };
+                let mut holds = lifecycle::HoldMaker {
+                    kv: &mut self.kv,
+                    transfers: &mut self.transfers,
+                    next_transfer: &mut self.next_transfer,
+                    holder,
+                };
+                self.connectors[c].blocks_computed(computed, &mut holds);
+            }
+        }
+    }
+
+    /// Every local tier's figures, summed (`None` when no connector is a tier).
+    pub fn tier_stats(&self) -> Option<crate::connector::TierStats> {
+        let mut all: Option<crate::connector::TierStats> = None;
+        for s in self.connectors.iter().filter_map(|c| c.tier_stats()) {
+            all.get_or_insert_with(Default::default).add(&s);
+        }
+        all
     }
 
     fn validate_output(&self, plan: &StepPlan, output: &ModelOutput) -> Result<(), OutputError> {
