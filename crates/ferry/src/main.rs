@@ -9,6 +9,7 @@ mod bench_serve;
 mod bench_transfer;
 mod byte_size;
 mod fetch;
+mod kv_offload;
 mod make_model;
 mod serve;
 

@@ -360,3 +360,51 @@ fn bad_kv_flags_are_errors_naming_the_flag() {
         assert!(err.contains("--kv-role"), "{flag:?}: {err}");
     }
 }
+
+#[test]
+fn bad_offload_flags_are_errors_naming_the_flag() {
+    let run = |args: &[&str]| {
+        let out = Command::new(FERRY)
+            .args(["serve", "--model", "tiny", "--port", "0"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&["--kv-offload-bytes", "lots"]);
+    assert!(err.contains("--kv-offload-bytes"), "{err}");
+    let err = run(&["--kv-offload-bytes", "0"]);
+    assert!(
+        err.contains("--kv-offload-bytes must be more than 0"),
+        "{err}"
+    );
+    let err = run(&["--kv-offload-bytes", "1"]);
+    assert!(
+        err.contains("--kv-offload-bytes 1: 1 bytes hold no offloaded block"),
+        "{err}"
+    );
+    let err = run(&["--kv-offload-bytes", "1GiB", "--kv-offload-policy", "fifo"]);
+    assert!(err.contains("--kv-offload-policy"), "{err}");
+    let err = run(&[
+        "--kv-offload-bytes",
+        "1GiB",
+        "--kv-offload-block-size",
+        "24",
+    ]);
+    assert!(err.contains("--kv-offload-block-size 24"), "{err}");
+    let err = run(&["--kv-offload-policy", "arc"]);
+    assert!(err.contains("--kv-offload-bytes"), "{err}");
+    let err = run(&["--kv-connector", "offload"]);
+    assert!(
+        err.contains("--kv-connector lists offload, which needs --kv-offload-bytes"),
+        "{err}"
+    );
+    let err = run(&[
+        "--kv-offload-bytes",
+        "1GiB",
+        "--kv-connector",
+        "offload,nixl",
+    ]);
+    assert!(err.contains("--kv-connector"), "{err}");
+}
