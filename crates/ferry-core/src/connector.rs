@@ -16,6 +16,7 @@
 //! | a request arrives | [`KvConnector::on_new_request`] |
 //! | admission, after the local prefix hit | [`KvConnector::match_external`] (no side effects) |
 //! | after blocks are allocated for a hit | [`KvConnector::after_alloc`] (the request parks in `WaitingForRemoteKv`) |
+//! | a step computed full blocks (`on_step_output`) | [`KvConnector::blocks_computed`] (a tier's stores, under `Store` holds) |
 //! | every step, also a zero-token one | [`KvConnector::step_work`] (carried in the `StepPlan`) |
 //! | worker results arrive (engine inputs) | [`KvConnector::on_worker_report`] |
 //! | between steps | [`KvConnector::take_finished_transfers`], [`KvConnector::take_finished_loads`] |
