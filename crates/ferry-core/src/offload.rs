@@ -250,12 +250,19 @@ impl OffloadConnector {
         self.stats.bytes_used = self.index.len() as u64 * self.config.slot_bytes();
     }
 
-    fn on_store_done(&mut self, hold: TransferId, epoch: u64, ok: bool) {
-        let Some(job) = self.in_flight.remove(&hold) else {
-            return;
-        };
+    /// A job reported: its hold ends, and a flush set not yet delivered need not wait for it.
+    fn job_done(&mut self, hold: TransferId) -> Option<Job> {
+        let job = self.in_flight.remove(&hold)?;
+        self.flush.remove(&hold);
         self.ended.push(hold);
         self.release_slots(&job.slots);
+        Some(job)
+    }
+
+    fn on_store_done(&mut self, hold: TransferId, epoch: u64, ok: bool) {
+        let Some(job) = self.job_done(hold) else {
+            return;
+        };
         let JobKind::Store { keys } = job.kind else {
             return;
         };
@@ -280,11 +287,9 @@ impl OffloadConnector {
     }
 
     fn on_load_done(&mut self, hold: TransferId, epoch: u64, result: Result<(), String>) {
-        let Some(job) = self.in_flight.remove(&hold) else {
+        let Some(job) = self.job_done(hold) else {
             return;
         };
-        self.ended.push(hold);
-        self.release_slots(&job.slots);
         let JobKind::Load {
             req,
             keys,

@@ -292,8 +292,9 @@ async fn rollouts(p: &EngineHandle, d: &EngineHandle, version: &str, tag: &str) 
         let tag = tag.to_owned();
         tasks.push(tokio::spawn(async move {
             let id = format!("{tag}-{i}");
-            // Three prompts, each asked twice: the second hits the caches.
-            let prompt = prompt(i % 3, 25);
+            // Distinct prompts: D never has a prompt locally, so it pulls every export (an
+            // export D has no use for stays on P until its lease ends).
+            let prompt = prompt(i, 25);
             let params = prefill(&p, &id, prompt.clone()).await;
             (prompt.clone(), decode(&d, &id, prompt, params).await)
         }));
