@@ -202,8 +202,9 @@ pub struct AllocatedLoad<'a> {
     pub block_hashes: &'a [BlockHash],
 }
 
-/// Full blocks whose KV a step just computed, for one request (`blocks_computed`): blocks
-/// `n_before / block_size .. n_after / block_size` of the table became full this step.
+/// Full blocks whose KV is now there, for one request (`blocks_computed`): blocks
+/// `n_before / block_size .. n_after / block_size` of the table became full (a step computed
+/// them, or a load landed them).
 #[derive(Debug, Clone, Copy)]
 pub struct ComputedBlocks<'a> {
     pub req: ReqIdx,
@@ -439,9 +440,10 @@ pub trait KvConnector: Send + std::fmt::Debug {
         let _ = load;
     }
 
-    /// Full blocks a step just computed (called from `on_step_output`, before finishes free
-    /// anything, for requests whose hash chain follows the current weights): a local tier
-    /// stores them, holding what its jobs read through `holds`.
+    /// Full blocks whose KV is now there: computed by a step (called from `on_step_output`,
+    /// before finishes free anything) or landed by another connector's load (a P/D import);
+    /// only for requests whose hash chain follows the current weights. A local tier stores
+    /// them, holding what its jobs read through `holds`.
     fn blocks_computed(&mut self, _computed: ComputedBlocks<'_>, _holds: &mut dyn StoreHolds) {}
 
     /// Whether `blocks_computed` is wanted at all (the scheduler skips the work otherwise).

@@ -726,38 +726,58 @@ impl Scheduler {
     /// Requests whose hash chain is not the current weights' (running across an update)
     /// offer nothing: their KV mixes two weight versions.
     fn offer_computed_blocks(&mut self, plan: &StepPlan) {
+        if !self.connectors.iter().any(|c| c.stores_blocks()) {
+            return;
+        }
+        for s in &plan.reqs {
+            let running = self
+                .request(s.req)
+                .is_some_and(|r| r.state == RequestState::Running);
+            if running {
+                self.offer_blocks(s.req, s.start_pos, s.start_pos + s.tokens.len(), None);
+            }
+        }
+    }
+
+    /// Offers request `r`'s blocks that became full between `n_before` and `n_after` tokens
+    /// of KV to every connector that stores blocks, but `skip` (a load's own connector, which
+    /// has them). Nothing for a request whose hash chain is not the current weights'.
+    fn offer_blocks(
+        &mut self,
+        r: ReqIdx,
+        n_before: usize,
+        n_after: usize,
+        skip: Option<ConnectorId>,
+    ) {
+        let bs = self.config.block_size;
+        if n_after / bs == n_before / bs {
+            return;
+        }
         for c in 0..self.connectors.len() {
-            if !self.connectors[c].stores_blocks() {
+            let id = ConnectorId(c as u32);
+            if Some(id) == skip || !self.connectors[c].stores_blocks() {
                 continue;
             }
-            let holder = Holder::Connector(ConnectorId(c as u32));
-            for s in &plan.reqs {
-                let Some(req) = self.requests.get(s.req.0 as usize).and_then(Option::as_ref) else {
-                    continue;
-                };
-                let n_after = s.start_pos + s.tokens.len();
-                let bs = self.config.block_size;
-                if req.state != RequestState::Running
-                    || req.hash_root != self.hash_root
-                    || n_after / bs == s.start_pos / bs
-                {
-                    continue;
-                }
-                let computed = ComputedBlocks {
-                    req: s.req,
-                    blocks: &req.blocks,
-                    block_hashes: &req.block_hashes,
-                    n_before: s.start_pos,
-                    n_after,
-                };
-                let mut holds = lifecycle::HoldMaker {
-                    kv: &mut self.kv,
-                    transfers: &mut self.transfers,
-                    next_transfer: &mut self.next_transfer,
-                    holder,
-                };
-                self.connectors[c].blocks_computed(computed, &mut holds);
+            let Some(req) = self.requests.get(r.0 as usize).and_then(Option::as_ref) else {
+                return;
+            };
+            if req.hash_root != self.hash_root {
+                return;
             }
+            let computed = ComputedBlocks {
+                req: r,
+                blocks: &req.blocks,
+                block_hashes: &req.block_hashes,
+                n_before,
+                n_after,
+            };
+            let mut holds = lifecycle::HoldMaker {
+                kv: &mut self.kv,
+                transfers: &mut self.transfers,
+                next_transfer: &mut self.next_transfer,
+                holder: Holder::Connector(id),
+            };
+            self.connectors[c].blocks_computed(computed, &mut holds);
         }
     }
 
@@ -935,7 +955,9 @@ impl Scheduler {
     /// A load ended: the request continues (loaded), recomputes from the first bad block or
     /// fails (per `kv_load_failure_policy`), or is retracted (cut short by a reset: it holds
     /// no KV and recomputes, keeping its place).
-    pub(crate) fn on_load_result(&mut self, result: LoadResult) {
+    /// A load that landed is offered to the connectors that store blocks (not `loader`): the
+    /// offload tier keeps a P/D import for later requests.
+    pub(crate) fn on_load_result(&mut self, result: LoadResult, loader: ConnectorId) {
         let block_size = self.config.block_size;
         let Some(req) = self
             .requests
@@ -952,8 +974,11 @@ impl Scheduler {
         }
         match result.outcome {
             LoadOutcome::Loaded => {
+                let n_before = req.n_computed;
                 req.n_computed += n_tokens;
                 req.state = RequestState::Waiting;
+                let n_after = req.n_computed;
+                self.offer_blocks(result.req, n_before, n_after, Some(loader));
             }
             LoadOutcome::Failed {
                 good_blocks,

@@ -318,7 +318,15 @@ async fn pd_and_offload_together_through_a_full_rl_cycle() {
     rollouts(&p, &d, "v0", "a").await;
     until_clean(&p).await;
     until_clean(&d).await;
-    assert!(tier_stats(&p).n_stores > 0 && tier_stats(&d).n_stores > 0);
+    assert!(tier_stats(&p).n_stores > 0);
+    // D's tier keeps what D imported (6 full blocks of each prompt) as well as what it computed.
+    assert!(tier_stats(&d).n_stores >= 6 * 6, "{:?}", tier_stats(&d));
+    // So D serves a prompt it once imported from its own tier, with no P at all.
+    assert!(within(d.reset_prefix_cache(false, false)).await.unwrap());
+    let c = run(&d, "local", prompt(2, 25), MAX_TOKENS).await;
+    assert_eq!(c.tokens, oracle("v0", &prompt(2, 25), MAX_TOKENS as usize));
+    assert_eq!(tier_stats(&d).n_hits, 1, "{:?}", tier_stats(&d));
+    until_clean(&d).await;
     // Rollouts again with the local caches gone: P's prefills load from its tier.
     for e in [&p, &d] {
         assert!(within(e.reset_prefix_cache(false, false)).await.unwrap());

@@ -509,7 +509,7 @@ impl Scheduler {
             self.connectors[i].take_finished_loads(&mut loads);
             for load in loads.drain(..) {
                 if self.transfer_holder(load.hold) == Some(owner) {
-                    self.on_load_result(load);
+                    self.on_load_result(load, ConnectorId(i as u32));
                 }
             }
             self.connectors[i].take_finished_transfers(&mut ended);
