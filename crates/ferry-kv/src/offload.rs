@@ -109,7 +109,9 @@ impl OffloadWorker {
         }
     }
 
-    /// Blocks until the copier finished everything sent so far.
+    /// Blocks until the copier finished everything sent so far (or has died: a copier that
+    /// panicked reports nothing more, so its holds never end and the reset waiting for them
+    /// fails with its timeout instead of this hanging the engine thread).
     pub fn wait_idle(&self) {
         let mut done = self
             .progress
@@ -117,11 +119,16 @@ impl OffloadWorker {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         while *done < self.n_sent {
+            if self.thread.as_ref().is_none_or(JoinHandle::is_finished) {
+                tracing::error!("the offload copier thread is gone");
+                return;
+            }
             done = self
                 .progress
                 .advanced
-                .wait(done)
-                .unwrap_or_else(PoisonError::into_inner);
+                .wait_timeout(done, std::time::Duration::from_millis(100))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
         }
     }
 
