@@ -16,6 +16,7 @@
 //! | a request arrives | [`KvConnector::on_new_request`] |
 //! | admission, after the local prefix hit | [`KvConnector::match_external`] (no side effects) |
 //! | after blocks are allocated for a hit | [`KvConnector::after_alloc`] (the request parks in `WaitingForRemoteKv`) |
+//! | a step computed full blocks (`on_step_output`) | [`KvConnector::blocks_computed`] (a tier's stores, under `Store` holds) |
 //! | every step, also a zero-token one | [`KvConnector::step_work`] (carried in the `StepPlan`) |
 //! | worker results arrive (engine inputs) | [`KvConnector::on_worker_report`] |
 //! | between steps | [`KvConnector::take_finished_transfers`], [`KvConnector::take_finished_loads`] |
@@ -28,6 +29,7 @@
 //! connector, pending work is the OR, and transfer parameters are merged with an error on a
 //! clash. The scheduler names no particular connector.
 
+use crate::hash::BlockHash;
 use crate::ownership::TransferId;
 use crate::plan::{BlockId, ReqIdx, TokenId};
 use crate::request::FinishReason;
@@ -166,6 +168,9 @@ pub struct ExternalQuery<'a> {
     pub prompt_len: usize,
     /// Tokens found in the local prefix cache (whole blocks).
     pub local_hit_tokens: usize,
+    /// The request's block hashes (every full block of its tokens, chained from the
+    /// version-seeded root): a local tier looks its prefix up by them.
+    pub block_hashes: &'a [BlockHash],
     /// The weight version loaded now.
     pub weight_version: &'a str,
 }
@@ -193,6 +198,71 @@ pub struct AllocatedLoad<'a> {
     pub first_block: usize,
     /// Prompt tokens the load supplies, after the local hit.
     pub n_tokens: usize,
+    /// The request's block hashes, as `match_external` saw them.
+    pub block_hashes: &'a [BlockHash],
+}
+
+/// Full blocks whose KV is now there, for one request (`blocks_computed`): blocks
+/// `n_before / block_size .. n_after / block_size` of the table became full (a step computed
+/// them, or a load landed them).
+#[derive(Debug, Clone, Copy)]
+pub struct ComputedBlocks<'a> {
+    pub req: ReqIdx,
+    /// The request's block table.
+    pub blocks: &'a [BlockId],
+    /// Hashes of the request's full blocks (at least every full computed one).
+    pub block_hashes: &'a [BlockHash],
+    /// Tokens whose KV was there before the step, and after it.
+    pub n_before: usize,
+    pub n_after: usize,
+}
+
+/// Makes `Store` holds for the connector being asked (`KvConnector::blocks_computed`): the
+/// blocks stay allocated, and are never written by a step, until the connector reports the
+/// hold ended.
+pub trait StoreHolds {
+    /// Holds `blocks` (each gets one more reference) for a store job; returns the hold.
+    fn hold(&mut self, blocks: &[BlockId]) -> TransferId;
+}
+
+/// One block copy between the arena and a local tier's host memory: arena block `block`
+/// and host block `host_block` (host memory is addressed in engine-block units).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostCopy {
+    pub block: BlockId,
+    pub host_block: u32,
+}
+
+/// A local tier's gauges and counters (`KvConnector::tier_stats`), for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TierStats {
+    /// Host bytes the tier's index holds blocks in (stored or being stored).
+    pub bytes_used: u64,
+    pub bytes_capacity: u64,
+    /// Admissions that loaded a prefix from the tier, and the blocks they loaded.
+    pub n_hits: u64,
+    pub n_hit_blocks: u64,
+    /// Blocks stored into the tier (jobs sent), and loads started.
+    pub n_stores: u64,
+    pub n_loads: u64,
+    /// Blocks evicted to make room.
+    pub n_evictions: u64,
+    /// Flush sets delivered to the worker (one per reset that abandoned jobs).
+    pub n_flushes: u64,
+}
+
+impl TierStats {
+    /// Sums two tiers' figures.
+    pub fn add(&mut self, o: &TierStats) {
+        self.bytes_used += o.bytes_used;
+        self.bytes_capacity += o.bytes_capacity;
+        self.n_hits += o.n_hits;
+        self.n_hit_blocks += o.n_hit_blocks;
+        self.n_stores += o.n_stores;
+        self.n_loads += o.n_loads;
+        self.n_evictions += o.n_evictions;
+        self.n_flushes += o.n_flushes;
+    }
 }
 
 /// A finished request as `request_finished` sees it.
@@ -270,6 +340,22 @@ pub enum WorkerJob {
     },
     /// Cancel a fetch in flight; the worker reports it ended once nothing writes its blocks.
     CancelFetch { hold: TransferId },
+    /// Copy arena blocks into a local tier's host blocks (a `Store` hold), then report
+    /// `StoreDone`. Runs off the engine thread, after the step that computed the blocks.
+    Store {
+        hold: TransferId,
+        epoch: u64,
+        copies: Vec<HostCopy>,
+    },
+    /// Copy host blocks into arena blocks (a `Load` hold), then report `LoadDone`.
+    Load {
+        hold: TransferId,
+        epoch: u64,
+        copies: Vec<HostCopy>,
+    },
+    /// The flush set of a reset: wait until these jobs are done (their grants dropped, their
+    /// host blocks no longer touched) before this step goes on.
+    Flush { holds: Vec<TransferId> },
 }
 
 /// What one connector's worker does this step.
@@ -291,6 +377,18 @@ pub enum WorkerReport {
     /// After a `CancelFetch` this is the acknowledgement (whatever it says).
     FetchDone {
         hold: TransferId,
+        result: Result<(), FetchError>,
+    },
+    /// A local tier's store job ended (its grant dropped); `ok` if every block was copied.
+    StoreDone {
+        hold: TransferId,
+        epoch: u64,
+        ok: bool,
+    },
+    /// A local tier's load job ended (its grant dropped).
+    LoadDone {
+        hold: TransferId,
+        epoch: u64,
         result: Result<(), FetchError>,
     },
 }
@@ -340,6 +438,22 @@ pub trait KvConnector: Send + std::fmt::Debug {
     /// [`take_finished_loads`](Self::take_finished_loads) reports the load.
     fn after_alloc(&mut self, load: AllocatedLoad<'_>) {
         let _ = load;
+    }
+
+    /// Full blocks whose KV is now there: computed by a step (called from `on_step_output`,
+    /// before finishes free anything) or landed by another connector's load (a P/D import);
+    /// only for requests whose hash chain follows the current weights. A local tier stores
+    /// them, holding what its jobs read through `holds`.
+    fn blocks_computed(&mut self, _computed: ComputedBlocks<'_>, _holds: &mut dyn StoreHolds) {}
+
+    /// Whether `blocks_computed` is wanted at all (the scheduler skips the work otherwise).
+    fn stores_blocks(&self) -> bool {
+        false
+    }
+
+    /// A local tier's figures, for metrics; `None` for connectors that are no tier.
+    fn tier_stats(&self) -> Option<TierStats> {
+        None
     }
 
     /// The jobs for this connector's worker in the step being planned (also a zero-token

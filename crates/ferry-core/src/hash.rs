@@ -14,7 +14,7 @@ use std::hash::{BuildHasherDefault, Hash, Hasher};
 use crate::plan::TokenId;
 
 /// The hash of one full block and, through the chain, of every token before it.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct BlockHash(pub [u8; 32]);
 
 impl std::fmt::Debug for BlockHash {

@@ -42,6 +42,7 @@ pub mod driver;
 pub mod hash;
 pub mod kv_cache;
 pub mod lifecycle;
+pub mod offload;
 pub mod ownership;
 pub mod pd;
 pub mod plan;
@@ -51,15 +52,17 @@ pub mod scheduler;
 
 pub use config::{ConfigError, SchedulerConfig};
 pub use connector::{
-    prompt_hash, AllocatedLoad, ConnectorId, ExternalMatch, ExternalQuery, FetchError,
-    FinishedRequest, HoldKind, Holder, KvConnector, KvLoadFailurePolicy, KvTransferParams,
-    LoadOutcome, LoadResult, NewRequest, StepWork, TransferParamsError, WorkerJob, WorkerReport,
+    prompt_hash, AllocatedLoad, ComputedBlocks, ConnectorId, ExternalMatch, ExternalQuery,
+    FetchError, FinishedRequest, HoldKind, Holder, HostCopy, KvConnector, KvLoadFailurePolicy,
+    KvTransferParams, LoadOutcome, LoadResult, NewRequest, StepWork, StoreHolds, TierStats,
+    TransferParamsError, WorkerJob, WorkerReport,
 };
 pub use driver::{Step, StepDriver, StepError, StepModel};
 pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,
 };
+pub use offload::{OffloadConfig, OffloadConnector, OffloadPolicy};
 pub use ownership::{BlockStatus, Owner, OwnershipError, TransferId};
 pub use pd::{PdConfig, PdConnector, PdRole};
 pub use plan::{

@@ -437,6 +437,8 @@ impl KvConnector for PdConnector {
                     outcome,
                 });
             }
+            // A local tier's reports: not this connector's.
+            WorkerReport::StoreDone { .. } | WorkerReport::LoadDone { .. } => {}
         }
     }
 

@@ -19,6 +19,7 @@
 
 mod control;
 pub mod lifecycle;
+mod offer;
 mod render;
 mod time;
 
@@ -501,6 +502,7 @@ impl Scheduler {
             req: r,
             prompt_len: req.prompt_len,
             local_hit_tokens: n_hit_tokens,
+            block_hashes: &req.block_hashes,
             weight_version: &self.control.weight_version,
         };
         let mut external = None;
@@ -633,6 +635,7 @@ impl Scheduler {
             blocks: &self.transfers[&hold].blocks,
             first_block,
             n_tokens: n_external,
+            block_hashes: &req.block_hashes,
         };
         self.connectors[c.0 as usize].after_alloc(load);
         Admit::Parked
@@ -704,6 +707,7 @@ impl Scheduler {
         output: &ModelOutput,
     ) -> Result<Vec<RequestOutput>, OutputError> {
         self.validate_output(plan, output)?;
+        self.offer_computed_blocks(plan);
         let mut outs = Vec::with_capacity(output.sampled.len());
         let mut any_finished = false;
         for s in &output.sampled {
@@ -885,7 +889,9 @@ impl Scheduler {
     /// A load ended: the request continues (loaded), recomputes from the first bad block or
     /// fails (per `kv_load_failure_policy`), or is retracted (cut short by a reset: it holds
     /// no KV and recomputes, keeping its place).
-    pub(crate) fn on_load_result(&mut self, result: LoadResult) {
+    /// A load that landed is offered to the connectors that store blocks (not `loader`): the
+    /// offload tier keeps a P/D import for later requests.
+    pub(crate) fn on_load_result(&mut self, result: LoadResult, loader: ConnectorId) {
         let block_size = self.config.block_size;
         let Some(req) = self
             .requests
@@ -902,8 +908,11 @@ impl Scheduler {
         }
         match result.outcome {
             LoadOutcome::Loaded => {
+                let n_before = req.n_computed;
                 req.n_computed += n_tokens;
                 req.state = RequestState::Waiting;
+                let n_after = req.n_computed;
+                self.offer_blocks(result.req, n_before, n_after, Some(loader));
             }
             LoadOutcome::Failed {
                 good_blocks,

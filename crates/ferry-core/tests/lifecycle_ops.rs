@@ -1,6 +1,7 @@
 //! Property test of the lifecycle under load: random interleavings of requests, steps,
-//! aborts, transfers (held by a connector that hands blocks back after a random delay) and
-//! every lifecycle operation. Checked after every operation: block ownership and queues; no
+//! aborts, transfers (held by a connector that hands blocks back after a random delay), an
+//! offload tier whose copier answers its jobs at random moments (a flush answers every job
+//! handed over before it, as the real copier's does) and every lifecycle operation. Checked after every operation: block ownership and queues; no
 //! plan while KV memory is released; KV memory released only when no block is in use; an
 //! operation that resets the caches succeeds only with the reset done (no block held, no
 //! hash cached, no transfer out); an operation fails only when a resume or wake-up cancels
@@ -14,8 +15,9 @@ use std::sync::{Arc, Mutex};
 
 use common::Harness;
 use ferry_core::{
-    ConnectorId, Holder, KvConnector, LifecycleError, LifecycleEvent, OpId, PauseMode,
-    SamplingParams, SchedulerConfig, SleepLevel, TokenId, TransferId, WakeTag,
+    ConnectorId, Holder, KvConnector, LifecycleError, LifecycleEvent, OffloadConfig,
+    OffloadConnector, OffloadPolicy, OpId, PauseMode, SamplingParams, SchedulerConfig, SleepLevel,
+    TokenId, TransferId, WakeTag, WorkerJob, WorkerReport,
 };
 use proptest::prelude::*;
 
@@ -37,6 +39,8 @@ enum Op {
     Reset(bool, bool),
     WeightVersion(u8),
     AbortAll,
+    /// The offload copier answers this many of its oldest jobs.
+    Copy(usize),
 }
 
 fn mode() -> impl Strategy<Value = PauseMode> {
@@ -66,6 +70,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (any::<bool>(), any::<bool>()).prop_map(|(a, b)| Op::Reset(a, b)),
         1 => (0u8..3).prop_map(Op::WeightVersion),
         1 => Just(Op::AbortAll),
+        3 => (1usize..4).prop_map(Op::Copy),
     ]
 }
 
@@ -123,9 +128,15 @@ impl KvConnector for Conn {
     fn reset_cache(&mut self) {}
 }
 
+const TIER: ConnectorId = ConnectorId(1);
+
 struct Run {
     h: Harness,
     conn: Arc<Mutex<Transfers>>,
+    /// The offload copier's jobs not answered yet, oldest first.
+    copier: Vec<WorkerJob>,
+    /// Answer every copier job at once (the end of a run).
+    copy_all: bool,
     added: Vec<String>,
     next_op: u64,
     /// Every operation issued, and whether it resets the caches.
@@ -141,15 +152,30 @@ struct Run {
 }
 
 impl Run {
-    fn new() -> Self {
+    fn new(arc: bool) -> Self {
         let conn = Arc::new(Mutex::new(Transfers::default()));
         let mut h = Harness::new(config());
         h.model.vocab = 12;
         let id = h.sched.add_connector(Box::new(Conn(conn.clone())));
         assert_eq!(id, ConnectorId(0));
+        let policy = if arc {
+            OffloadPolicy::Arc
+        } else {
+            OffloadPolicy::Lru
+        };
+        let tier = OffloadConnector::new(OffloadConfig {
+            block_size: 4,
+            blocks_per_slot: 1,
+            block_bytes: 1,
+            capacity_bytes: 6,
+            policy,
+        });
+        assert_eq!(h.sched.add_connector(Box::new(tier)), TIER);
         Self {
             h,
             conn,
+            copier: Vec::new(),
+            copy_all: false,
             added: Vec::new(),
             next_op: 0,
             issued: BTreeMap::new(),
@@ -220,8 +246,45 @@ impl Run {
             !self.kv_released || step.plan.is_empty(),
             "a step was planned with the KV memory released"
         );
+        for work in step.plan.connector_work.iter().chain(&step.after_work) {
+            assert_eq!(work.connector, TIER, "only the tier plans jobs");
+            for job in &work.jobs {
+                match job {
+                    // The real copier waits for every job handed over before the flush.
+                    WorkerJob::Flush { .. } => self.copy(self.copier.len()),
+                    job => self.copier.push(job.clone()),
+                }
+            }
+        }
         self.h.recycle(step);
+        if self.copy_all {
+            self.copy(self.copier.len());
+        }
         self.poll();
+    }
+
+    /// The copier answers its `n` oldest jobs, every one a success.
+    fn copy(&mut self, n: usize) {
+        let n = n.min(self.copier.len());
+        for job in self.copier.drain(..n).collect::<Vec<_>>() {
+            let report = match job {
+                WorkerJob::Store { hold, epoch, .. } => WorkerReport::StoreDone {
+                    hold,
+                    epoch,
+                    ok: true,
+                },
+                WorkerJob::Load { hold, epoch, .. } => WorkerReport::LoadDone {
+                    hold,
+                    epoch,
+                    result: Ok(()),
+                },
+                other => panic!("not a copier job: {other:?}"),
+            };
+            self.h.sched.on_worker_report(TIER, report);
+            let outs = self.h.sched.take_outputs();
+            self.h.record(&outs);
+            self.h.check();
+        }
     }
 
     fn pick(&self, k: usize) -> Option<&String> {
@@ -326,6 +389,7 @@ impl Run {
                 let outs = self.h.sched.abort_all();
                 self.h.record(&outs);
             }
+            Op::Copy(n) => self.copy(n),
         }
         self.poll();
         self.cancelling = None;
@@ -338,12 +402,14 @@ proptest! {
     #[test]
     fn every_lifecycle_operation_completes_and_nothing_is_lost(
         ops in proptest::collection::vec(op(), 1..60),
+        arc in any::<bool>(),
     ) {
-        let mut run = Run::new();
+        let mut run = Run::new(arc);
         for op in &ops {
             run.apply(op);
         }
-        // Let transfers end, wake everything, resume, drain.
+        // Let transfers and copies end, wake everything, resume, drain.
+        run.copy_all = true;
         for _ in 0..20 {
             run.step();
         }

@@ -152,6 +152,7 @@ impl Fabric {
                     }
                 }
             }
+            other => panic!("not a P/D job: {other:?}"),
         }
     }
 

@@ -485,6 +485,10 @@ impl EngineLoop {
                         tracing::warn!(n, "KV memory released with worker grants still out");
                     }
                     self.arena.release();
+                    // Workers' own memory too (the offload tier's host memory).
+                    for worker in self.workers.iter_mut().flatten() {
+                        worker.release_memory();
+                    }
                 }
                 LifecycleEvent::OffloadWeights => self.executor.weight_ops_mut().offload(),
                 // Dropped here, not on another thread: a sleep returns once memory is free.
@@ -831,6 +835,7 @@ impl EngineLoop {
         let version = self.core.weight_version();
         let lifecycle = self.core.lifecycle_status();
         let transfers = &self.transfers.stats;
+        let tier = self.core.tier_stats();
         let stepped = u64::from(!step.is_zero());
         self.stats.send_modify(|s| {
             s.scheduler = scheduler;
@@ -845,6 +850,7 @@ impl EngineLoop {
             }
             s.lifecycle = lifecycle;
             s.transfers.clone_from(transfers);
+            s.tier = tier;
             s.running = true;
         });
     }

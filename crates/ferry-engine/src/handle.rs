@@ -5,8 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
-use ferry_core::{KvConnector, PdConfig, PdConnector, Scheduler, SchedulerConfig};
-use ferry_kv::{PdWorker, Transport, WorkerConnector};
+use ferry_core::{
+    KvConnector, OffloadConfig, OffloadConnector, PdConfig, PdConnector, Scheduler, SchedulerConfig,
+};
+use ferry_kv::{OffloadWorker, PdWorker, Transport, WorkerConnector};
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore, TryAcquireError};
 
@@ -47,6 +49,17 @@ impl Connector {
     pub fn pd(config: PdConfig, transport: Arc<dyn Transport>) -> Self {
         let worker = PdWorker::new(config.engine_id.clone(), transport);
         Self::new(Box::new(PdConnector::new(config)), Box::new(worker))
+    }
+
+    /// The CPU offload tier, both sides: its index in the core, its copier thread here.
+    /// `config.block_bytes` must be the executor's (`KvLayout::block_bytes`), and the config
+    /// valid (`OffloadConfig::validate`); fails only if the copier thread cannot start.
+    pub fn offload(config: OffloadConfig) -> std::io::Result<Self> {
+        let worker = OffloadWorker::new(config.n_host_blocks(), config.block_bytes)?;
+        Ok(Self::new(
+            Box::new(OffloadConnector::new(config)),
+            Box::new(worker),
+        ))
     }
 }
 

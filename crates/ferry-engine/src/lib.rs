@@ -36,11 +36,13 @@ pub use error::{
 };
 pub use ferry_core::{
     AddError, ConnectorId, FinishReason, KvConnector, KvLoadFailurePolicy, KvTransferParams,
-    LifecycleError, LifecycleStatus, PauseMode, PdConfig, PdConnector, PdRole, SamplerSpec,
-    SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, TokenId, TransferId, WakeTag,
-    WeightResidency,
+    LifecycleError, LifecycleStatus, OffloadConfig, OffloadConnector, OffloadPolicy, PauseMode,
+    PdConfig, PdConnector, PdRole, SamplerSpec, SamplingParams, SchedulerConfig, SchedulerStats,
+    SleepLevel, TierStats, TokenId, TransferId, WakeTag, WeightResidency,
 };
-pub use ferry_kv::{InMemoryFabric, InMemoryTransport, PdWorker, Transport, WorkerConnector};
+pub use ferry_kv::{
+    InMemoryFabric, InMemoryTransport, OffloadWorker, PdWorker, Transport, WorkerConnector,
+};
 pub use ferry_model::{
     Executor, LoadError, LoadedModel, LogprobsMode, ModelSpec, Tensor, WeightError, WeightStore,
 };
@@ -178,6 +180,8 @@ pub struct EngineStats {
     pub busy_seconds_total: f64,
     /// KV transfers (P/D connectors): started, ended by kind, bytes, load time.
     pub transfers: TransferStats,
+    /// The offload tier's gauges and counters (`None` without a tier).
+    pub tier: Option<TierStats>,
     /// False once the engine thread has stopped.
     pub running: bool,
 }

@@ -62,7 +62,12 @@ impl TransferTally {
                     self.stats.n_loads_started_total += 1;
                     self.loads.insert((c, *hold), (blocks.len() as u64, now));
                 }
-                WorkerJob::Unpublish { .. } | WorkerJob::CancelFetch { .. } => {}
+                // The offload tier's copies are counted by the tier itself (`TierStats`).
+                WorkerJob::Unpublish { .. }
+                | WorkerJob::CancelFetch { .. }
+                | WorkerJob::Store { .. }
+                | WorkerJob::Load { .. }
+                | WorkerJob::Flush { .. } => {}
             }
         }
     }
@@ -95,6 +100,7 @@ impl TransferTally {
                     Err(_) => self.stats.n_loads_failed_total += 1,
                 }
             }
+            WorkerReport::StoreDone { .. } | WorkerReport::LoadDone { .. } => {}
         }
     }
 }

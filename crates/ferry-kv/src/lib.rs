@@ -16,6 +16,7 @@
 
 pub mod access;
 pub mod arena;
+pub mod offload;
 pub mod resident;
 pub mod tcp;
 pub mod transport;
@@ -23,6 +24,7 @@ pub mod worker;
 
 pub use access::{Access, BlockGrant};
 pub use arena::{KvArena, KvError, KvLayout, KvPlane};
+pub use offload::OffloadWorker;
 pub use resident::resident_bytes;
 pub use tcp::{TcpTransport, TcpTransportConfig};
 pub use transport::{ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, Transport};

@@ -55,6 +55,11 @@ pub trait WorkerConnector: Send + std::fmt::Debug {
     fn after_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports) {
         self.before_forward(jobs, arena, reports);
     }
+
+    /// Gives back memory the worker holds of its own (an offload tier's host memory): sleep
+    /// level >= 1 and `release_kv_cache_memory`, once every transfer hold came back. The next
+    /// job may allocate it again.
+    fn release_memory(&mut self) {}
 }
 
 /// The P/D connector's worker: publishes exports on its transport (P) and fetches remote
@@ -157,6 +162,7 @@ impl WorkerConnector for PdWorker {
                     }),
                 },
                 WorkerJob::CancelFetch { hold } => self.transport.cancel_fetch(*hold),
+                other => tracing::error!(?other, "not a P/D job; dropped"),
             }
         }
     }

@@ -1,7 +1,8 @@
 //! `GET /metrics`: Prometheus text. Latency histograms (time to first token, inter-token
 //! latency, request latency) are recorded here, in the server, per output chunk as clients
 //! see them; engine figures (queue lengths, KV blocks, prefix-cache hit rate, step and forward
-//! seconds, KV transfers started, pulled, expired, failed, bytes and load seconds) are read
+//! seconds, KV transfers started, pulled, expired, failed, bytes and load seconds, the offload
+//! tier's bytes, hits, stores, loads, evictions and flushes) are read
 //! from the engine's latest stats snapshot at scrape time.
 
 use std::fmt;
@@ -277,8 +278,71 @@ impl Collector for EngineCollector {
             let c = ConstCounter::new(v);
             c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
         }
+        if let Some(tier) = &s.tier {
+            encode_tier(&mut encoder, tier)?;
+        }
         Ok(())
     }
+}
+
+/// The offload tier's figures (only on an engine with a tier, `--kv-offload-bytes`).
+fn encode_tier(
+    encoder: &mut DescriptorEncoder<'_>,
+    t: &ferry_engine::TierStats,
+) -> Result<(), fmt::Error> {
+    let gauges: [(&str, &str, f64); 2] = [
+        (
+            "kv_offload_bytes_used",
+            "Offload tier: host bytes holding offloaded KV blocks (stored or being stored)",
+            t.bytes_used as f64,
+        ),
+        (
+            "kv_offload_bytes_capacity",
+            "Offload tier: host bytes it may use (--kv-offload-bytes, whole offloaded blocks)",
+            t.bytes_capacity as f64,
+        ),
+    ];
+    for (name, help, v) in gauges {
+        let g = ConstGauge::new(v);
+        g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+    }
+    let counters: [(&str, &str, f64); 6] = [
+        (
+            "kv_offload_hits",
+            "Offload tier: admissions that loaded a prefix from the tier",
+            t.n_hits as f64,
+        ),
+        (
+            "kv_offload_hit_blocks",
+            "Offload tier: KV blocks loaded from the tier",
+            t.n_hit_blocks as f64,
+        ),
+        (
+            "kv_offload_stores",
+            "Offload tier: offloaded blocks stored",
+            t.n_stores as f64,
+        ),
+        (
+            "kv_offload_loads",
+            "Offload tier: load jobs started",
+            t.n_loads as f64,
+        ),
+        (
+            "kv_offload_evictions",
+            "Offload tier: offloaded blocks evicted to make room",
+            t.n_evictions as f64,
+        ),
+        (
+            "kv_offload_flushes",
+            "Offload tier: flush sets a cache reset handed to the copier",
+            t.n_flushes as f64,
+        ),
+    ];
+    for (name, help, v) in counters {
+        let c = ConstCounter::new(v);
+        c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -370,6 +434,10 @@ mod tests {
         assert_eq!(get(&text, "ferry_kv_loads_failed_total"), 1.0);
         assert_eq!(get(&text, "ferry_kv_transfer_bytes_total"), 4096.0);
         assert_eq!(get(&text, "ferry_kv_load_seconds_total"), 0.25);
+        assert!(
+            !text.contains("kv_offload"),
+            "no tier, no tier metrics: {text}"
+        );
         assert_eq!(
             get(&text, r#"ferry_weight_version_info{version="v7"}"#),
             1.0
@@ -383,5 +451,31 @@ mod tests {
             ),
             1.0
         );
+    }
+
+    #[test]
+    fn renders_the_offload_tier_when_there_is_one() {
+        let m = Metrics::new(|| EngineStats {
+            tier: Some(ferry_engine::TierStats {
+                bytes_used: 4096,
+                bytes_capacity: 8192,
+                n_hits: 2,
+                n_hit_blocks: 9,
+                n_stores: 12,
+                n_loads: 2,
+                n_evictions: 3,
+                n_flushes: 1,
+            }),
+            ..EngineStats::default()
+        });
+        let text = m.render().unwrap();
+        assert_eq!(get(&text, "ferry_kv_offload_bytes_used"), 4096.0);
+        assert_eq!(get(&text, "ferry_kv_offload_bytes_capacity"), 8192.0);
+        assert_eq!(get(&text, "ferry_kv_offload_hits_total"), 2.0);
+        assert_eq!(get(&text, "ferry_kv_offload_hit_blocks_total"), 9.0);
+        assert_eq!(get(&text, "ferry_kv_offload_stores_total"), 12.0);
+        assert_eq!(get(&text, "ferry_kv_offload_loads_total"), 2.0);
+        assert_eq!(get(&text, "ferry_kv_offload_evictions_total"), 3.0);
+        assert_eq!(get(&text, "ferry_kv_offload_flushes_total"), 1.0);
     }
 }

@@ -4,11 +4,13 @@ use clap::{Parser, Subcommand};
 
 mod bench_lifecycle;
 mod bench_model;
+mod bench_offload;
 mod bench_scheduler;
 mod bench_serve;
 mod bench_transfer;
 mod byte_size;
 mod fetch;
+mod kv_offload;
 mod make_model;
 mod serve;
 
@@ -56,6 +58,9 @@ enum BenchCommand {
     /// KV transfer throughput P→D through two TCP transports on loopback, against plain
     /// loopback TCP.
     Transfer(bench_transfer::Args),
+    /// The CPU offload tier: store and load throughput against memcpy, and time to first
+    /// token on repeated prefixes that do not fit the KV cache, with and without the tier.
+    Offload(bench_offload::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -73,6 +78,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
         Command::Bench(BenchCommand::Lifecycle(args)) => bench_lifecycle::run(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run(args),
+        Command::Bench(BenchCommand::Offload(args)) => bench_offload::run(args),
         Command::MakeModel(cmd) => make_model::run(cmd),
     }
 }

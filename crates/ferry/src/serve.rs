@@ -18,6 +18,7 @@ use ferry_model::{LoadedModel, ModelSpec};
 use ferry_server::{ApiKey, ServerConfig};
 
 use crate::byte_size::ByteSize;
+use crate::kv_offload::{ConnectorName, PolicyArg};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -111,6 +112,23 @@ pub struct Args {
     /// This engine's id in transfer parameters (`remote_engine_id`). Default: random.
     #[arg(long, requires = "kv_role")]
     pub kv_engine_id: Option<String>,
+    /// Host memory for the CPU offload tier, e.g. `8GiB`: turns the tier on. Full KV blocks
+    /// are copied there in the background; a prompt whose prefix left the KV cache loads it
+    /// back instead of recomputing it.
+    #[arg(long)]
+    pub kv_offload_bytes: Option<ByteSize>,
+    /// Which offloaded block makes room: `lru` or `arc` (adaptive: blocks used again and
+    /// again survive a scan of new prefixes).
+    #[arg(long, value_enum, default_value_t = PolicyArg::Lru, requires = "kv_offload_bytes")]
+    pub kv_offload_policy: PolicyArg,
+    /// Tokens per offloaded block, a multiple of --block-size (default: --block-size).
+    #[arg(long, requires = "kv_offload_bytes")]
+    pub kv_offload_block_size: Option<usize>,
+    /// The KV connectors' order, e.g. `offload,pd`: a prompt loads from the first with a hit.
+    /// Each must be turned on by its flag (--kv-offload-bytes, --kv-role). Default: offload
+    /// first, then pd.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub kv_connector: Option<Vec<ConnectorName>>,
 }
 
 /// `--kv-role`.
@@ -288,6 +306,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 async fn serve(args: Args) -> anyhow::Result<()> {
     let kv = kv_plan(&args)?;
+    let offload = crate::kv_offload::offload_plan(
+        args.kv_offload_bytes,
+        args.kv_offload_block_size,
+        args.kv_offload_policy,
+        args.block_size,
+    )?;
+    let order = crate::kv_offload::connector_order(
+        args.kv_connector.as_deref(),
+        offload.is_some(),
+        kv.is_some(),
+    )?;
     let spec = resolve_model(&args)?;
     let model = tokio::task::spawn_blocking(move || load(&spec))
         .await
@@ -314,20 +343,35 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         kv_load_failure_policy: args.kv_load_failure_policy.into(),
         ..ModelEngineConfig::default()
     };
-    let connectors = match &kv {
-        None => Vec::new(),
-        Some(plan) => {
-            let (connector, bound) =
-                kv_connector(plan, &model, &served_model_name, args.block_size)?;
-            tracing::info!(
-                role = ?plan.role,
-                engine_id = %plan.engine_id,
-                advertised = %format!("{}:{}", plan.advertised_host, bound.port()),
-                "KV transfer listener on {bound}"
-            );
-            vec![connector]
+    let mut connectors = Vec::new();
+    for name in order {
+        match (name, &kv, &offload) {
+            (ConnectorName::Pd, Some(plan), _) => {
+                let (connector, bound) =
+                    kv_connector(plan, &model, &served_model_name, args.block_size)?;
+                tracing::info!(
+                    role = ?plan.role,
+                    engine_id = %plan.engine_id,
+                    advertised = %format!("{}:{}", plan.advertised_host, bound.port()),
+                    "KV transfer listener on {bound}"
+                );
+                connectors.push(connector);
+            }
+            (ConnectorName::Offload, _, Some(plan)) => {
+                let (connector, c) =
+                    crate::kv_offload::offload_connector(plan, &model, args.block_size)?;
+                tracing::info!(
+                    n_slots = c.n_slots(),
+                    slot_bytes = c.slot_bytes(),
+                    policy = c.policy.as_str(),
+                    "KV offload tier of {} bytes",
+                    c.n_slots() as u64 * c.slot_bytes()
+                );
+                connectors.push(connector);
+            }
+            _ => unreachable!("connector_order lists only connectors turned on"),
         }
-    };
+    }
     let started =
         ferry_engine::start_model_with_connectors(model, &config, |executor| executor, connectors)
             .map_err(|e| flag_error(&args, e))?;

@@ -360,3 +360,109 @@ fn bad_kv_flags_are_errors_naming_the_flag() {
         assert!(err.contains("--kv-role"), "{flag:?}: {err}");
     }
 }
+
+#[test]
+fn bad_offload_flags_are_errors_naming_the_flag() {
+    let run = |args: &[&str]| {
+        let out = Command::new(FERRY)
+            .args(["serve", "--model", "tiny", "--port", "0"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&["--kv-offload-bytes", "lots"]);
+    assert!(err.contains("--kv-offload-bytes"), "{err}");
+    let err = run(&["--kv-offload-bytes", "0"]);
+    assert!(
+        err.contains("--kv-offload-bytes must be more than 0"),
+        "{err}"
+    );
+    let err = run(&["--kv-offload-bytes", "1"]);
+    assert!(
+        err.contains("--kv-offload-bytes 1: 1 bytes hold no offloaded block"),
+        "{err}"
+    );
+    let err = run(&["--kv-offload-bytes", "1GiB", "--kv-offload-policy", "fifo"]);
+    assert!(err.contains("--kv-offload-policy"), "{err}");
+    let err = run(&[
+        "--kv-offload-bytes",
+        "1GiB",
+        "--kv-offload-block-size",
+        "24",
+    ]);
+    assert!(err.contains("--kv-offload-block-size 24"), "{err}");
+    let err = run(&["--kv-offload-policy", "arc"]);
+    assert!(err.contains("--kv-offload-bytes"), "{err}");
+    let err = run(&["--kv-connector", "offload"]);
+    assert!(
+        err.contains("--kv-connector lists offload, which needs --kv-offload-bytes"),
+        "{err}"
+    );
+    let err = run(&[
+        "--kv-offload-bytes",
+        "1GiB",
+        "--kv-connector",
+        "offload,nixl",
+    ]);
+    assert!(err.contains("--kv-connector"), "{err}");
+}
+
+/// `name value` lines of a `/metrics` text: the value of `name`.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing from\n{text}"))
+}
+
+#[test]
+fn the_offload_tier_serves_a_prefix_the_kv_cache_lost_and_shows_it_on_metrics() {
+    let server = start(&[
+        "--enable-admin-api",
+        "--block-size",
+        "4",
+        "--kv-offload-bytes",
+        "16MiB",
+        "--kv-offload-policy",
+        "arc",
+        "--kv-connector",
+        "offload",
+    ]);
+    let port = server.port;
+    let generate = || {
+        let body = r#"{"prompt": "The offload tier keeps this prompt's KV blocks in host memory", "max_tokens": 6, "temperature": 0, "logprobs": 1}"#;
+        let (status, out) = call(port, "POST", "/v1/completions", body);
+        assert_eq!(status, 200, "{out}");
+        out["choices"][0]["logprobs"].clone()
+    };
+    let metrics = || get_with(port, "/metrics", None).1;
+    // Resets answer false while a store still holds blocks: retry for a bounded time.
+    let reset = |external: bool| {
+        let path = format!("/reset_prefix_cache?reset_external={external}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !call(port, "POST", &path, "").1["success"]
+            .as_bool()
+            .unwrap()
+        {
+            assert!(Instant::now() < deadline, "the reset never succeeded");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    let first = generate();
+    reset(false);
+    assert!(metric(&metrics(), "ferry_kv_offload_bytes_used") > 0.0);
+    let second = generate();
+    assert_eq!(
+        first, second,
+        "tokens and logprobs from the tier equal the computed ones"
+    );
+    let text = metrics();
+    assert_eq!(metric(&text, "ferry_kv_offload_hits_total"), 1.0, "{text}");
+    assert_eq!(
+        metric(&text, "ferry_kv_offload_bytes_capacity"),
+        16.0 * 1024.0 * 1024.0
+    );
+    reset(true);
+    assert_eq!(metric(&metrics(), "ferry_kv_offload_bytes_used"), 0.0);
+}

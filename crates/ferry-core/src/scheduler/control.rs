@@ -509,7 +509,7 @@ impl Scheduler {
             self.connectors[i].take_finished_loads(&mut loads);
             for load in loads.drain(..) {
                 if self.transfer_holder(load.hold) == Some(owner) {
-                    self.on_load_result(load);
+                    self.on_load_result(load, ConnectorId(i as u32));
                 }
             }
             self.connectors[i].take_finished_transfers(&mut ended);
@@ -534,17 +534,29 @@ impl Scheduler {
     /// requests are preempted first (kept, recomputed later, queue order preserved); with
     /// `reset_connector`, every connector's cache is reset too. Never fails on busy blocks:
     /// false (the prefix cache unchanged) while any block is held.
+    ///
+    /// With `reset_connector`, connectors are reset only once the prefix cache was: false
+    /// (nothing reset) while any transfer or connector job (a store or load of an offload
+    /// tier) still holds blocks or waits to reach its worker.
     pub fn reset_caches(&mut self, reset_running_requests: bool, reset_connector: bool) -> bool {
         self.poll_connectors();
         if reset_running_requests {
             self.preempt_all_running();
+        }
+        if reset_connector
+            && (!self.transfers.is_empty() || self.connectors.iter().any(|c| c.has_pending_work()))
+        {
+            return false;
+        }
+        if !self.reset_prefix_cache() {
+            return false;
         }
         if reset_connector {
             for c in &mut self.connectors {
                 c.reset_cache();
             }
         }
-        self.reset_prefix_cache()
+        true
     }
 }
 

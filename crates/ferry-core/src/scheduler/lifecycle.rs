@@ -33,6 +33,35 @@ pub(crate) struct Hold {
     pub(crate) expires_at: Option<std::time::Duration>,
 }
 
+/// Makes `Store` holds for one connector while it is asked about computed blocks
+/// (`KvConnector::blocks_computed`), borrowing only what a hold touches.
+pub(crate) struct HoldMaker<'a> {
+    pub(crate) kv: &'a mut crate::kv_cache::KvCacheManager,
+    pub(crate) transfers: &'a mut std::collections::BTreeMap<TransferId, Hold>,
+    pub(crate) next_transfer: &'a mut u64,
+    pub(crate) holder: Holder,
+}
+
+impl crate::connector::StoreHolds for HoldMaker<'_> {
+    fn hold(&mut self, blocks: &[BlockId]) -> TransferId {
+        for &b in blocks {
+            self.kv.pool_mut().touch(b);
+        }
+        let id = TransferId(*self.next_transfer);
+        *self.next_transfer += 1;
+        self.transfers.insert(
+            id,
+            Hold {
+                blocks: blocks.to_vec(),
+                holder: self.holder,
+                kind: HoldKind::Store,
+                expires_at: None,
+            },
+        );
+        id
+    }
+}
+
 impl Scheduler {
     /// Finishes a live request as aborted, freeing its blocks (transfers holding some of them
     /// keep theirs). Unknown or finished ids are ignored (`None`).

@@ -1,0 +1,554 @@
+//! The CPU offload tier, scheduler side: an index of KV blocks copied to host memory, looked
+//! up after the local prefix cache, with stores and loads run by a copier thread
+//! (`ferry_kv::OffloadWorker`) under `Store` and `Load` holds.
+//!
+//! * **Keys.** An offloaded block is `blocks_per_slot` engine blocks (a *slot* of host
+//!   memory). It is keyed by the chain hash of its last engine block, which covers every
+//!   token before it, the cache salt and the weight version's root: no hit can cross a
+//!   weight update, reset or not.
+//! * **Stores.** When a step has computed full slots of a request (`blocks_computed`), each
+//!   one the index does not know gets a free slot (evicting by [`OffloadPolicy`] if needed)
+//!   and one `Store` job copies them, holding their arena blocks until the worker reports
+//!   the job done: an arena block a store still reads is never reused before that.
+//! * **Loads.** At admission, after the local prefix hit, the longest run of stored slots
+//!   continuing the request's prefix is offered as an asynchronous hit; the scheduler holds
+//!   fresh blocks for it (`Load`) and the request waits until the copy landed. Entries being
+//!   stored or loaded are never evicted.
+//! * **Reset** (`../shared/design/lifecycle.md`, "Offload tier reset"): `abort_transfers` and
+//!   `reset_cache` move every job in flight into the *flush set* and retract loads (their
+//!   requests recompute); `reset_cache` drops the index and starts a new epoch. Both are
+//!   re-entrant: a second reset before the next step only adds to the flush set, never
+//!   asserts. An undelivered flush set is pending work, so the engine steps once more and
+//!   the worker waits for those jobs; completions of jobs from an older epoch end their
+//!   holds but never enter the index. A slot an abandoned job touches is reused only after
+//!   that job reported.
+
+mod policy;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+pub use policy::OffloadPolicy;
+use policy::Policy;
+
+use crate::connector::{
+    AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, HoldKind, HostCopy, KvConnector,
+    LoadOutcome, LoadResult, StoreHolds, TierStats, WorkerJob, WorkerReport,
+};
+use crate::hash::BlockHash;
+use crate::ownership::TransferId;
+use crate::plan::ReqIdx;
+
+/// The tier's configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OffloadConfig {
+    /// The engine's block size, in tokens.
+    pub block_size: usize,
+    /// Engine blocks per offloaded block (a slot of host memory); at least 1.
+    pub blocks_per_slot: usize,
+    /// Bytes of one engine block's KV (every layer, K and V).
+    pub block_bytes: usize,
+    /// Host memory for the tier, in bytes (`--kv-offload-bytes`).
+    pub capacity_bytes: u64,
+    pub policy: OffloadPolicy,
+}
+
+impl OffloadConfig {
+    /// Bytes of one slot.
+    pub fn slot_bytes(&self) -> u64 {
+        (self.blocks_per_slot * self.block_bytes) as u64
+    }
+
+    /// How many slots the capacity holds.
+    pub fn n_slots(&self) -> usize {
+        (self.capacity_bytes / self.slot_bytes().max(1)) as usize
+    }
+
+    /// Host memory the worker addresses, in engine blocks.
+    pub fn n_host_blocks(&self) -> usize {
+        self.n_slots() * self.blocks_per_slot
+    }
+
+    /// Why this configuration cannot work, if it cannot.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.blocks_per_slot == 0 || self.block_size == 0 || self.block_bytes == 0 {
+            return Err("the offloaded block must be at least one engine block".into());
+        }
+        if self.n_slots() == 0 {
+            return Err(format!(
+                "{} bytes hold no offloaded block of {} bytes",
+                self.capacity_bytes,
+                self.slot_bytes()
+            ));
+        }
+        if self.n_slots() > u32::MAX as usize / self.blocks_per_slot {
+            return Err(format!("{} bytes is too large a tier", self.capacity_bytes));
+        }
+        Ok(())
+    }
+}
+
+/// One offloaded block in the index.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    slot: u32,
+    /// Its store job has not reported yet: not loadable, not evictable.
+    storing: bool,
+    /// Loads in flight reading it: not evictable.
+    pins: u32,
+}
+
+#[derive(Debug)]
+enum JobKind {
+    Store {
+        keys: Vec<BlockHash>,
+    },
+    Load {
+        req: ReqIdx,
+        keys: Vec<BlockHash>,
+        /// Its outcome went to the scheduler already (retracted by a reset, or timed out).
+        reported: bool,
+    },
+}
+
+/// A job handed to the worker (or about to be) whose report has not come back.
+#[derive(Debug)]
+struct Job {
+    epoch: u64,
+    /// The slots it touches (one entry per slot, even if several blocks of it).
+    slots: Vec<u32>,
+    kind: JobKind,
+}
+
+/// The offload tier's scheduler side (see the module docs).
+#[derive(Debug)]
+pub struct OffloadConnector {
+    config: OffloadConfig,
+    index: HashMap<BlockHash, Entry>,
+    policy: Policy,
+    /// Lowest first, so slot use is deterministic.
+    free_slots: BTreeSet<u32>,
+    /// Per slot: jobs in flight that touch it.
+    busy: Vec<u32>,
+    /// Per slot: the index forgot it (a reset) while a job still touched it; free once the
+    /// last such job reported.
+    orphaned: Vec<bool>,
+    epoch: u64,
+    in_flight: BTreeMap<TransferId, Job>,
+    /// Jobs a reset abandoned, not yet delivered to the worker as a `Flush`.
+    flush: BTreeSet<TransferId>,
+    jobs: Vec<WorkerJob>,
+    ended: Vec<TransferId>,
+    loads: Vec<LoadResult>,
+    stats: TierStats,
+}
+
+impl OffloadConnector {
+    /// A tier for `config`, which must be valid ([`OffloadConfig::validate`]).
+    pub fn new(config: OffloadConfig) -> Self {
+        let n_slots = config.n_slots();
+        Self {
+            policy: Policy::new(config.policy, n_slots),
+            index: HashMap::new(),
+            free_slots: (0..n_slots as u32).collect(),
+            busy: vec![0; n_slots],
+            orphaned: vec![false; n_slots],
+            epoch: 0,
+            in_flight: BTreeMap::new(),
+            flush: BTreeSet::new(),
+            jobs: Vec::new(),
+            ended: Vec::new(),
+            loads: Vec::new(),
+            stats: TierStats {
+                bytes_capacity: n_slots as u64 * config.slot_bytes(),
+                ..TierStats::default()
+            },
+            config,
+        }
+    }
+
+    pub fn config(&self) -> &OffloadConfig {
+        &self.config
+    }
+
+    /// Offloaded blocks in the index (stored or being stored).
+    pub fn n_entries(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether the index has the offloaded block ending with this hash, stored.
+    pub fn contains(&self, key: &BlockHash) -> bool {
+        self.index.get(key).is_some_and(|e| !e.storing)
+    }
+
+    /// Jobs whose report has not come back.
+    pub fn n_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// The current epoch: one more on every reset.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The key of offloaded block `j` of a request: its last engine block's hash.
+    fn key(&self, hashes: &[BlockHash], j: usize) -> Option<BlockHash> {
+        hashes
+            .get((j + 1) * self.config.blocks_per_slot - 1)
+            .copied()
+    }
+
+    /// A free slot, evicting the policy's victim when none is free.
+    fn take_slot(&mut self) -> Option<u32> {
+        if let Some(slot) = self.free_slots.pop_first() {
+            return Some(slot);
+        }
+        let index = &self.index;
+        let victim = self
+            .policy
+            .victim(|k| index.get(k).is_some_and(|e| !e.storing && e.pins == 0))?;
+        let entry = self
+            .index
+            .remove(&victim)
+            .expect("the policy lists index keys");
+        self.policy.evicted(victim);
+        self.stats.n_evictions += 1;
+        debug_assert_eq!(self.busy[entry.slot as usize], 0);
+        Some(entry.slot)
+    }
+
+    /// A job that touched `slots` reported: slots the index forgot meanwhile become free.
+    fn release_slots(&mut self, slots: &[u32]) {
+        for &slot in slots {
+            let s = slot as usize;
+            self.busy[s] -= 1;
+            if self.busy[s] == 0 && self.orphaned[s] {
+                self.orphaned[s] = false;
+                self.free_slots.insert(slot);
+            }
+        }
+    }
+
+    /// Every job in flight goes into the flush set; loads not yet answered are retracted
+    /// (their requests recompute). Re-entrant.
+    fn abandon_in_flight(&mut self) {
+        for (&hold, job) in &mut self.in_flight {
+            self.flush.insert(hold);
+            if let JobKind::Load { req, reported, .. } = &mut job.kind {
+                if !*reported {
+                    *reported = true;
+                    self.loads.push(LoadResult {
+                        req: *req,
+                        hold,
+                        outcome: LoadOutcome::Cancelled,
+                    });
+                }
+            }
+        }
+    }
+
+    fn update_bytes(&mut self) {
+        self.stats.bytes_used = self.index.len() as u64 * self.config.slot_bytes();
+    }
+
+    /// A job reported: its hold ends, and a flush set not yet delivered need not wait for it.
+    fn job_done(&mut self, hold: TransferId) -> Option<Job> {
+        let job = self.in_flight.remove(&hold)?;
+        self.flush.remove(&hold);
+        self.ended.push(hold);
+        self.release_slots(&job.slots);
+        Some(job)
+    }
+
+    fn on_store_done(&mut self, hold: TransferId, epoch: u64, ok: bool) {
+        let Some(job) = self.job_done(hold) else {
+            return;
+        };
+        let JobKind::Store { keys } = job.kind else {
+            return;
+        };
+        if job.epoch != self.epoch || epoch != job.epoch {
+            // From before a reset: its slots were handled above; the index is not its.
+            return;
+        }
+        for key in keys {
+            let Some(e) = self.index.get_mut(&key) else {
+                continue;
+            };
+            if ok {
+                e.storing = false;
+            } else {
+                let slot = e.slot;
+                self.index.remove(&key);
+                self.policy.removed(&key);
+                self.free_slots.insert(slot);
+            }
+        }
+        self.update_bytes();
+    }
+
+    fn on_load_done(&mut self, hold: TransferId, epoch: u64, result: Result<(), String>) {
+        let Some(job) = self.job_done(hold) else {
+            return;
+        };
+        let JobKind::Load {
+            req,
+            keys,
+            reported,
+        } = job.kind
+        else {
+            return;
+        };
+        let current = job.epoch == self.epoch && epoch == job.epoch;
+        if current {
+            for key in &keys {
+                if let Some(e) = self.index.get_mut(key) {
+                    e.pins -= 1;
+                }
+            }
+        }
+        if reported {
+            return;
+        }
+        let outcome = match result {
+            Ok(()) if current => LoadOutcome::Loaded,
+            Ok(()) => LoadOutcome::Cancelled,
+            Err(reason) => LoadOutcome::Failed {
+                good_blocks: 0,
+                reason,
+            },
+        };
+        self.loads.push(LoadResult { req, hold, outcome });
+    }
+}
+
+impl KvConnector for OffloadConnector {
+    fn name(&self) -> &str {
+        "offload"
+    }
+
+    fn match_external(&mut self, q: ExternalQuery<'_>) -> ExternalMatch {
+        let (bs, k) = (self.config.block_size, self.config.blocks_per_slot);
+        let hit_blocks = q.local_hit_tokens / bs;
+        let mut j = hit_blocks / k;
+        while let Some(key) = self.key(q.block_hashes, j) {
+            if !self.contains(&key) {
+                break;
+            }
+            j += 1;
+        }
+        let end_block = j * k;
+        if end_block <= hit_blocks {
+            return ExternalMatch::None;
+        }
+        ExternalMatch::Hit {
+            tokens: (end_block - hit_blocks) * bs,
+            kind: HoldKind::Load,
+        }
+    }
+
+    fn after_alloc(&mut self, load: AllocatedLoad<'_>) {
+        let k = self.config.blocks_per_slot;
+        let mut copies = Vec::with_capacity(load.blocks.len());
+        let mut keys: Vec<BlockHash> = Vec::new();
+        let mut slots: Vec<u32> = Vec::new();
+        for (i, &block) in load.blocks.iter().enumerate() {
+            let e = load.first_block + i;
+            let (j, sub) = (e / k, e % k);
+            let entry = self
+                .key(load.block_hashes, j)
+                .and_then(|key| Some((key, *self.index.get(&key)?)))
+                .filter(|(_, entry)| !entry.storing);
+            let Some((key, entry)) = entry else {
+                // Not what `match_external` offered: nothing is copied, the request recomputes.
+                self.loads.push(LoadResult {
+                    req: load.req,
+                    hold: load.hold,
+                    outcome: LoadOutcome::Failed {
+                        good_blocks: 0,
+                        reason: "the offloaded prefix is gone".into(),
+                    },
+                });
+                self.ended.push(load.hold);
+                return;
+            };
+            if keys.last() != Some(&key) {
+                keys.push(key);
+                slots.push(entry.slot);
+            }
+            copies.push(HostCopy {
+                block,
+                host_block: entry.slot * k as u32 + sub as u32,
+            });
+        }
+        for (key, &slot) in keys.iter().zip(&slots) {
+            self.index.get_mut(key).expect("found above").pins += 1;
+            self.busy[slot as usize] += 1;
+            self.policy.touched(*key);
+        }
+        self.stats.n_hits += 1;
+        self.stats.n_hit_blocks += copies.len() as u64;
+        self.stats.n_loads += 1;
+        self.jobs.push(WorkerJob::Load {
+            hold: load.hold,
+            epoch: self.epoch,
+            copies,
+        });
+        self.in_flight.insert(
+            load.hold,
+            Job {
+                epoch: self.epoch,
+                slots,
+                kind: JobKind::Load {
+                    req: load.req,
+                    keys,
+                    reported: false,
+                },
+            },
+        );
+    }
+
+    fn stores_blocks(&self) -> bool {
+        true
+    }
+
+    fn blocks_computed(&mut self, c: ComputedBlocks<'_>, holds: &mut dyn StoreHolds) {
+        let k = self.config.blocks_per_slot;
+        let span = k * self.config.block_size;
+        let first = c.n_before / span;
+        let end = (c.n_after / span).min(c.block_hashes.len() / k);
+        let mut copies = Vec::new();
+        let mut keys = Vec::new();
+        let mut slots = Vec::new();
+        for j in first..end {
+            let key = c.block_hashes[(j + 1) * k - 1];
+            if self.index.contains_key(&key) {
+                self.policy.touched(key);
+                continue;
+            }
+            let Some(slot) = self.take_slot() else {
+                // Everything is being stored or loaded: this and later blocks are not stored
+                // (a later block without this one could never be hit anyway).
+                break;
+            };
+            self.index.insert(
+                key,
+                Entry {
+                    slot,
+                    storing: true,
+                    pins: 0,
+                },
+            );
+            self.policy.inserted(key);
+            self.busy[slot as usize] += 1;
+            for sub in 0..k {
+                copies.push(HostCopy {
+                    block: c.blocks[j * k + sub],
+                    host_block: slot * k as u32 + sub as u32,
+                });
+            }
+            keys.push(key);
+            slots.push(slot);
+        }
+        if copies.is_empty() {
+            return;
+        }
+        let blocks: Vec<_> = copies.iter().map(|c| c.block).collect();
+        let hold = holds.hold(&blocks);
+        self.stats.n_stores += keys.len() as u64;
+        self.jobs.push(WorkerJob::Store {
+            hold,
+            epoch: self.epoch,
+            copies,
+        });
+        self.in_flight.insert(
+            hold,
+            Job {
+                epoch: self.epoch,
+                slots,
+                kind: JobKind::Store { keys },
+            },
+        );
+        self.update_bytes();
+    }
+
+    fn tier_stats(&self) -> Option<TierStats> {
+        Some(self.stats)
+    }
+
+    fn step_work(&mut self, out: &mut Vec<WorkerJob>) {
+        out.append(&mut self.jobs);
+        if !self.flush.is_empty() {
+            // After this step's jobs: the worker waits for everything handed to it so far.
+            let holds = std::mem::take(&mut self.flush).into_iter().collect();
+            out.push(WorkerJob::Flush { holds });
+            self.stats.n_flushes += 1;
+        }
+    }
+
+    fn on_worker_report(&mut self, report: WorkerReport) {
+        match report {
+            WorkerReport::StoreDone { hold, epoch, ok } => self.on_store_done(hold, epoch, ok),
+            WorkerReport::LoadDone {
+                hold,
+                epoch,
+                result,
+            } => self.on_load_done(hold, epoch, result.map_err(|e| e.reason)),
+            WorkerReport::ExportPulled { .. }
+            | WorkerReport::ExportGone { .. }
+            | WorkerReport::FetchDone { .. } => {}
+        }
+    }
+
+    fn abort_transfers(&mut self) {
+        self.abandon_in_flight();
+    }
+
+    fn take_finished_transfers(&mut self, out: &mut Vec<TransferId>) {
+        out.append(&mut self.ended);
+    }
+
+    fn take_finished_loads(&mut self, out: &mut Vec<LoadResult>) {
+        out.append(&mut self.loads);
+    }
+
+    fn hold_expired(&mut self, hold: TransferId) {
+        // A load that did not answer in time: the request recomputes; the hold ends with
+        // the worker's report (the copy may still be writing).
+        if let Some(Job {
+            kind: JobKind::Load { req, reported, .. },
+            ..
+        }) = self.in_flight.get_mut(&hold)
+        {
+            if !*reported {
+                *reported = true;
+                self.loads.push(LoadResult {
+                    req: *req,
+                    hold,
+                    outcome: LoadOutcome::Failed {
+                        good_blocks: 0,
+                        reason: "the offload load did not answer in time".into(),
+                    },
+                });
+            }
+        }
+    }
+
+    fn has_pending_work(&self) -> bool {
+        !self.jobs.is_empty() || !self.flush.is_empty()
+    }
+
+    fn reset_cache(&mut self) {
+        self.abandon_in_flight();
+        for (_, entry) in self.index.drain() {
+            let s = entry.slot as usize;
+            if self.busy[s] == 0 {
+                self.free_slots.insert(entry.slot);
+            } else {
+                self.orphaned[s] = true;
+            }
+        }
+        self.policy.clear();
+        self.epoch += 1;
+        self.update_bytes();
+    }
+}

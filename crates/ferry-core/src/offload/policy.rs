@@ -1,0 +1,235 @@
+//! Which offloaded block makes room for a new one: LRU, or ARC (adaptive replacement: a
+//! recency list and a frequency list whose split adapts to hits on recently evicted keys, so
+//! one long scan of new prefixes does not flush the prefixes that are used again and again).
+//!
+//! The policy only orders keys; the connector says which keys may go (a block being stored or
+//! loaded never may) and removes them. Recency is a logical clock, never a wall clock, and
+//! every order is a `BTreeMap`'s, so eviction is deterministic.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::hash::BlockHash;
+
+/// The eviction policy (`--kv-offload-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OffloadPolicy {
+    /// Least recently used first.
+    #[default]
+    Lru,
+    /// Adaptive replacement cache (Megiddo and Modha, 2003).
+    Arc,
+}
+
+impl std::str::FromStr for OffloadPolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "lru" => Ok(Self::Lru),
+            "arc" => Ok(Self::Arc),
+            _ => Err(format!("unknown offload policy {s:?}: expected lru or arc")),
+        }
+    }
+}
+
+impl OffloadPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Lru => "lru",
+            Self::Arc => "arc",
+        }
+    }
+}
+
+/// Keys in recency order (least recent first), on a logical clock.
+#[derive(Debug, Default)]
+pub(crate) struct Recency {
+    order: BTreeMap<u64, BlockHash>,
+    /// Only for lookups; never iterated.
+    at: HashMap<BlockHash, u64>,
+    clock: u64,
+}
+
+impl Recency {
+    /// Makes `key` the most recent (adding it if absent).
+    fn push(&mut self, key: BlockHash) {
+        self.remove(&key);
+        self.clock += 1;
+        self.order.insert(self.clock, key);
+        self.at.insert(key, self.clock);
+    }
+
+    fn remove(&mut self, key: &BlockHash) -> bool {
+        match self.at.remove(key) {
+            Some(t) => {
+                self.order.remove(&t);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn contains(&self, key: &BlockHash) -> bool {
+        self.at.contains_key(key)
+    }
+
+    fn len(&self) -> usize {
+        self.at.len()
+    }
+
+    fn pop_oldest(&mut self) -> Option<BlockHash> {
+        let (_, key) = self.order.pop_first()?;
+        self.at.remove(&key);
+        Some(key)
+    }
+
+    /// The least recent key `ok` accepts.
+    fn oldest(&self, ok: &impl Fn(&BlockHash) -> bool) -> Option<BlockHash> {
+        self.order.values().find(|k| ok(k)).copied()
+    }
+
+    fn clear(&mut self) {
+        self.order.clear();
+        self.at.clear();
+    }
+}
+
+/// ARC's four lists: `t1` resident keys used once, `t2` used more than once, `b1`/`b2` keys
+/// recently evicted from each (ghosts, no data); `p` is the target size of `t1`.
+#[derive(Debug, Default)]
+pub(crate) struct ArcLists {
+    t1: Recency,
+    t2: Recency,
+    b1: Recency,
+    b2: Recency,
+    p: usize,
+    capacity: usize,
+}
+
+impl ArcLists {
+    fn trim_ghosts(&mut self) {
+        while self.t1.len() + self.b1.len() > self.capacity && self.b1.pop_oldest().is_some() {}
+        let total = |a: &Self| a.t1.len() + a.t2.len() + a.b1.len() + a.b2.len();
+        while total(self) > 2 * self.capacity
+            && (self.b2.pop_oldest().is_some() || self.b1.pop_oldest().is_some())
+        {}
+    }
+}
+
+/// One tier's eviction order.
+#[derive(Debug)]
+pub(crate) enum Policy {
+    Lru(Recency),
+    Arc(Box<ArcLists>),
+}
+
+impl Policy {
+    /// A policy for a tier of `capacity` offloaded blocks.
+    pub(crate) fn new(kind: OffloadPolicy, capacity: usize) -> Self {
+        match kind {
+            OffloadPolicy::Lru => Self::Lru(Recency::default()),
+            OffloadPolicy::Arc => Self::Arc(Box::new(ArcLists {
+                capacity,
+                ..ArcLists::default()
+            })),
+        }
+    }
+
+    /// `key` entered the tier.
+    pub(crate) fn inserted(&mut self, key: BlockHash) {
+        match self {
+            Self::Lru(r) => r.push(key),
+            Self::Arc(a) => {
+                if a.b1.remove(&key) {
+                    // Evicted from the recency side and wanted again: give recency more room.
+                    let step = (a.b2.len() / (a.b1.len() + 1)).max(1);
+                    a.p = (a.p + step).min(a.capacity);
+                    a.t2.push(key);
+                } else if a.b2.remove(&key) {
+                    let step = (a.b1.len() / (a.b2.len() + 1)).max(1);
+                    a.p = a.p.saturating_sub(step);
+                    a.t2.push(key);
+                } else {
+                    a.t1.push(key);
+                }
+                a.trim_ghosts();
+            }
+        }
+    }
+
+    /// `key` was used again (a hit, or a store of a block the tier already has).
+    pub(crate) fn touched(&mut self, key: BlockHash) {
+        match self {
+            Self::Lru(r) => {
+                if r.contains(&key) {
+                    r.push(key);
+                }
+            }
+            Self::Arc(a) => {
+                if a.t1.remove(&key) || a.t2.remove(&key) {
+                    a.t2.push(key);
+                }
+            }
+        }
+    }
+
+    /// `key` left the tier without an eviction (a store that failed).
+    pub(crate) fn removed(&mut self, key: &BlockHash) {
+        match self {
+            Self::Lru(r) => {
+                r.remove(key);
+            }
+            Self::Arc(a) => {
+                let _ = a.t1.remove(key) || a.t2.remove(key);
+            }
+        }
+    }
+
+    /// The key to evict next among those `evictable` accepts.
+    pub(crate) fn victim(&self, evictable: impl Fn(&BlockHash) -> bool) -> Option<BlockHash> {
+        match self {
+            Self::Lru(r) => r.oldest(&evictable),
+            Self::Arc(a) => {
+                let (first, second) = if a.t1.len() > 0 && a.t1.len() > a.p {
+                    (&a.t1, &a.t2)
+                } else {
+                    (&a.t2, &a.t1)
+                };
+                first
+                    .oldest(&evictable)
+                    .or_else(|| second.oldest(&evictable))
+            }
+        }
+    }
+
+    /// `key` (a [`victim`](Self::victim)) was evicted.
+    pub(crate) fn evicted(&mut self, key: BlockHash) {
+        match self {
+            Self::Lru(r) => {
+                r.remove(&key);
+            }
+            Self::Arc(a) => {
+                if a.t1.remove(&key) {
+                    a.b1.push(key);
+                } else if a.t2.remove(&key) {
+                    a.b2.push(key);
+                }
+                a.trim_ghosts();
+            }
+        }
+    }
+
+    /// Forgets everything (a reset drops the index).
+    pub(crate) fn clear(&mut self) {
+        match self {
+            Self::Lru(r) => r.clear(),
+            Self::Arc(a) => {
+                a.t1.clear();
+                a.t2.clear();
+                a.b1.clear();
+                a.b2.clear();
+                a.p = 0;
+            }
+        }
+    }
+}

@@ -1,0 +1,591 @@
+//! The offload tier's scheduler side with a stand-in for its copier (`Copier`): stores of
+//! newly full blocks, hits after the local prefix cache, eviction by each policy, and every
+//! reset rule of the contract ("Offload tier reset"): the flush set, re-entrancy, epochs,
+//! retracted loads. Block ownership and the queues are checked after every step (the
+//! harness's driver runs checked) and after every report. That the bytes copied are the
+//! right KV is for the engine's tests (checksum model, tiny Llama).
+
+mod common;
+
+use common::{prompt, Harness};
+use ferry_core::{
+    hash::BlockHash, ConnectorId, ExternalMatch, ExternalQuery, HoldKind, Holder, HostCopy,
+    KvConnector, LifecycleEvent, OffloadConfig, OffloadConnector, OffloadPolicy, OpId, Owner,
+    PauseMode, RequestState, SamplingParams, SchedulerConfig, SleepLevel, StoreHolds, TransferId,
+    WorkerJob, WorkerReport,
+};
+
+const BS: usize = 4;
+const CONN: ConnectorId = ConnectorId(0);
+/// Bytes of one engine block in these tests (any positive figure: no bytes move here).
+const BLOCK_BYTES: usize = 8;
+
+fn config() -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: BS,
+        n_blocks: 64,
+        max_num_batched_tokens: 64,
+        max_num_seqs: 8,
+        max_model_len: 128,
+        ..SchedulerConfig::default()
+    }
+}
+
+fn tier(n_slots: usize, blocks_per_slot: usize, policy: OffloadPolicy) -> OffloadConfig {
+    OffloadConfig {
+        block_size: BS,
+        blocks_per_slot,
+        block_bytes: BLOCK_BYTES,
+        capacity_bytes: (n_slots * blocks_per_slot * BLOCK_BYTES) as u64,
+        policy,
+    }
+}
+
+fn engine(t: OffloadConfig) -> Harness {
+    let mut h = Harness::new(config());
+    assert_eq!(
+        h.sched.add_connector(Box::new(OffloadConnector::new(t))),
+        CONN
+    );
+    h
+}
+
+fn greedy(n: u32) -> SamplingParams {
+    SamplingParams::greedy(n)
+}
+
+/// The copier's stand-in: takes each step's jobs, answers them when the test says.
+#[derive(Debug, Default)]
+struct Copier {
+    /// Store and load jobs not answered yet, in order.
+    pending: Vec<WorkerJob>,
+    /// Every flush set delivered, in order.
+    flushes: Vec<Vec<TransferId>>,
+    n_stores: usize,
+    n_loads: usize,
+}
+
+impl Copier {
+    fn take(&mut self, step: &ferry_core::Step) {
+        for work in step.plan.connector_work.iter().chain(&step.after_work) {
+            assert_eq!(work.connector, CONN);
+            for job in &work.jobs {
+                match job {
+                    WorkerJob::Store { .. } => self.n_stores += 1,
+                    WorkerJob::Load { .. } => self.n_loads += 1,
+                    WorkerJob::Flush { holds } => {
+                        self.flushes.push(holds.clone());
+                        continue;
+                    }
+                    other => panic!("not an offload job: {other:?}"),
+                }
+                self.pending.push(job.clone());
+            }
+        }
+    }
+
+    /// Answers every pending job (all succeed) and hands the reports to the core.
+    fn complete(&mut self, h: &mut Harness) {
+        for job in std::mem::take(&mut self.pending) {
+            let report = match job {
+                WorkerJob::Store { hold, epoch, .. } => WorkerReport::StoreDone {
+                    hold,
+                    epoch,
+                    ok: true,
+                },
+                WorkerJob::Load { hold, epoch, .. } => WorkerReport::LoadDone {
+                    hold,
+                    epoch,
+                    result: Ok(()),
+                },
+                _ => unreachable!(),
+            };
+            h.sched.on_worker_report(CONN, report);
+            let outs = h.sched.take_outputs();
+            h.record(&outs);
+            h.check();
+        }
+    }
+}
+
+fn step(c: &mut Copier, h: &mut Harness) -> ferry_core::StepPlan {
+    let s = h.step_outputs();
+    c.take(&s);
+    s.plan
+}
+
+/// Steps until nothing is live and every job was answered.
+fn drain(c: &mut Copier, h: &mut Harness) {
+    for _ in 0..100 {
+        if h.sched.n_live() == 0 && !h.sched.needs_idle_steps() && c.pending.is_empty() {
+            return;
+        }
+        step(c, h);
+        c.complete(h);
+    }
+    panic!("not drained: {:?}", h.sched.stats());
+}
+
+fn poll(c: &mut Copier, h: &mut Harness) -> Vec<LifecycleEvent> {
+    let mut out = Vec::new();
+    h.sched.poll_lifecycle(&mut out);
+    if h.sched.needs_idle_steps() {
+        step(c, h);
+    }
+    out
+}
+
+fn holds_of(h: &Harness, kind: HoldKind) -> Vec<TransferId> {
+    let ledger = h.sched.block_ledger().unwrap();
+    h.sched
+        .transfer_ids()
+        .filter(|&t| {
+            let owner = Owner::Transfer {
+                hold: t,
+                holder: Holder::Connector(CONN),
+                kind,
+            };
+            ledger
+                .iter()
+                .any(|b| matches!(b, ferry_core::BlockStatus::Held(o) if o.contains(&owner)))
+        })
+        .collect()
+}
+
+fn state(h: &Harness, id: &str) -> RequestState {
+    let idx = h.sched.request_idx(id).expect("live");
+    h.sched.request(idx).unwrap().state.clone()
+}
+
+/// A single engine's output without a tier, as the reference.
+fn reference(id: &str, p: Vec<u32>, max_tokens: u32) -> Vec<u32> {
+    let mut h = Harness::new(config());
+    h.add(id, p, greedy(max_tokens));
+    h.drain(100);
+    h.generated[id].clone()
+}
+
+/// Runs `id` to completion and answers its stores.
+fn run_and_store(c: &mut Copier, h: &mut Harness, id: &str, p: Vec<u32>) {
+    h.add(id, p, greedy(1));
+    drain(c, h);
+}
+
+#[test]
+fn full_blocks_are_stored_and_a_new_request_loads_them_after_the_local_cache() {
+    let mut c = Copier::default();
+    let mut h = engine(tier(16, 1, OffloadPolicy::Lru));
+    h.add("a", prompt(1, 17), greedy(1));
+    let plan = step(&mut c, &mut h);
+    assert_eq!(plan.reqs.len(), 1);
+    assert_eq!(h.finished["a"].1, 1, "a finished in its first step");
+    // The store of its 4 full blocks is in flight, holding them.
+    assert_eq!(c.n_stores, 1);
+    let WorkerJob::Store { copies, .. } = &c.pending[0] else {
+        panic!("a store")
+    };
+    assert_eq!(
+        copies.iter().map(|c| c.host_block).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3]
+    );
+    assert_eq!(holds_of(&h, HoldKind::Store).len(), 1);
+    assert!(
+        !h.sched.reset_caches(false, false),
+        "the store holds blocks"
+    );
+    c.complete(&mut h);
+    assert!(holds_of(&h, HoldKind::Store).is_empty());
+    let stats = h.sched.tier_stats().unwrap();
+    assert_eq!(stats.n_stores, 4);
+    assert_eq!(stats.bytes_used, 4 * BLOCK_BYTES as u64);
+
+    // Without the local prefix cache, b finds the prefix in the tier.
+    assert!(h.sched.reset_caches(false, false));
+    h.add("b", prompt(1, 17), greedy(3));
+    let plan = step(&mut c, &mut h);
+    assert!(plan.reqs.is_empty(), "b waits for its load");
+    assert!(matches!(
+        state(&h, "b"),
+        RequestState::WaitingForRemoteKv { n_tokens: 16, .. }
+    ));
+    assert_eq!(holds_of(&h, HoldKind::Load).len(), 1);
+    let WorkerJob::Load { copies, .. } = &c.pending[0] else {
+        panic!("a load")
+    };
+    assert_eq!(
+        copies.iter().map(|c| c.host_block).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3]
+    );
+    c.complete(&mut h);
+    let plan = step(&mut c, &mut h);
+    assert_eq!(
+        plan.reqs[0].start_pos, 16,
+        "only the last prompt token is computed"
+    );
+    drain(&mut c, &mut h);
+    assert_eq!(h.generated["b"], reference("b", prompt(1, 17), 3));
+    assert_eq!(h.sched.tier_stats().unwrap().n_hits, 1);
+    assert_eq!(h.sched.stats().n_blocks_used, 0);
+}
+
+#[test]
+fn an_offloaded_block_of_two_engine_blocks_loads_only_what_the_local_hit_lacks() {
+    let mut c = Copier::default();
+    let mut h = engine(tier(8, 2, OffloadPolicy::Lru));
+    // 4 engine blocks = 2 offloaded blocks; the 5th block is not full.
+    run_and_store(&mut c, &mut h, "a", prompt(2, 18));
+    assert_eq!(h.sched.tier_stats().unwrap().n_stores, 2);
+    // A prompt sharing only the first engine block locally: drop the local cache, compute a
+    // 5-token request of the same prefix (1 full block), then ask for the long one.
+    assert!(h.sched.reset_caches(false, false));
+    run_and_store(&mut c, &mut h, "short", prompt(2, 5));
+    h.add("b", prompt(2, 18), greedy(2));
+    step(&mut c, &mut h);
+    let WorkerJob::Load { copies, .. } = &c.pending[0] else {
+        panic!("a load")
+    };
+    // Local hit: engine block 0; the tier supplies blocks 1..4 (host blocks 1, 2, 3).
+    assert_eq!(
+        copies.iter().map(|c| c.host_block).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
+    c.complete(&mut h);
+    let plan = step(&mut c, &mut h);
+    assert_eq!(plan.reqs[0].start_pos, 16);
+    drain(&mut c, &mut h);
+    assert_eq!(h.generated["b"], reference("b", prompt(2, 18), 2));
+}
+
+/// The test: a request finished with its store in flight, then two resets with no
+/// step between.
+#[test]
+fn two_resets_before_a_step_flush_exactly_the_jobs_in_flight_and_sleep_waits_for_it() {
+    let mut c = Copier::default();
+    let mut h = engine(tier(16, 1, OffloadPolicy::Lru));
+    h.add("a", prompt(3, 9), greedy(1));
+    step(&mut c, &mut h);
+    assert_eq!(h.finished["a"].1, 1);
+    let stores = holds_of(&h, HoldKind::Store);
+    assert_eq!(stores.len(), 1, "a's store is in flight");
+    assert!(
+        !h.sched.reset_caches(false, true),
+        "reset_prefix_cache(reset_external) answers false while a job is in flight"
+    );
+    assert_eq!(
+        h.sched.tier_stats().unwrap().n_flushes,
+        0,
+        "and revokes nothing"
+    );
+
+    // Reset one: a clearing pause; reset two: a sleep; no step between.
+    h.sched.pause(OpId(1), PauseMode::Keep, true);
+    let mut events = Vec::new();
+    h.sched.poll_lifecycle(&mut events);
+    h.sched.sleep(OpId(2), SleepLevel::L1, PauseMode::Keep);
+    h.sched.release_transfer_kv();
+    h.sched.poll_lifecycle(&mut events);
+    assert!(
+        events.is_empty(),
+        "nothing completes before the flush: {events:?}"
+    );
+    assert!(h.sched.needs_idle_steps(), "the flush set is pending work");
+
+    // The next step carries exactly the job in flight, once.
+    let plan = step(&mut c, &mut h);
+    assert!(plan.reqs.is_empty());
+    assert_eq!(c.flushes, vec![stores.clone()]);
+    assert!(
+        !h.sched.needs_idle_steps(),
+        "delivered: waiting for the hold needs no steps"
+    );
+    h.sched.poll_lifecycle(&mut events);
+    assert!(
+        events.is_empty(),
+        "the store still holds its blocks: {events:?}"
+    );
+
+    // The abandoned store ends: its hold goes, its completion never enters the index.
+    c.complete(&mut h);
+    assert_eq!(h.sched.transfer_ids().count(), 0);
+    let mut all = Vec::new();
+    for _ in 0..4 {
+        all.extend(poll(&mut c, &mut h));
+    }
+    assert_eq!(
+        all,
+        vec![
+            LifecycleEvent::Done(OpId(1)),
+            LifecycleEvent::ReleaseKvMemory,
+            LifecycleEvent::OffloadWeights,
+            LifecycleEvent::Done(OpId(2)),
+        ]
+    );
+    assert_eq!(c.flushes.len(), 1, "one flush, never repeated");
+    assert!(!h.sched.needs_idle_steps(), "nothing pending afterwards");
+    let stats = h.sched.tier_stats().unwrap();
+    assert_eq!(stats.bytes_used, 0, "the index was dropped");
+    assert_eq!(stats.n_flushes, 1);
+}
+
+/// The same rules at the connector itself: resets are re-entrant and never assert, and a
+/// completion from before a reset ends its hold without entering the index.
+#[test]
+fn connector_resets_merge_into_one_flush_set_and_old_completions_are_ignored() {
+    struct Holds(u64);
+    impl StoreHolds for Holds {
+        fn hold(&mut self, _: &[u32]) -> TransferId {
+            self.0 += 1;
+            TransferId(self.0)
+        }
+    }
+    let hashes: Vec<BlockHash> = (0..4u8).map(|i| BlockHash([i; 32])).collect();
+    let blocks = [1, 2, 3, 4];
+    let mut t = OffloadConnector::new(tier(8, 1, OffloadPolicy::Lru));
+    let computed = |n_before, n_after| ferry_core::ComputedBlocks {
+        req: ferry_core::ReqIdx(0),
+        blocks: &blocks,
+        block_hashes: &hashes,
+        n_before,
+        n_after,
+    };
+    let mut holds = Holds(0);
+    t.blocks_computed(computed(0, 8), &mut holds);
+    t.blocks_computed(computed(8, 16), &mut holds);
+    let mut jobs = Vec::new();
+    t.step_work(&mut jobs);
+    assert_eq!(jobs.len(), 2);
+    assert!(matches!(&jobs[1], WorkerJob::Store { copies, epoch: 0, .. }
+        if copies == &[HostCopy { block: 3, host_block: 2 }, HostCopy { block: 4, host_block: 3 }]));
+    // The first store lands; the second is still in flight.
+    t.on_worker_report(WorkerReport::StoreDone {
+        hold: TransferId(1),
+        epoch: 0,
+        ok: true,
+    });
+    assert!(t.contains(&hashes[1]));
+    t.abort_transfers();
+    t.reset_cache();
+    t.abort_transfers();
+    t.reset_cache();
+    assert!(t.has_pending_work());
+    assert_eq!(t.n_entries(), 0);
+    let mut jobs = Vec::new();
+    t.step_work(&mut jobs);
+    assert_eq!(
+        jobs,
+        vec![WorkerJob::Flush {
+            holds: vec![TransferId(2)]
+        }]
+    );
+    assert!(!t.has_pending_work());
+    t.on_worker_report(WorkerReport::StoreDone {
+        hold: TransferId(2),
+        epoch: 0,
+        ok: true,
+    });
+    let mut ended = Vec::new();
+    t.take_finished_transfers(&mut ended);
+    assert_eq!(ended, vec![TransferId(1), TransferId(2)]);
+    assert!(
+        !t.contains(&hashes[3]),
+        "a pre-reset completion enters no index"
+    );
+    assert_eq!(t.epoch(), 2);
+    // The slots the abandoned job wrote are free again: a new store gets slot 0 first.
+    t.blocks_computed(computed(0, 4), &mut holds);
+    let mut jobs = Vec::new();
+    t.step_work(&mut jobs);
+    assert!(matches!(&jobs[0], WorkerJob::Store { copies, epoch: 2, .. }
+        if copies == &[HostCopy { block: 1, host_block: 0 }]));
+}
+
+/// Stores one-block prefixes `keys` in order, each landing at once; `touch` re-stores a key
+/// the tier has (a use). Returns which keys the tier still has.
+fn eviction_run(policy: OffloadPolicy, ops: &[(&str, u8)]) -> Vec<u8> {
+    struct Holds(u64);
+    impl StoreHolds for Holds {
+        fn hold(&mut self, _: &[u32]) -> TransferId {
+            self.0 += 1;
+            TransferId(self.0)
+        }
+    }
+    let mut t = OffloadConnector::new(tier(2, 1, policy));
+    let mut holds = Holds(0);
+    for &(_, key) in ops {
+        let hashes = [BlockHash([key; 32])];
+        t.blocks_computed(
+            ferry_core::ComputedBlocks {
+                req: ferry_core::ReqIdx(0),
+                blocks: &[1],
+                block_hashes: &hashes,
+                n_before: 0,
+                n_after: 4,
+            },
+            &mut holds,
+        );
+        let mut jobs = Vec::new();
+        t.step_work(&mut jobs);
+        for job in jobs {
+            if let WorkerJob::Store { hold, epoch, .. } = job {
+                t.on_worker_report(WorkerReport::StoreDone {
+                    hold,
+                    epoch,
+                    ok: true,
+                });
+            }
+        }
+    }
+    let mut have: Vec<u8> = (0..=255u8)
+        .filter(|&k| t.contains(&BlockHash([k; 32])))
+        .collect();
+    have.sort_unstable();
+    assert!(t.n_entries() <= 2);
+    have
+}
+
+#[test]
+fn lru_evicts_the_least_recently_used_and_arc_keeps_a_reused_block_through_a_scan() {
+    // A is used twice, then B and C are new: LRU evicts A (older than B), ARC keeps A (it
+    // is in the frequency list) and evicts B from the recency list.
+    let ops = [("store", 1), ("store", 1), ("store", 2), ("store", 3)];
+    assert_eq!(eviction_run(OffloadPolicy::Lru, &ops), vec![2, 3]);
+    assert_eq!(eviction_run(OffloadPolicy::Arc, &ops), vec![1, 3]);
+    // Plain recency: A, B, touch A, C: both evict B.
+    let ops = [("store", 1), ("store", 2), ("store", 1), ("store", 3)];
+    assert_eq!(eviction_run(OffloadPolicy::Lru, &ops), vec![1, 3]);
+    assert_eq!(eviction_run(OffloadPolicy::Arc, &ops), vec![1, 3]);
+}
+
+#[test]
+fn eviction_under_pressure_never_takes_a_block_being_stored_or_loaded() {
+    for policy in [OffloadPolicy::Lru, OffloadPolicy::Arc] {
+        let mut c = Copier::default();
+        // Room for 3 offloaded blocks; every prompt below has 2 full blocks.
+        let mut h = engine(tier(3, 1, policy));
+        run_and_store(&mut c, &mut h, "a", prompt(10, 9));
+        // b's load of a's prefix is in flight (pinned) while c and d need room.
+        assert!(h.sched.reset_caches(false, false));
+        h.add("b", prompt(10, 9), greedy(1));
+        step(&mut c, &mut h);
+        assert_eq!(c.n_loads, 1, "{policy:?}");
+        let load = c.pending.pop().unwrap();
+        h.add("c", prompt(11, 9), greedy(1));
+        h.add("d", prompt(12, 9), greedy(1));
+        step(&mut c, &mut h);
+        let stats = h.sched.tier_stats().unwrap();
+        // 3 slots: a's 2 are pinned, so c stores 1 block, d none (nothing evictable).
+        assert_eq!(stats.n_stores, 3, "{policy:?}");
+        assert_eq!(stats.n_evictions, 0, "{policy:?}");
+        assert!(stats.bytes_used <= stats.bytes_capacity);
+        c.pending.push(load);
+        c.complete(&mut h);
+        drain(&mut c, &mut h);
+        // With nothing pinned, new prefixes evict.
+        for seed in 20..26 {
+            run_and_store(&mut c, &mut h, &format!("p{seed}"), prompt(seed, 9));
+            let stats = h.sched.tier_stats().unwrap();
+            assert!(stats.bytes_used <= stats.bytes_capacity, "{policy:?}");
+        }
+        let stats = h.sched.tier_stats().unwrap();
+        assert_eq!(stats.bytes_used, stats.bytes_capacity, "{policy:?}");
+        assert!(stats.n_evictions >= 12 - 3, "{policy:?}: {stats:?}");
+        assert_eq!(h.generated["b"], reference("b", prompt(10, 9), 1));
+        assert_eq!(h.sched.stats().n_blocks_used, 0);
+    }
+}
+
+#[test]
+fn a_reset_during_a_load_retracts_it_and_the_request_recomputes() {
+    let mut c = Copier::default();
+    let mut h = engine(tier(16, 1, OffloadPolicy::Arc));
+    run_and_store(&mut c, &mut h, "a", prompt(4, 13));
+    assert!(h.sched.reset_caches(false, false));
+    h.add("b", prompt(4, 13), greedy(4));
+    step(&mut c, &mut h);
+    let load = holds_of(&h, HoldKind::Load);
+    assert_eq!(load.len(), 1);
+    h.sched.pause(OpId(1), PauseMode::Keep, true);
+    let mut events = Vec::new();
+    h.sched.poll_lifecycle(&mut events);
+    // Retracted at once: b holds no KV and waits to recompute; the hold waits for the copy.
+    assert_eq!(state(&h, "b"), RequestState::Waiting);
+    assert!(h
+        .sched
+        .request(h.sched.request_idx("b").unwrap())
+        .unwrap()
+        .blocks
+        .is_empty());
+    assert_eq!(holds_of(&h, HoldKind::Load), load);
+    step(&mut c, &mut h);
+    assert_eq!(c.flushes, vec![load.clone()]);
+    c.complete(&mut h);
+    for _ in 0..3 {
+        events.extend(poll(&mut c, &mut h));
+    }
+    assert_eq!(events, vec![LifecycleEvent::Done(OpId(1))]);
+    h.sched.resume().unwrap();
+    let plan = step(&mut c, &mut h);
+    assert_eq!(
+        plan.reqs[0].start_pos, 0,
+        "b recomputes: the tier was reset too"
+    );
+    drain(&mut c, &mut h);
+    assert_eq!(h.generated["b"], reference("b", prompt(4, 13), 4));
+    assert_eq!(h.finished["b"].1, 1);
+}
+
+#[test]
+fn no_hit_crosses_a_weight_update() {
+    let mut c = Copier::default();
+    let mut h = engine(tier(16, 1, OffloadPolicy::Lru));
+    run_and_store(&mut c, &mut h, "a", prompt(5, 17));
+    assert_eq!(h.sched.tier_stats().unwrap().n_stores, 4);
+    h.sched.set_weight_version("v2");
+    h.add("b", prompt(5, 17), greedy(1));
+    let plan = step(&mut c, &mut h);
+    assert_eq!(
+        plan.reqs[0].start_pos, 0,
+        "neither the local cache nor the tier hits"
+    );
+    assert_eq!(c.n_loads, 0);
+    // The query itself: the tier has nothing for the new version's hashes.
+    let mut t = OffloadConnector::new(tier(4, 1, OffloadPolicy::Lru));
+    let q = ExternalQuery {
+        req: ferry_core::ReqIdx(0),
+        prompt_len: 17,
+        local_hit_tokens: 0,
+        block_hashes: &[],
+        weight_version: "v2",
+    };
+    assert_eq!(t.match_external(q), ExternalMatch::None);
+    drain(&mut c, &mut h);
+    // b's blocks were stored under the new version: a third request hits them.
+    assert!(h.sched.reset_caches(false, false));
+    h.add("c", prompt(5, 17), greedy(1));
+    step(&mut c, &mut h);
+    assert_eq!(c.n_loads, 1);
+    c.complete(&mut h);
+    drain(&mut c, &mut h);
+}
+
+#[test]
+fn reset_prefix_cache_with_reset_external_empties_the_tier_once_no_job_is_in_flight() {
+    let mut c = Copier::default();
+    let mut h = engine(tier(16, 1, OffloadPolicy::Lru));
+    run_and_store(&mut c, &mut h, "a", prompt(6, 9));
+    assert_eq!(
+        h.sched.tier_stats().unwrap().bytes_used,
+        2 * BLOCK_BYTES as u64
+    );
+    assert!(h.sched.reset_caches(false, true));
+    assert_eq!(h.sched.tier_stats().unwrap().bytes_used, 0);
+    assert!(
+        !h.sched.needs_idle_steps(),
+        "nothing was in flight: no flush"
+    );
+    h.add("b", prompt(6, 9), greedy(1));
+    let plan = step(&mut c, &mut h);
+    assert_eq!(plan.reqs[0].start_pos, 0);
+    assert_eq!(c.n_loads, 0);
+    drain(&mut c, &mut h);
+}

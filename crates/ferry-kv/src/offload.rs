@@ -1,0 +1,295 @@
+//! The offload tier's worker: a copier thread that moves KV blocks between the arena and the
+//! tier's host memory, off the engine thread.
+//!
+//! The engine thread hands [`OffloadWorker`] each step's `Store` and `Load` jobs
+//! (`ferry_core::WorkerJob`); the worker takes a grant over exactly the job's arena blocks (a
+//! read grant for a store, a write grant for a load: the blocks of the job's `Store`/`Load`
+//! hold) and queues the job for its copier, then returns. The copier runs jobs in order,
+//! drops each grant, then reports (`StoreDone`, `LoadDone`) on the engine's input queue, so a
+//! hold ends only once nothing reads or writes its blocks any more.
+//!
+//! A `Flush` job (a reset's flush set) is the fence: the engine thread waits until the
+//! copier has finished every job handed to it so far (the abandoned ones included), so no
+//! grant outlives the reset and no host block they touch is reused before.
+//! [`WorkerConnector::release_memory`] (sleep, KV release) waits the same way, then gives
+//! the host memory back to the OS; the next store allocates it again, empty.
+//!
+//! Host memory is one zeroed allocation (`n_host_blocks` engine blocks), made on the first
+//! job after start or a release: pages cost resident memory only once written.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use ferry_core::{FetchError, HostCopy, TransferId, WorkerJob, WorkerReport};
+
+use crate::access::{Access, BlockGrant};
+use crate::arena::KvArena;
+use crate::worker::{Reports, WorkerConnector};
+
+/// One copy job, as the copier runs it.
+struct CopyJob {
+    hold: TransferId,
+    epoch: u64,
+    store: bool,
+    copies: Vec<HostCopy>,
+    grant: BlockGrant,
+    reports: Reports,
+}
+
+enum Msg {
+    Copy(CopyJob),
+    /// Give the host memory back.
+    Release,
+}
+
+/// How many messages the copier has finished, for waits.
+#[derive(Default)]
+struct Progress {
+    done: Mutex<u64>,
+    advanced: Condvar,
+}
+
+/// The offload tier's worker side (see the module docs).
+pub struct OffloadWorker {
+    tx: Option<mpsc::Sender<Msg>>,
+    thread: Option<JoinHandle<()>>,
+    progress: Arc<Progress>,
+    n_sent: u64,
+    /// Host bytes allocated now (0 or the whole tier).
+    host_bytes: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for OffloadWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OffloadWorker")
+            .field("n_sent", &self.n_sent)
+            .field("host_bytes", &self.host_bytes.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl OffloadWorker {
+    /// A worker for a tier of `n_host_blocks` engine blocks of `block_bytes` each (the
+    /// scheduler side's `OffloadConfig::n_host_blocks`); starts its copier thread.
+    pub fn new(n_host_blocks: usize, block_bytes: usize) -> std::io::Result<Self> {
+        let (tx, rx) = mpsc::channel();
+        let progress = Arc::new(Progress::default());
+        let host_bytes = Arc::new(AtomicU64::new(0));
+        let copier = Copier {
+            rx,
+            progress: Arc::clone(&progress),
+            host_bytes: Arc::clone(&host_bytes),
+            n_host_blocks,
+            block_bytes,
+            host: None,
+        };
+        let thread = std::thread::Builder::new()
+            .name("ferry-offload".into())
+            .spawn(move || copier.run())?;
+        Ok(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+            progress,
+            n_sent: 0,
+            host_bytes,
+        })
+    }
+
+    /// Host bytes the tier holds allocated now.
+    pub fn host_bytes(&self) -> u64 {
+        self.host_bytes.load(Ordering::Relaxed)
+    }
+
+    fn send(&mut self, msg: Msg) {
+        if let Some(tx) = &self.tx {
+            if tx.send(msg).is_ok() {
+                self.n_sent += 1;
+            }
+        }
+    }
+
+    /// Blocks until the copier finished everything sent so far (or has died: a copier that
+    /// panicked reports nothing more, so its holds never end and the reset waiting for them
+    /// fails with its timeout instead of this hanging the engine thread).
+    pub fn wait_idle(&self) {
+        let mut done = self
+            .progress
+            .done
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        while *done < self.n_sent {
+            if self.thread.as_ref().is_none_or(JoinHandle::is_finished) {
+                tracing::error!("the offload copier thread is gone");
+                return;
+            }
+            done = self
+                .progress
+                .advanced
+                .wait_timeout(done, std::time::Duration::from_millis(100))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    fn start(
+        &mut self,
+        hold: TransferId,
+        epoch: u64,
+        store: bool,
+        copies: &[HostCopy],
+        arena: &KvArena,
+        reports: &Reports,
+    ) {
+        let blocks: Vec<u32> = copies.iter().map(|c| c.block).collect();
+        let access = if store { Access::Read } else { Access::Write };
+        // SAFETY: the blocks are those of the job's `Store` or `Load` hold (see
+        // `WorkerConnector::before_forward`): no step touches them until the copier reported
+        // the job, which it does only after dropping this grant.
+        match unsafe { arena.grant(&blocks, access) } {
+            Ok(grant) => self.send(Msg::Copy(CopyJob {
+                hold,
+                epoch,
+                store,
+                copies: copies.to_vec(),
+                grant,
+                reports: reports.clone(),
+            })),
+            Err(e) => reports.send(report(hold, epoch, store, Err(e.to_string()))),
+        }
+    }
+}
+
+fn report(hold: TransferId, epoch: u64, store: bool, result: Result<(), String>) -> WorkerReport {
+    if store {
+        WorkerReport::StoreDone {
+            hold,
+            epoch,
+            ok: result.is_ok(),
+        }
+    } else {
+        WorkerReport::LoadDone {
+            hold,
+            epoch,
+            result: result.map_err(|reason| FetchError {
+                good_blocks: 0,
+                reason,
+            }),
+        }
+    }
+}
+
+impl WorkerConnector for OffloadWorker {
+    fn before_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports) {
+        for job in jobs {
+            match job {
+                WorkerJob::Store {
+                    hold,
+                    epoch,
+                    copies,
+                } => self.start(*hold, *epoch, true, copies, arena, reports),
+                WorkerJob::Load {
+                    hold,
+                    epoch,
+                    copies,
+                } => self.start(*hold, *epoch, false, copies, arena, reports),
+                WorkerJob::Flush { .. } => self.wait_idle(),
+                other => tracing::error!(?other, "not an offload job; dropped"),
+            }
+        }
+    }
+
+    fn release_memory(&mut self) {
+        self.send(Msg::Release);
+        self.wait_idle();
+    }
+}
+
+impl Drop for OffloadWorker {
+    fn drop(&mut self) {
+        drop(self.tx.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The copier thread's state.
+struct Copier {
+    rx: mpsc::Receiver<Msg>,
+    progress: Arc<Progress>,
+    host_bytes: Arc<AtomicU64>,
+    n_host_blocks: usize,
+    block_bytes: usize,
+    host: Option<Box<[u8]>>,
+}
+
+impl Copier {
+    fn run(mut self) {
+        while let Ok(msg) = self.rx.recv() {
+            match msg {
+                Msg::Copy(job) => {
+                    let CopyJob {
+                        hold,
+                        epoch,
+                        store,
+                        copies,
+                        mut grant,
+                        reports,
+                    } = job;
+                    let result = self.copy(store, &copies, &mut grant);
+                    // The grant goes before the report: once the hold ends, nothing here
+                    // touches its blocks.
+                    drop(grant);
+                    reports.send(report(hold, epoch, store, result));
+                }
+                Msg::Release => {
+                    self.host = None;
+                    self.host_bytes.store(0, Ordering::Relaxed);
+                }
+            }
+            let mut done = self
+                .progress
+                .done
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            *done += 1;
+            self.progress.advanced.notify_all();
+        }
+    }
+
+    fn copy(
+        &mut self,
+        store: bool,
+        copies: &[HostCopy],
+        grant: &mut BlockGrant,
+    ) -> Result<(), String> {
+        let bb = self.block_bytes;
+        let n = self.n_host_blocks;
+        if let Some(c) = copies.iter().find(|c| c.host_block as usize >= n) {
+            return Err(format!(
+                "host block {} is out of range (the tier has {n})",
+                c.host_block
+            ));
+        }
+        let host_bytes = &self.host_bytes;
+        let host = self.host.get_or_insert_with(|| {
+            host_bytes.store((n * bb) as u64, Ordering::Relaxed);
+            vec![0u8; n * bb].into_boxed_slice()
+        });
+        for (i, c) in copies.iter().enumerate() {
+            let at = c.host_block as usize * bb;
+            let slot = &mut host[at..at + bb];
+            if store {
+                grant.read_block_into(i, slot).map_err(|e| e.to_string())?;
+            } else {
+                grant.write_block(i, slot).map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[path = "offload_tests.rs"]
+mod tests;

@@ -1,0 +1,135 @@
+//! The copier against a real arena: bytes go to host memory and come back into other
+//! blocks, a flush waits for every job handed over, grants are gone before reports.
+
+use std::sync::mpsc;
+
+use ferry_core::{HostCopy, TransferId, WorkerJob, WorkerReport};
+
+use super::OffloadWorker;
+use crate::arena::{KvArena, KvLayout};
+use crate::worker::{Reports, WorkerConnector};
+
+fn layout() -> KvLayout {
+    KvLayout {
+        n_layers: 2,
+        n_kv_heads: 2,
+        head_dim: 8,
+        block_size: 4,
+    }
+}
+
+fn copies(pairs: &[(u32, u32)]) -> Vec<HostCopy> {
+    pairs
+        .iter()
+        .map(|&(block, host_block)| HostCopy { block, host_block })
+        .collect()
+}
+
+fn reports() -> (Reports, mpsc::Receiver<WorkerReport>) {
+    let (tx, rx) = mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    (
+        Reports::new(move |r| {
+            let _ = tx.lock().unwrap().send(r);
+        }),
+        rx,
+    )
+}
+
+#[test]
+fn stored_blocks_load_back_byte_for_byte_into_other_blocks() {
+    let mut arena = KvArena::new(layout(), 8);
+    for b in 1..3u32 {
+        for (i, x) in arena.block_mut(b).iter_mut().enumerate() {
+            *x = (b * 1000 + i as u32) as f32;
+        }
+    }
+    let mut w = OffloadWorker::new(4, layout().block_bytes()).unwrap();
+    let (sink, rx) = reports();
+    let store = WorkerJob::Store {
+        hold: TransferId(1),
+        epoch: 3,
+        copies: copies(&[(1, 2), (2, 3)]),
+    };
+    w.after_forward(&[store], &mut arena, &sink);
+    w.before_forward(
+        &[WorkerJob::Flush {
+            holds: vec![TransferId(1)],
+        }],
+        &mut arena,
+        &sink,
+    );
+    // The flush returned: the job is done and its grant gone.
+    assert_eq!(arena.n_outstanding_grants(), 0);
+    assert_eq!(
+        rx.try_recv().unwrap(),
+        WorkerReport::StoreDone {
+            hold: TransferId(1),
+            epoch: 3,
+            ok: true
+        }
+    );
+    assert_eq!(w.host_bytes(), 4 * layout().block_bytes() as u64);
+    let load = WorkerJob::Load {
+        hold: TransferId(2),
+        epoch: 3,
+        copies: copies(&[(5, 2), (6, 3)]),
+    };
+    w.before_forward(&[load], &mut arena, &sink);
+    w.wait_idle();
+    assert!(matches!(
+        rx.try_recv().unwrap(),
+        WorkerReport::LoadDone {
+            hold: TransferId(2),
+            epoch: 3,
+            result: Ok(())
+        }
+    ));
+    assert_eq!(arena.block(5), arena.block(1));
+    assert_eq!(arena.block(6), arena.block(2));
+    // Released, the memory comes back empty: a load now reads zeros.
+    w.release_memory();
+    assert_eq!(w.host_bytes(), 0);
+    let load = WorkerJob::Load {
+        hold: TransferId(3),
+        epoch: 4,
+        copies: copies(&[(5, 2)]),
+    };
+    w.before_forward(&[load], &mut arena, &sink);
+    w.wait_idle();
+    assert!(arena.block(5).iter().all(|&x| x == 0.0));
+}
+
+#[test]
+fn a_bad_job_fails_with_a_report_and_holds_nothing() {
+    let mut arena = KvArena::new(layout(), 8);
+    let mut w = OffloadWorker::new(2, layout().block_bytes()).unwrap();
+    let (sink, rx) = reports();
+    let jobs = [
+        // Host block out of range.
+        WorkerJob::Store {
+            hold: TransferId(1),
+            epoch: 0,
+            copies: copies(&[(1, 2)]),
+        },
+        // Arena block out of range: refused at the grant.
+        WorkerJob::Load {
+            hold: TransferId(2),
+            epoch: 0,
+            copies: copies(&[(99, 0)]),
+        },
+    ];
+    w.before_forward(&jobs, &mut arena, &sink);
+    w.wait_idle();
+    let mut got: Vec<WorkerReport> = rx.try_iter().collect();
+    got.sort_by_key(|r| match r {
+        WorkerReport::StoreDone { hold, .. } | WorkerReport::LoadDone { hold, .. } => *hold,
+        _ => unreachable!(),
+    });
+    assert!(matches!(got[0], WorkerReport::StoreDone { ok: false, .. }));
+    assert!(matches!(
+        &got[1],
+        WorkerReport::LoadDone { result: Err(_), .. }
+    ));
+    assert_eq!(arena.n_outstanding_grants(), 0);
+}
