@@ -13,10 +13,11 @@ use std::time::{Duration, Instant};
 
 use ferry_core::{
     ConnectorId, FinishReason, LifecycleError, LifecycleEvent, OpId, ReqIdx, RequestOutput,
-    Scheduler, StepPlan, WakeTag, WeightResidency,
+    Scheduler, StepPlan, TokenId, WakeTag, WeightResidency,
 };
 use ferry_kv::{KvArena, Reports, WorkerConnector};
 use ferry_model::{ExecError, Executor, PreparedWeights, WeightError};
+use rayon::prelude::*;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::constraint::{ConstraintState, Next};
@@ -617,6 +618,7 @@ impl EngineLoop {
         let mut n_finished = 0;
         // Stamped on every output token: the version of the weights that computed it.
         let version = self.core.weight_version_shared();
+        let mut constrained = self.advance_constraints(&outputs);
         for out in outputs {
             n_tokens += u64::from(out.sampled.is_some());
             n_finished += u64::from(out.finished.is_some());
@@ -637,9 +639,9 @@ impl EngineLoop {
             // The constraint takes the token and readies the next mask; one that cannot go
             // on ends the request with this token.
             let mut forced = false;
-            if let (Some(state), Some(s)) = (live.constraint.as_mut(), out.sampled.as_ref()) {
-                forced = state.forced();
-                if let (Next::Stop(why), None) = (state.advance(s.token), &finish) {
+            if let Some((was_forced, next)) = constrained.get_mut(i).and_then(Option::take) {
+                forced = was_forced;
+                if let (Next::Stop(why), None) = (next, &finish) {
                     let aborted = abort_idx(&mut self.core, out.req);
                     n_finished += 1;
                     finish = aborted.and_then(|a| a.finished).map(|f| EngineFinish {
@@ -670,6 +672,45 @@ impl EngineLoop {
             }
         }
         (n_tokens, n_finished)
+    }
+
+    /// Feeds each constrained request the token it just sampled and computes its next mask,
+    /// spread over rayon's threads (a mask over a 50k vocabulary can take a millisecond):
+    /// per live slot, whether the token was forced and what the constraint says next. A
+    /// request that finished with this token only reports whether it was forced.
+    fn advance_constraints(&mut self, outputs: &[RequestOutput]) -> Vec<Option<(bool, Next)>> {
+        let mut tokens: Vec<Option<(TokenId, bool)>> = vec![None; self.live.len()];
+        let mut n = 0;
+        for out in outputs {
+            let i = out.req.0 as usize;
+            let constrained = self
+                .live
+                .get(i)
+                .and_then(Option::as_ref)
+                .is_some_and(|l| l.constraint.is_some());
+            if let (Some(s), true) = (&out.sampled, constrained) {
+                tokens[i] = Some((s.token, out.finished.is_some()));
+                n += 1;
+            }
+        }
+        if n == 0 {
+            return Vec::new();
+        }
+        let advance = |(live, token): (&mut Option<Live>, &Option<(TokenId, bool)>)| {
+            let state = live.as_mut()?.constraint.as_mut()?;
+            let (token, finished) = (*token)?;
+            let forced = state.forced();
+            Some(if finished {
+                (forced, Next::Continue)
+            } else {
+                (forced, state.advance(token))
+            })
+        };
+        if n == 1 {
+            self.live.iter_mut().zip(&tokens).map(advance).collect()
+        } else {
+            self.live.par_iter_mut().zip(&tokens).map(advance).collect()
+        }
     }
 
     /// Sends the final event of a request finished outside a step (abort, error), with
