@@ -638,3 +638,65 @@ fn bad_proxy_flags_are_errors_naming_the_flag() {
     ]);
     assert!(err.contains("--connect-timeout-seconds"), "{err}");
 }
+
+/// The default model (SmolLM2-135M-Instruct, fetched by scripts/fetch-model.sh; this test
+/// FAILS, never skips, without it): 1P1D behind the proxy gives one engine's greedy tokens
+/// and logprobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_model_gives_one_engines_tokens_through_p_and_d() {
+    let cache = match std::env::var_os("FERRY_CACHE") {
+        Some(dir) => std::path::PathBuf::from(dir),
+        None => std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
+            .join(".cache/ferry"),
+    };
+    let path = ferry_model::default_model_path(&cache);
+    assert!(
+        path.exists(),
+        "{} is missing: run `bash scripts/fetch-model.sh` first",
+        path.display()
+    );
+    let model = path.to_str().unwrap().to_owned();
+    bounded(async {
+        let args = |role: Option<&str>| {
+            let mut a = vec![
+                "serve".to_owned(),
+                "--model".to_owned(),
+                model.clone(),
+                "--served-model-name".to_owned(),
+                "smol".to_owned(),
+                "--port".to_owned(),
+                "0".to_owned(),
+                "--kv-cache-bytes".to_owned(),
+                "64MiB".to_owned(),
+                "--max-model-len".to_owned(),
+                "512".to_owned(),
+            ];
+            if let Some(r) = role {
+                a.extend(["--kv-role".to_owned(), r.to_owned()]);
+            }
+            a
+        };
+        let p = spawn(&args(Some("kv_producer")), &[]);
+        let d = spawn(&args(Some("kv_consumer")), &[]);
+        let (p, d) = (p.ready(), d.ready());
+        let proxy = proxy(&[&p.url], &[&d.url], &[]).ready();
+        let body = json!({"model": "smol", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                          "logprobs": 2, "ignore_eos": true});
+        let (status, pd) = post(&url(&proxy.url, "/v1/completions"), &body).await;
+        assert_eq!(status, 200, "{pd}");
+        // One engine: D itself computing the prompt (a cache salt keeps it off the loaded
+        // blocks).
+        let alone = with(body, "cache_salt", json!("computed-here"));
+        let (status, one) = post(&url(&d.url, "/v1/completions"), &alone).await;
+        assert_eq!(status, 200, "{one}");
+        assert_eq!(
+            one["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+            "{one}"
+        );
+        assert_eq!(pd["choices"][0]["text"], one["choices"][0]["text"]);
+        assert_eq!(pd["choices"][0]["logprobs"], one["choices"][0]["logprobs"]);
+        let m = metrics_text(&d.url).await;
+        assert_eq!(metric(&m, "ferry_kv_loads_finished_total"), 1.0, "{m}");
+    })
+    .await;
+}
