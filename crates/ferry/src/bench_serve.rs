@@ -61,6 +61,13 @@ pub struct Args {
     /// Print only the JSON report (else a readable summary, then the JSON).
     #[arg(long)]
     json: bool,
+    /// A second server to run the same workload against, after --url: e.g. one `ferry serve`
+    /// when --url is `ferry proxy` in front of P and D. The report is then `{"target": ...,
+    /// "baseline": ..., "ttft_added_ms": ..., "e2e_added_ms": ...}`: both runs, and what
+    /// --url adds to the time to first token and to the whole request (mean, p50, p99
+    /// differences).
+    #[arg(long)]
+    baseline_url: Option<String>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -90,16 +97,36 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    let report = runtime.block_on(bench(&args, specs))?;
+    let report = runtime.block_on(bench(&args, &args.url, specs.clone()))?;
+    let Some(baseline_url) = &args.baseline_url else {
+        if !args.json {
+            print_summary(&report);
+        }
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    };
+    let baseline = runtime.block_on(bench(&args, baseline_url, specs))?;
+    let comparison = stats::Comparison::new(report, baseline);
     if !args.json {
-        print_summary(&report);
+        print_summary(&comparison.target);
+        println!();
+        print_summary(&comparison.baseline);
+        println!();
+        let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:+.2}"));
+        let added = &comparison.ttft_added_ms;
+        println!(
+            "TTFT added (ms)       mean {}  p50 {}  p99 {}",
+            ms(added.mean),
+            ms(added.p50),
+            ms(added.p99)
+        );
     }
-    println!("{}", serde_json::to_string(&report)?);
+    println!("{}", serde_json::to_string(&comparison)?);
     Ok(())
 }
 
-async fn bench(args: &Args, specs: Vec<RequestSpec>) -> anyhow::Result<Report> {
-    let base = args.url.trim_end_matches('/').to_owned();
+async fn bench(args: &Args, url: &str, specs: Vec<RequestSpec>) -> anyhow::Result<Report> {
+    let base = url.trim_end_matches('/').to_owned();
     let client = reqwest::Client::builder()
         // The server is on this machine: a proxy from the environment must not be used.
         .no_proxy()

@@ -700,3 +700,56 @@ async fn the_default_model_gives_one_engines_tokens_through_p_and_d() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_serve_through_the_proxy_reports_the_ttft_disaggregation_adds() {
+    bounded(async {
+        let single = serve(&[]);
+        let fleet = pd_fleet(&[], &[]);
+        let single = single.ready();
+        let args: Vec<String> = [
+            "bench",
+            "serve",
+            "--url",
+            &fleet.proxy.url,
+            "--baseline-url",
+            &single.url,
+            "--num-requests",
+            "6",
+            "--concurrency",
+            "2",
+            "--prompt-len",
+            "64",
+            "--output-len",
+            "8",
+            "--vocab-size",
+            "256",
+            "--json",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        let out = tokio::task::spawn_blocking(move || {
+            std::process::Command::new(FERRY)
+                .args(&args)
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        for side in ["target", "baseline"] {
+            assert_eq!(r[side]["n_completed"], 6, "{side}: {r}");
+            assert_eq!(r[side]["n_output_len_mismatch"], 0, "{side}: {r}");
+        }
+        assert!(r["ttft_added_ms"]["p50"].is_number(), "{r}");
+        let d = metrics_text(&fleet.d.url).await;
+        assert_eq!(metric(&d, "ferry_kv_loads_finished_total"), 6.0, "{d}");
+    })
+    .await;
+}
