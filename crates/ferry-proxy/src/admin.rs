@@ -158,35 +158,52 @@ pub fn summarise(path: &str, results: &[InstanceResult]) -> Response {
         body.insert("instances".into(), Value::Array(instances));
         return Json(Value::Object(body)).into_response();
     }
-    let statuses: Vec<Option<StatusCode>> = results
+    let failed: Vec<&(StatusCode, Value)> = results
         .iter()
         .filter(|r| !r.ok())
-        .map(|r| r.outcome.as_ref().ok().map(|(s, _)| *s))
+        .filter_map(|r| r.outcome.as_ref().ok())
         .collect();
-    let status = match statuses.first() {
-        Some(Some(first)) if statuses.iter().all(|s| *s == Some(*first)) => *first,
-        _ => StatusCode::BAD_GATEWAY,
-    };
     let n_ok = results.len() - failures.len();
-    let error = ApiError {
-        status,
-        message: format!(
-            "{path} failed on {} of {} instances ({n_ok} succeeded): {}",
-            failures.len(),
-            results.len(),
-            failures.join("; ")
-        ),
-        kind: if status == StatusCode::BAD_GATEWAY {
-            "bad_gateway_error"
-        } else {
-            "instance_error"
-        },
-        param: None,
+    let message = format!(
+        "{path} failed on {} of {} instances ({n_ok} succeeded): {}",
+        failures.len(),
+        results.len(),
+        failures.join("; ")
+    );
+    // Every failed instance answered, with one status: that status, and the first one's
+    // field at fault (a bad argument is the same 400 from all). Else (one unreachable, or
+    // answers that differ) a 502.
+    let error = match failed.first() {
+        Some((status, body))
+            if failed.len() == failures.len() && failed.iter().all(|(s, _)| s == status) =>
+        {
+            ApiError {
+                status: *status,
+                message,
+                kind: kind_of(*status),
+                param: body["error"]["param"].as_str().map(str::to_owned),
+            }
+        }
+        _ => crate::upstream::bad_gateway(message),
     };
+    let status = error.status;
     tracing::warn!("{}", error.message);
     let mut body = serde_json::to_value(error.body()).unwrap_or_else(|_| json!({}));
     body["instances"] = Value::Array(instances);
     (status, Json(body)).into_response()
+}
+
+/// The OpenAI error type of an instance's status, as the instances name it.
+fn kind_of(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        400 | 413 | 422 => "invalid_request_error",
+        401 => "authentication_error",
+        404 => "not_found_error",
+        409 => "conflict_error",
+        503 => "service_unavailable_error",
+        504 => "timeout_error",
+        _ => "instance_error",
+    }
 }
 
 /// The instances' bodies as one: a key every body has with one value keeps it; where they
@@ -422,6 +439,32 @@ mod tests {
         assert_eq!(
             summarise("/pause", &[ok, down]).status(),
             StatusCode::BAD_GATEWAY
+        );
+    }
+
+    #[tokio::test]
+    async fn the_same_refusal_from_every_instance_names_the_field() {
+        let refusal = || {
+            json!({"error": {"message": "`new_version` is required",
+            "type": "invalid_request_error", "param": "new_version", "code": 400}})
+        };
+        let both = [
+            result("http://p0", Ok((400, refusal()))),
+            result("http://d0", Ok((400, refusal()))),
+        ];
+        let response = summarise("/update_weight_version", &both);
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["error"]["param"], "new_version", "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        assert_eq!(body["instances"].as_array().unwrap().len(), 2, "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("http://p0") && message.contains("http://d0"),
+            "{message}"
         );
     }
 

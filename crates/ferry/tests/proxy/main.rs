@@ -107,6 +107,14 @@ async fn one_p_one_d_gives_the_tokens_and_logprobs_of_one_engine() {
         let d = metrics_text(&fleet.d.url).await;
         assert_eq!(metric(&d, "ferry_kv_loads_finished_total"), 2.0, "{d}");
 
+        // A batch of prompts goes to D alone (an export holds one prompt), as one engine.
+        let batch = json!({"model": "tiny", "prompt": [PROMPT, other], "max_tokens": 10,
+                           "temperature": 0, "ignore_eos": true});
+        let (status, out) = post(&url(proxy, "/v1/completions"), &batch).await;
+        assert_eq!(status, 200, "{out}");
+        assert_eq!(out["choices"].as_array().unwrap().len(), 2, "{out}");
+        assert_eq!(out["choices"][1]["text"], one["choices"][0]["text"]);
+
         // Chat, not streaming and streaming.
         let content = "Tell me about the river crossing.";
         let (status, one) =
@@ -541,6 +549,20 @@ async fn a_down_instance_is_a_quick_503_and_a_partial_admin_call_names_it() {
             (200, Some("degraded")),
             "{health}"
         );
+        // A weight update that reaches only some instances is an error naming the ones it
+        // missed (P and D now disagree, which is why it is an error).
+        let (status, out) = post(
+            &url(&proxy.url, "/update_weight_version"),
+            &json!({"new_version": "v9"}),
+        )
+        .await;
+        assert_eq!(status, 502, "{out}");
+        let message = out["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&dead) && !message.contains(&d.url),
+            "{message}"
+        );
+        assert_eq!(out["instances"][2]["body"]["new_version"], "v9", "{out}");
     })
     .await;
 }
@@ -750,6 +772,68 @@ async fn bench_serve_through_the_proxy_reports_the_ttft_disaggregation_adds() {
         assert!(r["ttft_added_ms"]["p50"].is_number(), "{r}");
         let d = metrics_text(&fleet.d.url).await;
         assert_eq!(metric(&d, "ferry_kv_loads_finished_total"), 6.0, "{d}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_request_id_reaches_d_and_a_client_that_goes_away_frees_d() {
+    bounded(async {
+        let fleet = pd_fleet(&[], &[]);
+        let proxy = fleet.proxy.url.clone();
+        let long = json!({"model": "tiny", "prompt": PROMPT, "max_tokens": 900,
+                          "ignore_eos": true, "temperature": 0, "stream": true});
+        // An abort through the proxy by the client's request id ends the stream on D.
+        let target = url(&proxy, "/v1/completions");
+        let body = long.clone();
+        let aborted = tokio::spawn(async move {
+            let response = client()
+                .post(&target)
+                .header("X-Request-Id", "rl-rollout-17")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            response.text().await.unwrap()
+        });
+        wait_metrics(&fleet.d.url, Duration::from_secs(20), |t| {
+            metric(t, "ferry_num_requests_running") >= 1.0
+        })
+        .await;
+        let (status, out) = post(
+            &url(&proxy, "/abort_requests"),
+            &json!({"request_ids": ["rl-rollout-17"]}),
+        )
+        .await;
+        assert_eq!(status, 200, "{out}");
+        assert_eq!(out["aborted"], 1, "{out}");
+        let text = aborted.await.unwrap();
+        assert!(text.contains(r#""finish_reason":"abort""#), "{text}");
+        assert!(text.contains("data: [DONE]"), "{text}");
+
+        // A client that goes away mid-stream: D's request ends too, and the proxy's count.
+        let mut response = client()
+            .post(url(&proxy, "/v1/completions"))
+            .json(&long)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let first = response.chunk().await.unwrap();
+        assert!(first.is_some());
+        wait_metrics(&fleet.d.url, Duration::from_secs(20), |t| {
+            metric(t, "ferry_num_requests_running") >= 1.0
+        })
+        .await;
+        drop(response);
+        wait_metrics(&fleet.d.url, Duration::from_secs(10), |t| {
+            metric(t, "ferry_num_requests_running") == 0.0
+        })
+        .await;
+        wait_metrics(&proxy, Duration::from_secs(10), |t| {
+            metric(t, "ferry_proxy_in_flight_requests") == 0.0
+        })
+        .await;
     })
     .await;
 }
