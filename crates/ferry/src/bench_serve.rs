@@ -68,9 +68,15 @@ pub struct Args {
     /// differences).
     #[arg(long)]
     baseline_url: Option<String>,
+    /// With --baseline-url: run the workload against each side this many times, alternating.
+    #[arg(long, default_value_t = 1, requires = "baseline_url")]
+    rounds: usize,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
     if args.concurrency == Some(0) {
         bail!("--concurrency must be at least 1");
     }
@@ -97,16 +103,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    let report = runtime.block_on(bench(&args, &args.url, specs.clone()))?;
     let Some(baseline_url) = &args.baseline_url else {
+        let report = runtime.block_on(async {
+            let mut side = Side::start(&args, &args.url).await?;
+            side.run(&args, specs).await;
+            anyhow::Ok(side.finish(&args).await)
+        })?;
         if !args.json {
             print_summary(&report);
         }
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     };
-    let baseline = runtime.block_on(bench(&args, baseline_url, specs))?;
-    let comparison = stats::Comparison::new(report, baseline);
+    let comparison = runtime.block_on(compare(&args, baseline_url, specs))?;
     if !args.json {
         print_summary(&comparison.target);
         println!();
@@ -125,35 +134,91 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn bench(args: &Args, url: &str, specs: Vec<RequestSpec>) -> anyhow::Result<Report> {
-    let base = url.trim_end_matches('/').to_owned();
-    let client = reqwest::Client::builder()
-        // The server is on this machine: a proxy from the environment must not be used.
-        .no_proxy()
-        .connect_timeout(Duration::from_secs(10))
-        .timeout(Duration::from_secs_f64(args.request_timeout_s))
-        .build()
-        .context("building the HTTP client")?;
-    let model = match &args.model {
-        Some(m) => m.clone(),
-        None => first_model(&client, &base).await?,
-    };
-    let before = scrape_engine_time(&client, &base).await;
-    let start = Instant::now();
-    let outcomes = send_all(&client, &base, &model, args.concurrency, specs).await;
-    let duration_s = start.elapsed().as_secs_f64();
-    let after = scrape_engine_time(&client, &base).await;
-    let info = RunInfo {
-        url: base,
-        model,
-        concurrency: args.concurrency,
-        request_rate: args.request_rate,
-        duration_s,
-        engine_overhead_fraction: before
-            .zip(after)
-            .and_then(|(b, a)| metrics::overhead_fraction(b, a)),
-    };
-    Ok(stats::summarise(info, &outcomes))
+/// `--baseline-url`: the workload against --url, then against the baseline, `--rounds`
+/// times, each side's requests pooled (alternating rounds spread any change in the machine's
+/// load over both sides).
+async fn compare(
+    args: &Args,
+    baseline_url: &str,
+    specs: Vec<RequestSpec>,
+) -> anyhow::Result<stats::Comparison> {
+    let mut target = Side::start(args, &args.url).await?;
+    let mut baseline = Side::start(args, baseline_url).await?;
+    for _ in 0..args.rounds {
+        target.run(args, specs.clone()).await;
+        baseline.run(args, specs.clone()).await;
+    }
+    Ok(stats::Comparison::new(
+        target.finish(args).await,
+        baseline.finish(args).await,
+    ))
+}
+
+/// One server under test: its client, model, first `/metrics` scrape, and the outcomes of
+/// every run against it.
+struct Side {
+    client: reqwest::Client,
+    base: String,
+    model: String,
+    before: Option<metrics::EngineTime>,
+    duration_s: f64,
+    outcomes: Vec<Outcome>,
+}
+
+impl Side {
+    async fn start(args: &Args, url: &str) -> anyhow::Result<Self> {
+        let base = url.trim_end_matches('/').to_owned();
+        let client = reqwest::Client::builder()
+            // The server is on this machine: a proxy from the environment must not be used.
+            .no_proxy()
+            .connect_timeout(Duration::from_secs(10))
+            .timeout(Duration::from_secs_f64(args.request_timeout_s))
+            .build()
+            .context("building the HTTP client")?;
+        let model = match &args.model {
+            Some(m) => m.clone(),
+            None => first_model(&client, &base).await?,
+        };
+        let before = scrape_engine_time(&client, &base).await;
+        Ok(Self {
+            client,
+            base,
+            model,
+            before,
+            duration_s: 0.0,
+            outcomes: Vec::new(),
+        })
+    }
+
+    async fn run(&mut self, args: &Args, specs: Vec<RequestSpec>) {
+        let start = Instant::now();
+        let outcomes = send_all(
+            &self.client,
+            &self.base,
+            &self.model,
+            args.concurrency,
+            specs,
+        )
+        .await;
+        self.duration_s += start.elapsed().as_secs_f64();
+        self.outcomes.extend(outcomes);
+    }
+
+    async fn finish(self, args: &Args) -> Report {
+        let after = scrape_engine_time(&self.client, &self.base).await;
+        let info = RunInfo {
+            url: self.base,
+            model: self.model,
+            concurrency: args.concurrency,
+            request_rate: args.request_rate,
+            duration_s: self.duration_s,
+            engine_overhead_fraction: self
+                .before
+                .zip(after)
+                .and_then(|(b, a)| metrics::overhead_fraction(b, a)),
+        };
+        stats::summarise(info, &self.outcomes)
+    }
 }
 
 /// The first model `/v1/models` lists.

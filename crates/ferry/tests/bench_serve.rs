@@ -289,6 +289,8 @@ async fn a_baseline_run_reports_both_and_the_ttft_the_target_adds() {
             &baseline,
             "--num-requests",
             "4",
+            "--rounds",
+            "2",
             "--prompt-len",
             "3",
             "--output-len",
@@ -300,11 +302,12 @@ async fn a_baseline_run_reports_both_and_the_ttft_the_target_adds() {
     .await;
     assert_eq!(r["target"]["url"], target.as_str());
     assert_eq!(r["baseline"]["url"], baseline.as_str());
+    // Two rounds, each side's requests pooled.
     for side in ["target", "baseline"] {
-        assert_eq!(r[side]["n_completed"], 4, "{side}: {r}");
+        assert_eq!(r[side]["n_completed"], 8, "{side}: {r}");
     }
-    assert_eq!(target_fake.n_served.load(Ordering::SeqCst), 4);
-    assert_eq!(baseline_fake.n_served.load(Ordering::SeqCst), 4);
+    assert_eq!(target_fake.n_served.load(Ordering::SeqCst), 8);
+    assert_eq!(baseline_fake.n_served.load(Ordering::SeqCst), 8);
     for stat in ["mean", "p50", "p99"] {
         let added = r["ttft_added_ms"][stat].as_f64().unwrap();
         let expected = r["target"]["ttft_ms"][stat].as_f64().unwrap()
