@@ -68,7 +68,8 @@ pub struct Args {
     /// differences).
     #[arg(long)]
     baseline_url: Option<String>,
-    /// With --baseline-url: run the workload against each side this many times, alternating.
+    /// With --baseline-url: run the workload against each side this many times, alternating,
+    /// with new prompts each round (--seed + round).
     #[arg(long, default_value_t = 1, requires = "baseline_url")]
     rounds: usize,
 }
@@ -88,17 +89,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !(args.request_timeout_s > 0.0 && args.request_timeout_s <= MAX_SECONDS) {
         bail!("--request-timeout-s must be in (0, {MAX_SECONDS}]");
     }
-    let specs = match &args.trace {
-        Some(path) => workload::read_trace(path, args.vocab_size, args.seed)?,
-        None => workload::synthetic(&SyntheticWorkload {
-            n_requests: args.num_requests,
-            prompt_len: args.prompt_len,
-            output_len: args.output_len,
-            request_rate: args.request_rate,
-            vocab_size: args.vocab_size,
-            seed: args.seed,
-        })?,
-    };
+    let specs = workload_of(&args, 0)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -115,7 +106,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     };
-    let comparison = runtime.block_on(compare(&args, baseline_url, specs))?;
+    let comparison = runtime.block_on(compare(&args, baseline_url))?;
     if !args.json {
         print_summary(&comparison.target);
         println!();
@@ -137,21 +128,37 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// `--baseline-url`: the workload against --url, then against the baseline, `--rounds`
 /// times, each side's requests pooled (alternating rounds spread any change in the machine's
 /// load over both sides).
-async fn compare(
-    args: &Args,
-    baseline_url: &str,
-    specs: Vec<RequestSpec>,
-) -> anyhow::Result<stats::Comparison> {
+async fn compare(args: &Args, baseline_url: &str) -> anyhow::Result<stats::Comparison> {
     let mut target = Side::start(args, &args.url).await?;
     let mut baseline = Side::start(args, baseline_url).await?;
-    for _ in 0..args.rounds {
+    for round in 0..args.rounds {
+        // Each round draws new prompts (seed + round), so no round is served from the prefix
+        // cache an earlier one filled; both sides get the same ones.
+        let specs = workload_of(args, round as u64)?;
         target.run(args, specs.clone()).await;
-        baseline.run(args, specs.clone()).await;
+        baseline.run(args, specs).await;
     }
     Ok(stats::Comparison::new(
         target.finish(args).await,
         baseline.finish(args).await,
     ))
+}
+
+/// The requests of round `round`: the trace or the length flags, drawn with `--seed` +
+/// `round`.
+fn workload_of(args: &Args, round: u64) -> anyhow::Result<Vec<RequestSpec>> {
+    let seed = args.seed.wrapping_add(round);
+    Ok(match &args.trace {
+        Some(path) => workload::read_trace(path, args.vocab_size, seed)?,
+        None => workload::synthetic(&SyntheticWorkload {
+            n_requests: args.num_requests,
+            prompt_len: args.prompt_len,
+            output_len: args.output_len,
+            request_rate: args.request_rate,
+            vocab_size: args.vocab_size,
+            seed,
+        })?,
+    })
 }
 
 /// One server under test: its client, model, first `/metrics` scrape, and the outcomes of
