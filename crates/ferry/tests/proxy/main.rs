@@ -859,3 +859,45 @@ async fn the_request_id_reaches_d_and_a_client_that_goes_away_frees_d() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sleep_wake_release_and_reset_through_the_proxy_reach_every_instance() {
+    bounded(async {
+        let fleet = pd_fleet(&[], &[]);
+        let proxy = fleet.proxy.url.clone();
+        let body = completion(PROMPT, 6);
+        let (status, before) = post(&url(&proxy, "/v1/completions"), &body).await;
+        assert_eq!(status, 200, "{before}");
+        let admin = |path: &str| {
+            let target = url(&proxy, path);
+            async move {
+                let (status, out) = post(&target, &json!(null)).await;
+                assert_eq!(status, 200, "{target}: {out}");
+                assert_eq!(out["instances"].as_array().unwrap().len(), 2, "{out}");
+                out
+            }
+        };
+        admin("/sleep?level=1&mode=wait").await;
+        let (_, sleeping) = get(&url(&proxy, "/is_sleeping")).await;
+        assert_eq!(sleeping["is_sleeping"], true, "{sleeping}");
+        let woken = admin("/wake_up").await;
+        assert_eq!(woken["is_sleeping"], false, "{woken}");
+        admin("/pause?mode=wait&clear_cache=true").await;
+        admin("/release_kv_cache_memory").await;
+        let reset = admin("/reset_prefix_cache").await;
+        assert_eq!(reset["success"], true, "{reset}");
+        admin("/wake_up?tags=kv_cache").await;
+        admin("/resume").await;
+        for instance in [&fleet.p.url, &fleet.d.url] {
+            let (_, paused) = get(&url(instance, "/is_paused")).await;
+            assert_eq!(paused["is_paused"], false, "{instance}: {paused}");
+        }
+        let (status, after) = post(&url(&proxy, "/v1/completions"), &body).await;
+        assert_eq!(status, 200, "{after}");
+        assert_eq!(
+            after["choices"][0]["logprobs"],
+            before["choices"][0]["logprobs"]
+        );
+    })
+    .await;
+}
