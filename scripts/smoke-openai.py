@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Smoke test of a running `ferry serve` with the official `openai` Python client.
 
-Usage: smoke-openai.py BASE_URL   (e.g. http://127.0.0.1:8000; scripts/smoke-openai.sh starts the
+Usage: smoke-openai.py BASE_URL [SUITE]   (e.g. http://127.0.0.1:8000; scripts/smoke-openai.sh starts the
 server and calls this). Each check prints a cargo-style `test NAME ... ok|FAILED` line, and the
 run closes with `test result: ...`, so scripts/test.sh counts the checks with cargo's tests.
 Exits non-zero if any check fails.
@@ -227,18 +227,21 @@ class Smoke:
 
 
 def main():
-    if len(sys.argv) != 2:
-        sys.exit(f"usage: {sys.argv[0]} BASE_URL")
+    if len(sys.argv) not in (2, 3):
+        sys.exit(f"usage: {sys.argv[0]} BASE_URL [SUITE]")
     smoke = Smoke(sys.argv[1])
+    # The suite names the server behind BASE_URL in the test names (`ferry proxy` runs the
+    # same checks as `ferry serve`).
+    suite = "smoke_openai" if len(sys.argv) == 2 else f"smoke_openai_{sys.argv[2]}"
     names = [n for n in Smoke.__dict__ if n.startswith("test_")]
     failed = 0
     for name in names:
         try:
             getattr(smoke, name)()
-            print(f"test smoke_openai::{name} ... ok", flush=True)
+            print(f"test {suite}::{name} ... ok", flush=True)
         except Exception:  # every failure is reported, and the run goes on
             failed += 1
-            print(f"test smoke_openai::{name} ... FAILED", flush=True)
+            print(f"test {suite}::{name} ... FAILED", flush=True)
             traceback.print_exc(file=sys.stdout)
             if smoke.model is None:
                 break

@@ -317,6 +317,19 @@ impl KvConnector for PdConnector {
                 reason: reason.clone(),
             };
         }
+        let key = export_key(&import.params).expect("checked at arrival");
+        let seen = self.seen.get(&key).copied().unwrap_or_default();
+        if seen.loading {
+            // Another choice of the same prompt is loading it: wait, then take prefix hits.
+            return ExternalMatch::NotYet;
+        }
+        // Checked before the version: a request readmitted after its export was loaded or
+        // tried (retracted by a cache reset, preempted) computes locally. A weight update
+        // since then makes the export stale for a new load, never a reason to fail a request
+        // already under way (the RL cycle pause → update → resume loses nothing).
+        if seen.used {
+            return ExternalMatch::None;
+        }
         let version = import.params.weight_version.as_deref().unwrap_or_default();
         if version != query.weight_version {
             return ExternalMatch::Refused {
@@ -325,15 +338,6 @@ impl KvConnector for PdConnector {
                     query.weight_version
                 ),
             };
-        }
-        let key = export_key(&import.params).expect("checked at arrival");
-        let seen = self.seen.get(&key).copied().unwrap_or_default();
-        if seen.loading {
-            // Another choice of the same prompt is loading it: wait, then take prefix hits.
-            return ExternalMatch::NotYet;
-        }
-        if seen.used {
-            return ExternalMatch::None;
         }
         let tokens = import.n_tokens.saturating_sub(query.local_hit_tokens);
         if tokens == 0 {

@@ -772,3 +772,46 @@ fn roles_are_checked_at_arrival() {
     assert_eq!(d.sched.n_live(), 0);
     d.check();
 }
+
+#[test]
+fn a_loaded_request_retracted_across_a_weight_update_recomputes_under_fail() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(8), Some(remote(&params)))
+        .unwrap();
+    step_and_load(&mut f, "D", &mut d);
+    for _ in 0..3 {
+        step(&mut f, "D", &mut d);
+    }
+    assert!(d.generated["x"].len() >= 2, "x is decoding on loaded KV");
+    // The RL cycle: a clearing pause retracts x, the weights change, then resume.
+    d.sched.pause(OpId(1), PauseMode::Keep, true);
+    let mut events = Vec::new();
+    for _ in 0..3 {
+        events.extend(poll(&mut f, "D", &mut d));
+    }
+    assert_eq!(events, vec![LifecycleEvent::Done(OpId(1))]);
+    assert!(
+        matches!(state(&d, "x"), RequestState::Preempted { .. }),
+        "retracted"
+    );
+    d.sched.set_weight_version("v1");
+    d.sched.resume().unwrap();
+    d.drain(100);
+    assert_eq!(
+        d.finished["x"].0,
+        FinishReason::Length,
+        "a request under way is never failed for parameters that went stale after its load"
+    );
+    assert_eq!(d.generated["x"].len(), 8);
+    assert_eq!(f.n_pulls, 1, "the export was pulled once, never again");
+    // A new request with the same (now stale) parameters still fails closed.
+    d.sched
+        .add_request_with_transfer("y", prompt(1, 16), greedy(2), Some(remote(&params)))
+        .unwrap();
+    d.drain(100);
+    assert_eq!(d.finished["y"].0, FinishReason::Error);
+}

@@ -68,11 +68,25 @@ pub struct Args {
     /// cache. The report has both runs and the constrained/unconstrained throughput ratio.
     /// Pick a schema the output cannot complete within `--output-len` (e.g. an array with a
     /// large `minItems`), or a request ends early and the ratio compares unequal work.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "baseline_url")]
     json_schema: Option<String>,
+    /// A second server to run the same workload against, after --url: e.g. one `ferry serve`
+    /// when --url is `ferry proxy` in front of P and D. The report is then `{"target": ...,
+    /// "baseline": ..., "ttft_added_ms": ..., "e2e_added_ms": ...}`: both runs, and what
+    /// --url adds to the time to first token and to the whole request (mean, p50, p99
+    /// differences).
+    #[arg(long)]
+    baseline_url: Option<String>,
+    /// With --baseline-url: run the workload against each side this many times, alternating,
+    /// with new prompts each round (--seed + round).
+    #[arg(long, default_value_t = 1, requires = "baseline_url")]
+    rounds: usize,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
     if args.concurrency == Some(0) {
         bail!("--concurrency must be at least 1");
     }
@@ -84,30 +98,73 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !(args.request_timeout_s > 0.0 && args.request_timeout_s <= MAX_SECONDS) {
         bail!("--request-timeout-s must be in (0, {MAX_SECONDS}]");
     }
-    let specs = match &args.trace {
-        Some(path) => workload::read_trace(path, args.vocab_size, args.seed)?,
-        None => workload::synthetic(&SyntheticWorkload {
-            n_requests: args.num_requests,
-            prompt_len: args.prompt_len,
-            output_len: args.output_len,
-            request_rate: args.request_rate,
-            vocab_size: args.vocab_size,
-            seed: args.seed,
-        })?,
-    };
+    let specs = workload_of(&args, 0)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    let Some(schema) = &args.json_schema else {
-        let report = runtime.block_on(bench(&args, specs, &Variant::default()))?;
+    if let Some(schema) = &args.json_schema {
+        return constraint_cost(&args, &runtime, specs, read_schema(schema)?);
+    }
+    let Some(baseline_url) = &args.baseline_url else {
+        let report = runtime.block_on(async {
+            let mut side = Side::start(&args, &args.url).await?;
+            side.run(&args, specs, &Variant::default()).await;
+            anyhow::Ok(side.finish(&args).await)
+        })?;
         if !args.json {
             print_summary(&report);
         }
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     };
-    let schema = read_schema(schema)?;
+    let comparison = runtime.block_on(compare(&args, baseline_url))?;
+    if !args.json {
+        print_summary(&comparison.target);
+        println!();
+        print_summary(&comparison.baseline);
+        println!();
+        let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:+.2}"));
+        let added = &comparison.ttft_added_ms;
+        println!(
+            "TTFT added (ms)       mean {}  p50 {}  p99 {}",
+            ms(added.mean),
+            ms(added.p50),
+            ms(added.p99)
+        );
+    }
+    println!("{}", serde_json::to_string(&comparison)?);
+    Ok(())
+}
+
+/// `--baseline-url`: the workload against --url, then against the baseline, `--rounds`
+/// times, each side's requests pooled (alternating rounds spread any change in the machine's
+/// load over both sides).
+async fn compare(args: &Args, baseline_url: &str) -> anyhow::Result<stats::Comparison> {
+    let mut target = Side::start(args, &args.url).await?;
+    let mut baseline = Side::start(args, baseline_url).await?;
+    for round in 0..args.rounds {
+        // Each round draws new prompts (seed + round), so no round is served from the prefix
+        // cache an earlier one filled; both sides get the same ones.
+        let specs = workload_of(args, round as u64)?;
+        let plain = Variant::default();
+        target.run(args, specs.clone(), &plain).await;
+        baseline.run(args, specs, &plain).await;
+    }
+    Ok(stats::Comparison::new(
+        target.finish(args).await,
+        baseline.finish(args).await,
+    ))
+}
+
+/// `--json-schema`: the workload unconstrained, then with the schema on every request, each
+/// run under its own cache salt; both reports and the throughput ratio.
+fn constraint_cost(
+    args: &Args,
+    runtime: &tokio::runtime::Runtime,
+    specs: Vec<RequestSpec>,
+    schema: Value,
+) -> anyhow::Result<()> {
     let salt = |run: &str| Some(format!("ferry-bench-{run}-{}", std::process::id()));
     let plain = Variant {
         json_schema: None,
@@ -117,18 +174,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         json_schema: Some(schema),
         cache_salt: salt("constrained"),
     };
-    let unconstrained = runtime.block_on(bench(&args, specs.clone(), &plain))?;
-    let constrained = runtime.block_on(bench(&args, specs, &constrained))?;
+    let run = |variant: &Variant, specs: Vec<RequestSpec>| {
+        runtime.block_on(async {
+            let mut side = Side::start(args, &args.url).await?;
+            side.run(args, specs, variant).await;
+            anyhow::Ok(side.finish(args).await)
+        })
+    };
+    let unconstrained = run(&plain, specs.clone())?;
+    let constrained = run(&constrained, specs)?;
+    let ratio = (unconstrained.output_token_throughput_per_s > 0.0).then(|| {
+        constrained.output_token_throughput_per_s / unconstrained.output_token_throughput_per_s
+    });
     if !args.json {
         println!("== unconstrained");
         print_summary(&unconstrained);
         println!("== constrained (--json-schema)");
         print_summary(&constrained);
-    }
-    let ratio = (unconstrained.output_token_throughput_per_s > 0.0).then(|| {
-        constrained.output_token_throughput_per_s / unconstrained.output_token_throughput_per_s
-    });
-    if !args.json {
         match ratio {
             Some(r) => println!("constrained/unconstrained output throughput {r:.3}"),
             None => println!("constrained/unconstrained output throughput -"),
@@ -158,35 +220,89 @@ fn read_schema(arg: &str) -> anyhow::Result<Value> {
     Ok(schema)
 }
 
-async fn bench(args: &Args, specs: Vec<RequestSpec>, variant: &Variant) -> anyhow::Result<Report> {
-    let base = args.url.trim_end_matches('/').to_owned();
-    let client = reqwest::Client::builder()
-        // The server is on this machine: a proxy from the environment must not be used.
-        .no_proxy()
-        .connect_timeout(Duration::from_secs(10))
-        .timeout(Duration::from_secs_f64(args.request_timeout_s))
-        .build()
-        .context("building the HTTP client")?;
-    let model = match &args.model {
-        Some(m) => m.clone(),
-        None => first_model(&client, &base).await?,
-    };
-    let before = scrape_engine_time(&client, &base).await;
-    let start = Instant::now();
-    let outcomes = send_all(&client, &base, &model, args.concurrency, specs, variant).await;
-    let duration_s = start.elapsed().as_secs_f64();
-    let after = scrape_engine_time(&client, &base).await;
-    let info = RunInfo {
-        url: base,
-        model,
-        concurrency: args.concurrency,
-        request_rate: args.request_rate,
-        duration_s,
-        engine_overhead_fraction: before
-            .zip(after)
-            .and_then(|(b, a)| metrics::overhead_fraction(b, a)),
-    };
-    Ok(stats::summarise(info, &outcomes))
+/// The requests of round `round`: the trace or the length flags, drawn with `--seed` +
+/// `round`.
+fn workload_of(args: &Args, round: u64) -> anyhow::Result<Vec<RequestSpec>> {
+    let seed = args.seed.wrapping_add(round);
+    Ok(match &args.trace {
+        Some(path) => workload::read_trace(path, args.vocab_size, seed)?,
+        None => workload::synthetic(&SyntheticWorkload {
+            n_requests: args.num_requests,
+            prompt_len: args.prompt_len,
+            output_len: args.output_len,
+            request_rate: args.request_rate,
+            vocab_size: args.vocab_size,
+            seed,
+        })?,
+    })
+}
+
+/// One server under test: its client, model, first `/metrics` scrape, and the outcomes of
+/// every run against it.
+struct Side {
+    client: reqwest::Client,
+    base: String,
+    model: String,
+    before: Option<metrics::EngineTime>,
+    duration_s: f64,
+    outcomes: Vec<Outcome>,
+}
+
+impl Side {
+    async fn start(args: &Args, url: &str) -> anyhow::Result<Self> {
+        let base = url.trim_end_matches('/').to_owned();
+        let client = reqwest::Client::builder()
+            // The server is on this machine: a proxy from the environment must not be used.
+            .no_proxy()
+            .connect_timeout(Duration::from_secs(10))
+            .timeout(Duration::from_secs_f64(args.request_timeout_s))
+            .build()
+            .context("building the HTTP client")?;
+        let model = match &args.model {
+            Some(m) => m.clone(),
+            None => first_model(&client, &base).await?,
+        };
+        let before = scrape_engine_time(&client, &base).await;
+        Ok(Self {
+            client,
+            base,
+            model,
+            before,
+            duration_s: 0.0,
+            outcomes: Vec::new(),
+        })
+    }
+
+    async fn run(&mut self, args: &Args, specs: Vec<RequestSpec>, variant: &Variant) {
+        let start = Instant::now();
+        let outcomes = send_all(
+            &self.client,
+            &self.base,
+            &self.model,
+            args.concurrency,
+            specs,
+            variant,
+        )
+        .await;
+        self.duration_s += start.elapsed().as_secs_f64();
+        self.outcomes.extend(outcomes);
+    }
+
+    async fn finish(self, args: &Args) -> Report {
+        let after = scrape_engine_time(&self.client, &self.base).await;
+        let info = RunInfo {
+            url: self.base,
+            model: self.model,
+            concurrency: args.concurrency,
+            request_rate: args.request_rate,
+            duration_s: self.duration_s,
+            engine_overhead_fraction: self
+                .before
+                .zip(after)
+                .and_then(|(b, a)| metrics::overhead_fraction(b, a)),
+        };
+        stats::summarise(info, &self.outcomes)
+    }
 }
 
 /// The first model `/v1/models` lists.

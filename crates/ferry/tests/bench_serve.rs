@@ -335,3 +335,44 @@ async fn json_schema_runs_the_workload_twice_and_reports_the_ratio() {
         .all(|(salt, s)| s == &schema && salt == &constrained[0].0));
     assert!(plain[0].0.is_string() && plain[0].0 != constrained[0].0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_baseline_run_reports_both_and_the_ttft_the_target_adds() {
+    let (target, target_fake) = start_fake(true).await;
+    let (baseline, baseline_fake) = start_fake(true).await;
+    let (r, stdout) = bench(
+        [
+            "--url",
+            &target,
+            "--baseline-url",
+            &baseline,
+            "--num-requests",
+            "4",
+            "--rounds",
+            "2",
+            "--prompt-len",
+            "3",
+            "--output-len",
+            "2",
+        ]
+        .map(str::to_owned)
+        .to_vec(),
+    )
+    .await;
+    assert_eq!(r["target"]["url"], target.as_str());
+    assert_eq!(r["baseline"]["url"], baseline.as_str());
+    // Two rounds, each side's requests pooled.
+    for side in ["target", "baseline"] {
+        assert_eq!(r[side]["n_completed"], 8, "{side}: {r}");
+    }
+    assert_eq!(target_fake.n_served.load(Ordering::SeqCst), 8);
+    assert_eq!(baseline_fake.n_served.load(Ordering::SeqCst), 8);
+    for stat in ["mean", "p50", "p99"] {
+        let added = r["ttft_added_ms"][stat].as_f64().unwrap();
+        let expected = r["target"]["ttft_ms"][stat].as_f64().unwrap()
+            - r["baseline"]["ttft_ms"][stat].as_f64().unwrap();
+        assert!((added - expected).abs() < 1e-9, "{stat}: {r}");
+        assert!(r["e2e_added_ms"][stat].is_number(), "{r}");
+    }
+    assert!(stdout.contains("TTFT added (ms)"), "{stdout}");
+}

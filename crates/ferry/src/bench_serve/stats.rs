@@ -29,6 +29,40 @@ impl LatencyMs {
     }
 }
 
+/// Two runs of one workload (`--baseline-url`) and what the target adds over the baseline.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Comparison {
+    pub target: Report,
+    pub baseline: Report,
+    /// Target minus baseline time to first token (mean, p50, p99), in milliseconds.
+    pub ttft_added_ms: LatencyMs,
+    /// Target minus baseline end-to-end latency.
+    pub e2e_added_ms: LatencyMs,
+}
+
+impl Comparison {
+    pub fn new(target: Report, baseline: Report) -> Self {
+        Self {
+            ttft_added_ms: target.ttft_ms.minus(&baseline.ttft_ms),
+            e2e_added_ms: target.e2e_ms.minus(&baseline.e2e_ms),
+            target,
+            baseline,
+        }
+    }
+}
+
+impl LatencyMs {
+    /// Each statistic's difference, `None` where either is.
+    pub fn minus(&self, other: &Self) -> Self {
+        let d = |a: Option<f64>, b: Option<f64>| Some(a? - b?);
+        Self {
+            mean: d(self.mean, other.mean),
+            p50: d(self.p50, other.p50),
+            p99: d(self.p99, other.p99),
+        }
+    }
+}
+
 /// The nearest-rank percentile (the smallest sample with at least `q` of the samples at or
 /// below it), as `ferry bench scheduler` reports: always a value that was observed.
 /// `None` for no samples.

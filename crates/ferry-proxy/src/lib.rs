@@ -1,0 +1,152 @@
+//! ferry-proxy: one OpenAI-compatible endpoint in front of ferry prefill (P) and decode (D)
+//! servers (`ferry serve --kv-role kv_producer | kv_consumer`), as `ferry proxy` runs it.
+//!
+//! A generation request goes to the least-loaded P with `max_tokens: 1` and
+//! `kv_transfer_params: {"do_remote_decode": true}`, then, unchanged but for P's returned
+//! `kv_transfer_params`, to the least-loaded D, whose answer streams back ([`generate`]). The
+//! lifecycle admin routes go to every instance and report each one's result ([`admin`]);
+//! `/health` and `/metrics` summarise the fleet, and `/v1/models`, `/tokenize`,
+//! `/detokenize` and `/version` are answered by one instance ([`routes`]).
+//!
+//! The key decisions: the proxy holds no state but its in-flight counts ([`fleet`]), so it
+//! can be restarted or run twice at will; it validates only what it must read (a JSON
+//! object, how many prompts), so every refusal is the instances' own 400 naming the field;
+//! and every call to an instance has a connect timeout, so an instance that is down is a 503
+//! naming it, never a hang ([`upstream`]).
+//!
+//! It speaks HTTP only: `ferry-server` is a dependency for the wire shapes it shares with the
+//! instances (the OpenAI error body, the request id rules, the API key check), never for the
+//! engine behind them.
+
+pub mod admin;
+pub mod fleet;
+pub mod generate;
+pub mod metrics;
+pub mod routes;
+pub mod upstream;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use ferry_server::ApiKey;
+
+use crate::fleet::Fleet;
+pub use crate::upstream::InstanceKey;
+use crate::upstream::Upstream;
+
+/// Everything the proxy needs; built by the binary from its flags.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// Base URLs of the prefill instances (`http://host:port`).
+    pub prefill: Vec<String>,
+    /// Base URLs of the decode instances.
+    pub decode: Vec<String>,
+    /// Mount the lifecycle admin routes, fanned out to every instance.
+    pub enable_admin_api: bool,
+    /// The key clients must send (every route but `/health` and `/metrics`), as
+    /// `ferry serve --api-key`.
+    pub api_key: Option<ApiKey>,
+    /// The key the proxy sends to its instances.
+    pub instance_api_key: Option<InstanceKey>,
+    /// Bound on opening a connection to an instance: past it the instance counts as down.
+    pub connect_timeout: Duration,
+    /// Bound on P's one-token answer.
+    pub prefill_timeout: Duration,
+    /// Bound on each instance's answer to an admin call (a pause that waits for requests to
+    /// drain, a weight reload) and to forwarded calls.
+    pub admin_timeout: Duration,
+    /// Bound on each instance's `/health` and `/metrics` answer.
+    pub health_timeout: Duration,
+}
+
+impl ProxyConfig {
+    pub fn new(prefill: Vec<String>, decode: Vec<String>) -> Self {
+        Self {
+            prefill,
+            decode,
+            enable_admin_api: false,
+            api_key: None,
+            instance_api_key: None,
+            connect_timeout: Duration::from_secs(2),
+            prefill_timeout: generate::DEFAULT_PREFILL_TIMEOUT,
+            admin_timeout: Duration::from_secs(600),
+            health_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What every handler shares.
+#[derive(Debug)]
+pub struct ProxyState {
+    pub config: ProxyConfig,
+    pub fleet: Fleet,
+    pub upstream: Upstream,
+}
+
+/// Why the proxy could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("the proxy needs at least one prefill and one decode instance")]
+    NoInstances,
+    #[error("could not build the HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+}
+
+/// The proxy's routes.
+pub fn router(config: ProxyConfig) -> Result<Router, ProxyError> {
+    if config.prefill.is_empty() || config.decode.is_empty() {
+        return Err(ProxyError::NoInstances);
+    }
+    let upstream = Upstream::new(config.connect_timeout, config.instance_api_key.clone())?;
+    let fleet = Fleet::new(&config.prefill, &config.decode);
+    let admin = config.enable_admin_api;
+    let api_key = config.api_key.clone().map(Arc::new);
+    let state = Arc::new(ProxyState {
+        config,
+        fleet,
+        upstream,
+    });
+    let routes = Router::new()
+        .route("/v1/completions", post(generate::completions))
+        .route("/v1/chat/completions", post(generate::chat))
+        .route("/v1/models", get(routes::forward))
+        .route("/version", get(routes::forward))
+        .route("/tokenize", post(routes::forward))
+        .route("/detokenize", post(routes::forward))
+        .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics));
+    let routes = if admin {
+        routes.merge(admin::routes())
+    } else {
+        routes
+    };
+    let routes = routes.fallback(routes::not_found);
+    let routes = match api_key {
+        Some(key) => routes.layer(axum::middleware::from_fn_with_state(
+            key,
+            ferry_server::auth::require_api_key,
+        )),
+        None => routes,
+    };
+    Ok(routes
+        .layer(DefaultBodyLimit::max(ferry_server::MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(
+            ferry_server::extract::request_id_layer,
+        ))
+        .with_state(state))
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves, then waits for open requests.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,162 @@
+//! The proxy's small routes: `/health` and `/metrics` about the whole fleet, and the routes an
+//! instance answers as well as any other (`/v1/models`, `/tokenize`, `/detokenize`,
+//! `/version`), forwarded to one.
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use ferry_server::error::ApiError;
+use ferry_server::extract::{ApiBytes, RequestId};
+use serde_json::{json, Value};
+
+use crate::fleet::{Instance, Role};
+use crate::metrics::{self, Scrape};
+use crate::upstream::Call;
+use crate::ProxyState;
+
+/// `GET /health`: each instance's `/health`, probed at once within the health timeout. 200
+/// (`"ok"`, or `"degraded"` with some down) while at least one prefill and one decode
+/// instance are healthy, else 503; `instances` says which is which.
+pub async fn health(State(app): State<Arc<ProxyState>>) -> Response {
+    let probes = app.fleet.all().iter().map(|i| probe(&app, i));
+    let results = futures_util::future::join_all(probes).await;
+    let healthy = |role: Role| {
+        app.fleet
+            .all()
+            .iter()
+            .zip(&results)
+            .any(|(i, r)| i.role == role && r.is_ok())
+    };
+    let instances: Vec<Value> = app
+        .fleet
+        .all()
+        .iter()
+        .zip(&results)
+        .map(|(i, r)| {
+            let mut v = json!({"url": i.url, "role": i.role.as_str(), "healthy": r.is_ok()});
+            if let Err(e) = r {
+                v["error"] = json!(e);
+            }
+            v
+        })
+        .collect();
+    if healthy(Role::Prefill) && healthy(Role::Decode) {
+        let status = if results.iter().all(Result::is_ok) {
+            "ok"
+        } else {
+            "degraded"
+        };
+        return Json(json!({"status": status, "instances": instances})).into_response();
+    }
+    let down: Vec<&str> = [Role::Prefill, Role::Decode]
+        .into_iter()
+        .filter(|r| !healthy(*r))
+        .map(Role::as_str)
+        .collect();
+    let error = ApiError::unavailable(format!(
+        "no healthy {} instance behind the proxy",
+        down.join(" or ")
+    ));
+    let mut body = serde_json::to_value(error.body()).unwrap_or_else(|_| json!({}));
+    body["instances"] = Value::Array(instances);
+    (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+}
+
+async fn probe(app: &ProxyState, instance: &Instance) -> Result<(), String> {
+    let call = get_call("/health", app.config.health_timeout);
+    match app.upstream.send_read(instance, call).await {
+        Ok((status, _, _)) if status.is_success() => Ok(()),
+        Ok((status, _, _)) => Err(format!("answered {}", status.as_u16())),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn get_call(path: &str, timeout: std::time::Duration) -> Call<'_> {
+    Call {
+        method: Method::GET,
+        path_and_query: path,
+        request_id: None,
+        content_type: None,
+        body: reqwest::Body::from(Bytes::new()),
+        timeout: Some(timeout),
+    }
+}
+
+/// `GET /metrics`: the proxy's figures per instance, then every instance's metrics labelled
+/// with it (instances that do not answer within the health timeout are left out, `up` 0).
+pub async fn metrics(State(app): State<Arc<ProxyState>>) -> Response {
+    let scrapes = app.fleet.all().iter().map(|i| async {
+        let call = get_call("/metrics", app.config.health_timeout);
+        let text = match app.upstream.send_read(i, call).await {
+            Ok((status, _, body)) if status.is_success() => {
+                Some(String::from_utf8_lossy(&body).into_owned())
+            }
+            _ => None,
+        };
+        Scrape { instance: i, text }
+    });
+    let scrapes = futures_util::future::join_all(scrapes).await;
+    (
+        [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
+        metrics::render(&scrapes),
+    )
+        .into_response()
+}
+
+/// `/v1/models`, `/tokenize`, `/detokenize`, `/version`: forwarded to one instance (decode
+/// first, the next one when one is unreachable), its answer returned as it came.
+pub async fn forward(
+    State(app): State<Arc<ProxyState>>,
+    Extension(RequestId(id)): Extension<RequestId>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    ApiBytes(body): ApiBytes,
+) -> Response {
+    let path_and_query = uri
+        .path_and_query()
+        .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned());
+    let order = app
+        .fleet
+        .of(Role::Decode)
+        .chain(app.fleet.of(Role::Prefill));
+    let mut unreachable = Vec::new();
+    for instance in order {
+        let call = Call {
+            method: method.clone(),
+            path_and_query: &path_and_query,
+            request_id: Some(&id),
+            content_type: headers.get(header::CONTENT_TYPE).cloned(),
+            body: reqwest::Body::from(body.clone()),
+            timeout: Some(app.config.admin_timeout),
+        };
+        match app.upstream.send_read(instance, call).await {
+            Ok((status, headers, body)) => {
+                let mut response = Response::new(Body::from(body));
+                *response.status_mut() = status;
+                if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+                    response
+                        .headers_mut()
+                        .insert(header::CONTENT_TYPE, ct.clone());
+                }
+                return response;
+            }
+            Err(e) if e.nothing_sent() => unreachable.push(e.to_string()),
+            Err(e) => return ApiError::from(e).into_response(),
+        }
+    }
+    ApiError::unavailable(format!(
+        "no instance is reachable: {}",
+        unreachable.join("; ")
+    ))
+    .into_response()
+}
+
+/// Any other path: a 404 in the OpenAI shape.
+pub async fn not_found(uri: Uri) -> ApiError {
+    ApiError::not_found(None, format!("no route for {}", uri.path()))
+}

@@ -1,0 +1,239 @@
+//! Calls from the proxy to its instances: one `reqwest` client with a connect timeout (an
+//! instance that is down is an error at once, never a hang), the instances' key, the request
+//! id, and errors that name the instance ([`UpstreamError`]).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use ferry_server::error::ApiError;
+use ferry_server::extract::REQUEST_ID_HEADER;
+use ferry_server::ApiKey;
+
+use crate::fleet::Instance;
+
+/// The key the proxy sends to its instances (`Authorization: Bearer <key>`). Its `Debug`
+/// shows no part of it, and the header is marked sensitive.
+#[derive(Clone)]
+pub struct InstanceKey(HeaderValue);
+
+impl fmt::Debug for InstanceKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("InstanceKey(<redacted>)")
+    }
+}
+
+impl FromStr for InstanceKey {
+    type Err = ferry_server::auth::ApiKeyError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ApiKey::new(s)?;
+        let mut value = HeaderValue::from_str(&format!("Bearer {s}"))
+            .map_err(|_| ferry_server::auth::ApiKeyError::NotPrintable)?;
+        value.set_sensitive(true);
+        Ok(Self(value))
+    }
+}
+
+/// Why an instance gave no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// Nothing was sent: the connection was refused or did not open in time.
+    #[error("{role} instance {url} is unreachable: {reason}")]
+    Unreachable {
+        role: &'static str,
+        url: String,
+        reason: String,
+    },
+    /// The instance took the request but gave no complete answer in time.
+    #[error("{role} instance {url} did not answer within {seconds} s")]
+    Timeout {
+        role: &'static str,
+        url: String,
+        seconds: u64,
+    },
+    /// The connection broke off, or the answer was not what an instance sends.
+    #[error("{role} instance {url} failed: {reason}")]
+    Broken {
+        role: &'static str,
+        url: String,
+        reason: String,
+    },
+}
+
+impl UpstreamError {
+    /// Whether the instance never saw the request, so another one may take it.
+    pub fn nothing_sent(&self) -> bool {
+        matches!(self, UpstreamError::Unreachable { .. })
+    }
+
+    pub fn from_reqwest(
+        instance: &Instance,
+        timeout: Option<Duration>,
+        e: &reqwest::Error,
+    ) -> Self {
+        let role = instance.role.as_str();
+        let url = instance.url.clone();
+        if e.is_connect() {
+            UpstreamError::Unreachable {
+                role,
+                url,
+                reason: source_chain(e),
+            }
+        } else if e.is_timeout() {
+            UpstreamError::Timeout {
+                role,
+                url,
+                seconds: timeout.map_or(0, |t| t.as_secs()),
+            }
+        } else {
+            UpstreamError::Broken {
+                role,
+                url,
+                reason: source_chain(e),
+            }
+        }
+    }
+
+    pub fn broken(instance: &Instance, reason: impl Into<String>) -> Self {
+        UpstreamError::Broken {
+            role: instance.role.as_str(),
+            url: instance.url.clone(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// A 502: an instance behind the proxy failed.
+pub fn bad_gateway(message: impl Into<String>) -> ApiError {
+    ApiError {
+        status: StatusCode::BAD_GATEWAY,
+        message: message.into(),
+        kind: "bad_gateway_error",
+        param: None,
+    }
+}
+
+impl From<UpstreamError> for ApiError {
+    fn from(e: UpstreamError) -> Self {
+        match e {
+            UpstreamError::Unreachable { .. } => ApiError::unavailable(e.to_string()),
+            UpstreamError::Timeout { .. } => ApiError::timeout(e.to_string()),
+            UpstreamError::Broken { .. } => bad_gateway(e.to_string()),
+        }
+    }
+}
+
+/// reqwest's error and its causes on one line ("error sending request: connection refused").
+fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
+}
+
+/// The proxy's HTTP client for its instances.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    client: reqwest::Client,
+    key: Option<InstanceKey>,
+}
+
+/// One call to an instance.
+#[derive(Debug)]
+pub struct Call<'a> {
+    pub method: Method,
+    /// Path and query (`/pause?mode=keep`).
+    pub path_and_query: &'a str,
+    pub request_id: Option<&'a str>,
+    pub content_type: Option<HeaderValue>,
+    pub body: reqwest::Body,
+    /// Bound on the whole call (sending, and the answer's headers); `None`: no bound beyond
+    /// the connect timeout (a generation streams for as long as it runs).
+    pub timeout: Option<Duration>,
+}
+
+impl Upstream {
+    pub fn new(
+        connect_timeout: Duration,
+        key: Option<InstanceKey>,
+    ) -> Result<Self, reqwest::Error> {
+        let client = reqwest::Client::builder()
+            // Instances are addressed directly: a proxy from the environment must not be used.
+            .no_proxy()
+            .connect_timeout(connect_timeout)
+            .tcp_nodelay(true)
+            .build()?;
+        Ok(Self { client, key })
+    }
+
+    /// Sends `call` to `instance`; the answer's status and headers, its body unread.
+    pub async fn send(
+        &self,
+        instance: &Instance,
+        call: Call<'_>,
+    ) -> Result<reqwest::Response, UpstreamError> {
+        let url = format!("{}{}", instance.url, call.path_and_query);
+        let mut headers = HeaderMap::new();
+        if let Some(key) = &self.key {
+            headers.insert(axum::http::header::AUTHORIZATION, key.0.clone());
+        }
+        if let Some(id) = call.request_id {
+            if let Ok(v) = HeaderValue::from_str(id) {
+                headers.insert(REQUEST_ID_HEADER.clone(), v);
+            }
+        }
+        if let Some(ct) = call.content_type {
+            headers.insert(HeaderName::from_static("content-type"), ct);
+        }
+        let mut request = self
+            .client
+            .request(call.method, url)
+            .headers(headers)
+            .body(call.body);
+        if let Some(t) = call.timeout {
+            request = request.timeout(t);
+        }
+        request
+            .send()
+            .await
+            .map_err(|e| UpstreamError::from_reqwest(instance, call.timeout, &e))
+    }
+
+    /// [`Upstream::send`], then the whole body, within `timeout`.
+    pub async fn send_read(
+        &self,
+        instance: &Instance,
+        call: Call<'_>,
+    ) -> Result<(StatusCode, HeaderMap, axum::body::Bytes), UpstreamError> {
+        let timeout = call.timeout;
+        let read = async {
+            let response = self.send(instance, call).await?;
+            let status = response.status();
+            let headers = response.headers().clone();
+            let body = response
+                .bytes()
+                .await
+                .map_err(|e| UpstreamError::from_reqwest(instance, timeout, &e))?;
+            Ok((status, headers, body))
+        };
+        match timeout {
+            None => read.await,
+            Some(t) => tokio::time::timeout(t, read).await.unwrap_or_else(|_| {
+                Err(UpstreamError::Timeout {
+                    role: instance.role.as_str(),
+                    url: instance.url.clone(),
+                    seconds: t.as_secs(),
+                })
+            }),
+        }
+    }
+}
