@@ -129,33 +129,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "proxy serving on http://{}",
             listener.local_addr()?
         );
-        ferry_proxy::serve(listener, router, shutdown_signal())
+        ferry_proxy::serve(listener, router, crate::serve::shutdown_signal())
             .await
             .context("HTTP server")?;
         tracing::info!("stopped");
         anyhow::Ok(())
     })
-}
-
-/// Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => return std::future::pending().await,
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
 }
 
 #[cfg(test)]

@@ -427,7 +427,8 @@ async fn shutdown(engine: EngineHandle) {
     }
 }
 
-async fn shutdown_signal() {
+/// Ctrl-C or SIGTERM (`ferry serve` and `ferry proxy`).
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
