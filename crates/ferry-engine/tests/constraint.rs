@@ -309,3 +309,98 @@ async fn bad_constraints_are_refused_with_what_is_wrong() {
     );
     bare.shutdown().await.unwrap();
 }
+
+/// The default model (SmolLM2-135M-Instruct, fetched by scripts/fetch-model.sh; this test
+/// FAILS, never skips, without it): a constraint that allows the argmax leaves the greedy
+/// tokens and logprobs as they are, and every kind of constraint is met.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_model_meets_every_constraint_and_keeps_its_argmax() {
+    let cache = match std::env::var_os("FERRY_CACHE") {
+        Some(dir) => std::path::PathBuf::from(dir),
+        None => std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
+            .join(".cache/ferry"),
+    };
+    let path = ferry_model::default_model_path(&cache);
+    assert!(
+        path.exists(),
+        "{} is missing: run `bash scripts/fetch-model.sh` first",
+        path.display()
+    );
+    let model = ferry_model::load_model(&path).unwrap();
+    let tok = Arc::new(
+        model
+            .tokenizer
+            .clone()
+            .expect("the default model has a tokenizer"),
+    );
+    let config = ferry_engine::ModelEngineConfig {
+        kv_cache: ferry_engine::KvCacheSize::Blocks(64),
+        max_model_len: Some(512),
+        ..ferry_engine::ModelEngineConfig::default()
+    };
+    let engine = ferry_engine::start_model(model, &config).unwrap().handle;
+    let eos = engine.scheduler_config().eos_token_ids[0];
+    let chat = |q: &str| {
+        encode(
+            &tok,
+            &format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"),
+        )
+    };
+
+    // The argmax run, then the same text as the only choice.
+    let p = chat("What is the capital of France?");
+    let free = run(&engine, request("free", p.clone(), 12, None)).await;
+    let mut n = free.tokens.iter().take_while(|&&t| t != eos).count();
+    let text = loop {
+        let t = tok.decode(&free.tokens[..n], false).unwrap();
+        if !t.contains(char::REPLACEMENT_CHARACTER) {
+            break t;
+        }
+        n -= 1;
+    };
+    assert!(n >= 4, "{:?}", free.tokens);
+    let c = compile(&engine, StructuredOutput::Choice(vec![text.clone()]));
+    let out = run(&engine, request("same", p, 32, Some(c))).await;
+    assert_eq!(out.tokens[..n], free.tokens[..n]);
+    assert_eq!(out.tokens[n..], [eos]);
+    assert_eq!(logprobs(&out)[..n], logprobs(&free)[..n]);
+    assert_eq!(out.text, text);
+
+    // Every kind, each output checked by hand.
+    let cases: [(StructuredOutput, &str); 4] = [
+        (
+            StructuredOutput::JsonSchema(person_schema()),
+            "Describe a person as JSON.",
+        ),
+        (
+            StructuredOutput::Regex("[a-c]{2,4}-[0-9]{1,2}".into()),
+            "Give me a code.",
+        ),
+        (
+            StructuredOutput::Choice(vec!["red".into(), "green".into(), "a (blue) [sky]?".into()]),
+            "Pick a color.",
+        ),
+        (
+            StructuredOutput::Grammar(
+                "start: \"(\" NUM (\"+\" NUM)? (\"+\" NUM)? \")\"\nNUM: /[0-9]{1,3}/\n".into(),
+            ),
+            "Write a sum.",
+        ),
+    ];
+    for (k, (spec, q)) in cases.into_iter().enumerate() {
+        let c = compile(&engine, spec);
+        let out = run(&engine, request(&format!("k{k}"), chat(q), 64, Some(c))).await;
+        assert_eq!(out.reason(), FinishReason::Stop, "case {k}: {:?}", out.text);
+        match k {
+            0 => check_person(&out.text),
+            1 => assert!(matches_code(&out.text), "{:?}", out.text),
+            2 => assert!(
+                ["red", "green", "a (blue) [sky]?"].contains(&out.text.as_str()),
+                "{:?}",
+                out.text
+            ),
+            _ => assert!(matches_sum(&out.text), "{:?}", out.text),
+        }
+    }
+    engine.shutdown().await.unwrap();
+}
