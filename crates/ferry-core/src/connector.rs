@@ -498,3 +498,88 @@ pub trait KvConnector: Send + std::fmt::Debug {
     /// before the next step only adds to what the first one did.
     fn reset_cache(&mut self);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merged_parameters_take_every_key_and_a_clash_names_the_key() {
+        let mut p = KvTransferParams {
+            remote_engine_id: Some("p0".into()),
+            ..KvTransferParams::default()
+        };
+        let other = KvTransferParams {
+            do_remote_prefill: true,
+            remote_engine_id: Some("p0".into()),
+            remote_block_ids: Some(vec![3, 4]),
+            n_tokens: Some(9),
+            ..KvTransferParams::default()
+        };
+        p.merge(other).unwrap();
+        assert!(p.do_remote_prefill && !p.do_remote_decode);
+        assert_eq!(p.remote_engine_id.as_deref(), Some("p0"));
+        assert_eq!(p.remote_block_ids, Some(vec![3, 4]));
+        assert_eq!(p.n_tokens, Some(9));
+        // A key set on one side only keeps that value, whichever side had it.
+        let mut q = KvTransferParams {
+            remote_port: Some(7),
+            ..KvTransferParams::default()
+        };
+        q.merge(KvTransferParams {
+            do_remote_decode: true,
+            ..KvTransferParams::default()
+        })
+        .unwrap();
+        assert_eq!(q.remote_port, Some(7));
+        assert!(q.do_remote_decode && !q.do_remote_prefill);
+        let clash = KvTransferParams {
+            remote_engine_id: Some("p1".into()),
+            ..KvTransferParams::default()
+        };
+        let err = p.merge(clash).unwrap_err();
+        assert!(
+            err.contains("remote_engine_id") && err.contains("p1"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn tier_stats_add_up_field_by_field() {
+        let a = TierStats {
+            bytes_used: 2,
+            bytes_capacity: 3,
+            n_hits: 4,
+            n_hit_blocks: 5,
+            n_stores: 6,
+            n_loads: 7,
+            n_evictions: 8,
+            n_flushes: 9,
+        };
+        let mut sum = a;
+        sum.add(&a);
+        assert_eq!(
+            sum,
+            TierStats {
+                bytes_used: 4,
+                bytes_capacity: 6,
+                n_hits: 8,
+                n_hit_blocks: 10,
+                n_stores: 12,
+                n_loads: 14,
+                n_evictions: 16,
+                n_flushes: 18,
+            }
+        );
+    }
+
+    #[test]
+    fn prompt_hashes_tell_prompts_apart() {
+        let a = prompt_hash(&[1, 2, 3]);
+        assert_eq!(a, prompt_hash(&[1, 2, 3]));
+        assert_ne!(a, prompt_hash(&[1, 2, 4]));
+        assert_ne!(a, prompt_hash(&[1, 2]));
+        assert_ne!(a, [0; 32]);
+        assert_ne!(a, [1; 32]);
+    }
+}

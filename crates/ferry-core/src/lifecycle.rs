@@ -184,3 +184,37 @@ pub struct LifecycleStatus {
     /// Operations waiting for a state (drain, idle, transfers, reset).
     pub n_pending: usize,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pause_modes_sleep_levels_and_wake_tags_read_their_wire_names() {
+        for (mode, name) in [
+            (PauseMode::Abort, "abort"),
+            (PauseMode::Wait, "wait"),
+            (PauseMode::Keep, "keep"),
+        ] {
+            assert_eq!(mode.as_str(), name);
+            assert_eq!(name.parse::<PauseMode>(), Ok(mode));
+        }
+        let err = "retract".parse::<PauseMode>().unwrap_err();
+        assert!(err.contains("retract"), "{err}");
+        for (level, n) in [
+            (SleepLevel::L0, 0),
+            (SleepLevel::L1, 1),
+            (SleepLevel::L2, 2),
+        ] {
+            assert_eq!(SleepLevel::from_u8(n), Some(level));
+            assert_eq!(level.as_u8(), n);
+        }
+        assert_eq!(SleepLevel::from_u8(3), None);
+        assert_eq!("weights".parse::<WakeTag>(), Ok(WakeTag::Weights));
+        assert_eq!("kv_cache".parse::<WakeTag>(), Ok(WakeTag::KvCache));
+        assert!("cuda_graph"
+            .parse::<WakeTag>()
+            .unwrap_err()
+            .contains("cuda_graph"));
+    }
+}
