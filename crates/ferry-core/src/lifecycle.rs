@@ -217,4 +217,39 @@ mod tests {
             .unwrap_err()
             .contains("cuda_graph"));
     }
+
+    #[test]
+    fn weight_residency_moves_as_sleep_levels_and_wake_ups_say() {
+        use WeightResidency::*;
+        // offload: resident → offloaded; dropped stays dropped.
+        for (from, to) in [
+            (Resident, Offloaded),
+            (Offloaded, Offloaded),
+            (Dropped, Dropped),
+        ] {
+            let mut r = from;
+            r.offload();
+            assert_eq!(r, to, "offload from {from:?}");
+        }
+        // refill: dropped → offloaded (asleep until a wake-up); the others stay.
+        for (from, to) in [
+            (Resident, Resident),
+            (Offloaded, Offloaded),
+            (Dropped, Offloaded),
+        ] {
+            let mut r = from;
+            r.refill();
+            assert_eq!(r, to, "refill from {from:?}");
+        }
+        // restore: resident again, except from dropped, which refuses and stays.
+        for (from, ok, to) in [
+            (Resident, true, Resident),
+            (Offloaded, true, Resident),
+            (Dropped, false, Dropped),
+        ] {
+            let mut r = from;
+            assert_eq!(r.restore(), ok, "restore from {from:?}");
+            assert_eq!(r, to, "restore from {from:?}");
+        }
+    }
 }

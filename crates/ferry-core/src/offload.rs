@@ -552,3 +552,58 @@ impl KvConnector for OffloadConnector {
         self.update_bytes();
     }
 }
+
+#[cfg(test)]
+mod config_tests {
+    use super::*;
+
+    fn config(blocks_per_slot: usize, capacity_bytes: u64) -> OffloadConfig {
+        OffloadConfig {
+            block_size: 16,
+            blocks_per_slot,
+            block_bytes: 100,
+            capacity_bytes,
+            policy: OffloadPolicy::Lru,
+        }
+    }
+
+    #[test]
+    fn a_config_counts_its_slots_and_host_blocks_and_refuses_what_cannot_work() {
+        let c = config(3, 1_000);
+        assert_eq!(c.slot_bytes(), 300);
+        assert_eq!(c.n_slots(), 3);
+        assert_eq!(c.n_host_blocks(), 9);
+        assert_eq!(c.validate(), Ok(()));
+        // Exactly one slot fits.
+        assert_eq!(config(3, 300).validate(), Ok(()));
+        for bad in [
+            OffloadConfig {
+                blocks_per_slot: 0,
+                ..c.clone()
+            },
+            OffloadConfig {
+                block_size: 0,
+                ..c.clone()
+            },
+            OffloadConfig {
+                block_bytes: 0,
+                ..c.clone()
+            },
+        ] {
+            let err = bad.validate().unwrap_err();
+            assert!(err.contains("at least one engine block"), "{bad:?}: {err}");
+        }
+        assert!(config(3, 299)
+            .validate()
+            .unwrap_err()
+            .contains("hold no offloaded block"));
+        // The slot count times the blocks per slot must fit the host block ids (u32).
+        let huge = config(2, u64::from(u32::MAX) * 200);
+        assert!(
+            huge.validate().unwrap_err().contains("too large"),
+            "{huge:?}"
+        );
+        let largest = config(2, u64::from(u32::MAX / 2) * 200);
+        assert_eq!(largest.validate(), Ok(()));
+    }
+}

@@ -363,6 +363,8 @@ fn connector_resets_merge_into_one_flush_set_and_old_completions_are_ignored() {
         ok: true,
     });
     assert!(t.contains(&hashes[1]));
+    // Four blocks in the index (two stored, two being stored); one job in flight.
+    assert_eq!((t.n_entries(), t.n_in_flight()), (4, 1));
     t.abort_transfers();
     t.reset_cache();
     t.abort_transfers();
