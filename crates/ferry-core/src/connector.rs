@@ -582,4 +582,27 @@ mod tests {
         assert_ne!(a, [0; 32]);
         assert_ne!(a, [1; 32]);
     }
+
+    /// A connector that only implements what it must: the defaults are those of a connector
+    /// that stores nothing and is no tier.
+    #[derive(Debug)]
+    struct Bare;
+
+    impl KvConnector for Bare {
+        fn name(&self) -> &str {
+            "bare"
+        }
+        fn abort_transfers(&mut self) {}
+        fn take_finished_transfers(&mut self, _: &mut Vec<TransferId>) {}
+        fn has_pending_work(&self) -> bool {
+            false
+        }
+        fn reset_cache(&mut self) {}
+    }
+
+    #[test]
+    fn a_connector_stores_nothing_and_is_no_tier_by_default() {
+        assert!(!Bare.stores_blocks());
+        assert_eq!(Bare.tier_stats(), None);
+    }
 }
