@@ -354,6 +354,7 @@ fn connector_resets_merge_into_one_flush_set_and_old_completions_are_ignored() {
     let mut jobs = Vec::new();
     t.step_work(&mut jobs);
     assert_eq!(jobs.len(), 2);
+    assert_eq!(t.n_in_flight(), 2);
     assert!(matches!(&jobs[1], WorkerJob::Store { copies, epoch: 0, .. }
         if copies == &[HostCopy { block: 3, host_block: 2 }, HostCopy { block: 4, host_block: 3 }]));
     // The first store lands; the second is still in flight.
