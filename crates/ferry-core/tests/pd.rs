@@ -771,6 +771,36 @@ fn roles_are_checked_at_arrival() {
     assert!(err.to_string().contains("not a KV producer"), "{err}");
     assert_eq!(d.sched.n_live(), 0);
     d.check();
+    // A producer handed D's parameters loads nothing: the request fails closed (`fail`),
+    // and P is never asked for the export.
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "e", prompt(1, 8));
+    let mut p2 = engine("P2", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    p2.sched
+        .add_request_with_transfer("y", prompt(1, 8), greedy(1), Some(remote(&params)))
+        .unwrap();
+    step_and_load(&mut f, "P2", &mut p2);
+    p2.drain(20);
+    assert_eq!(p2.finished["y"].0, FinishReason::Error);
+    assert_eq!(f.n_pulls, 0);
+}
+
+#[test]
+fn every_export_carries_a_token_of_its_own() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let a = export(&mut f, &mut p, "a", prompt(1, 8));
+    let b = export(&mut f, &mut p, "b", prompt(2, 8));
+    let (ta, tb) = (a.export_token.unwrap(), b.export_token.unwrap());
+    for t in [&ta, &tb] {
+        assert_eq!(t.len(), 64, "{t}");
+        assert!(t.bytes().all(|c| c.is_ascii_hexdigit()), "{t}");
+    }
+    assert_ne!(
+        ta, tb,
+        "two exports share a token: one reader could load the other's KV"
+    );
 }
 
 #[test]
