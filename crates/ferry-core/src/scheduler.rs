@@ -156,6 +156,9 @@ pub struct Scheduler {
     /// The chain root new block hashes start from; follows the weight version.
     hash_root: BlockHash,
     transfers: BTreeMap<TransferId, lifecycle::Hold>,
+    /// Loads that were in flight when the weights changed: whatever they land is stale, so
+    /// their requests recompute (`set_weight_version`).
+    stale_loads: std::collections::BTreeSet<TransferId>,
     next_transfer: u64,
     /// The engine's monotonic clock as of its last `advance_time` (since an epoch the engine
     /// chose); the core never reads a clock.
@@ -198,6 +201,7 @@ impl Scheduler {
             control,
             connectors: Vec::new(),
             transfers: BTreeMap::new(),
+            stale_loads: std::collections::BTreeSet::new(),
             next_transfer: 0,
             now: std::time::Duration::ZERO,
             next_step: 0,
@@ -484,9 +488,28 @@ impl Scheduler {
                     self.waiting.remove(i);
                     self.finish_between_steps(r, reason);
                 }
-                Admit::NoRoom => break,
+                Admit::NoRoom => {
+                    // Nothing runs, so no step will free a block: KV that waiting requests
+                    // were handed (landed loads) goes back, from the back of the queue,
+                    // until this one fits. They recompute later, keeping their places.
+                    if self.running.is_empty() && self.reclaim_waiting_kv(r) {
+                        continue;
+                    }
+                    break;
+                }
             }
         }
+    }
+
+    /// Frees the KV of the last waiting request (other than `except`) that holds blocks and
+    /// is not loading into them; false if there is none.
+    fn reclaim_waiting_kv(&mut self, except: ReqIdx) -> bool {
+        self.waiting.iter().rev().any(|&r| {
+            r != except
+                && self.requests[r.0 as usize]
+                    .as_mut()
+                    .is_some_and(|req| drop_waiting_kv(&mut self.kv, req))
+        })
     }
 
     /// Admits a request holding no KV: local prefix hit, then the connectors' offers.
@@ -786,8 +809,11 @@ impl Scheduler {
         let mut req = self.requests[idx.0 as usize]
             .take()
             .expect("release_request on a live request");
-        let exportable =
-            !matches!(reason, FinishReason::Abort | FinishReason::Error) && !req.blocks.is_empty();
+        // KV that mixes weights (a request that ran across an update keeps its old chain)
+        // has no version a reader could check: it is never exported.
+        let exportable = !matches!(reason, FinishReason::Abort | FinishReason::Error)
+            && !req.blocks.is_empty()
+            && req.hash_root == self.hash_root;
         let mut transfer = None;
         let mut kv_transfer_params: Option<KvTransferParams> = None;
         if req.export_on_finish && exportable {
@@ -906,7 +932,14 @@ impl Scheduler {
         if transfer != result.hold {
             return;
         }
-        match result.outcome {
+        // A load that started under other weights lands stale KV: dropped, like a load a
+        // reset retracted (never a failure of the request).
+        let outcome = if self.stale_loads.remove(&result.hold) {
+            LoadOutcome::Cancelled
+        } else {
+            result.outcome
+        };
+        match outcome {
             LoadOutcome::Loaded => {
                 let n_before = req.n_computed;
                 req.n_computed += n_tokens;
@@ -952,15 +985,8 @@ impl Scheduler {
     /// part of a cache reset. They recompute in queue order.
     pub(crate) fn retract_waiting_kv(&mut self) {
         for &r in &self.waiting {
-            let Some(req) = self.requests[r.0 as usize].as_mut() else {
-                continue;
-            };
-            if !req.blocks.is_empty()
-                && !matches!(req.state, RequestState::WaitingForRemoteKv { .. })
-            {
-                self.kv.free(req);
-                req.n_computed = 0;
-                req.n_prefix_hit_tokens = 0;
+            if let Some(req) = self.requests[r.0 as usize].as_mut() {
+                drop_waiting_kv(&mut self.kv, req);
             }
         }
     }
@@ -1101,4 +1127,16 @@ fn stop_reason(
     } else {
         None
     }
+}
+
+/// Frees the KV a waiting request holds (a landed load, the good part of a failed one; not
+/// blocks a load may still write): it recomputes. True if there was any.
+fn drop_waiting_kv(kv: &mut KvCacheManager, req: &mut Request) -> bool {
+    if req.blocks.is_empty() || matches!(req.state, RequestState::WaitingForRemoteKv { .. }) {
+        return false;
+    }
+    kv.free(req);
+    req.n_computed = 0;
+    req.n_prefix_hit_tokens = 0;
+    true
 }

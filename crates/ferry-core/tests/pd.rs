@@ -845,3 +845,137 @@ fn a_loaded_request_retracted_across_a_weight_update_recomputes_under_fail() {
     d.drain(100);
     assert_eq!(d.finished["y"].0, FinishReason::Error);
 }
+
+#[test]
+fn a_load_in_flight_across_a_weight_update_lands_stale_kv_and_the_request_recomputes() {
+    // Found by the simulation (ferry-sim): D accepted the export (same weights then), the
+    // weights changed while the pull was in flight, and the landed KV was used.
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    step(&mut f, "D", &mut d);
+    assert!(matches!(
+        state(&d, "x"),
+        RequestState::WaitingForRemoteKv { .. }
+    ));
+    d.sched.set_weight_version("1");
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    assert_eq!(f.n_pulls, 1, "the pull itself went through");
+    let plan = step(&mut f, "D", &mut d);
+    assert_eq!(
+        (plan.reqs[0].start_pos, plan.reqs[0].tokens.len()),
+        (0, 16),
+        "the stale KV is dropped: the whole prompt is computed under the new weights"
+    );
+    d.drain(100);
+    assert_eq!(d.finished["x"].0, FinishReason::Length, "not a failure");
+    assert_eq!(d.sched.stats().n_blocks_used, 0);
+}
+
+#[test]
+fn a_landed_load_not_yet_computed_on_is_dropped_by_a_weight_update() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    d.sched.pause(OpId(1), PauseMode::Keep, false);
+    step(&mut f, "D", &mut d);
+    d.sched.resume().unwrap();
+    step(&mut f, "D", &mut d);
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    assert_eq!(state(&d, "x"), RequestState::Waiting);
+    let idx = d.sched.request_idx("x").unwrap();
+    assert_eq!(d.sched.request(idx).unwrap().n_computed, 15, "landed");
+    d.sched.set_weight_version("1");
+    assert_eq!(d.sched.request(idx).unwrap().n_computed, 0, "dropped");
+    assert!(d.sched.request(idx).unwrap().blocks.is_empty());
+    let plan = step(&mut f, "D", &mut d);
+    assert_eq!(plan.reqs[0].start_pos, 0);
+}
+
+#[test]
+fn p_never_exports_kv_that_mixes_weights() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let params = KvTransferParams {
+        do_remote_decode: true,
+        ..KvTransferParams::default()
+    };
+    // 100 tokens take two steps of at most 64: the weights change between them.
+    p.sched
+        .add_request_with_transfer("x", prompt(1, 100), greedy(1), Some(params.clone()))
+        .unwrap();
+    let plan = step(&mut f, "P", &mut p);
+    assert_eq!(plan.reqs[0].tokens.len(), 64);
+    p.sched.set_weight_version("1");
+    p.drain(10);
+    assert_eq!(p.finished["x"].0, FinishReason::Length);
+    assert_eq!(export_holds(&p), 0, "no export of half-old KV");
+    assert_eq!(p.sched.stats().n_blocks_used, 0);
+    // A request computed wholly under the new weights is exported as before.
+    let params = export(&mut f, &mut p, "y", prompt(2, 20));
+    assert_eq!(params.weight_version.as_deref(), Some("1"));
+}
+
+#[test]
+fn waiting_requests_holding_landed_kv_give_it_back_when_nothing_else_can_run() {
+    // Found by the simulation: a preempted request at the head of the queue needed more
+    // blocks than were free, and every other block was held by waiting requests whose
+    // loads had landed; nothing ran, so nothing would ever free a block.
+    let small = |id: &str, role| {
+        let mut h = Harness::new(SchedulerConfig {
+            n_blocks: 11,
+            max_model_len: 40,
+            ..config(KvLoadFailurePolicy::Fail)
+        });
+        h.sched.add_connector(Box::new(PdConnector::new(PdConfig {
+            role,
+            engine_id: id.to_owned(),
+            host: None,
+            port: None,
+            secret: [7; 32],
+            block_size: BS,
+        })));
+        h
+    };
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = small("D", PdRole::Consumer);
+    let b = export(&mut f, &mut p, "b", prompt(2, 17));
+    let c = export(&mut f, &mut p, "c", prompt(3, 17));
+    // A runs locally: 8 prompt tokens in 2 blocks, and needs a third to decode; B's and
+    // C's loads take the other 8 blocks. Once they land, A needs a block, none is free, A
+    // is preempted, and then needs 3 blocks where 2 are free.
+    d.add("a", prompt(1, 8), greedy(20));
+    for (id, params, seed) in [("b", &b, 2), ("c", &c, 3)] {
+        d.sched
+            .add_request_with_transfer(id, prompt(seed, 17), greedy(2), Some(remote(params)))
+            .unwrap();
+    }
+    step(&mut f, "D", &mut d);
+    assert_eq!(d.sched.stats().n_blocks_free, 0, "the pool is full");
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    for _ in 0..60 {
+        if d.sched.n_live() == 0 {
+            break;
+        }
+        step(&mut f, "D", &mut d);
+        f.complete_fetches("D");
+        f.deliver("D", &mut d);
+    }
+    assert_eq!(d.sched.n_live(), 0, "every request finished");
+    for id in ["a", "b", "c"] {
+        assert_eq!(d.finished[id].0, FinishReason::Length, "{id}");
+    }
+    assert_eq!(d.generated["a"], reference("a", prompt(1, 8), 20));
+}

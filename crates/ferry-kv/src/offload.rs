@@ -75,14 +75,12 @@ impl OffloadWorker {
     pub fn new(n_host_blocks: usize, block_bytes: usize) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel();
         let progress = Arc::new(Progress::default());
-        let host_bytes = Arc::new(AtomicU64::new(0));
+        let memory = HostMemory::new(n_host_blocks, block_bytes);
+        let host_bytes = Arc::clone(&memory.host_bytes);
         let copier = Copier {
             rx,
             progress: Arc::clone(&progress),
-            host_bytes: Arc::clone(&host_bytes),
-            n_host_blocks,
-            block_bytes,
-            host: None,
+            memory,
         };
         let thread = std::thread::Builder::new()
             .name("ferry-offload".into())
@@ -155,12 +153,18 @@ impl OffloadWorker {
                 grant,
                 reports: reports.clone(),
             })),
-            Err(e) => reports.send(report(hold, epoch, store, Err(e.to_string()))),
+            Err(e) => reports.send(copy_report(hold, epoch, store, Err(e.to_string()))),
         }
     }
 }
 
-fn report(hold: TransferId, epoch: u64, store: bool, result: Result<(), String>) -> WorkerReport {
+/// The report that ends a copy job: `StoreDone` for a store, `LoadDone` for a load.
+pub fn copy_report(
+    hold: TransferId,
+    epoch: u64,
+    store: bool,
+    result: Result<(), String>,
+) -> WorkerReport {
     if store {
         WorkerReport::StoreDone {
             hold,
@@ -218,10 +222,7 @@ impl Drop for OffloadWorker {
 struct Copier {
     rx: mpsc::Receiver<Msg>,
     progress: Arc<Progress>,
-    host_bytes: Arc<AtomicU64>,
-    n_host_blocks: usize,
-    block_bytes: usize,
-    host: Option<Box<[u8]>>,
+    memory: HostMemory,
 }
 
 impl Copier {
@@ -237,16 +238,13 @@ impl Copier {
                         mut grant,
                         reports,
                     } = job;
-                    let result = self.copy(store, &copies, &mut grant);
+                    let result = self.memory.copy(store, &copies, &mut grant);
                     // The grant goes before the report: once the hold ends, nothing here
                     // touches its blocks.
                     drop(grant);
-                    reports.send(report(hold, epoch, store, result));
+                    reports.send(copy_report(hold, epoch, store, result));
                 }
-                Msg::Release => {
-                    self.host = None;
-                    self.host_bytes.store(0, Ordering::Relaxed);
-                }
+                Msg::Release => self.memory.release(),
             }
             let mut done = self
                 .progress
@@ -257,8 +255,41 @@ impl Copier {
             self.progress.advanced.notify_all();
         }
     }
+}
 
-    fn copy(
+/// The tier's host memory and the copies between it and arena blocks: what the copier
+/// thread runs for each job, and what a deterministic stand-in for that thread (the
+/// simulation's, `ferry-sim`) runs, so both copy with this code.
+///
+/// Host memory is one zeroed allocation (`n_host_blocks` engine blocks), made by the first
+/// copy after creation or a [`release`](Self::release).
+#[derive(Debug)]
+pub struct HostMemory {
+    n_host_blocks: usize,
+    block_bytes: usize,
+    host: Option<Box<[u8]>>,
+    /// Bytes allocated now, shared with the worker's gauge.
+    host_bytes: Arc<AtomicU64>,
+}
+
+impl HostMemory {
+    pub fn new(n_host_blocks: usize, block_bytes: usize) -> Self {
+        Self {
+            n_host_blocks,
+            block_bytes,
+            host: None,
+            host_bytes: Arc::default(),
+        }
+    }
+
+    /// Host bytes allocated now (0 or the whole tier).
+    pub fn bytes_allocated(&self) -> u64 {
+        self.host_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Copies each of `copies` between the grant's block at the same position and its host
+    /// block: arena to host for a store, host to arena for a load.
+    pub fn copy(
         &mut self,
         store: bool,
         copies: &[HostCopy],
@@ -287,6 +318,12 @@ impl Copier {
             }
         }
         Ok(())
+    }
+
+    /// Gives the host memory back to the OS; the next copy allocates it again, zeroed.
+    pub fn release(&mut self) {
+        self.host = None;
+        self.host_bytes.store(0, Ordering::Relaxed);
     }
 }
 

@@ -89,10 +89,8 @@ struct Published {
 /// P's checks on a pull, the same for every transport (the token is checked by looking the
 /// export up by it): the weight version, the prompt hash, and exactly the export's block ids
 /// at the asked positions. `Ok` names the blocks to read (positions in the offer's grant).
-pub(crate) fn check_pull(
-    offer: &ExportOffer,
-    spec: &FetchSpec,
-) -> Result<std::ops::Range<usize>, String> {
+/// Public so that every transport, the simulation's too, checks pulls with this code.
+pub fn check_pull(offer: &ExportOffer, spec: &FetchSpec) -> Result<std::ops::Range<usize>, String> {
     if spec.weight_version != offer.weight_version {
         return Err(format!(
             "the export holds KV of weights {:?}, the reader expects {:?}",
@@ -110,7 +108,7 @@ pub(crate) fn check_pull(
 }
 
 /// D's own check before a pull: one destination block per source block.
-pub(crate) fn check_destination(spec: &FetchSpec, n_dst: usize) -> Result<(), String> {
+pub fn check_destination(spec: &FetchSpec, n_dst: usize) -> Result<(), String> {
     if n_dst != spec.src_blocks.len() {
         return Err(format!(
             "{} destination blocks for {} source blocks",
@@ -122,7 +120,7 @@ pub(crate) fn check_destination(spec: &FetchSpec, n_dst: usize) -> Result<(), St
 }
 
 /// The message of a pull whose token names no export.
-pub(crate) fn no_export(engine_id: &str) -> String {
+pub fn no_export(engine_id: &str) -> String {
     format!(
         "no export with this token on engine {engine_id:?} (unknown, expired, revoked or already pulled)"
     )

@@ -577,8 +577,27 @@ impl Scheduler {
     /// Switches the weight version: every new hash chain is seeded by it and by a count of
     /// changes, so KV computed under the old weights can never be hit again (old entries age
     /// out of the cache). Requests holding no KV rehash on admission; running ones keep their
-    /// old-rooted chain and cache no further blocks (their KV mixes both weights).
+    /// old-rooted chain and cache no further blocks (their KV mixes both weights), and are
+    /// never exported.
+    ///
+    /// KV a waiting request was handed but has not computed on (a landed load, the good part
+    /// of a failed one) is of the old weights: it is dropped, and the request recomputes in
+    /// its place in the queue. A load still in flight lands stale KV, so its result is taken
+    /// as a retraction (`on_load_result`). No request is ever handed KV of other weights,
+    /// whether the update came before, during or after its load.
     pub fn set_weight_version(&mut self, version: impl Into<String>) {
+        self.retract_waiting_kv();
+        let in_flight: Vec<TransferId> = self
+            .waiting
+            .iter()
+            .filter_map(|&r| match self.requests[r.0 as usize].as_ref()?.state {
+                RequestState::WaitingForRemoteKv { transfer, .. } => Some(transfer),
+                _ => None,
+            })
+            .collect();
+        let transfers = &self.transfers;
+        self.stale_loads.retain(|t| transfers.contains_key(t));
+        self.stale_loads.extend(in_flight);
         let c = &mut self.control;
         c.weight_version = Arc::from(version.into());
         c.weight_epoch += 1;

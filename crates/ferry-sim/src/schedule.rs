@@ -1,0 +1,350 @@
+//! A run's schedule: what the outside world does and when (clients, the admin caller, faults),
+//! drawn from a seed. Each action names what it acts on relative to the state it meets ("the
+//! k-th live request"), so any subset of a schedule is still a schedule: that is what lets a
+//! failing run shrink to a few actions.
+
+use std::fmt;
+
+use ferry_core::{PauseMode, SleepLevel};
+
+use crate::rng::Rng;
+
+/// Which engines an admin call or fault reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    P,
+    D,
+    /// Both, at the same moment (the proxy fans admin calls out).
+    Both,
+}
+
+impl Target {
+    pub fn engines(self) -> &'static [Side] {
+        match self {
+            Target::P => &[Side::P],
+            Target::D => &[Side::D],
+            Target::Both => &[Side::P, Side::D],
+        }
+    }
+}
+
+/// One of the two engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Side {
+    P,
+    D,
+}
+
+impl Side {
+    pub fn idx(self) -> usize {
+        self as usize
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Side::P => "P",
+            Side::D => "D",
+        }
+    }
+}
+
+/// How a client's request travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Through the proxy: prefill on P (`max_tokens: 1`, export), then decode on D.
+    Disaggregated,
+    /// Straight to one engine, as a plain server (a P or D answers those too).
+    Direct(Side),
+}
+
+/// A lifecycle call, as the admin API makes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    Pause {
+        mode: PauseMode,
+        clear_cache: bool,
+    },
+    Resume,
+    Sleep {
+        level: SleepLevel,
+        mode: PauseMode,
+    },
+    /// Bit 0: `weights`, bit 1: `kv_cache`; 0 means no tags (everything).
+    WakeUp {
+        tags: u8,
+    },
+    ReleaseKv,
+    ResetPrefixCache {
+        running: bool,
+        connector: bool,
+    },
+    AbortAll,
+    /// Abort the `pick`-th live request (modulo their number), by id.
+    AbortOne {
+        pick: u16,
+    },
+    /// A weight update in place (a reload or a push): a new version, the same on every
+    /// target.
+    WeightUpdate,
+}
+
+/// A fault of the network or of a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The engine's transfer link is down for `ms`: pulls to or from it fail.
+    LinkDown { side: Side, ms: u32 },
+    /// The engine dies (all its state is lost) and a fresh one starts after `ms`.
+    Crash { side: Side, ms: u32 },
+    /// The next `n` pulls take `ms` each (past the load bound when long).
+    Slow { n: u8, ms: u32 },
+    /// The next pull breaks after `good` blocks (P keeps its export).
+    BreakPull { good: u8 },
+    /// The next pull is served (P hears it was pulled) but D's side of it fails.
+    LostAfterServe,
+    /// Time jumps by `ms` with nothing else happening (leases and bounds fall due).
+    TimeJump { ms: u32 },
+}
+
+/// What happens at one tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// A client request: a prompt of `prefix` (one of a few shared prefixes, 0 = none) and
+    /// `extra` tokens of its own.
+    Arrive {
+        route: Route,
+        prefix: u8,
+        extra: u8,
+        max_tokens: u8,
+    },
+    /// The `pick`-th live client request's client goes away.
+    Disconnect {
+        pick: u16,
+    },
+    Op {
+        target: Target,
+        op: OpKind,
+    },
+    /// A trainer's cycle on both engines, each call after the last replied: pause with
+    /// `mode` (clearing), a weight update, resume.
+    RlCycle {
+        mode: PauseMode,
+    },
+    Fault(Fault),
+}
+
+/// An action at a tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timed {
+    pub tick: u32,
+    pub action: Action,
+}
+
+/// Shapes of the schedules a seed draws.
+#[derive(Debug, Clone, Copy)]
+pub struct ScheduleParams {
+    /// Ticks (milliseconds of simulated time) the schedule spans.
+    pub n_ticks: u32,
+    /// Roughly one action every this many ticks.
+    pub mean_gap: u32,
+}
+
+impl Default for ScheduleParams {
+    fn default() -> Self {
+        Self {
+            n_ticks: 400,
+            mean_gap: 4,
+        }
+    }
+}
+
+const MODES: [PauseMode; 3] = [PauseMode::Abort, PauseMode::Wait, PauseMode::Keep];
+
+fn mode(rng: &mut Rng) -> PauseMode {
+    MODES[rng.below(3) as usize]
+}
+
+fn side(rng: &mut Rng) -> Side {
+    if rng.bool() {
+        Side::P
+    } else {
+        Side::D
+    }
+}
+
+fn target(rng: &mut Rng) -> Target {
+    rng.weighted(&[(2, Target::P), (2, Target::D), (3, Target::Both)])
+}
+
+fn op(rng: &mut Rng) -> OpKind {
+    match rng.below(14) {
+        0..=2 => OpKind::Pause {
+            mode: mode(rng),
+            clear_cache: rng.chance(2, 3),
+        },
+        3..=5 => OpKind::Resume,
+        6 => OpKind::Sleep {
+            level: [SleepLevel::L0, SleepLevel::L1, SleepLevel::L2][rng.below(3) as usize],
+            mode: if rng.bool() {
+                PauseMode::Abort
+            } else {
+                PauseMode::Wait
+            },
+        },
+        7 => OpKind::WakeUp {
+            tags: rng.below(4) as u8,
+        },
+        8 => OpKind::ReleaseKv,
+        9 | 10 => OpKind::ResetPrefixCache {
+            running: rng.bool(),
+            connector: rng.bool(),
+        },
+        11 => OpKind::AbortAll,
+        12 => OpKind::AbortOne {
+            pick: rng.below(64) as u16,
+        },
+        _ => OpKind::WeightUpdate,
+    }
+}
+
+fn fault(rng: &mut Rng) -> Fault {
+    match rng.below(8) {
+        0 => Fault::LinkDown {
+            side: side(rng),
+            ms: rng.range(5, 400) as u32,
+        },
+        1 => Fault::Crash {
+            side: side(rng),
+            ms: rng.range(1, 200) as u32,
+        },
+        2 | 3 => Fault::Slow {
+            n: rng.range(1, 4) as u8,
+            ms: if rng.bool() {
+                rng.range(20, 200) as u32
+            } else {
+                rng.range(600, 3000) as u32
+            },
+        },
+        4 => Fault::BreakPull {
+            good: rng.below(4) as u8,
+        },
+        5 => Fault::LostAfterServe,
+        _ => Fault::TimeJump {
+            ms: rng.range(100, 4000) as u32,
+        },
+    }
+}
+
+/// The schedule `seed` draws.
+pub fn generate(seed: u64, params: ScheduleParams) -> Vec<Timed> {
+    let mut rng = Rng::new(seed, 1);
+    let mut out = Vec::new();
+    let mut tick = 0u32;
+    loop {
+        tick += rng.range(0, 2 * u64::from(params.mean_gap)) as u32;
+        if tick >= params.n_ticks {
+            return out;
+        }
+        let action = match rng.below(100) {
+            0..=54 => Action::Arrive {
+                route: rng.weighted(&[
+                    (6, Route::Disaggregated),
+                    (2, Route::Direct(Side::D)),
+                    (1, Route::Direct(Side::P)),
+                ]),
+                prefix: rng.below(4) as u8,
+                extra: rng.range(1, 12) as u8,
+                max_tokens: rng.range(1, 10) as u8,
+            },
+            55..=61 => Action::Disconnect {
+                pick: rng.below(64) as u16,
+            },
+            62..=85 => Action::Op {
+                target: target(&mut rng),
+                op: op(&mut rng),
+            },
+            86..=89 => Action::RlCycle {
+                mode: mode(&mut rng),
+            },
+            _ => Action::Fault(fault(&mut rng)),
+        };
+        out.push(Timed { tick, action });
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Target::P => "P",
+            Target::D => "D",
+            Target::Both => "P+D",
+        })
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            OpKind::Pause { mode, clear_cache } => write!(
+                f,
+                "pause(mode={}, clear_cache={clear_cache})",
+                mode.as_str()
+            ),
+            OpKind::Resume => f.write_str("resume()"),
+            OpKind::Sleep { level, mode } => {
+                write!(f, "sleep(level={}, mode={})", level.as_u8(), mode.as_str())
+            }
+            OpKind::WakeUp { tags } => {
+                let names: Vec<&str> = [(1, "weights"), (2, "kv_cache")]
+                    .iter()
+                    .filter(|(bit, _)| tags & bit != 0)
+                    .map(|(_, n)| *n)
+                    .collect();
+                write!(f, "wake_up(tags=[{}])", names.join(", "))
+            }
+            OpKind::ReleaseKv => f.write_str("release_kv_cache_memory()"),
+            OpKind::ResetPrefixCache { running, connector } => write!(
+                f,
+                "reset_prefix_cache(reset_running_requests={running}, reset_connector={connector})"
+            ),
+            OpKind::AbortAll => f.write_str("abort_requests(all)"),
+            OpKind::AbortOne { pick } => write!(f, "abort_requests([live #{pick}])"),
+            OpKind::WeightUpdate => f.write_str("update_weights()"),
+        }
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Action::Arrive {
+                route,
+                prefix,
+                extra,
+                max_tokens,
+            } => {
+                let route = match route {
+                    Route::Disaggregated => "P→D".to_owned(),
+                    Route::Direct(s) => format!("{} only", s.name()),
+                };
+                write!(
+                    f,
+                    "client: request via {route}, prefix {prefix} + {extra} tokens, max_tokens {max_tokens}"
+                )
+            }
+            Action::Disconnect { pick } => write!(f, "client: live request #{pick} disconnects"),
+            Action::Op { target, op } => write!(f, "admin {target}: {op}"),
+            Action::RlCycle { mode } => write!(
+                f,
+                "trainer P+D: pause({}, clear_cache) → update_weights → resume",
+                mode.as_str()
+            ),
+            Action::Fault(fault) => write!(f, "fault: {fault:?}"),
+        }
+    }
+}
+
+impl fmt::Display for Timed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "@{}ms {}", self.tick, self.action)
+    }
+}
