@@ -226,6 +226,11 @@ impl EngineLoop {
     }
 
     fn handle(&mut self, queued: Queued) {
+        // The core's clock first: an input can come after a long idle wait, and a lifecycle
+        // call that starts a reset takes its deadline from the core's clock (found by the
+        // simulation: after an idle spell longer than `lifecycle_wait_timeout`, a clearing
+        // pause timed out at once).
+        self.core.advance_time(self.epoch.elapsed());
         // The permit frees a queue slot as soon as the input is off the queue.
         let Queued {
             input,

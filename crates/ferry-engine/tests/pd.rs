@@ -381,3 +381,26 @@ async fn with_the_tiny_llama_d_generates_what_a_single_engine_generates() {
     until_clean(&p).await;
     until_clean(&d).await;
 }
+
+#[tokio::test]
+async fn a_clearing_pause_after_an_idle_spell_longer_than_the_wait_bound_succeeds() {
+    // Found by the simulation (ferry-sim): the engine handled a call that came after an idle
+    // wait before moving the core's clock, so the reset started with a deadline already
+    // past, and once the clock moved the pause failed with a timeout while P's export was
+    // still being revoked. An RL trainer's pause after a long training step is exactly that.
+    let fabric = InMemoryFabric::new();
+    let config = SchedulerConfig {
+        lifecycle_wait_timeout: Duration::from_millis(150),
+        ..small_config(64, 4)
+    };
+    let p = pd_engine("P", PdRole::Producer, &fabric, config);
+    prefill(&p, "r", prompt(1, 20)).await;
+    assert_eq!(fabric.n_published(), 1, "an export is held for D");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    within(p.pause(PauseMode::Keep, true))
+        .await
+        .expect("the reset has its whole bound from the moment it starts");
+    assert_eq!(fabric.n_published(), 0, "the export was revoked");
+    within(p.resume()).await.unwrap();
+    until_clean(&p).await;
+}

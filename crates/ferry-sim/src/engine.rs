@@ -401,11 +401,14 @@ impl SimEngine {
 
     /// One turn of the engine loop at simulated time `now`. `Err`: a broken invariant.
     pub fn tick(&mut self, now: Duration, events: &mut Vec<Event>) -> Result<bool, String> {
+        // As the engine: the clock moves before any input is handled (a call after an idle
+        // spell must see the time it arrives at).
+        let local = now.saturating_sub(self.epoch);
+        self.driver.sched.advance_time(local);
         while let Some(input) = self.inbox.pop_front() {
             self.handle(input, events)?;
             self.driver.check().map_err(|e| e.to_string())?;
         }
-        let local = now.saturating_sub(self.epoch);
         self.driver.sched.advance_time(local);
         let stepped = if self.busy() {
             let step = self.driver.step().map_err(|e| format!("step: {e}"))?;

@@ -31,5 +31,29 @@ pub use sim::{Failure, Outcome, Sim, SimConfig, Stats, Tier};
 /// Runs seed `config.seed` on the schedule it draws.
 pub fn run_seed(config: &SimConfig, params: ScheduleParams) -> Outcome {
     let schedule = generate(config.seed, params);
-    Sim::new(config.clone()).run(&schedule)
+    run(config, &schedule)
+}
+
+/// Runs `schedule`; a panic anywhere in the engines (an assertion the code under test makes)
+/// is a failure of the run, not of the caller.
+pub fn run(config: &SimConfig, schedule: &[Timed]) -> Outcome {
+    let sim = Sim::new(config.clone());
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sim.run(schedule))).unwrap_or_else(
+        |panic| {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "a panic".into());
+            Outcome {
+                seed: config.seed,
+                failure: Some(Failure {
+                    at_ms: 0,
+                    message: format!("panic: {message}"),
+                }),
+                stats: Stats::default(),
+                trace: Vec::new(),
+            }
+        },
+    )
 }

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use ferry_sim::{generate, shrink, ScheduleParams, Sim, SimConfig, Tier};
+use ferry_sim::{generate, run, shrink, ScheduleParams, SimConfig, Tier};
 
 #[derive(Debug, Parser)]
 #[command(about = "Deterministic simulation of P, D, the offload tier and a faulty network")]
@@ -53,8 +53,10 @@ fn main() -> anyhow::Result<ExitCode> {
         let (a, b): (u64, u64) = (a.parse()?, b.parse()?);
         let started = Instant::now();
         let mut failed = Vec::new();
+        // Panics are counted as failures (with their message), not printed as they happen.
+        std::panic::set_hook(Box::new(|_| {}));
         for seed in a..b {
-            let outcome = Sim::new(config(seed)).run(&generate(seed, params));
+            let outcome = run(&config(seed), &generate(seed, params));
             if let Some(f) = outcome.failure {
                 println!("seed {seed}: FAILED at {} ms: {}", f.at_ms, f.message);
                 failed.push(seed);
@@ -83,7 +85,7 @@ fn main() -> anyhow::Result<ExitCode> {
         trace: true,
         ..config(seed)
     };
-    let outcome = Sim::new(traced.clone()).run(&schedule);
+    let outcome = run(&traced, &schedule);
     for line in &outcome.trace {
         let action = !line.contains(": step ") && !line.contains("copier finished");
         if !args.brief || action {

@@ -4,7 +4,7 @@
 //! chunk can go, down to single actions.
 
 use crate::schedule::Timed;
-use crate::sim::{Outcome, Sim, SimConfig};
+use crate::sim::{Outcome, SimConfig};
 
 /// The shortest schedule found that still fails with the failure's kind, and its outcome.
 pub fn shrink(config: &SimConfig, schedule: &[Timed], max_runs: usize) -> (Vec<Timed>, Outcome) {
@@ -12,13 +12,12 @@ pub fn shrink(config: &SimConfig, schedule: &[Timed], max_runs: usize) -> (Vec<T
         trace: false,
         ..config.clone()
     };
-    let first = Sim::new(quiet.clone()).run(schedule);
+    let first = crate::run(&quiet, schedule);
     let Some(kind) = first.failure.as_ref().map(|f| f.kind().to_owned()) else {
         return (schedule.to_vec(), first);
     };
     let fails = |s: &[Timed]| {
-        Sim::new(quiet.clone())
-            .run(s)
+        crate::run(&quiet, s)
             .failure
             .is_some_and(|f| f.kind() == kind)
     };
@@ -50,6 +49,6 @@ pub fn shrink(config: &SimConfig, schedule: &[Timed], max_runs: usize) -> (Vec<T
             chunk = chunk.div_ceil(2);
         }
     }
-    let outcome = Sim::new(config.clone()).run(&current);
+    let outcome = crate::run(config, &current);
     (current, outcome)
 }

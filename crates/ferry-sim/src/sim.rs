@@ -144,7 +144,8 @@ impl OpRecord {
 /// engine it went to (a trainer's cycle, the operator's wake-up).
 #[derive(Debug)]
 struct Script {
-    steps: VecDeque<(Target, OpKind)>,
+    /// Each call, with the weight version it sets (`None`: a new one where it sets one).
+    steps: VecDeque<(Target, OpKind, Option<String>)>,
     waiting: Vec<u64>,
 }
 
@@ -384,8 +385,14 @@ impl Sim {
             self.tick_engine(side)?;
         }
         self.check_ops()?;
-        self.jumped += self.jump;
-        self.now += Duration::from_millis(1) + std::mem::take(&mut self.jump);
+        self.now += Duration::from_millis(1);
+        // Time jumps only while nothing but timers is left: an engine loop with work to do
+        // (a step, a reset's next turn) never sleeps, and pulls, copies and proxy hops go
+        // on while time passes, so none may be skipped.
+        if !self.jump.is_zero() && self.only_timers_left() && self.net.n_outstanding().1 == 0 {
+            self.jumped += self.jump;
+            self.now += std::mem::take(&mut self.jump);
+        }
         Ok(())
     }
 
@@ -480,9 +487,10 @@ impl Sim {
                             mode,
                             clear_cache: true,
                         },
+                        None,
                     ),
-                    (Target::Both, OpKind::WeightUpdate),
-                    (Target::Both, OpKind::Resume),
+                    (Target::Both, OpKind::WeightUpdate, None),
+                    (Target::Both, OpKind::Resume, None),
                 ]),
                 waiting: Vec::new(),
             }),
@@ -686,6 +694,15 @@ impl Sim {
                 if result.is_err() {
                     self.stats.n_ops_failed += 1;
                 }
+                if let Err(e) = &result {
+                    // In the simulation every transfer hands its blocks back soon after it is
+                    // released (pulls are cancelled within a millisecond, exports unpublished
+                    // at once, copies drawn every tick), so a reset that times out waited for
+                    // something that was never released.
+                    if e.contains("timed out") {
+                        return Err(format!("{} {}: {e}", rec.side.name(), rec.kind));
+                    }
+                }
                 rec.reply = Some((self.now, result.clone()));
                 if rec.at_once() && rec.issued != self.now {
                     return Err(format!(
@@ -767,8 +784,8 @@ impl Sim {
                 continue;
             }
             s.waiting.clear();
-            if let Some((target, kind)) = s.steps.pop_front() {
-                let version = self.new_version(kind);
+            if let Some((target, kind, version)) = s.steps.pop_front() {
+                let version = version.unwrap_or_else(|| self.new_version(kind));
                 self.note(|| format!("script: admin {target}: {kind}"));
                 for &side in target.engines() {
                     let op = self.issue(side, kind, version.clone());
@@ -850,6 +867,8 @@ impl Sim {
                 .into()
         });
         self.net.heal();
+        // Jumps still waiting for a quiet moment are faults of the schedule: it is over.
+        self.jump = Duration::ZERO;
         for side in [Side::P, Side::D] {
             if self.engines[side.idx()].is_none() {
                 self.restart_at[side.idx()] = None;
@@ -891,14 +910,16 @@ impl Sim {
     }
 
     fn wake_all(&mut self) {
+        // Dropped weights are reloaded with the same new version on both engines.
+        let version = self.new_version(OpKind::WeightUpdate);
         for side in [Side::P, Side::D] {
             let e = self.engines[side.idx()].as_ref().expect("restarted");
             let mut steps = VecDeque::new();
             if e.driver.model.executor_residency() == WeightResidency::Dropped {
-                steps.push_back((target_of(side), OpKind::WeightUpdate));
+                steps.push_back((target_of(side), OpKind::WeightUpdate, Some(version.clone())));
             }
-            steps.push_back((target_of(side), OpKind::WakeUp { tags: 0 }));
-            steps.push_back((target_of(side), OpKind::Resume));
+            steps.push_back((target_of(side), OpKind::WakeUp { tags: 0 }, None));
+            steps.push_back((target_of(side), OpKind::Resume, None));
             self.scripts.push(Script {
                 steps,
                 waiting: Vec::new(),
@@ -984,14 +1005,20 @@ impl Sim {
                         )
                     })
                     .collect();
+                let holds: Vec<String> = core
+                    .transfer_ids()
+                    .map(|t| format!("{}:{:?}", t.0, core.transfer_holder(t)))
+                    .collect();
                 format!(
-                    "{}: {} running, {} waiting, {} blocks used, {} free, {} transfers, status {:?}, requests [{}]",
+                    "{}: {} running, {} waiting, {} blocks used, {} free, {} transfers {holds:?} (next deadline {:?}, core clock {:?}), status {:?}, requests [{}]",
                     e.side.name(),
                     st.n_running,
                     st.n_waiting,
                     st.n_blocks_used,
                     st.n_blocks_free,
                     st.n_transfers,
+                    core.next_deadline(),
+                    core.now(),
                     core.lifecycle_status(),
                     reqs.join("; ")
                 )
