@@ -60,6 +60,11 @@ impl CopierState {
         n
     }
 
+    /// The holds of the `n` oldest jobs.
+    pub fn next_holds(&self, n: usize) -> Vec<TransferId> {
+        self.jobs.iter().take(n).map(|j| j.hold).collect()
+    }
+
     pub fn n_queued(&self) -> usize {
         self.jobs.len()
     }

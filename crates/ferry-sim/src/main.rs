@@ -29,6 +29,9 @@ struct Args {
     /// Print the schedule's actions only, not every step.
     #[arg(long)]
     brief: bool,
+    /// With --seeds: print only the summary.
+    #[arg(long)]
+    quiet: bool,
 }
 
 fn main() -> anyhow::Result<ExitCode> {
@@ -58,8 +61,10 @@ fn main() -> anyhow::Result<ExitCode> {
         for seed in a..b {
             let outcome = run(&config(seed), &generate(seed, params));
             if let Some(f) = outcome.failure {
-                println!("seed {seed}: FAILED at {} ms: {}", f.at_ms, f.message);
-                failed.push(seed);
+                if !args.quiet {
+                    println!("seed {seed}: FAILED at {} ms: {}", f.at_ms, f.message);
+                }
+                failed.push((seed, f.message));
             }
         }
         println!(
@@ -67,10 +72,12 @@ fn main() -> anyhow::Result<ExitCode> {
             b.saturating_sub(a),
             started.elapsed().as_secs_f64(),
             failed.len(),
-            if failed.is_empty() {
-                String::new()
-            } else {
-                format!(" (replay one with --seed {})", failed[0])
+            match failed.first() {
+                None => String::new(),
+                Some((seed, message)) => format!(
+                    "; the first is seed {seed}, the {}th run ({message}); replay it with --seed {seed}",
+                    seed - a + 1
+                ),
             }
         );
         return Ok(if failed.is_empty() {

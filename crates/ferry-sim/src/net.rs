@@ -8,7 +8,8 @@
 //! finish out of order, as independent TCP connections do), and faults make pulls fail: a
 //! link that is down, a pull that breaks after some blocks (P keeps its export, as a TCP
 //! server whose client vanished does), a pull P served but D never got, a slow pull that
-//! outlives D's load bound, and a peer that crashed (its exports vanish with it).
+//! outlives D's load bound, a cancel that comes too late (the pull was already copying and
+//! finishes), and a peer that crashed (its exports vanish with it).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -62,6 +63,9 @@ pub struct PullEvent {
     pub from: String,
     pub to: String,
     pub outcome: Result<usize, String>,
+    /// Blocks the pull wrote into D's arena (also on a pull that broke part way, or whose
+    /// connection dropped after P served it).
+    pub n_written: usize,
 }
 
 /// The network's state, shared by every engine's transport endpoint.
@@ -76,6 +80,8 @@ pub struct NetState {
     pending: Pending,
     /// Flip one byte of every pulled block (a test of the checks, never drawn by a seed).
     corrupt: bool,
+    /// Blocks the last pull wrote before its connection dropped.
+    lost_written: usize,
     pub n_pulls_ok: u64,
     pub n_pulls_failed: u64,
 }
@@ -104,6 +110,7 @@ impl SimNet {
             down_until: BTreeMap::new(),
             pending: Pending::default(),
             corrupt: false,
+            lost_written: 0,
             n_pulls_ok: 0,
             n_pulls_failed: 0,
         })))
@@ -167,6 +174,15 @@ impl SimNet {
     pub fn n_outstanding(&self) -> (usize, usize) {
         let s = self.lock();
         (s.exports.len(), s.fetches.len())
+    }
+
+    /// Fetches `engine_id` has in flight (as the reader).
+    pub fn n_fetches_of(&self, engine_id: &str) -> usize {
+        self.lock()
+            .fetches
+            .iter()
+            .filter(|f| f.d_engine == engine_id)
+            .count()
     }
 
     /// The earliest time a fetch falls due.
@@ -238,6 +254,10 @@ impl NetState {
             Ok(()) => self.n_pulls_ok += 1,
             Err(_) => self.n_pulls_failed += 1,
         }
+        let n_written = match &result {
+            Ok(()) => spec.src_blocks.len(),
+            Err(e) => e.good_blocks.max(std::mem::take(&mut self.lost_written)),
+        };
         let event = PullEvent {
             hold: spec.hold,
             from: spec.remote_engine_id.clone(),
@@ -246,6 +266,7 @@ impl NetState {
                 .as_ref()
                 .map(|()| spec.src_blocks.len())
                 .map_err(|e| e.reason.clone()),
+            n_written,
         };
         reports.send(WorkerReport::FetchDone {
             hold: spec.hold,
@@ -298,6 +319,8 @@ impl NetState {
             hold: published.offer.hold,
         });
         if fate == Fate::LostAfterServe {
+            // The blocks were written; D is told none is good.
+            self.lost_written = n;
             return Err(fail(
                 0,
                 "the connection dropped after P served the pull".into(),
@@ -335,7 +358,7 @@ impl Transport for SimTransport {
         let mut s = self.net.lock();
         let latency = match s.pending.slow.pop_front() {
             Some(slow) => slow,
-            None => Duration::from_millis(s.rng.range(1, 30)),
+            None => Duration::from_millis(s.rng.range(1, 80)),
         };
         let fate = if let Some(good) = s.pending.break_after.take() {
             Fate::BreakAfter(good)
@@ -358,10 +381,12 @@ impl Transport for SimTransport {
 
     fn cancel_fetch(&self, hold: TransferId) {
         let mut s = self.net.lock();
-        // A cancelled pull ends soon: the reader stops at the next block.
+        // A cancel is advisory: a pull already copying may finish anyway (and report
+        // success) at its own time; otherwise the reader stops at the next block, soon.
+        let too_late = s.rng.chance(1, 2);
         let soon = s.now + Duration::from_millis(1);
         for f in &mut s.fetches {
-            if f.d_engine == self.engine_id && f.spec.hold == hold {
+            if f.d_engine == self.engine_id && f.spec.hold == hold && !too_late {
                 f.cancelled = true;
                 f.due = f.due.min(soon);
             }

@@ -262,7 +262,7 @@ pub fn generate(seed: u64, params: ScheduleParams) -> Vec<Timed> {
                 target: target(&mut rng),
                 op: op(&mut rng),
             },
-            86..=89 => Action::RlCycle {
+            86..=92 => Action::RlCycle {
                 mode: mode(&mut rng),
             },
             _ => Action::Fault(fault(&mut rng)),
