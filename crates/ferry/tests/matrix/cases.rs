@@ -51,6 +51,7 @@ pub enum Case {
     },
     AbortAll,
     AbortByIds,
+    AbortQueuedOnP,
     ResetPrefixCache {
         running: bool,
     },
@@ -88,6 +89,15 @@ impl Case {
                 clear_cache: true,
             });
         }
+        // And the other two modes without clearing (the RL loop that keeps its prefix cache
+        // across a pause: weight versions already keep stale KV from being hit).
+        for mode in [Mode::Abort, Mode::Wait] {
+            cases.push(Case::Pause {
+                target: Target::Both,
+                mode,
+                clear_cache: false,
+            });
+        }
         for level in 0..=2 {
             for mode in [Mode::Abort, Mode::Wait] {
                 cases.push(Case::Sleep { level, mode });
@@ -102,6 +112,7 @@ impl Case {
             },
             Case::AbortAll,
             Case::AbortByIds,
+            Case::AbortQueuedOnP,
             Case::ResetPrefixCache { running: false },
             Case::ResetPrefixCache { running: true },
             Case::ReleaseKvCache,
@@ -170,6 +181,7 @@ impl Case {
             ),
             Case::AbortAll => "abort_requests (all)".into(),
             Case::AbortByIds => "abort_requests (by id)".into(),
+            Case::AbortQueuedOnP => "abort_requests, queued on a paused P".into(),
             Case::ResetPrefixCache { running } => format!(
                 "reset_prefix_cache{}",
                 if running {
@@ -202,6 +214,7 @@ impl Case {
             Case::Reload { mode } => reload(ctx, mode).await,
             Case::AbortAll => faults::abort_all(ctx).await,
             Case::AbortByIds => faults::abort_by_ids(ctx).await,
+            Case::AbortQueuedOnP => faults::abort_queued_on_p(ctx).await,
             Case::ResetPrefixCache { running } => faults::reset_prefix_cache(ctx, running).await,
             Case::DisconnectMidStream => faults::disconnect_mid_stream(ctx).await,
             Case::DisconnectMidTransfer => faults::disconnect_mid_transfer(ctx).await,
@@ -223,8 +236,9 @@ fn pause_bound(ctx: &Ctx<'_>, mode: Mode, clears: bool) -> std::time::Duration {
 }
 
 /// Pause `target` in `mode` under load, queue a wave, resume. An abort pause that reaches D
-/// aborts what D holds (at least one request); P's own aborts are recomputed on D (the proxy
-/// sends D a request P exported nothing for), so they finish.
+/// aborts what D holds (at least one request: D is mid-decode); one on P aborts what P holds
+/// then (P computes a prompt in a step, so rarely anything; `abort_requests, queued on a
+/// paused P` shows a P-side abort reaching the client).
 async fn pause(ctx: &Ctx<'_>, target: Target, mode: Mode, clear_cache: bool) {
     let mut load = ctx.send(ctx.wave_size());
     ctx.decoding(2).await;
@@ -235,18 +249,17 @@ async fn pause(ctx: &Ctx<'_>, target: Target, mode: Mode, clear_cache: bool) {
     let queued = ctx.queued_while_paused(target).await;
     ctx.post(target, "/resume", ctx.bounds.instant, 200).await;
     ctx.assert_paused(target, false).await;
-    let aborts = mode == Mode::Abort && target.includes_d();
     load.extend(queued);
     let ends = ctx
         .finish(
             load,
             Allow {
-                abort: aborts,
+                abort: mode == Mode::Abort,
                 fail: false,
             },
         )
         .await;
-    if aborts {
+    if mode == Mode::Abort && target.includes_d() {
         assert!(Ctx::count(&ends, End::Aborted) >= 1, "nothing was aborted");
         let last_wave = &ends[ends.len() - 2..];
         assert!(

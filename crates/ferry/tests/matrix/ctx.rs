@@ -3,6 +3,7 @@
 //! request's end). The record lives behind a lock shared with the runner, so a case that
 //! panics still reports what it measured.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,7 +19,7 @@ use crate::procs::{metric, metrics_text, wait_metrics};
 pub struct CallRecord {
     pub call: String,
     pub status: u16,
-    pub reply_ms: u64,
+    pub reply_ms: f64,
     pub bound_ms: u64,
 }
 
@@ -28,6 +29,9 @@ pub struct Record {
     pub calls: Vec<CallRecord>,
     pub counts: Counts,
     pub notes: Vec<String>,
+    /// How far the case moved the transfer and tier counters (P's exports, D's loads,
+    /// preemptions, the tier's stores, loads and flushes): evidence of what it exercised.
+    pub counters: BTreeMap<&'static str, f64>,
 }
 
 /// Reply-time bounds, per model (the default model's steps are ~100x the tiny model's).
@@ -189,7 +193,7 @@ impl<'a> Ctx<'a> {
             reply.status, reply.body
         );
         assert!(
-            reply.ms <= bound.as_millis() as u64,
+            reply.ms <= bound.as_millis() as f64,
             "{name} replied in {} ms, over its bound of {} ms",
             reply.ms,
             bound.as_millis()

@@ -43,6 +43,55 @@ pub async fn abort_all(ctx: &Ctx<'_>) {
     assert!(last.iter().all(|(_, e)| *e == End::Finished), "{last:?}");
 }
 
+/// Requests queued on a paused P (the proxy waits on P's answer before it calls D), then
+/// `abort_requests` with no ids through the proxy: the clients asked for an abort, so each
+/// ends with `finish_reason: abort`, and D never computes them.
+pub async fn abort_queued_on_p(ctx: &Ctx<'_>) {
+    ctx.post(
+        Target::P,
+        "/pause?mode=keep&clear_cache=false",
+        ctx.bounds.instant,
+        200,
+    )
+    .await;
+    let load = ctx.send(2);
+    wait_metrics(&ctx.trio.p.url, Duration::from_secs(10), |t| {
+        metric(t, "ferry_num_requests_waiting") >= 2.0
+    })
+    .await;
+    let d_before = metric(
+        &metrics_text(&ctx.trio.d.url).await,
+        "ferry_requests_finished_total",
+    );
+    let reply = ctx
+        .post_json(
+            Target::Both,
+            "/abort_requests",
+            &json!({}),
+            ctx.bounds.instant,
+            200,
+        )
+        .await;
+    assert_eq!(reply.body["aborted"], 2, "{}", reply.body);
+    let ends = ctx
+        .finish(
+            load,
+            Allow {
+                abort: true,
+                fail: false,
+            },
+        )
+        .await;
+    assert_eq!(Ctx::count(&ends, End::Aborted), 2, "{ends:?}");
+    let d_after = metric(
+        &metrics_text(&ctx.trio.d.url).await,
+        "ferry_requests_finished_total",
+    );
+    assert_eq!(d_before, d_after, "D computed requests the client aborted");
+    ctx.post(Target::P, "/resume", ctx.bounds.instant, 200)
+        .await;
+}
+
 /// `abort_requests` naming every other request by its `X-Request-Id`: those end as aborted
 /// (or had finished), the others finish untouched.
 pub async fn abort_by_ids(ctx: &Ctx<'_>) {

@@ -3,6 +3,7 @@
 //! trio is back to a clean state (every engine idle, resumed, awake, every KV block free);
 //! and admin calls timed against their bounds.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Once;
 use std::time::{Duration, Instant};
@@ -255,7 +256,8 @@ impl Target {
 pub struct Reply {
     pub status: u16,
     pub body: Value,
-    pub ms: u64,
+    /// Milliseconds, to a tenth.
+    pub ms: f64,
 }
 
 /// `POST base+path` with an optional JSON body, timed.
@@ -271,6 +273,53 @@ pub async fn admin_post(base: &str, path: &str, body: Option<&Value>) -> Reply {
     Reply {
         status,
         body,
-        ms: started.elapsed().as_millis() as u64,
+        ms: millis(started.elapsed()),
+    }
+}
+
+/// A duration in milliseconds, to a tenth (loopback replies take well under one).
+pub fn millis(d: Duration) -> f64 {
+    (d.as_secs_f64() * 10_000.0).round() / 10.0
+}
+
+/// The transfer and tier counters a case moves, as (name in the summary, engine, metric).
+const COUNTERS: [(&str, Engine, &str); 10] = [
+    ("p_exports_started", Engine::P, "ferry_kv_exports_started_total"),
+    ("p_exports_pulled", Engine::P, "ferry_kv_exports_pulled_total"),
+    ("p_exports_expired", Engine::P, "ferry_kv_exports_expired_total"),
+    ("d_loads_started", Engine::D, "ferry_kv_loads_started_total"),
+    ("d_loads_landed", Engine::D, "ferry_kv_loads_finished_total"),
+    ("d_loads_failed", Engine::D, "ferry_kv_loads_failed_total"),
+    ("preemptions", Engine::Both, "ferry_preemptions_total"),
+    ("tier_stores", Engine::Both, "ferry_kv_offload_stores_total"),
+    ("tier_loads", Engine::Both, "ferry_kv_offload_loads_total"),
+    ("tier_flushes", Engine::Both, "ferry_kv_offload_flushes_total"),
+];
+
+#[derive(Debug, Clone, Copy)]
+enum Engine {
+    P,
+    D,
+    Both,
+}
+
+/// The counters' values now.
+pub type Counters = BTreeMap<&'static str, f64>;
+
+impl Trio {
+    pub async fn counters(&self) -> Counters {
+        let p = metrics_text(&self.p.url).await;
+        let d = metrics_text(&self.d.url).await;
+        COUNTERS
+            .iter()
+            .map(|&(name, engine, metric_name)| {
+                let v = match engine {
+                    Engine::P => metric(&p, metric_name),
+                    Engine::D => metric(&d, metric_name),
+                    Engine::Both => metric(&p, metric_name) + metric(&d, metric_name),
+                };
+                (name, v)
+            })
+            .collect()
     }
 }

@@ -118,7 +118,7 @@ pub fn request_body(setup: &Setup, prompt: &str, max_tokens: usize, salt: Option
 }
 
 /// What one streaming request saw.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Outcome {
     pub prompt_idx: usize,
     pub id: String,
@@ -129,6 +129,25 @@ pub struct Outcome {
     pub done: bool,
     /// The client went away on purpose after this many events.
     pub disconnected: bool,
+}
+
+/// Short: the tokens' count and first few, not all of them.
+impl std::fmt::Debug for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (prompt {}): HTTP {}, {} tokens {:?}.., finish {:?}, [DONE] {}, error {:?}{}",
+            self.id,
+            self.prompt_idx,
+            self.status,
+            self.tokens.len(),
+            &self.tokens[..self.tokens.len().min(6)],
+            self.finish,
+            self.done,
+            self.error,
+            if self.disconnected { ", left" } else { "" }
+        )
+    }
 }
 
 /// How a request ended, once judged against the reference.

@@ -21,6 +21,7 @@
 //! the whole matrix; the test then fails naming every failed case.
 //!
 //! `FERRY_MATRIX_OUT=path.json` writes every case's result as JSON (see `report`);
+//! `FERRY_MATRIX_CASE=text` runs only the cases whose names contain `text`;
 //! `docs/lifecycle-matrix.md` holds a run's table and the command.
 
 #[allow(dead_code)] // Shared with the proxy tests; not every helper is used here.
@@ -78,10 +79,16 @@ async fn run(setup: Setup, cases: Vec<Case>) {
     trio.wait_clean(drain_bound(&setup)).await;
     let started = Instant::now();
     let mut failed = Vec::new();
-    for case in cases.into_iter().filter(|c| c.applies(setup.tier)) {
+    // `FERRY_MATRIX_CASE=text` runs only the cases whose names contain it (to replay one).
+    let only = std::env::var("FERRY_MATRIX_CASE").ok();
+    let chosen = cases.into_iter().filter(|c| {
+        c.applies(setup.tier) && only.as_deref().is_none_or(|o| c.name().contains(o))
+    });
+    for case in chosen {
         let name = case.name();
         let record = Arc::new(Mutex::new(Record::default()));
         let case_started = Instant::now();
+        let counters_before = trio.counters().await;
         let ctx = Ctx::new(&trio, &setup, &reference, name.clone(), Arc::clone(&record));
         let body = async {
             case.run(&ctx).await;
@@ -103,6 +110,13 @@ async fn run(setup: Setup, cases: Vec<Case>) {
         };
         drop(ctx);
         let wall_ms = case_started.elapsed().as_millis() as u64;
+        if error.is_none() {
+            let after = trio.counters().await;
+            record.lock().unwrap().counters = after
+                .iter()
+                .map(|(name, v)| (*name, v - counters_before[name]))
+                .collect();
+        }
         let record = record.lock().unwrap().clone();
         report::keep(report::CaseResult::new(
             &name,

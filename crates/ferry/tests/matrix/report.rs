@@ -15,12 +15,13 @@ pub struct CaseResult {
     pub model: &'static str,
     pub pass: bool,
     /// The reply time of the operation under test (the case's first admin call).
-    pub reply_ms: Option<u64>,
+    pub reply_ms: Option<f64>,
     pub bound_ms: Option<u64>,
     pub counts: Counts,
     /// Every admin call the case made.
     pub calls: Vec<CallRecord>,
     pub notes: Vec<String>,
+    pub counters: std::collections::BTreeMap<&'static str, f64>,
     /// Wall time of the case, its drain included.
     pub wall_ms: u64,
     pub error: Option<String>,
@@ -46,6 +47,7 @@ impl CaseResult {
             counts: record.counts,
             calls: record.calls,
             notes: record.notes,
+            counters: record.counters,
             wall_ms,
             error,
         }
@@ -63,7 +65,7 @@ pub fn keep(result: CaseResult) {
         result.case,
         result.tier,
         result.model,
-        result.reply_ms.map_or("-".to_owned(), |m| m.to_string()),
+        result.reply_ms.map_or("-".to_owned(), |m| format!("{m:.1}")),
         result.bound_ms.map_or("-".to_owned(), |m| m.to_string()),
         result.counts.n_requests,
         result.counts.n_finished,
