@@ -229,10 +229,7 @@ async fn prefill(
 
 /// P's `kv_transfer_params` out of its answer, or that it aborted the request or exported
 /// nothing.
-fn prefilled(
-    instance: &crate::fleet::Instance,
-    answer: &[u8],
-) -> Result<Prefilled, UpstreamError> {
+fn prefilled(instance: &crate::fleet::Instance, answer: &[u8]) -> Result<Prefilled, UpstreamError> {
     let value: Value = serde_json::from_slice(answer)
         .map_err(|e| UpstreamError::broken(instance, format!("its answer is not JSON: {e}")))?;
     if value["choices"][0]["finish_reason"] == "abort" {
@@ -260,11 +257,7 @@ fn prefilled(
 /// before its one token, else the request had finished there), as one JSON body or, for a
 /// stream, one chunk per choice (and the usage chunk if asked for) then `[DONE]`.
 fn aborted_answer(route: Route, request: &Map<String, Value>, p_answer: Value) -> Response {
-    let n = request
-        .get("n")
-        .and_then(Value::as_u64)
-        .unwrap_or(1)
-        .max(1);
+    let n = request.get("n").and_then(Value::as_u64).unwrap_or(1).max(1);
     let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
     if !streaming {
         let mut answer = p_answer;
@@ -508,7 +501,12 @@ mod tests {
             String::from_utf8(bytes.to_vec()).unwrap()
         };
         let request = object(json!({"prompt": "a", "n": 2}));
-        let plain = body(aborted_answer(Route::Completions, &request, p_answer.clone())).await;
+        let plain = body(aborted_answer(
+            Route::Completions,
+            &request,
+            p_answer.clone(),
+        ))
+        .await;
         let plain: Value = serde_json::from_str(&plain).unwrap();
         assert_eq!(plain["choices"][1]["index"], 1, "{plain}");
         assert_eq!(plain["choices"][1]["finish_reason"], "abort", "{plain}");
@@ -516,7 +514,10 @@ mod tests {
         let request = object(json!({"messages": [], "stream": true,
                                     "stream_options": {"include_usage": true}}));
         let response = aborted_answer(Route::Chat, &request, p_answer);
-        assert_eq!(response.headers()[header::CONTENT_TYPE], "text/event-stream");
+        assert_eq!(
+            response.headers()[header::CONTENT_TYPE],
+            "text/event-stream"
+        );
         let events: Vec<String> = body(response)
             .await
             .lines()

@@ -292,7 +292,12 @@ async fn sleep(ctx: &Ctx<'_>, level: u8, mode: Mode) {
     if level == 2 {
         // Dropped weights cannot wake: a clear 409, and nothing changes.
         let refused = ctx
-            .post(Target::Both, "/wake_up?tags=weights", ctx.bounds.instant, 409)
+            .post(
+                Target::Both,
+                "/wake_up?tags=weights",
+                ctx.bounds.instant,
+                409,
+            )
             .await;
         let message = refused.body["error"]["message"].as_str().unwrap_or("");
         assert!(message.contains("reload"), "{}", refused.body);

@@ -134,7 +134,7 @@ impl<'a> Ctx<'a> {
     pub fn request(&self, url: &str, prompt_idx: usize) -> Send {
         let n = self.n_sent.fetch_add(1, Ordering::Relaxed);
         let id = format!("{}-{}-{n}", slug(&self.case), self.setup.tier_label());
-        let salt = (n % 2 == 0).then(|| id.clone());
+        let salt = n.is_multiple_of(2).then(|| id.clone());
         let idx = prompt_idx % self.reference.prompts.len();
         Send {
             url: url.to_owned(),
@@ -218,8 +218,13 @@ impl<'a> Ctx<'a> {
         want: u16,
     ) -> Reply {
         let name = format!("{path} on {}", target.name());
-        self.op(name, bound, want, admin_post(self.url(target), path, Some(body)))
-            .await
+        self.op(
+            name,
+            bound,
+            want,
+            admin_post(self.url(target), path, Some(body)),
+        )
+        .await
     }
 
     /// Reloads the same weights from disk under a new version, everywhere; returns it.
@@ -236,7 +241,12 @@ impl<'a> Ctx<'a> {
                 200,
             )
             .await;
-        assert_eq!(reply.body["weight_version"], version.as_str(), "{}", reply.body);
+        assert_eq!(
+            reply.body["weight_version"],
+            version.as_str(),
+            "{}",
+            reply.body
+        );
         version
     }
 

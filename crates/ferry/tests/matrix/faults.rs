@@ -108,7 +108,11 @@ pub async fn abort_by_ids(ctx: &Ctx<'_>) {
             200,
         )
         .await;
-    assert!(reply.body["aborted"].as_u64().unwrap_or(0) >= 1, "{}", reply.body);
+    assert!(
+        reply.body["aborted"].as_u64().unwrap_or(0) >= 1,
+        "{}",
+        reply.body
+    );
     let ends = ctx
         .finish(
             load,
@@ -139,9 +143,7 @@ pub async fn reset_prefix_cache(ctx: &Ctx<'_>, running: bool) {
         ctx.setup.tier
     );
     let preempted_before = ctx.metric_pd("ferry_preemptions_total").await;
-    let reply = ctx
-        .post(Target::Both, &path, ctx.bounds.instant, 200)
-        .await;
+    let reply = ctx.post(Target::Both, &path, ctx.bounds.instant, 200).await;
     ctx.note(format!("under load: {}", instance_results(&reply.body)));
     ctx.finish(load, Allow::default()).await;
     if running {
@@ -149,9 +151,7 @@ pub async fn reset_prefix_cache(ctx: &Ctx<'_>, running: bool) {
         ctx.note(format!("{preempted} preemptions"));
     }
     ctx.trio.wait_clean(Duration::from_secs(15)).await;
-    let reply = ctx
-        .post(Target::Both, &path, ctx.bounds.instant, 200)
-        .await;
+    let reply = ctx.post(Target::Both, &path, ctx.bounds.instant, 200).await;
     assert_eq!(reply.body["success"], true, "idle: {}", reply.body);
 }
 
@@ -306,23 +306,38 @@ pub async fn two_resets(ctx: &Ctx<'_>) {
         admin_post(&proxy, &path, None),
         admin_post(&proxy, &path, None)
     );
-    ctx.op("reset_prefix_cache twice at once on both", ctx.bounds.instant, 200, async {
-        if a.ms >= b.ms {
-            a.clone()
-        } else {
-            b.clone()
-        }
-    })
+    ctx.op(
+        "reset_prefix_cache twice at once on both",
+        ctx.bounds.instant,
+        200,
+        async {
+            if a.ms >= b.ms {
+                a.clone()
+            } else {
+                b.clone()
+            }
+        },
+    )
     .await;
     assert_eq!(b.status, 200, "{}", b.body);
     let (paused, reset) = tokio::join!(
         admin_post(&proxy, "/pause?mode=keep&clear_cache=true", None),
         admin_post(&proxy, &path, None),
     );
-    ctx.op("pause keep, clear_cache on both", ctx.bounds.clearing, 200, async { paused })
-        .await;
-    ctx.op("reset_prefix_cache behind it", ctx.bounds.clearing, 200, async { reset })
-        .await;
+    ctx.op(
+        "pause keep, clear_cache on both",
+        ctx.bounds.clearing,
+        200,
+        async { paused },
+    )
+    .await;
+    ctx.op(
+        "reset_prefix_cache behind it",
+        ctx.bounds.clearing,
+        200,
+        async { reset },
+    )
+    .await;
     ctx.post(Target::Both, "/resume", ctx.bounds.instant, 200)
         .await;
     ctx.finish(load, Allow::default()).await;

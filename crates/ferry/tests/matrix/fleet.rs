@@ -263,13 +263,8 @@ pub struct Reply {
 /// `POST base+path` with an optional JSON body, timed.
 pub async fn admin_post(base: &str, path: &str, body: Option<&Value>) -> Reply {
     let started = Instant::now();
-    let (status, body, _) = procs::call(
-        reqwest::Method::POST,
-        &format!("{base}{path}"),
-        body,
-        &[],
-    )
-    .await;
+    let (status, body, _) =
+        procs::call(reqwest::Method::POST, &format!("{base}{path}"), body, &[]).await;
     Reply {
         status,
         body,
@@ -284,16 +279,32 @@ pub fn millis(d: Duration) -> f64 {
 
 /// The transfer and tier counters a case moves, as (name in the summary, engine, metric).
 const COUNTERS: [(&str, Engine, &str); 10] = [
-    ("p_exports_started", Engine::P, "ferry_kv_exports_started_total"),
-    ("p_exports_pulled", Engine::P, "ferry_kv_exports_pulled_total"),
-    ("p_exports_expired", Engine::P, "ferry_kv_exports_expired_total"),
+    (
+        "p_exports_started",
+        Engine::P,
+        "ferry_kv_exports_started_total",
+    ),
+    (
+        "p_exports_pulled",
+        Engine::P,
+        "ferry_kv_exports_pulled_total",
+    ),
+    (
+        "p_exports_expired",
+        Engine::P,
+        "ferry_kv_exports_expired_total",
+    ),
     ("d_loads_started", Engine::D, "ferry_kv_loads_started_total"),
     ("d_loads_landed", Engine::D, "ferry_kv_loads_finished_total"),
     ("d_loads_failed", Engine::D, "ferry_kv_loads_failed_total"),
     ("preemptions", Engine::Both, "ferry_preemptions_total"),
     ("tier_stores", Engine::Both, "ferry_kv_offload_stores_total"),
     ("tier_loads", Engine::Both, "ferry_kv_offload_loads_total"),
-    ("tier_flushes", Engine::Both, "ferry_kv_offload_flushes_total"),
+    (
+        "tier_flushes",
+        Engine::Both,
+        "ferry_kv_offload_flushes_total",
+    ),
 ];
 
 #[derive(Debug, Clone, Copy)]

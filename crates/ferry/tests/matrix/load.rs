@@ -102,7 +102,12 @@ pub async fn reference(setup: &Setup) -> Arc<Reference> {
 
 fn token_ids(v: &Value) -> Vec<u32> {
     v.as_array()
-        .map(|a| a.iter().filter_map(|t| t.as_u64()).map(|t| t as u32).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t.as_u64())
+                .map(|t| t as u32)
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -174,14 +179,18 @@ impl Outcome {
             return if is_prefix {
                 Ok(End::Disconnected)
             } else {
-                Err(format!("{who}: streamed tokens that are not the reference's"))
+                Err(format!(
+                    "{who}: streamed tokens that are not the reference's"
+                ))
             };
         }
         if self.status != 200 || self.error.is_some() {
             return if is_prefix {
                 Ok(End::Failed)
             } else {
-                Err(format!("{who}: failed after tokens that are not the reference's"))
+                Err(format!(
+                    "{who}: failed after tokens that are not the reference's"
+                ))
             };
         }
         if !self.done {

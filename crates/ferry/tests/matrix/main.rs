@@ -81,9 +81,9 @@ async fn run(setup: Setup, cases: Vec<Case>) {
     let mut failed = Vec::new();
     // `FERRY_MATRIX_CASE=text` runs only the cases whose names contain it (to replay one).
     let only = std::env::var("FERRY_MATRIX_CASE").ok();
-    let chosen = cases.into_iter().filter(|c| {
-        c.applies(setup.tier) && only.as_deref().is_none_or(|o| c.name().contains(o))
-    });
+    let chosen = cases
+        .into_iter()
+        .filter(|c| c.applies(setup.tier) && only.as_deref().is_none_or(|o| c.name().contains(o)));
     for case in chosen {
         let name = case.name();
         let record = Arc::new(Mutex::new(Record::default()));
@@ -94,20 +94,18 @@ async fn run(setup: Setup, cases: Vec<Case>) {
             case.run(&ctx).await;
             trio.wait_clean(drain_bound(&setup)).await;
         };
-        let error = match tokio::time::timeout(
-            case_bound(&setup),
-            AssertUnwindSafe(body).catch_unwind(),
-        )
-        .await
-        {
-            Ok(Ok(())) => None,
-            Ok(Err(panic)) => Some(panic_message(panic)),
-            Err(_) => Some(format!(
-                "the case ran past its bound of {} s\n{}",
-                case_bound(&setup).as_secs(),
-                trio.log_tail()
-            )),
-        };
+        let error =
+            match tokio::time::timeout(case_bound(&setup), AssertUnwindSafe(body).catch_unwind())
+                .await
+            {
+                Ok(Ok(())) => None,
+                Ok(Err(panic)) => Some(panic_message(panic)),
+                Err(_) => Some(format!(
+                    "the case ran past its bound of {} s\n{}",
+                    case_bound(&setup).as_secs(),
+                    trio.log_tail()
+                )),
+            };
         drop(ctx);
         let wall_ms = case_started.elapsed().as_millis() as u64;
         if error.is_none() {

@@ -65,7 +65,9 @@ pub fn keep(result: CaseResult) {
         result.case,
         result.tier,
         result.model,
-        result.reply_ms.map_or("-".to_owned(), |m| format!("{m:.1}")),
+        result
+            .reply_ms
+            .map_or("-".to_owned(), |m| format!("{m:.1}")),
         result.bound_ms.map_or("-".to_owned(), |m| m.to_string()),
         result.counts.n_requests,
         result.counts.n_finished,
@@ -81,8 +83,7 @@ pub fn keep(result: CaseResult) {
     all.push(result);
     if let Some(path) = std::env::var_os("FERRY_MATRIX_OUT") {
         let json = serde_json::to_string_pretty(&*all).unwrap();
-        std::fs::write(&path, json).unwrap_or_else(|e| {
-            panic!("writing FERRY_MATRIX_OUT {}: {e}", path.to_string_lossy())
-        });
+        std::fs::write(&path, json)
+            .unwrap_or_else(|e| panic!("writing FERRY_MATRIX_OUT {}: {e}", path.to_string_lossy()));
     }
 }
