@@ -41,7 +41,7 @@ fn prompt_set(model: &Model) -> PromptSet {
     let max_tokens = (0..8)
         .map(|i| match model {
             Model::Tiny => 560 + 40 * i,
-            Model::Default(_) => 20 + 2 * i,
+            Model::Default(_) => 12 + 2 * i,
         })
         .collect();
     PromptSet {
