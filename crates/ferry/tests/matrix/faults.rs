@@ -370,7 +370,7 @@ pub async fn reset_with_store_in_flight(ctx: &Ctx<'_>) {
             break;
         }
         assert!(
-            attempts < 8 && load.n_ended() < load.len(),
+            attempts < 20 && load.n_ended() < load.len(),
             "no reset found a store in flight in {attempts} attempts"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
