@@ -31,9 +31,11 @@ def main():
     print("| --- | --- | --- | ---: | --- | --- | --- | --- |")
     for r in results:
         reply = "-" if r["reply_ms"] is None else "%.1f (%d)" % (r["reply_ms"], r["bound_ms"])
+        main = next((i for i, c in enumerate(r["calls"])
+                     if r["reply_ms"] == c["reply_ms"] and r["bound_ms"] == c["bound_ms"]), 0)
         others = "; ".join("%s: %d %.1f" % (c["call"].replace(" on both", "").replace("|", "/"),
                                              c["status"], c["reply_ms"])
-                           for c in r["calls"][1:]) or "-"
+                           for i, c in enumerate(r["calls"]) if i != main) or "-"
         n = r["counts"]
         requests = "%d: %d / %d / %d" % (n["n_requests"], n["n_finished"], n["n_aborted"],
                                          n["n_disconnected"])

@@ -51,7 +51,9 @@ pub enum Case {
     },
     AbortAll,
     AbortByIds,
-    AbortQueuedOnP,
+    AbortQueuedOnP {
+        by_pause: bool,
+    },
     ResetPrefixCache {
         running: bool,
     },
@@ -112,7 +114,8 @@ impl Case {
             },
             Case::AbortAll,
             Case::AbortByIds,
-            Case::AbortQueuedOnP,
+            Case::AbortQueuedOnP { by_pause: false },
+            Case::AbortQueuedOnP { by_pause: true },
             Case::ResetPrefixCache { running: false },
             Case::ResetPrefixCache { running: true },
             Case::ReleaseKvCache,
@@ -181,7 +184,12 @@ impl Case {
             ),
             Case::AbortAll => "abort_requests (all)".into(),
             Case::AbortByIds => "abort_requests (by id)".into(),
-            Case::AbortQueuedOnP => "abort_requests, queued on a paused P".into(),
+            Case::AbortQueuedOnP { by_pause: false } => {
+                "abort_requests, queued on a paused P".into()
+            }
+            Case::AbortQueuedOnP { by_pause: true } => {
+                "pause abort on P, queued on a paused P".into()
+            }
             Case::ResetPrefixCache { running } => format!(
                 "reset_prefix_cache{}",
                 if running {
@@ -214,7 +222,7 @@ impl Case {
             Case::Reload { mode } => reload(ctx, mode).await,
             Case::AbortAll => faults::abort_all(ctx).await,
             Case::AbortByIds => faults::abort_by_ids(ctx).await,
-            Case::AbortQueuedOnP => faults::abort_queued_on_p(ctx).await,
+            Case::AbortQueuedOnP { by_pause } => faults::abort_queued_on_p(ctx, by_pause).await,
             Case::ResetPrefixCache { running } => faults::reset_prefix_cache(ctx, running).await,
             Case::DisconnectMidStream => faults::disconnect_mid_stream(ctx).await,
             Case::DisconnectMidTransfer => faults::disconnect_mid_transfer(ctx).await,
@@ -394,6 +402,7 @@ async fn release(ctx: &Ctx<'_>) {
         200,
     )
     .await;
+    ctx.next_is_main();
     ctx.post(
         Target::Both,
         "/release_kv_cache_memory",

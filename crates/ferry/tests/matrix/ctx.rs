@@ -32,6 +32,8 @@ pub struct Record {
     /// How far the case moved the transfer and tier counters (P's exports, D's loads,
     /// preemptions, the tier's stores, loads and flushes): evidence of what it exercised.
     pub counters: BTreeMap<&'static str, f64>,
+    /// Which call is the operation under test (`None`: the first).
+    pub main_call: Option<usize>,
 }
 
 /// Reply-time bounds, per model (the default model's steps are ~100x the tiny model's).
@@ -114,6 +116,12 @@ impl<'a> Ctx<'a> {
 
     pub fn url(&self, target: Target) -> &str {
         self.trio.url(target)
+    }
+
+    /// The next admin call is the operation under test (the calls before it set the stage).
+    pub fn next_is_main(&self) {
+        let mut record = self.record.lock().unwrap();
+        record.main_call = Some(record.calls.len());
     }
 
     pub fn note(&self, note: impl Into<String>) {

@@ -44,9 +44,10 @@ pub async fn abort_all(ctx: &Ctx<'_>) {
 }
 
 /// Requests queued on a paused P (the proxy waits on P's answer before it calls D), then
-/// `abort_requests` with no ids through the proxy: the clients asked for an abort, so each
-/// ends with `finish_reason: abort`, and D never computes them.
-pub async fn abort_queued_on_p(ctx: &Ctx<'_>) {
+/// `abort_requests` with no ids through the proxy, or (`by_pause`) an aborting pause of P:
+/// the requests were aborted, so each client gets `finish_reason: abort`, and D never
+/// computes them.
+pub async fn abort_queued_on_p(ctx: &Ctx<'_>, by_pause: bool) {
     ctx.post(
         Target::P,
         "/pause?mode=keep&clear_cache=false",
@@ -63,16 +64,27 @@ pub async fn abort_queued_on_p(ctx: &Ctx<'_>) {
         &metrics_text(&ctx.trio.d.url).await,
         "ferry_requests_finished_total",
     );
-    let reply = ctx
-        .post_json(
-            Target::Both,
-            "/abort_requests",
-            &json!({}),
-            ctx.bounds.instant,
+    ctx.next_is_main();
+    if by_pause {
+        ctx.post(
+            Target::P,
+            "/pause?mode=abort&clear_cache=true",
+            ctx.bounds.clearing,
             200,
         )
         .await;
-    assert_eq!(reply.body["aborted"], 2, "{}", reply.body);
+    } else {
+        let reply = ctx
+            .post_json(
+                Target::Both,
+                "/abort_requests",
+                &json!({}),
+                ctx.bounds.instant,
+                200,
+            )
+            .await;
+        assert_eq!(reply.body["aborted"], 2, "{}", reply.body);
+    }
     let ends = ctx
         .finish(
             load,

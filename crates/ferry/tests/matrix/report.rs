@@ -14,7 +14,8 @@ pub struct CaseResult {
     pub tier: &'static str,
     pub model: &'static str,
     pub pass: bool,
-    /// The reply time of the operation under test (the case's first admin call).
+    /// The reply time of the operation under test (the case's first admin call, unless the
+    /// case named another).
     pub reply_ms: Option<f64>,
     pub bound_ms: Option<u64>,
     pub counts: Counts,
@@ -36,7 +37,7 @@ impl CaseResult {
         wall_ms: u64,
         error: Option<String>,
     ) -> Self {
-        let first = record.calls.first();
+        let first = record.calls.get(record.main_call.unwrap_or(0));
         CaseResult {
             case: case.to_owned(),
             tier,
