@@ -125,16 +125,23 @@ impl Fleet {
 
     /// The least-loaded instance of `role` not in `tried` (by URL), counted in flight from
     /// now; `None` when every one was tried.
+    ///
+    /// The counts are read once: other requests start and end concurrently, so a second read
+    /// may match none of the first's minimum (which answered "no instance" with one idle).
     pub fn pick(&self, role: Role, tried: &[String]) -> Option<InFlight> {
-        let candidates: Vec<&Arc<Instance>> =
-            self.of(role).filter(|i| !tried.contains(&i.url)).collect();
-        let least = candidates.iter().map(|i| i.in_flight()).min()?;
-        let tied: Vec<&&Arc<Instance>> = candidates
+        let loads: Vec<(usize, &Arc<Instance>)> = self
+            .of(role)
+            .filter(|i| !tried.contains(&i.url))
+            .map(|i| (i.in_flight(), i))
+            .collect();
+        let least = loads.iter().map(|(n, _)| *n).min()?;
+        let tied: Vec<&Arc<Instance>> = loads
             .iter()
-            .filter(|i| i.in_flight() == least)
+            .filter(|(n, _)| *n == least)
+            .map(|(_, i)| *i)
             .collect();
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
-        let chosen = tied.get(turn % tied.len().max(1)).copied()?;
+        let chosen = tied[turn % tied.len()];
         Some(InFlight::start(Arc::clone(chosen)))
     }
 }
@@ -164,6 +171,27 @@ mod tests {
             "http://p0"
         );
         assert!(fleet.pick(Role::Prefill, &urls(&["http://p0"])).is_none());
+    }
+
+    /// Requests start and end on other threads while one picks: a pick with an instance
+    /// left to try always gets one.
+    #[test]
+    fn a_pick_never_misses_while_counts_change() {
+        let fleet = Arc::new(Fleet::new(&urls(&["http://p0"]), &urls(&["http://d0"])));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let fleet = Arc::clone(&fleet);
+                std::thread::spawn(move || {
+                    for _ in 0..50_000 {
+                        let guard = fleet.pick(Role::Decode, &[]);
+                        assert!(guard.is_some(), "no decode instance, with one to pick");
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
     }
 
     #[test]

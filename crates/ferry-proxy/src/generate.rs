@@ -10,6 +10,11 @@
 //!
 //! A batch of prompts goes to D alone (an export holds one prompt's KV, so a batch cannot be
 //! split between P and D in one request): D computes it as a plain server would.
+//!
+//! A request P ends as aborted (an `abort_requests` or an aborting pause reached it while P
+//! held it) is the client's abort: the client gets `finish_reason: abort`, streamed when it
+//! asked for a stream, and D never sees the request. Sending it on to D would undo the abort
+//! (D computes the whole request, after the caller was told it was aborted).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -101,12 +106,14 @@ async fn generate(app: &ProxyState, route: Route, id: &str, body: &[u8]) -> Resu
     let mut decode_request = request.clone();
     if n_prompts(route, &request) == 1 {
         match prefill(app, route, id, request).await? {
-            Some(params) => {
+            Prefilled::Exported(params) => {
                 decode_request.insert("kv_transfer_params".into(), params);
             }
-            // P exported nothing (its request was aborted): D computes the prompt itself.
-            None => {
+            Prefilled::Nothing => {
                 decode_request.remove("kv_transfer_params");
+            }
+            Prefilled::Aborted(answer) => {
+                return Ok(aborted_answer(route, &decode_request, answer));
             }
         }
     } else {
@@ -161,14 +168,25 @@ fn prefill_request(route: Route, mut request: Map<String, Value>) -> Map<String,
     request
 }
 
+/// What P's answer says about the prompt.
+#[derive(Debug, PartialEq)]
+enum Prefilled {
+    /// Its KV is exported under these `kv_transfer_params`.
+    Exported(Value),
+    /// P exported nothing (a P without `--kv-role kv_producer`): D computes the prompt.
+    Nothing,
+    /// P ended the request as aborted (this is P's answer): so does the client's request.
+    Aborted(Value),
+}
+
 /// Runs the request's prompt on the least-loaded prefill instance (the next one when one is
-/// unreachable) and returns its `kv_transfer_params`.
+/// unreachable) and returns what it made of it.
 async fn prefill(
     app: &ProxyState,
     route: Route,
     id: &str,
     request: Map<String, Value>,
-) -> Result<Option<Value>, Stop> {
+) -> Result<Prefilled, Stop> {
     let body = Bytes::from(
         serde_json::to_vec(&prefill_request(route, request)).map_err(|e| {
             ApiError::internal(format!("could not encode the prefill request: {e}"))
@@ -193,7 +211,7 @@ async fn prefill(
             }
             Ok((_, _, answer)) => {
                 drop(guard);
-                return exported_params(&instance, &answer).map_err(Stop::from);
+                return prefilled(&instance, &answer).map_err(Stop::from);
             }
             Err(e) if e.nothing_sent() => {
                 instance.record_failure();
@@ -209,13 +227,14 @@ async fn prefill(
     Err(none_reachable(Role::Prefill, &unreachable).into())
 }
 
-/// P's `kv_transfer_params` out of its answer: `None` when it exported nothing.
-fn exported_params(
-    instance: &crate::fleet::Instance,
-    answer: &[u8],
-) -> Result<Option<Value>, UpstreamError> {
+/// P's `kv_transfer_params` out of its answer, or that it aborted the request or exported
+/// nothing.
+fn prefilled(instance: &crate::fleet::Instance, answer: &[u8]) -> Result<Prefilled, UpstreamError> {
     let value: Value = serde_json::from_slice(answer)
         .map_err(|e| UpstreamError::broken(instance, format!("its answer is not JSON: {e}")))?;
+    if value["choices"][0]["finish_reason"] == "abort" {
+        return Ok(Prefilled::Aborted(value));
+    }
     match value.get("kv_transfer_params") {
         None | Some(Value::Null) => {
             tracing::warn!(
@@ -223,14 +242,73 @@ fn exported_params(
                 "the prefill instance returned no kv_transfer_params (is it started with \
                  --kv-role kv_producer?); the decode instance computes the prompt"
             );
-            Ok(None)
+            Ok(Prefilled::Nothing)
         }
-        Some(p @ Value::Object(_)) => Ok(Some(p.clone())),
+        Some(p @ Value::Object(_)) => Ok(Prefilled::Exported(p.clone())),
         Some(other) => Err(UpstreamError::broken(
             instance,
             format!("its kv_transfer_params are not an object: {other}"),
         )),
     }
+}
+
+/// The client's answer to a request P aborted, built from P's answer: each of the `n`
+/// choices the client asked for ends with `finish_reason: abort` and no output (P aborts
+/// before its one token, else the request had finished there), as one JSON body or, for a
+/// stream, one chunk per choice (and the usage chunk if asked for) then `[DONE]`.
+fn aborted_answer(route: Route, request: &Map<String, Value>, p_answer: Value) -> Response {
+    let n = request.get("n").and_then(Value::as_u64).unwrap_or(1).max(1);
+    let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
+    if !streaming {
+        let mut answer = p_answer;
+        let choice = answer["choices"][0].clone();
+        answer["choices"] = (0..n)
+            .map(|i| {
+                let mut c = choice.clone();
+                c["index"] = json!(i);
+                c
+            })
+            .collect();
+        return axum::Json(answer).into_response();
+    }
+    let object = match route {
+        Route::Completions => "text_completion",
+        Route::Chat => "chat.completion.chunk",
+    };
+    let chunk = |choices: Value| {
+        json!({"id": p_answer["id"], "object": object, "created": p_answer["created"],
+               "model": p_answer["model"], "choices": choices})
+    };
+    let mut body = String::new();
+    for i in 0..n {
+        let choice = match route {
+            Route::Completions => json!({"index": i, "text": "", "logprobs": null,
+                                         "finish_reason": "abort", "stop_reason": null}),
+            Route::Chat => json!({"index": i, "delta": {}, "logprobs": null,
+                                  "finish_reason": "abort", "stop_reason": null}),
+        };
+        body.push_str(&format!("data: {}\n\n", chunk(json!([choice]))));
+    }
+    let include_usage = request
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        == Some(true);
+    if include_usage {
+        let mut usage = chunk(json!([]));
+        usage["usage"] = p_answer["usage"].clone();
+        body.push_str(&format!("data: {usage}\n\n"));
+    }
+    body.push_str("data: [DONE]\n\n");
+    let mut response = Response::new(Body::from(body));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
 }
 
 /// Sends the client's request (with P's parameters) to the least-loaded decode instance and
@@ -386,6 +464,74 @@ mod tests {
             n_prompts(Route::Chat, &object(json!({"prompt": ["a", "b"]}))),
             1
         );
+    }
+
+    #[test]
+    fn an_answer_p_aborted_is_the_clients_abort() {
+        let instance = crate::fleet::Instance::new("http://p0", Role::Prefill);
+        let aborted = json!({"id": "cmpl-1", "object": "text_completion", "created": 7,
+            "model": "m", "choices": [{"index": 0, "text": "", "finish_reason": "abort"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}});
+        let answer = serde_json::to_vec(&aborted).unwrap();
+        assert_eq!(
+            prefilled(&instance, &answer).unwrap(),
+            Prefilled::Aborted(aborted.clone())
+        );
+        let exported = json!({"choices": [{"finish_reason": "length"}],
+                              "kv_transfer_params": {"do_remote_prefill": true}});
+        let answer = serde_json::to_vec(&exported).unwrap();
+        assert_eq!(
+            prefilled(&instance, &answer).unwrap(),
+            Prefilled::Exported(json!({"do_remote_prefill": true}))
+        );
+        let answer = serde_json::to_vec(&json!({"choices": [{"finish_reason": "length"}]}));
+        assert_eq!(
+            prefilled(&instance, &answer.unwrap()).unwrap(),
+            Prefilled::Nothing
+        );
+    }
+
+    #[tokio::test]
+    async fn an_aborted_answer_has_the_shape_the_client_asked_for() {
+        let p_answer = json!({"id": "cmpl-1", "object": "text_completion", "created": 7,
+            "model": "m", "choices": [{"index": 0, "text": "", "finish_reason": "abort"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}});
+        let body = |r: Response| async move {
+            let bytes = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
+            String::from_utf8(bytes.to_vec()).unwrap()
+        };
+        let request = object(json!({"prompt": "a", "n": 2}));
+        let plain = body(aborted_answer(
+            Route::Completions,
+            &request,
+            p_answer.clone(),
+        ))
+        .await;
+        let plain: Value = serde_json::from_str(&plain).unwrap();
+        assert_eq!(plain["choices"][1]["index"], 1, "{plain}");
+        assert_eq!(plain["choices"][1]["finish_reason"], "abort", "{plain}");
+
+        let request = object(json!({"messages": [], "stream": true,
+                                    "stream_options": {"include_usage": true}}));
+        let response = aborted_answer(Route::Chat, &request, p_answer);
+        assert_eq!(
+            response.headers()[header::CONTENT_TYPE],
+            "text/event-stream"
+        );
+        let events: Vec<String> = body(response)
+            .await
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: ").map(str::to_owned))
+            .collect();
+        assert_eq!(events.len(), 3, "{events:?}");
+        let first: Value = serde_json::from_str(&events[0]).unwrap();
+        assert_eq!(first["object"], "chat.completion.chunk");
+        assert_eq!(first["id"], "cmpl-1");
+        assert_eq!(first["choices"][0]["delta"], json!({}));
+        assert_eq!(first["choices"][0]["finish_reason"], "abort");
+        let usage: Value = serde_json::from_str(&events[1]).unwrap();
+        assert_eq!(usage["usage"]["prompt_tokens"], 5, "{usage}");
+        assert_eq!(events[2], "[DONE]");
     }
 
     #[test]
