@@ -979,3 +979,26 @@ fn waiting_requests_holding_landed_kv_give_it_back_when_nothing_else_can_run() {
     }
     assert_eq!(d.generated["a"], reference("a", prompt(1, 8), 20));
 }
+
+#[test]
+fn reset_prefix_cache_with_reset_running_requests_also_takes_back_landed_loads() {
+    // Found by the lifecycle matrix: under load, D's waiting requests held landed KV, so the
+    // reset answered false even with reset_running_requests.
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    step(&mut f, "D", &mut d);
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    assert_eq!(state(&d, "x"), RequestState::Waiting);
+    assert!(!d.sched.reset_caches(false, false), "the landed KV is held");
+    assert!(d.sched.reset_caches(true, false));
+    let idx = d.sched.request_idx("x").unwrap();
+    assert_eq!(d.sched.request(idx).unwrap().n_computed, 0);
+    d.drain(100);
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
+}

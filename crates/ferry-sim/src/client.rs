@@ -1,8 +1,8 @@
 //! Clients and the proxy between them and the engines: where each request is, and how it
 //! ended. The proxy's rules are `ferry-proxy`'s (`generate.rs`): prefill on P with
-//! `max_tokens: 1` and an export asked for, then decode on D with P's parameters; P exported
-//! nothing (its request was aborted, or it failed): D computes the prompt itself; an engine
-//! that is down or dies answers the client with an error.
+//! `max_tokens: 1` and an export asked for, then decode on D with P's parameters; P aborted
+//! the request: the client's answer is that abort; P exported nothing otherwise: D computes
+//! the prompt itself; an engine that is down or dies answers the client with an error.
 
 use std::time::Duration;
 

@@ -704,11 +704,12 @@ impl Sim {
                         side.name()
                     ));
                 }
-                if c.answers_from(side) {
+                if c.answers_from(side) || reason == FinishReason::Abort {
+                    // An abort on P is the client's answer (the proxy never undoes it on D).
                     self.client_done(i, reason, message)?;
                 } else {
-                    // P's prefill is over: the proxy takes P's parameters to D (none: D
-                    // computes the prompt itself).
+                    // P's prefill is over: the proxy takes P's parameters to D (none, e.g.
+                    // for KV that mixed weights: D computes the prompt itself).
                     let due = self.now + Duration::from_millis(self.rng.range(0, 5));
                     self.clients[i].stage = Stage::Proxy { due, kv };
                 }

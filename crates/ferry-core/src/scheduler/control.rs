@@ -531,7 +531,8 @@ impl Scheduler {
     }
 
     /// `reset_prefix_cache` as the admin API has it: with `reset_running_requests`, running
-    /// requests are preempted first (kept, recomputed later, queue order preserved); with
+    /// requests are preempted first, and waiting ones holding KV (landed loads) drop it (all
+    /// kept, recomputed later, queue order preserved); with
     /// `reset_connector`, every connector's cache is reset too. Never fails on busy blocks:
     /// false (the prefix cache unchanged) while any block is held.
     ///
@@ -541,7 +542,9 @@ impl Scheduler {
     pub fn reset_caches(&mut self, reset_running_requests: bool, reset_connector: bool) -> bool {
         self.poll_connectors();
         if reset_running_requests {
+            // Waiting requests holding KV (landed loads) hold it as running ones do.
             self.preempt_all_running();
+            self.retract_waiting_kv();
         }
         if reset_connector
             && (!self.transfers.is_empty() || self.connectors.iter().any(|c| c.has_pending_work()))
