@@ -24,7 +24,7 @@ pub mod worker;
 
 pub use access::{Access, BlockGrant};
 pub use arena::{KvArena, KvError, KvLayout, KvPlane};
-pub use offload::{copy_report, HostMemory, OffloadWorker};
+pub use offload::{CopyJob, HostMemory, OffloadWorker};
 pub use resident::resident_bytes;
 pub use tcp::{TcpTransport, TcpTransportConfig};
 pub use transport::{ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, Transport};

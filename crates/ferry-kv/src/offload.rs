@@ -27,14 +27,82 @@ use crate::access::{Access, BlockGrant};
 use crate::arena::KvArena;
 use crate::worker::{Reports, WorkerConnector};
 
-/// One copy job, as the copier runs it.
-struct CopyJob {
-    hold: TransferId,
+/// One `Store` or `Load` job with a grant over exactly its hold's blocks, as a copier runs
+/// it: the copier thread here, and the simulation's deterministic copier (`ferry-sim`), so
+/// both start and run jobs with this code.
+pub struct CopyJob {
+    pub hold: TransferId,
     epoch: u64,
     store: bool,
     copies: Vec<HostCopy>,
     grant: BlockGrant,
     reports: Reports,
+}
+
+impl std::fmt::Debug for CopyJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyJob")
+            .field("hold", &self.hold)
+            .field("store", &self.store)
+            .field("n_copies", &self.copies.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CopyJob {
+    /// The copy `job` asks for (`Store` or `Load`; `None` for any other job), with its grant
+    /// (read for a store, write for a load). A grant that cannot be made is reported as the
+    /// job's failure at once, and gives `None` too.
+    pub fn start(job: &WorkerJob, arena: &KvArena, reports: &Reports) -> Option<Self> {
+        let (hold, epoch, store, copies) = match job {
+            WorkerJob::Store {
+                hold,
+                epoch,
+                copies,
+            } => (*hold, *epoch, true, copies),
+            WorkerJob::Load {
+                hold,
+                epoch,
+                copies,
+            } => (*hold, *epoch, false, copies),
+            _ => return None,
+        };
+        let blocks: Vec<u32> = copies.iter().map(|c| c.block).collect();
+        let access = if store { Access::Read } else { Access::Write };
+        // SAFETY: the blocks are those of the job's `Store` or `Load` hold (see
+        // `WorkerConnector::before_forward`): no step touches them until the copier reported
+        // the job, which it does only after dropping this grant (`run`).
+        match unsafe { arena.grant(&blocks, access) } {
+            Ok(grant) => Some(Self {
+                hold,
+                epoch,
+                store,
+                copies: copies.clone(),
+                grant,
+                reports: reports.clone(),
+            }),
+            Err(e) => {
+                reports.send(copy_report(hold, epoch, store, Err(e.to_string())));
+                None
+            }
+        }
+    }
+
+    /// Copies, drops the grant, then reports: once the hold ends, nothing here touches its
+    /// blocks.
+    pub fn run(self, memory: &mut HostMemory) {
+        let Self {
+            hold,
+            epoch,
+            store,
+            copies,
+            mut grant,
+            reports,
+        } = self;
+        let result = memory.copy(store, &copies, &mut grant);
+        drop(grant);
+        reports.send(copy_report(hold, epoch, store, result));
+    }
 }
 
 enum Msg {
@@ -129,37 +197,10 @@ impl OffloadWorker {
                 .0;
         }
     }
-
-    fn start(
-        &mut self,
-        hold: TransferId,
-        epoch: u64,
-        store: bool,
-        copies: &[HostCopy],
-        arena: &KvArena,
-        reports: &Reports,
-    ) {
-        let blocks: Vec<u32> = copies.iter().map(|c| c.block).collect();
-        let access = if store { Access::Read } else { Access::Write };
-        // SAFETY: the blocks are those of the job's `Store` or `Load` hold (see
-        // `WorkerConnector::before_forward`): no step touches them until the copier reported
-        // the job, which it does only after dropping this grant.
-        match unsafe { arena.grant(&blocks, access) } {
-            Ok(grant) => self.send(Msg::Copy(CopyJob {
-                hold,
-                epoch,
-                store,
-                copies: copies.to_vec(),
-                grant,
-                reports: reports.clone(),
-            })),
-            Err(e) => reports.send(copy_report(hold, epoch, store, Err(e.to_string()))),
-        }
-    }
 }
 
 /// The report that ends a copy job: `StoreDone` for a store, `LoadDone` for a load.
-pub fn copy_report(
+fn copy_report(
     hold: TransferId,
     epoch: u64,
     store: bool,
@@ -187,17 +228,12 @@ impl WorkerConnector for OffloadWorker {
     fn before_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports) {
         for job in jobs {
             match job {
-                WorkerJob::Store {
-                    hold,
-                    epoch,
-                    copies,
-                } => self.start(*hold, *epoch, true, copies, arena, reports),
-                WorkerJob::Load {
-                    hold,
-                    epoch,
-                    copies,
-                } => self.start(*hold, *epoch, false, copies, arena, reports),
                 WorkerJob::Flush { .. } => self.wait_idle(),
+                WorkerJob::Store { .. } | WorkerJob::Load { .. } => {
+                    if let Some(copy) = CopyJob::start(job, arena, reports) {
+                        self.send(Msg::Copy(copy));
+                    }
+                }
                 other => tracing::error!(?other, "not an offload job; dropped"),
             }
         }
@@ -229,21 +265,7 @@ impl Copier {
     fn run(mut self) {
         while let Ok(msg) = self.rx.recv() {
             match msg {
-                Msg::Copy(job) => {
-                    let CopyJob {
-                        hold,
-                        epoch,
-                        store,
-                        copies,
-                        mut grant,
-                        reports,
-                    } = job;
-                    let result = self.memory.copy(store, &copies, &mut grant);
-                    // The grant goes before the report: once the hold ends, nothing here
-                    // touches its blocks.
-                    drop(grant);
-                    reports.send(copy_report(hold, epoch, store, result));
-                }
+                Msg::Copy(job) => job.run(&mut self.memory),
                 Msg::Release => self.memory.release(),
             }
             let mut done = self

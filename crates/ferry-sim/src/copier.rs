@@ -4,58 +4,30 @@
 //! thread and reports when the copy is done; a `Flush` and a memory release wait until the
 //! copier has finished everything queued. This stand-in keeps that contract without a
 //! thread: jobs wait in a queue the simulation drains at drawn moments, oldest first (the
-//! real copier's order), a `Flush` or a release drains it at once, and the copies themselves
-//! run `ferry_kv::HostMemory`, the real copier's code.
+//! real copier's order), and a `Flush` or a release drains it at once. Jobs are started and
+//! run by the real copier's code (`ferry_kv::CopyJob`, `ferry_kv::HostMemory`).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use ferry_core::{HostCopy, TransferId, WorkerJob};
-use ferry_kv::access::Access;
-use ferry_kv::{copy_report, BlockGrant, HostMemory, KvArena, Reports, WorkerConnector};
-
-struct Job {
-    hold: TransferId,
-    epoch: u64,
-    store: bool,
-    copies: Vec<HostCopy>,
-    grant: BlockGrant,
-    reports: Reports,
-}
+use ferry_core::{TransferId, WorkerJob};
+use ferry_kv::{CopyJob, HostMemory, KvArena, Reports, WorkerConnector};
 
 /// The copier's queue and memory, shared by the worker and the simulation.
+#[derive(Debug)]
 pub struct CopierState {
-    jobs: VecDeque<Job>,
+    jobs: VecDeque<CopyJob>,
     memory: HostMemory,
     pub n_copied: u64,
-}
-
-impl std::fmt::Debug for CopierState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CopierState")
-            .field("n_queued", &self.jobs.len())
-            .field("memory", &self.memory)
-            .finish_non_exhaustive()
-    }
 }
 
 impl CopierState {
     /// Runs the `n` oldest jobs; returns how many ran.
     pub fn run(&mut self, n: usize) -> usize {
         let n = n.min(self.jobs.len());
-        for _ in 0..n {
-            let Job {
-                hold,
-                epoch,
-                store,
-                copies,
-                mut grant,
-                reports,
-            } = self.jobs.pop_front().expect("counted");
-            let result = self.memory.copy(store, &copies, &mut grant);
-            drop(grant);
+        for job in self.jobs.drain(..n) {
+            job.run(&mut self.memory);
             self.n_copied += 1;
-            reports.send(copy_report(hold, epoch, store, result));
         }
         n
     }
@@ -100,53 +72,20 @@ impl Copier {
 #[derive(Debug)]
 struct SimOffloadWorker(Copier);
 
-impl SimOffloadWorker {
-    fn start(
-        &self,
-        hold: TransferId,
-        epoch: u64,
-        store: bool,
-        copies: &[HostCopy],
-        arena: &KvArena,
-        reports: &Reports,
-    ) {
-        let blocks: Vec<u32> = copies.iter().map(|c| c.block).collect();
-        let access = if store { Access::Read } else { Access::Write };
-        // SAFETY: the blocks are those of the job's `Store` or `Load` hold, which ends only
-        // after this job is reported, and the grant is dropped before the report.
-        match unsafe { arena.grant(&blocks, access) } {
-            Ok(grant) => self.0.lock().jobs.push_back(Job {
-                hold,
-                epoch,
-                store,
-                copies: copies.to_vec(),
-                grant,
-                reports: reports.clone(),
-            }),
-            Err(e) => reports.send(copy_report(hold, epoch, store, Err(e.to_string()))),
-        }
-    }
-}
-
 impl WorkerConnector for SimOffloadWorker {
     fn before_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports) {
         for job in jobs {
             match job {
-                WorkerJob::Store {
-                    hold,
-                    epoch,
-                    copies,
-                } => self.start(*hold, *epoch, true, copies, arena, reports),
-                WorkerJob::Load {
-                    hold,
-                    epoch,
-                    copies,
-                } => self.start(*hold, *epoch, false, copies, arena, reports),
                 // The fence: everything handed over so far is done before the step goes on.
                 WorkerJob::Flush { .. } => {
                     let mut s = self.0.lock();
                     let n = s.n_queued();
                     s.run(n);
+                }
+                WorkerJob::Store { .. } | WorkerJob::Load { .. } => {
+                    if let Some(copy) = CopyJob::start(job, arena, reports) {
+                        self.0.lock().jobs.push_back(copy);
+                    }
                 }
                 other => panic!("not an offload job: {other:?}"),
             }
