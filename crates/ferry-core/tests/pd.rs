@@ -274,6 +274,22 @@ fn export(f: &mut Fabric, p: &mut Harness, id: &str, prompt: Vec<u32>) -> KvTran
     params
 }
 
+/// P exports `prompt` as `id`; D gets the request with P's parameters.
+fn import(
+    f: &mut Fabric,
+    p: &mut Harness,
+    d: &mut Harness,
+    id: &str,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+) -> KvTransferParams {
+    let params = export(f, p, id, prompt.clone());
+    d.sched
+        .add_request_with_transfer(id, prompt, greedy(max_tokens), Some(remote(&params)))
+        .unwrap();
+    params
+}
+
 fn remote(params: &KvTransferParams) -> KvTransferParams {
     KvTransferParams {
         do_remote_prefill: true,
@@ -853,10 +869,7 @@ fn a_load_in_flight_across_a_weight_update_lands_stale_kv_and_the_request_recomp
     let mut f = Fabric::default();
     let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
     let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
-    let params = export(&mut f, &mut p, "x", prompt(1, 16));
-    d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
-        .unwrap();
+    import(&mut f, &mut p, &mut d, "x", prompt(1, 16), 4);
     step(&mut f, "D", &mut d);
     assert!(matches!(
         state(&d, "x"),
@@ -882,10 +895,7 @@ fn a_landed_load_not_yet_computed_on_is_dropped_by_a_weight_update() {
     let mut f = Fabric::default();
     let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
     let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
-    let params = export(&mut f, &mut p, "x", prompt(1, 16));
-    d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
-        .unwrap();
+    import(&mut f, &mut p, &mut d, "x", prompt(1, 16), 4);
     d.sched.pause(OpId(1), PauseMode::Keep, false);
     step(&mut f, "D", &mut d);
     d.sched.resume().unwrap();
@@ -987,10 +997,7 @@ fn reset_prefix_cache_with_reset_running_requests_also_takes_back_landed_loads()
     let mut f = Fabric::default();
     let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
     let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
-    let params = export(&mut f, &mut p, "x", prompt(1, 16));
-    d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
-        .unwrap();
+    import(&mut f, &mut p, &mut d, "x", prompt(1, 16), 4);
     step(&mut f, "D", &mut d);
     f.complete_fetches("D");
     f.deliver("D", &mut d);
