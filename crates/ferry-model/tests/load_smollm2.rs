@@ -138,3 +138,37 @@ fn reference_forward_matches_golden_top_logits() {
 fn paged_forward_matches_golden_top_logits() {
     check_top_logits(|ids| paged_logits(model(), ids, false).pop().unwrap());
 }
+
+/// The file loaded with its matrices kept as stored (Q4_1 and the file's other types, q/k
+/// rows un-permuted as bytes) computes the bits of the file dequantized to f32: prefill, and
+/// decode position by position (the 8×1 tiles), for the first golden text; and it reads a
+/// fraction of the f32 model's bytes per step.
+#[test]
+fn stored_precision_gives_the_bits_of_the_f32_load() {
+    use ferry_model::{load_model_stored, LlamaModel, WeightDtype};
+    let path = default_model_path(&cache_dir());
+    let kept = load_model_stored(&path).unwrap();
+    let dtypes: std::collections::BTreeSet<WeightDtype> =
+        kept.weights.stored.values().map(|t| t.dtype).collect();
+    assert!(dtypes.contains(&WeightDtype::Q4_1), "{dtypes:?}");
+    let case = &golden("smollm2.json")["texts"][0];
+    let ids = ids_of(&case["ids"]);
+    let bits = |rows: Vec<Vec<f32>>| -> Vec<Vec<u32>> {
+        rows.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    for every_position in [false, true] {
+        let got = bits(paged_logits(&kept, &ids, every_position));
+        let want = bits(paged_logits(model(), &ids, every_position));
+        assert!(got == want, "every_position = {every_position}");
+    }
+    let read = |m: &LoadedModel| {
+        let llama = LlamaModel::new(&m.config, &m.weights).unwrap();
+        llama.weights().bytes_read_per_step()
+    };
+    assert!(
+        read(&kept) * 4 < read(model()),
+        "Q4_1 reads under a quarter of f32's bytes"
+    );
+}

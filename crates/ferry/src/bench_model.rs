@@ -106,7 +106,8 @@ fn load(args: &Args) -> anyhow::Result<(String, LlamaConfig, WeightStore)> {
         }
         (_, Some(other)) => anyhow::bail!("unknown --random shape {other:?} (smollm2-135m, small)"),
         (Some(path), None) => {
-            let m = ferry_model::load_model(Path::new(path))
+            let m = ferry_model::ModelSpec::resolve(Some(path), Path::new("."))
+                .load_as(ferry_model::Precision::Stored, &mut |_, _, _| {})
                 .with_context(|| format!("loading {path}"))?;
             Ok((m.source, m.config, m.weights))
         }
