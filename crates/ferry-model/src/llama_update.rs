@@ -110,10 +110,23 @@ impl WeightPreparer for LlamaPreparer {
             .tensors
             .iter()
             .map(|(name, t)| (name.clone(), t.shape.clone()))
+            .chain(
+                store
+                    .stored
+                    .iter()
+                    .map(|(n, t)| (n.clone(), t.shape.clone())),
+            )
             .collect();
         let mut slots = self.slots(&list)?;
+        let n_f32 = store.tensors.len();
         for (idx, tensor) in store.tensors.into_values().enumerate() {
             slots.slot(idx).copy_from_slice(&tensor.data);
+        }
+        for (idx, t) in store.stored.into_values().enumerate() {
+            match slots.stored_slot(n_f32 + idx, t.dtype) {
+                Some(bytes) => bytes.copy_from_slice(&t.bytes),
+                None => slots.slot(n_f32 + idx).copy_from_slice(&t.to_f32()),
+            }
         }
         Ok(slots.finish())
     }
@@ -145,10 +158,15 @@ impl WeightPreparer for LlamaPreparer {
             .iter()
             .map(|(_, shape)| shape.iter().product())
             .collect();
+        let n_bytes = tensors
+            .iter()
+            .map(|(_, shape)| shape.iter().product::<usize>() * size_of::<f32>())
+            .collect();
         Ok(Box::new(LlamaSlots {
             config: self.config.clone(),
             places,
             lens,
+            n_bytes,
             target,
         }))
     }
@@ -199,6 +217,27 @@ fn check_store(
     expected: &BTreeMap<String, Vec<usize>>,
     store: &WeightStore,
 ) -> Result<(), WeightError> {
+    for (name, t) in &store.stored {
+        let Some(shape) = expected.get(name) else {
+            return Err(WeightError::UnknownTensor { name: name.clone() });
+        };
+        if &t.shape != shape || store.tensors.contains_key(name) {
+            return Err(WeightError::BadShape {
+                name: name.clone(),
+                expected: shape.clone(),
+                got: t.shape.clone(),
+            });
+        }
+        let want = t.dtype.row_bytes(shape[shape.len() - 1]);
+        let rows: usize = shape[..shape.len() - 1].iter().product();
+        if want.map(|r| r * rows) != Some(t.bytes.len()) {
+            return Err(WeightError::Malformed(format!(
+                "tensor `{name}` holds {} bytes, not {shape:?} of {}",
+                t.bytes.len(),
+                t.dtype
+            )));
+        }
+    }
     for (name, tensor) in &store.tensors {
         let Some(shape) = expected.get(name) else {
             return Err(WeightError::UnknownTensor { name: name.clone() });
@@ -265,9 +304,10 @@ enum Target {
 /// The slots of a checked Llama update (see [`WeightPreparer::slots`]).
 struct LlamaSlots {
     config: LlamaConfig,
-    /// Where each tensor of the list goes, and its length in floats.
+    /// Where each tensor of the list goes, its length in elements, and the bytes it holds.
     places: Vec<Place>,
     lens: Vec<usize>,
+    n_bytes: Vec<usize>,
     target: Target,
 }
 
@@ -284,9 +324,42 @@ impl WeightSlots for LlamaSlots {
         }
     }
 
+    /// A matrix is kept in the dtype it arrives in (a bf16 push into a Q4_1 model makes that
+    /// tensor bf16, never re-quantized): its zeroed f32 segment gives way to one of `dtype`.
+    fn stored_slot(&mut self, idx: usize, dtype: WeightDtype) -> Option<&mut [u8]> {
+        let place = self.places[idx];
+        let segment = match &mut self.target {
+            Target::Full(weights) => match buffer_mut(weights, place.buffer)? {
+                BufferMut::Matrix(m) => {
+                    let k = m.k();
+                    let rows = m.segment_mut(place.offset)?.rows();
+                    if m.segment_mut(place.offset)?.dtype() != dtype {
+                        let fresh = Segment::zeroed(dtype, rows, k).ok()?;
+                        m.replace_segment(place.offset, fresh).ok()?;
+                    }
+                    m.segment_mut(place.offset)?
+                }
+                BufferMut::Vector(_) => return None,
+            },
+            Target::Partial(patches) => {
+                let patch = &mut patches[idx];
+                if !is_matrix(place.buffer) {
+                    return None;
+                }
+                if patch.data.dtype() != dtype {
+                    let (rows, k) = (patch.data.rows(), self.lens[idx] / patch.data.rows().max(1));
+                    patch.data = Segment::zeroed(dtype, rows, k).ok()?;
+                }
+                &mut patch.data
+            }
+        };
+        self.n_bytes[idx] = segment.bytes().len();
+        Some(segment.bytes_mut())
+    }
+
     fn finish(self: Box<Self>) -> PreparedWeights {
         let n_tensors = self.lens.len();
-        let n_bytes = self.lens.iter().sum::<usize>() * size_of::<f32>();
+        let n_bytes = self.n_bytes.iter().sum();
         let (update, complete) = match self.target {
             Target::Full(weights) => (LlamaUpdate::Full(weights), true),
             Target::Partial(patches) => (LlamaUpdate::Partial(patches), false),
@@ -345,6 +418,18 @@ fn layer_place(c: &LlamaConfig, param: &str) -> Option<(LayerBuffer, usize)> {
         "mlp.down_proj.weight" => (LayerBuffer::Down, 0),
         _ => return None,
     })
+}
+
+/// Whether a buffer holds a matrix (kept in its stored precision) rather than a vector.
+fn is_matrix(b: Buffer) -> bool {
+    match b {
+        Buffer::Embed | Buffer::LmHead => true,
+        Buffer::Norm => false,
+        Buffer::Layer(_, lb) => matches!(
+            lb,
+            LayerBuffer::Qkv | LayerBuffer::OProj | LayerBuffer::GateUp | LayerBuffer::Down
+        ),
+    }
 }
 
 /// Whether `patch` fits `w`: a matrix patch as many rows as the segment it replaces and the

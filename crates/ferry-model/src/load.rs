@@ -315,6 +315,17 @@ impl TensorDest for ExpectedSlots<'_> {
     fn tensor_mut(&mut self, idx: usize, _name: &str, _shape: &[usize]) -> &mut [f32] {
         self.0.slot(idx)
     }
+
+    /// A reload keeps the file's dtypes where the executor keeps matrices as stored.
+    fn stored_mut(
+        &mut self,
+        idx: usize,
+        _name: &str,
+        _shape: &[usize],
+        dtype: WeightDtype,
+    ) -> Option<&mut [u8]> {
+        self.0.stored_slot(idx, dtype)
+    }
 }
 
 /// A model's weights on disk (a Hugging Face folder or a GGUF file) for a reload: opened and

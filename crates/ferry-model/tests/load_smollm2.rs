@@ -11,7 +11,9 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use ferry_model::{default_model_path, load_model, LoadedModel, RopeScaling};
-use load_common::{check_top_logits, floats_of, golden, ids_of, paged_logits, reference_forward};
+use load_common::{
+    check_top_logits, floats_of, golden, ids_of, paged_logits, paged_logits_of, reference_forward,
+};
 
 fn cache_dir() -> PathBuf {
     match std::env::var_os("FERRY_CACHE") {
@@ -171,4 +173,45 @@ fn stored_precision_gives_the_bits_of_the_f32_load() {
         read(&kept) * 4 < read(model()),
         "Q4_1 reads under a quarter of f32's bytes"
     );
+}
+
+/// A reload from the GGUF file keeps its dtypes (no f32 copy of the model appears) and
+/// computes what the freshly loaded model computes.
+#[test]
+fn a_reload_from_the_gguf_keeps_its_dtypes() {
+    use ferry_model::{load_model_stored, Executor, LlamaModel, WeightFiles};
+    let path = default_model_path(&cache_dir());
+    let kept = load_model_stored(&path).unwrap();
+    let mut model = LlamaModel::new(&kept.config, &kept.weights).unwrap();
+    let dtypes = |m: &LlamaModel| {
+        let w = m.weights();
+        let mut all: Vec<_> = w.embed.segments().iter().map(|s| s.dtype()).collect();
+        for l in &w.layers {
+            for m in [&l.qkv, &l.o_proj, &l.gate_up, &l.down] {
+                all.extend(m.segments().iter().map(|s| s.dtype()));
+            }
+        }
+        all
+    };
+    let (before, bytes) = (dtypes(&model), model.weights().total_bytes());
+    let files = WeightFiles::open(&path).unwrap();
+    let preparer = model.weight_ops().preparer();
+    preparer.check_config(files.config()).unwrap();
+    let list = ferry_model::expected_tensors(files.config());
+    let mut slots = preparer.slots(&list).unwrap();
+    files.read_into(slots.as_mut()).unwrap();
+    let prepared = slots.finish();
+    assert!(
+        prepared.n_bytes * 4
+            < list
+                .iter()
+                .map(|(_, s)| s.iter().product::<usize>() * 4)
+                .sum()
+    );
+    model.weight_ops_mut().install(prepared).unwrap();
+    assert_eq!(dtypes(&model), before);
+    assert_eq!(model.weights().total_bytes(), bytes);
+    let ids = ids_of(&golden("smollm2.json")["texts"][0]["ids"]);
+    let fresh = paged_logits(&kept, &ids, false);
+    assert_eq!(paged_logits_of(&mut model, &ids, false), fresh);
 }
