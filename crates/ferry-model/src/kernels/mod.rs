@@ -13,8 +13,10 @@
 //! different bits, which is fine because a process never mixes them.
 
 mod matmul;
+mod peak;
 
 pub use matmul::{matmul, matmul_f32_with, matmul_with};
+pub use peak::fma_peak_gflop_s;
 
 use std::sync::OnceLock;
 
