@@ -100,9 +100,30 @@ unsafe fn kernel<const D: u8, const R: usize, const C: usize>(
                 }
             }
         }
+        if C == 1 {
+            // One activation row: row by row, each block's scales (or 4-bit table) made once
+            // and used for both halves while the activation's two chunks stay in registers.
+            // Each accumulator still takes its chunks in order.
+            // SAFETY: p + 32 <= k inside row i.
+            let xv = unsafe { [0, 16].map(|h| _mm512_loadu_ps(x.add(i * k + p + h))) };
+            for (r, &row) in rows.iter().enumerate() {
+                // SAFETY: p + 32 <= k inside each row.
+                let ctx = unsafe { block_ctx::<D>(row, p) };
+                for (half, &xh) in xv.iter().enumerate() {
+                    // SAFETY: as above.
+                    let w = unsafe { load::<D>(row, p, half, ctx) };
+                    acc[0][r] = _mm512_fmadd_ps(xh, w, acc[0][r]);
+                }
+            }
+            p += 32;
+            continue;
+        }
+        // SAFETY: p + 32 <= k inside each row.
+        let ctx: [__m512; R] = std::array::from_fn(|r| unsafe { block_ctx::<D>(rows[r], p) });
         for half in 0..2 {
             // SAFETY: p + 32 <= k inside each row.
-            let wv: [__m512; R] = std::array::from_fn(|r| unsafe { load::<D>(rows[r], p, half) });
+            let wv: [__m512; R] =
+                std::array::from_fn(|r| unsafe { load::<D>(rows[r], p, half, ctx[r]) });
             for (c, row) in acc.iter_mut().enumerate() {
                 // SAFETY: p + 32 <= k inside row i + c.
                 let xv = unsafe { _mm512_loadu_ps(x.add((i + c) * k + p + 16 * half)) };
@@ -116,7 +137,8 @@ unsafe fn kernel<const D: u8, const R: usize, const C: usize>(
     // A last chunk of 16: only f32, f16 and bf16 rows (a quantized row is whole blocks).
     if p < k16 {
         // SAFETY: p + 16 <= k inside each row.
-        let wv: [__m512; R] = std::array::from_fn(|r| unsafe { load::<D>(rows[r], p, 0) });
+        let wv: [__m512; R] =
+            std::array::from_fn(|r| unsafe { load::<D>(rows[r], p, 0, _mm512_setzero_ps()) });
         for (c, row) in acc.iter_mut().enumerate() {
             // SAFETY: p + 16 <= k inside row i + c.
             let xv = unsafe { _mm512_loadu_ps(x.add((i + c) * k + p)) };
@@ -151,17 +173,49 @@ fn byte_offset<const D: u8>(p: usize) -> usize {
     }
 }
 
-/// Elements `p + 16 * half .. + 16` of the row at `row` (`p` a multiple of 32), as the
-/// loader's f32 values: f16 converted exactly (`vcvtph2ps`), bf16 shifted into the upper half,
-/// `d * q` for Q8_0, `d * (q - 8)` for Q4_0, and `d * q + m` for Q4_1 as a multiply then an
-/// add (never fused: the loader rounds the product before adding `m`). Low nibbles are
-/// elements 0..16 of a block, high nibbles 16..32.
+/// What a block of 32 elements of dtype `D` at element `p` of `row` needs to decode: its
+/// scale broadcast (Q8_0), or the 16 values its nibbles stand for (Q4_0: `d * (q - 8)`; Q4_1:
+/// `d * q + m`, made with one fused multiply-add, which gives the loader's bits because
+/// `d * q` is exact in f32: an 11-bit f16 significand times a 4-bit integer); nothing for
+/// f32, f16 and bf16.
+///
+/// # Safety
+/// The block lies inside the row.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn block_ctx<const D: u8>(row: *const u8, p: usize) -> __m512 {
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    // SAFETY (every read): the block's scales, inside the row as the caller promised.
+    unsafe {
+        match D {
+            Q8_0 => scale(row.add(p / 32 * 34)),
+            Q4_0 => {
+                let d = scale(row.add(p / 32 * 18));
+                _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0)))
+            }
+            Q4_1 => {
+                let block = row.add(p / 32 * 20);
+                _mm512_fmadd_ps(iota, scale(block), scale(block.add(2)))
+            }
+            _ => _mm512_setzero_ps(),
+        }
+    }
+}
+
+/// Elements `p + 16 * half .. + 16` of the row at `row` (`p` a multiple of 32 for the
+/// quantized dtypes; `ctx` from [`block_ctx`]), as the loader's f32 values: f16 converted
+/// exactly (`vcvtph2ps`), bf16 shifted into the upper half, `d * q` for Q8_0 (exact), and for
+/// Q4_0 / Q4_1 the block's table looked up by nibble (`vpermps` reads the low 4 bits of each
+/// index, so the low nibbles need no mask). Low nibbles are elements 0..16 of a block, high
+/// nibbles 16..32.
 ///
 /// # Safety
 /// The 16 elements lie inside the row.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn load<const D: u8>(row: *const u8, p: usize, half: usize) -> __m512 {
+unsafe fn load<const D: u8>(row: *const u8, p: usize, half: usize, ctx: __m512) -> __m512 {
     let e = p + 16 * half;
     // SAFETY (every read): inside the row, as the caller promised; unaligned loads.
     unsafe {
@@ -175,19 +229,10 @@ unsafe fn load<const D: u8>(row: *const u8, p: usize, half: usize) -> __m512 {
             Q8_0 => {
                 let block = row.add(p / 32 * 34);
                 let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(2 + 16 * half).cast()));
-                _mm512_mul_ps(scale(block), _mm512_cvtepi32_ps(q))
+                _mm512_mul_ps(ctx, _mm512_cvtepi32_ps(q))
             }
-            Q4_0 => {
-                let block = row.add(p / 32 * 18);
-                let q = nibbles(block.add(2), half);
-                let q = _mm512_sub_epi32(q, _mm512_set1_epi32(8));
-                _mm512_mul_ps(scale(block), _mm512_cvtepi32_ps(q))
-            }
-            _ => {
-                let block = row.add(p / 32 * 20);
-                let q = _mm512_cvtepi32_ps(nibbles(block.add(4), half));
-                _mm512_add_ps(_mm512_mul_ps(scale(block), q), scale(block.add(2)))
-            }
+            Q4_0 => _mm512_permutexvar_ps(nibbles(row.add(p / 32 * 18 + 2), half), ctx),
+            _ => _mm512_permutexvar_ps(nibbles(row.add(p / 32 * 20 + 4), half), ctx),
         }
     }
 }
@@ -204,7 +249,8 @@ unsafe fn scale(at: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_set1_epi16(bits as i16))
 }
 
-/// The low (`half` 0) or high (`half` 1) nibbles of the 16 bytes at `qs`, as 16 integers.
+/// The 16 bytes at `qs` as table indices: the low nibbles (`half` 0; the high ones ride along
+/// in bits `vpermps` ignores) or the high nibbles (`half` 1).
 ///
 /// # Safety
 /// Sixteen readable bytes at `qs`.
@@ -214,7 +260,7 @@ unsafe fn nibbles(qs: *const u8, half: usize) -> __m512i {
     // SAFETY: sixteen bytes at `qs`, read unaligned.
     let b = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(qs.cast()) });
     if half == 0 {
-        _mm512_and_si512(b, _mm512_set1_epi32(0x0f))
+        b
     } else {
         _mm512_srli_epi32::<4>(b)
     }
