@@ -31,6 +31,9 @@ mod portable;
 const X_BLOCK: usize = 64;
 /// W rows kept hot while the activation rows stream past.
 const W_BLOCK: usize = 24;
+/// Activation rows from which a W block in another dtype than f32 is dequantized once into
+/// an f32 scratch rather than in registers by every tile (the batched tile takes 4 rows).
+const DEQUANT_ROWS: usize = 4;
 /// Below this many multiply-adds a step is not worth handing to other threads.
 const SERIAL_FMAS: usize = 1 << 15;
 
@@ -225,6 +228,10 @@ fn run_rows(
         // The part's rows are numbered from its first; its output columns start there.
         let local = start - part.first_row..end - part.first_row;
         let out = out.0.wrapping_add(part.first_row);
+        if part.rows.dtype != WeightDtype::F32 && m >= DEQUANT_ROWS {
+            run_rows_dequantized(isa, x, part.rows, out, m, n, k, local);
+            continue;
+        }
         for x0 in (0..m).step_by(X_BLOCK) {
             let x_rows = x0..(x0 + X_BLOCK).min(m);
             for w0 in local.clone().step_by(W_BLOCK) {
@@ -238,6 +245,61 @@ fn run_rows(
                 run_tile(isa, x, out, &tile);
             }
         }
+    }
+}
+
+/// [`run_rows`] for a block of W rows in another dtype than f32 against many activation
+/// rows: each W block is dequantized once into an f32 scratch (the loader's values, so the
+/// same bits) and multiplied by every activation row from there, rather than decoded again
+/// for every 4 activation rows.
+#[allow(clippy::too_many_arguments)]
+fn run_rows_dequantized(
+    isa: Isa,
+    x: &[f32],
+    w: Rows,
+    out: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    local: Range<usize>,
+) {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    SCRATCH.with_borrow_mut(|scratch| {
+        scratch.resize(W_BLOCK * k, 0.0);
+        for w0 in local.clone().step_by(W_BLOCK) {
+            let w_rows = w0..(w0 + W_BLOCK).min(local.end);
+            let block = &mut scratch[..w_rows.len() * k];
+            dequantize_rows(isa, w, w_rows.clone(), k, block);
+            for x0 in (0..m).step_by(X_BLOCK) {
+                let tile = Tile {
+                    w: f32_rows(block, k),
+                    x_rows: x0..(x0 + X_BLOCK).min(m),
+                    w_rows: 0..w_rows.len(),
+                    n,
+                    k,
+                };
+                run_tile(isa, x, out.wrapping_add(w0), &tile);
+            }
+        }
+    });
+}
+
+/// Rows `rows` of `w` dequantized into `out` (`rows.len() × k`), exactly as the loader does.
+fn dequantize_rows(isa: Isa, w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F; the rows lie
+        // inside the weights the caller checked, and `out` holds them.
+        return unsafe { avx512::dequantize_rows(w, rows, k, out) };
+    }
+    let _ = isa;
+    let n = w.dtype.row_bytes(k).expect("a row holds whole blocks");
+    for (j, o) in rows.zip(out.chunks_exact_mut(k)) {
+        // SAFETY: row j lies inside the weights the caller checked.
+        let bytes = unsafe { std::slice::from_raw_parts(w.ptr.add(j * w.row_bytes), n) };
+        crate::dtype::dequantize_into(w.dtype, bytes, o);
     }
 }
 

@@ -13,7 +13,9 @@
 
 use std::arch::x86_64::*;
 
-use super::{dtype_code as code, scalar_at, Tile};
+use std::ops::Range;
+
+use super::{dtype_code as code, scalar_at, Rows, Tile};
 use super::{BF16, F16, F32, Q4_0, Q4_1, Q8_0};
 
 /// W rows of the batched tile (the parent's block sizes are multiples of it).
@@ -263,6 +265,53 @@ unsafe fn nibbles(qs: *const u8, half: usize) -> __m512i {
         b
     } else {
         _mm512_srli_epi32::<4>(b)
+    }
+}
+
+/// Rows `rows` of `w` dequantized into `out` (`rows.len() × k`): the f32 values `load` gives,
+/// 16 at a time, and the loader's scalar values for a tail.
+///
+/// # Safety
+/// The rows lie inside `w`'s memory and `out` holds `rows.len() × k` floats.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn dequantize_rows(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    // SAFETY (all arms): as for this function.
+    unsafe {
+        match code(w.dtype) {
+            F32 => dequantize_rows_of::<F32>(w, rows, k, out),
+            F16 => dequantize_rows_of::<F16>(w, rows, k, out),
+            BF16 => dequantize_rows_of::<BF16>(w, rows, k, out),
+            Q8_0 => dequantize_rows_of::<Q8_0>(w, rows, k, out),
+            Q4_0 => dequantize_rows_of::<Q4_0>(w, rows, k, out),
+            _ => dequantize_rows_of::<Q4_1>(w, rows, k, out),
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn dequantize_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    let (k16, k32) = (k / 16 * 16, k / 32 * 32);
+    for (j, o) in rows.zip(out.chunks_exact_mut(k)) {
+        let row = w.ptr.wrapping_add(j * w.row_bytes);
+        let dst = o.as_mut_ptr();
+        let mut p = 0;
+        while p < k32 {
+            // SAFETY: p + 32 <= k inside the row and inside `o`.
+            unsafe {
+                let ctx = block_ctx::<D>(row, p);
+                _mm512_storeu_ps(dst.add(p), load::<D>(row, p, 0, ctx));
+                _mm512_storeu_ps(dst.add(p + 16), load::<D>(row, p, 1, ctx));
+            }
+            p += 32;
+        }
+        if p < k16 {
+            // SAFETY: p + 16 <= k (f32, f16 and bf16 rows only).
+            unsafe { _mm512_storeu_ps(dst.add(p), load::<D>(row, p, 0, _mm512_setzero_ps())) };
+        }
+        for (q, v) in o.iter_mut().enumerate().skip(k16) {
+            // SAFETY: q < k inside the row.
+            *v = unsafe { scalar_at(w.dtype, row, q) };
+        }
     }
 }
 
