@@ -1,55 +1,88 @@
 #!/usr/bin/env python3
-"""Decode tokens/s of llama.cpp (through llama-cpp-python) on a GGUF, for comparison with
-`ferry bench model`. Batch 1, greedy, the same prompt length and number of decode steps.
+"""Batch-1 decode of ferry and of llama.cpp's own `llama-bench` on the same GGUF files, in one
+invocation: for each file, `ferry bench model --batch 1` and `llama-bench -t T -p 0 -n N`,
+then both rates and their ratio, and ferry's weight-read GB/s against the read bandwidth
+its bench measured. Standard library only.
 
-    python3 -m venv /tmp/llamacpp-venv && /tmp/llamacpp-venv/bin/pip install llama-cpp-python
-    /tmp/llamacpp-venv/bin/python scripts/bench-llamacpp.py MODEL.gguf --threads 2
+    bash /work/shared/tools/build-llamacpp.sh          # llama-bench into ~/.cache/ferry/llama.cpp
+    cargo build --release -p ferry
+    python3 scripts/bench-llamacpp.py [GGUF ...] [--threads 2] [--tokens 128]
 
-Prints one JSON line.
+Without files it takes the F32, Q8_0 and default Q4_1 SmolLM2-135M files from the model
+cache (`$FERRY_CACHE` or ~/.cache/ferry; `scripts/gguf-to-f32.py` makes the F32 and Q8_0
+copies of the default file). Prints a table, then one JSON line.
 """
 import argparse
 import json
-import time
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from llama_cpp import Llama
+STEM = "SmolLM2-135M-Instruct"
+
+
+def cache_dir():
+    return Path(os.environ.get("FERRY_CACHE", Path.home() / ".cache" / "ferry"))
+
+
+def default_files():
+    models = cache_dir() / "models"
+    return [str(models / f"{STEM}.{kind}.gguf") for kind in ("F32", "Q8_0", "Q4_1")]
+
+
+def default_ferry():
+    target = Path(os.environ.get("CARGO_TARGET_DIR", Path(__file__).resolve().parent.parent / "target"))
+    return str(target / "release" / "ferry")
+
+
+def run_ferry(ferry, gguf, threads, tokens):
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    cmd = [ferry, "bench", "model", "--model", gguf, "--batch", "1", "--prompt-len", "1",
+           "--decode-steps", str(tokens), "--json"]
+    out = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
+    r = out["results"][0]
+    return {
+        "tok_s": r["decode_tok_s"],
+        "weight_read_gb_s": r["decode_weight_read_gb_s"],
+        "read_gb_s": out["read_gb_s"],
+        "read_fraction": r["decode_read_bandwidth_fraction"],
+        "weights_bytes_per_step": out["weights_bytes_per_step"],
+        "weight_dtypes": out["weight_dtypes"],
+    }
+
+
+def run_llama(llama_bench, gguf, threads, tokens):
+    env = dict(os.environ, LD_LIBRARY_PATH=str(Path(llama_bench).parent))
+    cmd = [llama_bench, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(tokens), "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
+    return {"tok_s": round(rows[0]["avg_ts"], 2), "stddev_tok_s": round(rows[0]["stddev_ts"], 2)}
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("gguf")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("gguf", nargs="*", help="GGUF files (default: F32, Q8_0, Q4_1 SmolLM2-135M)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--decode-steps", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128, help="decode tokens (llama-bench -n)")
+    ap.add_argument("--ferry", default=default_ferry())
+    ap.add_argument("--llama-bench", default=str(cache_dir() / "llama.cpp" / "llama-bench"))
     args = ap.parse_args()
+    files = args.gguf or default_files()
+    for f in files + [args.ferry, args.llama_bench]:
+        if not Path(f).exists():
+            sys.exit(f"{f} is missing (see the usage at the top of {sys.argv[0]})")
 
-    llm = Llama(model_path=args.gguf, n_ctx=args.prompt_len + args.decode_steps + 8,
-                n_threads=args.threads, n_threads_batch=args.threads, n_batch=512,
-                verbose=False)
-    prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_len)]
-    best_decode, best_prefill = 0.0, 0.0
-    for _ in range(args.repeats):
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        t1 = time.perf_counter()
-        tok = int(max(range(llm.n_vocab()), key=lambda i: llm.scores[llm.n_tokens - 1][i]))
-        t_decode = 0.0
-        for _ in range(args.decode_steps):
-            s = time.perf_counter()
-            llm.eval([tok])
-            t_decode += time.perf_counter() - s
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
-        best_prefill = max(best_prefill, args.prompt_len / (t1 - t0))
-        best_decode = max(best_decode, args.decode_steps / t_decode)
-    print(json.dumps({
-        "engine": "llama.cpp (llama-cpp-python)",
-        "gguf": args.gguf,
-        "threads": args.threads,
-        "prompt_len": args.prompt_len,
-        "prefill_tok_s": round(best_prefill, 1),
-        "decode_batch1_tok_s": round(best_decode, 1),
-    }))
+    results = []
+    print(f"{'file':<34} {'ferry tok/s':>11} {'llama.cpp tok/s':>15} {'ratio':>6} "
+          f"{'ferry GB/s':>10} {'read GB/s':>9} {'of read':>7}")
+    for gguf in files:
+        ferry = run_ferry(args.ferry, gguf, args.threads, args.tokens)
+        llama = run_llama(args.llama_bench, gguf, args.threads, args.tokens)
+        ratio = round(ferry["tok_s"] / llama["tok_s"], 2)
+        results.append({"gguf": gguf, "ferry": ferry, "llama_cpp": llama, "ferry_over_llama_cpp": ratio})
+        print(f"{Path(gguf).name:<34} {ferry['tok_s']:>11.1f} {llama['tok_s']:>15.1f} {ratio:>6.2f} "
+              f"{ferry['weight_read_gb_s']:>10.2f} {ferry['read_gb_s']:>9.2f} {ferry['read_fraction']:>7.2f}")
+    print(json.dumps({"threads": args.threads, "tokens": args.tokens, "results": results}))
 
 
 if __name__ == "__main__":

@@ -8,12 +8,14 @@ pub mod attention;
 pub mod checksum;
 pub mod config;
 pub mod driver;
+pub mod dtype;
 pub mod executor;
 pub mod kernels;
 pub mod llama;
 pub mod llama_update;
 pub mod llama_weights;
 pub mod load;
+pub mod matrix;
 pub mod random_model;
 pub mod rope;
 pub mod sampler;
@@ -26,19 +28,22 @@ pub mod weights;
 pub use checksum::{ChecksumConfigError, ChecksumModel};
 pub use config::{LlamaConfig, RopeScaling};
 pub use driver::ExecutorModel;
+pub use dtype::WeightDtype;
 pub use executor::{ExecError, Executor, Hooked, StepHook};
 pub use llama::{LlamaModel, Logits};
 pub use llama_update::LlamaPreparer;
 pub use llama_weights::{LlamaWeights, ModelError};
 pub use load::{default_model_path, expected_tensors, ModelSpec};
 pub use load::{
-    load_model, load_model_with_progress, LoadError, LoadedModel, Progress, WeightFiles,
+    load_model, load_model_stored, load_model_stored_with_progress, load_model_with_progress,
+    LoadError, LoadedModel, Precision, Progress, WeightFiles,
 };
+pub use matrix::{Matrix, Segment};
 pub use sampler::LogprobsMode;
-pub use weight_buf::WeightBuf;
+pub use weight_buf::{ByteBuf, WeightBuf};
 pub use weight_push::SafetensorsPush;
 pub use weight_update::{
     parse_safetensors, ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer,
     WeightResidency, WeightSlots, Weightless,
 };
-pub use weights::{Tensor, WeightStore};
+pub use weights::{StoredTensor, Tensor, WeightStore};

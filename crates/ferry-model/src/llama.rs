@@ -175,7 +175,7 @@ impl LlamaModel {
         let mut x = vec![0.0f32; plan.num_tokens() * h];
         for (row, &t) in x.chunks_exact_mut(h).zip(&plan.token_ids) {
             let t = t as usize;
-            row.copy_from_slice(&self.weights.embed[t * h..(t + 1) * h]);
+            self.weights.embed.row_into(t, row);
         }
         let mut scratch = std::mem::take(&mut self.scratch);
         for (l, lw) in self.weights.layers.iter().enumerate() {
@@ -309,7 +309,7 @@ impl LlamaModel {
         let normed = take(&mut s.normed, n * h);
         rms_norm(x, &lw.input_norm, c.rms_norm_eps, normed);
         let qkv = take(&mut s.qkv, n * qkv_w);
-        matmul(normed, &lw.qkv, qkv, n, qkv_w, h);
+        matmul(normed, &lw.qkv, qkv, n);
         if let Some(bias) = &lw.qkv_bias {
             qkv.chunks_exact_mut(qkv_w)
                 .for_each(|row| add_assign(row, bias));
@@ -331,18 +331,18 @@ impl LlamaModel {
             attn,
         );
         let proj = take(&mut s.proj, n * h);
-        matmul(attn, &lw.o_proj, proj, n, h, q_w);
+        matmul(attn, &lw.o_proj, proj, n);
         add_assign(x, proj);
 
         let normed = take(&mut s.normed, n * h);
         rms_norm(x, &lw.post_norm, c.rms_norm_eps, normed);
         let inter = c.intermediate_size;
         let gate_up = take(&mut s.gate_up, n * 2 * inter);
-        matmul(normed, &lw.gate_up, gate_up, n, 2 * inter, h);
+        matmul(normed, &lw.gate_up, gate_up, n);
         let act = take(&mut s.act, n * inter);
         silu_mul(gate_up, inter, act);
         let proj = take(&mut s.proj, n * h);
-        matmul(act, &lw.down, proj, n, h, inter);
+        matmul(act, &lw.down, proj, n);
         add_assign(x, proj);
     }
 
@@ -401,7 +401,7 @@ impl LlamaModel {
             );
         }
         let data = take(data, m * vocab);
-        matmul(&last, self.weights.head(), data, m, vocab, h);
+        matmul(&last, self.weights.head(), data, m);
     }
 }
 

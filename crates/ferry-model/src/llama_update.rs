@@ -4,15 +4,19 @@
 //!
 //! The model keeps its weights fused (q/k/v rows in one `qkv` matrix, gate/up rows in one
 //! `gate_up` matrix, see [`crate::llama_weights`]), so every Hugging Face tensor maps to a
-//! [`Place`]: a buffer of [`LlamaWeights`] and a float offset in it. A complete set is
-//! written straight into a whole new [`LlamaWeights`] ([`LlamaSlots`]), so installing it is
-//! a pointer swap; a partial set is a list of [`Patch`]es, each in its own buffer, and
-//! installing it copies each patch's floats to its place, nothing else.
+//! [`Place`]: a buffer of [`LlamaWeights`] and where in it (a segment of a matrix, a float
+//! offset in a vector). A complete set is written straight into a whole new [`LlamaWeights`]
+//! ([`LlamaSlots`]), so installing it is a pointer swap; a partial set is a list of
+//! [`Patch`]es, each in its own buffer, and installing it puts each matrix patch in place of
+//! its segment (in the patch's dtype, whatever the old one's) and copies each vector patch's
+//! floats to its place, nothing else.
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::dtype::WeightDtype;
 use crate::llama_weights::{LayerWeights, LlamaWeights};
 use crate::load::expected_tensors;
+use crate::matrix::{Matrix, Segment};
 use crate::weight_buf::WeightBuf;
 use crate::weight_update::{PreparedWeights, WeightError, WeightPreparer, WeightSlots};
 use crate::{LlamaConfig, WeightStore};
@@ -44,16 +48,24 @@ pub(crate) enum Buffer {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Place {
     pub buffer: Buffer,
-    /// Offset in floats of the tensor's first value in the buffer.
+    /// In a matrix buffer, the index of the tensor's segment; in a vector buffer, the offset
+    /// in floats of its first value.
     pub offset: usize,
 }
 
-/// One checked tensor and where it goes.
+/// One checked tensor and where it goes: a matrix's rows in their dtype, or a vector as one
+/// row (made f32 when it is installed).
 #[derive(Debug)]
 pub(crate) struct Patch {
     pub name: String,
     pub place: Place,
-    pub data: WeightBuf,
+    pub data: Segment,
+}
+
+/// A buffer of [`LlamaWeights`], borrowed: a matrix, or a vector of f32.
+pub(crate) enum BufferMut<'a> {
+    Matrix(&'a mut Matrix),
+    Vector(&'a mut WeightBuf),
 }
 
 /// What a prepared Llama update holds.
@@ -98,10 +110,23 @@ impl WeightPreparer for LlamaPreparer {
             .tensors
             .iter()
             .map(|(name, t)| (name.clone(), t.shape.clone()))
+            .chain(
+                store
+                    .stored
+                    .iter()
+                    .map(|(n, t)| (n.clone(), t.shape.clone())),
+            )
             .collect();
         let mut slots = self.slots(&list)?;
+        let n_f32 = store.tensors.len();
         for (idx, tensor) in store.tensors.into_values().enumerate() {
             slots.slot(idx).copy_from_slice(&tensor.data);
+        }
+        for (idx, t) in store.stored.into_values().enumerate() {
+            match slots.stored_slot(n_f32 + idx, t.dtype) {
+                Some(bytes) => bytes.copy_from_slice(&t.bytes),
+                None => slots.slot(n_f32 + idx).copy_from_slice(&t.to_f32()),
+            }
         }
         Ok(slots.finish())
     }
@@ -124,7 +149,7 @@ impl WeightPreparer for LlamaPreparer {
                     .map(|((name, shape), &place)| Patch {
                         name: name.clone(),
                         place,
-                        data: WeightBuf::zeroed(shape.iter().product()),
+                        data: zeroed_rows(shape),
                     })
                     .collect(),
             )
@@ -133,10 +158,15 @@ impl WeightPreparer for LlamaPreparer {
             .iter()
             .map(|(_, shape)| shape.iter().product())
             .collect();
+        let n_bytes = tensors
+            .iter()
+            .map(|(_, shape)| shape.iter().product::<usize>() * size_of::<f32>())
+            .collect();
         Ok(Box::new(LlamaSlots {
             config: self.config.clone(),
             places,
             lens,
+            n_bytes,
             target,
         }))
     }
@@ -187,6 +217,27 @@ fn check_store(
     expected: &BTreeMap<String, Vec<usize>>,
     store: &WeightStore,
 ) -> Result<(), WeightError> {
+    for (name, t) in &store.stored {
+        let Some(shape) = expected.get(name) else {
+            return Err(WeightError::UnknownTensor { name: name.clone() });
+        };
+        if &t.shape != shape || store.tensors.contains_key(name) {
+            return Err(WeightError::BadShape {
+                name: name.clone(),
+                expected: shape.clone(),
+                got: t.shape.clone(),
+            });
+        }
+        let want = t.dtype.row_bytes(shape[shape.len() - 1]);
+        let rows: usize = shape[..shape.len() - 1].iter().product();
+        if want.map(|r| r * rows) != Some(t.bytes.len()) {
+            return Err(WeightError::Malformed(format!(
+                "tensor `{name}` holds {} bytes, not {shape:?} of {}",
+                t.bytes.len(),
+                t.dtype
+            )));
+        }
+    }
     for (name, tensor) in &store.tensors {
         let Some(shape) = expected.get(name) else {
             return Err(WeightError::UnknownTensor { name: name.clone() });
@@ -253,28 +304,62 @@ enum Target {
 /// The slots of a checked Llama update (see [`WeightPreparer::slots`]).
 struct LlamaSlots {
     config: LlamaConfig,
-    /// Where each tensor of the list goes, and its length in floats.
+    /// Where each tensor of the list goes, its length in elements, and the bytes it holds.
     places: Vec<Place>,
     lens: Vec<usize>,
+    n_bytes: Vec<usize>,
     target: Target,
 }
 
 impl WeightSlots for LlamaSlots {
     fn slot(&mut self, idx: usize) -> &mut [f32] {
         let (place, len) = (self.places[idx], self.lens[idx]);
+        let missing = "zeroed_weights has a buffer for every place of its config";
         match &mut self.target {
-            Target::Full(weights) => {
-                let buffer = buffer_mut(weights, place.buffer)
-                    .expect("zeroed_weights has a buffer for every place of its config");
-                &mut buffer[place.offset..place.offset + len]
-            }
-            Target::Partial(patches) => &mut patches[idx].data,
+            Target::Full(weights) => match buffer_mut(weights, place.buffer).expect(missing) {
+                BufferMut::Vector(buffer) => &mut buffer[place.offset..place.offset + len],
+                BufferMut::Matrix(m) => f32s_mut(m.segment_mut(place.offset).expect(missing)),
+            },
+            Target::Partial(patches) => f32s_mut(&mut patches[idx].data),
         }
+    }
+
+    /// A matrix is kept in the dtype it arrives in (a bf16 push into a Q4_1 model makes that
+    /// tensor bf16, never re-quantized): its zeroed f32 segment gives way to one of `dtype`.
+    fn stored_slot(&mut self, idx: usize, dtype: WeightDtype) -> Option<&mut [u8]> {
+        let place = self.places[idx];
+        let segment = match &mut self.target {
+            Target::Full(weights) => match buffer_mut(weights, place.buffer)? {
+                BufferMut::Matrix(m) => {
+                    let k = m.k();
+                    let rows = m.segment_mut(place.offset)?.rows();
+                    if m.segment_mut(place.offset)?.dtype() != dtype {
+                        let fresh = Segment::zeroed(dtype, rows, k).ok()?;
+                        m.replace_segment(place.offset, fresh).ok()?;
+                    }
+                    m.segment_mut(place.offset)?
+                }
+                BufferMut::Vector(_) => return None,
+            },
+            Target::Partial(patches) => {
+                let patch = &mut patches[idx];
+                if !is_matrix(place.buffer) {
+                    return None;
+                }
+                if patch.data.dtype() != dtype {
+                    let (rows, k) = (patch.data.rows(), self.lens[idx] / patch.data.rows().max(1));
+                    patch.data = Segment::zeroed(dtype, rows, k).ok()?;
+                }
+                &mut patch.data
+            }
+        };
+        self.n_bytes[idx] = segment.bytes().len();
+        Some(segment.bytes_mut())
     }
 
     fn finish(self: Box<Self>) -> PreparedWeights {
         let n_tensors = self.lens.len();
-        let n_bytes = self.lens.iter().sum::<usize>() * size_of::<f32>();
+        let n_bytes = self.n_bytes.iter().sum();
         let (update, complete) = match self.target {
             Target::Full(weights) => (LlamaUpdate::Full(weights), true),
             Target::Partial(patches) => (LlamaUpdate::Partial(patches), false),
@@ -310,17 +395,17 @@ pub(crate) fn place_of(c: &LlamaConfig, name: &str) -> Option<Place> {
     })
 }
 
-/// A layer parameter's buffer and float offset: q, k, v stacked in `qkv` (and their biases
-/// in `qkv_bias`), gate then up in `gate_up`.
+/// A layer parameter's buffer and place in it: q, k, v as segments 0, 1, 2 of `qkv` (their
+/// biases at float offsets in `qkv_bias`), gate and up as segments 0 and 1 of `gate_up`.
 fn layer_place(c: &LlamaConfig, param: &str) -> Option<(LayerBuffer, usize)> {
-    let (h, hd) = (c.hidden_size, c.head_dim);
+    let hd = c.head_dim;
     let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
     let bias = c.attention_bias;
     Some(match param {
         "input_layernorm.weight" => (LayerBuffer::InputNorm, 0),
         "self_attn.q_proj.weight" => (LayerBuffer::Qkv, 0),
-        "self_attn.k_proj.weight" => (LayerBuffer::Qkv, q_out * h),
-        "self_attn.v_proj.weight" => (LayerBuffer::Qkv, (q_out + kv_out) * h),
+        "self_attn.k_proj.weight" => (LayerBuffer::Qkv, 1),
+        "self_attn.v_proj.weight" => (LayerBuffer::Qkv, 2),
         "self_attn.q_proj.bias" if bias => (LayerBuffer::QkvBias, 0),
         "self_attn.k_proj.bias" if bias => (LayerBuffer::QkvBias, q_out),
         "self_attn.v_proj.bias" if bias => (LayerBuffer::QkvBias, q_out + kv_out),
@@ -329,79 +414,157 @@ fn layer_place(c: &LlamaConfig, param: &str) -> Option<(LayerBuffer, usize)> {
         "self_attn.o_proj.weight" => (LayerBuffer::OProj, 0),
         "post_attention_layernorm.weight" => (LayerBuffer::PostNorm, 0),
         "mlp.gate_proj.weight" => (LayerBuffer::GateUp, 0),
-        "mlp.up_proj.weight" => (LayerBuffer::GateUp, c.intermediate_size * h),
+        "mlp.up_proj.weight" => (LayerBuffer::GateUp, 1),
         "mlp.down_proj.weight" => (LayerBuffer::Down, 0),
         _ => return None,
     })
 }
 
-/// Copies one patch's floats to its place in `buffer`, or says the place is not there.
-pub(crate) fn copy_patch(buffer: &mut [f32], patch: &Patch) -> Result<(), WeightError> {
-    let end = patch.place.offset + patch.data.len();
-    let dst = buffer
-        .get_mut(patch.place.offset..end)
-        .ok_or_else(out_of_place)?;
-    dst.copy_from_slice(&patch.data);
-    Ok(())
+/// Whether a buffer holds a matrix (kept in its stored precision) rather than a vector.
+fn is_matrix(b: Buffer) -> bool {
+    match b {
+        Buffer::Embed | Buffer::LmHead => true,
+        Buffer::Norm => false,
+        Buffer::Layer(_, lb) => matches!(
+            lb,
+            LayerBuffer::Qkv | LayerBuffer::OProj | LayerBuffer::GateUp | LayerBuffer::Down
+        ),
+    }
 }
 
-/// A checked patch that does not fit the weights it is applied to: they were prepared for a
-/// model of another shape.
-fn out_of_place() -> WeightError {
-    WeightError::WrongExecutor
+/// Whether `patch` fits `w`: a matrix patch as many rows as the segment it replaces and the
+/// matrix's row length, a vector patch inside its buffer. A patch that does not was prepared
+/// for a model of another shape.
+pub(crate) fn patch_fits(w: &mut LlamaWeights, patch: &Patch) -> bool {
+    let (offset, data) = (patch.place.offset, &patch.data);
+    match buffer_mut(w, patch.place.buffer) {
+        Some(BufferMut::Matrix(m)) => {
+            let k = m.k();
+            m.segment_mut(offset).is_some_and(|s| {
+                s.rows() == data.rows()
+                    && data.dtype().row_bytes(k).map(|r| r * s.rows()) == Some(data.bytes().len())
+            })
+        }
+        Some(BufferMut::Vector(v)) => {
+            data.dtype() == WeightDtype::F32 && offset + data.bytes().len() / 4 <= v.len()
+        }
+        None => false,
+    }
+}
+
+/// Puts one patch in place (checked with [`patch_fits`] first); returns the segment it
+/// replaced when the patch brought another dtype, for the caller to drop.
+pub(crate) fn apply_patch(
+    w: &mut LlamaWeights,
+    patch: Patch,
+) -> Result<Option<Segment>, WeightError> {
+    if !patch_fits(w, &patch) {
+        return Err(WeightError::WrongExecutor);
+    }
+    let offset = patch.place.offset;
+    match buffer_mut(w, patch.place.buffer) {
+        Some(BufferMut::Matrix(m)) => {
+            let segment = m.segment_mut(offset).ok_or(WeightError::WrongExecutor)?;
+            // Same dtype: a copy into the pages already there, as an f32 update always was;
+            // another dtype: the patch's own buffer takes the old one's place.
+            if segment.dtype() == patch.data.dtype() {
+                segment.bytes_mut().copy_from_slice(patch.data.bytes());
+                return Ok(None);
+            }
+            m.replace_segment(offset, patch.data)
+                .map(Some)
+                .map_err(|_| WeightError::WrongExecutor)
+        }
+        Some(BufferMut::Vector(v)) => {
+            let mut values = patch.data;
+            let values = f32s_mut(&mut values);
+            v[offset..offset + values.len()].copy_from_slice(values);
+            Ok(None)
+        }
+        None => Err(WeightError::WrongExecutor),
+    }
+}
+
+/// An f32 segment's values, to be written in place.
+fn f32s_mut(segment: &mut Segment) -> &mut [f32] {
+    assert_eq!(segment.dtype(), WeightDtype::F32, "a slot is f32");
+    // SAFETY: every bit pattern is a valid f32, and a segment's bytes are their own page-aligned
+    // mapping (or empty), so the middle part is all of them, which the assert checks.
+    let (head, floats, tail) = unsafe { segment.bytes_mut().align_to_mut::<f32>() };
+    assert!(
+        head.is_empty() && tail.is_empty(),
+        "segment bytes are aligned"
+    );
+    floats
+}
+
+/// Zeros for a tensor of `shape` as one f32 segment: a matrix's rows, or a vector as a row.
+fn zeroed_rows(shape: &[usize]) -> Segment {
+    let (rows, k) = match shape {
+        [rows, k] => (*rows, *k),
+        _ => (1, shape.iter().product()),
+    };
+    Segment::zeroed(WeightDtype::F32, rows, k).expect("f32 rows hold any length")
 }
 
 /// The buffer `b` names in `w`, if the model has it (biases and q/k norms are optional).
-pub(crate) fn buffer_mut(w: &mut LlamaWeights, b: Buffer) -> Option<&mut WeightBuf> {
+pub(crate) fn buffer_mut(w: &mut LlamaWeights, b: Buffer) -> Option<BufferMut<'_>> {
+    use BufferMut::{Matrix as M, Vector as V};
     match b {
-        Buffer::Embed => Some(&mut w.embed),
-        Buffer::Norm => Some(&mut w.norm),
-        Buffer::LmHead => w.lm_head.as_mut(),
+        Buffer::Embed => Some(M(&mut w.embed)),
+        Buffer::Norm => Some(V(&mut w.norm)),
+        Buffer::LmHead => w.lm_head.as_mut().map(M),
         Buffer::Layer(l, lb) => {
             let layer = w.layers.get_mut(l)?;
             match lb {
-                LayerBuffer::InputNorm => Some(&mut layer.input_norm),
-                LayerBuffer::Qkv => Some(&mut layer.qkv),
-                LayerBuffer::QkvBias => layer.qkv_bias.as_mut(),
-                LayerBuffer::QNorm => layer.q_norm.as_mut(),
-                LayerBuffer::KNorm => layer.k_norm.as_mut(),
-                LayerBuffer::OProj => Some(&mut layer.o_proj),
-                LayerBuffer::PostNorm => Some(&mut layer.post_norm),
-                LayerBuffer::GateUp => Some(&mut layer.gate_up),
-                LayerBuffer::Down => Some(&mut layer.down),
+                LayerBuffer::InputNorm => Some(V(&mut layer.input_norm)),
+                LayerBuffer::Qkv => Some(M(&mut layer.qkv)),
+                LayerBuffer::QkvBias => layer.qkv_bias.as_mut().map(V),
+                LayerBuffer::QNorm => layer.q_norm.as_mut().map(V),
+                LayerBuffer::KNorm => layer.k_norm.as_mut().map(V),
+                LayerBuffer::OProj => Some(M(&mut layer.o_proj)),
+                LayerBuffer::PostNorm => Some(V(&mut layer.post_norm)),
+                LayerBuffer::GateUp => Some(M(&mut layer.gate_up)),
+                LayerBuffer::Down => Some(M(&mut layer.down)),
             }
         }
     }
 }
 
-/// Weights of `config`'s shapes, all zero: untouched pages until a reader writes them.
+/// Weights of `config`'s shapes, all zero f32: untouched pages until a reader writes them.
 fn zeroed_weights(c: &LlamaConfig) -> LlamaWeights {
     let (h, i, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
-    let qkv_out = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
+    let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
     let zeros = WeightBuf::zeroed;
+    let matrix = |k: usize, parts: &[usize]| {
+        Matrix::new(
+            k,
+            parts.iter().map(|&rows| zeroed_rows(&[rows, k])).collect(),
+        )
+    };
     let layer = || LayerWeights {
         input_norm: zeros(h),
-        qkv: zeros(qkv_out * h),
-        qkv_bias: c.attention_bias.then(|| zeros(qkv_out)),
+        qkv: matrix(h, &[q_out, kv_out, kv_out]),
+        qkv_bias: c.attention_bias.then(|| zeros(q_out + 2 * kv_out)),
         q_norm: c.qk_norm.then(|| zeros(hd)),
         k_norm: c.qk_norm.then(|| zeros(hd)),
-        o_proj: zeros(h * c.num_attention_heads * hd),
+        o_proj: matrix(q_out, &[h]),
         post_norm: zeros(h),
-        gate_up: zeros(2 * i * h),
-        down: zeros(h * i),
+        gate_up: matrix(h, &[i, i]),
+        down: matrix(i, &[h]),
     };
     LlamaWeights {
-        embed: zeros(c.vocab_size * h),
+        embed: matrix(h, &[c.vocab_size]),
         layers: (0..c.num_hidden_layers).map(|_| layer()).collect(),
         norm: zeros(h),
-        lm_head: (!c.tie_word_embeddings).then(|| zeros(c.vocab_size * h)),
+        lm_head: (!c.tie_word_embeddings).then(|| matrix(h, &[c.vocab_size])),
     }
 }
 
 /// Weights that hold nothing: what a model keeps after sleep level 2 dropped its own.
 pub(crate) fn empty_weights() -> LlamaWeights {
     LlamaWeights {
-        embed: WeightBuf::default(),
+        embed: Matrix::default(),
         layers: Vec::new(),
         norm: WeightBuf::default(),
         lm_head: None,
@@ -457,19 +620,21 @@ mod tests {
     }
 
     #[test]
-    fn fused_offsets_follow_the_stacking_order() {
-        let c = small_config();
-        let (h, q_out, kv_out) = (64, 4 * 16, 2 * 16);
+    fn fused_places_follow_the_stacking_order() {
+        let c = LlamaConfig {
+            attention_bias: true,
+            ..small_config()
+        };
+        let (q_out, kv_out) = (4 * 16, 2 * 16);
         let at = |name: &str| place_of(&c, name).map(|p| p.offset);
+        assert_eq!(at("model.layers.1.self_attn.k_proj.weight"), Some(1));
+        assert_eq!(at("model.layers.1.self_attn.v_proj.weight"), Some(2));
+        assert_eq!(at("model.layers.1.mlp.up_proj.weight"), Some(1));
+        assert_eq!(at("model.layers.1.self_attn.k_proj.bias"), Some(q_out));
         assert_eq!(
-            at("model.layers.1.self_attn.k_proj.weight"),
-            Some(q_out * h)
+            at("model.layers.1.self_attn.v_proj.bias"),
+            Some(q_out + kv_out)
         );
-        assert_eq!(
-            at("model.layers.1.self_attn.v_proj.weight"),
-            Some((q_out + kv_out) * h)
-        );
-        assert_eq!(at("model.layers.1.mlp.up_proj.weight"), Some(96 * h));
     }
 
     #[test]
@@ -478,7 +643,7 @@ mod tests {
         let patch = |name: &str| Patch {
             name: name.into(),
             place: place_of(&c, name).unwrap(),
-            data: WeightBuf::default(),
+            data: zeroed_rows(&[0]),
         };
         let n = expected_tensors(&c).len();
         let (n_missing, first) = missing(&c, &[patch("model.embed_tokens.weight")]);

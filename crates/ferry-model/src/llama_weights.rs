@@ -1,6 +1,10 @@
 //! The Llama-family weights in the layout the forward wants, built from a [`WeightStore`]
 //! (Hugging Face names) after checking every tensor's presence and shape.
 //!
+//! Matrices ([`Matrix`]) stay in the precision they were stored in, one segment per tensor;
+//! vectors (norm weights, biases: a few kilobytes a layer, read by element-wise code) are
+//! dequantized to f32.
+//!
 //! Q/K/V are fused into one `[(n_heads + 2 n_kv_heads) · head_dim, hidden]` matrix and
 //! gate/up into one `[2 · intermediate, hidden]` matrix, so a layer runs three matmuls plus
 //! the output projection instead of six, with one parallel dispatch each. Fusing only stacks
@@ -9,7 +13,8 @@
 //! and swap it in".
 
 use crate::config::LlamaConfig;
-use crate::weight_buf::WeightBuf;
+use crate::matrix::{Matrix, Segment};
+use crate::weight_buf::{ByteBuf, WeightBuf};
 use crate::weights::WeightStore;
 
 /// What is wrong with a config or a weight store, naming the field or tensor.
@@ -30,6 +35,12 @@ pub enum ModelError {
         expected: usize,
         got: usize,
     },
+    #[error("tensor {name}: {source}")]
+    BadStored {
+        name: String,
+        #[source]
+        source: crate::matrix::SegmentError,
+    },
     #[error("invalid config: {field}: {message}")]
     InvalidConfig {
         field: &'static str,
@@ -41,31 +52,31 @@ pub enum ModelError {
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
     pub input_norm: WeightBuf,
-    /// `[q; k; v]` rows, each `hidden` wide.
-    pub qkv: WeightBuf,
+    /// `[q; k; v]` rows, each `hidden` wide (three segments).
+    pub qkv: Matrix,
     /// `[q; k; v]` bias (Qwen2/2.5).
     pub qkv_bias: Option<WeightBuf>,
     /// Per-head RMSNorm weights on q and k (Qwen3), `head_dim` each.
     pub q_norm: Option<WeightBuf>,
     pub k_norm: Option<WeightBuf>,
-    pub o_proj: WeightBuf,
+    pub o_proj: Matrix,
     pub post_norm: WeightBuf,
-    /// `[gate; up]` rows, each `hidden` wide.
-    pub gate_up: WeightBuf,
-    pub down: WeightBuf,
+    /// `[gate; up]` rows, each `hidden` wide (two segments).
+    pub gate_up: Matrix,
+    pub down: Matrix,
 }
 
 /// The whole model's weights.
 ///
-/// Every buffer is a [`WeightBuf`], its own memory mapping, so weights replaced by an update
-/// or dropped by sleep give their memory back to the OS wherever they are freed.
+/// Every buffer is its own memory mapping ([`WeightBuf`], [`ByteBuf`]), so weights replaced
+/// by an update or dropped by sleep give their memory back to the OS wherever they are freed.
 #[derive(Debug, Clone)]
 pub struct LlamaWeights {
-    pub embed: WeightBuf,
+    pub embed: Matrix,
     pub layers: Vec<LayerWeights>,
     pub norm: WeightBuf,
     /// `None` with tied embeddings: the head is `embed`.
-    pub lm_head: Option<WeightBuf>,
+    pub lm_head: Option<Matrix>,
 }
 
 impl LlamaWeights {
@@ -80,10 +91,13 @@ impl LlamaWeights {
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
-            Some(getter.get("lm_head.weight", &[config.vocab_size, h])?)
+            Some(getter.matrix(&[("lm_head.weight".into(), vec![config.vocab_size, h])])?)
         };
         Ok(Self {
-            embed: getter.get("model.embed_tokens.weight", &[config.vocab_size, h])?,
+            embed: getter.matrix(&[(
+                "model.embed_tokens.weight".into(),
+                vec![config.vocab_size, h],
+            )])?,
             layers,
             norm: getter.get("model.norm.weight", &[h])?,
             lm_head,
@@ -91,36 +105,48 @@ impl LlamaWeights {
     }
 
     /// The output projection (`vocab × hidden`).
-    pub fn head(&self) -> &[f32] {
-        self.lm_head.as_deref().unwrap_or(&self.embed)
+    pub fn head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
     /// Bytes of all weights held.
     pub fn total_bytes(&self) -> usize {
-        let head = self.lm_head.as_ref().map_or(0, |b| b.len());
-        (self.embed.len() + head + self.layer_floats() + self.norm.len()) * size_of::<f32>()
+        let head = self.lm_head.as_ref().map_or(0, Matrix::n_bytes);
+        self.embed.n_bytes() + head + self.layer_bytes() + self.norm.n_bytes()
     }
 
     /// Bytes of weights one decode step reads: every layer, the final norm and the head (not
     /// the embedding table, of which a step reads one row per token, unless it is the head).
     pub fn bytes_read_per_step(&self) -> usize {
-        (self.layer_floats() + self.norm.len() + self.head().len()) * size_of::<f32>()
+        self.layer_bytes() + self.norm.n_bytes() + self.head().n_bytes()
     }
 
-    fn layer_floats(&self) -> usize {
-        let opt = |v: &Option<WeightBuf>| v.as_ref().map_or(0, |b| b.len());
+    /// Floating-point operations (a multiply-add counts 2) of one token's matmuls: every
+    /// layer's matrices, and the head when the token samples.
+    pub fn matmul_flops_per_token(&self, with_head: bool) -> u64 {
+        let elems = |m: &Matrix| (m.n_rows() * m.k()) as u64;
+        let layers: u64 = self
+            .layers
+            .iter()
+            .map(|l| elems(&l.qkv) + elems(&l.o_proj) + elems(&l.gate_up) + elems(&l.down))
+            .sum();
+        2 * (layers + if with_head { elems(self.head()) } else { 0 })
+    }
+
+    fn layer_bytes(&self) -> usize {
+        let opt = |v: &Option<WeightBuf>| v.as_ref().map_or(0, WeightBuf::n_bytes);
         self.layers
             .iter()
             .map(|l| {
-                l.input_norm.len()
-                    + l.qkv.len()
+                l.input_norm.n_bytes()
+                    + l.qkv.n_bytes()
                     + opt(&l.qkv_bias)
                     + opt(&l.q_norm)
                     + opt(&l.k_norm)
-                    + l.o_proj.len()
-                    + l.post_norm.len()
-                    + l.gate_up.len()
-                    + l.down.len()
+                    + l.o_proj.n_bytes()
+                    + l.post_norm.n_bytes()
+                    + l.gate_up.n_bytes()
+                    + l.down.n_bytes()
             })
             .sum()
     }
@@ -174,8 +200,37 @@ struct Getter<'a> {
 }
 
 impl Getter<'_> {
+    /// A vector, as f32 whatever its stored precision.
     fn get(&self, name: &str, shape: &[usize]) -> Result<WeightBuf, ModelError> {
+        if let Some(t) = self.store.stored.get(name) {
+            check_shape(name, shape, &t.shape)?;
+            return Ok(WeightBuf::from_slice(&t.to_f32()));
+        }
         self.get_slice(name, shape).map(WeightBuf::from_slice)
+    }
+
+    /// Matrices stacked row-wise, one segment each, in their stored precision.
+    fn matrix(&self, parts: &[(String, Vec<usize>)]) -> Result<Matrix, ModelError> {
+        let k = parts[0].1[1];
+        let segments = parts
+            .iter()
+            .map(|(name, shape)| self.segment(name, shape))
+            .collect::<Result<_, _>>()?;
+        Ok(Matrix::new(k, segments))
+    }
+
+    fn segment(&self, name: &str, shape: &[usize]) -> Result<Segment, ModelError> {
+        let (rows, k) = (shape[0], shape[1]);
+        let Some(t) = self.store.stored.get(name) else {
+            return Ok(Segment::from_f32(k, self.get_slice(name, shape)?));
+        };
+        check_shape(name, shape, &t.shape)?;
+        Segment::new(t.dtype, rows, k, ByteBuf::from_slice(&t.bytes)).map_err(|source| {
+            ModelError::BadStored {
+                name: name.to_string(),
+                source,
+            }
+        })
     }
 
     fn get_slice(&self, name: &str, shape: &[usize]) -> Result<&[f32], ModelError> {
@@ -185,13 +240,7 @@ impl Getter<'_> {
             .ok_or_else(|| ModelError::MissingTensor {
                 name: name.to_string(),
             })?;
-        if t.shape != shape {
-            return Err(ModelError::BadShape {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                got: t.shape.clone(),
-            });
-        }
+        check_shape(name, shape, &t.shape)?;
         let expected: usize = shape.iter().product();
         if t.data.len() != expected {
             return Err(ModelError::BadLength {
@@ -204,20 +253,31 @@ impl Getter<'_> {
         Ok(&t.data)
     }
 
-    /// Several tensors stacked row-wise, in order.
+    /// Several vectors stacked, in order, as f32.
     fn stacked(&self, parts: &[(String, Vec<usize>)]) -> Result<WeightBuf, ModelError> {
         let slices = parts
             .iter()
-            .map(|(name, shape)| self.get_slice(name, shape))
+            .map(|(name, shape)| self.get(name, shape))
             .collect::<Result<Vec<_>, _>>()?;
         let mut out = WeightBuf::zeroed(slices.iter().map(|s| s.len()).sum());
         let mut at = 0;
         for s in slices {
-            out[at..at + s.len()].copy_from_slice(s);
+            out[at..at + s.len()].copy_from_slice(&s);
             at += s.len();
         }
         Ok(out)
     }
+}
+
+fn check_shape(name: &str, expected: &[usize], got: &[usize]) -> Result<(), ModelError> {
+    if got == expected {
+        return Ok(());
+    }
+    Err(ModelError::BadShape {
+        name: name.to_string(),
+        expected: expected.to_vec(),
+        got: got.to_vec(),
+    })
 }
 
 fn layer_from_store(c: &LlamaConfig, g: &Getter<'_>, l: usize) -> Result<LayerWeights, ModelError> {
@@ -226,7 +286,7 @@ fn layer_from_store(c: &LlamaConfig, g: &Getter<'_>, l: usize) -> Result<LayerWe
     let p = format!("model.layers.{l}");
     let attn =
         |m: &str, suffix: &str, shape: Vec<usize>| (format!("{p}.self_attn.{m}.{suffix}"), shape);
-    let qkv = g.stacked(&[
+    let qkv = g.matrix(&[
         attn("q_proj", "weight", vec![q_out, h]),
         attn("k_proj", "weight", vec![kv_out, h]),
         attn("v_proj", "weight", vec![kv_out, h]),
@@ -254,9 +314,9 @@ fn layer_from_store(c: &LlamaConfig, g: &Getter<'_>, l: usize) -> Result<LayerWe
         qkv_bias,
         q_norm,
         k_norm,
-        o_proj: g.get(&format!("{p}.self_attn.o_proj.weight"), &[h, q_out])?,
+        o_proj: g.matrix(&[attn("o_proj", "weight", vec![h, q_out])])?,
         post_norm: g.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-        gate_up: g.stacked(&[mlp("gate_proj", vec![i, h]), mlp("up_proj", vec![i, h])])?,
-        down: g.get(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+        gate_up: g.matrix(&[mlp("gate_proj", vec![i, h]), mlp("up_proj", vec![i, h])])?,
+        down: g.matrix(&[mlp("down_proj", vec![h, i])])?,
     })
 }

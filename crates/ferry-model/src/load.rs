@@ -19,8 +19,9 @@ pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
+use crate::dtype::WeightDtype;
 use crate::weight_update::WeightSlots;
-use crate::{LlamaConfig, Tensor, WeightStore};
+use crate::{LlamaConfig, StoredTensor, Tensor, WeightStore};
 
 pub use expected::expected_tensors;
 
@@ -125,7 +126,7 @@ impl LoadError {
     }
 }
 
-/// Loads a Hugging Face model folder or a `.gguf` file.
+/// Loads a Hugging Face model folder or a `.gguf` file, every tensor dequantized to f32.
 pub fn load_model(path: &Path) -> Result<LoadedModel, LoadError> {
     load_model_with_progress(path, &mut |_, _, _| {})
 }
@@ -135,14 +136,45 @@ pub fn load_model_with_progress(
     path: &Path,
     progress: Progress<'_>,
 ) -> Result<LoadedModel, LoadError> {
+    load_any(path, Precision::F32, progress)
+}
+
+/// Loads a Hugging Face model folder or a `.gguf` file with every matrix kept in its file's
+/// precision ([`WeightStore::stored`]; vectors as f32): what a server computes from.
+pub fn load_model_stored(path: &Path) -> Result<LoadedModel, LoadError> {
+    load_model_stored_with_progress(path, &mut |_, _, _| {})
+}
+
+/// [`load_model_stored`], reporting each tensor read to `progress`.
+pub fn load_model_stored_with_progress(
+    path: &Path,
+    progress: Progress<'_>,
+) -> Result<LoadedModel, LoadError> {
+    load_any(path, Precision::Stored, progress)
+}
+
+/// What a loader turns matrices into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// f32, dequantized at load.
+    F32,
+    /// The file's own dtype.
+    Stored,
+}
+
+fn load_any(
+    path: &Path,
+    precision: Precision,
+    progress: Progress<'_>,
+) -> Result<LoadedModel, LoadError> {
     let meta = std::fs::metadata(path).map_err(|e| LoadError::io(path, e))?;
     if meta.is_dir() {
-        load_hf_folder_with_progress(path, progress)
+        load_hf_folder_with_progress(path, precision, progress)
     } else if path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
     {
-        gguf_model::load_gguf(path, progress)
+        gguf_model::load_gguf(path, precision, progress)
     } else {
         Err(LoadError::invalid(
             path,
@@ -154,16 +186,24 @@ pub fn load_model_with_progress(
 /// Loads a Hugging Face folder: config.json (+ generation_config.json), safetensors (single
 /// file or sharded with an index), tokenizer.json and the chat template.
 pub fn load_hf_folder(dir: &Path) -> Result<LoadedModel, LoadError> {
-    load_hf_folder_with_progress(dir, &mut |_, _, _| {})
+    load_hf_folder_with_progress(dir, Precision::F32, &mut |_, _, _| {})
 }
 
 fn load_hf_folder_with_progress(
     dir: &Path,
+    precision: Precision,
     progress: Progress<'_>,
 ) -> Result<LoadedModel, LoadError> {
     let config = config_json::read_folder_config(dir)?;
     let mut weights = WeightStore::default();
-    safetensors_io::read_weights(dir, &expected_tensors(&config), &mut weights, progress)?;
+    let expected = expected_tensors(&config);
+    match precision {
+        Precision::F32 => safetensors_io::read_weights(dir, &expected, &mut weights, progress)?,
+        Precision::Stored => {
+            let dest = &mut StoredDest(&mut weights);
+            safetensors_io::read_weights(dir, &expected, dest, progress)?
+        }
+    }
     let tokenizer = tokenizer::read_hf_tokenizer(dir)?;
     let chat_template = tokenizer::read_chat_template(dir)?;
     Ok(LoadedModel {
@@ -182,6 +222,47 @@ pub(crate) trait TensorDest {
     /// The floats of tensor `idx` of [`expected_tensors`] (`name`, `shape`, already checked),
     /// which the loader then writes whole.
     fn tensor_mut(&mut self, idx: usize, name: &str, shape: &[usize]) -> &mut [f32];
+
+    /// The bytes of matrix `idx` (`name`, `shape` of two dims, already checked) kept in
+    /// `dtype`, which the loader then writes whole in the file's layout (q/k rows already
+    /// in Hugging Face order); `None` when this destination wants f32 (then the loader
+    /// converts into [`TensorDest::tensor_mut`]).
+    fn stored_mut(
+        &mut self,
+        _idx: usize,
+        _name: &str,
+        _shape: &[usize],
+        _dtype: WeightDtype,
+    ) -> Option<&mut [u8]> {
+        None
+    }
+}
+
+/// A [`WeightStore`] that keeps matrices in their stored precision (vectors as f32).
+struct StoredDest<'a>(&'a mut WeightStore);
+
+impl TensorDest for StoredDest<'_> {
+    fn tensor_mut(&mut self, idx: usize, name: &str, shape: &[usize]) -> &mut [f32] {
+        self.0.tensor_mut(idx, name, shape)
+    }
+
+    fn stored_mut(
+        &mut self,
+        _idx: usize,
+        name: &str,
+        shape: &[usize],
+        dtype: WeightDtype,
+    ) -> Option<&mut [u8]> {
+        let n_bytes = dtype.row_bytes(shape[1])? * shape[0];
+        let t = StoredTensor {
+            shape: shape.to_vec(),
+            dtype,
+            bytes: vec![0; n_bytes],
+        };
+        self.0.insert_stored(name, t);
+        let t = self.0.stored.get_mut(name).expect("inserted just above");
+        Some(&mut t.bytes)
+    }
 }
 
 impl TensorDest for WeightStore {
@@ -233,6 +314,17 @@ struct ExpectedSlots<'a>(&'a mut dyn WeightSlots);
 impl TensorDest for ExpectedSlots<'_> {
     fn tensor_mut(&mut self, idx: usize, _name: &str, _shape: &[usize]) -> &mut [f32] {
         self.0.slot(idx)
+    }
+
+    /// A reload keeps the file's dtypes where the executor keeps matrices as stored.
+    fn stored_mut(
+        &mut self,
+        idx: usize,
+        _name: &str,
+        _shape: &[usize],
+        dtype: WeightDtype,
+    ) -> Option<&mut [u8]> {
+        self.0.stored_slot(idx, dtype)
     }
 }
 
@@ -327,8 +419,18 @@ impl ModelSpec {
         self.load_with_progress(&mut |_, _, _| {})
     }
 
-    /// [`ModelSpec::load`], reporting each converted tensor to `progress`.
+    /// [`ModelSpec::load`], every tensor f32, reporting each converted tensor to `progress`.
     pub fn load_with_progress(&self, progress: Progress<'_>) -> Result<LoadedModel, LoadError> {
+        self.load_as(Precision::F32, progress)
+    }
+
+    /// The model in `precision` (the built-in model is f32 either way), reporting each
+    /// tensor read to `progress`.
+    pub fn load_as(
+        &self,
+        precision: Precision,
+        progress: Progress<'_>,
+    ) -> Result<LoadedModel, LoadError> {
         match self {
             Self::Tiny => Ok(crate::tiny::tiny_model()),
             Self::Path(path) => {
@@ -339,7 +441,7 @@ impl ModelSpec {
                          scripts/fetch-model.sh)",
                     ));
                 }
-                load_model_with_progress(path, progress)
+                load_any(path, precision, progress)
             }
         }
     }

@@ -101,6 +101,68 @@ impl std::fmt::Debug for WeightBuf {
     }
 }
 
+/// A fixed-length run of raw weight bytes (a matrix in its stored precision) in its own
+/// anonymous memory mapping, for the same reason as [`WeightBuf`]. Page-aligned, so any
+/// dtype's values can be read from it in place.
+#[derive(Default)]
+pub struct ByteBuf {
+    map: Option<memmap2::MmapMut>,
+}
+
+impl ByteBuf {
+    /// `len` zero bytes, untouched pages until written.
+    ///
+    /// # Panics
+    /// When the kernel refuses the mapping, as [`WeightBuf::zeroed`].
+    pub fn zeroed(len: usize) -> Self {
+        if len == 0 {
+            return Self::default();
+        }
+        let map = memmap2::MmapMut::map_anon(len)
+            .unwrap_or_else(|e| panic!("mapping {len} bytes of weights: {e}"));
+        Self { map: Some(map) }
+    }
+
+    /// A copy of `bytes`.
+    pub fn from_slice(bytes: &[u8]) -> Self {
+        let mut buf = Self::zeroed(bytes.len());
+        buf.copy_from_slice(bytes);
+        buf
+    }
+}
+
+impl Deref for ByteBuf {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or(&[])
+    }
+}
+
+impl DerefMut for ByteBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.map.as_deref_mut().unwrap_or(&mut [])
+    }
+}
+
+impl Clone for ByteBuf {
+    fn clone(&self) -> Self {
+        Self::from_slice(self)
+    }
+}
+
+impl PartialEq for ByteBuf {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for ByteBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ByteBuf").field("len", &self.len()).finish()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::WeightBuf;
@@ -123,6 +185,14 @@ mod tests {
         assert!(buf.is_empty() && buf.map.is_none());
         assert_eq!(&mut *buf, &mut [] as &mut [f32]);
         assert_eq!(WeightBuf::from_slice(&[]), WeightBuf::default());
+    }
+
+    #[test]
+    fn byte_buf_keeps_its_bytes() {
+        let buf = super::ByteBuf::from_slice(&[1, 2, 3]);
+        assert_eq!(&*buf, &[1, 2, 3]);
+        assert_eq!(buf.clone(), buf);
+        assert!(super::ByteBuf::zeroed(0).is_empty());
     }
 
     #[test]

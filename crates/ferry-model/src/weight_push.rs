@@ -7,6 +7,10 @@
 //! (three extra copies of a full push). Sans-IO: the caller feeds bytes and calls `finish`;
 //! which thread does it and where the bytes come from are the caller's business.
 //!
+//! A matrix arrives in the dtype it was pushed in (F32, F16, BF16) and stays in it: a
+//! trainer's bf16 push into a Q4_1 model makes those tensors bf16, never re-quantized, so the
+//! model computes exactly the trainer's weights.
+//!
 //! The header is checked in full (every dtype, then every name and shape, each in name order)
 //! before a slot exists, so a refused push costs no weight memory and names the first bad
 //! tensor as [`crate::parse_safetensors`] and [`WeightPreparer::prepare`] do.
@@ -16,6 +20,7 @@ use std::sync::Arc;
 use safetensors::tensor::Metadata;
 use safetensors::Dtype;
 
+use crate::dtype::WeightDtype;
 use crate::load::{decode_into, f32_source_width};
 use crate::weight_update::{PreparedWeights, WeightError, WeightPreparer, WeightSlots};
 
@@ -33,6 +38,8 @@ struct Segment {
     dtype: Dtype,
     /// Bytes per element.
     width: usize,
+    /// Kept in its own dtype: the bytes are copied as they come, not converted to f32.
+    raw: bool,
     /// Byte offsets in the data section.
     start: usize,
     end: usize,
@@ -133,16 +140,22 @@ impl SafetensorsPush {
             .iter()
             .map(|(name, info)| (name.clone(), info.shape.clone()))
             .collect();
-        let slots = self.preparer.slots(&list)?;
+        let mut slots = self.preparer.slots(&list)?;
         let mut segments: Vec<Segment> = by_name
             .iter()
             .enumerate()
-            .map(|(slot_idx, (_, info))| Segment {
-                slot_idx,
-                dtype: info.dtype,
-                width: f32_source_width(info.dtype).unwrap_or(4),
-                start: info.data_offsets.0,
-                end: info.data_offsets.1,
+            .map(|(slot_idx, (_, info))| {
+                // A matrix the executor keeps as stored arrives in its own dtype.
+                let raw = WeightDtype::from_safetensors(info.dtype)
+                    .is_some_and(|d| slots.stored_slot(slot_idx, d).is_some());
+                Segment {
+                    slot_idx,
+                    dtype: info.dtype,
+                    width: f32_source_width(info.dtype).unwrap_or(4),
+                    raw,
+                    start: info.data_offsets.0,
+                    end: info.data_offsets.1,
+                }
             })
             .collect();
         // The header was validated: offsets tile the data section from 0 in this order.
@@ -216,6 +229,14 @@ impl DataStage {
     /// Converts `bytes`, the next bytes of `seg`, into its slot: an element split across
     /// pieces is completed from the carry.
     fn convert(&mut self, seg: Segment, mut bytes: &[u8]) {
+        if seg.raw {
+            let at = self.pos - seg.start;
+            let dtype = WeightDtype::from_safetensors(seg.dtype).expect("checked at the header");
+            let out = self.slots.stored_slot(seg.slot_idx, dtype);
+            let out = out.expect("the slot kept its dtype at the header");
+            out[at..at + bytes.len()].copy_from_slice(bytes);
+            return;
+        }
         let w = seg.width;
         let mut elem = (self.pos - seg.start) / w;
         let out = self.slots.slot(seg.slot_idx);
@@ -295,16 +316,16 @@ mod tests {
         let LlamaUpdate::Full(w) = update else {
             panic!("a complete set is a full update");
         };
-        let mut bufs: Vec<&[f32]> = vec![&w.embed, &w.norm];
-        bufs.extend(w.lm_head.as_deref());
+        let mut bufs: Vec<Vec<f32>> = vec![w.embed.to_f32(), w.norm.to_vec()];
+        bufs.extend(w.lm_head.as_ref().map(|m| m.to_f32()));
         for l in &w.layers {
             bufs.extend([
-                &*l.input_norm,
-                &l.qkv,
-                &l.o_proj,
-                &l.post_norm,
-                &l.gate_up,
-                &l.down,
+                l.input_norm.to_vec(),
+                l.qkv.to_f32(),
+                l.o_proj.to_f32(),
+                l.post_norm.to_vec(),
+                l.gate_up.to_f32(),
+                l.down.to_f32(),
             ]);
         }
         bufs.iter()
@@ -343,7 +364,13 @@ mod tests {
         };
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(patches.len(), 1);
-        assert_eq!(bits(&patches[0].data), bits(&all.get(name).unwrap().data));
+        let mut values = vec![0.0; patches[0].data.rows() * 64];
+        crate::dtype::dequantize_into(
+            patches[0].data.dtype(),
+            patches[0].data.bytes(),
+            &mut values,
+        );
+        assert_eq!(bits(&values), bits(&all.get(name).unwrap().data));
     }
 
     #[test]

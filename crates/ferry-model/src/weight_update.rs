@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 pub use ferry_core::WeightResidency;
 
+use crate::dtype::WeightDtype;
 use crate::{ExecError, LlamaConfig, WeightStore};
 
 /// What is wrong with a weight update; nothing has changed when one is returned.
@@ -55,7 +56,7 @@ pub enum WeightError {
 pub struct PreparedWeights {
     /// Tensors in the update.
     pub n_tensors: usize,
-    /// f32 bytes in the update.
+    /// Bytes the update holds (f32 values, or tensors in their stored precision).
     pub n_bytes: usize,
     /// Every parameter is present (a partial push leaves the others as they are).
     pub complete: bool,
@@ -102,6 +103,14 @@ pub trait WeightSlots: Send {
     /// The floats of the `idx`-th tensor of the list the slots were made for, row-major. The
     /// reader writes every one of them before `finish`.
     fn slot(&mut self, idx: usize) -> &mut [f32];
+
+    /// The bytes of the `idx`-th tensor kept in `dtype`, for a reader to write whole in
+    /// that dtype's layout, when the executor keeps that tensor in its stored precision (a
+    /// matrix); `None` otherwise, and the reader converts into [`WeightSlots::slot`] instead.
+    /// Called once per tensor, before any of its bytes are written.
+    fn stored_slot(&mut self, _idx: usize, _dtype: WeightDtype) -> Option<&mut [u8]> {
+        None
+    }
 
     /// The update, once every slot has been written.
     fn finish(self: Box<Self>) -> PreparedWeights;

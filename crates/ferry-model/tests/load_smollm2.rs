@@ -11,7 +11,9 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use ferry_model::{default_model_path, load_model, LoadedModel, RopeScaling};
-use load_common::{check_top_logits, floats_of, golden, ids_of, paged_logits, reference_forward};
+use load_common::{
+    check_top_logits, floats_of, golden, ids_of, paged_logits, paged_logits_of, reference_forward,
+};
 
 fn cache_dir() -> PathBuf {
     match std::env::var_os("FERRY_CACHE") {
@@ -137,4 +139,79 @@ fn reference_forward_matches_golden_top_logits() {
 #[test]
 fn paged_forward_matches_golden_top_logits() {
     check_top_logits(|ids| paged_logits(model(), ids, false).pop().unwrap());
+}
+
+/// The file loaded with its matrices kept as stored (Q4_1 and the file's other types, q/k
+/// rows un-permuted as bytes) computes the bits of the file dequantized to f32: prefill, and
+/// decode position by position (the 8×1 tiles), for the first golden text; and it reads a
+/// fraction of the f32 model's bytes per step.
+#[test]
+fn stored_precision_gives_the_bits_of_the_f32_load() {
+    use ferry_model::{load_model_stored, LlamaModel, WeightDtype};
+    let path = default_model_path(&cache_dir());
+    let kept = load_model_stored(&path).unwrap();
+    let dtypes: std::collections::BTreeSet<WeightDtype> =
+        kept.weights.stored.values().map(|t| t.dtype).collect();
+    assert!(dtypes.contains(&WeightDtype::Q4_1), "{dtypes:?}");
+    let case = &golden("smollm2.json")["texts"][0];
+    let ids = ids_of(&case["ids"]);
+    let bits = |rows: Vec<Vec<f32>>| -> Vec<Vec<u32>> {
+        rows.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    for every_position in [false, true] {
+        let got = bits(paged_logits(&kept, &ids, every_position));
+        let want = bits(paged_logits(model(), &ids, every_position));
+        assert!(got == want, "every_position = {every_position}");
+    }
+    let read = |m: &LoadedModel| {
+        let llama = LlamaModel::new(&m.config, &m.weights).unwrap();
+        llama.weights().bytes_read_per_step()
+    };
+    assert!(
+        read(&kept) * 4 < read(model()),
+        "Q4_1 reads under a quarter of f32's bytes"
+    );
+}
+
+/// A reload from the GGUF file keeps its dtypes (no f32 copy of the model appears) and
+/// computes what the freshly loaded model computes.
+#[test]
+fn a_reload_from_the_gguf_keeps_its_dtypes() {
+    use ferry_model::{load_model_stored, Executor, LlamaModel, WeightFiles};
+    let path = default_model_path(&cache_dir());
+    let kept = load_model_stored(&path).unwrap();
+    let mut model = LlamaModel::new(&kept.config, &kept.weights).unwrap();
+    let dtypes = |m: &LlamaModel| {
+        let w = m.weights();
+        let mut all: Vec<_> = w.embed.segments().iter().map(|s| s.dtype()).collect();
+        for l in &w.layers {
+            for m in [&l.qkv, &l.o_proj, &l.gate_up, &l.down] {
+                all.extend(m.segments().iter().map(|s| s.dtype()));
+            }
+        }
+        all
+    };
+    let (before, bytes) = (dtypes(&model), model.weights().total_bytes());
+    let files = WeightFiles::open(&path).unwrap();
+    let preparer = model.weight_ops().preparer();
+    preparer.check_config(files.config()).unwrap();
+    let list = ferry_model::expected_tensors(files.config());
+    let mut slots = preparer.slots(&list).unwrap();
+    files.read_into(slots.as_mut()).unwrap();
+    let prepared = slots.finish();
+    assert!(
+        prepared.n_bytes * 4
+            < list
+                .iter()
+                .map(|(_, s)| s.iter().product::<usize>() * 4)
+                .sum()
+    );
+    model.weight_ops_mut().install(prepared).unwrap();
+    assert_eq!(dtypes(&model), before);
+    assert_eq!(model.weights().total_bytes(), bytes);
+    let ids = ids_of(&golden("smollm2.json")["texts"][0]["ids"]);
+    let fresh = paged_logits(&kept, &ids, false);
+    assert_eq!(paged_logits_of(&mut model, &ids, false), fresh);
 }

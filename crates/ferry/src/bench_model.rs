@@ -1,5 +1,8 @@
 //! `ferry bench model`: prefill and decode throughput of the real model at several batch
-//! sizes, with the memory-bandwidth bound that limits decode, printed as one JSON line.
+//! sizes, printed as one JSON line, held against the machine: decode's weight-read GB/s
+//! (weight bytes per step × steps per second) against a measured read bandwidth, and the
+//! matmuls' GFLOP/s of decode and prefill against a measured f32 FMA peak. Weights are kept
+//! in the file's precision, as `ferry serve` keeps them.
 //!
 //! Each batch size gets its own arena. Prompts are prefilled in chunks of at most
 //! `--prefill-chunk` tokens per step (as the scheduler would), then every request decodes one
@@ -70,15 +73,27 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
     let bytes_per_step = model.weights().bytes_read_per_step();
     let memcpy_gb_s = memcpy_bandwidth_gb_s(bandwidth_bytes);
     let read_gb_s = read_bandwidth_gb_s(bandwidth_bytes);
-    let results = bench_batches(&mut model, args)?;
+    let isa = ferry_model::kernels::Isa::current();
+    let threads = ferry_model::kernels::threads();
+    let peak_gflop_s = ferry_model::kernels::fma_peak_gflop_s(isa, threads, PEAK_ITERS);
+    let machine = Machine {
+        read_gb_s,
+        peak_gflop_s,
+        bytes_per_step,
+        flops_token: model.weights().matmul_flops_per_token(false),
+        flops_sampled: model.weights().matmul_flops_per_token(true),
+    };
+    let results = bench_batches(&mut model, args, &machine)?;
     // Decode at batch 1 reads every weight once per token, so the fastest it can go is the
     // weight bytes over the rate memory can stream them. A copy moves each byte twice (read
     // and write), so the read probe is the fairer bound; both are reported.
     let bound_ms = |gb_s: f64| round2(bytes_per_step as f64 / (gb_s * 1e9) * 1e3);
     Ok(json!({
         "model": source,
-        "isa": format!("{:?}", ferry_model::kernels::Isa::current()),
-        "threads": ferry_model::kernels::threads(),
+        "isa": format!("{isa:?}"),
+        "threads": threads,
+        "weight_dtypes": weight_dtypes(model.weights()),
+        "fma_peak_gflop_s": round2(peak_gflop_s),
         "load_avg_1m": load_avg(),
         "prompt_len": args.prompt_len,
         "decode_steps": args.decode_steps,
@@ -106,12 +121,45 @@ fn load(args: &Args) -> anyhow::Result<(String, LlamaConfig, WeightStore)> {
         }
         (_, Some(other)) => anyhow::bail!("unknown --random shape {other:?} (smollm2-135m, small)"),
         (Some(path), None) => {
-            let m = ferry_model::load_model(Path::new(path))
+            let m = ferry_model::ModelSpec::resolve(Some(path), Path::new("."))
+                .load_as(ferry_model::Precision::Stored, &mut |_, _, _| {})
                 .with_context(|| format!("loading {path}"))?;
             Ok((m.source, m.config, m.weights))
         }
         (None, None) => anyhow::bail!("give --model PATH|tiny or --random smollm2-135m"),
     }
+}
+
+/// FMA turns per thread of the peak probe (a few hundred milliseconds).
+const PEAK_ITERS: usize = 20_000_000;
+
+/// What the rates are held against: the machine's read bandwidth and f32 FMA peak, and the
+/// model's weight bytes per decode step and matmul work per token.
+struct Machine {
+    read_gb_s: f64,
+    peak_gflop_s: f64,
+    bytes_per_step: usize,
+    /// Matmul FLOPs of a token that does not sample, and of one that does (the head too).
+    flops_token: u64,
+    flops_sampled: u64,
+}
+
+/// How many matrix segments of each dtype the model holds, e.g. `{"Q4_1": 180, "Q8_0": 31}`.
+fn weight_dtypes(w: &ferry_model::LlamaWeights) -> serde_json::Value {
+    let mut counts = std::collections::BTreeMap::<String, usize>::new();
+    let layers = w
+        .layers
+        .iter()
+        .flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down]);
+    for m in std::iter::once(&w.embed)
+        .chain(w.lm_head.as_ref())
+        .chain(layers)
+    {
+        for s in m.segments() {
+            *counts.entry(s.dtype().to_string()).or_default() += 1;
+        }
+    }
+    json!(counts)
 }
 
 /// One request of the benchmark.
@@ -196,10 +244,24 @@ impl BatchRun {
         Ok(())
     }
 
-    fn report(&self, args: &Args) -> serde_json::Value {
+    fn report(&self, args: &Args, m: &Machine) -> serde_json::Value {
         let prefill_tokens = self.batch * args.prompt_len;
         let steps = args.decode_steps.max(1) as f64;
+        let step_s = self.decode_s / steps;
+        // Every weight is read once per decode step, whatever the batch.
+        let weight_read_gb_s = m.bytes_per_step as f64 / step_s / 1e9;
+        let decode_gflop_s = (self.batch as u64 * m.flops_sampled) as f64 / step_s / 1e9;
+        // Every prompt token's layers, and the head once per request (its last chunk samples).
+        let prefill_flops = prefill_tokens as u64 * m.flops_token
+            + self.batch as u64 * (m.flops_sampled - m.flops_token);
+        let prefill_gflop_s = prefill_flops as f64 / self.prefill_s / 1e9;
         json!({
+            "decode_weight_read_gb_s": round2(weight_read_gb_s),
+            "decode_read_bandwidth_fraction": round2(weight_read_gb_s / m.read_gb_s),
+            "decode_gflop_s": round2(decode_gflop_s),
+            "decode_peak_fraction": round2(decode_gflop_s / m.peak_gflop_s),
+            "prefill_gflop_s": round2(prefill_gflop_s),
+            "prefill_peak_fraction": round2(prefill_gflop_s / m.peak_gflop_s),
             "batch": self.batch,
             "prefill_tokens": prefill_tokens,
             "prefill_steps": self.prefill_steps,
@@ -214,7 +276,11 @@ impl BatchRun {
 /// Prefills every batch size, then decodes them round-robin, one step each in turn: on a
 /// shared machine the load drifts, and interleaving gives every batch size the same
 /// conditions, so their ratios mean something even when the absolute numbers move.
-fn bench_batches(model: &mut LlamaModel, args: &Args) -> anyhow::Result<Vec<serde_json::Value>> {
+fn bench_batches(
+    model: &mut LlamaModel,
+    args: &Args,
+    machine: &Machine,
+) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut runs: Vec<BatchRun> = args
         .batch
         .iter()
@@ -228,7 +294,7 @@ fn bench_batches(model: &mut LlamaModel, args: &Args) -> anyhow::Result<Vec<serd
             run.decode_step(model)?;
         }
     }
-    Ok(runs.iter().map(|r| r.report(args)).collect())
+    Ok(runs.iter().map(|r| r.report(args, machine)).collect())
 }
 
 /// Schedules `counts[i]` tokens of request `i`; a request that reaches its last known token
@@ -362,9 +428,19 @@ mod tests {
         // 15 prompt tokens in chunks of at most 4.
         assert_eq!(results[1]["prefill_steps"], 4);
         for r in results {
-            assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0);
-            assert!(r["prefill_tok_s"].as_f64().unwrap() > 0.0);
+            for key in [
+                "decode_tok_s",
+                "prefill_tok_s",
+                "decode_weight_read_gb_s",
+                "decode_gflop_s",
+                "prefill_gflop_s",
+            ] {
+                assert!(r[key].as_f64().unwrap() > 0.0, "{key}: {r}");
+            }
         }
+        assert!(out["fma_peak_gflop_s"].as_f64().unwrap() > 0.0);
+        // 2 layers of 7 segments (q, k, v, o, gate, up, down), the embedding and the head.
+        assert_eq!(out["weight_dtypes"]["F32"], 16, "random weights are f32");
         assert!(out["weights_bytes_per_step"].as_u64().unwrap() > 0);
         assert!(out["read_gb_s"].as_f64().unwrap() > 0.0);
     }

@@ -467,8 +467,10 @@ fn load(spec: &ModelSpec) -> anyhow::Result<LoadedModel> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    // Matrices stay in the file's precision: batch-1 decode reads every weight once per
+    // token, so its speed is the weights' bytes over memory bandwidth.
     let model = spec
-        .load_with_progress(&mut |done, total, name| {
+        .load_as(ferry_model::Precision::Stored, &mut |done, total, name| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
             bar.set_message(name.to_owned());

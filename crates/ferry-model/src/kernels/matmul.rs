@@ -1,24 +1,39 @@
-//! `out = x · Wᵀ` for row-major `x` (`m × k`) and a PyTorch-layout weight `W` (`n × k`).
+//! `out = x · Wᵀ` for row-major `x` (`m × k`, f32) and a PyTorch-layout weight `W` (`n × k`)
+//! kept in its stored precision ([`Matrix`]: segments of F32, F16, BF16, Q8_0, Q4_0, Q4_1).
 //!
 //! Each output element is one dot product in the fixed order described in the parent module,
 //! whatever `m` is and whichever register tile computes it, so a request's activations give the
-//! same bits alone or in a batch of 64. Speed comes from tiling, not from changing the order:
-//! a block of W rows small enough for L2 is multiplied by every activation row before the next
-//! block is read, so at batch > 1 each weight crosses the memory bus once per step.
+//! same bits alone or in a batch of 64. The weights are dequantized in registers as they stream
+//! past, each to exactly the f32 the loader's dequantization gives
+//! ([`crate::dtype::dequantize_into`]), and enter the same fused multiply-adds in the same
+//! order as f32 weights would: a model kept in its stored precision computes the bits of the
+//! same model dequantized to f32 at load, reading a quarter to an eighth of the bytes.
+//!
+//! Speed comes from tiling, not from changing the order: a block of W rows small enough for
+//! L2 is multiplied by every activation row before the next block is read, so at batch > 1
+//! each weight crosses the memory bus once per step.
 
 use std::ops::Range;
 
 use rayon::prelude::*;
 
 use super::Isa;
+use crate::dtype::WeightDtype;
+use crate::matrix::Matrix;
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
+mod portable;
 
 /// Activation rows multiplied by one W block before moving on (bounds the x working set).
 const X_BLOCK: usize = 64;
 /// W rows kept hot while the activation rows stream past.
 const W_BLOCK: usize = 24;
+/// Activation rows from which a W block in another dtype than f32 is dequantized once into
+/// an f32 scratch rather than in registers by every tile (the batched tile takes 4 rows).
+const DEQUANT_ROWS: usize = 4;
 /// Below this many multiply-adds a step is not worth handing to other threads.
 const SERIAL_FMAS: usize = 1 << 15;
 
@@ -30,22 +45,100 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// `out[i * n + j] = dot(x[i], w[j])`, on the process's instruction set.
-pub fn matmul(x: &[f32], w: &[f32], out: &mut [f32], m: usize, n: usize, k: usize) {
-    matmul_with(Isa::current(), x, w, out, m, n, k);
+/// Rows of one dtype in memory: row `j` starts `j * row_bytes` bytes after `ptr`.
+#[derive(Clone, Copy)]
+struct Rows {
+    ptr: *const u8,
+    row_bytes: usize,
+    dtype: WeightDtype,
+}
+// SAFETY: a `Rows` only reads, from a borrowed slice that outlives the matmul it serves.
+unsafe impl Send for Rows {}
+unsafe impl Sync for Rows {}
+
+/// One segment of W as the kernels see it: its rows and the first output column they fill.
+#[derive(Clone, Copy)]
+struct Part {
+    rows: Rows,
+    first_row: usize,
+    n_rows: usize,
+}
+
+/// `out[i * n + j] = dot(x[i], W[j])` with `n = w.n_rows()`, `k = w.k()`, on the process's
+/// instruction set.
+pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32], m: usize) {
+    matmul_with(Isa::current(), x, w, out, m);
 }
 
 /// [`matmul`] with an explicit implementation.
-pub fn matmul_with(isa: Isa, x: &[f32], w: &[f32], out: &mut [f32], m: usize, n: usize, k: usize) {
-    assert!(
-        x.len() >= m * k,
-        "matmul: x has {} floats, need {m}×{k}",
-        x.len()
-    );
+pub fn matmul_with(isa: Isa, x: &[f32], w: &Matrix, out: &mut [f32], m: usize) {
+    let k = w.k();
+    let mut parts = Vec::with_capacity(w.segments().len());
+    let mut first_row = 0;
+    for s in w.segments() {
+        let row_bytes = s
+            .dtype()
+            .row_bytes(k)
+            .expect("a segment holds whole blocks");
+        assert_eq!(
+            s.bytes().len(),
+            row_bytes * s.rows(),
+            "matmul: segment size"
+        );
+        parts.push(Part {
+            rows: Rows {
+                ptr: s.bytes().as_ptr(),
+                row_bytes,
+                dtype: s.dtype(),
+            },
+            first_row,
+            n_rows: s.rows(),
+        });
+        first_row += s.rows();
+    }
+    run(isa, x, &parts, out, m, first_row, k);
+}
+
+/// [`matmul_with`] for f32 weights in a plain slice (`n × k`), as the kernels' tests and
+/// benches hold them.
+pub fn matmul_f32_with(
+    isa: Isa,
+    x: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+) {
     assert!(
         w.len() >= n * k,
         "matmul: w has {} floats, need {n}×{k}",
         w.len()
+    );
+    let part = Part {
+        rows: f32_rows(w, k),
+        first_row: 0,
+        n_rows: n,
+    };
+    run(isa, x, &[part], out, m, n, k);
+}
+
+/// f32 rows `stride` floats apart.
+fn f32_rows(w: &[f32], stride: usize) -> Rows {
+    Rows {
+        ptr: w.as_ptr().cast(),
+        row_bytes: stride * size_of::<f32>(),
+        dtype: WeightDtype::F32,
+    }
+}
+
+/// Checks the activations and output, then runs every part's rows, split over threads by
+/// output rows only.
+fn run(isa: Isa, x: &[f32], parts: &[Part], out: &mut [f32], m: usize, n: usize, k: usize) {
+    assert!(
+        x.len() >= m * k,
+        "matmul: x has {} floats, need {m}×{k}",
+        x.len()
     );
     assert!(
         out.len() >= m * n,
@@ -57,13 +150,13 @@ pub fn matmul_with(isa: Isa, x: &[f32], w: &[f32], out: &mut [f32], m: usize, n:
     }
     let ptr = OutPtr(out.as_mut_ptr());
     if m * n * k <= SERIAL_FMAS {
-        run_rows(isa, x, w, ptr, m, n, k, 0..n);
+        run_rows(isa, x, parts, ptr, m, n, k, 0..n);
         return;
     }
     let rows = rows_per_task(n);
     (0..n.div_ceil(rows)).into_par_iter().for_each(|t| {
         let r = t * rows..((t + 1) * rows).min(n);
-        run_rows(isa, x, w, ptr, m, n, k, r);
+        run_rows(isa, x, parts, ptr, m, n, k, r);
     });
 }
 
@@ -74,15 +167,15 @@ fn rows_per_task(n: usize) -> usize {
     n.div_ceil(tasks).next_multiple_of(24).max(24)
 }
 
-/// One dot product in the same order as one element of [`matmul_with`], without the tiling
-/// (attention calls it per position, so it must be cheap).
+/// One dot product in the same order as one element of [`matmul_with`] with f32 weights,
+/// without the tiling (attention calls it per position, so it must be cheap).
 pub(super) fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
         Isa::Avx512 => unsafe { avx512::dot(a, b) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Avx2Fma` is only chosen after run-time detection of both features.
+        // SAFETY: `Avx2Fma` is only chosen after run-time detection of AVX2, FMA and F16C.
         Isa::Avx2Fma => unsafe { avx2::dot(a, b) },
         _ => portable::dot8(a, b),
     }
@@ -105,356 +198,170 @@ pub(super) fn dot_rows_with(isa: Isa, q: &[f32], rows: &[f32], stride: usize, ou
         "dot_rows: rows too short"
     );
     let tile = Tile {
-        w_stride: stride,
+        w: f32_rows(rows, stride),
         x_rows: 0..1,
         w_rows: 0..n,
         n,
         k,
     };
-    run_tile(isa, q, rows, out.as_mut_ptr(), &tile);
+    run_tile(isa, q, out.as_mut_ptr(), &tile);
 }
 
-/// All activation rows against W rows `w_rows`.
+/// All activation rows against rows `w_rows` of W, part by part.
 #[allow(clippy::too_many_arguments)]
 fn run_rows(
     isa: Isa,
     x: &[f32],
-    w: &[f32],
+    parts: &[Part],
     out: OutPtr,
     m: usize,
     n: usize,
     k: usize,
     w_rows: Range<usize>,
 ) {
-    for x0 in (0..m).step_by(X_BLOCK) {
-        let x_rows = x0..(x0 + X_BLOCK).min(m);
-        for w0 in w_rows.clone().step_by(W_BLOCK) {
-            let wb = w0..(w0 + W_BLOCK).min(w_rows.end);
-            let tile = Tile {
-                w_stride: k,
-                x_rows: x_rows.clone(),
-                w_rows: wb,
-                n,
-                k,
-            };
-            run_tile(isa, x, w, out.0, &tile);
+    for part in parts {
+        let start = w_rows.start.max(part.first_row);
+        let end = w_rows.end.min(part.first_row + part.n_rows);
+        if start >= end {
+            continue;
+        }
+        // The part's rows are numbered from its first; its output columns start there.
+        let local = start - part.first_row..end - part.first_row;
+        let out = out.0.wrapping_add(part.first_row);
+        if part.rows.dtype != WeightDtype::F32 && m >= DEQUANT_ROWS {
+            run_rows_dequantized(isa, x, part.rows, out, m, n, k, local);
+            continue;
+        }
+        for x0 in (0..m).step_by(X_BLOCK) {
+            let x_rows = x0..(x0 + X_BLOCK).min(m);
+            for w0 in local.clone().step_by(W_BLOCK) {
+                let tile = Tile {
+                    w: part.rows,
+                    x_rows: x_rows.clone(),
+                    w_rows: w0..(w0 + W_BLOCK).min(local.end),
+                    n,
+                    k,
+                };
+                run_tile(isa, x, out, &tile);
+            }
         }
     }
 }
 
-/// One tile on the chosen instruction set. The callers checked that `x` and `w` cover the
-/// tile's rows and that `out` covers its `m × n` output.
-fn run_tile(isa: Isa, x: &[f32], w: &[f32], out: *mut f32, tile: &Tile) {
+/// [`run_rows`] for a block of W rows in another dtype than f32 against many activation
+/// rows: each W block is dequantized once into an f32 scratch (the loader's values, so the
+/// same bits) and multiplied by every activation row from there, rather than decoded again
+/// for every 4 activation rows.
+#[allow(clippy::too_many_arguments)]
+fn run_rows_dequantized(
+    isa: Isa,
+    x: &[f32],
+    w: Rows,
+    out: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    local: Range<usize>,
+) {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    SCRATCH.with_borrow_mut(|scratch| {
+        scratch.resize(W_BLOCK * k, 0.0);
+        for w0 in local.clone().step_by(W_BLOCK) {
+            let w_rows = w0..(w0 + W_BLOCK).min(local.end);
+            let block = &mut scratch[..w_rows.len() * k];
+            dequantize_rows(isa, w, w_rows.clone(), k, block);
+            for x0 in (0..m).step_by(X_BLOCK) {
+                let tile = Tile {
+                    w: f32_rows(block, k),
+                    x_rows: x0..(x0 + X_BLOCK).min(m),
+                    w_rows: 0..w_rows.len(),
+                    n,
+                    k,
+                };
+                run_tile(isa, x, out.wrapping_add(w0), &tile);
+            }
+        }
+    });
+}
+
+/// Rows `rows` of `w` dequantized into `out` (`rows.len() × k`), exactly as the loader does.
+fn dequantize_rows(isa: Isa, w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F; the rows lie
+        // inside the weights the caller checked, and `out` holds them.
+        return unsafe { avx512::dequantize_rows(w, rows, k, out) };
+    }
+    let _ = isa;
+    let n = w.dtype.row_bytes(k).expect("a row holds whole blocks");
+    for (j, o) in rows.zip(out.chunks_exact_mut(k)) {
+        // SAFETY: row j lies inside the weights the caller checked.
+        let bytes = unsafe { std::slice::from_raw_parts(w.ptr.add(j * w.row_bytes), n) };
+        crate::dtype::dequantize_into(w.dtype, bytes, o);
+    }
+}
+
+/// One tile on the chosen instruction set. The callers checked that `x` and the weights
+/// cover the tile's rows and that `out` covers its `m × n` output.
+fn run_tile(isa: Isa, x: &[f32], out: *mut f32, tile: &Tile) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
-        Isa::Avx512 => unsafe { avx512::tile(x, w, out, tile) },
+        Isa::Avx512 => unsafe { avx512::tile(x, out, tile) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Avx2Fma` is only chosen after run-time detection of both features.
-        Isa::Avx2Fma => unsafe { avx2::tile(x, w, out, tile) },
-        _ => portable::tile(x, w, out, tile),
+        // SAFETY: `Avx2Fma` is only chosen after run-time detection of AVX2, FMA and F16C.
+        Isa::Avx2Fma => unsafe { avx2::tile(x, out, tile) },
+        _ => portable::tile(x, out, tile),
+    }
+}
+
+/// [`WeightDtype`]s as numbers, so a kernel can be a const-generic function of its dtype
+/// (one copy per dtype, the dtype's branches resolved at compile time).
+const F32: u8 = 0;
+const F16: u8 = 1;
+const BF16: u8 = 2;
+const Q8_0: u8 = 3;
+const Q4_0: u8 = 4;
+const Q4_1: u8 = 5;
+
+fn dtype_code(d: WeightDtype) -> u8 {
+    match d {
+        WeightDtype::F32 => F32,
+        WeightDtype::F16 => F16,
+        WeightDtype::BF16 => BF16,
+        WeightDtype::Q8_0 => Q8_0,
+        WeightDtype::Q4_0 => Q4_0,
+        WeightDtype::Q4_1 => Q4_1,
     }
 }
 
 /// One block of the output: activation rows × W rows.
 struct Tile {
-    /// Floats between consecutive W rows (`k` for a matrix; more for K rows in the arena).
-    w_stride: usize,
+    w: Rows,
     x_rows: Range<usize>,
     w_rows: Range<usize>,
+    /// Floats between output rows.
     n: usize,
     k: usize,
 }
 
-/// The portable order: 8 lanes, mul then add, the same horizontal sum as the AVX2 path.
-mod portable {
-    use super::Tile;
-
-    pub(super) fn tile(x: &[f32], w: &[f32], out: *mut f32, t: &Tile) {
-        for i in t.x_rows.clone() {
-            let xi = &x[i * t.k..(i + 1) * t.k];
-            for j in t.w_rows.clone() {
-                let s = dot8(xi, &w[j * t.w_stride..j * t.w_stride + t.k]);
-                // SAFETY: (i, j) is inside the m × n output checked by the caller.
-                unsafe { out.add(i * t.n + j).write(s) };
-            }
-        }
-    }
-
-    pub(super) fn dot8(a: &[f32], b: &[f32]) -> f32 {
-        let mut acc = [0.0f32; 8];
-        let mut ca = a.chunks_exact(8);
-        let mut cb = b.chunks_exact(8);
-        for (xa, xb) in (&mut ca).zip(&mut cb) {
-            for l in 0..8 {
-                acc[l] += xa[l] * xb[l];
-            }
-        }
-        let s4 = [
-            acc[0] + acc[4],
-            acc[1] + acc[5],
-            acc[2] + acc[6],
-            acc[3] + acc[7],
-        ];
-        let mut s = (s4[0] + s4[2]) + (s4[1] + s4[3]);
-        for (&p, &q) in ca.remainder().iter().zip(cb.remainder()) {
-            s += p * q;
-        }
-        s
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::Tile;
-
-    /// Register tiles: 8×1 (W rows × x rows) for a single activation row (decode at batch 1,
-    /// where eight independent accumulators hide the FMA latency), 3×4 otherwise (12
-    /// accumulators + 3 W + 1 x = all 16 registers, 7 loads per 12 FMAs; measured 15-30% faster
-    /// than 4×2), then leftovers. Every shape computes each element in the same order.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn tile(x: &[f32], w: &[f32], out: *mut f32, t: &Tile) {
-        let (xp, wp) = (x.as_ptr(), w.as_ptr());
-        let mut j = t.w_rows.start;
-        if t.x_rows.len() == 1 {
-            while j + 8 <= t.w_rows.end {
-                // SAFETY (all kernel calls): rows i..i+C of x and j..j+R of w lie inside the
-                // tile, which the caller checked against the slice lengths.
-                unsafe { kernel::<8, 1>(xp, wp, out, t, t.x_rows.start, j) };
-                j += 8;
-            }
-        }
-        while j + 3 <= t.w_rows.end {
-            let mut i = t.x_rows.start;
-            while i + 4 <= t.x_rows.end {
-                unsafe { kernel::<3, 4>(xp, wp, out, t, i, j) };
-                i += 4;
-            }
-            while i < t.x_rows.end {
-                unsafe { kernel::<3, 1>(xp, wp, out, t, i, j) };
-                i += 1;
-            }
-            j += 3;
-        }
-        while j < t.w_rows.end {
-            for i in t.x_rows.clone() {
-                unsafe { kernel::<1, 1>(xp, wp, out, t, i, j) };
-            }
-            j += 1;
-        }
-    }
-
-    /// R rows of W against C rows of x, one 8-lane accumulator per output element.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn kernel<const R: usize, const C: usize>(
-        x: *const f32,
-        w: *const f32,
-        out: *mut f32,
-        t: &Tile,
-        i: usize,
-        j: usize,
-    ) {
-        let (k, ws) = (t.k, t.w_stride);
-        let k8 = k / 8 * 8;
-        let mut acc = [[_mm256_setzero_ps(); R]; C];
-        let mut p = 0;
-        while p < k8 {
-            if p % 16 == 0 {
-                // Fetch the next R rows' line at this offset: a row is only a few KiB, too
-                // short for the hardware prefetcher to ramp up on before it ends. (A prefetch
-                // never faults, so running past the last row is harmless.)
-                for r in 0..R {
-                    let line = w.wrapping_add((j + R + r) * ws + p);
-                    _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
-                }
-            }
-            let mut wv = [_mm256_setzero_ps(); R];
-            for (r, v) in wv.iter_mut().enumerate() {
-                // SAFETY: p + 8 <= k inside row j + r.
-                *v = unsafe { _mm256_loadu_ps(w.add((j + r) * ws + p)) };
-            }
-            for (c, row) in acc.iter_mut().enumerate() {
-                // SAFETY: p + 8 <= k inside row i + c.
-                let xv = unsafe { _mm256_loadu_ps(x.add((i + c) * k + p)) };
-                for (a, &v) in row.iter_mut().zip(&wv) {
-                    *a = _mm256_fmadd_ps(xv, v, *a);
-                }
-            }
-            p += 8;
-        }
-        for (c, row) in acc.iter().enumerate() {
-            for (r, &a) in row.iter().enumerate() {
-                let mut s = hsum(a);
-                for q in k8..k {
-                    // SAFETY: q < k inside rows i + c and j + r.
-                    let (xq, wq) = unsafe { (*x.add((i + c) * k + q), *w.add((j + r) * ws + q)) };
-                    s = xq.mul_add(wq, s);
-                }
-                // SAFETY: (i + c, j + r) is inside the m × n output.
-                unsafe { out.add((i + c) * t.n + j + r).write(s) };
-            }
-        }
-    }
-
-    /// The order of `kernel::<1, 1>` for two slices of equal length.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let k = a.len().min(b.len());
-        let k8 = k / 8 * 8;
-        let (ap, bp) = (a.as_ptr(), b.as_ptr());
-        let mut acc = _mm256_setzero_ps();
-        let mut p = 0;
-        while p < k8 {
-            // SAFETY: p + 8 <= k <= both lengths.
-            let (av, bv) = unsafe { (_mm256_loadu_ps(ap.add(p)), _mm256_loadu_ps(bp.add(p))) };
-            acc = _mm256_fmadd_ps(av, bv, acc);
-            p += 8;
-        }
-        let mut s = hsum(acc);
-        for q in k8..k {
-            s = a[q].mul_add(b[q], s);
-        }
-        s
-    }
-
-    /// Lanes (l, l+4), then (0, 2) and (1, 3), then the last pair: a fixed tree.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn hsum(v: __m256) -> f32 {
-        let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
-        _mm_cvtss_f32(s1)
-    }
+/// The f32 value of element `q` of a row of `dtype` at `row`, as the loader computes it (the
+/// kernels' scalar tails, and the portable path's).
+///
+/// # Safety
+/// `row` points at a whole row of at least `q + 1` elements.
+unsafe fn scalar_at(dtype: WeightDtype, row: *const u8, q: usize) -> f32 {
+    let block = q / dtype.block_elems();
+    let n = dtype.block_bytes();
+    // SAFETY: the block holding element q lies inside the row.
+    let bytes = unsafe { std::slice::from_raw_parts(row.add(block * n), n) };
+    let mut values = [0.0f32; crate::load::gguf::QK];
+    let values = &mut values[..dtype.block_elems()];
+    crate::dtype::dequantize_into(dtype, bytes, values);
+    values[q % dtype.block_elems()]
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s as f32 / u32::MAX as f32) - 0.5
-            })
-            .collect()
-    }
-
-    fn naive(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
-        let mut out = vec![0.0; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                out[i * n + j] = (0..k)
-                    .map(|p| x[i * k + p] as f64 * w[j * k + p] as f64)
-                    .sum();
-            }
-        }
-        out
-    }
-
-    /// Every implementation this CPU can run, so the AVX-512 tiles are tested where the
-    /// machine has them and the fallbacks everywhere.
-    fn isas() -> Vec<Isa> {
-        Isa::available()
-    }
-
-    #[test]
-    fn matches_f64_reference_on_odd_shapes() {
-        for isa in isas() {
-            for &(m, n, k) in &[
-                (1, 1, 1),
-                (1, 13, 7),
-                (3, 9, 17),
-                (5, 37, 64),
-                (67, 70, 129),
-            ] {
-                let x = pseudo(m * k, 1);
-                let w = pseudo(n * k, 2);
-                let mut out = vec![0.0; m * n];
-                matmul_with(isa, &x, &w, &mut out, m, n, k);
-                for (a, b) in out.iter().zip(naive(&x, &w, m, n, k)) {
-                    assert!(
-                        (*a as f64 - b).abs() < 1e-4,
-                        "{isa:?} {m}x{n}x{k}: {a} vs {b}"
-                    );
-                }
-            }
-        }
-    }
-
-    /// On a CPU with AVX-512 the process uses it, so the model tests run the 16-lane tiles.
-    #[test]
-    fn current_isa_is_the_best_available() {
-        let best = Isa::available()[0];
-        assert_eq!(Isa::current(), best);
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx512f") {
-            assert_eq!(best, Isa::Avx512);
-        }
-    }
-
-    /// The heart of batch invariance: a row's result has the same bits whatever M is and
-    /// whichever register tile (8×1, 6×4, 6×1, 3×4, 3×1, 1×1) computed it.
-    #[test]
-    fn row_bits_do_not_depend_on_batch_size() {
-        // k = 150 has a scalar tail after the vector chunks (of 8 and of 16); k = 160 has
-        // none, the shape of real models.
-        for k in [150, 160] {
-            row_bits_do_not_depend_on_batch_size_at(k);
-        }
-    }
-
-    fn row_bits_do_not_depend_on_batch_size_at(k: usize) {
-        let n = 203;
-        let w = pseudo(n * k, 3);
-        for isa in isas() {
-            let x = pseudo(70 * k, 4);
-            // Each row alone (m = 1), then every row of each batch against its row alone, so
-            // every slot of every register tile is checked.
-            let mut alone = vec![0.0; 70 * n];
-            for (xi, oi) in x.chunks_exact(k).zip(alone.chunks_exact_mut(n)) {
-                matmul_with(isa, xi, &w, oi, 1, n, k);
-            }
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            for m in [2, 3, 5, 64, 70] {
-                let mut out = vec![0.0; m * n];
-                matmul_with(isa, &x[..m * k], &w, &mut out, m, n, k);
-                for i in 0..m {
-                    let row = i * n..(i + 1) * n;
-                    assert_eq!(
-                        bits(&alone[row.clone()]),
-                        bits(&out[row]),
-                        "{isa:?} k={k} m={m} row {i}"
-                    );
-                }
-            }
-            // A dot on its own is the same computation too.
-            assert_eq!(
-                super::super::dot_with(isa, &x[..k], &w[k..2 * k]).to_bits(),
-                alone[1].to_bits()
-            );
-        }
-    }
-
-    #[test]
-    fn strided_rows_give_the_bits_of_single_dots() {
-        let (k, stride, n) = (20, 27, 13);
-        let q = pseudo(k, 5);
-        let rows = pseudo((n - 1) * stride + k, 6);
-        for isa in isas() {
-            let mut out = vec![0.0; n];
-            dot_rows_with(isa, &q, &rows, stride, &mut out);
-            for (r, o) in out.iter().enumerate() {
-                let single = dot_with(isa, &q, &rows[r * stride..r * stride + k]);
-                assert_eq!(o.to_bits(), single.to_bits(), "{isa:?} row {r}");
-            }
-        }
-    }
-}
+mod tests;

@@ -13,8 +13,10 @@
 //! different bits, which is fine because a process never mixes them.
 
 mod matmul;
+mod peak;
 
-pub use matmul::{matmul, matmul_with};
+pub use matmul::{matmul, matmul_f32_with, matmul_with};
+pub use peak::fma_peak_gflop_s;
 
 use std::sync::OnceLock;
 
@@ -29,7 +31,8 @@ const PAR_ROWS: usize = 4;
 pub enum Isa {
     /// x86-64 with AVX-512F (detected at run time): 16 lanes per accumulator.
     Avx512,
-    /// x86-64 with AVX2 and FMA (detected at run time, not compiled in with `target-cpu`).
+    /// x86-64 with AVX2, FMA and F16C (detected at run time, not compiled in with
+    /// `target-cpu`).
     Avx2Fma,
     /// Plain Rust, mul then add; any CPU.
     Portable,
@@ -50,7 +53,11 @@ impl Isa {
             if is_x86_feature_detected!("avx512f") {
                 isas.push(Isa::Avx512);
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // F16C converts f16 weights; every CPU with AVX2 has it.
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 isas.push(Isa::Avx2Fma);
             }
         }

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use super::{LlamaModel, Scratch};
 use crate::executor::ExecError;
 use crate::llama_update::{
-    buffer_mut, copy_patch, empty_weights, missing, LlamaPayload, LlamaPreparer, LlamaUpdate, Patch,
+    apply_patch, empty_weights, missing, patch_fits, LlamaPayload, LlamaPreparer, LlamaUpdate,
+    Patch,
 };
 use crate::llama_weights::LlamaWeights;
 use crate::weight_update::{
@@ -30,10 +31,7 @@ impl ModelWeights for LlamaModel {
         }
         match payload.update {
             LlamaUpdate::Full(weights) => Ok(self.swap_weights(*weights)),
-            LlamaUpdate::Partial(patches) => {
-                self.patch_weights(&patches)?;
-                Ok(None)
-            }
+            LlamaUpdate::Partial(patches) => self.patch_weights(patches),
         }
     }
 
@@ -76,25 +74,23 @@ impl LlamaModel {
         Some(Box::new(old))
     }
 
-    /// Copies every patch into place, after checking that all of them fit, so a refused
-    /// update changes nothing.
-    fn patch_weights(&mut self, patches: &[Patch]) -> Result<(), WeightError> {
+    /// Puts every patch in place, after checking that all of them fit, so a refused update
+    /// changes nothing. Returns the matrix segments replaced, for the caller to drop.
+    fn patch_weights(
+        &mut self,
+        patches: Vec<Patch>,
+    ) -> Result<Option<RetiredWeights>, WeightError> {
         if self.residency == WeightResidency::Dropped {
-            let (n_missing, first) = missing(&self.config, patches);
+            let (n_missing, first) = missing(&self.config, &patches);
             return Err(WeightError::Incomplete { n_missing, first });
         }
-        for patch in patches {
-            let fits = buffer_mut(&mut self.weights, patch.place.buffer)
-                .is_some_and(|b| patch.place.offset + patch.data.len() <= b.len());
-            if !fits {
-                return Err(WeightError::WrongExecutor);
-            }
+        if !patches.iter().all(|p| patch_fits(&mut self.weights, p)) {
+            return Err(WeightError::WrongExecutor);
         }
+        let mut retired = Vec::new();
         for patch in patches {
-            if let Some(buffer) = buffer_mut(&mut self.weights, patch.place.buffer) {
-                copy_patch(buffer, patch)?;
-            }
+            retired.extend(apply_patch(&mut self.weights, patch)?);
         }
-        Ok(())
+        Ok((!retired.is_empty()).then(|| Box::new(retired) as RetiredWeights))
     }
 }

@@ -300,6 +300,19 @@ impl GgufFile {
         }
     }
 
+    /// A tensor's raw bytes into `out` (exactly their length), read as
+    /// [`GgufFile::dequantize_into`] reads them.
+    pub fn read_into(&self, info: &GgufTensorInfo, out: &mut [u8]) -> Result<(), LoadError> {
+        let len = self.tensor_bytes(info)?.len();
+        if out.len() != len {
+            return Err(self.unsupported(info));
+        }
+        let offset = (self.data_start as u64).saturating_add(info.offset);
+        super::read_chunks(&self.file, &self.path, offset, len, 1, |at, bytes| {
+            out[at..at + bytes.len()].copy_from_slice(bytes);
+        })
+    }
+
     fn unsupported(&self, info: &GgufTensorInfo) -> LoadError {
         LoadError::UnsupportedDtype {
             path: self.path.clone(),

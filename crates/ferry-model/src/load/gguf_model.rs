@@ -6,18 +6,28 @@ use std::path::Path;
 
 use super::gguf::{GgufFile, GgufValue};
 use super::tokenizer::{byte_level_bpe, byte_to_char, ByteLevelBpeSpec, PreTokenizerKind};
-use super::{expected_tensors, LoadError, LoadedModel, Progress, TensorDest};
+use super::{
+    expected_tensors, LoadError, LoadedModel, Precision, Progress, StoredDest, TensorDest,
+};
+use crate::dtype::WeightDtype;
 use crate::{LlamaConfig, RopeScaling, WeightStore};
 
 /// llama.cpp token types (`tokenizer.ggml.token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
-pub(crate) fn load_gguf(path: &Path, progress: Progress<'_>) -> Result<LoadedModel, LoadError> {
+pub(crate) fn load_gguf(
+    path: &Path,
+    precision: Precision,
+    progress: Progress<'_>,
+) -> Result<LoadedModel, LoadError> {
     let gguf = GgufFile::open(path)?;
     let config = gguf_config(&gguf)?;
     let mut weights = WeightStore::default();
-    gguf_weights(&gguf, &config, &mut weights, progress)?;
+    match precision {
+        Precision::F32 => gguf_weights(&gguf, &config, &mut weights, progress)?,
+        Precision::Stored => gguf_weights(&gguf, &config, &mut StoredDest(&mut weights), progress)?,
+    }
     let tokenizer = gguf_tokenizer(&gguf)?;
     let chat_template = gguf
         .get("tokenizer.chat_template")
@@ -197,6 +207,17 @@ pub(crate) fn gguf_weights(
                 actual: info.shape(),
             });
         }
+        if shape.len() == 2 {
+            if let Some(dtype) = WeightDtype::from_ggml(info.dtype) {
+                let row_bytes = dtype.row_bytes(shape[1]);
+                if let Some(out) = dest.stored_mut(idx, &name, &shape, dtype) {
+                    let row_bytes = row_bytes.expect("stored_mut refuses partial blocks");
+                    read_stored(gguf, info, permuted_heads(&name, config), row_bytes, out)?;
+                    progress(idx + 1, n_expected, &name);
+                    continue;
+                }
+            }
+        }
         let out = dest.tensor_mut(idx, &name, &shape);
         match permuted_heads(&name, config) {
             // q and k are a few rows of the hidden size: the one copy left.
@@ -210,6 +231,26 @@ pub(crate) fn gguf_weights(
         progress(idx + 1, n_expected, &name);
     }
     Ok(())
+}
+
+/// A matrix's bytes as stored into `out`, its rows (`row_bytes` each) un-permuted over
+/// `n_heads` for q and k.
+fn read_stored(
+    gguf: &GgufFile,
+    info: &super::gguf::GgufTensorInfo,
+    n_heads: Option<usize>,
+    row_bytes: usize,
+    out: &mut [u8],
+) -> Result<(), LoadError> {
+    match n_heads {
+        Some(n_heads) => {
+            let mut rows = vec![0u8; out.len()];
+            gguf.read_into(info, &mut rows)?;
+            unpermute_rows_into(&rows, n_heads, &[out.len() / row_bytes, row_bytes], out);
+            Ok(())
+        }
+        None => gguf.read_into(info, out),
+    }
 }
 
 /// The GGUF name a missing Hugging Face tensor would have had (for error messages).
@@ -274,8 +315,8 @@ pub fn unpermute_rows(data: &[f32], n_heads: usize, shape: &[usize]) -> Vec<f32>
     out
 }
 
-/// [`unpermute_rows`] into `out` (as long as `data`).
-fn unpermute_rows_into(data: &[f32], n_heads: usize, shape: &[usize], out: &mut [f32]) {
+/// [`unpermute_rows`] into `out` (as long as `data`), of values or of a row's bytes.
+fn unpermute_rows_into<T: Copy>(data: &[T], n_heads: usize, shape: &[usize], out: &mut [T]) {
     let rows = shape[0];
     let row_len: usize = shape[1..].iter().product();
     let head_rows = rows / n_heads;

@@ -1,5 +1,6 @@
 //! Safetensors weights of a Hugging Face folder: one `model.safetensors`, or shards listed in
-//! `model.safetensors.index.json`. Files are memory-mapped; F32, F16 and BF16 become f32.
+//! `model.safetensors.index.json`. Files are memory-mapped; F32, F16 and BF16 become f32, or
+//! stay as they are where the destination keeps matrices in their stored precision.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -7,6 +8,7 @@ use std::path::{Path, PathBuf};
 use safetensors::{Dtype, SafeTensors};
 
 use super::{read_chunks, LoadError, Progress, TensorDest};
+use crate::dtype::WeightDtype;
 
 const SINGLE_FILE: &str = "model.safetensors";
 /// Bytes of the header's length prefix.
@@ -110,21 +112,23 @@ fn read_file(
         };
         // The shape matches and the header was validated: the bytes are exactly its elements.
         let (start, end) = info.data_offsets;
+        let offset = data_start + start as u64;
+        let dtype = WeightDtype::from_safetensors(info.dtype).filter(|_| shape.len() == 2);
+        if let Some(out) = dtype.and_then(|d| dest.stored_mut(idx, name, shape, d)) {
+            read_chunks(&file, path, offset, end - start, 1, |at, bytes| {
+                out[at..at + bytes.len()].copy_from_slice(bytes);
+            })?;
+            tensor_done(name);
+            continue;
+        }
         let out = dest.tensor_mut(idx, name, shape);
-        read_chunks(
-            &file,
-            path,
-            data_start + start as u64,
-            end - start,
-            width,
-            |at, bytes| {
-                decode_into(
-                    info.dtype,
-                    bytes,
-                    &mut out[at / width..(at + bytes.len()) / width],
-                );
-            },
-        )?;
+        read_chunks(&file, path, offset, end - start, width, |at, bytes| {
+            decode_into(
+                info.dtype,
+                bytes,
+                &mut out[at / width..(at + bytes.len()) / width],
+            );
+        })?;
         tensor_done(name);
     }
     Ok(())

@@ -296,12 +296,21 @@ fn add(acc: &mut [f32], x: &[f32]) {
 /// through the block table, as decode does) and every position's logits are returned; else
 /// the whole prompt is one prefill step and only the last position's logits come back.
 pub fn paged_logits(model: &LoadedModel, ids: &[u32], every_position: bool) -> Vec<Vec<f32>> {
+    let mut llama = ferry_model::LlamaModel::new(&model.config, &model.weights).expect("model");
+    paged_logits_of(&mut llama, ids, every_position)
+}
+
+/// [`paged_logits`] of a model already built.
+pub fn paged_logits_of(
+    llama: &mut ferry_model::LlamaModel,
+    ids: &[u32],
+    every_position: bool,
+) -> Vec<Vec<f32>> {
     use ferry_core::{SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
 
     const BLOCK_SIZE: usize = 4;
-    let mut llama = ferry_model::LlamaModel::new(&model.config, &model.weights).expect("model");
     let n_blocks = ids.len().div_ceil(BLOCK_SIZE);
-    let layout = ferry_model::Executor::kv_layout(&llama, BLOCK_SIZE);
+    let layout = ferry_model::Executor::kv_layout(&*llama, BLOCK_SIZE);
     let mut kv = ferry_kv::KvArena::new(layout, n_blocks + 1);
     // Blocks in reverse order, so a forward that ignored the table would read the wrong KV.
     let table: Vec<u32> = (1..=n_blocks as u32).rev().collect();

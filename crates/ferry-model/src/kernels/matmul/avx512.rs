@@ -6,24 +6,46 @@
 //! batch 1, and attention's strided dots) uses 8×1 instead, eight independent accumulators to
 //! hide the FMA latency while the weights stream from memory. Every shape computes each
 //! element in the same order, so the tile an element falls in never changes its bits.
+//!
+//! Weights are loaded 16 at a time in their stored dtype and dequantized in registers with
+//! the loader's arithmetic (see `load`); the loop runs 32 elements a turn (one quantization
+//! block, two chunks) so a block's scales are read once.
 
 use std::arch::x86_64::*;
 
-use super::Tile;
+use std::ops::Range;
+
+use super::{dtype_code as code, scalar_at, Rows, Tile};
+use super::{BF16, F16, F32, Q4_0, Q4_1, Q8_0};
 
 /// W rows of the batched tile (the parent's block sizes are multiples of it).
 pub(super) const ROWS: usize = 6;
 
-/// All of `t`: `x` rows against `w` rows, written into `out` (`m × n`).
+/// All of `t`: `x` rows against `w` rows, written into `out` (`m × n`), in `t`'s dtype.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn tile(x: &[f32], w: &[f32], out: *mut f32, t: &Tile) {
-    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
+    // SAFETY (all arms): as for `tile` itself.
+    unsafe {
+        match code(t.w.dtype) {
+            F32 => tile_of::<F32>(x, out, t),
+            F16 => tile_of::<F16>(x, out, t),
+            BF16 => tile_of::<BF16>(x, out, t),
+            Q8_0 => tile_of::<Q8_0>(x, out, t),
+            Q4_0 => tile_of::<Q4_0>(x, out, t),
+            _ => tile_of::<Q4_1>(x, out, t),
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_of<const D: u8>(x: &[f32], out: *mut f32, t: &Tile) {
+    let xp = x.as_ptr();
     let mut j = t.w_rows.start;
     if t.x_rows.len() == 1 {
         while j + 8 <= t.w_rows.end {
             // SAFETY (all kernel calls): rows i..i+C of x and j..j+R of w lie inside the
             // tile, which the caller checked against the slice lengths.
-            unsafe { kernel::<8, 1>(xp, wp, out, t, t.x_rows.start, j, true) };
+            unsafe { kernel::<D, 8, 1>(xp, out, t, t.x_rows.start, j, true) };
             j += 8;
         }
     }
@@ -33,19 +55,19 @@ pub(super) unsafe fn tile(x: &[f32], w: &[f32], out: *mut f32, t: &Tile) {
             // Only the first pass over these W rows reads them from memory; the later passes
             // find them in L1, where a prefetch would only take a load slot.
             let first = i == t.x_rows.start;
-            unsafe { kernel::<ROWS, 4>(xp, wp, out, t, i, j, first) };
+            unsafe { kernel::<D, ROWS, 4>(xp, out, t, i, j, first) };
             i += 4;
         }
         while i < t.x_rows.end {
             let first = i == t.x_rows.start;
-            unsafe { kernel::<ROWS, 1>(xp, wp, out, t, i, j, first) };
+            unsafe { kernel::<D, ROWS, 1>(xp, out, t, i, j, first) };
             i += 1;
         }
         j += ROWS;
     }
     while j < t.w_rows.end {
         for i in t.x_rows.clone() {
-            unsafe { kernel::<1, 1>(xp, wp, out, t, i, j, false) };
+            unsafe { kernel::<D, 1, 1>(xp, out, t, i, j, false) };
         }
         j += 1;
     }
@@ -54,35 +76,71 @@ pub(super) unsafe fn tile(x: &[f32], w: &[f32], out: *mut f32, t: &Tile) {
 /// R rows of W against C rows of x, one 16-lane accumulator per output element.
 #[target_feature(enable = "avx512f")]
 #[inline]
-#[allow(clippy::too_many_arguments)]
-unsafe fn kernel<const R: usize, const C: usize>(
+unsafe fn kernel<const D: u8, const R: usize, const C: usize>(
     x: *const f32,
-    w: *const f32,
     out: *mut f32,
     t: &Tile,
     i: usize,
     j: usize,
     prefetch: bool,
 ) {
-    let (k, ws) = (t.k, t.w_stride);
-    let k16 = k / 16 * 16;
+    let (k, w) = (t.k, t.w);
+    let (k16, k32) = (k / 16 * 16, k / 32 * 32);
+    let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
     let mut acc = [[_mm512_setzero_ps(); R]; C];
     let mut p = 0;
-    while p < k16 {
+    while p < k32 {
         if prefetch {
-            // Fetch the next R rows' line at this offset: a row is only a few KiB, too short
+            // Fetch the next R rows' bytes of this turn: a row is only a few KiB, too short
             // for the hardware prefetcher to ramp up on before it ends. (A prefetch never
             // faults, so running past the last row is harmless.)
-            for r in 0..R {
-                let line = w.wrapping_add((j + R + r) * ws + p);
+            for row in rows {
+                let line = row.wrapping_add(R * w.row_bytes + byte_offset::<D>(p));
                 _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
+                if D == F32 {
+                    _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(64).cast::<i8>());
+                }
             }
         }
-        let mut wv = [_mm512_setzero_ps(); R];
-        for (r, v) in wv.iter_mut().enumerate() {
-            // SAFETY: p + 16 <= k inside row j + r.
-            *v = unsafe { _mm512_loadu_ps(w.add((j + r) * ws + p)) };
+        if C == 1 {
+            // One activation row: row by row, each block's scales (or 4-bit table) made once
+            // and used for both halves while the activation's two chunks stay in registers.
+            // Each accumulator still takes its chunks in order.
+            // SAFETY: p + 32 <= k inside row i.
+            let xv = unsafe { [0, 16].map(|h| _mm512_loadu_ps(x.add(i * k + p + h))) };
+            for (r, &row) in rows.iter().enumerate() {
+                // SAFETY: p + 32 <= k inside each row.
+                let ctx = unsafe { block_ctx::<D>(row, p) };
+                for (half, &xh) in xv.iter().enumerate() {
+                    // SAFETY: as above.
+                    let w = unsafe { load::<D>(row, p, half, ctx) };
+                    acc[0][r] = _mm512_fmadd_ps(xh, w, acc[0][r]);
+                }
+            }
+            p += 32;
+            continue;
         }
+        // SAFETY: p + 32 <= k inside each row.
+        let ctx: [__m512; R] = std::array::from_fn(|r| unsafe { block_ctx::<D>(rows[r], p) });
+        for half in 0..2 {
+            // SAFETY: p + 32 <= k inside each row.
+            let wv: [__m512; R] =
+                std::array::from_fn(|r| unsafe { load::<D>(rows[r], p, half, ctx[r]) });
+            for (c, row) in acc.iter_mut().enumerate() {
+                // SAFETY: p + 32 <= k inside row i + c.
+                let xv = unsafe { _mm512_loadu_ps(x.add((i + c) * k + p + 16 * half)) };
+                for (a, &v) in row.iter_mut().zip(&wv) {
+                    *a = _mm512_fmadd_ps(xv, v, *a);
+                }
+            }
+        }
+        p += 32;
+    }
+    // A last chunk of 16: only f32, f16 and bf16 rows (a quantized row is whole blocks).
+    if p < k16 {
+        // SAFETY: p + 16 <= k inside each row.
+        let wv: [__m512; R] =
+            std::array::from_fn(|r| unsafe { load::<D>(rows[r], p, 0, _mm512_setzero_ps()) });
         for (c, row) in acc.iter_mut().enumerate() {
             // SAFETY: p + 16 <= k inside row i + c.
             let xv = unsafe { _mm512_loadu_ps(x.add((i + c) * k + p)) };
@@ -90,14 +148,13 @@ unsafe fn kernel<const R: usize, const C: usize>(
                 *a = _mm512_fmadd_ps(xv, v, *a);
             }
         }
-        p += 16;
     }
     for (c, row) in acc.iter().enumerate() {
         for (r, &a) in row.iter().enumerate() {
             let mut s = hsum(a);
             for q in k16..k {
                 // SAFETY: q < k inside rows i + c and j + r.
-                let (xq, wq) = unsafe { (*x.add((i + c) * k + q), *w.add((j + r) * ws + q)) };
+                let (xq, wq) = unsafe { (*x.add((i + c) * k + q), scalar_at(w.dtype, rows[r], q)) };
                 s = xq.mul_add(wq, s);
             }
             // SAFETY: (i + c, j + r) is inside the m × n output.
@@ -106,7 +163,159 @@ unsafe fn kernel<const R: usize, const C: usize>(
     }
 }
 
-/// The order of `kernel::<1, 1>` for two slices of equal length.
+/// Where element `p` (a multiple of 32) of a row of dtype `D` starts, in bytes.
+#[inline(always)]
+fn byte_offset<const D: u8>(p: usize) -> usize {
+    match D {
+        F32 => 4 * p,
+        F16 | BF16 => 2 * p,
+        Q8_0 => p / 32 * 34,
+        Q4_0 => p / 32 * 18,
+        _ => p / 32 * 20,
+    }
+}
+
+/// What a block of 32 elements of dtype `D` at element `p` of `row` needs to decode: its
+/// scale broadcast (Q8_0), or the 16 values its nibbles stand for (Q4_0: `d * (q - 8)`; Q4_1:
+/// `d * q + m`, made with one fused multiply-add, which gives the loader's bits because
+/// `d * q` is exact in f32: an 11-bit f16 significand times a 4-bit integer); nothing for
+/// f32, f16 and bf16.
+///
+/// # Safety
+/// The block lies inside the row.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn block_ctx<const D: u8>(row: *const u8, p: usize) -> __m512 {
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    // SAFETY (every read): the block's scales, inside the row as the caller promised.
+    unsafe {
+        match D {
+            Q8_0 => scale(row.add(p / 32 * 34)),
+            Q4_0 => {
+                let d = scale(row.add(p / 32 * 18));
+                _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0)))
+            }
+            Q4_1 => {
+                let block = row.add(p / 32 * 20);
+                _mm512_fmadd_ps(iota, scale(block), scale(block.add(2)))
+            }
+            _ => _mm512_setzero_ps(),
+        }
+    }
+}
+
+/// Elements `p + 16 * half .. + 16` of the row at `row` (`p` a multiple of 32 for the
+/// quantized dtypes; `ctx` from [`block_ctx`]), as the loader's f32 values: f16 converted
+/// exactly (`vcvtph2ps`), bf16 shifted into the upper half, `d * q` for Q8_0 (exact), and for
+/// Q4_0 / Q4_1 the block's table looked up by nibble (`vpermps` reads the low 4 bits of each
+/// index, so the low nibbles need no mask). Low nibbles are elements 0..16 of a block, high
+/// nibbles 16..32.
+///
+/// # Safety
+/// The 16 elements lie inside the row.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn load<const D: u8>(row: *const u8, p: usize, half: usize, ctx: __m512) -> __m512 {
+    let e = p + 16 * half;
+    // SAFETY (every read): inside the row, as the caller promised; unaligned loads.
+    unsafe {
+        match D {
+            F32 => _mm512_loadu_ps(row.add(4 * e).cast()),
+            F16 => _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * e).cast())),
+            BF16 => {
+                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(row.add(2 * e).cast()));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h))
+            }
+            Q8_0 => {
+                let block = row.add(p / 32 * 34);
+                let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(2 + 16 * half).cast()));
+                _mm512_mul_ps(ctx, _mm512_cvtepi32_ps(q))
+            }
+            Q4_0 => _mm512_permutexvar_ps(nibbles(row.add(p / 32 * 18 + 2), half), ctx),
+            _ => _mm512_permutexvar_ps(nibbles(row.add(p / 32 * 20 + 4), half), ctx),
+        }
+    }
+}
+
+/// The f16 at `at`, converted exactly and broadcast.
+///
+/// # Safety
+/// Two readable bytes at `at`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn scale(at: *const u8) -> __m512 {
+    // SAFETY: two bytes at `at`, read unaligned.
+    let bits = unsafe { at.cast::<u16>().read_unaligned() };
+    _mm512_cvtph_ps(_mm256_set1_epi16(bits as i16))
+}
+
+/// The 16 bytes at `qs` as table indices: the low nibbles (`half` 0; the high ones ride along
+/// in bits `vpermps` ignores) or the high nibbles (`half` 1).
+///
+/// # Safety
+/// Sixteen readable bytes at `qs`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn nibbles(qs: *const u8, half: usize) -> __m512i {
+    // SAFETY: sixteen bytes at `qs`, read unaligned.
+    let b = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(qs.cast()) });
+    if half == 0 {
+        b
+    } else {
+        _mm512_srli_epi32::<4>(b)
+    }
+}
+
+/// Rows `rows` of `w` dequantized into `out` (`rows.len() × k`): the f32 values `load` gives,
+/// 16 at a time, and the loader's scalar values for a tail.
+///
+/// # Safety
+/// The rows lie inside `w`'s memory and `out` holds `rows.len() × k` floats.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn dequantize_rows(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    // SAFETY (all arms): as for this function.
+    unsafe {
+        match code(w.dtype) {
+            F32 => dequantize_rows_of::<F32>(w, rows, k, out),
+            F16 => dequantize_rows_of::<F16>(w, rows, k, out),
+            BF16 => dequantize_rows_of::<BF16>(w, rows, k, out),
+            Q8_0 => dequantize_rows_of::<Q8_0>(w, rows, k, out),
+            Q4_0 => dequantize_rows_of::<Q4_0>(w, rows, k, out),
+            _ => dequantize_rows_of::<Q4_1>(w, rows, k, out),
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn dequantize_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    let (k16, k32) = (k / 16 * 16, k / 32 * 32);
+    for (j, o) in rows.zip(out.chunks_exact_mut(k)) {
+        let row = w.ptr.wrapping_add(j * w.row_bytes);
+        let dst = o.as_mut_ptr();
+        let mut p = 0;
+        while p < k32 {
+            // SAFETY: p + 32 <= k inside the row and inside `o`.
+            unsafe {
+                let ctx = block_ctx::<D>(row, p);
+                _mm512_storeu_ps(dst.add(p), load::<D>(row, p, 0, ctx));
+                _mm512_storeu_ps(dst.add(p + 16), load::<D>(row, p, 1, ctx));
+            }
+            p += 32;
+        }
+        if p < k16 {
+            // SAFETY: p + 16 <= k (f32, f16 and bf16 rows only).
+            unsafe { _mm512_storeu_ps(dst.add(p), load::<D>(row, p, 0, _mm512_setzero_ps())) };
+        }
+        for (q, v) in o.iter_mut().enumerate().skip(k16) {
+            // SAFETY: q < k inside the row.
+            *v = unsafe { scalar_at(w.dtype, row, q) };
+        }
+    }
+}
+
+/// The order of `kernel::<F32, 1, 1>` for two slices of equal length.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
     let k = a.len().min(b.len());

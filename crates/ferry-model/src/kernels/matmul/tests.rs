@@ -1,0 +1,219 @@
+//! The kernels against an f64 reference, each other, and themselves at every batch size;
+//! weights of every dtype against the same weights dequantized to f32, bit for bit.
+
+use super::*;
+
+fn pseudo(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s as f32 / u32::MAX as f32) - 0.5
+        })
+        .collect()
+}
+
+fn naive(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] = (0..k)
+                .map(|p| x[i * k + p] as f64 * w[j * k + p] as f64)
+                .sum();
+        }
+    }
+    out
+}
+
+/// Every implementation this CPU can run, so the AVX-512 tiles are tested where the
+/// machine has them and the fallbacks everywhere.
+fn isas() -> Vec<Isa> {
+    Isa::available()
+}
+
+#[test]
+fn matches_f64_reference_on_odd_shapes() {
+    for isa in isas() {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (1, 13, 7),
+            (3, 9, 17),
+            (5, 37, 64),
+            (67, 70, 129),
+        ] {
+            let x = pseudo(m * k, 1);
+            let w = pseudo(n * k, 2);
+            let mut out = vec![0.0; m * n];
+            matmul_f32_with(isa, &x, &w, &mut out, m, n, k);
+            for (a, b) in out.iter().zip(naive(&x, &w, m, n, k)) {
+                assert!(
+                    (*a as f64 - b).abs() < 1e-4,
+                    "{isa:?} {m}x{n}x{k}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+/// On a CPU with AVX-512 the process uses it, so the model tests run the 16-lane tiles.
+#[test]
+fn current_isa_is_the_best_available() {
+    let best = Isa::available()[0];
+    assert_eq!(Isa::current(), best);
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") {
+        assert_eq!(best, Isa::Avx512);
+    }
+}
+
+/// The heart of batch invariance: a row's result has the same bits whatever M is and
+/// whichever register tile (8×1, 6×4, 6×1, 3×4, 3×1, 1×1) computed it.
+#[test]
+fn row_bits_do_not_depend_on_batch_size() {
+    // k = 150 has a scalar tail after the vector chunks (of 8 and of 16); k = 160 has
+    // none, the shape of real models.
+    for k in [150, 160] {
+        row_bits_do_not_depend_on_batch_size_at(k);
+    }
+}
+
+fn row_bits_do_not_depend_on_batch_size_at(k: usize) {
+    let n = 203;
+    let w = pseudo(n * k, 3);
+    for isa in isas() {
+        let x = pseudo(70 * k, 4);
+        // Each row alone (m = 1), then every row of each batch against its row alone, so
+        // every slot of every register tile is checked.
+        let mut alone = vec![0.0; 70 * n];
+        for (xi, oi) in x.chunks_exact(k).zip(alone.chunks_exact_mut(n)) {
+            matmul_f32_with(isa, xi, &w, oi, 1, n, k);
+        }
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for m in [2, 3, 5, 64, 70] {
+            let mut out = vec![0.0; m * n];
+            matmul_f32_with(isa, &x[..m * k], &w, &mut out, m, n, k);
+            for i in 0..m {
+                let row = i * n..(i + 1) * n;
+                assert_eq!(
+                    bits(&alone[row.clone()]),
+                    bits(&out[row]),
+                    "{isa:?} k={k} m={m} row {i}"
+                );
+            }
+        }
+        // A dot on its own is the same computation too.
+        assert_eq!(
+            super::super::dot_with(isa, &x[..k], &w[k..2 * k]).to_bits(),
+            alone[1].to_bits()
+        );
+    }
+}
+
+#[test]
+fn strided_rows_give_the_bits_of_single_dots() {
+    let (k, stride, n) = (20, 27, 13);
+    let q = pseudo(k, 5);
+    let rows = pseudo((n - 1) * stride + k, 6);
+    for isa in isas() {
+        let mut out = vec![0.0; n];
+        dot_rows_with(isa, &q, &rows, stride, &mut out);
+        for (r, o) in out.iter().enumerate() {
+            let single = dot_with(isa, &q, &rows[r * stride..r * stride + k]);
+            assert_eq!(o.to_bits(), single.to_bits(), "{isa:?} row {r}");
+        }
+    }
+}
+
+/// `rows × k` weights in `dtype`, one segment per entry of `parts`, from pseudo-random
+/// values; and the same matrix dequantized to f32 (the loader's values).
+fn stored(dtype: WeightDtype, parts: &[usize], k: usize, seed: u32) -> (Matrix, Vec<f32>) {
+    use crate::dtype::quantize;
+    use crate::matrix::Segment;
+    use crate::weight_buf::ByteBuf;
+    let mut segments = Vec::new();
+    for (s, &rows) in parts.iter().enumerate() {
+        let values = pseudo(rows * k, seed + s as u32);
+        let bytes = ByteBuf::from_slice(&quantize(dtype, &values));
+        segments.push(Segment::new(dtype, rows, k, bytes).unwrap());
+    }
+    let matrix = Matrix::new(k, segments);
+    let f32s = matrix.to_f32();
+    (matrix, f32s)
+}
+
+/// The heart of keeping weights in their stored precision: for every dtype and every
+/// instruction set here, each output element has the bits of the same dot product over the
+/// weights dequantized to f32, at every batch size (so every register tile is covered),
+/// across segment boundaries that cut through tiles.
+#[test]
+fn every_dtype_gives_the_bits_of_its_f32_dequantization() {
+    for dtype in WeightDtype::ALL {
+        // k = 150 leaves a chunk of 16 and a scalar tail (f32/f16/bf16 only); 160 = 5 blocks.
+        let ks: &[usize] = if dtype.block_elems() == 1 {
+            &[150, 160]
+        } else {
+            &[96, 160]
+        };
+        for &k in ks {
+            let (w, w32) = stored(dtype, &[37, 9, 131], k, 7);
+            let n = w.n_rows();
+            let x = pseudo(70 * k, 8);
+            for isa in isas() {
+                for m in [1, 2, 5, 64, 70] {
+                    let (mut got, mut want) = (vec![0.0; m * n], vec![0.0; m * n]);
+                    matmul_with(isa, &x[..m * k], &w, &mut got, m);
+                    matmul_f32_with(isa, &x[..m * k], &w32, &mut want, m, n, k);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{dtype} {isa:?} k={k} m={m}");
+                }
+            }
+        }
+    }
+}
+
+/// The dequantization is not trivially right: every dtype but f32 changes the values (so the
+/// test above compares kernels that really decode), and a matrix of zeros gives zeros.
+#[test]
+fn stored_weights_really_differ_from_their_source() {
+    let k = 64;
+    let source = pseudo(4 * k, 7);
+    for dtype in WeightDtype::ALL {
+        let (_, w32) = stored(dtype, &[4], k, 7);
+        assert_eq!(w32 == source, dtype == WeightDtype::F32, "{dtype}");
+    }
+}
+
+/// Elements whose value needs the scale's full f16 precision and the Q4_1 offset: a product
+/// rounded before the offset is added, and f16 scales that are subnormal.
+#[test]
+fn extreme_scales_dequantize_exactly() {
+    use crate::matrix::Segment;
+    use crate::weight_buf::ByteBuf;
+    let k = 64;
+    let mut bytes = Vec::new();
+    for (d, m) in [
+        (0x0001u16, 0x8001u16),
+        (0x3c01, 0xbc00),
+        (0x7bff, 0x0400),
+        (0x1234, 0x5678),
+    ] {
+        bytes.extend(d.to_le_bytes());
+        bytes.extend(m.to_le_bytes());
+        bytes.extend((0..16u8).map(|b| b.wrapping_mul(37)));
+    }
+    let w = Matrix::new(
+        k,
+        vec![Segment::new(WeightDtype::Q4_1, 2, k, ByteBuf::from_slice(&bytes)).unwrap()],
+    );
+    let w32 = w.to_f32();
+    let x = pseudo(3 * k, 9);
+    for isa in isas() {
+        let (mut got, mut want) = (vec![0.0; 6], vec![0.0; 6]);
+        matmul_with(isa, &x, &w, &mut got, 3);
+        matmul_f32_with(isa, &x, &w32, &mut want, 3, 2, k);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{isa:?}");
+    }
+}
