@@ -59,6 +59,32 @@ pub enum StepError<E> {
     Queues(#[from] QueueError),
     #[error("{n_live} requests still live after {max_steps} steps")]
     NotDrained { max_steps: usize, n_live: usize },
+    #[error("the plan breaks a limit: {0}")]
+    Limits(String),
+}
+
+/// A plan keeps the configured limits: at most `max_num_batched_tokens` tokens and
+/// `max_num_seqs` requests, and every planned request computes at least one token.
+fn check_limits(sched: &Scheduler, plan: &StepPlan) -> Result<(), String> {
+    let config = sched.config();
+    if plan.num_tokens() > config.max_num_batched_tokens {
+        return Err(format!(
+            "{} tokens, the budget is {}",
+            plan.num_tokens(),
+            config.max_num_batched_tokens
+        ));
+    }
+    if plan.reqs.len() > config.max_num_seqs {
+        return Err(format!(
+            "{} requests, max_num_seqs is {}",
+            plan.reqs.len(),
+            config.max_num_seqs
+        ));
+    }
+    match plan.reqs.iter().find(|r| r.tokens.is_empty()) {
+        Some(r) => Err(format!("request {:?} computes no token", r.req)),
+        None => Ok(()),
+    }
 }
 
 /// The core and a model, stepped together.
@@ -103,6 +129,7 @@ impl<M: StepModel> StepDriver<M> {
         let plan = self.sched.schedule();
         if self.check {
             self.check()?;
+            check_limits(&self.sched, &plan).map_err(StepError::Limits)?;
         }
         before_compute(&self.sched, &plan);
         if !plan.connector_work.is_empty() {

@@ -158,16 +158,6 @@ impl PdConnector {
             .to_string()
     }
 
-    /// Exports held now (for tests and stats).
-    pub fn n_exports(&self) -> usize {
-        self.exports.len()
-    }
-
-    /// Loads in flight now.
-    pub fn n_loading(&self) -> usize {
-        self.loading.len()
-    }
-
     /// Checks D's parameters against the prompt: `Ok(n_tokens)` or why they cannot be used.
     fn check_import(&self, params: &KvTransferParams, prompt_len: usize) -> Result<usize, String> {
         if !self.config.role.consumes() {

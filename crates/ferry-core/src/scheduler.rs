@@ -559,7 +559,9 @@ impl Scheduler {
         let req = self.requests[r.0 as usize]
             .as_mut()
             .expect("a live request");
-        let n_left = req.tokens.len() - req.n_computed - n_hit_tokens;
+        // Holding no KV, it has computed nothing (a preemption reset its count).
+        debug_assert_eq!(req.n_computed, 0);
+        let n_left = req.tokens.len() - n_hit_tokens;
         let Some(n_new) = Self::chunk(&self.config, req, n_left, budget) else {
             return Admit::NoRoom;
         };

@@ -224,7 +224,8 @@ fn full_blocks_are_stored_and_a_new_request_loads_them_after_the_local_cache() {
     );
     drain(&mut c, &mut h);
     assert_eq!(h.generated["b"], reference("b", prompt(1, 17), 3));
-    assert_eq!(h.sched.tier_stats().unwrap().n_hits, 1);
+    let stats = h.sched.tier_stats().unwrap();
+    assert_eq!((stats.n_hits, stats.n_hit_blocks, stats.n_loads), (1, 4, 1));
     assert_eq!(h.sched.stats().n_blocks_used, 0);
 }
 
@@ -591,4 +592,74 @@ fn reset_prefix_cache_with_reset_external_empties_the_tier_once_no_job_is_in_fli
     assert_eq!(plan.reqs[0].start_pos, 0);
     assert_eq!(c.n_loads, 0);
     drain(&mut c, &mut h);
+}
+
+#[test]
+fn the_tier_names_itself() {
+    let tier = OffloadConnector::new(tier(4, 1, OffloadPolicy::Lru));
+    assert_eq!(ferry_core::KvConnector::name(&tier), "offload");
+}
+
+#[test]
+fn slots_a_reset_orphaned_come_back_once_their_jobs_end() {
+    // A one-slot tier: the store in flight at a reset keeps its slot until it reports, then
+    // the slot is free again for the next store (never lost to the tier).
+    let mut c = Copier::default();
+    let mut h = engine(tier(1, 1, OffloadPolicy::Lru));
+    h.add("a", prompt(3, 9), greedy(1));
+    step(&mut c, &mut h);
+    assert_eq!(c.pending.len(), 1, "a's store is in flight");
+    h.sched.pause(OpId(1), PauseMode::Keep, true);
+    for _ in 0..3 {
+        assert!(
+            poll(&mut c, &mut h).is_empty(),
+            "the reset waits for the store"
+        );
+    }
+    c.complete(&mut h);
+    let mut events = Vec::new();
+    for _ in 0..4 {
+        events.extend(poll(&mut c, &mut h));
+    }
+    assert_eq!(events, vec![LifecycleEvent::Done(OpId(1))]);
+    h.sched.resume().unwrap();
+    h.add("b", prompt(4, 9), greedy(1));
+    drain(&mut c, &mut h);
+    assert_eq!(
+        c.n_stores, 2,
+        "b was stored in the slot a's store gave back"
+    );
+    assert_eq!(h.sched.tier_stats().unwrap().n_stores, 2);
+}
+
+#[test]
+fn a_tier_load_that_outlives_its_bound_gives_up_on_the_tier() {
+    let mut c = Copier::default();
+    let mut h = engine(tier(16, 1, OffloadPolicy::Lru));
+    h.add("a", prompt(1, 17), greedy(1));
+    step(&mut c, &mut h);
+    c.complete(&mut h);
+    assert!(h.sched.reset_caches(false, false));
+    h.add("b", prompt(1, 17), greedy(3));
+    step(&mut c, &mut h);
+    assert!(matches!(
+        state(&h, "b"),
+        RequestState::WaitingForRemoteKv { .. }
+    ));
+    // The copier never answers; the load's bound passes.
+    let bound = h.sched.config().kv_load_timeout;
+    h.sched
+        .advance_time(bound + std::time::Duration::from_millis(1));
+    step(&mut c, &mut h);
+    assert!(
+        h.finished.contains_key("b")
+            || !matches!(state(&h, "b"), RequestState::WaitingForRemoteKv { .. }),
+        "b no longer waits for the tier"
+    );
+    // The hold ends only when the copier lets go of its blocks.
+    assert_eq!(holds_of(&h, HoldKind::Load).len(), 1);
+    c.complete(&mut h);
+    drain(&mut c, &mut h);
+    assert!(holds_of(&h, HoldKind::Load).is_empty());
+    assert_eq!(h.sched.stats().n_blocks_used, 0);
 }

@@ -1009,3 +1009,53 @@ fn reset_prefix_cache_with_reset_running_requests_also_takes_back_landed_loads()
     d.drain(100);
     assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
 }
+
+#[test]
+fn a_token_count_outside_the_prompt_is_refused_even_when_the_block_count_fits() {
+    // 14 tokens take 4 blocks of 4 with 2 slots to spare: n_tokens 15 or 16 would still name
+    // 4 blocks, and n_tokens 0 with no blocks names none, so only the token check refuses.
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 14));
+    let mut long = remote(&params);
+    long.n_tokens = Some(15);
+    let mut none = remote(&params);
+    none.n_tokens = Some(0);
+    none.remote_block_ids = Some(Vec::new());
+    for (what, bad) in [("15 of 14 tokens", long), ("0 tokens", none)] {
+        let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+        d.sched
+            .add_request_with_transfer("x", prompt(1, 14), greedy(2), Some(bad))
+            .unwrap();
+        for _ in 0..4 {
+            step_and_load(&mut f, "D", &mut d);
+        }
+        assert_eq!(
+            d.finished.get("x").map(|x| x.0),
+            Some(FinishReason::Error),
+            "{what}: refused"
+        );
+    }
+    assert_eq!(f.n_pulls, 0);
+}
+
+#[test]
+fn connectors_and_the_scheduler_name_what_they_are() {
+    // The names reach error messages (a reset that timed out names the busy connector).
+    let pd = PdConnector::new(PdConfig {
+        role: PdRole::Consumer,
+        engine_id: "D".into(),
+        host: None,
+        port: None,
+        secret: [1; 32],
+        block_size: BS,
+    });
+    assert_eq!(ferry_core::KvConnector::name(&pd), "pd");
+    let config = config(KvLoadFailurePolicy::Recompute);
+    let sched = ferry_core::Scheduler::new(config.clone()).unwrap();
+    assert_eq!(sched.config().n_blocks, config.n_blocks);
+    assert_eq!(
+        sched.config().kv_load_failure_policy,
+        config.kv_load_failure_policy
+    );
+}
