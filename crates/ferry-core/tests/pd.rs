@@ -1059,3 +1059,29 @@ fn connectors_and_the_scheduler_name_what_they_are() {
         config.kv_load_failure_policy
     );
 }
+
+#[test]
+fn a_choice_aborted_after_the_shared_load_landed_leaves_the_others_their_import() {
+    // Three choices share one export; the one that loaded it is aborted once it landed. The
+    // others must not start a second pull of an export already pulled (it would fail, and
+    // under `fail` so would they).
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 17));
+    for id in ["x-0", "x-1", "x-2"] {
+        d.sched
+            .add_request_with_transfer(id, prompt(1, 17), greedy(3), Some(remote(&params)))
+            .unwrap();
+    }
+    step(&mut f, "D", &mut d);
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    let out = d.sched.abort("x-0").expect("live");
+    d.record(&[out]);
+    d.drain(100);
+    assert_eq!(f.n_pulls, 1, "one pull only");
+    for id in ["x-1", "x-2"] {
+        assert_eq!(d.finished[id].0, FinishReason::Length, "{id}");
+    }
+}
