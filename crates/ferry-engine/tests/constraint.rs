@@ -315,11 +315,8 @@ async fn bad_constraints_are_refused_with_what_is_wrong() {
 /// tokens and logprobs as they are, and every kind of constraint is met.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_model_meets_every_constraint_and_keeps_its_argmax() {
-    let cache = match std::env::var_os("FERRY_CACHE") {
-        Some(dir) => std::path::PathBuf::from(dir),
-        None => std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
-            .join(".cache/ferry"),
-    };
+    let cache = ferry_model::cache_dir(std::env::var_os("FERRY_CACHE"), std::env::var_os("HOME"))
+        .expect("FERRY_CACHE or HOME is set");
     let path = ferry_model::default_model_path(&cache);
     assert!(
         path.exists(),

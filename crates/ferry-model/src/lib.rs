@@ -33,7 +33,7 @@ pub use executor::{ExecError, Executor, Hooked, StepHook};
 pub use llama::{LlamaModel, Logits};
 pub use llama_update::LlamaPreparer;
 pub use llama_weights::{LlamaWeights, ModelError};
-pub use load::{default_model_path, expected_tensors, ModelSpec};
+pub use load::{cache_dir, default_model_path, expected_tensors, ModelSpec};
 pub use load::{
     load_model, load_model_stored, load_model_stored_with_progress, load_model_with_progress,
     LoadError, LoadedModel, Precision, Progress, WeightFiles,

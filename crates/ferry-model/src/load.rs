@@ -390,8 +390,20 @@ impl WeightFiles {
     }
 }
 
+/// The cache folder, `${FERRY_CACHE:-$HOME/.cache/ferry}`, from those two variables' values
+/// (`None` when neither is set). The caller reads the environment (the binary, tests), so the
+/// rule is written once and the library reads no environment.
+pub fn cache_dir(
+    ferry_cache: Option<std::ffi::OsString>,
+    home: Option<std::ffi::OsString>,
+) -> Option<PathBuf> {
+    ferry_cache
+        .map(PathBuf::from)
+        .or_else(|| home.map(|h| PathBuf::from(h).join(".cache").join("ferry")))
+}
+
 /// Where `scripts/fetch-model.sh` puts the default model, given the cache folder
-/// (`${FERRY_CACHE:-$HOME/.cache/ferry}`, decided by the binary).
+/// ([`cache_dir`]).
 pub fn default_model_path(cache_dir: &Path) -> PathBuf {
     cache_dir.join("models").join(DEFAULT_MODEL_FILE)
 }

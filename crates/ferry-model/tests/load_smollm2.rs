@@ -16,10 +16,8 @@ use load_common::{
 };
 
 fn cache_dir() -> PathBuf {
-    match std::env::var_os("FERRY_CACHE") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/ferry"),
-    }
+    ferry_model::cache_dir(std::env::var_os("FERRY_CACHE"), std::env::var_os("HOME"))
+        .expect("FERRY_CACHE or HOME is set")
 }
 
 fn model() -> &'static LoadedModel {

@@ -50,11 +50,8 @@ fn write(model: &ferry_model::LoadedModel, out: &std::path::Path) -> anyhow::Res
 /// The model cache folder: `$FERRY_CACHE`, else `$HOME/.cache/ferry` (the same rule as
 /// scripts/fetch-model.sh). Read here, at the binary's edge, and passed down explicitly.
 pub fn cache_dir() -> anyhow::Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("FERRY_CACHE") {
-        return Ok(PathBuf::from(dir));
-    }
-    let home = std::env::var_os("HOME").context("neither FERRY_CACHE nor HOME is set")?;
-    Ok(PathBuf::from(home).join(".cache").join("ferry"))
+    ferry_model::cache_dir(std::env::var_os("FERRY_CACHE"), std::env::var_os("HOME"))
+        .context("neither FERRY_CACHE nor HOME is set")
 }
 
 #[cfg(test)]

@@ -164,11 +164,8 @@ async fn every_case_on_the_tiny_model_with_the_offload_tier() {
 /// FAILS, never skips, without it), on a subset of cases: real weights reloaded from disk.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subset_on_the_default_model() {
-    let cache = match std::env::var_os("FERRY_CACHE") {
-        Some(dir) => std::path::PathBuf::from(dir),
-        None => std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
-            .join(".cache/ferry"),
-    };
+    let cache = ferry_model::cache_dir(std::env::var_os("FERRY_CACHE"), std::env::var_os("HOME"))
+        .expect("FERRY_CACHE or HOME is set");
     let path = ferry_model::default_model_path(&cache);
     assert!(
         path.exists(),

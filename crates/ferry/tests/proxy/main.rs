@@ -688,11 +688,8 @@ fn bad_proxy_flags_are_errors_naming_the_flag() {
 /// and logprobs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_model_gives_one_engines_tokens_through_p_and_d() {
-    let cache = match std::env::var_os("FERRY_CACHE") {
-        Some(dir) => std::path::PathBuf::from(dir),
-        None => std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
-            .join(".cache/ferry"),
-    };
+    let cache = ferry_model::cache_dir(std::env::var_os("FERRY_CACHE"), std::env::var_os("HOME"))
+        .expect("FERRY_CACHE or HOME is set");
     let path = ferry_model::default_model_path(&cache);
     assert!(
         path.exists(),
