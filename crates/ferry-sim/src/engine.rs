@@ -409,7 +409,6 @@ impl SimEngine {
             self.handle(input, events)?;
             self.driver.check().map_err(|e| e.to_string())?;
         }
-        self.driver.sched.advance_time(local);
         let stepped = if self.busy() {
             let step = self.driver.step().map_err(|e| format!("step: {e}"))?;
             let did = !step.plan.is_idle();
