@@ -102,6 +102,10 @@ unsafe fn kernel<const D: u8, const R: usize, const C: usize>(
                 }
             }
         }
+        if C == 1 && D != F32 && D != F16 && D != BF16 {
+            // SAFETY: as for this function.
+            return unsafe { kernel_quantized_1::<D, R>(x, out, t, i, j, prefetch) };
+        }
         if C == 1 {
             // One activation row: row by row, each block's scales (or 4-bit table) made once
             // and used for both halves while the activation's two chunks stay in registers.
@@ -160,6 +164,132 @@ unsafe fn kernel<const D: u8, const R: usize, const C: usize>(
             // SAFETY: (i + c, j + r) is inside the m × n output.
             unsafe { out.add((i + c) * t.n + j + r).write(s) };
         }
+    }
+}
+
+/// Blocks whose scales [`group_scales`] converts at once.
+const GROUP: usize = 16;
+
+/// [`kernel`] for one activation row against R rows of a quantized dtype: the same
+/// multiply-adds in the same order, with the blocks' f16 scales converted 16 blocks at a time
+/// (one gather and two conversions per row) instead of one block at a time (two broadcasts and
+/// two conversions per block, which made the decode step's kernel compute-bound). Each
+/// block's values are then its table (Q4_0, Q4_1) or scale (Q8_0) made from two broadcast
+/// loads, the loader's arithmetic as in [`block_ctx`].
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
+    x: *const f32,
+    out: *mut f32,
+    t: &Tile,
+    i: usize,
+    j: usize,
+    prefetch: bool,
+) {
+    let (k, w) = (t.k, t.w);
+    debug_assert_eq!(k % 32, 0, "a quantized row is whole blocks");
+    let n_blocks = k / 32;
+    let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    let mut acc = [_mm512_setzero_ps(); R];
+    // Per row, the group's scales as f32 pairs [d, m] (m is a quantized byte pair for Q8_0
+    // and Q4_0, never read).
+    let mut scales = [[0.0f32; 2 * GROUP]; R];
+    let mut b0 = 0;
+    while b0 < n_blocks {
+        let nb = GROUP.min(n_blocks - b0);
+        for (s, &row) in scales.iter_mut().zip(&rows) {
+            // SAFETY: blocks b0..b0 + nb lie inside the row.
+            unsafe { group_scales::<D>(row, b0, nb, s) };
+        }
+        for b in 0..nb {
+            let p = (b0 + b) * 32;
+            if prefetch {
+                // As in `kernel`: the next R rows' bytes of this block.
+                for row in rows {
+                    let line = row.wrapping_add(R * w.row_bytes + byte_offset::<D>(p));
+                    _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
+                }
+            }
+            // SAFETY: p + 32 <= k inside row i.
+            let xv = unsafe { [0, 16].map(|h| _mm512_loadu_ps(x.add(i * k + p + h))) };
+            for (r, &row) in rows.iter().enumerate() {
+                let d = _mm512_set1_ps(scales[r][2 * b]);
+                // SAFETY (every read): block b0 + b lies inside the row.
+                unsafe {
+                    match D {
+                        Q8_0 => {
+                            let block = row.add(p / 32 * 34);
+                            for (half, &xh) in xv.iter().enumerate() {
+                                let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                    block.add(2 + 16 * half).cast(),
+                                ));
+                                let v = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
+                                acc[r] = _mm512_fmadd_ps(xh, v, acc[r]);
+                            }
+                        }
+                        _ => {
+                            let (table, qs) = if D == Q4_0 {
+                                let table =
+                                    _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0)));
+                                (table, row.add(p / 32 * 18 + 2))
+                            } else {
+                                let m = _mm512_set1_ps(scales[r][2 * b + 1]);
+                                (_mm512_fmadd_ps(iota, d, m), row.add(p / 32 * 20 + 4))
+                            };
+                            let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.cast()));
+                            let lo = _mm512_permutexvar_ps(idx, table);
+                            acc[r] = _mm512_fmadd_ps(xv[0], lo, acc[r]);
+                            let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(idx), table);
+                            acc[r] = _mm512_fmadd_ps(xv[1], hi, acc[r]);
+                        }
+                    }
+                }
+            }
+        }
+        b0 += nb;
+    }
+    for (r, &a) in acc.iter().enumerate() {
+        // SAFETY: (i, j + r) is inside the m × n output.
+        unsafe { out.add(i * t.n + j + r).write(hsum(a)) };
+    }
+}
+
+/// The scales of blocks `b0..b0 + nb` (`nb` ≤ 16) of a row of quantized dtype `D` into
+/// `out`, as f32 pairs: each block's first four bytes gathered (d, then m for Q4_1), their
+/// halves converted exactly (`vcvtph2ps`, as [`scale`] does one at a time).
+///
+/// # Safety
+/// The blocks lie inside the row.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn group_scales<const D: u8>(
+    row: *const u8,
+    b0: usize,
+    nb: usize,
+    out: &mut [f32; 2 * GROUP],
+) {
+    let block_bytes = match D {
+        Q8_0 => 34,
+        Q4_0 => 18,
+        _ => 20,
+    };
+    let offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(block_bytes as i32),
+    );
+    let mask: __mmask16 = if nb >= GROUP { !0 } else { (1u16 << nb) - 1 };
+    let base = row.wrapping_add(b0 * block_bytes).cast::<i32>();
+    // SAFETY: the gather reads only the lanes in `mask`, the first four bytes of blocks
+    // inside the row; `out` holds 32 floats.
+    unsafe {
+        let v = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, offsets, base);
+        let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
+        let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(v));
+        _mm512_storeu_ps(out.as_mut_ptr(), lo);
+        _mm512_storeu_ps(out.as_mut_ptr().add(GROUP), hi);
     }
 }
 

@@ -150,11 +150,12 @@ fn stored(dtype: WeightDtype, parts: &[usize], k: usize, seed: u32) -> (Matrix, 
 #[test]
 fn every_dtype_gives_the_bits_of_its_f32_dequantization() {
     for dtype in WeightDtype::ALL {
-        // k = 150 leaves a chunk of 16 and a scalar tail (f32/f16/bf16 only); 160 = 5 blocks.
+        // k = 150 leaves a chunk of 16 and a scalar tail (f32/f16/bf16 only); 160 = 5 blocks;
+        // 1184 = 37 blocks, two whole groups of the batch-1 kernel's scales and a part one.
         let ks: &[usize] = if dtype.block_elems() == 1 {
             &[150, 160]
         } else {
-            &[96, 160]
+            &[96, 160, 1184]
         };
         for &k in ks {
             let (w, w32) = stored(dtype, &[37, 9, 131], k, 7);
@@ -210,10 +211,13 @@ fn extreme_scales_dequantize_exactly() {
     let w32 = w.to_f32();
     let x = pseudo(3 * k, 9);
     for isa in isas() {
-        let (mut got, mut want) = (vec![0.0; 6], vec![0.0; 6]);
-        matmul_with(isa, &x, &w, &mut got, 3);
-        matmul_f32_with(isa, &x, &w32, &mut want, 3, 2, k);
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&got), bits(&want), "{isa:?}");
+        // One activation row (the batch-1 kernel) and three (the batched tiles).
+        for m in [1, 3] {
+            let (mut got, mut want) = (vec![0.0; 2 * m], vec![0.0; 2 * m]);
+            matmul_with(isa, &x[..m * k], &w, &mut got, m);
+            matmul_f32_with(isa, &x[..m * k], &w32, &mut want, m, 2, k);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{isa:?} m={m}");
+        }
     }
 }

@@ -1,0 +1,68 @@
+//! Batch-1 matmul speed per weight dtype, one thread: `cargo run --release -p ferry-model
+//! --example kernel_speed` prints ns per 32-element block for a matrix that fits in L2
+//! (the kernel's compute cost) and for many that stream from memory (its read cost), for
+//! quick A/B checks of the kernels.
+
+use std::time::Instant;
+
+use ferry_model::dtype::quantize;
+use ferry_model::kernels::matmul;
+use ferry_model::{ByteBuf, Matrix, Segment, WeightDtype};
+
+fn matrix(dtype: WeightDtype, n: usize, k: usize, seed: u32) -> Matrix {
+    let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    let values: Vec<f32> = (0..n * k)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s as f32 / u32::MAX as f32) - 0.5
+        })
+        .collect();
+    let bytes = quantize(dtype, &values);
+    Matrix::new(
+        k,
+        vec![Segment::new(dtype, n, k, ByteBuf::from_slice(&bytes)).unwrap()],
+    )
+}
+
+fn main() {
+    let (n, k) = (1536, 576);
+    let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut out = vec![0.0f32; n];
+    for dtype in [
+        WeightDtype::F32,
+        WeightDtype::F16,
+        WeightDtype::Q8_0,
+        WeightDtype::Q4_1,
+    ] {
+        let blocks = (n * k / 32) as f64;
+        let hot = matrix(dtype, n / 4, k, 1);
+        // Best of 20 rounds of 50 products (the kernel's compute cost, without a busy
+        // machine's interruptions).
+        let mut best = f64::INFINITY;
+        for _ in 0..20 {
+            let t = Instant::now();
+            for _ in 0..50 {
+                matmul(&x, &hot, &mut out[..n / 4], 1);
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        let hot_ns = best * 1e9 / (50.0 * blocks / 4.0);
+        let cold: Vec<Matrix> = (0..48).map(|s| matrix(dtype, n, k, s + 2)).collect();
+        let bytes: usize = cold.iter().map(Matrix::n_bytes).sum();
+        let mut s = f64::INFINITY;
+        for _ in 0..6 {
+            let t = Instant::now();
+            for m in &cold {
+                matmul(&x, m, &mut out, 1);
+            }
+            s = s.min(t.elapsed().as_secs_f64());
+        }
+        let cold_ns = s * 1e9 / (blocks * cold.len() as f64);
+        println!(
+            "{dtype:>5}: hot {hot_ns:6.2} ns/block  cold {cold_ns:6.2} ns/block  {:6.2} GB/s",
+            bytes as f64 / s / 1e9
+        );
+    }
+}
