@@ -215,6 +215,7 @@ mod tests {
             hash_root: chain_root("w"),
             n_cached_blocks: 0,
             n_prefix_hit_tokens: 0,
+            n_preemptions: 0,
             export_on_finish: false,
         }
     }

@@ -106,6 +106,9 @@ pub struct Request {
     pub(crate) n_cached_blocks: usize,
     /// Prompt tokens that came from a prefix hit at (the latest) admission.
     pub n_prefix_hit_tokens: usize,
+    /// How often this request was preempted (it outlives the readmissions in between, which
+    /// [`RequestState::Preempted`]'s copy does not).
+    pub n_preemptions: u32,
     /// On a non-abort finish, hand the blocks to a transfer hold the caller frees
     /// (`Scheduler::hold_kv_on_finish`) instead of freeing them.
     pub(crate) export_on_finish: bool,

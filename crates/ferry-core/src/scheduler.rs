@@ -21,6 +21,8 @@ mod control;
 pub mod lifecycle;
 mod offer;
 mod render;
+#[cfg(test)]
+mod tests;
 mod time;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -259,6 +261,7 @@ impl Scheduler {
             hash_root: self.hash_root,
             n_cached_blocks: 0,
             n_prefix_hit_tokens: 0,
+            n_preemptions: 0,
             export_on_finish: false,
         };
         self.kv.rehash_if_stale(&mut req, &self.hash_root);
@@ -1001,12 +1004,9 @@ impl Scheduler {
         };
         self.kv.free(req);
         req.n_computed = 0;
-        let n_preemptions = match req.state {
-            RequestState::Preempted { n_preemptions } => n_preemptions,
-            _ => 0,
-        };
+        req.n_preemptions += 1;
         req.state = RequestState::Preempted {
-            n_preemptions: n_preemptions + 1,
+            n_preemptions: req.n_preemptions,
         };
         self.waiting.push_front(r);
         self.n_preemptions += 1;

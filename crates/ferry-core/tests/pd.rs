@@ -927,8 +927,20 @@ fn p_never_exports_kv_that_mixes_weights() {
     let plan = step(&mut f, "P", &mut p);
     assert_eq!(plan.reqs[0].tokens.len(), 64);
     p.sched.set_weight_version("1");
-    p.drain(10);
+    let mut params_out = None;
+    for _ in 0..10 {
+        let s = p.step_outputs();
+        f.jobs("P", &s);
+        for fin in s.outputs.iter().filter_map(|o| o.finished.as_ref()) {
+            params_out = Some(fin.kv_transfer_params.clone());
+        }
+        if p.sched.n_live() == 0 {
+            break;
+        }
+    }
     assert_eq!(p.finished["x"].0, FinishReason::Length);
+    assert_eq!(params_out, Some(None), "no parameters for half-old KV");
+    assert!(f.exports.is_empty(), "nothing published");
     assert_eq!(export_holds(&p), 0, "no export of half-old KV");
     assert_eq!(p.sched.stats().n_blocks_used, 0);
     // A request computed wholly under the new weights is exported as before.
@@ -1084,4 +1096,104 @@ fn a_choice_aborted_after_the_shared_load_landed_leaves_the_others_their_import(
     for id in ["x-1", "x-2"] {
         assert_eq!(d.finished[id].0, FinishReason::Length, "{id}");
     }
+}
+
+/// A load that fails after some of its blocks arrived keeps them under `recompute`: the
+/// request computes only the rest of its prompt, all of it in the step that admits it, and
+/// counts as one prefix query; the output is the one engine's.
+#[test]
+fn a_partly_failed_load_keeps_its_good_blocks_under_recompute() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Recompute);
+    import(&mut f, &mut p, &mut d, "x", prompt(1, 19), 4);
+    step(&mut f, "D", &mut d);
+    assert_eq!(f.fetches.len(), 1);
+    let fetch = f.fetches.remove(0);
+    f.report(
+        "D",
+        WorkerReport::FetchDone {
+            hold: fetch.hold,
+            result: Err(FetchError {
+                good_blocks: 2,
+                reason: "the link broke after two blocks".into(),
+            }),
+        },
+    );
+    f.deliver("D", &mut d);
+    let plan = step(&mut f, "D", &mut d);
+    assert_eq!(plan.reqs.len(), 1);
+    assert_eq!(
+        (plan.reqs[0].start_pos, plan.reqs[0].tokens.len()),
+        (2 * BS, 19 - 2 * BS),
+        "the two good blocks are kept and the rest is computed at once"
+    );
+    assert_eq!(d.sched.stats().prefix_query_tokens, 19);
+    d.drain(100);
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 19), 4));
+    assert_eq!(d.sched.stats().n_blocks_used, 0);
+}
+
+/// A load that starts after a local prefix hit counts the hit's tokens.
+#[test]
+fn a_load_after_a_local_prefix_hit_counts_the_hit() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let x = prompt(1, 19);
+    let mut shares = x[..2 * BS].to_vec();
+    shares.extend(prompt(2, 3));
+    d.add("a", shares, greedy(1));
+    d.drain(20);
+    assert_eq!(d.sched.stats().prefix_hit_tokens, 0);
+    import(&mut f, &mut p, &mut d, "x", x.clone(), 4);
+    step(&mut f, "D", &mut d);
+    assert!(matches!(
+        state(&d, "x"),
+        RequestState::WaitingForRemoteKv { .. }
+    ));
+    assert_eq!(
+        d.sched.stats().prefix_hit_tokens,
+        2 * BS as u64,
+        "the two blocks D had already computed"
+    );
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    d.drain(100);
+    assert_eq!(d.generated["x"], reference("x", x, 4));
+}
+
+/// A request that does not fit while exports hold the pool, with nothing running and no
+/// waiting request holding KV to give back, waits: the step plans nothing (and returns), and
+/// the request runs once a pull frees the blocks.
+#[test]
+fn a_request_that_cannot_fit_behind_held_exports_waits() {
+    let mut f = Fabric::default();
+    let mut p = Harness::new(SchedulerConfig {
+        n_blocks: 12, // 11 usable blocks of 4 tokens
+        ..config(KvLoadFailurePolicy::Fail)
+    });
+    p.sched.add_connector(Box::new(PdConnector::new(PdConfig {
+        role: PdRole::Producer,
+        engine_id: "P".into(),
+        host: None,
+        port: None,
+        secret: [7; 32],
+        block_size: BS,
+    })));
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    import(&mut f, &mut p, &mut d, "x", prompt(1, 19), 2);
+    export(&mut f, &mut p, "y", prompt(2, 19));
+    assert_eq!(p.sched.stats().n_blocks_used, 10, "two exports of 5 blocks");
+    p.add("big", prompt(3, 12), greedy(1));
+    p.add("small", prompt(4, 3), greedy(1));
+    let plan = step(&mut f, "P", &mut p);
+    assert!(plan.reqs.is_empty(), "3 blocks do not fit in 1");
+    assert_eq!(p.sched.stats().n_waiting, 2);
+    // D pulls x: P's 5 blocks come back and both run.
+    step_and_load(&mut f, "D", &mut d);
+    f.deliver("P", &mut p);
+    p.drain(20);
+    assert_eq!(p.finished["big"].0, FinishReason::Length);
+    assert_eq!(p.finished["small"].0, FinishReason::Length);
 }

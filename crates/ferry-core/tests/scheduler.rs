@@ -8,8 +8,8 @@ use std::convert::Infallible;
 use common::{fake_token, prompt, small_config, Harness};
 use ferry_core::{
     AddError, BlockStatus, FinishReason, HoldKind, Holder, ModelOutput, OutputError, Owner,
-    SampledToken, SamplingParams, Scheduler, SchedulerConfig, StepDriver, StepModel, StepPlan,
-    TransferError,
+    RequestState, SampledToken, SamplingParams, Scheduler, SchedulerConfig, StepDriver, StepModel,
+    StepPlan, TransferError,
 };
 
 #[test]
@@ -365,6 +365,48 @@ fn many_requests_drain_with_exact_outputs() {
         "20 blocks were meant to force preemption"
     );
     assert_eq!((s.n_blocks_used, s.n_running, s.n_waiting), (0, 0, 0));
+}
+
+/// Each request counts its own preemptions: a preempted request says how often it was
+/// preempted, and those counts add up to the scheduler's total.
+#[test]
+fn every_preemption_is_counted_on_its_request() {
+    // 8 usable blocks of 16 tokens for four requests that each grow to 5 blocks.
+    let mut h = Harness::new(SchedulerConfig {
+        n_blocks: 9,
+        ..small_config()
+    });
+    let ids: Vec<String> = (0..4).map(|i| format!("r{i}")).collect();
+    for (i, id) in (0u32..).zip(&ids) {
+        h.add(id, prompt(i, 16), SamplingParams::greedy(60));
+    }
+    let mut most = std::collections::BTreeMap::<&str, u32>::new();
+    for _ in 0..500 {
+        if h.sched.n_live() == 0 {
+            break;
+        }
+        h.step();
+        for id in &ids {
+            let Some(r) = h.sched.request_idx(id) else {
+                continue;
+            };
+            if let RequestState::Preempted { n_preemptions } = h.sched.request(r).unwrap().state {
+                let n = most.entry(id).or_default();
+                assert!(
+                    n_preemptions >= (*n).max(1),
+                    "{id}: counted, and never less"
+                );
+                *n = n_preemptions;
+            }
+        }
+    }
+    assert_eq!(h.sched.n_live(), 0);
+    let total: u64 = most.values().map(|&n| u64::from(n)).sum();
+    assert_eq!(total, h.sched.stats().n_preemptions);
+    assert!(
+        most.values().any(|&n| n >= 2),
+        "some request was preempted twice: {most:?}"
+    );
 }
 
 #[test]
