@@ -432,6 +432,7 @@ impl EngineLoop {
                     weight_version: self.core.weight_version().to_owned(),
                     n_weight_updates: self.n_weight_updates,
                     residency: self.executor.weight_ops().residency(),
+                    n_bytes: self.executor.weight_ops().n_bytes() as u64,
                 };
                 let status = self.core.lifecycle_status();
                 self.reply_later(reply, (status, info));

@@ -210,6 +210,9 @@ pub struct WeightInfo {
     /// Completed weight updates (reloads and pushes) since start.
     pub n_weight_updates: u64,
     pub residency: WeightResidency,
+    /// Bytes of the weights held, each tensor in its stored dtype (a pushed tensor keeps
+    /// the dtype it came in); 0 after sleep level 2.
+    pub n_bytes: u64,
 }
 
 /// The server shares one handle between tasks and moves streams into them.

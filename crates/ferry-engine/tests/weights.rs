@@ -190,14 +190,19 @@ async fn sleep_level_2_drops_the_weights_and_a_reload_must_come_before_waking() 
     let a = tiny_model().weights;
     let want = fresh(&a).await;
     let engine = engine(llama(&a), config());
+    let f32_bytes: usize = a.tensors.values().map(|t| 4 * t.numel()).sum();
+    assert_eq!(
+        engine.weight_info().await.unwrap().n_bytes,
+        f32_bytes as u64,
+        "every tensor held, in f32"
+    );
     engine
         .sleep(ferry_engine::SleepLevel::L2, PauseMode::Wait)
         .await
         .unwrap();
-    assert_eq!(
-        engine.weight_info().await.unwrap().residency,
-        ferry_model::WeightResidency::Dropped
-    );
+    let info = engine.weight_info().await.unwrap();
+    assert_eq!(info.residency, ferry_model::WeightResidency::Dropped);
+    assert_eq!(info.n_bytes, 0, "dropped");
     let refused = engine.wake_up(&[]).await;
     assert!(matches!(
         refused,
@@ -219,6 +224,10 @@ async fn sleep_level_2_drops_the_weights_and_a_reload_must_come_before_waking() 
         .update_weights(a.clone(), Some("again".into()))
         .await
         .unwrap();
+    assert_eq!(
+        engine.weight_info().await.unwrap().n_bytes,
+        f32_bytes as u64
+    );
     engine.wake_up(&[]).await.unwrap();
     assert!(!engine.is_sleeping().await.unwrap());
     assert_eq!(generate(&engine, "after").await.tokens, want);

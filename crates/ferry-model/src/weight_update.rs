@@ -163,6 +163,12 @@ pub trait ModelWeights: Send {
     fn restore(&mut self) -> Result<(), ExecError>;
 
     fn residency(&self) -> WeightResidency;
+
+    /// Bytes of the weights held, each tensor in its stored dtype (0 once dropped, and for
+    /// executors without weights).
+    fn n_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// The weights of an executor that has none (the checksum model, test scripts): it accepts

@@ -183,12 +183,18 @@ async fn measure(args: &Args) -> anyhow::Result<Report> {
 fn start(args: &Args) -> anyhow::Result<Bench> {
     let tmp = tempfile::tempdir().context("creating a temporary folder")?;
     let model_path = model_path(args, tmp.path())?;
-    let loaded = ferry_model::load_model(&model_path)
-        .with_context(|| format!("loading the model {}", model_path.display()))?;
-    // Tensor by tensor, so writing it never holds the model's bytes at once.
+    // The push body: the model's own weights as one f32 safetensors file, written from an f32
+    // load that is gone before the engine starts.
     let push_dir = tmp.path().join("push");
-    ferry_model::tiny::write_hf_folder(&loaded, &push_dir)
-        .with_context(|| format!("writing the push body to {}", push_dir.display()))?;
+    {
+        let f32_model = ferry_model::load_model(&model_path)
+            .with_context(|| format!("loading the model {}", model_path.display()))?;
+        ferry_model::tiny::write_hf_folder(&f32_model, &push_dir)
+            .with_context(|| format!("writing the push body to {}", push_dir.display()))?;
+    }
+    // The engine holds the weights in the file's precision, as `ferry serve` does.
+    let loaded = ferry_model::load_model_stored(&model_path)
+        .with_context(|| format!("loading the model {}", model_path.display()))?;
     let max_model_len = fill_prompt_len(args) + 1;
     let config = ModelEngineConfig {
         block_size: BLOCK_SIZE,

@@ -158,6 +158,8 @@ fn check_updates(report: &Value) {
     assert_eq!(report["n_updates"], N_UPDATES);
     let before = number(report, "rss_before_updates_bytes");
     assert!(before > 0.0);
+    let weights_before = number(report, "weight_bytes_before_updates");
+    assert!(weights_before > 0.0 && weights_before < before, "{report}");
     for kind in ["push", "reload"] {
         let series = |key: &str| -> Vec<f64> {
             let key = format!("{kind}_{key}");
@@ -169,6 +171,18 @@ fn check_updates(report: &Value) {
         };
         let after = series("rss_after_bytes");
         let peak = series("peak_extra_bytes");
+        // The tiny model is f32, and the push is its own weights in f32: the bytes held stay.
+        assert!(
+            series("weight_bytes_after")
+                .iter()
+                .all(|&w| w == weights_before),
+            "{report}"
+        );
+        assert_eq!(
+            number(report, &format!("{kind}_rss_beyond_weights_growth_bytes")),
+            after[N_UPDATES - 1] - before,
+            "{kind}: the weights held did not change"
+        );
         assert!(after.iter().all(|&b| b > 0.0), "{report}");
         assert_eq!(
             number(report, &format!("{kind}_rss_growth_bytes")),

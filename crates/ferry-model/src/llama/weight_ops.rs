@@ -59,6 +59,10 @@ impl ModelWeights for LlamaModel {
     fn residency(&self) -> WeightResidency {
         self.residency
     }
+
+    fn n_bytes(&self) -> usize {
+        self.weights.total_bytes()
+    }
 }
 
 impl LlamaModel {

@@ -147,14 +147,16 @@ pub async fn update_weight_version(
     Ok(Json(json!({"success": true, "new_version": version})))
 }
 
-/// `GET /weight_info` → `{"weight_version", "n_weight_updates", "residency"}` (`resident`,
-/// `offloaded` by sleep level 1, `dropped` by sleep level 2).
+/// `GET /weight_info` → `{"weight_version", "n_weight_updates", "residency", "weight_bytes"}`
+/// (`resident`, `offloaded` by sleep level 1, `dropped` by sleep level 2; the bytes of the
+/// weights held, each tensor in its stored dtype).
 pub async fn weight_info(State(app): State<Arc<AppState>>) -> AdminReply {
     let info = engine_weight_info(&app).await?;
     Ok(Json(json!({
         "weight_version": info.weight_version,
         "n_weight_updates": info.n_weight_updates,
         "residency": residency_name(info.residency),
+        "weight_bytes": info.n_bytes,
     })))
 }
 

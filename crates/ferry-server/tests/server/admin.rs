@@ -219,7 +219,7 @@ async fn cache_reset_abort_and_weight_version_idle() {
 
     assert_eq!(
         weight_info(&s).await,
-        json!({"weight_version": "0", "n_weight_updates": 0, "residency": "resident"})
+        json!({"weight_version": "0", "n_weight_updates": 0, "residency": "resident", "weight_bytes": 0})
     );
     let reply = s
         .admin_json_ok("/update_weight_version", &json!({"new_version": "v2"}))
@@ -397,7 +397,7 @@ async fn bad_arguments_are_4xx_naming_them_and_change_nothing() {
     assert!(!s.is_paused().await && !s.is_sleeping().await);
     assert_eq!(
         weight_info(&s).await,
-        json!({"weight_version": "0", "n_weight_updates": 0, "residency": "resident"})
+        json!({"weight_version": "0", "n_weight_updates": 0, "residency": "resident", "weight_bytes": 0})
     );
 }
 

@@ -197,14 +197,20 @@ impl Report {
         Value::Object(out)
     }
 
-    /// `rss_before_updates_bytes`, then per kind (`push`, `reload`): resident memory after
-    /// each update and each one's peak over what was resident before it (arrays, in update
-    /// order), the growth from before the first to after the last, the largest peak, and
-    /// each update's time.
+    /// `rss_before_updates_bytes` and `weight_bytes_before_updates`, then per kind (`push`,
+    /// `reload`): resident memory and the weights held after each update and each one's peak
+    /// over what was resident before it (arrays, in update order), the growth from before the
+    /// first to after the last, of resident memory and of resident memory beyond the weights
+    /// (`{kind}_rss_beyond_weights_growth_bytes`: what updates left behind), the largest peak,
+    /// and each update's time.
     fn updates_json(&self, out: &mut Map<String, Value>) {
         let u = &self.updates;
         out.insert("n_updates".into(), json!(u.pushes.len()));
         out.insert("rss_before_updates_bytes".into(), json!(u.rss_before));
+        out.insert(
+            "weight_bytes_before_updates".into(),
+            json!(u.weight_bytes_before),
+        );
         for (kind, rows, ms) in [
             ("push", &u.pushes, &u.push_ms),
             ("reload", &u.reloads, &u.reload_ms),
@@ -212,7 +218,17 @@ impl Report {
             let after: Vec<u64> = rows.iter().map(|r| r.after).collect();
             let peak: Vec<u64> = rows.iter().map(UpdateRss::peak_extra).collect();
             let last = after.last().copied().unwrap_or(u.rss_before);
+            let weights: Vec<u64> = rows.iter().map(|r| r.weight_bytes).collect();
+            let last_weights = weights.last().copied().unwrap_or(u.weight_bytes_before);
             out.insert(format!("{kind}_rss_after_bytes"), json!(after));
+            out.insert(format!("{kind}_weight_bytes_after"), json!(weights));
+            out.insert(
+                format!("{kind}_rss_beyond_weights_growth_bytes"),
+                json!(
+                    (last as i64 - last_weights as i64)
+                        - (u.rss_before as i64 - u.weight_bytes_before as i64)
+                ),
+            );
             out.insert(format!("{kind}_peak_extra_bytes"), json!(peak));
             out.insert(
                 format!("{kind}_rss_growth_bytes"),
@@ -345,15 +361,19 @@ impl Report {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         let u = &self.updates;
         let mut s = format!(
-            "\nweight updates on the idle engine (resident MiB; before the first {:.1}):\n",
-            mib(u.rss_before)
+            "\nweight updates on the idle engine (resident MiB; before the first {:.1}, of \
+             which weights {:.1}):\n",
+            mib(u.rss_before),
+            mib(u.weight_bytes_before)
         );
         for (kind, rows) in [("push", &u.pushes), ("reload", &u.reloads)] {
             for (i, r) in rows.iter().enumerate() {
                 s += &format!(
-                    "{kind:<6} {:>3}  after {:>8.1}  peak +{:>7.1} over the {:.1} before it\n",
+                    "{kind:<6} {:>3}  after {:>8.1} (weights {:>7.1})  peak +{:>7.1} over the \
+                     {:.1} before it\n",
                     i + 1,
                     mib(r.after),
+                    mib(r.weight_bytes),
                     mib(r.peak_extra()),
                     mib(r.before)
                 );

@@ -4,8 +4,14 @@
 //! network), then as many reloads from disk. Before each update the peak (`VmHWM`) is reset
 //! through `/proc/self/clear_refs`, so the peak read after it is the update's own.
 //!
-//! Goal (`issues show 15`): resident memory after an update within 5% of before it, and the
-//! peak during one at most one extra copy of the tensors it replaces.
+//! The engine holds the weights in their stored precision, as `ferry serve` does, and a
+//! pushed tensor keeps the dtype it arrives in (f32 here), so a push into a quantized model
+//! makes its weights larger and a reload makes them the file's again: each update also reads
+//! the bytes of the weights held (`weight_info`).
+//!
+//! Goal (`issues show 15`): resident memory minus the weights held stays what it was before
+//! the first update (within 5% of the weights), and the peak during an update is at most one
+//! extra copy of the tensors it installs.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -28,6 +34,8 @@ pub struct UpdateRss {
     pub after: u64,
     /// The peak during it (`VmHWM` reset just before).
     pub peak: u64,
+    /// Bytes of the weights held after it.
+    pub weight_bytes: u64,
 }
 
 impl UpdateRss {
@@ -42,6 +50,8 @@ impl UpdateRss {
 pub struct UpdateMemory {
     /// Resident memory before the first update.
     pub rss_before: u64,
+    /// Bytes of the weights held before the first update.
+    pub weight_bytes_before: u64,
     pub pushes: Vec<UpdateRss>,
     pub reloads: Vec<UpdateRss>,
     pub push_ms: Samples,
@@ -57,35 +67,40 @@ pub async fn measure(
 ) -> anyhow::Result<UpdateMemory> {
     let mut m = UpdateMemory {
         rss_before: report::rss_bytes()?,
+        weight_bytes_before: engine.weight_info().await?.n_bytes,
         ..UpdateMemory::default()
     };
     for i in 0..n {
         let started = Instant::now();
-        let rss = around(push(engine, body, i)).await?;
+        let rss = around(engine, push(engine, body, i)).await?;
         m.push_ms.push_ms(started.elapsed());
         m.pushes.push(rss);
     }
     for i in 0..n {
         let started = Instant::now();
-        let rss = around(reload(engine, model_path.to_owned(), i)).await?;
+        let rss = around(engine, reload(engine, model_path.to_owned(), i)).await?;
         m.reload_ms.push_ms(started.elapsed());
         m.reloads.push(rss);
     }
     Ok(m)
 }
 
-/// Runs `update` with resident memory read before and after it and its peak reset first.
+/// Runs `update` with resident memory read before and after it and its peak reset first,
+/// then the bytes of the weights it left.
 async fn around(
+    engine: &EngineHandle,
     update: impl std::future::Future<Output = anyhow::Result<()>>,
 ) -> anyhow::Result<UpdateRss> {
     let before = report::rss_bytes()?;
     report::reset_peak_rss()?;
     update.await?;
     let peak = report::peak_rss_bytes()?;
+    let after = report::rss_bytes()?;
     Ok(UpdateRss {
         before,
-        after: report::rss_bytes()?,
+        after,
         peak,
+        weight_bytes: engine.weight_info().await?.n_bytes,
     })
 }
 
