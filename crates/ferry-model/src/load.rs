@@ -357,7 +357,7 @@ impl WeightFiles {
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
         {
-            let file = gguf::GgufFile::open(path)?;
+            let file = gguf::GgufFile::open_weights(path)?;
             Ok(Self {
                 config: gguf_model::gguf_config(&file)?,
                 source: WeightSource::Gguf(Box::new(file)),

@@ -544,6 +544,51 @@ fn metadata_becomes_the_config() {
     assert!(model.weights.get("lm_head.weight").is_none());
 }
 
+/// A reload opens the file for its weights alone: the tokenizer arrays are skipped, not
+/// parsed, yet their lengths (the vocabulary size) and every other key are as a full open
+/// reads them, and so is the config.
+#[test]
+fn opening_for_the_weights_skips_the_tokenizer_arrays_and_keeps_the_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    write_model(&path, true, |_| {});
+    let full = GgufFile::open(&path).unwrap();
+    let weights = GgufFile::open_weights(&path).unwrap();
+    for key in [
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.token_type",
+    ] {
+        assert!(
+            full.get(key).is_some() && weights.get(key).is_none(),
+            "{key}"
+        );
+        assert_eq!(weights.array_len(key), full.array_len(key), "{key}");
+    }
+    assert_eq!(
+        weights.array_len("tokenizer.ggml.tokens"),
+        Some(TOKENS.len())
+    );
+    let rest = |g: &GgufFile| {
+        g.metadata
+            .iter()
+            .filter(|(_, v)| !matches!(v, GgufValue::Array(_)))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(rest(&weights), rest(&full));
+    assert_eq!(weights.tensors, full.tensors);
+    let files = ferry_model::load::WeightFiles::open(&path).unwrap();
+    assert_eq!(files.config(), &load_model(&path).unwrap().config);
+    // A skipped array is checked as a parsed one is: every truncation fails cleanly.
+    let good = std::fs::read(&path).unwrap();
+    let bad = tmp.path().join("bad.gguf");
+    for len in (0..good.len()).step_by(11) {
+        std::fs::write(&bad, &good[..len]).unwrap();
+        assert!(GgufFile::open_weights(&bad).is_err(), "truncated at {len}");
+    }
+}
+
 #[test]
 fn tokenizer_from_metadata() {
     let tmp = tempfile::tempdir().unwrap();

@@ -190,6 +190,8 @@ pub struct GgufFile {
     pub version: u32,
     pub metadata: BTreeMap<String, GgufValue>,
     pub tensors: Vec<GgufTensorInfo>,
+    /// Lengths of the `tokenizer.*` arrays [`GgufFile::open_weights`] skipped.
+    skipped_arrays: BTreeMap<String, u64>,
     data_start: usize,
     mmap: memmap2::Mmap,
     /// The same file, for [`GgufFile::dequantize_into`]'s reads.
@@ -198,6 +200,20 @@ pub struct GgufFile {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self, LoadError> {
+        Self::open_with(path, false)
+    }
+
+    /// [`open`](Self::open) for the weights alone (a reload): the `tokenizer.*` arrays, some
+    /// hundred thousand strings and numbers in a chat model's file, are skipped rather than
+    /// parsed, keeping only their lengths ([`array_len`](Self::array_len)). Parsing them on
+    /// every reload allocated ~10 MB in small pieces on whichever blocking-pool thread ran
+    /// it, and glibc kept them in that thread's arena: resident memory grew by that much per
+    /// new thread, a tenth of a Q4_1 model's weights.
+    pub fn open_weights(path: &Path) -> Result<Self, LoadError> {
+        Self::open_with(path, true)
+    }
+
+    fn open_with(path: &Path, skip_tokenizer: bool) -> Result<Self, LoadError> {
         let file = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
         // SAFETY: read-only mapping; GGUF files are not rewritten in place while loaded, and
         // reading a multi-hundred-MB model into a buffer first would double peak memory.
@@ -209,7 +225,7 @@ impl GgufFile {
             pos: 0,
             path,
         };
-        let header = read_header(&mut cur)?;
+        let header = read_header(&mut cur, skip_tokenizer)?;
         let data_start = header.data_start(cur.pos as u64);
         let data_start = data_start
             .and_then(|s| usize::try_from(s).ok())
@@ -220,6 +236,7 @@ impl GgufFile {
             version: header.version,
             metadata: header.metadata,
             tensors: header.tensors,
+            skipped_arrays: header.skipped_arrays,
             data_start,
             mmap,
             file,
@@ -232,6 +249,15 @@ impl GgufFile {
             }
         }
         Ok(gguf)
+    }
+
+    /// The length of the array under `key`, parsed or skipped.
+    pub fn array_len(&self, key: &str) -> Option<usize> {
+        match self.metadata.get(key) {
+            Some(GgufValue::Array(items)) => Some(items.len()),
+            Some(_) => None,
+            None => self.skipped_arrays.get(key).map(|&n| n as usize),
+        }
     }
 
     pub fn get(&self, key: &str) -> Option<&GgufValue> {
@@ -326,9 +352,13 @@ impl GgufFile {
     }
 }
 
+/// The metadata value type of an array.
+const ARRAY: u32 = 9;
+
 struct Header {
     version: u32,
     metadata: BTreeMap<String, GgufValue>,
+    skipped_arrays: BTreeMap<String, u64>,
     tensors: Vec<GgufTensorInfo>,
 }
 
@@ -345,7 +375,7 @@ impl Header {
     }
 }
 
-fn read_header(cur: &mut Cursor<'_>) -> Result<Header, LoadError> {
+fn read_header(cur: &mut Cursor<'_>, skip_tokenizer: bool) -> Result<Header, LoadError> {
     if cur.take(4)? != MAGIC {
         return Err(cur.err("not a GGUF file (bad magic)"));
     }
@@ -356,9 +386,15 @@ fn read_header(cur: &mut Cursor<'_>) -> Result<Header, LoadError> {
     let n_tensors = cur.u64()?;
     let n_kv = cur.u64()?;
     let mut metadata = BTreeMap::new();
+    let mut skipped_arrays = BTreeMap::new();
     for _ in 0..n_kv {
         let key = cur.string()?;
         let kind = cur.u32()?;
+        if skip_tokenizer && kind == ARRAY && key.starts_with("tokenizer.") {
+            let n = cur.skip_array(0)?;
+            skipped_arrays.insert(key, n);
+            continue;
+        }
         let value = cur.value(kind, 0)?;
         metadata.insert(key, value);
     }
@@ -369,6 +405,7 @@ fn read_header(cur: &mut Cursor<'_>) -> Result<Header, LoadError> {
     Ok(Header {
         version,
         metadata,
+        skipped_arrays,
         tensors,
     })
 }
@@ -452,7 +489,7 @@ impl<'a> Cursor<'a> {
             6 => GgufValue::F32(f32::from_le_bytes(self.array()?)),
             7 => GgufValue::Bool(self.take(1)?[0] != 0),
             8 => GgufValue::String(self.string()?),
-            9 => self.array_value(depth)?,
+            ARRAY => self.array_value(depth)?,
             10 => GgufValue::U64(self.u64()?),
             11 => GgufValue::I64(i64::from_le_bytes(self.array()?)),
             12 => GgufValue::F64(f64::from_le_bytes(self.array()?)),
@@ -461,6 +498,15 @@ impl<'a> Cursor<'a> {
     }
 
     fn array_value(&mut self, depth: u32) -> Result<GgufValue, LoadError> {
+        let (kind, n) = self.array_header(depth)?;
+        let items = (0..n)
+            .map(|_| self.value(kind, depth + 1))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(GgufValue::Array(items))
+    }
+
+    /// An array's element type and count, checked.
+    fn array_header(&mut self, depth: u32) -> Result<(u32, u64), LoadError> {
         if depth > 4 {
             return Err(self.err("GGUF metadata arrays nested too deeply"));
         }
@@ -471,10 +517,30 @@ impl<'a> Cursor<'a> {
         if n > (self.bytes.len() - self.pos) as u64 {
             return Err(self.err(format!("GGUF array of {n} elements runs past the end")));
         }
-        let items = (0..n)
-            .map(|_| self.value(kind, depth + 1))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(GgufValue::Array(items))
+        Ok((kind, n))
+    }
+
+    /// Moves past an array as [`array_value`](Self::array_value) would read it, with the same
+    /// checks, allocating nothing; returns its length.
+    fn skip_array(&mut self, depth: u32) -> Result<u64, LoadError> {
+        let (kind, n) = self.array_header(depth)?;
+        for _ in 0..n {
+            match kind {
+                0 | 1 | 7 => drop(self.take(1)?),
+                2 | 3 => drop(self.take(2)?),
+                4..=6 => drop(self.take(4)?),
+                10..=12 => drop(self.take(8)?),
+                8 => {
+                    let len = self.u64()?;
+                    let len = usize::try_from(len)
+                        .map_err(|_| self.err("GGUF string longer than memory"))?;
+                    self.take(len)?;
+                }
+                ARRAY => drop(self.skip_array(depth + 1)?),
+                other => return Err(self.err(format!("unknown GGUF metadata value type {other}"))),
+            }
+        }
+        Ok(n)
     }
 }
 

@@ -112,11 +112,8 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
             });
         }
     }
-    let vocab_size = match gguf
-        .get("tokenizer.ggml.tokens")
-        .and_then(GgufValue::as_array)
-    {
-        Some(tokens) => tokens.len(),
+    let vocab_size = match gguf.array_len("tokenizer.ggml.tokens") {
+        Some(n) => n,
         None => meta.usize("llama.vocab_size")?,
     };
     let mut eos_token_ids = Vec::new();
