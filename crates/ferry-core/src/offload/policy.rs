@@ -292,6 +292,27 @@ mod tests {
         assert_eq!(p.victim(|_| true), Some(key(2)));
     }
 
+    /// `clear` forgets every key, and `removed` takes a key out of the resident lists,
+    /// whichever it is in.
+    #[test]
+    fn clear_and_removed_forget_keys() {
+        for kind in [OffloadPolicy::Lru, OffloadPolicy::Arc] {
+            let mut p = Policy::new(kind, 4);
+            p.inserted(key(1));
+            p.inserted(key(2));
+            p.touched(key(2)); // ARC: 2 is in t2, 1 in t1
+            p.removed(&key(2));
+            assert_eq!(drain(&mut p), [key(1)], "{kind:?}");
+            p.inserted(key(3));
+            p.clear();
+            assert_eq!(p.victim(|_| true), None, "{kind:?}");
+            // Nothing of before the clear is remembered: 1 comes back as new.
+            p.inserted(key(1));
+            p.inserted(key(4));
+            assert_eq!(drain(&mut p), [key(1), key(4)], "{kind:?}");
+        }
+    }
+
     /// ARC's ghosts are bounded: a key evicted long ago (its ghost trimmed) comes back as new,
     /// not as a ghost hit.
     #[test]
@@ -304,5 +325,191 @@ mod tests {
         p.evicted(key(2)); // b1 = [2], t1 = [3]
         p.inserted(key(1)); // new again: t1 = [3, 1], p = 0
         assert_eq!(p.victim(|_| true), Some(key(3)));
+    }
+
+    /// ARC against a model written from the paper's rules with plain vectors (oldest first),
+    /// over random operations as the tier makes them (an insert into a full tier evicts
+    /// first; some keys are never evictable, as blocks being copied): the four lists, their
+    /// order and the target `p` agree after every operation, and the bounds hold (`p` at
+    /// most the capacity, ghosts at most twice it, no key in two lists).
+    mod arc_model {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Default)]
+        struct Model {
+            t1: Vec<u8>,
+            t2: Vec<u8>,
+            b1: Vec<u8>,
+            b2: Vec<u8>,
+            p: usize,
+            c: usize,
+        }
+
+        fn take(list: &mut Vec<u8>, k: u8) -> bool {
+            let found = list.iter().position(|&x| x == k);
+            found.map(|i| list.remove(i)).is_some()
+        }
+
+        impl Model {
+            fn trim(&mut self) {
+                while self.t1.len() + self.b1.len() > self.c && !self.b1.is_empty() {
+                    self.b1.remove(0);
+                }
+                while self.t1.len() + self.t2.len() + self.b1.len() + self.b2.len() > 2 * self.c {
+                    if !self.b2.is_empty() {
+                        self.b2.remove(0);
+                    } else if !self.b1.is_empty() {
+                        self.b1.remove(0);
+                    } else {
+                        break;
+                    }
+                }
+            }
+
+            fn inserted(&mut self, k: u8) {
+                if take(&mut self.b1, k) {
+                    let step = (self.b2.len() / (self.b1.len() + 1)).max(1);
+                    self.p = (self.p + step).min(self.c);
+                    self.t2.push(k);
+                } else if take(&mut self.b2, k) {
+                    let step = (self.b1.len() / (self.b2.len() + 1)).max(1);
+                    self.p = self.p.saturating_sub(step);
+                    self.t2.push(k);
+                } else {
+                    take(&mut self.t1, k);
+                    self.t1.push(k);
+                }
+                self.trim();
+            }
+
+            fn touched(&mut self, k: u8) {
+                if take(&mut self.t1, k) || take(&mut self.t2, k) {
+                    self.t2.push(k);
+                }
+            }
+
+            fn removed(&mut self, k: u8) {
+                let _ = take(&mut self.t1, k) || take(&mut self.t2, k);
+            }
+
+            fn victim(&self, ok: impl Fn(u8) -> bool) -> Option<u8> {
+                let (first, second) = if !self.t1.is_empty() && self.t1.len() > self.p {
+                    (&self.t1, &self.t2)
+                } else {
+                    (&self.t2, &self.t1)
+                };
+                let pick = |l: &Vec<u8>| l.iter().copied().find(|&k| ok(k));
+                pick(first).or_else(|| pick(second))
+            }
+
+            fn evicted(&mut self, k: u8) {
+                if take(&mut self.t1, k) {
+                    self.b1.push(k);
+                } else if take(&mut self.t2, k) {
+                    self.b2.push(k);
+                }
+                self.trim();
+            }
+
+            fn resident(&self) -> usize {
+                self.t1.len() + self.t2.len()
+            }
+        }
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Store(u8),
+            Hit(u8),
+            Fail(u8),
+            Evict,
+            Clear,
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                6 => (0u8..24).prop_map(Op::Store),
+                4 => (0u8..24).prop_map(Op::Hit),
+                1 => (0u8..24).prop_map(Op::Fail),
+                2 => Just(Op::Evict),
+                1 => Just(Op::Clear),
+            ]
+        }
+
+        fn keys(r: &Recency) -> Vec<u8> {
+            r.order.values().map(|h| h.0[0]).collect()
+        }
+
+        /// Blocks being copied: never a victim.
+        fn evictable(k: u8) -> bool {
+            !k.is_multiple_of(5)
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+            #[test]
+            fn arc_follows_the_model(cap in 1usize..8, ops in proptest::collection::vec(op(), 1..200)) {
+                let mut p = Policy::new(OffloadPolicy::Arc, cap);
+                let mut m = Model { c: cap, ..Model::default() };
+                for op in ops {
+                    match op {
+                        Op::Store(k) => {
+                            let resident = m.t1.contains(&k) || m.t2.contains(&k);
+                            if resident {
+                                p.touched(key(k));
+                                m.touched(k);
+                            } else {
+                                if m.resident() == cap {
+                                    let v = m.victim(evictable);
+                                    prop_assert_eq!(p.victim(|h| evictable(h.0[0])), v.map(key));
+                                    let Some(v) = v else { continue };
+                                    p.evicted(key(v));
+                                    m.evicted(v);
+                                }
+                                p.inserted(key(k));
+                                m.inserted(k);
+                            }
+                        }
+                        Op::Hit(k) => {
+                            p.touched(key(k));
+                            m.touched(k);
+                        }
+                        Op::Fail(k) => {
+                            p.removed(&key(k));
+                            m.removed(k);
+                        }
+                        Op::Evict => {
+                            let v = m.victim(evictable);
+                            prop_assert_eq!(p.victim(|h| evictable(h.0[0])), v.map(key));
+                            if let Some(v) = v {
+                                p.evicted(key(v));
+                                m.evicted(v);
+                            }
+                        }
+                        Op::Clear => {
+                            p.clear();
+                            m = Model { c: cap, ..Model::default() };
+                        }
+                    }
+                    let Policy::Arc(a) = &p else { unreachable!() };
+                    prop_assert_eq!(keys(&a.t1), m.t1.clone());
+                    prop_assert_eq!(keys(&a.t2), m.t2.clone());
+                    prop_assert_eq!(keys(&a.b1), m.b1.clone());
+                    prop_assert_eq!(keys(&a.b2), m.b2.clone());
+                    prop_assert_eq!(a.p, m.p);
+                    prop_assert!(a.p <= cap);
+                    prop_assert!(m.resident() <= cap);
+                    prop_assert!(m.resident() + m.b1.len() + m.b2.len() <= 2 * cap);
+                    for list in [&a.t1, &a.t2, &a.b1, &a.b2] {
+                        prop_assert_eq!(list.order.len(), list.at.len());
+                    }
+                    let mut all: Vec<u8> = [&m.t1, &m.t2, &m.b1, &m.b2].into_iter().flatten().copied().collect();
+                    let n = all.len();
+                    all.sort_unstable();
+                    all.dedup();
+                    prop_assert_eq!(all.len(), n, "a key in two lists");
+                }
+            }
+        }
     }
 }
