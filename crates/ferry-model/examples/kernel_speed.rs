@@ -26,7 +26,29 @@ fn matrix(dtype: WeightDtype, n: usize, k: usize, seed: u32) -> Matrix {
     )
 }
 
+/// GFLOP/s of `m` activation rows against an `n × k` matrix of `dtype`, best of 5.
+fn batched(dtype: WeightDtype, m: usize, n: usize, k: usize) -> f64 {
+    let w = matrix(dtype, n, k, 3);
+    let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.013).cos()).collect();
+    let mut out = vec![0.0f32; m * n];
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t = Instant::now();
+        matmul(&x, &w, &mut out, m);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (m * n * k) as f64 / best / 1e9
+}
+
 fn main() {
+    for dtype in [WeightDtype::F32, WeightDtype::Q4_1] {
+        for (n, k) in [(1536, 576), (576, 1536), (3072, 576)] {
+            println!(
+                "{dtype:>5}: batch 64, {n}x{k}: {:6.1} GFLOP/s",
+                batched(dtype, 64, n, k)
+            );
+        }
+    }
     let (n, k) = (1536, 576);
     let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
     let mut out = vec![0.0f32; n];

@@ -1,8 +1,11 @@
 //! The AVX-512 register tiles of [`super`]: one 16-lane accumulator per output element,
 //! chunks of 16 in order, fused multiply-adds, a fixed horizontal sum, then the tail in order.
 //!
-//! 32 zmm registers hold a 6×4 tile (W rows × activation rows): 24 accumulators, 6 W
-//! vectors and 1 activation vector, 10 loads per 24 FMAs. A single activation row (decode at
+//! The batched tile is 4×4 (W rows × activation rows): 16 accumulators, 8 W vectors (the
+//! two chunks of a 32-element turn) and 1 activation vector, 8 loads per 16 FMAs. (A 6×4 tile
+//! needs 24 accumulators and 12 W vectors for a turn, more than the 32 zmm registers: the
+//! compiler spilled accumulators to the stack in the inner loop, and batch-64 matmuls ran at
+//! about 40 GFLOP/s a core against 55–70 with 4×4.) A single activation row (decode at
 //! batch 1, and attention's strided dots) uses 8×1 instead, eight independent accumulators to
 //! hide the FMA latency while the weights stream from memory. Every shape computes each
 //! element in the same order, so the tile an element falls in never changes its bits.
@@ -18,8 +21,8 @@ use std::ops::Range;
 use super::{dtype_code as code, scalar_at, Rows, Tile};
 use super::{BF16, F16, F32, Q4_0, Q4_1, Q8_0};
 
-/// W rows of the batched tile (the parent's block sizes are multiples of it).
-pub(super) const ROWS: usize = 6;
+/// W rows of the batched tile (the parent's block sizes, multiples of 24, are multiples of it).
+pub(super) const ROWS: usize = 4;
 
 /// All of `t`: `x` rows against `w` rows, written into `out` (`m × n`), in `t`'s dtype.
 #[target_feature(enable = "avx512f")]
