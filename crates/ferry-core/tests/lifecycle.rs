@@ -644,6 +644,41 @@ fn a_wake_up_of_the_kv_cache_cancels_a_pending_kv_release() {
     assert_eq!(h.generated, reference().generated);
 }
 
+/// Only a wake-up of the KV cache cancels a pending KV release: one of the weights alone
+/// leaves it to finish once the transfer ends.
+#[test]
+fn a_wake_up_of_the_weights_alone_leaves_a_pending_kv_release() {
+    let mut h = busy(3);
+    let shared = Arc::new(Mutex::new(SlowTransfers {
+        polls_left: 1000,
+        ..SlowTransfers::default()
+    }));
+    let conn = h.sched.add_connector(Box::new(Conn(shared.clone())));
+    let a = h.sched.request_idx("a").unwrap();
+    let t = h
+        .sched
+        .hold_blocks_for_transfer(a, Holder::Connector(conn))
+        .unwrap();
+    shared.lock().unwrap().held.push(t);
+    h.sched.pause(OpId(1), PauseMode::Keep, false);
+    assert_eq!(poll(&mut h), vec![done(1)]);
+    h.sched.release_kv_cache_memory(OpId(2)).unwrap();
+    assert_eq!(poll(&mut h), vec![], "the release waits for the transfer");
+    h.sched.wake_up(&[WakeTag::Weights]);
+    assert_eq!(poll(&mut h), vec![], "still waiting");
+    shared.lock().unwrap().polls_left = 0;
+    let mut events = Vec::new();
+    for _ in 0..5 {
+        events.extend(poll(&mut h));
+    }
+    assert_eq!(
+        events,
+        vec![LifecycleEvent::ReleaseKvMemory, done(2)],
+        "the engine frees the arena, then the release replies"
+    );
+    assert!(h.sched.lifecycle_status().kv_released);
+}
+
 #[test]
 fn a_wake_up_keeps_a_pause_the_client_made_during_the_sleep() {
     let mut h = busy(2);
