@@ -11,6 +11,10 @@ its bench measured. Standard library only.
 Without files it takes the F32, Q8_0 and default Q4_1 SmolLM2-135M files from the model
 cache (`$FERRY_CACHE` or ~/.cache/ferry; `scripts/gguf-to-f32.py` makes the F32 and Q8_0
 copies of the default file). Prints a table, then one JSON line.
+
+With `--prefill N` it compares prompt processing instead: `ferry bench model --batch 1
+--prompt-len N --decode-steps 1` (prefill tok/s) against `llama-bench -p N -n 0`. (On the
+machines here llama.cpp's batched quantized kernels die with SIGILL; its F32 ones run.)
 """
 import argparse
 import json
@@ -52,9 +56,20 @@ def run_ferry(ferry, gguf, threads, tokens):
     }
 
 
-def run_llama(llama_bench, gguf, threads, tokens):
+def run_ferry_prefill(ferry, gguf, threads, prompt):
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    cmd = [ferry, "bench", "model", "--model", gguf, "--batch", "1", "--prompt-len", str(prompt),
+           "--decode-steps", "1", "--json"]
+    out = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
+    r = out["results"][0]
+    return {"tok_s": r["prefill_tok_s"], "gflop_s": r["prefill_gflop_s"],
+            "peak_fraction": r["prefill_peak_fraction"], "fma_peak_gflop_s": out.get("fma_peak_gflop_s")}
+
+
+def run_llama(llama_bench, gguf, threads, tokens, prompt=0):
     env = dict(os.environ, LD_LIBRARY_PATH=str(Path(llama_bench).parent))
-    cmd = [llama_bench, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(tokens), "-o", "json"]
+    cmd = [llama_bench, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", str(tokens),
+           "-o", "json"]
     rows = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
     return {"tok_s": round(rows[0]["avg_ts"], 2), "stddev_tok_s": round(rows[0]["stddev_ts"], 2)}
 
@@ -64,6 +79,8 @@ def main():
     ap.add_argument("gguf", nargs="*", help="GGUF files (default: F32, Q8_0, Q4_1 SmolLM2-135M)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128, help="decode tokens (llama-bench -n)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="compare prefill of an N-token prompt instead of decode")
     ap.add_argument("--ferry", default=default_ferry())
     ap.add_argument("--llama-bench", default=str(cache_dir() / "llama.cpp" / "llama-bench"))
     args = ap.parse_args()
@@ -73,6 +90,24 @@ def main():
             sys.exit(f"{f} is missing (see the usage at the top of {sys.argv[0]})")
 
     results = []
+    if args.prefill:
+        print(f"{'file':<34} {'ferry prefill tok/s':>19} {'llama.cpp tok/s':>15} {'ratio':>6} "
+              f"{'ferry GFLOP/s':>13} {'of peak':>7}")
+        for gguf in files:
+            ferry = run_ferry_prefill(args.ferry, gguf, args.threads, args.prefill)
+            try:
+                llama = run_llama(args.llama_bench, gguf, args.threads, 0, args.prefill)
+            except subprocess.CalledProcessError as e:
+                llama = {"tok_s": None, "error": (f"died (signal {-e.returncode})" if e.returncode < 0 else f"exit {e.returncode}")}
+            ratio = round(ferry["tok_s"] / llama["tok_s"], 2) if llama["tok_s"] else None
+            results.append({"gguf": gguf, "ferry": ferry, "llama_cpp": llama,
+                            "ferry_over_llama_cpp": ratio})
+            shown = f"{llama['tok_s']:>15.1f}" if llama["tok_s"] else f"{llama['error']:>15}"
+            print(f"{Path(gguf).name:<34} {ferry['tok_s']:>19.1f} {shown} "
+                  f"{ratio if ratio is not None else '-':>6} {ferry['gflop_s']:>13.1f} "
+                  f"{ferry['peak_fraction']:>7.2f}")
+        print(json.dumps({"threads": args.threads, "prefill_tokens": args.prefill, "results": results}))
+        return
     print(f"{'file':<34} {'ferry tok/s':>11} {'llama.cpp tok/s':>15} {'ratio':>6} "
           f"{'ferry GB/s':>10} {'read GB/s':>9} {'of read':>7}")
     for gguf in files:
