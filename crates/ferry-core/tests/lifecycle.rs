@@ -704,3 +704,50 @@ fn a_wake_up_keeps_a_pause_the_client_made_during_the_sleep() {
     h.drain(100);
     assert_eq!(h.generated, reference().generated);
 }
+
+/// A connector whose flush never reaches its workers, holding no blocks.
+#[derive(Debug)]
+struct NeverFlushed;
+
+impl KvConnector for NeverFlushed {
+    fn name(&self) -> &str {
+        "stuck"
+    }
+    fn abort_transfers(&mut self) {}
+    fn take_finished_transfers(&mut self, _: &mut Vec<TransferId>) {}
+    fn has_pending_work(&self) -> bool {
+        true
+    }
+    fn reset_cache(&mut self) {}
+}
+
+/// A reset that times out with no hold out but connector work pending names just that work.
+#[test]
+fn a_reset_timeout_names_connector_work_when_no_hold_is_out() {
+    let mut h = busy(3);
+    h.sched.add_connector(Box::new(NeverFlushed));
+    h.sched.pause(OpId(1), PauseMode::Keep, true);
+    assert_eq!(h.sched.next_deadline(), None, "the reset has not started");
+    assert_eq!(poll(&mut h), vec![]);
+    let timeout = h.sched.config().lifecycle_wait_timeout;
+    assert_eq!(
+        h.sched.next_deadline(),
+        Some(timeout),
+        "counted from its start"
+    );
+    h.sched.advance_time(timeout);
+    assert_eq!(
+        poll(&mut h),
+        vec![LifecycleEvent::Failed(
+            OpId(1),
+            LifecycleError::Timeout {
+                waited: timeout,
+                waiting_for: "connector work (a flush or revocation) to reach the workers of \
+                              stuck"
+                    .into(),
+            }
+        )]
+    );
+    assert!(h.sched.lifecycle_status().paused, "stays paused");
+    assert_eq!(h.sched.next_deadline(), None, "nothing waits any more");
+}
