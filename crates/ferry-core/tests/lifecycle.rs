@@ -605,8 +605,9 @@ fn memory_is_released_and_the_reply_sent_only_after_the_reset_flush_reached_the_
     assert_eq!(h.generated, reference().generated);
 }
 
-#[test]
-fn a_wake_up_of_the_kv_cache_cancels_a_pending_kv_release() {
+/// A paused engine whose `release_kv_cache_memory` (op 2) waits for a slow transfer holding
+/// request "a"'s blocks.
+fn pending_kv_release() -> (Harness, Arc<Mutex<SlowTransfers>>) {
     let mut h = busy(3);
     let shared = Arc::new(Mutex::new(SlowTransfers {
         polls_left: 1000,
@@ -623,6 +624,12 @@ fn a_wake_up_of_the_kv_cache_cancels_a_pending_kv_release() {
     assert_eq!(poll(&mut h), vec![done(1)]);
     h.sched.release_kv_cache_memory(OpId(2)).unwrap();
     assert_eq!(poll(&mut h), vec![], "the release waits for the transfer");
+    (h, shared)
+}
+
+#[test]
+fn a_wake_up_of_the_kv_cache_cancels_a_pending_kv_release() {
+    let (mut h, shared) = pending_kv_release();
     h.sched.wake_up(&[WakeTag::KvCache]);
     assert_eq!(
         poll(&mut h),
@@ -648,22 +655,7 @@ fn a_wake_up_of_the_kv_cache_cancels_a_pending_kv_release() {
 /// leaves it to finish once the transfer ends.
 #[test]
 fn a_wake_up_of_the_weights_alone_leaves_a_pending_kv_release() {
-    let mut h = busy(3);
-    let shared = Arc::new(Mutex::new(SlowTransfers {
-        polls_left: 1000,
-        ..SlowTransfers::default()
-    }));
-    let conn = h.sched.add_connector(Box::new(Conn(shared.clone())));
-    let a = h.sched.request_idx("a").unwrap();
-    let t = h
-        .sched
-        .hold_blocks_for_transfer(a, Holder::Connector(conn))
-        .unwrap();
-    shared.lock().unwrap().held.push(t);
-    h.sched.pause(OpId(1), PauseMode::Keep, false);
-    assert_eq!(poll(&mut h), vec![done(1)]);
-    h.sched.release_kv_cache_memory(OpId(2)).unwrap();
-    assert_eq!(poll(&mut h), vec![], "the release waits for the transfer");
+    let (mut h, shared) = pending_kv_release();
     h.sched.wake_up(&[WakeTag::Weights]);
     assert_eq!(poll(&mut h), vec![], "still waiting");
     shared.lock().unwrap().polls_left = 0;
