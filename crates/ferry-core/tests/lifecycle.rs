@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex};
 use common::{prompt, small_config, Harness};
 use ferry_core::{
     FinishReason, Holder, KvConnector, LifecycleError, LifecycleEvent, OpId, PauseMode,
-    SamplingParams, SleepLevel, TransferId, WakeTag, WeightResidency,
+    RequestState, SamplingParams, SchedulerConfig, SleepLevel, TransferId, WakeTag,
+    WeightResidency,
 };
 
 fn greedy(n: u32) -> SamplingParams {
@@ -742,4 +743,55 @@ fn a_reset_timeout_names_connector_work_when_no_hold_is_out() {
     );
     assert!(h.sched.lifecycle_status().paused, "stays paused");
     assert_eq!(h.sched.next_deadline(), None, "nothing waits any more");
+}
+
+/// With `reset_connector`, a cache reset waits for connector work that has not reached its
+/// workers, even with no transfer out; without it, the prefix cache resets.
+#[test]
+fn a_connector_reset_refuses_while_connector_work_is_pending() {
+    let mut h = busy(3);
+    h.sched.add_connector(Box::new(NeverFlushed));
+    h.sched.pause(OpId(1), PauseMode::Keep, false);
+    assert_eq!(poll(&mut h), vec![done(1)]);
+    assert_eq!(h.sched.stats().n_transfers, 0);
+    assert!(!h.sched.reset_caches(true, true));
+    assert!(h.sched.reset_caches(true, false));
+}
+
+/// A draining pause waits for requests preempted during the drain too: it completes only
+/// once every admitted request has finished.
+#[test]
+fn a_draining_pause_waits_for_requests_preempted_during_the_drain() {
+    // 4 usable blocks of 16 tokens; each request grows to 60 tokens (4 blocks) alone.
+    let mut h = Harness::new(SchedulerConfig {
+        n_blocks: 5,
+        max_model_len: 64,
+        ..small_config()
+    });
+    h.add("a", prompt(1, 20), greedy(40));
+    h.add("b", prompt(2, 20), greedy(40));
+    while h.sched.stats().n_preemptions == 0 {
+        h.step();
+    }
+    let b = h.sched.request_idx("b").unwrap();
+    assert!(matches!(
+        h.sched.request(b).unwrap().state,
+        RequestState::Preempted { .. }
+    ));
+    h.sched.pause(OpId(1), PauseMode::Wait, false);
+    let mut events = Vec::new();
+    for _ in 0..200 {
+        events.extend(poll(&mut h));
+        if !events.is_empty() {
+            break;
+        }
+        h.step();
+    }
+    assert_eq!(events, vec![done(1)]);
+    assert_eq!(h.finished["a"].0, FinishReason::Length);
+    assert_eq!(
+        h.finished["b"].0,
+        FinishReason::Length,
+        "b was readmitted and finished"
+    );
 }

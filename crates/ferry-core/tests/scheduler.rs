@@ -7,9 +7,9 @@ use std::convert::Infallible;
 
 use common::{fake_token, prompt, small_config, Harness};
 use ferry_core::{
-    AddError, BlockStatus, FinishReason, HoldKind, Holder, ModelOutput, OutputError, Owner,
-    RequestState, SampledToken, SamplingParams, Scheduler, SchedulerConfig, StepDriver, StepModel,
-    StepPlan, TransferError,
+    AddError, BlockStatus, ConnectorId, FinishReason, HoldKind, Holder, ModelOutput, OutputError,
+    Owner, RequestState, SampledToken, SamplingParams, Scheduler, SchedulerConfig, StepDriver,
+    StepModel, StepPlan, TransferError,
 };
 
 #[test]
@@ -323,6 +323,46 @@ fn transfer_hold_outlives_the_request_and_blocks_reset() {
     assert_eq!(
         h.sched.hold_blocks_for_transfer(idx, Holder::Caller),
         Err(TransferError::UnknownRequest(idx))
+    );
+}
+
+#[test]
+fn a_hold_for_a_connector_that_does_not_exist_is_refused() {
+    let mut h = Harness::new(small_config());
+    h.add("A", prompt(1, 20), SamplingParams::greedy(4));
+    h.step();
+    let idx = h.sched.request_idx("A").unwrap();
+    assert_eq!(
+        h.sched
+            .hold_blocks_for_transfer(idx, Holder::Connector(ConnectorId(3))),
+        Err(TransferError::UnknownConnector(ConnectorId(3)))
+    );
+    assert_eq!(h.sched.stats().n_transfers, 0);
+}
+
+/// Switching the weights back to a version string seen before still starts a new chain: KV
+/// computed under the first use of that version is never hit.
+#[test]
+fn a_weight_version_seen_before_does_not_bring_back_its_old_cache() {
+    let mut h = Harness::new(small_config());
+    let first = h.sched.weight_version().to_owned();
+    assert_eq!(first, small_config().weight_version);
+    h.add("x", prompt(1, 40), SamplingParams::greedy(1));
+    h.drain(10);
+    h.add("same", prompt(1, 40), SamplingParams::greedy(1));
+    h.drain(10);
+    let hits = h.sched.stats().prefix_hit_tokens;
+    assert!(hits > 0, "the same weights hit the cache");
+    h.sched.set_weight_version("b");
+    assert_eq!(h.sched.weight_version(), "b");
+    h.sched.set_weight_version(first.clone());
+    assert_eq!(h.sched.weight_version(), first);
+    h.add("y", prompt(1, 40), SamplingParams::greedy(1));
+    h.drain(10);
+    assert_eq!(
+        h.sched.stats().prefix_hit_tokens,
+        hits,
+        "no hit across the updates"
     );
 }
 
