@@ -366,6 +366,40 @@ fn a_weight_version_seen_before_does_not_bring_back_its_old_cache() {
     );
 }
 
+/// Blocks evicted from the prefix cache (the engine does it with blocks a failed load
+/// wrote) are never hit again.
+#[test]
+fn evicted_blocks_are_not_hit_again() {
+    let mut h = Harness::new(small_config());
+    // 200 tokens take two steps of at most 128: the first 8 blocks are known after one.
+    h.add("x", prompt(1, 200), SamplingParams::greedy(1));
+    h.step();
+    let x = h.sched.request_idx("x").unwrap();
+    let blocks = h.sched.request(x).unwrap().blocks.clone();
+    assert_eq!(blocks.len(), 8);
+    h.drain(10);
+    h.add("same", prompt(1, 200), SamplingParams::greedy(1));
+    h.drain(10);
+    let hits = h.sched.stats().prefix_hit_tokens;
+    assert!(hits > 0, "the same prompt hits the cache");
+    h.sched.evict_blocks(&blocks);
+    h.add("y", prompt(1, 200), SamplingParams::greedy(1));
+    h.drain(10);
+    assert_eq!(
+        h.sched.stats().prefix_hit_tokens,
+        hits,
+        "the chain's head is gone"
+    );
+}
+
+#[test]
+fn the_clock_is_the_latest_time_given() {
+    let mut s = Scheduler::new(small_config()).unwrap();
+    assert_eq!(s.now(), std::time::Duration::ZERO);
+    s.advance_time(std::time::Duration::from_millis(1500));
+    assert_eq!(s.now(), std::time::Duration::from_millis(1500));
+}
+
 #[test]
 fn waiting_request_has_no_blocks_to_hold() {
     let mut h = Harness::new(small_config());
