@@ -9,6 +9,10 @@ use serde_json::{json, Value};
 
 use crate::support::{metric, start, Options, Server};
 
+/// The tiny model's weights in f32, as it is served: the 4-byte values of its 112,448
+/// parameters (`GET /weight_info`'s `weight_bytes`).
+const TINY_F32_BYTES: u64 = 4 * 112_448;
+
 /// Every admin reply must come within this bound.
 pub const BOUND: Duration = Duration::from_secs(10);
 
@@ -219,7 +223,7 @@ async fn cache_reset_abort_and_weight_version_idle() {
 
     assert_eq!(
         weight_info(&s).await,
-        json!({"weight_version": "0", "n_weight_updates": 0, "residency": "resident", "weight_bytes": 0})
+        json!({"weight_version": "0", "n_weight_updates": 0, "residency": "resident", "weight_bytes": TINY_F32_BYTES})
     );
     let reply = s
         .admin_json_ok("/update_weight_version", &json!({"new_version": "v2"}))
@@ -397,7 +401,7 @@ async fn bad_arguments_are_4xx_naming_them_and_change_nothing() {
     assert!(!s.is_paused().await && !s.is_sleeping().await);
     assert_eq!(
         weight_info(&s).await,
-        json!({"weight_version": "0", "n_weight_updates": 0, "residency": "resident", "weight_bytes": 0})
+        json!({"weight_version": "0", "n_weight_updates": 0, "residency": "resident", "weight_bytes": TINY_F32_BYTES})
     );
 }
 
@@ -496,7 +500,7 @@ async fn pushed_weights_change_the_output_and_its_weight_version() {
     assert_eq!(reply["complete"], false);
     assert_eq!(
         weight_info(&s).await,
-        json!({"weight_version": "v7", "n_weight_updates": 1, "residency": "resident"})
+        json!({"weight_version": "v7", "n_weight_updates": 1, "residency": "resident", "weight_bytes": TINY_F32_BYTES})
     );
     let after = generate(&s).await;
     assert_eq!(after["choices"][0]["weight_versions"], json!(["v7"]));
