@@ -177,8 +177,8 @@ const GROUP: usize = 16;
 /// multiply-adds in the same order, with the blocks' f16 scales converted 16 blocks at a time
 /// (one gather and two conversions per row) instead of one block at a time (two broadcasts and
 /// two conversions per block, which made the decode step's kernel compute-bound). Each
-/// block's values are then its table (Q4_0, Q4_1) or scale (Q8_0) made from two broadcast
-/// loads, the loader's arithmetic as in [`block_ctx`].
+/// block's table (Q4_0, Q4_1) or scale (Q8_0) is made from two broadcast loads by
+/// [`ctx_of`], as [`block_ctx`] makes it, and decoded by [`load`].
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
@@ -193,9 +193,6 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
     debug_assert_eq!(k % 32, 0, "a quantized row is whole blocks");
     let n_blocks = k / 32;
     let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
-    let iota = _mm512_setr_ps(
-        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
-    );
     let mut acc = [_mm512_setzero_ps(); R];
     // Per row, the group's scales as f32 pairs [d, m] (m is a quantized byte pair for Q8_0
     // and Q4_0, never read).
@@ -219,36 +216,12 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
             // SAFETY: p + 32 <= k inside row i.
             let xv = unsafe { [0, 16].map(|h| _mm512_loadu_ps(x.add(i * k + p + h))) };
             for (r, &row) in rows.iter().enumerate() {
-                let d = _mm512_set1_ps(scales[r][2 * b]);
-                // SAFETY (every read): block b0 + b lies inside the row.
-                unsafe {
-                    match D {
-                        Q8_0 => {
-                            let block = row.add(p / 32 * 34);
-                            for (half, &xh) in xv.iter().enumerate() {
-                                let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                    block.add(2 + 16 * half).cast(),
-                                ));
-                                let v = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
-                                acc[r] = _mm512_fmadd_ps(xh, v, acc[r]);
-                            }
-                        }
-                        _ => {
-                            let (table, qs) = if D == Q4_0 {
-                                let table =
-                                    _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0)));
-                                (table, row.add(p / 32 * 18 + 2))
-                            } else {
-                                let m = _mm512_set1_ps(scales[r][2 * b + 1]);
-                                (_mm512_fmadd_ps(iota, d, m), row.add(p / 32 * 20 + 4))
-                            };
-                            let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.cast()));
-                            let lo = _mm512_permutexvar_ps(idx, table);
-                            acc[r] = _mm512_fmadd_ps(xv[0], lo, acc[r]);
-                            let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(idx), table);
-                            acc[r] = _mm512_fmadd_ps(xv[1], hi, acc[r]);
-                        }
-                    }
+                let [d, m] = [0, 1].map(|h| _mm512_set1_ps(scales[r][2 * b + h]));
+                let ctx = ctx_of::<D>(d, m);
+                for (half, &xh) in xv.iter().enumerate() {
+                    // SAFETY: block b0 + b lies inside the row.
+                    let v = unsafe { load::<D>(row, p, half, ctx) };
+                    acc[r] = _mm512_fmadd_ps(xh, v, acc[r]);
                 }
             }
         }
@@ -274,11 +247,7 @@ unsafe fn group_scales<const D: u8>(
     nb: usize,
     out: &mut [f32; 2 * GROUP],
 ) {
-    let block_bytes = match D {
-        Q8_0 => 34,
-        Q4_0 => 18,
-        _ => 20,
-    };
+    let block_bytes = byte_offset::<D>(32);
     let offsets = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(block_bytes as i32),
@@ -319,23 +288,28 @@ fn byte_offset<const D: u8>(p: usize) -> usize {
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn block_ctx<const D: u8>(row: *const u8, p: usize) -> __m512 {
-    let iota = _mm512_setr_ps(
-        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
-    );
+    let block = row.wrapping_add(byte_offset::<D>(p));
     // SAFETY (every read): the block's scales, inside the row as the caller promised.
     unsafe {
         match D {
-            Q8_0 => scale(row.add(p / 32 * 34)),
-            Q4_0 => {
-                let d = scale(row.add(p / 32 * 18));
-                _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0)))
-            }
-            Q4_1 => {
-                let block = row.add(p / 32 * 20);
-                _mm512_fmadd_ps(iota, scale(block), scale(block.add(2)))
-            }
+            Q8_0 | Q4_0 => ctx_of::<D>(scale(block), _mm512_setzero_ps()),
+            Q4_1 => ctx_of::<D>(scale(block), scale(block.add(2))),
             _ => _mm512_setzero_ps(),
         }
+    }
+}
+
+/// [`block_ctx`] from a quantized block's scale `d` and (Q4_1) offset `m`, broadcast.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn ctx_of<const D: u8>(d: __m512, m: __m512) -> __m512 {
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    match D {
+        Q4_0 => _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0))),
+        Q4_1 => _mm512_fmadd_ps(iota, d, m),
+        _ => d,
     }
 }
 
