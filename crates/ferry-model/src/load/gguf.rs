@@ -472,10 +472,15 @@ impl<'a> Cursor<'a> {
     }
 
     fn string(&mut self) -> Result<String, LoadError> {
+        let bytes = self.string_bytes()?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| self.err("string is not valid UTF-8"))
+    }
+
+    /// A string's bytes, not yet checked as UTF-8.
+    fn string_bytes(&mut self) -> Result<&'a [u8], LoadError> {
         let len = self.u64()?;
         let len = usize::try_from(len).map_err(|_| self.err("string length overflows"))?;
-        let bytes = self.take(len)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| self.err("string is not valid UTF-8"))
+        self.take(len)
     }
 
     fn value(&mut self, kind: u32, depth: u32) -> Result<GgufValue, LoadError> {
@@ -530,12 +535,7 @@ impl<'a> Cursor<'a> {
                 2 | 3 => drop(self.take(2)?),
                 4..=6 => drop(self.take(4)?),
                 10..=12 => drop(self.take(8)?),
-                8 => {
-                    let len = self.u64()?;
-                    let len = usize::try_from(len)
-                        .map_err(|_| self.err("GGUF string longer than memory"))?;
-                    self.take(len)?;
-                }
+                8 => drop(self.string_bytes()?),
                 ARRAY => drop(self.skip_array(depth + 1)?),
                 other => return Err(self.err(format!("unknown GGUF metadata value type {other}"))),
             }
