@@ -340,6 +340,13 @@ fn a_hold_for_a_connector_that_does_not_exist_is_refused() {
     assert_eq!(h.sched.stats().n_transfers, 0);
 }
 
+/// Runs a one-token request to its end; returns the prefix-hit tokens counted so far.
+fn run_one(h: &mut Harness, id: &str, prompt: Vec<u32>) -> u64 {
+    h.add(id, prompt, SamplingParams::greedy(1));
+    h.drain(10);
+    h.sched.stats().prefix_hit_tokens
+}
+
 /// Switching the weights back to a version string seen before still starts a new chain: KV
 /// computed under the first use of that version is never hit.
 #[test]
@@ -348,19 +355,14 @@ fn a_weight_version_seen_before_does_not_bring_back_its_old_cache() {
     assert_eq!(h.sched.weight_version(), small_config().weight_version);
     h.sched.set_weight_version("b");
     assert_eq!(h.sched.weight_version(), "b");
-    h.add("x", prompt(1, 40), SamplingParams::greedy(1));
-    h.drain(10);
-    h.add("same", prompt(1, 40), SamplingParams::greedy(1));
-    h.drain(10);
-    let hits = h.sched.stats().prefix_hit_tokens;
+    run_one(&mut h, "x", prompt(1, 40));
+    let hits = run_one(&mut h, "same", prompt(1, 40));
     assert!(hits > 0, "the same weights hit the cache");
     h.sched.set_weight_version("c");
     h.sched.set_weight_version("b");
     assert_eq!(h.sched.weight_version(), "b");
-    h.add("y", prompt(1, 40), SamplingParams::greedy(1));
-    h.drain(10);
     assert_eq!(
-        h.sched.stats().prefix_hit_tokens,
+        run_one(&mut h, "y", prompt(1, 40)),
         hits,
         "no hit across the updates"
     );
@@ -376,15 +378,11 @@ fn evicted_blocks_are_not_hit_again() {
     let blocks = h.sched.request(x).unwrap().blocks.clone();
     assert_eq!(blocks.len(), 8);
     h.drain(10);
-    h.add("same", prompt(1, 200), SamplingParams::greedy(1));
-    h.drain(10);
-    let hits = h.sched.stats().prefix_hit_tokens;
+    let hits = run_one(&mut h, "same", prompt(1, 200));
     assert!(hits > 0, "the same prompt hits the cache");
     h.sched.evict_blocks(&blocks);
-    h.add("y", prompt(1, 200), SamplingParams::greedy(1));
-    h.drain(10);
     assert_eq!(
-        h.sched.stats().prefix_hit_tokens,
+        run_one(&mut h, "y", prompt(1, 200)),
         hits,
         "the chain's head is gone"
     );

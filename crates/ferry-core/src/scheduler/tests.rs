@@ -4,26 +4,6 @@ use super::*;
 
 /// The ownership check really looks: a reference that no request or transfer owns, added
 /// behind the scheduler's back, is reported.
-#[test]
-fn check_ownership_reports_a_reference_nobody_owns() {
-    let mut s = Scheduler::new(SchedulerConfig {
-        block_size: 4,
-        n_blocks: 8,
-        ..SchedulerConfig::default()
-    })
-    .unwrap();
-    s.add_request("x", (1..10).collect(), SamplingParams::greedy(2))
-        .unwrap();
-    let plan = s.schedule();
-    assert_eq!(plan.reqs.len(), 1);
-    assert_eq!(s.check_ownership(), Ok(()));
-    let free = (1..8)
-        .find(|&b| s.kv.pool().ref_cnt(b) == 0)
-        .expect("a free block");
-    s.kv.pool_mut().touch(free);
-    assert!(s.check_ownership().is_err(), "block {free} has no owner");
-}
-
 fn running_one() -> (Scheduler, ReqIdx) {
     let mut s = Scheduler::new(SchedulerConfig {
         block_size: 4,
@@ -34,9 +14,23 @@ fn running_one() -> (Scheduler, ReqIdx) {
     let r = s
         .add_request("x", (1..10).collect(), SamplingParams::greedy(2))
         .unwrap();
-    s.schedule();
+    let plan = s.schedule();
+    assert_eq!(plan.reqs.len(), 1);
+    assert_eq!(s.check_ownership(), Ok(()));
     assert_eq!(s.check_queues(), Ok(()));
     (s, r)
+}
+
+/// The ownership check really looks: a reference that no request or transfer owns, added
+/// behind the scheduler's back, is reported.
+#[test]
+fn check_ownership_reports_a_reference_nobody_owns() {
+    let (mut s, _) = running_one();
+    let free = (1..8)
+        .find(|&b| s.kv.pool().ref_cnt(b) == 0)
+        .expect("a free block");
+    s.kv.pool_mut().touch(free);
+    assert!(s.check_ownership().is_err(), "block {free} has no owner");
 }
 
 /// The queue check really looks: a running request also listed as waiting is reported.
