@@ -128,7 +128,11 @@ fn kv_rows<'a>(
     p0: usize,
     n: usize,
 ) -> &'a [f32] {
-    debug_assert_eq!(p0 % layout.block_size, 0);
+    assert_eq!(
+        p0 % layout.block_size,
+        0,
+        "a KV block slice starts at a block boundary"
+    );
     let start = layout.token_offset(layer, plane, 0);
     &arena.block(table[p0 / layout.block_size])[start..start + n * layout.token_floats()]
 }

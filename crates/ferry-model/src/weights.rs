@@ -16,7 +16,11 @@ pub struct Tensor {
 
 impl Tensor {
     pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Self {
-        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "tensor shape and data length"
+        );
         Self { shape, data }
     }
 

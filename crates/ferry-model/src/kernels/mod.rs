@@ -79,7 +79,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// [`dot`] with an explicit implementation (tests compare them).
 pub fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len(), "dot of slices of different lengths");
+    assert_eq!(a.len(), b.len(), "dot of slices of different lengths");
     matmul::dot_with(isa, a, b)
 }
 
@@ -93,7 +93,7 @@ pub fn dot_rows(q: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
 /// Rows are independent, so they run in parallel with the same bits as one by one.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
-    debug_assert_eq!(x.len(), out.len());
+    assert_eq!(x.len(), out.len(), "rms_norm: input and output lengths");
     if x.len() < PAR_ROWS * dim {
         for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
             rms_norm_row(xr, weight, eps, or);

@@ -190,7 +190,7 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
     prefetch: bool,
 ) {
     let (k, w) = (t.k, t.w);
-    debug_assert_eq!(k % 32, 0, "a quantized row is whole blocks");
+    assert_eq!(k % 32, 0, "a quantized row is whole blocks");
     let n_blocks = k / 32;
     let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
     let mut acc = [_mm512_setzero_ps(); R];
