@@ -663,3 +663,92 @@ fn a_tier_load_that_outlives_its_bound_gives_up_on_the_tier() {
     assert!(holds_of(&h, HoldKind::Load).is_empty());
     assert_eq!(h.sched.stats().n_blocks_used, 0);
 }
+
+/// Every slot of KV that fills is stored exactly once, whatever the prefill chunking: the
+/// tier's store count after a request equals the full slots of the KV it computed (prompt
+/// and decoded tokens but the last, which is sampled, never computed), for chunk budgets
+/// that end chunks on and off block boundaries, prompts of whole blocks and not, and slots
+/// of one and two engine blocks. A request behind a local prefix hit stores the rest.
+#[test]
+fn every_slot_that_fills_is_stored_once_whatever_the_chunking() {
+    for k in [1, 2] {
+        for budget in 1..=9 {
+            for (seed, len) in [(30, 4), (31, 8), (32, 13), (33, 16), (34, 20)] {
+                let mut c = Copier::default();
+                let mut h = Harness::new(SchedulerConfig {
+                    max_num_batched_tokens: budget,
+                    ..config()
+                });
+                h.sched.add_connector(Box::new(OffloadConnector::new(tier(
+                    32,
+                    k,
+                    OffloadPolicy::Lru,
+                ))));
+                let max_tokens = 6;
+                h.add("a", prompt(seed, len), greedy(max_tokens));
+                drain(&mut c, &mut h);
+                let computed = len + max_tokens as usize - 1;
+                let slots = computed / BS / k;
+                let case = format!("slots of {k} blocks, budget {budget}, prompt {len}");
+                assert_eq!(
+                    h.sched.tier_stats().unwrap().n_stores,
+                    slots as u64,
+                    "{case}"
+                );
+                assert_eq!(
+                    h.generated["a"],
+                    reference("a", prompt(seed, len), max_tokens)
+                );
+            }
+        }
+    }
+    // A local hit of one block, then the rest of a long prompt in one chunk (from 4 tokens
+    // to 64): the tier gets every slot past the hit.
+    let mut c = Copier::default();
+    let mut h = engine(tier(32, 1, OffloadPolicy::Lru));
+    run_and_store(&mut c, &mut h, "short", prompt(40, 5));
+    assert_eq!(h.sched.tier_stats().unwrap().n_stores, 1);
+    h.add("long", prompt(40, 64), greedy(1));
+    let plan = step(&mut c, &mut h);
+    assert_eq!(
+        (plan.reqs[0].start_pos, plan.reqs[0].tokens.len()),
+        (4, 60),
+        "one chunk after the local hit"
+    );
+    drain(&mut c, &mut h);
+    assert_eq!(h.sched.tier_stats().unwrap().n_stores, 16);
+}
+
+/// A load's own blocks are not offered back to the tier when it lands: the use is the
+/// lookup, so LRU order is set when the load starts. Here a store comes between a load's
+/// start and its landing, and the next store under pressure evicts the loaded block, the
+/// least recently used.
+#[test]
+fn a_landing_load_is_no_second_use_of_its_blocks() {
+    let mut c = Copier::default();
+    let mut h = engine(tier(2, 1, OffloadPolicy::Lru));
+    run_and_store(&mut c, &mut h, "a", prompt(50, 5));
+    assert!(h.sched.reset_caches(false, false));
+    h.add("b", prompt(50, 5), greedy(1));
+    step(&mut c, &mut h);
+    assert_eq!(c.n_loads, 1, "b loads a's block from the tier");
+    h.add("c", prompt(51, 5), greedy(1));
+    step(&mut c, &mut h);
+    assert_eq!(
+        c.n_stores, 2,
+        "c's block is stored while b's load is in flight"
+    );
+    c.complete(&mut h);
+    drain(&mut c, &mut h);
+    // A third prefix needs a slot: the LRU victim is a's block (used when b's load started,
+    // before c's store).
+    run_and_store(&mut c, &mut h, "d", prompt(52, 5));
+    assert_eq!(h.sched.tier_stats().unwrap().n_evictions, 1);
+    assert!(h.sched.reset_caches(false, false));
+    for (id, seed, hit) in [("c2", 51, true), ("a2", 50, false)] {
+        let loads = c.n_loads;
+        h.add(id, prompt(seed, 5), greedy(1));
+        drain(&mut c, &mut h);
+        assert_eq!(c.n_loads > loads, hit, "{id}");
+    }
+}
