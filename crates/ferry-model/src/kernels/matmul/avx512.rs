@@ -48,7 +48,7 @@ unsafe fn tile_of<const D: u8>(x: &[f32], out: *mut f32, t: &Tile) {
         while j + 8 <= t.w_rows.end {
             // SAFETY (all kernel calls): rows i..i+C of x and j..j+R of w lie inside the
             // tile, which the caller checked against the slice lengths.
-            unsafe { kernel::<D, 8, 1>(xp, out, t, t.x_rows.start, j, true) };
+            unsafe { kernel::<D, 8, 1>(xp, out, t, t.x_rows.start, j, t.prefetch) };
             j += 8;
         }
     }
@@ -57,12 +57,12 @@ unsafe fn tile_of<const D: u8>(x: &[f32], out: *mut f32, t: &Tile) {
         while i + 4 <= t.x_rows.end {
             // Only the first pass over these W rows reads them from memory; the later passes
             // find them in L1, where a prefetch would only take a load slot.
-            let first = i == t.x_rows.start;
+            let first = t.prefetch && i == t.x_rows.start;
             unsafe { kernel::<D, ROWS, 4>(xp, out, t, i, j, first) };
             i += 4;
         }
         while i < t.x_rows.end {
-            let first = i == t.x_rows.start;
+            let first = t.prefetch && i == t.x_rows.start;
             unsafe { kernel::<D, ROWS, 1>(xp, out, t, i, j, first) };
             i += 1;
         }
