@@ -168,6 +168,11 @@ pub fn axpy_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
         // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
         return unsafe { axpy_rows_avx512(w, rows, stride, out) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current() == Isa::Avx2Fma {
+        // SAFETY: `Avx2Fma` is only chosen after run-time detection of AVX2.
+        return unsafe { axpy_rows_avx2(w, rows, stride, out) };
+    }
     axpy_rows_plain(w, rows, stride, out);
 }
 
@@ -198,6 +203,47 @@ fn axpy_rows_plain(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
 #[target_feature(enable = "avx512f")]
 fn axpy_rows_avx512(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     axpy_rows_plain(w, rows, stride, out);
+}
+
+/// [`axpy_rows_plain`]'s arithmetic with 256-bit vectors: up to 64 outputs held in eight
+/// registers while the rows stream past once (a multiply, then an add, per element and row in
+/// order, so the same bits), the last `d % 8` outputs by the plain loop. Compiled from the
+/// plain loop, the 16 outputs lived on the stack (a load, add and store per row), and
+/// attention's V sums took a tenth of a 512-token prefill on Zen 1.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn axpy_rows_avx2(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    const WIDE: usize = 64;
+    let d8 = out.len() / 8 * 8;
+    let mut c0 = 0;
+    while c0 < d8 {
+        let width = WIDE.min(d8 - c0);
+        let n_vec = width / 8;
+        let o = out[c0..c0 + width].as_mut_ptr();
+        let mut acc = [_mm256_setzero_ps(); WIDE / 8];
+        for (v, a) in acc.iter_mut().enumerate().take(n_vec) {
+            // SAFETY: 8 floats at c0 + 8v lie inside `out`.
+            *a = unsafe { _mm256_loadu_ps(o.add(8 * v)) };
+        }
+        for (r, &wr) in w.iter().enumerate() {
+            let wv = _mm256_set1_ps(wr);
+            let row = rows[r * stride + c0..r * stride + c0 + width].as_ptr();
+            for (v, a) in acc.iter_mut().enumerate().take(n_vec) {
+                // SAFETY: 8 floats at 8v lie inside the row's `width` (checked by the slice).
+                let x = unsafe { _mm256_loadu_ps(row.add(8 * v)) };
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, x));
+            }
+        }
+        for (v, a) in acc.iter().enumerate().take(n_vec) {
+            // SAFETY: as for the loads.
+            unsafe { _mm256_storeu_ps(o.add(8 * v), *a) };
+        }
+        c0 += width;
+    }
+    if d8 < out.len() {
+        axpy_rows_plain(w, &rows[d8..], stride, &mut out[d8..]);
+    }
 }
 
 /// `x += y`, element-wise.
