@@ -1202,3 +1202,27 @@ fn a_request_that_cannot_fit_behind_held_exports_waits() {
     assert_eq!(p.finished["big"].0, FinishReason::Length);
     assert_eq!(p.finished["small"].0, FinishReason::Length);
 }
+
+/// A request whose every full block D already has locally loads nothing from P: the local
+/// hit leaves only the last prompt token, which a load never supplies, so D computes it at
+/// once instead of parking the request on a load of zero tokens.
+#[test]
+fn nothing_is_loaded_when_the_local_hit_leaves_only_the_last_token() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let x = prompt(3, 4 * BS + 1);
+    d.add("a", x.clone(), greedy(1));
+    d.drain(20);
+    import(&mut f, &mut p, &mut d, "x", x.clone(), 3);
+    let plan = step(&mut f, "D", &mut d);
+    assert_eq!(plan.reqs.len(), 1, "x runs in D's first step");
+    assert_eq!(
+        (plan.reqs[0].start_pos, plan.reqs[0].tokens.len()),
+        (4 * BS, 1),
+        "only the last prompt token is computed, after the local hit"
+    );
+    assert_eq!(d.sched.stats().prefix_hit_tokens, 4 * BS as u64);
+    d.drain(100);
+    assert_eq!(d.generated["x"], reference("x", x, 3));
+}
