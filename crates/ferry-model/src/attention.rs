@@ -9,7 +9,6 @@
 
 use ferry_core::BlockId;
 use ferry_kv::{KvArena, KvLayout, KvPlane};
-use rayon::prelude::*;
 
 use crate::kernels::{axpy_rows, dot_rows};
 
@@ -53,20 +52,15 @@ pub fn paged_attention(
         "q has the wrong size for the queries"
     );
     assert_eq!(out.len(), q.len(), "out has the wrong size for the queries");
-    let one = |(query, (qt, ot)): (&AttnQuery<'_>, (&[f32], &mut [f32]))| {
-        attend_token(arena, layout, layer, n_heads, query, qt, ot);
+    let one = |i: usize, ot: &mut [f32]| {
+        let qt = &q[i * width..(i + 1) * width];
+        attend_token(arena, layout, layer, n_heads, &queries[i], qt, ot);
     };
     // A token is the unit of work: its heads share the same K/V rows, which stay in cache.
     if queries.len() == 1 {
-        queries
-            .iter()
-            .zip(q.chunks(width).zip(out.chunks_mut(width)))
-            .for_each(one);
+        one(0, out);
     } else {
-        queries
-            .par_iter()
-            .zip(q.par_chunks(width).zip(out.par_chunks_mut(width)))
-            .for_each(one);
+        crate::kernels::pool::for_each_chunk_mut(out, width, &one);
     }
 }
 

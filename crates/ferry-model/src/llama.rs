@@ -12,7 +12,6 @@
 
 use ferry_core::{ModelOutput, ReqIdx, StepPlan};
 use ferry_kv::{KvArena, KvLayout};
-use rayon::prelude::*;
 
 use crate::attention::{paged_attention, write_kv, AttnQuery};
 use crate::config::LlamaConfig;
@@ -356,20 +355,18 @@ impl LlamaModel {
         q: &mut [f32],
         (q_w, qkv_w): (usize, usize),
     ) {
-        let one = |((row, qt), query): ((&mut [f32], &mut [f32]), &AttnQuery<'_>)| {
-            self.position_heads(lw, row, query.pos, q_w);
-            qt.copy_from_slice(&row[..q_w]);
+        let one = |i: usize, row: &mut [f32]| {
+            self.position_heads(lw, row, meta.queries[i].pos, q_w);
         };
         if meta.queries.len() < 4 {
             qkv.chunks_exact_mut(qkv_w)
-                .zip(q.chunks_exact_mut(q_w))
-                .zip(&meta.queries)
-                .for_each(one);
+                .enumerate()
+                .for_each(|(i, row)| one(i, row));
         } else {
-            qkv.par_chunks_exact_mut(qkv_w)
-                .zip(q.par_chunks_exact_mut(q_w))
-                .zip(&meta.queries)
-                .for_each(one);
+            crate::kernels::pool::for_each_chunk_mut(qkv, qkv_w, &one);
+        }
+        for (row, qt) in qkv.chunks_exact(qkv_w).zip(q.chunks_exact_mut(q_w)) {
+            qt.copy_from_slice(&row[..q_w]);
         }
     }
 

@@ -15,8 +15,6 @@
 
 use std::ops::Range;
 
-use rayon::prelude::*;
-
 use super::Isa;
 use crate::dtype::WeightDtype;
 use crate::matrix::Matrix;
@@ -154,7 +152,7 @@ fn run(isa: Isa, x: &[f32], parts: &[Part], out: &mut [f32], m: usize, n: usize,
         return;
     }
     let rows = rows_per_task(n);
-    (0..n.div_ceil(rows)).into_par_iter().for_each(|t| {
+    super::pool::run(n.div_ceil(rows), &|t| {
         let r = t * rows..((t + 1) * rows).min(n);
         run_rows(isa, x, parts, ptr, m, n, k, r);
     });
@@ -163,7 +161,7 @@ fn run(isa: Isa, x: &[f32], parts: &[Part], out: &mut [f32], m: usize, n: usize,
 /// Enough tasks for load balance (a few per thread), each a multiple of 24 rows (every
 /// register tile's height divides it).
 fn rows_per_task(n: usize) -> usize {
-    let tasks = rayon::current_num_threads() * 4;
+    let tasks = super::threads() * 4;
     n.div_ceil(tasks).next_multiple_of(24).max(24)
 }
 

@@ -156,9 +156,25 @@ unsafe fn kernel<const D: u8, const R: usize, const C: usize>(
             }
         }
     }
-    for (c, row) in acc.iter().enumerate() {
-        for (r, &a) in row.iter().enumerate() {
-            let mut s = hsum(a);
+    // Every accumulator's fixed-tree sum, several at once where the tile's shape allows
+    // (the same additions, fewer shuffles than one at a time).
+    let mut sums = [[0.0f32; R]; C];
+    if R * C == 16 {
+        let v: [__m512; 16] = std::array::from_fn(|q| acc[q / R][q % R]);
+        // SAFETY: `sums` holds R * C = 16 floats, row after row.
+        unsafe { _mm512_storeu_ps(sums.as_mut_ptr().cast(), hsum16(v)) };
+    } else if R * C == 8 {
+        let v: [__m512; 8] = std::array::from_fn(|q| acc[q / R][q % R]);
+        // SAFETY: `sums` holds R * C = 8 floats, row after row.
+        unsafe { _mm256_storeu_ps(sums.as_mut_ptr().cast(), hsum8(v)) };
+    } else {
+        for (s, a) in sums.iter_mut().flatten().zip(acc.iter().flatten()) {
+            *s = hsum(*a);
+        }
+    }
+    for (c, row) in sums.iter().enumerate() {
+        for (r, &sum) in row.iter().enumerate() {
+            let mut s = sum;
             for q in k16..k {
                 // SAFETY: q < k inside rows i + c and j + r.
                 let (xq, wq) = unsafe { (*x.add((i + c) * k + q), scalar_at(w.dtype, rows[r], q)) };
@@ -226,6 +242,12 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
             }
         }
         b0 += nb;
+    }
+    if R == 8 {
+        let v: [__m512; 8] = std::array::from_fn(|r| acc[r]);
+        // SAFETY: (i, j..j + 8) is inside the m × n output.
+        unsafe { _mm256_storeu_ps(out.add(i * t.n + j), hsum8(v)) };
+        return;
     }
     for (r, &a) in acc.iter().enumerate() {
         // SAFETY: (i, j + r) is inside the m × n output.
@@ -443,6 +465,70 @@ pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// [`hsum`] of 16 vectors at once, lane `q` of the result the sum of `v[q]`: the same
+/// additions of the same pairs (so the same bits), four rounds of two shuffles and one add
+/// per pair of vectors instead of eight instructions per vector.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn hsum16(v: [__m512; 16]) -> __m512 {
+    // The rounds leave sum q in lane 4 * (q % 4) + q / 4: feed the vectors transposed.
+    let t: [__m512; 16] = std::array::from_fn(|q| v[(q % 4) * 4 + q / 4]);
+    let p: [__m512; 8] = std::array::from_fn(|q| fold8(t[2 * q], t[2 * q + 1]));
+    let q: [__m512; 4] = std::array::from_fn(|q| fold4(p[2 * q], p[2 * q + 1]));
+    fold1(fold2(q[0], q[1]), fold2(q[2], q[3]))
+}
+
+/// [`hsum`] of 8 vectors at once, lane `q` of the result the sum of `v[q]` (see [`hsum16`]).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn hsum8(v: [__m512; 8]) -> __m256 {
+    let p: [__m512; 4] = std::array::from_fn(|q| fold8(v[2 * q], v[2 * q + 1]));
+    let r = fold2(fold4(p[0], p[1]), fold4(p[2], p[3]));
+    // Lane 4j of fold1(r, r) holds the sum of v[j], lane 4j + 1 that of v[4 + j].
+    let s = fold1(r, r);
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castps512_ps256(_mm512_permutexvar_ps(order, s))
+}
+
+/// Round 1 of [`hsum`] for two vectors: `[a[l] + a[l + 8] (l < 8), b[l] + b[l + 8]]`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn fold8(a: __m512, b: __m512) -> __m512 {
+    let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b);
+    let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
+    _mm512_add_ps(lo, hi)
+}
+
+/// Round 2 for four 8-lane sums (two in `a`, two in `b`): each one's lanes (l, l + 4), one
+/// 128-bit quarter per sum, in the order a's, then b's.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn fold4(a: __m512, b: __m512) -> __m512 {
+    let even = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b);
+    let odd = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
+    _mm512_add_ps(even, odd)
+}
+
+/// Round 3 for eight 4-lane sums (a quarter each of `a` and `b`): in each quarter, lanes
+/// (0, 2) and (1, 3) of a's, then of b's.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn fold2(a: __m512, b: __m512) -> __m512 {
+    let lo = _mm512_shuffle_ps::<0b01_00_01_00>(a, b);
+    let hi = _mm512_shuffle_ps::<0b11_10_11_10>(a, b);
+    _mm512_add_ps(lo, hi)
+}
+
+/// Round 4 for sixteen 2-lane sums (pairs in each quarter of `a` and `b`): each pair's two
+/// lanes added, in each quarter a's two pairs, then b's.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn fold1(a: __m512, b: __m512) -> __m512 {
+    let first = _mm512_shuffle_ps::<0b10_00_10_00>(a, b);
+    let second = _mm512_shuffle_ps::<0b11_01_11_01>(a, b);
+    _mm512_add_ps(first, second)
+}
+
 /// Lanes (l, l+8), then (l, l+4), then (0, 2) and (1, 3), then the last pair: a fixed tree.
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -453,4 +539,36 @@ fn hsum(v: __m512) -> f32 {
     let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
     _mm_cvtss_f32(s1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The joint sums give each vector's [`hsum`] bits, in order (values of mixed
+    /// magnitudes, so a different pairing would round differently).
+    #[test]
+    fn joint_sums_are_the_single_sums() {
+        if !is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let lanes: Vec<f32> = (0..256)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 10f32.powi(i % 7 - 3))
+            .collect();
+        // SAFETY: AVX-512F was detected above; every load reads 16 of the 256 floats.
+        unsafe {
+            let v: [__m512; 16] =
+                std::array::from_fn(|q| _mm512_loadu_ps(lanes[16 * q..].as_ptr()));
+            let single: Vec<u32> = v.iter().map(|&a| hsum(a).to_bits()).collect();
+            let mut joint = [0.0f32; 16];
+            _mm512_storeu_ps(joint.as_mut_ptr(), hsum16(v));
+            assert_eq!(joint.map(f32::to_bits).to_vec(), single);
+            let mut joint8 = [0.0f32; 8];
+            _mm256_storeu_ps(
+                joint8.as_mut_ptr(),
+                hsum8(std::array::from_fn(|q| v[q + 3])),
+            );
+            assert_eq!(joint8.map(f32::to_bits).to_vec(), single[3..11]);
+        }
+    }
 }
