@@ -10,7 +10,10 @@
 use ferry_core::BlockId;
 use ferry_kv::{KvArena, KvLayout, KvPlane};
 
-use crate::kernels::{axpy_rows, dot_rows};
+use std::ops::Range;
+
+use crate::kernels::pool::SharedMut;
+use crate::kernels::{axpy_rows, dot_rows, dot_tile};
 
 /// One query token: where it sits in its request and how to find its request's KV.
 #[derive(Debug, Clone, Copy)]
@@ -52,15 +55,114 @@ pub fn paged_attention(
         "q has the wrong size for the queries"
     );
     assert_eq!(out.len(), q.len(), "out has the wrong size for the queries");
-    let one = |i: usize, ot: &mut [f32]| {
-        let qt = &q[i * width..(i + 1) * width];
-        attend_token(arena, layout, layer, n_heads, &queries[i], qt, ot);
+    // The unit of work is a run of consecutive tokens of one request (a prefill chunk, cut
+    // into pieces of RUN_TOKENS), or one token: a run's tokens share the same K/V rows,
+    // which stay in cache, and its scores are register tiles of many queries at once.
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for (i, query) in queries.iter().enumerate() {
+        match runs.last_mut() {
+            Some(r)
+                if r.len() < RUN_TOKENS
+                    && std::ptr::eq(queries[r.end - 1].block_table, query.block_table)
+                    && queries[r.end - 1].pos + 1 == query.pos =>
+            {
+                r.end = i + 1
+            }
+            _ => runs.push(i..i + 1),
+        }
+    }
+    let base = SharedMut(out.as_mut_ptr());
+    let one = |u: usize| {
+        let r = runs[u].clone();
+        // SAFETY: the runs are disjoint ranges of tokens, so each task writes its own rows of
+        // `out`, which stays borrowed until the pool returns.
+        let ot = unsafe {
+            std::slice::from_raw_parts_mut(base.get().add(r.start * width), r.len() * width)
+        };
+        let qt = &q[r.start * width..r.end * width];
+        attend_run(arena, layout, layer, n_heads, &queries[r], qt, ot);
     };
-    // A token is the unit of work: its heads share the same K/V rows, which stay in cache.
-    if queries.len() == 1 {
-        one(0, out);
-    } else {
-        crate::kernels::pool::for_each_chunk_mut(out, width, &one);
+    crate::kernels::pool::run(runs.len(), &one);
+}
+
+/// Tokens in one unit of attention work: enough queries for the 4×4 register tiles, few
+/// enough that a prefill chunk still splits over the threads.
+const RUN_TOKENS: usize = 16;
+
+/// A run of consecutive tokens of one request (positions `pos, pos + 1, ...`): each gets the
+/// bits [`attend_token`] gives it alone (the same dot products, softmax and V sums in the same
+/// order), with the scores of all its queries against a K block computed as one tile.
+fn attend_run(
+    arena: &KvArena,
+    layout: &KvLayout,
+    layer: usize,
+    n_heads: usize,
+    queries: &[AttnQuery<'_>],
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let width = n_heads * layout.head_dim;
+    if queries.len() < 4 {
+        for (i, query) in queries.iter().enumerate() {
+            let (qt, ot) = (
+                &q[i * width..(i + 1) * width],
+                &mut out[i * width..(i + 1) * width],
+            );
+            attend_token(arena, layout, layer, n_heads, query, qt, ot);
+        }
+        return;
+    }
+    let hd = layout.head_dim;
+    let group = n_heads / layout.n_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let first = queries[0].pos;
+    let n_pos = queries[queries.len() - 1].pos + 1;
+    let table = queries[0].block_table;
+    // Row (t, g) of `xs` is token t's query head g of the KV head at hand, rows back to back
+    // as the tile reads them; its scores are row (t, g) of `scores`, `n_pos` wide.
+    let rows = queries.len() * group;
+    let mut xs = vec![0.0f32; rows * hd];
+    let mut scores = vec![0.0f32; rows * n_pos];
+    for kv_head in 0..layout.n_kv_heads {
+        let heads = kv_head * group..(kv_head + 1) * group;
+        for (t, x) in xs.chunks_exact_mut(group * hd).enumerate() {
+            x.copy_from_slice(&q[t * width + heads.start * hd..t * width + heads.end * hd]);
+        }
+        for p0 in (0..n_pos).step_by(layout.block_size) {
+            let n = layout.block_size.min(n_pos - p0);
+            let k_rows = kv_rows(arena, layout, layer, KvPlane::K, table, p0, n);
+            // Tokens before p0 see none of this block (they come first: positions ascend).
+            let t0 = p0.saturating_sub(first).min(queries.len());
+            dot_tile(
+                &xs[t0 * group * hd..],
+                hd,
+                &k_rows[kv_head * hd..],
+                layout.token_floats(),
+                n,
+                &mut scores[t0 * group * n_pos + p0..],
+                n_pos,
+            );
+        }
+        for (t, query) in queries.iter().enumerate() {
+            let seen = query.pos + 1;
+            for (g, h) in heads.clone().enumerate() {
+                let s = &mut scores[(t * group + g) * n_pos..][..seen];
+                s.iter_mut().for_each(|v| *v *= scale);
+                softmax_in_place(s);
+                let oh = &mut out[t * width + h * hd..t * width + (h + 1) * hd];
+                oh.fill(0.0);
+                for p0 in (0..seen).step_by(layout.block_size) {
+                    let n = layout.block_size.min(seen - p0);
+                    let v_rows = kv_rows(arena, layout, layer, KvPlane::V, table, p0, n);
+                    axpy_rows(
+                        &s[p0..p0 + n],
+                        &v_rows[kv_head * hd..],
+                        layout.token_floats(),
+                        oh,
+                    );
+                }
+            }
+        }
     }
 }
 
@@ -141,5 +243,66 @@ fn softmax_in_place(x: &mut [f32]) {
     }
     for v in x.iter_mut() {
         *v /= sum;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A prefill run (scores as tiles of many queries) gives every token the bits it gets
+    /// alone, for runs cut at block boundaries and not, and GQA groups of 1 and 3.
+    #[test]
+    fn a_run_of_tokens_gives_the_bits_of_each_token_alone() {
+        for (n_heads, n_kv_heads, first, len) in
+            [(6, 2, 0usize, 21usize), (4, 4, 5, 16), (6, 2, 11, 37)]
+        {
+            let layout = KvLayout {
+                n_layers: 1,
+                n_kv_heads,
+                head_dim: 8,
+                block_size: 4,
+            };
+            let n_pos = first + len;
+            let n_blocks = n_pos.div_ceil(4);
+            let mut arena = KvArena::new(layout, n_blocks + 3);
+            // Blocks out of order, as a real table has them.
+            let table: Vec<BlockId> = (0..n_blocks).rev().map(|b| (b + 2) as BlockId).collect();
+            let mut s = 7u32;
+            let mut next = || {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s as f32 / u32::MAX as f32) - 0.5
+            };
+            let tf = layout.token_floats();
+            for p in 0..n_pos {
+                let slot = table[p / 4] as usize * 4 + p % 4;
+                let (k, v): (Vec<f32>, Vec<f32>) = (0..tf).map(|_| (next(), next())).unzip();
+                write_kv(&mut arena, 0, slot, &k, &v);
+            }
+            let width = n_heads * 8;
+            let q: Vec<f32> = (0..len * width).map(|_| next()).collect();
+            let queries: Vec<AttnQuery<'_>> = (first..n_pos)
+                .map(|pos| AttnQuery {
+                    pos,
+                    block_table: &table,
+                })
+                .collect();
+            let mut together = vec![0.0f32; len * width];
+            paged_attention(&arena, &layout, 0, n_heads, &queries, &q, &mut together);
+            for (t, query) in queries.iter().enumerate() {
+                let mut alone = vec![0.0f32; width];
+                let qt = &q[t * width..(t + 1) * width];
+                attend_token(&arena, &layout, 0, n_heads, query, qt, &mut alone);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&together[t * width..(t + 1) * width]),
+                    bits(&alone),
+                    "heads {n_heads}/{n_kv_heads}, token {t} of {len} from {first}"
+                );
+                assert!(alone.iter().any(|&v| v != 0.0));
+            }
+        }
     }
 }

@@ -206,6 +206,43 @@ pub(super) fn dot_rows_with(isa: Isa, q: &[f32], rows: &[f32], stride: usize, ou
     run_tile(isa, q, out.as_mut_ptr(), &tile);
 }
 
+/// `out[i * out_stride + j] = dot(q[i * k..][..k], rows[j * stride..][..k])` for `m` query
+/// rows against `n` rows spaced `stride` floats apart, each in the order of [`dot_with`]: the
+/// batched register tiles over many queries that share the same K rows.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn dot_tile_with(
+    isa: Isa,
+    q: &[f32],
+    k: usize,
+    rows: &[f32],
+    stride: usize,
+    n: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    let m = q.len() / k.max(1);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        stride >= k && rows.len() >= (n - 1) * stride + k,
+        "dot_tile: rows too short"
+    );
+    assert!(
+        out_stride >= n && out.len() >= (m - 1) * out_stride + n,
+        "dot_tile: out too short"
+    );
+    let tile = Tile {
+        w: f32_rows(rows, stride),
+        x_rows: 0..m,
+        w_rows: 0..n,
+        n: out_stride,
+        k,
+        prefetch: false,
+    };
+    run_tile(isa, q, out.as_mut_ptr(), &tile);
+}
+
 /// All activation rows against rows `w_rows` of W, part by part.
 #[allow(clippy::too_many_arguments)]
 fn run_rows(

@@ -88,6 +88,22 @@ pub fn dot_rows(q: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     matmul::dot_rows_with(Isa::current(), q, rows, stride, out);
 }
 
+/// `out[i * out_stride + j] = dot(q_i, rows[j * stride..][..k])` for each `k`-float row `q_i`
+/// of `q` and `n` rows spaced `stride` floats apart, each in [`dot`]'s order: many queries
+/// against the same K vectors at once (a prefill chunk's tokens), on the matmul's tiles.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_tile(
+    q: &[f32],
+    k: usize,
+    rows: &[f32],
+    stride: usize,
+    n: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    matmul::dot_tile_with(Isa::current(), q, k, rows, stride, n, out, out_stride);
+}
+
 /// RMSNorm of each row of `x` (`rows × dim`) into `out`: `x / sqrt(mean(x²) + eps) * weight`,
 /// computed as Hugging Face does in f32 (normalize, then scale by the weight).
 /// Rows are independent, so they run in parallel with the same bits as one by one.

@@ -145,7 +145,7 @@ pub fn for_each_chunk_mut<T: Send>(
     f: &(dyn Fn(usize, &mut [T]) + Sync),
 ) {
     assert!(
-        chunk > 0 && data.len() % chunk == 0,
+        chunk > 0 && data.len().is_multiple_of(chunk),
         "for_each_chunk_mut: {} items are not pieces of {chunk}",
         data.len()
     );
@@ -164,13 +164,13 @@ pub fn for_each_chunk_mut<T: Send>(
 
 /// A pointer to the items of a slice borrowed mutably, shared by the tasks that write its
 /// disjoint pieces.
-struct SharedMut<T>(*mut T);
+pub(crate) struct SharedMut<T>(pub(crate) *mut T);
 // SAFETY: the tasks write disjoint pieces of items that may cross threads (`T: Send`).
 unsafe impl<T: Send> Sync for SharedMut<T> {}
 
 impl<T> SharedMut<T> {
     /// The pointer (a method, so closures capture the `Sync` wrapper, not the raw field).
-    fn get(&self) -> *mut T {
+    pub(crate) fn get(&self) -> *mut T {
         self.0
     }
 }
@@ -196,7 +196,7 @@ fn helper(pool: &'static Pool) {
             pool.active.fetch_sub(1, SeqCst);
         }
         spins += 1;
-        if spins % 256 != 0 {
+        if !spins.is_multiple_of(256) {
             std::hint::spin_loop();
             continue;
         }
