@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 /// How long a helper spins after its last job before it parks (a decode step's gaps between
 /// matmuls are microseconds; the engine's turn between steps well under a millisecond).
-const SPIN: Duration = Duration::from_millis(2);
+const SPIN: Duration = Duration::from_micros(200);
 
 /// One job, on its caller's stack for as long as [`run`] lasts.
 struct Job<'a> {

@@ -358,10 +358,19 @@ pub async fn two_resets(ctx: &Ctx<'_>) {
 
 /// With the tier on: a clearing pause while stores are in flight. The tier's flush counter
 /// says a reset found jobs in flight (it moves them to the flush set the workers wait for);
-/// the case retries the reset, a few times at most, until one did.
+/// the case retries the reset, a bounded number of times, until one did. Every reset runs
+/// under load: a wave that ended between two resets is finished (its requests judged like any
+/// other) and a new one sent, since a fast forward can end a wave before a reset lands in a
+/// store.
 pub async fn reset_with_store_in_flight(ctx: &Ctx<'_>) {
+    const MAX_ATTEMPTS: usize = 60;
     let flushes = || ctx.metric_pd("ferry_kv_offload_flushes_total");
-    let load = ctx.send(ctx.wave_size());
+    // Two threads that keep the machine's cores busy for the case, so the engines' copier
+    // threads wait for a core as on a loaded host and a store stays in flight long enough
+    // for a reset to meet it (on an idle machine a tiny model's store takes microseconds).
+    let _burners = Burners::start(2);
+    let wave = ctx.wave_size();
+    let mut load = ctx.send(wave);
     ctx.decoding(2).await;
     let mut attempts = 0;
     loop {
@@ -382,10 +391,47 @@ pub async fn reset_with_store_in_flight(ctx: &Ctx<'_>) {
             break;
         }
         assert!(
-            attempts < 20 && load.n_ended() < load.len(),
+            attempts < MAX_ATTEMPTS,
             "no reset found a store in flight in {attempts} attempts"
         );
+        if load.n_ended() == load.len() {
+            ctx.finish(load, Allow::default()).await;
+            load = ctx.send(wave);
+            ctx.decoding(2).await;
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     ctx.finish(load, Allow::default()).await;
+}
+
+/// Threads that spin until dropped (also when a case fails), to keep the cores busy.
+struct Burners {
+    busy: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Burners {
+    fn start(n: usize) -> Self {
+        let busy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let threads = (0..n)
+            .map(|_| {
+                let busy = std::sync::Arc::clone(&busy);
+                std::thread::spawn(move || {
+                    while busy.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        Self { busy, threads }
+    }
+}
+
+impl Drop for Burners {
+    fn drop(&mut self) {
+        self.busy.store(false, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
