@@ -310,6 +310,6 @@ pub async fn wait_metrics(base: &str, within: Duration, cond: impl Fn(&str) -> b
             Instant::now() < deadline,
             "{base}/metrics never met the condition:\n{text}"
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
