@@ -20,8 +20,9 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering:
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// How long a helper spins after its last job before it parks (a decode step's gaps between
-/// matmuls are microseconds; the engine's turn between steps well under a millisecond).
+/// How long a helper spins after its last job before it parks: a decode step's gaps between
+/// matmuls are microseconds, so a step pays at most one wake-up (at its start); a longer spin
+/// took cores from the engines' copier threads on a shared machine.
 const SPIN: Duration = Duration::from_micros(200);
 
 /// One job, on its caller's stack for as long as [`run`] lasts.
