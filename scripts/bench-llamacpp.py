@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Batch-1 decode of ferry and of llama.cpp's own `llama-bench` on the same GGUF files, in one
 invocation: for each file, `ferry bench model --batch 1` and `llama-bench -t T -p 0 -n N`,
-then both rates and their ratio, and ferry's weight-read GB/s against the read bandwidth
-its bench measured. Standard library only.
+alternated `--rounds` times (which one goes first alternates too), then each engine's best
+rate, their ratio, every round's ratio, and ferry's weight-read GB/s against the read
+bandwidth its bench measured. The best of interleaved runs compares the two at the same
+host state, which matters on shared machines whose speed drifts within minutes. Standard library only.
 
     bash /work/shared/tools/build-llamacpp.sh          # llama-bench into ~/.cache/ferry/llama.cpp
     cargo build --release -p ferry
-    python3 scripts/bench-llamacpp.py [GGUF ...] [--threads 2] [--tokens 128]
+    python3 scripts/bench-llamacpp.py [GGUF ...] [--threads 2] [--tokens 128] [--rounds 3]
 
 Without files it takes the F32, Q8_0 and default Q4_1 SmolLM2-135M files from the model
 cache (`$FERRY_CACHE` or ~/.cache/ferry; `scripts/gguf-to-f32.py` makes the F32 and Q8_0
@@ -74,6 +76,35 @@ def run_llama(llama_bench, gguf, threads, tokens, prompt=0):
     return {"tok_s": round(rows[0]["avg_ts"], 2), "stddev_tok_s": round(rows[0]["stddev_ts"], 2)}
 
 
+def alternate(rounds, run_a, run_b):
+    """Runs `run_a` and `run_b` `rounds` times, alternating which goes first, and returns each
+    one's best result (highest tok/s) and the ratio a/b of every round. On a shared host whose
+    speed drifts by more than the gap being measured, the best of several interleaved runs
+    compares the two engines at the host's same (fastest) state; one run of each compares
+    whatever states they happened to meet."""
+    best_a = best_b = None
+    ratios = []
+    for i in range(rounds):
+        if i % 2 == 0:
+            a, b = run_a(), run_b()
+        else:
+            b, a = run_b(), run_a()
+        if a["tok_s"] and b.get("tok_s"):
+            ratios.append(round(a["tok_s"] / b["tok_s"], 2))
+        if best_a is None or a["tok_s"] > best_a["tok_s"]:
+            best_a = a
+        if best_b is None or (b.get("tok_s") or 0) > (best_b.get("tok_s") or 0):
+            best_b = b
+    return best_a, best_b, ratios
+
+
+def llama_or_error(run):
+    try:
+        return run()
+    except subprocess.CalledProcessError as e:
+        return {"tok_s": None, "error": (f"died (signal {-e.returncode})" if e.returncode < 0 else f"exit {e.returncode}")}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("gguf", nargs="*", help="GGUF files (default: F32, Q8_0, Q4_1 SmolLM2-135M)")
@@ -81,6 +112,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=128, help="decode tokens (llama-bench -n)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="compare prefill of an N-token prompt instead of decode")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved runs of each engine; each engine's best is compared")
     ap.add_argument("--ferry", default=default_ferry())
     ap.add_argument("--llama-bench", default=str(cache_dir() / "llama.cpp" / "llama-bench"))
     args = ap.parse_args()
@@ -94,30 +127,33 @@ def main():
         print(f"{'file':<34} {'ferry prefill tok/s':>19} {'llama.cpp tok/s':>15} {'ratio':>6} "
               f"{'ferry GFLOP/s':>13} {'of peak':>7}")
         for gguf in files:
-            ferry = run_ferry_prefill(args.ferry, gguf, args.threads, args.prefill)
-            try:
-                llama = run_llama(args.llama_bench, gguf, args.threads, 0, args.prefill)
-            except subprocess.CalledProcessError as e:
-                llama = {"tok_s": None, "error": (f"died (signal {-e.returncode})" if e.returncode < 0 else f"exit {e.returncode}")}
+            ferry, llama, ratios = alternate(
+                args.rounds,
+                lambda: run_ferry_prefill(args.ferry, gguf, args.threads, args.prefill),
+                lambda: llama_or_error(lambda: run_llama(args.llama_bench, gguf, args.threads, 0, args.prefill)))
             ratio = round(ferry["tok_s"] / llama["tok_s"], 2) if llama["tok_s"] else None
             results.append({"gguf": gguf, "ferry": ferry, "llama_cpp": llama,
-                            "ferry_over_llama_cpp": ratio})
+                            "ferry_over_llama_cpp": ratio, "round_ratios": ratios})
             shown = f"{llama['tok_s']:>15.1f}" if llama["tok_s"] else f"{llama['error']:>15}"
             print(f"{Path(gguf).name:<34} {ferry['tok_s']:>19.1f} {shown} "
                   f"{ratio if ratio is not None else '-':>6} {ferry['gflop_s']:>13.1f} "
                   f"{ferry['peak_fraction']:>7.2f}")
-        print(json.dumps({"threads": args.threads, "prefill_tokens": args.prefill, "results": results}))
+        print(json.dumps({"threads": args.threads, "prefill_tokens": args.prefill, "rounds": args.rounds,
+                          "results": results}))
         return
     print(f"{'file':<34} {'ferry tok/s':>11} {'llama.cpp tok/s':>15} {'ratio':>6} "
           f"{'ferry GB/s':>10} {'read GB/s':>9} {'of read':>7}")
     for gguf in files:
-        ferry = run_ferry(args.ferry, gguf, args.threads, args.tokens)
-        llama = run_llama(args.llama_bench, gguf, args.threads, args.tokens)
+        ferry, llama, ratios = alternate(
+            args.rounds,
+            lambda: run_ferry(args.ferry, gguf, args.threads, args.tokens),
+            lambda: run_llama(args.llama_bench, gguf, args.threads, args.tokens))
         ratio = round(ferry["tok_s"] / llama["tok_s"], 2)
-        results.append({"gguf": gguf, "ferry": ferry, "llama_cpp": llama, "ferry_over_llama_cpp": ratio})
+        results.append({"gguf": gguf, "ferry": ferry, "llama_cpp": llama, "ferry_over_llama_cpp": ratio,
+                        "round_ratios": ratios})
         print(f"{Path(gguf).name:<34} {ferry['tok_s']:>11.1f} {llama['tok_s']:>15.1f} {ratio:>6.2f} "
               f"{ferry['weight_read_gb_s']:>10.2f} {ferry['read_gb_s']:>9.2f} {ferry['read_fraction']:>7.2f}")
-    print(json.dumps({"threads": args.threads, "tokens": args.tokens, "results": results}))
+    print(json.dumps({"threads": args.threads, "tokens": args.tokens, "rounds": args.rounds, "results": results}))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ use ferry_kv::{KvArena, KvLayout, KvPlane};
 use std::ops::Range;
 
 use crate::kernels::pool::SharedMut;
-use crate::kernels::{axpy_rows, dot_rows, dot_tile};
+use crate::kernels::{axpy_rows, axpy_rows4, dot_rows, dot_tile, softmax_in_place};
 
 /// One query token: where it sits in its request and how to find its request's KV.
 #[derive(Debug, Clone, Copy)]
@@ -144,24 +144,69 @@ fn attend_run(
             );
         }
         for (t, query) in queries.iter().enumerate() {
-            let seen = query.pos + 1;
-            for (g, h) in heads.clone().enumerate() {
-                let s = &mut scores[(t * group + g) * n_pos..][..seen];
+            for g in 0..group {
+                let s = &mut scores[(t * group + g) * n_pos..][..query.pos + 1];
                 s.iter_mut().for_each(|v| *v *= scale);
                 softmax_in_place(s);
-                let oh = &mut out[t * width + h * hd..t * width + (h + 1) * hd];
-                oh.fill(0.0);
-                for p0 in (0..seen).step_by(layout.block_size) {
-                    let n = layout.block_size.min(seen - p0);
-                    let v_rows = kv_rows(arena, layout, layer, KvPlane::V, table, p0, n);
-                    axpy_rows(
-                        &s[p0..p0 + n],
-                        &v_rows[kv_head * hd..],
+            }
+        }
+        // V sums, rows (t, g) four at a time so each V row is read once for the four: the
+        // positions all four see together, then each one's last few alone. Every output
+        // element still adds its positions in order, as for the token alone.
+        let rows_of = |r: usize| (r / group, heads.start + r % group);
+        let mut r0 = 0;
+        while r0 < rows {
+            let quad = rows - r0 >= 4;
+            let r_end = if quad { r0 + 4 } else { r0 + 1 };
+            let seen: Vec<usize> = (r0..r_end).map(|r| queries[rows_of(r).0].pos + 1).collect();
+            // Output offsets ascend with r (t, then the head), so the slices split in order.
+            let mut outs: Vec<&mut [f32]> = Vec::with_capacity(4);
+            let mut rest = &mut out[..];
+            let mut at = 0;
+            for r in r0..r_end {
+                let (t, h) = rows_of(r);
+                let start = t * width + h * hd;
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
+                let (o, tail) = tail.split_at_mut(hd);
+                o.fill(0.0);
+                outs.push(o);
+                rest = tail;
+                at = start + hd;
+            }
+            let common = *seen.iter().min().expect("a row");
+            let last = *seen.iter().max().expect("a row");
+            for p0 in (0..last).step_by(layout.block_size) {
+                let n = layout.block_size.min(last - p0);
+                let v_rows = kv_rows(arena, layout, layer, KvPlane::V, table, p0, n);
+                let v_rows = &v_rows[kv_head * hd..];
+                let both = common.saturating_sub(p0).min(n);
+                let weights = |i: usize, span: Range<usize>| &scores[(r0 + i) * n_pos + p0..][span];
+                let mut done = 0;
+                if quad && both > 0 {
+                    let [a, b, c, d] = &mut outs[..] else {
+                        unreachable!("four outputs")
+                    };
+                    axpy_rows4(
+                        [0, 1, 2, 3].map(|i| weights(i, 0..both)),
+                        v_rows,
                         layout.token_floats(),
-                        oh,
+                        [&mut **a, &mut **b, &mut **c, &mut **d],
                     );
+                    done = both;
+                }
+                for (i, o) in outs.iter_mut().enumerate() {
+                    let end = seen[i].saturating_sub(p0).min(n);
+                    if end > done {
+                        axpy_rows(
+                            weights(i, done..end),
+                            &v_rows[done * layout.token_floats()..],
+                            layout.token_floats(),
+                            o,
+                        );
+                    }
                 }
             }
+            r0 = r_end;
         }
     }
 }
@@ -233,19 +278,6 @@ fn kv_rows<'a>(
     &arena.block(table[p0 / layout.block_size])[start..start + n * layout.token_floats()]
 }
 
-/// Softmax in f32, max-subtracted, summed in position order.
-fn softmax_in_place(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    for v in x.iter_mut() {
-        *v /= sum;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,13 +286,19 @@ mod tests {
     /// alone, for runs cut at block boundaries and not, and GQA groups of 1 and 3.
     #[test]
     fn a_run_of_tokens_gives_the_bits_of_each_token_alone() {
-        for (n_heads, n_kv_heads, first, len) in
-            [(6, 2, 0usize, 21usize), (4, 4, 5, 16), (6, 2, 11, 37)]
-        {
+        // Head sizes 8 (below one vector) and 80 (vectors of 16 and a 64-wide tile, with
+        // columns left over); groups of 3 and 1, so V sums run four rows at a time and alone.
+        for (n_heads, n_kv_heads, first, len, head_dim) in [
+            (6, 2, 0usize, 21usize, 8usize),
+            (4, 4, 5, 16, 8),
+            (6, 2, 11, 37, 8),
+            (6, 2, 3, 19, 80),
+            (4, 4, 0, 9, 80),
+        ] {
             let layout = KvLayout {
                 n_layers: 1,
                 n_kv_heads,
-                head_dim: 8,
+                head_dim,
                 block_size: 4,
             };
             let n_pos = first + len;
@@ -281,7 +319,7 @@ mod tests {
                 let (k, v): (Vec<f32>, Vec<f32>) = (0..tf).map(|_| (next(), next())).unzip();
                 write_kv(&mut arena, 0, slot, &k, &v);
             }
-            let width = n_heads * 8;
+            let width = n_heads * head_dim;
             let q: Vec<f32> = (0..len * width).map(|_| next()).collect();
             let queries: Vec<AttnQuery<'_>> = (first..n_pos)
                 .map(|pos| AttnQuery {
@@ -299,7 +337,7 @@ mod tests {
                 assert_eq!(
                     bits(&together[t * width..(t + 1) * width]),
                     bits(&alone),
-                    "heads {n_heads}/{n_kv_heads}, token {t} of {len} from {first}"
+                    "heads {n_heads}/{n_kv_heads} of {head_dim}, token {t} of {len} from {first}"
                 );
                 assert!(alone.iter().any(|&v| v != 0.0));
             }

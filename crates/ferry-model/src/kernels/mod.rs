@@ -12,10 +12,12 @@
 //! has it (16 lanes per accumulator), else AVX2+FMA (8 lanes), else a portable path. They give
 //! different bits, which is fine because a process never mixes them.
 
+mod exp;
 mod matmul;
 mod peak;
 pub mod pool;
 
+pub use exp::{silu_mul_row, softmax_in_place, softmax_in_place_with};
 pub use matmul::{matmul, matmul_f32_with, matmul_with};
 pub use peak::fma_peak_gflop_s;
 
@@ -148,9 +150,7 @@ fn rms_inv(x: &[f32], eps: f32) -> f32 {
 pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
     let row = |(gu, o): (&[f32], &mut [f32])| {
         let (gate, up) = gu.split_at(inter);
-        for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + (-g).exp()) * u;
-        }
+        silu_mul_row(gate, up, o);
     };
     if out.len() < PAR_ROWS * inter {
         gate_up
@@ -189,6 +189,105 @@ pub fn axpy_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
         return unsafe { axpy_rows_avx2(w, rows, stride, out) };
     }
     axpy_rows_plain(w, rows, stride, out);
+}
+
+/// [`axpy_rows`] for four outputs at once, each with its own weights over the same rows (four
+/// query heads' V sums over one KV block): the rows are read once for the four, and every
+/// output element takes the multiplies and adds [`axpy_rows`] gives it alone, in the same
+/// order.
+pub fn axpy_rows4(w: [&[f32]; 4], rows: &[f32], stride: usize, out: [&mut [f32]; 4]) {
+    let (n, d) = (w[0].len(), out[0].len());
+    assert!(
+        w.iter().all(|w| w.len() == n) && out.iter().all(|o| o.len() == d),
+        "axpy_rows4: the four weight rows and the four outputs must have equal lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current() == Isa::Avx512 && n > 0 {
+        assert!(
+            stride >= d && rows.len() >= (n - 1) * stride + d,
+            "axpy_rows4: {n} rows of {d} floats at stride {stride} do not fit in {}",
+            rows.len()
+        );
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
+        return unsafe { axpy_rows4_avx512(w, rows, stride, out) };
+    }
+    for (w, o) in w.into_iter().zip(out) {
+        axpy_rows(w, rows, stride, o);
+    }
+}
+
+/// [`axpy_rows4`] with 512-bit vectors: 64 columns of the four outputs (16 registers) at a
+/// time while the rows stream past, each row's vectors loaded once for the four; the last
+/// `d % 16` columns by the plain loop, per output.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn axpy_rows4_avx512(w: [&[f32]; 4], rows: &[f32], stride: usize, mut out: [&mut [f32]; 4]) {
+    let d = out[0].len();
+    let d16 = d / 16 * 16;
+    let o: [*mut f32; 4] = out.each_mut().map(|o| o.as_mut_ptr());
+    let mut c0 = 0;
+    while c0 < d16 {
+        // SAFETY (each arm): columns c0..c0 + 16N lie inside every output and every row (the
+        // caller checked the rows against `d`).
+        unsafe {
+            match (d16 - c0) / 16 {
+                1 => axpy_rows4_cols::<1>(&w, rows, stride, o, c0),
+                2 => axpy_rows4_cols::<2>(&w, rows, stride, o, c0),
+                3 => axpy_rows4_cols::<3>(&w, rows, stride, o, c0),
+                _ => axpy_rows4_cols::<4>(&w, rows, stride, o, c0),
+            }
+        }
+        c0 += 64.min(d16 - c0);
+    }
+    if d16 < d {
+        for (w, o) in w.into_iter().zip(out) {
+            axpy_rows_plain(w, &rows[d16..], stride, &mut o[d16..]);
+        }
+    }
+}
+
+/// Columns `c0..c0 + 16N` of [`axpy_rows4_avx512`], the 4N accumulators in registers (a
+/// constant N, so the compiler need not index them at run time, which put them on the stack).
+///
+/// # Safety
+/// AVX-512F; the columns lie inside the four outputs and inside each of the `w[0].len()` rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn axpy_rows4_cols<const N: usize>(
+    w: &[&[f32]; 4],
+    rows: &[f32],
+    stride: usize,
+    o: [*mut f32; 4],
+    c0: usize,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); N]; 4];
+    for (a, &oq) in acc.iter_mut().zip(&o) {
+        for (v, a) in a.iter_mut().enumerate() {
+            // SAFETY: inside output q, as the caller promised.
+            *a = unsafe { _mm512_loadu_ps(oq.add(c0 + 16 * v)) };
+        }
+    }
+    let base = rows.as_ptr();
+    // `r` indexes the four weight rows and the V rows together.
+    #[allow(clippy::needless_range_loop)]
+    for r in 0..w[0].len() {
+        let wv = [0, 1, 2, 3].map(|q| _mm512_set1_ps(w[q][r]));
+        // SAFETY: inside row r, as the caller promised.
+        let x: [__m512; N] =
+            std::array::from_fn(|v| unsafe { _mm512_loadu_ps(base.add(r * stride + c0 + 16 * v)) });
+        for (a, &wq) in acc.iter_mut().zip(&wv) {
+            for (a, &xv) in a.iter_mut().zip(&x) {
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(wq, xv));
+            }
+        }
+    }
+    for (a, &oq) in acc.iter().zip(&o) {
+        for (v, a) in a.iter().enumerate() {
+            // SAFETY: as for the loads.
+            unsafe { _mm512_storeu_ps(oq.add(c0 + 16 * v), *a) };
+        }
+    }
 }
 
 /// Sixteen outputs at a time held in a local array (one vector register once compiled for
@@ -321,5 +420,39 @@ mod tests {
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&fast), bits(&plain));
         assert_ne!(bits(&fast), bits(&y0), "axpy_rows must change out");
+    }
+
+    /// Four outputs at once give the bits of each alone, for widths below one vector, with
+    /// a 64-wide tile and vectors left over, and a scalar tail.
+    #[test]
+    fn axpy_rows4_gives_the_bits_of_each_output_alone() {
+        for d in [7usize, 16, 64, 80, 133] {
+            let n = 11;
+            let stride = d + 3;
+            let rows: Vec<f32> = (0..n * stride).map(|i| (i as f32 * 0.37).sin()).collect();
+            let ws: Vec<Vec<f32>> = (0..4)
+                .map(|q| (0..n).map(|r| ((q * n + r) as f32 * 0.61).cos()).collect())
+                .collect();
+            let start: Vec<Vec<f32>> = (0..4)
+                .map(|q| (0..d).map(|c| ((q * d + c) as f32 * 0.13).sin()).collect())
+                .collect();
+            let mut together = start.clone();
+            let [a, b, c, e] = &mut together[..] else {
+                unreachable!()
+            };
+            axpy_rows4(
+                [0, 1, 2, 3].map(|q| &ws[q][..]),
+                &rows,
+                stride,
+                [&mut a[..], &mut b[..], &mut c[..], &mut e[..]],
+            );
+            for q in 0..4 {
+                let mut alone = start[q].clone();
+                axpy_rows(&ws[q], &rows, stride, &mut alone);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&together[q]), bits(&alone), "d {d}, output {q}");
+                assert_ne!(bits(&alone), bits(&start[q]), "d {d}: nothing added");
+            }
+        }
     }
 }

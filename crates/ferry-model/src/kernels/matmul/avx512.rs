@@ -52,6 +52,26 @@ unsafe fn tile_of<const D: u8>(x: &[f32], out: *mut f32, t: &Tile) {
             j += 8;
         }
     }
+    if D == F32 && t.x_rows.len() >= F32_COLS {
+        while j + F32_ROWS <= t.w_rows.end {
+            let mut i = t.x_rows.start;
+            while i < t.x_rows.end {
+                // Only the first pass over these W rows reads them from memory.
+                let first = t.prefetch && i == t.x_rows.start;
+                // SAFETY: as above.
+                unsafe {
+                    if i + F32_COLS <= t.x_rows.end {
+                        kernel_f32::<F32_ROWS, F32_COLS>(xp, out, t, i, j, first);
+                        i += F32_COLS;
+                    } else {
+                        kernel_f32::<F32_ROWS, 1>(xp, out, t, i, j, first);
+                        i += 1;
+                    }
+                }
+            }
+            j += F32_ROWS;
+        }
+    }
     while j + ROWS <= t.w_rows.end {
         let mut i = t.x_rows.start;
         while i + 4 <= t.x_rows.end {
@@ -179,6 +199,83 @@ unsafe fn kernel<const D: u8, const R: usize, const C: usize>(
                 // SAFETY: q < k inside rows i + c and j + r.
                 let (xq, wq) = unsafe { (*x.add((i + c) * k + q), scalar_at(w.dtype, rows[r], q)) };
                 s = xq.mul_add(wq, s);
+            }
+            // SAFETY: (i + c, j + r) is inside the m × n output.
+            unsafe { out.add((i + c) * t.n + j + r).write(s) };
+        }
+    }
+}
+
+/// W rows and activation rows of the batched f32 tile ([`kernel_f32`]).
+const F32_ROWS: usize = 4;
+const F32_COLS: usize = 4;
+
+/// [`kernel`] for f32 weights, 16 elements a turn: R W rows against C activation rows, one
+/// 16-lane accumulator per output element taking its chunks of 16 in order (the same
+/// multiply-adds in the same order as every other tile), R + C loads per R × C FMAs.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn kernel_f32<const R: usize, const C: usize>(
+    x: *const f32,
+    out: *mut f32,
+    t: &Tile,
+    i: usize,
+    j: usize,
+    prefetch: bool,
+) {
+    let (k, w) = (t.k, t.w);
+    let k16 = k / 16 * 16;
+    let rows: [*const f32; R] =
+        std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes).cast());
+    let xs: [*const f32; C] = std::array::from_fn(|c| x.wrapping_add((i + c) * k));
+    let mut acc = [[_mm512_setzero_ps(); R]; C];
+    let mut p = 0;
+    while p < k16 {
+        if prefetch {
+            // As in `kernel`: the next R rows' line of this turn.
+            for row in rows {
+                let line = row.wrapping_add(R * w.row_bytes / 4 + p);
+                _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
+            }
+        }
+        // SAFETY: p + 16 <= k inside each W row and each activation row.
+        let wv: [__m512; R] = std::array::from_fn(|r| unsafe { _mm512_loadu_ps(rows[r].add(p)) });
+        for (c, row) in acc.iter_mut().enumerate() {
+            // SAFETY: as above.
+            let xv = unsafe { _mm512_loadu_ps(xs[c].add(p)) };
+            for (a, &v) in row.iter_mut().zip(&wv) {
+                *a = _mm512_fmadd_ps(xv, v, *a);
+            }
+        }
+        p += 16;
+    }
+    let mut sums = [[0.0f32; R]; C];
+    {
+        let flat: &mut [f32] = sums.as_flattened_mut();
+        let mut q = 0;
+        while q + 16 <= R * C {
+            let v: [__m512; 16] = std::array::from_fn(|u| acc[(q + u) / R][(q + u) % R]);
+            // SAFETY: `flat` holds R * C floats, q + 16 of them.
+            unsafe { _mm512_storeu_ps(flat.as_mut_ptr().add(q), hsum16(v)) };
+            q += 16;
+        }
+        while q + 8 <= R * C {
+            let v: [__m512; 8] = std::array::from_fn(|u| acc[(q + u) / R][(q + u) % R]);
+            // SAFETY: as above, q + 8 of them.
+            unsafe { _mm256_storeu_ps(flat.as_mut_ptr().add(q), hsum8(v)) };
+            q += 8;
+        }
+        while q < R * C {
+            flat[q] = hsum(acc[q / R][q % R]);
+            q += 1;
+        }
+    }
+    for (c, row) in sums.iter().enumerate() {
+        for (r, &sum) in row.iter().enumerate() {
+            let mut s = sum;
+            for q in k16..k {
+                // SAFETY: q < k inside rows i + c and j + r.
+                s = unsafe { (*xs[c].add(q)).mul_add(*rows[r].add(q), s) };
             }
             // SAFETY: (i + c, j + r) is inside the m × n output.
             unsafe { out.add((i + c) * t.n + j + r).write(s) };
