@@ -13,7 +13,7 @@ use ferry_kv::{KvArena, KvLayout, KvPlane};
 use std::ops::Range;
 
 use crate::kernels::pool::SharedMut;
-use crate::kernels::{axpy_rows, axpy_rows4, dot_rows, dot_tile, softmax_in_place};
+use crate::kernels::{axpy_rows, axpy_rows_n, dot_tile, prefetch, softmax_in_place, split_rows};
 
 /// One query token: where it sits in its request and how to find its request's KV.
 #[derive(Debug, Clone, Copy)]
@@ -186,7 +186,7 @@ fn attend_run(
                     let [a, b, c, d] = &mut outs[..] else {
                         unreachable!("four outputs")
                     };
-                    axpy_rows4(
+                    axpy_rows_n(
                         [0, 1, 2, 3].map(|i| weights(i, 0..both)),
                         v_rows,
                         layout.token_floats(),
@@ -227,31 +227,77 @@ fn attend_token(
     let group = n_heads / layout.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let n_pos = query.pos + 1;
-    let mut scores = vec![0.0f32; group * n_pos];
-    for kv_head in 0..layout.n_kv_heads {
-        let heads = kv_head * group..(kv_head + 1) * group;
-        // Scores a block at a time: the K vectors of a block's slots are evenly spaced.
-        for p0 in (0..n_pos).step_by(layout.block_size) {
-            let n = layout.block_size.min(n_pos - p0);
-            let rows = kv_rows(arena, layout, layer, KvPlane::K, query.block_table, p0, n);
-            let rows = &rows[kv_head * hd..];
-            for (g, h) in heads.clone().enumerate() {
-                let s = &mut scores[g * n_pos + p0..g * n_pos + p0 + n];
-                dot_rows(&q[h * hd..(h + 1) * hd], rows, layout.token_floats(), s);
-                s.iter_mut().for_each(|v| *v *= scale);
-            }
+    let tf = layout.token_floats();
+    // Row h of `scores` is query head h's, n_pos wide. Blocks outside, KV heads inside: a
+    // block's K (then V) vectors of every KV head are contiguous, so each is read from
+    // memory once, in order, rather than once per KV head at a stride.
+    let mut scores = vec![0.0f32; n_heads * n_pos];
+    let bs = layout.block_size;
+    // The next block's vectors (K, then V from the first), fetched while this one is used.
+    let ahead = |plane: KvPlane, p0: usize| {
+        if p0 < n_pos {
+            let n = bs.min(n_pos - p0);
+            prefetch(kv_rows(
+                arena,
+                layout,
+                layer,
+                plane,
+                query.block_table,
+                p0,
+                n,
+            ));
         }
-        scores.chunks_exact_mut(n_pos).for_each(softmax_in_place);
-        let out_group = &mut out[heads.start * hd..heads.end * hd];
-        out_group.fill(0.0);
-        // V sums a block at a time too; each output element still adds positions in order.
-        for p0 in (0..n_pos).step_by(layout.block_size) {
-            let n = layout.block_size.min(n_pos - p0);
-            let rows = kv_rows(arena, layout, layer, KvPlane::V, query.block_table, p0, n);
-            let rows = &rows[kv_head * hd..];
-            for (g, oh) in out_group.chunks_exact_mut(hd).enumerate() {
-                let w = &scores[g * n_pos + p0..g * n_pos + p0 + n];
-                axpy_rows(w, rows, layout.token_floats(), oh);
+    };
+    for p0 in (0..n_pos).step_by(bs) {
+        let n = bs.min(n_pos - p0);
+        let rows = kv_rows(arena, layout, layer, KvPlane::K, query.block_table, p0, n);
+        if p0 + bs < n_pos {
+            ahead(KvPlane::K, p0 + bs);
+        } else {
+            ahead(KvPlane::V, 0);
+        }
+        for kv_head in 0..layout.n_kv_heads {
+            // The group's query heads (back to back in `q`) are one tile against the block.
+            let heads = kv_head * group..(kv_head + 1) * group;
+            dot_tile(
+                &q[heads.start * hd..heads.end * hd],
+                hd,
+                &rows[kv_head * hd..],
+                tf,
+                n,
+                &mut scores[heads.start * n_pos + p0..],
+                n_pos,
+            );
+        }
+    }
+    for s in scores.chunks_exact_mut(n_pos) {
+        s.iter_mut().for_each(|v| *v *= scale);
+        softmax_in_place(s);
+    }
+    out[..n_heads * hd].fill(0.0);
+    // V sums a block at a time too, a group's heads together (up to four at once); each
+    // output element still adds positions in order.
+    for p0 in (0..n_pos).step_by(bs) {
+        let n = bs.min(n_pos - p0);
+        let block = kv_rows(arena, layout, layer, KvPlane::V, query.block_table, p0, n);
+        ahead(KvPlane::V, p0 + bs);
+        for kv_head in 0..layout.n_kv_heads {
+            let rows = &block[kv_head * hd..];
+            let w = |h: usize| &scores[h * n_pos + p0..h * n_pos + p0 + n];
+            for g0 in (0..group).step_by(4) {
+                let h0 = kv_head * group + g0;
+                let outs = &mut out[h0 * hd..(h0 + 4).min((kv_head + 1) * group) * hd];
+                match group - g0 {
+                    1 => axpy_rows(w(h0), rows, tf, outs),
+                    2 => axpy_rows_n([0, 1].map(|g| w(h0 + g)), rows, tf, split_rows(outs, hd)),
+                    3 => axpy_rows_n([0, 1, 2].map(|g| w(h0 + g)), rows, tf, split_rows(outs, hd)),
+                    _ => axpy_rows_n(
+                        [0, 1, 2, 3].map(|g| w(h0 + g)),
+                        rows,
+                        tf,
+                        split_rows(outs, hd),
+                    ),
+                }
             }
         }
     }

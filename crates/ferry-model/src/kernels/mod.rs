@@ -191,50 +191,89 @@ pub fn axpy_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     axpy_rows_plain(w, rows, stride, out);
 }
 
-/// [`axpy_rows`] for four outputs at once, each with its own weights over the same rows (four
-/// query heads' V sums over one KV block): the rows are read once for the four, and every
-/// output element takes the multiplies and adds [`axpy_rows`] gives it alone, in the same
-/// order.
-pub fn axpy_rows4(w: [&[f32]; 4], rows: &[f32], stride: usize, out: [&mut [f32]; 4]) {
+/// [`axpy_rows`] for `Q` outputs at once, each with its own weights over the same rows (the
+/// query heads that share a KV head, over one KV block): the rows are read once for all of
+/// them, and every output element takes the multiplies and adds [`axpy_rows`] gives it
+/// alone, in the same order.
+pub fn axpy_rows_n<const Q: usize>(
+    w: [&[f32]; Q],
+    rows: &[f32],
+    stride: usize,
+    out: [&mut [f32]; Q],
+) {
+    if Q == 0 {
+        return;
+    }
     let (n, d) = (w[0].len(), out[0].len());
     assert!(
         w.iter().all(|w| w.len() == n) && out.iter().all(|o| o.len() == d),
-        "axpy_rows4: the four weight rows and the four outputs must have equal lengths"
+        "axpy_rows_n: the weight rows and the outputs must have equal lengths"
     );
     #[cfg(target_arch = "x86_64")]
     if Isa::current() == Isa::Avx512 && n > 0 {
         assert!(
             stride >= d && rows.len() >= (n - 1) * stride + d,
-            "axpy_rows4: {n} rows of {d} floats at stride {stride} do not fit in {}",
+            "axpy_rows_n: {n} rows of {d} floats at stride {stride} do not fit in {}",
             rows.len()
         );
         // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
-        return unsafe { axpy_rows4_avx512(w, rows, stride, out) };
+        return unsafe { axpy_rows_n_avx512(w, rows, stride, out) };
     }
     for (w, o) in w.into_iter().zip(out) {
         axpy_rows(w, rows, stride, o);
     }
 }
 
-/// [`axpy_rows4`] with 512-bit vectors: 64 columns of the four outputs (16 registers) at a
-/// time while the rows stream past, each row's vectors loaded once for the four; the last
+/// Asks the cache for every 64-byte line of `data` ahead of use (a hint: no fault, no
+/// effect on results). Attention calls it on the next KV block, whose address the hardware
+/// prefetcher cannot guess since the blocks of a sequence lie anywhere in the arena.
+pub fn prefetch(data: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in data.chunks(16) {
+        // SAFETY: SSE is part of x86-64; a prefetch reads nothing architecturally.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
+/// `buf` cut into its first `Q` rows of `d` floats, as `Q` separate slices.
+pub fn split_rows<const Q: usize>(mut buf: &mut [f32], d: usize) -> [&mut [f32]; Q] {
+    std::array::from_fn(|_| {
+        let (row, rest) = std::mem::take(&mut buf).split_at_mut(d);
+        buf = rest;
+        row
+    })
+}
+
+/// [`axpy_rows_n`] with 512-bit vectors: up to 64 columns of the outputs (4Q registers) at a
+/// time while the rows stream past, each row's vectors loaded once for all outputs; the last
 /// `d % 16` columns by the plain loop, per output.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn axpy_rows4_avx512(w: [&[f32]; 4], rows: &[f32], stride: usize, mut out: [&mut [f32]; 4]) {
+fn axpy_rows_n_avx512<const Q: usize>(
+    w: [&[f32]; Q],
+    rows: &[f32],
+    stride: usize,
+    mut out: [&mut [f32]; Q],
+) {
     let d = out[0].len();
     let d16 = d / 16 * 16;
-    let o: [*mut f32; 4] = out.each_mut().map(|o| o.as_mut_ptr());
+    let o: [*mut f32; Q] = out.each_mut().map(|o| o.as_mut_ptr());
     let mut c0 = 0;
     while c0 < d16 {
         // SAFETY (each arm): columns c0..c0 + 16N lie inside every output and every row (the
         // caller checked the rows against `d`).
         unsafe {
             match (d16 - c0) / 16 {
-                1 => axpy_rows4_cols::<1>(&w, rows, stride, o, c0),
-                2 => axpy_rows4_cols::<2>(&w, rows, stride, o, c0),
-                3 => axpy_rows4_cols::<3>(&w, rows, stride, o, c0),
-                _ => axpy_rows4_cols::<4>(&w, rows, stride, o, c0),
+                1 => axpy_rows_cols::<Q, 1>(&w, rows, stride, o, c0),
+                2 => axpy_rows_cols::<Q, 2>(&w, rows, stride, o, c0),
+                3 => axpy_rows_cols::<Q, 3>(&w, rows, stride, o, c0),
+                _ => axpy_rows_cols::<Q, 4>(&w, rows, stride, o, c0),
             }
         }
         c0 += 64.min(d16 - c0);
@@ -246,22 +285,23 @@ fn axpy_rows4_avx512(w: [&[f32]; 4], rows: &[f32], stride: usize, mut out: [&mut
     }
 }
 
-/// Columns `c0..c0 + 16N` of [`axpy_rows4_avx512`], the 4N accumulators in registers (a
-/// constant N, so the compiler need not index them at run time, which put them on the stack).
+/// Columns `c0..c0 + 16N` of [`axpy_rows_n_avx512`], the Q × N accumulators in registers
+/// (constant Q and N, so the compiler need not index them at run time, which put them on the
+/// stack).
 ///
 /// # Safety
-/// AVX-512F; the columns lie inside the four outputs and inside each of the `w[0].len()` rows.
+/// AVX-512F; the columns lie inside the outputs and inside each of the `w[0].len()` rows.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn axpy_rows4_cols<const N: usize>(
-    w: &[&[f32]; 4],
+unsafe fn axpy_rows_cols<const Q: usize, const N: usize>(
+    w: &[&[f32]; Q],
     rows: &[f32],
     stride: usize,
-    o: [*mut f32; 4],
+    o: [*mut f32; Q],
     c0: usize,
 ) {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); N]; 4];
+    let mut acc = [[_mm512_setzero_ps(); N]; Q];
     for (a, &oq) in acc.iter_mut().zip(&o) {
         for (v, a) in a.iter_mut().enumerate() {
             // SAFETY: inside output q, as the caller promised.
@@ -269,10 +309,10 @@ unsafe fn axpy_rows4_cols<const N: usize>(
         }
     }
     let base = rows.as_ptr();
-    // `r` indexes the four weight rows and the V rows together.
+    // `r` indexes the weight rows and the V rows together.
     #[allow(clippy::needless_range_loop)]
     for r in 0..w[0].len() {
-        let wv = [0, 1, 2, 3].map(|q| _mm512_set1_ps(w[q][r]));
+        let wv: [__m512; Q] = std::array::from_fn(|q| _mm512_set1_ps(w[q][r]));
         // SAFETY: inside row r, as the caller promised.
         let x: [__m512; N] =
             std::array::from_fn(|v| unsafe { _mm512_loadu_ps(base.add(r * stride + c0 + 16 * v)) });
@@ -425,7 +465,7 @@ mod tests {
     /// Four outputs at once give the bits of each alone, for widths below one vector, with
     /// a 64-wide tile and vectors left over, and a scalar tail.
     #[test]
-    fn axpy_rows4_gives_the_bits_of_each_output_alone() {
+    fn axpy_rows_n_gives_the_bits_of_each_output_alone() {
         for d in [7usize, 16, 64, 80, 133] {
             let n = 11;
             let stride = d + 3;
@@ -440,7 +480,7 @@ mod tests {
             let [a, b, c, e] = &mut together[..] else {
                 unreachable!()
             };
-            axpy_rows4(
+            axpy_rows_n(
                 [0, 1, 2, 3].map(|q| &ws[q][..]),
                 &rows,
                 stride,

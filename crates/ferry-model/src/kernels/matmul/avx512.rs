@@ -52,22 +52,25 @@ unsafe fn tile_of<const D: u8>(x: &[f32], out: *mut f32, t: &Tile) {
             j += 8;
         }
     }
-    if D == F32 && t.x_rows.len() >= F32_COLS {
+    if D == F32 && t.x_rows.len() >= 2 {
         while j + F32_ROWS <= t.w_rows.end {
             let mut i = t.x_rows.start;
             while i < t.x_rows.end {
                 // Only the first pass over these W rows reads them from memory.
                 let first = t.prefetch && i == t.x_rows.start;
+                // A last group of fewer activation rows still shares each W load (attention's
+                // query heads of one KV head come in threes).
+                let c = (t.x_rows.end - i).min(F32_COLS);
                 // SAFETY: as above.
                 unsafe {
-                    if i + F32_COLS <= t.x_rows.end {
-                        kernel_f32::<F32_ROWS, F32_COLS>(xp, out, t, i, j, first);
-                        i += F32_COLS;
-                    } else {
-                        kernel_f32::<F32_ROWS, 1>(xp, out, t, i, j, first);
-                        i += 1;
+                    match c {
+                        F32_COLS => kernel_f32::<F32_ROWS, F32_COLS>(xp, out, t, i, j, first),
+                        3 => kernel_f32::<F32_ROWS, 3>(xp, out, t, i, j, first),
+                        2 => kernel_f32::<F32_ROWS, 2>(xp, out, t, i, j, first),
+                        _ => kernel_f32::<F32_ROWS, 1>(xp, out, t, i, j, first),
                     }
                 }
+                i += c;
             }
             j += F32_ROWS;
         }
