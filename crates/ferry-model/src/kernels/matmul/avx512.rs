@@ -1,14 +1,15 @@
 //! The AVX-512 register tiles of [`super`]: one 16-lane accumulator per output element,
 //! chunks of 16 in order, fused multiply-adds, a fixed horizontal sum, then the tail in order.
 //!
-//! The batched tile is 4×4 (W rows × activation rows): 16 accumulators, 8 W vectors (the
-//! two chunks of a 32-element turn) and 1 activation vector, 8 loads per 16 FMAs. (A 6×4 tile
-//! needs 24 accumulators and 12 W vectors for a turn, more than the 32 zmm registers: the
-//! compiler spilled accumulators to the stack in the inner loop, and batch-64 matmuls ran at
-//! about 40 GFLOP/s a core against 55–70 with 4×4.) A single activation row (decode at
-//! batch 1, and attention's strided dots) uses 8×1 instead, eight independent accumulators to
-//! hide the FMA latency while the weights stream from memory. Every shape computes each
-//! element in the same order, so the tile an element falls in never changes its bits.
+//! The batched f32 tile is 4×4 (W rows × activation rows, [`kernel_f32`]): 16 accumulators,
+//! 4 W vectors and 1 activation vector live, 8 loads per 16 FMAs, one chunk of 16 a turn.
+//! (The same tile in 32-element turns, as the quantized dtypes take them, ran ~15% slower at
+//! k = 576; 6×4, 4×6, 5×5 and 3×8 tiles spilled accumulators to the stack and ran 10–30%
+//! slower than 4×4. Two or three activation rows, attention's query heads of one KV head,
+//! take 4×3 and 4×2.) A single activation row (decode at batch 1) uses 8×1 instead, eight
+//! independent accumulators to hide the FMA latency while the weights stream from memory.
+//! Every shape computes each element in the same order, so the tile an element falls in
+//! never changes its bits.
 //!
 //! Weights are loaded 16 at a time in their stored dtype and dequantized in registers with
 //! the loader's arithmetic (see `load`); the loop runs 32 elements a turn (one quantization
