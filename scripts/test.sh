@@ -9,7 +9,9 @@ scripts/fetch-model.sh >/dev/null
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 status=0
-cargo test --workspace --locked "$@" 2>&1 | tee "$log" || status=$?
+# --no-fail-fast: every test binary runs even after one fails, so a failure never hides
+# another (without it a failing matrix case stopped the run at 81 of ~640 tests).
+cargo test --workspace --locked --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
 
 # The official `openai` client against `ferry serve --model tiny` (the binary cargo test just
 # built); its checks print cargo-style lines, so the totals below count them too.

@@ -180,22 +180,7 @@ unsafe fn kernel<const D: u8, const R: usize, const C: usize>(
             }
         }
     }
-    // Every accumulator's fixed-tree sum, several at once where the tile's shape allows
-    // (the same additions, fewer shuffles than one at a time).
-    let mut sums = [[0.0f32; R]; C];
-    if R * C == 16 {
-        let v: [__m512; 16] = std::array::from_fn(|q| acc[q / R][q % R]);
-        // SAFETY: `sums` holds R * C = 16 floats, row after row.
-        unsafe { _mm512_storeu_ps(sums.as_mut_ptr().cast(), hsum16(v)) };
-    } else if R * C == 8 {
-        let v: [__m512; 8] = std::array::from_fn(|q| acc[q / R][q % R]);
-        // SAFETY: `sums` holds R * C = 8 floats, row after row.
-        unsafe { _mm256_storeu_ps(sums.as_mut_ptr().cast(), hsum8(v)) };
-    } else {
-        for (s, a) in sums.iter_mut().flatten().zip(acc.iter().flatten()) {
-            *s = hsum(*a);
-        }
-    }
+    let sums = joint_sums(&acc);
     for (c, row) in sums.iter().enumerate() {
         for (r, &sum) in row.iter().enumerate() {
             let mut s = sum;
@@ -253,27 +238,7 @@ unsafe fn kernel_f32<const R: usize, const C: usize>(
         }
         p += 16;
     }
-    let mut sums = [[0.0f32; R]; C];
-    {
-        let flat: &mut [f32] = sums.as_flattened_mut();
-        let mut q = 0;
-        while q + 16 <= R * C {
-            let v: [__m512; 16] = std::array::from_fn(|u| acc[(q + u) / R][(q + u) % R]);
-            // SAFETY: `flat` holds R * C floats, q + 16 of them.
-            unsafe { _mm512_storeu_ps(flat.as_mut_ptr().add(q), hsum16(v)) };
-            q += 16;
-        }
-        while q + 8 <= R * C {
-            let v: [__m512; 8] = std::array::from_fn(|u| acc[(q + u) / R][(q + u) % R]);
-            // SAFETY: as above, q + 8 of them.
-            unsafe { _mm256_storeu_ps(flat.as_mut_ptr().add(q), hsum8(v)) };
-            q += 8;
-        }
-        while q < R * C {
-            flat[q] = hsum(acc[q / R][q % R]);
-            q += 1;
-        }
-    }
+    let sums = joint_sums(&acc);
     for (c, row) in sums.iter().enumerate() {
         for (r, &sum) in row.iter().enumerate() {
             let mut s = sum;
@@ -568,6 +533,33 @@ pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         s = a[q].mul_add(b[q], s);
     }
     s
+}
+
+/// Every accumulator's fixed-tree sum ([`hsum`]), sixteen and then eight at a time where the
+/// tile has them (the same additions, fewer shuffles than one at a time), the rest one by one.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn joint_sums<const R: usize, const C: usize>(acc: &[[__m512; R]; C]) -> [[f32; R]; C] {
+    let mut sums = [[0.0f32; R]; C];
+    let flat = sums.as_flattened_mut();
+    let at = |q: usize| acc[q / R][q % R];
+    let mut q = 0;
+    while q + 16 <= R * C {
+        let v: [__m512; 16] = std::array::from_fn(|u| at(q + u));
+        // SAFETY: `flat` holds R * C floats, q + 16 of them.
+        unsafe { _mm512_storeu_ps(flat.as_mut_ptr().add(q), hsum16(v)) };
+        q += 16;
+    }
+    while q + 8 <= R * C {
+        let v: [__m512; 8] = std::array::from_fn(|u| at(q + u));
+        // SAFETY: as above, q + 8 of them.
+        unsafe { _mm256_storeu_ps(flat.as_mut_ptr().add(q), hsum8(v)) };
+        q += 8;
+    }
+    for (u, s) in flat.iter_mut().enumerate().skip(q) {
+        *s = hsum(at(u));
+    }
+    sums
 }
 
 /// [`hsum`] of 16 vectors at once, lane `q` of the result the sum of `v[q]`: the same
