@@ -72,25 +72,29 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
     drop(weights);
     let bytes_per_step = model.weights().bytes_read_per_step();
     let memcpy_gb_s = memcpy_bandwidth_gb_s(bandwidth_bytes);
-    let read_gb_s = read_bandwidth_gb_s(bandwidth_bytes);
     let isa = ferry_model::kernels::Isa::current();
     let threads = ferry_model::kernels::threads();
-    let peak_gflop_s = ferry_model::kernels::fma_peak_gflop_s(isa, threads, PEAK_ITERS);
+    let probe = || {
+        (
+            ferry_model::kernels::fma_peak_gflop_s(isa, threads, PEAK_ITERS),
+            read_bandwidth_gb_s(bandwidth_bytes),
+        )
+    };
+    let before = probe();
+    let runs = bench_batches(&mut model, args)?;
+    // The probes again after the runs, and the higher of each pair as the machine's: on a
+    // shared host a probe that met other tenants' work reads low, and a fraction of it
+    // would flatter the runs (one such probe read 227 GFLOP/s where the next read 446).
+    let after = probe();
     let machine = Machine {
-        read_gb_s,
-        peak_gflop_s,
+        read_gb_s: before.1.max(after.1),
+        peak_gflop_s: before.0.max(after.0),
         bytes_per_step,
         flops_token: model.weights().matmul_flops_per_token(false),
         flops_sampled: model.weights().matmul_flops_per_token(true),
     };
-    let mut results = bench_batches(&mut model, args, &machine)?;
-    // The probes again after the runs, and the higher of each pair as the machine's: on a
-    // shared host a probe that met other tenants' work reads low, and a fraction of it
-    // would flatter the runs (one such probe read 227 GFLOP/s where the next read 446).
-    let peak_after = ferry_model::kernels::fma_peak_gflop_s(isa, threads, PEAK_ITERS);
-    let read_after = read_bandwidth_gb_s(bandwidth_bytes);
-    let (peak_gflop_s, read_gb_s) = (peak_gflop_s.max(peak_after), read_gb_s.max(read_after));
-    rescale_fractions(&mut results, peak_gflop_s, read_gb_s);
+    let (peak_gflop_s, read_gb_s) = (machine.peak_gflop_s, machine.read_gb_s);
+    let results: Vec<_> = runs.iter().map(|r| r.report(args, &machine)).collect();
     // Decode at batch 1 reads every weight once per token, so the fastest it can go is the
     // weight bytes over the rate memory can stream them. A copy moves each byte twice (read
     // and write), so the read probe is the fairer bound; both are reported.
@@ -101,7 +105,7 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
         "threads": threads,
         "weight_dtypes": weight_dtypes(model.weights()),
         "fma_peak_gflop_s": round2(peak_gflop_s),
-        "fma_peak_gflop_s_probes": [round2(machine.peak_gflop_s), round2(peak_after)],
+        "fma_peak_gflop_s_probes": [round2(before.0), round2(after.0)],
         "load_avg_1m": load_avg(),
         "prompt_len": args.prompt_len,
         "decode_steps": args.decode_steps,
@@ -109,7 +113,7 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
         "weights_bytes_per_step": bytes_per_step,
         "memcpy_gb_s": round2(memcpy_gb_s),
         "read_gb_s": round2(read_gb_s),
-        "read_gb_s_probes": [round2(machine.read_gb_s), round2(read_after)],
+        "read_gb_s_probes": [round2(before.1), round2(after.1)],
         "batch1_decode_bound_ms_memcpy": bound_ms(memcpy_gb_s),
         "batch1_decode_bound_ms_read": bound_ms(read_gb_s),
         "results": results,
@@ -136,21 +140,6 @@ fn load(args: &Args) -> anyhow::Result<(String, LlamaConfig, WeightStore)> {
             Ok((m.source, m.config, m.weights))
         }
         (None, None) => anyhow::bail!("give --model PATH|tiny or --random smollm2-135m"),
-    }
-}
-
-/// Recomputes each result's fractions against the final peak and read bandwidth.
-fn rescale_fractions(results: &mut [serde_json::Value], peak_gflop_s: f64, read_gb_s: f64) {
-    for r in results {
-        let get = |k: &str| r[k].as_f64().unwrap_or(0.0);
-        let (decode, prefill, read) = (
-            get("decode_gflop_s"),
-            get("prefill_gflop_s"),
-            get("decode_weight_read_gb_s"),
-        );
-        r["decode_peak_fraction"] = json!(round2(decode / peak_gflop_s));
-        r["prefill_peak_fraction"] = json!(round2(prefill / peak_gflop_s));
-        r["decode_read_bandwidth_fraction"] = json!(round2(read / read_gb_s));
     }
 }
 
@@ -300,11 +289,7 @@ impl BatchRun {
 /// Prefills every batch size, then decodes them round-robin, one step each in turn: on a
 /// shared machine the load drifts, and interleaving gives every batch size the same
 /// conditions, so their ratios mean something even when the absolute numbers move.
-fn bench_batches(
-    model: &mut LlamaModel,
-    args: &Args,
-    machine: &Machine,
-) -> anyhow::Result<Vec<serde_json::Value>> {
+fn bench_batches(model: &mut LlamaModel, args: &Args) -> anyhow::Result<Vec<BatchRun>> {
     let mut runs: Vec<BatchRun> = args
         .batch
         .iter()
@@ -318,7 +303,7 @@ fn bench_batches(
             run.decode_step(model)?;
         }
     }
-    Ok(runs.iter().map(|r| r.report(args, machine)).collect())
+    Ok(runs)
 }
 
 /// Schedules `counts[i]` tokens of request `i`; a request that reaches its last known token
@@ -434,21 +419,6 @@ fn round2(v: f64) -> f64 {
 mod tests {
     use super::*;
 
-    /// Fractions are taken against the final (higher) probes, each from its own rate.
-    #[test]
-    fn fractions_follow_the_final_probes() {
-        let mut rows = vec![json!({
-            "decode_gflop_s": 100.0,
-            "prefill_gflop_s": 300.0,
-            "decode_weight_read_gb_s": 20.0,
-            "decode_peak_fraction": 0.9,
-        })];
-        rescale_fractions(&mut rows, 400.0, 40.0);
-        assert_eq!(rows[0]["decode_peak_fraction"], json!(0.25));
-        assert_eq!(rows[0]["prefill_peak_fraction"], json!(0.75));
-        assert_eq!(rows[0]["decode_read_bandwidth_fraction"], json!(0.5));
-    }
-
     #[test]
     fn reports_every_batch_size_with_positive_rates() {
         let args = Args {
@@ -478,6 +448,20 @@ mod tests {
             }
         }
         assert!(out["fma_peak_gflop_s"].as_f64().unwrap() > 0.0);
+        // The machine is the higher of the probes before and after the runs.
+        let higher = |probes: &serde_json::Value| {
+            let p = probes.as_array().unwrap();
+            assert_eq!(p.len(), 2, "{probes}");
+            p[0].as_f64().unwrap().max(p[1].as_f64().unwrap())
+        };
+        assert_eq!(
+            out["fma_peak_gflop_s"].as_f64().unwrap(),
+            higher(&out["fma_peak_gflop_s_probes"])
+        );
+        assert_eq!(
+            out["read_gb_s"].as_f64().unwrap(),
+            higher(&out["read_gb_s_probes"])
+        );
         // 2 layers of 7 segments (q, k, v, o, gate, up, down), the embedding and the head.
         assert_eq!(out["weight_dtypes"]["F32"], 16, "random weights are f32");
         assert!(out["weights_bytes_per_step"].as_u64().unwrap() > 0);

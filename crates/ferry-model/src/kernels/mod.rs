@@ -181,7 +181,7 @@ pub fn axpy_rows(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if Isa::current() == Isa::Avx512 {
         // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
-        return unsafe { axpy_rows_avx512(w, rows, stride, out) };
+        return unsafe { axpy_rows_n_avx512([w], rows, stride, [out]) };
     }
     #[cfg(target_arch = "x86_64")]
     if Isa::current() == Isa::Avx2Fma {
@@ -250,9 +250,12 @@ pub fn split_rows<const Q: usize>(mut buf: &mut [f32], d: usize) -> [&mut [f32];
     })
 }
 
-/// [`axpy_rows_n`] with 512-bit vectors: up to 64 columns of the outputs (4Q registers) at a
-/// time while the rows stream past, each row's vectors loaded once for all outputs; the last
-/// `d % 16` columns by the plain loop, per output.
+/// [`axpy_rows_n`] with 512-bit vectors (and [`axpy_rows`]' own, as one output): up to 64
+/// columns of the outputs (4Q registers) at a time while the rows stream past, each row's
+/// vectors loaded once for all outputs, a multiply then an add per element and row in order
+/// (so the plain loop's bits); the last `d % 16` columns by the plain loop, per output.
+/// Compiled from the plain loop, the outputs went through the stack for every row, and
+/// attention's V sums took a tenth of a batch-64 decode step on Zen 5.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 fn axpy_rows_n_avx512<const Q: usize>(
@@ -348,47 +351,6 @@ fn axpy_rows_plain(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
         }
         out[c0..c0 + width].copy_from_slice(&acc[..width]);
         c0 += width;
-    }
-}
-
-/// [`axpy_rows_plain`]'s arithmetic with 512-bit vectors: up to 128 outputs held in eight
-/// registers while the rows stream past once (a multiply, then an add, per element and row in
-/// order, so the same bits), the last `d % 16` outputs by the plain loop. Compiled from the
-/// plain loop, the outputs went through the stack for every row, and attention's V sums took
-/// a tenth of a batch-64 decode step on Zen 5.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn axpy_rows_avx512(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    const WIDE: usize = 128;
-    let d16 = out.len() / 16 * 16;
-    let mut c0 = 0;
-    while c0 < d16 {
-        let width = WIDE.min(d16 - c0);
-        let n_vec = width / 16;
-        let o = out[c0..c0 + width].as_mut_ptr();
-        let mut acc = [_mm512_setzero_ps(); WIDE / 16];
-        for (v, a) in acc.iter_mut().enumerate().take(n_vec) {
-            // SAFETY: 16 floats at c0 + 16v lie inside `out`.
-            *a = unsafe { _mm512_loadu_ps(o.add(16 * v)) };
-        }
-        for (r, &wr) in w.iter().enumerate() {
-            let wv = _mm512_set1_ps(wr);
-            let row = rows[r * stride + c0..r * stride + c0 + width].as_ptr();
-            for (v, a) in acc.iter_mut().enumerate().take(n_vec) {
-                // SAFETY: 16 floats at 16v lie inside the row's `width` (checked by the slice).
-                let x = unsafe { _mm512_loadu_ps(row.add(16 * v)) };
-                *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, x));
-            }
-        }
-        for (v, a) in acc.iter().enumerate().take(n_vec) {
-            // SAFETY: as for the loads.
-            unsafe { _mm512_storeu_ps(o.add(16 * v), *a) };
-        }
-        c0 += width;
-    }
-    if d16 < out.len() {
-        axpy_rows_plain(w, &rows[d16..], stride, &mut out[d16..]);
     }
 }
 

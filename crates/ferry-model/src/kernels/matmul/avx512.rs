@@ -313,15 +313,10 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
         }
         b0 += nb;
     }
-    if R == 8 {
-        let v: [__m512; 8] = std::array::from_fn(|r| acc[r]);
-        // SAFETY: (i, j..j + 8) is inside the m × n output.
-        unsafe { _mm256_storeu_ps(out.add(i * t.n + j), hsum8(v)) };
-        return;
-    }
-    for (r, &a) in acc.iter().enumerate() {
+    let [sums] = joint_sums(&[acc]);
+    for (r, &sum) in sums.iter().enumerate() {
         // SAFETY: (i, j + r) is inside the m × n output.
-        unsafe { out.add(i * t.n + j + r).write(hsum(a)) };
+        unsafe { out.add(i * t.n + j + r).write(sum) };
     }
 }
 
