@@ -47,6 +47,78 @@ pub fn silu_mul_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// The sampler's view of a logit: NaN counts as `-inf`, `+inf` as `f32::MAX`, and `-0.0`
+/// as `0.0`, so every value is ordered and finite above `-inf`.
+pub fn clean_logit(l: f32) -> f32 {
+    if l.is_nan() {
+        f32::NEG_INFINITY
+    } else if l == f32::INFINITY {
+        f32::MAX
+    } else {
+        l + 0.0
+    }
+}
+
+/// The largest [`clean_logit`] of `x` and the first index holding it; `None` when every
+/// value is `-inf` or NaN (or there is none).
+pub fn clean_max(x: &[f32]) -> Option<(f32, usize)> {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current() == Isa::Avx512 {
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
+        return unsafe { avx512::clean_max(x) };
+    }
+    clean_max_plain(x)
+}
+
+/// `Σ exp(clean_logit(x[i]) - max)` in f64, each term exactly 0 where the value is `-inf` or
+/// NaN: the sampler's normalizer (`max` the row's [`clean_max`]). With AVX-512 the terms
+/// come from the vector `exp` and are summed in 16 f64 lanes (two vectors of 8) reduced by a
+/// fixed tree, so a row's sum depends only on the row.
+pub fn exp_sum(x: &[f32], max: f32) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current() == Isa::Avx512 {
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
+        return unsafe { avx512::exp_sum(x, max) };
+    }
+    x.iter()
+        .map(|&l| f64::from((clean_logit(l) - max).exp()))
+        .sum()
+}
+
+/// `out[i] = exp((clean_logit(x[i]) - max) / t)`, exactly 0 where the value is `-inf` or NaN
+/// (also for an infinite `t`, where the quotient would be NaN): the sampler's unnormalized
+/// probabilities at temperature `t`, the row's max getting exactly 1.
+pub fn exp_scaled(x: &[f32], max: f32, t: f32, out: &mut Vec<f32>) {
+    out.clear();
+    #[cfg(target_arch = "x86_64")]
+    if Isa::current() == Isa::Avx512 {
+        out.resize(x.len(), 0.0);
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F; `out` holds
+        // `x.len()` floats.
+        return unsafe { avx512::exp_scaled(x, max, t, out) };
+    }
+    out.extend(x.iter().map(|&l| {
+        let d = clean_logit(l) - max;
+        if d == f32::NEG_INFINITY {
+            0.0
+        } else {
+            (d / t).exp()
+        }
+    }));
+}
+
+/// [`clean_max`] one element at a time (strictly greater, so ties keep the first index).
+fn clean_max_plain(x: &[f32]) -> Option<(f32, usize)> {
+    let mut best = (f32::NEG_INFINITY, 0);
+    for (i, &l) in x.iter().enumerate() {
+        let l = clean_logit(l);
+        if l > best.0 {
+            best = (l, i);
+        }
+    }
+    (best.0 > f32::NEG_INFINITY).then_some(best)
+}
+
 /// Scalar softmax: `expf` per element, summed in position order.
 fn softmax_plain(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -121,6 +193,105 @@ mod avx512 {
             unsafe {
                 let v = _mm512_maskz_loadu_ps(m, p.add(i));
                 _mm512_mask_storeu_ps(p.add(i), m, _mm512_div_ps(v, total));
+            }
+            i += 16;
+        }
+    }
+
+    /// [`super::clean_logit`] of 16 lanes.
+    #[target_feature(enable = "avx512f")]
+    fn clean16(v: __m512) -> __m512 {
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        let v = _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(f32::NEG_INFINITY));
+        _mm512_add_ps(
+            _mm512_min_ps(v, _mm512_set1_ps(f32::MAX)),
+            _mm512_setzero_ps(),
+        )
+    }
+
+    /// [`super::clean_max`]: the max over 16 lanes (exact in any order), then the first
+    /// element equal to it.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn clean_max(x: &[f32]) -> Option<(f32, usize)> {
+        let (n, p) = (x.len(), x.as_ptr());
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut mx = ninf;
+        let mut i = 0;
+        while i < n {
+            // SAFETY: the masked lanes lie inside `x`; the others are not read.
+            let v = unsafe { _mm512_mask_loadu_ps(ninf, mask(n - i), p.add(i)) };
+            mx = _mm512_max_ps(mx, clean16(v));
+            i += 16;
+        }
+        let max = _mm512_reduce_max_ps(mx);
+        if max == f32::NEG_INFINITY {
+            return None;
+        }
+        let target = _mm512_set1_ps(max);
+        let mut i = 0;
+        while i < n {
+            let m = mask(n - i);
+            // SAFETY: as above.
+            let v = unsafe { _mm512_mask_loadu_ps(ninf, m, p.add(i)) };
+            let hit = _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(m, clean16(v), target);
+            if hit != 0 {
+                return Some((max, i + hit.trailing_zeros() as usize));
+            }
+            i += 16;
+        }
+        unreachable!("the max is one of the elements")
+    }
+
+    /// `exp(clean(v) - max)` of 16 lanes, 0 in the lanes outside `m` and where the value is
+    /// `-inf`.
+    #[target_feature(enable = "avx512f")]
+    fn exp_terms(v: __m512, m: __mmask16, max: __m512, t: Option<__m512>) -> __m512 {
+        let c = clean16(v);
+        let live = _mm512_mask_cmp_ps_mask::<_CMP_NEQ_OQ>(m, c, _mm512_set1_ps(f32::NEG_INFINITY));
+        let d = _mm512_sub_ps(c, max);
+        let d = match t {
+            Some(t) => _mm512_div_ps(d, t),
+            None => d,
+        };
+        _mm512_maskz_mov_ps(live, exp16(d))
+    }
+
+    /// [`super::exp_sum`]: terms in 16 lanes, widened to f64 and summed lane by lane in row
+    /// order, then `_mm512_reduce_add_pd` of the two halves' sum.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn exp_sum(x: &[f32], max: f32) -> f64 {
+        let (n, p) = (x.len(), x.as_ptr());
+        let max = _mm512_set1_ps(max);
+        let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+        let mut i = 0;
+        while i < n {
+            let m = mask(n - i);
+            // SAFETY: the masked lanes lie inside `x`; the others are not read.
+            let v = unsafe { _mm512_maskz_loadu_ps(m, p.add(i)) };
+            let e = exp_terms(v, m, max, None);
+            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+            let upper = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)));
+            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(upper));
+            i += 16;
+        }
+        _mm512_reduce_add_pd(_mm512_add_pd(lo, hi))
+    }
+
+    /// [`super::exp_scaled`] 16 lanes at a time, the tail masked.
+    ///
+    /// # Safety
+    /// `out` holds `x.len()` floats.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn exp_scaled(x: &[f32], max: f32, t: f32, out: &mut [f32]) {
+        let (n, p, o) = (x.len(), x.as_ptr(), out.as_mut_ptr());
+        let (max, t) = (_mm512_set1_ps(max), _mm512_set1_ps(t));
+        let mut i = 0;
+        while i < n {
+            let m = mask(n - i);
+            // SAFETY: the masked lanes lie inside `x` and `out`.
+            unsafe {
+                let v = _mm512_maskz_loadu_ps(m, p.add(i));
+                _mm512_mask_storeu_ps(o.add(i), m, exp_terms(v, m, max, Some(t)));
             }
             i += 16;
         }
@@ -275,6 +446,89 @@ mod tests {
             let mut one = [0.0f32];
             silu_mul_row(&gate[i..i + 1], &up[i..i + 1], &mut one);
             assert_eq!(one[0].to_bits(), out[i].to_bits(), "element {i}");
+        }
+    }
+
+    /// Rows with NaN, infinities, signed zeros, ties and tails of every length.
+    fn awkward_rows() -> Vec<Vec<f32>> {
+        let mut rows: Vec<Vec<f32>> = [1usize, 3, 16, 17, 33, 1000]
+            .iter()
+            .map(|&n| {
+                (0..n)
+                    .map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.21)
+                    .collect()
+            })
+            .collect();
+        let mut odd = vec![-3.0f32; 40];
+        odd[2] = f32::NAN;
+        odd[5] = f32::NEG_INFINITY;
+        odd[20] = 7.5;
+        odd[37] = 7.5;
+        rows.push(odd);
+        let mut inf = vec![1.0f32; 20];
+        inf[18] = f32::INFINITY;
+        inf[19] = f32::MAX;
+        rows.push(inf);
+        rows.push(vec![-0.0, 0.0, -0.0]);
+        rows.push(vec![f32::NEG_INFINITY, f32::NAN, f32::NEG_INFINITY]);
+        rows.push(Vec::new());
+        rows
+    }
+
+    /// The vector max and first argmax are the scalar loop's, exactly.
+    #[test]
+    fn clean_max_is_the_first_largest_clean_value() {
+        for row in awkward_rows() {
+            let got = clean_max(&row);
+            let want = clean_max_plain(&row);
+            assert_eq!(
+                got.map(|(m, i)| (m.to_bits(), i)),
+                want.map(|(m, i)| (m.to_bits(), i)),
+                "{row:?}"
+            );
+        }
+        let mut tie = vec![0.0f32; 50];
+        tie[31] = 2.0;
+        tie[47] = 2.0;
+        assert_eq!(clean_max(&tie), Some((2.0, 31)));
+        assert_eq!(clean_max(&[f32::NAN, f32::NEG_INFINITY]), None);
+    }
+
+    /// The normalizer and the scaled terms within a few roundings of f64, `-inf` and NaN
+    /// contributing exactly 0 and the max exactly 1.
+    #[test]
+    fn exp_sum_and_scaled_match_f64() {
+        for row in awkward_rows() {
+            let Some((max, argmax)) = clean_max(&row) else {
+                continue;
+            };
+            for t in [1.0f32, 0.7, 2.5, f32::INFINITY] {
+                let mut probs = Vec::new();
+                exp_scaled(&row, max, t, &mut probs);
+                assert_eq!(probs.len(), row.len());
+                assert_eq!(probs[argmax], 1.0);
+                let mut total = 0.0f64;
+                for (&l, &p) in row.iter().zip(&probs) {
+                    let d = f64::from(clean_logit(l)) - f64::from(max);
+                    if d == f64::NEG_INFINITY {
+                        assert_eq!(p.to_bits(), 0, "exp(-inf / {t})");
+                        continue;
+                    }
+                    let want = (d / f64::from(t)).exp();
+                    let rel = (8.0 + (d / f64::from(t)).abs()) * f64::from(f32::EPSILON);
+                    assert!(
+                        (f64::from(p) - want).abs() <= rel * want + 1e-38,
+                        "{l}/{t}: {p}"
+                    );
+                    if t == 1.0 {
+                        total += want;
+                    }
+                }
+                if t == 1.0 {
+                    let got = exp_sum(&row, max);
+                    assert!((got - total).abs() <= 1e-6 * total, "{got} vs {total}");
+                }
+            }
         }
     }
 

@@ -17,7 +17,10 @@ mod matmul;
 mod peak;
 pub mod pool;
 
-pub use exp::{silu_mul_row, softmax_in_place, softmax_in_place_with};
+pub use exp::{
+    clean_logit, clean_max, exp_scaled, exp_sum, silu_mul_row, softmax_in_place,
+    softmax_in_place_with,
+};
 pub use matmul::{matmul, matmul_f32_with, matmul_with};
 pub use peak::fma_peak_gflop_s;
 
