@@ -147,15 +147,61 @@ fn run(isa: Isa, x: &[f32], parts: &[Part], out: &mut [f32], m: usize, n: usize,
         return;
     }
     let ptr = OutPtr(out.as_mut_ptr());
-    if m * n * k <= SERIAL_FMAS {
-        run_rows(isa, x, parts, ptr, m, n, k, 0..n);
-        return;
-    }
-    let rows = rows_per_task(n);
-    super::pool::run(n.div_ceil(rows), &|t| {
-        let r = t * rows..((t + 1) * rows).min(n);
-        run_rows(isa, x, parts, ptr, m, n, k, r);
+    XPACK.with_borrow_mut(|xpack| {
+        // AVX-512 batches against weights in another dtype than f32 read the activations as
+        // panels (see `run_rows_packed`), packed once here for every task.
+        let packed = (cfg!(target_arch = "x86_64")
+            && isa == Isa::Avx512
+            && m >= DEQUANT_ROWS
+            && parts.iter().any(|p| p.rows.dtype != WeightDtype::F32))
+        .then(|| {
+            let panels = aligned(xpack, m * (k / 16 * 16));
+            pack_x(x, m, k, panels);
+            &*panels
+        });
+        let each = |w_rows: Range<usize>| run_rows(isa, x, packed, parts, ptr, m, n, k, w_rows);
+        if m * n * k <= SERIAL_FMAS {
+            return each(0..n);
+        }
+        let rows = rows_per_task(n);
+        super::pool::run(n.div_ceil(rows), &|t| {
+            each(t * rows..((t + 1) * rows).min(n));
+        });
     });
+}
+
+thread_local! {
+    /// The activations packed into panels, reused from step to step.
+    static XPACK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `len` floats of `buf` starting on a 64-byte boundary, so that every chunk of 16 of a
+/// panel is one cache line (a vector load across two lines costs two).
+fn aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buf.resize(len + 16, 0.0);
+    let off = buf.as_ptr().align_offset(64).min(16);
+    &mut buf[off..off + len]
+}
+
+/// Rows of a packed panel, of activations ([`pack_x`]) and of W (`avx512::pack_rows`).
+const PANEL: usize = 4;
+
+/// Activation rows `x` (`m × k`) as panels of [`PANEL`] rows (the last one may hold fewer):
+/// panel `g` starts at `g * PANEL * k16` and holds, for each chunk of 16 elements in order,
+/// its rows' 16 floats one after the other, so a tile reads one stream instead of one per
+/// row. The elements past `k16` stay in `x`, for the tails.
+fn pack_x(x: &[f32], m: usize, k: usize, out: &mut [f32]) {
+    let k16 = k / 16 * 16;
+    for g in 0..m.div_ceil(PANEL) {
+        let rows = g * PANEL..((g + 1) * PANEL).min(m);
+        let c = rows.len();
+        let panel = &mut out[g * PANEL * k16..][..c * k16];
+        for (cc, i) in rows.enumerate() {
+            for q in 0..k16 / 16 {
+                panel[(q * c + cc) * 16..][..16].copy_from_slice(&x[i * k + q * 16..][..16]);
+            }
+        }
+    }
 }
 
 /// Enough tasks for load balance (a few per thread), each a multiple of 24 rows (every
@@ -248,6 +294,7 @@ pub(super) fn dot_tile_with(
 fn run_rows(
     isa: Isa,
     x: &[f32],
+    packed: Option<&[f32]>,
     parts: &[Part],
     out: OutPtr,
     m: usize,
@@ -265,7 +312,13 @@ fn run_rows(
         let local = start - part.first_row..end - part.first_row;
         let out = out.0.wrapping_add(part.first_row);
         if part.rows.dtype != WeightDtype::F32 && m >= DEQUANT_ROWS {
-            run_rows_dequantized(isa, x, part.rows, out, m, n, k, local);
+            match packed {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `packed` is only made for `Avx512`, chosen after run-time detection
+                // of AVX-512F; it holds x's m rows, and the part's rows lie inside its memory.
+                Some(xp) => unsafe { run_rows_packed(x, xp, part.rows, out, m, n, k, local) },
+                _ => run_rows_dequantized(isa, x, part.rows, out, m, n, k, local),
+            }
             continue;
         }
         for x0 in (0..m).step_by(X_BLOCK) {
@@ -283,6 +336,59 @@ fn run_rows(
             }
         }
     }
+}
+
+/// [`run_rows`] on AVX-512 for a block of W rows in another dtype than f32 against many
+/// activation rows: each block of [`W_BLOCK`] rows is dequantized once into panels of
+/// [`PANEL`] rows (the loader's values, so the same bits), and each activation panel (`xp`,
+/// from [`pack_x`]) is multiplied by every W panel while it sits in L1. A 4 × 4 tile then
+/// reads two sequential streams instead of eight rows, ~10% faster than the unpacked tile
+/// at batch 64 (`kernel_speed`, one core) and ~12% off a batch-64 decode step of the
+/// default model. (f32 weights keep the unpacked tile: copying them into panels cost more
+/// than it saved.)
+///
+/// # Safety
+/// AVX-512F is available; `xp` is x packed by [`pack_x`]; rows `local` lie inside `w`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_rows_packed(
+    x: &[f32],
+    xp: &[f32],
+    w: Rows,
+    out: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    local: Range<usize>,
+) {
+    thread_local! {
+        static WPACK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let k16 = k / 16 * 16;
+    WPACK.with_borrow_mut(|wpack| {
+        let wpack = aligned(wpack, W_BLOCK.next_multiple_of(PANEL) * k16);
+        for w0 in local.clone().step_by(W_BLOCK) {
+            let block = w0..(w0 + W_BLOCK).min(local.end);
+            // SAFETY: as for this function; `wpack` holds the block's panels.
+            unsafe { avx512::pack_rows(w, block.clone(), k, wpack) };
+            for i0 in (0..m).step_by(PANEL) {
+                let c = (m - i0).min(PANEL);
+                for j0 in block.clone().step_by(PANEL) {
+                    let nr = (block.end - j0).min(PANEL);
+                    let wp = &wpack[(j0 - w0) * k16..][..PANEL * k16];
+                    let tile = avx512::Panels {
+                        w: (wp, w, j0, nr),
+                        x: (&xp[i0 * k16..][..c * k16], x, i0, c),
+                        n,
+                        k,
+                    };
+                    // SAFETY: AVX-512F as above; the panels hold these rows, and the output
+                    // elements lie inside the m × n output.
+                    unsafe { avx512::packed_tile(&tile, out) };
+                }
+            }
+        }
+    });
 }
 
 /// [`run_rows`] for a block of W rows in another dtype than f32 against many activation
@@ -330,12 +436,6 @@ fn run_rows_dequantized(
 
 /// Rows `rows` of `w` dequantized into `out` (`rows.len() × k`), exactly as the loader does.
 fn dequantize_rows(isa: Isa, w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 {
-        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F; the rows lie
-        // inside the weights the caller checked, and `out` holds them.
-        return unsafe { avx512::dequantize_rows(w, rows, k, out) };
-    }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2Fma {
         // SAFETY: `Avx2Fma` is only chosen after run-time detection of AVX2, FMA and F16C;

@@ -11,6 +11,12 @@
 //! Every shape computes each element in the same order, so the tile an element falls in
 //! never changes its bits.
 //!
+//! From 4 activation rows on, weights in another dtype than f32 go through panels instead
+//! ([`pack_rows`], [`packed_tile`]): each block of W rows is dequantized once into panels of
+//! 4 rows, the activations come packed the same way, and the same 4×4 tile (the same FMAs
+//! in the same order) reads the two panels front to back, each chunk of 16 one aligned cache
+//! line. At batch 64 that ran ~20% faster than the tile over separate rows (`kernel_speed`).
+//!
 //! Weights are loaded 16 at a time in their stored dtype and dequantized in registers with
 //! the loader's arithmetic (see `load`); the loop runs 32 elements a turn (one quantization
 //! block, two chunks) so a block's scales are read once.
@@ -19,7 +25,7 @@ use std::arch::x86_64::*;
 
 use std::ops::Range;
 
-use super::{dtype_code as code, scalar_at, Rows, Tile};
+use super::{dtype_code as code, scalar_at, Rows, Tile, PANEL};
 use super::{BF16, F16, F32, Q4_0, Q4_1, Q8_0};
 
 /// W rows of the batched tile (the parent's block sizes, multiples of 24, are multiples of it).
@@ -252,6 +258,169 @@ unsafe fn kernel_f32<const R: usize, const C: usize>(
     }
 }
 
+/// W rows `rows` as the loader's f32 values in panels of [`PANEL`] rows (the last padded
+/// with zeros, so every tile reads whole panels): panel `h` at `h * PANEL * k16`, each chunk of 16 its rows' floats in turn.
+///
+/// # Safety
+/// The rows lie inside `w`'s memory.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn pack_rows(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    // SAFETY (all arms): as for this function.
+    unsafe {
+        match code(w.dtype) {
+            F32 => pack_rows_of::<F32>(w, rows, k, out),
+            F16 => pack_rows_of::<F16>(w, rows, k, out),
+            BF16 => pack_rows_of::<BF16>(w, rows, k, out),
+            Q8_0 => pack_rows_of::<Q8_0>(w, rows, k, out),
+            Q4_0 => pack_rows_of::<Q4_0>(w, rows, k, out),
+            _ => pack_rows_of::<Q4_1>(w, rows, k, out),
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    let (k16, k32) = (k / 16 * 16, k / 32 * 32);
+    let n = rows.len();
+    let panels = n.div_ceil(PANEL);
+    assert!(
+        out.len() >= panels * PANEL * k16,
+        "pack_rows: out too short"
+    );
+    let dst = out.as_mut_ptr();
+    let quantized = matches!(D, Q8_0 | Q4_0 | Q4_1);
+    for (r, j) in rows.clone().enumerate() {
+        let row = w.ptr.wrapping_add(j * w.row_bytes);
+        let at = |q: usize| (r / PANEL) * PANEL * k16 + q * 16 * PANEL + (r % PANEL) * 16;
+        // The row a panel later, fetched while this one is decoded (the rows stream from
+        // memory once per step, and a row is too short for the hardware prefetcher).
+        let ahead = row.wrapping_add(PANEL * w.row_bytes);
+        let mut p = 0;
+        if quantized {
+            // The scales 16 blocks at a time, as the batch-1 kernel takes them.
+            let mut scales = [0.0f32; 2 * GROUP];
+            let n_blocks = k / 32;
+            let mut b0 = 0;
+            while b0 < n_blocks {
+                let nb = GROUP.min(n_blocks - b0);
+                // SAFETY: blocks b0..b0 + nb lie inside the row.
+                unsafe { group_scales::<D>(row, b0, nb, &mut scales) };
+                for b in 0..nb {
+                    let p = (b0 + b) * 32;
+                    if j + PANEL < rows.end {
+                        let line = ahead.wrapping_add(byte_offset::<D>(p));
+                        _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
+                    }
+                    let [d, m] = [0, 1].map(|h| _mm512_set1_ps(scales[2 * b + h]));
+                    let ctx = ctx_of::<D>(d, m);
+                    // SAFETY: block b0 + b lies inside the row; both chunks' places lie
+                    // inside `out` (checked above).
+                    unsafe {
+                        _mm512_storeu_ps(dst.add(at(p / 16)), load::<D>(row, p, 0, ctx));
+                        _mm512_storeu_ps(dst.add(at(p / 16 + 1)), load::<D>(row, p, 1, ctx));
+                    }
+                }
+                b0 += nb;
+            }
+            p = k32;
+        }
+        while p < k32 {
+            // SAFETY: p + 32 <= k inside the row; both chunks' places lie inside `out`.
+            unsafe {
+                let ctx = block_ctx::<D>(row, p);
+                _mm512_storeu_ps(dst.add(at(p / 16)), load::<D>(row, p, 0, ctx));
+                _mm512_storeu_ps(dst.add(at(p / 16 + 1)), load::<D>(row, p, 1, ctx));
+            }
+            p += 32;
+        }
+        if p < k16 {
+            // SAFETY: p + 16 <= k (f32, f16 and bf16 rows only).
+            unsafe {
+                let v = load::<D>(row, p, 0, _mm512_setzero_ps());
+                _mm512_storeu_ps(dst.add(at(p / 16)), v);
+            }
+        }
+    }
+    for r in n..panels * PANEL {
+        for q in 0..k16 / 16 {
+            let at = (r / PANEL) * PANEL * k16 + q * 16 * PANEL + (r % PANEL) * 16;
+            out[at..at + 16].fill(0.0);
+        }
+    }
+}
+
+/// One tile of packed panels: W's (`panel`, the rows, the first row's number, how many of
+/// the panel's [`PANEL`] rows are real) and the activations' (the same, `c` ≤ [`PANEL`]
+/// rows, the panel holding exactly those), with the output's row length and `k`.
+pub(in crate::kernels) struct Panels<'a> {
+    pub(in crate::kernels) w: (&'a [f32], Rows, usize, usize),
+    pub(in crate::kernels) x: (&'a [f32], &'a [f32], usize, usize),
+    pub(in crate::kernels) n: usize,
+    pub(in crate::kernels) k: usize,
+}
+
+/// A [`Panels`] tile into `out`: the same multiply-adds in the same order as
+/// [`kernel_f32`] (each element one 16-lane accumulator taking its chunks in order, then
+/// the fixed tree and the scalar tail from the unpacked rows), two sequential streams.
+///
+/// # Safety
+/// The panels hold `k / 16 * 16` floats per row; the rows lie inside their matrices and
+/// the tile's output elements inside `out`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn packed_tile(t: &Panels<'_>, out: *mut f32) {
+    // SAFETY (all arms): as for this function.
+    unsafe {
+        match t.x.3 {
+            4 => packed_kernel::<4>(t, out),
+            3 => packed_kernel::<3>(t, out),
+            2 => packed_kernel::<2>(t, out),
+            _ => packed_kernel::<1>(t, out),
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn packed_kernel<const C: usize>(t: &Panels<'_>, out: *mut f32) {
+    let ((wp, w, j0, nr), (xp, x, i0, _)) = (t.w, t.x);
+    let (n, k) = (t.n, t.k);
+    let k16 = k / 16 * 16;
+    assert!(
+        wp.len() >= PANEL * k16 && xp.len() >= C * k16,
+        "packed_tile: short panels"
+    );
+    let mut acc = [[_mm512_setzero_ps(); PANEL]; C];
+    let (mut wq, mut xq) = (wp.as_ptr(), xp.as_ptr());
+    for _ in 0..k16 / 16 {
+        // SAFETY: one chunk of the PANEL W rows and of the C activation rows, inside the
+        // panels (checked above).
+        let wv: [__m512; PANEL] =
+            std::array::from_fn(|r| unsafe { _mm512_loadu_ps(wq.add(16 * r)) });
+        for (c, row) in acc.iter_mut().enumerate() {
+            // SAFETY: as above.
+            let xv = unsafe { _mm512_loadu_ps(xq.add(16 * c)) };
+            for (a, &v) in row.iter_mut().zip(&wv) {
+                *a = _mm512_fmadd_ps(xv, v, *a);
+            }
+        }
+        wq = wq.wrapping_add(16 * PANEL);
+        xq = xq.wrapping_add(16 * C);
+    }
+    let sums = joint_sums(&acc);
+    for (c, row) in sums.iter().enumerate() {
+        for (r, &sum) in row.iter().enumerate().take(nr) {
+            let mut s = sum;
+            let wrow = w.ptr.wrapping_add((j0 + r) * w.row_bytes);
+            for q in k16..k {
+                // SAFETY: q < k inside W row j0 + r, as the caller promised.
+                s = x[(i0 + c) * k + q].mul_add(unsafe { scalar_at(w.dtype, wrow, q) }, s);
+            }
+            // SAFETY: (i0 + c, j0 + r) is inside the m × n output.
+            unsafe { out.add((i0 + c) * n + j0 + r).write(s) };
+        }
+    }
+}
+
 /// Blocks whose scales [`group_scales`] converts at once.
 const GROUP: usize = 16;
 
@@ -459,53 +628,6 @@ unsafe fn nibbles(qs: *const u8, half: usize) -> __m512i {
         b
     } else {
         _mm512_srli_epi32::<4>(b)
-    }
-}
-
-/// Rows `rows` of `w` dequantized into `out` (`rows.len() × k`): the f32 values `load` gives,
-/// 16 at a time, and the loader's scalar values for a tail.
-///
-/// # Safety
-/// The rows lie inside `w`'s memory and `out` holds `rows.len() × k` floats.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn dequantize_rows(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
-    // SAFETY (all arms): as for this function.
-    unsafe {
-        match code(w.dtype) {
-            F32 => dequantize_rows_of::<F32>(w, rows, k, out),
-            F16 => dequantize_rows_of::<F16>(w, rows, k, out),
-            BF16 => dequantize_rows_of::<BF16>(w, rows, k, out),
-            Q8_0 => dequantize_rows_of::<Q8_0>(w, rows, k, out),
-            Q4_0 => dequantize_rows_of::<Q4_0>(w, rows, k, out),
-            _ => dequantize_rows_of::<Q4_1>(w, rows, k, out),
-        }
-    }
-}
-
-#[target_feature(enable = "avx512f")]
-unsafe fn dequantize_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
-    let (k16, k32) = (k / 16 * 16, k / 32 * 32);
-    for (j, o) in rows.zip(out.chunks_exact_mut(k)) {
-        let row = w.ptr.wrapping_add(j * w.row_bytes);
-        let dst = o.as_mut_ptr();
-        let mut p = 0;
-        while p < k32 {
-            // SAFETY: p + 32 <= k inside the row and inside `o`.
-            unsafe {
-                let ctx = block_ctx::<D>(row, p);
-                _mm512_storeu_ps(dst.add(p), load::<D>(row, p, 0, ctx));
-                _mm512_storeu_ps(dst.add(p + 16), load::<D>(row, p, 1, ctx));
-            }
-            p += 32;
-        }
-        if p < k16 {
-            // SAFETY: p + 16 <= k (f32, f16 and bf16 rows only).
-            unsafe { _mm512_storeu_ps(dst.add(p), load::<D>(row, p, 0, _mm512_setzero_ps())) };
-        }
-        for (q, v) in o.iter_mut().enumerate().skip(k16) {
-            // SAFETY: q < k inside the row.
-            *v = unsafe { scalar_at(w.dtype, row, q) };
-        }
     }
 }
 

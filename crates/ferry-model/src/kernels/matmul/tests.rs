@@ -174,6 +174,44 @@ fn every_dtype_gives_the_bits_of_its_f32_dequantization() {
     }
 }
 
+/// A matrix whose segments differ in dtype (a bf16 push into part of a Q4_1 model's fused
+/// matrix, say) gives each row the bits of its f32 dequantization at every batch size: the
+/// batched steps send the f32 segment through the row tiles and the others through panels.
+#[test]
+fn mixed_dtype_segments_give_the_bits_of_their_f32_dequantization() {
+    use crate::dtype::quantize;
+    use crate::matrix::Segment;
+    use crate::weight_buf::ByteBuf;
+    let k = 160;
+    let parts = [
+        (WeightDtype::Q4_1, 21),
+        (WeightDtype::F32, 10),
+        (WeightDtype::BF16, 7),
+        (WeightDtype::Q8_0, 30),
+    ];
+    let segments = parts
+        .iter()
+        .enumerate()
+        .map(|(s, &(dtype, rows))| {
+            let values = pseudo(rows * k, 40 + s as u32);
+            let bytes = ByteBuf::from_slice(&quantize(dtype, &values));
+            Segment::new(dtype, rows, k, bytes).unwrap()
+        })
+        .collect();
+    let w = Matrix::new(k, segments);
+    let (n, w32) = (w.n_rows(), w.to_f32());
+    let x = pseudo(66 * k, 9);
+    for isa in isas() {
+        for m in [1, 4, 7, 66] {
+            let (mut got, mut want) = (vec![0.0; m * n], vec![0.0; m * n]);
+            matmul_with(isa, &x[..m * k], &w, &mut got, m);
+            matmul_f32_with(isa, &x[..m * k], &w32, &mut want, m, n, k);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{isa:?} m={m}");
+        }
+    }
+}
+
 /// The dequantization is not trivially right: every dtype but f32 changes the values (so the
 /// test above compares kernels that really decode), and a matrix of zeros gives zeros.
 #[test]
