@@ -1,7 +1,8 @@
-//! Batch-1 matmul speed per weight dtype, one thread: `cargo run --release -p ferry-model
-//! --example kernel_speed` prints ns per 32-element block for a matrix that fits in L2
-//! (the kernel's compute cost) and for many that stream from memory (its read cost), for
-//! quick A/B checks of the kernels.
+//! Matmul speed per weight dtype, on `RAYON_NUM_THREADS` threads (A/B checks of the kernels):
+//! `cargo run --release -p ferry-model --example kernel_speed` prints GB/s of batch-1 passes
+//! over the default model's layer shapes, GFLOP/s at batch 64, and ns per 32-element block
+//! for a matrix that fits in L2 (the kernel's compute cost) and for many that stream from
+//! memory (its read cost).
 
 use std::time::Instant;
 
@@ -58,7 +59,40 @@ fn batched_cold(dtype: WeightDtype, m: usize) -> f64 {
     2.0 * (m * n * k * ws.len()) as f64 / best / 1e9
 }
 
+/// GB/s of a batch-1 pass over 30 layers of the default model's matmul shapes (qkv, o,
+/// gate_up, down), each its own matrix as in the model: the per-matmul costs (the pool's
+/// start, each task's cold row stream) that one large matrix hides. Best of 10 passes.
+fn layers_streaming(dtype: WeightDtype) -> f64 {
+    let shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
+    let ws: Vec<Matrix> = (0..30)
+        .flat_map(|l| {
+            shapes
+                .iter()
+                .enumerate()
+                .map(move |(i, &(n, k))| matrix(dtype, n, k, (l * 4 + i) as u32 + 100))
+        })
+        .collect();
+    let bytes: usize = ws.iter().map(Matrix::n_bytes).sum();
+    let x: Vec<f32> = (0..1536).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut out = vec![0.0f32; 3072];
+    let mut best = f64::INFINITY;
+    for _ in 0..10 {
+        let t = Instant::now();
+        for w in &ws {
+            matmul(&x[..w.k()], w, &mut out[..w.n_rows()], 1);
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best / 1e9
+}
+
 fn main() {
+    for dtype in [WeightDtype::Q8_0, WeightDtype::Q4_1] {
+        println!(
+            "{dtype:>5}: batch 1, model-shaped layers: {:6.2} GB/s",
+            layers_streaming(dtype)
+        );
+    }
     for dtype in [WeightDtype::F32, WeightDtype::Q4_1] {
         for (n, k) in [(1536, 576), (576, 1536), (3072, 576)] {
             println!(

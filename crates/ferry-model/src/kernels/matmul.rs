@@ -207,11 +207,15 @@ fn pack_x(x: &[f32], m: usize, k: usize, out: &mut [f32]) {
     }
 }
 
-/// Enough tasks for load balance (a few per thread), each a multiple of 24 rows (every
-/// register tile's height divides it).
+/// One task per thread, each a multiple of 24 rows (every register tile's height divides
+/// it). Every task starts its row stream cold (the software prefetch runs ahead inside a
+/// task only), so at batch 1 each extra task cost a ramp-up: the default model's matmul
+/// shapes, Q8_0, two threads, streamed at 41-45 GB/s as two tasks and 32-33 GB/s as eight
+/// (`kernel_speed`, "model-shaped layers"); batch 64 was no worse. The pool
+/// still hands a task nobody has started to whoever is free, so a late helper costs at
+/// most its half.
 fn rows_per_task(n: usize) -> usize {
-    let tasks = super::threads() * 4;
-    n.div_ceil(tasks).next_multiple_of(24).max(24)
+    n.div_ceil(super::threads()).next_multiple_of(24).max(24)
 }
 
 /// One dot product in the same order as one element of [`matmul_with`] with f32 weights,
