@@ -570,7 +570,7 @@ impl EngineLoop {
                 self.run_workers(&work, true);
                 work.clear();
                 self.after_work = work;
-                self.dispatch_outputs(outputs)
+                (0, self.dispatch_outputs(outputs))
             }
             Err(e) => (0, self.on_step_failure(&plan, e)),
         };
@@ -618,10 +618,14 @@ impl EngineLoop {
     }
 
     /// Sends each output to its request's channel. A request whose reader is gone is aborted
-    /// here too (the stream's own abort may still be queued). Returns (tokens, finished).
-    fn dispatch_outputs(&mut self, outputs: Vec<RequestOutput>) -> (u64, u64) {
+    /// here too (the stream's own abort may still be queued). The step's token and finish
+    /// counts are published before the first event goes out, so a client that has read its
+    /// last token never sees metrics without it. Returns the finishes counted after that
+    /// (requests aborted because their reader was gone).
+    fn dispatch_outputs(&mut self, outputs: Vec<RequestOutput>) -> u64 {
         let mut n_tokens = 0;
         let mut n_finished = 0;
+        let mut events = Vec::with_capacity(outputs.len());
         // Stamped on every output token: the version of the weights that computed it.
         let version = self.core.weight_version_shared();
         let mut constrained = self.advance_constraints(&outputs);
@@ -629,9 +633,9 @@ impl EngineLoop {
             n_tokens += u64::from(out.sampled.is_some());
             n_finished += u64::from(out.finished.is_some());
             let i = out.req.0 as usize;
-            let Some(live) = self.live.get_mut(i).and_then(Option::as_mut) else {
+            if self.live.get(i).and_then(Option::as_ref).is_none() {
                 continue;
-            };
+            }
             let mut finish = out.finished.map(|f| EngineFinish {
                 reason: f.reason,
                 stop_token: (f.reason == FinishReason::Stop)
@@ -668,16 +672,27 @@ impl EngineLoop {
                 weight_version,
                 forced,
             };
+            events.push((i, out.req, event, finished));
+        }
+        self.stats.send_modify(|s| {
+            s.n_generated_tokens_total += n_tokens;
+            s.n_requests_finished_total += n_finished;
+        });
+        let mut n_late = 0;
+        for (i, req, event, finished) in events {
+            let Some(live) = self.live.get_mut(i).and_then(Option::as_mut) else {
+                continue;
+            };
             let gone = live.events.send(event).is_err();
             if finished {
                 self.live[i] = None;
             } else if gone {
-                if let Some(id) = self.core.request(out.req).map(|r| r.id.clone()) {
-                    n_finished += u64::from(self.abort(&id));
+                if let Some(id) = self.core.request(req).map(|r| r.id.clone()) {
+                    n_late += u64::from(self.abort(&id));
                 }
             }
         }
-        (n_tokens, n_finished)
+        n_late
     }
 
     /// Feeds each constrained request the token it just sampled and computes its next mask,
