@@ -179,8 +179,10 @@ async fn the_rl_cycle_through_the_proxy_loses_nothing_and_sets_one_version() {
         let greedy = completion(PROMPT, 8);
         let (_, before) = post(&url(proxy, "/v1/completions"), &greedy).await;
 
-        // Three long requests, all decoding on D before the pause.
-        let n_tokens = 300;
+        // Three long requests, all decoding on D before the pause (long enough, within
+        // the servers' 1024 positions, that the tiny model is still decoding when D is
+        // polled: three requests of 300 tokens took ~15 ms).
+        let n_tokens = 900;
         let inflight: Vec<_> = (0..3)
             .map(|i| {
                 let body = json!({"model": "tiny", "prompt": format!("{PROMPT} ({i})"),
@@ -278,7 +280,7 @@ async fn a_cache_clearing_pause_through_the_proxy_loses_no_request() {
         let fleet = pd_fleet(&[], &["--kv-load-failure-policy", "recompute"]);
         let single = single.ready();
         let proxy = fleet.proxy.url.clone();
-        let n_tokens = 200;
+        let n_tokens = 600;
         let prompts: Vec<String> = (0..6).map(|i| format!("{PROMPT} Request {i}.")).collect();
         let tasks: Vec<_> = prompts
             .iter()

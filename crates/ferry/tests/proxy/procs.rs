@@ -310,6 +310,8 @@ pub async fn wait_metrics(base: &str, within: Duration, cond: impl Fn(&str) -> b
             Instant::now() < deadline,
             "{base}/metrics never met the condition:\n{text}"
         );
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        // Often: a state like "three requests decoding" lasts only tens of milliseconds
+        // on the tiny model.
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
