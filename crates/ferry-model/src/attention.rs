@@ -238,10 +238,21 @@ fn attend_token(
     // stalled the core on its limit of misses in flight (batch-64 decode attention took ~6%
     // longer that way).
     let parts = layout.n_kv_heads;
-    let ahead = |plane: KvPlane, p0: usize, i: usize| {
-        if p0 < n_pos {
-            let n = bs.min(n_pos - p0);
-            let rows = kv_rows(arena, layout, layer, plane, query.block_table, p0, n);
+    let next = |plane: KvPlane, p0: usize| {
+        (p0 < n_pos).then(|| {
+            kv_rows(
+                arena,
+                layout,
+                layer,
+                plane,
+                query.block_table,
+                p0,
+                bs.min(n_pos - p0),
+            )
+        })
+    };
+    let ahead = |next: Option<&[f32]>, i: usize| {
+        if let Some(rows) = next {
             let piece = rows.len().div_ceil(parts).next_multiple_of(16);
             let start = (i * piece).min(rows.len());
             prefetch(&rows[start..(start + piece).min(rows.len())]);
@@ -250,12 +261,13 @@ fn attend_token(
     for p0 in (0..n_pos).step_by(bs) {
         let n = bs.min(n_pos - p0);
         let rows = kv_rows(arena, layout, layer, KvPlane::K, query.block_table, p0, n);
+        let following = if p0 + bs < n_pos {
+            next(KvPlane::K, p0 + bs)
+        } else {
+            next(KvPlane::V, 0)
+        };
         for kv_head in 0..layout.n_kv_heads {
-            if p0 + bs < n_pos {
-                ahead(KvPlane::K, p0 + bs, kv_head);
-            } else {
-                ahead(KvPlane::V, 0, kv_head);
-            }
+            ahead(following, kv_head);
             // The group's query heads (back to back in `q`) are one tile against the block.
             let heads = kv_head * group..(kv_head + 1) * group;
             dot_tile(
@@ -279,8 +291,9 @@ fn attend_token(
     for p0 in (0..n_pos).step_by(bs) {
         let n = bs.min(n_pos - p0);
         let block = kv_rows(arena, layout, layer, KvPlane::V, query.block_table, p0, n);
+        let following = next(KvPlane::V, p0 + bs);
         for kv_head in 0..layout.n_kv_heads {
-            ahead(KvPlane::V, p0 + bs, kv_head);
+            ahead(following, kv_head);
             let rows = &block[kv_head * hd..];
             let w = |h: usize| &scores[h * n_pos + p0..h * n_pos + p0 + n];
             for g0 in (0..group).step_by(4) {

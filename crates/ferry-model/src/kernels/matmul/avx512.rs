@@ -259,7 +259,7 @@ unsafe fn kernel_f32<const R: usize, const C: usize>(
 }
 
 /// W rows `rows` as the loader's f32 values in panels of [`PANEL`] rows (the last padded
-/// with zeros, so every tile reads whole panels): panel `h` at `h * PANEL * k16`, each chunk of 16 its rows' floats in turn.
+/// with zeros, so every tile reads whole panels): see [`panel_offset`].
 ///
 /// # Safety
 /// The rows lie inside `w`'s memory.
@@ -278,6 +278,12 @@ pub(super) unsafe fn pack_rows(w: Rows, rows: Range<usize>, k: usize, out: &mut 
     }
 }
 
+/// Where chunk `q` (16 elements) of row `r` of a block packed by [`pack_rows`] starts: panel
+/// `r / PANEL` at `r / PANEL * PANEL * k16`, and in it each chunk its rows' 16 floats in turn.
+fn panel_offset(r: usize, q: usize, k16: usize) -> usize {
+    (r / PANEL) * PANEL * k16 + q * 16 * PANEL + (r % PANEL) * 16
+}
+
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
     let (k16, k32) = (k / 16 * 16, k / 32 * 32);
@@ -291,7 +297,7 @@ unsafe fn pack_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: 
     let quantized = matches!(D, Q8_0 | Q4_0 | Q4_1);
     for (r, j) in rows.clone().enumerate() {
         let row = w.ptr.wrapping_add(j * w.row_bytes);
-        let at = |q: usize| (r / PANEL) * PANEL * k16 + q * 16 * PANEL + (r % PANEL) * 16;
+        let at = |q: usize| panel_offset(r, q, k16);
         // The row a panel later, fetched while this one is decoded (the rows stream from
         // memory once per step, and a row is too short for the hardware prefetcher).
         let ahead = row.wrapping_add(PANEL * w.row_bytes);
@@ -343,7 +349,7 @@ unsafe fn pack_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: 
     }
     for r in n..panels * PANEL {
         for q in 0..k16 / 16 {
-            let at = (r / PANEL) * PANEL * k16 + q * 16 * PANEL + (r % PANEL) * 16;
+            let at = panel_offset(r, q, k16);
             out[at..at + 16].fill(0.0);
         }
     }
