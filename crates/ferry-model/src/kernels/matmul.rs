@@ -223,7 +223,7 @@ fn rows_per_task(n: usize) -> usize {
 pub(super) fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F and BW.
         Isa::Avx512 => unsafe { avx512::dot(a, b) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Avx2Fma` is only chosen after run-time detection of AVX2, FMA and F16C.
@@ -322,7 +322,7 @@ fn run_rows(
             match packed {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `packed` is only made for `Avx512`, chosen after run-time detection
-                // of AVX-512F; it holds x's m rows, and the part's rows lie inside its memory.
+                // of AVX-512F and BW; it holds x's m rows, and the part's rows lie inside its memory.
                 Some(xp) => unsafe { run_rows_packed(x, xp, part.rows, out, m, n, k, local) },
                 _ => run_rows_dequantized(isa, x, part.rows, out, m, n, k, local),
             }
@@ -355,7 +355,7 @@ fn run_rows(
 /// nothing.)
 ///
 /// # Safety
-/// AVX-512F is available; `xp` is x packed by [`pack_x`]; rows `local` lie inside `w`.
+/// AVX-512F and BW are available; `xp` is x packed by [`pack_x`]; rows `local` lie inside `w`.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn run_rows_packed(
@@ -389,7 +389,7 @@ unsafe fn run_rows_packed(
                         n,
                         k,
                     };
-                    // SAFETY: AVX-512F as above; the panels hold these rows, and the output
+                    // SAFETY: AVX-512F and BW as above; the panels hold these rows, and the output
                     // elements lie inside the m × n output.
                     unsafe { avx512::packed_tile(&tile, out) };
                 }
@@ -463,7 +463,7 @@ fn dequantize_rows(isa: Isa, w: Rows, rows: Range<usize>, k: usize, out: &mut [f
 fn run_tile(isa: Isa, x: &[f32], out: *mut f32, tile: &Tile) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F.
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F and BW.
         Isa::Avx512 => unsafe { avx512::tile(x, out, tile) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Avx2Fma` is only chosen after run-time detection of AVX2, FMA and F16C.

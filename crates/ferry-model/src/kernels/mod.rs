@@ -8,7 +8,7 @@
 //! sum, then the tail in order. Parallelism is only over output features (rows of W), never
 //! over K.
 //!
-//! The instruction set is chosen once per process ([`Isa::current`]): AVX-512F when the CPU
+//! The instruction set is chosen once per process ([`Isa::current`]): AVX-512 (F and BW) when the CPU
 //! has it (16 lanes per accumulator), else AVX2+FMA (8 lanes), else a portable path. They give
 //! different bits, which is fine because a process never mixes them.
 
@@ -33,7 +33,7 @@ const PAR_ROWS: usize = 4;
 /// Which implementation of the kernels this process uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
-    /// x86-64 with AVX-512F (detected at run time): 16 lanes per accumulator.
+    /// x86-64 with AVX-512F and BW (detected at run time): 16 lanes per accumulator.
     Avx512,
     /// x86-64 with AVX2, FMA and F16C (detected at run time, not compiled in with
     /// `target-cpu`).
@@ -54,7 +54,7 @@ impl Isa {
         let mut isas = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f") {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
                 isas.push(Isa::Avx512);
             }
             // F16C converts f16 weights; every CPU with AVX2 has it.
