@@ -322,7 +322,8 @@ fn run_rows(
             match packed {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `packed` is only made for `Avx512`, chosen after run-time detection
-                // of AVX-512F and BW; it holds x's m rows, and the part's rows lie inside its memory.
+                // of AVX-512F and BW; it holds x's m rows, and the part's rows lie inside its
+                // memory.
                 Some(xp) => unsafe { run_rows_packed(x, xp, part.rows, out, m, n, k, local) },
                 _ => run_rows_dequantized(isa, x, part.rows, out, m, n, k, local),
             }
@@ -389,8 +390,8 @@ unsafe fn run_rows_packed(
                         n,
                         k,
                     };
-                    // SAFETY: AVX-512F and BW as above; the panels hold these rows, and the output
-                    // elements lie inside the m × n output.
+                    // SAFETY: AVX-512F and BW as above; the panels hold these rows, and the
+                    // output elements lie inside the m × n output.
                     unsafe { avx512::packed_tile(&tile, out) };
                 }
             }

@@ -8,9 +8,9 @@
 //! sum, then the tail in order. Parallelism is only over output features (rows of W), never
 //! over K.
 //!
-//! The instruction set is chosen once per process ([`Isa::current`]): AVX-512 (F and BW) when the CPU
-//! has it (16 lanes per accumulator), else AVX2+FMA (8 lanes), else a portable path. They give
-//! different bits, which is fine because a process never mixes them.
+//! The instruction set is chosen once per process ([`Isa::current`]): AVX-512 (F and BW)
+//! when the CPU has it (16 lanes per accumulator), else AVX2+FMA (8 lanes), else a portable
+//! path. They give different bits, which is fine because a process never mixes them.
 
 mod exp;
 mod matmul;

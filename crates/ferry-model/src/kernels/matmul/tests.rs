@@ -129,11 +129,17 @@ fn strided_rows_give_the_bits_of_single_dots() {
 /// `rows × k` weights in `dtype`, one segment per entry of `parts`, from pseudo-random
 /// values; and the same matrix dequantized to f32 (the loader's values).
 fn stored(dtype: WeightDtype, parts: &[usize], k: usize, seed: u32) -> (Matrix, Vec<f32>) {
+    let parts: Vec<_> = parts.iter().map(|&rows| (dtype, rows)).collect();
+    stored_mixed(&parts, k, seed)
+}
+
+/// [`stored`] with each segment in its own dtype.
+fn stored_mixed(parts: &[(WeightDtype, usize)], k: usize, seed: u32) -> (Matrix, Vec<f32>) {
     use crate::dtype::quantize;
     use crate::matrix::Segment;
     use crate::weight_buf::ByteBuf;
     let mut segments = Vec::new();
-    for (s, &rows) in parts.iter().enumerate() {
+    for (s, &(dtype, rows)) in parts.iter().enumerate() {
         let values = pseudo(rows * k, seed + s as u32);
         let bytes = ByteBuf::from_slice(&quantize(dtype, &values));
         segments.push(Segment::new(dtype, rows, k, bytes).unwrap());
@@ -179,9 +185,6 @@ fn every_dtype_gives_the_bits_of_its_f32_dequantization() {
 /// batched steps send the f32 segment through the row tiles and the others through panels.
 #[test]
 fn mixed_dtype_segments_give_the_bits_of_their_f32_dequantization() {
-    use crate::dtype::quantize;
-    use crate::matrix::Segment;
-    use crate::weight_buf::ByteBuf;
     let k = 160;
     let parts = [
         (WeightDtype::Q4_1, 21),
@@ -189,17 +192,8 @@ fn mixed_dtype_segments_give_the_bits_of_their_f32_dequantization() {
         (WeightDtype::BF16, 7),
         (WeightDtype::Q8_0, 30),
     ];
-    let segments = parts
-        .iter()
-        .enumerate()
-        .map(|(s, &(dtype, rows))| {
-            let values = pseudo(rows * k, 40 + s as u32);
-            let bytes = ByteBuf::from_slice(&quantize(dtype, &values));
-            Segment::new(dtype, rows, k, bytes).unwrap()
-        })
-        .collect();
-    let w = Matrix::new(k, segments);
-    let (n, w32) = (w.n_rows(), w.to_f32());
+    let (w, w32) = stored_mixed(&parts, k, 40);
+    let n = w.n_rows();
     let x = pseudo(66 * k, 9);
     for isa in isas() {
         for m in [1, 4, 7, 66] {
