@@ -173,6 +173,22 @@ fn run(isa: Isa, x: &[f32], parts: &[Part], out: &mut [f32], m: usize, n: usize,
     });
 }
 
+/// Every f16's f32 value, indexed by its bits: exactly the loader's conversion
+/// (`half::f16::to_f32`, which `vcvtph2ps` also gives), built on first use (256 KiB). The
+/// batch-1 quantized kernels read block scales from it with plain loads, which leave the
+/// vector ports to the multiply-adds; a decode step touches only the lines of the scales its
+/// weights hold, a few KiB.
+fn f16_table() -> &'static [f32; 1 << 16] {
+    static TABLE: std::sync::OnceLock<Box<[f32; 1 << 16]>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut t = Box::new([0.0f32; 1 << 16]);
+        for (bits, v) in t.iter_mut().enumerate() {
+            *v = half::f16::from_bits(bits as u16).to_f32();
+        }
+        t
+    })
+}
+
 thread_local! {
     /// The activations packed into panels, reused from step to step.
     static XPACK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };

@@ -431,18 +431,23 @@ unsafe fn packed_kernel<const C: usize>(t: &Panels<'_>, out: *mut f32) {
 const GROUP: usize = 16;
 
 /// [`kernel`] for one activation row against R rows of a quantized dtype: the same
-/// multiply-adds in the same order, decoded with fewer shuffles than [`load`] takes.
+/// multiply-adds in the same order, decoded with fewer vector instructions than [`load`]
+/// takes.
 ///
-/// * Q8_0: each block's scale is one broadcast and one conversion ([`scale`]).
-/// * Q4_0 and Q4_1: the blocks' f16 scales come 16 blocks at a time ([`group_scales`]), each
-///   block's 16-value table is made from two broadcast loads ([`ctx_of`]), and its nibbles
-///   are read without widening them: the block's 16 bytes broadcast to the four 128-bit
-///   lanes, lane `4a + b` shifted to byte `a` of dword `b`. That puts element `4b + a` (and
-///   `16 + 4b + a` four bits up) in lane `4a + b`: each chunk's lanes transposed as a 4×4
-///   matrix. The activations are loaded transposed the same way, so each accumulator lane
-///   still takes its element's products in order, and the accumulators are transposed back
-///   before the fixed tree: the same bits as [`load`]'s order. (`vpmovzxbd` made the loop
-///   three shuffles per block and row; this makes it two.)
+/// * Every block's f16 scales (Q4_1: d and m) are looked up in [`super::f16_table`] by their
+///   bits and broadcast straight from the table: loads only, where a conversion
+///   (`vpbroadcastw` and `vcvtph2ps`, or [`group_scales`]'s permutes) took the vector
+///   ports the multiply-adds need. On Intel, whose AVX-512 runs on two ports, that made the
+///   batch-1 kernels 13-20% faster on one core (a block row, L2-hot, best of 4 interleaved
+///   runs: Q4_1 1.31 → 1.05 ns at k = 576 and 1.21 → 1.06 at k = 1536, Q8_0 1.48 → 1.29).
+/// * Q4_0 and Q4_1: each block's 16-value table is one multiply-add of the broadcast scales
+///   ([`ctx_of`]), and its nibbles are read without widening them: the block's 16 bytes
+///   broadcast to the four 128-bit lanes, lane `4a + b` shifted to byte `a` of dword `b`.
+///   That puts element `4b + a` (and `16 + 4b + a` four bits up) in lane `4a + b`: each
+///   chunk's lanes transposed as a 4×4 matrix. The activations are loaded transposed the
+///   same way, so each accumulator lane still takes its element's products in order, and the
+///   accumulators are transposed back before the fixed tree: the same bits as [`load`]'s
+///   order. (`vpmovzxbd` made the loop three shuffles per block and row; this makes it two.)
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
 unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
@@ -455,65 +460,64 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
 ) {
     let (k, w) = (t.k, t.w);
     assert_eq!(k % 32, 0, "a quantized row is whole blocks");
-    let n_blocks = k / 32;
     let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
     let nibbles_at = if D == Q4_1 { 4 } else { 2 };
+    let f16 = super::f16_table();
+    // The f32 of the f16 at `at`, broadcast (a load from the table, then a broadcast load).
+    let scale_at = |at: *const u8| {
+        // SAFETY: the caller passes a scale's two bytes, inside a row.
+        let bits = unsafe { at.cast::<u16>().read_unaligned() };
+        _mm512_set1_ps(f16[usize::from(bits)])
+    };
     let mut acc = [_mm512_setzero_ps(); R];
-    // Per row, the group's scales as f32 pairs [d, m] (Q4_0: [d, d]).
-    let mut scales = [[0.0f32; 2 * GROUP]; R];
     // Its own inverse.
     let transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     let byte_shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
-    let mut b0 = 0;
-    while b0 < n_blocks {
-        let nb = GROUP.min(n_blocks - b0);
-        if D != Q8_0 {
-            // SAFETY: blocks b0..b0 + nb lie inside each row.
-            unsafe { group_scales::<D, R>(&rows, b0, nb, &mut scales) };
+    for p in (0..k).step_by(32) {
+        if prefetch {
+            // As in `kernel`, this block's bytes some rows ahead: for Q8_0 four groups of
+            // R rows (about as many bytes ahead as f32's one group; one group left Q8_0
+            // at 24 GB/s where f32 streams 42, measured with `kernel_speed`), for the
+            // 4-bit dtypes, whose blocks take longer to decode per byte, two groups (one
+            // group streamed Q4_1 on one core at 1.2 ns per block, two at 1.0).
+            let ahead = if D == Q8_0 { 4 * R } else { 2 * R };
+            for row in rows {
+                let line = row.wrapping_add(ahead * w.row_bytes + byte_offset::<D>(p));
+                _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
+            }
         }
-        for b in 0..nb {
-            let p = (b0 + b) * 32;
-            if prefetch {
-                // As in `kernel`, this block's bytes some rows ahead: for Q8_0 four groups of
-                // R rows (about as many bytes ahead as f32's one group; one group left Q8_0
-                // at 24 GB/s where f32 streams 42, measured with `kernel_speed`), for the
-                // 4-bit dtypes, whose blocks take longer to decode per byte, two groups (one
-                // group streamed Q4_1 on one core at 1.2 ns per block, two at 1.0).
-                let ahead = if D == Q8_0 { 4 * R } else { 2 * R };
-                for row in rows {
-                    let line = row.wrapping_add(ahead * w.row_bytes + byte_offset::<D>(p));
-                    _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
-                }
-            }
-            // SAFETY: p + 32 <= k inside row i.
-            let xv = unsafe { [0, 16].map(|h| _mm512_loadu_ps(x.add(i * k + p + h))) };
-            if D == Q8_0 {
-                for (r, &row) in rows.iter().enumerate() {
-                    // SAFETY: block b0 + b lies inside the row.
-                    let d = unsafe { scale(row.add(byte_offset::<D>(p))) };
-                    for (half, &xh) in xv.iter().enumerate() {
-                        // SAFETY: as above.
-                        let v = unsafe { load::<D>(row, p, half, d) };
-                        acc[r] = _mm512_fmadd_ps(xh, v, acc[r]);
-                    }
-                }
-                continue;
-            }
-            let xv = xv.map(|v| _mm512_permutexvar_ps(transpose, v));
+        // SAFETY: p + 32 <= k inside row i.
+        let xv = unsafe { [0, 16].map(|h| _mm512_loadu_ps(x.add(i * k + p + h))) };
+        if D == Q8_0 {
             for (r, &row) in rows.iter().enumerate() {
-                let [d, m] = [0, 1].map(|h| _mm512_set1_ps(scales[r][2 * b + h]));
-                let table = ctx_of::<D>(d, m);
-                let qs = row.wrapping_add(byte_offset::<D>(p) + nibbles_at);
-                // SAFETY: the block's 16 bytes of nibbles lie inside the row.
-                let bytes = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(qs.cast()) });
-                // `vpermps` reads an index's low 4 bits: the nibble at the lane's shift.
-                let low = _mm512_srlv_epi32(bytes, byte_shift);
-                let high = _mm512_srli_epi32::<4>(low);
-                acc[r] = _mm512_fmadd_ps(xv[0], _mm512_permutexvar_ps(low, table), acc[r]);
-                acc[r] = _mm512_fmadd_ps(xv[1], _mm512_permutexvar_ps(high, table), acc[r]);
+                let d = scale_at(row.wrapping_add(byte_offset::<D>(p)));
+                for (half, &xh) in xv.iter().enumerate() {
+                    // SAFETY: the block at p lies inside the row.
+                    let v = unsafe { load::<D>(row, p, half, d) };
+                    acc[r] = _mm512_fmadd_ps(xh, v, acc[r]);
+                }
             }
+            continue;
         }
-        b0 += nb;
+        let xv = xv.map(|v| _mm512_permutexvar_ps(transpose, v));
+        for (r, &row) in rows.iter().enumerate() {
+            let block = row.wrapping_add(byte_offset::<D>(p));
+            let d = scale_at(block);
+            let m = if D == Q4_1 {
+                scale_at(block.wrapping_add(2))
+            } else {
+                d
+            };
+            let table = ctx_of::<D>(d, m);
+            let qs = block.wrapping_add(nibbles_at);
+            // SAFETY: the block's 16 bytes of nibbles lie inside the row.
+            let bytes = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(qs.cast()) });
+            // `vpermps` reads an index's low 4 bits: the nibble at the lane's shift.
+            let low = _mm512_srlv_epi32(bytes, byte_shift);
+            let high = _mm512_srli_epi32::<4>(low);
+            acc[r] = _mm512_fmadd_ps(xv[0], _mm512_permutexvar_ps(low, table), acc[r]);
+            acc[r] = _mm512_fmadd_ps(xv[1], _mm512_permutexvar_ps(high, table), acc[r]);
+        }
     }
     if D != Q8_0 {
         acc = acc.map(|a| _mm512_permutexvar_ps(transpose, a));
@@ -529,10 +533,11 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
 /// `out`, as f32 pairs [d, m] (Q4_1; the other dtypes repeat d): the group's bytes loaded a
 /// register at a time (masked at the group's end, so nothing past it is read), each block's
 /// f16 words picked out 128 bytes at a time by two-register word permutes, and converted
-/// exactly (`vcvtph2ps`, as [`scale`] does one at a time). A gather of the blocks' first
-/// bytes took ~35% of the batch-1 Q4_1 and Q8_0 kernels' time on Zen 5, whose gathers load
-/// element by element (`kernel_speed`: 1.15 against 0.74 ns per block without it). Q8_0's
-/// batch-1 kernel converts each block's scale on its own instead, which measured faster.
+/// exactly (`vcvtph2ps`, as [`scale`] does one at a time), for the batched packing
+/// ([`pack_rows`]). A gather of the blocks' first bytes was slow on Zen 5, whose gathers load
+/// element by element. The batch-1 kernel looks its scales up in a table instead
+/// ([`kernel_quantized_1`]): these permutes and conversions took the vector ports its
+/// multiply-adds need.
 ///
 /// # Safety
 /// The blocks lie inside each row.
