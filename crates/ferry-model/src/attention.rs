@@ -71,19 +71,59 @@ pub fn paged_attention(
             _ => runs.push(i..i + 1),
         }
     }
+    // A decode step of few requests has fewer runs than threads: its single-token runs are
+    // cut further, one unit per KV head (a head's scores, softmax and V sums need no other
+    // head), so a batch-1 step's attention runs on every thread instead of one.
+    let n_kv = layout.n_kv_heads;
+    let split = runs.len() < SPLIT_BELOW;
+    let units: Vec<(usize, Range<usize>)> = runs
+        .iter()
+        .enumerate()
+        .flat_map(|(u, r)| {
+            let cut = split && r.len() == 1;
+            let heads = if cut { n_kv } else { 1 };
+            (0..heads).map(move |h| (u, if cut { h..h + 1 } else { 0..n_kv }))
+        })
+        .collect();
+    let group = n_heads / n_kv;
     let base = SharedMut(out.as_mut_ptr());
-    let one = |u: usize| {
+    let one = |unit: usize| {
+        let (u, ref kv_heads) = units[unit];
         let r = runs[u].clone();
+        let qt = &q[r.start * width..r.end * width];
+        if kv_heads.len() < n_kv {
+            // SAFETY: the unit's heads of its one token, which no other unit writes; `out`
+            // stays borrowed until the pool returns.
+            let ot = unsafe {
+                let at = r.start * width + kv_heads.start * group * layout.head_dim;
+                let len = kv_heads.len() * group * layout.head_dim;
+                std::slice::from_raw_parts_mut(base.get().add(at), len)
+            };
+            let query = &queries[r.start];
+            return attend_token(
+                arena,
+                layout,
+                layer,
+                n_heads,
+                query,
+                qt,
+                ot,
+                kv_heads.clone(),
+            );
+        }
         // SAFETY: the runs are disjoint ranges of tokens, so each task writes its own rows of
         // `out`, which stays borrowed until the pool returns.
         let ot = unsafe {
             std::slice::from_raw_parts_mut(base.get().add(r.start * width), r.len() * width)
         };
-        let qt = &q[r.start * width..r.end * width];
         attend_run(arena, layout, layer, n_heads, &queries[r], qt, ot);
     };
-    crate::kernels::pool::run(runs.len(), &one);
+    crate::kernels::pool::run(units.len(), &one);
 }
+
+/// Below this many runs, a step's single-token runs are split by KV head (see
+/// [`paged_attention`]).
+const SPLIT_BELOW: usize = 8;
 
 /// Tokens in one unit of attention work: enough queries for the 4×4 register tiles, few
 /// enough that a prefill chunk still splits over the threads.
@@ -108,7 +148,16 @@ fn attend_run(
                 &q[i * width..(i + 1) * width],
                 &mut out[i * width..(i + 1) * width],
             );
-            attend_token(arena, layout, layer, n_heads, query, qt, ot);
+            attend_token(
+                arena,
+                layout,
+                layer,
+                n_heads,
+                query,
+                qt,
+                ot,
+                0..layout.n_kv_heads,
+            );
         }
         return;
     }
@@ -211,9 +260,12 @@ fn attend_run(
     }
 }
 
-/// One token, all heads. Query heads that share a KV head are done together so each K and
-/// V row is fetched once per group; each score and each output element is still computed in
-/// the same order as for one head alone.
+/// One token, the query heads of KV heads `kv_heads` (all of them, or a unit of a split
+/// step): `q` is the token's whole query row, `out` the output of those heads only. Query
+/// heads that share a KV head are done together so each K and V row is fetched once per
+/// group; each score and each output element is still computed in the same order as for one
+/// head alone, so a split gives the bits of the whole.
+#[allow(clippy::too_many_arguments)]
 fn attend_token(
     arena: &KvArena,
     layout: &KvLayout,
@@ -222,21 +274,26 @@ fn attend_token(
     query: &AttnQuery<'_>,
     q: &[f32],
     out: &mut [f32],
+    kv_heads: Range<usize>,
 ) {
     let hd = layout.head_dim;
     let group = n_heads / layout.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let n_pos = query.pos + 1;
     let tf = layout.token_floats();
-    // Row h of `scores` is query head h's, n_pos wide. Blocks outside, KV heads inside: a
-    // block's K (then V) vectors of every KV head are contiguous, so each is read from
-    // memory once, in order, rather than once per KV head at a stride.
-    let mut scores = vec![0.0f32; n_heads * n_pos];
+    // The first query head this call computes; heads are numbered from it below.
+    let first = kv_heads.start * group;
+    let n_local = kv_heads.len() * group;
+    // Row h of `scores` is query head first + h's, n_pos wide. Blocks outside, KV heads
+    // inside: a block's K (then V) vectors of every KV head are contiguous, so each is read
+    // from memory once, in order, rather than once per KV head at a stride.
+    let mut scores = vec![0.0f32; n_local * n_pos];
     let bs = layout.block_size;
     // The next block's vectors (K, then V from the first), fetched while this one is used,
     // piece `i` of `parts` before KV head `i`'s work: a whole block's lines in one burst
     // stalled the core on its limit of misses in flight (batch-64 decode attention took ~6%
-    // longer that way).
+    // longer that way). A call for some KV heads fetches only their vectors.
+    let all = kv_heads.len() == layout.n_kv_heads;
     let parts = layout.n_kv_heads;
     let next = |plane: KvPlane, p0: usize| {
         (p0 < n_pos).then(|| {
@@ -253,9 +310,14 @@ fn attend_token(
     };
     let ahead = |next: Option<&[f32]>, i: usize| {
         if let Some(rows) = next {
-            let piece = rows.len().div_ceil(parts).next_multiple_of(16);
-            let start = (i * piece).min(rows.len());
-            prefetch(&rows[start..(start + piece).min(rows.len())]);
+            if all {
+                let piece = rows.len().div_ceil(parts).next_multiple_of(16);
+                let start = (i * piece).min(rows.len());
+                prefetch(&rows[start..(start + piece).min(rows.len())]);
+            } else {
+                rows.chunks_exact(tf)
+                    .for_each(|v| prefetch(&v[i * hd..(i + 1) * hd]));
+            }
         }
     };
     for p0 in (0..n_pos).step_by(bs) {
@@ -266,7 +328,7 @@ fn attend_token(
         } else {
             next(KvPlane::V, 0)
         };
-        for kv_head in 0..layout.n_kv_heads {
+        for kv_head in kv_heads.clone() {
             ahead(following, kv_head);
             // The group's query heads (back to back in `q`) are one tile against the block.
             let heads = kv_head * group..(kv_head + 1) * group;
@@ -276,7 +338,7 @@ fn attend_token(
                 &rows[kv_head * hd..],
                 tf,
                 n,
-                &mut scores[heads.start * n_pos + p0..],
+                &mut scores[(heads.start - first) * n_pos + p0..],
                 n_pos,
             );
         }
@@ -285,20 +347,22 @@ fn attend_token(
         s.iter_mut().for_each(|v| *v *= scale);
         softmax_in_place(s);
     }
-    out[..n_heads * hd].fill(0.0);
+    out[..n_local * hd].fill(0.0);
     // V sums a block at a time too, a group's heads together (up to four at once); each
     // output element still adds positions in order.
     for p0 in (0..n_pos).step_by(bs) {
         let n = bs.min(n_pos - p0);
         let block = kv_rows(arena, layout, layer, KvPlane::V, query.block_table, p0, n);
         let following = next(KvPlane::V, p0 + bs);
-        for kv_head in 0..layout.n_kv_heads {
+        for kv_head in kv_heads.clone() {
             ahead(following, kv_head);
             let rows = &block[kv_head * hd..];
             let w = |h: usize| &scores[h * n_pos + p0..h * n_pos + p0 + n];
             for g0 in (0..group).step_by(4) {
-                let h0 = kv_head * group + g0;
-                let outs = &mut out[h0 * hd..(h0 + 4).min((kv_head + 1) * group) * hd];
+                // Local head numbers: row of `scores`, and place in `out`.
+                let h0 = kv_head * group + g0 - first;
+                let end = ((kv_head + 1) * group - first).min(h0 + 4);
+                let outs = &mut out[h0 * hd..end * hd];
                 match group - g0 {
                     1 => axpy_rows(w(h0), rows, tf, outs),
                     2 => axpy_rows_n([0, 1].map(|g| w(h0 + g)), rows, tf, split_rows(outs, hd)),
@@ -346,12 +410,19 @@ mod tests {
     fn a_run_of_tokens_gives_the_bits_of_each_token_alone() {
         // Head sizes 8 (below one vector) and 80 (vectors of 16 and a 64-wide tile, with
         // columns left over); groups of 3 and 1, so V sums run four rows at a time and alone.
-        for (n_heads, n_kv_heads, first, len, head_dim) in [
-            (6, 2, 0usize, 21usize, 8usize),
-            (4, 4, 5, 16, 8),
-            (6, 2, 11, 37, 8),
-            (6, 2, 3, 19, 80),
-            (4, 4, 0, 9, 80),
+        // Tokens `stride` positions apart: 1 makes runs; more, or one token, makes a decode
+        // step's single-token runs, which few enough are split by KV head.
+        for (n_heads, n_kv_heads, first, len, head_dim, stride) in [
+            (6, 2, 0usize, 21usize, 8usize, 1usize),
+            (4, 4, 5, 16, 8, 1),
+            (6, 2, 11, 37, 8, 1),
+            (6, 2, 3, 19, 80, 1),
+            (4, 4, 0, 9, 80, 1),
+            (6, 2, 17, 1, 8, 1),
+            (6, 2, 9, 1, 80, 1),
+            (6, 2, 2, 3, 80, 7),
+            (4, 4, 0, 5, 8, 3),
+            (4, 1, 6, 2, 8, 5),
         ] {
             let layout = KvLayout {
                 n_layers: 1,
@@ -359,7 +430,8 @@ mod tests {
                 head_dim,
                 block_size: 4,
             };
-            let n_pos = first + len;
+            let positions: Vec<usize> = (0..len).map(|t| first + t * stride).collect();
+            let n_pos = positions[len - 1] + 1;
             let n_blocks = n_pos.div_ceil(4);
             let mut arena = KvArena::new(layout, n_blocks + 3);
             // Blocks out of order, as a real table has them.
@@ -379,8 +451,9 @@ mod tests {
             }
             let width = n_heads * head_dim;
             let q: Vec<f32> = (0..len * width).map(|_| next()).collect();
-            let queries: Vec<AttnQuery<'_>> = (first..n_pos)
-                .map(|pos| AttnQuery {
+            let queries: Vec<AttnQuery<'_>> = positions
+                .iter()
+                .map(|&pos| AttnQuery {
                     pos,
                     block_table: &table,
                 })
@@ -390,12 +463,13 @@ mod tests {
             for (t, query) in queries.iter().enumerate() {
                 let mut alone = vec![0.0f32; width];
                 let qt = &q[t * width..(t + 1) * width];
-                attend_token(&arena, &layout, 0, n_heads, query, qt, &mut alone);
+                let all = 0..n_kv_heads;
+                attend_token(&arena, &layout, 0, n_heads, query, qt, &mut alone, all);
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&together[t * width..(t + 1) * width]),
                     bits(&alone),
-                    "heads {n_heads}/{n_kv_heads} of {head_dim}, token {t} of {len} from {first}"
+                    "heads {n_heads}/{n_kv_heads} of {head_dim}, token {t} of {len} from {first} by {stride}"
                 );
                 assert!(alone.iter().any(|&v| v != 0.0));
             }
