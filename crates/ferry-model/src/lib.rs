@@ -16,6 +16,7 @@ pub mod llama_update;
 pub mod llama_weights;
 pub mod load;
 pub mod matrix;
+pub mod profile;
 pub mod random_model;
 pub mod rope;
 pub mod sampler;

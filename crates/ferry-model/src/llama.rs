@@ -18,6 +18,7 @@ use crate::config::LlamaConfig;
 use crate::executor::{ExecError, Executor};
 use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_row, silu_mul};
 use crate::llama_weights::{LayerWeights, LlamaWeights, ModelError};
+use crate::profile::{timed, Phase};
 use crate::rope::Rope;
 use crate::sampler::{sample_batch, LogprobsMode, SampleRow, SamplerScratch};
 use crate::weight_update::WeightResidency;
@@ -308,7 +309,7 @@ impl LlamaModel {
         let normed = take(&mut s.normed, n * h);
         rms_norm(x, &lw.input_norm, c.rms_norm_eps, normed);
         let qkv = take(&mut s.qkv, n * qkv_w);
-        matmul(normed, &lw.qkv, qkv, n);
+        timed(Phase::LayerMatmuls, || matmul(normed, &lw.qkv, qkv, n));
         if let Some(bias) = &lw.qkv_bias {
             qkv.chunks_exact_mut(qkv_w)
                 .for_each(|row| add_assign(row, bias));
@@ -320,28 +321,32 @@ impl LlamaModel {
             write_kv(arena, l, slot, k, v);
         }
         let attn = take(&mut s.attn, n * q_w);
-        paged_attention(
-            arena,
-            &layout,
-            l,
-            c.num_attention_heads,
-            &meta.queries,
-            q,
-            attn,
-        );
+        timed(Phase::Attention, || {
+            paged_attention(
+                arena,
+                &layout,
+                l,
+                c.num_attention_heads,
+                &meta.queries,
+                q,
+                attn,
+            )
+        });
         let proj = take(&mut s.proj, n * h);
-        matmul(attn, &lw.o_proj, proj, n);
+        timed(Phase::LayerMatmuls, || matmul(attn, &lw.o_proj, proj, n));
         add_assign(x, proj);
 
         let normed = take(&mut s.normed, n * h);
         rms_norm(x, &lw.post_norm, c.rms_norm_eps, normed);
         let inter = c.intermediate_size;
         let gate_up = take(&mut s.gate_up, n * 2 * inter);
-        matmul(normed, &lw.gate_up, gate_up, n);
+        timed(Phase::LayerMatmuls, || {
+            matmul(normed, &lw.gate_up, gate_up, n)
+        });
         let act = take(&mut s.act, n * inter);
         silu_mul(gate_up, inter, act);
         let proj = take(&mut s.proj, n * h);
-        matmul(act, &lw.down, proj, n);
+        timed(Phase::LayerMatmuls, || matmul(act, &lw.down, proj, n));
         add_assign(x, proj);
     }
 
@@ -398,7 +403,7 @@ impl LlamaModel {
             );
         }
         let data = take(data, m * vocab);
-        matmul(&last, self.weights.head(), data, m);
+        timed(Phase::Head, || matmul(&last, self.weights.head(), data, m));
     }
 }
 

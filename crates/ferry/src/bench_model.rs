@@ -7,7 +7,9 @@
 //! Each batch size gets its own arena. Prompts are prefilled in chunks of at most
 //! `--prefill-chunk` tokens per step (as the scheduler would), then every request decodes one
 //! token per step, the batch sizes taking turns step by step. Times are wall-clock around
-//! `Executor::execute`, sampling included.
+//! `Executor::execute`, sampling included, and split by phase ([`ferry_model::profile`]):
+//! layer matmuls, head, attention, the rest, and the engine thread's waits for the forward
+//! pool's helpers inside the first three.
 
 use std::path::Path;
 use std::time::Instant;
@@ -15,6 +17,7 @@ use std::time::Instant;
 use anyhow::Context;
 use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
 use ferry_kv::KvArena;
+use ferry_model::profile::PhaseNanos;
 use ferry_model::random_model::{random_weights, small_config, smollm2_135m_config, SplitMix64};
 use ferry_model::{Executor, LlamaConfig, LlamaModel, WeightStore};
 use serde_json::json;
@@ -81,7 +84,10 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
         )
     };
     let before = probe();
-    let runs = bench_batches(&mut model, args)?;
+    ferry_model::profile::set_enabled(true);
+    let runs = bench_batches(&mut model, args);
+    ferry_model::profile::set_enabled(false);
+    let runs = runs?;
     // The probes again after the runs, and the higher of each pair as the machine's: on a
     // shared host a probe that met other tenants' work reads low, and a fraction of it
     // would flatter the runs (one such probe read 227 GFLOP/s where the next read 446).
@@ -192,6 +198,8 @@ struct BatchRun {
     decode_s: f64,
     /// CPU time all of the process's threads spent in decode steps (None off Linux).
     decode_cpu_s: Option<f64>,
+    /// Time the decode steps spent in each phase of the forward.
+    decode_phases: PhaseNanos,
 }
 
 impl BatchRun {
@@ -220,6 +228,7 @@ impl BatchRun {
             prefill_s: 0.0,
             decode_s: 0.0,
             decode_cpu_s: Some(0.0),
+            decode_phases: PhaseNanos::default(),
         }
     }
 
@@ -247,9 +256,16 @@ impl BatchRun {
     /// One decode step of every request, timed.
     fn decode_step(&mut self, model: &mut LlamaModel) -> anyhow::Result<()> {
         let cpu0 = process_cpu_s();
+        let phases0 = PhaseNanos::now();
         let t = Instant::now();
         run_step(model, &mut self.kv, &mut self.reqs, &vec![1; self.batch])?;
         self.decode_s += t.elapsed().as_secs_f64();
+        let p = PhaseNanos::now().since(&phases0);
+        let sum = &mut self.decode_phases;
+        sum.layer_matmuls += p.layer_matmuls;
+        sum.head += p.head;
+        sum.attention += p.attention;
+        sum.pool_wait += p.pool_wait;
         self.decode_cpu_s = match (self.decode_cpu_s, cpu0, process_cpu_s()) {
             (Some(sum), Some(a), Some(b)) => Some(sum + (b - a)),
             _ => None,
@@ -282,6 +298,7 @@ impl BatchRun {
             "decode_tok_s": round2((self.batch * args.decode_steps) as f64 / self.decode_s),
             "decode_ms_per_step": round2(self.decode_s * 1e3 / steps),
             "decode_cpu_ms_per_step": self.decode_cpu_s.map(|c| round2(c * 1e3 / steps)),
+            "decode_phase_us_per_step": phase_us(&self.decode_phases, self.decode_s, steps),
         })
     }
 }
@@ -304,6 +321,20 @@ fn bench_batches(model: &mut LlamaModel, args: &Args) -> anyhow::Result<Vec<Batc
         }
     }
     Ok(runs)
+}
+
+/// Microseconds per step in each phase of the forward; `other` is the rest of the step
+/// (norms, rope, the KV writes, sampling), and `pool_wait` lies inside the first three.
+fn phase_us(p: &PhaseNanos, total_s: f64, steps: f64) -> serde_json::Value {
+    let us = |ns: u64| ns as f64 / 1e3 / steps;
+    let timed = p.layer_matmuls + p.head + p.attention;
+    json!({
+        "layer_matmuls": round2(us(p.layer_matmuls)),
+        "head": round2(us(p.head)),
+        "attention": round2(us(p.attention)),
+        "other": round2((total_s * 1e6 / steps - us(timed)).max(0.0)),
+        "pool_wait": round2(us(p.pool_wait)),
+    })
 }
 
 /// Schedules `counts[i]` tokens of request `i`; a request that reaches its last known token
@@ -446,6 +477,18 @@ mod tests {
             ] {
                 assert!(r[key].as_f64().unwrap() > 0.0, "{key}: {r}");
             }
+        }
+        for r in results {
+            // Every phase the small model runs took time, and they fit in the step.
+            let p = &r["decode_phase_us_per_step"];
+            let us = |k: &str| p[k].as_f64().unwrap_or_else(|| panic!("{k}: {p}"));
+            for key in ["layer_matmuls", "head", "attention"] {
+                assert!(us(key) > 0.0, "{key}: {p}");
+            }
+            let step = r["decode_ms_per_step"].as_f64().unwrap() * 1e3;
+            let phases = us("layer_matmuls") + us("head") + us("attention");
+            assert!(phases <= step + 10.0, "{p} in a {step} us step");
+            assert!(us("other") >= 0.0 && us("pool_wait") >= 0.0, "{p}");
         }
         assert!(out["fma_peak_gflop_s"].as_f64().unwrap() > 0.0);
         // The machine is the higher of the probes before and after the runs.

@@ -127,9 +127,11 @@ pub fn run(n: usize, f: &(dyn Fn(usize) + Sync)) {
         pool.wake.notify_all();
     }
     job.work();
-    while job.done.load(SeqCst) < n {
-        std::hint::spin_loop();
-    }
+    crate::profile::timed(crate::profile::Phase::PoolWait, || {
+        while job.done.load(SeqCst) < n {
+            std::hint::spin_loop();
+        }
+    });
     pool.current.store(std::ptr::null_mut(), SeqCst);
     while pool.active.load(SeqCst) > 0 {
         std::hint::spin_loop();

@@ -1,0 +1,122 @@
+//! Where a forward's time goes, for `ferry bench model`: the wall time of the layer matmuls,
+//! the head, attention, and the calling thread's waits for the forward pool's helpers, summed
+//! over every forward of the process while enabled. Off by default: a timed section then
+//! costs one relaxed load. Process-wide, so two models stepping at once share the sums.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::Instant;
+
+/// A timed part of the forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The decoder layers' matmuls (qkv, o, gate/up, down).
+    LayerMatmuls,
+    /// The final matmul onto the vocabulary.
+    Head,
+    /// Paged attention.
+    Attention,
+    /// The calling thread waiting for a pool job's other tasks (inside the phases above).
+    PoolWait,
+}
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+static NANOS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
+
+/// Starts or stops timing.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Relaxed);
+}
+
+/// Nanoseconds spent in each [`Phase`] while timing was on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PhaseNanos {
+    pub layer_matmuls: u64,
+    pub head: u64,
+    pub attention: u64,
+    pub pool_wait: u64,
+}
+
+impl PhaseNanos {
+    /// The sums so far.
+    pub fn now() -> Self {
+        let [layer_matmuls, head, attention, pool_wait] = NANOS.each_ref().map(|a| a.load(Relaxed));
+        Self {
+            layer_matmuls,
+            head,
+            attention,
+            pool_wait,
+        }
+    }
+
+    /// What was added since `earlier`.
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self {
+            layer_matmuls: self.layer_matmuls - earlier.layer_matmuls,
+            head: self.head - earlier.head,
+            attention: self.attention - earlier.attention,
+            pool_wait: self.pool_wait - earlier.pool_wait,
+        }
+    }
+}
+
+/// Times `f` as part of `phase` when timing is on.
+pub(crate) fn timed<R>(phase: Phase, f: impl FnOnce() -> R) -> R {
+    if !ENABLED.load(Relaxed) {
+        return f();
+    }
+    let t = Instant::now();
+    let r = f();
+    let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    NANOS[phase as usize].fetch_add(ns, Relaxed);
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::random_model::{random_weights, small_config};
+    use crate::{Executor, LlamaModel};
+    use ferry_core::{ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
+    use ferry_kv::KvArena;
+
+    /// One forward of a small model: 4 prompt tokens of one request, which samples.
+    fn forward(model: &mut LlamaModel, kv: &mut KvArena) {
+        let plan = StepPlan {
+            block_size: 4,
+            token_ids: vec![1, 2, 3, 4],
+            block_tables: vec![0],
+            reqs: vec![ScheduledReq {
+                req: ReqIdx(0),
+                tokens: 0..4,
+                blocks: 0..1,
+                start_pos: 0,
+                sample: Some(SampleSpec {
+                    params: SamplerSpec::default(),
+                    output_idx: 0,
+                    mask: None,
+                }),
+            }],
+            ..StepPlan::default()
+        };
+        model.execute(&plan, kv).expect("a valid step");
+    }
+
+    /// Timing on, a forward adds time to every phase it runs; off, it adds nothing.
+    #[test]
+    fn a_forward_fills_its_phases_only_while_enabled() {
+        let config = small_config();
+        let mut model = LlamaModel::new(&config, &random_weights(&config, 1)).unwrap();
+        let mut kv = KvArena::new(model.kv_layout(4), 2);
+        set_enabled(true);
+        let before = PhaseNanos::now();
+        forward(&mut model, &mut kv);
+        let on = PhaseNanos::now().since(&before);
+        set_enabled(false);
+        assert!(on.layer_matmuls > 0, "{on:?}");
+        assert!(on.head > 0, "{on:?}");
+        assert!(on.attention > 0, "{on:?}");
+        let before = PhaseNanos::now();
+        forward(&mut model, &mut kv);
+        assert_eq!(PhaseNanos::now(), before, "timing off");
+    }
+}
