@@ -189,6 +189,20 @@ fn f16_table() -> &'static [f32; 1 << 16] {
     })
 }
 
+/// The f32 values of a quantized block's f16 scales from `table` ([`f16_table`]): its d, and
+/// its m when `with_m` (Q4_1; d again otherwise). Scalar loads only, so the batch-1 kernels
+/// can broadcast them from memory.
+///
+/// # Safety
+/// The block's first two bytes (four with `with_m`) are readable.
+#[inline(always)]
+unsafe fn block_scales(table: &[f32; 1 << 16], block: *const u8, with_m: bool) -> [f32; 2] {
+    // SAFETY: the scales' bytes are readable, as the caller promised; unaligned reads.
+    let at = |offset: usize| unsafe { block.add(offset).cast::<u16>().read_unaligned() };
+    let d = table[usize::from(at(0))];
+    [d, if with_m { table[usize::from(at(2))] } else { d }]
+}
+
 thread_local! {
     /// The activations packed into panels, reused from step to step.
     static XPACK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };

@@ -17,7 +17,7 @@ use std::arch::x86_64::*;
 
 use std::ops::Range;
 
-use super::{dtype_code as code, scalar_at, Rows, Tile};
+use super::{block_scales, dtype_code as code, scalar_at, Rows, Tile};
 use super::{BF16, F16, F32, Q4_0, Q4_1, Q8_0};
 
 /// All of `t`, in `t`'s dtype.
@@ -163,12 +163,6 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
     let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
     let xr = x.wrapping_add(i * k);
     let f16 = super::f16_table();
-    // The f32 of the f16 at `at`, broadcast.
-    let scale_at = |at: *const u8| {
-        // SAFETY: the caller passes a scale's two bytes, inside a row.
-        let bits = unsafe { at.cast::<u16>().read_unaligned() };
-        _mm256_set1_ps(f16[usize::from(bits)])
-    };
     let mut acc = [_mm256_setzero_ps(); R];
     for p in (0..k).step_by(32) {
         if t.prefetch {
@@ -183,13 +177,8 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
             std::array::from_fn(|q| unsafe { _mm256_loadu_ps(xr.add(p + 8 * q)) });
         for (r, &row) in rows.iter().enumerate() {
             let block = row.wrapping_add(byte_offset::<D>(p));
-            let d = scale_at(block);
-            let m = if D == Q4_1 {
-                scale_at(block.wrapping_add(2))
-            } else {
-                d
-            };
-            // SAFETY: the block at p lies inside the row.
+            // SAFETY (both): the block at p lies inside the row.
+            let [d, m] = unsafe { block_scales(f16, block, D == Q4_1) }.map(|v| _mm256_set1_ps(v));
             let wv = unsafe { decode_block::<D>(block, d, m) };
             for (&xq, &wq) in xv.iter().zip(&wv) {
                 acc[r] = _mm256_fmadd_ps(xq, wq, acc[r]);

@@ -25,7 +25,7 @@ use std::arch::x86_64::*;
 
 use std::ops::Range;
 
-use super::{dtype_code as code, scalar_at, Rows, Tile, PANEL};
+use super::{block_scales, dtype_code as code, scalar_at, Rows, Tile, PANEL};
 use super::{BF16, F16, F32, Q4_0, Q4_1, Q8_0};
 
 /// W rows of the batched tile (the parent's block sizes, multiples of 24, are multiples of it).
@@ -463,12 +463,6 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
     let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
     let nibbles_at = if D == Q4_1 { 4 } else { 2 };
     let f16 = super::f16_table();
-    // The f32 of the f16 at `at`, broadcast (a load from the table, then a broadcast load).
-    let scale_at = |at: *const u8| {
-        // SAFETY: the caller passes a scale's two bytes, inside a row.
-        let bits = unsafe { at.cast::<u16>().read_unaligned() };
-        _mm512_set1_ps(f16[usize::from(bits)])
-    };
     let mut acc = [_mm512_setzero_ps(); R];
     // Its own inverse.
     let transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -490,7 +484,9 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
         let xv = unsafe { [0, 16].map(|h| _mm512_loadu_ps(x.add(i * k + p + h))) };
         if D == Q8_0 {
             for (r, &row) in rows.iter().enumerate() {
-                let d = scale_at(row.wrapping_add(byte_offset::<D>(p)));
+                // SAFETY: the block at p lies inside the row.
+                let [d, _] = unsafe { block_scales(f16, row.add(byte_offset::<D>(p)), false) };
+                let d = _mm512_set1_ps(d);
                 for (half, &xh) in xv.iter().enumerate() {
                     // SAFETY: the block at p lies inside the row.
                     let v = unsafe { load::<D>(row, p, half, d) };
@@ -502,12 +498,8 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
         let xv = xv.map(|v| _mm512_permutexvar_ps(transpose, v));
         for (r, &row) in rows.iter().enumerate() {
             let block = row.wrapping_add(byte_offset::<D>(p));
-            let d = scale_at(block);
-            let m = if D == Q4_1 {
-                scale_at(block.wrapping_add(2))
-            } else {
-                d
-            };
+            // SAFETY: the block at p lies inside the row.
+            let [d, m] = unsafe { block_scales(f16, block, D == Q4_1) }.map(|v| _mm512_set1_ps(v));
             let table = ctx_of::<D>(d, m);
             let qs = block.wrapping_add(nibbles_at);
             // SAFETY: the block's 16 bytes of nibbles lie inside the row.
