@@ -260,12 +260,7 @@ impl BatchRun {
         let t = Instant::now();
         run_step(model, &mut self.kv, &mut self.reqs, &vec![1; self.batch])?;
         self.decode_s += t.elapsed().as_secs_f64();
-        let p = PhaseNanos::now().since(&phases0);
-        let sum = &mut self.decode_phases;
-        sum.layer_matmuls += p.layer_matmuls;
-        sum.head += p.head;
-        sum.attention += p.attention;
-        sum.pool_wait += p.pool_wait;
+        self.decode_phases += PhaseNanos::now().since(&phases0);
         self.decode_cpu_s = match (self.decode_cpu_s, cpu0, process_cpu_s()) {
             (Some(sum), Some(a), Some(b)) => Some(sum + (b - a)),
             _ => None,
