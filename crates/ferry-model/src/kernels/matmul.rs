@@ -189,6 +189,49 @@ fn f16_table() -> &'static [f32; 1 << 16] {
     })
 }
 
+/// Where the batch-1 quantized kernels' software prefetch puts the weight bytes they read a
+/// few row groups later.
+///
+/// On Intel, into L2 (`prefetcht1`): a prefetch into L1 holds one of the core's few L1 fill
+/// buffers until its line arrives from memory, and those buffers are all the core has for
+/// its own demand loads too. Into L2, batch-1 decode of the Q8_0 file went from 137–151 to
+/// 155–182 tok/s on a 2-vCPU Xeon (15 interleaved runs of `ferry bench model`), the Q4_1 file
+/// ~2% (its blocks take longer to decode per byte, so the stream waits less). f32 rows, the
+/// batched packing, attention's KV prefetch and the AVX2 kernel (compute-bound on that host)
+/// measured the same either way and keep their L1 prefetches, as does AMD (Zen 5 was tuned
+/// with them: four groups ahead for Q8_0).
+/// `FERRY_WEIGHT_PREFETCH=l1` or `=l2` overrides the choice, for A/B runs on a new host.
+/// Read once per process. Only speed depends on it, never a result.
+#[cfg(target_arch = "x86_64")]
+fn prefetch_to_l2() -> bool {
+    static TO_L2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *TO_L2.get_or_init(|| match std::env::var("FERRY_WEIGHT_PREFETCH").as_deref() {
+        Ok("l2") => true,
+        Ok("l1") => false,
+        _ => {
+            // Leaf 0 names the vendor in EBX, EDX, ECX.
+            let id = std::arch::x86_64::__cpuid(0);
+            [id.ebx, id.edx, id.ecx] == [0x756e_6547, 0x4965_6e69, 0x6c65_746e] // GenuineIntel
+        }
+    })
+}
+
+/// A software prefetch of the line holding `at` into L2 (`to_l2`, see [`prefetch_to_l2`]) or
+/// into L1. A hint: it never faults, so `at` may lie past the weights' end.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_weights(at: *const u8, to_l2: bool) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+    // SAFETY: SSE is part of x86-64, and a prefetch reads nothing architecturally.
+    unsafe {
+        if to_l2 {
+            _mm_prefetch::<_MM_HINT_T1>(at.cast());
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(at.cast());
+        }
+    }
+}
+
 /// The f32 values of a quantized block's f16 scales from `table` ([`f16_table`]): its d, and
 /// its m when `with_m` (Q4_1; d again otherwise). Scalar loads only, so the batch-1 kernels
 /// can broadcast them from memory.

@@ -463,6 +463,7 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
     let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
     let nibbles_at = if D == Q4_1 { 4 } else { 2 };
     let f16 = super::f16_table();
+    let to_l2 = super::prefetch_to_l2();
     let mut acc = [_mm512_setzero_ps(); R];
     // Its own inverse.
     let transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -473,11 +474,12 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
             // R rows (about as many bytes ahead as f32's one group; one group left Q8_0
             // at 24 GB/s where f32 streams 42, measured with `kernel_speed`), for the
             // 4-bit dtypes, whose blocks take longer to decode per byte, two groups (one
-            // group streamed Q4_1 on one core at 1.2 ns per block, two at 1.0).
+            // group streamed Q4_1 on one core at 1.2 ns per block, two at 1.0); into L2 on
+            // Intel (see `prefetch_to_l2`).
             let ahead = if D == Q8_0 { 4 * R } else { 2 * R };
             for row in rows {
                 let line = row.wrapping_add(ahead * w.row_bytes + byte_offset::<D>(p));
-                _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
+                super::prefetch_weights(line, to_l2);
             }
         }
         // SAFETY: p + 32 <= k inside row i.
