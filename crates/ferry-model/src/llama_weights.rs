@@ -68,8 +68,9 @@ pub struct LayerWeights {
 
 /// The whole model's weights.
 ///
-/// Every buffer is its own memory mapping ([`WeightBuf`], [`ByteBuf`]), so weights replaced
-/// by an update or dropped by sleep give their memory back to the OS wherever they are freed.
+/// No buffer comes from malloc ([`WeightBuf`]: its own memory mapping; [`ByteBuf`]: a range
+/// of a huge-page slab), so weights replaced by an update or dropped by sleep give their
+/// memory back to the OS wherever they are freed.
 #[derive(Debug, Clone)]
 pub struct LlamaWeights {
     pub embed: Matrix,
