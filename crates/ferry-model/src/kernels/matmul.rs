@@ -189,17 +189,19 @@ fn f16_table() -> &'static [f32; 1 << 16] {
     })
 }
 
-/// Where the batch-1 quantized kernels' software prefetch puts the weight bytes they read a
-/// few row groups later.
+/// Where the AVX-512 kernels' software prefetch (the register tiles' and the batch-1
+/// quantized kernel's) puts the weight bytes they read a few row groups later.
 ///
 /// On Intel, into L2 (`prefetcht1`): a prefetch into L1 holds one of the core's few L1 fill
 /// buffers until its line arrives from memory, and those buffers are all the core has for
 /// its own demand loads too. Into L2, batch-1 decode of the Q8_0 file went from 137–151 to
 /// 155–182 tok/s on a 2-vCPU Xeon (15 interleaved runs of `ferry bench model`), the Q4_1 file
-/// ~2% (its blocks take longer to decode per byte, so the stream waits less). f32 rows, the
-/// batched packing, attention's KV prefetch and the AVX2 kernel (compute-bound on that host)
-/// measured the same either way and keep their L1 prefetches, as does AMD (Zen 5 was tuned
-/// with them: four groups ahead for Q8_0).
+/// ~2% (its blocks take longer to decode per byte, so the stream waits less); once the
+/// weights sat on huge pages (`weight_buf/slab.rs`), the F32 file's from 45.7–48.1 to
+/// 48.1–50.9 (the AVX-512 tile's own prefetch, 4 interleaved pairs; batch 32 unchanged). The
+/// batched packing, attention's KV prefetch and the AVX2 kernels (compute-bound on that
+/// host) measured the same either way and keep their L1 prefetches, as does AMD (Zen 5 was
+/// tuned with them: four groups ahead for Q8_0).
 /// `FERRY_WEIGHT_PREFETCH=l1` or `=l2` overrides the choice, for A/B runs on a new host.
 /// Read once per process. Only speed depends on it, never a result.
 #[cfg(target_arch = "x86_64")]

@@ -121,17 +121,19 @@ unsafe fn kernel<const D: u8, const R: usize, const C: usize>(
     let (k16, k32) = (k / 16 * 16, k / 32 * 32);
     let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
     let mut acc = [[_mm512_setzero_ps(); R]; C];
+    let to_l2 = super::prefetch_to_l2();
     let mut p = 0;
     while p < k32 {
         if prefetch {
             // Fetch the next R rows' bytes of this turn: a row is only a few KiB, too short
             // for the hardware prefetcher to ramp up on before it ends. (A prefetch never
-            // faults, so running past the last row is harmless.)
+            // faults, so running past the last row is harmless.) Into L2 on Intel (see
+            // `prefetch_to_l2`).
             for row in rows {
                 let line = row.wrapping_add(R * w.row_bytes + byte_offset::<D>(p));
-                _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
+                super::prefetch_weights(line, to_l2);
                 if D == F32 {
-                    _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(64).cast::<i8>());
+                    super::prefetch_weights(line.wrapping_add(64), to_l2);
                 }
             }
         }
