@@ -399,7 +399,7 @@ fn memcpy_bandwidth_gb_s(bytes: usize) -> f64 {
 /// warm-up. Integer sums so the compiler vectorizes them (float sums are order-bound). The
 /// buffer is the weights' kind of memory (a `ByteBuf`, on 2 MiB pages where the kernel gives
 /// them), so the weights' read fraction compares like with like: on 4 KiB pages this probe
-/// read 24–26 GB/s on a host where it now reads 29–31.
+/// read 21–28 GB/s on a host where it now reads 31–35, and F32 weights streamed at 1.3 of it.
 fn read_bandwidth_gb_s(bytes: usize) -> f64 {
     let words = bytes / 4;
     let mut mem = ferry_model::ByteBuf::zeroed(words * 4);

@@ -194,8 +194,8 @@ fn f16_table() -> &'static [f32; 1 << 16] {
 ///
 /// On Intel, into L2 (`prefetcht1`): a prefetch into L1 holds one of the core's few L1 fill
 /// buffers until its line arrives from memory, and those buffers are all the core has for
-/// its own demand loads too. Into L2, batch-1 decode of the Q8_0 file went from 137–151 to
-/// 155–182 tok/s on a 2-vCPU Xeon (15 interleaved runs of `ferry bench model`), the Q4_1 file
+/// its own demand loads too. Into L2, batch-1 decode of the Q8_0 file went from 137–157 to
+/// 155–182 tok/s on a 2-vCPU Xeon (12 interleaved pairs of `ferry bench model`), the Q4_1 file
 /// ~2% (its blocks take longer to decode per byte, so the stream waits less); once the
 /// weights sat on huge pages (`weight_buf/slab.rs`), the F32 file's from 45.7–48.1 to
 /// 48.1–50.9 (the AVX-512 tile's own prefetch, 4 interleaved pairs; batch 32 unchanged). The

@@ -7,9 +7,10 @@
 //! `MADV_HUGEPAGE` (`transparent_hugepage/enabled` is `madvise` on the machines here), and the
 //! default model's matrices are 69 KiB to 1.9 MiB each, so one mapping per tensor got none.
 //! Tensors carved one after another out of one aligned, advised slab fill whole windows. On
-//! a 2-vCPU Xeon, batch-1 decode of the Q8_0 file went from 164–175 to 171–187 tok/s and of
-//! the Q4_1 file from 220–247 to 237–248 (`ferry bench model`, 5 interleaved rounds); a
-//! plain read of 256 MiB on two threads from 24–26 to 29–31 GB/s.
+//! a 2-vCPU Xeon, batch-1 decode of the Q8_0 file went from 112–139 to 161–166 tok/s and of
+//! the Q4_1 file from 164–184 to 198–206 (`ferry bench model`, 4 interleaved rounds in a slow
+//! hour of the host; a first one-arena build gave 164–175 → 171–187 and 220–247 → 237–248 in
+//! a faster one); a plain read of 256 MiB on two threads went from 24–26 to 29–31 GB/s.
 //!
 //! A buffer owns its page-rounded range of a slab, which is never handed out again. Dropping
 //! it gives the range's pages back at once (`MADV_DONTNEED`) and takes the range out of
