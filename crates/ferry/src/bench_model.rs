@@ -403,13 +403,12 @@ fn memcpy_bandwidth_gb_s(bytes: usize) -> f64 {
 fn read_bandwidth_gb_s(bytes: usize) -> f64 {
     let words = bytes / 4;
     let mut mem = ferry_model::ByteBuf::zeroed(words * 4);
-    for (i, w) in mem.chunks_exact_mut(4).enumerate() {
-        w.copy_from_slice(&(i as u32).to_ne_bytes());
-    }
     // SAFETY: every bit pattern is a u32, and a `ByteBuf` starts on a page boundary, so the
     // whole buffer is the aligned middle.
-    let (head, buf, _) = unsafe { mem.align_to::<u32>() };
+    let (head, buf, _) = unsafe { mem.align_to_mut::<u32>() };
     assert!(head.is_empty(), "a ByteBuf is page-aligned");
+    buf.iter_mut().zip(0u32..).for_each(|(w, i)| *w = i);
+    let buf: &[u32] = buf;
     let chunk = words.div_ceil(ferry_model::kernels::threads());
     let mut best = f64::INFINITY;
     for _ in 0..6 {
