@@ -19,6 +19,7 @@ pub mod matrix;
 pub mod profile;
 pub mod random_model;
 pub mod rope;
+pub mod row_groups;
 pub mod sampler;
 pub mod tiny;
 pub mod weight_buf;

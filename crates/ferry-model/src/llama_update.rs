@@ -357,7 +357,20 @@ impl WeightSlots for LlamaSlots {
         Some(segment.bytes_mut())
     }
 
-    fn finish(self: Box<Self>) -> PreparedWeights {
+    fn finish(mut self: Box<Self>) -> PreparedWeights {
+        // Readers write stored matrices in the file's layout; the kernels may read another.
+        for (idx, place) in self.places.iter().enumerate() {
+            let segment = match &mut self.target {
+                Target::Full(weights) => match buffer_mut(weights, place.buffer) {
+                    Some(BufferMut::Matrix(m)) => m.segment_mut(place.offset),
+                    _ => None,
+                },
+                Target::Partial(patches) => Some(&mut patches[idx].data),
+            };
+            if let Some(segment) = segment {
+                segment.arrange();
+            }
+        }
         let n_tensors = self.lens.len();
         let n_bytes = self.n_bytes.iter().sum();
         let (update, complete) = match self.target {
@@ -465,9 +478,11 @@ pub(crate) fn apply_patch(
     match buffer_mut(w, patch.place.buffer) {
         Some(BufferMut::Matrix(m)) => {
             let segment = m.segment_mut(offset).ok_or(WeightError::WrongExecutor)?;
-            // Same dtype: a copy into the pages already there, as an f32 update always was;
-            // another dtype: the patch's own buffer takes the old one's place.
-            if segment.dtype() == patch.data.dtype() {
+            // Same dtype (held the same way): a copy into the pages already there, as an f32
+            // update always was; otherwise the patch's own buffer takes the old one's place.
+            if segment.dtype() == patch.data.dtype()
+                && segment.grouped_rows() == patch.data.grouped_rows()
+            {
                 segment.bytes_mut().copy_from_slice(patch.data.bytes());
                 return Ok(None);
             }

@@ -9,14 +9,18 @@
 //! segment whole, whatever its dtype.
 
 use crate::dtype::{dequantize_into, WeightDtype};
+use crate::row_groups;
 use crate::weight_buf::ByteBuf;
 
-/// Rows of one dtype, `k` elements each, row after row.
+/// Rows of one dtype, `k` elements each, row after row: in the file's layout, except that on
+/// AVX-512 the 4-bit dtypes hold their first `grouped` rows in groups of four
+/// ([`crate::row_groups`]), which the batch-1 kernel reads faster.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Segment {
     dtype: WeightDtype,
     rows: usize,
     bytes: ByteBuf,
+    grouped: usize,
 }
 
 /// What is wrong with a segment's bytes.
@@ -32,7 +36,8 @@ pub struct SegmentError {
 }
 
 impl Segment {
-    /// `rows` rows of `k` elements of `dtype` in `bytes`, checked.
+    /// `rows` rows of `k` elements of `dtype` in `bytes` (the file's layout), checked, and
+    /// arranged for this process's kernels ([`Segment::arrange`]).
     pub fn new(
         dtype: WeightDtype,
         rows: usize,
@@ -49,7 +54,42 @@ impl Segment {
                 got: bytes.len(),
             });
         }
-        Ok(Self { dtype, rows, bytes })
+        let mut segment = Self {
+            dtype,
+            rows,
+            bytes,
+            grouped: 0,
+        };
+        segment.arrange();
+        Ok(segment)
+    }
+
+    /// Rows written in the file's layout (by [`Segment::new`], or by a reader into
+    /// [`Segment::zeroed`]'s bytes) put in the layout this process's kernels read fastest:
+    /// the whole groups of four rows of a 4-bit dtype on AVX-512 ([`crate::row_groups`]).
+    /// Only the order of the bytes changes. Arranging twice does nothing.
+    pub fn arrange(&mut self) {
+        if self.grouped == 0 && self.rows > 0 && row_groups::held_in_groups(self.dtype) {
+            let k = self.k();
+            self.grouped = row_groups::group(self.dtype, k, &mut self.bytes);
+        }
+    }
+
+    /// Rows held in groups of four ([`crate::row_groups`]); 0 when every row is in the
+    /// file's layout.
+    pub fn grouped_rows(&self) -> usize {
+        self.grouped
+    }
+
+    /// Elements per row.
+    fn k(&self) -> usize {
+        let row_bytes = self.bytes.len().checked_div(self.rows).unwrap_or(0);
+        row_bytes / self.dtype.block_bytes() * self.dtype.block_elems()
+    }
+
+    /// Row `r` in the file's layout, into `out`.
+    fn file_row(&self, r: usize, out: &mut [u8]) {
+        row_groups::file_row(self.dtype, self.k(), &self.bytes, self.grouped, r, out);
     }
 
     /// f32 rows, `values.len() / k` of them.
@@ -63,13 +103,20 @@ impl Segment {
             dtype: WeightDtype::F32,
             rows,
             bytes,
+            grouped: 0,
         }
     }
 
-    /// Zeros of `dtype` (every dtype's all-zero bytes are the value 0), for a reader to fill.
+    /// Zeros of `dtype` (every dtype's all-zero bytes are the value 0) in the file's layout,
+    /// for a reader to fill and then [`Segment::arrange`].
     pub fn zeroed(dtype: WeightDtype, rows: usize, k: usize) -> Result<Self, SegmentError> {
         match dtype.row_bytes(k).and_then(|r| r.checked_mul(rows)) {
-            Some(n_bytes) => Self::new(dtype, rows, k, ByteBuf::zeroed(n_bytes)),
+            Some(n_bytes) => Ok(Self {
+                dtype,
+                rows,
+                bytes: ByteBuf::zeroed(n_bytes),
+                grouped: 0,
+            }),
             None => Err(SegmentError {
                 dtype,
                 rows,
@@ -88,10 +135,13 @@ impl Segment {
         self.rows
     }
 
+    /// The bytes as held (see [`Segment::grouped_rows`]).
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
     }
 
+    /// The bytes as held, to write in place: a reader filling [`Segment::zeroed`] in the
+    /// file's layout, or a copy from a segment held the same way.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         &mut self.bytes
     }
@@ -157,8 +207,13 @@ impl Matrix {
         for s in &self.segments {
             if r < s.rows {
                 let row_bytes = s.bytes.len() / s.rows;
-                let bytes = &s.bytes[r * row_bytes..(r + 1) * row_bytes];
-                dequantize_into(s.dtype, bytes, out);
+                if r < s.grouped {
+                    let mut row = vec![0; row_bytes];
+                    s.file_row(r, &mut row);
+                    dequantize_into(s.dtype, &row, out);
+                } else {
+                    dequantize_into(s.dtype, &s.bytes[r * row_bytes..(r + 1) * row_bytes], out);
+                }
                 return;
             }
             r -= s.rows;
@@ -172,7 +227,15 @@ impl Matrix {
         let mut at = 0;
         for s in &self.segments {
             let n = s.rows * self.k;
-            dequantize_into(s.dtype, &s.bytes, &mut out[at..at + n]);
+            if s.grouped == 0 {
+                dequantize_into(s.dtype, &s.bytes, &mut out[at..at + n]);
+            } else {
+                let mut row = vec![0; s.bytes.len() / s.rows];
+                for (r, values) in out[at..at + n].chunks_exact_mut(self.k).enumerate() {
+                    s.file_row(r, &mut row);
+                    dequantize_into(s.dtype, &row, values);
+                }
+            }
             at += n;
         }
         out

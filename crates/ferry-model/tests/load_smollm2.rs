@@ -173,8 +173,9 @@ fn stored_precision_gives_the_bits_of_the_f32_load() {
     );
 }
 
-/// A reload from the GGUF file keeps its dtypes (no f32 copy of the model appears) and
-/// computes what the freshly loaded model computes.
+/// A reload from the GGUF file keeps its dtypes (no f32 copy of the model appears), holds
+/// them as a load does (the 4-bit rows in groups on AVX-512) and computes what the freshly
+/// loaded model computes.
 #[test]
 fn a_reload_from_the_gguf_keeps_its_dtypes() {
     use ferry_model::{load_model_stored, Executor, LlamaModel, WeightFiles};
@@ -183,10 +184,11 @@ fn a_reload_from_the_gguf_keeps_its_dtypes() {
     let mut model = LlamaModel::new(&kept.config, &kept.weights).unwrap();
     let dtypes = |m: &LlamaModel| {
         let w = m.weights();
-        let mut all: Vec<_> = w.embed.segments().iter().map(|s| s.dtype()).collect();
+        let held = |s: &ferry_model::Segment| (s.dtype(), s.grouped_rows());
+        let mut all: Vec<_> = w.embed.segments().iter().map(held).collect();
         for l in &w.layers {
             for m in [&l.qkv, &l.o_proj, &l.gate_up, &l.down] {
-                all.extend(m.segments().iter().map(|s| s.dtype()));
+                all.extend(m.segments().iter().map(held));
             }
         }
         all

@@ -18,6 +18,7 @@ use std::ops::Range;
 use super::Isa;
 use crate::dtype::WeightDtype;
 use crate::matrix::Matrix;
+use crate::row_groups::GROUP_ROWS;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -46,12 +47,15 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// Rows of one dtype in memory: row `j` starts `j * row_bytes` bytes after `ptr`.
+/// Rows of one dtype in memory: row `j` starts `j * row_bytes` bytes after `ptr`, the first
+/// `grouped` of them in groups of four ([`crate::row_groups`]: a group's bytes where its
+/// rows' would be).
 #[derive(Clone, Copy)]
 struct Rows {
     ptr: *const u8,
     row_bytes: usize,
     dtype: WeightDtype,
+    grouped: usize,
 }
 // SAFETY: a `Rows` only reads, from a borrowed slice that outlives the matmul it serves.
 unsafe impl Send for Rows {}
@@ -91,6 +95,7 @@ pub fn matmul_with(isa: Isa, x: &[f32], w: &Matrix, out: &mut [f32], m: usize) {
                 ptr: s.bytes().as_ptr(),
                 row_bytes,
                 dtype: s.dtype(),
+                grouped: s.grouped_rows(),
             },
             first_row,
             n_rows: s.rows(),
@@ -130,6 +135,7 @@ fn f32_rows(w: &[f32], stride: usize) -> Rows {
         ptr: w.as_ptr().cast(),
         row_bytes: stride * size_of::<f32>(),
         dtype: WeightDtype::F32,
+        grouped: 0,
     }
 }
 
@@ -393,32 +399,128 @@ fn run_rows(
         // The part's rows are numbered from its first; its output columns start there.
         let local = start - part.first_row..end - part.first_row;
         let out = out.0.wrapping_add(part.first_row);
-        if part.rows.dtype != WeightDtype::F32 && m >= DEQUANT_ROWS {
-            match packed {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `packed` is only made for `Avx512`, chosen after run-time detection
-                // of AVX-512F and BW; it holds x's m rows, and the part's rows lie inside its
-                // memory.
-                Some(xp) => unsafe { run_rows_packed(x, xp, part.rows, out, m, n, k, local) },
-                _ => run_rows_dequantized(isa, x, part.rows, out, m, n, k, local),
-            }
+        let w = part.rows;
+        if w.grouped > 0 {
+            // Whole groups go to the AVX-512 kernels (the row tiles and the panels), which
+            // read them as held; every other row, and every row on the other instruction
+            // sets, in the file's layout.
+            let whole = if isa == Isa::Avx512 {
+                let first = local.start.next_multiple_of(GROUP_ROWS).min(local.end);
+                first..(local.end.min(w.grouped) / GROUP_ROWS * GROUP_ROWS).max(first)
+            } else {
+                local.start..local.start
+            };
+            run_rows_in_file_layout(isa, x, packed, w, out, m, n, k, local.start..whole.start);
+            run_part(isa, x, packed, w, out, m, n, k, whole.clone());
+            run_rows_in_file_layout(isa, x, packed, w, out, m, n, k, whole.end..local.end);
             continue;
         }
-        for x0 in (0..m).step_by(X_BLOCK) {
-            let x_rows = x0..(x0 + X_BLOCK).min(m);
-            for w0 in local.clone().step_by(W_BLOCK) {
-                let tile = Tile {
-                    w: part.rows,
-                    x_rows: x_rows.clone(),
-                    w_rows: w0..(w0 + W_BLOCK).min(local.end),
-                    n,
-                    k,
-                    prefetch: true,
-                };
-                run_tile(isa, x, out, &tile);
-            }
+        run_part(isa, x, packed, w, out, m, n, k, local);
+    }
+}
+
+/// Whether `rows` of `w` are whole groups ([`crate::row_groups`]): what the AVX-512 kernels
+/// that read groups take.
+fn whole_groups(rows: &Range<usize>, w: Rows) -> bool {
+    rows.start.is_multiple_of(GROUP_ROWS)
+        && rows.end.is_multiple_of(GROUP_ROWS)
+        && rows.end <= w.grouped
+}
+
+/// Rows `local` of `w` (all held in the file's layout, or all in whole groups for the
+/// AVX-512 row tiles) against all activation rows, into `out` from column 0 of the part.
+#[allow(clippy::too_many_arguments)]
+fn run_part(
+    isa: Isa,
+    x: &[f32],
+    packed: Option<&[f32]>,
+    w: Rows,
+    out: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    local: Range<usize>,
+) {
+    if local.is_empty() {
+        return;
+    }
+    if w.dtype != WeightDtype::F32 && m >= DEQUANT_ROWS {
+        return match packed {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `packed` is only made for `Avx512`, chosen after run-time detection of
+            // AVX-512F and BW; it holds x's m rows, and the part's rows lie inside its memory.
+            Some(xp) => unsafe { run_rows_packed(x, xp, w, out, m, n, k, local) },
+            _ => run_rows_dequantized(isa, x, w, out, m, n, k, local),
+        };
+    }
+    for x0 in (0..m).step_by(X_BLOCK) {
+        let x_rows = x0..(x0 + X_BLOCK).min(m);
+        for w0 in local.clone().step_by(W_BLOCK) {
+            let tile = Tile {
+                w,
+                x_rows: x_rows.clone(),
+                w_rows: w0..(w0 + W_BLOCK).min(local.end),
+                n,
+                k,
+                prefetch: true,
+            };
+            run_tile(isa, x, out, &tile);
         }
     }
+}
+
+/// [`run_part`] for rows `local` of a part held (partly) in groups, copied back into the
+/// file's layout [`PACK_BLOCK`] rows at a time ([`crate::row_groups::file_row`]): the paths
+/// that read that layout (the other instruction sets, the batched panels, rows outside a
+/// whole group). A copy is a few bytes per block and row against the multiply-adds of
+/// every activation row, and the same bytes, so the same bits.
+#[allow(clippy::too_many_arguments)]
+fn run_rows_in_file_layout(
+    isa: Isa,
+    x: &[f32],
+    packed: Option<&[f32]>,
+    w: Rows,
+    out: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    local: Range<usize>,
+) {
+    thread_local! {
+        static FILE_ROWS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    if local.is_empty() {
+        return;
+    }
+    let rb = w.row_bytes;
+    // SAFETY: the caller checked the part's rows against its segment's bytes, and a
+    // segment's rows are `row_bytes` apart; every row of `local` lies inside.
+    let held = unsafe { std::slice::from_raw_parts(w.ptr, local.end.max(w.grouped) * rb) };
+    FILE_ROWS.with_borrow_mut(|plain| {
+        plain.resize(PACK_BLOCK * rb, 0);
+        for w0 in local.clone().step_by(PACK_BLOCK) {
+            let block = w0..(w0 + PACK_BLOCK).min(local.end);
+            for (j, row) in block.clone().zip(plain.chunks_exact_mut(rb)) {
+                crate::row_groups::file_row(w.dtype, k, held, w.grouped, j, row);
+            }
+            let rows = Rows {
+                ptr: plain.as_ptr(),
+                grouped: 0,
+                ..w
+            };
+            run_part(
+                isa,
+                x,
+                packed,
+                rows,
+                out.wrapping_add(w0),
+                m,
+                n,
+                k,
+                0..block.len(),
+            );
+        }
+    });
 }
 
 /// [`run_rows`] on AVX-512 for a block of W rows in another dtype than f32 against many

@@ -138,14 +138,25 @@ fn stored_mixed(parts: &[(WeightDtype, usize)], k: usize, seed: u32) -> (Matrix,
     use crate::dtype::quantize;
     use crate::matrix::Segment;
     use crate::weight_buf::ByteBuf;
-    let mut segments = Vec::new();
+    let (mut segments, mut f32s) = (Vec::new(), Vec::new());
     for (s, &(dtype, rows)) in parts.iter().enumerate() {
         let values = pseudo(rows * k, seed + s as u32);
-        let bytes = ByteBuf::from_slice(&quantize(dtype, &values));
-        segments.push(Segment::new(dtype, rows, k, bytes).unwrap());
+        let bytes = quantize(dtype, &values);
+        // The loader's values, from the file's layout (whatever layout the segment holds).
+        let mut loaded = vec![0.0; rows * k];
+        crate::dtype::dequantize_into(dtype, &bytes, &mut loaded);
+        f32s.extend(loaded);
+        let segment = Segment::new(dtype, rows, k, ByteBuf::from_slice(&bytes)).unwrap();
+        // The 4-bit dtypes' whole groups of rows are held as the AVX-512 kernels read them.
+        let groups = crate::row_groups::held_in_groups(dtype);
+        assert_eq!(
+            segment.grouped_rows(),
+            if groups { rows / 4 * 4 } else { 0 }
+        );
+        segments.push(segment);
     }
     let matrix = Matrix::new(k, segments);
-    let f32s = matrix.to_f32();
+    assert_eq!(matrix.to_f32(), f32s, "a segment's values are the loader's");
     (matrix, f32s)
 }
 
