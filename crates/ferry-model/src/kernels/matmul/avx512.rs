@@ -668,8 +668,8 @@ unsafe fn kernel_groups<const D: u8, const G: usize>(
             }
         }
     }
-    for (g, acc) in acc.iter().enumerate() {
-        let [sums] = joint_sums(&[*acc]);
+    // All G groups' sums at once (eight and more share their shuffles).
+    for (g, sums) in joint_sums(&acc).iter().enumerate() {
         for (r, &sum) in sums.iter().enumerate() {
             // SAFETY: (i, j + 4g + r) is inside the m × n output.
             unsafe { out.add(i * t.n + j + GROUP_ROWS * g + r).write(sum) };
