@@ -611,8 +611,9 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
 /// nibbles are one 64-byte load at byte r of the group's block, a nibble in the low 4 bits
 /// of each lane in element order (the low nibbles, read by `vpermps` as they are; the high
 /// nibbles one shift away). On a 2-vCPU Xeon, batch-1 decode of the Q4_1 file went from
-/// 177–195 to 199–203 tok/s (4 interleaved pairs of `ferry bench model`, its layer matmuls
-/// 3.66–3.96 → 3.38–3.46 ms per step).
+/// 177–195 to 199–203 tok/s (4 interleaved pairs of `ferry bench model`, the layout switched
+/// within one build; the layer matmuls 3.66–3.96 → 3.38–3.46 ms per step), and from 0.97–0.98
+/// to 1.02–1.09 of llama.cpp's decode (`scripts/bench-llamacpp.py`).
 ///
 /// # Safety
 /// Rows `j..j + 4 * G` are whole groups inside the tile; row `i` of x is inside x.
