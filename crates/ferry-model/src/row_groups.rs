@@ -27,8 +27,17 @@ pub const GROUP_ROWS: usize = 4;
 /// Whether this process holds `dtype` in row groups: the 4-bit dtypes where the kernels
 /// read groups faster (AVX-512; the other instruction sets read the file's layout, and a
 /// grouped segment is copied back into it for them, block by block).
+///
+/// Measured on Intel (a 2-vCPU Xeon); a Zen 5 core, whose loads that cross a cache line
+/// (three of a group's four) cost differently, has not run it. `FERRY_ROW_GROUPS=off` keeps
+/// every row in the file's layout, for A/B runs on another host. Read once per process;
+/// only speed depends on it, never a result.
 pub fn held_in_groups(dtype: WeightDtype) -> bool {
-    is_4bit(dtype) && Isa::current() == Isa::Avx512
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| {
+        Isa::current() == Isa::Avx512 && std::env::var("FERRY_ROW_GROUPS").as_deref() != Ok("off")
+    });
+    on && is_4bit(dtype)
 }
 
 fn is_4bit(dtype: WeightDtype) -> bool {
