@@ -36,6 +36,17 @@ const PACK_BLOCK: usize = 48;
 /// Activation rows from which a W block in another dtype than f32 is dequantized once into
 /// an f32 scratch rather than in registers by every tile (the batched tile takes 4 rows).
 const DEQUANT_ROWS: usize = 4;
+/// Activation rows from which f32 weights go through the AVX-512 panels too
+/// (`run_rows_packed`): copying a W block into panels costs a pass over it, which pays in a
+/// prefill chunk (on a 2-vCPU Xeon, an F32 prefill of 512 tokens went from 700–712 to
+/// 758–806 tok/s over 5 interleaved pairs; chunks of 2048, 690–778 → 771–786), not in a
+/// decode batch (batch 64: layer matmuls 69.6–72.9 → 77.5–79.3 ms; batch 8: 315 → 208
+/// tok/s), whose weights stream from memory once per step. 128 and 256 measured within
+/// noise.
+const F32_PANEL_ROWS: usize = 256;
+/// Bytes of activation panels an f32 W block meets at a time (see `run_part`): with the
+/// block's own panels, what L2 holds.
+const F32_X_PANEL_BYTES: usize = 1 << 20;
 /// Below this many multiply-adds a step is not worth handing to other threads.
 const SERIAL_FMAS: usize = 1 << 15;
 
@@ -157,12 +168,15 @@ fn run(isa: Isa, x: &[f32], parts: &[Part], out: &mut [f32], m: usize, n: usize,
     }
     let ptr = OutPtr(out.as_mut_ptr());
     XPACK.with_borrow_mut(|xpack| {
-        // AVX-512 batches against weights in another dtype than f32 read the activations as
-        // panels (see `run_rows_packed`), packed once here for every task.
+        // AVX-512 batches against weights in another dtype than f32 (and, from
+        // F32_PANEL_ROWS rows, f32 weights too) read the activations as panels (see
+        // `run_rows_packed`), packed once here for every task.
         let packed = (cfg!(target_arch = "x86_64")
             && isa == Isa::Avx512
             && m >= DEQUANT_ROWS
-            && parts.iter().any(|p| p.rows.dtype != WeightDtype::F32))
+            && parts
+                .iter()
+                .any(|p| p.rows.dtype != WeightDtype::F32 || m >= F32_PANEL_ROWS))
         .then(|| {
             let panels = aligned(xpack, m * (k / 16 * 16));
             pack_x(x, m, k, panels);
@@ -444,12 +458,41 @@ fn run_part(
     if local.is_empty() {
         return;
     }
-    if w.dtype != WeightDtype::F32 && m >= DEQUANT_ROWS {
+    let f32_panels = packed.is_some() && m >= F32_PANEL_ROWS;
+    if m >= DEQUANT_ROWS && (w.dtype != WeightDtype::F32 || f32_panels) {
         return match packed {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `packed` is only made for `Avx512`, chosen after run-time detection of
-            // AVX-512F and BW; it holds x's m rows, and the part's rows lie inside its memory.
-            Some(xp) => unsafe { run_rows_packed(x, xp, w, out, m, n, k, local) },
+            Some(xp) => {
+                // Each W block is multiplied by every activation panel while it sits in L2;
+                // the activations stream past it once per block, so f32 weights, whose
+                // panels are a plain copy, take them in blocks that stay in L2 too, each
+                // block copying W again. (Decoding a quantized block again costs more.)
+                let k16 = k / 16 * 16;
+                let block = if w.dtype == WeightDtype::F32 {
+                    (F32_X_PANEL_BYTES / (4 * k16).max(1)).max(F32_PANEL_ROWS) / PANEL * PANEL
+                } else {
+                    m
+                };
+                for x0 in (0..m).step_by(block) {
+                    let rows = block.min(m - x0);
+                    // SAFETY: `packed` is only made for `Avx512`, chosen after run-time
+                    // detection of AVX-512F and BW; it holds x's m rows (x0 is a multiple of
+                    // PANEL, so these rows' panels start at x0 * k16), and the part's rows lie
+                    // inside its memory.
+                    unsafe {
+                        run_rows_packed(
+                            &x[x0 * k..],
+                            &xp[x0 * k16..],
+                            w,
+                            out.wrapping_add(x0 * n),
+                            rows,
+                            n,
+                            k,
+                            local.clone(),
+                        )
+                    };
+                }
+            }
             _ => run_rows_dequantized(isa, x, w, out, m, n, k, local),
         };
     }
@@ -529,8 +572,8 @@ fn run_rows_in_file_layout(
 /// from [`pack_x`]) is multiplied by every W panel while it sits in L1. A 4 × 4 tile then
 /// reads two sequential streams instead of eight rows: batch-64 Q4_1 on one core went from
 /// 151–171 to 199–214 GFLOP/s (`kernel_speed`), a batch-64 decode step of the default model
-/// 5–10% faster. (f32 weights keep the unpacked tile: copying them into panels gained
-/// nothing.)
+/// 5–10% faster. f32 weights take the panels from [`F32_PANEL_ROWS`] activation rows (on
+/// Zen 5 the copy had gained nothing at batch 64; on a Xeon it does, see there).
 ///
 /// # Safety
 /// AVX-512F and BW are available; `xp` is x packed by [`pack_x`]; rows `local` lie inside `w`.

@@ -111,6 +111,24 @@ fn row_bits_do_not_depend_on_batch_size_at(k: usize) {
     }
 }
 
+/// A prefill-sized batch against f32 weights (the panels, the activations in blocks that
+/// stay in L2: at k = 4103 a block is 64 rows) gives each row the bits it has alone.
+#[test]
+fn f32_panels_in_activation_blocks_keep_each_rows_bits() {
+    let (m, n, k) = (300, 29, 4103);
+    let (x, w) = (pseudo(m * k, 11), pseudo(n * k, 12));
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for isa in isas() {
+        let mut batch = vec![0.0; m * n];
+        matmul_f32_with(isa, &x, &w, &mut batch, m, n, k);
+        for (i, row) in batch.chunks_exact(n).enumerate() {
+            let mut alone = vec![0.0; n];
+            matmul_f32_with(isa, &x[i * k..(i + 1) * k], &w, &mut alone, 1, n, k);
+            assert_eq!(bits(row), bits(&alone), "{isa:?} row {i}");
+        }
+    }
+}
+
 #[test]
 fn strided_rows_give_the_bits_of_single_dots() {
     let (k, stride, n) = (20, 27, 13);
