@@ -182,7 +182,15 @@ fn run(isa: Isa, x: &[f32], parts: &[Part], out: &mut [f32], m: usize, n: usize,
             pack_x(x, m, k, panels);
             &*panels
         });
-        let each = |w_rows: Range<usize>| run_rows(isa, x, packed, parts, ptr, m, n, k, w_rows);
+        let job = Job {
+            isa,
+            x,
+            packed,
+            m,
+            n,
+            k,
+        };
+        let each = |w_rows: Range<usize>| run_rows(job, parts, ptr, w_rows);
         if m * n * k <= SERIAL_FMAS {
             return each(0..n);
         }
@@ -391,19 +399,20 @@ pub(super) fn dot_tile_with(
     run_tile(isa, q, out.as_mut_ptr(), &tile);
 }
 
-/// All activation rows against rows `w_rows` of W, part by part.
-#[allow(clippy::too_many_arguments)]
-fn run_rows(
+/// What every task of one matmul shares: the instruction set, the activations (`m × k`) and
+/// their panels when the AVX-512 batches read them, and the output's row length `n`.
+#[derive(Clone, Copy)]
+struct Job<'a> {
     isa: Isa,
-    x: &[f32],
-    packed: Option<&[f32]>,
-    parts: &[Part],
-    out: OutPtr,
+    x: &'a [f32],
+    packed: Option<&'a [f32]>,
     m: usize,
     n: usize,
     k: usize,
-    w_rows: Range<usize>,
-) {
+}
+
+/// All activation rows against rows `w_rows` of W, part by part.
+fn run_rows(job: Job<'_>, parts: &[Part], out: OutPtr, w_rows: Range<usize>) {
     for part in parts {
         let start = w_rows.start.max(part.first_row);
         let end = w_rows.end.min(part.first_row + part.n_rows);
@@ -418,18 +427,18 @@ fn run_rows(
             // Whole groups go to the AVX-512 kernels (the row tiles and the panels), which
             // read them as held; every other row, and every row on the other instruction
             // sets, in the file's layout.
-            let whole = if isa == Isa::Avx512 {
+            let whole = if job.isa == Isa::Avx512 {
                 let first = local.start.next_multiple_of(GROUP_ROWS).min(local.end);
                 first..(local.end.min(w.grouped) / GROUP_ROWS * GROUP_ROWS).max(first)
             } else {
                 local.start..local.start
             };
-            run_rows_in_file_layout(isa, x, packed, w, out, m, n, k, local.start..whole.start);
-            run_part(isa, x, packed, w, out, m, n, k, whole.clone());
-            run_rows_in_file_layout(isa, x, packed, w, out, m, n, k, whole.end..local.end);
+            run_rows_in_file_layout(job, w, out, local.start..whole.start);
+            run_part(job, w, out, whole.clone());
+            run_rows_in_file_layout(job, w, out, whole.end..local.end);
             continue;
         }
-        run_part(isa, x, packed, w, out, m, n, k, local);
+        run_part(job, w, out, local);
     }
 }
 
@@ -443,18 +452,15 @@ fn whole_groups(rows: &Range<usize>, w: Rows) -> bool {
 
 /// Rows `local` of `w` (all held in the file's layout, or all in whole groups for the
 /// AVX-512 row tiles) against all activation rows, into `out` from column 0 of the part.
-#[allow(clippy::too_many_arguments)]
-fn run_part(
-    isa: Isa,
-    x: &[f32],
-    packed: Option<&[f32]>,
-    w: Rows,
-    out: *mut f32,
-    m: usize,
-    n: usize,
-    k: usize,
-    local: Range<usize>,
-) {
+fn run_part(job: Job<'_>, w: Rows, out: *mut f32, local: Range<usize>) {
+    let Job {
+        isa,
+        x,
+        packed,
+        m,
+        n,
+        k,
+    } = job;
     if local.is_empty() {
         return;
     }
@@ -517,18 +523,7 @@ fn run_part(
 /// that read that layout (the other instruction sets, the batched panels, rows outside a
 /// whole group). A copy is a few bytes per block and row against the multiply-adds of
 /// every activation row, and the same bytes, so the same bits.
-#[allow(clippy::too_many_arguments)]
-fn run_rows_in_file_layout(
-    isa: Isa,
-    x: &[f32],
-    packed: Option<&[f32]>,
-    w: Rows,
-    out: *mut f32,
-    m: usize,
-    n: usize,
-    k: usize,
-    local: Range<usize>,
-) {
+fn run_rows_in_file_layout(job: Job<'_>, w: Rows, out: *mut f32, local: Range<usize>) {
     thread_local! {
         static FILE_ROWS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     }
@@ -544,24 +539,14 @@ fn run_rows_in_file_layout(
         for w0 in local.clone().step_by(PACK_BLOCK) {
             let block = w0..(w0 + PACK_BLOCK).min(local.end);
             for (j, row) in block.clone().zip(plain.chunks_exact_mut(rb)) {
-                crate::row_groups::file_row(w.dtype, k, held, w.grouped, j, row);
+                crate::row_groups::file_row(w.dtype, job.k, held, w.grouped, j, row);
             }
             let rows = Rows {
                 ptr: plain.as_ptr(),
                 grouped: 0,
                 ..w
             };
-            run_part(
-                isa,
-                x,
-                packed,
-                rows,
-                out.wrapping_add(w0),
-                m,
-                n,
-                k,
-                0..block.len(),
-            );
+            run_part(job, rows, out.wrapping_add(w0), 0..block.len());
         }
     });
 }

@@ -402,8 +402,6 @@ unsafe fn pack_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: 
 #[inline]
 unsafe fn pack_groups<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: *mut f32) {
     assert!(whole_groups(&rows, w), "packed groups are whole groups");
-    let block_bytes = byte_offset::<D>(32);
-    let scale_bytes = block_bytes - 16;
     let f16 = super::f16_table();
     for (r, j) in rows.clone().enumerate() {
         let (group, lane) = (j / GROUP_ROWS * GROUP_ROWS, j % GROUP_ROWS);
@@ -417,20 +415,46 @@ unsafe fn pack_groups<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: *
                 _mm_prefetch::<_MM_HINT_T0>(ahead.cast::<i8>());
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast::<i8>());
             }
-            // SAFETY: the group's block lies inside `w` (see `kernel_groups`); both chunks'
-            // places lie inside `out`.
+            // SAFETY: the group's block lies inside `w`; both chunks' places lie inside
+            // `out` (a 4-bit row has k16 = k).
             unsafe {
-                let [d, m] = block_scales(f16, block.add(64 + lane * scale_bytes), D == Q4_1)
-                    .map(|v| _mm512_set1_ps(v));
-                let table = ctx_of::<D>(d, m);
-                let low = _mm512_loadu_si512(block.add(lane).cast());
-                let high = _mm512_srli_epi32::<4>(low);
+                let values = group_values::<D>(f16, block, lane);
                 let at = |q: usize| out.add(panel_offset(r, q, k));
-                _mm512_storeu_ps(at(p / 16), _mm512_permutexvar_ps(low, table));
-                _mm512_storeu_ps(at(p / 16 + 1), _mm512_permutexvar_ps(high, table));
+                _mm512_storeu_ps(at(p / 16), values[0]);
+                _mm512_storeu_ps(at(p / 16 + 1), values[1]);
             }
         }
     }
+}
+
+/// The loader's f32 values of row `lane`'s block in a group's block at `block`
+/// ([`crate::row_groups`]), as its two chunks of 16: the block's 16-value table
+/// ([`ctx_of`] of its scales, looked up as [`kernel_quantized_1`] does) indexed by the
+/// row's nibbles, one 64-byte load at byte `lane` (the low nibbles as loaded, `vpermps`
+/// reading an index's low 4 bits; the high ones a shift away).
+///
+/// # Safety
+/// The group's block at `block` (four blocks' bytes: 64 of nibbles, then each row's
+/// scales) is readable, and `lane` < 4: a 64-byte load from byte `lane` ends inside it.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn group_values<const D: u8>(
+    f16: &[f32; 1 << 16],
+    block: *const u8,
+    lane: usize,
+) -> [__m512; 2] {
+    let scale_bytes = byte_offset::<D>(32) - 16;
+    // SAFETY: inside the group's block, as the caller promised.
+    let (scales, low) = unsafe {
+        (
+            block_scales(f16, block.add(64 + lane * scale_bytes), D == Q4_1),
+            _mm512_loadu_si512(block.add(lane).cast()),
+        )
+    };
+    let [d, m] = scales.map(|v| _mm512_set1_ps(v));
+    let table = ctx_of::<D>(d, m);
+    let high = _mm512_srli_epi32::<4>(low);
+    [low, high].map(|idx| _mm512_permutexvar_ps(idx, table))
 }
 
 /// One tile of packed panels: W's (`panel`, the rows, the first row's number, how many of
@@ -630,9 +654,6 @@ unsafe fn kernel_groups<const D: u8, const G: usize>(
     let (k, w) = (t.k, t.w);
     let groups: [*const u8; G] =
         std::array::from_fn(|g| w.ptr.wrapping_add((j + GROUP_ROWS * g) * w.row_bytes));
-    let block_bytes = byte_offset::<D>(32);
-    // A group's block: 64 bytes of nibbles, then each row's scales.
-    let scale_bytes = block_bytes - 16;
     let f16 = super::f16_table();
     let to_l2 = super::prefetch_to_l2();
     let mut acc = [[_mm512_setzero_ps(); GROUP_ROWS]; G];
@@ -652,20 +673,10 @@ unsafe fn kernel_groups<const D: u8, const G: usize>(
         for (acc, &group) in acc.iter_mut().zip(&groups) {
             let block = group.wrapping_add(at);
             for (r, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: the group's block lies inside the segment: its scales after the
-                // 64 bytes of nibbles, and 64 bytes from byte r < 4 end inside its
-                // 4 × block_bytes.
-                let (scales, low) = unsafe {
-                    (
-                        block_scales(f16, block.add(64 + r * scale_bytes), D == Q4_1),
-                        _mm512_loadu_si512(block.add(r).cast()),
-                    )
-                };
-                let [d, m] = scales.map(|v| _mm512_set1_ps(v));
-                let table = ctx_of::<D>(d, m);
-                let high = _mm512_srli_epi32::<4>(low);
-                *acc = _mm512_fmadd_ps(xv[0], _mm512_permutexvar_ps(low, table), *acc);
-                *acc = _mm512_fmadd_ps(xv[1], _mm512_permutexvar_ps(high, table), *acc);
+                // SAFETY: the group's block lies inside the segment, and r < 4.
+                let w = unsafe { group_values::<D>(f16, block, r) };
+                *acc = _mm512_fmadd_ps(xv[0], w[0], *acc);
+                *acc = _mm512_fmadd_ps(xv[1], w[1], *acc);
             }
         }
     }
