@@ -117,7 +117,10 @@ impl Storage {
             let layout = Self::layout(n_floats);
             // SAFETY: `layout` has a non-zero size.
             let raw = unsafe { alloc::alloc_zeroed(layout) };
-            NonNull::new(raw.cast::<f32>()).unwrap_or_else(|| alloc::handle_alloc_error(layout))
+            let ptr = NonNull::new(raw.cast::<f32>())
+                .unwrap_or_else(|| alloc::handle_alloc_error(layout));
+            advise_huge_pages(raw, layout.size());
+            ptr
         };
         Arc::new(Self {
             ptr,
@@ -179,6 +182,41 @@ impl Storage {
     fn n_claimed_blocks(&self) -> usize {
         self.lock_claims().len()
     }
+}
+
+/// Below this many bytes an arena is left on the allocator's pages as they come.
+///
+/// At and above it glibc always serves an allocation with a mapping of its own (its dynamic
+/// mmap threshold tops out at 32 MiB on 64-bit), which the advice below then covers alone: it
+/// never reaches a heap that later reuses the range for small allocations.
+const HUGE_PAGE_MIN_BYTES: usize = 32 << 20;
+
+/// Asks Linux to back the whole 2 MiB windows of an arena allocation of `len` bytes at `ptr`
+/// with 2 MiB pages (`MADV_HUGEPAGE`; `transparent_hugepage/enabled` is `madvise` on the
+/// machines here, so without the advice an arena gets 4 KiB pages).
+///
+/// Why: attention reads every sequence's K and V of a layer a block at a time, 12 KiB runs of
+/// a layer's plane scattered over the arena, so with 4 KiB pages a batch-64 decode step took a
+/// TLB miss (a two-level page walk under a hypervisor) every 4 KiB of the ~450 MB it reads. On
+/// a 2-vCPU Xeon, batch-64 decode attention of the default model went from 25.6–26.3 to
+/// 23.9–24.1 ms per step (`attn_speed`, context 144; the step's `write_kv` page faults fell as
+/// well). Pages are still only faulted in when written, 2 MiB at a time, so an untouched
+/// arena costs nothing; the allocation is freed as before and its mapping goes with it.
+fn advise_huge_pages(ptr: *mut u8, len: usize) {
+    #[cfg(all(target_os = "linux", not(miri)))]
+    if len >= HUGE_PAGE_MIN_BYTES {
+        const HUGE_PAGE: usize = 2 << 20;
+        let skip = ptr.align_offset(HUGE_PAGE);
+        let windows = len.saturating_sub(skip) / HUGE_PAGE * HUGE_PAGE;
+        if windows > 0 {
+            // SAFETY: `[ptr + skip, ptr + skip + windows)` lies inside the allocation, and the
+            // advice only changes which pages the kernel backs it with, never its contents. A
+            // failure (no THP support) leaves the 4 KiB pages, which is only slower.
+            unsafe { libc::madvise(ptr.add(skip).cast(), windows, libc::MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(all(target_os = "linux", not(miri))))]
+    let _ = (ptr, len);
 }
 
 impl Drop for Storage {

@@ -240,3 +240,65 @@ fn release_returns_memory_to_the_os() {
     );
     assert_eq!(arena.bytes(), 256 * MIB);
 }
+
+/// The `VmFlags` of the mapping that holds `addr`, from `/proc/self/smaps`.
+#[cfg(target_os = "linux")]
+fn vm_flags_at(addr: usize) -> Option<String> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("/proc/self/smaps");
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line
+            .split_whitespace()
+            .next()
+            .and_then(|r| r.split_once('-'));
+        if let Some((start, end)) = range {
+            if let (Ok(start), Ok(end)) = (
+                usize::from_str_radix(start, 16),
+                usize::from_str_radix(end, 16),
+            ) {
+                inside = (start..end).contains(&addr);
+                continue;
+            }
+        }
+        if inside {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                return Some(flags.trim().to_string());
+            }
+        }
+    }
+    None
+}
+
+/// A large arena is advised for 2 MiB pages (the `hg` flag of its mapping), so attention's
+/// reads of K and V scattered over it do not take a TLB miss every 4 KiB; a small one is left
+/// alone. Where the kernel has no transparent huge pages the advice cannot take, so there is
+/// nothing to check.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_large_arena_is_advised_for_huge_pages() {
+    const MIB: usize = 1 << 20;
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled");
+    if thp.map_or(true, |s| s.contains("[never]")) {
+        return;
+    }
+    let layout = KvLayout {
+        n_layers: 4,
+        n_kv_heads: 4,
+        head_dim: 64,
+        block_size: 16,
+    };
+    let arena = KvArena::new(layout, 64 * MIB / layout.block_bytes());
+    let start = arena.block(0).as_ptr() as usize;
+    let middle = (start + 4 * MIB) & !(2 * MIB - 1);
+    let flags = vm_flags_at(middle).expect("the arena's mapping");
+    assert!(
+        flags.split_whitespace().any(|f| f == "hg"),
+        "arena mapping flags: {flags}"
+    );
+    let small = KvArena::new(layout, MIB / layout.block_bytes());
+    let flags = vm_flags_at(small.block(0).as_ptr() as usize).expect("the small arena's mapping");
+    assert!(
+        !flags.split_whitespace().any(|f| f == "hg"),
+        "small arena mapping flags: {flags}"
+    );
+}

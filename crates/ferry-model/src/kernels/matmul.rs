@@ -218,7 +218,8 @@ fn f16_table() -> &'static [f32; 1 << 16] {
 }
 
 /// Where the AVX-512 kernels' software prefetch (the register tiles' and the batch-1
-/// quantized kernel's) puts the weight bytes they read a few row groups later.
+/// quantized kernel's) puts the weight bytes they read a few row groups later, and
+/// attention its next KV block ([`super::prefetch`]).
 ///
 /// On Intel, into L2 (`prefetcht1`): a prefetch into L1 holds one of the core's few L1 fill
 /// buffers until its line arrives from memory, and those buffers are all the core has for
@@ -226,14 +227,16 @@ fn f16_table() -> &'static [f32; 1 << 16] {
 /// 155–182 tok/s on a 2-vCPU Xeon (12 interleaved pairs of `ferry bench model`), the Q4_1 file
 /// ~2% (its blocks take longer to decode per byte, so the stream waits less); once the
 /// weights sat on huge pages (`weight_buf/slab.rs`), the F32 file's from 45.7–48.1 to
-/// 48.1–50.9 (the AVX-512 tile's own prefetch, 4 interleaved pairs; batch 32 unchanged). The
-/// batched packing, attention's KV prefetch and the AVX2 kernels (compute-bound on that
-/// host) measured the same either way and keep their L1 prefetches, as does AMD (Zen 5 was
-/// tuned with them: four groups ahead for Q8_0).
+/// 48.1–50.9 (the AVX-512 tile's own prefetch, 4 interleaved pairs; batch 32 unchanged).
+/// Once the KV arena sat on huge pages too (`ferry_kv`'s `access.rs`), batch-64 decode
+/// attention went from 23.9–24.3 to 22.7–23.1 ms per step into L2 (`attn_speed`, context
+/// 144). The batched packing and the AVX2 kernels (compute-bound on that host) measured the
+/// same either way and keep their L1 prefetches, as does AMD (Zen 5 was tuned with them: four
+/// groups ahead for Q8_0).
 /// `FERRY_WEIGHT_PREFETCH=l1` or `=l2` overrides the choice, for A/B runs on a new host.
 /// Read once per process. Only speed depends on it, never a result.
 #[cfg(target_arch = "x86_64")]
-fn prefetch_to_l2() -> bool {
+pub(super) fn prefetch_to_l2() -> bool {
     static TO_L2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *TO_L2.get_or_init(|| match std::env::var("FERRY_WEIGHT_PREFETCH").as_deref() {
         Ok("l2") => true,
@@ -250,7 +253,7 @@ fn prefetch_to_l2() -> bool {
 /// into L1. A hint: it never faults, so `at` may lie past the weights' end.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_weights(at: *const u8, to_l2: bool) {
+pub(super) fn prefetch_weights(at: *const u8, to_l2: bool) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
     // SAFETY: SSE is part of x86-64, and a prefetch reads nothing architecturally.
     unsafe {

@@ -228,17 +228,16 @@ pub fn axpy_rows_n<const Q: usize>(
 }
 
 /// Asks the cache for every 64-byte line of `data` ahead of use (a hint: no fault, no
-/// effect on results). Attention calls it on the next KV block, whose address the hardware
+/// effect on results), into L2 or L1 as the weights' prefetches go (`prefetch_to_l2` in
+/// `matmul.rs`). Attention calls it on the next KV block, whose address the hardware
 /// prefetcher cannot guess since the blocks of a sequence lie anywhere in the arena.
 pub fn prefetch(data: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    for line in data.chunks(16) {
-        // SAFETY: SSE is part of x86-64; a prefetch reads nothing architecturally.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr().cast(),
-            )
-        };
+    {
+        let to_l2 = matmul::prefetch_to_l2();
+        for line in data.chunks(16) {
+            matmul::prefetch_weights(line.as_ptr().cast(), to_l2);
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = data;
