@@ -7,10 +7,10 @@
 //! 16 + i (high nibble). Here every whole group of four rows (rows 4g..4g + 4) holds, for
 //! each block b in turn, the four rows' block b in four times the block's bytes:
 //!
-//! * 64 bytes of nibbles, byte `4i + r` being byte i of row r's nibbles, so a 64-byte load
-//!   at byte r gives row r's nibbles one per 32-bit lane, the lane's low 4 bits the
-//!   element's index into the block's table of 16 values (the file's layout needs a
-//!   shift per lane for that, and lanes in a transposed order);
+//! * 64 bytes of nibbles, byte `4i + r` being byte i of row r's nibbles, so one 64-byte load
+//!   shifted right by 8r in each 32-bit lane gives row r's nibbles one per lane, the lane's
+//!   low 4 bits the element's index into the block's table of 16 values (the file's layout
+//!   needs a shift per lane for that, and lanes in a transposed order);
 //! * then the four rows' scales, row by row, as in the file.
 //!
 //! A group's bytes are where its rows' bytes are in the file (four rows' worth), so row

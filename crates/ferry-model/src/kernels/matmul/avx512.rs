@@ -430,12 +430,22 @@ unsafe fn pack_groups<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: *
 /// The loader's f32 values of row `lane`'s block in a group's block at `block`
 /// ([`crate::row_groups`]), as its two chunks of 16: the block's 16-value table
 /// ([`ctx_of`] of its scales, looked up as [`kernel_quantized_1`] does) indexed by the
-/// row's nibbles, one 64-byte load at byte `lane` (the low nibbles as loaded, `vpermps`
-/// reading an index's low 4 bits; the high ones a shift away).
+/// row's nibbles, the group's 64 nibble bytes shifted right by `8 * lane` in each 32-bit
+/// lane (the low nibbles then as they are, `vpermps` reading an index's low 4 bits; the high
+/// ones four bits further).
+///
+/// The same 64-byte load at the group's block for every row, so a caller that takes the
+/// four rows in turn loads it once (the compiler keeps one load and seven shifts a group).
+/// A load at byte `lane` instead, no shift, took one vector instruction less per row but
+/// split over two cache lines for rows 1–3 (and for row 0 too where the group's block does
+/// not start a line, three times in four at k = 576): on a 2-vCPU Xeon, twelve interleaved
+/// pairs of `ferry bench model --batch 1` on the Q4_1 file took the layer matmuls from
+/// 2337–2731 (median 2497) to 2231–2655 µs per step (median 2378; the pair's ratio a median
+/// 0.95, 9 pairs of 12 faster), batch 64 within noise.
 ///
 /// # Safety
 /// The group's block at `block` (four blocks' bytes: 64 of nibbles, then each row's
-/// scales) is readable, and `lane` < 4: a 64-byte load from byte `lane` ends inside it.
+/// scales) is readable, and `lane` < 4.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
 unsafe fn group_values<const D: u8>(
@@ -445,11 +455,17 @@ unsafe fn group_values<const D: u8>(
 ) -> [__m512; 2] {
     let scale_bytes = byte_offset::<D>(32) - 16;
     // SAFETY: inside the group's block, as the caller promised.
-    let (scales, low) = unsafe {
+    let (scales, whole) = unsafe {
         (
             block_scales(f16, block.add(64 + lane * scale_bytes), D == Q4_1),
-            _mm512_loadu_si512(block.add(lane).cast()),
+            _mm512_loadu_si512(block.cast()),
         )
+    };
+    let low = match lane {
+        0 => whole,
+        1 => _mm512_srli_epi32::<8>(whole),
+        2 => _mm512_srli_epi32::<16>(whole),
+        _ => _mm512_srli_epi32::<24>(whole),
     };
     let [d, m] = scales.map(|v| _mm512_set1_ps(v));
     let table = ctx_of::<D>(d, m);
@@ -628,13 +644,14 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
 
 /// One activation row against G groups of four 4-bit rows held in row groups
 /// ([`crate::row_groups`]), from row `j` (a group's first): the multiply-adds of [`kernel`]
-/// in its order, so the same bits, with six vector instructions per block and row where
-/// [`kernel_quantized_1`] takes seven and transposes.
+/// in its order, so the same bits, with under seven vector instructions per block and row
+/// where [`kernel_quantized_1`] takes seven and transposes.
 ///
 /// Each row's 16-value table is one multiply-add of its scales, looked up as there; row r's
-/// nibbles are one 64-byte load at byte r of the group's block, a nibble in the low 4 bits
-/// of each lane in element order (the low nibbles, read by `vpermps` as they are; the high
-/// nibbles one shift away). On a 2-vCPU Xeon, batch-1 decode of the Q4_1 file went from
+/// nibbles are the group's block's 64 nibble bytes shifted right by 8r in each lane, a
+/// nibble in the low 4 bits of each lane in element order (the low nibbles, read by
+/// `vpermps` as they are; the high nibbles four bits further), one load for all four rows
+/// ([`group_values`]). On a 2-vCPU Xeon, batch-1 decode of the Q4_1 file went from
 /// 177–195 to 199–203 tok/s (4 interleaved pairs of `ferry bench model`, the layout switched
 /// within one build; the layer matmuls 3.66–3.96 → 3.38–3.46 ms per step), and from 0.97–0.98
 /// to 1.02–1.09 of llama.cpp's decode (`scripts/bench-llamacpp.py`).
