@@ -3,7 +3,9 @@
 invocation: for each file, `ferry bench model --batch 1` and `llama-bench -t T -p 0 -n N`,
 alternated `--rounds` times (which one goes first alternates too), then each engine's best
 rate, their ratio, every round's ratio, and ferry's weight-read GB/s against the read
-bandwidth its bench measured. The best of interleaved runs compares the two at the same
+bandwidth its bench measured and against the rate its batch-1 kernels consume the file's
+weights from cache (`kernel GB/s`: where that is near the read bandwidth, decode is bound by
+the kernels' arithmetic as much as by memory). The best of interleaved runs compares the two at the same
 host state, which matters on shared machines whose speed drifts within minutes. Standard library only.
 
     bash /work/shared/tools/build-llamacpp.sh          # llama-bench into ~/.cache/ferry/llama.cpp
@@ -53,6 +55,8 @@ def run_ferry(ferry, gguf, threads, tokens):
         "weight_read_gb_s": r["decode_weight_read_gb_s"],
         "read_gb_s": out["read_gb_s"],
         "read_fraction": r["decode_read_bandwidth_fraction"],
+        "kernel_gb_s": out["batch1_kernel_gb_s"],
+        "kernel_fraction": r["decode_kernel_bound_fraction"],
         "weights_bytes_per_step": out["weights_bytes_per_step"],
         "weight_dtypes": out["weight_dtypes"],
     }
@@ -142,7 +146,7 @@ def main():
                           "results": results}))
         return
     print(f"{'file':<34} {'ferry tok/s':>11} {'llama.cpp tok/s':>15} {'ratio':>6} "
-          f"{'ferry GB/s':>10} {'read GB/s':>9} {'of read':>7}")
+          f"{'ferry GB/s':>10} {'read GB/s':>9} {'of read':>7} {'kernel GB/s':>11} {'of kernel':>9}")
     for gguf in files:
         ferry, llama, ratios = alternate(
             args.rounds,
@@ -152,7 +156,8 @@ def main():
         results.append({"gguf": gguf, "ferry": ferry, "llama_cpp": llama, "ferry_over_llama_cpp": ratio,
                         "round_ratios": ratios})
         print(f"{Path(gguf).name:<34} {ferry['tok_s']:>11.1f} {llama['tok_s']:>15.1f} {ratio:>6.2f} "
-              f"{ferry['weight_read_gb_s']:>10.2f} {ferry['read_gb_s']:>9.2f} {ferry['read_fraction']:>7.2f}")
+              f"{ferry['weight_read_gb_s']:>10.2f} {ferry['read_gb_s']:>9.2f} {ferry['read_fraction']:>7.2f} "
+              f"{ferry['kernel_gb_s']:>11.2f} {ferry['kernel_fraction']:>9.2f}")
     print(json.dumps({"threads": args.threads, "tokens": args.tokens, "rounds": args.rounds, "results": results}))
 
 

@@ -24,6 +24,8 @@ use serde_json::json;
 
 const BLOCK_SIZE: usize = 16;
 
+mod kernels;
+
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// A Hugging Face model folder, a `.gguf` file, or `tiny`.
@@ -77,10 +79,15 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
     let memcpy_gb_s = memcpy_bandwidth_gb_s(bandwidth_bytes);
     let isa = ferry_model::kernels::Isa::current();
     let threads = ferry_model::kernels::threads();
+    let step_bytes = kernels::step_bytes_by_dtype(model.weights());
     let probe = || {
         (
             ferry_model::kernels::fma_peak_gflop_s(isa, threads, PEAK_ITERS),
             read_bandwidth_gb_s(bandwidth_bytes),
+            step_bytes
+                .keys()
+                .map(|&d| (d, kernels::kernel_gb_s(d, config.hidden_size)))
+                .collect::<std::collections::BTreeMap<_, _>>(),
         )
     };
     let before = probe();
@@ -92,9 +99,16 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
     // shared host a probe that met other tenants' work reads low, and a fraction of it
     // would flatter the runs (one such probe read 227 GFLOP/s where the next read 446).
     let after = probe();
+    let kernel_gb_s: std::collections::BTreeMap<_, _> = before
+        .2
+        .iter()
+        .map(|(&d, &r)| (d, r.max(after.2[&d])))
+        .collect();
+    let kernel_bound_ms = kernels::kernel_bound_ms(&step_bytes, &kernel_gb_s);
     let machine = Machine {
         read_gb_s: before.1.max(after.1),
         peak_gflop_s: before.0.max(after.0),
+        kernel_bound_ms,
         bytes_per_step,
         flops_token: model.weights().matmul_flops_per_token(false),
         flops_sampled: model.weights().matmul_flops_per_token(true),
@@ -122,6 +136,10 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
         "read_gb_s_probes": [round2(before.1), round2(after.1)],
         "batch1_decode_bound_ms_memcpy": bound_ms(memcpy_gb_s),
         "batch1_decode_bound_ms_read": bound_ms(read_gb_s),
+        "kernel_gb_s": by_dtype(&kernel_gb_s),
+        "kernel_gb_s_probes": [by_dtype(&before.2), by_dtype(&after.2)],
+        "batch1_decode_bound_ms_kernels": round2(kernel_bound_ms),
+        "batch1_kernel_gb_s": round2(bytes_per_step as f64 / (kernel_bound_ms * 1e6)),
         "results": results,
     }))
 }
@@ -157,6 +175,9 @@ const PEAK_ITERS: usize = 20_000_000;
 struct Machine {
     read_gb_s: f64,
     peak_gflop_s: f64,
+    /// Milliseconds the step's matrices take at the batch-1 kernels' rates from cache
+    /// ([`kernels`]).
+    kernel_bound_ms: f64,
     bytes_per_step: usize,
     /// Matmul FLOPs of a token that does not sample, and of one that does (the head too).
     flops_token: u64,
@@ -164,6 +185,14 @@ struct Machine {
 }
 
 /// How many matrix segments of each dtype the model holds, e.g. `{"Q4_1": 180, "Q8_0": 31}`.
+/// A JSON object of one value per dtype, rounded.
+fn by_dtype(v: &std::collections::BTreeMap<ferry_model::WeightDtype, f64>) -> serde_json::Value {
+    v.iter()
+        .map(|(d, &x)| (d.to_string(), json!(round2(x))))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
 fn weight_dtypes(w: &ferry_model::LlamaWeights) -> serde_json::Value {
     let mut counts = std::collections::BTreeMap::<String, usize>::new();
     let layers = w
@@ -282,6 +311,9 @@ impl BatchRun {
         json!({
             "decode_weight_read_gb_s": round2(weight_read_gb_s),
             "decode_read_bandwidth_fraction": round2(weight_read_gb_s / m.read_gb_s),
+            // Only batch 1 runs the batch-1 kernels the bound is of.
+            "decode_kernel_bound_fraction": (self.batch == 1)
+                .then(|| round2(m.kernel_bound_ms / (step_s * 1e3))),
             "decode_gflop_s": round2(decode_gflop_s),
             "decode_peak_fraction": round2(decode_gflop_s / m.peak_gflop_s),
             "prefill_gflop_s": round2(prefill_gflop_s),
@@ -509,6 +541,22 @@ mod tests {
             out["read_gb_s"].as_f64().unwrap(),
             higher(&out["read_gb_s_probes"])
         );
+        // The kernels' rate of each dtype the matrices hold (f32 here), the higher probe's,
+        // and the step's bound from it; only batch 1 is held against that bound.
+        let kernel = out["kernel_gb_s"].as_object().unwrap();
+        assert_eq!(kernel.keys().collect::<Vec<_>>(), ["F32"], "{out}");
+        let probes = &out["kernel_gb_s_probes"];
+        assert_eq!(
+            kernel["F32"].as_f64().unwrap(),
+            probes[0]["F32"]
+                .as_f64()
+                .unwrap()
+                .max(probes[1]["F32"].as_f64().unwrap())
+        );
+        assert!(out["batch1_decode_bound_ms_kernels"].as_f64().unwrap() >= 0.0);
+        assert!(out["batch1_kernel_gb_s"].as_f64().unwrap() > 0.0);
+        assert!(results[0]["decode_kernel_bound_fraction"].as_f64().unwrap() > 0.0);
+        assert!(results[1]["decode_kernel_bound_fraction"].is_null());
         // 2 layers of 7 segments (q, k, v, o, gate, up, down), the embedding and the head.
         assert_eq!(out["weight_dtypes"]["F32"], 16, "random weights are f32");
         assert!(out["weights_bytes_per_step"].as_u64().unwrap() > 0);

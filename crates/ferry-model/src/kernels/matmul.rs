@@ -30,9 +30,15 @@ mod portable;
 const X_BLOCK: usize = 64;
 /// W rows kept hot while the activation rows stream past.
 const W_BLOCK: usize = 24;
-/// W rows dequantized into panels at a time by the packed path (`run_rows_packed`): each
-/// activation panel is read from L2 once per block, so a longer block reads it less often.
+/// Most W rows dequantized into panels at a time by the packed path (`run_rows_packed`),
+/// and the count where the activations do not fit in L2 (a prefill chunk): they stream
+/// past each block once, so a longer block reads them less often. See [`pack_rows_for`].
 const PACK_BLOCK: usize = 48;
+/// Bytes of W panels a block holds when the activations fit in [`PACK_X_L2_BYTES`]: with one
+/// activation panel, what L1 holds (48 KiB on the machines here).
+const PACK_L1_BYTES: usize = 28 << 10;
+/// Bytes of packed activations that stay in L2 while the W blocks pass.
+const PACK_X_L2_BYTES: usize = 1 << 20;
 /// Activation rows from which a W block in another dtype than f32 is dequantized once into
 /// an f32 scratch rather than in registers by every tile (the batched tile takes 4 rows).
 const DEQUANT_ROWS: usize = 4;
@@ -555,9 +561,9 @@ fn run_rows_in_file_layout(job: Job<'_>, w: Rows, out: *mut f32, local: Range<us
 }
 
 /// [`run_rows`] on AVX-512 for a block of W rows in another dtype than f32 against many
-/// activation rows: each block of [`PACK_BLOCK`] rows is dequantized once into panels of
-/// [`PANEL`] rows (the loader's values, so the same bits), and each activation panel (`xp`,
-/// from [`pack_x`]) is multiplied by every W panel while it sits in L1. A 4 × 4 tile then
+/// activation rows: each block of W rows ([`pack_rows_for`]) is dequantized once into panels
+/// of [`PANEL`] rows (the loader's values, so the same bits), and each activation panel
+/// (`xp`, from [`pack_x`]) is multiplied by every W panel of the block in turn. A 4 × 4 tile then
 /// reads two sequential streams instead of eight rows: batch-64 Q4_1 on one core went from
 /// 151–171 to 199–214 GFLOP/s (`kernel_speed`), a batch-64 decode step of the default model
 /// 5–10% faster. f32 weights take the panels from [`F32_PANEL_ROWS`] activation rows (on
@@ -582,11 +588,12 @@ unsafe fn run_rows_packed(
     }
     let k16 = k / 16 * 16;
     WPACK.with_borrow_mut(|wpack| {
-        let wpack = aligned(wpack, PACK_BLOCK.next_multiple_of(PANEL) * k16);
-        for w0 in local.clone().step_by(PACK_BLOCK) {
-            let block = w0..(w0 + PACK_BLOCK).min(local.end);
+        let rows = pack_rows_for(m, k16);
+        let wpack = aligned(wpack, rows * k16);
+        for w0 in local.clone().step_by(rows) {
+            let block = w0..(w0 + rows).min(local.end);
             // SAFETY: as for this function; `wpack` holds the block's panels.
-            unsafe { avx512::pack_rows(w, block.clone(), k, wpack) };
+            unsafe { avx512::pack_rows(w, block.clone(), local.end, k, wpack) };
             for i0 in (0..m).step_by(PANEL) {
                 let c = (m - i0).min(PANEL);
                 for j0 in block.clone().step_by(PANEL) {
@@ -605,6 +612,24 @@ unsafe fn run_rows_packed(
             }
         }
     });
+}
+
+/// W rows [`run_rows_packed`] dequantizes at a time for `m` activation rows of `k16`
+/// packed elements (a multiple of [`PANEL`], so of the 4-bit row groups too). Where the
+/// activations fit in L2 (a decode batch), as many rows as fill [`PACK_L1_BYTES`]: each tile
+/// streams one of its two panels from L2 while the other stays in L1, and a block that fits
+/// in L1 beside an activation panel is the one that stays, so each activation panel comes
+/// from L2 once for every few tiles rather than a W panel for every tile. On a 2-vCPU Xeon
+/// (`kernel_speed`, 8 interleaved rounds over the default model's layer shapes at batch 64,
+/// Q4_1, two threads) that went from 275 to 293 GFLOP/s (median): at k = 576, 12 rows
+/// against 48, 253–286 → 276–314 per shape; at k = 1536, 4 rows, 268 → 278 (12 rows there
+/// spill L1: 257).
+fn pack_rows_for(m: usize, k16: usize) -> usize {
+    let panel_row = 4 * k16.max(16);
+    if m.saturating_mul(panel_row) > PACK_X_L2_BYTES {
+        return PACK_BLOCK;
+    }
+    (PACK_L1_BYTES / panel_row).clamp(PANEL, PACK_BLOCK) / PANEL * PANEL
 }
 
 /// [`run_rows`] for a block of W rows in another dtype than f32 against many activation

@@ -294,19 +294,31 @@ unsafe fn kernel_f32<const R: usize, const C: usize>(
 /// W rows `rows` as the loader's f32 values in panels of [`PANEL`] rows (the last padded
 /// with zeros, so every tile reads whole panels): see [`panel_offset`].
 ///
+/// Rows before `fetch_end` (the caller's last row, past this block) are prefetched a few
+/// rows ahead of the ones decoded, across the block's end, so the next block does not start
+/// cold (with blocks of 4–12 rows, one in every one to three groups did; with the fetch
+/// across blocks, the packing's share of a batch-64 decode step's samples went from
+/// 6.6–6.7% to 6.1–6.2% in `perf`).
+///
 /// # Safety
 /// The rows lie inside `w`'s memory.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(super) unsafe fn pack_rows(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+pub(super) unsafe fn pack_rows(
+    w: Rows,
+    rows: Range<usize>,
+    fetch_end: usize,
+    k: usize,
+    out: &mut [f32],
+) {
     // SAFETY (all arms): as for this function.
     unsafe {
         match code(w.dtype) {
-            F32 => pack_rows_of::<F32>(w, rows, k, out),
-            F16 => pack_rows_of::<F16>(w, rows, k, out),
-            BF16 => pack_rows_of::<BF16>(w, rows, k, out),
-            Q8_0 => pack_rows_of::<Q8_0>(w, rows, k, out),
-            Q4_0 => pack_rows_of::<Q4_0>(w, rows, k, out),
-            _ => pack_rows_of::<Q4_1>(w, rows, k, out),
+            F32 => pack_rows_of::<F32>(w, rows, fetch_end, k, out),
+            F16 => pack_rows_of::<F16>(w, rows, fetch_end, k, out),
+            BF16 => pack_rows_of::<BF16>(w, rows, fetch_end, k, out),
+            Q8_0 => pack_rows_of::<Q8_0>(w, rows, fetch_end, k, out),
+            Q4_0 => pack_rows_of::<Q4_0>(w, rows, fetch_end, k, out),
+            _ => pack_rows_of::<Q4_1>(w, rows, fetch_end, k, out),
         }
     }
 }
@@ -318,7 +330,13 @@ fn panel_offset(r: usize, q: usize, k16: usize) -> usize {
 }
 
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+unsafe fn pack_rows_of<const D: u8>(
+    w: Rows,
+    rows: Range<usize>,
+    fetch_end: usize,
+    k: usize,
+    out: &mut [f32],
+) {
     let (k16, k32) = (k / 16 * 16, k / 32 * 32);
     let n = rows.len();
     let panels = n.div_ceil(PANEL);
@@ -329,7 +347,7 @@ unsafe fn pack_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: 
     let dst = out.as_mut_ptr();
     if matches!(D, Q4_0 | Q4_1) && w.grouped > 0 {
         // SAFETY: as for this function; `out` holds the panels (checked above).
-        return unsafe { pack_groups::<D>(w, rows, k, dst) };
+        return unsafe { pack_groups::<D>(w, rows, fetch_end, k, dst) };
     }
     let quantized = matches!(D, Q8_0 | Q4_0 | Q4_1);
     for (r, j) in rows.clone().enumerate() {
@@ -350,7 +368,7 @@ unsafe fn pack_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: 
                 unsafe { group_scales::<D, 1>(&[row], b0, nb, &mut scales) };
                 for b in 0..nb {
                     let p = (b0 + b) * 32;
-                    if j + PANEL < rows.end {
+                    if j + PANEL < fetch_end {
                         let line = ahead.wrapping_add(byte_offset::<D>(p));
                         _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
                     }
@@ -400,7 +418,13 @@ unsafe fn pack_rows_of<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: 
 /// The rows are whole groups inside `w`; `out` holds their panels.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn pack_groups<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: *mut f32) {
+unsafe fn pack_groups<const D: u8>(
+    w: Rows,
+    rows: Range<usize>,
+    fetch_end: usize,
+    k: usize,
+    out: *mut f32,
+) {
     assert!(whole_groups(&rows, w), "packed groups are whole groups");
     let f16 = super::f16_table();
     for (r, j) in rows.clone().enumerate() {
@@ -408,7 +432,7 @@ unsafe fn pack_groups<const D: u8>(w: Rows, rows: Range<usize>, k: usize, out: *
         let group = w.ptr.wrapping_add(group * w.row_bytes);
         for p in (0..k).step_by(32) {
             let block = group.wrapping_add(GROUP_ROWS * byte_offset::<D>(p));
-            if lane == 0 && j + GROUP_ROWS < rows.end {
+            if lane == 0 && j + GROUP_ROWS < fetch_end {
                 // The next group's block, fetched while this one is decoded (as the file
                 // layout's packing fetches the row a panel later).
                 let ahead = block.wrapping_add(GROUP_ROWS * w.row_bytes);
