@@ -5,8 +5,9 @@ alternated `--rounds` times (which one goes first alternates too), then each eng
 rate, their ratio, every round's ratio, and ferry's weight-read GB/s against the read
 bandwidth its bench measured and against the rate its batch-1 kernels consume the file's
 weights from cache (`kernel GB/s`: where that is near the read bandwidth, decode is bound by
-the kernels' arithmetic as much as by memory). The best of interleaved runs compares the two at the same
-host state, which matters on shared machines whose speed drifts within minutes. Standard library only.
+the kernels' arithmetic as much as by memory). The best of interleaved runs compares the two
+at the same host state, which matters on shared machines whose speed drifts within minutes.
+Standard library only.
 
     bash /work/shared/tools/build-llamacpp.sh          # llama-bench into ~/.cache/ferry/llama.cpp
     cargo build --release -p ferry

@@ -122,15 +122,18 @@ impl LlamaWeights {
         self.layer_bytes() + self.norm.n_bytes() + self.head().n_bytes()
     }
 
+    /// Every layer's matrices, layer by layer: qkv, o, gate_up, down.
+    pub fn layer_matrices(&self) -> impl Iterator<Item = &Matrix> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down])
+    }
+
     /// Floating-point operations (a multiply-add counts 2) of one token's matmuls: every
     /// layer's matrices, and the head when the token samples.
     pub fn matmul_flops_per_token(&self, with_head: bool) -> u64 {
         let elems = |m: &Matrix| (m.n_rows() * m.k()) as u64;
-        let layers: u64 = self
-            .layers
-            .iter()
-            .map(|l| elems(&l.qkv) + elems(&l.o_proj) + elems(&l.gate_up) + elems(&l.down))
-            .sum();
+        let layers: u64 = self.layer_matrices().map(elems).sum();
         2 * (layers + if with_head { elems(self.head()) } else { 0 })
     }
 

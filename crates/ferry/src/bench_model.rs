@@ -80,13 +80,17 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
     let isa = ferry_model::kernels::Isa::current();
     let threads = ferry_model::kernels::threads();
     let step_bytes = kernels::step_bytes_by_dtype(model.weights());
+    let kernel_probes: Vec<_> = step_bytes
+        .keys()
+        .map(|&d| (d, kernels::probe_matrix(d, config.hidden_size)))
+        .collect();
     let probe = || {
         (
             ferry_model::kernels::fma_peak_gflop_s(isa, threads, PEAK_ITERS),
             read_bandwidth_gb_s(bandwidth_bytes),
-            step_bytes
-                .keys()
-                .map(|&d| (d, kernels::kernel_gb_s(d, config.hidden_size)))
+            kernel_probes
+                .iter()
+                .map(|(d, w)| (*d, kernels::kernel_gb_s(w)))
                 .collect::<std::collections::BTreeMap<_, _>>(),
         )
     };
@@ -184,7 +188,6 @@ struct Machine {
     flops_sampled: u64,
 }
 
-/// How many matrix segments of each dtype the model holds, e.g. `{"Q4_1": 180, "Q8_0": 31}`.
 /// A JSON object of one value per dtype, rounded.
 fn by_dtype(v: &std::collections::BTreeMap<ferry_model::WeightDtype, f64>) -> serde_json::Value {
     v.iter()
@@ -193,15 +196,12 @@ fn by_dtype(v: &std::collections::BTreeMap<ferry_model::WeightDtype, f64>) -> se
         .into()
 }
 
+/// How many matrix segments of each dtype the model holds, e.g. `{"Q4_1": 180, "Q8_0": 31}`.
 fn weight_dtypes(w: &ferry_model::LlamaWeights) -> serde_json::Value {
     let mut counts = std::collections::BTreeMap::<String, usize>::new();
-    let layers = w
-        .layers
-        .iter()
-        .flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down]);
     for m in std::iter::once(&w.embed)
         .chain(w.lm_head.as_ref())
-        .chain(layers)
+        .chain(w.layer_matrices())
     {
         for s in m.segments() {
             *counts.entry(s.dtype().to_string()).or_default() += 1;

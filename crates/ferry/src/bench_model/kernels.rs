@@ -32,11 +32,7 @@ const ROUND_S: f64 = 0.002;
 /// Bytes of each dtype a decode step reads from the matrices: every layer's and the head.
 pub(super) fn step_bytes_by_dtype(w: &LlamaWeights) -> BTreeMap<WeightDtype, usize> {
     let mut bytes = BTreeMap::new();
-    let layers = w
-        .layers
-        .iter()
-        .flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down]);
-    for m in layers.chain(std::iter::once(w.head())) {
+    for m in w.layer_matrices().chain(std::iter::once(w.head())) {
         for s in m.segments() {
             *bytes.entry(s.dtype()).or_default() += s.bytes().len();
         }
@@ -44,12 +40,11 @@ pub(super) fn step_bytes_by_dtype(w: &LlamaWeights) -> BTreeMap<WeightDtype, usi
     bytes
 }
 
-/// GB/s at which batch-1 products consume weights of `dtype` that sit in cache: a matrix
-/// of about [`PROBE_BYTES`] with rows of `k` elements (rounded up to the dtype's blocks),
-/// held as the model holds its own (`Segment::new` arranges it for this machine's kernels),
-/// multiplied by one activation row over and over on the forward's threads, each product
-/// with its start on the pool as in a decode step; best of five rounds after a warm-up.
-pub(super) fn kernel_gb_s(dtype: WeightDtype, k: usize) -> f64 {
+/// The probe's matrix of `dtype`: about [`PROBE_BYTES`] with rows of `k` elements (rounded
+/// up to the dtype's blocks), held as the model holds its own (`Segment::new` arranges it
+/// for this machine's kernels). Made once per run and timed by [`kernel_gb_s`] before and
+/// after the batches.
+pub(super) fn probe_matrix(dtype: WeightDtype, k: usize) -> Matrix {
     let k = k.max(1).next_multiple_of(dtype.block_elems());
     let row_bytes = dtype.row_bytes(k).expect("k is whole blocks");
     let n = (PROBE_BYTES / row_bytes / PROBE_ROWS * PROBE_ROWS).max(PROBE_ROWS);
@@ -57,22 +52,30 @@ pub(super) fn kernel_gb_s(dtype: WeightDtype, k: usize) -> f64 {
     let values: Vec<f32> = (0..n * k).map(|_| rng.next_f32() - 0.5).collect();
     let segment = Segment::new(dtype, n, k, ByteBuf::from_slice(&quantize(dtype, &values)))
         .expect("the probe's bytes are whole rows");
-    let w = Matrix::new(k, vec![segment]);
-    let x: Vec<f32> = (0..k).map(|_| rng.next_f32() - 0.5).collect();
+    Matrix::new(k, vec![segment])
+}
+
+/// GB/s at which batch-1 products consume the weights of `w` (a [`probe_matrix`]) while
+/// they sit in cache: `w` multiplied by one activation row over and over on the forward's
+/// threads, each product with its start on the pool as in a decode step; best of five
+/// rounds after a warm-up.
+pub(super) fn kernel_gb_s(w: &Matrix) -> f64 {
+    let (n, k) = (w.n_rows(), w.k());
+    let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
     let mut out = vec![0.0f32; n];
     // The warm-up brings the matrix into cache and wakes the pool's helpers, and counts how
     // many products fill a round.
     let mut reps = 0usize;
     let t = Instant::now();
     while reps < 4 || t.elapsed().as_secs_f64() < ROUND_S {
-        matmul(&x, &w, &mut out, 1);
+        matmul(&x, w, &mut out, 1);
         reps += 1;
     }
     let mut best = f64::INFINITY;
     for _ in 0..5 {
         let t = Instant::now();
         for _ in 0..reps {
-            matmul(&x, &w, &mut out, 1);
+            matmul(&x, w, &mut out, 1);
         }
         best = best.min(t.elapsed().as_secs_f64());
     }
@@ -102,7 +105,7 @@ mod tests {
     #[test]
     fn every_dtype_has_a_positive_rate_and_the_bytes_add_up() {
         for d in WeightDtype::ALL {
-            let gb_s = kernel_gb_s(d, 64);
+            let gb_s = kernel_gb_s(&probe_matrix(d, 64));
             assert!(gb_s.is_finite() && gb_s > 0.0, "{d}: {gb_s}");
         }
         let config = small_config();
