@@ -24,10 +24,17 @@
 //! | time passes | [`KvConnector::hold_expired`] |
 //! | the lifecycle | [`KvConnector::abort_transfers`], [`KvConnector::reset_cache`], [`KvConnector::has_pending_work`] |
 //!
-//! Several connectors are an ordered list (`Scheduler::add_connector`): the first with a hit
-//! supplies a load, the first to ask for an export holds it, finishes and resets reach every
-//! connector, pending work is the OR, and transfer parameters are merged with an error on a
-//! clash. The scheduler names no particular connector.
+//! Several connectors are an ordered list (`Scheduler::add_connector`): the one with the
+//! longest ready hit supplies a load (ties in list order; a `NotYet` from any parks the
+//! request), every other one hears that its offer was declined ([`KvConnector::declined`]),
+//! the first to ask for an export holds it, finishes and resets reach every connector,
+//! pending work is the OR, and transfer parameters are merged with an error on a clash. The
+//! scheduler names no particular connector.
+//!
+//! Who is to blame for a load that cannot be used (`connectors.md`): the lifecycle
+//! (retracted: the request computes its prompt itself, under either policy), a fault
+//! (`KvLoadFailurePolicy` decides) or invalid input (fails closed, whatever the policy). A
+//! failed load says which through its [`FetchFailure`].
 
 use crate::hash::BlockHash;
 use crate::ownership::TransferId;
@@ -155,9 +162,11 @@ pub enum ExternalMatch {
     /// The KV of `tokens` prompt tokens after the local hit can be loaded, asynchronously:
     /// the request parks in `WaitingForRemoteKv` until the load lands.
     Hit { tokens: usize, kind: HoldKind },
-    /// The request asked for KV this connector will not load (another weight version, a
-    /// malformed or stale export): the engine's `KvLoadFailurePolicy` decides, as for a
-    /// failed load with no good block.
+    /// The request's transfer parameters are invalid for this connector (malformed, for
+    /// another engine, for a host outside the allowed peers): the request fails closed,
+    /// whatever the `KvLoadFailurePolicy`. Parameters made stale by the lifecycle (another
+    /// weight version) are no refusal: the connector answers `None` and the request
+    /// computes.
     Refused { reason: String },
 }
 
@@ -290,8 +299,13 @@ pub enum LoadOutcome {
     /// The load failed; the first `good_blocks` blocks arrived intact. A connector reports
     /// `good_blocks > 0` only once nothing writes the blocks any more (the hold ends with the
     /// same report); with 0 the request starts over in fresh blocks, so a load still being
-    /// cancelled (a timeout) can never write into KV the request uses.
-    Failed { good_blocks: usize, reason: String },
+    /// cancelled (a timeout) can never write into KV the request uses. `kind` says who is to
+    /// blame, and so what happens to the request (`Scheduler::on_load_result`).
+    Failed {
+        good_blocks: usize,
+        reason: String,
+        kind: FetchFailure,
+    },
     /// Cut short by `abort_transfers` (a cache reset) or by the request's end: a retraction,
     /// never a failure of the request.
     Cancelled,
@@ -321,8 +335,21 @@ pub enum WorkerJob {
         /// When the export lapses, on the core's clock.
         expires_at: std::time::Duration,
     },
-    /// Stop serving `hold` (revoked, expired or pulled): readers are told it is gone.
-    Unpublish { hold: TransferId },
+    /// Stop serving `hold`: readers that come later are told it is gone, and why (`reason`),
+    /// so D knows whether the lifecycle retracted it.
+    Unpublish {
+        hold: TransferId,
+        reason: Unpublished,
+    },
+    /// D will not pull this export (another connector supplies the prompt, the request
+    /// computes it or is gone): tell P, presenting the export's token, so P frees the blocks
+    /// now instead of at the end of the lease. Best effort: P's lease still bounds it.
+    Release {
+        remote_engine_id: String,
+        remote_host: Option<String>,
+        remote_port: Option<u16>,
+        token: String,
+    },
     /// Load `src_blocks[i]` of the export `token` on `remote_engine_id` into local `blocks[i]`
     /// (D), then report the hold's outcome.
     Fetch {
@@ -398,6 +425,67 @@ pub enum WorkerReport {
 pub struct FetchError {
     pub good_blocks: usize,
     pub reason: String,
+    pub kind: FetchFailure,
+}
+
+impl FetchError {
+    /// A fault (the link, a timeout, a peer gone): the policy decides.
+    pub fn fault(good_blocks: usize, reason: impl Into<String>) -> Self {
+        Self {
+            good_blocks,
+            reason: reason.into(),
+            kind: FetchFailure::Fault,
+        }
+    }
+}
+
+/// Who is to blame for a load that could not be used (`connectors.md`); P says which in its
+/// refusal of a pull, so D need not guess.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FetchFailure {
+    /// The link broke, a read timed out, P is gone or unreachable, a grant could not be had:
+    /// `KvLoadFailurePolicy` decides.
+    Fault,
+    /// P revoked the export in a clearing operation (pause with `clear_cache`, sleep, KV
+    /// release, cache reset): the lifecycle retracted it; the request computes, under either
+    /// policy.
+    Revoked,
+    /// The export's lease ran out before D pulled it: a retraction if the request waited
+    /// behind a pause or reset on D, else a fault.
+    Expired,
+    /// A forged or replayed pull (unknown token, a second pull, block ids, prompt or version
+    /// that are not the export's): fails closed, whatever the policy.
+    Invalid,
+}
+
+impl FetchFailure {
+    /// The name P sends in a refusal and logs show.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Fault => "fault",
+            Self::Revoked => "revoked",
+            Self::Expired => "expired",
+            Self::Invalid => "invalid",
+        }
+    }
+}
+
+/// Why P stopped serving an export (`WorkerJob::Unpublish`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unpublished {
+    /// A clearing operation revoked it.
+    Revoked,
+    /// Its lease ran out.
+    Expired,
+}
+
+impl From<Unpublished> for FetchFailure {
+    fn from(u: Unpublished) -> Self {
+        match u {
+            Unpublished::Revoked => Self::Revoked,
+            Unpublished::Expired => Self::Expired,
+        }
+    }
 }
 
 /// A connector refused a request at arrival (its transfer parameters make no sense to it).
@@ -432,6 +520,12 @@ pub trait KvConnector: Send + std::fmt::Debug {
     fn match_external(&mut self, _query: ExternalQuery<'_>) -> ExternalMatch {
         ExternalMatch::None
     }
+
+    /// Request `req` was admitted and this connector does not supply its load (another one
+    /// does, or the request computes its prompt): whatever this connector offered or was
+    /// asked for will not be used. P/D releases the export at once (tells P). Called on every
+    /// admission for every connector but the loader.
+    fn declined(&mut self, _req: ReqIdx) {}
 
     /// Blocks were allocated for the `Hit` this connector gave: start the load (in its next
     /// [`step_work`](Self::step_work)). The request waits in `WaitingForRemoteKv` until

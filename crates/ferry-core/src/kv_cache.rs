@@ -214,7 +214,9 @@ mod tests {
             block_hashes: Vec::new(),
             hash_root: chain_root("w"),
             n_cached_blocks: 0,
-            n_prefix_hit_tokens: 0,
+            n_cached_tokens: 0,
+            admitted: false,
+            pause_mark: 0,
             n_preemptions: 0,
             export_on_finish: false,
         }

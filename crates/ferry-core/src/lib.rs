@@ -45,6 +45,7 @@ pub mod lifecycle;
 pub mod offload;
 pub mod ownership;
 pub mod pd;
+pub mod peers;
 pub mod plan;
 pub mod request;
 pub mod sampling;
@@ -53,9 +54,9 @@ pub mod scheduler;
 pub use config::{ConfigError, SchedulerConfig};
 pub use connector::{
     prompt_hash, AllocatedLoad, ComputedBlocks, ConnectorId, ExternalMatch, ExternalQuery,
-    FetchError, FinishedRequest, HoldKind, Holder, HostCopy, KvConnector, KvLoadFailurePolicy,
-    KvTransferParams, LoadOutcome, LoadResult, NewRequest, StepWork, StoreHolds, TierStats,
-    TransferParamsError, WorkerJob, WorkerReport,
+    FetchError, FetchFailure, FinishedRequest, HoldKind, Holder, HostCopy, KvConnector,
+    KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest, StepWork,
+    StoreHolds, TierStats, TransferParamsError, Unpublished, WorkerJob, WorkerReport,
 };
 pub use driver::{Step, StepDriver, StepError, StepModel};
 pub use lifecycle::{
@@ -65,6 +66,7 @@ pub use lifecycle::{
 pub use offload::{OffloadConfig, OffloadConnector, OffloadPolicy};
 pub use ownership::{BlockStatus, Owner, OwnershipError, TransferId};
 pub use pd::{PdConfig, PdConnector, PdRole};
+pub use peers::{AllowedPeers, IpNet};
 pub use plan::{
     mask_allows, BlockId, ModelOutput, ReqIdx, SampleSpec, SampledToken, ScheduledReq, StepPlan,
     TokenId, TokenMask,

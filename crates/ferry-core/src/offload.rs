@@ -31,8 +31,8 @@ pub use policy::OffloadPolicy;
 use policy::Policy;
 
 use crate::connector::{
-    AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, HoldKind, HostCopy, KvConnector,
-    LoadOutcome, LoadResult, StoreHolds, TierStats, WorkerJob, WorkerReport,
+    AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchFailure, HoldKind, HostCopy,
+    KvConnector, LoadOutcome, LoadResult, StoreHolds, TierStats, WorkerJob, WorkerReport,
 };
 use crate::hash::BlockHash;
 use crate::ownership::TransferId;
@@ -315,6 +315,7 @@ impl OffloadConnector {
             Err(reason) => LoadOutcome::Failed {
                 good_blocks: 0,
                 reason,
+                kind: FetchFailure::Fault,
             },
         };
         self.loads.push(LoadResult { req, hold, outcome });
@@ -366,6 +367,9 @@ impl KvConnector for OffloadConnector {
                     outcome: LoadOutcome::Failed {
                         good_blocks: 0,
                         reason: "the offloaded prefix is gone".into(),
+                        // Evicted between the offer and the load: nothing is at fault,
+                        // the request computes its prompt under either policy.
+                        kind: FetchFailure::Revoked,
                     },
                 });
                 self.ended.push(load.hold);
@@ -527,6 +531,7 @@ impl KvConnector for OffloadConnector {
                     outcome: LoadOutcome::Failed {
                         good_blocks: 0,
                         reason: "the offload load did not answer in time".into(),
+                        kind: FetchFailure::Fault,
                     },
                 });
             }

@@ -10,12 +10,18 @@
 //!   local prefix hit as an asynchronous load; the worker fetches it from P's export into the
 //!   blocks the scheduler holds for it, and the request continues once it landed.
 //!
-//! Transfers fail closed. D refuses parameters of another weight version, or that do not
-//! fit its prompt, before loading anything (`ExternalMatch::Refused`); P's worker refuses a
-//! pull with a wrong token, a wrong prompt hash, a wrong version or block ids that are not
-//! exactly the export's, an export pulled before (one load per export), expired or revoked.
-//! Requests with the same parameters (`n` > 1 choices) import once: the first loads, the
-//! others wait (`NotYet`) and then take prefix hits on what arrived.
+//! Transfers fail closed. D refuses parameters that do not fit its prompt or name a host
+//! outside its allowed peers before loading anything (`ExternalMatch::Refused`: invalid
+//! input, the request fails whatever the policy). Parameters of another weight version were
+//! made stale by the lifecycle (either side updated since the export was made): D never
+//! loads them and the request computes its prompt itself, under either policy. P's worker
+//! refuses a pull with a wrong token, a wrong prompt hash, a wrong version or block ids that
+//! are not exactly the export's, an export pulled before (one load per export) (all
+//! `Invalid`), and says when the export was revoked or expired, so D can tell a retraction
+//! from a fault (`FetchFailure`). Requests with the same parameters (`n` > 1 choices) import
+//! once: the first loads, the others wait (`NotYet`) and then take prefix hits on what
+//! arrived. An export D will not pull (the request computes, another connector supplies
+//! more, the request is gone) is released at once: D tells P, presenting its token.
 //!
 //! The export token is a keyed hash of the hold id under a secret the engine draws at start
 //! (`PdConfig::secret`), so it is unguessable to clients yet deterministic under simulation.
@@ -27,7 +33,9 @@ use crate::connector::{
     KvConnector, KvTransferParams, LoadOutcome, LoadResult, NewRequest, TransferParamsError,
     WorkerJob, WorkerReport,
 };
+use crate::connector::{FetchFailure, Unpublished};
 use crate::ownership::TransferId;
+use crate::peers::AllowedPeers;
 use crate::plan::{BlockId, ReqIdx};
 use crate::request::FinishReason;
 
@@ -64,6 +72,8 @@ pub struct PdConfig {
     /// Keys the export tokens; draw it at random when the engine starts.
     pub secret: [u8; 32],
     pub block_size: usize,
+    /// Where D may load from (`--kv-allowed-peers`): a `remote_host` outside it is invalid.
+    pub allowed_peers: AllowedPeers,
 }
 
 /// One export P holds.
@@ -183,6 +193,9 @@ impl PdConnector {
             .remote_block_ids
             .as_ref()
             .ok_or_else(|| missing("remote_block_ids"))?;
+        if let Some(host) = &params.remote_host {
+            self.config.allowed_peers.check_host(host)?;
+        }
         let n_tokens = params.n_tokens.ok_or_else(|| missing("n_tokens"))?;
         if n_tokens == 0 || n_tokens > prompt_len {
             return Err(format!(
@@ -208,22 +221,45 @@ impl PdConnector {
             // The request is gone: nobody waits for the load's outcome.
             self.cancel_load(hold, None);
         }
-        if let Some(key) = export_key(&import.params) {
-            if let Some(seen) = self.seen.get_mut(&key) {
-                seen.n_requests -= 1;
-                if seen.n_requests == 0 && !seen.loading {
-                    self.seen.remove(&key);
-                }
+        if import.refused.is_some() {
+            return;
+        }
+        let Some(key) = export_key(&import.params) else {
+            return;
+        };
+        let Some(seen) = self.seen.get_mut(&key) else {
+            return;
+        };
+        seen.n_requests -= 1;
+        if seen.n_requests == 0 && !seen.loading {
+            let used = seen.used;
+            self.seen.remove(&key);
+            if !used {
+                // Nobody here will pull it: P need not wait out the lease.
+                self.release(&import.params);
             }
         }
     }
 
+    /// Tells P that this engine will not pull the export `params` name.
+    fn release(&mut self, params: &KvTransferParams) {
+        let Some((remote_engine_id, token)) = export_key(params) else {
+            return;
+        };
+        self.jobs.push(WorkerJob::Release {
+            remote_engine_id,
+            remote_host: params.remote_host.clone(),
+            remote_port: params.remote_port,
+            token,
+        });
+    }
+
     /// Tells the worker to stop serving export `hold`, once; its hold ends with `ExportGone`.
-    fn unpublish(&mut self, hold: TransferId) {
+    fn unpublish(&mut self, hold: TransferId, reason: Unpublished) {
         if let Some(export) = self.exports.get_mut(&hold) {
             if !export.unpublished {
                 export.unpublished = true;
-                self.jobs.push(WorkerJob::Unpublish { hold });
+                self.jobs.push(WorkerJob::Unpublish { hold, reason });
             }
         }
     }
@@ -313,21 +349,18 @@ impl KvConnector for PdConnector {
             // Another choice of the same prompt is loading it: wait, then take prefix hits.
             return ExternalMatch::NotYet;
         }
-        // Checked before the version: a request readmitted after its export was loaded or
-        // tried (retracted by a cache reset, preempted) computes locally. A weight update
-        // since then makes the export stale for a new load, never a reason to fail a request
-        // already under way (the RL cycle pause → update → resume loses nothing).
+        // A request readmitted after its export was loaded or tried (retracted by a cache
+        // reset, preempted) computes locally.
         if seen.used {
             return ExternalMatch::None;
         }
+        // KV of other weights is never loaded, whichever side moved on since the export was
+        // made (P updated before D, or D before P's export reached it): the lifecycle made
+        // it stale, so the request computes its prompt here, under either policy (the RL
+        // cycle pause → update → resume loses nothing). `declined` then releases the export.
         let version = import.params.weight_version.as_deref().unwrap_or_default();
         if version != query.weight_version {
-            return ExternalMatch::Refused {
-                reason: format!(
-                    "the exported KV was computed with weights {version:?}, this engine runs {:?}",
-                    query.weight_version
-                ),
-            };
+            return ExternalMatch::None;
         }
         let tokens = import.n_tokens.saturating_sub(query.local_hit_tokens);
         if tokens == 0 {
@@ -348,6 +381,7 @@ impl KvConnector for PdConnector {
                 outcome: LoadOutcome::Failed {
                     good_blocks: 0,
                     reason: "no transfer parameters for this request".into(),
+                    kind: FetchFailure::Invalid,
                 },
             });
             self.ended.push(load.hold);
@@ -423,6 +457,7 @@ impl KvConnector for PdConnector {
                     Err(e) => LoadOutcome::Failed {
                         good_blocks: e.good_blocks,
                         reason: e.reason,
+                        kind: e.kind,
                     },
                 };
                 self.loads.push(LoadResult {
@@ -473,10 +508,30 @@ impl KvConnector for PdConnector {
         })
     }
 
+    fn declined(&mut self, req: ReqIdx) {
+        let Some(import) = self.imports.get(&req) else {
+            return;
+        };
+        if import.loading.is_some() || import.refused.is_some() {
+            return;
+        }
+        let Some(key) = export_key(&import.params) else {
+            return;
+        };
+        let seen = self.seen.entry(key).or_default();
+        if seen.used || seen.loading {
+            return;
+        }
+        // Never loaded from now on (the request holds KV computed otherwise); P frees it.
+        seen.used = true;
+        let params = import.params.clone();
+        self.release(&params);
+    }
+
     fn abort_transfers(&mut self) {
         let exports: Vec<TransferId> = self.exports.keys().copied().collect();
         for hold in exports {
-            self.unpublish(hold);
+            self.unpublish(hold, Unpublished::Revoked);
         }
         let loads: Vec<TransferId> = self.loading.keys().copied().collect();
         for hold in loads {
@@ -494,10 +549,11 @@ impl KvConnector for PdConnector {
     }
 
     fn hold_expired(&mut self, hold: TransferId) {
-        self.unpublish(hold);
+        self.unpublish(hold, Unpublished::Expired);
         let timed_out = LoadOutcome::Failed {
             good_blocks: 0,
             reason: "the load did not answer in time".into(),
+            kind: FetchFailure::Fault,
         };
         self.cancel_load(hold, Some(timed_out));
     }

@@ -104,8 +104,17 @@ pub struct Request {
     /// How many leading blocks of `blocks` are registered in the prefix cache (or were
     /// offered to it).
     pub(crate) n_cached_blocks: usize,
-    /// Prompt tokens that came from a prefix hit at (the latest) admission.
-    pub n_prefix_hit_tokens: usize,
+    /// Prompt tokens this request did not compute (at its latest admission): local
+    /// prefix-cache hits plus what a connector loaded (an offload tier's hit, a P/D import).
+    /// What `usage.prompt_tokens_details.cached_tokens` reports, as vLLM does.
+    pub n_cached_tokens: usize,
+    /// It was admitted once (scheduled, or a load was started for it): a `wait` pause lets
+    /// it finish, loads in flight included.
+    pub(crate) admitted: bool,
+    /// The lifecycle's pause mark when it arrived (`Control::pause_mark`): an export that
+    /// expired while it waited behind a pause was retracted by the lifecycle, not lost to a
+    /// fault.
+    pub(crate) pause_mark: u64,
     /// How often this request was preempted (it outlives the readmissions in between, which
     /// [`RequestState::Preempted`]'s copy does not).
     pub n_preemptions: u32,

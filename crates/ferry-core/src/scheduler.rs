@@ -29,9 +29,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use crate::config::{ConfigError, SchedulerConfig};
 use crate::connector::{
-    AllocatedLoad, ConnectorId, ExternalMatch, ExternalQuery, FinishedRequest, HoldKind, Holder,
-    KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest, StepWork,
-    WorkerReport,
+    AllocatedLoad, ConnectorId, ExternalMatch, ExternalQuery, FetchFailure, FinishedRequest,
+    HoldKind, Holder, KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest,
+    StepWork, WorkerReport,
 };
 use crate::hash::{chain_root, BlockHash};
 use crate::kv_cache::{KvCacheManager, PrefixHit};
@@ -260,7 +260,9 @@ impl Scheduler {
             block_hashes: Vec::with_capacity(n_blocks_max),
             hash_root: self.hash_root,
             n_cached_blocks: 0,
-            n_prefix_hit_tokens: 0,
+            n_cached_tokens: 0,
+            admitted: false,
+            pause_mark: self.control.pause_mark(),
             n_preemptions: 0,
             export_on_finish: false,
         };
@@ -464,15 +466,14 @@ impl Scheduler {
                 self.waiting.remove(i);
                 continue;
             };
-            match req.state {
-                RequestState::WaitingForRemoteKv { .. } => {
-                    i += 1;
-                    continue;
-                }
-                // Preempted requests sit at the head of the queue, so the first never-admitted
-                // one ends readmission.
-                RequestState::Waiting if readmit_only => break,
-                _ => {}
+            if matches!(req.state, RequestState::WaitingForRemoteKv { .. })
+                || (readmit_only && !req.admitted)
+            {
+                // A `wait` pause admits nothing new but lets admitted requests finish:
+                // preempted ones (at the head) and those whose load landed or failed (anywhere
+                // in the queue), so it passes over the rest (only while it drains).
+                i += 1;
+                continue;
             }
             let admit = if req.blocks.is_empty() {
                 self.admit_fresh(r, budget)
@@ -531,33 +532,44 @@ impl Scheduler {
             block_hashes: &req.block_hashes,
             weight_version: &self.control.weight_version,
         };
-        let mut external = None;
+        // Every connector is asked; the longest ready hit loads (ties in list order). A
+        // connector that is not ready yet (another request loads the same KV) parks the
+        // request; invalid transfer parameters fail it closed, whatever the policy.
+        // Loads supply prompt KV only, and never the last prompt token (its logits are
+        // needed to sample): hits are compared on what they can supply.
+        let n_max = req.prompt_len.saturating_sub(1 + n_hit_tokens);
+        let mut best: Option<(ConnectorId, usize, HoldKind)> = None;
+        let mut not_yet = false;
+        let mut refused = None;
         for (c, connector) in self.connectors.iter_mut().enumerate() {
             match connector.match_external(query) {
                 ExternalMatch::None => {}
-                m => {
-                    external = Some((ConnectorId(c as u32), m));
-                    break;
+                ExternalMatch::NotYet => not_yet = true,
+                ExternalMatch::Refused { reason } => {
+                    refused.get_or_insert(reason);
+                }
+                ExternalMatch::Hit { tokens, kind } => {
+                    let tokens = tokens.min(n_max);
+                    if best.is_none_or(|(_, longest, _)| tokens > longest) {
+                        best = Some((ConnectorId(c as u32), tokens, kind));
+                    }
                 }
             }
         }
-        match external {
-            Some((_, ExternalMatch::NotYet)) => return Admit::Parked,
-            Some((_, ExternalMatch::Refused { reason })) => {
-                if self.config.kv_load_failure_policy == KvLoadFailurePolicy::Fail {
-                    return Admit::Failed(reason);
+        if let Some(reason) = refused {
+            return Admit::Failed(format!("kv_transfer_params: {reason}"));
+        }
+        if not_yet {
+            return Admit::Parked;
+        }
+        if let Some((c, n_external, kind)) = best {
+            if n_external > 0 {
+                let admit = self.start_load(r, hit, c, n_external, kind);
+                if matches!(admit, Admit::Parked) {
+                    self.decline_others(r, Some(c));
                 }
+                return admit;
             }
-            Some((c, ExternalMatch::Hit { tokens, kind })) => {
-                // Loads supply prompt KV only, and never the last prompt token (its logits
-                // are needed to sample).
-                let n_max = req.prompt_len.saturating_sub(1 + n_hit_tokens);
-                let n_external = tokens.min(n_max);
-                if n_external > 0 {
-                    return self.start_load(r, hit, c, n_external, kind);
-                }
-            }
-            Some((_, ExternalMatch::None)) | None => {}
         }
         let req = self.requests[r.0 as usize]
             .as_mut()
@@ -572,11 +584,22 @@ impl Scheduler {
             return Admit::NoRoom;
         }
         req.n_computed += n_hit_tokens;
-        req.n_prefix_hit_tokens = n_hit_tokens;
+        req.n_cached_tokens = n_hit_tokens;
+        req.admitted = true;
         req.state = RequestState::Running;
         self.prefix_hit_tokens += n_hit_tokens as u64;
         self.prefix_query_tokens += req.tokens.len() as u64;
+        self.decline_others(r, None);
         Admit::Scheduled(n_new)
+    }
+
+    /// Tells every connector but `loader` that request `r` was admitted without its offer.
+    fn decline_others(&mut self, r: ReqIdx, loader: Option<ConnectorId>) {
+        for (c, connector) in self.connectors.iter_mut().enumerate() {
+            if Some(ConnectorId(c as u32)) != loader {
+                connector.declined(r);
+            }
+        }
     }
 
     /// Admits a request that already holds KV while waiting (a load that landed, or the good
@@ -638,7 +661,8 @@ impl Scheduler {
             return Admit::NoRoom;
         }
         req.n_computed += n_hit_tokens;
-        req.n_prefix_hit_tokens = n_hit_tokens;
+        req.n_cached_tokens = n_hit_tokens;
+        req.admitted = true;
         self.prefix_hit_tokens += n_hit_tokens as u64;
         let first_block = n_hit_tokens / block_size;
         let end_block = (n_hit_tokens + n_external).div_ceil(block_size);
@@ -834,6 +858,7 @@ impl Scheduler {
         let lease_end = self.now + self.config.export_lease;
         let version = self.control.weight_version.clone();
         let mut exporter = None;
+        let mut clash = None;
         for (c, connector) in self.connectors.iter_mut().enumerate() {
             let finished = FinishedRequest {
                 req: idx,
@@ -859,7 +884,7 @@ impl Scheduler {
                 None => kv_transfer_params = Some(params),
                 Some(all) => {
                     if let Err(e) = all.merge(params) {
-                        debug_assert!(false, "{e}");
+                        clash.get_or_insert(e);
                     }
                 }
             }
@@ -875,6 +900,19 @@ impl Scheduler {
             debug_assert_eq!(id, hold);
             transfer = Some(id);
         }
+        let mut reason = reason;
+        let mut message = None;
+        if let Some(e) = clash {
+            // Two connectors disagree on what the client must be told: no parameters go out
+            // (a reader could not use them), the request finishes with an error naming the
+            // key, and the export, if one was made, is withdrawn at once.
+            reason = FinishReason::Error;
+            message = Some(e);
+            kv_transfer_params = None;
+            if let (Some(c), Some(id)) = (exporter, transfer) {
+                self.connectors[c.0 as usize].hold_expired(id);
+            }
+        }
         self.kv.free(&mut req);
         self.ids.remove(&req.id);
         self.free_slots.push(idx.0);
@@ -883,7 +921,7 @@ impl Scheduler {
             reason,
             transfer,
             kv_transfer_params,
-            message: None,
+            message,
         }
     }
 
@@ -944,10 +982,29 @@ impl Scheduler {
         } else {
             result.outcome
         };
+        // Who is to blame decides (`connectors.md`): the lifecycle's retraction recomputes
+        // under either policy, invalid input fails closed under either, a fault follows the
+        // policy.
+        let outcome = match outcome {
+            LoadOutcome::Failed { kind, .. }
+                if retracted(kind, req.pause_mark, self.control.pause_mark()) =>
+            {
+                LoadOutcome::Cancelled
+            }
+            o => o,
+        };
+        let policy = match &outcome {
+            LoadOutcome::Failed {
+                kind: FetchFailure::Invalid,
+                ..
+            } => KvLoadFailurePolicy::Fail,
+            _ => self.config.kv_load_failure_policy,
+        };
         match outcome {
             LoadOutcome::Loaded => {
                 let n_before = req.n_computed;
                 req.n_computed += n_tokens;
+                req.n_cached_tokens += n_tokens;
                 req.state = RequestState::Waiting;
                 let n_after = req.n_computed;
                 self.offer_blocks(result.req, n_before, n_after, Some(loader));
@@ -955,32 +1012,38 @@ impl Scheduler {
             LoadOutcome::Failed {
                 good_blocks,
                 reason,
-            } => match self.config.kv_load_failure_policy {
+                kind,
+            } => match policy {
                 KvLoadFailurePolicy::Recompute if good_blocks == 0 => {
                     // Nothing usable arrived, and the load may still be writing (a timeout
                     // reports before the worker let go): start over in fresh blocks.
                     self.kv.free(req);
                     req.n_computed = 0;
-                    req.n_prefix_hit_tokens = 0;
+                    req.n_cached_tokens = 0;
                     req.state = RequestState::Waiting;
                 }
                 KvLoadFailurePolicy::Recompute => {
                     // A worker reports good blocks only once nothing writes them any more.
-                    req.n_computed += (good_blocks * block_size).min(n_tokens);
+                    let n_good = (good_blocks * block_size).min(n_tokens);
+                    req.n_computed += n_good;
+                    req.n_cached_tokens += n_good;
                     req.state = RequestState::Waiting;
                 }
                 KvLoadFailurePolicy::Fail => {
                     self.remove_from_queues(result.req);
                     self.finish_between_steps(
                         result.req,
-                        format!("loading the prompt's KV failed: {reason}"),
+                        format!(
+                            "loading the prompt's KV failed ({}): {reason}",
+                            kind.as_str()
+                        ),
                     );
                 }
             },
             LoadOutcome::Cancelled => {
                 self.kv.free(req);
                 req.n_computed = 0;
-                req.n_prefix_hit_tokens = 0;
+                req.n_cached_tokens = 0;
                 req.state = RequestState::Waiting;
             }
         }
@@ -1131,6 +1194,18 @@ fn stop_reason(
     }
 }
 
+/// Whether a load that failed with `kind` was retracted by the lifecycle (the request
+/// computes its prompt, under either policy): P revoked the export, or its lease ran out while
+/// the request waited behind a pause or reset here (it arrived paused, or a pause began since
+/// it arrived: its `pause_mark` against today's).
+fn retracted(kind: FetchFailure, pause_mark: u64, mark_now: u64) -> bool {
+    match kind {
+        FetchFailure::Revoked => true,
+        FetchFailure::Expired => pause_mark % 2 == 1 || pause_mark != mark_now,
+        FetchFailure::Fault | FetchFailure::Invalid => false,
+    }
+}
+
 /// Frees the KV a waiting request holds (a landed load, the good part of a failed one; not
 /// blocks a load may still write): it recomputes. True if there was any.
 fn drop_waiting_kv(kv: &mut KvCacheManager, req: &mut Request) -> bool {
@@ -1139,6 +1214,6 @@ fn drop_waiting_kv(kv: &mut KvCacheManager, req: &mut Request) -> bool {
     }
     kv.free(req);
     req.n_computed = 0;
-    req.n_prefix_hit_tokens = 0;
+    req.n_cached_tokens = 0;
     true
 }

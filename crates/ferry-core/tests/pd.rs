@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use common::{prompt, Harness};
 use ferry_core::{
-    ConnectorId, FetchError, FinishReason, HoldKind, KvLoadFailurePolicy, KvTransferParams,
-    LifecycleError, LifecycleEvent, OpId, Owner, PauseMode, PdConfig, PdConnector, PdRole,
-    RequestState, SamplingParams, SchedulerConfig, StepPlan, TransferId, WorkerJob, WorkerReport,
+    ConnectorId, FetchError, FetchFailure, FinishReason, HoldKind, KvLoadFailurePolicy,
+    KvTransferParams, LifecycleError, LifecycleEvent, OpId, Owner, PauseMode, PdConfig,
+    PdConnector, PdRole, RequestState, SamplingParams, SchedulerConfig, StepPlan, TransferId,
+    WorkerJob, WorkerReport,
 };
 
 const BS: usize = 4;
@@ -41,6 +42,7 @@ fn engine(id: &str, role: PdRole, policy: KvLoadFailurePolicy) -> Harness {
         port: Some(7000),
         secret: [7; 32],
         block_size: BS,
+        allowed_peers: ferry_core::AllowedPeers::default(),
     })));
     assert_eq!(c, CONN);
     h
@@ -84,6 +86,10 @@ struct Fabric {
     /// Reports for each engine, in order.
     reports: BTreeMap<String, Vec<WorkerReport>>,
     n_pulls: usize,
+    /// How ended exports ended, by (engine, token): what P says to a late pull.
+    ended: BTreeMap<(String, String), FetchFailure>,
+    /// Exports D released (told P it will not pull), by (engine, token).
+    released: Vec<(String, String)>,
 }
 
 impl Fabric {
@@ -116,10 +122,30 @@ impl Fabric {
                     },
                 );
             }
-            WorkerJob::Unpublish { hold } => {
-                self.exports
-                    .retain(|(e, _), p| !(e == engine && p.hold == hold));
+            WorkerJob::Unpublish { hold, reason } => {
+                let gone: Vec<(String, String)> = self
+                    .exports
+                    .iter()
+                    .filter(|((e, _), p)| e == engine && p.hold == hold)
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                for k in gone {
+                    self.exports.remove(&k);
+                    self.ended.insert(k, reason.into());
+                }
                 self.report(engine, WorkerReport::ExportGone { hold });
+            }
+            WorkerJob::Release {
+                remote_engine_id,
+                token,
+                ..
+            } => {
+                let key = (remote_engine_id, token);
+                if let Some(p) = self.exports.remove(&key) {
+                    self.report(&key.0, WorkerReport::ExportGone { hold: p.hold });
+                    self.ended.insert(key.clone(), FetchFailure::Invalid);
+                }
+                self.released.push(key);
             }
             WorkerJob::Fetch {
                 hold,
@@ -164,10 +190,7 @@ impl Fabric {
     fn complete_fetches(&mut self, d: &str) {
         for f in std::mem::take(&mut self.fetches) {
             let result = if f.cancelled {
-                Err(FetchError {
-                    good_blocks: 0,
-                    reason: "cancelled".into(),
-                })
+                Err(FetchError::fault(0, "cancelled"))
             } else {
                 self.pull(&f)
             };
@@ -186,11 +209,20 @@ impl Fabric {
             Err(FetchError {
                 good_blocks: 0,
                 reason: reason.to_owned(),
+                kind: FetchFailure::Invalid,
             })
         };
         let key = (f.engine.clone(), f.token.clone());
         let Some(p) = self.exports.get(&key).cloned() else {
-            return refuse("no such export");
+            return Err(FetchError {
+                good_blocks: 0,
+                reason: "no such export".into(),
+                kind: self
+                    .ended
+                    .get(&key)
+                    .copied()
+                    .unwrap_or(FetchFailure::Invalid),
+            });
         };
         if p.weight_version != f.weight_version || p.prompt_hash != f.prompt_hash {
             return refuse("version or prompt differ");
@@ -200,6 +232,7 @@ impl Fabric {
             return refuse("block ids are not the export's");
         }
         self.exports.remove(&key);
+        self.ended.insert(key, FetchFailure::Invalid);
         self.n_pulls += 1;
         self.report(&f.engine, WorkerReport::ExportPulled { hold: p.hold });
         Ok(())
@@ -422,23 +455,23 @@ fn n_choices_import_once_and_take_prefix_hits() {
 }
 
 /// Parameters that must never produce output from wrong KV: each is refused (by D before any
-/// load, or by P's worker at the pull), and the policy decides.
+/// load, or by P's worker at the pull) as invalid, and fails closed whatever the policy.
 fn forged(params: &KvTransferParams) -> Vec<(&'static str, KvTransferParams)> {
     let mut token = remote(params);
     token.export_token = Some("0".repeat(64));
-    let mut version = remote(params);
-    version.weight_version = Some("v-other".into());
     let mut ids = remote(params);
     ids.remote_block_ids = ids
         .remote_block_ids
         .map(|v| v.iter().map(|b| b + 1).collect());
     let mut short = remote(params);
     short.remote_block_ids = short.remote_block_ids.map(|v| v[1..].to_vec());
+    let mut host = remote(params);
+    host.remote_host = Some("192.0.2.7".into());
     vec![
         ("token", token),
-        ("version", version),
         ("ids", ids),
         ("short", short),
+        ("host outside the allowed peers", host),
     ]
 }
 
@@ -475,8 +508,11 @@ fn forged_stale_and_out_of_range_parameters_fail_under_fail() {
     assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
 }
 
+/// Invalid input fails closed whatever the policy: `recompute` is for faults, not for a
+/// wrong token (the issue's test: "a request whose export token is wrong still fails closed
+/// under recompute").
 #[test]
-fn bad_parameters_recompute_under_recompute() {
+fn forged_parameters_fail_closed_under_recompute_too() {
     let mut f = Fabric::default();
     let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
     let params = export(&mut f, &mut p, "x", prompt(1, 16));
@@ -491,13 +527,50 @@ fn bad_parameters_recompute_under_recompute() {
                 break;
             }
         }
-        assert_eq!(
-            d.generated.get("x"),
-            Some(&reference("x", prompt(1, 16), 4)),
-            "{what}: recomputed"
+        let (reason, _) = d.finished.get("x").copied().expect("finished");
+        assert_eq!(reason, FinishReason::Error, "{what}: fails closed");
+        let message = d.messages.get("x").cloned().unwrap_or_default();
+        assert!(
+            message.contains("invalid") || message.contains("kv_transfer_params"),
+            "{what}: the message says the parameters are invalid: {message}"
         );
+        assert!(!d.generated.contains_key("x"), "{what}: no output");
+        assert_eq!(d.sched.stats().n_blocks_used, 0, "{what}");
     }
     assert_eq!(f.n_pulls, 0);
+}
+
+/// Parameters of other weights were made stale by the lifecycle, not forged: D never loads
+/// them and computes the prompt itself, under either policy, and tells P to free the export.
+#[test]
+fn stale_versions_compute_under_either_policy_and_release_the_export() {
+    for policy in [KvLoadFailurePolicy::Fail, KvLoadFailurePolicy::Recompute] {
+        let mut f = Fabric::default();
+        let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+        let params = export(&mut f, &mut p, "x", prompt(1, 16));
+        let mut d = engine("D", PdRole::Consumer, policy);
+        d.sched.set_weight_version("v-next");
+        d.sched
+            .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+            .unwrap();
+        for _ in 0..30 {
+            step_and_load(&mut f, "D", &mut d);
+            f.deliver("P", &mut p);
+            if d.sched.n_live() == 0 {
+                break;
+            }
+        }
+        assert_eq!(d.finished["x"].0, FinishReason::Length, "{policy:?}");
+        assert_eq!(f.n_pulls, 0, "{policy:?}: nothing loaded");
+        assert_eq!(f.released.len(), 1, "{policy:?}: D released the export");
+        let mut out = Vec::new();
+        p.sched.poll_lifecycle(&mut out);
+        assert_eq!(
+            p.sched.stats().n_transfers,
+            0,
+            "{policy:?}: P's export ended without its lease"
+        );
+    }
 }
 
 #[test]
@@ -859,12 +932,13 @@ fn a_loaded_request_retracted_across_a_weight_update_recomputes_under_fail() {
     );
     assert_eq!(d.generated["x"].len(), 8);
     assert_eq!(f.n_pulls, 1, "the export was pulled once, never again");
-    // A new request with the same (now stale) parameters still fails closed.
+    // A new request with the same (now stale) parameters loads nothing and computes.
     d.sched
         .add_request_with_transfer("y", prompt(1, 16), greedy(2), Some(remote(&params)))
         .unwrap();
     d.drain(100);
-    assert_eq!(d.finished["y"].0, FinishReason::Error);
+    assert_eq!(d.finished["y"].0, FinishReason::Length);
+    assert_eq!(f.n_pulls, 1, "no second pull");
 }
 
 #[test]
@@ -971,6 +1045,7 @@ fn waiting_requests_holding_landed_kv_give_it_back_when_nothing_else_can_run() {
             port: None,
             secret: [7; 32],
             block_size: BS,
+            allowed_peers: ferry_core::AllowedPeers::default(),
         })));
         h
     };
@@ -1066,6 +1141,7 @@ fn connectors_and_the_scheduler_name_what_they_are() {
         port: None,
         secret: [1; 32],
         block_size: BS,
+        allowed_peers: ferry_core::AllowedPeers::default(),
     });
     assert_eq!(ferry_core::KvConnector::name(&pd), "pd");
     let config = config(KvLoadFailurePolicy::Recompute);
@@ -1119,10 +1195,7 @@ fn a_partly_failed_load_keeps_its_good_blocks_under_recompute() {
         "D",
         WorkerReport::FetchDone {
             hold: fetch.hold,
-            result: Err(FetchError {
-                good_blocks: 2,
-                reason: "the link broke after two blocks".into(),
-            }),
+            result: Err(FetchError::fault(2, "the link broke after two blocks")),
         },
     );
     f.deliver("D", &mut d);
@@ -1185,6 +1258,7 @@ fn a_request_that_cannot_fit_behind_held_exports_waits() {
         port: None,
         secret: [7; 32],
         block_size: BS,
+        allowed_peers: ferry_core::AllowedPeers::default(),
     })));
     let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
     import(&mut f, &mut p, &mut d, "x", prompt(1, 19), 2);
@@ -1225,4 +1299,387 @@ fn nothing_is_loaded_when_the_local_hit_leaves_only_the_last_token() {
     assert_eq!(d.sched.stats().prefix_hit_tokens, 4 * BS as u64);
     d.drain(100);
     assert_eq!(d.generated["x"], reference("x", x, 3));
+}
+
+// ---- A lifecycle operation never fails a request (the RL loop at default settings) ----
+
+/// Runs a clearing pause (keep, clear_cache) on `h` to completion, then, if `version` is
+/// given, updates the weights, then resumes.
+fn clearing_cycle(f: &mut Fabric, name: &str, h: &mut Harness, op: u64, version: Option<&str>) {
+    h.sched.pause(OpId(op), PauseMode::Keep, true);
+    let mut events = Vec::new();
+    for _ in 0..6 {
+        events.extend(poll(f, name, h));
+        f.deliver(name, h);
+    }
+    assert!(
+        events.contains(&LifecycleEvent::Done(OpId(op))),
+        "{name}: the clearing pause completed: {events:?}"
+    );
+    if let Some(v) = version {
+        h.sched.set_weight_version(v);
+    }
+    h.sched.resume().unwrap();
+}
+
+/// D with one seat, taken by a long local request: what arrives with transfer parameters
+/// waits in the queue.
+fn busy_consumer(policy: KvLoadFailurePolicy) -> Harness {
+    let mut d = Harness::new(SchedulerConfig {
+        max_num_seqs: 1,
+        ..config(policy)
+    });
+    d.sched.add_connector(Box::new(PdConnector::new(PdConfig {
+        role: PdRole::Consumer,
+        engine_id: "D".into(),
+        host: Some("127.0.0.1".into()),
+        port: Some(7001),
+        secret: [8; 32],
+        block_size: BS,
+        allowed_peers: ferry_core::AllowedPeers::default(),
+    })));
+    d.add("busy", prompt(9, 8), greedy(6));
+    d.step();
+    d
+}
+
+/// Steps D (and delivers both engines' reports) until nothing is live.
+fn finish_all(f: &mut Fabric, p: &mut Harness, d: &mut Harness) {
+    for _ in 0..200 {
+        step_and_load(f, "D", d);
+        f.deliver("P", p);
+        if d.sched.n_live() == 0 {
+            return;
+        }
+    }
+    panic!("D never finished: {:?}", d.sched.stats());
+}
+
+#[test]
+fn a_request_queued_on_d_across_clearing_pauses_of_p_and_d_finishes_under_fail() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = busy_consumer(KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    assert_eq!(
+        state(&d, "x"),
+        RequestState::Waiting,
+        "queued behind the seat"
+    );
+    // The trainer's cycle reaches P first: its export is revoked.
+    clearing_cycle(&mut f, "P", &mut p, 1, None);
+    assert_eq!(p.sched.stats().n_blocks_used, 0, "P revoked the export");
+    clearing_cycle(&mut f, "D", &mut d, 1, None);
+    finish_all(&mut f, &mut p, &mut d);
+    assert_eq!(
+        d.finished["x"].0,
+        FinishReason::Length,
+        "retracted by the lifecycle, not failed: {:?}",
+        d.messages.get("x")
+    );
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
+    assert_eq!(d.finished["busy"].0, FinishReason::Length);
+    assert_eq!(f.n_pulls, 0, "the revoked export was never loaded");
+    assert_eq!(d.sched.stats().n_blocks_used, 0);
+}
+
+#[test]
+fn a_request_queued_on_d_across_a_weight_update_on_d_finishes_under_fail() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = busy_consumer(KvLoadFailurePolicy::Fail);
+    // P's export is still there (P's pause had no clear_cache): only D's weights move on.
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    clearing_cycle(&mut f, "D", &mut d, 1, Some("v1"));
+    finish_all(&mut f, &mut p, &mut d);
+    assert_eq!(
+        d.finished["x"].0,
+        FinishReason::Length,
+        "{:?}",
+        d.messages.get("x")
+    );
+    assert_eq!(d.generated["x"].len(), 4);
+    assert_eq!(f.n_pulls, 0, "KV of other weights is never loaded");
+    assert_eq!(f.released.len(), 1, "D released the stale export");
+    assert_eq!(p.sched.stats().n_blocks_used, 0, "and P freed it at once");
+}
+
+#[test]
+fn a_request_exported_by_an_updated_p_to_a_d_not_yet_updated_finishes_under_fail() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = busy_consumer(KvLoadFailurePolicy::Fail);
+    // The fan-out reached P first: P runs the new weights, D still the old ones.
+    clearing_cycle(&mut f, "P", &mut p, 1, Some("v1"));
+    let params = export(&mut f, &mut p, "x", prompt(1, 16));
+    assert_eq!(params.weight_version.as_deref(), Some("v1"));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .unwrap();
+    finish_all(&mut f, &mut p, &mut d);
+    assert_eq!(
+        d.finished["x"].0,
+        FinishReason::Length,
+        "{:?}",
+        d.messages.get("x")
+    );
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
+    assert_eq!(f.n_pulls, 0);
+    assert_eq!(p.sched.stats().n_blocks_used, 0, "P's export was released");
+}
+
+#[test]
+fn an_export_that_expired_while_d_was_paused_is_a_retraction_but_not_while_d_ran() {
+    for d_paused in [true, false] {
+        let mut f = Fabric::default();
+        let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+        let mut d = busy_consumer(KvLoadFailurePolicy::Fail);
+        let params = export(&mut f, &mut p, "x", prompt(1, 16));
+        d.sched
+            .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+            .unwrap();
+        if d_paused {
+            d.sched.pause(OpId(1), PauseMode::Keep, false);
+            poll(&mut f, "D", &mut d);
+        }
+        // The lease runs out on P before D asks.
+        p.sched.advance_time(Duration::from_secs(31));
+        step(&mut f, "P", &mut p);
+        f.deliver("P", &mut p);
+        assert_eq!(p.sched.stats().n_blocks_used, 0, "expired");
+        if d_paused {
+            d.sched.resume().unwrap();
+        }
+        finish_all(&mut f, &mut p, &mut d);
+        let want = if d_paused {
+            FinishReason::Length
+        } else {
+            FinishReason::Error
+        };
+        assert_eq!(d.finished["x"].0, want, "D paused: {d_paused}");
+        if !d_paused {
+            let m = &d.messages["x"];
+            assert!(m.contains("(expired)"), "a fault, named: {m}");
+        }
+    }
+}
+
+#[test]
+fn a_wait_pause_waits_for_loads_in_flight() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    import(&mut f, &mut p, &mut d, "x", prompt(1, 16), 4);
+    step(&mut f, "D", &mut d);
+    assert!(matches!(
+        state(&d, "x"),
+        RequestState::WaitingForRemoteKv { .. }
+    ));
+    d.sched.pause(OpId(1), PauseMode::Wait, false);
+    assert!(
+        poll(&mut f, "D", &mut d).is_empty(),
+        "a load in flight is an admitted request: the wait pause waits for it"
+    );
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    let mut events = Vec::new();
+    for _ in 0..20 {
+        if d.sched.n_live() > 0 {
+            step(&mut f, "D", &mut d);
+        }
+        events.extend(poll(&mut f, "D", &mut d));
+        if !events.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(events, vec![LifecycleEvent::Done(OpId(1))]);
+    assert_eq!(d.finished["x"].0, FinishReason::Length, "drained, not cut");
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 16), 4));
+    // A request that arrives during the pause is queued, not admitted.
+    d.sched
+        .add_request("y", prompt(2, 8), greedy(2))
+        .expect("queued");
+    assert!(step(&mut f, "D", &mut d).reqs.is_empty());
+}
+
+#[test]
+fn cached_tokens_count_the_local_hit_and_the_import() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    // D already holds the first block of the prompt (a local hit of 4 tokens).
+    d.add("warm", prompt(1, 5), greedy(1));
+    d.drain(100);
+    import(&mut f, &mut p, &mut d, "x", prompt(1, 17), 2);
+    step(&mut f, "D", &mut d);
+    f.complete_fetches("D");
+    f.deliver("D", &mut d);
+    let idx = d.sched.request_idx("x").unwrap();
+    let plan = step(&mut f, "D", &mut d);
+    assert_eq!(
+        plan.reqs[0].start_pos, 16,
+        "computes only the last prompt token"
+    );
+    assert_eq!(
+        d.sched.request(idx).unwrap().n_cached_tokens,
+        16,
+        "4 hit locally and 12 imported: 16 prompt tokens not computed here"
+    );
+}
+
+// ---- Several connectors: the longest ready hit supplies the load ----
+
+const TIER: ConnectorId = ConnectorId(0);
+const PD: ConnectorId = ConnectorId(1);
+
+/// D with `offload,pd` (the default order): the tier first, then P/D.
+fn tiered_consumer() -> Harness {
+    let mut d = Harness::new(config(KvLoadFailurePolicy::Fail));
+    let tier = ferry_core::OffloadConfig {
+        block_size: BS,
+        blocks_per_slot: 1,
+        block_bytes: 8,
+        capacity_bytes: 64 * 8,
+        policy: ferry_core::OffloadPolicy::Lru,
+    };
+    assert_eq!(
+        d.sched
+            .add_connector(Box::new(ferry_core::OffloadConnector::new(tier))),
+        TIER
+    );
+    assert_eq!(
+        d.sched.add_connector(Box::new(PdConnector::new(PdConfig {
+            role: PdRole::Consumer,
+            engine_id: "D".into(),
+            host: Some("127.0.0.1".into()),
+            port: Some(7001),
+            secret: [8; 32],
+            block_size: BS,
+            allowed_peers: ferry_core::AllowedPeers::default(),
+        }))),
+        PD
+    );
+    d
+}
+
+/// One step of the tiered D: P/D jobs go to the fabric, the tier's copies succeed at once;
+/// the fabric's fetches are answered and every report delivered.
+fn tiered_step(f: &mut Fabric, d: &mut Harness) -> StepPlan {
+    let s = d.step_outputs();
+    let mut tier_reports = Vec::new();
+    for work in s.plan.connector_work.iter().chain(&s.after_work) {
+        for job in &work.jobs {
+            if work.connector == PD {
+                f.job("D", job.clone());
+                continue;
+            }
+            match job.clone() {
+                WorkerJob::Store { hold, epoch, .. } => {
+                    tier_reports.push(WorkerReport::StoreDone {
+                        hold,
+                        epoch,
+                        ok: true,
+                    });
+                }
+                WorkerJob::Load { hold, epoch, .. } => tier_reports.push(WorkerReport::LoadDone {
+                    hold,
+                    epoch,
+                    result: Ok(()),
+                }),
+                WorkerJob::Flush { .. } => {}
+                other => panic!("not a tier job: {other:?}"),
+            }
+        }
+    }
+    for r in tier_reports {
+        d.sched.on_worker_report(TIER, r);
+    }
+    f.complete_fetches("D");
+    for r in f.reports.remove("D").unwrap_or_default() {
+        d.sched.on_worker_report(PD, r);
+    }
+    let outs = d.sched.take_outputs();
+    d.record(&outs);
+    d.check();
+    s.plan
+}
+
+/// Computes `prompt` on the tiered D so the tier stores its full blocks, then drops the local
+/// prefix cache (the tier keeps them): a later request hits the tier, not the local cache.
+fn stored_in_tier_only(f: &mut Fabric, d: &mut Harness, id: &str, prompt: Vec<u32>) {
+    d.add(id, prompt, greedy(1));
+    for _ in 0..20 {
+        tiered_step(f, d);
+        if d.sched.n_live() == 0 && !d.sched.needs_idle_steps() {
+            break;
+        }
+    }
+    assert!(d.sched.reset_caches(false, false), "local cache dropped");
+}
+
+#[test]
+fn the_p_d_import_beats_a_shorter_tier_hit_and_the_export_ends_without_its_lease() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = tiered_consumer();
+    // The tier holds one block of the prompt.
+    stored_in_tier_only(&mut f, &mut d, "warm", prompt(1, 5));
+    let params = export(&mut f, &mut p, "x", prompt(1, 17));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 17), greedy(3), Some(remote(&params)))
+        .unwrap();
+    for _ in 0..20 {
+        tiered_step(&mut f, &mut d);
+        f.deliver("P", &mut p);
+        if d.sched.n_live() == 0 {
+            break;
+        }
+    }
+    assert_eq!(d.finished["x"].0, FinishReason::Length);
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 17), 3));
+    assert_eq!(f.n_pulls, 1, "P's export supplied the prompt");
+    assert_eq!(
+        p.sched.stats().n_transfers,
+        0,
+        "P's export ended with the pull, not by its lease"
+    );
+    assert_eq!(p.sched.stats().n_blocks_used, 0);
+}
+
+#[test]
+fn a_longer_tier_hit_wins_and_the_unpulled_export_is_released_at_once() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = tiered_consumer();
+    // The tier holds all four full blocks of the prompt; P's export the same 16 tokens: a
+    // tie, which the listed order (the tier first) breaks.
+    stored_in_tier_only(&mut f, &mut d, "warm", prompt(1, 17));
+    let params = export(&mut f, &mut p, "x", prompt(1, 17));
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 17), greedy(3), Some(remote(&params)))
+        .unwrap();
+    for _ in 0..20 {
+        tiered_step(&mut f, &mut d);
+        f.deliver("P", &mut p);
+        if d.sched.n_live() == 0 {
+            break;
+        }
+    }
+    assert_eq!(d.finished["x"].0, FinishReason::Length);
+    assert_eq!(d.generated["x"], reference("x", prompt(1, 17), 3));
+    assert_eq!(f.n_pulls, 0, "the tier supplied the prompt");
+    assert_eq!(f.released.len(), 1, "D told P it will not pull");
+    assert_eq!(
+        p.sched.stats().n_transfers,
+        0,
+        "P freed the export at once, not after its lease"
+    );
+    let idx_free = d.sched.stats().n_blocks_used;
+    assert_eq!(idx_free, 0);
 }

@@ -561,3 +561,51 @@ fn hold_kv_on_finish_hands_blocks_to_a_transfer() {
     h.check();
     assert_eq!(h.sched.stats().n_blocks_used, 0);
 }
+
+/// A connector that tells every finished request's client `remote_engine_id = name`.
+#[derive(Debug)]
+struct Labeller(&'static str);
+
+impl ferry_core::KvConnector for Labeller {
+    fn name(&self) -> &str {
+        self.0
+    }
+    fn request_finished(
+        &mut self,
+        _req: ferry_core::FinishedRequest<'_>,
+    ) -> Option<ferry_core::KvTransferParams> {
+        Some(ferry_core::KvTransferParams {
+            remote_engine_id: Some(self.0.to_owned()),
+            ..ferry_core::KvTransferParams::default()
+        })
+    }
+    fn abort_transfers(&mut self) {}
+    fn take_finished_transfers(&mut self, _: &mut Vec<ferry_core::TransferId>) {}
+    fn has_pending_work(&self) -> bool {
+        false
+    }
+    fn reset_cache(&mut self) {}
+}
+
+/// Two connectors that give one key different values: an error naming the key, in every
+/// build (it was a `debug_assert`, so a release build sent the client the first value).
+#[test]
+fn two_connectors_giving_one_key_different_values_fail_the_request_naming_the_key() {
+    let mut h = Harness::new(small_config());
+    h.sched.add_connector(Box::new(Labeller("a")));
+    h.sched.add_connector(Box::new(Labeller("b")));
+    h.add("x", prompt(1, 8), SamplingParams::greedy(1));
+    let s = h.step_outputs();
+    let fin = s
+        .outputs
+        .iter()
+        .find_map(|o| o.finished.clone())
+        .expect("x finished");
+    assert_eq!(fin.reason, FinishReason::Error);
+    assert_eq!(
+        fin.kv_transfer_params, None,
+        "no parameters a reader could misuse"
+    );
+    let m = fin.message.unwrap_or_default();
+    assert!(m.contains("remote_engine_id"), "names the key: {m}");
+}

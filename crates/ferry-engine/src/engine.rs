@@ -612,7 +612,7 @@ impl EngineLoop {
             let n_cached_tokens = self
                 .core
                 .request(r.req)
-                .map_or(0, |req| req.n_prefix_hit_tokens);
+                .map_or(0, |req| req.n_cached_tokens);
             let _ = live.events.send(Event::Admitted { n_cached_tokens });
         }
     }

@@ -63,16 +63,12 @@ impl Connector {
     }
 }
 
-/// 32 random bytes from the OS (through the standard library's randomly keyed hasher, so no
-/// extra dependency): the secret a P/D connector keys its export tokens with.
+/// 32 random bytes from the OS's generator: the secret a P/D connector keys its export tokens
+/// with, so a token is unguessable. An OS without a working generator cannot serve P/D safely:
+/// that is a panic at start, never a weak secret.
 pub fn random_secret() -> [u8; 32] {
-    use std::hash::{BuildHasher, Hasher};
     let mut out = [0u8; 32];
-    for (i, chunk) in out.chunks_mut(8).enumerate() {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_usize(i);
-        chunk.copy_from_slice(&h.finish().to_le_bytes());
-    }
+    getrandom::fill(&mut out).expect("the operating system's random number generator failed");
     out
 }
 

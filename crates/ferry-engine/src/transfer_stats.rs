@@ -64,6 +64,7 @@ impl TransferTally {
                 }
                 // The offload tier's copies are counted by the tier itself (`TierStats`).
                 WorkerJob::Unpublish { .. }
+                | WorkerJob::Release { .. }
                 | WorkerJob::CancelFetch { .. }
                 | WorkerJob::Store { .. }
                 | WorkerJob::Load { .. }
@@ -163,10 +164,7 @@ mod tests {
             result,
         };
         t.on_report(c, &done(3, Ok(())), now);
-        let failed = Err(FetchError {
-            good_blocks: 0,
-            reason: String::new(),
-        });
+        let failed = Err(FetchError::fault(0, ""));
         t.on_report(c, &done(4, failed.clone()), now);
         t.on_report(c, &done(4, failed), now);
         assert_eq!(

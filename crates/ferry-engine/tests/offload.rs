@@ -125,6 +125,13 @@ async fn reset_prefix_cache_with_reset_external_empties_the_tier_and_no_hit_cros
     let c = run(&e, "b", p.clone(), 4).await;
     assert_eq!(c.tokens, oracle("v0", &p, 4));
     assert_eq!(tier_stats(&e).n_hits, 1);
+    let loaded = tier_stats(&e).n_hit_blocks as usize * BS;
+    assert!(loaded > 0);
+    assert_eq!(
+        c.finish.as_ref().unwrap().n_cached_tokens,
+        loaded,
+        "a tier hit is a prompt token not computed: cached_tokens counts it"
+    );
     until_clean(&e).await;
     // The tier too.
     assert!(within(e.reset_prefix_cache(false, true)).await.unwrap());
@@ -264,6 +271,7 @@ fn pd_connector(id: &str, role: PdRole, fabric: &Arc<InMemoryFabric>) -> Connect
         port: None,
         secret: [id.len() as u8 + 7; 32],
         block_size: BS,
+        allowed_peers: ferry_core::AllowedPeers::default(),
     };
     Connector::pd(config, Arc::new(InMemoryTransport::new(id, fabric.clone())))
 }
@@ -306,6 +314,12 @@ async fn rollouts(p: &EngineHandle, d: &EngineHandle, version: &str, tag: &str) 
             c.tokens,
             oracle(version, &prompt, MAX_TOKENS as usize),
             "{tag}"
+        );
+        // Every prompt token but the last came from P (or D's tier): none computed on D.
+        assert_eq!(
+            c.finish.as_ref().unwrap().n_cached_tokens,
+            prompt.len() - 1,
+            "{tag}: cached_tokens counts the import"
         );
     }
 }

@@ -26,6 +26,7 @@ fn pd_connector(id: &str, role: PdRole, fabric: &Arc<InMemoryFabric>, bs: usize)
         port: None,
         secret: [id.len() as u8 + 41; 32],
         block_size: bs,
+        allowed_peers: ferry_core::AllowedPeers::default(),
     };
     Connector::pd(config, Arc::new(InMemoryTransport::new(id, fabric.clone())))
 }
@@ -91,7 +92,7 @@ async fn a_forged_token_never_produces_output_from_wrong_kv() {
     cfg.kv_load_failure_policy = KvLoadFailurePolicy::Recompute;
     let d_recompute = pd_engine("D2", PdRole::Consumer, &fabric, cfg);
     // Two exports of different prompts: the second's parameters with the first's prompt
-    // would load KV of the wrong tokens, and is refused by its prompt hash.
+    // would load KV of the wrong tokens, and are refused by its prompt hash.
     let (a, b) = (prompt(1, 13), prompt(2, 13));
     let params_a = prefill(&p, "a", a.clone()).await;
     let params_b = prefill(&p, "b", b.clone()).await;
@@ -102,12 +103,12 @@ async fn a_forged_token_never_produces_output_from_wrong_kv() {
     assert!(c.tokens.is_empty());
     let message = c.finish.unwrap().message.unwrap();
     assert!(message.contains("no export"), "{message}");
+    // Invalid input fails closed under `recompute` too: the policy is for faults.
     let c = decode(&d_recompute, "y", a.clone(), params_b.clone()).await;
-    assert_eq!(
-        c.tokens,
-        oracle("v0", &a, MAX_TOKENS as usize),
-        "recomputed"
-    );
+    assert_eq!(c.reason(), FinishReason::Error);
+    assert!(c.tokens.is_empty(), "no output from another prompt's KV");
+    let message = c.finish.unwrap().message.unwrap();
+    assert!(message.contains("(invalid)"), "{message}");
     // The real parameters still load (a refused pull consumes nothing).
     let c = decode(&d_fail, "a", a.clone(), params_a).await;
     assert_eq!(c.tokens, oracle("v0", &a, MAX_TOKENS as usize));
@@ -186,10 +187,7 @@ impl GatedTransport {
                 drop(grant);
                 reports.send(ferry_core::WorkerReport::FetchDone {
                     hold: spec.hold,
-                    result: Err(ferry_core::FetchError {
-                        good_blocks: 0,
-                        reason: "cancelled".into(),
-                    }),
+                    result: Err(ferry_core::FetchError::fault(0, "cancelled")),
                 });
             } else {
                 ferry_kv::Transport::fetch(&self.inner, spec, grant, reports);
@@ -210,8 +208,17 @@ impl ferry_kv::Transport for GatedTransport {
     fn publish(&self, offer: ferry_kv::ExportOffer, reports: ferry_kv::Reports) {
         self.inner.publish(offer, reports);
     }
-    fn unpublish(&self, engine_id: &str, hold: ferry_core::TransferId, reports: ferry_kv::Reports) {
-        self.inner.unpublish(engine_id, hold, reports);
+    fn unpublish(
+        &self,
+        engine_id: &str,
+        hold: ferry_core::TransferId,
+        reason: ferry_core::Unpublished,
+        reports: ferry_kv::Reports,
+    ) {
+        self.inner.unpublish(engine_id, hold, reason, reports);
+    }
+    fn release(&self, spec: ferry_kv::ReleaseSpec) {
+        self.inner.release(spec);
     }
     fn fetch(
         &self,
@@ -262,6 +269,7 @@ async fn loads_in_flight_at_a_reset_keep_their_blocks_until_the_transfer_ends_th
             port: None,
             secret: [1; 32],
             block_size: 4,
+            allowed_peers: ferry_core::AllowedPeers::default(),
         };
         let d = spawn_with_connectors(
             EngineConfig {

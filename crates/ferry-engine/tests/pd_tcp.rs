@@ -29,6 +29,8 @@ fn pd_engine(id: &str, role: PdRole, config: SchedulerConfig) -> (EngineHandle, 
         max_in_flight_fetches: 4,
         max_connections: 8,
         io_timeout: Duration::from_secs(5),
+        allowed_peers: ferry_core::AllowedPeers::default(),
+        secret: None,
     })
     .unwrap();
     let addr = transport.local_addr();
@@ -39,6 +41,7 @@ fn pd_engine(id: &str, role: PdRole, config: SchedulerConfig) -> (EngineHandle, 
         port: Some(addr.port()),
         secret: [id.len() as u8 + 41; 32],
         block_size: bs,
+        allowed_peers: ferry_core::AllowedPeers::default(),
     };
     let engine = spawn_with_connectors(
         EngineConfig {

@@ -27,5 +27,7 @@ pub use arena::{KvArena, KvError, KvLayout, KvPlane};
 pub use offload::{CopyJob, HostMemory, OffloadWorker};
 pub use resident::resident_bytes;
 pub use tcp::{TcpTransport, TcpTransportConfig};
-pub use transport::{ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, Transport};
+pub use transport::{
+    ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, ReleaseSpec, Transport,
+};
 pub use worker::{PdWorker, Reports, WorkerConnector};

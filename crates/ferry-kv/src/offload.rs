@@ -216,10 +216,7 @@ fn copy_report(
         WorkerReport::LoadDone {
             hold,
             epoch,
-            result: result.map_err(|reason| FetchError {
-                good_blocks: 0,
-                reason,
-            }),
+            result: result.map_err(|reason| FetchError::fault(0, reason)),
         }
     }
 }

@@ -9,30 +9,76 @@
 //!
 //! # Protocol (version [`PROTOCOL_VERSION`], all integers little-endian)
 //!
-//! One TCP connection per fetch, opened by D. First the handshake, checked by P:
-//! `"FERRYKV\0"`, u32 protocol version, u8 1 if KV floats are little-endian f32, string model
-//! id, u32 layers, KV heads, head dim, block size. P answers a *status*: u8 0 (ok), or u8 1
-//! and a string reason, after which it closes. Then pulls (P serves them until D closes):
-//! u8 1, strings engine id, token, weight version, 32-byte prompt hash, u64 first block,
-//! u32 count and that many u32 block ids. P checks them exactly as every transport does
-//! ([`check_pull`]), answers a status, and on ok streams the blocks, each exactly
-//! `block_bytes` long, straight from its read grant to the socket; D reads them straight into
-//! its write grant's blocks. Strings are a u32 length (at most [`MAX_STRING_BYTES`]) and UTF-8.
+//! One TCP connection per fetch or release, opened by D. Strings are a u32 length (at most
+//! [`MAX_STRING_BYTES`]) and UTF-8. A *status* is u8 0 (ok); or u8 1 and a string reason (a
+//! refusal that is a fault: the form version 1 used, so peers of either version read each
+//! other's handshake refusals); or u8 2, a u8 kind and a string reason (a refusal that says who
+//! is to blame, [`FetchFailure`]: 0 fault, 1 revoked, 2 expired, 3 invalid). P closes the
+//! connection after a refused handshake.
+//!
+//! The handshake:
+//!
+//! 1. D → P, the *hello*: `"FERRYKV\0"`, u32 protocol version, u8 1 if KV floats are
+//!    little-endian f32, string model id, u32 layers, KV heads, head dim, block size, u8 1 if D
+//!    has a fleet secret (else 0), and a 32-byte nonce `nd` (random with a secret, else zeros).
+//! 2. P → D: a status, refused for another protocol version, P at its connection limit, or a
+//!    secret on one side only. With secrets, the ok is followed by P's random 32-byte nonce
+//!    `np` and P's proof `mac_p`.
+//! 3. With secrets, D → P: D's proof `mac_d`, sent only once `mac_p` verified.
+//! 4. P → D: a status, refused for another model id, KV layout or byte order, or a `mac_d`
+//!    that does not verify.
+//!
+//! The proofs are keyed BLAKE3 hashes under `key = blake3::derive_key("ferry kv transfer
+//! secret v2", secret)`: `mac_X = keyed_hash(key, "ferry kv proof X" ‖ u64 length of the hello
+//! ‖ the hello ‖ np)` for X = P, D, so each side proves it holds the key over both fresh
+//! nonces and the model id and layout D sent, and nothing secret is on the wire. Both compare
+//! in constant time; any mismatch refuses the connection before any request is served.
+//!
+//! Then requests, which P serves until D closes (or stays idle for `io_timeout`):
+//!
+//! * *pull*: u8 1, strings engine id, token, weight version, 32-byte prompt hash, u64 first
+//!   block, u32 count and that many u32 block ids. P checks it exactly as every transport does
+//!   ([`check_pull`]) and answers a status; on ok it streams the blocks, each exactly
+//!   `block_bytes` long, straight from its read grant to the socket; D reads them straight
+//!   into its write grant's blocks. A refusal says who is to blame: a token P does not serve
+//!   is revoked, expired, or invalid (pulled or released already, or never seen) as P's
+//!   [`Tombstones`] remember it; a pull that fails [`check_pull`] or races another reader is
+//!   invalid; a pull naming another engine id is a fault (P restarted with a new id, or this
+//!   is not the P the parameters name).
+//! * *release*: u8 2, strings engine id and token. P stops serving a published export with
+//!   that token (and reports `ExportGone`), ignores a token it does not serve, and answers a
+//!   status (refused, as a fault, only for another engine id).
+//!
+//! # Trust
+//!
+//! D connects only to an IP literal inside `allowed_peers` (no name is ever resolved here; a
+//! `remote_host` outside the set fails the fetch as invalid before any connection), and with a
+//! fleet secret P and D authenticate each other before any request (`connectors.md`, *Trust*).
+//! The stream is not encrypted: the secret keeps peers that do not hold it out, not an
+//! attacker who can rewrite packets on an established connection.
 //!
 //! # What each side learns, and when
 //!
 //! * P reports `ExportPulled` once the last byte of the last block was written, and the export
-//!   is gone. A pull in progress holds its export: an `unpublish` meanwhile reports
-//!   `ExportGone` only when the pull ended (the in-memory fabric does the same under its lock).
-//!   A pull that fails mid-way (D gone, a write timed out) puts the export back, published until
-//!   unpublish or lease expiry: P never waits for anything a reader does.
+//!   is gone. A pull in progress holds its export: an `unpublish` or a release meanwhile ends
+//!   it only when the pull ended (`unpublish` reports `ExportGone` then; the in-memory fabric
+//!   does the same under its lock). A pull that fails mid-way (D gone, a write timed out) puts
+//!   the export back, published until unpublish, release or lease expiry, unless it was
+//!   unpublished or released meanwhile: P never waits for anything a reader does. However an
+//!   export ended, P remembers how by token, so a late pull hears the right kind.
 //! * D reports `FetchDone` once its grant is dropped: `Ok`, or `Err` with the number of whole
-//!   blocks that arrived. A refused pull, a failed handshake, a peer that closes or stalls past
-//!   `io_timeout`, and a cancel (taking effect at the next block boundary, or at once while
-//!   waiting) are all failed loads.
+//!   blocks that arrived and who is to blame. P's refusal of the pull has the kind P sent; a
+//!   failed handshake, a peer that closes or stalls past `io_timeout`, and a cancel (taking
+//!   effect at the next block boundary, or at once while waiting or connecting) are faults; a
+//!   `remote_host` outside `allowed_peers`, missing, or block counts that do not match are
+//!   invalid.
+//! * A release is fire-and-forget: D logs its failure at debug level, and P's lease still
+//!   bounds the export.
 //!
-//! Bounds: `max_in_flight_fetches` on D and `max_connections` on P are semaphores; a connection
-//! over P's limit waits for a slot up to `io_timeout`, then is refused with a reason.
+//! Bounds: `max_in_flight_fetches` on D (fetches, and releases separately) and
+//! `max_connections` on P are semaphores; a connection over P's limit waits for a slot up to
+//! `io_timeout`, then is refused with a reason. A release as a whole is bounded by
+//! `io_timeout`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -40,7 +86,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use ferry_core::{FetchError, TransferId, WorkerReport};
+use ferry_core::{AllowedPeers, FetchError, FetchFailure, TransferId, Unpublished, WorkerReport};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
@@ -48,23 +94,36 @@ use tokio::sync::{Notify, Semaphore};
 use crate::access::BlockGrant;
 use crate::arena::KvLayout;
 use crate::transport::{
-    check_destination, check_pull, no_export, ExportOffer, FetchSpec, Transport,
+    check_destination, check_pull, gone_export, ExportOffer, FetchSpec, ReleaseSpec, Tombstones,
+    Transport,
 };
 use crate::worker::Reports;
 
 /// Bumped on every change of the wire format; peers of another version are refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"FERRYKV\0";
 /// Longest string field accepted from a peer (model ids, tokens, versions, reasons).
 pub const MAX_STRING_BYTES: u32 = 64 * 1024;
 /// Most blocks one pull may ask for.
 const MAX_PULL_BLOCKS: u32 = 1 << 20;
 const STATUS_OK: u8 = 0;
+/// A refusal that is a fault: a string follows (the only refusal of protocol version 1).
 const STATUS_REFUSED: u8 = 1;
+/// A refusal that says who is to blame: a kind byte and a string follow.
+const STATUS_REFUSED_AS: u8 = 2;
 const REQUEST_PULL: u8 = 1;
+const REQUEST_RELEASE: u8 = 2;
+/// Derives the proofs' key from the fleet secret.
+const KEY_CONTEXT: &str = "ferry kv transfer secret v2";
+const PROOF_P: &[u8; 16] = b"ferry kv proof P";
+const PROOF_D: &[u8; 16] = b"ferry kv proof D";
+const NONCE_BYTES: usize = 32;
+/// Why an authenticated handshake failed, on both sides.
+pub const AUTH_FAILED: &str = "transfer authentication failed: the peers' KV transfer secrets \
+                               differ (or only one side has one)";
 
 /// How a [`TcpTransport`] is set up.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct TcpTransportConfig {
     /// This engine's id: pulls naming another engine are refused.
     pub engine_id: String,
@@ -79,6 +138,30 @@ pub struct TcpTransportConfig {
     pub max_connections: usize,
     /// Bound on every connect, read and write (and on a wait for a connection slot).
     pub io_timeout: Duration,
+    /// Where D may connect: a `remote_host` must be an IP address inside this set (no name
+    /// is resolved here); anything else fails the fetch as invalid, before any connection.
+    pub allowed_peers: AllowedPeers,
+    /// The fleet's KV transfer secret: with it, P and D prove to each other that they hold
+    /// it before any request is served; every peer must have the same one. `None`: no
+    /// authentication (peers with a secret refuse this one). Must not be empty.
+    pub secret: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for TcpTransportConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransportConfig")
+            .field("engine_id", &self.engine_id)
+            .field("listen", &self.listen)
+            .field("layout", &self.layout)
+            .field("model_id", &self.model_id)
+            .field("max_in_flight_fetches", &self.max_in_flight_fetches)
+            .field("max_connections", &self.max_connections)
+            .field("io_timeout", &self.io_timeout)
+            .field("allowed_peers", &self.allowed_peers.describe())
+            // Never the secret itself.
+            .field("secret", &self.secret.as_ref().map(|_| "<set>"))
+            .finish()
+    }
 }
 
 /// A [`Transport`] over TCP: P listens, D connects and pulls. See the module doc.
@@ -100,20 +183,34 @@ impl std::fmt::Debug for TcpTransport {
 /// What the runtime's tasks share.
 struct Inner {
     config: TcpTransportConfig,
-    /// P's exports by token.
-    exports: Mutex<HashMap<String, Slot>>,
+    /// The proofs' key, derived from the fleet secret; `None`: no authentication.
+    key: Option<[u8; 32]>,
+    /// P's exports.
+    exports: Mutex<Exports>,
     /// D's fetches in flight by hold: how to cancel them.
     fetches: Mutex<HashMap<TransferId, Arc<Cancel>>>,
     fetch_slots: Arc<Semaphore>,
+    release_slots: Arc<Semaphore>,
     connection_slots: Arc<Semaphore>,
+}
+
+/// P's exports: the live ones by token, and how ended ones ended.
+#[derive(Default)]
+struct Exports {
+    live: HashMap<String, Slot>,
+    ended: Tombstones,
 }
 
 /// A published export, as P keeps it.
 enum Slot {
     Ready(Published),
-    /// A pull has it; `unpublished` holds the reports of an unpublish that came meanwhile.
+    /// A pull has it.
     Pulling {
         hold: TransferId,
+        /// Set when it was unpublished (revoked, expired) or released meanwhile: it ends
+        /// with the pull, and a later pull is refused as this kind.
+        ended: Option<FetchFailure>,
+        /// The reports of an unpublish that came meanwhile: `ExportGone` goes there.
         unpublished: Option<Reports>,
     },
 }
@@ -144,6 +241,16 @@ impl Cancel {
 impl TcpTransport {
     /// Binds P's listener and starts the transport's runtime.
     pub fn start(config: TcpTransportConfig) -> std::io::Result<Arc<Self>> {
+        let key = match &config.secret {
+            Some(secret) if secret.is_empty() => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "the KV transfer secret is empty",
+                ))
+            }
+            Some(secret) => Some(blake3::derive_key(KEY_CONTEXT, secret)),
+            None => None,
+        };
         // Bound with std first: `start` may run inside another runtime, where blocking on this
         // one would panic.
         let listener = std::net::TcpListener::bind(config.listen)?;
@@ -168,7 +275,9 @@ impl TcpTransport {
         };
         let inner = Arc::new(Inner {
             fetch_slots: Arc::new(Semaphore::new(config.max_in_flight_fetches.max(1))),
+            release_slots: Arc::new(Semaphore::new(config.max_in_flight_fetches.max(1))),
             connection_slots: Arc::new(Semaphore::new(config.max_connections.max(1))),
+            key,
             config,
             exports: Mutex::default(),
             fetches: Mutex::default(),
@@ -188,7 +297,7 @@ impl TcpTransport {
 
     /// Exports published now (a pull in progress counts).
     pub fn n_published(&self) -> usize {
-        lock(&self.inner.exports).len()
+        lock(&self.inner.exports).live.len()
     }
 
     fn runtime(&self) -> &tokio::runtime::Runtime {
@@ -208,24 +317,34 @@ impl Drop for TcpTransport {
 impl Transport for TcpTransport {
     fn publish(&self, offer: ExportOffer, reports: Reports) {
         let token = offer.token.clone();
-        lock(&self.inner.exports).insert(token, Slot::Ready(Published { offer, reports }));
+        let mut exports = lock(&self.inner.exports);
+        exports
+            .live
+            .insert(token, Slot::Ready(Published { offer, reports }));
     }
 
     /// `engine_id` is this transport's own (one transport per engine); holds are unique in it.
-    fn unpublish(&self, _engine_id: &str, hold: TransferId, reports: Reports) {
+    fn unpublish(&self, _engine_id: &str, hold: TransferId, reason: Unpublished, reports: Reports) {
         let mut exports = lock(&self.inner.exports);
-        let key = exports
+        let token = exports
+            .live
             .iter()
             .find(|(_, slot)| slot.hold() == hold)
-            .map(|(k, _)| k.clone());
-        let removed = match key {
-            Some(key) => match exports.get_mut(&key).expect("found above") {
-                Slot::Pulling { unpublished, .. } => {
-                    // The pull reports `ExportGone` when it ends.
-                    *unpublished = Some(reports);
+            .map(|(token, _)| token.clone());
+        let removed = match token {
+            Some(token) => match exports.live.get_mut(&token).expect("found above") {
+                Slot::Pulling {
+                    ended, unpublished, ..
+                } => {
+                    // The pull ends the export, and reports `ExportGone`, when it ends.
+                    ended.get_or_insert(reason.into());
+                    unpublished.get_or_insert(reports);
                     return;
                 }
-                Slot::Ready(_) => exports.remove(&key),
+                Slot::Ready(_) => {
+                    exports.ended.record(&token, reason.into());
+                    exports.live.remove(&token)
+                }
             },
             None => None,
         };
@@ -233,6 +352,18 @@ impl Transport for TcpTransport {
         // The grant goes before the report: P frees the blocks on it.
         drop(removed);
         reports.send(WorkerReport::ExportGone { hold });
+    }
+
+    fn release(&self, spec: ReleaseSpec) {
+        let inner = self.inner.clone();
+        self.runtime().spawn(async move {
+            if let Err(reason) = run_release(&inner, &spec).await {
+                tracing::debug!(
+                    remote_engine_id = %spec.remote_engine_id,
+                    "releasing an export failed (its lease still bounds it): {reason}"
+                );
+            }
+        });
     }
 
     fn fetch(&self, spec: FetchSpec, dst: BlockGrant, reports: Reports) {
@@ -258,20 +389,36 @@ impl Slot {
     }
 }
 
-// ---- D: fetching ----
+// ---- D: fetching and releasing ----
 
-/// Why a fetch failed, and how many whole blocks arrived before.
+/// Why a fetch failed, how many whole blocks arrived before, and who is to blame.
 struct Failed {
     good_blocks: usize,
     reason: String,
+    kind: FetchFailure,
 }
 
 impl Failed {
+    /// A fault after `good_blocks` whole blocks.
     fn at(good_blocks: usize) -> impl FnOnce(String) -> Self {
         move |reason| Self {
             good_blocks,
             reason,
+            kind: FetchFailure::Fault,
         }
+    }
+
+    /// Invalid input, before anything arrived.
+    fn invalid(reason: String) -> Self {
+        Self {
+            good_blocks: 0,
+            reason,
+            kind: FetchFailure::Invalid,
+        }
+    }
+
+    fn cancelled(good_blocks: usize) -> Self {
+        Self::at(good_blocks)("cancelled".into())
     }
 }
 
@@ -290,6 +437,7 @@ async fn run_fetch(
         tracing::debug!(
             hold = spec.hold.0,
             good_blocks = e.good_blocks,
+            kind = e.kind.as_str(),
             "fetch failed: {}",
             e.reason
         );
@@ -299,6 +447,7 @@ async fn run_fetch(
         result: result.map_err(|e| FetchError {
             good_blocks: e.good_blocks,
             reason: e.reason,
+            kind: e.kind,
         }),
     });
 }
@@ -310,7 +459,7 @@ async fn fetch_blocks(
     cancel: &Cancel,
 ) -> Result<(), Failed> {
     let config = &inner.config;
-    check_destination(spec, dst.blocks().len()).map_err(Failed::at(0))?;
+    check_destination(spec, dst.blocks().len()).map_err(Failed::invalid)?;
     if dst.layout() != config.layout {
         return Err(Failed::at(0)(format!(
             "the destination arena's layout {:?} is not the transport's {:?}",
@@ -318,45 +467,40 @@ async fn fetch_blocks(
             config.layout
         )));
     }
-    let (Some(host), Some(port)) = (&spec.remote_host, spec.remote_port) else {
-        return Err(Failed::at(0)(
-            "the transfer parameters carry no remote_host and remote_port".into(),
-        ));
-    };
+    // Before anything touches the network: a peer outside the fleet is never connected to.
+    let addr = peer_addr(config, spec.remote_host.as_deref(), spec.remote_port)?;
     let _slot = tokio::select! {
         slot = inner.fetch_slots.acquire() => slot.expect("never closed"),
-        () = cancel.notify.notified() => return Err(Failed::at(0)("cancelled".into())),
+        () = cancel.notify.notified() => return Err(Failed::cancelled(0)),
     };
     if cancel.is_cancelled() {
-        return Err(Failed::at(0)("cancelled".into()));
+        return Err(Failed::cancelled(0));
     }
     let t = config.io_timeout;
-    let addr = format!("{host}:{port}");
-    let mut stream = timed(t, "connect", TcpStream::connect(&addr))
-        .await
-        .map_err(|e| Failed::at(0)(format!("P's transfer listener {addr}: {e}")))?;
-    stream.set_nodelay(true).ok();
-    // The pull waits for the handshake's answer: P closes a connection it refuses, and unread
-    // bytes on close would reset it before its reason arrives.
-    let mut msg = Vec::new();
-    write_handshake(&mut msg, config);
-    timed(t, "write", stream.write_all(&msg))
-        .await
-        .map_err(Failed::at(0))?;
-    read_status(&mut stream, t)
-        .await
-        .map_err(|e| Failed::at(0)(format!("handshake with {addr} refused: {e}")))?;
-    msg.clear();
-    write_pull(&mut msg, spec);
-    timed(t, "write", stream.write_all(&msg))
-        .await
-        .map_err(Failed::at(0))?;
-    read_status(&mut stream, t)
-        .await
-        .map_err(|e| Failed::at(0)(format!("pull refused by {addr}: {e}")))?;
+    let opened = async {
+        let mut stream = connect(addr, t).await?;
+        handshake(inner, &mut stream, addr).await?;
+        let mut msg = Vec::new();
+        write_pull(&mut msg, spec);
+        timed(t, "write", stream.write_all(&msg))
+            .await
+            .map_err(|e| Failed::at(0)(format!("sending the pull to {addr}: {e}")))?;
+        read_status(&mut stream, t)
+            .await
+            .map_err(|(kind, reason)| Failed {
+                good_blocks: 0,
+                reason: format!("pull refused by {addr}: {reason}"),
+                kind,
+            })?;
+        Ok::<_, Failed>(stream)
+    };
+    let mut stream = tokio::select! {
+        stream = opened => stream?,
+        () = cancel.notify.notified() => return Err(Failed::cancelled(0)),
+    };
     for j in 0..dst.blocks().len() {
         if cancel.is_cancelled() {
-            return Err(Failed::at(j)("cancelled".into()));
+            return Err(Failed::cancelled(j));
         }
         let block = dst
             .block_bytes_mut(j)
@@ -365,18 +509,131 @@ async fn fetch_blocks(
             read = timed(t, "read", stream.read_exact(block)) => {
                 read.map_err(|e| Failed::at(j)(format!("reading block {j} from {addr}: {e}")))?;
             }
-            () = cancel.notify.notified() => return Err(Failed::at(j)("cancelled".into())),
+            () = cancel.notify.notified() => return Err(Failed::cancelled(j)),
         }
     }
     Ok(())
 }
 
-/// Reads a status; `Err` is the peer's reason, or why there was none.
-async fn read_status(stream: &mut TcpStream, t: Duration) -> Result<(), String> {
-    match timed(t, "read", stream.read_u8()).await? {
+/// Tells P that the export `spec.token` names will not be pulled. Bounded by `io_timeout`
+/// as a whole; `Err` is only logged.
+async fn run_release(inner: &Inner, spec: &ReleaseSpec) -> Result<(), String> {
+    let config = &inner.config;
+    let addr =
+        peer_addr(config, spec.remote_host.as_deref(), spec.remote_port).map_err(|f| f.reason)?;
+    let t = config.io_timeout;
+    let release = async {
+        let _slot = inner.release_slots.acquire().await.expect("never closed");
+        let mut stream = connect(addr, t).await?;
+        handshake(inner, &mut stream, addr).await?;
+        let mut msg = vec![REQUEST_RELEASE];
+        put_string(&mut msg, &spec.remote_engine_id);
+        put_string(&mut msg, &spec.token);
+        timed(t, "write", stream.write_all(&msg))
+            .await
+            .map_err(|e| Failed::at(0)(format!("sending the release to {addr}: {e}")))?;
+        read_status(&mut stream, t)
+            .await
+            .map_err(|(_, reason)| Failed::at(0)(format!("release refused by {addr}: {reason}")))
+    };
+    match tokio::time::timeout(t, release).await {
+        Ok(result) => result.map_err(|f| f.reason),
+        Err(_) => Err(format!("releasing at {addr} timed out after {t:?}")),
+    }
+}
+
+/// Where to connect: `host` must be an IP address inside `allowed_peers` (never a name to
+/// resolve); anything else is invalid input.
+fn peer_addr(
+    config: &TcpTransportConfig,
+    host: Option<&str>,
+    port: Option<u16>,
+) -> Result<SocketAddr, Failed> {
+    let (Some(host), Some(port)) = (host, port) else {
+        return Err(Failed::invalid(
+            "the transfer parameters carry no remote_host and remote_port".into(),
+        ));
+    };
+    let ip = config
+        .allowed_peers
+        .check_host(host)
+        .map_err(Failed::invalid)?;
+    Ok(SocketAddr::new(ip, port))
+}
+
+async fn connect(addr: SocketAddr, t: Duration) -> Result<TcpStream, Failed> {
+    let stream = timed(t, "connect", TcpStream::connect(addr))
+        .await
+        .map_err(|e| Failed::at(0)(format!("P's transfer listener {addr}: {e}")))?;
+    stream.set_nodelay(true).ok();
+    Ok(stream)
+}
+
+/// D's side of the handshake (steps 1 to 4 in the module doc). Every failure is a fault,
+/// whatever kind P's refusal names: a handshake is about the peers, not an export.
+async fn handshake(inner: &Inner, stream: &mut TcpStream, addr: SocketAddr) -> Result<(), Failed> {
+    let t = inner.config.io_timeout;
+    let failed = |reason: String| Failed::at(0)(format!("handshake with {addr}: {reason}"));
+    let refused = |(_, reason): (FetchFailure, String)| {
+        Failed::at(0)(format!("handshake with {addr} refused: {reason}"))
+    };
+    let nonce_d = match inner.key {
+        Some(_) => nonce().map_err(failed)?,
+        None => [0; NONCE_BYTES],
+    };
+    let mut hello = Vec::new();
+    Hello::ours(&inner.config, inner.key.is_some(), nonce_d).encode(&mut hello);
+    // Each step waits for P's answer: P closes a connection it refuses, and unread bytes on
+    // close would reset it before its reason arrives.
+    timed(t, "write", stream.write_all(&hello))
+        .await
+        .map_err(failed)?;
+    read_status(stream, t).await.map_err(refused)?;
+    if let Some(key) = &inner.key {
+        let mut nonce_p = [0u8; NONCE_BYTES];
+        let mut mac_p = [0u8; 32];
+        timed(t, "read", stream.read_exact(&mut nonce_p))
+            .await
+            .map_err(failed)?;
+        timed(t, "read", stream.read_exact(&mut mac_p))
+            .await
+            .map_err(failed)?;
+        // Constant time (`blake3::Hash`'s equality).
+        if proof(key, PROOF_P, &hello, &nonce_p) != mac_p {
+            return Err(failed(AUTH_FAILED.into()));
+        }
+        let mac_d = proof(key, PROOF_D, &hello, &nonce_p);
+        timed(t, "write", stream.write_all(mac_d.as_bytes()))
+            .await
+            .map_err(failed)?;
+    }
+    read_status(stream, t).await.map_err(refused)
+}
+
+/// Reads a status; `Err` is who is to blame and the peer's reason, or a fault and why there
+/// was none.
+async fn read_status(stream: &mut TcpStream, t: Duration) -> Result<(), (FetchFailure, String)> {
+    let fault = |reason| (FetchFailure::Fault, reason);
+    match timed(t, "read", stream.read_u8()).await.map_err(fault)? {
         STATUS_OK => Ok(()),
-        STATUS_REFUSED => Err(timed(t, "read", read_string(stream)).await??),
-        other => Err(format!("unknown status {other}")),
+        STATUS_REFUSED => Err(fault(
+            timed(t, "read", read_string(stream))
+                .await
+                .and_then(|r| r)
+                .map_err(fault)?,
+        )),
+        STATUS_REFUSED_AS => {
+            let kind = timed(t, "read", stream.read_u8()).await.map_err(fault)?;
+            let reason = timed(t, "read", read_string(stream))
+                .await
+                .and_then(|r| r)
+                .map_err(fault)?;
+            match kind_from_wire(kind) {
+                Some(kind) => Err((kind, reason)),
+                None => Err(fault(format!("{reason} (an unknown refusal kind {kind})"))),
+            }
+        }
+        other => Err(fault(format!("unknown status {other}"))),
     }
 }
 
@@ -407,41 +664,77 @@ async fn serve_connection(inner: Arc<Inner>, mut stream: TcpStream, peer: Socket
                 "the transfer listener serves its maximum of {} connections",
                 inner.config.max_connections
             );
-            refuse(&mut stream, t, &reason).await;
+            refuse(&mut stream, t, FetchFailure::Fault, &reason).await;
             return;
         }
     };
-    if let Err(reason) = check_handshake(&mut stream, &inner.config).await {
+    if let Err(reason) = accept_handshake(&inner, &mut stream).await {
         tracing::debug!(%peer, "transfer handshake refused: {reason}");
-        refuse(&mut stream, t, &reason).await;
-        return;
-    }
-    if timed(t, "write", stream.write_u8(STATUS_OK)).await.is_err() {
+        refuse(&mut stream, t, FetchFailure::Fault, &reason).await;
         return;
     }
     loop {
         // An idle connection is closed after `io_timeout`, like any stalled read.
-        match timed(t, "read", stream.read_u8()).await {
-            Ok(REQUEST_PULL) => {}
+        let served = match timed(t, "read", stream.read_u8()).await {
+            Ok(REQUEST_PULL) => match timed(t, "read", read_pull(&mut stream)).await {
+                Ok(Ok(spec)) => serve_pull(&inner, &mut stream, &spec).await,
+                Ok(Err(reason)) | Err(reason) => {
+                    refuse(&mut stream, t, FetchFailure::Invalid, &reason).await;
+                    break;
+                }
+            },
+            Ok(REQUEST_RELEASE) => match timed(t, "read", read_release(&mut stream)).await {
+                Ok(Ok((engine_id, token))) => {
+                    serve_release(&inner, &mut stream, &engine_id, &token).await
+                }
+                Ok(Err(reason)) | Err(reason) => {
+                    refuse(&mut stream, t, FetchFailure::Invalid, &reason).await;
+                    break;
+                }
+            },
             Ok(other) => {
-                refuse(&mut stream, t, &format!("unknown request {other}")).await;
+                let reason = format!("unknown request {other}");
+                refuse(&mut stream, t, FetchFailure::Fault, &reason).await;
                 break;
             }
             Err(_) => break,
-        }
-        let spec = match timed(t, "read", read_pull(&mut stream)).await {
-            Ok(Ok(spec)) => spec,
-            Ok(Err(reason)) | Err(reason) => {
-                refuse(&mut stream, t, &reason).await;
-                break;
-            }
         };
-        if let Err(e) = serve_pull(&inner, &mut stream, &spec).await {
-            tracing::debug!(%peer, "pull ended early: {e}");
+        if let Err(e) = served {
+            tracing::debug!(%peer, "transfer connection ended early: {e}");
             break;
         }
     }
     drop(slot);
+}
+
+/// P's side of the handshake (steps 1 to 4 in the module doc). `Err` is the reason to refuse
+/// the connection with.
+async fn accept_handshake(inner: &Inner, stream: &mut TcpStream) -> Result<(), String> {
+    let config = &inner.config;
+    let t = config.io_timeout;
+    let hello = timed(t, "reading the hello", read_hello(stream)).await?;
+    if hello.has_secret() != inner.key.is_some() {
+        return Err(AUTH_FAILED.into());
+    }
+    let mut reply = vec![STATUS_OK];
+    if let Some(key) = &inner.key {
+        let mut hello_bytes = Vec::new();
+        hello.encode(&mut hello_bytes);
+        let nonce_p = nonce()?;
+        reply.extend_from_slice(&nonce_p);
+        reply.extend_from_slice(proof(key, PROOF_P, &hello_bytes, &nonce_p).as_bytes());
+        timed(t, "write", stream.write_all(&reply)).await?;
+        let mut mac_d = [0u8; 32];
+        timed(t, "read", stream.read_exact(&mut mac_d)).await?;
+        // Constant time (`blake3::Hash`'s equality).
+        if proof(key, PROOF_D, &hello_bytes, &nonce_p) != mac_d {
+            return Err(AUTH_FAILED.into());
+        }
+    } else {
+        timed(t, "write", stream.write_all(&reply)).await?;
+    }
+    check_hello(&hello, config)?;
+    timed(t, "write", stream.write_u8(STATUS_OK)).await
 }
 
 /// Checks a pull, streams its blocks and settles the export. `Err` means the connection is
@@ -450,10 +743,10 @@ async fn serve_pull(inner: &Inner, stream: &mut TcpStream, spec: &FetchSpec) -> 
     let t = inner.config.io_timeout;
     let published = match take_for_pull(inner, spec) {
         Ok(published) => published,
-        Err(reason) => {
+        Err((kind, reason)) => {
             // A refused pull consumes nothing; the connection stays usable.
-            let mut msg = vec![STATUS_REFUSED];
-            put_string(&mut msg, &reason);
+            let mut msg = Vec::new();
+            put_refusal(&mut msg, kind, &reason);
             return timed(t, "write", stream.write_all(&msg)).await;
         }
     };
@@ -477,27 +770,38 @@ async fn stream_blocks(
 }
 
 /// Looks the export up by token and checks the pull; on success the export is marked pulled.
-fn take_for_pull(inner: &Inner, spec: &FetchSpec) -> Result<Published, String> {
+/// `Err`: who is to blame, and why.
+fn take_for_pull(inner: &Inner, spec: &FetchSpec) -> Result<Published, (FetchFailure, String)> {
     let engine_id = &inner.config.engine_id;
     if spec.remote_engine_id != *engine_id {
-        return Err(format!(
-            "this transfer listener serves engine {engine_id:?}, not {:?}",
-            spec.remote_engine_id
+        // Not an export question: P restarted under a new id, or this is another P.
+        return Err((
+            FetchFailure::Fault,
+            format!(
+                "this transfer listener serves engine {engine_id:?}, not {:?}",
+                spec.remote_engine_id
+            ),
         ));
     }
     let mut exports = lock(&inner.exports);
-    let Some(slot) = exports.get_mut(&spec.token) else {
-        return Err(no_export(engine_id));
+    let exports = &mut *exports;
+    let Some(slot) = exports.live.get_mut(&spec.token) else {
+        let gone = gone_export(engine_id, exports.ended.get(&spec.token));
+        return Err((gone.kind, gone.reason));
     };
     let Slot::Ready(published) = slot else {
-        return Err("the export is being pulled by another reader".into());
+        return Err((
+            FetchFailure::Invalid,
+            "the export is being pulled by another reader".into(),
+        ));
     };
-    check_pull(&published.offer, spec)?;
+    check_pull(&published.offer, spec).map_err(|reason| (FetchFailure::Invalid, reason))?;
     let hold = published.offer.hold;
     match std::mem::replace(
         slot,
         Slot::Pulling {
             hold,
+            ended: None,
             unpublished: None,
         },
     ) {
@@ -507,22 +811,31 @@ fn take_for_pull(inner: &Inner, spec: &FetchSpec) -> Result<Published, String> {
 }
 
 /// After a pull: a complete one ends the export (`ExportPulled`); a failed one puts it back,
-/// unless it was unpublished meanwhile (`ExportGone`).
+/// unless it was unpublished (`ExportGone` to the unpublish's reports) or released
+/// (`ExportGone` to the export's) meanwhile. Either way P remembers how it ended.
 fn settle(inner: &Inner, published: Published, complete: bool) {
     let token = published.offer.token.clone();
     let hold = published.offer.hold;
     let mut exports = lock(&inner.exports);
-    let unpublished = match exports.remove(&token) {
-        Some(Slot::Pulling { unpublished, .. }) => unpublished,
+    let (ended, unpublished) = match exports.live.remove(&token) {
+        Some(Slot::Pulling {
+            ended, unpublished, ..
+        }) => (ended, unpublished),
         other => unreachable!(
             "a pulled export stays Pulling: {:?}",
             other.map(|s| s.hold())
         ),
     };
-    if !complete && unpublished.is_none() {
-        exports.insert(token, Slot::Ready(published));
-        return;
-    }
+    let how = match (complete, ended) {
+        // Pulled: a second pull is a replay.
+        (true, _) => FetchFailure::Invalid,
+        (false, Some(how)) => how,
+        (false, None) => {
+            exports.live.insert(token, Slot::Ready(published));
+            return;
+        }
+    };
+    exports.ended.record(&token, how);
     drop(exports);
     let reports = published.reports;
     // The grant goes before the reports: P frees the blocks on them.
@@ -530,15 +843,65 @@ fn settle(inner: &Inner, published: Published, complete: bool) {
     if complete {
         reports.send(WorkerReport::ExportPulled { hold });
     }
-    if let Some(reports) = unpublished {
-        reports.send(WorkerReport::ExportGone { hold });
+    match unpublished {
+        Some(unpublished) => unpublished.send(WorkerReport::ExportGone { hold }),
+        // Released while pulled, and the pull failed: the export ends here.
+        None if !complete => reports.send(WorkerReport::ExportGone { hold }),
+        None => {}
     }
 }
 
+/// Answers a release: a published export with this token ends now, one being pulled ends
+/// with its pull, an unknown token is ignored. `Err` means the connection is unusable.
+async fn serve_release(
+    inner: &Inner,
+    stream: &mut TcpStream,
+    engine_id: &str,
+    token: &str,
+) -> Result<(), String> {
+    let t = inner.config.io_timeout;
+    let mut msg = Vec::new();
+    match release_export(inner, engine_id, token) {
+        Ok(()) => msg.push(STATUS_OK),
+        Err(reason) => put_refusal(&mut msg, FetchFailure::Fault, &reason),
+    }
+    timed(t, "write", stream.write_all(&msg)).await
+}
+
+fn release_export(inner: &Inner, engine_id: &str, token: &str) -> Result<(), String> {
+    let ours = &inner.config.engine_id;
+    if engine_id != ours {
+        return Err(format!(
+            "this transfer listener serves engine {ours:?}, not {engine_id:?}"
+        ));
+    }
+    let mut exports = lock(&inner.exports);
+    let published = match exports.live.get_mut(token) {
+        None => return Ok(()),
+        Some(Slot::Pulling { ended, .. }) => {
+            ended.get_or_insert(FetchFailure::Invalid);
+            return Ok(());
+        }
+        Some(Slot::Ready(_)) => match exports.live.remove(token) {
+            Some(Slot::Ready(published)) => published,
+            _ => unreachable!("matched above"),
+        },
+    };
+    // Released: a later pull is a replay.
+    exports.ended.record(token, FetchFailure::Invalid);
+    drop(exports);
+    let hold = published.offer.hold;
+    let reports = published.reports;
+    // The grant goes before the report: P frees the blocks on it.
+    drop(published.offer);
+    reports.send(WorkerReport::ExportGone { hold });
+    Ok(())
+}
+
 /// Sends a refusal before the connection closes. Best effort: the peer may be gone already.
-async fn refuse(stream: &mut TcpStream, t: Duration, reason: &str) {
-    let mut msg = vec![STATUS_REFUSED];
-    put_string(&mut msg, reason);
+async fn refuse(stream: &mut TcpStream, t: Duration, kind: FetchFailure, reason: &str) {
+    let mut msg = Vec::new();
+    put_refusal(&mut msg, kind, reason);
     if timed(t, "write", stream.write_all(&msg)).await.is_err() {
         return;
     }
@@ -552,68 +915,135 @@ async fn refuse(stream: &mut TcpStream, t: Duration, reason: &str) {
     .await;
 }
 
-// ---- wire format ----
+// ---- authentication ----
 
-fn write_handshake(buf: &mut Vec<u8>, config: &TcpTransportConfig) {
-    buf.extend_from_slice(MAGIC);
-    buf.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-    buf.push(u8::from(cfg!(target_endian = "little")));
-    put_string(buf, &config.model_id);
-    put_layout(buf, config.layout);
+/// A fresh nonce from the operating system's random source.
+fn nonce() -> Result<[u8; NONCE_BYTES], String> {
+    let mut nonce = [0u8; NONCE_BYTES];
+    getrandom::fill(&mut nonce)
+        .map_err(|e| format!("no randomness for the transfer authentication: {e}"))?;
+    Ok(nonce)
 }
 
-fn put_layout(buf: &mut Vec<u8>, layout: KvLayout) {
-    for n in [
+/// `mac_P` or `mac_D`: the side's label, D's hello and P's nonce, keyed by the fleet's key.
+fn proof(
+    key: &[u8; 32],
+    label: &[u8; 16],
+    hello: &[u8],
+    nonce_p: &[u8; NONCE_BYTES],
+) -> blake3::Hash {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(label);
+    h.update(&(hello.len() as u64).to_le_bytes());
+    h.update(hello);
+    h.update(nonce_p);
+    h.finalize()
+}
+
+// ---- wire format ----
+
+/// D's hello after the magic and the protocol version, as D sends it and as P read it:
+/// raw bytes, so P re-encodes exactly what D sent for the proofs.
+struct Hello {
+    little_endian: u8,
+    model_id: String,
+    dims: [u32; 4],
+    has_secret: u8,
+    nonce: [u8; NONCE_BYTES],
+}
+
+impl Hello {
+    fn ours(config: &TcpTransportConfig, has_secret: bool, nonce: [u8; NONCE_BYTES]) -> Self {
+        Self {
+            little_endian: u8::from(cfg!(target_endian = "little")),
+            model_id: config.model_id.clone(),
+            dims: layout_dims(config.layout),
+            has_secret: u8::from(has_secret),
+            nonce,
+        }
+    }
+
+    fn has_secret(&self) -> bool {
+        self.has_secret == 1
+    }
+
+    fn encode(&self, buf: &mut Vec<u8>) {
+        buf.extend_from_slice(MAGIC);
+        buf.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        buf.push(self.little_endian);
+        put_string(buf, &self.model_id);
+        for d in self.dims {
+            buf.extend_from_slice(&d.to_le_bytes());
+        }
+        buf.push(self.has_secret);
+        buf.extend_from_slice(&self.nonce);
+    }
+}
+
+fn layout_dims(layout: KvLayout) -> [u32; 4] {
+    [
         layout.n_layers,
         layout.n_kv_heads,
         layout.head_dim,
         layout.block_size,
-    ] {
-        buf.extend_from_slice(&u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes());
-    }
+    ]
+    .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
 }
 
-/// Reads D's handshake and compares it with P's own; `Err` is the reason to send back.
-async fn check_handshake(
-    stream: &mut TcpStream,
-    config: &TcpTransportConfig,
-) -> Result<(), String> {
-    let t = config.io_timeout;
+/// Reads D's hello; `Err` is the reason to refuse with. Another protocol version is refused
+/// before the rest is read (its fields may differ).
+async fn read_hello(stream: &mut TcpStream) -> Result<Hello, String> {
     let mut magic = [0u8; 8];
-    timed(t, "read", stream.read_exact(&mut magic)).await?;
+    stream.read_exact(&mut magic).await.map_err(io_reason)?;
     if &magic != MAGIC {
         return Err("not a ferry KV transfer connection".into());
     }
-    let version = timed(t, "read", stream.read_u32_le()).await?;
+    let version = stream.read_u32_le().await.map_err(io_reason)?;
     if version != PROTOCOL_VERSION {
         return Err(format!(
             "protocol version {version}, this listener speaks {PROTOCOL_VERSION}"
         ));
     }
-    let little_endian = timed(t, "read", stream.read_u8()).await? == 1;
-    let model_id = timed(t, "read", read_string(stream)).await??;
+    let little_endian = stream.read_u8().await.map_err(io_reason)?;
+    let model_id = read_string(stream).await??;
     let mut dims = [0u32; 4];
     for d in &mut dims {
-        *d = timed(t, "read", stream.read_u32_le()).await?;
+        *d = stream.read_u32_le().await.map_err(io_reason)?;
     }
-    if little_endian != cfg!(target_endian = "little") {
+    let has_secret = stream.read_u8().await.map_err(io_reason)?;
+    if has_secret > 1 {
+        return Err(format!("a secret flag of {has_secret}"));
+    }
+    let mut nonce = [0u8; NONCE_BYTES];
+    stream.read_exact(&mut nonce).await.map_err(io_reason)?;
+    Ok(Hello {
+        little_endian,
+        model_id,
+        dims,
+        has_secret,
+        nonce,
+    })
+}
+
+/// Compares D's hello with P's own; `Err` is the reason to send back.
+fn check_hello(hello: &Hello, config: &TcpTransportConfig) -> Result<(), String> {
+    if hello.little_endian != u8::from(cfg!(target_endian = "little")) {
         return Err("the peers store KV floats in different byte orders".into());
     }
-    if model_id != config.model_id {
+    if hello.model_id != config.model_id {
         return Err(format!(
-            "model mismatch: the reader has {model_id:?}, this engine {:?}",
-            config.model_id
+            "model mismatch: the reader has {:?}, this engine {:?}",
+            hello.model_id, config.model_id
         ));
     }
-    let mut ours = Vec::new();
-    put_layout(&mut ours, config.layout);
-    let theirs: Vec<u8> = dims.iter().flat_map(|d| d.to_le_bytes()).collect();
-    if ours != theirs {
+    if hello.dims != layout_dims(config.layout) {
+        let [n_layers, n_kv_heads, head_dim, block_size] = hello.dims;
         let l = config.layout;
         return Err(format!(
-            "KV layout mismatch: the reader has n_layers {}, n_kv_heads {}, head_dim {}, block_size {}; \
-             this engine n_layers {}, n_kv_heads {}, head_dim {}, block_size {}",
-            dims[0], dims[1], dims[2], dims[3], l.n_layers, l.n_kv_heads, l.head_dim, l.block_size
+            "KV layout mismatch: the reader has n_layers {n_layers}, n_kv_heads {n_kv_heads}, \
+             head_dim {head_dim}, block_size {block_size}; this engine n_layers {}, n_kv_heads \
+             {}, head_dim {}, block_size {}",
+            l.n_layers, l.n_kv_heads, l.head_dim, l.block_size
         ));
     }
     Ok(())
@@ -669,6 +1099,41 @@ async fn read_pull(stream: &mut TcpStream) -> Result<Result<FetchSpec, String>, 
         first_block: usize::try_from(first_block).unwrap_or(usize::MAX),
         src_blocks,
     }))
+}
+
+/// Reads a release request after its kind byte: engine id and token.
+async fn read_release(stream: &mut TcpStream) -> Result<Result<(String, String), String>, String> {
+    let engine_id = read_string(stream).await?;
+    let token = read_string(stream).await?;
+    Ok(engine_id.and_then(|e| token.map(|t| (e, t))))
+}
+
+/// A refusal: a fault in the form every protocol version reads, any other kind with its byte.
+fn put_refusal(buf: &mut Vec<u8>, kind: FetchFailure, reason: &str) {
+    match kind {
+        FetchFailure::Fault => buf.push(STATUS_REFUSED),
+        kind => buf.extend_from_slice(&[STATUS_REFUSED_AS, kind_to_wire(kind)]),
+    }
+    put_string(buf, reason);
+}
+
+fn kind_to_wire(kind: FetchFailure) -> u8 {
+    match kind {
+        FetchFailure::Fault => 0,
+        FetchFailure::Revoked => 1,
+        FetchFailure::Expired => 2,
+        FetchFailure::Invalid => 3,
+    }
+}
+
+fn kind_from_wire(byte: u8) -> Option<FetchFailure> {
+    Some(match byte {
+        0 => FetchFailure::Fault,
+        1 => FetchFailure::Revoked,
+        2 => FetchFailure::Expired,
+        3 => FetchFailure::Invalid,
+        _ => return None,
+    })
 }
 
 fn put_string(buf: &mut Vec<u8>, s: &str) {

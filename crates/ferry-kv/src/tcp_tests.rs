@@ -5,11 +5,12 @@ use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
 use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
-use ferry_core::{FetchError, TransferId, WorkerReport};
+use ferry_core::{FetchError, FetchFailure, TransferId, Unpublished, WorkerReport};
 
 use super::*;
 use crate::access::Access;
 use crate::arena::KvArena;
+use crate::transport::no_export;
 
 const LAYOUT: KvLayout = KvLayout {
     n_layers: 2,
@@ -29,6 +30,8 @@ fn config(id: &str, layout: KvLayout, model_id: &str, io_timeout: Duration) -> T
         max_in_flight_fetches: 4,
         max_connections: 4,
         io_timeout,
+        allowed_peers: AllowedPeers::default(),
+        secret: None,
     }
 }
 
@@ -125,9 +128,21 @@ fn fetch_result(rx: &Receiver<WorkerReport>) -> Result<(), FetchError> {
 }
 
 fn refused(rx: &Receiver<WorkerReport>) -> String {
+    refused_as(rx).1
+}
+
+/// A failed load with no block: who is to blame, and why.
+fn refused_as(rx: &Receiver<WorkerReport>) -> (FetchFailure, String) {
     let e = fetch_result(rx).expect_err("refused");
     assert_eq!(e.good_blocks, 0, "{}", e.reason);
-    e.reason
+    (e.kind, e.reason)
+}
+
+/// The handshake's first bytes as a reader without a secret sends them.
+fn hello(config: &TcpTransportConfig) -> Vec<u8> {
+    let mut buf = Vec::new();
+    Hello::ours(config, false, [0; NONCE_BYTES]).encode(&mut buf);
+    buf
 }
 
 #[test]
@@ -175,10 +190,12 @@ fn a_pull_is_byte_exact_and_ends_the_export() {
         spec(p.local_addr(), "tok", 1, &[2, 7, 1]),
         &[0, 3, 4],
     );
+    let (kind, reason) = refused_as(&rx);
     assert!(
-        refused(&rx).contains("no export with this token"),
-        "one pull per export"
+        reason.contains("pulled or released already"),
+        "one pull per export: {reason}"
     );
+    assert_eq!(kind, FetchFailure::Invalid, "a second pull is a replay");
 }
 
 #[test]
@@ -195,11 +212,12 @@ fn a_handshake_mismatch_fails_closed_with_its_reason() {
         spec(p.local_addr(), "tok", 0, &[0, 1]),
         &[2, 3],
     );
-    let reason = refused(&rx);
+    let (kind, reason) = refused_as(&rx);
     assert!(
         reason.contains("handshake") && reason.contains("model mismatch"),
         "{reason}"
     );
+    assert_eq!(kind, FetchFailure::Fault);
     assert!(reason.contains("\"other\""), "{reason}");
 
     let layout = KvLayout {
@@ -214,11 +232,12 @@ fn a_handshake_mismatch_fails_closed_with_its_reason() {
         spec(p.local_addr(), "tok", 0, &[0, 1]),
         &[2, 3],
     );
-    let reason = refused(&rx);
+    let (kind, reason) = refused_as(&rx);
     assert!(
         reason.contains("KV layout mismatch") && reason.contains("block_size 8"),
         "{reason}"
     );
+    assert_eq!(kind, FetchFailure::Fault);
     assert_eq!(d_arena.block_bytes(2), &vec![0u8; layout.block_bytes()][..]);
     assert_eq!(p.n_published(), 1, "a refused reader consumes nothing");
 }
@@ -231,6 +250,7 @@ fn forged_or_wrong_pulls_are_refused_and_consume_nothing() {
     let p_rx = publish(&p, &p_arena, &[5, 2, 7], "tok");
     let addr = p.local_addr();
     let good = spec(addr, "tok", 0, &[5, 2, 7]);
+    let invalid = FetchFailure::Invalid;
     let cases = [
         (
             FetchSpec {
@@ -238,6 +258,7 @@ fn forged_or_wrong_pulls_are_refused_and_consume_nothing() {
                 ..good.clone()
             },
             "no export with this token",
+            invalid,
         ),
         (
             FetchSpec {
@@ -245,6 +266,7 @@ fn forged_or_wrong_pulls_are_refused_and_consume_nothing() {
                 ..good.clone()
             },
             "prompt is not the exported one",
+            invalid,
         ),
         (
             FetchSpec {
@@ -252,18 +274,22 @@ fn forged_or_wrong_pulls_are_refused_and_consume_nothing() {
                 ..good.clone()
             },
             "KV of weights \"v0\"",
+            invalid,
         ),
         (
             spec(addr, "tok", 0, &[5, 2, 6]),
             "remote_block_ids are not the export's blocks",
+            invalid,
         ),
         (
             spec(addr, "tok", 1, &[5, 2, 7]),
             "remote_block_ids are not the export's blocks",
+            invalid,
         ),
         (
             spec(addr, "tok", usize::MAX, &[5, 2, 7]),
             "remote_block_ids are not the export's blocks",
+            invalid,
         ),
         (
             FetchSpec {
@@ -271,15 +297,20 @@ fn forged_or_wrong_pulls_are_refused_and_consume_nothing() {
                 ..good.clone()
             },
             "serves engine \"P\", not \"Q\"",
+            // Not this P's export: P restarted under a new id, or it is another P.
+            FetchFailure::Fault,
         ),
     ];
-    for (bad, expected) in cases {
+    for (bad, expected, expected_kind) in cases {
         let rx = fetch(&d, &d_arena, bad, &[0, 1, 2]);
-        let reason = refused(&rx);
+        let (kind, reason) = refused_as(&rx);
         assert!(reason.contains(expected), "{reason} lacks {expected}");
+        assert_eq!(kind, expected_kind, "{reason}");
     }
     let rx = fetch(&d, &d_arena, good.clone(), &[0, 1]);
-    assert!(refused(&rx).contains("2 destination blocks for 3 source blocks"));
+    let (kind, reason) = refused_as(&rx);
+    assert!(reason.contains("2 destination blocks for 3 source blocks"));
+    assert_eq!(kind, FetchFailure::Invalid);
     assert!(p_rx.try_recv().is_err(), "P learnt nothing");
     assert_eq!(d_arena.block_bytes(0), &vec![0u8; LAYOUT.block_bytes()][..]);
 
@@ -287,10 +318,9 @@ fn forged_or_wrong_pulls_are_refused_and_consume_nothing() {
     assert_eq!(fetch_result(&rx), Ok(()));
     assert_eq!(d_arena.block_bytes(2), &pattern(LAYOUT, 7)[..]);
     let rx = fetch(&d, &d_arena, good, &[3, 4, 5]);
-    assert!(
-        refused(&rx).contains("no export with this token"),
-        "a second pull"
-    );
+    let (kind, reason) = refused_as(&rx);
+    assert!(reason.contains("pulled or released already"), "{reason}");
+    assert_eq!(kind, FetchFailure::Invalid, "a second pull");
 }
 
 #[test]
@@ -310,13 +340,16 @@ fn a_fetch_without_an_address_or_with_a_producer_gone_fails() {
         ..spec(addr, "tok", 0, &[0])
     };
     let rx = fetch(&d, &d_arena, no_address, &[0]);
-    assert!(refused(&rx).contains("no remote_host"));
+    let (kind, reason) = refused_as(&rx);
+    assert!(reason.contains("no remote_host"), "{reason}");
+    assert_eq!(kind, FetchFailure::Invalid);
     let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &[0]), &[0]);
-    let reason = refused(&rx);
+    let (kind, reason) = refused_as(&rx);
     assert!(
         reason.contains(&format!("handshake with {addr}")),
         "{reason}"
     );
+    assert_eq!(kind, FetchFailure::Fault, "P is gone");
     assert_eq!(d_arena.n_outstanding_grants(), 0);
 }
 
@@ -328,10 +361,9 @@ fn fake_p(n_blocks: usize, stall: Option<Duration>) -> SocketAddr {
     let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        let mut hello = Vec::new();
-        write_handshake(&mut hello, &config("D", LAYOUT, "m", WAIT));
+        let hello = hello(&config("D", LAYOUT, "m", WAIT));
         s.read_exact(&mut vec![0; hello.len()]).unwrap();
-        s.write_all(&[STATUS_OK]).unwrap();
+        s.write_all(&[STATUS_OK, STATUS_OK]).unwrap();
         let mut pull = Vec::new();
         write_pull(&mut pull, &spec(addr, "tok", 0, &[0, 1, 2, 3]));
         s.read_exact(&mut vec![0; pull.len()]).unwrap();
@@ -424,12 +456,12 @@ fn a_cancel_mid_transfer_stops_at_a_block_boundary_and_releases_the_grant() {
 /// stops reading. Dropping the stream closes it.
 fn fake_d(addr: SocketAddr, blocks: &[u32]) -> StdStream {
     let mut s = StdStream::connect(addr).unwrap();
-    let mut msg = Vec::new();
-    write_handshake(&mut msg, &config("D", LAYOUT_BIG, "m", WAIT));
+    let mut msg = hello(&config("D", LAYOUT_BIG, "m", WAIT));
     s.write_all(&msg).unwrap();
+    let mut statuses = [9u8; 2];
+    s.read_exact(&mut statuses).unwrap();
+    assert_eq!(statuses, [STATUS_OK; 2]);
     let mut status = [9u8];
-    s.read_exact(&mut status).unwrap();
-    assert_eq!(status, [STATUS_OK]);
     msg.clear();
     write_pull(&mut msg, &spec(addr, "tok", 0, blocks));
     s.write_all(&msg).unwrap();
@@ -452,6 +484,7 @@ const LAYOUT_BIG: KvLayout = KvLayout {
 fn until_ready(p: &TcpTransport) {
     let started = Instant::now();
     while !lock(&p.inner.exports)
+        .live
         .values()
         .any(|s| matches!(s, Slot::Ready(_)))
     {
@@ -488,12 +521,28 @@ fn a_reader_gone_mid_pull_leaves_the_export_published() {
 #[test]
 fn an_unpublish_during_a_pull_reports_gone_once_the_pull_ended() {
     let p = TcpTransport::start(config("P", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let d = TcpTransport::start(config("D", LAYOUT_BIG, "m", WAIT)).unwrap();
     let blocks: Vec<u32> = (0..48).collect();
     let p_arena = filled_arena(LAYOUT_BIG, 48);
     let p_rx = publish(&p, &p_arena, &blocks, "tok");
     let reader = fake_d(p.local_addr(), &blocks);
+    // A second reader meanwhile is refused: one pull per export.
+    let d_arena = KvArena::new(LAYOUT_BIG, 48);
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(p.local_addr(), "tok", 0, &blocks),
+        &blocks,
+    );
+    let (kind, reason) = refused_as(&rx);
+    assert!(
+        reason.contains("being pulled by another reader"),
+        "{reason}"
+    );
+    assert_eq!(kind, FetchFailure::Invalid);
+
     let (r, gone_rx) = reports();
-    p.unpublish("P", TransferId(1), r);
+    p.unpublish("P", TransferId(1), Unpublished::Revoked, r);
     std::thread::sleep(Duration::from_millis(200));
     assert!(
         gone_rx.try_recv().is_err(),
@@ -514,6 +563,54 @@ fn an_unpublish_during_a_pull_reports_gone_once_the_pull_ended() {
     );
     assert_eq!(p.n_published(), 0);
     assert!(p_rx.try_recv().is_err(), "not pulled");
+    // The failed pull did not put a revoked export back, and P remembers why it ended.
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(p.local_addr(), "tok", 0, &blocks),
+        &blocks,
+    );
+    let (kind, reason) = refused_as(&rx);
+    assert_eq!(kind, FetchFailure::Revoked, "{reason}");
+    assert!(reason.contains("revoked the export"), "{reason}");
+}
+
+#[test]
+fn an_unpublish_during_a_pull_that_completes_leaves_a_pulled_export() {
+    let p = TcpTransport::start(config("P", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let d = TcpTransport::start(config("D", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let blocks: Vec<u32> = (0..48).collect();
+    let p_arena = filled_arena(LAYOUT_BIG, 48);
+    let p_rx = publish(&p, &p_arena, &blocks, "tok");
+    let mut reader = fake_d(p.local_addr(), &blocks);
+    let (r, gone_rx) = reports();
+    p.unpublish("P", TransferId(1), Unpublished::Expired, r);
+    // The rest of the blocks (`fake_d` read the first).
+    reader
+        .read_exact(&mut vec![0; 47 * LAYOUT_BIG.block_bytes()])
+        .unwrap();
+    assert!(matches!(
+        p_rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::ExportPulled {
+            hold: TransferId(1)
+        }
+    ));
+    assert!(matches!(
+        gone_rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::ExportGone {
+            hold: TransferId(1)
+        }
+    ));
+    let d_arena = KvArena::new(LAYOUT_BIG, 48);
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(p.local_addr(), "tok", 0, &blocks),
+        &blocks,
+    );
+    let (kind, reason) = refused_as(&rx);
+    assert_eq!(kind, FetchFailure::Invalid, "pulled, not expired: {reason}");
+    assert!(reason.contains("pulled or released already"), "{reason}");
 }
 
 #[test]
@@ -522,7 +619,7 @@ fn unpublish_of_a_ready_export_reports_gone_at_once() {
     let p_arena = filled_arena(LAYOUT, 4);
     let _p_rx = publish(&p, &p_arena, &[0, 1], "tok");
     let (r, rx) = reports();
-    p.unpublish("P", TransferId(1), r.clone());
+    p.unpublish("P", TransferId(1), Unpublished::Revoked, r.clone());
     assert!(matches!(
         rx.recv_timeout(WAIT).unwrap(),
         WorkerReport::ExportGone {
@@ -530,7 +627,7 @@ fn unpublish_of_a_ready_export_reports_gone_at_once() {
         }
     ));
     assert_eq!((p.n_published(), p_arena.n_outstanding_grants()), (0, 0));
-    p.unpublish("P", TransferId(1), r);
+    p.unpublish("P", TransferId(1), Unpublished::Revoked, r);
     assert!(
         matches!(
             rx.recv_timeout(WAIT).unwrap(),
@@ -538,6 +635,299 @@ fn unpublish_of_a_ready_export_reports_gone_at_once() {
         ),
         "unknown: gone"
     );
+}
+
+#[test]
+fn a_refused_pull_arrives_with_who_is_to_blame() {
+    let (p, d) = (transport("P"), transport("D"));
+    let p_arena = filled_arena(LAYOUT, 8);
+    let d_arena = KvArena::new(LAYOUT, 8);
+    let addr = p.local_addr();
+    let (r, _gone) = reports();
+    let cases = [
+        (
+            Some(Unpublished::Revoked),
+            FetchFailure::Revoked,
+            "revoked the export",
+        ),
+        (Some(Unpublished::Expired), FetchFailure::Expired, "lease"),
+        (None, FetchFailure::Invalid, "pulled or released already"),
+    ];
+    for (i, (unpublished, expected, words)) in cases.into_iter().enumerate() {
+        let token = format!("tok{i}");
+        let _p_rx = publish(&p, &p_arena, &[0, 1], &token);
+        match unpublished {
+            Some(reason) => p.unpublish("P", TransferId(1), reason, r.clone()),
+            None => {
+                let rx = fetch(&d, &d_arena, spec(addr, &token, 0, &[0, 1]), &[2, 3]);
+                assert_eq!(fetch_result(&rx), Ok(()));
+            }
+        }
+        let rx = fetch(&d, &d_arena, spec(addr, &token, 0, &[0, 1]), &[4, 5]);
+        let (kind, reason) = refused_as(&rx);
+        assert_eq!(kind, expected, "{reason}");
+        assert!(reason.contains(words), "{reason} lacks {words}");
+        assert!(reason.contains("pull refused by"), "{reason}");
+    }
+    let rx = fetch(&d, &d_arena, spec(addr, "never", 0, &[0, 1]), &[4, 5]);
+    let (kind, reason) = refused_as(&rx);
+    assert_eq!(kind, FetchFailure::Invalid, "an unknown token: {reason}");
+    assert!(reason.contains("no export with this token"), "{reason}");
+    let rx = fetch(
+        &d,
+        &d_arena,
+        FetchSpec {
+            remote_engine_id: "P-before-restart".into(),
+            ..spec(addr, "never", 0, &[0, 1])
+        },
+        &[4, 5],
+    );
+    let (kind, reason) = refused_as(&rx);
+    assert_eq!(kind, FetchFailure::Fault, "P is gone: {reason}");
+    assert_eq!(d_arena.block_bytes(4), &vec![0u8; LAYOUT.block_bytes()][..]);
+}
+
+fn release_spec(addr: SocketAddr, engine_id: &str, token: &str) -> ReleaseSpec {
+    ReleaseSpec {
+        remote_engine_id: engine_id.into(),
+        remote_host: Some(addr.ip().to_string()),
+        remote_port: Some(addr.port()),
+        token: token.into(),
+    }
+}
+
+#[test]
+fn a_release_frees_a_ready_export_and_a_later_pull_is_invalid() {
+    let (p, d) = (transport("P"), transport("D"));
+    let p_arena = filled_arena(LAYOUT, 8);
+    let d_arena = KvArena::new(LAYOUT, 8);
+    let addr = p.local_addr();
+    let p_rx = publish(&p, &p_arena, &[0, 1], "tok");
+    // Another engine's id or an unknown token: nothing happens.
+    d.release(release_spec(addr, "Q", "tok"));
+    d.release(release_spec(addr, "P", "other"));
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!((p.n_published(), p_arena.n_outstanding_grants()), (1, 1));
+    assert!(p_rx.try_recv().is_err());
+
+    d.release(release_spec(addr, "P", "tok"));
+    assert!(matches!(
+        p_rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::ExportGone {
+            hold: TransferId(1)
+        }
+    ));
+    assert_eq!(
+        (p.n_published(), p_arena.n_outstanding_grants()),
+        (0, 0),
+        "the grant was dropped before the report"
+    );
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &[0, 1]), &[2, 3]);
+    let (kind, reason) = refused_as(&rx);
+    assert_eq!(kind, FetchFailure::Invalid, "{reason}");
+    assert!(reason.contains("pulled or released already"), "{reason}");
+    // Released again: still nothing to report.
+    d.release(release_spec(addr, "P", "tok"));
+    assert!(p_rx.recv_timeout(Duration::from_millis(200)).is_err());
+}
+
+#[test]
+fn a_release_during_a_pull_ends_the_export_when_the_pull_fails() {
+    let p = TcpTransport::start(config("P", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let d = TcpTransport::start(config("D", LAYOUT_BIG, "m", WAIT)).unwrap();
+    let blocks: Vec<u32> = (0..48).collect();
+    let p_arena = filled_arena(LAYOUT_BIG, 48);
+    let p_rx = publish(&p, &p_arena, &blocks, "tok");
+    let reader = fake_d(p.local_addr(), &blocks);
+    d.release(release_spec(p.local_addr(), "P", "tok"));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(p_rx.try_recv().is_err(), "the pull holds the export");
+    assert_eq!(p.n_published(), 1);
+    drop(reader);
+    assert!(matches!(
+        p_rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::ExportGone {
+            hold: TransferId(1)
+        }
+    ));
+    assert_eq!((p.n_published(), p_arena.n_outstanding_grants()), (0, 0));
+}
+
+#[test]
+fn a_host_outside_the_allowed_peers_is_never_connected_to() {
+    let mut cfg = config("D", LAYOUT, "m", WAIT);
+    cfg.allowed_peers = AllowedPeers::parse("127.0.0.2").unwrap();
+    let d = TcpTransport::start(cfg).unwrap();
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let listener = StdListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &[0]), &[0]);
+    let (kind, reason) = refused_as(&rx);
+    assert_eq!(kind, FetchFailure::Invalid, "{reason}");
+    assert!(reason.contains("not an allowed KV peer"), "{reason}");
+    // A name is never resolved here.
+    let named = FetchSpec {
+        remote_host: Some("localhost".into()),
+        ..spec(addr, "tok", 0, &[0])
+    };
+    let rx = fetch(&d, &d_arena, named, &[0]);
+    let (kind, reason) = refused_as(&rx);
+    assert_eq!(kind, FetchFailure::Invalid, "{reason}");
+    assert!(reason.contains("not an IP address"), "{reason}");
+    d.release(release_spec(addr, "P", "tok"));
+    std::thread::sleep(Duration::from_millis(300));
+    match listener.accept() {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+        other => panic!("a connection was made: {other:?}"),
+    }
+    assert_eq!(d_arena.n_outstanding_grants(), 0);
+}
+
+fn with_secret(id: &str, secret: Option<&[u8]>) -> Arc<TcpTransport> {
+    let mut cfg = config(id, LAYOUT, "m", WAIT);
+    cfg.secret = secret.map(<[u8]>::to_vec);
+    TcpTransport::start(cfg).unwrap()
+}
+
+#[test]
+fn peers_with_the_same_secret_transfer() {
+    let p = with_secret("P", Some(b"fleet secret"));
+    let d = with_secret("D", Some(b"fleet secret"));
+    let p_arena = filled_arena(LAYOUT, 4);
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let p_rx = publish(&p, &p_arena, &[1, 2], "tok");
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(p.local_addr(), "tok", 0, &[1, 2]),
+        &[0, 3],
+    );
+    assert_eq!(fetch_result(&rx), Ok(()));
+    assert_eq!(d_arena.block_bytes(3), &pattern(LAYOUT, 2)[..]);
+    assert!(matches!(
+        p_rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::ExportPulled { .. }
+    ));
+    // A release authenticates the same way.
+    let p_rx = publish(&p, &p_arena, &[0], "tok2");
+    d.release(release_spec(p.local_addr(), "P", "tok2"));
+    assert!(matches!(
+        p_rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::ExportGone { .. }
+    ));
+    // The handshake's other checks still hold, after the authentication.
+    let mut cfg = config("D", LAYOUT, "other", WAIT);
+    cfg.secret = Some(b"fleet secret".to_vec());
+    let other_model = TcpTransport::start(cfg).unwrap();
+    let _p_rx = publish(&p, &p_arena, &[1, 2], "tok3");
+    let rx = fetch(
+        &other_model,
+        &d_arena,
+        spec(p.local_addr(), "tok3", 0, &[1, 2]),
+        &[0, 3],
+    );
+    let (kind, reason) = refused_as(&rx);
+    assert!(reason.contains("model mismatch"), "{reason}");
+    assert_eq!(kind, FetchFailure::Fault);
+}
+
+#[test]
+fn peers_whose_secrets_differ_transfer_nothing() {
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let zero = vec![0u8; LAYOUT.block_bytes()];
+    let (fleet, another): (&[u8], &[u8]) = (b"fleet secret", b"another secret");
+    let pairs = [
+        (Some(fleet), Some(another)),
+        (Some(fleet), None),
+        (None, Some(fleet)),
+    ];
+    for (p_secret, d_secret) in pairs {
+        let p = with_secret("P", p_secret);
+        let d = with_secret("D", d_secret);
+        let p_arena = filled_arena(LAYOUT, 4);
+        let p_rx = publish(&p, &p_arena, &[1, 2], "tok");
+        let rx = fetch(
+            &d,
+            &d_arena,
+            spec(p.local_addr(), "tok", 0, &[1, 2]),
+            &[0, 3],
+        );
+        let (kind, reason) = refused_as(&rx);
+        assert_eq!(kind, FetchFailure::Fault, "{reason}");
+        assert!(
+            reason.contains(AUTH_FAILED),
+            "{p_secret:?}/{d_secret:?}: {reason}"
+        );
+        assert_eq!(d_arena.block_bytes(0), &zero[..]);
+        assert_eq!(d_arena.block_bytes(3), &zero[..]);
+        d.release(release_spec(p.local_addr(), "P", "tok"));
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(p.n_published(), 1, "P keeps its export");
+        assert!(p_rx.try_recv().is_err(), "P learnt nothing");
+    }
+}
+
+#[test]
+fn a_reader_that_cannot_prove_the_secret_is_served_nothing() {
+    let p = with_secret("P", Some(b"fleet secret"));
+    let p_arena = filled_arena(LAYOUT, 4);
+    let p_rx = publish(&p, &p_arena, &[1, 2], "tok");
+    let mut s = StdStream::connect(p.local_addr()).unwrap();
+    // Claims a secret, then answers P's challenge with a guess.
+    let mut msg = Vec::new();
+    Hello::ours(&config("D", LAYOUT, "m", WAIT), true, [3; NONCE_BYTES]).encode(&mut msg);
+    s.write_all(&msg).unwrap();
+    let mut challenge = [9u8; 1 + 2 * NONCE_BYTES];
+    s.read_exact(&mut challenge).unwrap();
+    assert_eq!(challenge[0], STATUS_OK);
+    s.write_all(&[0; 32]).unwrap();
+    // And pulls at once, without waiting for the verdict.
+    msg.clear();
+    write_pull(&mut msg, &spec(p.local_addr(), "tok", 0, &[1, 2]));
+    s.write_all(&msg).unwrap();
+    let mut reply = Vec::new();
+    s.read_to_end(&mut reply).unwrap();
+    let mut expected = Vec::new();
+    put_refusal(&mut expected, FetchFailure::Fault, AUTH_FAILED);
+    assert_eq!(reply, expected, "a refusal, then the connection closes");
+    assert_eq!(p.n_published(), 1);
+    assert!(p_rx.try_recv().is_err());
+}
+
+#[test]
+fn a_reader_of_another_protocol_version_reads_its_refusal() {
+    let p = transport("P");
+    let mut s = StdStream::connect(p.local_addr()).unwrap();
+    // Version 1's hello: no secret flag and no nonce.
+    let mut msg = MAGIC.to_vec();
+    msg.extend_from_slice(&1u32.to_le_bytes());
+    msg.push(1);
+    put_string(&mut msg, "m");
+    for d in layout_dims(LAYOUT) {
+        msg.extend_from_slice(&d.to_le_bytes());
+    }
+    s.write_all(&msg).unwrap();
+    let mut reply = Vec::new();
+    s.read_to_end(&mut reply).unwrap();
+    let mut expected = vec![STATUS_REFUSED];
+    put_string(&mut expected, "protocol version 1, this listener speaks 2");
+    assert_eq!(
+        reply, expected,
+        "version 1's refusal: a status and a string"
+    );
+}
+
+#[test]
+fn an_empty_secret_is_refused_at_start() {
+    let mut cfg = config("P", LAYOUT, "m", WAIT);
+    cfg.secret = Some(Vec::new());
+    let e = TcpTransport::start(cfg).unwrap_err();
+    assert!(e.to_string().contains("empty"), "{e}");
+    let mut cfg = config("P", LAYOUT, "m", WAIT);
+    cfg.secret = Some(b"do not print me".to_vec());
+    let shown = format!("{cfg:?}");
+    assert!(!shown.contains("do not print me"), "{shown}");
 }
 
 #[test]
@@ -555,21 +945,23 @@ fn a_connection_over_the_producers_limit_is_refused_after_the_timeout() {
     let (busy_tx, busy_rx) = channel::<()>();
     let busy = std::thread::spawn(move || {
         let mut s = StdStream::connect(addr).unwrap();
-        let mut msg = Vec::new();
-        write_handshake(&mut msg, &config("D", LAYOUT, "m", WAIT));
+        let mut msg = hello(&config("D", LAYOUT, "m", WAIT));
         s.write_all(&msg).unwrap();
-        let mut status = [9u8];
-        s.read_exact(&mut status).unwrap();
-        assert_eq!(status, [STATUS_OK]);
+        let mut statuses = [9u8; 2];
+        s.read_exact(&mut statuses).unwrap();
+        assert_eq!(statuses, [STATUS_OK; 2]);
         busy_tx.send(()).unwrap();
         msg.clear();
         write_pull(&mut msg, &spec(addr, "forged", 0, &[0]));
         let reason = no_export("P");
         while stop_rx.try_recv().is_err() {
             s.write_all(&msg).unwrap();
-            let mut reply = vec![0u8; 1 + 4 + reason.len()];
+            let mut reply = vec![0u8; 2 + 4 + reason.len()];
             s.read_exact(&mut reply).unwrap();
-            assert_eq!(reply[0], STATUS_REFUSED);
+            assert_eq!(
+                reply[..2],
+                [STATUS_REFUSED_AS, kind_to_wire(FetchFailure::Invalid)]
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     });
@@ -603,6 +995,7 @@ fn a_producer_transport_dropped_mid_pull_is_a_failed_load_on_d() {
     );
     // Until P started streaming (128 MiB take far longer than this loop's step).
     while !lock(&p.inner.exports)
+        .live
         .values()
         .any(|s| matches!(s, Slot::Pulling { .. }))
     {

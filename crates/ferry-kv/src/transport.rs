@@ -14,11 +14,11 @@
 //! a shared [`InMemoryFabric`] maps engine ids to their published exports, and each fetch
 //! runs on its own thread, copying block to block between the two arenas' grants.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use ferry_core::{BlockId, FetchError, TransferId, WorkerReport};
+use ferry_core::{BlockId, FetchError, FetchFailure, TransferId, Unpublished, WorkerReport};
 
 use crate::access::BlockGrant;
 use crate::worker::Reports;
@@ -62,14 +62,30 @@ pub struct FetchSpec {
     pub src_blocks: Vec<BlockId>,
 }
 
+/// D tells P it will not pull an export (`WorkerJob::Release`): the token proves it may.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseSpec {
+    pub remote_engine_id: String,
+    pub remote_host: Option<String>,
+    pub remote_port: Option<u16>,
+    pub token: String,
+}
+
 /// Moves exports between engines. Every method returns at once; results are reports.
 pub trait Transport: Send + Sync {
-    /// P: serve `offer` until it is pulled (report `ExportPulled`) or unpublished.
+    /// P: serve `offer` until it is pulled (report `ExportPulled`), unpublished or released.
     fn publish(&self, offer: ExportOffer, reports: Reports);
 
     /// P: stop serving `hold`; once no pull of it is in progress any more, report
-    /// `ExportGone` (also if it was pulled already: the connector ignores a second end).
-    fn unpublish(&self, engine_id: &str, hold: TransferId, reports: Reports);
+    /// `ExportGone` (also if it was pulled already: the connector ignores a second end). A
+    /// later pull of it is refused as `reason` says (revoked or expired), so D can tell a
+    /// retraction by the lifecycle from a fault.
+    fn unpublish(&self, engine_id: &str, hold: TransferId, reason: Unpublished, reports: Reports);
+
+    /// D: tell P that the export `spec.token` names will not be pulled; P stops serving it
+    /// and reports `ExportGone`, so its blocks come back before the lease ends. Best effort
+    /// and fire-and-forget: nothing comes back to D, and P's lease still bounds the export.
+    fn release(&self, spec: ReleaseSpec);
 
     /// D: copy the export's blocks into `dst` (a write grant over the hold's blocks), then
     /// report `FetchDone` with the outcome. The grant is dropped before the report.
@@ -90,6 +106,7 @@ struct Published {
 /// export up by it): the weight version, the prompt hash, and exactly the export's block ids
 /// at the asked positions. `Ok` names the blocks to read (positions in the offer's grant).
 /// Public so that every transport, the simulation's too, checks pulls with this code.
+/// Every `Err` is invalid input (`FetchFailure::Invalid`).
 pub fn check_pull(offer: &ExportOffer, spec: &FetchSpec) -> Result<std::ops::Range<usize>, String> {
     if spec.weight_version != offer.weight_version {
         return Err(format!(
@@ -121,9 +138,70 @@ pub fn check_destination(spec: &FetchSpec, n_dst: usize) -> Result<(), String> {
 
 /// The message of a pull whose token names no export.
 pub fn no_export(engine_id: &str) -> String {
-    format!(
-        "no export with this token on engine {engine_id:?} (unknown, expired, revoked or already pulled)"
-    )
+    format!("no export with this token on engine {engine_id:?} (unknown or already pulled)")
+}
+
+/// Why a pull of a token that names no live export is refused: what P remembers of the
+/// token's end ([`Tombstones`]: revoked, expired, pulled or released, or gone with a crashed
+/// engine, a fault), or, for a token P never served or forgot, `Invalid`: an unknown token
+/// fails closed whatever the policy (P cannot tell a forged token from one of its own earlier
+/// runs; with the default random engine id a restarted P has another id, which is a fault).
+pub fn gone_export(engine_id: &str, ended: Option<FetchFailure>) -> FetchError {
+    let (kind, reason) = match ended {
+        Some(FetchFailure::Revoked) => (
+            FetchFailure::Revoked,
+            format!("engine {engine_id:?} revoked the export (a cache reset, sleep or KV release)"),
+        ),
+        Some(FetchFailure::Expired) => (
+            FetchFailure::Expired,
+            format!("the export's lease on engine {engine_id:?} ran out before it was pulled"),
+        ),
+        Some(FetchFailure::Invalid) => (
+            FetchFailure::Invalid,
+            format!("the export on engine {engine_id:?} was pulled or released already"),
+        ),
+        Some(FetchFailure::Fault) => (
+            FetchFailure::Fault,
+            format!("engine {engine_id:?} is gone, and its exports with it (P crashed)"),
+        ),
+        None => (FetchFailure::Invalid, no_export(engine_id)),
+    };
+    FetchError {
+        good_blocks: 0,
+        reason,
+        kind,
+    }
+}
+
+/// P's memory of exports that ended, by token, so a late pull hears why (revoked, expired,
+/// pulled or released: [`gone_export`]). Bounded: the oldest are forgotten first (a token
+/// forgotten reads as unknown, which fails closed).
+#[derive(Debug, Default)]
+pub struct Tombstones {
+    order: VecDeque<String>,
+    by_token: HashMap<String, FetchFailure>,
+}
+
+impl Tombstones {
+    /// How many ended exports P remembers.
+    pub const CAPACITY: usize = 1 << 16;
+
+    /// Records how the export `token` ended: `Revoked`, `Expired`, `Invalid` for one pulled
+    /// or released (a second pull is a replay), `Fault` for one gone with a crashed engine.
+    pub fn record(&mut self, token: &str, how: FetchFailure) {
+        if self.by_token.insert(token.to_owned(), how).is_none() {
+            self.order.push_back(token.to_owned());
+            if self.order.len() > Self::CAPACITY {
+                if let Some(old) = self.order.pop_front() {
+                    self.by_token.remove(&old);
+                }
+            }
+        }
+    }
+
+    pub fn get(&self, token: &str) -> Option<FetchFailure> {
+        self.by_token.get(token).copied()
+    }
 }
 
 /// The exports of every engine in one process, shared by their [`InMemoryTransport`]s.
@@ -132,6 +210,8 @@ pub struct InMemoryFabric {
     /// (engine id, token) → export. A pull copies under this lock, so an unpublish that
     /// takes it waits for a pull in progress.
     exports: Mutex<HashMap<(String, String), Published>>,
+    /// How ended exports ended, by (engine id, token).
+    ended: Mutex<HashMap<String, Tombstones>>,
     /// Fetches in flight, by (D's engine id, hold): their cancel flags.
     fetches: Mutex<HashMap<(String, TransferId), Arc<AtomicBool>>>,
 }
@@ -156,11 +236,15 @@ impl InMemoryFabric {
         let fail = |reason: String| FetchError {
             good_blocks: 0,
             reason,
+            kind: FetchFailure::Invalid,
         };
         let key = (spec.remote_engine_id.clone(), spec.token.clone());
         let mut exports = lock(&self.exports);
         let Some(published) = exports.get(&key) else {
-            return Err(fail(no_export(&spec.remote_engine_id)));
+            let ended = lock(&self.ended)
+                .get(&spec.remote_engine_id)
+                .and_then(|t| t.get(&spec.token));
+            return Err(gone_export(&spec.remote_engine_id, ended));
         };
         check_destination(spec, dst.blocks().len()).map_err(fail)?;
         let range = check_pull(&published.offer, spec).map_err(fail)?;
@@ -169,13 +253,20 @@ impl InMemoryFabric {
                 .offer
                 .grant
                 .copy_into(i, dst, j)
-                .map_err(|e| FetchError {
-                    good_blocks: j,
-                    reason: e.to_string(),
-                })?;
+                .map_err(|e| FetchError::fault(j, e.to_string()))?;
         }
         let published = exports.remove(&key).expect("looked up above");
+        self.record_end(&key.0, &key.1, FetchFailure::Invalid);
         Ok((published.reports, published.offer.hold))
+    }
+}
+
+impl InMemoryFabric {
+    fn record_end(&self, engine_id: &str, token: &str, how: FetchFailure) {
+        lock(&self.ended)
+            .entry(engine_id.to_owned())
+            .or_default()
+            .record(token, how);
     }
 }
 
@@ -209,11 +300,35 @@ impl Transport for InMemoryTransport {
         lock(&self.fabric.exports).insert(key, Published { offer, reports });
     }
 
-    fn unpublish(&self, engine_id: &str, hold: TransferId, reports: Reports) {
+    fn unpublish(&self, engine_id: &str, hold: TransferId, reason: Unpublished, reports: Reports) {
         let mut exports = lock(&self.fabric.exports);
-        exports.retain(|(e, _), p| !(e == engine_id && p.offer.hold == hold));
+        let mut gone = Vec::new();
+        exports.retain(|(e, t), p| {
+            let keep = !(e == engine_id && p.offer.hold == hold);
+            if !keep {
+                gone.push(t.clone());
+            }
+            keep
+        });
         drop(exports);
+        for token in gone {
+            self.fabric.record_end(engine_id, &token, reason.into());
+        }
         reports.send(WorkerReport::ExportGone { hold });
+    }
+
+    fn release(&self, spec: ReleaseSpec) {
+        let key = (spec.remote_engine_id, spec.token);
+        let removed = lock(&self.fabric.exports).remove(&key);
+        if let Some(published) = removed {
+            self.fabric
+                .record_end(&key.0, &key.1, FetchFailure::Invalid);
+            let hold = published.offer.hold;
+            let reports = published.reports;
+            // The grant goes before the report: P frees the blocks on it.
+            drop(published.offer);
+            reports.send(WorkerReport::ExportGone { hold });
+        }
     }
 
     fn fetch(&self, spec: FetchSpec, mut dst: BlockGrant, reports: Reports) {
@@ -229,10 +344,7 @@ impl Transport for InMemoryTransport {
             .name("ferry-kv-fetch".into())
             .spawn(move || {
                 let result = if cancelled.load(Ordering::Acquire) {
-                    Err(FetchError {
-                        good_blocks: 0,
-                        reason: "cancelled".into(),
-                    })
+                    Err(FetchError::fault(0, "cancelled"))
                 } else {
                     fabric.pull(&spec, &mut dst)
                 };
@@ -252,10 +364,10 @@ impl Transport for InMemoryTransport {
             lock(&self.fabric.fetches).remove(&(self.engine_id.clone(), hold));
             reports_on_failure.send(WorkerReport::FetchDone {
                 hold,
-                result: Err(FetchError {
-                    good_blocks: 0,
-                    reason: format!("cannot start a fetch thread: {e}"),
-                }),
+                result: Err(FetchError::fault(
+                    0,
+                    format!("cannot start a fetch thread: {e}"),
+                )),
             });
         }
     }

@@ -14,7 +14,7 @@ use ferry_core::{BlockId, FetchError, WorkerJob, WorkerReport};
 
 use crate::access::{Access, BlockGrant};
 use crate::arena::KvArena;
-use crate::transport::{ExportOffer, FetchSpec, Transport};
+use crate::transport::{ExportOffer, FetchSpec, ReleaseSpec, Transport};
 
 /// Where a worker's results go: the engine's input queue, tagged with the connector. Cheap
 /// to clone into transport threads. Reporting to an engine that has stopped does nothing.
@@ -122,10 +122,21 @@ impl WorkerConnector for PdWorker {
                         reports.send(WorkerReport::ExportGone { hold: *hold });
                     }
                 },
-                WorkerJob::Unpublish { hold } => {
+                WorkerJob::Unpublish { hold, reason } => {
                     self.transport
-                        .unpublish(&self.engine_id, *hold, reports.clone())
+                        .unpublish(&self.engine_id, *hold, *reason, reports.clone())
                 }
+                WorkerJob::Release {
+                    remote_engine_id,
+                    remote_host,
+                    remote_port,
+                    token,
+                } => self.transport.release(ReleaseSpec {
+                    remote_engine_id: remote_engine_id.clone(),
+                    remote_host: remote_host.clone(),
+                    remote_port: *remote_port,
+                    token: token.clone(),
+                }),
                 WorkerJob::Fetch {
                     hold,
                     remote_engine_id,
@@ -155,10 +166,7 @@ impl WorkerConnector for PdWorker {
                     ),
                     Err(e) => reports.send(WorkerReport::FetchDone {
                         hold: *hold,
-                        result: Err(FetchError {
-                            good_blocks: 0,
-                            reason: e,
-                        }),
+                        result: Err(FetchError::fault(0, e)),
                     }),
                 },
                 WorkerJob::CancelFetch { hold } => self.transport.cancel_fetch(*hold),

@@ -14,6 +14,10 @@
 //! some instances paused or updated and others did not is the caller's to repair, and it
 //! must know which.
 //!
+//! The version reads (`/get_weight_version`, `/weight_info`) never let one instance's version
+//! stand for all: when the instances answer different versions the reply is a 409 naming
+//! each instance's version, with `instances` and `weight_versions` ([`crate::versions`]).
+//!
 //! A weight update sets one explicit version everywhere: the proxy makes one when the caller
 //! names none, because P and D on different versions would make every transfer fail its
 //! version check and recompute.
@@ -33,6 +37,7 @@ use serde_json::{json, Map, Value};
 
 use crate::fleet::Instance;
 use crate::upstream::{Call, UpstreamError};
+use crate::versions::{self, InstanceVersion};
 use crate::ProxyState;
 
 /// The admin routes (vLLM's paths, then SGLang's), each fanned out to every instance.
@@ -144,11 +149,43 @@ fn parse_body(body: &[u8]) -> Value {
         .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned()))
 }
 
+/// The routes that read the instances' weight version: through the proxy, a 409 when the
+/// instances answer different ones, never one instance's version standing for all.
+pub const VERSION_READS: [&str; 2] = ["/get_weight_version", "/weight_info"];
+
 /// The answer to the caller: the merged body when every instance succeeded, else an error
-/// naming the ones that failed.
+/// naming the ones that failed. A version read ([`VERSION_READS`]) whose instances answered
+/// different versions is a 409 naming each instance's version, with `instances` and
+/// `weight_versions` (each instance's URL, role and version).
 pub fn summarise(path: &str, results: &[InstanceResult]) -> Response {
     let instances: Vec<Value> = results.iter().map(InstanceResult::to_json).collect();
     let failures: Vec<String> = results.iter().filter_map(InstanceResult::failure).collect();
+    if failures.is_empty() && VERSION_READS.contains(&path) {
+        let versions: Vec<InstanceVersion<'_>> = results
+            .iter()
+            .map(|r| InstanceVersion {
+                instance: &r.instance,
+                version: r
+                    .outcome
+                    .as_ref()
+                    .ok()
+                    .and_then(|(_, b)| versions::from_body(b)),
+            })
+            .collect();
+        if versions::skewed(&versions) {
+            let error = ApiError::conflict(format!(
+                "{path}: the instances run different weight versions ({}); set one version \
+                 on every instance (a weight update or /update_weight_version through the \
+                 proxy)",
+                versions::describe(&versions)
+            ));
+            let mut response = with_instances(&error, instances);
+            if let Some(body) = response.1.as_object_mut() {
+                body.insert("weight_versions".into(), versions::to_json(&versions));
+            }
+            return response.into_response();
+        }
+    }
     if failures.is_empty() {
         let bodies: Vec<&Value> = results
             .iter()
@@ -186,11 +223,15 @@ pub fn summarise(path: &str, results: &[InstanceResult]) -> Response {
         }
         _ => crate::upstream::bad_gateway(message),
     };
-    let status = error.status;
+    with_instances(&error, instances).into_response()
+}
+
+/// `error`'s OpenAI body with `instances`, logged.
+fn with_instances(error: &ApiError, instances: Vec<Value>) -> (StatusCode, Json<Value>) {
     tracing::warn!("{}", error.message);
     let mut body = serde_json::to_value(error.body()).unwrap_or_else(|_| json!({}));
     body["instances"] = Value::Array(instances);
-    (status, Json(body)).into_response()
+    (error.status, Json(body))
 }
 
 /// The OpenAI error type of an instance's status, as the instances name it.
@@ -466,6 +507,89 @@ mod tests {
             message.contains("http://p0") && message.contains("http://d0"),
             "{message}"
         );
+    }
+
+    fn at(url: &str, role: Role, version: &str) -> InstanceResult {
+        InstanceResult {
+            instance: Arc::new(Instance::new(url, role)),
+            outcome: Ok((StatusCode::OK, json!({"weight_version": version}))),
+        }
+    }
+
+    async fn json_of(response: Response) -> (StatusCode, Value) {
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        (status, serde_json::from_slice(&body).unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_version_read_whose_instances_differ_is_a_409_naming_each() {
+        for path in VERSION_READS {
+            let results = [
+                at("http://p0", Role::Prefill, "v1"),
+                at("http://d0", Role::Decode, "v2"),
+            ];
+            let (status, body) = json_of(summarise(path, &results)).await;
+            assert_eq!(status, StatusCode::CONFLICT, "{body}");
+            assert_eq!(body["error"]["type"], "conflict_error", "{body}");
+            assert_eq!(body["error"]["code"], 409, "{body}");
+            let message = body["error"]["message"].as_str().unwrap();
+            for part in [
+                path,
+                "prefill http://p0 runs \"v1\"",
+                "decode http://d0 runs \"v2\"",
+            ] {
+                assert!(message.contains(part), "{part}: {message}");
+            }
+            assert_eq!(body["instances"][1]["body"]["weight_version"], "v2");
+            assert_eq!(body["instances"][1]["status"], 200);
+            assert_eq!(
+                body["weight_versions"],
+                json!([{"url": "http://p0", "role": "prefill", "version": "v1"},
+                       {"url": "http://d0", "role": "decode", "version": "v2"}])
+            );
+            assert!(body.get("weight_version").is_none(), "{body}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_version_read_whose_instances_agree_is_their_version() {
+        let results = [
+            at("http://p0", Role::Prefill, "v1"),
+            at("http://d0", Role::Decode, "v1"),
+            at("http://d1", Role::Decode, "v1"),
+        ];
+        let (status, body) = json_of(summarise("/get_weight_version", &results)).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["weight_version"], "v1", "{body}");
+        assert_eq!(body["instances"].as_array().unwrap().len(), 3, "{body}");
+        // Only the version reads compare versions.
+        let results = [
+            at("http://p0", Role::Prefill, "v1"),
+            at("http://d0", Role::Decode, "v2"),
+        ];
+        let (status, _) = json_of(summarise("/is_paused", &results)).await;
+        assert_eq!(status, StatusCode::OK);
+        // A failure is still the failure, naming the instance, skew or not.
+        let down = result(
+            "http://d1",
+            Err(UpstreamError::Unreachable {
+                role: "decode",
+                url: "http://d1".into(),
+                reason: "connection refused".into(),
+            }),
+        );
+        let results = [
+            at("http://p0", Role::Prefill, "v1"),
+            at("http://d0", Role::Decode, "v2"),
+            down,
+        ];
+        let (status, body) = json_of(summarise("/weight_info", &results)).await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains("http://d1"), "{message}");
     }
 
     #[test]

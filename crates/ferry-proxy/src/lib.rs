@@ -5,7 +5,8 @@
 //! `kv_transfer_params: {"do_remote_decode": true}`, then, unchanged but for P's returned
 //! `kv_transfer_params`, to the least-loaded D, whose answer streams back ([`generate`]). The
 //! lifecycle admin routes go to every instance and report each one's result ([`admin`]);
-//! `/health` and `/metrics` summarise the fleet, and `/v1/models`, `/tokenize`,
+//! `/health` and `/metrics` summarise the fleet (`/health` with `version_skew`: whether the
+//! instances run different weight versions, [`versions`]), and `/v1/models`, `/tokenize`,
 //! `/detokenize` and `/version` are answered by one instance ([`routes`]).
 //!
 //! The key decisions: the proxy holds no state but its in-flight counts ([`fleet`]), so it
@@ -24,6 +25,7 @@ pub mod generate;
 pub mod metrics;
 pub mod routes;
 pub mod upstream;
+pub mod versions;
 
 use std::future::Future;
 use std::sync::Arc;

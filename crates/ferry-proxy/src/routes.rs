@@ -16,14 +16,42 @@ use serde_json::{json, Value};
 use crate::fleet::{Instance, Role};
 use crate::metrics::{self, Scrape};
 use crate::upstream::Call;
+use crate::versions::{self, InstanceVersion};
 use crate::ProxyState;
 
 /// `GET /health`: each instance's `/health`, probed at once within the health timeout. 200
 /// (`"ok"`, or `"degraded"` with some down) while at least one prefill and one decode
 /// instance are healthy, else 503; `instances` says which is which.
+///
+/// It also reads each instance's weight version, at the same time and within the same
+/// timeout, from the instance's `/metrics` (`ferry_weight_version_info`; no other route an
+/// instance always serves carries it, and the admin routes may be off on the instances):
+/// `weight_versions` lists each instance's URL, role and version (`null` when unread), and
+/// `version_skew` is true when two instances answered different versions. A skew does not
+/// change the status: the instances still serve, each on its own weights.
 pub async fn health(State(app): State<Arc<ProxyState>>) -> Response {
-    let probes = app.fleet.all().iter().map(|i| probe(&app, i));
-    let results = futures_util::future::join_all(probes).await;
+    let probes = app
+        .fleet
+        .all()
+        .iter()
+        .map(|i| futures_util::future::join(probe(&app, i), weight_version(&app, i)));
+    let (results, read): (Vec<Result<(), String>>, Vec<Option<String>>) =
+        futures_util::future::join_all(probes)
+            .await
+            .into_iter()
+            .unzip();
+    let versions: Vec<InstanceVersion<'_>> = app
+        .fleet
+        .all()
+        .iter()
+        .zip(read)
+        .map(|(i, version)| InstanceVersion {
+            instance: i,
+            version,
+        })
+        .collect();
+    let version_skew = versions::skewed(&versions);
+    let weight_versions = versions::to_json(&versions);
     let healthy = |role: Role| {
         app.fleet
             .all()
@@ -50,7 +78,9 @@ pub async fn health(State(app): State<Arc<ProxyState>>) -> Response {
         } else {
             "degraded"
         };
-        return Json(json!({"status": status, "instances": instances})).into_response();
+        return Json(json!({"status": status, "instances": instances,
+                           "version_skew": version_skew, "weight_versions": weight_versions}))
+        .into_response();
     }
     let down: Vec<&str> = [Role::Prefill, Role::Decode]
         .into_iter()
@@ -63,7 +93,21 @@ pub async fn health(State(app): State<Arc<ProxyState>>) -> Response {
     ));
     let mut body = serde_json::to_value(error.body()).unwrap_or_else(|_| json!({}));
     body["instances"] = Value::Array(instances);
+    body["version_skew"] = json!(version_skew);
+    body["weight_versions"] = weight_versions;
     (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+}
+
+/// The weight version `instance` runs, from its `/metrics` (always served, open without the
+/// key); `None` when it does not answer within the health timeout.
+async fn weight_version(app: &ProxyState, instance: &Instance) -> Option<String> {
+    let call = get_call("/metrics", app.config.health_timeout);
+    match app.upstream.send_read(instance, call).await {
+        Ok((status, _, body)) if status.is_success() => {
+            versions::from_metrics(&String::from_utf8_lossy(&body))
+        }
+        _ => None,
+    }
 }
 
 async fn probe(app: &ProxyState, instance: &Instance) -> Result<(), String> {

@@ -23,7 +23,7 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 use crate::extract::{next_engine_seq, ApiJson, RequestId};
-use crate::kv_transfer::{KvTransferParamsJson, TransferLimits};
+use crate::kv_transfer::{check_remote_host, KvTransferParamsJson, TransferLimits};
 use crate::live::{LiveRequests, Registration};
 use crate::logprobs::TokenTexts;
 use crate::metrics::Metrics;
@@ -411,6 +411,14 @@ pub async fn handle<R: GenerationRoute>(
             p.check(limits, prompts.len())
         })
         .transpose()?;
+    // Where a load would connect: refused here unless it is an allowed KV peer, before any
+    // connection (only a server with a P/D connector takes a load at all).
+    let kv_transfer_params = match kv_transfer_params {
+        Some(p) if app.config.kv_connector => {
+            Some(check_remote_host(p, &app.config.kv_allowed_peers).await?)
+        }
+        other => other,
+    };
     let constraint = match params.structured.clone() {
         Some(spec) => Some(compile(&app.engine, spec).await?),
         None => None,

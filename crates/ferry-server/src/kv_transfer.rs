@@ -6,8 +6,17 @@
 //! Here only the *shape* is checked (types, ranges, the keys a load needs), each failure a 400
 //! naming the key; what the parameters *mean* (a live export, the right token and weight
 //! version) is the connector's to check, and a stale or forged set fails closed there.
+//!
+//! One check more than shape, on a server with a P/D connector: where D would connect
+//! ([`check_remote_host`], `connectors.md`, *Trust*). A load's `remote_host` is resolved once
+//! (a name here, an address as it is), refused with a 400 unless the address is one of the
+//! allowed KV peers (`ferry serve --kv-allowed-peers`), and replaced by that address, so the
+//! engine connects to the address that was checked (and its connector checks it again).
 
-use ferry_engine::KvTransferParams;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use ferry_engine::{AllowedPeers, KvTransferParams};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
@@ -169,6 +178,75 @@ impl KvTransferParamsJson {
     }
 }
 
+/// Longest wait for a `remote_host` name's resolution: a load's request is refused rather
+/// than held on a slow resolver.
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The edge's check of where a load would connect, after [`KvTransferParamsJson::check`] on
+/// a server with a P/D connector. A load (`do_remote_prefill`) with a `remote_host` has it
+/// resolved once (an IP literal as it is, a name to its first address), checked against
+/// `peers`, and replaced by that address; an address outside `peers` is a 400 naming
+/// `kv_transfer_params.remote_host`, before anything connects to it. Anything else passes
+/// unchanged (a load without a host fails closed in the connector).
+pub async fn check_remote_host(
+    mut params: KvTransferParams,
+    peers: &AllowedPeers,
+) -> Result<KvTransferParams, ApiError> {
+    if !params.do_remote_prefill {
+        return Ok(params);
+    }
+    let Some(host) = params.remote_host.as_deref() else {
+        return Ok(params);
+    };
+    let key = format!("{FIELD}.remote_host");
+    let literal = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+        .ok();
+    let ip = match literal {
+        Some(ip) => ip,
+        None => resolve(host, params.remote_port.unwrap_or(0))
+            .await
+            .map_err(|why| {
+                ApiError::invalid(
+                    &key,
+                    format!("`{key}` {host:?} could not be resolved to an address: {why}"),
+                )
+            })?,
+    };
+    if !peers.contains(ip) {
+        let what = match literal {
+            Some(_) => format!("{ip}"),
+            None => format!("{host:?} (resolved to {ip})"),
+        };
+        return Err(ApiError::invalid(
+            &key,
+            format!(
+                "`{key}` {what} is not an allowed KV peer of this server (allowed: {}); D \
+                 loads KV only from the peers it was started with: add P's address to \
+                 --kv-allowed-peers to allow it",
+                peers.describe()
+            ),
+        ));
+    }
+    params.remote_host = Some(ip.to_string());
+    Ok(params)
+}
+
+/// A name's first address, within [`RESOLVE_TIMEOUT`].
+async fn resolve(host: &str, port: u16) -> Result<IpAddr, String> {
+    let lookup = tokio::net::lookup_host((host, port));
+    let mut addrs = tokio::time::timeout(RESOLVE_TIMEOUT, lookup)
+        .await
+        .map_err(|_| format!("no answer within {} s", RESOLVE_TIMEOUT.as_secs()))?
+        .map_err(|e| e.to_string())?;
+    addrs
+        .next()
+        .map(|a| a.ip())
+        .ok_or_else(|| "the name has no address".to_owned())
+}
+
 impl From<&KvTransferParams> for KvTransferParamsJson {
     fn from(p: &KvTransferParams) -> Self {
         Self {
@@ -258,5 +336,68 @@ mod tests {
         let p: KvTransferParamsJson =
             serde_json::from_str(r#"{"do_remote_decode": false}"#).unwrap();
         assert!(p.check(none, 3).is_ok());
+    }
+
+    fn load(host: &str) -> KvTransferParams {
+        let p: KvTransferParamsJson = serde_json::from_str(GOOD).unwrap();
+        let mut p = p.check(LIMITS, 1).unwrap();
+        p.remote_host = Some(host.to_owned());
+        p.remote_port = Some(4000);
+        p
+    }
+
+    #[tokio::test]
+    async fn a_remote_host_outside_the_allowed_peers_is_a_400_naming_it() {
+        let peers = AllowedPeers::parse("127.0.0.2").unwrap();
+        let e = check_remote_host(load("127.0.0.1"), &peers)
+            .await
+            .unwrap_err();
+        assert_eq!(e.status, 400);
+        assert_eq!(e.param.as_deref(), Some("kv_transfer_params.remote_host"));
+        assert!(
+            e.message.contains("not an allowed KV peer"),
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("--kv-allowed-peers"), "{}", e.message);
+        assert!(e.message.contains("127.0.0.2/32"), "{}", e.message);
+        // The default is loopback only.
+        let e = check_remote_host(load("192.0.2.7"), &AllowedPeers::default())
+            .await
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("kv_transfer_params.remote_host"));
+    }
+
+    #[tokio::test]
+    async fn an_allowed_host_is_replaced_by_the_checked_address() {
+        let peers = AllowedPeers::default();
+        let p = check_remote_host(load("127.0.0.1"), &peers).await.unwrap();
+        assert_eq!(p.remote_host.as_deref(), Some("127.0.0.1"));
+        let p = check_remote_host(load("[::1]"), &peers).await.unwrap();
+        assert_eq!(p.remote_host.as_deref(), Some("::1"));
+        // A name is resolved once, and its address is what the engine gets.
+        let p = check_remote_host(load("localhost"), &peers).await.unwrap();
+        let ip: IpAddr = p.remote_host.as_deref().unwrap().parse().unwrap();
+        assert!(ip.is_loopback(), "{ip}");
+        assert_eq!(p.remote_port, Some(4000));
+    }
+
+    #[tokio::test]
+    async fn only_loads_with_a_host_are_checked() {
+        let nobody = AllowedPeers::new(Vec::new());
+        // P's side, and a load without a host: unchanged (the connector refuses the latter).
+        let mut p = load("192.0.2.7");
+        p.do_remote_prefill = false;
+        p.do_remote_decode = true;
+        let out = check_remote_host(p.clone(), &nobody).await.unwrap();
+        assert_eq!(out, p);
+        let mut p = load("x");
+        p.remote_host = None;
+        assert_eq!(check_remote_host(p.clone(), &nobody).await.unwrap(), p);
+        // A name that resolves to nothing is refused, naming the key.
+        let e = check_remote_host(load("no-such-host.invalid"), &AllowedPeers::default())
+            .await
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("kv_transfer_params.remote_host"));
     }
 }

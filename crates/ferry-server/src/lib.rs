@@ -48,7 +48,7 @@ use std::sync::Arc;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
-use ferry_engine::{EngineHandle, ModelInfo};
+use ferry_engine::{AllowedPeers, EngineHandle, ModelInfo};
 
 pub use crate::auth::ApiKey;
 use crate::chat_template::ChatTemplate;
@@ -90,6 +90,11 @@ pub struct ServerConfig {
     /// Whether the engine runs a P/D connector (`ferry serve --kv-role`): without one, a
     /// request asking for a transfer (`kv_transfer_params.do_remote_*`) is a 400.
     pub kv_connector: bool,
+    /// The peers a load may connect to (`ferry serve --kv-allowed-peers`; default loopback
+    /// only): with a P/D connector, a load's `kv_transfer_params.remote_host` is resolved once,
+    /// refused with a 400 outside this set, and replaced by the checked address
+    /// ([`kv_transfer::check_remote_host`]). The engine's connector holds the same set.
+    pub kv_allowed_peers: AllowedPeers,
     /// With a key, every route but `/health` and `/metrics` needs `Authorization: Bearer
     /// <key>` ([`auth`]); its `Debug` is redacted.
     pub api_key: Option<ApiKey>,
@@ -119,6 +124,7 @@ impl ServerConfig {
             enable_admin_api: false,
             max_weight_push_bytes: DEFAULT_MAX_WEIGHT_PUSH_BYTES,
             kv_connector: false,
+            kv_allowed_peers: AllowedPeers::default(),
             api_key: None,
         }
     }

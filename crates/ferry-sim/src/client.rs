@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use ferry_core::{FinishReason, KvTransferParams, TokenId};
+use ferry_core::{FinishReason, KvTransferParams, TokenId, TransferId};
 
 use crate::schedule::{Route, Side};
 
@@ -52,6 +52,14 @@ pub struct Client {
     /// Per engine, the count of abort causes (abort calls, aborting pauses and sleeps) when
     /// the request reached it: an abort with no cause since is a lost request.
     pub abort_causes_at_add: [u64; 2],
+    /// The holds D loaded this request's prompt through (P/D imports and tier loads): what
+    /// the network says touched them tells a fault it injected from one the engine made up.
+    pub d_holds: Vec<TransferId>,
+    /// D's pauses (pause and sleep calls) when the request reached D, and whether D was
+    /// paused then: an export whose lease ran out while D ran normally is a fault, one that
+    /// ran out while the request waited behind a pause is the lifecycle's (it computes).
+    pub d_pauses_at_add: u64,
+    pub d_paused_at_add: bool,
 }
 
 impl Client {

@@ -312,10 +312,11 @@ impl SimEngine {
                     Side::D => PdRole::Consumer,
                 },
                 engine_id: engine_id.to_owned(),
-                host: Some("sim".into()),
+                host: Some("127.0.0.1".into()),
                 port: Some(side.idx() as u16 + 1),
                 secret,
                 block_size: setup.sched.block_size,
+                allowed_peers: ferry_core::AllowedPeers::default(),
             })));
             workers.push(Box::new(PdWorker::new(
                 engine_id,

@@ -15,9 +15,9 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use ferry_core::{FetchError, TransferId, WorkerReport};
-use ferry_kv::transport::{check_destination, check_pull, no_export};
-use ferry_kv::{BlockGrant, ExportOffer, FetchSpec, Reports, Transport};
+use ferry_core::{FetchError, FetchFailure, TransferId, Unpublished, WorkerReport};
+use ferry_kv::transport::{check_destination, check_pull, gone_export, Tombstones};
+use ferry_kv::{BlockGrant, ExportOffer, FetchSpec, ReleaseSpec, Reports, Transport};
 
 use crate::rng::Rng;
 
@@ -56,6 +56,25 @@ struct Pending {
     lost_after_serve: bool,
 }
 
+/// A fault the simulation injected that touched one fetch (or what P said of its export), so
+/// the checks can tell a failure it caused from one the engine made up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Touch {
+    /// The pull was slowed to take this long (past D's load bound when long).
+    Slow(Duration),
+    /// It fell due while the link of P or D was down.
+    LinkDown,
+    /// It broke after some blocks.
+    Broken,
+    /// P served it, D's side of the connection dropped.
+    Lost,
+    /// Its export died with a crashed P.
+    PeerDied,
+    /// P refused it: the export's lease had run out (no fault injected; the checks ask
+    /// whether D was running normally meanwhile).
+    LeaseRanOut,
+}
+
 /// What one pull did, for the trace.
 #[derive(Debug, Clone)]
 pub struct PullEvent {
@@ -74,6 +93,8 @@ pub struct NetState {
     rng: Rng,
     /// (engine id, token) → export.
     exports: BTreeMap<(String, String), Published>,
+    /// How each engine's ended exports ended (P's memory, as a real transport keeps it).
+    ended: BTreeMap<String, Tombstones>,
     fetches: Vec<Fetch>,
     /// Engine id → when its link comes back.
     down_until: BTreeMap<String, Duration>,
@@ -82,6 +103,8 @@ pub struct NetState {
     corrupt: bool,
     /// Blocks the last pull wrote before its connection dropped.
     lost_written: usize,
+    /// (D's engine id, hold) → what touched that fetch ([`SimNet::touches`]).
+    touched: BTreeMap<(String, TransferId), Vec<Touch>>,
     pub n_pulls_ok: u64,
     pub n_pulls_failed: u64,
 }
@@ -106,11 +129,13 @@ impl SimNet {
             now: Duration::ZERO,
             rng: Rng::new(seed, 2),
             exports: BTreeMap::new(),
+            ended: BTreeMap::new(),
             fetches: Vec::new(),
             down_until: BTreeMap::new(),
             pending: Pending::default(),
             corrupt: false,
             lost_written: 0,
+            touched: BTreeMap::new(),
             n_pulls_ok: 0,
             n_pulls_failed: 0,
         })))
@@ -166,8 +191,31 @@ impl SimNet {
     /// gone with it (nobody is left to report to).
     pub fn crash(&self, engine_id: &str) {
         let mut s = self.lock();
+        let gone: Vec<String> = s
+            .exports
+            .keys()
+            .filter(|(e, _)| e == engine_id)
+            .map(|(_, t)| t.clone())
+            .collect();
+        // A pull of an export that died with its engine fails as a fault (P is gone), as a
+        // real reader's connection would.
+        for token in gone {
+            s.record_end(engine_id, &token, FetchFailure::Fault);
+        }
         s.exports.retain(|(e, _), _| e != engine_id);
         s.fetches.retain(|f| f.d_engine != engine_id);
+        // Its next incarnation numbers its holds afresh.
+        s.touched.retain(|(d, _), _| d != engine_id);
+    }
+
+    /// What touched the fetch of `hold` that `d_engine` made (faults injected on it, or
+    /// P's word that its lease ran out), in order.
+    pub fn touches(&self, d_engine: &str, hold: TransferId) -> Vec<Touch> {
+        self.lock()
+            .touched
+            .get(&(d_engine.to_owned(), hold))
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Exports published now and fetches in flight.
@@ -221,6 +269,20 @@ impl SimNet {
 }
 
 impl NetState {
+    fn record_end(&mut self, engine_id: &str, token: &str, how: FetchFailure) {
+        self.ended
+            .entry(engine_id.to_owned())
+            .or_default()
+            .record(token, how);
+    }
+
+    fn touch(&mut self, d_engine: &str, hold: TransferId, touch: Touch) {
+        self.touched
+            .entry((d_engine.to_owned(), hold))
+            .or_default()
+            .push(touch);
+    }
+
     fn is_down(&self, engine_id: &str) -> bool {
         self.down_until
             .get(engine_id)
@@ -237,16 +299,14 @@ impl NetState {
             due: _,
             fate,
         } = fetch;
-        let fail = |good_blocks: usize, reason: String| FetchError {
-            good_blocks,
-            reason,
-        };
+        let fail = |good_blocks: usize, reason: String| FetchError::fault(good_blocks, reason);
         let result = if cancelled {
             Err(fail(0, "cancelled".into()))
         } else if self.is_down(&spec.remote_engine_id) || self.is_down(&d_engine) {
+            self.touch(&d_engine, spec.hold, Touch::LinkDown);
             Err(fail(0, "connection refused: the link is down".into()))
         } else {
-            self.pull(&spec, &mut dst, fate)
+            self.pull(&d_engine, &spec, &mut dst, fate)
         };
         // The grant goes before the report: nothing writes the blocks once the hold ends.
         drop(dst);
@@ -278,20 +338,44 @@ impl NetState {
     /// One pull, checked as P's worker checks it, the bytes copied block by block.
     fn pull(
         &mut self,
+        d_engine: &str,
         spec: &FetchSpec,
         dst: &mut BlockGrant,
         fate: Fate,
     ) -> Result<(), FetchError> {
-        let fail = |good_blocks: usize, reason: String| FetchError {
-            good_blocks,
+        let fail = |good_blocks: usize, reason: String| FetchError::fault(good_blocks, reason);
+        let invalid = |reason: String| FetchError {
+            good_blocks: 0,
             reason,
+            kind: FetchFailure::Invalid,
         };
         let key = (spec.remote_engine_id.clone(), spec.token.clone());
         let Some(published) = self.exports.get(&key) else {
-            return Err(fail(0, no_export(&spec.remote_engine_id)));
+            let ended = self
+                .ended
+                .get(&spec.remote_engine_id)
+                .and_then(|t| t.get(&spec.token));
+            match ended {
+                // The export died with its engine: P is gone, a fault.
+                Some(FetchFailure::Fault) => {
+                    self.touch(d_engine, spec.hold, Touch::PeerDied);
+                    return Err(fail(
+                        0,
+                        format!(
+                            "engine {:?} died with the export (a crashed peer)",
+                            spec.remote_engine_id
+                        ),
+                    ));
+                }
+                Some(FetchFailure::Expired) => {
+                    self.touch(d_engine, spec.hold, Touch::LeaseRanOut);
+                }
+                _ => {}
+            }
+            return Err(gone_export(&spec.remote_engine_id, ended));
         };
-        check_destination(spec, dst.blocks().len()).map_err(|e| fail(0, e))?;
-        let range = check_pull(&published.offer, spec).map_err(|e| fail(0, e))?;
+        check_destination(spec, dst.blocks().len()).map_err(invalid)?;
+        let range = check_pull(&published.offer, spec).map_err(invalid)?;
         let n = range.len();
         let n_copy = match fate {
             Fate::BreakAfter(good) => good.min(n),
@@ -310,17 +394,20 @@ impl NetState {
         }
         match fate {
             Fate::BreakAfter(good) if good < n => {
+                self.touch(d_engine, spec.hold, Touch::Broken);
                 return Err(fail(good, "connection reset by peer mid-pull".into()));
             }
             _ => {}
         }
         let published = self.exports.remove(&key).expect("looked up above");
+        self.record_end(&key.0, &key.1, FetchFailure::Invalid);
         published.reports.send(WorkerReport::ExportPulled {
             hold: published.offer.hold,
         });
         if fate == Fate::LostAfterServe {
             // The blocks were written; D is told none is good.
             self.lost_written = n;
+            self.touch(d_engine, spec.hold, Touch::Lost);
             return Err(fail(
                 0,
                 "the connection dropped after P served the pull".into(),
@@ -340,24 +427,51 @@ pub struct SimTransport {
 impl Transport for SimTransport {
     fn publish(&self, offer: ExportOffer, reports: Reports) {
         let key = (offer.engine_id.clone(), offer.token.clone());
-        self.net
-            .lock()
-            .exports
-            .insert(key, Published { offer, reports });
+        let mut s = self.net.lock();
+        s.exports.insert(key, Published { offer, reports });
     }
 
-    fn unpublish(&self, engine_id: &str, hold: TransferId, reports: Reports) {
+    fn unpublish(&self, engine_id: &str, hold: TransferId, reason: Unpublished, reports: Reports) {
         let mut s = self.net.lock();
-        s.exports
-            .retain(|(e, _), p| !(e == engine_id && p.offer.hold == hold));
+        let gone: Vec<String> = s
+            .exports
+            .iter()
+            .filter(|((e, _), p)| e == engine_id && p.offer.hold == hold)
+            .map(|((_, t), _)| t.clone())
+            .collect();
+        for token in gone {
+            s.exports.remove(&(engine_id.to_owned(), token.clone()));
+            s.record_end(engine_id, &token, reason.into());
+        }
         drop(s);
         reports.send(WorkerReport::ExportGone { hold });
+    }
+
+    fn release(&self, spec: ReleaseSpec) {
+        let mut s = self.net.lock();
+        let key = (spec.remote_engine_id, spec.token);
+        // A release crosses the link like a pull: it is lost while either side is down (P's
+        // lease then bounds the export).
+        if s.is_down(&key.0) || s.is_down(&self.engine_id) {
+            return;
+        }
+        if let Some(published) = s.exports.remove(&key) {
+            s.record_end(&key.0, &key.1, FetchFailure::Invalid);
+            drop(s);
+            let hold = published.offer.hold;
+            let reports = published.reports;
+            drop(published.offer);
+            reports.send(WorkerReport::ExportGone { hold });
+        }
     }
 
     fn fetch(&self, spec: FetchSpec, dst: BlockGrant, reports: Reports) {
         let mut s = self.net.lock();
         let latency = match s.pending.slow.pop_front() {
-            Some(slow) => slow,
+            Some(slow) => {
+                s.touch(&self.engine_id, spec.hold, Touch::Slow(slow));
+                slow
+            }
             None => Duration::from_millis(s.rng.range(1, 80)),
         };
         let fate = if let Some(good) = s.pending.break_after.take() {

@@ -13,12 +13,16 @@
 //! Checked: on every engine after every input and every schedule and output, block ownership
 //! and the queues (the checked step driver); every sampled token against the reference (the
 //! oracle, `engine.rs`); every engine request finishes exactly once, every client request
-//! ends exactly once, and none is aborted without an abort asked for, none fails under the
-//! `recompute` policy, and one that finished by length has all its tokens; every lifecycle
-//! call gets exactly one reply, at once where the contract says at once (keep and abort
-//! pauses without `clear_cache`, and every call that is not deferred), and a deferred one
-//! within its bound, and a reset never times out unless a transfer truly had not handed its
-//! blocks back (a slow pull already copying when its cancel came); a pull or an offload copy
+//! ends exactly once, none is aborted without an abort asked for, and one that finished by
+//! length has all its tokens; none fails but by a fault the simulation injected on its own
+//! load, under the `fail` policy (a link down, a broken or lost pull, a pull slowed past D's
+//! load bound, a crashed P; or an export whose lease ran out while D ran normally): never
+//! under `recompute`, never for the lifecycle, never as invalid input (the simulation forges
+//! no parameters; `check_error`); every lifecycle call gets exactly one reply, at once where
+//! the contract says at once (keep and abort pauses without `clear_cache`, and every call
+//! that is not deferred), and a deferred one within its bound, and a reset never times out
+//! unless a transfer truly had not handed its blocks back (a slow pull already copying when
+//! its cancel came, until the deadline at least); a pull or an offload copy
 //! touches blocks only while its hold still owns them; after quiescing, every block of every
 //! engine is free, no transfer or copy is left, and nothing is published on the network.
 
@@ -27,12 +31,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use ferry_core::{
-    BlockStatus, FinishReason, KvLoadFailurePolicy, OffloadPolicy, PauseMode, WeightResidency,
+    BlockStatus, FinishReason, KvLoadFailurePolicy, OffloadPolicy, PauseMode, RequestState,
+    WeightResidency,
 };
 
 use crate::client::{Client, End, Stage};
 use crate::engine::{EngineSetup, Event, Input, Mailbox, SimEngine};
-use crate::net::SimNet;
+use crate::net::{SimNet, Touch};
 use crate::rng::Rng;
 use crate::schedule::{Action, Fault, OpKind, Route, Side, Target, Timed};
 
@@ -94,7 +99,12 @@ pub struct Stats {
     pub n_requests: u64,
     pub n_finished: u64,
     pub n_aborted: u64,
+    /// Ended with an error answer: the engine was down or died.
     pub n_failed: u64,
+    /// Failed by a fault the run injected on the request's load (`fail` only).
+    pub n_load_faults: u64,
+    /// Runs with D under `fail` (0 or 1 for one run).
+    pub n_runs_under_fail: u64,
     pub n_disconnected: u64,
     pub n_ops: u64,
     pub n_ops_failed: u64,
@@ -167,6 +177,10 @@ pub struct Sim {
     scripts: Vec<Script>,
     /// Per engine, abort causes so far.
     abort_causes: [u64; 2],
+    /// Per engine, pause and sleep calls so far.
+    pauses: [u64; 2],
+    /// Per engine, when a pull into it last ended.
+    last_pull_end: [Option<Duration>; 2],
     /// The newest weight version set anywhere.
     n_versions: u64,
     trace: Vec<String>,
@@ -242,10 +256,13 @@ impl Sim {
             ops: Vec::new(),
             scripts: Vec::new(),
             abort_causes: [0, 0],
+            pauses: [0, 0],
+            last_pull_end: [None, None],
             n_versions: 0,
             trace: Vec::new(),
             stats: Stats {
                 tier,
+                n_runs_under_fail: u64::from(policy == KvLoadFailurePolicy::Fail),
                 ..Stats::default()
             },
             op_bound,
@@ -370,6 +387,7 @@ impl Sim {
             } else {
                 Side::D
             };
+            self.last_pull_end[side.idx()] = Some(self.now);
             let held = self.engines[side.idx()]
                 .as_ref()
                 .is_none_or(|e| e.core().transfer_ids().any(|t| t == ev.hold));
@@ -431,6 +449,9 @@ impl Sim {
             self.on_event(side, inc, ev)?;
         }
         result.map_err(|e| format!("{}: {e}", side.name()))?;
+        if side == Side::D {
+            self.note_loads();
+        }
         if stepped && self.config.trace {
             let e = self.engines[side.idx()].as_ref().expect("ticked");
             let st = e.core().stats();
@@ -447,6 +468,35 @@ impl Sim {
             });
         }
         Ok(())
+    }
+
+    /// Remembers the hold each request on D loads its prompt through. A load lasts at least
+    /// until the next tick (a pull falls due a millisecond later at the earliest, a tier copy
+    /// runs between ticks), so looking after every turn of D's loop sees every hold.
+    fn note_loads(&mut self) {
+        let Some(d) = self.engines[Side::D.idx()].as_ref() else {
+            return;
+        };
+        let inc = d.incarnation;
+        let core = d.core();
+        let mut seen = Vec::new();
+        for id in &d.live {
+            let Some(r) = core.request_idx(id).and_then(|idx| core.request(idx)) else {
+                continue;
+            };
+            if let RequestState::WaitingForRemoteKv { transfer, .. } = r.state {
+                seen.push((id.clone(), transfer));
+            }
+        }
+        for (id, hold) in seen {
+            let Ok(i) = self.client_idx(&id) else {
+                continue;
+            };
+            let c = &mut self.clients[i];
+            if c.engine() == Some((Side::D, inc)) && c.d_holds.last() != Some(&hold) {
+                c.d_holds.push(hold);
+            }
+        }
     }
 
     /// Offload copiers make progress at drawn moments, oldest job first.
@@ -553,6 +603,9 @@ impl Sim {
             tokens: Vec::new(),
             end: None,
             abort_causes_at_add: [0; 2],
+            d_holds: Vec::new(),
+            d_pauses_at_add: 0,
+            d_paused_at_add: false,
         };
         let (side, max) = match route {
             Route::Disaggregated => (Side::P, 1),
@@ -576,6 +629,10 @@ impl Sim {
                     incarnation: e.incarnation,
                 };
                 client.abort_causes_at_add[side.idx()] = self.abort_causes[side.idx()];
+                if side == Side::D {
+                    client.d_pauses_at_add = self.pauses[side.idx()];
+                    client.d_paused_at_add = paused(e);
+                }
                 self.clients[n] = client;
             }
             None => {
@@ -617,6 +674,7 @@ impl Sim {
         }
         match &end {
             End::Finished(FinishReason::Abort) => self.stats.n_aborted += 1,
+            End::Finished(FinishReason::Error) => self.stats.n_load_faults += 1,
             End::Finished(_) => self.stats.n_finished += 1,
             End::Failed(_) => self.stats.n_failed += 1,
             End::Disconnected => self.stats.n_disconnected += 1,
@@ -655,13 +713,17 @@ impl Sim {
                 kv,
             });
             let inc = d.incarnation;
+            let d_paused = paused(d);
             let causes = self.abort_causes[Side::D.idx()];
+            let pauses = self.pauses[Side::D.idx()];
             let c = &mut self.clients[i];
             c.stage = Stage::On {
                 side: Side::D,
                 incarnation: inc,
             };
             c.abort_causes_at_add[Side::D.idx()] = causes;
+            c.d_pauses_at_add = pauses;
+            c.d_paused_at_add = d_paused;
         }
     }
 
@@ -704,9 +766,12 @@ impl Sim {
                         side.name()
                     ));
                 }
-                if c.answers_from(side) || reason == FinishReason::Abort {
-                    // An abort on P is the client's answer (the proxy never undoes it on D).
-                    self.client_done(i, reason, message)?;
+                if c.answers_from(side)
+                    || matches!(reason, FinishReason::Abort | FinishReason::Error)
+                {
+                    // An abort on P is the client's answer (the proxy never undoes it on D),
+                    // and so is an error (the proxy answers with it).
+                    self.client_done(i, side, reason, message)?;
                 } else {
                     // P's prefill is over: the proxy takes P's parameters to D (none, e.g.
                     // for KV that mixed weights: D computes the prompt itself).
@@ -735,8 +800,11 @@ impl Sim {
                     // released (exports are unpublished at once, copies drawn every tick,
                     // pulls cancelled within a millisecond), except a slow pull that was
                     // already copying when its cancel came. A reset that times out with no
-                    // such pull waited for something that was never released.
-                    let slow_pull = self.net.n_fetches_of(rec.side.name()) > 0;
+                    // such pull waited for something that was never released. (One that ended
+                    // in this very tick was still copying at the deadline: the reset still
+                    // needed a turn after it.)
+                    let slow_pull = self.net.n_fetches_of(rec.side.name()) > 0
+                        || self.last_pull_end[rec.side.idx()] == Some(self.now);
                     if e.contains("timed out") && !slow_pull {
                         return Err(format!("{} {}: {e}", rec.side.name(), rec.kind));
                     }
@@ -757,7 +825,13 @@ impl Sim {
         Ok(())
     }
 
-    fn client_done(&mut self, i: usize, reason: FinishReason, message: Option<String>) -> Check {
+    fn client_done(
+        &mut self,
+        i: usize,
+        side: Side,
+        reason: FinishReason,
+        message: Option<String>,
+    ) -> Check {
         let c = &self.clients[i];
         match reason {
             FinishReason::Length if c.tokens.len() != c.max_tokens as usize => {
@@ -768,19 +842,64 @@ impl Sim {
                     c.max_tokens
                 ));
             }
-            FinishReason::Error
-                if self.setup.sched.kv_load_failure_policy == KvLoadFailurePolicy::Recompute =>
-            {
-                return Err(format!(
-                    "{} failed under the recompute policy: {}",
-                    c.id,
-                    message.unwrap_or_default()
-                ));
+            FinishReason::Error => {
+                let message = message.unwrap_or_default();
+                self.check_error(i, side, &message).map_err(|why| {
+                    format!("{} failed on {}, {why}: {message}", c.id, side.name())
+                })?;
             }
             _ => {}
         }
         self.end(i, End::Finished(reason));
         Ok(())
+    }
+
+    /// Whether client `i`'s request may fail on `side` with `message` (`connectors.md`, "Who
+    /// is to blame"): only by a fault the simulation injected on its load, under `fail`.
+    /// `Err` says why not.
+    fn check_error(&self, i: usize, side: Side, message: &str) -> Result<(), &'static str> {
+        if self.setup.sched.kv_load_failure_policy == KvLoadFailurePolicy::Recompute {
+            return Err("under the recompute policy");
+        }
+        if message.contains("(invalid)") || message.contains("kv_transfer_params") {
+            return Err("closed on parameters the simulation never forged");
+        }
+        let c = &self.clients[i];
+        let touches: Vec<Touch> = if side == Side::D {
+            c.d_holds
+                .iter()
+                .flat_map(|&h| self.net.touches(side.name(), h))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if message.contains("(fault)") {
+            let bound = self.setup.sched.kv_load_timeout;
+            // A drawn slow pull is short (at most 200 ms) or long (600 ms and more).
+            let injected = touches.iter().any(|t| match *t {
+                Touch::Slow(latency) => latency + Duration::from_millis(5) >= bound,
+                Touch::LeaseRanOut => false,
+                _ => true,
+            });
+            return if injected {
+                Ok(())
+            } else {
+                Err("as a fault though no fault the simulation injected touched its load")
+            };
+        }
+        if message.contains("(expired)") {
+            if !touches.contains(&Touch::LeaseRanOut) {
+                return Err("as an expired export though P never said its lease ran out");
+            }
+            let d_ran_normally =
+                !c.d_paused_at_add && self.pauses[Side::D.idx()] == c.d_pauses_at_add;
+            return if d_ran_normally {
+                Ok(())
+            } else {
+                Err("though its export's lease ran out while it waited behind a pause on D (the lifecycle's retraction: it must compute)")
+            };
+        }
+        Err("for the lifecycle, not for a fault")
     }
 
     /// Sends a lifecycle call to `side` (an error reply at once if it is down).
@@ -801,6 +920,9 @@ impl Sim {
         };
         if aborts {
             self.abort_causes[side.idx()] += 1;
+        }
+        if matches!(kind, OpKind::Pause { .. } | OpKind::Sleep { .. }) {
+            self.pauses[side.idx()] += 1;
         }
         match self.engine(side) {
             Some(e) => e.push(Input::Op { op, kind, version }),
@@ -1102,6 +1224,12 @@ impl Sim {
         }
         Ok(())
     }
+}
+
+/// Whether `e` is paused now (by a client or a sleep).
+fn paused(e: &SimEngine) -> bool {
+    let status = e.core().lifecycle_status();
+    status.paused || status.sleeping
 }
 
 fn target_of(side: Side) -> Target {

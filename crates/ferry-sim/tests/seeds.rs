@@ -40,6 +40,8 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
         total.n_finished += s.n_finished;
         total.n_aborted += s.n_aborted;
         total.n_failed += s.n_failed;
+        total.n_load_faults += s.n_load_faults;
+        total.n_runs_under_fail += s.n_runs_under_fail;
         total.n_disconnected += s.n_disconnected;
         total.n_tokens_mixed += s.n_tokens_mixed;
         total.n_ops += s.n_ops;
@@ -55,9 +57,11 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
 }
 
 /// The runs must exercise what they claim to: tokens checked, pulls that succeed and fail,
-/// crashes, tier copies (with the tier on).
+/// crashes, tier copies (with the tier on), and requests failed by the faults injected on
+/// their loads under `fail` (each one checked to be such a fault).
 fn assert_exercised(s: &Stats, n: u64, tier: bool) {
     assert!(s.n_tokens_checked > 50 * n, "{s:?}");
+    assert!(s.n_load_faults > n / 10, "{s:?}");
     assert!(s.n_pulls_ok > 3 * n && s.n_pulls_failed > n / 2, "{s:?}");
     assert!(s.n_crashes > n / 4, "{s:?}");
     assert!(s.n_ops > 20 * n, "{s:?}");

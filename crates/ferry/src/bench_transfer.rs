@@ -70,6 +70,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_in_flight_fetches: 1,
         max_connections: 1,
         io_timeout: Duration::from_secs(30),
+        allowed_peers: ferry_core::AllowedPeers::default(),
+        secret: None,
     };
     let p = TcpTransport::start(config("P")).context("P's transport")?;
     let d = TcpTransport::start(config("D")).context("D's transport")?;

@@ -5,11 +5,12 @@
 //! [`ServerConfig`] passed down; the library crates never read flags or environment
 //! variables, and errors about sizes are told here in terms of the flags that set them.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
+use ferry_core::{AllowedPeers, IpNet};
 use ferry_engine::{
     Connector, EngineHandle, KvCacheSize, KvLoadFailurePolicy, LogprobsMode, ModelEngineConfig,
     PdConfig, PdRole, SpawnError, StartError, Transport,
@@ -104,14 +105,28 @@ pub struct Args {
     /// How long P keeps an export's blocks for its reader; unread exports come back after it.
     #[arg(long, default_value_t = 30)]
     pub kv_lease_seconds: u64,
-    /// What a request whose KV load failed (or whose `kv_transfer_params` were stale or
-    /// forged) does: `fail` (finish with an error, as vLLM) or `recompute` (compute the
-    /// prompt locally).
+    /// What a request whose KV load hit a fault (the link broke, the pull timed out, P is
+    /// gone) does: `fail` (finish with an error that says why, as vLLM) or `recompute`
+    /// (compute the prompt locally). A load the lifecycle retracted (P revoked the export,
+    /// weights moved on) is computed under either; forged or replayed parameters fail under
+    /// either.
     #[arg(long, value_enum, default_value_t = FailurePolicy::Fail)]
     pub kv_load_failure_policy: FailurePolicy,
     /// This engine's id in transfer parameters (`remote_engine_id`). Default: random.
     #[arg(long, requires = "kv_role")]
     pub kv_engine_id: Option<String>,
+    /// The peers D may load KV from: addresses, networks (CIDRs, e.g. `10.0.0.0/8`) or host
+    /// names (resolved once, at start, to their addresses); comma-separated or repeated. A
+    /// request whose `remote_host` is anything else is refused (HTTP 400) before any
+    /// connection. Default: loopback only (127.0.0.0/8 and ::1).
+    #[arg(long, value_delimiter = ',', requires = "kv_role")]
+    pub kv_allowed_peers: Option<Vec<String>>,
+    /// The fleet's KV transfer secret: P and D prove to each other that they hold it before
+    /// any KV moves, so every P and D of a fleet needs the same one (a peer with another
+    /// secret, or none, is refused). Prefer the environment variable: a flag shows in the
+    /// process list. Without it transfers are not authenticated.
+    #[arg(long, env = "FERRY_KV_TRANSFER_SECRET", hide_env_values = true)]
+    pub kv_transfer_secret: Option<KvSecret>,
     /// Host memory for the CPU offload tier, e.g. `8GiB`: turns the tier on. Full KV blocks
     /// are copied there in the background; a prompt whose prefix left the KV cache loads it
     /// back instead of recomputing it.
@@ -168,6 +183,27 @@ impl From<FailurePolicy> for KvLoadFailurePolicy {
     }
 }
 
+/// `--kv-transfer-secret` / `FERRY_KV_TRANSFER_SECRET`. Its `Debug` shows no part of it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct KvSecret(String);
+
+impl std::str::FromStr for KvSecret {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.is_empty() {
+            return Err("the KV transfer secret is empty".into());
+        }
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for KvSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KvSecret(<redacted>)")
+    }
+}
+
 /// The P/D flags, checked: what the transfer listener binds and what P advertises.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct KvPlan {
@@ -176,6 +212,10 @@ struct KvPlan {
     listen: SocketAddr,
     /// `remote_host` in P's parameters.
     advertised_host: String,
+    /// Where D may load KV from (`--kv-allowed-peers`, names resolved).
+    allowed_peers: AllowedPeers,
+    /// The fleet secret that authenticates transfer connections.
+    secret: Option<KvSecret>,
 }
 
 /// Longest `--kv-engine-id` (it travels in every transfer's parameters and handshake).
@@ -223,12 +263,56 @@ fn kv_plan(args: &Args) -> anyhow::Result<Option<KvPlan>> {
             .map(|b| format!("{b:02x}"))
             .collect(),
     };
+    let allowed_peers = match &args.kv_allowed_peers {
+        None => AllowedPeers::default(),
+        Some(list) => allowed_peers(list)?,
+    };
     Ok(Some(KvPlan {
         role: role.into(),
         engine_id,
         listen: SocketAddr::new(ip, args.kv_transfer_port),
         advertised_host,
+        allowed_peers,
+        secret: args.kv_transfer_secret.clone(),
     }))
+}
+
+/// `--kv-allowed-peers`: addresses and networks as they are, each host name resolved now,
+/// once, to every address it has (the set holds addresses only: where a name points later
+/// is not followed).
+fn allowed_peers(list: &[String]) -> anyhow::Result<AllowedPeers> {
+    let mut nets: Vec<IpNet> = Vec::new();
+    for item in list.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+        let resolved = match IpNet::parse(item) {
+            Ok(net) => vec![net],
+            Err(e) if item.contains('/') => bail!("--kv-allowed-peers: {e}"),
+            Err(_) => {
+                let addrs = (item, 0).to_socket_addrs().with_context(|| {
+                    format!(
+                        "--kv-allowed-peers: {item:?} is not an address or CIDR, and resolving \
+                         it as a host name failed"
+                    )
+                })?;
+                let nets = addrs
+                    .map(|a| IpNet::parse(&a.ip().to_string()))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| anyhow!("--kv-allowed-peers: {item:?}: {e}"))?;
+                if nets.is_empty() {
+                    bail!("--kv-allowed-peers: the host name {item:?} has no address");
+                }
+                nets
+            }
+        };
+        for net in resolved {
+            if !nets.contains(&net) {
+                nets.push(net);
+            }
+        }
+    }
+    if nets.is_empty() {
+        bail!("--kv-allowed-peers lists no peer (leave it out for loopback only)");
+    }
+    Ok(AllowedPeers::new(nets))
 }
 
 /// The P/D connector of `plan`: starts the transfer listener (so a picked port is known
@@ -249,6 +333,7 @@ fn kv_connector(
         port: Some(bound.port()),
         secret: ferry_engine::random_secret(),
         block_size,
+        allowed_peers: plan.allowed_peers.clone(),
     };
     Ok((Connector::pd(config, transport), bound))
 }
@@ -277,6 +362,8 @@ fn kv_transport(
         max_in_flight_fetches: KV_MAX_IN_FLIGHT_FETCHES,
         max_connections: KV_MAX_CONNECTIONS,
         io_timeout: KV_IO_TIMEOUT,
+        allowed_peers: plan.allowed_peers.clone(),
+        secret: plan.secret.as_ref().map(|s| s.0.as_bytes().to_vec()),
     })
     .with_context(|| {
         format!(
@@ -286,6 +373,19 @@ fn kv_transport(
     })?;
     let bound = transport.local_addr();
     Ok((transport, bound))
+}
+
+/// A D that loads from peers beyond this machine without a fleet secret trusts every host at
+/// those addresses: said once, at start.
+fn warn_unauthenticated(plan: &KvPlan) {
+    let loads = matches!(plan.role, PdRole::Consumer | PdRole::Both);
+    if loads && plan.secret.is_none() && plan.allowed_peers != AllowedPeers::loopback() {
+        tracing::warn!(
+            "KV is loaded from {} without a fleet secret: any host at those addresses can \
+             pose as P; set FERRY_KV_TRANSFER_SECRET (the same on every P and D)",
+            plan.allowed_peers.describe()
+        );
+    }
 }
 
 /// Bounds of the TCP transport: loads in flight, peer connections, and the wait for one read
@@ -353,8 +453,11 @@ async fn serve(args: Args) -> anyhow::Result<()> {
                     role = ?plan.role,
                     engine_id = %plan.engine_id,
                     advertised = %format!("{}:{}", plan.advertised_host, bound.port()),
+                    allowed_peers = %plan.allowed_peers.describe(),
+                    authenticated = plan.secret.is_some(),
                     "KV transfer listener on {bound}"
                 );
+                warn_unauthenticated(plan);
                 connectors.push(connector);
             }
             (ConnectorName::Offload, _, Some(plan)) => {
@@ -383,6 +486,10 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         max_weight_push_bytes: usize::try_from(args.max_weight_push_bytes.0)
             .context("--max-weight-push-bytes is larger than this machine's address space")?,
         kv_connector: kv.is_some(),
+        kv_allowed_peers: kv
+            .as_ref()
+            .map(|plan| plan.allowed_peers.clone())
+            .unwrap_or_default(),
         ..ServerConfig::for_model(served_model_name.clone(), &started.model)
     };
     if args.api_key.is_some() {

@@ -89,6 +89,8 @@ pub(crate) struct Control {
     /// Counts weight-version changes; with the version it seeds the hash chains, so even a
     /// version string used twice never lets a prefix hit cross a weight update.
     weight_epoch: u64,
+    /// Counts pauses (and sleeps) entered.
+    n_pauses: u64,
 }
 
 impl Control {
@@ -105,7 +107,14 @@ impl Control {
             finished_transfers: Vec::new(),
             weight_version: Arc::from(weight_version),
             weight_epoch: 0,
+            n_pauses: 0,
         }
+    }
+
+    /// Twice the pauses entered, plus one while paused: a request that saw another mark than
+    /// today's, or an odd one, waited behind a pause.
+    pub(super) fn pause_mark(&self) -> u64 {
+        2 * self.n_pauses + u64::from(self.paused())
     }
 
     /// Schedule nothing at all.
@@ -201,6 +210,7 @@ impl Scheduler {
             PauseMode::Wait => Compute::Draining,
             PauseMode::Abort | PauseMode::Keep => Compute::Frozen,
         };
+        self.control.n_pauses += 1;
         self.control.pause = match self.control.pause {
             Pause::Running => Pause::Paused {
                 compute: target,
@@ -563,16 +573,14 @@ impl Scheduler {
     }
 }
 
-/// No admitted request is waiting to be readmitted (preempted): the waiting queue holds only
-/// never-admitted requests (some maybe loading their KV).
+/// No admitted request is waiting: the waiting queue holds only never-admitted requests.
 fn drained(waiting: &std::collections::VecDeque<ReqIdx>, requests: &[Option<Request>]) -> bool {
+    // Preempted requests, loads in flight and landed or failed loads were admitted: a `wait`
+    // pause waits for them too.
     waiting.iter().all(|&r| {
-        requests[r.0 as usize].as_ref().is_none_or(|req| {
-            matches!(
-                req.state,
-                RequestState::Waiting | RequestState::WaitingForRemoteKv { .. }
-            )
-        })
+        requests[r.0 as usize]
+            .as_ref()
+            .is_none_or(|req| !req.admitted)
     })
 }
 

@@ -64,6 +64,8 @@ pub struct Harness {
     pub generated: BTreeMap<String, Vec<TokenId>>,
     /// Transfer holds that finished requests handed their KV to.
     pub exports: Vec<TransferId>,
+    /// The message of every finish that carried one (an `error` finish says why).
+    pub messages: BTreeMap<String, String>,
 }
 
 impl Deref for Harness {
@@ -87,6 +89,7 @@ impl Harness {
             finished: BTreeMap::new(),
             generated: BTreeMap::new(),
             exports: Vec::new(),
+            messages: BTreeMap::new(),
         }
     }
 
@@ -150,11 +153,13 @@ impl Harness {
             finished,
             generated,
             exports,
+            messages,
         } = self;
         let recorder = Recorder {
             finished,
             generated,
             exports,
+            messages,
         };
         (driver, recorder)
     }
@@ -180,6 +185,7 @@ struct Recorder<'a> {
     finished: &'a mut BTreeMap<String, (FinishReason, usize)>,
     generated: &'a mut BTreeMap<String, Vec<TokenId>>,
     exports: &'a mut Vec<TransferId>,
+    messages: &'a mut BTreeMap<String, String>,
 }
 
 impl Recorder<'_> {
@@ -195,6 +201,9 @@ impl Recorder<'_> {
             }
             if let Some(f) = &o.finished {
                 self.exports.extend(f.transfer);
+                if let Some(m) = &f.message {
+                    self.messages.insert(f.request_id.clone(), m.clone());
+                }
                 let e = self
                     .finished
                     .entry(f.request_id.clone())

@@ -2,11 +2,12 @@
 //! share one in-memory fabric. P computes the prompt (`max_tokens: 1`, `do_remote_decode`)
 //! and returns its `kv_transfer_params`; D, sent the original request with them, loads P's KV
 //! and generates what a single engine generates. Bad parameters are a 400 naming the key;
-//! forged ones fail closed (an error under `fail`, recomputed tokens under `recompute`).
+//! forged ones fail closed under either load-failure policy, while an export the lifecycle
+//! revoked is computed by D; a `remote_host` outside D's allowed KV peers is a 400.
 
 use std::time::{Duration, Instant};
 
-use ferry_engine::{InMemoryFabric, KvLoadFailurePolicy, PdRole};
+use ferry_engine::{AllowedPeers, InMemoryFabric, KvLoadFailurePolicy, PdRole};
 use serde_json::{json, Value};
 
 use crate::support::{ids, metric, start, start_with, Options, Pd, Server, MODEL};
@@ -160,8 +161,10 @@ async fn d_generates_what_a_single_engine_generates() {
     );
 }
 
+/// Forged parameters are invalid input: they fail closed under either policy, with a 500
+/// that says why (streaming: the choice ends with `error`, then an error event).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn forged_parameters_fail_under_fail_and_recompute_under_recompute() {
+async fn forged_parameters_fail_closed_under_either_policy() {
     let fabric = InMemoryFabric::new();
     let p = pd_server("P", PdRole::Producer, &fabric, KvLoadFailurePolicy::Fail).await;
     let d_fail = pd_server("D1", PdRole::Consumer, &fabric, KvLoadFailurePolicy::Fail).await;
@@ -172,20 +175,21 @@ async fn forged_parameters_fail_under_fail_and_recompute_under_recompute() {
         KvLoadFailurePolicy::Recompute,
     )
     .await;
-    let single = start(Options::default()).await;
     let body = completion(8);
-    let reference = single.ok("/v1/completions", &body).await;
     let mut forged = prefill(&p, "/v1/completions", &body).await;
     forged["export_token"] = json!("0000000000000000000000000000000000000000000000000000");
     let forged_body = with_params(&body, &forged);
 
-    // Not streaming: the whole request fails with a 500 that says why.
-    let (status, err) = d_fail.post("/v1/completions", &forged_body).await;
-    assert_eq!(status, 500, "{err}");
-    assert_eq!(err["error"]["type"], "generation_error", "{err}");
-    assert_eq!(err["error"]["code"], 500, "{err}");
-    let message = err["error"]["message"].as_str().unwrap();
-    assert!(message.starts_with("choice 0 failed: "), "{message}");
+    // Not streaming: the whole request fails with a 500 that says why, under either policy.
+    for d in [&d_fail, &d_recompute] {
+        let (status, err) = d.post("/v1/completions", &forged_body).await;
+        assert_eq!(status, 500, "{err}");
+        assert_eq!(err["error"]["type"], "generation_error", "{err}");
+        assert_eq!(err["error"]["code"], 500, "{err}");
+        let message = err["error"]["message"].as_str().unwrap();
+        assert!(message.starts_with("choice 0 failed: "), "{message}");
+        assert!(message.contains("invalid"), "{message}");
+    }
 
     // Streaming: the choice ends with `finish_reason: "error"`, then an error event.
     let mut streamed = forged_body.clone();
@@ -203,20 +207,49 @@ async fn forged_parameters_fail_under_fail_and_recompute_under_recompute() {
         ids(&rest.last().unwrap()["choices"][0]["token_ids"]),
         Vec::<u64>::new()
     );
-
-    // Under `recompute` the same parameters give the single engine's tokens.
-    let out = d_recompute.ok("/v1/completions", &forged_body).await;
-    assert_eq!(out["choices"][0]["finish_reason"], "length");
-    assert_eq!(
-        ids(&out["choices"][0]["token_ids"]),
-        ids(&reference["choices"][0]["token_ids"])
-    );
     // D cannot tell a forged token from a real one; P refuses the pull.
     until_metric(&d_recompute, "ferry_kv_loads_failed_total", 1.0).await;
     let text = d_recompute.metrics().await;
     assert_eq!(metric(&text, "ferry_kv_loads_started_total"), 1.0);
     assert_eq!(metric(&text, "ferry_kv_loads_finished_total"), 0.0);
     assert_eq!(metric(&text, "ferry_kv_transfer_bytes_total"), 0.0);
+}
+
+/// An export the lifecycle retracted (P's clearing pause revoked it) never fails a request:
+/// D computes the prompt, under `fail` too, and gives one engine's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_export_is_computed_under_fail() {
+    let fabric = InMemoryFabric::new();
+    let admin = Options {
+        admin_api: true,
+        ..Options::default()
+    };
+    let pd = Pd {
+        engine_id: "P",
+        role: PdRole::Producer,
+        fabric: fabric.clone(),
+        policy: KvLoadFailurePolicy::Fail,
+    };
+    let p = start_with(admin, Some(pd)).await;
+    let d = pd_server("D", PdRole::Consumer, &fabric, KvLoadFailurePolicy::Fail).await;
+    let single = start(Options::default()).await;
+    let body = completion(8);
+    let reference = single.ok("/v1/completions", &body).await;
+    let params = prefill(&p, "/v1/completions", &body).await;
+    p.ok("/pause?mode=keep&clear_cache=true", &json!({})).await;
+    p.ok("/resume", &json!({})).await;
+
+    let out = d.ok("/v1/completions", &with_params(&body, &params)).await;
+    assert_eq!(out["choices"][0]["finish_reason"], "length", "{out}");
+    assert_eq!(
+        ids(&out["choices"][0]["token_ids"]),
+        ids(&reference["choices"][0]["token_ids"])
+    );
+    until_metric(&d, "ferry_kv_loads_failed_total", 1.0).await;
+    assert_eq!(
+        metric(&d.metrics().await, "ferry_kv_loads_finished_total"),
+        0.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -303,4 +336,55 @@ async fn bad_kv_transfer_params_are_a_400_naming_the_key() {
         .ok(path, &with(json!({"do_remote_decode": false, "x": 1})))
         .await;
     assert!(out.get("kv_transfer_params").is_none(), "{out}");
+}
+
+/// D refuses a load from a `remote_host` outside its allowed KV peers before anything
+/// connects (a 400 naming the key); a name inside them is resolved once and its address is
+/// what the engine connects to (the connector itself takes addresses only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_host_must_be_an_allowed_kv_peer() {
+    let fabric = InMemoryFabric::new();
+    let p = pd_server("P", PdRole::Producer, &fabric, KvLoadFailurePolicy::Fail).await;
+    let only_2 = Options {
+        kv_allowed_peers: AllowedPeers::parse("127.0.0.2").unwrap(),
+        ..Options::default()
+    };
+    let pd = Pd {
+        engine_id: "D",
+        role: PdRole::Consumer,
+        fabric: fabric.clone(),
+        policy: KvLoadFailurePolicy::Fail,
+    };
+    let d = start_with(only_2, Some(pd)).await;
+    let body = completion(6);
+    let params = prefill(&p, "/v1/completions", &body).await;
+    assert_eq!(params["remote_host"], "127.0.0.1", "{params}");
+    let (status, err) = d
+        .post("/v1/completions", &with_params(&body, &params))
+        .await;
+    assert_eq!(status, 400, "{err}");
+    assert_eq!(
+        err["error"]["param"], "kv_transfer_params.remote_host",
+        "{err}"
+    );
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.contains("not an allowed KV peer"), "{message}");
+    assert!(message.contains("--kv-allowed-peers"), "{message}");
+    // Refused at the edge: the engine never started a load.
+    let text = d.metrics().await;
+    assert_eq!(metric(&text, "ferry_kv_loads_started_total"), 0.0, "{text}");
+
+    // A D with the default peers (loopback), sent P's parameters with a name for the host:
+    // it loads (the connector would refuse a name), and generates one engine's tokens.
+    let d = pd_server("D2", PdRole::Consumer, &fabric, KvLoadFailurePolicy::Fail).await;
+    let single = start(Options::default()).await;
+    let reference = single.ok("/v1/completions", &body).await;
+    let mut named = params;
+    named["remote_host"] = json!("localhost");
+    let out = d.ok("/v1/completions", &with_params(&body, &named)).await;
+    assert_eq!(
+        ids(&out["choices"][0]["token_ids"]),
+        ids(&reference["choices"][0]["token_ids"])
+    );
+    until_metric(&d, "ferry_kv_loads_finished_total", 1.0).await;
 }

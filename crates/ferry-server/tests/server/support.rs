@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use ferry_engine::testing::{tiny_model, StepThrottle};
 use ferry_engine::{
-    start_model_with_connectors, Connector, EngineHandle, InMemoryFabric, InMemoryTransport,
-    KvCacheSize, KvLoadFailurePolicy, LogprobsMode, ModelEngineConfig, PdConfig, PdRole,
+    start_model_with_connectors, AllowedPeers, Connector, EngineHandle, InMemoryFabric,
+    InMemoryTransport, KvCacheSize, KvLoadFailurePolicy, LogprobsMode, ModelEngineConfig, PdConfig,
+    PdRole,
 };
 use ferry_server::{router, serve, ApiKey, ServerConfig};
 use serde_json::Value;
@@ -30,6 +31,9 @@ pub struct Options {
     pub logprobs_mode: LogprobsMode,
     /// `ServerConfig::max_top_logprobs` (default: the server's default).
     pub max_top_logprobs: Option<u32>,
+    /// The allowed KV peers, of the server (`ServerConfig::kv_allowed_peers`) and of its P/D
+    /// connector alike (default: loopback).
+    pub kv_allowed_peers: AllowedPeers,
 }
 
 impl Default for Options {
@@ -43,6 +47,7 @@ impl Default for Options {
             api_key: None,
             logprobs_mode: LogprobsMode::default(),
             max_top_logprobs: None,
+            kv_allowed_peers: AllowedPeers::default(),
         }
     }
 }
@@ -108,6 +113,7 @@ pub async fn start_with(opts: Options, pd: Option<Pd>) -> Server {
                 port: Some(1),
                 secret: ferry_engine::random_secret(),
                 block_size: config.block_size,
+                allowed_peers: opts.kv_allowed_peers.clone(),
             };
             let transport = InMemoryTransport::new(pd.engine_id, pd.fabric.clone());
             vec![Connector::pd(pd_config, Arc::new(transport))]
@@ -124,6 +130,7 @@ pub async fn start_with(opts: Options, pd: Option<Pd>) -> Server {
             .max_weight_push_bytes
             .unwrap_or(ferry_server::DEFAULT_MAX_WEIGHT_PUSH_BYTES),
         kv_connector: pd.is_some(),
+        kv_allowed_peers: opts.kv_allowed_peers.clone(),
         ..defaults
     };
     let app = router(engine.clone(), server_config);

@@ -40,8 +40,18 @@ impl Transport for Stalled {
         self.inner.publish(offer, reports);
     }
 
-    fn unpublish(&self, engine_id: &str, hold: ferry_engine::TransferId, reports: Reports) {
-        self.inner.unpublish(engine_id, hold, reports);
+    fn unpublish(
+        &self,
+        engine_id: &str,
+        hold: ferry_engine::TransferId,
+        reason: ferry_core::Unpublished,
+        reports: Reports,
+    ) {
+        self.inner.unpublish(engine_id, hold, reason, reports);
+    }
+
+    fn release(&self, spec: ferry_kv::ReleaseSpec) {
+        self.inner.release(spec);
     }
 
     fn fetch(&self, spec: FetchSpec, dst: BlockGrant, reports: Reports) {
@@ -55,10 +65,7 @@ impl Transport for Stalled {
             drop(grant);
             reports.send(ferry_core::WorkerReport::FetchDone {
                 hold: spec.hold,
-                result: Err(ferry_core::FetchError {
-                    good_blocks: 0,
-                    reason: "cancelled".into(),
-                }),
+                result: Err(ferry_core::FetchError::fault(0, "cancelled")),
             });
         }
     }
@@ -98,6 +105,7 @@ pub async fn measure(args: &Args, model_path: &std::path::Path) -> anyhow::Resul
             port: None,
             secret: ferry_engine::random_secret(),
             block_size: super::BLOCK_SIZE,
+            allowed_peers: ferry_core::AllowedPeers::default(),
         };
         let started = ferry_engine::start_model_with_connectors(
             loaded,

@@ -141,7 +141,7 @@ impl<'a> Ctx<'a> {
     /// what earlier cases cached, or on the tier).
     pub fn request(&self, url: &str, prompt_idx: usize) -> Send {
         let n = self.n_sent.fetch_add(1, Ordering::Relaxed);
-        let id = format!("{}-{}-{n}", slug(&self.case), self.setup.tier_label());
+        let id = format!("{}-{}-{n}", slug(&self.case), self.setup.id_label());
         let salt = n.is_multiple_of(2).then(|| id.clone());
         let idx = prompt_idx % self.reference.prompts.len();
         Send {
@@ -238,7 +238,7 @@ impl<'a> Ctx<'a> {
     /// Reloads the same weights from disk under a new version, everywhere; returns it.
     pub async fn reload(&self) -> String {
         let n = self.n_sent.fetch_add(1, Ordering::Relaxed);
-        let version = format!("{}-{}-v{n}", slug(&self.case), self.setup.tier_label());
+        let version = format!("{}-{}-v{n}", slug(&self.case), self.setup.id_label());
         let body = json!({"model_path": self.setup.model.reload_path(), "weight_version": version});
         let reply = self
             .post_json(

@@ -65,11 +65,32 @@ fn tiny_folder() -> PathBuf {
     dir
 }
 
-/// A model and whether the offload tier is on (on P and D both).
+/// D's `--kv-load-failure-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// No flag: `fail`, every flag at its default. A load the lifecycle retracted (an export
+    /// P's reset revoked, one of other weights, a load D's reset cut short, a lease that ran
+    /// out behind a pause) still never fails a request; only a fault would.
+    Default,
+    /// `--kv-load-failure-policy recompute`: a fault too is recomputed.
+    Recompute,
+}
+
+impl Policy {
+    pub fn label(self) -> &'static str {
+        match self {
+            Policy::Default => "fail (default)",
+            Policy::Recompute => "recompute",
+        }
+    }
+}
+
+/// A model, whether the offload tier is on (on P and D both), and D's load-failure policy.
 #[derive(Debug, Clone)]
 pub struct Setup {
     pub model: Model,
     pub tier: bool,
+    pub policy: Policy,
 }
 
 impl Setup {
@@ -89,6 +110,15 @@ impl Setup {
             "on"
         } else {
             "off"
+        }
+    }
+
+    /// The tier and the policy, for request ids and weight versions (two trios may run at
+    /// once).
+    pub fn id_label(&self) -> String {
+        match self.policy {
+            Policy::Default => self.tier_label().to_owned(),
+            Policy::Recompute => format!("{}-recompute", self.tier_label()),
         }
     }
 
@@ -119,18 +149,14 @@ impl Setup {
             None => &[],
             Some("kv_producer") => &["--kv-role", "kv_producer", "--kv-lease-seconds", &lease],
             // A bounded batch on D keeps some requests queued there (their loads not started,
-            // or landed and waiting), the states a reset must recompute; `recompute` because
-            // exports P's reset revokes are recomputed, never a failed request.
-            Some(_) => &[
-                "--kv-role",
-                "kv_consumer",
-                "--kv-load-failure-policy",
-                "recompute",
-                "--max-num-seqs",
-                "4",
-            ],
+            // or landed and waiting), the states a reset must recompute. Exports P's reset
+            // revokes are recomputed under either policy, never a failed request.
+            Some(_) => &["--kv-role", "kv_consumer", "--max-num-seqs", "4"],
         };
         args.extend(extra.iter().map(|s| (*s).to_owned()));
+        if role == Some("kv_consumer") && self.policy == Policy::Recompute {
+            args.extend(["--kv-load-failure-policy", "recompute"].map(str::to_owned));
+        }
         if self.tier && role.is_some() {
             // Small enough that the tier evicts within a run.
             args.extend(["--kv-offload-bytes", "2MiB"].map(str::to_owned));

@@ -4,12 +4,15 @@
 //! streaming through the proxy while each lifecycle operation runs on P, on D or on both.
 //!
 //! Every case of the contract runs on the tiny model with the offload tier off and again with
-//! it on (on P and D), and a subset on the default model. Each case checks:
+//! it on (on P and D), and a subset on the default model, each with D at its default
+//! `kv_load_failure_policy` (`fail`: no flag, every flag at its default); and every case runs
+//! once more on the tiny model without the tier with D under `recompute`. Each case checks:
 //!
 //! 1. every admin call answers within its stated bound (each reply time is recorded);
 //! 2. no request is lost: each streaming request ends, with every token or with
 //!    `finish_reason: abort` where the operation aborts it (a client that left on purpose
-//!    aside);
+//!    aside); an error is a lost request under either policy (no case injects a fault that
+//!    may fail a load: the lifecycle's retractions are recomputed whatever the policy);
 //! 3. the tokens of every request equal one plain engine's for the same prompt (a request
 //!    aborted part-way has streamed a prefix of them);
 //! 4. after the drain, every engine is idle, resumed and awake, and `/metrics` shows every KV
@@ -43,7 +46,7 @@ use futures_util::FutureExt;
 
 use cases::Case;
 use ctx::{Ctx, Record};
-use fleet::{Model, Setup, Trio};
+use fleet::{Model, Policy, Setup, Trio};
 
 /// The machine has 2 cores: the two tiny-model runs may share them (their engines are mostly
 /// idle between steps), the default model's run takes both.
@@ -120,6 +123,7 @@ async fn run(setup: Setup, cases: Vec<Case>) {
             &name,
             setup.tier_label(),
             setup.model.label(),
+            setup.policy.label(),
             record,
             wall_ms,
             error.clone(),
@@ -132,9 +136,10 @@ async fn run(setup: Setup, cases: Vec<Case>) {
         }
     }
     eprintln!(
-        "matrix: {} with the tier {}: {} s",
+        "matrix: {} with the tier {}, D under {}: {} s",
         setup.model.label(),
         setup.tier_label(),
+        setup.policy.label(),
         started.elapsed().as_secs()
     );
     assert!(failed.is_empty(), "failed cases: {failed:#?}");
@@ -146,6 +151,7 @@ async fn every_case_on_the_tiny_model_without_the_tier() {
     let setup = Setup {
         model: Model::Tiny,
         tier: false,
+        policy: Policy::Default,
     };
     run(setup, Case::all()).await;
 }
@@ -156,6 +162,20 @@ async fn every_case_on_the_tiny_model_with_the_offload_tier() {
     let setup = Setup {
         model: Model::Tiny,
         tier: true,
+        policy: Policy::Default,
+    };
+    run(setup, Case::all()).await;
+}
+
+/// D under `--kv-load-failure-policy recompute`, the tier off: the same cases, none may fail
+/// either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_case_on_the_tiny_model_with_d_under_recompute() {
+    let _cores = CORES.acquire().await.unwrap();
+    let setup = Setup {
+        model: Model::Tiny,
+        tier: false,
+        policy: Policy::Recompute,
     };
     run(setup, Case::all()).await;
 }
@@ -176,6 +196,7 @@ async fn a_subset_on_the_default_model() {
     let setup = Setup {
         model: Model::Default(path),
         tier: false,
+        policy: Policy::Default,
     };
     run(setup, Case::default_model_subset()).await;
 }

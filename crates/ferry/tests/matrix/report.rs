@@ -13,6 +13,8 @@ pub struct CaseResult {
     pub case: String,
     pub tier: &'static str,
     pub model: &'static str,
+    /// D's `kv_load_failure_policy`: "fail (default)" or "recompute".
+    pub policy: &'static str,
     pub pass: bool,
     /// The reply time of the operation under test (the case's first admin call, unless the
     /// case named another).
@@ -33,6 +35,7 @@ impl CaseResult {
         case: &str,
         tier: &'static str,
         model: &'static str,
+        policy: &'static str,
         record: Record,
         wall_ms: u64,
         error: Option<String>,
@@ -42,6 +45,7 @@ impl CaseResult {
             case: case.to_owned(),
             tier,
             model,
+            policy,
             pass: error.is_none(),
             reply_ms: first.map(|c| c.reply_ms),
             bound_ms: first.map(|c| c.bound_ms),
@@ -60,12 +64,13 @@ static RESULTS: Mutex<Vec<CaseResult>> = Mutex::new(Vec::new());
 /// Keeps a result: prints it and rewrites the summary file.
 pub fn keep(result: CaseResult) {
     eprintln!(
-        "matrix: {:<4} {:<48} tier {:<3} {:<12} reply {:>6} ms (bound {:>6}) requests {:>2}: \
-         {} finished, {} aborted, {} failed, {} left{}",
+        "matrix: {:<4} {:<48} tier {:<3} {:<12} D {:<14} reply {:>6} ms (bound {:>6}) \
+         requests {:>2}: {} finished, {} aborted, {} failed, {} left{}",
         if result.pass { "ok" } else { "FAIL" },
         result.case,
         result.tier,
         result.model,
+        result.policy,
         result
             .reply_ms
             .map_or("-".to_owned(), |m| format!("{m:.1}")),

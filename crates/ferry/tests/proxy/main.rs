@@ -2,7 +2,8 @@
 //! `tiny` model): P/D gives one engine's greedy tokens and logprobs, streaming and not; the RL
 //! cycle and a cache-clearing pause go through it with requests in flight and lose nothing; a
 //! P that dies while D pulls, a D that dies while P holds exports, forged parameters sent
-//! straight to D, several P and D, an instance that is down, keys and bad input.
+//! straight to D, several P and D, an instance that is down, keys and bad input, and
+//! instances on different weight versions (a 409 and `/health`'s `version_skew`).
 //!
 //! The tests take one lock each, so their processes never compete for the CPU (several
 //! tests wait on leases and pauses), and each is bounded in time.
@@ -449,7 +450,6 @@ async fn forged_or_replayed_parameters_sent_straight_to_d_fail_closed() {
         let forged = [
             with(real.clone(), "export_token", json!("forged-token")),
             with(real.clone(), "remote_block_ids", json!([1, 2, 3, 4, 5, 6])),
-            with(real.clone(), "weight_version", json!("v-other")),
         ];
         for params in forged {
             let (status, out) = send(params.clone(), PROMPT).await;
@@ -470,6 +470,25 @@ async fn forged_or_replayed_parameters_sent_straight_to_d_fail_closed() {
         let replay = with(completion(PROMPT, 4), "kv_transfer_params", real);
         let (status, out) = post(&url(&other_d.url, "/v1/completions"), &replay).await;
         assert_eq!(status, 500, "a replay: {out}");
+        // Parameters of other weights are stale, not forged: D loads nothing, computes the
+        // prompt and releases the export (the token is the right to), so the real parameters
+        // find it gone afterwards.
+        let fresh = export(&p.url, PROMPT).await;
+        let stale = with(fresh.clone(), "weight_version", json!("v-other"));
+        let (status, out) = send(stale, PROMPT).await;
+        assert_eq!(status, 200, "computed, not failed: {out}");
+        // The release reaches P on its own connection: P's blocks come back at once, not
+        // after the lease.
+        wait_metrics(&p.url, Duration::from_secs(5), |t| {
+            metric(t, "ferry_kv_blocks_used") == 0.0
+        })
+        .await;
+        let (status, out) = post(
+            &url(&other_d.url, "/v1/completions"),
+            &with(completion(PROMPT, 4), "kv_transfer_params", fresh),
+        )
+        .await;
+        assert_eq!(status, 500, "released: {out}");
     })
     .await;
 }
@@ -897,6 +916,110 @@ async fn sleep_wake_release_and_reset_through_the_proxy_reach_every_instance() {
             after["choices"][0]["logprobs"],
             before["choices"][0]["logprobs"]
         );
+    })
+    .await;
+}
+
+/// A P and a D on different weight versions: the proxy's version reads are a 409 naming
+/// both, never one instance's version, and `/health` (with or without the proxy's admin API)
+/// stays 200 with `version_skew`; once aligned through the proxy, all agree again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_on_different_weight_versions_are_a_409_and_a_version_skew() {
+    bounded(async {
+        let fleet = pd_fleet(&[], &[]);
+        let proxy = fleet.proxy.url.clone();
+        let (p, d) = (&fleet.p.url, &fleet.d.url);
+        // The same proxy without its admin API still sees the skew on /health.
+        let plain = spawn(
+            &[
+                "proxy".into(),
+                "--port".into(),
+                "0".into(),
+                "--prefill".into(),
+                p.clone(),
+                "--decode".into(),
+                d.clone(),
+            ],
+            &[],
+        )
+        .ready();
+
+        let (status, agreed) = get(&url(&proxy, "/get_weight_version")).await;
+        assert_eq!(status, 200, "{agreed}");
+        let initial = agreed["weight_version"].as_str().unwrap().to_owned();
+        assert_eq!(agreed["instances"].as_array().unwrap().len(), 2, "{agreed}");
+        for base in [&proxy, &plain.url] {
+            let (status, health) = get(&url(base, "/health")).await;
+            assert_eq!(status, 200, "{health}");
+            assert_eq!(health["version_skew"], false, "{health}");
+        }
+
+        // P alone moves to another version, asked directly.
+        let (status, out) = post(
+            &url(p, "/update_weight_version"),
+            &json!({"new_version": "skewed-p"}),
+        )
+        .await;
+        assert_eq!(status, 200, "{out}");
+        for path in ["/get_weight_version", "/weight_info"] {
+            let (status, out) = get(&url(&proxy, path)).await;
+            assert_eq!(status, 409, "{path}: {out}");
+            assert_eq!(out["error"]["type"], "conflict_error", "{out}");
+            let message = out["error"]["message"].as_str().unwrap();
+            for part in [
+                format!("prefill {p} runs \"skewed-p\""),
+                format!("decode {d} runs \"{initial}\""),
+            ] {
+                assert!(message.contains(&part), "{part}: {message}");
+            }
+            let instances = out["instances"].as_array().unwrap();
+            assert_eq!(instances.len(), 2, "{out}");
+            assert_eq!(
+                (&instances[0]["url"], &instances[0]["role"]),
+                (&json!(p), &json!("prefill"))
+            );
+            assert_eq!(instances[0]["status"], 200, "{out}");
+            assert_eq!(instances[0]["body"]["weight_version"], "skewed-p", "{out}");
+            assert_eq!(
+                instances[1]["body"]["weight_version"],
+                initial.as_str(),
+                "{out}"
+            );
+        }
+        let expected = json!([
+            {"url": p, "role": "prefill", "version": "skewed-p"},
+            {"url": d, "role": "decode", "version": initial},
+        ]);
+        for base in [&proxy, &plain.url] {
+            let (status, health) = get(&url(base, "/health")).await;
+            assert_eq!(status, 200, "{health}");
+            assert_eq!(health["status"], "ok", "{health}");
+            assert_eq!(health["version_skew"], true, "{health}");
+            assert_eq!(health["weight_versions"], expected, "{health}");
+        }
+
+        // One version set through the proxy: every read agrees again.
+        let (status, out) = post(
+            &url(&proxy, "/update_weight_version"),
+            &json!({"new_version": "aligned"}),
+        )
+        .await;
+        assert_eq!(status, 200, "{out}");
+        for path in ["/get_weight_version", "/weight_info"] {
+            let (status, out) = get(&url(&proxy, path)).await;
+            assert_eq!(status, 200, "{path}: {out}");
+            assert_eq!(out["weight_version"], "aligned", "{out}");
+            assert_eq!(out["instances"].as_array().unwrap().len(), 2, "{out}");
+        }
+        for base in [&proxy, &plain.url] {
+            let (status, health) = get(&url(base, "/health")).await;
+            assert_eq!(status, 200, "{health}");
+            assert_eq!(health["version_skew"], false, "{health}");
+            assert_eq!(
+                health["weight_versions"][1]["version"], "aligned",
+                "{health}"
+            );
+        }
     })
     .await;
 }
