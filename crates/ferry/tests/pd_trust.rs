@@ -4,14 +4,16 @@
 //! resolved at start, and P and D with different fleet secrets (`FERRY_KV_TRANSFER_SECRET`)
 //! move no KV, while the same secret gives one engine's tokens from P's KV.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Arc, Mutex};
-use std::time::{Duration, Instant};
+#[allow(dead_code)] // Shared with the proxy tests; not every helper is used here.
+#[path = "proxy/procs.rs"]
+mod procs;
+
+use std::process::Command;
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
-const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+use procs::{Proc, FERRY};
 
 /// One test at a time: each starts several servers, on few cores.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -27,124 +29,26 @@ async fn bounded<F: std::future::Future<Output = ()>>(body: F) {
 const PROMPT: &str = "The ferry crossed the wide river at dawn, carrying twelve cars, a bicycle \
                       and a dog that barked at every gull it saw.";
 
-/// A `ferry serve` process, killed when dropped.
-struct Server {
-    child: Child,
-    url: String,
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    /// Its log so far (stderr), for failure messages.
-    fn log(&self) -> String {
-        self.log.lock().unwrap().join("\n")
-    }
-}
-
-/// `ferry serve --model tiny` on a port of its own with `args`, and the environment `env`
-/// (no key or secret inherited from the test's environment); waits until it serves.
-fn serve(args: &[&str], env: &[(&str, &str)]) -> Server {
-    let mut command = Command::new(FERRY);
-    command
-        .args([
-            "serve",
-            "--model",
-            "tiny",
-            "--port",
-            "0",
-            "--kv-cache-bytes",
-            "16MiB",
-            "--max-model-len",
-            "1024",
-        ])
-        .args(args)
-        .env_remove("FERRY_API_KEY")
-        .env_remove("FERRY_KV_TRANSFER_SECRET")
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    for (k, v) in env {
-        command.env(k, v);
-    }
-    let mut child = command.spawn().expect("starting ferry");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, lines) = mpsc::channel();
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let log_copy = Arc::clone(&log);
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            log_copy.lock().unwrap().push(line.clone());
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let Ok(line) = lines.recv_timeout(left) else {
-            let _ = child.kill();
-            let _ = child.wait();
-            let log = log.lock().unwrap().join("\n");
-            panic!("`ferry serve {args:?}` did not start:\n{log}");
-        };
-        if let Some(rest) = line.split("serving on http://").nth(1) {
-            let addr = rest.split_whitespace().next().unwrap();
-            return Server {
-                child,
-                url: format!("http://{addr}"),
-                log,
-            };
-        }
-    }
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap()
+/// `ferry serve --model tiny` on a port of its own with a small KV cache, `args`, and the
+/// environment `env` (no key or secret inherited from the test's environment); waits until it
+/// serves.
+fn serve(args: &[&str], env: &[(&str, &str)]) -> Proc {
+    let mut all: Vec<String> =
+        "serve --model tiny --port 0 --kv-cache-bytes 16MiB --max-model-len 1024"
+            .split(' ')
+            .map(String::from)
+            .collect();
+    all.extend(args.iter().map(|a| (*a).to_owned()));
+    procs::spawn_unset(&all, env, &["FERRY_KV_TRANSFER_SECRET"]).ready()
 }
 
 async fn post(base: &str, path: &str, body: &Value) -> (u16, Value) {
-    let response = client()
-        .post(format!("{base}{path}"))
-        .json(body)
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("{base}{path}: {e}"));
-    let status = response.status().as_u16();
-    let text = response.text().await.unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
+    procs::post(&format!("{base}{path}"), body).await
 }
 
 /// The sum of a metric's samples in `base`'s `/metrics`.
 async fn metric(base: &str, name: &str) -> f64 {
-    let text = client()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    procs::metric(&procs::metrics_text(base).await, name)
 }
 
 /// The request the client sends (greedy, so one engine's tokens are the reference).
@@ -155,7 +59,7 @@ fn completion(max_tokens: u32) -> Value {
 
 /// P's export of `body`'s prompt, asked as the proxy does: `max_tokens: 1` and
 /// `do_remote_decode`; P's returned `kv_transfer_params`.
-async fn export(p: &Server, body: &Value) -> Value {
+async fn export(p: &Proc, body: &Value) -> Value {
     let mut ask = body.clone();
     ask["max_tokens"] = json!(1);
     ask["kv_transfer_params"] = json!({"do_remote_decode": true});

@@ -10,15 +10,18 @@
 //! export was computed before a weight update used to fail on D with a 500 ("the exported KV
 //! was computed with weights "0", this engine runs "proxy-…"") in about 0.3% of requests.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+#[allow(dead_code)] // Shared with the proxy tests; not every helper is used here.
+#[path = "proxy/procs.rs"]
+mod procs;
+
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+use procs::{client, metric, metrics_text, FERRY};
 
 /// Weight-update cycles the trainer runs.
 const N_CYCLES: usize = 40;
@@ -34,107 +37,6 @@ const TEST_BOUND: Duration = Duration::from_secs(120);
 /// A shared opening, so prompts share prefix blocks on P (and D's prefix cache).
 const SHARED: &str = "The ferry crossed the wide river at dawn, carrying twelve cars, a bicycle \
                       and a dog that barked at every gull it saw.";
-
-/// A `ferry` child process (killed when dropped) and its stderr, kept for failure messages.
-struct Proc {
-    child: Child,
-    url: String,
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    /// The last `n` lines of its log.
-    fn log_tail(&self, n: usize) -> String {
-        let log = self.log.lock().unwrap();
-        log[log.len().saturating_sub(n)..].join("\n")
-    }
-}
-
-/// A process started but not yet serving.
-struct Starting {
-    child: Option<Child>,
-    lines: mpsc::Receiver<String>,
-    log: Arc<Mutex<Vec<String>>>,
-    what: String,
-}
-
-impl Drop for Starting {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn spawn(args: &[&str]) -> Starting {
-    let mut child = Command::new(FERRY)
-        .args(args)
-        .env_remove("FERRY_API_KEY")
-        .env_remove("FERRY_INSTANCE_API_KEY")
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting ferry");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, lines) = mpsc::channel();
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let log_copy = Arc::clone(&log);
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            log_copy.lock().unwrap().push(line.clone());
-            let _ = tx.send(line);
-        }
-    });
-    Starting {
-        child: Some(child),
-        lines,
-        log,
-        what: args.join(" "),
-    }
-}
-
-impl Starting {
-    /// Waits (at most 60 s) for the "serving on http://" line.
-    fn ready(mut self) -> Proc {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = self.lines.recv_timeout(left).unwrap_or_else(|_| {
-                panic!(
-                    "`ferry {}` did not report its address: {}",
-                    self.what,
-                    self.log.lock().unwrap().join("\n")
-                )
-            });
-            if let Some(rest) = line.split("serving on http://").nth(1) {
-                let addr = rest.split_whitespace().next().unwrap();
-                return Proc {
-                    child: self.child.take().unwrap(),
-                    url: format!("http://{addr}"),
-                    log: Arc::clone(&self.log),
-                };
-            }
-        }
-    }
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap()
-}
 
 /// A POST: status and body (a non-JSON body as a string); a transport error is status 0.
 async fn post(client: &reqwest::Client, url: &str, body: &Value, id: Option<&str>) -> (u16, Value) {
@@ -153,27 +55,6 @@ async fn post(client: &reqwest::Client, url: &str, body: &Value, id: Option<&str
         .unwrap_or_else(|e| format!("<body: {e}>"));
     let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
     (status, body)
-}
-
-/// The sum of a metric's samples in a `/metrics` text (every label set).
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-async fn metrics_text(client: &reqwest::Client, base: &str) -> String {
-    let response = client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("{base}/metrics: {e}"));
-    assert_eq!(response.status().as_u16(), 200, "{base}/metrics");
-    response.text().await.unwrap()
 }
 
 /// Why an engine's KV is not all free yet (None: every block is free, no request is live, and
@@ -367,31 +248,14 @@ async fn the_rl_loop_through_the_proxy_loses_nothing_at_default_settings() {
 
     // P and D start together, every flag at its default but the admin API (D's
     // `--kv-load-failure-policy` is `fail`).
-    let serve = |role| {
-        spawn(&[
-            "serve",
-            "--model",
-            "tiny",
-            "--port",
-            "0",
-            "--enable-admin-api",
-            "--kv-role",
-            role,
-        ])
+    let serve = |role: &str| {
+        let args = format!("serve --model tiny --port 0 --enable-admin-api --kv-role {role}");
+        procs::spawn(&args.split(' ').map(String::from).collect::<Vec<_>>(), &[])
     };
     let (p, d) = (serve("kv_producer"), serve("kv_consumer"));
     let (p, d) = (p.ready(), d.ready());
-    let proxy = spawn(&[
-        "proxy",
-        "--port",
-        "0",
-        "--enable-admin-api",
-        "--prefill",
-        &p.url,
-        "--decode",
-        &d.url,
-    ])
-    .ready();
+    // `ferry proxy --port 0 --enable-admin-api --prefill <P> --decode <D>`.
+    let proxy = procs::proxy(&[&p.url], &[&d.url], &[]).ready();
     let boot = started.elapsed();
 
     let outcome = tokio::time::timeout(TEST_BOUND, rl_loop(&proxy.url, &model_path)).await;
@@ -407,13 +271,12 @@ async fn the_rl_loop_through_the_proxy_loses_nothing_at_default_settings() {
 
     // After the last answer an export's pull or release can still be landing on P (its
     // counters follow by a step): every block free on both within 5 s.
-    let http = client();
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut not_free;
     loop {
         not_free = Vec::new();
         for (role, engine) in [("P", &p), ("D", &d)] {
-            let text = metrics_text(&http, &engine.url).await;
+            let text = metrics_text(&engine.url).await;
             if let Some(why) = kv_not_free(&text, role) {
                 not_free.push(format!(
                     "{role} ({}): {why}\n{}",

@@ -43,7 +43,13 @@ impl Proc {
     }
 
     pub fn log(&self) -> String {
-        self.log.lock().unwrap().join("\n")
+        self.log_tail(usize::MAX)
+    }
+
+    /// The last `n` lines of its log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let log = self.log.lock().unwrap();
+        log[log.len().saturating_sub(n)..].join("\n")
     }
 }
 
@@ -64,7 +70,14 @@ impl Drop for Starting {
     }
 }
 
+/// `ferry` with exactly `args`, no API key inherited from the test's environment, and `env`.
 pub fn spawn(args: &[String], env: &[(&str, &str)]) -> Starting {
+    spawn_unset(args, env, &[])
+}
+
+/// `spawn` that also keeps each variable of `unset` from the test's environment out of the
+/// child's (`env` may still set it).
+pub fn spawn_unset(args: &[String], env: &[(&str, &str)], unset: &[&str]) -> Starting {
     let mut command = Command::new(FERRY);
     command
         .args(args)
@@ -74,6 +87,9 @@ pub fn spawn(args: &[String], env: &[(&str, &str)]) -> Starting {
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
+    for k in unset {
+        command.env_remove(k);
+    }
     for (k, v) in env {
         command.env(k, v);
     }
