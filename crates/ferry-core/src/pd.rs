@@ -518,7 +518,10 @@ impl KvConnector for PdConnector {
         let Some(key) = export_key(&import.params) else {
             return;
         };
-        let seen = self.seen.entry(key).or_default();
+        // Every import that was not refused counts in `seen` from its arrival on.
+        let Some(seen) = self.seen.get_mut(&key) else {
+            return;
+        };
         if seen.used || seen.loading {
             return;
         }
