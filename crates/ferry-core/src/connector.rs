@@ -437,6 +437,15 @@ impl FetchError {
             kind: FetchFailure::Fault,
         }
     }
+
+    /// Invalid input (a forged or replayed pull), refused before any block moved.
+    pub fn invalid(reason: impl Into<String>) -> Self {
+        Self {
+            good_blocks: 0,
+            reason: reason.into(),
+            kind: FetchFailure::Invalid,
+        }
+    }
 }
 
 /// Who is to blame for a load that could not be used (`connectors.md`); P says which in its

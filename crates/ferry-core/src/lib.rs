@@ -66,7 +66,7 @@ pub use lifecycle::{
 pub use offload::{OffloadConfig, OffloadConnector, OffloadPolicy};
 pub use ownership::{BlockStatus, Owner, OwnershipError, TransferId};
 pub use pd::{PdConfig, PdConnector, PdRole};
-pub use peers::{AllowedPeers, IpNet};
+pub use peers::{ip_literal, AllowedPeers, IpNet};
 pub use plan::{
     mask_allows, BlockId, ModelOutput, ReqIdx, SampleSpec, SampledToken, ScheduledReq, StepPlan,
     TokenId, TokenMask,

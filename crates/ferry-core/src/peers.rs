@@ -26,11 +26,7 @@ impl IpNet {
             Some((a, p)) => (a, Some(p)),
             None => (s, None),
         };
-        let addr: IpAddr = addr
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .parse()
-            .map_err(|_| format!("{s:?} is not an IP address or CIDR"))?;
+        let addr = ip_literal(addr).ok_or_else(|| format!("{s:?} is not an IP address or CIDR"))?;
         let max = if addr.is_ipv4() { 32 } else { 128 };
         let prefix = match prefix {
             None => max,
@@ -61,6 +57,24 @@ impl IpNet {
             _ => false,
         }
     }
+}
+
+/// One address, as a network of itself.
+impl From<IpAddr> for IpNet {
+    fn from(addr: IpAddr) -> Self {
+        Self {
+            addr,
+            prefix: if addr.is_ipv4() { 32 } else { 128 },
+        }
+    }
+}
+
+/// `host` as an IP address, if it is one (IPv6 with or without brackets); `None` for a name.
+pub fn ip_literal(host: &str) -> Option<IpAddr> {
+    host.trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse()
+        .ok()
 }
 
 impl std::fmt::Display for IpNet {
@@ -125,15 +139,9 @@ impl AllowedPeers {
     /// Checks a `remote_host` as the core sees it: an address (already resolved at the
     /// edge) inside the set. `Err` says why not.
     pub fn check_host(&self, host: &str) -> Result<IpAddr, String> {
-        let ip: IpAddr = host
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .parse()
-            .map_err(|_| {
-                format!(
-                    "remote_host {host:?} is not an IP address (names are resolved at the edge)"
-                )
-            })?;
+        let ip = ip_literal(host).ok_or_else(|| {
+            format!("remote_host {host:?} is not an IP address (names are resolved at the edge)")
+        })?;
         if self.contains(ip) {
             Ok(ip)
         } else {

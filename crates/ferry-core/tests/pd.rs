@@ -205,13 +205,7 @@ impl Fabric {
     }
 
     fn pull(&mut self, f: &Fetch) -> Result<(), FetchError> {
-        let refuse = |reason: &str| {
-            Err(FetchError {
-                good_blocks: 0,
-                reason: reason.to_owned(),
-                kind: FetchFailure::Invalid,
-            })
-        };
+        let refuse = |reason: &str| Err(FetchError::invalid(reason));
         let key = (f.engine.clone(), f.token.clone());
         let Some(p) = self.exports.get(&key).cloned() else {
             return Err(FetchError {

@@ -35,11 +35,11 @@ pub use error::{
     WeightReloadError, WeightUpdateError,
 };
 pub use ferry_core::{
-    AddError, AllowedPeers, ConnectorId, FinishReason, KvConnector, KvLoadFailurePolicy,
-    KvTransferParams, LifecycleError, LifecycleStatus, OffloadConfig, OffloadConnector,
-    OffloadPolicy, PauseMode, PdConfig, PdConnector, PdRole, SamplerSpec, SamplingParams,
-    SchedulerConfig, SchedulerStats, SleepLevel, TierStats, TokenId, TransferId, WakeTag,
-    WeightResidency,
+    ip_literal, AddError, AllowedPeers, ConnectorId, FinishReason, KvConnector,
+    KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus, OffloadConfig,
+    OffloadConnector, OffloadPolicy, PauseMode, PdConfig, PdConnector, PdRole, SamplerSpec,
+    SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, TierStats, TokenId, TransferId,
+    WakeTag, WeightResidency,
 };
 pub use ferry_kv::{
     InMemoryFabric, InMemoryTransport, OffloadWorker, PdWorker, Transport, WorkerConnector,

@@ -391,35 +391,13 @@ impl Slot {
 
 // ---- D: fetching and releasing ----
 
-/// Why a fetch failed, how many whole blocks arrived before, and who is to blame.
-struct Failed {
-    good_blocks: usize,
-    reason: String,
-    kind: FetchFailure,
+/// A fault after `good_blocks` whole blocks, as a `map_err` function.
+fn fault_at(good_blocks: usize) -> impl FnOnce(String) -> FetchError {
+    move |reason| FetchError::fault(good_blocks, reason)
 }
 
-impl Failed {
-    /// A fault after `good_blocks` whole blocks.
-    fn at(good_blocks: usize) -> impl FnOnce(String) -> Self {
-        move |reason| Self {
-            good_blocks,
-            reason,
-            kind: FetchFailure::Fault,
-        }
-    }
-
-    /// Invalid input, before anything arrived.
-    fn invalid(reason: String) -> Self {
-        Self {
-            good_blocks: 0,
-            reason,
-            kind: FetchFailure::Invalid,
-        }
-    }
-
-    fn cancelled(good_blocks: usize) -> Self {
-        Self::at(good_blocks)("cancelled".into())
-    }
+fn cancelled(good_blocks: usize) -> FetchError {
+    FetchError::fault(good_blocks, "cancelled")
 }
 
 async fn run_fetch(
@@ -444,11 +422,7 @@ async fn run_fetch(
     }
     reports.send(WorkerReport::FetchDone {
         hold: spec.hold,
-        result: result.map_err(|e| FetchError {
-            good_blocks: e.good_blocks,
-            reason: e.reason,
-            kind: e.kind,
-        }),
+        result,
     });
 }
 
@@ -457,11 +431,11 @@ async fn fetch_blocks(
     spec: &FetchSpec,
     dst: &mut BlockGrant,
     cancel: &Cancel,
-) -> Result<(), Failed> {
+) -> Result<(), FetchError> {
     let config = &inner.config;
-    check_destination(spec, dst.blocks().len()).map_err(Failed::invalid)?;
+    check_destination(spec, dst.blocks().len()).map_err(FetchError::invalid)?;
     if dst.layout() != config.layout {
-        return Err(Failed::at(0)(format!(
+        return Err(fault_at(0)(format!(
             "the destination arena's layout {:?} is not the transport's {:?}",
             dst.layout(),
             config.layout
@@ -471,10 +445,10 @@ async fn fetch_blocks(
     let addr = peer_addr(config, spec.remote_host.as_deref(), spec.remote_port)?;
     let _slot = tokio::select! {
         slot = inner.fetch_slots.acquire() => slot.expect("never closed"),
-        () = cancel.notify.notified() => return Err(Failed::cancelled(0)),
+        () = cancel.notify.notified() => return Err(cancelled(0)),
     };
     if cancel.is_cancelled() {
-        return Err(Failed::cancelled(0));
+        return Err(cancelled(0));
     }
     let t = config.io_timeout;
     let opened = async {
@@ -484,32 +458,32 @@ async fn fetch_blocks(
         write_pull(&mut msg, spec);
         timed(t, "write", stream.write_all(&msg))
             .await
-            .map_err(|e| Failed::at(0)(format!("sending the pull to {addr}: {e}")))?;
+            .map_err(|e| fault_at(0)(format!("sending the pull to {addr}: {e}")))?;
         read_status(&mut stream, t)
             .await
-            .map_err(|(kind, reason)| Failed {
+            .map_err(|(kind, reason)| FetchError {
                 good_blocks: 0,
                 reason: format!("pull refused by {addr}: {reason}"),
                 kind,
             })?;
-        Ok::<_, Failed>(stream)
+        Ok::<_, FetchError>(stream)
     };
     let mut stream = tokio::select! {
         stream = opened => stream?,
-        () = cancel.notify.notified() => return Err(Failed::cancelled(0)),
+        () = cancel.notify.notified() => return Err(cancelled(0)),
     };
     for j in 0..dst.blocks().len() {
         if cancel.is_cancelled() {
-            return Err(Failed::cancelled(j));
+            return Err(cancelled(j));
         }
         let block = dst
             .block_bytes_mut(j)
-            .map_err(|e| Failed::at(j)(e.to_string()))?;
+            .map_err(|e| fault_at(j)(e.to_string()))?;
         tokio::select! {
             read = timed(t, "read", stream.read_exact(block)) => {
-                read.map_err(|e| Failed::at(j)(format!("reading block {j} from {addr}: {e}")))?;
+                read.map_err(|e| fault_at(j)(format!("reading block {j} from {addr}: {e}")))?;
             }
-            () = cancel.notify.notified() => return Err(Failed::cancelled(j)),
+            () = cancel.notify.notified() => return Err(cancelled(j)),
         }
     }
     Ok(())
@@ -531,10 +505,10 @@ async fn run_release(inner: &Inner, spec: &ReleaseSpec) -> Result<(), String> {
         put_string(&mut msg, &spec.token);
         timed(t, "write", stream.write_all(&msg))
             .await
-            .map_err(|e| Failed::at(0)(format!("sending the release to {addr}: {e}")))?;
+            .map_err(|e| fault_at(0)(format!("sending the release to {addr}: {e}")))?;
         read_status(&mut stream, t)
             .await
-            .map_err(|(_, reason)| Failed::at(0)(format!("release refused by {addr}: {reason}")))
+            .map_err(|(_, reason)| fault_at(0)(format!("release refused by {addr}: {reason}")))
     };
     match tokio::time::timeout(t, release).await {
         Ok(result) => result.map_err(|f| f.reason),
@@ -548,34 +522,38 @@ fn peer_addr(
     config: &TcpTransportConfig,
     host: Option<&str>,
     port: Option<u16>,
-) -> Result<SocketAddr, Failed> {
+) -> Result<SocketAddr, FetchError> {
     let (Some(host), Some(port)) = (host, port) else {
-        return Err(Failed::invalid(
-            "the transfer parameters carry no remote_host and remote_port".into(),
+        return Err(FetchError::invalid(
+            "the transfer parameters carry no remote_host and remote_port",
         ));
     };
     let ip = config
         .allowed_peers
         .check_host(host)
-        .map_err(Failed::invalid)?;
+        .map_err(FetchError::invalid)?;
     Ok(SocketAddr::new(ip, port))
 }
 
-async fn connect(addr: SocketAddr, t: Duration) -> Result<TcpStream, Failed> {
+async fn connect(addr: SocketAddr, t: Duration) -> Result<TcpStream, FetchError> {
     let stream = timed(t, "connect", TcpStream::connect(addr))
         .await
-        .map_err(|e| Failed::at(0)(format!("P's transfer listener {addr}: {e}")))?;
+        .map_err(|e| fault_at(0)(format!("P's transfer listener {addr}: {e}")))?;
     stream.set_nodelay(true).ok();
     Ok(stream)
 }
 
 /// D's side of the handshake (steps 1 to 4 in the module doc). Every failure is a fault,
 /// whatever kind P's refusal names: a handshake is about the peers, not an export.
-async fn handshake(inner: &Inner, stream: &mut TcpStream, addr: SocketAddr) -> Result<(), Failed> {
+async fn handshake(
+    inner: &Inner,
+    stream: &mut TcpStream,
+    addr: SocketAddr,
+) -> Result<(), FetchError> {
     let t = inner.config.io_timeout;
-    let failed = |reason: String| Failed::at(0)(format!("handshake with {addr}: {reason}"));
+    let failed = |reason: String| fault_at(0)(format!("handshake with {addr}: {reason}"));
     let refused = |(_, reason): (FetchFailure, String)| {
-        Failed::at(0)(format!("handshake with {addr} refused: {reason}"))
+        fault_at(0)(format!("handshake with {addr} refused: {reason}"))
     };
     let nonce_d = match inner.key {
         Some(_) => nonce().map_err(failed)?,

@@ -233,11 +233,6 @@ impl InMemoryFabric {
         spec: &FetchSpec,
         dst: &mut BlockGrant,
     ) -> Result<(Reports, TransferId), FetchError> {
-        let fail = |reason: String| FetchError {
-            good_blocks: 0,
-            reason,
-            kind: FetchFailure::Invalid,
-        };
         let key = (spec.remote_engine_id.clone(), spec.token.clone());
         let mut exports = lock(&self.exports);
         let Some(published) = exports.get(&key) else {
@@ -246,8 +241,8 @@ impl InMemoryFabric {
                 .and_then(|t| t.get(&spec.token));
             return Err(gone_export(&spec.remote_engine_id, ended));
         };
-        check_destination(spec, dst.blocks().len()).map_err(fail)?;
-        let range = check_pull(&published.offer, spec).map_err(fail)?;
+        check_destination(spec, dst.blocks().len()).map_err(FetchError::invalid)?;
+        let range = check_pull(&published.offer, spec).map_err(FetchError::invalid)?;
         for (j, i) in range.enumerate() {
             published
                 .offer

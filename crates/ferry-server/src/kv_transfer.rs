@@ -16,7 +16,7 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use ferry_engine::{AllowedPeers, KvTransferParams};
+use ferry_engine::{ip_literal, AllowedPeers, KvTransferParams};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
@@ -199,11 +199,7 @@ pub async fn check_remote_host(
         return Ok(params);
     };
     let key = format!("{FIELD}.remote_host");
-    let literal = host
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .parse::<IpAddr>()
-        .ok();
+    let literal = ip_literal(host);
     let ip = match literal {
         Some(ip) => ip,
         None => resolve(host, params.remote_port.unwrap_or(0))

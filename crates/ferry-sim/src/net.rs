@@ -344,11 +344,7 @@ impl NetState {
         fate: Fate,
     ) -> Result<(), FetchError> {
         let fail = |good_blocks: usize, reason: String| FetchError::fault(good_blocks, reason);
-        let invalid = |reason: String| FetchError {
-            good_blocks: 0,
-            reason,
-            kind: FetchFailure::Invalid,
-        };
+
         let key = (spec.remote_engine_id.clone(), spec.token.clone());
         let Some(published) = self.exports.get(&key) else {
             let ended = self
@@ -374,8 +370,8 @@ impl NetState {
             }
             return Err(gone_export(&spec.remote_engine_id, ended));
         };
-        check_destination(spec, dst.blocks().len()).map_err(invalid)?;
-        let range = check_pull(&published.offer, spec).map_err(invalid)?;
+        check_destination(spec, dst.blocks().len()).map_err(FetchError::invalid)?;
+        let range = check_pull(&published.offer, spec).map_err(FetchError::invalid)?;
         let n = range.len();
         let n_copy = match fate {
             Fate::BreakAfter(good) => good.min(n),

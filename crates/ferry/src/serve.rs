@@ -293,10 +293,7 @@ fn allowed_peers(list: &[String]) -> anyhow::Result<AllowedPeers> {
                          it as a host name failed"
                     )
                 })?;
-                let nets = addrs
-                    .map(|a| IpNet::parse(&a.ip().to_string()))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| anyhow!("--kv-allowed-peers: {item:?}: {e}"))?;
+                let nets: Vec<IpNet> = addrs.map(|a| IpNet::from(a.ip())).collect();
                 if nets.is_empty() {
                     bail!("--kv-allowed-peers: the host name {item:?} has no address");
                 }
