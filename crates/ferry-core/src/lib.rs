@@ -58,7 +58,7 @@ pub use connector::{
     KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest, StepWork,
     StoreHolds, TierStats, TransferParamsError, Unpublished, WorkerJob, WorkerReport,
 };
-pub use driver::{Step, StepDriver, StepError, StepModel};
+pub use driver::{Step, StepDriver, StepError, StepFailure, StepKind, StepModel, WorkPhase};
 pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,

@@ -152,7 +152,7 @@ pub(crate) enum LifecycleCall {
 
 /// A raw per-request event from the engine thread. No text: detokenizing is the reader's job.
 #[derive(Debug)]
-pub(crate) enum Event {
+pub enum Event {
     /// The request was scheduled for the first time; that many prompt tokens were cache hits.
     Admitted { n_cached_tokens: usize },
     /// One step's output: a token (none for an abort or error) and, on the last, the finish.
@@ -169,7 +169,7 @@ pub(crate) enum Event {
 
 /// The engine's side of a finish: the reader adds prompt and cache counts.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct EngineFinish {
+pub struct EngineFinish {
     pub reason: FinishReason,
     /// The stop token, when a token (EOS or a stop token id) stopped the request.
     pub stop_token: Option<TokenId>,

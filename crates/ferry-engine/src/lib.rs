@@ -16,6 +16,7 @@
 pub mod constraint;
 pub mod detok;
 mod engine;
+pub mod engine_core;
 mod error;
 mod handle;
 mod input;
@@ -30,6 +31,10 @@ mod transfer_stats;
 // What the engine's API takes and returns, so its callers (the server, the binary) need no
 // other ferry crate.
 pub use constraint::{Constraint, ConstraintError, Constraints, StructuredOutput};
+pub use engine_core::{
+    Call, CallResult, CoreCounters, CoreEnv, CoreEvent, EngineCore, InlineEnv, MaskWork,
+    NewRequest, StepObserver, Stepped, ThreadedEnv,
+};
 pub use error::{
     GenerateError, LifecycleCallError, SpawnError, StartError, Stopped, WeightPushError,
     WeightReloadError, WeightUpdateError,
@@ -48,6 +53,7 @@ pub use ferry_model::{
     Executor, LoadError, LoadedModel, LogprobsMode, ModelSpec, Tensor, WeightError, WeightStore,
 };
 pub use handle::{random_secret, spawn, spawn_with_connectors, Connector, EngineHandle};
+pub use input::{EngineFinish, Event};
 pub use start::{
     start_model, start_model_with, start_model_with_connectors, KvCacheSize, ModelEngineConfig,
     ModelInfo, StartedEngine, DEFAULT_MAX_MODEL_LEN_CAP,

@@ -1,0 +1,959 @@
+//! [`EngineCore`]: the engine without its thread. The scheduler, the executor, the KV arena
+//! and the connectors' workers behind one synchronous interface: inputs in, [`step`], events
+//! out, time passed in. No channel, clock or thread of its own, so the engine thread
+//! (`engine.rs`, a thin loop around it), the simulation (`ferry-sim`) and tests all run this
+//! one implementation of the step, of the lifecycle events and of wake-up.
+//!
+//! # How to drive it
+//!
+//! Inputs, each handled at once, in the order they arrive:
+//! * [`handle_time`](EngineCore::handle_time) moves the core's clock (before each input and
+//!   before each step: a call after an idle spell must see the time it arrives at);
+//! * [`handle_add`](EngineCore::handle_add), [`handle_abort`](EngineCore::handle_abort),
+//!   [`handle_report`](EngineCore::handle_report) (a connector's worker reported),
+//!   [`handle_call`](EngineCore::handle_call) (a lifecycle call; its reply comes out as an
+//!   event, at once or when the operation completes).
+//!
+//! Then [`step`](EngineCore::step) while [`has_work`](EngineCore::has_work): one engine
+//! step (see `ferry_core::StepDriver`: schedule → masks → workers → forward → output), then
+//! the lifecycle moves forward (a pause that waited for the drain, a reset's next stage) and
+//! the memory it asks for is released or restored. Idle, the caller waits for an input or
+//! for [`next_deadline`](EngineCore::next_deadline), whichever comes first, and calls `step`
+//! again (an idle step only moves the lifecycle).
+//!
+//! Everything the core tells the outside world leaves by one route:
+//! [`poll_event`](EngineCore::poll_event), drained after every input and every step (before
+//! the next input: request slots are reused, so a [`CoreEvent::Request`] names a request
+//! only until the next input is handled). A request's events keep their order: at most one
+//! `Admitted`, then outputs, the last with its finish.
+//!
+//! Work the engine hands to other threads, the structured-output masks, goes through the
+//! injected [`CoreEnv`]: the engine's runs it on rayon's threads, the simulation's inline.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::time::Duration;
+
+use ferry_core::{
+    AddError, ConnectorId, FinishReason, KvTransferParams, LifecycleError, LifecycleEvent,
+    LifecycleStatus, ModelOutput, OpId, PauseMode, ReqIdx, RequestOutput, SamplingParams,
+    Scheduler, SleepLevel, Step, StepDriver, StepError, StepKind, StepModel, StepPlan, StepWork,
+    TokenId, WakeTag, WeightResidency, WorkPhase, WorkerReport,
+};
+use ferry_kv::{KvArena, Reports, WorkerConnector};
+use ferry_model::{ExecError, Executor, PreparedWeights, RetiredWeights, WeightError};
+
+use crate::constraint::{Constraint, ConstraintState, Next};
+use crate::input::{EngineFinish, Event};
+use crate::transfer_stats::{TransferStats, TransferTally};
+use crate::WeightInfo;
+
+/// Consecutive failed steps after which every live request is finished with `error`.
+pub const MAX_CONSECUTIVE_FAILURES: u32 = 3;
+
+/// What the core needs of the world it runs in.
+pub trait CoreEnv: Send {
+    /// A monotonic reading, for the stats only (forward time, transfer times); no decision
+    /// depends on it. The simulation's stands still.
+    fn now(&self) -> Duration;
+
+    /// Computes each constrained request's next mask ([`MaskWork::run`] on every item);
+    /// the engine spreads them over threads (a mask over a 50k vocabulary can take a
+    /// millisecond), the simulation runs them in order.
+    fn run_masks(&self, work: &mut [MaskWork<'_>]);
+}
+
+/// The engine thread's environment: the wall clock from `epoch`, masks on rayon's threads.
+#[derive(Debug, Clone, Copy)]
+pub struct ThreadedEnv {
+    pub epoch: std::time::Instant,
+}
+
+impl CoreEnv for ThreadedEnv {
+    fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    fn run_masks(&self, work: &mut [MaskWork<'_>]) {
+        use rayon::prelude::*;
+        work.par_iter_mut().for_each(MaskWork::run);
+    }
+}
+
+/// A deterministic environment: no clock (time stands at zero), masks computed inline in
+/// request order. The simulation's, and tests'.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InlineEnv;
+
+impl CoreEnv for InlineEnv {
+    fn now(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    fn run_masks(&self, work: &mut [MaskWork<'_>]) {
+        work.iter_mut().for_each(MaskWork::run);
+    }
+}
+
+/// One constrained request's sampled token, to feed its matcher.
+pub struct MaskWork<'a> {
+    state: &'a mut ConstraintState,
+    token: TokenId,
+    /// The request finished with this token: no next mask is needed.
+    finished: bool,
+    slot: usize,
+    /// Whether the token was forced, and what the constraint says next.
+    result: Option<(bool, Next)>,
+}
+
+impl fmt::Debug for MaskWork<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MaskWork")
+            .field("token", &self.token)
+            .field("finished", &self.finished)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MaskWork<'_> {
+    /// Feeds the token and computes the next mask (nothing after the last token).
+    pub fn run(&mut self) {
+        let forced = self.state.forced();
+        self.result = Some(if self.finished {
+            (forced, Next::Continue)
+        } else {
+            (forced, self.state.advance(self.token))
+        });
+    }
+}
+
+/// Sees every computed step (the simulation's oracle checks each sampled token).
+pub trait StepObserver: Send {
+    fn on_computed(&mut self, core: &Scheduler, plan: &StepPlan, output: &ModelOutput);
+}
+
+/// A request for [`EngineCore::handle_add`].
+#[derive(Debug)]
+pub struct NewRequest {
+    pub request_id: String,
+    pub prompt: Vec<TokenId>,
+    pub params: SamplingParams,
+    /// P/D transfer parameters, for the connectors.
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// A structured-output constraint, compiled.
+    pub constraint: Option<Constraint>,
+}
+
+/// A lifecycle call (`../shared/design/lifecycle.md`); each is answered by a
+/// [`CoreEvent::Reply`] with the [`OpId`] `handle_call` returned.
+#[derive(Debug)]
+pub enum Call {
+    Pause {
+        mode: PauseMode,
+        clear_cache: bool,
+    },
+    Resume,
+    Sleep {
+        level: SleepLevel,
+        mode: PauseMode,
+    },
+    /// Restores the memory of `tags` (empty: all).
+    WakeUp {
+        tags: Vec<WakeTag>,
+    },
+    ReleaseKvCacheMemory,
+    ResetPrefixCache {
+        reset_running_requests: bool,
+        reset_connector: bool,
+    },
+    /// `None`: every live request.
+    AbortRequests {
+        ids: Option<Vec<String>>,
+    },
+    /// Weights already checked and converted off the engine thread; no version: the next
+    /// one after the current (`v` → `v+1`).
+    InstallWeights {
+        weights: PreparedWeights,
+        version: Option<String>,
+    },
+    SetWeightVersion {
+        version: String,
+    },
+    Status,
+}
+
+/// A lifecycle call's answer, by kind of call.
+#[derive(Debug)]
+pub enum CallResult {
+    /// Pause, resume, sleep, wake-up, KV memory release.
+    Op(Result<(), LifecycleError>),
+    /// A cache reset: false while blocks were held.
+    Reset(bool),
+    /// How many requests an abort finished.
+    Aborted(usize),
+    /// The installed version, and the weights it retired (to drop off the engine thread).
+    Installed(Result<(String, Option<RetiredWeights>), WeightError>),
+    VersionSet,
+    Status(LifecycleStatus, WeightInfo),
+}
+
+/// What leaves the core ([`EngineCore::poll_event`]).
+#[derive(Debug)]
+pub enum CoreEvent {
+    /// An event for a request's reader.
+    Request(ReqIdx, Event),
+    /// A lifecycle call's answer.
+    Reply(OpId, CallResult),
+}
+
+/// Counters the engine publishes with its stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CoreCounters {
+    /// Tokens sampled by successful steps.
+    pub n_generated_tokens_total: u64,
+    /// Requests finished by a step (a stop, a length, a constraint), and those a step failure
+    /// ended. Aborts from outside and failed loads are not counted here.
+    pub n_requests_finished_total: u64,
+    pub n_step_failures_total: u64,
+    pub n_weight_updates: u64,
+}
+
+/// What a step did, for the caller's timings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stepped {
+    pub kind: StepKind,
+    /// Time in `Executor::execute` (by [`CoreEnv::now`]).
+    pub forward: Duration,
+}
+
+/// The core's view of one live request.
+#[derive(Debug)]
+struct Live {
+    /// `Event::Admitted` was sent (at the first schedule).
+    admitted: bool,
+    /// The structured-output constraint, with the mask of the next token.
+    constraint: Option<ConstraintState>,
+}
+
+/// The step driver's model: the executor, its arena, the connectors' workers.
+struct EngineModel {
+    executor: Box<dyn Executor>,
+    arena: KvArena,
+    /// Each connector's worker side, by `ConnectorId` (`None`: its jobs need no worker).
+    workers: Vec<Option<Box<dyn WorkerConnector>>>,
+    /// Each connector's report sink (the caller's route back to `handle_report`).
+    reports: Vec<Reports>,
+    transfers: TransferTally,
+    env: Box<dyn CoreEnv>,
+    observer: Option<Box<dyn StepObserver>>,
+    /// The last forward's duration.
+    forward: Duration,
+}
+
+impl fmt::Debug for EngineModel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EngineModel")
+            .field("arena", &self.arena)
+            .field("n_workers", &self.workers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl StepModel for EngineModel {
+    type Error = ExecError;
+
+    fn compute(&mut self, core: &Scheduler, plan: &StepPlan) -> Result<ModelOutput, ExecError> {
+        let started = self.env.now();
+        let out = self.executor.execute(plan, &mut self.arena);
+        self.forward = self.env.now().saturating_sub(started);
+        if let (Ok(out), Some(observer)) = (&out, &mut self.observer) {
+            observer.on_computed(core, plan, out);
+        }
+        out
+    }
+
+    /// Hands each connector's jobs to its worker: the plan's before the forward, those the
+    /// step's output produced after it.
+    fn run_connector_work(&mut self, work: &[StepWork], phase: WorkPhase) {
+        for w in work {
+            self.transfers.on_jobs(w.connector, &w.jobs, self.env.now());
+            let c = w.connector.0 as usize;
+            let reports = &self.reports[c];
+            match (self.workers.get_mut(c).and_then(Option::as_mut), phase) {
+                (Some(worker), WorkPhase::AfterOutput) => {
+                    worker.after_forward(&w.jobs, &mut self.arena, reports)
+                }
+                (Some(worker), WorkPhase::BeforeForward) => {
+                    worker.before_forward(&w.jobs, &mut self.arena, reports)
+                }
+                (None, _) => tracing::error!(
+                    connector = c,
+                    n_jobs = w.jobs.len(),
+                    "a connector planned worker jobs but has no worker; they are dropped"
+                ),
+            }
+        }
+    }
+}
+
+/// The engine without its thread (see the module docs).
+#[derive(Debug)]
+pub struct EngineCore {
+    driver: StepDriver<EngineModel>,
+    /// Indexed by `ReqIdx`: the core reuses slots, so this stays as small as the peak load.
+    live: Vec<Option<Live>>,
+    events: VecDeque<CoreEvent>,
+    /// Reused by `poll_lifecycle`.
+    lifecycle_events: Vec<LifecycleEvent>,
+    next_op: u64,
+    consecutive_failures: u32,
+    counters: CoreCounters,
+}
+
+impl EngineCore {
+    /// The core over `sched` (its connectors registered), with `workers[c]` and `reports[c]`
+    /// the worker side of connector `c`. The arena is shaped for `executor`.
+    pub fn new(
+        sched: Scheduler,
+        executor: Box<dyn Executor>,
+        workers: Vec<Option<Box<dyn WorkerConnector>>>,
+        reports: Vec<Reports>,
+        env: Box<dyn CoreEnv>,
+    ) -> Self {
+        let config = sched.config();
+        let layout = executor.kv_layout(config.block_size);
+        let arena = KvArena::new(layout, config.n_blocks as usize);
+        let model = EngineModel {
+            executor,
+            arena,
+            workers,
+            reports,
+            transfers: TransferTally::new(layout.block_bytes()),
+            env,
+            observer: None,
+            forward: Duration::ZERO,
+        };
+        Self {
+            driver: StepDriver::new(sched, model),
+            live: Vec::new(),
+            events: VecDeque::new(),
+            lifecycle_events: Vec::new(),
+            next_op: 0,
+            consecutive_failures: 0,
+            counters: CoreCounters::default(),
+        }
+    }
+
+    /// Verifies block ownership and the queues around every step (slow: the simulation, tests).
+    pub fn checked(mut self) -> Self {
+        self.driver = self.driver.checked();
+        self
+    }
+
+    /// Shows every computed step to `observer`.
+    pub fn with_observer(mut self, observer: Box<dyn StepObserver>) -> Self {
+        self.driver.model.observer = Some(observer);
+        self
+    }
+
+    // ---- reading ----
+
+    pub fn sched(&self) -> &Scheduler {
+        &self.driver.sched
+    }
+
+    pub fn executor(&self) -> &dyn Executor {
+        &*self.driver.model.executor
+    }
+
+    pub fn arena(&self) -> &KvArena {
+        &self.driver.model.arena
+    }
+
+    pub fn counters(&self) -> CoreCounters {
+        self.counters
+    }
+
+    pub fn transfer_stats(&self) -> &TransferStats {
+        &self.driver.model.transfers.stats
+    }
+
+    /// The weights' state, for a status call.
+    pub fn weight_info(&self) -> WeightInfo {
+        let ops = self.driver.model.executor.weight_ops();
+        WeightInfo {
+            weight_version: self.driver.sched.weight_version().to_owned(),
+            n_weight_updates: self.counters.n_weight_updates,
+            residency: ops.residency(),
+            n_bytes: ops.n_bytes() as u64,
+        }
+    }
+
+    /// A step would do something: a live request, or connector work or a reset's flush that
+    /// needs a (connector-only) step.
+    pub fn has_work(&self) -> bool {
+        self.driver.sched.n_live() > 0 || self.driver.sched.needs_idle_steps()
+    }
+
+    /// The core's next deadline (an export's lease, a lifecycle operation's bound), on the
+    /// clock `handle_time` moves.
+    pub fn next_deadline(&self) -> Option<Duration> {
+        self.driver.sched.next_deadline()
+    }
+
+    /// Block ownership, then the queues.
+    pub fn check(&self) -> Result<(), String> {
+        self.driver.check().map_err(|e| e.to_string())
+    }
+
+    // ---- inputs ----
+
+    /// Moves the core's clock to `now`.
+    pub fn handle_time(&mut self, now: Duration) {
+        self.driver.sched.advance_time(now);
+    }
+
+    /// Adds a request. A constraint that allows no first token ends it at once (`stop`,
+    /// with why), as an event.
+    pub fn handle_add(&mut self, req: NewRequest) -> Result<ReqIdx, AddError> {
+        let NewRequest {
+            request_id,
+            prompt,
+            params,
+            kv_transfer_params,
+            constraint,
+        } = req;
+        // The first mask, before the request can be scheduled.
+        let (constraint, refused) = match constraint.map(ConstraintState::start) {
+            Some((state, Next::Continue)) => (Some(state), None),
+            Some((_, Next::Stop(why))) => (None, Some(why)),
+            None => (None, None),
+        };
+        let idx = self.driver.sched.add_request_with_transfer(
+            request_id,
+            prompt,
+            params,
+            kv_transfer_params,
+        )?;
+        let i = idx.0 as usize;
+        if self.live.len() <= i {
+            self.live.resize_with(i + 1, || None);
+        }
+        self.live[i] = Some(Live {
+            admitted: false,
+            constraint,
+        });
+        if let Some(why) = refused {
+            self.stop_for_constraint(idx, why);
+        }
+        Ok(idx)
+    }
+
+    /// Aborts a live request by id; false if `id` is not live.
+    pub fn handle_abort(&mut self, id: &str) -> bool {
+        let Some(out) = self.driver.sched.abort(id) else {
+            return false;
+        };
+        self.emit_finish(out, None);
+        true
+    }
+
+    /// Aborts the live request in slot `idx` (its reader is gone); false if none.
+    pub fn handle_abort_idx(&mut self, idx: ReqIdx) -> bool {
+        let Some(id) = self.driver.sched.request(idx).map(|r| r.id.clone()) else {
+            return false;
+        };
+        self.handle_abort(&id)
+    }
+
+    /// A connector's worker reported; requests it ended (a failed load) finish now.
+    pub fn handle_report(&mut self, connector: ConnectorId, report: WorkerReport) {
+        let now = self.driver.model.env.now();
+        self.driver
+            .model
+            .transfers
+            .on_report(connector, &report, now);
+        self.driver.sched.on_worker_report(connector, report);
+        self.emit_side_outputs();
+    }
+
+    /// A lifecycle call. Its reply comes out as a [`CoreEvent::Reply`] with the returned id:
+    /// at once, or (pause, sleep, KV release) when the operation completes.
+    pub fn handle_call(&mut self, call: Call) -> OpId {
+        self.next_op += 1;
+        let op = OpId(self.next_op);
+        let result = match call {
+            Call::Pause { mode, clear_cache } => {
+                let aborted = self.driver.sched.pause(op, mode, clear_cache);
+                self.emit_finishes(aborted);
+                None
+            }
+            Call::Sleep { level, mode } => {
+                let aborted = self.driver.sched.sleep(op, level, mode);
+                self.emit_finishes(aborted);
+                None
+            }
+            Call::Resume => Some(CallResult::Op(self.driver.sched.resume())),
+            Call::WakeUp { tags } => Some(CallResult::Op(self.wake_up(&tags))),
+            Call::ReleaseKvCacheMemory => match self.driver.sched.release_kv_cache_memory(op) {
+                Ok(()) => None,
+                Err(e) => Some(CallResult::Op(Err(e))),
+            },
+            Call::ResetPrefixCache {
+                reset_running_requests,
+                reset_connector,
+            } => Some(CallResult::Reset(
+                self.driver
+                    .sched
+                    .reset_caches(reset_running_requests, reset_connector),
+            )),
+            Call::AbortRequests { ids } => Some(CallResult::Aborted(match ids {
+                None => self.finish_all(FinishReason::Abort) as usize,
+                Some(ids) => ids.iter().filter(|id| self.handle_abort(id)).count(),
+            })),
+            Call::InstallWeights { weights, version } => Some(CallResult::Installed(
+                self.install_weights(weights, version),
+            )),
+            Call::SetWeightVersion { version } => {
+                self.driver.sched.set_weight_version(version);
+                Some(CallResult::VersionSet)
+            }
+            Call::Status => Some(CallResult::Status(
+                self.driver.sched.lifecycle_status(),
+                self.weight_info(),
+            )),
+        };
+        if let Some(result) = result {
+            self.events.push_back(CoreEvent::Reply(op, result));
+        }
+        // Operations that can complete at once reply now, not after the next step.
+        self.poll_lifecycle();
+        op
+    }
+
+    // ---- the step ----
+
+    /// One step if there is work, then the lifecycle moves forward. `None`: nothing was
+    /// computed and no worker ran (idle: wait for an input or the next deadline). `Err`: a
+    /// broken invariant, only with checks on.
+    pub fn step(&mut self) -> Result<Option<Stepped>, String> {
+        let stepped = if self.has_work() {
+            self.step_once()?
+        } else {
+            None
+        };
+        self.poll_lifecycle();
+        Ok(stepped)
+    }
+
+    fn step_once(&mut self) -> Result<Option<Stepped>, String> {
+        let Self {
+            driver,
+            live,
+            events,
+            ..
+        } = self;
+        let step = driver
+            .try_step_with(|sched, plan| {
+                attach_masks(live, plan);
+                note_admissions(live, events, sched, plan);
+            })
+            .map_err(|e: StepError<ExecError>| e.to_string())?;
+        let Step {
+            plan,
+            kind,
+            mut outputs,
+            n_between,
+            failure,
+            ..
+        } = step;
+        // Requests the schedule finished (a failed load) end as aborts do: not counted.
+        let step_outputs = outputs.split_off(n_between);
+        self.emit_finishes(outputs);
+        let forward = self.driver.model.forward;
+        match failure {
+            None if kind == StepKind::Forward => {
+                self.consecutive_failures = 0;
+                self.emit_outputs(step_outputs);
+            }
+            None => {}
+            Some(e) => self.on_step_failure(&plan, &e.to_string()),
+        }
+        self.driver.sched.recycle_plan(plan);
+        Ok(match kind {
+            StepKind::Idle => None,
+            kind => Some(Stepped {
+                kind,
+                forward: if kind == StepKind::Forward {
+                    forward
+                } else {
+                    Duration::ZERO
+                },
+            }),
+        })
+    }
+
+    // ---- the one way out ----
+
+    /// The next event, in the order they happened.
+    pub fn poll_event(&mut self) -> Option<CoreEvent> {
+        self.events.pop_front()
+    }
+
+    // ---- inside ----
+
+    /// Moves pending lifecycle operations forward and acts on what the core asks: memory
+    /// first, then the replies.
+    fn poll_lifecycle(&mut self) {
+        let mut events = std::mem::take(&mut self.lifecycle_events);
+        self.driver.sched.poll_lifecycle(&mut events);
+        for event in events.drain(..) {
+            let model = &mut self.driver.model;
+            match event {
+                LifecycleEvent::ReleaseKvMemory => {
+                    // Every transfer hold came back before this, so every worker let go of
+                    // its grant; one still out would keep only the old memory alive.
+                    let n = model.arena.n_outstanding_grants();
+                    if n > 0 {
+                        tracing::warn!(n, "KV memory released with worker grants still out");
+                    }
+                    model.arena.release();
+                    // Workers' own memory too (the offload tier's host memory).
+                    for worker in model.workers.iter_mut().flatten() {
+                        worker.release_memory();
+                    }
+                }
+                LifecycleEvent::OffloadWeights => model.executor.weight_ops_mut().offload(),
+                // Dropped here, not on another thread: a sleep returns once memory is free.
+                LifecycleEvent::DropWeights => drop(model.executor.weight_ops_mut().drop_weights()),
+                LifecycleEvent::Done(op) => self
+                    .events
+                    .push_back(CoreEvent::Reply(op, CallResult::Op(Ok(())))),
+                LifecycleEvent::Failed(op, e) => self
+                    .events
+                    .push_back(CoreEvent::Reply(op, CallResult::Op(Err(e)))),
+            }
+        }
+        self.lifecycle_events = events;
+    }
+
+    /// Restores the memory of `tags` (empty: all), weights first since only they can fail,
+    /// then tells the core, which resumes once nothing is asleep after a sleep.
+    fn wake_up(&mut self, tags: &[WakeTag]) -> Result<(), LifecycleError> {
+        let status = self.driver.sched.lifecycle_status();
+        let wants = |t: WakeTag| tags.is_empty() || tags.contains(&t);
+        let model = &mut self.driver.model;
+        if wants(WakeTag::Weights) && status.weights != WeightResidency::Resident {
+            model
+                .executor
+                .weight_ops_mut()
+                .restore()
+                .map_err(|_| LifecycleError::WeightsDropped)?;
+        }
+        if wants(WakeTag::KvCache) && status.kv_released {
+            model.arena.reallocate();
+        }
+        self.driver.sched.wake_up(tags);
+        Ok(())
+    }
+
+    /// Installs weights prepared off this thread; a new weight version seeds every hash chain
+    /// from now on, so no prefix hit crosses the update, reset or not.
+    fn install_weights(
+        &mut self,
+        weights: PreparedWeights,
+        version: Option<String>,
+    ) -> Result<(String, Option<RetiredWeights>), WeightError> {
+        let ops = self.driver.model.executor.weight_ops_mut();
+        let retired = ops.install(weights)?;
+        let version = version.unwrap_or_else(|| next_version(self.driver.sched.weight_version()));
+        self.driver
+            .model
+            .executor
+            .weight_ops_mut()
+            .set_version(&version);
+        self.driver.sched.set_weight_version(version.clone());
+        self.counters.n_weight_updates += 1;
+        Ok((version, retired))
+    }
+
+    /// A failed step (the driver already preempted every running request). After
+    /// `MAX_CONSECUTIVE_FAILURES` in a row, every live request ends with `error` so that no
+    /// client waits forever on a broken executor.
+    fn on_step_failure(&mut self, plan: &StepPlan, error: &str) {
+        self.consecutive_failures += 1;
+        tracing::error!(
+            step = plan.step,
+            consecutive = self.consecutive_failures,
+            "engine step failed: {error}"
+        );
+        self.counters.n_step_failures_total += 1;
+        if self.consecutive_failures < MAX_CONSECUTIVE_FAILURES {
+            return;
+        }
+        tracing::error!(
+            n_requests = self.driver.sched.n_live(),
+            "{MAX_CONSECUTIVE_FAILURES} consecutive step failures: finishing every request with an error"
+        );
+        self.consecutive_failures = 0;
+        let n = self.finish_all(FinishReason::Error);
+        self.counters.n_requests_finished_total += n;
+    }
+
+    /// Finishes every live request with `reason` (abort or error). Returns how many.
+    pub fn finish_all(&mut self, reason: FinishReason) -> u64 {
+        let outs = self.driver.sched.abort_all();
+        let n = outs.len() as u64;
+        for out in outs {
+            self.emit_finish(out, Some(reason));
+        }
+        n
+    }
+
+    /// The outputs of requests the core finished between steps (a failed KV load).
+    fn emit_side_outputs(&mut self) {
+        let outs = self.driver.sched.take_outputs();
+        self.emit_finishes(outs);
+    }
+
+    fn emit_finishes(&mut self, outs: Vec<RequestOutput>) {
+        for out in outs {
+            self.emit_finish(out, None);
+        }
+    }
+
+    /// The final event of a request finished outside a step's output (abort, error, a failed
+    /// load), with `reason` overriding the core's.
+    fn emit_finish(&mut self, out: RequestOutput, reason: Option<FinishReason>) {
+        let Some(finished) = out.finished else {
+            return;
+        };
+        if self
+            .live
+            .get_mut(out.req.0 as usize)
+            .and_then(Option::take)
+            .is_none()
+        {
+            return;
+        }
+        if let Some(message) = &finished.message {
+            tracing::warn!(request_id = %finished.request_id, "request failed: {message}");
+        }
+        let finish = EngineFinish {
+            reason: reason.unwrap_or(finished.reason),
+            stop_token: None,
+            transfer: finished.transfer,
+            kv_transfer_params: finished.kv_transfer_params.map(Box::new),
+            message: finished.message,
+            constraint_stop: None,
+        };
+        self.events.push_back(CoreEvent::Request(
+            out.req,
+            Event::Output {
+                sampled: None,
+                finish: Some(finish),
+                weight_version: None,
+                forced: false,
+            },
+        ));
+    }
+
+    /// Ends a live request whose constraint cannot go on: `stop`, with why.
+    fn stop_for_constraint(&mut self, idx: ReqIdx, why: String) {
+        let Some(out) = abort_idx(&mut self.driver.sched, idx) else {
+            return;
+        };
+        if self
+            .live
+            .get_mut(idx.0 as usize)
+            .and_then(Option::take)
+            .is_none()
+        {
+            return;
+        }
+        let finished = out.finished;
+        self.events.push_back(CoreEvent::Request(
+            idx,
+            Event::Output {
+                sampled: None,
+                finish: Some(EngineFinish {
+                    reason: FinishReason::Stop,
+                    stop_token: None,
+                    transfer: finished.as_ref().and_then(|f| f.transfer),
+                    kv_transfer_params: None,
+                    message: None,
+                    constraint_stop: Some(why),
+                }),
+                weight_version: None,
+                forced: false,
+            },
+        ));
+    }
+
+    /// A successful step's outputs, each to its request: the token (stamped with the weight
+    /// version that computed it) and, on the last, the finish. A constrained request's
+    /// matcher takes its token first; one that cannot go on ends with this token.
+    fn emit_outputs(&mut self, outputs: Vec<RequestOutput>) {
+        let mut n_tokens = 0;
+        let mut n_finished = 0;
+        let version = self.driver.sched.weight_version_shared();
+        let mut constrained = self.advance_constraints(&outputs);
+        for out in outputs {
+            n_tokens += u64::from(out.sampled.is_some());
+            n_finished += u64::from(out.finished.is_some());
+            let i = out.req.0 as usize;
+            if self.live.get(i).and_then(Option::as_ref).is_none() {
+                continue;
+            }
+            let mut finish = out.finished.map(|f| EngineFinish {
+                reason: f.reason,
+                stop_token: (f.reason == FinishReason::Stop)
+                    .then(|| out.sampled.as_ref().map(|s| s.token))
+                    .flatten(),
+                transfer: f.transfer,
+                kv_transfer_params: f.kv_transfer_params.map(Box::new),
+                message: f.message,
+                constraint_stop: None,
+            });
+            let mut forced = false;
+            if let Some((was_forced, next)) = constrained.get_mut(i).and_then(Option::take) {
+                forced = was_forced;
+                if let (Next::Stop(why), None) = (next, &finish) {
+                    let aborted = abort_idx(&mut self.driver.sched, out.req);
+                    n_finished += 1;
+                    finish = aborted.and_then(|a| a.finished).map(|f| EngineFinish {
+                        reason: FinishReason::Stop,
+                        stop_token: None,
+                        transfer: f.transfer,
+                        kv_transfer_params: f.kv_transfer_params.map(Box::new),
+                        message: None,
+                        constraint_stop: Some(why),
+                    });
+                }
+            }
+            let weight_version = out.sampled.is_some().then(|| version.clone());
+            if finish.is_some() {
+                self.live[i] = None;
+            }
+            self.events.push_back(CoreEvent::Request(
+                out.req,
+                Event::Output {
+                    sampled: out.sampled,
+                    finish,
+                    weight_version,
+                    forced,
+                },
+            ));
+        }
+        self.counters.n_generated_tokens_total += n_tokens;
+        self.counters.n_requests_finished_total += n_finished;
+    }
+
+    /// Feeds each constrained request the token it just sampled and computes its next mask
+    /// (through the environment: in parallel on the engine thread): per live slot, whether
+    /// the token was forced and what the constraint says next. A request that finished with
+    /// this token only reports whether it was forced.
+    fn advance_constraints(&mut self, outputs: &[RequestOutput]) -> Vec<Option<(bool, Next)>> {
+        let mut work = Vec::new();
+        let mut by_slot: Vec<Option<(TokenId, bool)>> = Vec::new();
+        for out in outputs {
+            let i = out.req.0 as usize;
+            let constrained = self
+                .live
+                .get(i)
+                .and_then(Option::as_ref)
+                .is_some_and(|l| l.constraint.is_some());
+            if let (Some(s), true) = (&out.sampled, constrained) {
+                if by_slot.is_empty() {
+                    by_slot = vec![None; self.live.len()];
+                }
+                by_slot[i] = Some((s.token, out.finished.is_some()));
+            }
+        }
+        if by_slot.is_empty() {
+            return Vec::new();
+        }
+        for (slot, (live, token)) in self.live.iter_mut().zip(&by_slot).enumerate() {
+            let (Some(state), Some((token, finished))) =
+                (live.as_mut().and_then(|l| l.constraint.as_mut()), *token)
+            else {
+                continue;
+            };
+            work.push(MaskWork {
+                state,
+                token,
+                finished,
+                slot,
+                result: None,
+            });
+        }
+        if work.len() == 1 {
+            work[0].run();
+        } else {
+            self.driver.model.env.run_masks(&mut work);
+        }
+        let mut results: Vec<Option<(bool, Next)>> = vec![None; by_slot.len()];
+        for w in work {
+            results[w.slot] = w.result;
+        }
+        results
+    }
+}
+
+/// Gives each constrained sample of `plan` its request's mask: the plan's `token_masks`,
+/// indexed by the sample's `mask`.
+fn attach_masks(live: &[Option<Live>], plan: &mut StepPlan) {
+    let StepPlan {
+        reqs, token_masks, ..
+    } = plan;
+    for r in reqs.iter_mut() {
+        let Some(sample) = r.sample.as_mut() else {
+            continue;
+        };
+        let live = live.get(r.req.0 as usize).and_then(Option::as_ref);
+        if let Some(state) = live.and_then(|l| l.constraint.as_ref()) {
+            sample.mask = Some(token_masks.len() as u32);
+            token_masks.push(state.mask().clone());
+        }
+    }
+}
+
+/// `Admitted` (with the prefix-cache and loaded token count) for requests scheduled for the
+/// first time, read while the plan's requests are all still live.
+fn note_admissions(
+    live: &mut [Option<Live>],
+    events: &mut VecDeque<CoreEvent>,
+    sched: &Scheduler,
+    plan: &StepPlan,
+) {
+    for r in &plan.reqs {
+        let Some(l) = live.get_mut(r.req.0 as usize).and_then(Option::as_mut) else {
+            continue;
+        };
+        if l.admitted {
+            continue;
+        }
+        l.admitted = true;
+        let n_cached_tokens = sched.request(r.req).map_or(0, |req| req.n_cached_tokens);
+        events.push_back(CoreEvent::Request(
+            r.req,
+            Event::Admitted { n_cached_tokens },
+        ));
+    }
+}
+
+/// Aborts the live request at `idx` in the core.
+fn abort_idx(core: &mut Scheduler, idx: ReqIdx) -> Option<RequestOutput> {
+    let id = core.request(idx)?.id.clone();
+    core.abort(&id)
+}
+
+/// The version a weight update gets when the caller names none: `v` → `v+1`, `v+1` → `v+2`.
+pub fn next_version(current: &str) -> String {
+    if let Some((base, n)) = current.rsplit_once('+') {
+        if let Ok(n) = n.parse::<u64>() {
+            return format!("{base}+{}", n + 1);
+        }
+    }
+    format!("{current}+1")
+}
