@@ -254,25 +254,10 @@ impl<M: StepModel> StepDriver<M> {
         Ok(step)
     }
 
-    /// After a failed forward: the core already advanced its computed counts for the plan, so
-    /// every running request is preempted (its KV recomputed later), and every block the plan
-    /// was to write leaves the prefix cache: the core caches full blocks when they are
-    /// scheduled, so without this a recomputing request (or any later one with the same
-    /// prefix) would hit blocks whose KV was never written.
+    /// After a failed forward: the core already advanced its computed counts for the plan;
+    /// `Scheduler::recover_failed_step` undoes what the plan assumed written.
     fn recover(&mut self, plan: &StepPlan) {
-        for r in &plan.reqs {
-            let table = plan.block_table_of(r);
-            let n = r.tokens.len();
-            if n == 0 || table.is_empty() {
-                continue;
-            }
-            let first = r.start_pos / plan.block_size;
-            let last = ((r.start_pos + n - 1) / plan.block_size).min(table.len() - 1);
-            if first <= last {
-                self.sched.evict_blocks(&table[first..=last]);
-            }
-        }
-        self.sched.preempt_all_running();
+        self.sched.recover_failed_step(plan);
     }
 
     /// Hands a step's plan back to the core for reuse (optional).

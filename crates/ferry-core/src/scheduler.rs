@@ -1049,6 +1049,48 @@ impl Scheduler {
         }
     }
 
+    /// After a failed forward (`StepDriver`): the KV the plan was to write never was. The
+    /// blocks it was to write leave the prefix cache (the core caches full blocks when they
+    /// are scheduled, so a later request with the same prefix would hit them), every running
+    /// request is preempted (it recomputes), and a waiting request that took any of those
+    /// blocks as a prefix hit in the failed step while it loads the rest of its prompt loses
+    /// its KV when the load ends, as a retracted load does, and recomputes. (Found by the
+    /// simulation: a step failing on D while a P/D request hit the blocks a local request was
+    /// computing in it.)
+    pub fn recover_failed_step(&mut self, plan: &StepPlan) {
+        let mut unwritten = std::collections::BTreeSet::new();
+        for r in &plan.reqs {
+            let table = plan.block_table_of(r);
+            let n = r.tokens.len();
+            if n == 0 || table.is_empty() {
+                continue;
+            }
+            let first = r.start_pos / plan.block_size;
+            let last = ((r.start_pos + n - 1) / plan.block_size).min(table.len() - 1);
+            if first <= last {
+                self.kv.evict_blocks(&table[first..=last]);
+                unwritten.extend(table[first..=last].iter().copied());
+            }
+        }
+        self.preempt_all_running();
+        for &r in &self.waiting {
+            let Some(req) = self.requests[r.0 as usize].as_mut() else {
+                continue;
+            };
+            if !req.blocks.iter().any(|b| unwritten.contains(b)) {
+                continue;
+            }
+            match req.state {
+                RequestState::WaitingForRemoteKv { transfer, .. } => {
+                    self.stale_loads.insert(transfer);
+                }
+                _ => {
+                    drop_waiting_kv(&mut self.kv, req);
+                }
+            }
+        }
+    }
+
     /// Waiting requests that hold KV (arrived loads, the good part of failed ones) lose it:
     /// part of a cache reset. They recompute in queue order.
     pub(crate) fn retract_waiting_kv(&mut self) {

@@ -12,10 +12,11 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use ferry_core::{ConnectorId, FinishReason, OpId, ReqIdx, Scheduler, StepKind};
-use ferry_kv::{Reports, WorkerConnector};
+use ferry_kv::Reports;
 use ferry_model::{Executor, RetiredWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::handle::Connector;
 use crate::engine_core::{Call, CallResult, CoreEvent, EngineCore, NewRequest, ThreadedEnv};
 use crate::input::{AddInput, Event, Input, LifecycleCall, OpReply, Queued, Reply, Utility};
 use crate::{EngineStats, LifecycleStatus, WeightInfo};
@@ -89,31 +90,29 @@ impl EngineLoop {
         executor: Box<dyn Executor>,
         inputs: mpsc::UnboundedReceiver<Queued>,
         stats: watch::Sender<EngineStats>,
-        workers: Vec<Option<Box<dyn WorkerConnector>>>,
+        connectors: Vec<Connector>,
         reports: mpsc::WeakUnboundedSender<Queued>,
     ) -> std::io::Result<Self> {
-        let reports = (0..workers.len())
-            .map(|c| {
-                let tx = reports.clone();
-                let connector = ConnectorId(c as u32);
-                Reports::new(move |report| {
-                    // A weak sender: reports never keep a stopped engine's queue alive.
-                    if let Some(tx) = tx.upgrade() {
-                        let _ = tx.send(Queued {
-                            input: Input::Connector(connector, report),
-                            permit: None,
-                            slot: None,
-                        });
-                    }
-                })
+        // Each worker reports on this engine's input queue, through a weak sender: reports
+        // never keep a stopped engine's queue alive.
+        let report_to = |connector: ConnectorId| {
+            let tx = reports.clone();
+            Reports::new(move |report| {
+                if let Some(tx) = tx.upgrade() {
+                    let _ = tx.send(Queued {
+                        input: Input::Connector(connector, report),
+                        permit: None,
+                        slot: None,
+                    });
+                }
             })
-            .collect();
+        };
         let epoch = Instant::now();
-        let core = EngineCore::new(
+        let core = EngineCore::with_connectors(
             sched,
             executor,
-            workers,
-            reports,
+            connectors,
+            report_to,
             Box::new(ThreadedEnv { epoch }),
         );
         let waiter = tokio::runtime::Builder::new_current_thread()

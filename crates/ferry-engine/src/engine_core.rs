@@ -44,6 +44,7 @@ use ferry_kv::{KvArena, Reports, WorkerConnector};
 use ferry_model::{ExecError, Executor, PreparedWeights, RetiredWeights, WeightError};
 
 use crate::constraint::{Constraint, ConstraintState, Next};
+use crate::handle::Connector;
 use crate::input::{EngineFinish, Event};
 use crate::transfer_stats::{TransferStats, TransferTally};
 use crate::WeightInfo;
@@ -342,6 +343,24 @@ impl EngineCore {
             consecutive_failures: 0,
             counters: CoreCounters::default(),
         }
+    }
+
+    /// The core over `sched` with `connectors` registered in order (connector `c` is the
+    /// `c`-th), each worker reporting through `reports(c)`.
+    pub fn with_connectors(
+        mut sched: Scheduler,
+        executor: Box<dyn Executor>,
+        connectors: Vec<Connector>,
+        mut reports: impl FnMut(ConnectorId) -> Reports,
+        env: Box<dyn CoreEnv>,
+    ) -> Self {
+        let mut workers = Vec::with_capacity(connectors.len());
+        let mut sinks = Vec::with_capacity(connectors.len());
+        for c in connectors {
+            sinks.push(reports(sched.add_connector(c.scheduler)));
+            workers.push(c.worker);
+        }
+        Self::new(sched, executor, workers, sinks, env)
     }
 
     /// Verifies block ownership and the queues around every step (slow: the simulation, tests).

@@ -93,12 +93,7 @@ pub fn spawn_with_connectors(
     if config.input_queue_capacity == 0 {
         return Err(SpawnError::ZeroQueueCapacity);
     }
-    let mut core = Scheduler::new(config.scheduler.clone())?;
-    let mut workers = Vec::with_capacity(connectors.len());
-    for c in connectors {
-        core.add_connector(c.scheduler);
-        workers.push(c.worker);
-    }
+    let core = Scheduler::new(config.scheduler.clone())?;
     let vocab_size = executor.vocab_size();
     let (tx, rx) = mpsc::unbounded_channel();
     let (stats_tx, stats_rx) = watch::channel(EngineStats {
@@ -108,7 +103,7 @@ pub fn spawn_with_connectors(
         ..EngineStats::default()
     });
     let weight_preparer = executor.weight_ops().preparer();
-    let engine = EngineLoop::new(core, executor, rx, stats_tx, workers, tx.downgrade())
+    let engine = EngineLoop::new(core, executor, rx, stats_tx, connectors, tx.downgrade())
         .map_err(SpawnError::Thread)?;
     let thread = std::thread::Builder::new()
         .name("ferry-engine".into())

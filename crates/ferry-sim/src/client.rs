@@ -46,6 +46,8 @@ pub struct Client {
     pub route: Route,
     pub prompt: Vec<TokenId>,
     pub max_tokens: u32,
+    /// Under the structured-output constraint, on every engine it reaches.
+    pub constrained: bool,
     pub stage: Stage,
     pub tokens: Vec<TokenId>,
     pub end: Option<End>,

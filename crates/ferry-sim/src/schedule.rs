@@ -103,6 +103,8 @@ pub enum Fault {
     LostAfterServe,
     /// Time jumps by `ms` with nothing else happening (leases and bounds fall due).
     TimeJump { ms: u32 },
+    /// The engine's next `n` forwards fail (the executor errs; the engine recovers).
+    StepFails { side: Side, n: u8 },
 }
 
 /// What happens at one tick.
@@ -115,6 +117,8 @@ pub enum Action {
         prefix: u8,
         extra: u8,
         max_tokens: u8,
+        /// Under a structured-output constraint (the engines' masks).
+        constrained: bool,
     },
     /// The `pick`-th live client request's client goes away.
     Disconnect {
@@ -207,7 +211,7 @@ fn op(rng: &mut Rng) -> OpKind {
 }
 
 fn fault(rng: &mut Rng) -> Fault {
-    match rng.below(8) {
+    match rng.below(9) {
         0 => Fault::LinkDown {
             side: side(rng),
             ms: rng.range(5, 400) as u32,
@@ -228,6 +232,10 @@ fn fault(rng: &mut Rng) -> Fault {
             good: rng.below(4) as u8,
         },
         5 => Fault::LostAfterServe,
+        6 => Fault::StepFails {
+            side: side(rng),
+            n: rng.range(1, 3) as u8,
+        },
         _ => Fault::TimeJump {
             ms: rng.range(100, 4000) as u32,
         },
@@ -254,6 +262,7 @@ pub fn generate(seed: u64, params: ScheduleParams) -> Vec<Timed> {
                 prefix: rng.below(4) as u8,
                 extra: rng.range(1, 12) as u8,
                 max_tokens: rng.range(1, 10) as u8,
+                constrained: rng.chance(1, 5),
             },
             55..=61 => Action::Disconnect {
                 pick: rng.below(64) as u16,
@@ -321,6 +330,7 @@ impl fmt::Display for Action {
                 prefix,
                 extra,
                 max_tokens,
+                constrained,
             } => {
                 let route = match route {
                     Route::Disaggregated => "P→D".to_owned(),
@@ -328,7 +338,8 @@ impl fmt::Display for Action {
                 };
                 write!(
                     f,
-                    "client: request via {route}, prefix {prefix} + {extra} tokens, max_tokens {max_tokens}"
+                    "client: request via {route}, prefix {prefix} + {extra} tokens, max_tokens {max_tokens}{}",
+                    if *constrained { ", constrained" } else { "" }
                 )
             }
             Action::Disconnect { pick } => write!(f, "client: live request #{pick} disconnects"),

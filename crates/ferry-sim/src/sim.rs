@@ -40,6 +40,7 @@ use crate::engine::{EngineSetup, Event, Input, Mailbox, SimEngine};
 use crate::net::{SimNet, Touch};
 use crate::rng::Rng;
 use crate::schedule::{Action, Fault, OpKind, Route, Side, Target, Timed};
+use ferry_engine::Constraint;
 
 /// Whether a run has the offload tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,6 +115,10 @@ pub struct Stats {
     pub n_crashes: u64,
     pub n_tokens_checked: u64,
     pub n_tokens_mixed: u64,
+    /// Tokens checked that a structured-output mask constrained.
+    pub n_tokens_masked: u64,
+    /// Forwards that failed (a fault) and the engine recovered from.
+    pub n_step_failures: u64,
     pub n_steps: u64,
     pub tier: bool,
     pub end_ms: u64,
@@ -170,6 +175,8 @@ pub struct Sim {
     net: SimNet,
     mailbox: Mailbox,
     engines: [Option<SimEngine>; 2],
+    /// The structured-output constraint constrained requests run under (compiled once).
+    constraint: Constraint,
     incarnations: [u32; 2],
     restart_at: [Option<Duration>; 2],
     clients: Vec<Client>,
@@ -249,6 +256,7 @@ impl Sim {
             now: Duration::ZERO,
             net,
             mailbox: Arc::new(Mutex::new(Vec::new())),
+            constraint: crate::engine::constraint(),
             engines: [None, None],
             incarnations: [0, 0],
             restart_at: [None, None],
@@ -317,6 +325,7 @@ impl Sim {
             &self.net,
             &self.mailbox,
             secret,
+            &self.constraint,
         ));
         let inc = self.incarnations[i];
         self.note(|| {
@@ -556,7 +565,8 @@ impl Sim {
                 prefix,
                 extra,
                 max_tokens,
-            } => self.arrive(route, prefix, extra, max_tokens),
+                constrained,
+            } => self.arrive(route, prefix, extra, max_tokens, constrained),
             Action::Disconnect { pick } => self.disconnect(pick),
             Action::Op { target, op } => {
                 let version = self.new_version(op);
@@ -591,7 +601,7 @@ impl Sim {
         format!("w{}", self.n_versions)
     }
 
-    fn arrive(&mut self, route: Route, prefix: u8, extra: u8, max_tokens: u8) {
+    fn arrive(&mut self, route: Route, prefix: u8, extra: u8, max_tokens: u8, constrained: bool) {
         let n = self.clients.len();
         self.stats.n_requests += 1;
         let mut client = Client {
@@ -599,6 +609,7 @@ impl Sim {
             route,
             prompt: Client::prompt(n, prefix, extra),
             max_tokens: u32::from(max_tokens),
+            constrained,
             stage: Stage::Ended,
             tokens: Vec::new(),
             end: None,
@@ -623,6 +634,7 @@ impl Sim {
                     prompt: client.prompt.clone(),
                     max_tokens: max,
                     kv,
+                    constrained: client.constrained,
                 });
                 client.stage = Stage::On {
                     side,
@@ -711,6 +723,7 @@ impl Sim {
                 prompt: c.prompt.clone(),
                 max_tokens: c.max_tokens,
                 kv,
+                constrained: c.constrained,
             });
             let inc = d.incarnation;
             let d_paused = paused(d);
@@ -968,14 +981,21 @@ impl Sim {
             Fault::LostAfterServe => self.net.lose_next_pull(),
             // At the end of this tick: calls made at this moment are handled at it.
             Fault::TimeJump { ms: m } => self.jump += ms(m),
+            Fault::StepFails { side, n } => {
+                if let Some(e) = self.engines[side.idx()].as_ref() {
+                    e.fail_steps(n);
+                }
+            }
         }
     }
 
     /// Adds an engine's counters to the run's (when it stops or dies).
     fn count(&mut self, e: &SimEngine) {
-        let o = &e.driver.model.oracle;
+        let o = e.oracle.lock();
         self.stats.n_tokens_checked += o.n_checked;
         self.stats.n_tokens_mixed += o.n_mixed;
+        self.stats.n_tokens_masked += o.n_masked;
+        self.stats.n_step_failures += e.core.counters().n_step_failures_total;
         self.stats.n_steps += e.n_steps;
     }
 
@@ -1075,7 +1095,7 @@ impl Sim {
         for side in [Side::P, Side::D] {
             let e = self.engines[side.idx()].as_ref().expect("restarted");
             let mut steps = VecDeque::new();
-            if e.driver.model.executor_residency() == WeightResidency::Dropped {
+            if e.core.executor().weight_ops().residency() == WeightResidency::Dropped {
                 steps.push_back((target_of(side), OpKind::WeightUpdate, Some(version.clone())));
             }
             steps.push_back((target_of(side), OpKind::WakeUp { tags: 0 }, None));
@@ -1090,7 +1110,7 @@ impl Sim {
     fn idle(&self) -> bool {
         self.clients.iter().all(|c| !c.is_live())
             && self.engines.iter().flatten().all(|e| {
-                !e.busy()
+                !e.core.has_work()
                     && !e.has_inputs()
                     && e.live.is_empty()
                     && e.core().stats().n_transfers == 0
@@ -1110,7 +1130,7 @@ impl Sim {
             .iter()
             .all(|c| !matches!(c.stage, Stage::Proxy { .. }))
             && self.engines.iter().flatten().all(|e| {
-                !e.busy()
+                !e.core.has_work()
                     && !e.has_inputs()
                     && e.copier.as_ref().is_none_or(|c| c.lock().n_queued() == 0)
             })

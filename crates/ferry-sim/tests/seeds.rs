@@ -44,6 +44,8 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
         total.n_runs_under_fail += s.n_runs_under_fail;
         total.n_disconnected += s.n_disconnected;
         total.n_tokens_mixed += s.n_tokens_mixed;
+        total.n_tokens_masked += s.n_tokens_masked;
+        total.n_step_failures += s.n_step_failures;
         total.n_ops += s.n_ops;
         total.n_pulls_ok += s.n_pulls_ok;
         total.n_pulls_failed += s.n_pulls_failed;
@@ -56,11 +58,14 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
     total
 }
 
-/// The runs must exercise what they claim to: tokens checked, pulls that succeed and fail,
-/// crashes, tier copies (with the tier on), and requests failed by the faults injected on
-/// their loads under `fail` (each one checked to be such a fault).
+/// The runs must exercise what they claim to: tokens checked (some under a constraint's
+/// mask), pulls that succeed and fail, crashes, failed steps, tier copies (with the tier on),
+/// and requests failed by the faults injected on their loads under `fail` (each one checked
+/// to be such a fault).
 fn assert_exercised(s: &Stats, n: u64, tier: bool) {
     assert!(s.n_tokens_checked > 50 * n, "{s:?}");
+    assert!(s.n_tokens_masked > 5 * n, "{s:?}");
+    assert!(s.n_step_failures > n / 4, "{s:?}");
     assert!(s.n_load_faults > n / 10, "{s:?}");
     assert!(s.n_pulls_ok > 3 * n && s.n_pulls_failed > n / 2, "{s:?}");
     assert!(s.n_crashes > n / 4, "{s:?}");

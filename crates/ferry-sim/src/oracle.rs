@@ -1,0 +1,129 @@
+//! The oracle: every sampled token is compared with the checksum model's reference for the
+//! request's tokens under the weights of that step (under a constraint: the first token the
+//! step's mask allows from there), unless the request's own KV mixes weight versions (a
+//! request frozen across an update without a cache clear keeps its KV: that is allowed, and
+//! its tokens are then not predictable). KV a request did not compute itself (a prefix hit, a
+//! P/D load, an offload load) is taken to be of the current weights: stale KV shows as a
+//! wrong token. It watches the engine core's steps as a `StepObserver`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use ferry_core::{ModelOutput, Scheduler, StepPlan, TokenId};
+use ferry_engine::StepObserver;
+use ferry_model::ChecksumModel;
+
+/// The checksum model's vocabulary: large enough that a wrong digest rarely maps to the
+/// right token by chance.
+pub const VOCAB: usize = 50_000;
+
+/// The oracle's record of which weights computed each position of a request's KV.
+#[derive(Debug, Default)]
+pub struct Oracle {
+    versions: Vec<String>,
+    /// Request id → per position, the index (in `versions`) of the weights its KV is of.
+    shadow: HashMap<String, Vec<u32>>,
+    refs: BTreeMap<String, ChecksumModel>,
+    pub violations: Vec<String>,
+    pub n_checked: u64,
+    pub n_mixed: u64,
+    /// Of `n_checked`, tokens a constraint's mask chose among.
+    pub n_masked: u64,
+    /// Off: a test that the checks catch a planted fault turns the oracle's answer around.
+    pub enabled: bool,
+}
+
+impl Oracle {
+    fn intern(&mut self, version: &str) -> u32 {
+        match self.versions.iter().position(|v| v == version) {
+            Some(i) => i as u32,
+            None => {
+                self.versions.push(version.to_owned());
+                self.versions.len() as u32 - 1
+            }
+        }
+    }
+
+    fn reference(&mut self, version: &str, tokens: &[TokenId]) -> TokenId {
+        self.refs
+            .entry(version.to_owned())
+            .or_insert_with(|| ChecksumModel::new(version, VOCAB).expect("valid vocabulary"))
+            .reference_next_token(tokens)
+    }
+
+    pub fn forget(&mut self, id: &str) {
+        self.shadow.remove(id);
+    }
+
+    fn check(&mut self, core: &Scheduler, plan: &StepPlan, out: &ModelOutput) {
+        let version = core.weight_version();
+        let current = self.intern(version);
+        let mut sampled = out.sampled.iter();
+        for r in &plan.reqs {
+            let Some(req) = core.request(r.req) else {
+                self.violations.push(format!(
+                    "the plan schedules a request that is not live: {:?}",
+                    r.req
+                ));
+                continue;
+            };
+            let shadow = self.shadow.entry(req.id.clone()).or_default();
+            if r.start_pos != shadow.len() {
+                // KV the request did not compute in its last step (a hit, a load, or what is
+                // left after a preemption or a failed load) must be of the current weights.
+                shadow.clear();
+                shadow.resize(r.start_pos, current);
+            }
+            shadow.extend(std::iter::repeat_n(current, r.tokens.len()));
+            let Some(spec) = r.sample else {
+                continue;
+            };
+            let Some(token) = sampled.next() else {
+                self.violations.push(format!(
+                    "{}: no token sampled where the plan asked for one",
+                    req.id
+                ));
+                continue;
+            };
+            if shadow.iter().any(|&g| g != current) {
+                self.n_mixed += 1;
+                continue;
+            }
+            let end = r.start_pos + r.tokens.len();
+            let mut expected = self.reference(version, &req.tokens[..end]);
+            if let Some(mask) = plan.mask_of(&spec) {
+                // A constrained sample: the first token the request's mask allows.
+                expected = self.refs[version].allowed_token_from(expected, mask);
+                self.n_masked += 1;
+            }
+            self.n_checked += 1;
+            if token.token != expected {
+                self.violations.push(format!(
+                    "{}: sampled token {} after {end} tokens under weights {version:?}, the \
+                     reference is {expected}: its KV is wrong, stale or misplaced",
+                    req.id, token.token
+                ));
+            }
+        }
+    }
+}
+
+/// The oracle shared between an engine core (which shows it every step) and the simulation
+/// (which reads its verdicts).
+#[derive(Debug, Clone, Default)]
+pub struct SharedOracle(pub Arc<Mutex<Oracle>>);
+
+impl SharedOracle {
+    pub fn lock(&self) -> MutexGuard<'_, Oracle> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl StepObserver for SharedOracle {
+    fn on_computed(&mut self, core: &Scheduler, plan: &StepPlan, output: &ModelOutput) {
+        let mut oracle = self.lock();
+        if oracle.enabled {
+            oracle.check(core, plan, output);
+        }
+    }
+}
