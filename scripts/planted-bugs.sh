@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Plants each bug of docs/planted-bugs/ in turn (a scratch change to ferry-core, reverted
-# after), runs the simulation's seeds 0..N against it, and prints how many seeds caught it and
-# which seed was first. The working tree must have no changes to the files the patches touch.
+# Plants each bug of docs/planted-bugs/ in turn (a scratch change to ferry-core or to
+# ferry-engine's EngineCore, reverted after), runs the simulation's seeds 0..N against it,
+# and prints how many seeds caught it and which seed was first. The working tree must have no changes to the files the patches touch.
 #
 #   scripts/planted-bugs.sh [N]      # N seeds per bug, 2000 by default
 set -euo pipefail
