@@ -4,8 +4,8 @@
 //! request and response structs), so a field added to a request is in the document by
 //! construction. The routes are the table below; `tests/server/openapi.rs` checks it against
 //! the live router (every documented route answers its method, every documented query
-//! parameter is one its handler knows) and against the README (every route and parameter the
-//! README lists is here).
+//! parameter is one its handler knows) and against the API's documentation (every route and
+//! parameter the README, `docs/api.md` and `docs/lifecycle-admin.md` list is here).
 
 use utoipa::openapi::path::{
     HttpMethod, OperationBuilder, ParameterBuilder, ParameterIn, PathsBuilder,

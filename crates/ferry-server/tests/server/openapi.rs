@@ -1,6 +1,7 @@
-//! `GET /openapi.json` against the live router and the README: every documented route answers
-//! its method, every documented query parameter is one its handler knows, and every route and
-//! parameter the README lists is in the document.
+//! `GET /openapi.json` against the live router and the API's documentation (the README,
+//! `docs/api.md` and `docs/lifecycle-admin.md`): every documented route answers its method,
+//! every documented query parameter is one its handler knows, and every route and parameter
+//! the documentation lists is in the document.
 
 use std::collections::BTreeSet;
 
@@ -9,18 +10,18 @@ use serde_json::Value;
 
 use crate::support::{start, Options};
 
-/// The README, which sits two levels above this crate.
-fn readme() -> String {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md");
-    std::fs::read_to_string(path).unwrap()
+/// A Markdown file of the repository (`path` from its root, two levels above this crate).
+fn markdown(path: &str) -> String {
+    let full = format!("{}/../../{path}", env!("CARGO_MANIFEST_DIR"));
+    std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{full}: {e}"))
 }
 
-/// The README from `start` (a line prefix) to the next `## ` heading.
-fn section<'a>(readme: &'a str, start: &str) -> &'a str {
-    let from = readme
+/// `text` from `start` (a line prefix) to the next `## ` heading.
+fn section<'a>(text: &'a str, start: &str) -> &'a str {
+    let from = text
         .find(start)
-        .unwrap_or_else(|| panic!("README has no {start:?}"));
-    let rest = &readme[from + start.len()..];
+        .unwrap_or_else(|| panic!("the documentation has no {start:?}"));
+    let rest = &text[from + start.len()..];
     &rest[..rest.find("\n## ").unwrap_or(rest.len())]
 }
 
@@ -121,7 +122,7 @@ fn query_params(op: &Value) -> BTreeSet<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_document_matches_the_router_and_the_readme() {
+async fn the_document_matches_the_router_and_the_docs() {
     let s = start(Options {
         admin_api: true,
         ..Options::default()
@@ -175,19 +176,21 @@ async fn the_document_matches_the_router_and_the_readme() {
     assert!(plain_doc["paths"].get("/pause").is_none());
     assert!(plain_doc["paths"].get("/v1/completions").is_some());
 
-    // The README: every route it lists is in the document, with its method.
-    let readme = readme();
-    let server = section(&readme, "## Using the server");
-    let admin = section(&readme, "## Lifecycle admin API");
-    let listed: BTreeSet<_> = routes_in(server)
+    // The documentation: every route the README, the API reference and the admin API's page
+    // list is in the document, with its method.
+    let readme = markdown("README.md");
+    let api = markdown("docs/api.md");
+    let admin = markdown("docs/lifecycle-admin.md");
+    let listed: BTreeSet<_> = routes_in(&readme)
         .into_iter()
-        .chain(routes_in(admin))
+        .chain(routes_in(&api))
+        .chain(routes_in(&admin))
         .collect();
     assert!(listed.len() >= 25, "{listed:?}");
     for (method, path) in &listed {
         assert!(
             operation(&doc, method, path).is_object(),
-            "README's {method} {path} is not in /openapi.json"
+            "the documentation's {method} {path} is not in /openapi.json"
         );
     }
 
@@ -195,7 +198,7 @@ async fn the_document_matches_the_router_and_the_readme() {
     // and completions' own fields count for their route).
     let completion = &doc["components"]["schemas"]["CompletionRequest"];
     let chat = &doc["components"]["schemas"]["ChatRequest"];
-    let params = section(&readme, "**Parameters.**");
+    let params = section(&api, "## Parameters");
     let params = &params[..params.find("are accepted and ignored").unwrap()];
     let mut names: Vec<&str> = code_spans(params)
         .into_iter()
@@ -204,7 +207,7 @@ async fn the_document_matches_the_router_and_the_readme() {
                 .all(|c| c.is_ascii_lowercase() || c == '_' || c == '.')
         })
         .collect();
-    let structured = section(&readme, "**Structured outputs.**");
+    let structured = section(&api, "## Structured outputs");
     let structured = &structured[..structured.find("```").unwrap()];
     for line in structured.lines().filter(|l| l.starts_with("| `")) {
         let first = line.split('|').nth(1).unwrap();
@@ -226,12 +229,12 @@ async fn the_document_matches_the_router_and_the_readme() {
             (in_completion && in_chat)
                 || ((in_completion || in_chat)
                     && (route_own.contains(&name) || name == "prompt" || name == "logprobs")),
-            "README's parameter `{name}` is not in the request schemas"
+            "docs/api.md's parameter `{name}` is not in the request schemas"
         );
     }
 
-    // Every admin parameter the README's table lists: `name=` in the query, `"name"` in the
-    // JSON body.
+    // Every admin parameter the table of docs/lifecycle-admin.md lists: `name=` in the query,
+    // `"name"` in the JSON body.
     for row in admin.lines().filter(|l| l.starts_with("| `")) {
         // Cells split on `|`, but not on the `\|` inside them.
         let row = row.replace("\\|", "/");
@@ -246,7 +249,7 @@ async fn the_document_matches_the_router_and_the_readme() {
             if let Some((name, _)) = span.split_once('=') {
                 assert!(
                     query.contains(name),
-                    "{method} {path}: README's `{name}=` is not documented"
+                    "{method} {path}: docs/lifecycle-admin.md's `{name}=` is not documented"
                 );
             }
             for key in span
@@ -257,7 +260,7 @@ async fn the_document_matches_the_router_and_the_readme() {
             {
                 assert!(
                     body_props.contains(key),
-                    "{method} {path}: README's body key `{key}` is not documented"
+                    "{method} {path}: docs/lifecycle-admin.md's body key `{key}` is not documented"
                 );
             }
         }
