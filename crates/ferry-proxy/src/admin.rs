@@ -30,8 +30,8 @@ use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use ferry_server::error::ApiError;
-use ferry_server::extract::{random_id, ApiBytes, RequestId};
+use ferry_http::error::ApiError;
+use ferry_http::extract::{random_id, ApiBytes, RequestId};
 use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
 

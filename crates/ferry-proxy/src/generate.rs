@@ -24,8 +24,8 @@ use axum::extract::State;
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
-use ferry_server::error::ApiError;
-use ferry_server::extract::{ApiBytes, RequestId};
+use ferry_http::error::ApiError;
+use ferry_http::extract::{ApiBytes, RequestId};
 use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
 

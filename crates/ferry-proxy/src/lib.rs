@@ -15,9 +15,9 @@
 //! and every call to an instance has a connect timeout, so an instance that is down is a 503
 //! naming it, never a hang ([`upstream`]).
 //!
-//! It speaks HTTP only: `ferry-server` is a dependency for the wire shapes it shares with the
-//! instances (the OpenAI error body, the request id rules, the API key check), never for the
-//! engine behind them.
+//! It speaks HTTP only: `ferry-http` gives it the wire shapes it shares with the instances
+//! (the OpenAI error body, the request id rules, the API key check, the body limit), and it
+//! depends on nothing of the engine behind them: building the proxy builds no model.
 
 pub mod admin;
 pub mod fleet;
@@ -31,10 +31,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
-use ferry_server::ApiKey;
+use ferry_http::ApiKey;
 
 use crate::fleet::Fleet;
 pub use crate::upstream::InstanceKey;
@@ -106,7 +105,7 @@ pub fn router(config: ProxyConfig) -> Result<Router, ProxyError> {
     let upstream = Upstream::new(config.connect_timeout, config.instance_api_key.clone())?;
     let fleet = Fleet::new(&config.prefill, &config.decode);
     let admin = config.enable_admin_api;
-    let api_key = config.api_key.clone().map(Arc::new);
+    let api_key = config.api_key.clone();
     let state = Arc::new(ProxyState {
         config,
         fleet,
@@ -127,19 +126,7 @@ pub fn router(config: ProxyConfig) -> Result<Router, ProxyError> {
         routes
     };
     let routes = routes.fallback(routes::not_found);
-    let routes = match api_key {
-        Some(key) => routes.layer(axum::middleware::from_fn_with_state(
-            key,
-            ferry_server::auth::require_api_key,
-        )),
-        None => routes,
-    };
-    Ok(routes
-        .layer(DefaultBodyLimit::max(ferry_server::MAX_BODY_BYTES))
-        .layer(axum::middleware::from_fn(
-            ferry_server::extract::request_id_layer,
-        ))
-        .with_state(state))
+    Ok(ferry_http::edge_layers(routes, api_key).with_state(state))
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves, then waits for open requests.

@@ -9,8 +9,8 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use ferry_server::error::ApiError;
-use ferry_server::extract::{ApiBytes, RequestId};
+use ferry_http::error::ApiError;
+use ferry_http::extract::{ApiBytes, RequestId};
 use serde_json::{json, Value};
 
 use crate::fleet::{Instance, Role};

@@ -7,9 +7,9 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
-use ferry_server::error::ApiError;
-use ferry_server::extract::REQUEST_ID_HEADER;
-use ferry_server::ApiKey;
+use ferry_http::error::ApiError;
+use ferry_http::extract::REQUEST_ID_HEADER;
+use ferry_http::ApiKey;
 
 use crate::fleet::Instance;
 
@@ -25,12 +25,12 @@ impl fmt::Debug for InstanceKey {
 }
 
 impl FromStr for InstanceKey {
-    type Err = ferry_server::auth::ApiKeyError;
+    type Err = ferry_http::auth::ApiKeyError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         ApiKey::new(s)?;
         let mut value = HeaderValue::from_str(&format!("Bearer {s}"))
-            .map_err(|_| ferry_server::auth::ApiKeyError::NotPrintable)?;
+            .map_err(|_| ferry_http::auth::ApiKeyError::NotPrintable)?;
         value.set_sensitive(true);
         Ok(Self(value))
     }

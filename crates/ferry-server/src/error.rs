@@ -1,195 +1,29 @@
-//! The one error type every handler returns, rendered as an OpenAI error body:
+//! The one error type every handler returns, [`ApiError`], rendered as an OpenAI error body:
 //! `{"error": {"message", "type", "param", "code"}}` with the HTTP status as `code`.
 //!
-//! Errors are classified where they arise (validation names the field; engine errors map by
-//! variant), so nothing here ever inspects a message's text.
+//! The type and its body live in `ferry-http`, which the P/D proxy shares (re-exported here
+//! under their old paths); what is the server's own is how the engine's errors map onto it
+//! ([`EngineFailure`]), by variant, never by a message's text.
 
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
-use serde::Serialize;
+pub use ferry_http::error::{ApiError, ErrorBody, ErrorInfo};
 
-/// An HTTP error with an OpenAI-shaped body.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{status}: {message}")]
-pub struct ApiError {
-    pub status: StatusCode,
-    pub message: String,
-    /// The OpenAI error type (`invalid_request_error`, ...).
-    pub kind: &'static str,
-    /// The request field at fault, as a path (`messages[0].content`), when there is one.
-    pub param: Option<String>,
+/// An engine error with the HTTP error it answers with. A trait rather than `From` impls:
+/// `ApiError` is ferry-http's and these errors are ferry-engine's, so the orphan rule forbids
+/// `impl From<EngineError> for ApiError` here, and ferry-http must not know the engine.
+/// Handlers convert with [`api_error`]: `engine.resume().await.map_err(api_error)?`.
+pub trait EngineFailure {
+    /// The HTTP error this engine error answers with.
+    fn into_api_error(self) -> ApiError;
 }
 
-impl ApiError {
-    /// A 400 naming the field at fault.
-    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: Some(param.into()),
-        }
-    }
-
-    /// A 400 about the request as a whole (malformed JSON, no chat template).
-    pub fn bad_request(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: None,
-        }
-    }
-
-    /// A 404: the request names something this server does not have (a model, a route).
-    pub fn not_found(param: Option<&str>, message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::NOT_FOUND,
-            message: message.into(),
-            kind: "not_found_error",
-            param: param.map(str::to_owned),
-        }
-    }
-
-    /// A 401: the request lacks the server's API key (see [`crate::auth`]).
-    pub fn unauthorized(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::UNAUTHORIZED,
-            message: message.into(),
-            kind: "authentication_error",
-            param: None,
-        }
-    }
-
-    /// A 409: a lifecycle operation conflicts with the engine's state (not paused, asleep,
-    /// cancelled by a resume). Nothing was lost; the caller may retry in another state.
-    pub fn conflict(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::CONFLICT,
-            message: message.into(),
-            kind: "conflict_error",
-            param: None,
-        }
-    }
-
-    /// A 504: a lifecycle operation's wait for transfers outlasted its bound. The engine
-    /// stays paused and consistent; the operation can be asked for again.
-    pub fn timeout(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::GATEWAY_TIMEOUT,
-            message: message.into(),
-            kind: "timeout_error",
-            param: None,
-        }
-    }
-
-    /// A 413: the request body is over the route's limit.
-    pub fn too_large(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::PAYLOAD_TOO_LARGE,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: Some("body".into()),
-        }
-    }
-
-    /// A 503: the engine is overloaded or has stopped. Clients may retry later.
-    pub fn unavailable(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            message: message.into(),
-            kind: "service_unavailable_error",
-            param: None,
-        }
-    }
-
-    /// A 500: something the server should have prevented.
-    pub fn internal(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: message.into(),
-            kind: "internal_server_error",
-            param: None,
-        }
-    }
-
-    /// A 500: the engine finished a choice with an explained `error` (a KV load that failed
-    /// under `--kv-load-failure-policy fail`); the message says why.
-    pub fn generation_failed(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: message.into(),
-            kind: "generation_error",
-            param: None,
-        }
-    }
-
-    /// The JSON body, also used inside an SSE stream.
-    pub fn body(&self) -> ErrorBody {
-        ErrorBody {
-            error: ErrorInfo {
-                message: self.message.clone(),
-                kind: self.kind,
-                param: self.param.clone(),
-                code: self.status.as_u16(),
-            },
-        }
-    }
-}
-
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct ErrorBody {
-    pub error: ErrorInfo,
-}
-
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct ErrorInfo {
-    pub message: String,
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub param: Option<String>,
-    pub code: u16,
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        if self.status.is_server_error() {
-            tracing::warn!(status = %self.status, "{}", self.message);
-        } else {
-            tracing::debug!(status = %self.status, param = ?self.param, "{}", self.message);
-        }
-        (self.status, Json(self.body())).into_response()
-    }
+/// `e`'s HTTP error; the function form of [`EngineFailure::into_api_error`], for `map_err`.
+pub fn api_error(e: impl EngineFailure) -> ApiError {
+    e.into_api_error()
 }
 
 /// A stopped engine: a 503, as for any call that needs one.
-impl From<ferry_engine::Stopped> for ApiError {
-    fn from(e: ferry_engine::Stopped) -> Self {
-        ApiError::unavailable(e.to_string())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn body_has_the_openai_shape() {
-        let e = ApiError::invalid("max_tokens", "max_tokens must be at least 1");
-        let json = serde_json::to_value(e.body()).unwrap();
-        assert_eq!(
-            json,
-            serde_json::json!({"error": {
-                "message": "max_tokens must be at least 1",
-                "type": "invalid_request_error",
-                "param": "max_tokens",
-                "code": 400
-            }})
-        );
-        assert_eq!(
-            ApiError::unavailable("x").status,
-            StatusCode::SERVICE_UNAVAILABLE
-        );
+impl EngineFailure for ferry_engine::Stopped {
+    fn into_api_error(self) -> ApiError {
+        ApiError::unavailable(self.to_string())
     }
 }

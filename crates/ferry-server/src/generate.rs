@@ -21,7 +21,7 @@ use futures_util::stream::{self, BoxStream, StreamExt};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::error::ApiError;
+use crate::error::{ApiError, EngineFailure};
 use crate::extract::{next_engine_seq, ApiJson, RequestId};
 use crate::kv_transfer::{check_remote_host, KvTransferParamsJson, TransferLimits};
 use crate::live::{LiveRequests, Registration};
@@ -256,7 +256,7 @@ pub fn choice_params(prompt: &SamplingParams, choice: u32) -> SamplingParams {
 pub fn generate_error(e: GenerateError, prompt_param: &str) -> ApiError {
     match e {
         GenerateError::Overloaded { .. } => ApiError::unavailable(e.to_string()),
-        GenerateError::Stopped(e) => e.into(),
+        GenerateError::Stopped(e) => e.into_api_error(),
         GenerateError::NoTokenizer => ApiError::invalid("stop", e.to_string()),
         GenerateError::TokenOutOfVocabulary { .. } => {
             ApiError::invalid(prompt_param, e.to_string())

@@ -14,15 +14,16 @@
 //! client that goes away aborts its requests and frees their KV blocks.
 //!
 //! Modules: [`admin`] (pause, sleep, cache reset, weight updates), [`auth`] (the API key),
-//! [`live`] (requests in
-//! flight by HTTP id), [`extract`] (JSON bodies, request ids), [`request`] / [`response`] (wire types),
-//! [`params`] (validation), [`chat_template`], [`generate`] (the one handler of both
+//! [`live`] (requests in flight by HTTP id), [`error`] (the OpenAI error, and how the engine's
+//! map onto it), [`extract`] (JSON bodies, request ids), [`request`] / [`response`] (wire
+//! types), [`params`] (validation), [`chat_template`], [`generate`] (the one handler of both
 //! generation routes: engine requests, `n`, usage), [`sse`] (streaming), [`completions`] and
 //! [`chat`] (each route's request parsing and wire format), [`routes`] (the small routes),
-//! [`metrics`], [`logprobs`], [`state`].
+//! [`metrics`], [`logprobs`], [`state`]. The edge it shares with the P/D proxy (the error
+//! type, request ids, the API key, the body limit and [`ferry_http::edge_layers`]) is
+//! `ferry-http`'s, re-exported under the paths it had here.
 
 pub mod admin;
-pub mod auth;
 pub mod chat;
 pub mod chat_template;
 pub mod completions;
@@ -45,21 +46,21 @@ pub mod structured;
 use std::future::Future;
 use std::sync::Arc;
 
-use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
 use ferry_engine::{AllowedPeers, EngineHandle, ModelInfo};
 
-pub use crate::auth::ApiKey;
 use crate::chat_template::ChatTemplate;
 use crate::logprobs::TokenTexts;
 use crate::metrics::Metrics;
 use crate::params::Limits;
 use crate::state::{unix_now, AppState};
 
-/// Largest request body (a batch of long token-id prompts fits well inside); a larger one is
-/// a 413 (`POST /update_weights` has its own limit, `ServerConfig::max_weight_push_bytes`).
-pub const MAX_BODY_BYTES: usize = 32 << 20;
+/// The API key ([`ApiKey`]) and its middleware: ferry-http's, shared with the proxy.
+pub use ferry_http::auth;
+pub use ferry_http::ApiKey;
+/// Largest request body; ferry-http's, so the proxy takes what the server takes.
+pub use ferry_http::MAX_BODY_BYTES;
 
 /// What the server needs besides the engine; built by the binary from the model folder.
 #[derive(Debug, Clone, PartialEq)]
@@ -145,7 +146,7 @@ impl ServerConfig {
 /// The server's routes over `engine`.
 pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
     let admin = config.enable_admin_api;
-    let api_key = config.api_key.clone().map(Arc::new);
+    let api_key = config.api_key.clone();
     let state = Arc::new(app_state(engine, config));
     let routes = Router::new()
         .route(
@@ -166,18 +167,8 @@ pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
         routes
     };
     let routes = routes.fallback(routes::not_found);
-    // Unknown paths need the key too, so a client without it learns nothing of the routes.
-    let routes = match api_key {
-        Some(key) => routes.layer(axum::middleware::from_fn_with_state(
-            key,
-            auth::require_api_key,
-        )),
-        None => routes,
-    };
-    routes
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(axum::middleware::from_fn(extract::request_id_layer))
-        .with_state(state)
+    // The key (unknown paths need it too), the body limit and the request id, as on the proxy.
+    ferry_http::edge_layers(routes, api_key).with_state(state)
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves, then waits for open requests

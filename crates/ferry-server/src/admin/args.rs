@@ -1,5 +1,6 @@
 //! Reading the admin routes' arguments (query strings and small JSON bodies) and mapping the
-//! engine's lifecycle and weight errors to HTTP (`From` impls, so a handler's `?` maps them).
+//! engine's lifecycle and weight errors to HTTP ([`EngineFailure`] impls: a handler writes
+//! `.map_err(api_error)?`).
 //!
 //! Query strings are parsed by hand over `form_urlencoded` rather than with `axum::Query`:
 //! `wake_up?tags=weights&tags=kv_cache` repeats a key, which `serde_urlencoded` cannot read
@@ -13,7 +14,7 @@ use ferry_engine::{
 };
 use serde::de::DeserializeOwned;
 
-use crate::error::ApiError;
+use crate::error::{ApiError, EngineFailure};
 use crate::extract::parse_json;
 
 /// A route's query parameters, in order, percent-decoded.
@@ -140,35 +141,35 @@ pub fn optional_json<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, A
 
 /// A lifecycle operation the core refused or cancelled is a conflict with the engine's state
 /// (409); nothing was lost and the caller may retry in another state.
-impl From<LifecycleCallError> for ApiError {
-    fn from(e: LifecycleCallError) -> Self {
-        match e {
+impl EngineFailure for LifecycleCallError {
+    fn into_api_error(self) -> ApiError {
+        match self {
             LifecycleCallError::Lifecycle(e @ ferry_engine::LifecycleError::Timeout { .. }) => {
                 ApiError::timeout(e.to_string())
             }
             LifecycleCallError::Lifecycle(e) => ApiError::conflict(e.to_string()),
-            LifecycleCallError::Stopped(e) => e.into(),
+            LifecycleCallError::Stopped(e) => e.into_api_error(),
         }
     }
 }
 
 /// A refused push: the tensor at fault is the `param` where there is one, else the body.
-impl From<WeightUpdateError> for ApiError {
-    fn from(e: WeightUpdateError) -> Self {
-        match e {
+impl EngineFailure for WeightUpdateError {
+    fn into_api_error(self) -> ApiError {
+        match self {
             WeightUpdateError::Weights(w) => weight_error(w, "body"),
-            WeightUpdateError::Stopped(e) => e.into(),
+            WeightUpdateError::Stopped(e) => e.into_api_error(),
         }
     }
 }
 
 /// A failed reload: the tensor at fault where there is one, else `model_path`.
-impl From<WeightReloadError> for ApiError {
-    fn from(e: WeightReloadError) -> Self {
-        match e {
-            WeightReloadError::Load(_) => ApiError::invalid("model_path", e.to_string()),
+impl EngineFailure for WeightReloadError {
+    fn into_api_error(self) -> ApiError {
+        match self {
+            WeightReloadError::Load(_) => ApiError::invalid("model_path", self.to_string()),
             WeightReloadError::Weights(w) => weight_error(w, "model_path"),
-            WeightReloadError::Stopped(e) => e.into(),
+            WeightReloadError::Stopped(e) => e.into_api_error(),
         }
     }
 }
@@ -192,6 +193,7 @@ fn weight_error(w: WeightError, source_param: &str) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::api_error;
 
     #[test]
     fn repeated_and_encoded_values() {
@@ -246,11 +248,11 @@ mod tests {
     #[test]
     fn errors_map_to_status_by_kind() {
         use axum::http::StatusCode;
-        let e = ApiError::from(LifecycleCallError::from(
+        let e = api_error(LifecycleCallError::from(
             ferry_engine::LifecycleError::NotPaused,
         ));
         assert_eq!(e.status, StatusCode::CONFLICT);
-        let e = ApiError::from(LifecycleCallError::from(
+        let e = api_error(LifecycleCallError::from(
             ferry_engine::LifecycleError::Timeout {
                 waited: std::time::Duration::from_secs(60),
                 waiting_for: "1 transfer hold(s) to hand back 4 KV block(s)".into(),
@@ -259,10 +261,10 @@ mod tests {
         assert_eq!(e.status, StatusCode::GATEWAY_TIMEOUT);
         assert!(e.message.contains("4 KV block(s)"), "{}", e.message);
         assert_eq!(
-            ApiError::from(LifecycleCallError::from(ferry_engine::Stopped)).status,
+            api_error(LifecycleCallError::from(ferry_engine::Stopped)).status,
             StatusCode::SERVICE_UNAVAILABLE
         );
-        let e = ApiError::from(WeightReloadError::from(WeightError::BadShape {
+        let e = api_error(WeightReloadError::from(WeightError::BadShape {
             name: "a.weight".into(),
             expected: vec![2],
             got: vec![3],

@@ -8,8 +8,9 @@
 //!
 //! Every handler validates its arguments before it calls the engine (a bad argument is a 400
 //! naming it and changes nothing), then makes one [`ferry_engine::EngineHandle`] call; the
-//! engine's errors map by variant (the `From` impls in [`args`]): lifecycle conflicts are 409,
-//! a refused weight update or an unreadable model folder is 400, a stopped engine is 503.
+//! engine's errors map by variant (the [`crate::error::EngineFailure`] impls in [`args`]):
+//! lifecycle conflicts are 409, a refused weight update or an unreadable model folder is 400,
+//! a stopped engine is 503.
 
 pub mod args;
 pub mod sglang;
@@ -24,7 +25,7 @@ use ferry_engine::{PauseMode, SleepLevel};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::error::ApiError;
+use crate::error::{api_error, ApiError};
 use crate::extract::ApiBytes;
 use crate::state::AppState;
 use args::{optional_json, wake_tags, QueryArgs};
@@ -73,20 +74,23 @@ pub async fn pause(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) ->
     };
     let mode = q.pause_mode("mode", default_mode)?;
     let clear_cache = q.bool("clear_cache", true)?;
-    app.engine.pause(mode, clear_cache).await?;
+    app.engine
+        .pause(mode, clear_cache)
+        .await
+        .map_err(api_error)?;
     Ok(Json(json!({"status": "paused"})))
 }
 
 /// `POST /resume`: continues scheduling; a pending cache reset or sleep fails with 409.
 pub async fn resume(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) -> AdminReply {
     QueryArgs::parse(raw.as_deref(), &[])?;
-    app.engine.resume().await?;
+    app.engine.resume().await.map_err(api_error)?;
     Ok(Json(json!({"status": "resumed"})))
 }
 
 /// `GET /is_paused` → `{"is_paused": bool}`.
 pub async fn is_paused(State(app): State<Arc<AppState>>) -> AdminReply {
-    let paused = app.engine.is_paused().await?;
+    let paused = app.engine.is_paused().await.map_err(api_error)?;
     Ok(Json(json!({"is_paused": paused})))
 }
 
@@ -95,7 +99,7 @@ pub async fn sleep(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) ->
     let q = QueryArgs::parse(raw.as_deref(), &["level", "mode"])?;
     let level = q.sleep_level("level", SleepLevel::L1)?;
     let mode = q.pause_mode("mode", PauseMode::Abort)?;
-    app.engine.sleep(level, mode).await?;
+    app.engine.sleep(level, mode).await.map_err(api_error)?;
     Ok(Json(json!({"status": "sleeping", "level": level.as_u8()})))
 }
 
@@ -104,13 +108,13 @@ pub async fn sleep(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) ->
 pub async fn wake_up(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) -> AdminReply {
     let q = QueryArgs::parse(raw.as_deref(), &["tags"])?;
     let tags = wake_tags(&q.all("tags"), "tags", &[])?;
-    app.engine.wake_up(&tags).await?;
+    app.engine.wake_up(&tags).await.map_err(api_error)?;
     is_sleeping(State(app)).await
 }
 
 /// `GET /is_sleeping` → `{"is_sleeping": bool}`.
 pub async fn is_sleeping(State(app): State<Arc<AppState>>) -> AdminReply {
-    let sleeping = app.engine.is_sleeping().await?;
+    let sleeping = app.engine.is_sleeping().await.map_err(api_error)?;
     Ok(Json(json!({"is_sleeping": sleeping})))
 }
 
@@ -121,7 +125,10 @@ pub async fn release_kv_cache_memory(
     RawQuery(raw): RawQuery,
 ) -> AdminReply {
     QueryArgs::parse(raw.as_deref(), &[])?;
-    app.engine.release_kv_cache_memory().await?;
+    app.engine
+        .release_kv_cache_memory()
+        .await
+        .map_err(api_error)?;
     Ok(Json(json!({"status": "released"})))
 }
 
@@ -138,7 +145,11 @@ pub async fn reset_prefix_cache(
     )?;
     let running = q.bool("reset_running_requests", false)?;
     let external = q.bool("reset_external", false)?;
-    let success = app.engine.reset_prefix_cache(running, external).await?;
+    let success = app
+        .engine
+        .reset_prefix_cache(running, external)
+        .await
+        .map_err(api_error)?;
     Ok(Json(json!({"success": success})))
 }
 
@@ -160,6 +171,6 @@ pub async fn abort_requests(
         .request_ids
         .filter(|ids| !ids.is_empty())
         .map(|ids| app.live.expand(&ids));
-    let n = app.engine.abort_requests(ids).await?;
+    let n = app.engine.abort_requests(ids).await.map_err(api_error)?;
     Ok(Json(json!({"status": "aborted", "aborted": n})))
 }

@@ -23,7 +23,7 @@ use serde_json::json;
 use super::args::{optional_json, wake_tags};
 use super::weights::engine_weight_info;
 use super::AdminReply;
-use crate::error::ApiError;
+use crate::error::{api_error, ApiError};
 use crate::extract::ApiBytes;
 use crate::state::AppState;
 
@@ -69,7 +69,10 @@ pub async fn pause_generation(
             ))
         }
     };
-    app.engine.pause(mode, clear_cache).await?;
+    app.engine
+        .pause(mode, clear_cache)
+        .await
+        .map_err(api_error)?;
     Ok(Json(
         json!({"message": "Generation paused successfully.", "status": "ok"}),
     ))
@@ -77,7 +80,7 @@ pub async fn pause_generation(
 
 /// `POST /continue_generation`.
 pub async fn continue_generation(State(app): State<Arc<AppState>>) -> AdminReply {
-    app.engine.resume().await?;
+    app.engine.resume().await.map_err(api_error)?;
     Ok(Json(
         json!({"message": "Generation continued successfully.", "status": "ok"}),
     ))
@@ -86,7 +89,11 @@ pub async fn continue_generation(State(app): State<Arc<AppState>>) -> AdminReply
 /// `GET|POST /flush_cache`: drops every cached prefix; 400 (nothing changed) while requests
 /// or transfers still hold blocks, as SGLang refuses a flush while requests run.
 pub async fn flush_cache(State(app): State<Arc<AppState>>) -> AdminReply {
-    let flushed = app.engine.reset_prefix_cache(false, false).await?;
+    let flushed = app
+        .engine
+        .reset_prefix_cache(false, false)
+        .await
+        .map_err(api_error)?;
     if !flushed {
         return Err(ApiError::bad_request(
             "the cache was not flushed: requests or transfers still hold KV blocks; \
@@ -126,14 +133,17 @@ pub async fn release_memory_occupation(
     if tags.as_ref().is_some_and(Vec::is_empty) {
         return Ok(Json(json!({"success": true})));
     }
-    app.engine.sleep(SleepLevel::L1, PauseMode::Keep).await?;
+    app.engine
+        .sleep(SleepLevel::L1, PauseMode::Keep)
+        .await
+        .map_err(api_error)?;
     if let Some(tags) = tags {
         let keep: Vec<WakeTag> = [WakeTag::Weights, WakeTag::KvCache]
             .into_iter()
             .filter(|t| !tags.contains(t))
             .collect();
         if !keep.is_empty() {
-            app.engine.wake_up(&keep).await?;
+            app.engine.wake_up(&keep).await.map_err(api_error)?;
         }
     }
     Ok(Json(json!({"success": true})))
@@ -149,7 +159,10 @@ pub async fn resume_memory_occupation(
     if tags.as_ref().is_some_and(Vec::is_empty) {
         return Ok(Json(json!({"success": true})));
     }
-    app.engine.wake_up(tags.as_deref().unwrap_or(&[])).await?;
+    app.engine
+        .wake_up(tags.as_deref().unwrap_or(&[]))
+        .await
+        .map_err(api_error)?;
     Ok(Json(json!({"success": true})))
 }
 

@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 
 use super::args::{non_empty, optional_json, QueryArgs};
 use super::AdminReply;
-use crate::error::ApiError;
+use crate::error::{api_error, ApiError};
 use crate::extract::ApiBytes;
 use crate::state::AppState;
 
@@ -48,7 +48,11 @@ pub async fn update_weights_from_disk(
         Some(p) => PathBuf::from(p),
     };
     let version = non_empty(req.weight_version, "weight_version")?;
-    let info = app.engine.update_weights_from_disk(path, version).await?;
+    let info = app
+        .engine
+        .update_weights_from_disk(path, version)
+        .await
+        .map_err(api_error)?;
     Ok(Json(update_reply(&info, "weights reloaded from disk")))
 }
 
@@ -79,7 +83,7 @@ pub async fn push(
             // A refused push leaves the body unread: read it out (within the limit), so the
             // client, still sending, gets the 400 rather than a reset connection.
             while let Some(Ok(_)) = body.next().await {}
-            Err(e.into())
+            Err(api_error(e))
         }
     }
 }
@@ -143,7 +147,10 @@ pub async fn update_weight_version(
     let req: UpdateWeightVersion = optional_json(&body)?;
     let version = non_empty(req.new_version, "new_version")?
         .ok_or_else(|| ApiError::invalid("new_version", "`new_version` is required"))?;
-    app.engine.update_weight_version(version.clone()).await?;
+    app.engine
+        .update_weight_version(version.clone())
+        .await
+        .map_err(api_error)?;
     Ok(Json(json!({"success": true, "new_version": version})))
 }
 
@@ -161,7 +168,7 @@ pub async fn weight_info(State(app): State<Arc<AppState>>) -> AdminReply {
 }
 
 pub(super) async fn engine_weight_info(app: &AppState) -> Result<WeightInfo, ApiError> {
-    Ok(app.engine.weight_info().await?)
+    app.engine.weight_info().await.map_err(api_error)
 }
 
 fn residency_name(r: WeightResidency) -> &'static str {

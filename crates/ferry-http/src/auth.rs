@@ -1,8 +1,8 @@
-//! API-key authentication (`ferry serve --api-key`, or `FERRY_API_KEY`): with a key, every
-//! route but [`OPEN_PATHS`] needs `Authorization: Bearer <key>`, the admin routes included
-//! (stricter than `vllm serve --api-key`, which guards only `/v1`: the admin routes can pause
-//! the engine and replace its weights). A missing or wrong key is a 401 with an OpenAI error
-//! body.
+//! API-key authentication (`ferry serve --api-key` or `ferry proxy --api-key`, or
+//! `FERRY_API_KEY`): with a key, every route but [`OPEN_PATHS`] needs `Authorization: Bearer
+//! <key>`, the admin routes included (stricter than `vllm serve --api-key`, which guards only
+//! `/v1`: the admin routes can pause the engine and replace its weights). A missing or wrong
+//! key is a 401 with an OpenAI error body.
 //!
 //! The key is compared in constant time ([`ApiKey::matches`]) and never printed: [`ApiKey`]'s
 //! `Debug` redacts it, so logging a configuration that holds one cannot leak it.
