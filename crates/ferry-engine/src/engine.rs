@@ -16,8 +16,8 @@ use ferry_kv::Reports;
 use ferry_model::{Executor, RetiredWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::handle::Connector;
 use crate::engine_core::{Call, CallResult, CoreEvent, EngineCore, NewRequest, ThreadedEnv};
+use crate::handle::Connector;
 use crate::input::{AddInput, Event, Input, LifecycleCall, OpReply, Queued, Reply, Utility};
 use crate::{EngineStats, LifecycleStatus, WeightInfo};
 
@@ -312,7 +312,9 @@ impl EngineLoop {
         let mut n_late = 0;
         while let Some(event) = self.core.poll_event() {
             match event {
-                CoreEvent::Request(req, event) => n_late += u64::from(self.to_reader(req, event)),
+                CoreEvent::Request(req, event) => {
+                    n_late += u64::from(self.send_to_reader(req, event))
+                }
                 CoreEvent::Reply(op, result) => {
                     if let Some(reply) = self.ops.remove(&op) {
                         self.replies.push((reply, result));
@@ -329,7 +331,7 @@ impl EngineLoop {
 
     /// Sends `event` to `req`'s reader; true if the reader was gone and the request was
     /// aborted for it.
-    fn to_reader(&mut self, req: ReqIdx, event: Event) -> bool {
+    fn send_to_reader(&mut self, req: ReqIdx, event: Event) -> bool {
         let i = req.0 as usize;
         let Some(reader) = self.readers.get(i).and_then(Option::as_ref) else {
             return false;
