@@ -8,7 +8,7 @@
 //! in its batch, and chunked prefill gives the same KV as one-shot prefill.
 //!
 //! Weight updates and sleep ([`crate::ModelWeights`]) live in `llama/weight_ops.rs`; the
-//! checks and layout conversion that run off the engine thread in [`crate::llama_update`].
+//! checks and layout conversion that run off the engine thread in [`crate::weights::llama_update`].
 
 use ferry_core::{ModelOutput, ReqIdx, StepPlan};
 use ferry_kv::{KvArena, KvLayout};
@@ -17,12 +17,12 @@ use crate::attention::{paged_attention, write_kv, AttnQuery};
 use crate::config::LlamaConfig;
 use crate::executor::{ExecError, Executor};
 use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_row, silu_mul};
-use crate::llama_weights::{LayerWeights, LlamaWeights, ModelError};
 use crate::profile::{timed, Phase};
 use crate::rope::Rope;
 use crate::sampler::{sample_batch, LogprobsMode, SampleRow, SamplerScratch};
-use crate::weight_update::WeightResidency;
-use crate::weights::WeightStore;
+use crate::weights::llama::{LayerWeights, LlamaWeights, ModelError};
+use crate::weights::store::WeightStore;
+use crate::weights::update::WeightResidency;
 
 mod weight_ops;
 
