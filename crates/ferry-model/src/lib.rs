@@ -4,7 +4,6 @@
 //! model (no weights; its next token depends on every KV byte of the sequence, so wrong,
 //! missing or stale KV changes the output).
 
-pub mod attention;
 pub mod checksum;
 pub mod config;
 pub mod driver;
@@ -15,7 +14,6 @@ pub mod llama;
 pub mod load;
 pub mod profile;
 pub mod random_model;
-pub mod rope;
 pub mod sampler;
 pub mod tiny;
 pub mod weights;
