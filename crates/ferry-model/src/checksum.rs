@@ -422,5 +422,4 @@ impl Digest {
 }
 
 #[cfg(test)]
-#[path = "checksum_tests.rs"]
 mod tests;
