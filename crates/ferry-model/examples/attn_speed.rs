@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use ferry_kv::{KvArena, KvLayout};
-use ferry_model::attention::{paged_attention, AttnQuery};
+use ferry_model::llama::attention::{paged_attention, AttnQuery};
 
 const SEQS: usize = 64;
 const CONTEXT: usize = 144;

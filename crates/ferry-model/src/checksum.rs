@@ -29,7 +29,7 @@ use ferry_kv::{KvArena, KvLayout, KvPlane};
 
 use std::sync::Arc;
 
-use crate::weight_update::{
+use crate::weights::update::{
     ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer, Weightless,
 };
 use crate::{ExecError, Executor, WeightResidency};
@@ -422,5 +422,4 @@ impl Digest {
 }
 
 #[cfg(test)]
-#[path = "checksum_tests.rs"]
 mod tests;

@@ -7,7 +7,7 @@
 use ferry_core::{ModelOutput, StepPlan};
 use ferry_kv::{KvArena, KvLayout};
 
-use crate::weight_update::ModelWeights;
+use crate::weights::update::ModelWeights;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
@@ -30,7 +30,7 @@ pub trait Executor: Send {
     /// next token of every request whose `sample` is set (in plan order).
     fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError>;
 
-    /// The executor's weights, for updates and sleep (see `weight_update.rs`).
+    /// The executor's weights, for updates and sleep (see `weights/update.rs`).
     fn weight_ops(&self) -> &dyn ModelWeights;
 
     fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights;

@@ -7,23 +7,28 @@
 //! only the token's own request. So a request's logits have the same bits whatever else is
 //! in its batch, and chunked prefill gives the same KV as one-shot prefill.
 //!
-//! Weight updates and sleep ([`crate::ModelWeights`]) live in `llama/weight_ops.rs`; the
-//! checks and layout conversion that run off the engine thread in [`crate::llama_update`].
+//! The forward's own pieces are its submodules: paged attention over the arena ([`attention`])
+//! and rotary position embeddings ([`rope`]). Its weights, in the layout it reads, are
+//! [`crate::weights::llama`]. Weight updates and sleep ([`crate::ModelWeights`]) live in
+//! `llama/weight_ops.rs`; the checks and layout conversion that run off the engine thread in
+//! [`crate::weights::llama_update`].
 
 use ferry_core::{ModelOutput, ReqIdx, StepPlan};
 use ferry_kv::{KvArena, KvLayout};
 
-use crate::attention::{paged_attention, write_kv, AttnQuery};
 use crate::config::LlamaConfig;
 use crate::executor::{ExecError, Executor};
 use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_row, silu_mul};
-use crate::llama_weights::{LayerWeights, LlamaWeights, ModelError};
 use crate::profile::{timed, Phase};
-use crate::rope::Rope;
 use crate::sampler::{sample_batch, LogprobsMode, SampleRow, SamplerScratch};
-use crate::weight_update::WeightResidency;
-use crate::weights::WeightStore;
+use crate::weights::llama::{LayerWeights, LlamaWeights, ModelError};
+use crate::weights::store::WeightStore;
+use crate::weights::update::WeightResidency;
+use attention::{paged_attention, write_kv, AttnQuery};
+use rope::Rope;
 
+pub mod attention;
+pub mod rope;
 mod weight_ops;
 
 /// Positions the rope tables cover from the start (they grow on demand).

@@ -20,7 +20,7 @@ pub mod tokenizer;
 use std::path::{Path, PathBuf};
 
 use crate::dtype::WeightDtype;
-use crate::weight_update::WeightSlots;
+use crate::weights::update::WeightSlots;
 use crate::{LlamaConfig, StoredTensor, Tensor, WeightStore};
 
 pub use expected::expected_tensors;

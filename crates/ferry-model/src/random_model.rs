@@ -3,7 +3,7 @@
 
 use crate::config::LlamaConfig;
 use crate::load::expected_tensors;
-use crate::weights::{Tensor, WeightStore};
+use crate::weights::store::{Tensor, WeightStore};
 
 /// A small Llama config for tests: hidden 64, 4 heads, 2 KV heads, 2 layers, vocab 97.
 pub fn small_config() -> LlamaConfig {

@@ -638,5 +638,4 @@ fn top_logprobs(reported: &Reported<'_>, n: usize, keys: &mut Vec<u64>) -> Vec<(
 }
 
 #[cfg(test)]
-#[path = "sampler_tests.rs"]
 mod tests;

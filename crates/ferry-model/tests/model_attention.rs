@@ -6,7 +6,7 @@ mod model_support;
 
 use ferry_core::BlockId;
 use ferry_kv::{KvArena, KvLayout};
-use ferry_model::attention::{paged_attention, write_kv, AttnQuery};
+use ferry_model::llama::attention::{paged_attention, write_kv, AttnQuery};
 use ferry_model::random_model::SplitMix64;
 use model_support::Pool;
 

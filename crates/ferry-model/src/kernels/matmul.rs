@@ -17,8 +17,8 @@ use std::ops::Range;
 
 use super::Isa;
 use crate::dtype::WeightDtype;
-use crate::matrix::Matrix;
-use crate::row_groups::GROUP_ROWS;
+use crate::weights::matrix::Matrix;
+use crate::weights::row_groups::GROUP_ROWS;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -65,8 +65,8 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 /// Rows of one dtype in memory: row `j` starts `j * row_bytes` bytes after `ptr`, the first
-/// `grouped` of them in groups of four ([`crate::row_groups`]: a group's bytes where its
-/// rows' would be).
+/// `grouped` of them in groups of four ([`crate::weights::row_groups`]: a group's bytes where
+/// its rows' would be).
 #[derive(Clone, Copy)]
 struct Rows {
     ptr: *const u8,
@@ -232,7 +232,7 @@ fn f16_table() -> &'static [f32; 1 << 16] {
 /// its own demand loads too. Into L2, batch-1 decode of the Q8_0 file went from 137–157 to
 /// 155–182 tok/s on a 2-vCPU Xeon (12 interleaved pairs of `ferry bench model`), the Q4_1 file
 /// ~2% (its blocks take longer to decode per byte, so the stream waits less); once the
-/// weights sat on huge pages (`weight_buf/slab.rs`), the F32 file's from 45.7–48.1 to
+/// weights sat on huge pages (`weights/buf/slab.rs`), the F32 file's from 45.7–48.1 to
 /// 48.1–50.9 (the AVX-512 tile's own prefetch, 4 interleaved pairs; batch 32 unchanged).
 /// Once the KV arena sat on huge pages too (`ferry_kv`'s `access.rs`), batch-64 decode
 /// attention went from 23.9–24.3 to 22.7–23.1 ms per step into L2 (`attn_speed`, context
@@ -451,8 +451,8 @@ fn run_rows(job: Job<'_>, parts: &[Part], out: OutPtr, w_rows: Range<usize>) {
     }
 }
 
-/// Whether `rows` of `w` are whole groups ([`crate::row_groups`]): what the AVX-512 kernels
-/// that read groups take.
+/// Whether `rows` of `w` are whole groups ([`crate::weights::row_groups`]): what the AVX-512
+/// kernels that read groups take.
 fn whole_groups(rows: &Range<usize>, w: Rows) -> bool {
     rows.start.is_multiple_of(GROUP_ROWS)
         && rows.end.is_multiple_of(GROUP_ROWS)
@@ -528,9 +528,9 @@ fn run_part(job: Job<'_>, w: Rows, out: *mut f32, local: Range<usize>) {
 }
 
 /// [`run_part`] for rows `local` of a part held (partly) in groups, copied back into the
-/// file's layout [`PACK_BLOCK`] rows at a time ([`crate::row_groups::file_row`]): the paths
-/// that read that layout (the other instruction sets, the batched panels, rows outside a
-/// whole group). A copy is a few bytes per block and row against the multiply-adds of
+/// file's layout [`PACK_BLOCK`] rows at a time ([`crate::weights::row_groups::file_row`]): the
+/// paths that read that layout (the other instruction sets, the batched panels, rows outside
+/// a whole group). A copy is a few bytes per block and row against the multiply-adds of
 /// every activation row, and the same bytes, so the same bits.
 fn run_rows_in_file_layout(job: Job<'_>, w: Rows, out: *mut f32, local: Range<usize>) {
     thread_local! {
@@ -548,7 +548,7 @@ fn run_rows_in_file_layout(job: Job<'_>, w: Rows, out: *mut f32, local: Range<us
         for w0 in local.clone().step_by(PACK_BLOCK) {
             let block = w0..(w0 + PACK_BLOCK).min(local.end);
             for (j, row) in block.clone().zip(plain.chunks_exact_mut(rb)) {
-                crate::row_groups::file_row(w.dtype, job.k, held, w.grouped, j, row);
+                crate::weights::row_groups::file_row(w.dtype, job.k, held, w.grouped, j, row);
             }
             let rows = Rows {
                 ptr: plain.as_ptr(),

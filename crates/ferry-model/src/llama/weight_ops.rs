@@ -9,12 +9,12 @@ use std::sync::Arc;
 
 use super::{LlamaModel, Scratch};
 use crate::executor::ExecError;
-use crate::llama_update::{
+use crate::weights::llama::LlamaWeights;
+use crate::weights::llama_update::{
     apply_patch, empty_weights, missing, patch_fits, LlamaPayload, LlamaPreparer, LlamaUpdate,
     Patch,
 };
-use crate::llama_weights::LlamaWeights;
-use crate::weight_update::{
+use crate::weights::update::{
     self, ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer,
     WeightResidency,
 };
@@ -53,7 +53,7 @@ impl ModelWeights for LlamaModel {
     }
 
     fn restore(&mut self) -> Result<(), ExecError> {
-        weight_update::restore(&mut self.residency)
+        update::restore(&mut self.residency)
     }
 
     fn residency(&self) -> WeightResidency {

@@ -21,9 +21,10 @@
 //! the loader's arithmetic (see `load`); the loop runs 32 elements a turn (one quantization
 //! block, two chunks) so a block's scales are read once.
 //!
-//! Q4_0 and Q4_1 rows held in groups of four ([`crate::row_groups`]: how a segment holds them
-//! on AVX-512) are read as held by the batch-1 rows ([`kernel_groups`]) and the panels
-//! ([`pack_groups`]); `run_rows` hands every other row to these tiles in the file's layout.
+//! Q4_0 and Q4_1 rows held in groups of four ([`crate::weights::row_groups`]: how a segment
+//! holds them on AVX-512) are read as held by the batch-1 rows ([`kernel_groups`]) and the
+//! panels ([`pack_groups`]); `run_rows` hands every other row to these tiles in the file's
+//! layout.
 
 use std::arch::x86_64::*;
 
@@ -410,8 +411,8 @@ unsafe fn pack_rows_of<const D: u8>(
     }
 }
 
-/// [`pack_rows`] for rows held in row groups ([`crate::row_groups`]), whole groups only
-/// (`run_rows` sends the other rows through the file's layout): a group is a panel, each
+/// [`pack_rows`] for rows held in row groups ([`crate::weights::row_groups`]), whole groups
+/// only (`run_rows` sends the other rows through the file's layout): a group is a panel, each
 /// row's values made as [`kernel_groups`] makes them, a block of the group's four rows at a
 /// time so its nibbles are loaded once and the panel is written in order (row by row, the
 /// packing's share of a batch-64 decode step's `perf` samples was 5.5–5.7% against
@@ -458,7 +459,7 @@ unsafe fn pack_groups<const D: u8>(
 }
 
 /// The loader's f32 values of row `lane`'s block in a group's block at `block`
-/// ([`crate::row_groups`]), as its two chunks of 16: the block's 16-value table
+/// ([`crate::weights::row_groups`]), as its two chunks of 16: the block's 16-value table
 /// ([`ctx_of`] of its scales, looked up as [`kernel_quantized_1`] does) indexed by the
 /// row's nibbles, the group's 64 nibble bytes shifted right by `8 * lane` in each 32-bit
 /// lane (the low nibbles then as they are, `vpermps` reading an index's low 4 bits; the high
@@ -673,9 +674,9 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
 }
 
 /// One activation row against G groups of four 4-bit rows held in row groups
-/// ([`crate::row_groups`]), from row `j` (a group's first): the multiply-adds of [`kernel`]
-/// in its order, so the same bits, with under seven vector instructions per block and row
-/// where [`kernel_quantized_1`] takes seven and transposes.
+/// ([`crate::weights::row_groups`]), from row `j` (a group's first): the multiply-adds of
+/// [`kernel`] in its order, so the same bits, with under seven vector instructions per block
+/// and row where [`kernel_quantized_1`] takes seven and transposes.
 ///
 /// Each row's 16-value table is one multiply-add of its scales, looked up as there; row r's
 /// nibbles are the group's block's 64 nibble bytes shifted right by 8r in each lane, a

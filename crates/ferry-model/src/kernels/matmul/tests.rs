@@ -154,8 +154,8 @@ fn stored(dtype: WeightDtype, parts: &[usize], k: usize, seed: u32) -> (Matrix, 
 /// [`stored`] with each segment in its own dtype.
 fn stored_mixed(parts: &[(WeightDtype, usize)], k: usize, seed: u32) -> (Matrix, Vec<f32>) {
     use crate::dtype::quantize;
-    use crate::matrix::Segment;
-    use crate::weight_buf::ByteBuf;
+    use crate::weights::buf::ByteBuf;
+    use crate::weights::matrix::Segment;
     let (mut segments, mut f32s) = (Vec::new(), Vec::new());
     for (s, &(dtype, rows)) in parts.iter().enumerate() {
         let values = pseudo(rows * k, seed + s as u32);
@@ -166,7 +166,7 @@ fn stored_mixed(parts: &[(WeightDtype, usize)], k: usize, seed: u32) -> (Matrix,
         f32s.extend(loaded);
         let segment = Segment::new(dtype, rows, k, ByteBuf::from_slice(&bytes)).unwrap();
         // The 4-bit dtypes' whole groups of rows are held as the AVX-512 kernels read them.
-        let groups = crate::row_groups::held_in_groups(dtype);
+        let groups = crate::weights::row_groups::held_in_groups(dtype);
         assert_eq!(
             segment.grouped_rows(),
             if groups { rows / 4 * 4 } else { 0 }
@@ -251,8 +251,8 @@ fn stored_weights_really_differ_from_their_source() {
 /// rounded before the offset is added, and f16 scales that are subnormal.
 #[test]
 fn extreme_scales_dequantize_exactly() {
-    use crate::matrix::Segment;
-    use crate::weight_buf::ByteBuf;
+    use crate::weights::buf::ByteBuf;
+    use crate::weights::matrix::Segment;
     let k = 64;
     let mut bytes = Vec::new();
     for (d, m) in [

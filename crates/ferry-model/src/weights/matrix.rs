@@ -9,12 +9,12 @@
 //! segment whole, whatever its dtype.
 
 use crate::dtype::{dequantize_into, WeightDtype};
-use crate::row_groups;
-use crate::weight_buf::ByteBuf;
+use crate::weights::buf::ByteBuf;
+use crate::weights::row_groups;
 
 /// Rows of one dtype, `k` elements each, row after row: in the file's layout, except that on
 /// AVX-512 the 4-bit dtypes hold their first `grouped` rows in groups of four
-/// ([`crate::row_groups`]), which the batch-1 kernel reads faster.
+/// ([`crate::weights::row_groups`]), which the batch-1 kernel reads faster.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Segment {
     dtype: WeightDtype,
@@ -66,7 +66,7 @@ impl Segment {
 
     /// Rows written in the file's layout (by [`Segment::new`], or by a reader into
     /// [`Segment::zeroed`]'s bytes) put in the layout this process's kernels read fastest:
-    /// the whole groups of four rows of a 4-bit dtype on AVX-512 ([`crate::row_groups`]).
+    /// the whole groups of four rows of a 4-bit dtype on AVX-512 ([`crate::weights::row_groups`]).
     /// Only the order of the bytes changes. Arranging twice does nothing.
     pub fn arrange(&mut self) {
         if self.grouped == 0 && self.rows > 0 && row_groups::held_in_groups(self.dtype) {
@@ -75,7 +75,7 @@ impl Segment {
         }
     }
 
-    /// Rows held in groups of four ([`crate::row_groups`]); 0 when every row is in the
+    /// Rows held in groups of four ([`crate::weights::row_groups`]); 0 when every row is in the
     /// file's layout.
     pub fn grouped_rows(&self) -> usize {
         self.grouped

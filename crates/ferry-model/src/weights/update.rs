@@ -6,7 +6,7 @@
 //! reload) or a copy of the pushed bytes (a partial push), so a pause → update → resume cycle
 //! costs the time to read the weights and little else.
 //!
-//! Memory: a reader (a pushed body, [`crate::weight_push::SafetensorsPush`]; a model file,
+//! Memory: a reader (a pushed body, [`crate::weights::push::SafetensorsPush`]; a model file,
 //! [`crate::load::WeightFiles`]) converts each tensor straight into its place in the new
 //! weights ([`WeightSlots`]), so an update holds at most one extra copy of the tensors it
 //! replaces, and the weights it replaces give their memory back to the OS when dropped

@@ -13,9 +13,9 @@
 //! and swap it in".
 
 use crate::config::LlamaConfig;
-use crate::matrix::{Matrix, Segment};
-use crate::weight_buf::{ByteBuf, WeightBuf};
-use crate::weights::WeightStore;
+use crate::weights::buf::{ByteBuf, WeightBuf};
+use crate::weights::matrix::{Matrix, Segment};
+use crate::weights::store::WeightStore;
 
 /// What is wrong with a config or a weight store, naming the field or tensor.
 #[derive(Debug, thiserror::Error)]
@@ -39,7 +39,7 @@ pub enum ModelError {
     BadStored {
         name: String,
         #[source]
-        source: crate::matrix::SegmentError,
+        source: crate::weights::matrix::SegmentError,
     },
     #[error("invalid config: {field}: {message}")]
     InvalidConfig {

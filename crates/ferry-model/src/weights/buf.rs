@@ -104,7 +104,7 @@ impl std::fmt::Debug for WeightBuf {
 }
 
 /// A fixed-length run of raw weight bytes (a matrix in its stored precision), carved out of a
-/// slab of huge-page memory (`weight_buf/slab.rs`): tensors side by side fill whole 2 MiB
+/// slab of huge-page memory (`weights/buf/slab.rs`): tensors side by side fill whole 2 MiB
 /// pages, which a decode step streams through with a TLB miss every 2 MiB instead of every
 /// 4 KiB. Its pages go back to the OS when it is dropped, on whichever thread, for the same
 /// reason as a [`WeightBuf`]'s. Page-aligned, so any dtype's values can be read from it in

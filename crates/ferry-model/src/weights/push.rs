@@ -22,7 +22,7 @@ use safetensors::Dtype;
 
 use crate::dtype::WeightDtype;
 use crate::load::{decode_into, f32_source_width};
-use crate::weight_update::{PreparedWeights, WeightError, WeightPreparer, WeightSlots};
+use crate::weights::update::{PreparedWeights, WeightError, WeightPreparer, WeightSlots};
 
 /// Bytes of the length prefix of a safetensors header.
 const HEADER_LEN_BYTES: usize = 8;
@@ -267,8 +267,8 @@ fn malformed(message: String) -> WeightError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llama_update::{LlamaPayload, LlamaUpdate};
     use crate::random_model::{random_weights, small_config};
+    use crate::weights::llama_update::{LlamaPayload, LlamaUpdate};
     use crate::{parse_safetensors, LlamaPreparer, WeightStore};
 
     fn body(store: &WeightStore, dtype: Dtype) -> Vec<u8> {

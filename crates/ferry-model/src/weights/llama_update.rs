@@ -3,7 +3,7 @@
 //! which [`crate::LlamaModel`]'s `install` applies between two steps.
 //!
 //! The model keeps its weights fused (q/k/v rows in one `qkv` matrix, gate/up rows in one
-//! `gate_up` matrix, see [`crate::llama_weights`]), so every Hugging Face tensor maps to a
+//! `gate_up` matrix, see [`crate::weights::llama`]), so every Hugging Face tensor maps to a
 //! [`Place`]: a buffer of [`LlamaWeights`] and where in it (a segment of a matrix, a float
 //! offset in a vector). A complete set is written straight into a whole new [`LlamaWeights`]
 //! ([`LlamaSlots`]), so installing it is a pointer swap; a partial set is a list of
@@ -14,11 +14,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::dtype::WeightDtype;
-use crate::llama_weights::{LayerWeights, LlamaWeights};
 use crate::load::expected_tensors;
-use crate::matrix::{Matrix, Segment};
-use crate::weight_buf::WeightBuf;
-use crate::weight_update::{PreparedWeights, WeightError, WeightPreparer, WeightSlots};
+use crate::weights::buf::WeightBuf;
+use crate::weights::llama::{LayerWeights, LlamaWeights};
+use crate::weights::matrix::{Matrix, Segment};
+use crate::weights::update::{PreparedWeights, WeightError, WeightPreparer, WeightSlots};
 use crate::{LlamaConfig, WeightStore};
 
 /// A buffer of [`LayerWeights`].
