@@ -73,5 +73,5 @@ pub use plan::{
 };
 pub use request::{AddError, FinishReason, Request, RequestState};
 pub use sampling::{SamplerSpec, SamplingParams};
-pub use scheduler::lifecycle::TransferError;
+pub use scheduler::transfers::TransferError;
 pub use scheduler::{Finished, OutputError, QueueError, RequestOutput, Scheduler, SchedulerStats};

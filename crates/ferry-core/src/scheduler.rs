@@ -17,13 +17,13 @@
 //! the plan, never to the number of waiting requests: the waiting queue is only looked at from
 //! its head.
 
-mod control;
-pub mod lifecycle;
+mod lifecycle_machine;
 mod offer;
 mod render;
 #[cfg(test)]
 mod tests;
 mod time;
+pub mod transfers;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -153,11 +153,11 @@ pub struct Scheduler {
     running: Vec<ReqIdx>,
     /// Every piece of lifecycle state: the pause, pending operations, what is asleep, the
     /// weight version (`control.rs`).
-    control: control::Control,
+    control: lifecycle_machine::Control,
     connectors: Vec<Box<dyn crate::connector::KvConnector>>,
     /// The chain root new block hashes start from; follows the weight version.
     hash_root: BlockHash,
-    transfers: BTreeMap<TransferId, lifecycle::Hold>,
+    transfers: BTreeMap<TransferId, transfers::Hold>,
     /// Loads that were in flight when the weights changed: whatever they land is stale, so
     /// their requests recompute (`set_weight_version`).
     stale_loads: std::collections::BTreeSet<TransferId>,
@@ -190,7 +190,7 @@ impl Scheduler {
             config.enable_prefix_caching,
         );
         kv.set_current_root(hash_root);
-        let control = control::Control::new(&config.weight_version);
+        let control = lifecycle_machine::Control::new(&config.weight_version);
         Ok(Self {
             kv,
             hash_root,

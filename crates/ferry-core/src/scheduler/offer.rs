@@ -2,7 +2,7 @@
 //! step computed, and those another connector's load landed. A store holds what it reads
 //! under a `Store` hold the connector owns (`lifecycle::HoldMaker`).
 
-use super::{lifecycle, Scheduler};
+use super::{transfers, Scheduler};
 use crate::connector::{ComputedBlocks, ConnectorId, Holder};
 use crate::plan::{ReqIdx, StepPlan};
 use crate::request::RequestState;
@@ -58,7 +58,7 @@ impl Scheduler {
                 n_before,
                 n_after,
             };
-            let mut holds = lifecycle::HoldMaker {
+            let mut holds = transfers::HoldMaker {
                 kv: &mut self.kv,
                 transfers: &mut self.transfers,
                 next_transfer: &mut self.next_transfer,
