@@ -1,15 +1,10 @@
-//! Lifecycle primitives on the scheduler: aborts, preempting everything, prefix-cache reset,
-//! and transfer holds.
-//!
-//! These are what the lifecycle state machine (`control.rs`, which holds every piece of
-//! lifecycle state) and P/D exports are built from. Each is immediate and holds no state of
-//! its own beyond the holds.
+//! The scheduler's transfer holds, as its callers see them: holding a request's blocks for a
+//! transfer, releasing a hold, asking about one, and ending every transfer (part of a cache
+//! reset). The holds themselves, their ids and leases, are `crate::holds`.
 
-use super::{RequestOutput, Scheduler};
-use crate::connector::{ConnectorId, HoldKind, Holder};
-use crate::ownership::TransferId;
-use crate::plan::{BlockId, ReqIdx};
-use crate::request::{FinishReason, RequestState};
+use super::Scheduler;
+use crate::holds::{HoldKind, Holder, Lease};
+use crate::ids::{BlockId, ConnectorId, ReqIdx, TransferId};
 
 /// Why a transfer hold could not be made.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -22,104 +17,7 @@ pub enum TransferError {
     UnknownConnector(ConnectorId),
 }
 
-/// A transfer hold: the blocks it keeps allocated, and who frees them.
-#[derive(Debug)]
-pub(crate) struct Hold {
-    pub(crate) blocks: Vec<BlockId>,
-    pub(crate) holder: Holder,
-    pub(crate) kind: HoldKind,
-    /// When the hold's lease runs out (exports); `None`: until its holder frees it (or its
-    /// lease already ran out and its connector was told).
-    pub(crate) expires_at: Option<std::time::Duration>,
-}
-
-/// Makes `Store` holds for one connector while it is asked about computed blocks
-/// (`KvConnector::blocks_computed`), borrowing only what a hold touches.
-pub(crate) struct HoldMaker<'a> {
-    pub(crate) kv: &'a mut crate::kv_cache::KvCacheManager,
-    pub(crate) transfers: &'a mut std::collections::BTreeMap<TransferId, Hold>,
-    pub(crate) next_transfer: &'a mut u64,
-    pub(crate) holder: Holder,
-}
-
-impl crate::connector::StoreHolds for HoldMaker<'_> {
-    fn hold(&mut self, blocks: &[BlockId]) -> TransferId {
-        for &b in blocks {
-            self.kv.pool_mut().touch(b);
-        }
-        let id = TransferId(*self.next_transfer);
-        *self.next_transfer += 1;
-        self.transfers.insert(
-            id,
-            Hold {
-                blocks: blocks.to_vec(),
-                holder: self.holder,
-                kind: HoldKind::Store,
-                expires_at: None,
-            },
-        );
-        id
-    }
-}
-
 impl Scheduler {
-    /// Finishes a live request as aborted, freeing its blocks (transfers holding some of them
-    /// keep theirs). Unknown or finished ids are ignored (`None`).
-    pub fn abort(&mut self, id: &str) -> Option<RequestOutput> {
-        let idx = self.request_idx(id)?;
-        self.remove_from_queues(idx);
-        Some(self.aborted_output(idx))
-    }
-
-    /// Aborts every live request: running ones first, then waiting ones, each in queue order.
-    pub fn abort_all(&mut self) -> Vec<RequestOutput> {
-        let order: Vec<ReqIdx> = self
-            .running
-            .drain(..)
-            .chain(self.waiting.drain(..))
-            .collect();
-        order.into_iter().map(|r| self.aborted_output(r)).collect()
-    }
-
-    pub(super) fn remove_from_queues(&mut self, idx: ReqIdx) {
-        match self.request(idx).map(|r| &r.state) {
-            Some(RequestState::Running) => self.running.retain(|&r| r != idx),
-            Some(
-                RequestState::Waiting
-                | RequestState::Preempted { .. }
-                | RequestState::WaitingForRemoteKv { .. },
-            ) => self.waiting.retain(|&r| r != idx),
-            _ => {}
-        }
-    }
-
-    fn aborted_output(&mut self, idx: ReqIdx) -> RequestOutput {
-        let n_output_tokens = self.request(idx).map_or(0, |r| r.n_output_tokens());
-        RequestOutput {
-            req: idx,
-            sampled: None,
-            n_output_tokens,
-            finished: Some(self.release_request(idx, FinishReason::Abort)),
-        }
-    }
-
-    /// Preempts every running request (they recompute later), keeping queue order: they go
-    /// back to the head of the waiting queue in admission order. Returns how many.
-    pub fn preempt_all_running(&mut self) -> usize {
-        let n = self.running.len();
-        // Latest-admitted first, each pushed to the head: the earliest ends up first.
-        while let Some(r) = self.running.pop() {
-            self.preempt(r);
-        }
-        n
-    }
-
-    /// Drops every cached block hash. Returns false, changing nothing, while any block is held
-    /// (by a running request or a transfer); never fails otherwise.
-    pub fn reset_prefix_cache(&mut self) -> bool {
-        self.kv.pool_mut().reset_cache()
-    }
-
     /// Holds a live request's blocks for a transfer (an export for a remote reader): the blocks
     /// stay allocated after the request finishes or is preempted, until `holder` frees them
     /// (see [`Holder`]). Call it before the request's final output is fed back (its handle is
@@ -137,14 +35,14 @@ impl Scheduler {
             return Err(TransferError::NoBlocks { id: r.id.clone() });
         }
         let blocks = r.blocks.clone();
-        for &b in &blocks {
-            self.kv.pool_mut().touch(b);
-        }
         let kind = match holder {
             Holder::Caller => HoldKind::Caller,
             Holder::Connector(_) => HoldKind::Export,
         };
-        Ok(self.new_transfer(blocks, holder, kind, None))
+        let pool = self.kv.pool_mut();
+        Ok(self
+            .holds
+            .open_referencing(pool, blocks, holder, kind, Lease::Unbounded))
     }
 
     fn check_holder(&self, holder: Holder) -> Result<(), TransferError> {
@@ -170,61 +68,36 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Registers `blocks` (whose references the caller hands over) as a new transfer hold.
-    pub(super) fn new_transfer(
-        &mut self,
-        blocks: Vec<BlockId>,
-        holder: Holder,
-        kind: HoldKind,
-        expires_at: Option<std::time::Duration>,
-    ) -> TransferId {
-        let id = self.peek_transfer_id();
-        self.next_transfer += 1;
-        self.transfers.insert(
-            id,
-            Hold {
-                blocks,
-                holder,
-                kind,
-                expires_at,
-            },
-        );
-        id
-    }
-
-    /// The id the next transfer hold will get.
-    pub(super) fn peek_transfer_id(&self) -> TransferId {
-        TransferId(self.next_transfer)
-    }
-
     /// Ends a transfer hold, freeing its blocks tail first. False if `id` is not held.
     pub fn release_transfer(&mut self, id: TransferId) -> bool {
-        let Some(hold) = self.transfers.remove(&id) else {
-            return false;
-        };
-        for &b in hold.blocks.iter().rev() {
-            self.kv.pool_mut().release(b);
-        }
-        true
+        self.holds.release(id, self.kv.pool_mut())
     }
 
     /// The blocks a transfer holds, in block-table order.
     pub fn transfer_blocks(&self, id: TransferId) -> Option<&[BlockId]> {
-        self.transfers.get(&id).map(|h| &h.blocks[..])
+        self.holds.get(id).map(|h| &h.blocks[..])
     }
 
     /// Who frees a transfer hold.
     pub fn transfer_holder(&self, id: TransferId) -> Option<Holder> {
-        self.transfers.get(&id).map(|h| h.holder)
+        self.holds.get(id).map(|h| h.holder)
     }
 
     /// Transfer holds, in id order.
     pub fn transfer_ids(&self) -> impl Iterator<Item = TransferId> + '_ {
-        self.transfers.keys().copied()
+        self.holds.iter().map(|(id, _)| id)
     }
 
-    /// Drops the given blocks from the prefix cache (their KV is bad, e.g. a failed load).
-    pub fn evict_blocks(&mut self, blocks: &[BlockId]) {
-        self.kv.evict_blocks(blocks);
+    /// Asks every connector to end its transfers (`abort_transfers`); their blocks come back
+    /// as the connectors report them ended. Holds the caller owns ([`Holder::Caller`]) have
+    /// no connector to report them and no reader a connector could tell, so they are
+    /// released at once. Touches only KV that transfers hold.
+    pub fn release_transfer_kv(&mut self) {
+        for id in self.holds.held_by(Holder::Caller) {
+            self.release_transfer(id);
+        }
+        for c in &mut self.connectors {
+            c.abort_transfers();
+        }
     }
 }
