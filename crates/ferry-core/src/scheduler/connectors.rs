@@ -1,8 +1,8 @@
 //! The scheduler's side of its connectors' plumbing: registering them, collecting their
 //! workers' jobs for each step, delivering the workers' reports, and polling the connectors
 //! for loads and transfers that ended (moving loads forward, freeing what a connector's holds
-//! kept). What the connectors are asked at admission, at a finish and on a reset is where
-//! those happen (`scheduler.rs`, `transfers.rs`, `lifecycle_machine.rs`).
+//! kept). The hooks of admission, of a finish and of a reset are called where those happen
+//! (`scheduler.rs`, `transfers.rs`, `lifecycle_machine.rs`).
 
 use super::Scheduler;
 use crate::connector::{KvConnector, StepWork, TierStats, WorkerReport};
