@@ -8,7 +8,7 @@
 //! Block 0 is the null block: never in the queue, never handed out.
 
 use crate::hash::{BlockHash, BlockHashMap};
-use crate::plan::BlockId;
+use crate::ids::BlockId;
 
 /// The null block: padding in block tables, never owned.
 pub const NULL_BLOCK: BlockId = 0;

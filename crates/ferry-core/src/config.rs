@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::connector::KvLoadFailurePolicy;
-use crate::plan::TokenId;
+use crate::ids::TokenId;
 
 /// Everything the scheduler needs to know up front. Immutable after `Scheduler::new`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,10 +27,10 @@ pub struct SchedulerConfig {
     /// update. The current version lives with the rest of the lifecycle state
     /// (`Scheduler::weight_version`, `Scheduler::set_weight_version`).
     pub weight_version: String,
-    /// How long an export (a finished request's KV held for a remote reader) lives: once the
-    /// engine's `now` passes it, the scheduler tells its connector
-    /// (`KvConnector::export_expired`), which stops serving it and hands its blocks back. A
-    /// reader that never comes costs no more.
+    /// How long an export (a finished request's KV held for a remote reader) lives: the
+    /// lease of its hold (`holds.rs`). Once the engine's `now` passes it, the scheduler tells
+    /// its connector (`KvConnector::hold_expired`), which stops serving it and hands its
+    /// blocks back. A reader that never comes costs no more.
     pub export_lease: Duration,
     /// How long an asynchronous KV load may take before it counts as failed (its connector
     /// cancels it; `kv_load_failure_policy` decides for the request).

@@ -4,8 +4,9 @@
 //!
 //! A connector decides *what* moves; its worker side (in `ferry-kv`) does the moving. The
 //! ledger stays in the scheduler: every block a transfer touches is held through a transfer
-//! hold the scheduler makes and names ([`Holder`], [`HoldKind`]), and is freed only when the
-//! connector that owns the hold reports it ended ([`KvConnector::take_finished_transfers`]).
+//! hold the scheduler opens and names ([`Holder`](crate::holds::Holder), [`HoldKind`];
+//! `holds.rs`), and is freed only when the connector that owns the hold reports it ended
+//! ([`KvConnector::take_finished_transfers`]).
 //! So a reset that waits always knows what it waits for, and a connector can never free or
 //! reuse a block itself.
 //!
@@ -37,39 +38,9 @@
 //! failed load says which through its [`FetchFailure`].
 
 use crate::hash::BlockHash;
-use crate::ownership::TransferId;
-use crate::plan::{BlockId, ReqIdx, TokenId};
+use crate::holds::HoldKind;
+use crate::ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
 use crate::request::FinishReason;
-
-/// Names a registered connector: its index in registration order (`Scheduler::add_connector`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ConnectorId(pub u32);
-
-/// Who frees a transfer hold.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Holder {
-    /// Whoever made the hold frees it with `Scheduler::release_transfer`; a cache reset
-    /// releases it at once (no connector reads or writes its blocks).
-    Caller,
-    /// The connector frees it by reporting it in `take_finished_transfers`; a cache reset
-    /// asks it to (`abort_transfers`) and waits.
-    Connector(ConnectorId),
-}
-
-/// What a transfer hold is for; the ownership ledger shows it with the holder.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum HoldKind {
-    /// A finished request's KV, kept for a remote reader (P of P/D).
-    Export,
-    /// Blocks a remote load writes (D of P/D).
-    Import,
-    /// Blocks a store job reads (offload tier).
-    Store,
-    /// Blocks a local tier's load writes (offload tier).
-    Load,
-    /// A hold made by the caller (`Scheduler::hold_blocks_for_transfer`).
-    Caller,
-}
 
 /// What to do when a KV load fails (engine config; vLLM's `kv_load_failure_policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -283,12 +254,12 @@ pub struct FinishedRequest<'a> {
     /// The request's blocks, in block-table order; they hold KV for `n_computed` tokens.
     pub blocks: &'a [BlockId],
     pub n_computed: usize,
-    /// The hold the blocks would go to if this connector exports them.
+    /// The hold the blocks would go to if this connector exports them (under the lease
+    /// `SchedulerConfig::export_lease`, which the scheduler keeps: the connector is told when
+    /// it runs out, `hold_expired`).
     pub hold: TransferId,
     /// The weight version the KV was computed with.
     pub weight_version: &'a str,
-    /// The core's clock and when the export's lease would end.
-    pub lease_end: std::time::Duration,
 }
 
 /// How an asynchronous load ended.
@@ -332,8 +303,6 @@ pub enum WorkerJob {
         /// prompt is refused.
         prompt_hash: [u8; 32],
         n_tokens: usize,
-        /// When the export lapses, on the core's clock.
-        expires_at: std::time::Duration,
     },
     /// Stop serving `hold`: readers that come later are told it is gone, and why (`reason`),
     /// so D knows whether the lifecycle retracted it.

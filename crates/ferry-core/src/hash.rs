@@ -11,7 +11,7 @@
 
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 
-use crate::plan::TokenId;
+use crate::ids::TokenId;
 
 /// The hash of one full block and, through the chain, of every token before it.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

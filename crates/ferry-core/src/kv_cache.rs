@@ -7,7 +7,7 @@
 
 use crate::block_pool::BlockPool;
 use crate::hash::{extend_block_hashes, BlockHash};
-use crate::plan::BlockId;
+use crate::ids::BlockId;
 use crate::request::Request;
 
 /// The result of a prefix lookup, to be passed to [`KvCacheManager::allocate_slots`]. The hit
@@ -197,7 +197,7 @@ impl KvCacheManager {
 mod tests {
     use super::*;
     use crate::hash::chain_root;
-    use crate::plan::{ReqIdx, TokenId};
+    use crate::ids::{ReqIdx, TokenId};
     use crate::request::RequestState;
     use crate::sampling::SamplingParams;
 

@@ -10,10 +10,15 @@
 //! (cache reset, P/D exports, pauses) are built on that ledger, so "reset failed because some
 //! block is still held" always names who holds it.
 //!
-//! Modules, bottom up: [`hash`] (chained blake3 block hashes), [`block_pool`] (ref counts, LRU
-//! free queue, prefix-cache index), [`kv_cache`] (per-request block arithmetic),
-//! [`ownership`] (the ledger and its checker), [`request`], [`config`], [`scheduler`];
-//! [`driver`] runs one step against a model (tests, benches, simulation).
+//! Modules, bottom up, each importing only modules before it (`tests/no_import_loop.rs`
+//! checks that no module imports one that imports it back): [`ids`] (the basic ids),
+//! [`sampling`], [`hash`] (chained blake3 block hashes), [`peers`], [`lifecycle`] (the
+//! lifecycle's public types), [`block_pool`] (ref counts, LRU free queue, prefix-cache
+//! index), [`holds`] (transfer holds: holder, kind, lease), [`ownership`] (the ledger and its
+//! checker), [`request`], [`kv_cache`] (per-request block arithmetic), [`connector`] (the
+//! connector trait), [`plan`] (the step plan), [`config`], the connectors [`pd`] and
+//! [`offload`], [`scheduler`]; [`driver`] runs one step against a model (tests, benches,
+//! simulation).
 //!
 //! One step, with a stand-in for the executor:
 //!
@@ -40,6 +45,8 @@ pub mod config;
 pub mod connector;
 pub mod driver;
 pub mod hash;
+pub mod holds;
+pub mod ids;
 pub mod kv_cache;
 pub mod lifecycle;
 pub mod offload;
@@ -53,25 +60,27 @@ pub mod scheduler;
 
 pub use config::{ConfigError, SchedulerConfig};
 pub use connector::{
-    prompt_hash, AllocatedLoad, ComputedBlocks, ConnectorId, ExternalMatch, ExternalQuery,
-    FetchError, FetchFailure, FinishedRequest, HoldKind, Holder, HostCopy, KvConnector,
-    KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest, StepWork,
-    StoreHolds, TierStats, TransferParamsError, Unpublished, WorkerJob, WorkerReport,
+    prompt_hash, AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchError,
+    FetchFailure, FinishedRequest, HostCopy, KvConnector, KvLoadFailurePolicy, KvTransferParams,
+    LoadOutcome, LoadResult, NewRequest, StepWork, StoreHolds, TierStats, TransferParamsError,
+    Unpublished, WorkerJob, WorkerReport,
 };
 pub use driver::{Step, StepDriver, StepError, StepFailure, StepKind, StepModel, WorkPhase};
+pub use holds::{HoldKind, Holder};
+pub use ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
 pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,
 };
 pub use offload::{OffloadConfig, OffloadConnector, OffloadPolicy};
-pub use ownership::{BlockStatus, Owner, OwnershipError, TransferId};
+pub use ownership::{BlockStatus, Owner, OwnershipError};
 pub use pd::{PdConfig, PdConnector, PdRole};
 pub use peers::{ip_literal, AllowedPeers, IpNet};
 pub use plan::{
-    mask_allows, BlockId, ModelOutput, ReqIdx, SampleSpec, SampledToken, ScheduledReq, StepPlan,
-    TokenId, TokenMask,
+    mask_allows, ModelOutput, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenMask,
 };
 pub use request::{AddError, FinishReason, Request, RequestState};
 pub use sampling::{SamplerSpec, SamplingParams};
-pub use scheduler::lifecycle::TransferError;
-pub use scheduler::{Finished, OutputError, QueueError, RequestOutput, Scheduler, SchedulerStats};
+pub use scheduler::{
+    Finished, OutputError, QueueError, RequestOutput, Scheduler, SchedulerStats, TransferError,
+};

@@ -1,5 +1,5 @@
 //! Lifecycle types: pause modes, sleep levels, wake-up tags, and what the lifecycle state
-//! machine (`scheduler/control.rs`) asks the engine to do.
+//! machine (`scheduler/lifecycle_machine.rs`) asks the engine to do.
 //!
 //! The contract is `../shared/design/lifecycle.md`. The core decides *when* an operation can
 //! complete (idle, every transfer back, the reset done); the engine thread owns the reply

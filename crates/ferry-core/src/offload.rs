@@ -31,12 +31,12 @@ pub use policy::OffloadPolicy;
 use policy::Policy;
 
 use crate::connector::{
-    AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchFailure, HoldKind, HostCopy,
+    AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchFailure, HostCopy,
     KvConnector, LoadOutcome, LoadResult, StoreHolds, TierStats, WorkerJob, WorkerReport,
 };
 use crate::hash::BlockHash;
-use crate::ownership::TransferId;
-use crate::plan::ReqIdx;
+use crate::holds::HoldKind;
+use crate::ids::{ReqIdx, TransferId};
 
 /// The tier's configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]

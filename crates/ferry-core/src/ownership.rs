@@ -7,12 +7,8 @@
 //! block, a double free or a block both free and held shows up at the step that caused it.
 
 use crate::block_pool::{BlockPool, NULL_BLOCK};
-use crate::connector::{HoldKind, Holder};
-use crate::plan::{BlockId, ReqIdx};
-
-/// Identifies a transfer hold (an export for a remote reader, or an import being written).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct TransferId(pub u64);
+use crate::holds::{HoldKind, Holder};
+use crate::ids::{BlockId, ReqIdx, TransferId};
 
 /// Someone who holds a reference to a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -29,14 +29,14 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::connector::{
-    prompt_hash, AllocatedLoad, ExternalMatch, ExternalQuery, FinishedRequest, HoldKind,
-    KvConnector, KvTransferParams, LoadOutcome, LoadResult, NewRequest, TransferParamsError,
-    WorkerJob, WorkerReport,
+    prompt_hash, AllocatedLoad, ExternalMatch, ExternalQuery, FinishedRequest, KvConnector,
+    KvTransferParams, LoadOutcome, LoadResult, NewRequest, TransferParamsError, WorkerJob,
+    WorkerReport,
 };
 use crate::connector::{FetchFailure, Unpublished};
-use crate::ownership::TransferId;
+use crate::holds::HoldKind;
+use crate::ids::{BlockId, ReqIdx, TransferId};
 use crate::peers::AllowedPeers;
-use crate::plan::{BlockId, ReqIdx};
 use crate::request::FinishReason;
 
 /// Which side(s) of P/D an engine plays (vLLM's `kv_role`).
@@ -491,7 +491,6 @@ impl KvConnector for PdConnector {
             blocks: blocks.clone(),
             prompt_hash: hash,
             n_tokens,
-            expires_at: f.lease_end,
         });
         self.exports.insert(f.hold, Export { unpublished: false });
         Some(KvTransferParams {

@@ -6,18 +6,9 @@
 
 use std::ops::Range;
 
+use crate::connector::StepWork;
+use crate::ids::{BlockId, ReqIdx, TokenId};
 use crate::sampling::SamplerSpec;
-
-pub type TokenId = u32;
-
-/// Index of a KV block in the arena. Block 0 is the null block: never allocated to a request,
-/// used as padding.
-pub type BlockId = u32;
-
-/// Handle of a live request inside the core (a slab index). Valid from `add_request` until the
-/// request's finished output has been returned; then the slot may be reused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ReqIdx(pub u32);
 
 /// One request's share of a step.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,7 +64,7 @@ pub struct StepPlan {
     /// What each connector's worker does this step (before the forward), in connector order;
     /// only connectors with jobs appear. A plan with no requests but some work is a
     /// connector-only step: the engine runs the workers and no forward.
-    pub connector_work: Vec<crate::connector::StepWork>,
+    pub connector_work: Vec<StepWork>,
     /// The masks of constrained samples ([`SampleSpec::mask`] indexes them).
     pub token_masks: Vec<TokenMask>,
 }

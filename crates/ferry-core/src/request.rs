@@ -2,8 +2,7 @@
 //! that carries its data.
 
 use crate::hash::BlockHash;
-use crate::ownership::TransferId;
-use crate::plan::{BlockId, ReqIdx, TokenId};
+use crate::ids::{BlockId, ReqIdx, TokenId, TransferId};
 use crate::sampling::SamplingParams;
 
 /// Why a request finished.

@@ -2,7 +2,7 @@
 //! as one part of them, what the executor's sampler needs ([`SamplerSpec`]: temperature,
 //! top-k/p, min-p, seed, logprobs), which the plan carries to the executor as it is.
 
-use crate::plan::TokenId;
+use crate::ids::TokenId;
 
 /// How a request is sampled and when it stops. Stop *strings* are not here: they need text,
 /// and text is the server's business (it detokenizes and aborts on a match).

@@ -16,29 +16,40 @@
 //! Cost per step is proportional to the scheduled requests and the block tables copied into
 //! the plan, never to the number of waiting requests: the waiting queue is only looked at from
 //! its head.
+//!
+//! This file holds the scheduler's state, admission, planning, step outputs and finishes; the
+//! rest is split by job: `lifecycle_machine.rs` (the lifecycle state machine: pauses, sleep,
+//! wake-up, KV release, the weight version), `aborts_and_resets.rs` (aborts, preempting
+//! everything, cache resets), `transfers.rs` (the transfer-hold API; the holds themselves are
+//! `crate::holds`), `connectors.rs` (registering connectors, their jobs, reports and ended
+//! transfers), `offer.rs` (full blocks to the connectors that store them), `time.rs` (the clock
+//! and deadlines) and `render.rs` (plans as text).
 
-mod control;
-pub mod lifecycle;
+mod aborts_and_resets;
+mod connectors;
+mod lifecycle_machine;
 mod offer;
 mod render;
 #[cfg(test)]
 mod tests;
 mod time;
+mod transfers;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+pub use transfers::TransferError;
+
+use std::collections::{HashMap, VecDeque};
 
 use crate::config::{ConfigError, SchedulerConfig};
 use crate::connector::{
-    AllocatedLoad, ConnectorId, ExternalMatch, ExternalQuery, FetchFailure, FinishedRequest,
-    HoldKind, Holder, KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest,
-    StepWork, WorkerReport,
+    AllocatedLoad, ExternalMatch, ExternalQuery, FetchFailure, FinishedRequest,
+    KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest,
 };
 use crate::hash::{chain_root, BlockHash};
+use crate::holds::{HoldKind, Holder, Holds, Lease};
+use crate::ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
 use crate::kv_cache::{KvCacheManager, PrefixHit};
-use crate::ownership::{self, Owner, OwnershipError, TransferId};
-use crate::plan::{
-    BlockId, ModelOutput, ReqIdx, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenId,
-};
+use crate::ownership::{self, Owner, OwnershipError};
+use crate::plan::{ModelOutput, SampleSpec, SampledToken, ScheduledReq, StepPlan};
 use crate::request::{AddError, FinishReason, Request, RequestState};
 use crate::sampling::SamplingParams;
 
@@ -152,16 +163,16 @@ pub struct Scheduler {
     /// In admission order: the last one is the first to be preempted.
     running: Vec<ReqIdx>,
     /// Every piece of lifecycle state: the pause, pending operations, what is asleep, the
-    /// weight version (`control.rs`).
-    control: control::Control,
+    /// weight version (`lifecycle_machine.rs`).
+    control: lifecycle_machine::Control,
     connectors: Vec<Box<dyn crate::connector::KvConnector>>,
     /// The chain root new block hashes start from; follows the weight version.
     hash_root: BlockHash,
-    transfers: BTreeMap<TransferId, lifecycle::Hold>,
+    /// Every transfer hold: its blocks, holder, kind and lease (`holds.rs`).
+    holds: Holds,
     /// Loads that were in flight when the weights changed: whatever they land is stale, so
     /// their requests recompute (`set_weight_version`).
     stale_loads: std::collections::BTreeSet<TransferId>,
-    next_transfer: u64,
     /// The engine's monotonic clock as of its last `advance_time` (since an epoch the engine
     /// chose); the core never reads a clock.
     now: std::time::Duration,
@@ -174,6 +185,8 @@ pub struct Scheduler {
     side_outputs: Vec<RequestOutput>,
     /// Reused by `poll_connectors`.
     load_results: Vec<LoadResult>,
+    /// Reused by `poll_connectors`.
+    ended_transfers: Vec<TransferId>,
     /// Reused every step so planning does not allocate.
     decisions: Vec<Decision>,
     /// Buffers of a plan handed back by `recycle_plan`, reused by the next `schedule()`.
@@ -190,7 +203,7 @@ impl Scheduler {
             config.enable_prefix_caching,
         );
         kv.set_current_root(hash_root);
-        let control = control::Control::new(&config.weight_version);
+        let control = lifecycle_machine::Control::new(&config.weight_version);
         Ok(Self {
             kv,
             hash_root,
@@ -202,9 +215,8 @@ impl Scheduler {
             running: Vec::new(),
             control,
             connectors: Vec::new(),
-            transfers: BTreeMap::new(),
+            holds: Holds::new(),
             stale_loads: std::collections::BTreeSet::new(),
-            next_transfer: 0,
             now: std::time::Duration::ZERO,
             next_step: 0,
             prefix_hit_tokens: 0,
@@ -212,6 +224,7 @@ impl Scheduler {
             n_preemptions: 0,
             side_outputs: Vec::new(),
             load_results: Vec::new(),
+            ended_transfers: Vec::new(),
             decisions: Vec::new(),
             spare: StepPlan::default(),
         })
@@ -276,7 +289,9 @@ impl Scheduler {
                 kv_transfer_params: kv_transfer_params.as_ref(),
             };
             if let Err(e) = self.connectors[i].on_new_request(new) {
-                // The connectors that took it forget it again.
+                // The connectors that took it forget it again. An abort holding no blocks is
+                // never exported: the hold they are told of is never opened.
+                let unopened = self.holds.reserve();
                 for c in &mut self.connectors[..i] {
                     c.request_finished(FinishedRequest {
                         req: idx,
@@ -284,9 +299,8 @@ impl Scheduler {
                         reason: FinishReason::Abort,
                         blocks: &[],
                         n_computed: 0,
-                        hold: TransferId(self.next_transfer),
+                        hold: unopened.id(),
                         weight_version: &version,
-                        lease_end: self.now,
                     });
                 }
                 self.free_slots.push(idx.0);
@@ -385,23 +399,6 @@ impl Scheduler {
         self.decisions = decisions;
         self.take_connector_work(&mut plan.connector_work);
         plan
-    }
-
-    /// Each connector's jobs for its worker now. `schedule()` puts them in the plan (run
-    /// before the forward); call it again after `on_step_output` for what the step's
-    /// finishes produced (P's exports), and run those before the outputs reach anyone, so an
-    /// export is served before its parameters can be used.
-    pub fn take_connector_work(&mut self, out: &mut Vec<StepWork>) {
-        for (i, c) in self.connectors.iter_mut().enumerate() {
-            let mut jobs = Vec::new();
-            c.step_work(&mut jobs);
-            if !jobs.is_empty() {
-                out.push(StepWork {
-                    connector: ConnectorId(i as u32),
-                    jobs,
-                });
-            }
-        }
     }
 
     /// Phase 1: running requests in admission order, each getting its uncomputed tokens (one
@@ -667,13 +664,16 @@ impl Scheduler {
         let first_block = n_hit_tokens / block_size;
         let end_block = (n_hit_tokens + n_external).div_ceil(block_size);
         let blocks = req.blocks[first_block..end_block].to_vec();
-        for &b in &blocks {
-            // The hold's own reference: the blocks stay allocated until the connector says
-            // nothing writes them any more, whatever happens to the request.
-            self.kv.pool_mut().touch(b);
-        }
-        let deadline = self.now + self.config.kv_load_timeout;
-        let hold = self.new_transfer(blocks, Holder::Connector(c), kind, Some(deadline));
+        // The hold's own reference: the blocks stay allocated until the connector says
+        // nothing writes them any more, whatever happens to the request.
+        let bound = Lease::Until(self.now + self.config.kv_load_timeout);
+        let hold = self.holds.open_referencing(
+            self.kv.pool_mut(),
+            blocks,
+            Holder::Connector(c),
+            kind,
+            bound,
+        );
         let req = self.requests[r.0 as usize]
             .as_mut()
             .expect("a live request");
@@ -684,7 +684,7 @@ impl Scheduler {
         let load = AllocatedLoad {
             req: r,
             hold,
-            blocks: &self.transfers[&hold].blocks,
+            blocks: &self.holds.get(hold).expect("the hold just opened").blocks,
             first_block,
             n_tokens: n_external,
             block_hashes: &req.block_hashes,
@@ -847,15 +847,18 @@ impl Scheduler {
         let mut kv_transfer_params: Option<KvTransferParams> = None;
         if req.export_on_finish && exportable {
             // Ownership moves from the request to the transfer: no reference count changes.
-            transfer = Some(self.new_transfer(
+            transfer = Some(self.holds.open(
                 std::mem::take(&mut req.blocks),
                 Holder::Caller,
                 HoldKind::Caller,
-                None,
+                Lease::Unbounded,
             ));
         }
-        let hold = self.peek_transfer_id();
-        let lease_end = self.now + self.config.export_lease;
+        // The connectors are told the id the export would get; it is opened under that id
+        // if one asks for it, and left to the next hold otherwise.
+        let export = self.holds.reserve();
+        let hold = export.id();
+        let lease = Lease::Until(self.now + self.config.export_lease);
         let version = self.control.weight_version.clone();
         let mut exporter = None;
         let mut clash = None;
@@ -872,7 +875,6 @@ impl Scheduler {
                 n_computed: req.n_computed,
                 hold,
                 weight_version: &version,
-                lease_end,
             };
             let Some(params) = connector.request_finished(finished) else {
                 continue;
@@ -891,14 +893,7 @@ impl Scheduler {
         }
         if let Some(c) = exporter {
             let blocks = std::mem::take(&mut req.blocks);
-            let id = self.new_transfer(
-                blocks,
-                Holder::Connector(c),
-                HoldKind::Export,
-                Some(lease_end),
-            );
-            debug_assert_eq!(id, hold);
-            transfer = Some(id);
+            transfer = Some(export.open(blocks, Holder::Connector(c), HoldKind::Export, lease));
         }
         let mut reason = reason;
         let mut message = None;
@@ -943,16 +938,6 @@ impl Scheduler {
     /// policy). The engine calls it after every `schedule` and every worker report.
     pub fn take_outputs(&mut self) -> Vec<RequestOutput> {
         std::mem::take(&mut self.side_outputs)
-    }
-
-    /// A connector's worker reported: the connector learns it, then the scheduler frees what
-    /// ended and moves loads forward (in order, between steps).
-    pub fn on_worker_report(&mut self, connector: ConnectorId, report: WorkerReport) {
-        let Some(c) = self.connectors.get_mut(connector.0 as usize) else {
-            return;
-        };
-        c.on_worker_report(report);
-        self.poll_connectors();
     }
 
     /// A load ended: the request continues (loaded), recomputes from the first bad block or
@@ -1126,7 +1111,7 @@ impl Scheduler {
             n_blocks_used: pool.n_used(),
             n_blocks_free: pool.n_free(),
             n_blocks_cached: pool.n_cached(),
-            n_transfers: self.transfers.len(),
+            n_transfers: self.holds.len(),
             prefix_hit_tokens: self.prefix_hit_tokens,
             prefix_query_tokens: self.prefix_query_tokens,
             n_preemptions: self.n_preemptions,
@@ -1155,7 +1140,7 @@ impl Scheduler {
             .iter()
             .flatten()
             .map(|r| (Owner::Request(r.idx), &r.blocks[..]));
-        let transfers = self.transfers.iter().map(|(&id, hold)| {
+        let transfers = self.holds.iter().map(|(id, hold)| {
             let owner = Owner::Transfer {
                 hold: id,
                 holder: hold.holder,

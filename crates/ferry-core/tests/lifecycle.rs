@@ -1,5 +1,6 @@
-//! The lifecycle state machine (`scheduler/control.rs`) driven step by step: every operation
-//! and mode, what completes when, what the engine is told to do, and that no request is lost.
+//! The lifecycle state machine (`scheduler/lifecycle_machine.rs`) driven step by step: every
+//! operation and mode, what completes when, what the engine is told to do, and that no request
+//! is lost.
 
 mod common;
 

@@ -123,7 +123,6 @@ mod tests {
             blocks: vec![1, 2],
             prompt_hash: [0; 32],
             n_tokens: 8,
-            expires_at: std::time::Duration::ZERO,
         };
         let fetch = |hold| WorkerJob::Fetch {
             hold: TransferId(hold),

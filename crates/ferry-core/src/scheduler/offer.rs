@@ -1,11 +1,35 @@
 //! Offering full blocks to the connectors that store them (an offload tier): the blocks a
 //! step computed, and those another connector's load landed. A store holds what it reads
-//! under a `Store` hold the connector owns (`lifecycle::HoldMaker`).
+//! under a `Store` hold the connector owns ([`StoreHoldMaker`]).
 
-use super::{lifecycle, Scheduler};
-use crate::connector::{ComputedBlocks, ConnectorId, Holder};
-use crate::plan::{ReqIdx, StepPlan};
+use super::Scheduler;
+use crate::block_pool::BlockPool;
+use crate::connector::{ComputedBlocks, StoreHolds};
+use crate::holds::{HoldKind, Holder, Holds, Lease};
+use crate::ids::{BlockId, ConnectorId, ReqIdx, TransferId};
+use crate::plan::StepPlan;
 use crate::request::RequestState;
+
+/// Opens `Store` holds for one connector while it is asked about computed blocks
+/// (`KvConnector::blocks_computed`), borrowing only what a hold touches. A store's hold has
+/// no lease: it ends when the store job does.
+struct StoreHoldMaker<'a> {
+    pool: &'a mut BlockPool,
+    holds: &'a mut Holds,
+    holder: Holder,
+}
+
+impl StoreHolds for StoreHoldMaker<'_> {
+    fn hold(&mut self, blocks: &[BlockId]) -> TransferId {
+        self.holds.open_referencing(
+            self.pool,
+            blocks.to_vec(),
+            self.holder,
+            HoldKind::Store,
+            Lease::Unbounded,
+        )
+    }
+}
 
 impl Scheduler {
     /// Tells the connectors that store blocks (a local tier) which full blocks the step just
@@ -58,22 +82,12 @@ impl Scheduler {
                 n_before,
                 n_after,
             };
-            let mut holds = lifecycle::HoldMaker {
-                kv: &mut self.kv,
-                transfers: &mut self.transfers,
-                next_transfer: &mut self.next_transfer,
+            let mut holds = StoreHoldMaker {
+                pool: self.kv.pool_mut(),
+                holds: &mut self.holds,
                 holder: Holder::Connector(id),
             };
             self.connectors[c].blocks_computed(computed, &mut holds);
         }
-    }
-
-    /// Every local tier's figures, summed (`None` when no connector is a tier).
-    pub fn tier_stats(&self) -> Option<crate::connector::TierStats> {
-        let mut all: Option<crate::connector::TierStats> = None;
-        for s in self.connectors.iter().filter_map(|c| c.tier_stats()) {
-            all.get_or_insert_with(Default::default).add(&s);
-        }
-        all
     }
 }

@@ -2,14 +2,14 @@
 //! asks when the core next needs it ([`Scheduler::next_deadline`]); the core never reads a
 //! clock, so tests and the simulation drive time by hand.
 //!
-//! Deadlines: export leases and load bounds (the hold's connector is told, stops serving or
-//! cancels, and hands the blocks back) and the bound on a clearing lifecycle operation's wait for
-//! transfers (`control.rs`).
+//! Deadlines: the leases of transfer holds, export leases and load bounds (`crate::holds`:
+//! the hold's connector is told, stops serving or cancels, and hands the blocks back) and the
+//! bound on a clearing lifecycle operation's wait for transfers (`lifecycle_machine.rs`).
 
 use std::time::Duration;
 
 use super::Scheduler;
-use crate::connector::Holder;
+use crate::holds::Holder;
 
 impl Scheduler {
     /// Moves the core's clock to `now` (a monotonic time since an epoch the engine chose;
@@ -24,12 +24,7 @@ impl Scheduler {
         self.now = self.now.max(now);
         let now = self.now;
         let mut expired = Vec::new();
-        for (&id, hold) in &mut self.transfers {
-            if hold.expires_at.is_some_and(|t| t <= now) {
-                hold.expires_at = None;
-                expired.push((id, hold.holder));
-            }
-        }
+        self.holds.expire(now, &mut expired);
         for (id, holder) in expired {
             match holder {
                 Holder::Connector(c) => self.connectors[c.0 as usize].hold_expired(id),
@@ -49,7 +44,7 @@ impl Scheduler {
     /// the earliest export lease, or the deadline of a clearing operation's wait. `None`:
     /// nothing is due until an input arrives, so an idle engine may block.
     pub fn next_deadline(&self) -> Option<Duration> {
-        let lease = self.transfers.values().filter_map(|h| h.expires_at).min();
+        let lease = self.holds.next_deadline();
         let reset = self.reset_deadline();
         [lease, reset].into_iter().flatten().min()
     }

@@ -4,7 +4,9 @@
 //! This is the one home of lifecycle state ([`Control`]): the pause (one enum saying how far
 //! compute is paused and whose pause it is), pending operations, the reset's stage, what is
 //! asleep (KV memory, weight residency) and the weight version. The scheduler reads the pause
-//! through [`Control::frozen`] and [`Control::admits_new`] only.
+//! through [`Control::frozen`] and [`Control::admits_new`] only. What it is built from lives
+//! beside it: aborts, preemption and cache resets (`aborts_and_resets.rs`), transfer holds
+//! (`transfers.rs`), the connectors' reports (`connectors.rs`) and the clock (`time.rs`).
 //!
 //! Operations that cannot complete at once are *pending*, named by an [`OpId`] the engine
 //! maps to its caller's reply. [`Scheduler::poll_lifecycle`] runs after every step and when
@@ -28,17 +30,14 @@
 
 use std::sync::Arc;
 
-use super::Scheduler;
-use crate::connector::{ConnectorId, Holder, KvConnector};
+use super::{RequestOutput, Scheduler};
 use crate::hash::chain_root;
+use crate::ids::{ReqIdx, TransferId};
 use crate::lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,
 };
-use crate::ownership::TransferId;
-use crate::plan::ReqIdx;
 use crate::request::{Request, RequestState};
-use crate::scheduler::RequestOutput;
 
 /// Whether compute is paused, how far, and whose pause it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -82,8 +81,6 @@ pub(crate) struct Control {
     weights: WeightResidency,
     /// Produced between polls (immediate completions and cancellations).
     events: Vec<LifecycleEvent>,
-    /// Reused by `poll_connectors`.
-    finished_transfers: Vec<TransferId>,
     /// The version of the weights loaded now; stamped on outputs by the engine.
     pub(super) weight_version: Arc<str>,
     /// Counts weight-version changes; with the version it seeds the hash chains, so even a
@@ -104,7 +101,6 @@ impl Control {
             kv_released: false,
             weights: WeightResidency::Resident,
             events: Vec::new(),
-            finished_transfers: Vec::new(),
             weight_version: Arc::from(weight_version),
             weight_epoch: 0,
             n_pauses: 0,
@@ -408,8 +404,7 @@ impl Scheduler {
             self.control.reset_deadline = self.now + self.config.lifecycle_wait_timeout;
         }
         self.poll_connectors();
-        let busy =
-            !self.transfers.is_empty() || self.connectors.iter().any(|c| c.has_pending_work());
+        let busy = !self.holds.is_empty() || self.connectors.iter().any(|c| c.has_pending_work());
         // With every request preempted and every transfer back, no block is held, so the pool
         // reset cannot refuse; should it, the reset simply tries again at the next poll.
         if busy || !self.kv.pool_mut().reset_cache() {
@@ -433,8 +428,8 @@ impl Scheduler {
     /// timeout naming what was still out. The pause stays in force; the reset starts over
     /// (transfers released again) when an operation asks for it again.
     fn time_out_reset(&mut self) {
-        let n_holds = self.transfers.len();
-        let n_blocks: usize = self.transfers.values().map(|h| h.blocks.len()).sum();
+        let n_holds = self.holds.len();
+        let n_blocks = self.holds.n_blocks();
         let mut parts = Vec::new();
         if n_holds > 0 {
             parts.push(format!(
@@ -488,89 +483,6 @@ impl Scheduler {
             c.events.push(LifecycleEvent::Done(p.op));
         }
     }
-
-    /// Asks every connector to end its transfers (`abort_transfers`); their blocks come back
-    /// as the connectors report them ended. Holds the caller owns ([`Holder::Caller`]) have
-    /// no connector to report them and no reader a connector could tell, so they are
-    /// released at once. Touches only KV that transfers hold.
-    pub fn release_transfer_kv(&mut self) {
-        let callers: Vec<TransferId> = self
-            .transfers
-            .iter()
-            .filter(|(_, h)| h.holder == Holder::Caller)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in callers {
-            self.release_transfer(id);
-        }
-        for c in &mut self.connectors {
-            c.abort_transfers();
-        }
-    }
-
-    /// Moves loads forward as connectors report them ended, then frees the blocks of every
-    /// transfer a connector reports ended, if that connector owns it: a connector can never
-    /// free another's hold (or the caller's).
-    pub(crate) fn poll_connectors(&mut self) {
-        let mut ended = std::mem::take(&mut self.control.finished_transfers);
-        let mut loads = std::mem::take(&mut self.load_results);
-        for i in 0..self.connectors.len() {
-            let owner = Holder::Connector(ConnectorId(i as u32));
-            self.connectors[i].take_finished_loads(&mut loads);
-            for load in loads.drain(..) {
-                if self.transfer_holder(load.hold) == Some(owner) {
-                    self.on_load_result(load, ConnectorId(i as u32));
-                }
-            }
-            self.connectors[i].take_finished_transfers(&mut ended);
-            for id in ended.drain(..) {
-                if self.transfer_holder(id) == Some(owner) {
-                    self.release_transfer(id);
-                }
-            }
-        }
-        self.control.finished_transfers = ended;
-        self.load_results = loads;
-    }
-
-    /// Registers a connector; the lifecycle drives it from now on. Holds it owns name it by
-    /// the returned id (its index in registration order).
-    pub fn add_connector(&mut self, connector: Box<dyn KvConnector>) -> ConnectorId {
-        self.connectors.push(connector);
-        ConnectorId(self.connectors.len() as u32 - 1)
-    }
-
-    /// `reset_prefix_cache` as the admin API has it: with `reset_running_requests`, running
-    /// requests are preempted first, and waiting ones holding KV (landed loads) drop it (all
-    /// kept, recomputed later, queue order preserved); with
-    /// `reset_connector`, every connector's cache is reset too. Never fails on busy blocks:
-    /// false (the prefix cache unchanged) while any block is held.
-    ///
-    /// With `reset_connector`, connectors are reset only once the prefix cache was: false
-    /// (nothing reset) while any transfer or connector job (a store or load of an offload
-    /// tier) still holds blocks or waits to reach its worker.
-    pub fn reset_caches(&mut self, reset_running_requests: bool, reset_connector: bool) -> bool {
-        self.poll_connectors();
-        if reset_running_requests {
-            // Waiting requests holding KV (landed loads) hold it as running ones do.
-            self.preempt_all_running();
-            self.retract_waiting_kv();
-        }
-        if reset_connector
-            && (!self.transfers.is_empty() || self.connectors.iter().any(|c| c.has_pending_work()))
-        {
-            return false;
-        }
-        if !self.reset_prefix_cache() {
-            return false;
-        }
-        if reset_connector {
-            for c in &mut self.connectors {
-                c.reset_cache();
-            }
-        }
-        true
-    }
 }
 
 /// No admitted request is waiting: the waiting queue holds only never-admitted requests.
@@ -606,8 +518,8 @@ impl Scheduler {
                 _ => None,
             })
             .collect();
-        let transfers = &self.transfers;
-        self.stale_loads.retain(|t| transfers.contains_key(t));
+        let holds = &self.holds;
+        self.stale_loads.retain(|&t| holds.contains(t));
         self.stale_loads.extend(in_flight);
         let c = &mut self.control;
         c.weight_version = Arc::from(version.into());
