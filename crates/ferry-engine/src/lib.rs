@@ -1,10 +1,19 @@
-//! ferry-engine: the engine loop, and the async handle that feeds it.
+//! ferry-engine: the engine core, the engine thread that drives it, and the async handle that
+//! feeds it.
 //!
-//! One `std::thread` (the engine thread, `engine.rs`) owns the sans-IO core
-//! ([`ferry_core::Scheduler`]), the executor and the KV arena. Everything that can change its
-//! state arrives as one closed enum (`input::Input`) on one queue and is handled between
-//! steps, never during one, in arrival order. Async callers hold an [`EngineHandle`]:
-//! `generate` queues a request and returns a [`GenerateStream`] of [`OutputChunk`]s.
+//! [`EngineCore`] (`engine_core.rs`) is the engine without a thread: the sans-IO scheduler
+//! ([`ferry_core::Scheduler`]), the executor, the KV arena and the connectors' workers behind
+//! one synchronous interface. Inputs go in by `handle_*` (time, adds, aborts, worker reports,
+//! lifecycle calls), [`EngineCore::step`] runs a step and moves the lifecycle, and everything
+//! that comes out leaves by one route, [`EngineCore::poll_event`], drained after every input
+//! and every step (the order to call things in is in `engine_core.rs`'s docs). The engine
+//! thread, the simulation (`ferry-sim`) and tests all drive this one core.
+//!
+//! One `std::thread` (the engine thread, `engine.rs`) is a thin loop around the core. Everything
+//! that can change its state arrives as one closed enum (`input::Input`) on one queue and is
+//! handled between steps, never during one, in arrival order. Async callers hold an
+//! [`EngineHandle`]: `generate` queues a request and returns a [`GenerateStream`] of
+//! [`OutputChunk`]s.
 //!
 //! The key decision: the engine thread does only what must be serial (scheduling, the
 //! forward, bookkeeping) and never blocks on a reader. Per request it pushes raw events
