@@ -25,7 +25,7 @@
 
 mod policy;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 pub use policy::OffloadPolicy;
 use policy::Policy;
@@ -34,7 +34,7 @@ use crate::connector::{
     AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchFailure, HostCopy,
     KvConnector, LoadOutcome, LoadResult, StoreHolds, TierStats, WorkerJob, WorkerReport,
 };
-use crate::hash::BlockHash;
+use crate::hash::{BlockHash, BlockHashMap};
 use crate::holds::HoldKind;
 use crate::ids::{ReqIdx, TransferId};
 
@@ -123,7 +123,8 @@ struct Job {
 #[derive(Debug)]
 pub struct OffloadConnector {
     config: OffloadConfig,
-    index: HashMap<BlockHash, Entry>,
+    /// Keyed by block hashes, which need no rehashing (`BlockHashMap`).
+    index: BlockHashMap<Entry>,
     policy: Policy,
     /// Lowest first, so slot use is deterministic.
     free_slots: BTreeSet<u32>,
@@ -148,7 +149,7 @@ impl OffloadConnector {
         let n_slots = config.n_slots();
         Self {
             policy: Policy::new(config.policy, n_slots),
-            index: HashMap::new(),
+            index: BlockHashMap::default(),
             free_slots: (0..n_slots as u32).collect(),
             busy: vec![0; n_slots],
             orphaned: vec![false; n_slots],

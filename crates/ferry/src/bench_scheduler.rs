@@ -3,9 +3,18 @@
 //!
 //! The trace is gzip'd JSON lines, each `{"request_id", "prompt_token_ids", "max_tokens"}`.
 //! Every request is added before the first step; each step is one `StepDriver` step
-//! (schedule → fake model → feed back), and only `schedule()` and `on_step_output()` are timed
-//! (the fake model times itself and its time is subtracted). The fake model gives request
-//! `i` (its line index) the token `(i*7 + n_output_tokens_so_far) % 32000 + 1`.
+//! (schedule → fake model → feed back), and only the core's part is timed: the step less the
+//! fake model's own time (it times itself), then handing the plan back. The fake model gives
+//! request `i` (its line index) the token `(i*7 + n_output_tokens_so_far) % 32000 + 1`.
+//!
+//! With `--kv-connector`, the real connectors are registered on the core (P/D's producer or
+//! consumer side, the offload tier) and the fake model is also their worker: it answers every
+//! job at once, as a worker whose copies and transfers take no time would (`FakeModel`'s
+//! `run_connector_work`, not timed), and its reports reach the core after the step, as the
+//! engine delivers them between steps. Delivering them (`on_worker_report`) is timed with the
+//! step: it is the core's work (freeing ended holds, moving landed loads on). So the figures
+//! are the scheduler's cost with the connectors on, not the transfers'. A step that only
+//! hands out connector work (D's first step: every admission starts a load) counts as a step.
 
 use std::convert::Infallible;
 use std::io::BufRead;
@@ -14,8 +23,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use ferry_core::{
-    ModelOutput, ReqIdx, SampledToken, SamplingParams, Scheduler, SchedulerConfig, Step,
-    StepDriver, StepModel, StepPlan, TokenId,
+    AllowedPeers, ConnectorId, FetchError, KvTransferParams, ModelOutput, OffloadConfig,
+    OffloadConnector, OffloadPolicy, PdConfig, PdConnector, PdRole, ReqIdx, SampledToken,
+    SamplingParams, Scheduler, SchedulerConfig, Step, StepDriver, StepModel, StepPlan, StepWork,
+    TokenId, WorkPhase, WorkerJob, WorkerReport,
 };
 use serde::{Deserialize, Serialize};
 
@@ -51,7 +62,145 @@ pub struct Args {
     /// Write one line per step (`step us n_reqs n_tokens`) to this file, for profiling.
     #[arg(long)]
     dump_steps: Option<PathBuf>,
+    /// KV connectors to register on the core, in order (comma-separated or repeated):
+    /// `pd-producer` (every request exports its KV when it finishes; each export is pulled at
+    /// once), `pd-consumer` (every request loads its prompt's KV from a P; each load lands at
+    /// once), `offload` (the CPU tier stores every full block; stores and loads complete at
+    /// once). Default: none.
+    #[arg(long = "kv-connector", value_enum, value_delimiter = ',')]
+    kv_connectors: Vec<BenchConnector>,
+    /// The offload tier's size, in KV blocks (with `--kv-connector offload`). Default: the
+    /// pool's `--n-blocks`.
+    #[arg(long)]
+    kv_offload_blocks: Option<usize>,
 }
+
+/// A connector `ferry bench scheduler` can register (`--kv-connector`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchConnector {
+    /// P of P/D: `PdConnector` as a producer; every request asks to export its KV.
+    PdProducer,
+    /// D of P/D: `PdConnector` as a consumer; every request names an export of its whole
+    /// prompt on a P.
+    PdConsumer,
+    /// The CPU offload tier: `OffloadConnector`, LRU, one KV block per offloaded block.
+    Offload,
+}
+
+impl BenchConnector {
+    fn name(self) -> &'static str {
+        match self {
+            Self::PdProducer => "pd-producer",
+            Self::PdConsumer => "pd-consumer",
+            Self::Offload => "offload",
+        }
+    }
+}
+
+/// The connectors a replay registers, and the tier's size.
+#[derive(Debug, Clone, Default)]
+pub struct Connectors {
+    pub kinds: Vec<BenchConnector>,
+    /// The offload tier's capacity, in KV blocks.
+    pub offload_blocks: usize,
+}
+
+impl Connectors {
+    /// The names, comma-separated; `none` for none.
+    fn label(&self) -> String {
+        if self.kinds.is_empty() {
+            return "none".to_owned();
+        }
+        let names: Vec<_> = self.kinds.iter().map(|k| k.name()).collect();
+        names.join(",")
+    }
+
+    /// Registers each connector on `sched`, in order.
+    fn register(&self, sched: &mut Scheduler) -> anyhow::Result<()> {
+        let block_size = sched.config().block_size;
+        let has = |k| self.kinds.contains(&k);
+        if has(BenchConnector::PdProducer) && has(BenchConnector::PdConsumer) {
+            bail!("--kv-connector: pd-producer and pd-consumer are two engines; pick one");
+        }
+        for (i, &kind) in self.kinds.iter().enumerate() {
+            if self.kinds[..i].contains(&kind) {
+                bail!("--kv-connector: {} given twice", kind.name());
+            }
+            match kind {
+                BenchConnector::PdProducer | BenchConnector::PdConsumer => {
+                    let (role, engine_id) = if kind == BenchConnector::PdProducer {
+                        (PdRole::Producer, BENCH_P)
+                    } else {
+                        (PdRole::Consumer, "bench-d")
+                    };
+                    sched.add_connector(Box::new(PdConnector::new(PdConfig {
+                        role,
+                        engine_id: engine_id.to_owned(),
+                        host: Some(BENCH_P_HOST.to_owned()),
+                        port: Some(BENCH_P_PORT),
+                        secret: [7; 32],
+                        block_size,
+                        allowed_peers: AllowedPeers::default(),
+                    })));
+                }
+                BenchConnector::Offload => {
+                    // Only the arithmetic of host memory matters here: one byte per block.
+                    let config = OffloadConfig {
+                        block_size,
+                        blocks_per_slot: 1,
+                        block_bytes: 1,
+                        capacity_bytes: self.offload_blocks as u64,
+                        policy: OffloadPolicy::Lru,
+                    };
+                    config
+                        .validate()
+                        .map_err(|e| anyhow::anyhow!("--kv-offload-blocks: {e}"))?;
+                    sched.add_connector(Box::new(OffloadConnector::new(config)));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The transfer parameters request `line` (its index in the trace) arrives with, on a
+    /// core with `block_size` and `weight_version`.
+    fn transfer_params(
+        &self,
+        line: usize,
+        prompt_len: usize,
+        block_size: usize,
+        weight_version: &str,
+    ) -> Option<KvTransferParams> {
+        if self.kinds.contains(&BenchConnector::PdProducer) {
+            return Some(KvTransferParams {
+                do_remote_decode: true,
+                ..KvTransferParams::default()
+            });
+        }
+        if self.kinds.contains(&BenchConnector::PdConsumer) {
+            // What P's export of the whole prompt would carry (P computed every prompt token).
+            let n_blocks = prompt_len.div_ceil(block_size) as u32;
+            return Some(KvTransferParams {
+                do_remote_prefill: true,
+                remote_engine_id: Some(BENCH_P.to_owned()),
+                remote_block_ids: Some((1..=n_blocks).collect()),
+                remote_request_id: Some(format!("p-{line}")),
+                remote_host: Some(BENCH_P_HOST.to_owned()),
+                remote_port: Some(BENCH_P_PORT),
+                weight_version: Some(weight_version.to_owned()),
+                export_token: Some(format!("export-{line}")),
+                n_tokens: Some(prompt_len),
+                ..KvTransferParams::default()
+            });
+        }
+        None
+    }
+}
+
+/// The P that P/D runs name (the bench's own engine as a producer, D's exports' source).
+const BENCH_P: &str = "bench-p";
+const BENCH_P_HOST: &str = "127.0.0.1";
+const BENCH_P_PORT: u16 = 1;
 
 /// One line of the trace.
 #[derive(Debug, Clone, Deserialize)]
@@ -72,11 +221,32 @@ pub struct Report {
     /// Mean over steps with `max_num_seqs` requests running, all decoding (0 if none).
     pub steady_decode_mean_us: f64,
     pub steady_decode_steps: u64,
+    /// The connectors registered (`--kv-connector`), comma-separated; `none` without.
+    pub kv_connector: String,
+    /// What their workers were asked to do (all zero without connectors).
+    pub connector_jobs: JobCounts,
     pub prefix_cache_hit_rate: f64,
     pub output_tokens: u64,
     pub preemptions: u64,
     pub peak_rss_mib: f64,
     pub block_hash: &'static str,
+}
+
+/// Worker jobs the fake model answered, by kind, and the reports it sent back.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct JobCounts {
+    /// P: exports published (each pulled at once).
+    pub publish: u64,
+    /// D: loads fetched from P (each landed at once).
+    pub fetch: u64,
+    /// D: exports released unread (their requests took no load).
+    pub release: u64,
+    /// The tier: store and load jobs.
+    pub store: u64,
+    pub load: u64,
+    /// Revocations, cancelled fetches and flushes.
+    pub other: u64,
+    pub reports: u64,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -96,8 +266,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         weight_version: "bench".to_owned(),
         ..SchedulerConfig::default()
     };
+    let connectors = Connectors {
+        kinds: args.kv_connectors.clone(),
+        offload_blocks: args.kv_offload_blocks.unwrap_or(args.n_blocks as usize),
+    };
     let mut steps = Vec::new();
-    let report = replay(&trace, config, args.check, &mut steps)?;
+    let report = replay(&trace, config, &connectors, args.check, &mut steps)?;
     if let Some(path) = &args.dump_steps {
         let text: String = steps
             .iter()
@@ -147,22 +321,33 @@ pub struct StepRecord {
     pub n_tokens: usize,
 }
 
-/// Replays `trace` to completion and measures it, appending one record per step to `steps`.
-/// With `check`, verifies block ownership after every step. Fails if a request is rejected,
-/// lost, or the run stalls.
+/// Replays `trace` to completion with `connectors` registered and measures it, appending one
+/// record per step to `steps`. With `check`, verifies block ownership after every step. Fails
+/// if a request is rejected, lost, or the run stalls.
 pub fn replay(
     trace: &[TraceRequest],
     config: SchedulerConfig,
+    connectors: &Connectors,
     check: bool,
     steps: &mut Vec<StepRecord>,
 ) -> anyhow::Result<Report> {
     let max_num_seqs = config.max_num_seqs;
-    let mut driver = StepDriver::new(Scheduler::new(config)?, FakeModel::default());
+    let block_size = config.block_size;
+    let mut sched = Scheduler::new(config)?;
+    connectors.register(&mut sched)?;
+    let mut driver = StepDriver::new(sched, FakeModel::default());
     for (i, r) in trace.iter().enumerate() {
-        let idx = driver.sched.add_request(
+        let params = connectors.transfer_params(
+            i,
+            r.prompt_token_ids.len(),
+            block_size,
+            driver.sched.weight_version(),
+        );
+        let idx = driver.sched.add_request_with_transfer(
             r.request_id.clone(),
             r.prompt_token_ids.clone(),
             SamplingParams::greedy(r.max_tokens),
+            params,
         )?;
         driver.model.set_line(idx, i as u64);
     }
@@ -170,12 +355,15 @@ pub fn replay(
     let mut steady_ns = Vec::new();
     let mut output_tokens = 0u64;
     let mut n_finished = 0usize;
-    while driver.sched.n_live() > 0 {
-        // Timed: the step less the fake model's own time, then handing the plan back.
+    let mut reports = Vec::new();
+    while driver.sched.n_live() > 0 || driver.sched.needs_idle_steps() {
+        // Timed: the step less the fake model's own time (its forward and its connector
+        // work), then the workers' reports reaching the core, then handing the plan back.
+        driver.model.elapsed = Duration::ZERO;
         let t0 = Instant::now();
         let Step { plan, outputs, .. } = driver.step()?;
         let mut elapsed = t0.elapsed().saturating_sub(driver.model.elapsed);
-        if plan.is_empty() {
+        if plan.is_idle() {
             bail!(
                 "stalled: nothing scheduled with {} requests live",
                 driver.sched.n_live()
@@ -184,7 +372,11 @@ pub fn replay(
         let steady = is_steady_decode(&plan, max_num_seqs);
         let n_reqs = plan.reqs.len();
         let n_tokens = plan.num_tokens();
+        std::mem::swap(&mut reports, &mut driver.model.reports);
         let t1 = Instant::now();
+        for (connector, report) in reports.drain(..) {
+            driver.sched.on_worker_report(connector, report);
+        }
         driver.sched.recycle_plan(plan);
         elapsed += t1.elapsed();
         step_ns.push(elapsed.as_nanos() as u64);
@@ -204,12 +396,13 @@ pub fn replay(
     }
     driver.sched.check_ownership()?;
     let stats = driver.sched.stats();
-    if n_finished != trace.len() || stats.n_blocks_used != 0 {
+    if n_finished != trace.len() || stats.n_blocks_used != 0 || stats.n_transfers != 0 {
         bail!(
-            "{} of {} requests finished, {} blocks still used",
+            "{} of {} requests finished, {} blocks still used, {} transfers still held",
             n_finished,
             trace.len(),
-            stats.n_blocks_used
+            stats.n_blocks_used,
+            stats.n_transfers
         );
     }
     Ok(Report {
@@ -220,6 +413,8 @@ pub fn replay(
         step_p99_us: percentile_us(&mut step_ns, 0.99),
         steady_decode_mean_us: mean_us(&steady_ns),
         steady_decode_steps: steady_ns.len() as u64,
+        kv_connector: connectors.label(),
+        connector_jobs: driver.model.jobs,
         prefix_cache_hit_rate: stats.prefix_hit_tokens as f64
             / (stats.prefix_query_tokens.max(1)) as f64,
         output_tokens,
@@ -239,7 +434,8 @@ fn is_steady_decode(plan: &StepPlan, max_num_seqs: usize) -> bool {
 }
 
 /// The fake model: request `i` (its line in the trace) gets
-/// `(i*7 + n_output_tokens_so_far) % 32000 + 1`. It times itself, so that the step time can
+/// `(i*7 + n_output_tokens_so_far) % 32000 + 1`. It is also every connector's worker, and
+/// answers each job at once (see the module docs). It times itself, so that the step time can
 /// leave it out.
 #[derive(Debug, Default)]
 struct FakeModel {
@@ -248,8 +444,11 @@ struct FakeModel {
     line_of: Vec<u64>,
     /// The last output, handed back for reuse.
     spare: ModelOutput,
-    /// Time spent in the last `compute`.
+    /// Time spent in `compute` and `run_connector_work` since the caller last zeroed it.
     elapsed: Duration,
+    /// The workers' reports, for the core after the step.
+    reports: Vec<(ConnectorId, WorkerReport)>,
+    jobs: JobCounts,
 }
 
 impl FakeModel {
@@ -280,8 +479,72 @@ impl StepModel for FakeModel {
                 top_logprobs: Vec::new(),
             });
         }
-        self.elapsed = t0.elapsed();
+        self.elapsed += t0.elapsed();
         Ok(output)
+    }
+
+    /// What a worker whose copies and transfers take no time reports: every export is pulled
+    /// (P), every fetch lands (D), every store and load completes (the tier), every
+    /// revocation or cancellation is acknowledged.
+    fn run_connector_work(&mut self, work: &[StepWork], _phase: WorkPhase) {
+        let t0 = Instant::now();
+        for w in work {
+            for job in &w.jobs {
+                let report = match job {
+                    WorkerJob::Publish { hold, .. } => {
+                        self.jobs.publish += 1;
+                        Some(WorkerReport::ExportPulled { hold: *hold })
+                    }
+                    WorkerJob::Fetch { hold, .. } => {
+                        self.jobs.fetch += 1;
+                        Some(WorkerReport::FetchDone {
+                            hold: *hold,
+                            result: Ok(()),
+                        })
+                    }
+                    WorkerJob::Release { .. } => {
+                        self.jobs.release += 1;
+                        None
+                    }
+                    WorkerJob::Store { hold, epoch, .. } => {
+                        self.jobs.store += 1;
+                        Some(WorkerReport::StoreDone {
+                            hold: *hold,
+                            epoch: *epoch,
+                            ok: true,
+                        })
+                    }
+                    WorkerJob::Load { hold, epoch, .. } => {
+                        self.jobs.load += 1;
+                        Some(WorkerReport::LoadDone {
+                            hold: *hold,
+                            epoch: *epoch,
+                            result: Ok(()),
+                        })
+                    }
+                    WorkerJob::Unpublish { hold, .. } => {
+                        self.jobs.other += 1;
+                        Some(WorkerReport::ExportGone { hold: *hold })
+                    }
+                    WorkerJob::CancelFetch { hold } => {
+                        self.jobs.other += 1;
+                        Some(WorkerReport::FetchDone {
+                            hold: *hold,
+                            result: Err(FetchError::fault(0, "cancelled")),
+                        })
+                    }
+                    WorkerJob::Flush { .. } => {
+                        self.jobs.other += 1;
+                        None
+                    }
+                };
+                if let Some(report) = report {
+                    self.jobs.reports += 1;
+                    self.reports.push((w.connector, report));
+                }
+            }
+        }
+        self.elapsed += t0.elapsed();
     }
 
     fn recycle_output(&mut self, output: ModelOutput) {
@@ -329,6 +592,14 @@ fn print_summary(r: &Report) {
         "steady decode (us)    mean {:.1} over {} steps",
         r.steady_decode_mean_us, r.steady_decode_steps
     );
+    println!("kv connectors         {}", r.kv_connector);
+    if r.connector_jobs != JobCounts::default() {
+        let j = &r.connector_jobs;
+        println!(
+            "worker jobs           publish {}  fetch {}  release {}  store {}  load {}  other {}  ({} reports)",
+            j.publish, j.fetch, j.release, j.store, j.load, j.other, j.reports
+        );
+    }
     println!("prefix cache hit rate {:.4}", r.prefix_cache_hit_rate);
     println!("output tokens         {}", r.output_tokens);
     println!("preemptions           {}", r.preemptions);
@@ -379,7 +650,14 @@ mod tests {
     fn replay_produces_every_output_token_and_frees_all_blocks() {
         let trace = synthetic(40);
         let want: u64 = trace.iter().map(|r| u64::from(r.max_tokens)).sum();
-        let report = replay(&trace, small_config(512), true, &mut Vec::new()).unwrap();
+        let report = replay(
+            &trace,
+            small_config(512),
+            &Connectors::default(),
+            true,
+            &mut Vec::new(),
+        )
+        .unwrap();
         assert_eq!(report.output_tokens, want);
         assert_eq!(report.requests, 40);
         assert!(report.prefix_cache_hit_rate > 0.0);
@@ -389,7 +667,14 @@ mod tests {
     fn replay_survives_preemption_under_a_tight_pool() {
         let trace = synthetic(40);
         let want: u64 = trace.iter().map(|r| u64::from(r.max_tokens)).sum();
-        let report = replay(&trace, small_config(40), true, &mut Vec::new()).unwrap();
+        let report = replay(
+            &trace,
+            small_config(40),
+            &Connectors::default(),
+            true,
+            &mut Vec::new(),
+        )
+        .unwrap();
         assert_eq!(report.output_tokens, want);
         assert!(report.preemptions > 0, "the pool was meant to be too small");
     }
@@ -426,6 +711,85 @@ mod tests {
             ),
             ("a", &[1, 2, 3][..], 4)
         );
+    }
+
+    fn connectors(kinds: &[BenchConnector], offload_blocks: usize) -> Connectors {
+        Connectors {
+            kinds: kinds.to_vec(),
+            offload_blocks,
+        }
+    }
+
+    fn run_with(kinds: &[BenchConnector], n_blocks: u32, offload_blocks: usize) -> Report {
+        let c = connectors(kinds, offload_blocks);
+        replay(
+            &synthetic(40),
+            small_config(n_blocks),
+            &c,
+            true,
+            &mut Vec::new(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_producer_exports_every_request_and_each_export_is_pulled() {
+        let want: u64 = synthetic(40).iter().map(|r| u64::from(r.max_tokens)).sum();
+        let report = run_with(&[BenchConnector::PdProducer], 512, 0);
+        assert_eq!(report.output_tokens, want);
+        assert_eq!(report.kv_connector, "pd-producer");
+        let jobs = report.connector_jobs;
+        assert_eq!((jobs.publish, jobs.reports), (40, 40), "{jobs:?}");
+        assert_eq!((jobs.fetch, jobs.store, jobs.load), (0, 0, 0), "{jobs:?}");
+    }
+
+    #[test]
+    fn a_consumer_loads_or_releases_every_export_and_outputs_the_same_tokens() {
+        let none = run_with(&[], 512, 0);
+        let report = run_with(&[BenchConnector::PdConsumer], 512, 0);
+        assert_eq!(report.output_tokens, none.output_tokens);
+        assert_eq!(report.kv_connector, "pd-consumer");
+        let jobs = report.connector_jobs;
+        assert!(jobs.fetch > 0, "{jobs:?}");
+        assert_eq!(jobs.fetch + jobs.release, 40, "{jobs:?}");
+        assert_eq!(jobs.reports, jobs.fetch, "{jobs:?}");
+    }
+
+    #[test]
+    fn the_tier_stores_blocks_and_loads_them_back_under_a_tight_pool() {
+        let none = run_with(&[], 40, 0);
+        let report = run_with(&[BenchConnector::Offload], 40, 512);
+        assert_eq!(report.output_tokens, none.output_tokens);
+        assert_eq!(report.kv_connector, "offload");
+        let jobs = report.connector_jobs;
+        assert!(jobs.store > 0 && jobs.load > 0, "{jobs:?}");
+        assert_eq!(jobs.reports, jobs.store + jobs.load, "{jobs:?}");
+    }
+
+    #[test]
+    fn the_tier_and_a_consumer_run_together_and_one_engine_is_not_both_sides() {
+        let report = run_with(
+            &[BenchConnector::Offload, BenchConnector::PdConsumer],
+            40,
+            512,
+        );
+        assert_eq!(report.kv_connector, "offload,pd-consumer");
+        assert!(
+            report.connector_jobs.fetch > 0,
+            "{:?}",
+            report.connector_jobs
+        );
+        let both = connectors(&[BenchConnector::PdProducer, BenchConnector::PdConsumer], 0);
+        let err = replay(
+            &synthetic(4),
+            small_config(64),
+            &both,
+            false,
+            &mut Vec::new(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("pick one"), "{err}");
     }
 
     #[test]

@@ -6,9 +6,9 @@
 //! loaded never may) and removes them. Recency is a logical clock, never a wall clock, and
 //! every order is a `BTreeMap`'s, so eviction is deterministic.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
-use crate::hash::BlockHash;
+use crate::hash::{BlockHash, BlockHashMap};
 
 /// The eviction policy (`--kv-offload-policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -46,7 +46,7 @@ impl OffloadPolicy {
 pub(crate) struct Recency {
     order: BTreeMap<u64, BlockHash>,
     /// Only for lookups; never iterated.
-    at: HashMap<BlockHash, u64>,
+    at: BlockHashMap<u64>,
     clock: u64,
 }
 
