@@ -335,7 +335,9 @@ pub enum WorkerJob {
         blocks: Vec<BlockId>,
     },
     /// Cancel a fetch in flight; the worker reports it ended once nothing writes its blocks.
-    CancelFetch { hold: TransferId },
+    /// `why` is the scheduler's reason, so the engine counts the load as timed out or
+    /// cancelled (the worker only sees a cancel).
+    CancelFetch { hold: TransferId, why: FetchCancel },
     /// Copy arena blocks into a local tier's host blocks (a `Store` hold), then report
     /// `StoreDone`. Runs off the engine thread, after the step that computed the blocks.
     Store {
@@ -394,27 +396,77 @@ pub enum WorkerReport {
 pub struct FetchError {
     pub good_blocks: usize,
     pub reason: String,
+    /// Who is to blame: what happens to the request.
     pub kind: FetchFailure,
+    /// How the fetch ended short: what `/metrics` counts it as.
+    pub end: FetchEnd,
 }
 
 impl FetchError {
-    /// A fault (the link, a timeout, a peer gone): the policy decides.
+    /// A fault (the link broke, a peer gone): the policy decides.
     pub fn fault(good_blocks: usize, reason: impl Into<String>) -> Self {
         Self {
             good_blocks,
             reason: reason.into(),
             kind: FetchFailure::Fault,
+            end: FetchEnd::Failed,
         }
     }
 
     /// Invalid input (a forged or replayed pull), refused before any block moved.
     pub fn invalid(reason: impl Into<String>) -> Self {
+        Self::refused(FetchFailure::Invalid, reason)
+    }
+
+    /// Refused before any block moved (P's answer, or a check of the pull), `kind` to blame.
+    pub fn refused(kind: FetchFailure, reason: impl Into<String>) -> Self {
         Self {
             good_blocks: 0,
             reason: reason.into(),
-            kind: FetchFailure::Invalid,
+            kind,
+            end: FetchEnd::Refused,
         }
     }
+
+    /// A step of the transfer did not finish in time: a fault.
+    pub fn timed_out(good_blocks: usize, reason: impl Into<String>) -> Self {
+        Self {
+            end: FetchEnd::TimedOut,
+            ..Self::fault(good_blocks, reason)
+        }
+    }
+
+    /// Cut short by a `CancelFetch` (reason `"cancelled"`): a fault, should it ever be used.
+    pub fn cancelled(good_blocks: usize) -> Self {
+        Self {
+            end: FetchEnd::Cancelled,
+            ..Self::fault(good_blocks, "cancelled")
+        }
+    }
+}
+
+/// How a fetch ended short, as `/metrics` counts loads (`kv_loads_failed`, `_timed_out`,
+/// `_cancelled`, `_refused`). Independent of the blame ([`FetchFailure`]), which decides what
+/// happens to the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FetchEnd {
+    /// The transfer broke (the link, the peer, a grant): any other failure.
+    Failed,
+    /// A step did not finish within its bound.
+    TimedOut,
+    /// Cut short by the scheduler.
+    Cancelled,
+    /// Refused before any block moved: by P (its answer names the kind) or by a check.
+    Refused,
+}
+
+/// Why the scheduler cancels a fetch (`WorkerJob::CancelFetch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FetchCancel {
+    /// The load's bound ran out (`SchedulerConfig::kv_load_timeout`).
+    TimedOut,
+    /// A retraction: a cache reset (`abort_transfers`) or the request ended.
+    Retracted,
 }
 
 /// Who is to blame for a load that could not be used (`connectors.md`); P says which in its

@@ -33,7 +33,7 @@ use crate::connector::{
     KvTransferParams, LoadOutcome, LoadResult, NewRequest, TransferParamsError, WorkerJob,
     WorkerReport,
 };
-use crate::connector::{FetchFailure, Unpublished};
+use crate::connector::{FetchCancel, FetchFailure, Unpublished};
 use crate::holds::HoldKind;
 use crate::ids::{BlockId, ReqIdx, TransferId};
 use crate::peers::AllowedPeers;
@@ -219,7 +219,7 @@ impl PdConnector {
         };
         if let Some(hold) = import.loading {
             // The request is gone: nobody waits for the load's outcome.
-            self.cancel_load(hold, None);
+            self.cancel_load(hold, FetchCancel::Retracted, None);
         }
         if import.refused.is_some() {
             return;
@@ -266,12 +266,12 @@ impl PdConnector {
 
     /// Tells the worker to cancel load `hold`, once, and reports `outcome` for its request
     /// now (none when the request is gone); the hold ends with the worker's `FetchDone`.
-    fn cancel_load(&mut self, hold: TransferId, outcome: Option<LoadOutcome>) {
+    fn cancel_load(&mut self, hold: TransferId, why: FetchCancel, outcome: Option<LoadOutcome>) {
         let Some(l) = self.loading.get_mut(&hold).filter(|l| !l.cancelled) else {
             return;
         };
         l.cancelled = true;
-        self.jobs.push(WorkerJob::CancelFetch { hold });
+        self.jobs.push(WorkerJob::CancelFetch { hold, why });
         if let Some(outcome) = outcome {
             self.loads.push(LoadResult {
                 req: l.req,
@@ -538,7 +538,7 @@ impl KvConnector for PdConnector {
         let loads: Vec<TransferId> = self.loading.keys().copied().collect();
         for hold in loads {
             // A retraction: the request holds no KV and recomputes after the resume.
-            self.cancel_load(hold, Some(LoadOutcome::Cancelled));
+            self.cancel_load(hold, FetchCancel::Retracted, Some(LoadOutcome::Cancelled));
         }
     }
 
@@ -557,7 +557,7 @@ impl KvConnector for PdConnector {
             reason: "the load did not answer in time".into(),
             kind: FetchFailure::Fault,
         };
-        self.cancel_load(hold, Some(timed_out));
+        self.cancel_load(hold, FetchCancel::TimedOut, Some(timed_out));
     }
 
     fn has_pending_work(&self) -> bool {

@@ -171,7 +171,7 @@ impl Fabric {
                     cancelled: false,
                 });
             }
-            WorkerJob::CancelFetch { hold } => {
+            WorkerJob::CancelFetch { hold, .. } => {
                 for f in &mut self.fetches {
                     if f.hold == hold {
                         f.cancelled = true;
@@ -208,15 +208,13 @@ impl Fabric {
         let refuse = |reason: &str| Err(FetchError::invalid(reason));
         let key = (f.engine.clone(), f.token.clone());
         let Some(p) = self.exports.get(&key).cloned() else {
-            return Err(FetchError {
-                good_blocks: 0,
-                reason: "no such export".into(),
-                kind: self
-                    .ended
+            return Err(FetchError::refused(
+                self.ended
                     .get(&key)
                     .copied()
                     .unwrap_or(FetchFailure::Invalid),
-            });
+                "no such export",
+            ));
         };
         if p.weight_version != f.weight_version || p.prompt_hash != f.prompt_hash {
             return refuse("version or prompt differ");

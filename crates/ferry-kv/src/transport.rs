@@ -166,11 +166,7 @@ pub fn gone_export(engine_id: &str, ended: Option<FetchFailure>) -> FetchError {
         ),
         None => (FetchFailure::Invalid, no_export(engine_id)),
     };
-    FetchError {
-        good_blocks: 0,
-        reason,
-        kind,
-    }
+    FetchError::refused(kind, reason)
 }
 
 /// P's memory of exports that ended, by token, so a late pull hears why (revoked, expired,
@@ -339,7 +335,7 @@ impl Transport for InMemoryTransport {
             .name("ferry-kv-fetch".into())
             .spawn(move || {
                 let result = if cancelled.load(Ordering::Acquire) {
-                    Err(FetchError::fault(0, "cancelled"))
+                    Err(FetchError::cancelled(0))
                 } else {
                     fabric.pull(&spec, &mut dst)
                 };

@@ -169,7 +169,7 @@ impl WorkerConnector for PdWorker {
                         result: Err(FetchError::fault(0, e)),
                     }),
                 },
-                WorkerJob::CancelFetch { hold } => self.transport.cancel_fetch(*hold),
+                WorkerJob::CancelFetch { hold, .. } => self.transport.cancel_fetch(*hold),
                 other => tracing::error!(?other, "not a P/D job; dropped"),
             }
         }

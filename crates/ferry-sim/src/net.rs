@@ -301,7 +301,7 @@ impl NetState {
         } = fetch;
         let fail = |good_blocks: usize, reason: String| FetchError::fault(good_blocks, reason);
         let result = if cancelled {
-            Err(fail(0, "cancelled".into()))
+            Err(FetchError::cancelled(0))
         } else if self.is_down(&spec.remote_engine_id) || self.is_down(&d_engine) {
             self.touch(&d_engine, spec.hold, Touch::LinkDown);
             Err(fail(0, "connection refused: the link is down".into()))
