@@ -19,7 +19,7 @@
 //! | after blocks are allocated for a hit | [`KvConnector::after_alloc`] (the request parks in `WaitingForRemoteKv`) |
 //! | a step computed full blocks (`on_step_output`) | [`KvConnector::blocks_computed`] (a tier's stores, under `Store` holds) |
 //! | every step, also a zero-token one | [`KvConnector::step_work`] (carried in the `StepPlan`) |
-//! | worker results arrive (engine inputs) | [`KvConnector::on_worker_report`] |
+//! | worker results arrive (engine inputs) | [`KvConnector::on_pd_report`], [`KvConnector::on_tier_report`] |
 //! | between steps | [`KvConnector::take_finished_transfers`], [`KvConnector::take_finished_loads`] |
 //! | a request finishes | [`KvConnector::request_finished`] → export parameters, or nothing |
 //! | time passes | [`KvConnector::hold_expired`] |
@@ -290,9 +290,32 @@ pub struct LoadResult {
     pub outcome: LoadOutcome,
 }
 
-/// One job for a connector's worker this step: plain data, carried in the `StepPlan`.
+/// One job for a connector's worker this step: plain data, carried in the `StepPlan`. Each
+/// family of connector has its own jobs; this only wraps them, and a worker gets its own
+/// family's (`WorkerConnector` in `ferry-kv` unwraps once).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WorkerJob {
+    /// A P/D connector's job.
+    Pd(PdJob),
+    /// A local tier's job.
+    Tier(TierJob),
+}
+
+impl From<PdJob> for WorkerJob {
+    fn from(job: PdJob) -> Self {
+        Self::Pd(job)
+    }
+}
+
+impl From<TierJob> for WorkerJob {
+    fn from(job: TierJob) -> Self {
+        Self::Tier(job)
+    }
+}
+
+/// A job for the P/D connector's worker (`PdWorker`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PdJob {
     /// Serve `blocks` to a reader that presents `token` (P): the export of `hold`.
     Publish {
         hold: TransferId,
@@ -338,6 +361,11 @@ pub enum WorkerJob {
     /// `why` is the scheduler's reason, so the engine counts the load as timed out or
     /// cancelled (the worker only sees a cancel).
     CancelFetch { hold: TransferId, why: FetchCancel },
+}
+
+/// A job for a local tier's worker (the offload copier).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TierJob {
     /// Copy arena blocks into a local tier's host blocks (a `Store` hold), then report
     /// `StoreDone`. Runs off the engine thread, after the step that computed the blocks.
     Store {
@@ -364,9 +392,31 @@ pub struct StepWork {
 }
 
 /// A worker's result, delivered to the engine as an input and to the connector in order,
-/// between steps (`Scheduler::on_worker_report`).
+/// between steps (`Scheduler::on_worker_report`, which unwraps it once and hands the connector
+/// its own family's: [`KvConnector::on_pd_report`], [`KvConnector::on_tier_report`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WorkerReport {
+    /// From a P/D connector's worker.
+    Pd(PdReport),
+    /// From a local tier's worker.
+    Tier(TierReport),
+}
+
+impl From<PdReport> for WorkerReport {
+    fn from(report: PdReport) -> Self {
+        Self::Pd(report)
+    }
+}
+
+impl From<TierReport> for WorkerReport {
+    fn from(report: TierReport) -> Self {
+        Self::Tier(report)
+    }
+}
+
+/// A P/D worker's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PdReport {
     /// P: a reader pulled the export `hold` (all of it): its blocks may go.
     ExportPulled { hold: TransferId },
     /// P: the worker stopped serving `hold` (after `Unpublish`): nothing reads it any more.
@@ -377,6 +427,11 @@ pub enum WorkerReport {
         hold: TransferId,
         result: Result<(), FetchError>,
     },
+}
+
+/// A local tier's worker's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TierReport {
     /// A local tier's store job ended (its grant dropped); `ok` if every block was copied.
     StoreDone {
         hold: TransferId,
@@ -460,7 +515,7 @@ pub enum FetchEnd {
     Refused,
 }
 
-/// Why the scheduler cancels a fetch (`WorkerJob::CancelFetch`).
+/// Why the scheduler cancels a fetch (`PdJob::CancelFetch`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FetchCancel {
     /// The load's bound ran out (`SchedulerConfig::kv_load_timeout`).
@@ -500,7 +555,7 @@ impl FetchFailure {
     }
 }
 
-/// Why P stopped serving an export (`WorkerJob::Unpublish`).
+/// Why P stopped serving an export (`PdJob::Unpublish`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Unpublished {
     /// A clearing operation revoked it.
@@ -584,8 +639,13 @@ pub trait KvConnector: Send + std::fmt::Debug {
     /// step). Appends to `out`.
     fn step_work(&mut self, _out: &mut Vec<WorkerJob>) {}
 
-    /// A worker's result arrived.
-    fn on_worker_report(&mut self, _report: WorkerReport) {}
+    /// A P/D worker's result arrived (only for a connector whose worker runs `PdJob`s: the
+    /// scheduler hands each connector the reports of its own worker).
+    fn on_pd_report(&mut self, _report: PdReport) {}
+
+    /// A local tier's worker's result arrived (likewise, for a connector that plans
+    /// `TierJob`s).
+    fn on_tier_report(&mut self, _report: TierReport) {}
 
     /// A request finished (any reason, aborts included) or was retracted from the engine.
     /// Return `Some` to keep its blocks as an export under `req.hold`, owned by this connector

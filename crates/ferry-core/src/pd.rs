@@ -30,8 +30,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::connector::{
     prompt_hash, AllocatedLoad, ExternalMatch, ExternalQuery, FinishedRequest, KvConnector,
-    KvTransferParams, LoadOutcome, LoadResult, NewRequest, TransferParamsError, WorkerJob,
-    WorkerReport,
+    KvTransferParams, LoadOutcome, LoadResult, NewRequest, PdJob, PdReport, TransferParamsError,
+    WorkerJob,
 };
 use crate::connector::{FetchCancel, FetchFailure, Unpublished};
 use crate::holds::HoldKind;
@@ -125,7 +125,7 @@ pub struct PdConnector {
     /// D: exports this engine loaded or is loading, with how many live requests name them:
     /// an export is loaded once; the others take prefix hits.
     seen: HashMap<ExportKey, Seen>,
-    jobs: Vec<WorkerJob>,
+    jobs: Vec<PdJob>,
     ended: Vec<TransferId>,
     loads: Vec<LoadResult>,
 }
@@ -246,7 +246,7 @@ impl PdConnector {
         let Some((remote_engine_id, token)) = export_key(params) else {
             return;
         };
-        self.jobs.push(WorkerJob::Release {
+        self.jobs.push(PdJob::Release {
             remote_engine_id,
             remote_host: params.remote_host.clone(),
             remote_port: params.remote_port,
@@ -259,7 +259,7 @@ impl PdConnector {
         if let Some(export) = self.exports.get_mut(&hold) {
             if !export.unpublished {
                 export.unpublished = true;
-                self.jobs.push(WorkerJob::Unpublish { hold, reason });
+                self.jobs.push(PdJob::Unpublish { hold, reason });
             }
         }
     }
@@ -271,7 +271,7 @@ impl PdConnector {
             return;
         };
         l.cancelled = true;
-        self.jobs.push(WorkerJob::CancelFetch { hold, why });
+        self.jobs.push(PdJob::CancelFetch { hold, why });
         if let Some(outcome) = outcome {
             self.loads.push(LoadResult {
                 req: l.req,
@@ -397,7 +397,7 @@ impl KvConnector for PdConnector {
             .take(load.blocks.len())
             .copied()
             .collect();
-        self.jobs.push(WorkerJob::Fetch {
+        self.jobs.push(PdJob::Fetch {
             hold: load.hold,
             remote_engine_id: key.0.clone(),
             remote_host: p.remote_host.clone(),
@@ -423,17 +423,17 @@ impl KvConnector for PdConnector {
     }
 
     fn step_work(&mut self, out: &mut Vec<WorkerJob>) {
-        out.append(&mut self.jobs);
+        out.extend(self.jobs.drain(..).map(WorkerJob::Pd));
     }
 
-    fn on_worker_report(&mut self, report: WorkerReport) {
+    fn on_pd_report(&mut self, report: PdReport) {
         match report {
-            WorkerReport::ExportPulled { hold } | WorkerReport::ExportGone { hold } => {
+            PdReport::ExportPulled { hold } | PdReport::ExportGone { hold } => {
                 if self.exports.remove(&hold).is_some() {
                     self.ended.push(hold);
                 }
             }
-            WorkerReport::FetchDone { hold, result } => {
+            PdReport::FetchDone { hold, result } => {
                 let Some(l) = self.loading.remove(&hold) else {
                     return;
                 };
@@ -466,8 +466,6 @@ impl KvConnector for PdConnector {
                     outcome,
                 });
             }
-            // A local tier's reports: not this connector's.
-            WorkerReport::StoreDone { .. } | WorkerReport::LoadDone { .. } => {}
         }
     }
 
@@ -484,7 +482,7 @@ impl KvConnector for PdConnector {
         }
         let blocks = f.blocks[..n_blocks].to_vec();
         let token = self.token(f.hold);
-        self.jobs.push(WorkerJob::Publish {
+        self.jobs.push(PdJob::Publish {
             hold: f.hold,
             token: token.clone(),
             weight_version: f.weight_version.to_owned(),

@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use ferry_core::{ConnectorId, FetchCancel, FetchEnd, TransferId, WorkerJob, WorkerReport};
+use ferry_core::{
+    ConnectorId, FetchCancel, FetchEnd, PdJob, PdReport, TransferId, WorkerJob, WorkerReport,
+};
 
 /// Running totals, published with the engine's stats.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -66,26 +68,23 @@ impl TransferTally {
     /// Jobs handed to connector `c`'s worker.
     pub(crate) fn on_jobs(&mut self, c: ConnectorId, jobs: &[WorkerJob], now: Duration) {
         for job in jobs {
+            // The offload tier's copies are counted by the tier itself (`TierStats`).
+            let WorkerJob::Pd(job) = job else { continue };
             match job {
-                WorkerJob::Publish { hold, blocks, .. } => {
+                PdJob::Publish { hold, blocks, .. } => {
                     self.stats.n_exports_started_total += 1;
                     self.exports.insert((c, *hold), blocks.len() as u64);
                 }
-                WorkerJob::Fetch { hold, blocks, .. } => {
+                PdJob::Fetch { hold, blocks, .. } => {
                     self.stats.n_loads_started_total += 1;
                     self.loads.insert((c, *hold), (blocks.len() as u64, now));
                 }
-                WorkerJob::CancelFetch { hold, why } => {
+                PdJob::CancelFetch { hold, why } => {
                     if self.loads.contains_key(&(c, *hold)) {
                         self.cancels.insert((c, *hold), *why);
                     }
                 }
-                // The offload tier's copies are counted by the tier itself (`TierStats`).
-                WorkerJob::Unpublish { .. }
-                | WorkerJob::Release { .. }
-                | WorkerJob::Store { .. }
-                | WorkerJob::Load { .. }
-                | WorkerJob::Flush { .. } => {}
+                PdJob::Unpublish { .. } | PdJob::Release { .. } => {}
             }
         }
     }
@@ -93,19 +92,22 @@ impl TransferTally {
     /// A report from connector `c`'s worker. A second end of the same hold (an export
     /// unpublished after its pull) counts nothing.
     pub(crate) fn on_report(&mut self, c: ConnectorId, report: &WorkerReport, now: Duration) {
+        let WorkerReport::Pd(report) = report else {
+            return;
+        };
         match report {
-            WorkerReport::ExportPulled { hold } => {
+            PdReport::ExportPulled { hold } => {
                 if let Some(n_blocks) = self.exports.remove(&(c, *hold)) {
                     self.stats.n_exports_pulled_total += 1;
                     self.stats.bytes_total += n_blocks * self.block_bytes;
                 }
             }
-            WorkerReport::ExportGone { hold } => {
+            PdReport::ExportGone { hold } => {
                 if self.exports.remove(&(c, *hold)).is_some() {
                     self.stats.n_exports_expired_total += 1;
                 }
             }
-            WorkerReport::FetchDone { hold, result } => {
+            PdReport::FetchDone { hold, result } => {
                 let Some((n_blocks, started)) = self.loads.remove(&(c, *hold)) else {
                     return;
                 };
@@ -133,7 +135,6 @@ impl TransferTally {
                     }
                 }
             }
-            WorkerReport::StoreDone { .. } | WorkerReport::LoadDone { .. } => {}
         }
     }
 }
@@ -148,51 +149,57 @@ mod tests {
         let mut t = TransferTally::new(100);
         let c = ConnectorId(0);
         let now = Duration::from_secs(1);
-        let publish = |hold| WorkerJob::Publish {
-            hold: TransferId(hold),
-            token: String::new(),
-            weight_version: String::new(),
-            blocks: vec![1, 2],
-            prompt_hash: [0; 32],
-            n_tokens: 8,
+        let publish = |hold| {
+            WorkerJob::Pd(PdJob::Publish {
+                hold: TransferId(hold),
+                token: String::new(),
+                weight_version: String::new(),
+                blocks: vec![1, 2],
+                prompt_hash: [0; 32],
+                n_tokens: 8,
+            })
         };
-        let fetch = |hold| WorkerJob::Fetch {
-            hold: TransferId(hold),
-            remote_engine_id: String::new(),
-            remote_host: None,
-            remote_port: None,
-            token: String::new(),
-            weight_version: String::new(),
-            prompt_hash: [0; 32],
-            first_block: 0,
-            src_blocks: vec![5, 6, 7],
-            blocks: vec![1, 2, 3],
+        let fetch = |hold| {
+            WorkerJob::Pd(PdJob::Fetch {
+                hold: TransferId(hold),
+                remote_engine_id: String::new(),
+                remote_host: None,
+                remote_port: None,
+                token: String::new(),
+                weight_version: String::new(),
+                prompt_hash: [0; 32],
+                first_block: 0,
+                src_blocks: vec![5, 6, 7],
+                blocks: vec![1, 2, 3],
+            })
         };
         t.on_jobs(c, &[publish(1), publish(2), fetch(3), fetch(4)], now);
         t.on_report(
             c,
-            &WorkerReport::ExportPulled {
+            &WorkerReport::Pd(PdReport::ExportPulled {
                 hold: TransferId(1),
-            },
+            }),
             now,
         );
         t.on_report(
             c,
-            &WorkerReport::ExportGone {
+            &WorkerReport::Pd(PdReport::ExportGone {
                 hold: TransferId(1),
-            },
+            }),
             now,
         );
         t.on_report(
             c,
-            &WorkerReport::ExportGone {
+            &WorkerReport::Pd(PdReport::ExportGone {
                 hold: TransferId(2),
-            },
+            }),
             now,
         );
-        let done = |hold, result| WorkerReport::FetchDone {
-            hold: TransferId(hold),
-            result,
+        let done = |hold, result| {
+            WorkerReport::Pd(PdReport::FetchDone {
+                hold: TransferId(hold),
+                result,
+            })
         };
         t.on_report(c, &done(3, Ok(())), now);
         let failed = Err(FetchError::fault(0, ""));
@@ -220,21 +227,25 @@ mod tests {
         let mut t = TransferTally::new(100);
         let c = ConnectorId(0);
         let now = Duration::from_secs(1);
-        let fetch = |hold| WorkerJob::Fetch {
-            hold: TransferId(hold),
-            remote_engine_id: String::new(),
-            remote_host: None,
-            remote_port: None,
-            token: String::new(),
-            weight_version: String::new(),
-            prompt_hash: [0; 32],
-            first_block: 0,
-            src_blocks: vec![5],
-            blocks: vec![1],
+        let fetch = |hold| {
+            WorkerJob::Pd(PdJob::Fetch {
+                hold: TransferId(hold),
+                remote_engine_id: String::new(),
+                remote_host: None,
+                remote_port: None,
+                token: String::new(),
+                weight_version: String::new(),
+                prompt_hash: [0; 32],
+                first_block: 0,
+                src_blocks: vec![5],
+                blocks: vec![1],
+            })
         };
-        let done = |hold, e| WorkerReport::FetchDone {
-            hold: TransferId(hold),
-            result: Err(e),
+        let done = |hold, e| {
+            WorkerReport::Pd(PdReport::FetchDone {
+                hold: TransferId(hold),
+                result: Err(e),
+            })
         };
         t.on_jobs(c, &[fetch(1), fetch(2), fetch(3), fetch(4), fetch(5)], now);
         // P refused the pull: the export was revoked.
@@ -244,9 +255,11 @@ mod tests {
             now,
         );
         // The load's bound ran out: the scheduler cancelled it, the worker saw a cancel.
-        let cancel = |hold, why| WorkerJob::CancelFetch {
-            hold: TransferId(hold),
-            why,
+        let cancel = |hold, why| {
+            WorkerJob::Pd(PdJob::CancelFetch {
+                hold: TransferId(hold),
+                why,
+            })
         };
         t.on_jobs(c, &[cancel(2, FetchCancel::TimedOut)], now);
         t.on_report(c, &done(2, FetchError::cancelled(0)), now);

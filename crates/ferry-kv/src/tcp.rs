@@ -86,7 +86,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use ferry_core::{AllowedPeers, FetchError, FetchFailure, TransferId, Unpublished, WorkerReport};
+use ferry_core::{AllowedPeers, FetchError, FetchFailure, PdReport, TransferId, Unpublished};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
@@ -351,7 +351,7 @@ impl Transport for TcpTransport {
         drop(exports);
         // The grant goes before the report: P frees the blocks on it.
         drop(removed);
-        reports.send(WorkerReport::ExportGone { hold });
+        reports.send(PdReport::ExportGone { hold });
     }
 
     fn release(&self, spec: ReleaseSpec) {
@@ -477,7 +477,7 @@ async fn run_fetch(
             e.reason
         );
     }
-    reports.send(WorkerReport::FetchDone {
+    reports.send(PdReport::FetchDone {
         hold: spec.hold,
         result,
     });
@@ -882,12 +882,12 @@ fn settle(inner: &Inner, published: Published, complete: bool) {
     // The grant goes before the reports: P frees the blocks on them.
     drop(published.offer);
     if complete {
-        reports.send(WorkerReport::ExportPulled { hold });
+        reports.send(PdReport::ExportPulled { hold });
     }
     match unpublished {
-        Some(unpublished) => unpublished.send(WorkerReport::ExportGone { hold }),
+        Some(unpublished) => unpublished.send(PdReport::ExportGone { hold }),
         // Released while pulled, and the pull failed: the export ends here.
-        None if !complete => reports.send(WorkerReport::ExportGone { hold }),
+        None if !complete => reports.send(PdReport::ExportGone { hold }),
         None => {}
     }
 }
@@ -935,7 +935,7 @@ fn release_export(inner: &Inner, engine_id: &str, token: &str) -> Result<(), Tra
     let reports = published.reports;
     // The grant goes before the report: P frees the blocks on it.
     drop(published.offer);
-    reports.send(WorkerReport::ExportGone { hold });
+    reports.send(PdReport::ExportGone { hold });
     Ok(())
 }
 
