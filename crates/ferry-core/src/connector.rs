@@ -122,6 +122,41 @@ impl KvTransferParams {
     }
 }
 
+/// D's side of the transfer parameters (`do_remote_prefill`), parsed once: which export to
+/// load, where it is, and what it holds. Every key a load needs is there, so nothing that
+/// holds one checks them again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportSpec {
+    pub remote_engine_id: String,
+    pub export_token: String,
+    pub weight_version: String,
+    pub remote_block_ids: Vec<BlockId>,
+    pub remote_host: Option<String>,
+    pub remote_port: Option<u16>,
+    /// How many prompt tokens the export holds KV for.
+    pub n_tokens: usize,
+}
+
+impl ImportSpec {
+    /// The import `params` describe, or the first key a load needs that they lack
+    /// (`"do_remote_prefill needs <key>"`).
+    pub fn parse(params: &KvTransferParams) -> Result<Self, String> {
+        fn need<T: Clone>(key: &str, v: &Option<T>) -> Result<T, String> {
+            v.clone()
+                .ok_or_else(|| format!("do_remote_prefill needs {key}"))
+        }
+        Ok(Self {
+            remote_engine_id: need("remote_engine_id", &params.remote_engine_id)?,
+            export_token: need("export_token", &params.export_token)?,
+            weight_version: need("weight_version", &params.weight_version)?,
+            remote_block_ids: need("remote_block_ids", &params.remote_block_ids)?,
+            n_tokens: need("n_tokens", &params.n_tokens)?,
+            remote_host: params.remote_host.clone(),
+            remote_port: params.remote_port,
+        })
+    }
+}
+
 /// What a connector can supply for a request at admission (`match_external`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExternalMatch {

@@ -61,7 +61,7 @@ pub mod scheduler;
 pub use config::{ConfigError, SchedulerConfig};
 pub use connector::{
     prompt_hash, AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchCancel,
-    FetchEnd, FetchError, FetchFailure, FinishedRequest, HostCopy, KvConnector,
+    FetchEnd, FetchError, FetchFailure, FinishedRequest, HostCopy, ImportSpec, KvConnector,
     KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest, PdJob, PdReport,
     StepWork, StoreHolds, TierJob, TierReport, TierStats, TransferParamsError, Unpublished,
     WorkerJob, WorkerReport,
