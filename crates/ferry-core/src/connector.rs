@@ -19,7 +19,7 @@
 //! | after blocks are allocated for a hit | [`KvConnector::after_alloc`] (the request parks in `WaitingForRemoteKv`) |
 //! | a step computed full blocks (`on_step_output`) | [`KvConnector::blocks_computed`] (a tier's stores, under `Store` holds) |
 //! | every step, also a zero-token one | [`KvConnector::step_work`] (carried in the `StepPlan`) |
-//! | worker results arrive (engine inputs) | [`KvConnector::on_worker_report`] |
+//! | worker results arrive (engine inputs) | [`KvConnector::on_pd_report`], [`KvConnector::on_tier_report`] |
 //! | between steps | [`KvConnector::take_finished_transfers`], [`KvConnector::take_finished_loads`] |
 //! | a request finishes | [`KvConnector::request_finished`] → export parameters, or nothing |
 //! | time passes | [`KvConnector::hold_expired`] |
@@ -119,6 +119,41 @@ impl KvTransferParams {
         )?;
         one("export_token", &mut self.export_token, other.export_token)?;
         one("n_tokens", &mut self.n_tokens, other.n_tokens)
+    }
+}
+
+/// D's side of the transfer parameters (`do_remote_prefill`), parsed once: which export to
+/// load, where it is, and what it holds. Every key a load needs is there, so nothing that
+/// holds one checks them again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportSpec {
+    pub remote_engine_id: String,
+    pub export_token: String,
+    pub weight_version: String,
+    pub remote_block_ids: Vec<BlockId>,
+    pub remote_host: Option<String>,
+    pub remote_port: Option<u16>,
+    /// How many prompt tokens the export holds KV for.
+    pub n_tokens: usize,
+}
+
+impl ImportSpec {
+    /// The import `params` describe, or the first key a load needs that they lack
+    /// (`"do_remote_prefill needs <key>"`).
+    pub fn parse(params: &KvTransferParams) -> Result<Self, String> {
+        fn need<T: Clone>(key: &str, v: &Option<T>) -> Result<T, String> {
+            v.clone()
+                .ok_or_else(|| format!("do_remote_prefill needs {key}"))
+        }
+        Ok(Self {
+            remote_engine_id: need("remote_engine_id", &params.remote_engine_id)?,
+            export_token: need("export_token", &params.export_token)?,
+            weight_version: need("weight_version", &params.weight_version)?,
+            remote_block_ids: need("remote_block_ids", &params.remote_block_ids)?,
+            n_tokens: need("n_tokens", &params.n_tokens)?,
+            remote_host: params.remote_host.clone(),
+            remote_port: params.remote_port,
+        })
     }
 }
 
@@ -290,9 +325,32 @@ pub struct LoadResult {
     pub outcome: LoadOutcome,
 }
 
-/// One job for a connector's worker this step: plain data, carried in the `StepPlan`.
+/// One job for a connector's worker this step: plain data, carried in the `StepPlan`. Each
+/// family of connector has its own jobs; this only wraps them, and a worker gets its own
+/// family's (`WorkerConnector` in `ferry-kv` unwraps once).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WorkerJob {
+    /// A P/D connector's job.
+    Pd(PdJob),
+    /// A local tier's job.
+    Tier(TierJob),
+}
+
+impl From<PdJob> for WorkerJob {
+    fn from(job: PdJob) -> Self {
+        Self::Pd(job)
+    }
+}
+
+impl From<TierJob> for WorkerJob {
+    fn from(job: TierJob) -> Self {
+        Self::Tier(job)
+    }
+}
+
+/// A job for the P/D connector's worker (`PdWorker`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PdJob {
     /// Serve `blocks` to a reader that presents `token` (P): the export of `hold`.
     Publish {
         hold: TransferId,
@@ -335,7 +393,14 @@ pub enum WorkerJob {
         blocks: Vec<BlockId>,
     },
     /// Cancel a fetch in flight; the worker reports it ended once nothing writes its blocks.
-    CancelFetch { hold: TransferId },
+    /// `why` is the scheduler's reason, so the engine counts the load as timed out or
+    /// cancelled (the worker only sees a cancel).
+    CancelFetch { hold: TransferId, why: FetchCancel },
+}
+
+/// A job for a local tier's worker (the offload copier).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TierJob {
     /// Copy arena blocks into a local tier's host blocks (a `Store` hold), then report
     /// `StoreDone`. Runs off the engine thread, after the step that computed the blocks.
     Store {
@@ -362,9 +427,31 @@ pub struct StepWork {
 }
 
 /// A worker's result, delivered to the engine as an input and to the connector in order,
-/// between steps (`Scheduler::on_worker_report`).
+/// between steps (`Scheduler::on_worker_report`, which unwraps it once and hands the connector
+/// its own family's: [`KvConnector::on_pd_report`], [`KvConnector::on_tier_report`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WorkerReport {
+    /// From a P/D connector's worker.
+    Pd(PdReport),
+    /// From a local tier's worker.
+    Tier(TierReport),
+}
+
+impl From<PdReport> for WorkerReport {
+    fn from(report: PdReport) -> Self {
+        Self::Pd(report)
+    }
+}
+
+impl From<TierReport> for WorkerReport {
+    fn from(report: TierReport) -> Self {
+        Self::Tier(report)
+    }
+}
+
+/// A P/D worker's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PdReport {
     /// P: a reader pulled the export `hold` (all of it): its blocks may go.
     ExportPulled { hold: TransferId },
     /// P: the worker stopped serving `hold` (after `Unpublish`): nothing reads it any more.
@@ -375,6 +462,11 @@ pub enum WorkerReport {
         hold: TransferId,
         result: Result<(), FetchError>,
     },
+}
+
+/// A local tier's worker's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TierReport {
     /// A local tier's store job ended (its grant dropped); `ok` if every block was copied.
     StoreDone {
         hold: TransferId,
@@ -394,27 +486,77 @@ pub enum WorkerReport {
 pub struct FetchError {
     pub good_blocks: usize,
     pub reason: String,
+    /// Who is to blame: what happens to the request.
     pub kind: FetchFailure,
+    /// How the fetch ended short: what `/metrics` counts it as.
+    pub end: FetchEnd,
 }
 
 impl FetchError {
-    /// A fault (the link, a timeout, a peer gone): the policy decides.
+    /// A fault (the link broke, a peer gone): the policy decides.
     pub fn fault(good_blocks: usize, reason: impl Into<String>) -> Self {
         Self {
             good_blocks,
             reason: reason.into(),
             kind: FetchFailure::Fault,
+            end: FetchEnd::Failed,
         }
     }
 
     /// Invalid input (a forged or replayed pull), refused before any block moved.
     pub fn invalid(reason: impl Into<String>) -> Self {
+        Self::refused(FetchFailure::Invalid, reason)
+    }
+
+    /// Refused before any block moved (P's answer, or a check of the pull), `kind` to blame.
+    pub fn refused(kind: FetchFailure, reason: impl Into<String>) -> Self {
         Self {
             good_blocks: 0,
             reason: reason.into(),
-            kind: FetchFailure::Invalid,
+            kind,
+            end: FetchEnd::Refused,
         }
     }
+
+    /// A step of the transfer did not finish in time: a fault.
+    pub fn timed_out(good_blocks: usize, reason: impl Into<String>) -> Self {
+        Self {
+            end: FetchEnd::TimedOut,
+            ..Self::fault(good_blocks, reason)
+        }
+    }
+
+    /// Cut short by a `CancelFetch` (reason `"cancelled"`): a fault, should it ever be used.
+    pub fn cancelled(good_blocks: usize) -> Self {
+        Self {
+            end: FetchEnd::Cancelled,
+            ..Self::fault(good_blocks, "cancelled")
+        }
+    }
+}
+
+/// How a fetch ended short, as `/metrics` counts loads (`kv_loads_failed`, `_timed_out`,
+/// `_cancelled`, `_refused`). Independent of the blame ([`FetchFailure`]), which decides what
+/// happens to the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FetchEnd {
+    /// The transfer broke (the link, the peer, a grant): any other failure.
+    Failed,
+    /// A step did not finish within its bound.
+    TimedOut,
+    /// Cut short by the scheduler.
+    Cancelled,
+    /// Refused before any block moved: by P (its answer names the kind) or by a check.
+    Refused,
+}
+
+/// Why the scheduler cancels a fetch (`PdJob::CancelFetch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FetchCancel {
+    /// The load's bound ran out (`SchedulerConfig::kv_load_timeout`).
+    TimedOut,
+    /// A retraction: a cache reset (`abort_transfers`) or the request ended.
+    Retracted,
 }
 
 /// Who is to blame for a load that could not be used (`connectors.md`); P says which in its
@@ -448,7 +590,7 @@ impl FetchFailure {
     }
 }
 
-/// Why P stopped serving an export (`WorkerJob::Unpublish`).
+/// Why P stopped serving an export (`PdJob::Unpublish`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Unpublished {
     /// A clearing operation revoked it.
@@ -532,8 +674,13 @@ pub trait KvConnector: Send + std::fmt::Debug {
     /// step). Appends to `out`.
     fn step_work(&mut self, _out: &mut Vec<WorkerJob>) {}
 
-    /// A worker's result arrived.
-    fn on_worker_report(&mut self, _report: WorkerReport) {}
+    /// A P/D worker's result arrived (only for a connector whose worker runs `PdJob`s: the
+    /// scheduler hands each connector the reports of its own worker).
+    fn on_pd_report(&mut self, _report: PdReport) {}
+
+    /// A local tier's worker's result arrived (likewise, for a connector that plans
+    /// `TierJob`s).
+    fn on_tier_report(&mut self, _report: TierReport) {}
 
     /// A request finished (any reason, aborts included) or was retracted from the engine.
     /// Return `Some` to keep its blocks as an export under `req.hold`, owned by this connector

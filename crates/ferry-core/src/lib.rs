@@ -60,10 +60,11 @@ pub mod scheduler;
 
 pub use config::{ConfigError, SchedulerConfig};
 pub use connector::{
-    prompt_hash, AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchError,
-    FetchFailure, FinishedRequest, HostCopy, KvConnector, KvLoadFailurePolicy, KvTransferParams,
-    LoadOutcome, LoadResult, NewRequest, StepWork, StoreHolds, TierStats, TransferParamsError,
-    Unpublished, WorkerJob, WorkerReport,
+    prompt_hash, AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchCancel,
+    FetchEnd, FetchError, FetchFailure, FinishedRequest, HostCopy, ImportSpec, KvConnector,
+    KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest, PdJob, PdReport,
+    StepWork, StoreHolds, TierJob, TierReport, TierStats, TransferParamsError, Unpublished,
+    WorkerJob, WorkerReport,
 };
 pub use driver::{Step, StepDriver, StepError, StepFailure, StepKind, StepModel, WorkPhase};
 pub use holds::{HoldKind, Holder};

@@ -32,7 +32,7 @@ use policy::Policy;
 
 use crate::connector::{
     AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchFailure, HostCopy,
-    KvConnector, LoadOutcome, LoadResult, StoreHolds, TierStats, WorkerJob, WorkerReport,
+    KvConnector, LoadOutcome, LoadResult, StoreHolds, TierJob, TierReport, TierStats, WorkerJob,
 };
 use crate::hash::{BlockHash, BlockHashMap};
 use crate::holds::HoldKind;
@@ -137,7 +137,7 @@ pub struct OffloadConnector {
     in_flight: BTreeMap<TransferId, Job>,
     /// Jobs a reset abandoned, not yet delivered to the worker as a `Flush`.
     flush: BTreeSet<TransferId>,
-    jobs: Vec<WorkerJob>,
+    jobs: Vec<TierJob>,
     ended: Vec<TransferId>,
     loads: Vec<LoadResult>,
     stats: TierStats,
@@ -393,7 +393,7 @@ impl KvConnector for OffloadConnector {
         self.stats.n_hits += 1;
         self.stats.n_hit_blocks += copies.len() as u64;
         self.stats.n_loads += 1;
-        self.jobs.push(WorkerJob::Load {
+        self.jobs.push(TierJob::Load {
             hold: load.hold,
             epoch: self.epoch,
             copies,
@@ -460,7 +460,7 @@ impl KvConnector for OffloadConnector {
         let blocks: Vec<_> = copies.iter().map(|c| c.block).collect();
         let hold = holds.hold(&blocks);
         self.stats.n_stores += keys.len() as u64;
-        self.jobs.push(WorkerJob::Store {
+        self.jobs.push(TierJob::Store {
             hold,
             epoch: self.epoch,
             copies,
@@ -481,26 +481,23 @@ impl KvConnector for OffloadConnector {
     }
 
     fn step_work(&mut self, out: &mut Vec<WorkerJob>) {
-        out.append(&mut self.jobs);
+        out.extend(self.jobs.drain(..).map(WorkerJob::Tier));
         if !self.flush.is_empty() {
             // After this step's jobs: the worker waits for everything handed to it so far.
             let holds = std::mem::take(&mut self.flush).into_iter().collect();
-            out.push(WorkerJob::Flush { holds });
+            out.push(WorkerJob::Tier(TierJob::Flush { holds }));
             self.stats.n_flushes += 1;
         }
     }
 
-    fn on_worker_report(&mut self, report: WorkerReport) {
+    fn on_tier_report(&mut self, report: TierReport) {
         match report {
-            WorkerReport::StoreDone { hold, epoch, ok } => self.on_store_done(hold, epoch, ok),
-            WorkerReport::LoadDone {
+            TierReport::StoreDone { hold, epoch, ok } => self.on_store_done(hold, epoch, ok),
+            TierReport::LoadDone {
                 hold,
                 epoch,
                 result,
             } => self.on_load_done(hold, epoch, result.map_err(|e| e.reason)),
-            WorkerReport::ExportPulled { .. }
-            | WorkerReport::ExportGone { .. }
-            | WorkerReport::FetchDone { .. } => {}
         }
     }
 

@@ -30,10 +30,10 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::connector::{
     prompt_hash, AllocatedLoad, ExternalMatch, ExternalQuery, FinishedRequest, KvConnector,
-    KvTransferParams, LoadOutcome, LoadResult, NewRequest, TransferParamsError, WorkerJob,
-    WorkerReport,
+    KvTransferParams, LoadOutcome, LoadResult, NewRequest, PdJob, PdReport, TransferParamsError,
+    WorkerJob,
 };
-use crate::connector::{FetchFailure, Unpublished};
+use crate::connector::{FetchCancel, FetchFailure, ImportSpec, Unpublished};
 use crate::holds::HoldKind;
 use crate::ids::{BlockId, ReqIdx, TransferId};
 use crate::peers::AllowedPeers;
@@ -87,9 +87,8 @@ struct Export {
 /// D's view of a request that asked for a remote prefill.
 #[derive(Debug, Clone)]
 struct Import {
-    params: KvTransferParams,
-    /// Why the parameters cannot be used, found at arrival.
-    refused: Option<String>,
+    /// The parsed parameters, or why they cannot be used, found at arrival.
+    spec: Result<ImportSpec, String>,
     prompt_hash: [u8; 32],
     /// Prompt tokens the export holds KV for.
     n_tokens: usize,
@@ -125,7 +124,7 @@ pub struct PdConnector {
     /// D: exports this engine loaded or is loading, with how many live requests name them:
     /// an export is loaded once; the others take prefix hits.
     seen: HashMap<ExportKey, Seen>,
-    jobs: Vec<WorkerJob>,
+    jobs: Vec<PdJob>,
     ended: Vec<TransferId>,
     loads: Vec<LoadResult>,
 }
@@ -168,35 +167,24 @@ impl PdConnector {
             .to_string()
     }
 
-    /// Checks D's parameters against the prompt: `Ok(n_tokens)` or why they cannot be used.
-    fn check_import(&self, params: &KvTransferParams, prompt_len: usize) -> Result<usize, String> {
+    /// Parses D's parameters and checks them against the prompt and the allowed peers: the
+    /// import, or why it cannot be used.
+    fn check_import(
+        &self,
+        params: &KvTransferParams,
+        prompt_len: usize,
+    ) -> Result<ImportSpec, String> {
         if !self.config.role.consumes() {
             return Err(format!(
                 "do_remote_prefill: this engine ({}) is not a KV consumer",
                 self.config.engine_id
             ));
         }
-        let missing = |key: &str| format!("do_remote_prefill needs {key}");
-        params
-            .remote_engine_id
-            .as_ref()
-            .ok_or_else(|| missing("remote_engine_id"))?;
-        params
-            .export_token
-            .as_ref()
-            .ok_or_else(|| missing("export_token"))?;
-        params
-            .weight_version
-            .as_ref()
-            .ok_or_else(|| missing("weight_version"))?;
-        let ids = params
-            .remote_block_ids
-            .as_ref()
-            .ok_or_else(|| missing("remote_block_ids"))?;
-        if let Some(host) = &params.remote_host {
+        let spec = ImportSpec::parse(params)?;
+        if let Some(host) = &spec.remote_host {
             self.config.allowed_peers.check_host(host)?;
         }
-        let n_tokens = params.n_tokens.ok_or_else(|| missing("n_tokens"))?;
+        let (n_tokens, ids) = (spec.n_tokens, &spec.remote_block_ids);
         if n_tokens == 0 || n_tokens > prompt_len {
             return Err(format!(
                 "n_tokens is {n_tokens}, but the prompt has {prompt_len} tokens"
@@ -210,7 +198,7 @@ impl PdConnector {
                 self.config.block_size
             ));
         }
-        Ok(n_tokens)
+        Ok(spec)
     }
 
     fn forget_import(&mut self, req: ReqIdx) {
@@ -219,14 +207,12 @@ impl PdConnector {
         };
         if let Some(hold) = import.loading {
             // The request is gone: nobody waits for the load's outcome.
-            self.cancel_load(hold, None);
+            self.cancel_load(hold, FetchCancel::Retracted, None);
         }
-        if import.refused.is_some() {
-            return;
-        }
-        let Some(key) = export_key(&import.params) else {
+        let Ok(spec) = &import.spec else {
             return;
         };
+        let key = export_key(spec);
         let Some(seen) = self.seen.get_mut(&key) else {
             return;
         };
@@ -236,21 +222,18 @@ impl PdConnector {
             self.seen.remove(&key);
             if !used {
                 // Nobody here will pull it: P need not wait out the lease.
-                self.release(&import.params);
+                self.release(spec);
             }
         }
     }
 
-    /// Tells P that this engine will not pull the export `params` name.
-    fn release(&mut self, params: &KvTransferParams) {
-        let Some((remote_engine_id, token)) = export_key(params) else {
-            return;
-        };
-        self.jobs.push(WorkerJob::Release {
-            remote_engine_id,
-            remote_host: params.remote_host.clone(),
-            remote_port: params.remote_port,
-            token,
+    /// Tells P that this engine will not pull the export `spec` names.
+    fn release(&mut self, spec: &ImportSpec) {
+        self.jobs.push(PdJob::Release {
+            remote_engine_id: spec.remote_engine_id.clone(),
+            remote_host: spec.remote_host.clone(),
+            remote_port: spec.remote_port,
+            token: spec.export_token.clone(),
         });
     }
 
@@ -259,19 +242,19 @@ impl PdConnector {
         if let Some(export) = self.exports.get_mut(&hold) {
             if !export.unpublished {
                 export.unpublished = true;
-                self.jobs.push(WorkerJob::Unpublish { hold, reason });
+                self.jobs.push(PdJob::Unpublish { hold, reason });
             }
         }
     }
 
     /// Tells the worker to cancel load `hold`, once, and reports `outcome` for its request
     /// now (none when the request is gone); the hold ends with the worker's `FetchDone`.
-    fn cancel_load(&mut self, hold: TransferId, outcome: Option<LoadOutcome>) {
+    fn cancel_load(&mut self, hold: TransferId, why: FetchCancel, outcome: Option<LoadOutcome>) {
         let Some(l) = self.loading.get_mut(&hold).filter(|l| !l.cancelled) else {
             return;
         };
         l.cancelled = true;
-        self.jobs.push(WorkerJob::CancelFetch { hold });
+        self.jobs.push(PdJob::CancelFetch { hold, why });
         if let Some(outcome) = outcome {
             self.loads.push(LoadResult {
                 req: l.req,
@@ -282,11 +265,8 @@ impl PdConnector {
     }
 }
 
-fn export_key(params: &KvTransferParams) -> Option<ExportKey> {
-    Some((
-        params.remote_engine_id.clone()?,
-        params.export_token.clone()?,
-    ))
+fn export_key(spec: &ImportSpec) -> ExportKey {
+    (spec.remote_engine_id.clone(), spec.export_token.clone())
 }
 
 impl KvConnector for PdConnector {
@@ -309,19 +289,16 @@ impl KvConnector for PdConnector {
                 .insert(new.req, (prompt_hash(new.prompt), new.prompt.len()));
         }
         if params.do_remote_prefill {
-            let (refused, n_tokens) = match self.check_import(params, new.prompt.len()) {
-                Ok(n) => (None, n),
-                Err(e) => (Some(e), 0),
-            };
+            let spec = self.check_import(params, new.prompt.len());
+            let n_tokens = spec.as_ref().map_or(0, |s| s.n_tokens);
             let hash = prompt_hash(&new.prompt[..n_tokens]);
-            if let Some(key) = export_key(params).filter(|_| refused.is_none()) {
-                self.seen.entry(key).or_default().n_requests += 1;
+            if let Ok(spec) = &spec {
+                self.seen.entry(export_key(spec)).or_default().n_requests += 1;
             }
             self.imports.insert(
                 new.req,
                 Import {
-                    params: params.clone(),
-                    refused,
+                    spec,
                     prompt_hash: hash,
                     n_tokens,
                     loading: None,
@@ -338,12 +315,15 @@ impl KvConnector for PdConnector {
         if import.loading.is_some() {
             return ExternalMatch::NotYet;
         }
-        if let Some(reason) = &import.refused {
-            return ExternalMatch::Refused {
-                reason: reason.clone(),
-            };
-        }
-        let key = export_key(&import.params).expect("checked at arrival");
+        let spec = match &import.spec {
+            Ok(spec) => spec,
+            Err(reason) => {
+                return ExternalMatch::Refused {
+                    reason: reason.clone(),
+                }
+            }
+        };
+        let key = export_key(spec);
         let seen = self.seen.get(&key).copied().unwrap_or_default();
         if seen.loading {
             // Another choice of the same prompt is loading it: wait, then take prefix hits.
@@ -358,8 +338,7 @@ impl KvConnector for PdConnector {
         // made (P updated before D, or D before P's export reached it): the lifecycle made
         // it stale, so the request computes its prompt here, under either policy (the RL
         // cycle pause → update → resume loses nothing). `declined` then releases the export.
-        let version = import.params.weight_version.as_deref().unwrap_or_default();
-        if version != query.weight_version {
+        if spec.weight_version != query.weight_version {
             return ExternalMatch::None;
         }
         let tokens = import.n_tokens.saturating_sub(query.local_hit_tokens);
@@ -373,7 +352,14 @@ impl KvConnector for PdConnector {
     }
 
     fn after_alloc(&mut self, load: AllocatedLoad<'_>) {
-        let Some(import) = self.imports.get_mut(&load.req) else {
+        // Only an import whose parameters were usable gave a `Hit`.
+        let Some(Import {
+            spec: Ok(spec),
+            prompt_hash,
+            loading,
+            ..
+        }) = self.imports.get_mut(&load.req)
+        else {
             // Not ours to load: end the hold at once, as a failed load.
             self.loads.push(LoadResult {
                 req: load.req,
@@ -387,24 +373,23 @@ impl KvConnector for PdConnector {
             self.ended.push(load.hold);
             return;
         };
-        import.loading = Some(load.hold);
-        let p = &import.params;
-        let key = export_key(p).expect("checked at arrival");
-        let remote = p.remote_block_ids.as_deref().unwrap_or_default();
-        let src_blocks: Vec<BlockId> = remote
+        *loading = Some(load.hold);
+        let key = export_key(spec);
+        let src_blocks: Vec<BlockId> = spec
+            .remote_block_ids
             .iter()
             .skip(load.first_block)
             .take(load.blocks.len())
             .copied()
             .collect();
-        self.jobs.push(WorkerJob::Fetch {
+        self.jobs.push(PdJob::Fetch {
             hold: load.hold,
-            remote_engine_id: key.0.clone(),
-            remote_host: p.remote_host.clone(),
-            remote_port: p.remote_port,
-            token: key.1.clone(),
-            weight_version: p.weight_version.clone().unwrap_or_default(),
-            prompt_hash: import.prompt_hash,
+            remote_engine_id: spec.remote_engine_id.clone(),
+            remote_host: spec.remote_host.clone(),
+            remote_port: spec.remote_port,
+            token: spec.export_token.clone(),
+            weight_version: spec.weight_version.clone(),
+            prompt_hash: *prompt_hash,
             first_block: load.first_block,
             src_blocks,
             blocks: load.blocks.to_vec(),
@@ -423,17 +408,17 @@ impl KvConnector for PdConnector {
     }
 
     fn step_work(&mut self, out: &mut Vec<WorkerJob>) {
-        out.append(&mut self.jobs);
+        out.extend(self.jobs.drain(..).map(WorkerJob::Pd));
     }
 
-    fn on_worker_report(&mut self, report: WorkerReport) {
+    fn on_pd_report(&mut self, report: PdReport) {
         match report {
-            WorkerReport::ExportPulled { hold } | WorkerReport::ExportGone { hold } => {
+            PdReport::ExportPulled { hold } | PdReport::ExportGone { hold } => {
                 if self.exports.remove(&hold).is_some() {
                     self.ended.push(hold);
                 }
             }
-            WorkerReport::FetchDone { hold, result } => {
+            PdReport::FetchDone { hold, result } => {
                 let Some(l) = self.loading.remove(&hold) else {
                     return;
                 };
@@ -466,8 +451,6 @@ impl KvConnector for PdConnector {
                     outcome,
                 });
             }
-            // A local tier's reports: not this connector's.
-            WorkerReport::StoreDone { .. } | WorkerReport::LoadDone { .. } => {}
         }
     }
 
@@ -484,7 +467,7 @@ impl KvConnector for PdConnector {
         }
         let blocks = f.blocks[..n_blocks].to_vec();
         let token = self.token(f.hold);
-        self.jobs.push(WorkerJob::Publish {
+        self.jobs.push(PdJob::Publish {
             hold: f.hold,
             token: token.clone(),
             weight_version: f.weight_version.to_owned(),
@@ -511,12 +494,13 @@ impl KvConnector for PdConnector {
         let Some(import) = self.imports.get(&req) else {
             return;
         };
-        if import.loading.is_some() || import.refused.is_some() {
+        if import.loading.is_some() {
             return;
         }
-        let Some(key) = export_key(&import.params) else {
+        let Ok(spec) = &import.spec else {
             return;
         };
+        let key = export_key(spec);
         // Every import that was not refused counts in `seen` from its arrival on.
         let Some(seen) = self.seen.get_mut(&key) else {
             return;
@@ -526,8 +510,8 @@ impl KvConnector for PdConnector {
         }
         // Never loaded from now on (the request holds KV computed otherwise); P frees it.
         seen.used = true;
-        let params = import.params.clone();
-        self.release(&params);
+        let spec = spec.clone();
+        self.release(&spec);
     }
 
     fn abort_transfers(&mut self) {
@@ -538,7 +522,7 @@ impl KvConnector for PdConnector {
         let loads: Vec<TransferId> = self.loading.keys().copied().collect();
         for hold in loads {
             // A retraction: the request holds no KV and recomputes after the resume.
-            self.cancel_load(hold, Some(LoadOutcome::Cancelled));
+            self.cancel_load(hold, FetchCancel::Retracted, Some(LoadOutcome::Cancelled));
         }
     }
 
@@ -557,7 +541,7 @@ impl KvConnector for PdConnector {
             reason: "the load did not answer in time".into(),
             kind: FetchFailure::Fault,
         };
-        self.cancel_load(hold, Some(timed_out));
+        self.cancel_load(hold, FetchCancel::TimedOut, Some(timed_out));
     }
 
     fn has_pending_work(&self) -> bool {

@@ -17,7 +17,7 @@ use common::Harness;
 use ferry_core::{
     ConnectorId, Holder, KvConnector, LifecycleError, LifecycleEvent, OffloadConfig,
     OffloadConnector, OffloadPolicy, OpId, PauseMode, SamplingParams, SchedulerConfig, SleepLevel,
-    TokenId, TransferId, WakeTag, WorkerJob, WorkerReport,
+    TierJob, TierReport, TokenId, TransferId, WakeTag, WorkerJob, WorkerReport,
 };
 use proptest::prelude::*;
 
@@ -251,7 +251,7 @@ impl Run {
             for job in &work.jobs {
                 match job {
                     // The real copier waits for every job handed over before the flush.
-                    WorkerJob::Flush { .. } => self.copy(self.copier.len()),
+                    WorkerJob::Tier(TierJob::Flush { .. }) => self.copy(self.copier.len()),
                     job => self.copier.push(job.clone()),
                 }
             }
@@ -268,16 +268,20 @@ impl Run {
         let n = n.min(self.copier.len());
         for job in self.copier.drain(..n).collect::<Vec<_>>() {
             let report = match job {
-                WorkerJob::Store { hold, epoch, .. } => WorkerReport::StoreDone {
-                    hold,
-                    epoch,
-                    ok: true,
-                },
-                WorkerJob::Load { hold, epoch, .. } => WorkerReport::LoadDone {
-                    hold,
-                    epoch,
-                    result: Ok(()),
-                },
+                WorkerJob::Tier(TierJob::Store { hold, epoch, .. }) => {
+                    WorkerReport::Tier(TierReport::StoreDone {
+                        hold,
+                        epoch,
+                        ok: true,
+                    })
+                }
+                WorkerJob::Tier(TierJob::Load { hold, epoch, .. }) => {
+                    WorkerReport::Tier(TierReport::LoadDone {
+                        hold,
+                        epoch,
+                        result: Ok(()),
+                    })
+                }
                 other => panic!("not a copier job: {other:?}"),
             };
             self.h.sched.on_worker_report(TIER, report);

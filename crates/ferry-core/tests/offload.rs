@@ -11,8 +11,8 @@ use common::{prompt, Harness};
 use ferry_core::{
     hash::BlockHash, ConnectorId, ExternalMatch, ExternalQuery, HoldKind, Holder, HostCopy,
     KvConnector, LifecycleEvent, OffloadConfig, OffloadConnector, OffloadPolicy, OpId, Owner,
-    PauseMode, RequestState, SamplingParams, SchedulerConfig, SleepLevel, StoreHolds, TransferId,
-    WorkerJob, WorkerReport,
+    PauseMode, RequestState, SamplingParams, SchedulerConfig, SleepLevel, StoreHolds, TierJob,
+    TierReport, TransferId, WorkerJob, WorkerReport,
 };
 
 const BS: usize = 4;
@@ -71,9 +71,9 @@ impl Copier {
             assert_eq!(work.connector, CONN);
             for job in &work.jobs {
                 match job {
-                    WorkerJob::Store { .. } => self.n_stores += 1,
-                    WorkerJob::Load { .. } => self.n_loads += 1,
-                    WorkerJob::Flush { holds } => {
+                    WorkerJob::Tier(TierJob::Store { .. }) => self.n_stores += 1,
+                    WorkerJob::Tier(TierJob::Load { .. }) => self.n_loads += 1,
+                    WorkerJob::Tier(TierJob::Flush { holds }) => {
                         self.flushes.push(holds.clone());
                         continue;
                     }
@@ -88,16 +88,20 @@ impl Copier {
     fn complete(&mut self, h: &mut Harness) {
         for job in std::mem::take(&mut self.pending) {
             let report = match job {
-                WorkerJob::Store { hold, epoch, .. } => WorkerReport::StoreDone {
-                    hold,
-                    epoch,
-                    ok: true,
-                },
-                WorkerJob::Load { hold, epoch, .. } => WorkerReport::LoadDone {
-                    hold,
-                    epoch,
-                    result: Ok(()),
-                },
+                WorkerJob::Tier(TierJob::Store { hold, epoch, .. }) => {
+                    WorkerReport::Tier(TierReport::StoreDone {
+                        hold,
+                        epoch,
+                        ok: true,
+                    })
+                }
+                WorkerJob::Tier(TierJob::Load { hold, epoch, .. }) => {
+                    WorkerReport::Tier(TierReport::LoadDone {
+                        hold,
+                        epoch,
+                        result: Ok(()),
+                    })
+                }
                 _ => unreachable!(),
             };
             h.sched.on_worker_report(CONN, report);
@@ -181,7 +185,7 @@ fn full_blocks_are_stored_and_a_new_request_loads_them_after_the_local_cache() {
     assert_eq!(h.finished["a"].1, 1, "a finished in its first step");
     // The store of its 4 full blocks is in flight, holding them.
     assert_eq!(c.n_stores, 1);
-    let WorkerJob::Store { copies, .. } = &c.pending[0] else {
+    let WorkerJob::Tier(TierJob::Store { copies, .. }) = &c.pending[0] else {
         panic!("a store")
     };
     assert_eq!(
@@ -209,7 +213,7 @@ fn full_blocks_are_stored_and_a_new_request_loads_them_after_the_local_cache() {
         RequestState::WaitingForRemoteKv { n_tokens: 16, .. }
     ));
     assert_eq!(holds_of(&h, HoldKind::Load).len(), 1);
-    let WorkerJob::Load { copies, .. } = &c.pending[0] else {
+    let WorkerJob::Tier(TierJob::Load { copies, .. }) = &c.pending[0] else {
         panic!("a load")
     };
     assert_eq!(
@@ -242,7 +246,7 @@ fn an_offloaded_block_of_two_engine_blocks_loads_only_what_the_local_hit_lacks()
     run_and_store(&mut c, &mut h, "short", prompt(2, 5));
     h.add("b", prompt(2, 18), greedy(2));
     step(&mut c, &mut h);
-    let WorkerJob::Load { copies, .. } = &c.pending[0] else {
+    let WorkerJob::Tier(TierJob::Load { copies, .. }) = &c.pending[0] else {
         panic!("a load")
     };
     // Local hit: engine block 0; the tier supplies blocks 1..4 (host blocks 1, 2, 3).
@@ -356,10 +360,12 @@ fn connector_resets_merge_into_one_flush_set_and_old_completions_are_ignored() {
     t.step_work(&mut jobs);
     assert_eq!(jobs.len(), 2);
     assert_eq!(t.n_in_flight(), 2);
-    assert!(matches!(&jobs[1], WorkerJob::Store { copies, epoch: 0, .. }
-        if copies == &[HostCopy { block: 3, host_block: 2 }, HostCopy { block: 4, host_block: 3 }]));
+    assert!(
+        matches!(&jobs[1], WorkerJob::Tier(TierJob::Store { copies, epoch: 0, .. })
+        if copies == &[HostCopy { block: 3, host_block: 2 }, HostCopy { block: 4, host_block: 3 }])
+    );
     // The first store lands; the second is still in flight.
-    t.on_worker_report(WorkerReport::StoreDone {
+    t.on_tier_report(TierReport::StoreDone {
         hold: TransferId(1),
         epoch: 0,
         ok: true,
@@ -377,12 +383,12 @@ fn connector_resets_merge_into_one_flush_set_and_old_completions_are_ignored() {
     t.step_work(&mut jobs);
     assert_eq!(
         jobs,
-        vec![WorkerJob::Flush {
+        vec![WorkerJob::Tier(TierJob::Flush {
             holds: vec![TransferId(2)]
-        }]
+        })]
     );
     assert!(!t.has_pending_work());
-    t.on_worker_report(WorkerReport::StoreDone {
+    t.on_tier_report(TierReport::StoreDone {
         hold: TransferId(2),
         epoch: 0,
         ok: true,
@@ -399,8 +405,10 @@ fn connector_resets_merge_into_one_flush_set_and_old_completions_are_ignored() {
     t.blocks_computed(computed(0, 4), &mut holds);
     let mut jobs = Vec::new();
     t.step_work(&mut jobs);
-    assert!(matches!(&jobs[0], WorkerJob::Store { copies, epoch: 2, .. }
-        if copies == &[HostCopy { block: 1, host_block: 0 }]));
+    assert!(
+        matches!(&jobs[0], WorkerJob::Tier(TierJob::Store { copies, epoch: 2, .. })
+        if copies == &[HostCopy { block: 1, host_block: 0 }])
+    );
 }
 
 /// Stores one-block prefixes `keys` in order, each landing at once; `touch` re-stores a key
@@ -430,8 +438,8 @@ fn eviction_run(policy: OffloadPolicy, ops: &[(&str, u8)]) -> Vec<u8> {
         let mut jobs = Vec::new();
         t.step_work(&mut jobs);
         for job in jobs {
-            if let WorkerJob::Store { hold, epoch, .. } = job {
-                t.on_worker_report(WorkerReport::StoreDone {
+            if let WorkerJob::Tier(TierJob::Store { hold, epoch, .. }) = job {
+                t.on_tier_report(TierReport::StoreDone {
                     hold,
                     epoch,
                     ok: true,

@@ -14,8 +14,8 @@ use common::{prompt, Harness};
 use ferry_core::{
     ConnectorId, FetchError, FetchFailure, FinishReason, HoldKind, KvLoadFailurePolicy,
     KvTransferParams, LifecycleError, LifecycleEvent, OpId, Owner, PauseMode, PdConfig,
-    PdConnector, PdRole, RequestState, SamplingParams, SchedulerConfig, StepPlan, TransferId,
-    WorkerJob, WorkerReport,
+    PdConnector, PdJob, PdReport, PdRole, RequestState, SamplingParams, SchedulerConfig, StepPlan,
+    TierJob, TierReport, TransferId, WorkerJob, WorkerReport,
 };
 
 const BS: usize = 4;
@@ -104,14 +104,14 @@ impl Fabric {
 
     fn job(&mut self, engine: &str, job: WorkerJob) {
         match job {
-            WorkerJob::Publish {
+            WorkerJob::Pd(PdJob::Publish {
                 hold,
                 token,
                 weight_version,
                 blocks,
                 prompt_hash,
                 ..
-            } => {
+            }) => {
                 self.exports.insert(
                     (engine.to_owned(), token),
                     Published {
@@ -122,7 +122,7 @@ impl Fabric {
                     },
                 );
             }
-            WorkerJob::Unpublish { hold, reason } => {
+            WorkerJob::Pd(PdJob::Unpublish { hold, reason }) => {
                 let gone: Vec<(String, String)> = self
                     .exports
                     .iter()
@@ -133,21 +133,24 @@ impl Fabric {
                     self.exports.remove(&k);
                     self.ended.insert(k, reason.into());
                 }
-                self.report(engine, WorkerReport::ExportGone { hold });
+                self.report(engine, WorkerReport::Pd(PdReport::ExportGone { hold }));
             }
-            WorkerJob::Release {
+            WorkerJob::Pd(PdJob::Release {
                 remote_engine_id,
                 token,
                 ..
-            } => {
+            }) => {
                 let key = (remote_engine_id, token);
                 if let Some(p) = self.exports.remove(&key) {
-                    self.report(&key.0, WorkerReport::ExportGone { hold: p.hold });
+                    self.report(
+                        &key.0,
+                        WorkerReport::Pd(PdReport::ExportGone { hold: p.hold }),
+                    );
                     self.ended.insert(key.clone(), FetchFailure::Invalid);
                 }
                 self.released.push(key);
             }
-            WorkerJob::Fetch {
+            WorkerJob::Pd(PdJob::Fetch {
                 hold,
                 remote_engine_id,
                 token,
@@ -157,7 +160,7 @@ impl Fabric {
                 src_blocks,
                 blocks,
                 ..
-            } => {
+            }) => {
                 assert_eq!(src_blocks.len(), blocks.len());
                 self.fetches.push(Fetch {
                     hold,
@@ -171,7 +174,7 @@ impl Fabric {
                     cancelled: false,
                 });
             }
-            WorkerJob::CancelFetch { hold } => {
+            WorkerJob::Pd(PdJob::CancelFetch { hold, .. }) => {
                 for f in &mut self.fetches {
                     if f.hold == hold {
                         f.cancelled = true;
@@ -196,10 +199,10 @@ impl Fabric {
             };
             self.report(
                 d,
-                WorkerReport::FetchDone {
+                WorkerReport::Pd(PdReport::FetchDone {
                     hold: f.hold,
                     result,
-                },
+                }),
             );
         }
     }
@@ -208,15 +211,13 @@ impl Fabric {
         let refuse = |reason: &str| Err(FetchError::invalid(reason));
         let key = (f.engine.clone(), f.token.clone());
         let Some(p) = self.exports.get(&key).cloned() else {
-            return Err(FetchError {
-                good_blocks: 0,
-                reason: "no such export".into(),
-                kind: self
-                    .ended
+            return Err(FetchError::refused(
+                self.ended
                     .get(&key)
                     .copied()
                     .unwrap_or(FetchFailure::Invalid),
-            });
+                "no such export",
+            ));
         };
         if p.weight_version != f.weight_version || p.prompt_hash != f.prompt_hash {
             return refuse("version or prompt differ");
@@ -228,7 +229,10 @@ impl Fabric {
         self.exports.remove(&key);
         self.ended.insert(key, FetchFailure::Invalid);
         self.n_pulls += 1;
-        self.report(&f.engine, WorkerReport::ExportPulled { hold: p.hold });
+        self.report(
+            &f.engine,
+            WorkerReport::Pd(PdReport::ExportPulled { hold: p.hold }),
+        );
         Ok(())
     }
 
@@ -1187,10 +1191,10 @@ fn a_partly_failed_load_keeps_its_good_blocks_under_recompute() {
     let fetch = f.fetches.remove(0);
     f.report(
         "D",
-        WorkerReport::FetchDone {
+        WorkerReport::Pd(PdReport::FetchDone {
             hold: fetch.hold,
             result: Err(FetchError::fault(2, "the link broke after two blocks")),
-        },
+        }),
     );
     f.deliver("D", &mut d);
     let plan = step(&mut f, "D", &mut d);
@@ -1574,19 +1578,21 @@ fn tiered_step(f: &mut Fabric, d: &mut Harness) -> StepPlan {
                 continue;
             }
             match job.clone() {
-                WorkerJob::Store { hold, epoch, .. } => {
-                    tier_reports.push(WorkerReport::StoreDone {
+                WorkerJob::Tier(TierJob::Store { hold, epoch, .. }) => {
+                    tier_reports.push(WorkerReport::Tier(TierReport::StoreDone {
                         hold,
                         epoch,
                         ok: true,
-                    });
+                    }));
                 }
-                WorkerJob::Load { hold, epoch, .. } => tier_reports.push(WorkerReport::LoadDone {
-                    hold,
-                    epoch,
-                    result: Ok(()),
-                }),
-                WorkerJob::Flush { .. } => {}
+                WorkerJob::Tier(TierJob::Load { hold, epoch, .. }) => {
+                    tier_reports.push(WorkerReport::Tier(TierReport::LoadDone {
+                        hold,
+                        epoch,
+                        result: Ok(()),
+                    }))
+                }
+                WorkerJob::Tier(TierJob::Flush { .. }) => {}
                 other => panic!("not a tier job: {other:?}"),
             }
         }

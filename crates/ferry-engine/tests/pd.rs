@@ -185,10 +185,12 @@ impl GatedTransport {
         for (spec, grant, reports, cancelled) in held.map(|h| h.fetches).unwrap_or_default() {
             if cancelled {
                 drop(grant);
-                reports.send(ferry_core::WorkerReport::FetchDone {
-                    hold: spec.hold,
-                    result: Err(ferry_core::FetchError::fault(0, "cancelled")),
-                });
+                reports.send(ferry_core::WorkerReport::Pd(
+                    ferry_core::PdReport::FetchDone {
+                        hold: spec.hold,
+                        result: Err(ferry_core::FetchError::fault(0, "cancelled")),
+                    },
+                ));
             } else {
                 ferry_kv::Transport::fetch(&self.inner, spec, grant, reports);
             }

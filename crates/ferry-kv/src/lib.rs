@@ -26,7 +26,7 @@ pub use access::{Access, BlockGrant};
 pub use arena::{KvArena, KvError, KvLayout, KvPlane};
 pub use offload::{CopyJob, HostMemory, OffloadWorker};
 pub use resident::resident_bytes;
-pub use tcp::{TcpTransport, TcpTransportConfig};
+pub use tcp::{TcpTransport, TcpTransportConfig, TransportError};
 pub use transport::{
     ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, ReleaseSpec, Transport,
 };

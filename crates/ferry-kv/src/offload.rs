@@ -2,7 +2,7 @@
 //! tier's host memory, off the engine thread.
 //!
 //! The engine thread hands [`OffloadWorker`] each step's `Store` and `Load` jobs
-//! (`ferry_core::WorkerJob`); the worker takes a grant over exactly the job's arena blocks (a
+//! (`ferry_core::TierJob`); the worker takes a grant over exactly the job's arena blocks (a
 //! read grant for a store, a write grant for a load: the blocks of the job's `Store`/`Load`
 //! hold) and queues the job for its copier, then returns. The copier runs jobs in order,
 //! drops each grant, then reports (`StoreDone`, `LoadDone`) on the engine's input queue, so a
@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
-use ferry_core::{FetchError, HostCopy, TransferId, WorkerJob, WorkerReport};
+use ferry_core::{FetchError, HostCopy, TierJob, TierReport, TransferId};
 
 use crate::access::{Access, BlockGrant};
 use crate::arena::KvArena;
@@ -53,19 +53,19 @@ impl CopyJob {
     /// The copy `job` asks for (`Store` or `Load`; `None` for any other job), with its grant
     /// (read for a store, write for a load). A grant that cannot be made is reported as the
     /// job's failure at once, and gives `None` too.
-    pub fn start(job: &WorkerJob, arena: &KvArena, reports: &Reports) -> Option<Self> {
+    pub fn start(job: &TierJob, arena: &KvArena, reports: &Reports) -> Option<Self> {
         let (hold, epoch, store, copies) = match job {
-            WorkerJob::Store {
+            TierJob::Store {
                 hold,
                 epoch,
                 copies,
             } => (*hold, *epoch, true, copies),
-            WorkerJob::Load {
+            TierJob::Load {
                 hold,
                 epoch,
                 copies,
             } => (*hold, *epoch, false, copies),
-            _ => return None,
+            TierJob::Flush { .. } => return None,
         };
         let blocks: Vec<u32> = copies.iter().map(|c| c.block).collect();
         let access = if store { Access::Read } else { Access::Write };
@@ -205,15 +205,15 @@ fn copy_report(
     epoch: u64,
     store: bool,
     result: Result<(), String>,
-) -> WorkerReport {
+) -> TierReport {
     if store {
-        WorkerReport::StoreDone {
+        TierReport::StoreDone {
             hold,
             epoch,
             ok: result.is_ok(),
         }
     } else {
-        WorkerReport::LoadDone {
+        TierReport::LoadDone {
             hold,
             epoch,
             result: result.map_err(|reason| FetchError::fault(0, reason)),
@@ -222,16 +222,13 @@ fn copy_report(
 }
 
 impl WorkerConnector for OffloadWorker {
-    fn before_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports) {
-        for job in jobs {
-            match job {
-                WorkerJob::Flush { .. } => self.wait_idle(),
-                WorkerJob::Store { .. } | WorkerJob::Load { .. } => {
-                    if let Some(copy) = CopyJob::start(job, arena, reports) {
-                        self.send(Msg::Copy(copy));
-                    }
+    fn run_tier(&mut self, job: &TierJob, arena: &mut KvArena, reports: &Reports) {
+        match job {
+            TierJob::Flush { .. } => self.wait_idle(),
+            TierJob::Store { .. } | TierJob::Load { .. } => {
+                if let Some(copy) = CopyJob::start(job, arena, reports) {
+                    self.send(Msg::Copy(copy));
                 }
-                other => tracing::error!(?other, "not an offload job; dropped"),
             }
         }
     }

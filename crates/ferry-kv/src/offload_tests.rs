@@ -3,7 +3,7 @@
 
 use std::sync::mpsc;
 
-use ferry_core::{HostCopy, TransferId, WorkerJob, WorkerReport};
+use ferry_core::{HostCopy, TierJob, TierReport, TransferId, WorkerJob, WorkerReport};
 
 use super::OffloadWorker;
 use crate::arena::{KvArena, KvLayout};
@@ -46,16 +46,16 @@ fn stored_blocks_load_back_byte_for_byte_into_other_blocks() {
     }
     let mut w = OffloadWorker::new(4, layout().block_bytes()).unwrap();
     let (sink, rx) = reports();
-    let store = WorkerJob::Store {
+    let store = WorkerJob::Tier(TierJob::Store {
         hold: TransferId(1),
         epoch: 3,
         copies: copies(&[(1, 2), (2, 3)]),
-    };
+    });
     w.after_forward(&[store], &mut arena, &sink);
     w.before_forward(
-        &[WorkerJob::Flush {
+        &[WorkerJob::Tier(TierJob::Flush {
             holds: vec![TransferId(1)],
-        }],
+        })],
         &mut arena,
         &sink,
     );
@@ -63,38 +63,38 @@ fn stored_blocks_load_back_byte_for_byte_into_other_blocks() {
     assert_eq!(arena.n_outstanding_grants(), 0);
     assert_eq!(
         rx.try_recv().unwrap(),
-        WorkerReport::StoreDone {
+        WorkerReport::Tier(TierReport::StoreDone {
             hold: TransferId(1),
             epoch: 3,
             ok: true
-        }
+        })
     );
     assert_eq!(w.host_bytes(), 4 * layout().block_bytes() as u64);
-    let load = WorkerJob::Load {
+    let load = WorkerJob::Tier(TierJob::Load {
         hold: TransferId(2),
         epoch: 3,
         copies: copies(&[(5, 2), (6, 3)]),
-    };
+    });
     w.before_forward(&[load], &mut arena, &sink);
     w.wait_idle();
     assert!(matches!(
         rx.try_recv().unwrap(),
-        WorkerReport::LoadDone {
+        WorkerReport::Tier(TierReport::LoadDone {
             hold: TransferId(2),
             epoch: 3,
             result: Ok(())
-        }
+        })
     ));
     assert_eq!(arena.block(5), arena.block(1));
     assert_eq!(arena.block(6), arena.block(2));
     // Released, the memory comes back empty: a load now reads zeros.
     w.release_memory();
     assert_eq!(w.host_bytes(), 0);
-    let load = WorkerJob::Load {
+    let load = WorkerJob::Tier(TierJob::Load {
         hold: TransferId(3),
         epoch: 4,
         copies: copies(&[(5, 2)]),
-    };
+    });
     w.before_forward(&[load], &mut arena, &sink);
     w.wait_idle();
     assert!(arena.block(5).iter().all(|&x| x == 0.0));
@@ -107,29 +107,33 @@ fn a_bad_job_fails_with_a_report_and_holds_nothing() {
     let (sink, rx) = reports();
     let jobs = [
         // Host block out of range.
-        WorkerJob::Store {
+        WorkerJob::Tier(TierJob::Store {
             hold: TransferId(1),
             epoch: 0,
             copies: copies(&[(1, 2)]),
-        },
+        }),
         // Arena block out of range: refused at the grant.
-        WorkerJob::Load {
+        WorkerJob::Tier(TierJob::Load {
             hold: TransferId(2),
             epoch: 0,
             copies: copies(&[(99, 0)]),
-        },
+        }),
     ];
     w.before_forward(&jobs, &mut arena, &sink);
     w.wait_idle();
     let mut got: Vec<WorkerReport> = rx.try_iter().collect();
     got.sort_by_key(|r| match r {
-        WorkerReport::StoreDone { hold, .. } | WorkerReport::LoadDone { hold, .. } => *hold,
+        WorkerReport::Tier(TierReport::StoreDone { hold, .. })
+        | WorkerReport::Tier(TierReport::LoadDone { hold, .. }) => *hold,
         _ => unreachable!(),
     });
-    assert!(matches!(got[0], WorkerReport::StoreDone { ok: false, .. }));
+    assert!(matches!(
+        got[0],
+        WorkerReport::Tier(TierReport::StoreDone { ok: false, .. })
+    ));
     assert!(matches!(
         &got[1],
-        WorkerReport::LoadDone { result: Err(_), .. }
+        WorkerReport::Tier(TierReport::LoadDone { result: Err(_), .. })
     ));
     assert_eq!(arena.n_outstanding_grants(), 0);
 }

@@ -86,7 +86,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use ferry_core::{AllowedPeers, FetchError, FetchFailure, TransferId, Unpublished, WorkerReport};
+use ferry_core::{AllowedPeers, FetchError, FetchFailure, PdReport, TransferId, Unpublished};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
@@ -351,16 +351,17 @@ impl Transport for TcpTransport {
         drop(exports);
         // The grant goes before the report: P frees the blocks on it.
         drop(removed);
-        reports.send(WorkerReport::ExportGone { hold });
+        reports.send(PdReport::ExportGone { hold });
     }
 
     fn release(&self, spec: ReleaseSpec) {
         let inner = self.inner.clone();
         self.runtime().spawn(async move {
-            if let Err(reason) = run_release(&inner, &spec).await {
+            if let Err(e) = run_release(&inner, &spec).await {
                 tracing::debug!(
                     remote_engine_id = %spec.remote_engine_id,
-                    "releasing an export failed (its lease still bounds it): {reason}"
+                    "releasing an export failed (its lease still bounds it): {}",
+                    e.reason
                 );
             }
         });
@@ -389,15 +390,71 @@ impl Slot {
     }
 }
 
-// ---- D: fetching and releasing ----
+// ---- errors ----
 
-/// A fault after `good_blocks` whole blocks, as a `map_err` function.
-fn fault_at(good_blocks: usize) -> impl FnOnce(String) -> FetchError {
-    move |reason| FetchError::fault(good_blocks, reason)
+/// What went wrong on a transfer connection, on either side. `Display` is the reason a log,
+/// a refusal on the wire or D's `FetchError` carries.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    /// The stream failed: the peer closed it, or the system reported an error.
+    #[error("{0}")]
+    Io(String),
+    /// One step (connect, read, write) did not finish within `io_timeout`.
+    #[error("{what} timed out after {after:?}")]
+    TimedOut { what: &'static str, after: Duration },
+    /// The peer does not speak the protocol (another magic or version, a bad string, an
+    /// unknown request or status, a pull too large).
+    #[error("{0}")]
+    Protocol(String),
+    /// The peers are not of one fleet: byte order, model, KV layout or engine id differ.
+    #[error("{0}")]
+    Mismatch(String),
+    /// The transfer authentication failed (the secrets differ, or one side has none).
+    #[error("{}", AUTH_FAILED)]
+    Auth,
+    /// The peer refused, naming who is to blame.
+    #[error("{reason}")]
+    Refused { kind: FetchFailure, reason: String },
+    /// D cut its fetch short (`cancel_fetch`).
+    #[error("cancelled")]
+    Cancelled,
+    /// The system had no randomness for a nonce.
+    #[error("no randomness for the transfer authentication: {0}")]
+    NoRandomness(String),
 }
 
+impl From<std::io::Error> for TransportError {
+    fn from(e: std::io::Error) -> Self {
+        match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => Self::Io("the peer closed the connection".into()),
+            _ => Self::Io(e.to_string()),
+        }
+    }
+}
+
+impl TransportError {
+    /// D's view of this error after `good_blocks` whole blocks: the reason is `context: self`;
+    /// a refusal keeps its kind (and moved no block), anything else is a fault, counted as
+    /// timed out, cancelled or failed.
+    fn at(self, good_blocks: usize, context: impl std::fmt::Display) -> FetchError {
+        let reason = format!("{context}: {self}");
+        match self {
+            Self::Refused { kind, .. } => FetchError::refused(kind, reason),
+            Self::TimedOut { .. } => FetchError::timed_out(good_blocks, reason),
+            Self::Cancelled => FetchError::cancelled(good_blocks),
+            Self::Io(_)
+            | Self::Protocol(_)
+            | Self::Mismatch(_)
+            | Self::Auth
+            | Self::NoRandomness(_) => FetchError::fault(good_blocks, reason),
+        }
+    }
+}
+
+// ---- D: fetching and releasing ----
+
 fn cancelled(good_blocks: usize) -> FetchError {
-    FetchError::fault(good_blocks, "cancelled")
+    TransportError::Cancelled.at(good_blocks, "")
 }
 
 async fn run_fetch(
@@ -420,7 +477,7 @@ async fn run_fetch(
             e.reason
         );
     }
-    reports.send(WorkerReport::FetchDone {
+    reports.send(PdReport::FetchDone {
         hold: spec.hold,
         result,
     });
@@ -435,11 +492,14 @@ async fn fetch_blocks(
     let config = &inner.config;
     check_destination(spec, dst.blocks().len()).map_err(FetchError::invalid)?;
     if dst.layout() != config.layout {
-        return Err(fault_at(0)(format!(
-            "the destination arena's layout {:?} is not the transport's {:?}",
-            dst.layout(),
-            config.layout
-        )));
+        return Err(FetchError::fault(
+            0,
+            format!(
+                "the destination arena's layout {:?} is not the transport's {:?}",
+                dst.layout(),
+                config.layout
+            ),
+        ));
     }
     // Before anything touches the network: a peer outside the fleet is never connected to.
     let addr = peer_addr(config, spec.remote_host.as_deref(), spec.remote_port)?;
@@ -458,14 +518,10 @@ async fn fetch_blocks(
         write_pull(&mut msg, spec);
         timed(t, "write", stream.write_all(&msg))
             .await
-            .map_err(|e| fault_at(0)(format!("sending the pull to {addr}: {e}")))?;
+            .map_err(|e| e.at(0, format_args!("sending the pull to {addr}")))?;
         read_status(&mut stream, t)
             .await
-            .map_err(|(kind, reason)| FetchError {
-                good_blocks: 0,
-                reason: format!("pull refused by {addr}: {reason}"),
-                kind,
-            })?;
+            .map_err(|e| e.at(0, format_args!("pull refused by {addr}")))?;
         Ok::<_, FetchError>(stream)
     };
     let mut stream = tokio::select! {
@@ -478,10 +534,10 @@ async fn fetch_blocks(
         }
         let block = dst
             .block_bytes_mut(j)
-            .map_err(|e| fault_at(j)(e.to_string()))?;
+            .map_err(|e| FetchError::fault(j, e.to_string()))?;
         tokio::select! {
             read = timed(t, "read", stream.read_exact(block)) => {
-                read.map_err(|e| fault_at(j)(format!("reading block {j} from {addr}: {e}")))?;
+                read.map_err(|e| e.at(j, format_args!("reading block {j} from {addr}")))?;
             }
             () = cancel.notify.notified() => return Err(cancelled(j)),
         }
@@ -491,10 +547,9 @@ async fn fetch_blocks(
 
 /// Tells P that the export `spec.token` names will not be pulled. Bounded by `io_timeout`
 /// as a whole; `Err` is only logged.
-async fn run_release(inner: &Inner, spec: &ReleaseSpec) -> Result<(), String> {
+async fn run_release(inner: &Inner, spec: &ReleaseSpec) -> Result<(), FetchError> {
     let config = &inner.config;
-    let addr =
-        peer_addr(config, spec.remote_host.as_deref(), spec.remote_port).map_err(|f| f.reason)?;
+    let addr = peer_addr(config, spec.remote_host.as_deref(), spec.remote_port)?;
     let t = config.io_timeout;
     let release = async {
         let _slot = inner.release_slots.acquire().await.expect("never closed");
@@ -505,14 +560,17 @@ async fn run_release(inner: &Inner, spec: &ReleaseSpec) -> Result<(), String> {
         put_string(&mut msg, &spec.token);
         timed(t, "write", stream.write_all(&msg))
             .await
-            .map_err(|e| fault_at(0)(format!("sending the release to {addr}: {e}")))?;
+            .map_err(|e| e.at(0, format_args!("sending the release to {addr}")))?;
         read_status(&mut stream, t)
             .await
-            .map_err(|(_, reason)| fault_at(0)(format!("release refused by {addr}: {reason}")))
+            .map_err(|e| e.at(0, format_args!("release refused by {addr}")))
     };
     match tokio::time::timeout(t, release).await {
-        Ok(result) => result.map_err(|f| f.reason),
-        Err(_) => Err(format!("releasing at {addr} timed out after {t:?}")),
+        Ok(result) => result,
+        Err(_) => Err(FetchError::timed_out(
+            0,
+            format!("releasing at {addr} timed out after {t:?}"),
+        )),
     }
 }
 
@@ -538,7 +596,7 @@ fn peer_addr(
 async fn connect(addr: SocketAddr, t: Duration) -> Result<TcpStream, FetchError> {
     let stream = timed(t, "connect", TcpStream::connect(addr))
         .await
-        .map_err(|e| fault_at(0)(format!("P's transfer listener {addr}: {e}")))?;
+        .map_err(|e| e.at(0, format_args!("P's transfer listener {addr}")))?;
     stream.set_nodelay(true).ok();
     Ok(stream)
 }
@@ -551,9 +609,11 @@ async fn handshake(
     addr: SocketAddr,
 ) -> Result<(), FetchError> {
     let t = inner.config.io_timeout;
-    let failed = |reason: String| fault_at(0)(format!("handshake with {addr}: {reason}"));
-    let refused = |(_, reason): (FetchFailure, String)| {
-        fault_at(0)(format!("handshake with {addr} refused: {reason}"))
+    let failed = |e: TransportError| e.at(0, format_args!("handshake with {addr}"));
+    // A refusal of the handshake is a fault, whatever kind it names.
+    let refused = |e: TransportError| FetchError {
+        kind: FetchFailure::Fault,
+        ..e.at(0, format_args!("handshake with {addr} refused"))
     };
     let nonce_d = match inner.key {
         Some(_) => nonce().map_err(failed)?,
@@ -578,7 +638,7 @@ async fn handshake(
             .map_err(failed)?;
         // Constant time (`blake3::Hash`'s equality).
         if proof(key, PROOF_P, &hello, &nonce_p) != mac_p {
-            return Err(failed(AUTH_FAILED.into()));
+            return Err(failed(TransportError::Auth));
         }
         let mac_d = proof(key, PROOF_D, &hello, &nonce_p);
         timed(t, "write", stream.write_all(mac_d.as_bytes()))
@@ -588,30 +648,28 @@ async fn handshake(
     read_status(stream, t).await.map_err(refused)
 }
 
-/// Reads a status; `Err` is who is to blame and the peer's reason, or a fault and why there
-/// was none.
-async fn read_status(stream: &mut TcpStream, t: Duration) -> Result<(), (FetchFailure, String)> {
-    let fault = |reason| (FetchFailure::Fault, reason);
-    match timed(t, "read", stream.read_u8()).await.map_err(fault)? {
+/// Reads a status; `Err` is the peer's refusal (who is to blame, and its reason), or why
+/// there was none.
+async fn read_status(stream: &mut TcpStream, t: Duration) -> Result<(), TransportError> {
+    let refused = |kind, reason| Err(TransportError::Refused { kind, reason });
+    match timed(t, "read", stream.read_u8()).await? {
         STATUS_OK => Ok(()),
-        STATUS_REFUSED => Err(fault(
-            timed(t, "read", read_string(stream))
-                .await
-                .and_then(|r| r)
-                .map_err(fault)?,
-        )),
+        STATUS_REFUSED => refused(
+            FetchFailure::Fault,
+            timed(t, "read", read_string(stream)).await??,
+        ),
         STATUS_REFUSED_AS => {
-            let kind = timed(t, "read", stream.read_u8()).await.map_err(fault)?;
-            let reason = timed(t, "read", read_string(stream))
-                .await
-                .and_then(|r| r)
-                .map_err(fault)?;
+            let kind = timed(t, "read", stream.read_u8()).await?;
+            let reason = timed(t, "read", read_string(stream)).await??;
             match kind_from_wire(kind) {
-                Some(kind) => Err((kind, reason)),
-                None => Err(fault(format!("{reason} (an unknown refusal kind {kind})"))),
+                Some(kind) => refused(kind, reason),
+                None => refused(
+                    FetchFailure::Fault,
+                    format!("{reason} (an unknown refusal kind {kind})"),
+                ),
             }
         }
-        other => Err(fault(format!("unknown status {other}"))),
+        other => Err(TransportError::Protocol(format!("unknown status {other}"))),
     }
 }
 
@@ -646,7 +704,8 @@ async fn serve_connection(inner: Arc<Inner>, mut stream: TcpStream, peer: Socket
             return;
         }
     };
-    if let Err(reason) = accept_handshake(&inner, &mut stream).await {
+    if let Err(e) = accept_handshake(&inner, &mut stream).await {
+        let reason = e.to_string();
         tracing::debug!(%peer, "transfer handshake refused: {reason}");
         refuse(&mut stream, t, FetchFailure::Fault, &reason).await;
         return;
@@ -656,8 +715,8 @@ async fn serve_connection(inner: Arc<Inner>, mut stream: TcpStream, peer: Socket
         let served = match timed(t, "read", stream.read_u8()).await {
             Ok(REQUEST_PULL) => match timed(t, "read", read_pull(&mut stream)).await {
                 Ok(Ok(spec)) => serve_pull(&inner, &mut stream, &spec).await,
-                Ok(Err(reason)) | Err(reason) => {
-                    refuse(&mut stream, t, FetchFailure::Invalid, &reason).await;
+                Ok(Err(e)) | Err(e) => {
+                    refuse(&mut stream, t, FetchFailure::Invalid, &e.to_string()).await;
                     break;
                 }
             },
@@ -665,8 +724,8 @@ async fn serve_connection(inner: Arc<Inner>, mut stream: TcpStream, peer: Socket
                 Ok(Ok((engine_id, token))) => {
                     serve_release(&inner, &mut stream, &engine_id, &token).await
                 }
-                Ok(Err(reason)) | Err(reason) => {
-                    refuse(&mut stream, t, FetchFailure::Invalid, &reason).await;
+                Ok(Err(e)) | Err(e) => {
+                    refuse(&mut stream, t, FetchFailure::Invalid, &e.to_string()).await;
                     break;
                 }
             },
@@ -687,12 +746,12 @@ async fn serve_connection(inner: Arc<Inner>, mut stream: TcpStream, peer: Socket
 
 /// P's side of the handshake (steps 1 to 4 in the module doc). `Err` is the reason to refuse
 /// the connection with.
-async fn accept_handshake(inner: &Inner, stream: &mut TcpStream) -> Result<(), String> {
+async fn accept_handshake(inner: &Inner, stream: &mut TcpStream) -> Result<(), TransportError> {
     let config = &inner.config;
     let t = config.io_timeout;
     let hello = timed(t, "reading the hello", read_hello(stream)).await?;
     if hello.has_secret() != inner.key.is_some() {
-        return Err(AUTH_FAILED.into());
+        return Err(TransportError::Auth);
     }
     let mut reply = vec![STATUS_OK];
     if let Some(key) = &inner.key {
@@ -706,7 +765,7 @@ async fn accept_handshake(inner: &Inner, stream: &mut TcpStream) -> Result<(), S
         timed(t, "read", stream.read_exact(&mut mac_d)).await?;
         // Constant time (`blake3::Hash`'s equality).
         if proof(key, PROOF_D, &hello_bytes, &nonce_p) != mac_d {
-            return Err(AUTH_FAILED.into());
+            return Err(TransportError::Auth);
         }
     } else {
         timed(t, "write", stream.write_all(&reply)).await?;
@@ -717,7 +776,11 @@ async fn accept_handshake(inner: &Inner, stream: &mut TcpStream) -> Result<(), S
 
 /// Checks a pull, streams its blocks and settles the export. `Err` means the connection is
 /// unusable.
-async fn serve_pull(inner: &Inner, stream: &mut TcpStream, spec: &FetchSpec) -> Result<(), String> {
+async fn serve_pull(
+    inner: &Inner,
+    stream: &mut TcpStream,
+    spec: &FetchSpec,
+) -> Result<(), TransportError> {
     let t = inner.config.io_timeout;
     let published = match take_for_pull(inner, spec) {
         Ok(published) => published,
@@ -739,7 +802,7 @@ async fn stream_blocks(
     grant: &BlockGrant,
     range: std::ops::Range<usize>,
     t: Duration,
-) -> Result<(), String> {
+) -> Result<(), TransportError> {
     timed(t, "write", stream.write_u8(STATUS_OK)).await?;
     for i in range {
         timed(t, "write", stream.write_all(grant.block_bytes(i))).await?;
@@ -819,12 +882,12 @@ fn settle(inner: &Inner, published: Published, complete: bool) {
     // The grant goes before the reports: P frees the blocks on them.
     drop(published.offer);
     if complete {
-        reports.send(WorkerReport::ExportPulled { hold });
+        reports.send(PdReport::ExportPulled { hold });
     }
     match unpublished {
-        Some(unpublished) => unpublished.send(WorkerReport::ExportGone { hold }),
+        Some(unpublished) => unpublished.send(PdReport::ExportGone { hold }),
         // Released while pulled, and the pull failed: the export ends here.
-        None if !complete => reports.send(WorkerReport::ExportGone { hold }),
+        None if !complete => reports.send(PdReport::ExportGone { hold }),
         None => {}
     }
 }
@@ -836,22 +899,22 @@ async fn serve_release(
     stream: &mut TcpStream,
     engine_id: &str,
     token: &str,
-) -> Result<(), String> {
+) -> Result<(), TransportError> {
     let t = inner.config.io_timeout;
     let mut msg = Vec::new();
     match release_export(inner, engine_id, token) {
         Ok(()) => msg.push(STATUS_OK),
-        Err(reason) => put_refusal(&mut msg, FetchFailure::Fault, &reason),
+        Err(e) => put_refusal(&mut msg, FetchFailure::Fault, &e.to_string()),
     }
     timed(t, "write", stream.write_all(&msg)).await
 }
 
-fn release_export(inner: &Inner, engine_id: &str, token: &str) -> Result<(), String> {
+fn release_export(inner: &Inner, engine_id: &str, token: &str) -> Result<(), TransportError> {
     let ours = &inner.config.engine_id;
     if engine_id != ours {
-        return Err(format!(
+        return Err(TransportError::Mismatch(format!(
             "this transfer listener serves engine {ours:?}, not {engine_id:?}"
-        ));
+        )));
     }
     let mut exports = lock(&inner.exports);
     let published = match exports.live.get_mut(token) {
@@ -872,7 +935,7 @@ fn release_export(inner: &Inner, engine_id: &str, token: &str) -> Result<(), Str
     let reports = published.reports;
     // The grant goes before the report: P frees the blocks on it.
     drop(published.offer);
-    reports.send(WorkerReport::ExportGone { hold });
+    reports.send(PdReport::ExportGone { hold });
     Ok(())
 }
 
@@ -896,10 +959,9 @@ async fn refuse(stream: &mut TcpStream, t: Duration, kind: FetchFailure, reason:
 // ---- authentication ----
 
 /// A fresh nonce from the operating system's random source.
-fn nonce() -> Result<[u8; NONCE_BYTES], String> {
+fn nonce() -> Result<[u8; NONCE_BYTES], TransportError> {
     let mut nonce = [0u8; NONCE_BYTES];
-    getrandom::fill(&mut nonce)
-        .map_err(|e| format!("no randomness for the transfer authentication: {e}"))?;
+    getrandom::fill(&mut nonce).map_err(|e| TransportError::NoRandomness(e.to_string()))?;
     Ok(nonce)
 }
 
@@ -970,30 +1032,34 @@ fn layout_dims(layout: KvLayout) -> [u32; 4] {
 
 /// Reads D's hello; `Err` is the reason to refuse with. Another protocol version is refused
 /// before the rest is read (its fields may differ).
-async fn read_hello(stream: &mut TcpStream) -> Result<Hello, String> {
+async fn read_hello(stream: &mut TcpStream) -> Result<Hello, TransportError> {
     let mut magic = [0u8; 8];
-    stream.read_exact(&mut magic).await.map_err(io_reason)?;
+    stream.read_exact(&mut magic).await?;
     if &magic != MAGIC {
-        return Err("not a ferry KV transfer connection".into());
-    }
-    let version = stream.read_u32_le().await.map_err(io_reason)?;
-    if version != PROTOCOL_VERSION {
-        return Err(format!(
-            "protocol version {version}, this listener speaks {PROTOCOL_VERSION}"
+        return Err(TransportError::Protocol(
+            "not a ferry KV transfer connection".into(),
         ));
     }
-    let little_endian = stream.read_u8().await.map_err(io_reason)?;
+    let version = stream.read_u32_le().await?;
+    if version != PROTOCOL_VERSION {
+        return Err(TransportError::Protocol(format!(
+            "protocol version {version}, this listener speaks {PROTOCOL_VERSION}"
+        )));
+    }
+    let little_endian = stream.read_u8().await?;
     let model_id = read_string(stream).await??;
     let mut dims = [0u32; 4];
     for d in &mut dims {
-        *d = stream.read_u32_le().await.map_err(io_reason)?;
+        *d = stream.read_u32_le().await?;
     }
-    let has_secret = stream.read_u8().await.map_err(io_reason)?;
+    let has_secret = stream.read_u8().await?;
     if has_secret > 1 {
-        return Err(format!("a secret flag of {has_secret}"));
+        return Err(TransportError::Protocol(format!(
+            "a secret flag of {has_secret}"
+        )));
     }
     let mut nonce = [0u8; NONCE_BYTES];
-    stream.read_exact(&mut nonce).await.map_err(io_reason)?;
+    stream.read_exact(&mut nonce).await?;
     Ok(Hello {
         little_endian,
         model_id,
@@ -1004,12 +1070,13 @@ async fn read_hello(stream: &mut TcpStream) -> Result<Hello, String> {
 }
 
 /// Compares D's hello with P's own; `Err` is the reason to send back.
-fn check_hello(hello: &Hello, config: &TcpTransportConfig) -> Result<(), String> {
+fn check_hello(hello: &Hello, config: &TcpTransportConfig) -> Result<(), TransportError> {
+    let mismatch = |reason: String| Err(TransportError::Mismatch(reason));
     if hello.little_endian != u8::from(cfg!(target_endian = "little")) {
-        return Err("the peers store KV floats in different byte orders".into());
+        return mismatch("the peers store KV floats in different byte orders".into());
     }
     if hello.model_id != config.model_id {
-        return Err(format!(
+        return mismatch(format!(
             "model mismatch: the reader has {:?}, this engine {:?}",
             hello.model_id, config.model_id
         ));
@@ -1017,7 +1084,7 @@ fn check_hello(hello: &Hello, config: &TcpTransportConfig) -> Result<(), String>
     if hello.dims != layout_dims(config.layout) {
         let [n_layers, n_kv_heads, head_dim, block_size] = hello.dims;
         let l = config.layout;
-        return Err(format!(
+        return mismatch(format!(
             "KV layout mismatch: the reader has n_layers {n_layers}, n_kv_heads {n_kv_heads}, \
              head_dim {head_dim}, block_size {block_size}; this engine n_layers {}, n_kv_heads \
              {}, head_dim {}, block_size {}",
@@ -1041,7 +1108,9 @@ fn write_pull(buf: &mut Vec<u8>, spec: &FetchSpec) {
 }
 
 /// Reads a pull request after its kind byte. The hold is P's business, not the reader's: 0.
-async fn read_pull(stream: &mut TcpStream) -> Result<Result<FetchSpec, String>, String> {
+async fn read_pull(
+    stream: &mut TcpStream,
+) -> Result<Result<FetchSpec, TransportError>, TransportError> {
     let remote_engine_id = read_string(stream).await?;
     let token = read_string(stream).await?;
     let weight_version = read_string(stream).await?;
@@ -1051,20 +1120,17 @@ async fn read_pull(stream: &mut TcpStream) -> Result<Result<FetchSpec, String>, 
         (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return Ok(Err(e)),
     };
     let mut prompt_hash = [0u8; 32];
-    stream
-        .read_exact(&mut prompt_hash)
-        .await
-        .map_err(io_reason)?;
-    let first_block = stream.read_u64_le().await.map_err(io_reason)?;
-    let n = stream.read_u32_le().await.map_err(io_reason)?;
+    stream.read_exact(&mut prompt_hash).await?;
+    let first_block = stream.read_u64_le().await?;
+    let n = stream.read_u32_le().await?;
     if n > MAX_PULL_BLOCKS {
-        return Ok(Err(format!(
+        return Ok(Err(TransportError::Protocol(format!(
             "a pull of {n} blocks (at most {MAX_PULL_BLOCKS})"
-        )));
+        ))));
     }
     let mut src_blocks = Vec::with_capacity(n as usize);
     for _ in 0..n {
-        src_blocks.push(stream.read_u32_le().await.map_err(io_reason)?);
+        src_blocks.push(stream.read_u32_le().await?);
     }
     Ok(Ok(FetchSpec {
         hold: TransferId(0),
@@ -1080,7 +1146,9 @@ async fn read_pull(stream: &mut TcpStream) -> Result<Result<FetchSpec, String>, 
 }
 
 /// Reads a release request after its kind byte: engine id and token.
-async fn read_release(stream: &mut TcpStream) -> Result<Result<(String, String), String>, String> {
+async fn read_release(
+    stream: &mut TcpStream,
+) -> Result<Result<(String, String), TransportError>, TransportError> {
     let engine_id = read_string(stream).await?;
     let token = read_string(stream).await?;
     Ok(engine_id.and_then(|e| token.map(|t| (e, t))))
@@ -1124,50 +1192,28 @@ fn put_string(buf: &mut Vec<u8>, s: &str) {
 /// still in step: its bytes were consumed).
 async fn read_string<S: AsyncRead + Unpin>(
     stream: &mut S,
-) -> Result<Result<String, String>, String> {
-    let n = stream.read_u32_le().await.map_err(io_reason)?;
+) -> Result<Result<String, TransportError>, TransportError> {
+    let n = stream.read_u32_le().await?;
     if n > MAX_STRING_BYTES {
-        return Err(format!(
+        return Err(TransportError::Protocol(format!(
             "a string of {n} bytes (at most {MAX_STRING_BYTES})"
-        ));
+        )));
     }
     let mut bytes = vec![0u8; n as usize];
-    stream.read_exact(&mut bytes).await.map_err(io_reason)?;
-    Ok(String::from_utf8(bytes).map_err(|_| "a string that is not UTF-8".to_owned()))
+    stream.read_exact(&mut bytes).await?;
+    Ok(String::from_utf8(bytes)
+        .map_err(|_| TransportError::Protocol("a string that is not UTF-8".into())))
 }
 
-fn io_reason(e: std::io::Error) -> String {
-    match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => "the peer closed the connection".into(),
-        _ => e.to_string(),
-    }
-}
-
-/// `f` bounded by `t`; errors as reasons.
-async fn timed<T, E: IntoReason>(
+/// `f` bounded by `t`.
+async fn timed<T, E: Into<TransportError>>(
     t: Duration,
-    what: &str,
+    what: &'static str,
     f: impl std::future::Future<Output = Result<T, E>>,
-) -> Result<T, String> {
+) -> Result<T, TransportError> {
     match tokio::time::timeout(t, f).await {
-        Ok(r) => r.map_err(IntoReason::into_reason),
-        Err(_) => Err(format!("{what} timed out after {t:?}")),
-    }
-}
-
-trait IntoReason {
-    fn into_reason(self) -> String;
-}
-
-impl IntoReason for std::io::Error {
-    fn into_reason(self) -> String {
-        io_reason(self)
-    }
-}
-
-impl IntoReason for String {
-    fn into_reason(self) -> String {
-        self
+        Ok(r) => r.map_err(Into::into),
+        Err(_) => Err(TransportError::TimedOut { what, after: t }),
     }
 }
 

@@ -5,7 +5,7 @@ use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
 use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
-use ferry_core::{FetchError, FetchFailure, TransferId, Unpublished, WorkerReport};
+use ferry_core::{FetchError, FetchFailure, PdReport, TransferId, Unpublished, WorkerReport};
 
 use super::*;
 use crate::access::Access;
@@ -119,7 +119,7 @@ fn fetch(
 
 fn fetch_result(rx: &Receiver<WorkerReport>) -> Result<(), FetchError> {
     match rx.recv_timeout(WAIT).expect("a FetchDone") {
-        WorkerReport::FetchDone { hold, result } => {
+        WorkerReport::Pd(PdReport::FetchDone { hold, result }) => {
             assert_eq!(hold, TransferId(9));
             result
         }
@@ -160,9 +160,9 @@ fn a_pull_is_byte_exact_and_ends_the_export() {
     assert_eq!(fetch_result(&rx), Ok(()));
     assert!(matches!(
         p_rx.recv_timeout(WAIT).unwrap(),
-        WorkerReport::ExportPulled {
+        WorkerReport::Pd(PdReport::ExportPulled {
             hold: TransferId(1)
-        }
+        })
     ));
     assert_eq!(d_arena.n_outstanding_grants(), 0);
     assert_eq!(
@@ -514,7 +514,7 @@ fn a_reader_gone_mid_pull_leaves_the_export_published() {
     assert_eq!(d_arena.block_bytes(47), &pattern(LAYOUT_BIG, 47)[..]);
     assert!(matches!(
         p_rx.recv_timeout(WAIT).unwrap(),
-        WorkerReport::ExportPulled { .. }
+        WorkerReport::Pd(PdReport::ExportPulled { .. })
     ));
 }
 
@@ -552,9 +552,9 @@ fn an_unpublish_during_a_pull_reports_gone_once_the_pull_ended() {
     drop(reader);
     assert!(matches!(
         gone_rx.recv_timeout(WAIT).unwrap(),
-        WorkerReport::ExportGone {
+        WorkerReport::Pd(PdReport::ExportGone {
             hold: TransferId(1)
-        }
+        })
     ));
     assert_eq!(
         p_arena.n_outstanding_grants(),
@@ -591,15 +591,15 @@ fn an_unpublish_during_a_pull_that_completes_leaves_a_pulled_export() {
         .unwrap();
     assert!(matches!(
         p_rx.recv_timeout(WAIT).unwrap(),
-        WorkerReport::ExportPulled {
+        WorkerReport::Pd(PdReport::ExportPulled {
             hold: TransferId(1)
-        }
+        })
     ));
     assert!(matches!(
         gone_rx.recv_timeout(WAIT).unwrap(),
-        WorkerReport::ExportGone {
+        WorkerReport::Pd(PdReport::ExportGone {
             hold: TransferId(1)
-        }
+        })
     ));
     let d_arena = KvArena::new(LAYOUT_BIG, 48);
     let rx = fetch(
@@ -622,16 +622,16 @@ fn unpublish_of_a_ready_export_reports_gone_at_once() {
     p.unpublish("P", TransferId(1), Unpublished::Revoked, r.clone());
     assert!(matches!(
         rx.recv_timeout(WAIT).unwrap(),
-        WorkerReport::ExportGone {
+        WorkerReport::Pd(PdReport::ExportGone {
             hold: TransferId(1)
-        }
+        })
     ));
     assert_eq!((p.n_published(), p_arena.n_outstanding_grants()), (0, 0));
     p.unpublish("P", TransferId(1), Unpublished::Revoked, r);
     assert!(
         matches!(
             rx.recv_timeout(WAIT).unwrap(),
-            WorkerReport::ExportGone { .. }
+            WorkerReport::Pd(PdReport::ExportGone { .. })
         ),
         "unknown: gone"
     );
@@ -713,9 +713,9 @@ fn a_release_frees_a_ready_export_and_a_later_pull_is_invalid() {
     d.release(release_spec(addr, "P", "tok"));
     assert!(matches!(
         p_rx.recv_timeout(WAIT).unwrap(),
-        WorkerReport::ExportGone {
+        WorkerReport::Pd(PdReport::ExportGone {
             hold: TransferId(1)
-        }
+        })
     ));
     assert_eq!(
         (p.n_published(), p_arena.n_outstanding_grants()),
@@ -746,9 +746,9 @@ fn a_release_during_a_pull_ends_the_export_when_the_pull_fails() {
     drop(reader);
     assert!(matches!(
         p_rx.recv_timeout(WAIT).unwrap(),
-        WorkerReport::ExportGone {
+        WorkerReport::Pd(PdReport::ExportGone {
             hold: TransferId(1)
-        }
+        })
     ));
     assert_eq!((p.n_published(), p_arena.n_outstanding_grants()), (0, 0));
 }
@@ -807,14 +807,14 @@ fn peers_with_the_same_secret_transfer() {
     assert_eq!(d_arena.block_bytes(3), &pattern(LAYOUT, 2)[..]);
     assert!(matches!(
         p_rx.recv_timeout(WAIT).unwrap(),
-        WorkerReport::ExportPulled { .. }
+        WorkerReport::Pd(PdReport::ExportPulled { .. })
     ));
     // A release authenticates the same way.
     let p_rx = publish(&p, &p_arena, &[0], "tok2");
     d.release(release_spec(p.local_addr(), "P", "tok2"));
     assert!(matches!(
         p_rx.recv_timeout(WAIT).unwrap(),
-        WorkerReport::ExportGone { .. }
+        WorkerReport::Pd(PdReport::ExportGone { .. })
     ));
     // The handshake's other checks still hold, after the authentication.
     let mut cfg = config("D", LAYOUT, "other", WAIT);

@@ -2,7 +2,7 @@
 //!
 //! The trait is shaped for a one-sided transport (NIXL, RDMA reads P never sees): D pulls;
 //! everything P must learn (a pull finished, an export gone) arrives as a report
-//! (`WorkerReport::ExportPulled`, `ExportGone`) through the [`Reports`] it published with,
+//! (`PdReport::ExportPulled`, `ExportGone`) through the [`Reports`] it published with,
 //! never as a side effect of serving bytes that P's engine thread would have to wait for.
 //!
 //! P's checks live with the export (they are the same for every transport): a pull must
@@ -18,7 +18,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use ferry_core::{BlockId, FetchError, FetchFailure, TransferId, Unpublished, WorkerReport};
+use ferry_core::{BlockId, FetchError, FetchFailure, PdReport, TransferId, Unpublished};
 
 use crate::access::BlockGrant;
 use crate::worker::Reports;
@@ -166,11 +166,7 @@ pub fn gone_export(engine_id: &str, ended: Option<FetchFailure>) -> FetchError {
         ),
         None => (FetchFailure::Invalid, no_export(engine_id)),
     };
-    FetchError {
-        good_blocks: 0,
-        reason,
-        kind,
-    }
+    FetchError::refused(kind, reason)
 }
 
 /// P's memory of exports that ended, by token, so a late pull hears why (revoked, expired,
@@ -309,7 +305,7 @@ impl Transport for InMemoryTransport {
         for token in gone {
             self.fabric.record_end(engine_id, &token, reason.into());
         }
-        reports.send(WorkerReport::ExportGone { hold });
+        reports.send(PdReport::ExportGone { hold });
     }
 
     fn release(&self, spec: ReleaseSpec) {
@@ -322,7 +318,7 @@ impl Transport for InMemoryTransport {
             let reports = published.reports;
             // The grant goes before the report: P frees the blocks on it.
             drop(published.offer);
-            reports.send(WorkerReport::ExportGone { hold });
+            reports.send(PdReport::ExportGone { hold });
         }
     }
 
@@ -339,7 +335,7 @@ impl Transport for InMemoryTransport {
             .name("ferry-kv-fetch".into())
             .spawn(move || {
                 let result = if cancelled.load(Ordering::Acquire) {
-                    Err(FetchError::fault(0, "cancelled"))
+                    Err(FetchError::cancelled(0))
                 } else {
                     fabric.pull(&spec, &mut dst)
                 };
@@ -347,9 +343,9 @@ impl Transport for InMemoryTransport {
                 drop(dst);
                 lock(&fabric.fetches).remove(&key);
                 let result = result.map(|(p_reports, p_hold)| {
-                    p_reports.send(WorkerReport::ExportPulled { hold: p_hold });
+                    p_reports.send(PdReport::ExportPulled { hold: p_hold });
                 });
-                reports.send(WorkerReport::FetchDone {
+                reports.send(PdReport::FetchDone {
                     hold: spec.hold,
                     result,
                 });
@@ -357,7 +353,7 @@ impl Transport for InMemoryTransport {
         if let Err(e) = spawned {
             // The closure (and its grant) is dropped with the error.
             lock(&self.fabric.fetches).remove(&(self.engine_id.clone(), hold));
-            reports_on_failure.send(WorkerReport::FetchDone {
+            reports_on_failure.send(PdReport::FetchDone {
                 hold,
                 result: Err(FetchError::fault(
                     0,

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use ferry_core::{BlockId, FetchError, WorkerJob, WorkerReport};
+use ferry_core::{BlockId, FetchError, PdJob, PdReport, TierJob, WorkerJob, WorkerReport};
 
 use crate::access::{Access, BlockGrant};
 use crate::arena::KvArena;
@@ -26,8 +26,9 @@ impl Reports {
         Self(Arc::new(send))
     }
 
-    pub fn send(&self, report: WorkerReport) {
-        (self.0)(report);
+    /// Sends one report (a family's own, `PdReport` or `TierReport`, wrapped on the way).
+    pub fn send(&self, report: impl Into<WorkerReport>) {
+        (self.0)(report.into());
     }
 }
 
@@ -37,7 +38,11 @@ impl std::fmt::Debug for Reports {
     }
 }
 
-/// The worker side of one connector, on the engine thread.
+/// The worker side of one connector, on the engine thread. A worker implements the jobs of
+/// its own family (`run_pd` or `run_tier`); `before_forward` unwraps each job once and hands
+/// it there, so no worker sees another family's jobs. A job of a family the worker does not
+/// run would be the engine pairing a connector with another's worker: it is logged and
+/// dropped.
 pub trait WorkerConnector: Send + std::fmt::Debug {
     /// This step's jobs, before the forward. Start them; do not wait for transfers.
     ///
@@ -47,7 +52,24 @@ pub trait WorkerConnector: Send + std::fmt::Debug {
     /// touches them until the hold ends, and the hold ends only after the worker reported
     /// the job done (and dropped its grant). That is the ledger argument `KvArena::grant`
     /// asks for.
-    fn before_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports);
+    fn before_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports) {
+        for job in jobs {
+            match job {
+                WorkerJob::Pd(job) => self.run_pd(job, arena, reports),
+                WorkerJob::Tier(job) => self.run_tier(job, arena, reports),
+            }
+        }
+    }
+
+    /// Starts one P/D job (a P/D worker). Same contract as `before_forward`.
+    fn run_pd(&mut self, job: &PdJob, _arena: &mut KvArena, _reports: &Reports) {
+        tracing::error!(?job, worker = ?self, "a P/D job for a worker that runs none; dropped");
+    }
+
+    /// Starts one local tier's job (a tier's copier). Same contract as `before_forward`.
+    fn run_tier(&mut self, job: &TierJob, _arena: &mut KvArena, _reports: &Reports) {
+        tracing::error!(?job, worker = ?self, "a tier job for a worker that runs none; dropped");
+    }
 
     /// After the forward, once the core has the step's output: the jobs that output produced
     /// (P's exports of requests that just finished, before their parameters reach anyone; a
@@ -93,85 +115,82 @@ impl PdWorker {
 }
 
 impl WorkerConnector for PdWorker {
-    fn before_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports) {
-        for job in jobs {
-            match job {
-                WorkerJob::Publish {
-                    hold,
-                    token,
-                    weight_version,
-                    blocks,
-                    prompt_hash,
-                    n_tokens,
-                    ..
-                } => match Self::grant(arena, blocks, Access::Read) {
-                    Ok(grant) => self.transport.publish(
-                        ExportOffer {
-                            engine_id: self.engine_id.clone(),
-                            hold: *hold,
-                            token: token.clone(),
-                            weight_version: weight_version.clone(),
-                            prompt_hash: *prompt_hash,
-                            n_tokens: *n_tokens,
-                            grant,
-                        },
-                        reports.clone(),
-                    ),
-                    Err(e) => {
-                        tracing::warn!(hold = hold.0, "cannot publish an export: {e}");
-                        reports.send(WorkerReport::ExportGone { hold: *hold });
-                    }
-                },
-                WorkerJob::Unpublish { hold, reason } => {
-                    self.transport
-                        .unpublish(&self.engine_id, *hold, *reason, reports.clone())
-                }
-                WorkerJob::Release {
-                    remote_engine_id,
-                    remote_host,
-                    remote_port,
-                    token,
-                } => self.transport.release(ReleaseSpec {
-                    remote_engine_id: remote_engine_id.clone(),
-                    remote_host: remote_host.clone(),
-                    remote_port: *remote_port,
-                    token: token.clone(),
-                }),
-                WorkerJob::Fetch {
-                    hold,
-                    remote_engine_id,
-                    remote_host,
-                    remote_port,
-                    token,
-                    weight_version,
-                    prompt_hash,
-                    first_block,
-                    src_blocks,
-                    blocks,
-                } => match Self::grant(arena, blocks, Access::Write) {
-                    Ok(grant) => self.transport.fetch(
-                        FetchSpec {
-                            hold: *hold,
-                            remote_engine_id: remote_engine_id.clone(),
-                            remote_host: remote_host.clone(),
-                            remote_port: *remote_port,
-                            token: token.clone(),
-                            weight_version: weight_version.clone(),
-                            prompt_hash: *prompt_hash,
-                            first_block: *first_block,
-                            src_blocks: src_blocks.clone(),
-                        },
-                        grant,
-                        reports.clone(),
-                    ),
-                    Err(e) => reports.send(WorkerReport::FetchDone {
+    fn run_pd(&mut self, job: &PdJob, arena: &mut KvArena, reports: &Reports) {
+        match job {
+            PdJob::Publish {
+                hold,
+                token,
+                weight_version,
+                blocks,
+                prompt_hash,
+                n_tokens,
+                ..
+            } => match Self::grant(arena, blocks, Access::Read) {
+                Ok(grant) => self.transport.publish(
+                    ExportOffer {
+                        engine_id: self.engine_id.clone(),
                         hold: *hold,
-                        result: Err(FetchError::fault(0, e)),
-                    }),
-                },
-                WorkerJob::CancelFetch { hold } => self.transport.cancel_fetch(*hold),
-                other => tracing::error!(?other, "not a P/D job; dropped"),
+                        token: token.clone(),
+                        weight_version: weight_version.clone(),
+                        prompt_hash: *prompt_hash,
+                        n_tokens: *n_tokens,
+                        grant,
+                    },
+                    reports.clone(),
+                ),
+                Err(e) => {
+                    tracing::warn!(hold = hold.0, "cannot publish an export: {e}");
+                    reports.send(PdReport::ExportGone { hold: *hold });
+                }
+            },
+            PdJob::Unpublish { hold, reason } => {
+                self.transport
+                    .unpublish(&self.engine_id, *hold, *reason, reports.clone())
             }
+            PdJob::Release {
+                remote_engine_id,
+                remote_host,
+                remote_port,
+                token,
+            } => self.transport.release(ReleaseSpec {
+                remote_engine_id: remote_engine_id.clone(),
+                remote_host: remote_host.clone(),
+                remote_port: *remote_port,
+                token: token.clone(),
+            }),
+            PdJob::Fetch {
+                hold,
+                remote_engine_id,
+                remote_host,
+                remote_port,
+                token,
+                weight_version,
+                prompt_hash,
+                first_block,
+                src_blocks,
+                blocks,
+            } => match Self::grant(arena, blocks, Access::Write) {
+                Ok(grant) => self.transport.fetch(
+                    FetchSpec {
+                        hold: *hold,
+                        remote_engine_id: remote_engine_id.clone(),
+                        remote_host: remote_host.clone(),
+                        remote_port: *remote_port,
+                        token: token.clone(),
+                        weight_version: weight_version.clone(),
+                        prompt_hash: *prompt_hash,
+                        first_block: *first_block,
+                        src_blocks: src_blocks.clone(),
+                    },
+                    grant,
+                    reports.clone(),
+                ),
+                Err(e) => reports.send(PdReport::FetchDone {
+                    hold: *hold,
+                    result: Err(FetchError::fault(0, e)),
+                }),
+            },
+            PdJob::CancelFetch { hold, .. } => self.transport.cancel_fetch(*hold),
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::sync::mpsc;
 
-use ferry_core::{HostCopy, TransferId, WorkerJob};
+use ferry_core::{HostCopy, TierJob, TransferId, WorkerJob};
 use ferry_kv::{resident_bytes, KvArena, KvLayout, OffloadWorker, Reports, WorkerConnector};
 
 #[cfg(target_os = "linux")]
@@ -35,11 +35,11 @@ fn release_gives_the_tier_memory_back() {
             host_block,
         })
         .collect();
-    let store = WorkerJob::Store {
+    let store = WorkerJob::Tier(TierJob::Store {
         hold: TransferId(1),
         epoch: 0,
         copies,
-    };
+    });
     w.after_forward(&[store], &mut arena, &sink);
     w.wait_idle();
     let full = rss();

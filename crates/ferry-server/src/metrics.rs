@@ -1,9 +1,9 @@
 //! `GET /metrics`: Prometheus text. Latency histograms (time to first token, inter-token
 //! latency, request latency) are recorded here, in the server, per output chunk as clients
 //! see them; engine figures (queue lengths, KV blocks, prefix-cache hit rate, step and forward
-//! seconds, KV transfers started, pulled, expired, failed, bytes and load seconds, the offload
-//! tier's bytes, hits, stores, loads, evictions and flushes) are read
-//! from the engine's latest stats snapshot at scrape time.
+//! seconds, KV transfers started, pulled, expired, failed (and apart: broken, timed out,
+//! cancelled, refused), bytes and load seconds, the offload tier's bytes, hits, stores, loads,
+//! evictions and flushes) are read from the engine's latest stats snapshot at scrape time.
 
 use std::fmt;
 use std::sync::Arc;
@@ -180,7 +180,7 @@ impl Collector for EngineCollector {
         )?;
         info.encode(family.encode_family(&[("version", s.weight_version.as_str())])?)?;
         let t = &s.transfers;
-        let counters: [(&str, &str, f64); 19] = [
+        let counters: [(&str, &str, f64); 23] = [
             (
                 "lifecycle_calls",
                 "Lifecycle calls (pause, resume, sleep, ...) the engine handled",
@@ -260,8 +260,29 @@ impl Collector for EngineCollector {
             ),
             (
                 "kv_loads_failed",
-                "P/D (D): KV loads that failed, timed out or were cancelled",
+                "P/D (D): KV loads that did not land (broken, timed out, cancelled or refused)",
                 t.n_loads_failed_total as f64,
+            ),
+            (
+                "kv_loads_broken",
+                "P/D (D): KV loads that broke (the link, the peer)",
+                t.n_loads_broken_total as f64,
+            ),
+            (
+                "kv_loads_timed_out",
+                "P/D (D): KV loads that timed out (a transfer step, or --kv-load-timeout)",
+                t.n_loads_timed_out_total as f64,
+            ),
+            (
+                "kv_loads_cancelled",
+                "P/D (D): KV loads cut short by a cache reset or the request's end",
+                t.n_loads_cancelled_total as f64,
+            ),
+            (
+                "kv_loads_refused",
+                "P/D (D): KV loads refused before any block moved (revoked, expired or \
+                 invalid export)",
+                t.n_loads_refused_total as f64,
             ),
             (
                 "kv_transfer_bytes",
@@ -403,6 +424,7 @@ mod tests {
                 n_loads_failed_total: 1,
                 bytes_total: 4096,
                 load_seconds_total: 0.25,
+                ..ferry_engine::TransferStats::default()
             },
             ..EngineStats::default()
         });
@@ -451,6 +473,27 @@ mod tests {
             ),
             1.0
         );
+    }
+
+    #[test]
+    fn renders_each_way_a_load_did_not_land_apart() {
+        let m = Metrics::new(|| EngineStats {
+            transfers: ferry_engine::TransferStats {
+                n_loads_failed_total: 14,
+                n_loads_broken_total: 5,
+                n_loads_timed_out_total: 3,
+                n_loads_cancelled_total: 4,
+                n_loads_refused_total: 2,
+                ..ferry_engine::TransferStats::default()
+            },
+            ..EngineStats::default()
+        });
+        let text = m.render().unwrap();
+        assert_eq!(get(&text, "ferry_kv_loads_failed_total"), 14.0);
+        assert_eq!(get(&text, "ferry_kv_loads_broken_total"), 5.0);
+        assert_eq!(get(&text, "ferry_kv_loads_timed_out_total"), 3.0);
+        assert_eq!(get(&text, "ferry_kv_loads_cancelled_total"), 4.0);
+        assert_eq!(get(&text, "ferry_kv_loads_refused_total"), 2.0);
     }
 
     #[test]

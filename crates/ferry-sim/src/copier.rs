@@ -10,7 +10,7 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use ferry_core::{TransferId, WorkerJob};
+use ferry_core::{TierJob, TransferId};
 use ferry_kv::{CopyJob, HostMemory, KvArena, Reports, WorkerConnector};
 
 /// The copier's queue and memory, shared by the worker and the simulation.
@@ -73,21 +73,18 @@ impl Copier {
 struct SimOffloadWorker(Copier);
 
 impl WorkerConnector for SimOffloadWorker {
-    fn before_forward(&mut self, jobs: &[WorkerJob], arena: &mut KvArena, reports: &Reports) {
-        for job in jobs {
-            match job {
-                // The fence: everything handed over so far is done before the step goes on.
-                WorkerJob::Flush { .. } => {
-                    let mut s = self.0.lock();
-                    let n = s.n_queued();
-                    s.run(n);
+    fn run_tier(&mut self, job: &TierJob, arena: &mut KvArena, reports: &Reports) {
+        match job {
+            // The fence: everything handed over so far is done before the step goes on.
+            TierJob::Flush { .. } => {
+                let mut s = self.0.lock();
+                let n = s.n_queued();
+                s.run(n);
+            }
+            TierJob::Store { .. } | TierJob::Load { .. } => {
+                if let Some(copy) = CopyJob::start(job, arena, reports) {
+                    self.0.lock().jobs.push_back(copy);
                 }
-                WorkerJob::Store { .. } | WorkerJob::Load { .. } => {
-                    if let Some(copy) = CopyJob::start(job, arena, reports) {
-                        self.0.lock().jobs.push_back(copy);
-                    }
-                }
-                other => panic!("not an offload job: {other:?}"),
             }
         }
     }

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use ferry_core::{FetchError, FetchFailure, TransferId, Unpublished, WorkerReport};
+use ferry_core::{FetchError, FetchFailure, PdReport, TransferId, Unpublished};
 use ferry_kv::transport::{check_destination, check_pull, gone_export, Tombstones};
 use ferry_kv::{BlockGrant, ExportOffer, FetchSpec, ReleaseSpec, Reports, Transport};
 
@@ -301,7 +301,7 @@ impl NetState {
         } = fetch;
         let fail = |good_blocks: usize, reason: String| FetchError::fault(good_blocks, reason);
         let result = if cancelled {
-            Err(fail(0, "cancelled".into()))
+            Err(FetchError::cancelled(0))
         } else if self.is_down(&spec.remote_engine_id) || self.is_down(&d_engine) {
             self.touch(&d_engine, spec.hold, Touch::LinkDown);
             Err(fail(0, "connection refused: the link is down".into()))
@@ -328,7 +328,7 @@ impl NetState {
                 .map_err(|e| e.reason.clone()),
             n_written,
         };
-        reports.send(WorkerReport::FetchDone {
+        reports.send(PdReport::FetchDone {
             hold: spec.hold,
             result,
         });
@@ -397,7 +397,7 @@ impl NetState {
         }
         let published = self.exports.remove(&key).expect("looked up above");
         self.record_end(&key.0, &key.1, FetchFailure::Invalid);
-        published.reports.send(WorkerReport::ExportPulled {
+        published.reports.send(PdReport::ExportPulled {
             hold: published.offer.hold,
         });
         if fate == Fate::LostAfterServe {
@@ -440,7 +440,7 @@ impl Transport for SimTransport {
             s.record_end(engine_id, &token, reason.into());
         }
         drop(s);
-        reports.send(WorkerReport::ExportGone { hold });
+        reports.send(PdReport::ExportGone { hold });
     }
 
     fn release(&self, spec: ReleaseSpec) {
@@ -457,7 +457,7 @@ impl Transport for SimTransport {
             let hold = published.offer.hold;
             let reports = published.reports;
             drop(published.offer);
-            reports.send(WorkerReport::ExportGone { hold });
+            reports.send(PdReport::ExportGone { hold });
         }
     }
 

@@ -19,7 +19,7 @@ use std::sync::mpsc::channel;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
-use ferry_core::{HostCopy, TransferId, WorkerJob, WorkerReport};
+use ferry_core::{HostCopy, TierJob, TierReport, TransferId, WorkerJob, WorkerReport};
 use ferry_engine::{
     start_model_with_connectors, Connector, EngineHandle, GenerateRequest, KvCacheSize,
     ModelEngineConfig, OffloadConfig, OffloadPolicy, SamplingParams,
@@ -220,25 +220,25 @@ fn throughput(args: &Args, layout: KvLayout) -> anyhow::Result<Copy> {
         .collect();
     let mut job = |store: bool, hold: u64| -> anyhow::Result<f64> {
         let job = if store {
-            WorkerJob::Store {
+            WorkerJob::Tier(TierJob::Store {
                 hold: TransferId(hold),
                 epoch: 0,
                 copies: copies.clone(),
-            }
+            })
         } else {
-            WorkerJob::Load {
+            WorkerJob::Tier(TierJob::Load {
                 hold: TransferId(hold),
                 epoch: 0,
                 copies: copies.clone(),
-            }
+            })
         };
         let started = Instant::now();
         worker.before_forward(&[job], &mut arena, &reports);
         let report = rx.recv_timeout(Duration::from_secs(60))?;
         let elapsed = started.elapsed().as_secs_f64();
         match report {
-            WorkerReport::StoreDone { ok: true, .. }
-            | WorkerReport::LoadDone { result: Ok(()), .. } => Ok(elapsed),
+            WorkerReport::Tier(TierReport::StoreDone { ok: true, .. })
+            | WorkerReport::Tier(TierReport::LoadDone { result: Ok(()), .. }) => Ok(elapsed),
             other => bail!("the copy failed: {other:?}"),
         }
     };

@@ -14,7 +14,7 @@ use std::sync::mpsc::channel;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
-use ferry_core::{TransferId, WorkerReport};
+use ferry_core::{PdReport, TransferId, WorkerReport};
 use ferry_kv::{
     Access, ExportOffer, FetchSpec, KvArena, KvLayout, Reports, TcpTransport, TcpTransportConfig,
     Transport,
@@ -176,13 +176,13 @@ fn transport_run(
     let (mut fetched, mut pulled) = (None, false);
     while fetched.is_none() || !pulled {
         match rx.recv_timeout(Duration::from_secs(60))? {
-            WorkerReport::FetchDone { result, .. } => {
+            WorkerReport::Pd(PdReport::FetchDone { result, .. }) => {
                 fetched = Some(started.elapsed().as_secs_f64());
                 if let Err(e) = result {
                     bail!("the fetch failed: {}", e.reason);
                 }
             }
-            WorkerReport::ExportPulled { .. } => pulled = true,
+            WorkerReport::Pd(PdReport::ExportPulled { .. }) => pulled = true,
             other => bail!("unexpected report {other:?}"),
         }
     }

@@ -34,13 +34,17 @@ impl Scheduler {
         }
     }
 
-    /// A connector's worker reported: the connector learns it, then the scheduler frees what
-    /// ended and moves loads forward (in order, between steps).
+    /// A connector's worker reported: the connector learns it (the report's own family, so
+    /// no connector sees another's messages), then the scheduler frees what ended and moves
+    /// loads forward (in order, between steps).
     pub fn on_worker_report(&mut self, connector: ConnectorId, report: WorkerReport) {
         let Some(c) = self.connectors.get_mut(connector.0 as usize) else {
             return;
         };
-        c.on_worker_report(report);
+        match report {
+            WorkerReport::Pd(report) => c.on_pd_report(report),
+            WorkerReport::Tier(report) => c.on_tier_report(report),
+        }
         self.poll_connectors();
     }
 

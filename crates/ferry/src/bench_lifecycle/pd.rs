@@ -63,10 +63,12 @@ impl Transport for Stalled {
         if let Some(at) = in_flight.iter().position(|(s, ..)| s.hold == hold) {
             let (spec, grant, reports) = in_flight.swap_remove(at);
             drop(grant);
-            reports.send(ferry_core::WorkerReport::FetchDone {
-                hold: spec.hold,
-                result: Err(ferry_core::FetchError::fault(0, "cancelled")),
-            });
+            reports.send(ferry_core::WorkerReport::Pd(
+                ferry_core::PdReport::FetchDone {
+                    hold: spec.hold,
+                    result: Err(ferry_core::FetchError::fault(0, "cancelled")),
+                },
+            ));
         }
     }
 }
