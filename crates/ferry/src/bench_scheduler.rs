@@ -28,6 +28,7 @@ use ferry_core::{
     SamplingParams, Scheduler, SchedulerConfig, Step, StepDriver, StepModel, StepPlan, StepWork,
     TokenId, WorkPhase, WorkerJob, WorkerReport,
 };
+use ferry_core::{PdJob, PdReport, TierJob, TierReport};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, clap::Args)]
@@ -490,50 +491,62 @@ impl StepModel for FakeModel {
         let t0 = Instant::now();
         for w in work {
             for job in &w.jobs {
-                let report = match job {
-                    WorkerJob::Publish { hold, .. } => {
+                let report: Option<WorkerReport> = match job {
+                    WorkerJob::Pd(PdJob::Publish { hold, .. }) => {
                         self.jobs.publish += 1;
-                        Some(WorkerReport::ExportPulled { hold: *hold })
+                        Some(PdReport::ExportPulled { hold: *hold }.into())
                     }
-                    WorkerJob::Fetch { hold, .. } => {
+                    WorkerJob::Pd(PdJob::Fetch { hold, .. }) => {
                         self.jobs.fetch += 1;
-                        Some(WorkerReport::FetchDone {
-                            hold: *hold,
-                            result: Ok(()),
-                        })
+                        Some(
+                            PdReport::FetchDone {
+                                hold: *hold,
+                                result: Ok(()),
+                            }
+                            .into(),
+                        )
                     }
-                    WorkerJob::Release { .. } => {
+                    WorkerJob::Pd(PdJob::Release { .. }) => {
                         self.jobs.release += 1;
                         None
                     }
-                    WorkerJob::Store { hold, epoch, .. } => {
+                    WorkerJob::Tier(TierJob::Store { hold, epoch, .. }) => {
                         self.jobs.store += 1;
-                        Some(WorkerReport::StoreDone {
-                            hold: *hold,
-                            epoch: *epoch,
-                            ok: true,
-                        })
+                        Some(
+                            TierReport::StoreDone {
+                                hold: *hold,
+                                epoch: *epoch,
+                                ok: true,
+                            }
+                            .into(),
+                        )
                     }
-                    WorkerJob::Load { hold, epoch, .. } => {
+                    WorkerJob::Tier(TierJob::Load { hold, epoch, .. }) => {
                         self.jobs.load += 1;
-                        Some(WorkerReport::LoadDone {
-                            hold: *hold,
-                            epoch: *epoch,
-                            result: Ok(()),
-                        })
+                        Some(
+                            TierReport::LoadDone {
+                                hold: *hold,
+                                epoch: *epoch,
+                                result: Ok(()),
+                            }
+                            .into(),
+                        )
                     }
-                    WorkerJob::Unpublish { hold, .. } => {
+                    WorkerJob::Pd(PdJob::Unpublish { hold, .. }) => {
                         self.jobs.other += 1;
-                        Some(WorkerReport::ExportGone { hold: *hold })
+                        Some(PdReport::ExportGone { hold: *hold }.into())
                     }
-                    WorkerJob::CancelFetch { hold } => {
+                    WorkerJob::Pd(PdJob::CancelFetch { hold, .. }) => {
                         self.jobs.other += 1;
-                        Some(WorkerReport::FetchDone {
-                            hold: *hold,
-                            result: Err(FetchError::fault(0, "cancelled")),
-                        })
+                        Some(
+                            PdReport::FetchDone {
+                                hold: *hold,
+                                result: Err(FetchError::cancelled(0)),
+                            }
+                            .into(),
+                        )
                     }
-                    WorkerJob::Flush { .. } => {
+                    WorkerJob::Tier(TierJob::Flush { .. }) => {
                         self.jobs.other += 1;
                         None
                     }
