@@ -11,15 +11,15 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use ferry_core::{
-    ConnectorId, FinishReason, KvTransferParams, OffloadConfig, OffloadConnector, OpId, PdConfig,
-    PdRole, SamplingParams, Scheduler, StepPlan, TokenId, WakeTag, WorkerReport,
+    ConnectorId, FinishReason, KvTransferParams, OpId, SamplingParams, Scheduler, StepPlan,
+    TokenId, WorkerReport,
 };
 use ferry_engine::{
-    Call, CallResult, Connector, Constraint, Constraints, CoreEvent, EngineCore, Event as CoreOut,
-    InlineEnv, NewRequest, StructuredOutput,
+    CallResult, Constraint, Constraints, CoreEvent, EngineCore, Event as CoreOut, InlineEnv,
+    NewRequest, StructuredOutput,
 };
 use ferry_kv::Reports;
-use ferry_model::{ChecksumModel, ExecError, Executor, Hooked, StepHook, WeightStore};
+use ferry_model::{ExecError, StepHook};
 
 use crate::copier::Copier;
 use crate::net::SimNet;
@@ -140,47 +140,8 @@ impl SimEngine {
         secret: [u8; 32],
         constraint: &Constraint,
     ) -> Self {
-        let version = setup.sched.weight_version.clone();
-        let checksum = ChecksumModel::new(version, VOCAB).expect("valid vocabulary");
-        let block_bytes = checksum.kv_layout(setup.sched.block_size).block_bytes();
         let faults = StepFaults::default();
-        let executor = Box::new(Hooked {
-            inner: checksum,
-            hook: faults.clone(),
-        });
-        let pd = Connector::pd(
-            PdConfig {
-                role: if side == Side::P {
-                    PdRole::Producer
-                } else {
-                    PdRole::Consumer
-                },
-                engine_id: side.name().to_owned(),
-                host: Some("127.0.0.1".into()),
-                port: Some(side.idx() as u16 + 1),
-                secret,
-                block_size: setup.sched.block_size,
-                allowed_peers: ferry_core::AllowedPeers::default(),
-            },
-            Arc::new(net.endpoint(side.name())),
-        );
-        let mut connectors = vec![pd];
-        let mut copier = None;
-        if let Some(n_blocks) = setup.tier_blocks {
-            let config = OffloadConfig {
-                block_size: setup.sched.block_size,
-                blocks_per_slot: setup.tier_blocks_per_slot,
-                block_bytes,
-                capacity_bytes: (n_blocks * block_bytes) as u64,
-                policy: setup.tier_policy,
-            };
-            config.validate().expect("valid tier config");
-            let tier = Copier::new(config.n_host_blocks(), config.block_bytes);
-            let tier_connector =
-                Connector::new(Box::new(OffloadConnector::new(config)), tier.worker());
-            connectors.insert(usize::from(!setup.tier_first), tier_connector);
-            copier = Some(tier);
-        }
+        let (executor, connectors, copier) = setup.parts(side, net, secret, &faults);
         let mailbox = Arc::clone(mailbox);
         let report_to = |connector: ConnectorId| {
             let mailbox = Arc::clone(&mailbox);
@@ -306,58 +267,15 @@ impl SimEngine {
                 return;
             }
             Input::Report(c, report) => return self.core.handle_report(c, report),
-            Input::Op { op, kind, version } => (op, self.call(kind, version)),
+            Input::Op { op, kind, version } => {
+                let weights = || self.core.executor().weight_ops().preparer();
+                (op, kind.call(&self.live, weights, version))
+            }
         };
         match call {
             Ok(call) => drop(self.ops.insert(self.core.handle_call(call), op)),
             Err(e) => events.push(Event::Reply { op, result: Err(e) }),
         }
-    }
-
-    /// The core's call for a simulated admin call.
-    fn call(&self, kind: OpKind, version: String) -> Result<Call, String> {
-        Ok(match kind {
-            OpKind::Pause { mode, clear_cache } => Call::Pause { mode, clear_cache },
-            OpKind::Sleep { level, mode } => Call::Sleep { level, mode },
-            OpKind::Resume => Call::Resume,
-            OpKind::WakeUp { tags } => Call::WakeUp {
-                tags: [(1, WakeTag::Weights), (2, WakeTag::KvCache)]
-                    .iter()
-                    .filter(|(bit, _)| tags & bit != 0)
-                    .map(|&(_, t)| t)
-                    .collect(),
-            },
-            OpKind::ReleaseKv => Call::ReleaseKvCacheMemory,
-            OpKind::ResetPrefixCache { running, connector } => Call::ResetPrefixCache {
-                reset_running_requests: running,
-                reset_connector: connector,
-            },
-            OpKind::AbortAll => Call::AbortRequests { ids: None },
-            OpKind::AbortOne { pick } => {
-                let n = self.live.len().max(1);
-                Call::AbortRequests {
-                    ids: Some(
-                        self.live
-                            .iter()
-                            .nth(usize::from(pick) % n)
-                            .cloned()
-                            .into_iter()
-                            .collect(),
-                    ),
-                }
-            }
-            // An update in place: new (weightless) weights and the new version.
-            OpKind::WeightUpdate => Call::InstallWeights {
-                weights: self
-                    .core
-                    .executor()
-                    .weight_ops()
-                    .preparer()
-                    .prepare(WeightStore::default())
-                    .map_err(|e| e.to_string())?,
-                version: Some(version),
-            },
-        })
     }
 
     /// The core's events, as the simulation reads them; checks each request finishes once.

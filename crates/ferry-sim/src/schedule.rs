@@ -3,9 +3,13 @@
 //! k-th live request"), so any subset of a schedule is still a schedule: that is what lets a
 //! failing run shrink to a few actions.
 
+use std::collections::BTreeSet;
 use std::fmt;
+use std::sync::Arc;
 
-use ferry_core::{PauseMode, SleepLevel};
+use ferry_core::{PauseMode, SleepLevel, WakeTag};
+use ferry_engine::Call;
+use ferry_model::{WeightPreparer, WeightStore};
 
 use crate::rng::Rng;
 
@@ -277,6 +281,55 @@ pub fn generate(seed: u64, params: ScheduleParams) -> Vec<Timed> {
             _ => Action::Fault(fault(&mut rng)),
         };
         out.push(Timed { tick, action });
+    }
+}
+
+impl OpKind {
+    /// The engine core's call for this admin call: `live` are the engine's live requests (for
+    /// `AbortOne`), `preparer` gives the engine's weight preparer (for an update in place).
+    pub fn call(
+        self,
+        live: &BTreeSet<String>,
+        preparer: impl FnOnce() -> Arc<dyn WeightPreparer>,
+        version: String,
+    ) -> Result<Call, String> {
+        Ok(match self {
+            OpKind::Pause { mode, clear_cache } => Call::Pause { mode, clear_cache },
+            OpKind::Sleep { level, mode } => Call::Sleep { level, mode },
+            OpKind::Resume => Call::Resume,
+            OpKind::WakeUp { tags } => Call::WakeUp {
+                tags: [(1, WakeTag::Weights), (2, WakeTag::KvCache)]
+                    .iter()
+                    .filter(|(bit, _)| tags & bit != 0)
+                    .map(|&(_, t)| t)
+                    .collect(),
+            },
+            OpKind::ReleaseKv => Call::ReleaseKvCacheMemory,
+            OpKind::ResetPrefixCache { running, connector } => Call::ResetPrefixCache {
+                reset_running_requests: running,
+                reset_connector: connector,
+            },
+            OpKind::AbortAll => Call::AbortRequests { ids: None },
+            OpKind::AbortOne { pick } => {
+                let n = live.len().max(1);
+                Call::AbortRequests {
+                    ids: Some(
+                        live.iter()
+                            .nth(usize::from(pick) % n)
+                            .cloned()
+                            .into_iter()
+                            .collect(),
+                    ),
+                }
+            }
+            // An update in place: new (weightless) weights and the new version.
+            OpKind::WeightUpdate => Call::InstallWeights {
+                weights: preparer()
+                    .prepare(WeightStore::default())
+                    .map_err(|e| e.to_string())?,
+                version: Some(version),
+            },
+        })
     }
 }
 
