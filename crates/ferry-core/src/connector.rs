@@ -157,6 +157,61 @@ impl ImportSpec {
     }
 }
 
+/// What a request asks of the P/D transfer: its `kv_transfer_params` parsed once, at the
+/// edge ([`TransferRequest::parse`]), into the one value the engine and the connectors carry.
+/// Both role flags together are allowed, as they always were: the request loads its prompt's
+/// KV, then exports it again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransferRequest {
+    /// P (`do_remote_decode`): compute the prompt, then keep its KV for a remote reader.
+    Export,
+    /// D (`do_remote_prefill`): load the prompt's KV from the export the spec names.
+    Import(ImportSpec),
+    /// Both flags: load the prompt's KV as [`Import`](Self::Import), then keep it for a
+    /// remote reader as [`Export`](Self::Export).
+    ImportThenExport(ImportSpec),
+}
+
+impl TransferRequest {
+    /// The transfer `params` ask for: none when neither role flag is set (the other keys
+    /// then mean nothing), or the first key a load needs that they lack
+    /// (`"do_remote_prefill needs <key>"`, from [`ImportSpec::parse`]).
+    pub fn parse(params: &KvTransferParams) -> Result<Option<Self>, String> {
+        let import = if params.do_remote_prefill {
+            Some(ImportSpec::parse(params)?)
+        } else {
+            None
+        };
+        Ok(match (import, params.do_remote_decode) {
+            (None, false) => None,
+            (None, true) => Some(Self::Export),
+            (Some(spec), false) => Some(Self::Import(spec)),
+            (Some(spec), true) => Some(Self::ImportThenExport(spec)),
+        })
+    }
+
+    /// Whether the request's KV is kept for a remote reader when it finishes (P).
+    pub fn exports(&self) -> bool {
+        matches!(self, Self::Export | Self::ImportThenExport(_))
+    }
+
+    /// The import the request loads its prompt's KV from (D), if any.
+    pub fn import(&self) -> Option<&ImportSpec> {
+        match self {
+            Self::Export => None,
+            Self::Import(spec) | Self::ImportThenExport(spec) => Some(spec),
+        }
+    }
+
+    /// The import, mutably: the edge replaces its `remote_host` by the address it resolved.
+    pub fn import_mut(&mut self) -> Option<&mut ImportSpec> {
+        match self {
+            Self::Export => None,
+            Self::Import(spec) | Self::ImportThenExport(spec) => Some(spec),
+        }
+    }
+}
+
 /// What a connector can supply for a request at admission (`match_external`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExternalMatch {
@@ -196,7 +251,8 @@ pub struct NewRequest<'a> {
     pub req: ReqIdx,
     pub request_id: &'a str,
     pub prompt: &'a [TokenId],
-    pub kv_transfer_params: Option<&'a KvTransferParams>,
+    /// What the request asks of the P/D transfer, parsed at the edge.
+    pub transfer: Option<&'a TransferRequest>,
 }
 
 /// An asynchronous load the scheduler allocated blocks for (`after_alloc`).

@@ -63,8 +63,8 @@ pub use connector::{
     prompt_hash, AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchCancel,
     FetchEnd, FetchError, FetchFailure, FinishedRequest, HostCopy, ImportSpec, KvConnector,
     KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest, PdJob, PdReport,
-    StepWork, StoreHolds, TierJob, TierReport, TierStats, TransferParamsError, Unpublished,
-    WorkerJob, WorkerReport,
+    StepWork, StoreHolds, TierJob, TierReport, TierStats, TransferParamsError, TransferRequest,
+    Unpublished, WorkerJob, WorkerReport,
 };
 pub use driver::{Step, StepDriver, StepError, StepFailure, StepKind, StepModel, WorkPhase};
 pub use holds::{HoldKind, Holder};

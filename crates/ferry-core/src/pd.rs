@@ -167,20 +167,16 @@ impl PdConnector {
             .to_string()
     }
 
-    /// Parses D's parameters and checks them against the prompt and the allowed peers: the
-    /// import, or why it cannot be used.
-    fn check_import(
-        &self,
-        params: &KvTransferParams,
-        prompt_len: usize,
-    ) -> Result<ImportSpec, String> {
+    /// Checks D's import, parsed at the edge, against this engine's role, the allowed peers
+    /// (defence in depth: the server's edge checked them too) and the prompt: the import,
+    /// or why it cannot be used.
+    fn check_import(&self, spec: &ImportSpec, prompt_len: usize) -> Result<ImportSpec, String> {
         if !self.config.role.consumes() {
             return Err(format!(
                 "do_remote_prefill: this engine ({}) is not a KV consumer",
                 self.config.engine_id
             ));
         }
-        let spec = ImportSpec::parse(params)?;
         if let Some(host) = &spec.remote_host {
             self.config.allowed_peers.check_host(host)?;
         }
@@ -198,7 +194,7 @@ impl PdConnector {
                 self.config.block_size
             ));
         }
-        Ok(spec)
+        Ok(spec.clone())
     }
 
     fn forget_import(&mut self, req: ReqIdx) {
@@ -275,10 +271,10 @@ impl KvConnector for PdConnector {
     }
 
     fn on_new_request(&mut self, new: NewRequest<'_>) -> Result<(), TransferParamsError> {
-        let Some(params) = new.kv_transfer_params else {
+        let Some(transfer) = new.transfer else {
             return Ok(());
         };
-        if params.do_remote_decode {
+        if transfer.exports() {
             if !self.config.role.produces() {
                 return Err(TransferParamsError(format!(
                     "do_remote_decode: this engine ({}) is not a KV producer",
@@ -288,8 +284,8 @@ impl KvConnector for PdConnector {
             self.wants_export
                 .insert(new.req, (prompt_hash(new.prompt), new.prompt.len()));
         }
-        if params.do_remote_prefill {
-            let spec = self.check_import(params, new.prompt.len());
+        if let Some(spec) = transfer.import() {
+            let spec = self.check_import(spec, new.prompt.len());
             let n_tokens = spec.as_ref().map_or(0, |s| s.n_tokens);
             let hash = prompt_hash(&new.prompt[..n_tokens]);
             if let Ok(spec) = &spec {

@@ -42,7 +42,7 @@ use std::collections::{HashMap, VecDeque};
 use crate::config::{ConfigError, SchedulerConfig};
 use crate::connector::{
     AllocatedLoad, ExternalMatch, ExternalQuery, FetchFailure, FinishedRequest,
-    KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest,
+    KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest, TransferRequest,
 };
 use crate::hash::{chain_root, BlockHash};
 use crate::holds::{HoldKind, Holder, Holds, Lease};
@@ -247,14 +247,16 @@ impl Scheduler {
         self.add_request_with_transfer(id, prompt, params, None)
     }
 
-    /// [`add_request`](Self::add_request) with P/D transfer parameters, which every connector
-    /// sees (`KvConnector::on_new_request`); one that refuses them refuses the request.
+    /// [`add_request`](Self::add_request) with what the request asks of the P/D transfer
+    /// (its `kv_transfer_params`, parsed at the edge by [`TransferRequest::parse`]), which
+    /// every connector sees (`KvConnector::on_new_request`); one that refuses it refuses the
+    /// request.
     pub fn add_request_with_transfer(
         &mut self,
         id: impl Into<String>,
         prompt: Vec<TokenId>,
         params: SamplingParams,
-        kv_transfer_params: Option<KvTransferParams>,
+        transfer: Option<TransferRequest>,
     ) -> Result<ReqIdx, AddError> {
         let id = id.into();
         self.validate_request(&id, &prompt, &params)?;
@@ -289,7 +291,7 @@ impl Scheduler {
                 req: idx,
                 request_id: &id,
                 prompt: &req.tokens,
-                kv_transfer_params: kv_transfer_params.as_ref(),
+                transfer: transfer.as_ref(),
             };
             if let Err(e) = self.connectors[i].on_new_request(new) {
                 // The connectors that took it forget it again. An abort holding no blocks is

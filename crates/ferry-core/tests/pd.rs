@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use common::{prompt, Harness};
 use ferry_core::{
-    ConnectorId, FetchError, FetchFailure, FinishReason, HoldKind, KvLoadFailurePolicy,
+    ConnectorId, FetchError, FetchFailure, FinishReason, HoldKind, ImportSpec, KvLoadFailurePolicy,
     KvTransferParams, LifecycleError, LifecycleEvent, OpId, Owner, PauseMode, PdConfig,
     PdConnector, PdJob, PdReport, PdRole, RequestState, SamplingParams, SchedulerConfig, StepPlan,
-    TierJob, TierReport, TransferId, WorkerJob, WorkerReport,
+    TierJob, TierReport, TransferId, TransferRequest, WorkerJob, WorkerReport,
 };
 
 const BS: usize = 4;
@@ -278,7 +278,7 @@ fn export(f: &mut Fabric, p: &mut Harness, id: &str, prompt: Vec<u32>) -> KvTran
     };
     let idx = p
         .sched
-        .add_request_with_transfer(id, prompt, greedy(1), Some(params))
+        .add_request_with_transfer(id, prompt, greedy(1), typed(params))
         .unwrap();
     let mut found = None;
     for _ in 0..20 {
@@ -316,9 +316,14 @@ fn import(
 ) -> KvTransferParams {
     let params = export(f, p, id, prompt.clone());
     d.sched
-        .add_request_with_transfer(id, prompt, greedy(max_tokens), Some(remote(&params)))
+        .add_request_with_transfer(id, prompt, greedy(max_tokens), typed(remote(&params)))
         .unwrap();
     params
+}
+
+/// `params` parsed as the server's edge parses them, for `add_request_with_transfer`.
+fn typed(params: KvTransferParams) -> Option<TransferRequest> {
+    TransferRequest::parse(&params).expect("well-formed transfer parameters")
 }
 
 fn remote(params: &KvTransferParams) -> KvTransferParams {
@@ -370,7 +375,7 @@ fn d_loads_p_export_and_computes_only_the_last_prompt_token() {
     assert_eq!(p.finished["x"].0, FinishReason::Length);
 
     d.sched
-        .add_request_with_transfer("x", prompt(1, 19), greedy(6), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 19), greedy(6), typed(remote(&params)))
         .unwrap();
     let plan = step(&mut f, "D", &mut d);
     assert!(plan.reqs.is_empty(), "the request waits for its KV");
@@ -406,7 +411,7 @@ fn a_load_keeps_the_queue_moving_and_its_place() {
     let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
     let params = export(&mut f, &mut p, "x", prompt(1, 16));
     d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(remote(&params)))
         .unwrap();
     d.add("y", prompt(2, 8), greedy(4));
     let plan = step(&mut f, "D", &mut d);
@@ -431,7 +436,7 @@ fn n_choices_import_once_and_take_prefix_hits() {
     let params = export(&mut f, &mut p, "x", prompt(1, 17));
     for id in ["x-0", "x-1", "x-2"] {
         d.sched
-            .add_request_with_transfer(id, prompt(1, 17), greedy(3), Some(remote(&params)))
+            .add_request_with_transfer(id, prompt(1, 17), greedy(3), typed(remote(&params)))
             .unwrap();
     }
     step(&mut f, "D", &mut d);
@@ -481,7 +486,7 @@ fn forged_stale_and_out_of_range_parameters_fail_under_fail() {
     for (what, bad) in forged(&params) {
         let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
         d.sched
-            .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(bad))
+            .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(bad))
             .unwrap();
         for _ in 0..4 {
             step_and_load(&mut f, "D", &mut d);
@@ -498,7 +503,7 @@ fn forged_stale_and_out_of_range_parameters_fail_under_fail() {
     // The real parameters still work: the export was never consumed.
     let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
     d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(remote(&params)))
         .unwrap();
     step_and_load(&mut f, "D", &mut d);
     d.drain(100);
@@ -517,7 +522,7 @@ fn forged_parameters_fail_closed_under_recompute_too() {
     for (what, bad) in forged(&params) {
         let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Recompute);
         d.sched
-            .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(bad))
+            .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(bad))
             .unwrap();
         for _ in 0..30 {
             step_and_load(&mut f, "D", &mut d);
@@ -549,7 +554,7 @@ fn stale_versions_compute_under_either_policy_and_release_the_export() {
         let mut d = engine("D", PdRole::Consumer, policy);
         d.sched.set_weight_version("v-next");
         d.sched
-            .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+            .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(remote(&params)))
             .unwrap();
         for _ in 0..30 {
             step_and_load(&mut f, "D", &mut d);
@@ -579,7 +584,7 @@ fn a_reused_export_is_not_loaded_twice() {
     let params = export(&mut f, &mut p, "x", prompt(1, 16));
     for id in ["a", "b"] {
         d.sched
-            .add_request_with_transfer(id, prompt(1, 16), greedy(2), Some(remote(&params)))
+            .add_request_with_transfer(id, prompt(1, 16), greedy(2), typed(remote(&params)))
             .unwrap();
         for _ in 0..10 {
             step_and_load(&mut f, "D", &mut d);
@@ -590,7 +595,7 @@ fn a_reused_export_is_not_loaded_twice() {
     // A second engine that reuses the parameters is refused by P and fails closed.
     let mut d2 = engine("D2", PdRole::Consumer, KvLoadFailurePolicy::Fail);
     d2.sched
-        .add_request_with_transfer("c", prompt(1, 16), greedy(2), Some(remote(&params)))
+        .add_request_with_transfer("c", prompt(1, 16), greedy(2), typed(remote(&params)))
         .unwrap();
     step_and_load(&mut f, "D2", &mut d2);
     assert_eq!(d2.finished["c"].0, FinishReason::Error);
@@ -603,7 +608,7 @@ fn a_load_in_flight_at_a_reset_is_retracted_keeps_its_blocks_then_recomputes() {
     let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
     let params = export(&mut f, &mut p, "x", prompt(1, 16));
     d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(remote(&params)))
         .unwrap();
     step(&mut f, "D", &mut d);
     let used = d.sched.stats().n_blocks_used;
@@ -647,7 +652,7 @@ fn an_arrived_but_unscheduled_load_recomputes_after_a_reset() {
     let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
     let params = export(&mut f, &mut p, "x", prompt(1, 16));
     d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(remote(&params)))
         .unwrap();
     step(&mut f, "D", &mut d);
     d.sched.pause(OpId(1), PauseMode::Keep, false);
@@ -772,7 +777,7 @@ fn an_idle_producer_expires_a_lease_and_a_load_that_never_answers_times_out() {
     // D: the export is gone, but the fabric never answers this load.
     let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Recompute);
     d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(remote(&params)))
         .unwrap();
     step(&mut f, "D", &mut d);
     assert_eq!(d.sched.next_deadline(), Some(Duration::from_secs(30)));
@@ -796,7 +801,7 @@ fn a_reset_waiting_for_a_transfer_times_out_stays_paused_and_can_be_asked_again(
     let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
     let params = export(&mut f, &mut p, "x", prompt(1, 16));
     d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(remote(&params)))
         .unwrap();
     step(&mut f, "D", &mut d);
     d.sched.pause(OpId(1), PauseMode::Keep, true);
@@ -854,7 +859,7 @@ fn roles_are_checked_at_arrival() {
             "x",
             prompt(1, 8),
             greedy(1),
-            Some(KvTransferParams {
+            typed(KvTransferParams {
                 do_remote_decode: true,
                 ..KvTransferParams::default()
             }),
@@ -870,7 +875,7 @@ fn roles_are_checked_at_arrival() {
     let params = export(&mut f, &mut p, "e", prompt(1, 8));
     let mut p2 = engine("P2", PdRole::Producer, KvLoadFailurePolicy::Fail);
     p2.sched
-        .add_request_with_transfer("y", prompt(1, 8), greedy(1), Some(remote(&params)))
+        .add_request_with_transfer("y", prompt(1, 8), greedy(1), typed(remote(&params)))
         .unwrap();
     step_and_load(&mut f, "P2", &mut p2);
     p2.drain(20);
@@ -902,7 +907,7 @@ fn a_loaded_request_retracted_across_a_weight_update_recomputes_under_fail() {
     let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
     let params = export(&mut f, &mut p, "x", prompt(1, 16));
     d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(8), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 16), greedy(8), typed(remote(&params)))
         .unwrap();
     step_and_load(&mut f, "D", &mut d);
     for _ in 0..3 {
@@ -932,7 +937,7 @@ fn a_loaded_request_retracted_across_a_weight_update_recomputes_under_fail() {
     assert_eq!(f.n_pulls, 1, "the export was pulled once, never again");
     // A new request with the same (now stale) parameters loads nothing and computes.
     d.sched
-        .add_request_with_transfer("y", prompt(1, 16), greedy(2), Some(remote(&params)))
+        .add_request_with_transfer("y", prompt(1, 16), greedy(2), typed(remote(&params)))
         .unwrap();
     d.drain(100);
     assert_eq!(d.finished["y"].0, FinishReason::Length);
@@ -999,7 +1004,7 @@ fn p_never_exports_kv_that_mixes_weights() {
     };
     // 100 tokens take two steps of at most 64: the weights change between them.
     p.sched
-        .add_request_with_transfer("x", prompt(1, 100), greedy(1), Some(params.clone()))
+        .add_request_with_transfer("x", prompt(1, 100), greedy(1), typed(params.clone()))
         .unwrap();
     let plan = step(&mut f, "P", &mut p);
     assert_eq!(plan.reqs[0].tokens.len(), 64);
@@ -1058,7 +1063,7 @@ fn waiting_requests_holding_landed_kv_give_it_back_when_nothing_else_can_run() {
     d.add("a", prompt(1, 8), greedy(20));
     for (id, params, seed) in [("b", &b, 2), ("c", &c, 3)] {
         d.sched
-            .add_request_with_transfer(id, prompt(seed, 17), greedy(2), Some(remote(params)))
+            .add_request_with_transfer(id, prompt(seed, 17), greedy(2), typed(remote(params)))
             .unwrap();
     }
     step(&mut f, "D", &mut d);
@@ -1115,7 +1120,7 @@ fn a_token_count_outside_the_prompt_is_refused_even_when_the_block_count_fits() 
     for (what, bad) in [("15 of 14 tokens", long), ("0 tokens", none)] {
         let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
         d.sched
-            .add_request_with_transfer("x", prompt(1, 14), greedy(2), Some(bad))
+            .add_request_with_transfer("x", prompt(1, 14), greedy(2), typed(bad))
             .unwrap();
         for _ in 0..4 {
             step_and_load(&mut f, "D", &mut d);
@@ -1162,7 +1167,7 @@ fn a_choice_aborted_after_the_shared_load_landed_leaves_the_others_their_import(
     let params = export(&mut f, &mut p, "x", prompt(1, 17));
     for id in ["x-0", "x-1", "x-2"] {
         d.sched
-            .add_request_with_transfer(id, prompt(1, 17), greedy(3), Some(remote(&params)))
+            .add_request_with_transfer(id, prompt(1, 17), greedy(3), typed(remote(&params)))
             .unwrap();
     }
     step(&mut f, "D", &mut d);
@@ -1360,7 +1365,7 @@ fn a_request_queued_on_d_across_clearing_pauses_of_p_and_d_finishes_under_fail()
     let mut d = busy_consumer(KvLoadFailurePolicy::Fail);
     let params = export(&mut f, &mut p, "x", prompt(1, 16));
     d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(remote(&params)))
         .unwrap();
     assert_eq!(
         state(&d, "x"),
@@ -1392,7 +1397,7 @@ fn a_request_queued_on_d_across_a_weight_update_on_d_finishes_under_fail() {
     // P's export is still there (P's pause had no clear_cache): only D's weights move on.
     let params = export(&mut f, &mut p, "x", prompt(1, 16));
     d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(remote(&params)))
         .unwrap();
     clearing_cycle(&mut f, "D", &mut d, 1, Some("v1"));
     finish_all(&mut f, &mut p, &mut d);
@@ -1418,7 +1423,7 @@ fn a_request_exported_by_an_updated_p_to_a_d_not_yet_updated_finishes_under_fail
     let params = export(&mut f, &mut p, "x", prompt(1, 16));
     assert_eq!(params.weight_version.as_deref(), Some("v1"));
     d.sched
-        .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(remote(&params)))
         .unwrap();
     finish_all(&mut f, &mut p, &mut d);
     assert_eq!(
@@ -1440,7 +1445,7 @@ fn an_export_that_expired_while_d_was_paused_is_a_retraction_but_not_while_d_ran
         let mut d = busy_consumer(KvLoadFailurePolicy::Fail);
         let params = export(&mut f, &mut p, "x", prompt(1, 16));
         d.sched
-            .add_request_with_transfer("x", prompt(1, 16), greedy(4), Some(remote(&params)))
+            .add_request_with_transfer("x", prompt(1, 16), greedy(4), typed(remote(&params)))
             .unwrap();
         if d_paused {
             d.sched.pause(OpId(1), PauseMode::Keep, false);
@@ -1634,7 +1639,7 @@ fn longest_hit_wins(in_tier: Vec<u32>) -> Fabric {
     stored_in_tier_only(&mut f, &mut d, "warm", in_tier);
     let params = export(&mut f, &mut p, "x", prompt(1, 17));
     d.sched
-        .add_request_with_transfer("x", prompt(1, 17), greedy(3), Some(remote(&params)))
+        .add_request_with_transfer("x", prompt(1, 17), greedy(3), typed(remote(&params)))
         .unwrap();
     for _ in 0..20 {
         tiered_step(&mut f, &mut d);
@@ -1670,4 +1675,65 @@ fn a_longer_tier_hit_wins_and_the_unpulled_export_is_released_at_once() {
     let f = longest_hit_wins(prompt(1, 17));
     assert_eq!(f.n_pulls, 0, "the tier supplied the prompt");
     assert_eq!(f.released.len(), 1, "D told P it will not pull");
+}
+
+/// The edge parses `kv_transfer_params` once: the role flags pick the variant (both flags
+/// load, then export again, as they always did), and a load missing a key it needs is
+/// refused there, naming the key.
+#[test]
+fn transfer_parameters_parse_into_one_request() {
+    let none = KvTransferParams {
+        remote_engine_id: Some("p".into()),
+        ..KvTransferParams::default()
+    };
+    assert_eq!(TransferRequest::parse(&none), Ok(None));
+    let export = KvTransferParams {
+        do_remote_decode: true,
+        ..KvTransferParams::default()
+    };
+    assert_eq!(
+        TransferRequest::parse(&export),
+        Ok(Some(TransferRequest::Export))
+    );
+    let load = KvTransferParams {
+        do_remote_prefill: true,
+        remote_engine_id: Some("p".into()),
+        remote_block_ids: Some(vec![1, 2]),
+        remote_host: Some("127.0.0.1".into()),
+        remote_port: Some(4000),
+        weight_version: Some("v0".into()),
+        export_token: Some("t".into()),
+        n_tokens: Some(8),
+        ..KvTransferParams::default()
+    };
+    let spec = ImportSpec {
+        remote_engine_id: "p".into(),
+        export_token: "t".into(),
+        weight_version: "v0".into(),
+        remote_block_ids: vec![1, 2],
+        remote_host: Some("127.0.0.1".into()),
+        remote_port: Some(4000),
+        n_tokens: 8,
+    };
+    let import = TransferRequest::parse(&load).unwrap().unwrap();
+    assert_eq!(import, TransferRequest::Import(spec.clone()));
+    assert!(!import.exports());
+    assert_eq!(import.import(), Some(&spec));
+    let both = TransferRequest::parse(&KvTransferParams {
+        do_remote_decode: true,
+        ..load.clone()
+    })
+    .unwrap()
+    .unwrap();
+    assert_eq!(both, TransferRequest::ImportThenExport(spec.clone()));
+    assert!(both.exports());
+    assert_eq!(both.import(), Some(&spec));
+    let missing = KvTransferParams {
+        export_token: None,
+        ..load
+    };
+    assert_eq!(
+        TransferRequest::parse(&missing),
+        Err("do_remote_prefill needs export_token".to_owned())
+    );
 }

@@ -57,7 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 params: SamplingParams::greedy(output_len),
                 stop: vec![],
                 detokenize: tokenizer.is_some(),
-                kv_transfer_params: None,
+                transfer: None,
                 constraint: None,
             };
             let mut stream = engine.generate(req).await?;

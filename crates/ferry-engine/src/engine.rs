@@ -249,14 +249,14 @@ impl EngineLoop {
             params,
             events,
             accepted,
-            kv_transfer_params,
+            transfer,
             constraint,
         } = add;
         let added = self.core.handle_add(NewRequest {
             request_id,
             prompt,
             params,
-            kv_transfer_params: kv_transfer_params.map(|p| *p),
+            transfer: transfer.map(|t| *t),
             constraint: constraint.map(|c| *c),
         });
         match added {

@@ -35,10 +35,10 @@ use std::fmt;
 use std::time::Duration;
 
 use ferry_core::{
-    AddError, ConnectorId, FinishReason, KvTransferParams, LifecycleError, LifecycleEvent,
-    LifecycleStatus, ModelOutput, OpId, PauseMode, ReqIdx, RequestOutput, SamplingParams,
-    Scheduler, SleepLevel, Step, StepDriver, StepError, StepKind, StepModel, StepPlan, StepWork,
-    TokenId, WakeTag, WeightResidency, WorkPhase, WorkerReport,
+    AddError, ConnectorId, FinishReason, LifecycleError, LifecycleEvent, LifecycleStatus,
+    ModelOutput, OpId, PauseMode, ReqIdx, RequestOutput, SamplingParams, Scheduler, SleepLevel,
+    Step, StepDriver, StepError, StepKind, StepModel, StepPlan, StepWork, TokenId, TransferRequest,
+    WakeTag, WeightResidency, WorkPhase, WorkerReport,
 };
 use ferry_kv::{KvArena, Reports, WorkerConnector};
 use ferry_model::{ExecError, Executor, PreparedWeights, RetiredWeights, WeightError};
@@ -139,8 +139,8 @@ pub struct NewRequest {
     pub request_id: String,
     pub prompt: Vec<TokenId>,
     pub params: SamplingParams,
-    /// P/D transfer parameters, for the connectors.
-    pub kv_transfer_params: Option<KvTransferParams>,
+    /// What the request asks of the P/D transfer, for the connectors.
+    pub transfer: Option<TransferRequest>,
     /// A structured-output constraint, compiled.
     pub constraint: Option<Constraint>,
 }
@@ -439,7 +439,7 @@ impl EngineCore {
             request_id,
             prompt,
             params,
-            kv_transfer_params,
+            transfer,
             constraint,
         } = req;
         // The first mask, before the request can be scheduled.
@@ -448,12 +448,10 @@ impl EngineCore {
             Some((_, Next::Stop(why))) => (None, Some(why)),
             None => (None, None),
         };
-        let idx = self.driver.sched.add_request_with_transfer(
-            request_id,
-            prompt,
-            params,
-            kv_transfer_params,
-        )?;
+        let idx = self
+            .driver
+            .sched
+            .add_request_with_transfer(request_id, prompt, params, transfer)?;
         let i = idx.0 as usize;
         if self.live.len() <= i {
             self.live.resize_with(i + 1, || None);

@@ -202,7 +202,7 @@ impl EngineHandle {
             params: req.params,
             events: events_tx,
             accepted: accepted_tx,
-            kv_transfer_params: req.kv_transfer_params.map(Box::new),
+            transfer: req.transfer.map(Box::new),
             constraint: req.constraint.map(Box::new),
         };
         self.send(Input::Add(add), Some(permit))?;

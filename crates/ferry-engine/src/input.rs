@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use ferry_core::{
     AddError, ConnectorId, FinishReason, KvTransferParams, LifecycleError, LifecycleStatus,
-    PauseMode, SampledToken, SamplingParams, SleepLevel, TokenId, TransferId, WakeTag,
-    WorkerReport,
+    PauseMode, SampledToken, SamplingParams, SleepLevel, TokenId, TransferId, TransferRequest,
+    WakeTag, WorkerReport,
 };
 use ferry_model::{PreparedWeights, RetiredWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
@@ -86,9 +86,10 @@ pub(crate) struct AddInput {
     /// Answered once the core accepted or refused the request. If the caller has gone by
     /// then, the engine aborts the request at once.
     pub accepted: oneshot::Sender<Result<(), AddError>>,
-    /// P/D transfer parameters, for the connectors (`KvConnector::on_new_request`). Boxed:
-    /// most requests have none, and every input is as large as the largest.
-    pub kv_transfer_params: Option<Box<KvTransferParams>>,
+    /// What the request asks of the P/D transfer, for the connectors
+    /// (`KvConnector::on_new_request`). Boxed: most requests ask nothing, and every input is
+    /// as large as the largest.
+    pub transfer: Option<Box<TransferRequest>>,
     /// The structured-output constraint (boxed for the same reason).
     pub constraint: Option<Box<crate::Constraint>>,
 }

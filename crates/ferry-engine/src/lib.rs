@@ -53,7 +53,7 @@ pub use ferry_core::{
     KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus, OffloadConfig,
     OffloadConnector, OffloadPolicy, PauseMode, PdConfig, PdConnector, PdRole, SamplerSpec,
     SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, TierStats, TokenId, TransferId,
-    WakeTag, WeightResidency,
+    TransferRequest, WakeTag, WeightResidency,
 };
 pub use ferry_kv::{
     InMemoryFabric, InMemoryTransport, OffloadWorker, PdWorker, Transport, WorkerConnector,
@@ -101,10 +101,11 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Produce text deltas (needs a tokenizer; with `false` the chunks' `text` stays empty).
     pub detokenize: bool,
-    /// P/D transfer parameters (vLLM's `kv_transfer_params`): `do_remote_decode` on P,
-    /// P's returned parameters on D. Every connector sees them; one that refuses them
-    /// refuses the request (`AddError::KvTransfer`).
-    pub kv_transfer_params: Option<KvTransferParams>,
+    /// What the request asks of the P/D transfer: its `kv_transfer_params` (vLLM's:
+    /// `do_remote_decode` on P, P's returned parameters on D), parsed at the edge by
+    /// [`TransferRequest::parse`]. Every connector sees it; one that refuses it refuses the
+    /// request (`AddError::KvTransfer`).
+    pub transfer: Option<TransferRequest>,
     /// A structured-output constraint ([`EngineHandle::constraints`] compiles one): every
     /// output token is one the constraint allows.
     pub constraint: Option<Constraint>,

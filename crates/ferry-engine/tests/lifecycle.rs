@@ -611,7 +611,7 @@ impl KvConnector for Exports {
         &mut self,
         new: ferry_core::NewRequest<'_>,
     ) -> Result<(), ferry_core::TransferParamsError> {
-        if new.kv_transfer_params.is_some_and(|p| p.do_remote_decode) {
+        if new.transfer.is_some_and(|t| t.exports()) {
             self.0.lock().unwrap().wanted.push(new.req);
         }
         Ok(())
@@ -644,10 +644,7 @@ async fn an_export_holds_its_blocks_until_its_connector_reports_it_finished() {
         spawn_with_connectors(config, Box::new(checksum()), None, vec![conn.into()]).unwrap();
     let (id, p) = prompts(1).remove(0);
     let mut req = request(&id, p, MAX_TOKENS);
-    req.kv_transfer_params = Some(KvTransferParams {
-        do_remote_decode: true,
-        ..KvTransferParams::default()
-    });
+    req.transfer = Some(ferry_engine::TransferRequest::Export);
     let stream = within(engine.generate(req)).await.unwrap();
     let c = within(collect(stream)).await;
     let finish = c.finish.as_ref().unwrap();

@@ -59,7 +59,7 @@ fn text_request(id: &str, max_tokens: usize, stop: &[&str]) -> GenerateRequest {
         params: SamplingParams::greedy(max_tokens as u32),
         stop: stop.iter().map(|s| s.to_string()).collect(),
         detokenize: true,
-        kv_transfer_params: None,
+        transfer: None,
         constraint: None,
     }
 }
@@ -370,7 +370,7 @@ async fn generate_all(
             },
             stop: vec![],
             detokenize: true,
-            kv_transfer_params: None,
+            transfer: None,
             constraint: None,
         })
         .collect();

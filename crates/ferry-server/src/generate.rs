@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use ferry_engine::{
     AddError, Constraint, EngineHandle, Finish, FinishReason, GenerateError, GenerateRequest,
-    GenerateStream, KvTransferParams, OutputChunk, SamplingParams, TokenId, TokenLogprob,
+    GenerateStream, OutputChunk, SamplingParams, TokenId, TokenLogprob, TransferRequest,
 };
 use futures_util::stream::{self, BoxStream, StreamExt};
 use serde::Serialize;
@@ -51,8 +51,8 @@ pub struct LaunchSpec<'a> {
     pub prompt_param: &'static str,
     /// When the HTTP request arrived (time to first token counts from here).
     pub arrival: Instant,
-    /// The request's checked transfer parameters (one prompt only).
-    pub kv_transfer_params: Option<&'a KvTransferParams>,
+    /// What the request asks of the P/D transfer, parsed and checked (one prompt only).
+    pub transfer: Option<&'a TransferRequest>,
     /// The compiled structured-output constraint: each choice gets its own copy.
     pub constraint: Option<&'a Constraint>,
 }
@@ -173,7 +173,7 @@ pub async fn launch(
                 params: choice_params(&prompt.sampling, i as u32),
                 stop: spec.stop.to_vec(),
                 detokenize: engine.tokenizer().is_some(),
-                kv_transfer_params: choice_transfer_params(spec.kv_transfer_params, i),
+                transfer: choice_transfer(spec.transfer, i),
                 constraint: spec.constraint.cloned(),
             };
             let stream = engine
@@ -194,21 +194,18 @@ pub async fn launch(
     Ok(choices)
 }
 
-/// Choice `i`'s transfer parameters. A load (D) goes to every choice: the core imports the
-/// export once and the other choices take prefix hits on what arrived. An export (P) is asked
-/// of the first choice only: a reader pulls one export, so the other choices' would only wait
-/// for their lease to run out.
-fn choice_transfer_params(params: Option<&KvTransferParams>, i: usize) -> Option<KvTransferParams> {
-    let params = params?;
-    let params = if i > 0 && params.do_remote_decode {
-        KvTransferParams {
-            do_remote_decode: false,
-            ..params.clone()
+/// Choice `i`'s transfer. A load (D) goes to every choice: the core imports the export once
+/// and the other choices take prefix hits on what arrived. An export (P) is asked of the first
+/// choice only: a reader pulls one export, so the other choices' would only wait for their
+/// lease to run out.
+fn choice_transfer(transfer: Option<&TransferRequest>, i: usize) -> Option<TransferRequest> {
+    match transfer? {
+        TransferRequest::Export if i > 0 => None,
+        TransferRequest::ImportThenExport(spec) if i > 0 => {
+            Some(TransferRequest::Import(spec.clone()))
         }
-    } else {
-        params.clone()
-    };
-    (params.do_remote_decode || params.do_remote_prefill).then_some(params)
+        t => Some(t.clone()),
+    }
 }
 
 /// The response's `kv_transfer_params`: those of the first choice that has any (P's export).
@@ -400,7 +397,7 @@ pub async fn handle<R: GenerationRoute>(
 ) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     let (prompts, params) = R::prepare(&app, &body)?;
-    let kv_transfer_params = params
+    let transfer = params
         .kv_transfer_params
         .clone()
         .map(|p| {
@@ -410,12 +407,13 @@ pub async fn handle<R: GenerationRoute>(
             };
             p.check(limits, prompts.len())
         })
-        .transpose()?;
+        .transpose()?
+        .flatten();
     // Where a load would connect: refused here unless it is an allowed KV peer, before any
     // connection (only a server with a P/D connector takes a load at all).
-    let kv_transfer_params = match kv_transfer_params {
-        Some(p) if app.config.kv_connector => {
-            Some(check_remote_host(p, &app.config.kv_allowed_peers).await?)
+    let transfer = match transfer {
+        Some(t) if app.config.kv_connector => {
+            Some(check_remote_host(t, &app.config.kv_allowed_peers).await?)
         }
         other => other,
     };
@@ -429,7 +427,7 @@ pub async fn handle<R: GenerationRoute>(
         stop: &params.stop,
         prompt_param: R::PROMPT_PARAM,
         arrival,
-        kv_transfer_params: kv_transfer_params.as_ref(),
+        transfer: transfer.as_ref(),
         constraint: constraint.as_ref(),
     };
     let recorders = Recorders {

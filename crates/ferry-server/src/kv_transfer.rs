@@ -16,7 +16,7 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use ferry_engine::{ip_literal, AllowedPeers, KvTransferParams};
+use ferry_engine::{ip_literal, AllowedPeers, KvTransferParams, TransferRequest};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
@@ -62,13 +62,14 @@ pub struct TransferLimits {
 }
 
 impl KvTransferParamsJson {
-    /// The engine's parameters, after the shape checks. `n_prompts` is the request's batch
-    /// size: an export holds one prompt's KV, so a batch cannot carry transfer parameters.
+    /// What the request asks of the P/D transfer, parsed once, after the shape checks: none
+    /// when neither role flag is set. `n_prompts` is the request's batch size: an export holds
+    /// one prompt's KV, so a batch cannot carry transfer parameters.
     pub fn check(
         self,
         limits: TransferLimits,
         n_prompts: usize,
-    ) -> Result<KvTransferParams, ApiError> {
+    ) -> Result<Option<TransferRequest>, ApiError> {
         let key = |k: &str| format!("{FIELD}.{k}");
         let active = self.do_remote_prefill || self.do_remote_decode;
         if active && !limits.kv_connector {
@@ -159,7 +160,8 @@ impl KvTransferParamsJson {
                 ));
             }
         }
-        Ok(self.into_engine())
+        // Every key a load needs was checked above, so this refuses nothing a client sends.
+        TransferRequest::parse(&self.into_engine()).map_err(|e| ApiError::invalid(FIELD, e))
     }
 
     fn into_engine(self) -> KvTransferParams {
@@ -183,26 +185,26 @@ impl KvTransferParamsJson {
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The edge's check of where a load would connect, after [`KvTransferParamsJson::check`] on
-/// a server with a P/D connector. A load (`do_remote_prefill`) with a `remote_host` has it
+/// a server with a P/D connector. An import (`do_remote_prefill`) with a `remote_host` has it
 /// resolved once (an IP literal as it is, a name to its first address), checked against
 /// `peers`, and replaced by that address; an address outside `peers` is a 400 naming
 /// `kv_transfer_params.remote_host`, before anything connects to it. Anything else passes
 /// unchanged (a load without a host fails closed in the connector).
 pub async fn check_remote_host(
-    mut params: KvTransferParams,
+    mut transfer: TransferRequest,
     peers: &AllowedPeers,
-) -> Result<KvTransferParams, ApiError> {
-    if !params.do_remote_prefill {
-        return Ok(params);
-    }
-    let Some(host) = params.remote_host.as_deref() else {
-        return Ok(params);
+) -> Result<TransferRequest, ApiError> {
+    let Some(spec) = transfer.import_mut() else {
+        return Ok(transfer);
+    };
+    let Some(host) = spec.remote_host.as_deref() else {
+        return Ok(transfer);
     };
     let key = format!("{FIELD}.remote_host");
     let literal = ip_literal(host);
     let ip = match literal {
         Some(ip) => ip,
-        None => resolve(host, params.remote_port.unwrap_or(0))
+        None => resolve(host, spec.remote_port.unwrap_or(0))
             .await
             .map_err(|why| {
                 ApiError::invalid(
@@ -226,8 +228,8 @@ pub async fn check_remote_host(
             ),
         ));
     }
-    params.remote_host = Some(ip.to_string());
-    Ok(params)
+    spec.remote_host = Some(ip.to_string());
+    Ok(transfer)
 }
 
 /// A name's first address, within [`RESOLVE_TIMEOUT`].
@@ -281,7 +283,11 @@ mod tests {
     #[test]
     fn p_parameters_pass_and_round_trip() {
         let p: KvTransferParamsJson = serde_json::from_str(GOOD).unwrap();
-        let engine = p.clone().check(LIMITS, 1).unwrap();
+        let transfer = p.clone().check(LIMITS, 1).unwrap().unwrap();
+        let spec = transfer.import().expect("a load");
+        assert_eq!(spec.remote_block_ids, vec![3, 4]);
+        assert!(!transfer.exports());
+        let engine = p.clone().into_engine();
         assert_eq!(engine.remote_block_ids, Some(vec![3, 4]));
         assert_eq!(KvTransferParamsJson::from(&engine), p);
         assert_eq!(
@@ -334,12 +340,19 @@ mod tests {
         assert!(p.check(none, 3).is_ok());
     }
 
-    fn load(host: &str) -> KvTransferParams {
+    fn load(host: &str) -> TransferRequest {
         let p: KvTransferParamsJson = serde_json::from_str(GOOD).unwrap();
-        let mut p = p.check(LIMITS, 1).unwrap();
-        p.remote_host = Some(host.to_owned());
-        p.remote_port = Some(4000);
-        p
+        let mut t = p.check(LIMITS, 1).unwrap().expect("a load");
+        let spec = t.import_mut().expect("a load");
+        spec.remote_host = Some(host.to_owned());
+        spec.remote_port = Some(4000);
+        t
+    }
+
+    /// The import's `remote_host` and `remote_port`.
+    fn host_port(t: &TransferRequest) -> (Option<&str>, Option<u16>) {
+        let spec = t.import().expect("a load");
+        (spec.remote_host.as_deref(), spec.remote_port)
     }
 
     #[tokio::test]
@@ -368,27 +381,25 @@ mod tests {
     async fn an_allowed_host_is_replaced_by_the_checked_address() {
         let peers = AllowedPeers::default();
         let p = check_remote_host(load("127.0.0.1"), &peers).await.unwrap();
-        assert_eq!(p.remote_host.as_deref(), Some("127.0.0.1"));
+        assert_eq!(host_port(&p).0, Some("127.0.0.1"));
         let p = check_remote_host(load("[::1]"), &peers).await.unwrap();
-        assert_eq!(p.remote_host.as_deref(), Some("::1"));
+        assert_eq!(host_port(&p).0, Some("::1"));
         // A name is resolved once, and its address is what the engine gets.
         let p = check_remote_host(load("localhost"), &peers).await.unwrap();
-        let ip: IpAddr = p.remote_host.as_deref().unwrap().parse().unwrap();
+        let ip: IpAddr = host_port(&p).0.unwrap().parse().unwrap();
         assert!(ip.is_loopback(), "{ip}");
-        assert_eq!(p.remote_port, Some(4000));
+        assert_eq!(host_port(&p).1, Some(4000));
     }
 
     #[tokio::test]
     async fn only_loads_with_a_host_are_checked() {
         let nobody = AllowedPeers::new(Vec::new());
         // P's side, and a load without a host: unchanged (the connector refuses the latter).
-        let mut p = load("192.0.2.7");
-        p.do_remote_prefill = false;
-        p.do_remote_decode = true;
+        let p = TransferRequest::Export;
         let out = check_remote_host(p.clone(), &nobody).await.unwrap();
         assert_eq!(out, p);
         let mut p = load("x");
-        p.remote_host = None;
+        p.import_mut().expect("a load").remote_host = None;
         assert_eq!(check_remote_host(p.clone(), &nobody).await.unwrap(), p);
         // A name that resolves to nothing is refused, naming the key.
         let e = check_remote_host(load("no-such-host.invalid"), &AllowedPeers::default())

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use ferry_core::{FinishReason, KvTransferParams, TokenId, TransferId};
+use ferry_core::{FinishReason, TokenId, TransferId, TransferRequest};
 
 use crate::schedule::{Route, Side};
 
@@ -24,7 +24,8 @@ pub enum Stage {
     /// Between P and D, in the proxy, until `due`.
     Proxy {
         due: Duration,
-        kv: Option<KvTransferParams>,
+        /// P's returned parameters, parsed as D's edge parses them.
+        kv: Option<TransferRequest>,
     },
     Ended,
 }

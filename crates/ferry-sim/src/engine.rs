@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use ferry_core::{
     ConnectorId, FinishReason, KvTransferParams, OpId, SamplingParams, Scheduler, StepPlan,
-    TokenId, WorkerReport,
+    TokenId, TransferRequest, WorkerReport,
 };
 use ferry_engine::{
     CallResult, Constraint, Constraints, CoreEvent, EngineCore, Event as CoreOut, InlineEnv,
@@ -47,7 +47,8 @@ pub enum Input {
         id: String,
         prompt: Vec<TokenId>,
         max_tokens: u32,
-        kv: Option<KvTransferParams>,
+        /// What the request asks of the P/D transfer, parsed as the server's edge parses it.
+        kv: Option<TransferRequest>,
         /// Under the simulation's structured-output constraint.
         constrained: bool,
     },
@@ -247,7 +248,7 @@ impl SimEngine {
                     request_id: id.clone(),
                     prompt,
                     params: SamplingParams::greedy(max_tokens),
-                    kv_transfer_params: kv,
+                    transfer: kv,
                     constraint: constrained.then(|| self.constraint.clone()),
                 };
                 match self.core.handle_add(req) {

@@ -622,10 +622,7 @@ impl Sim {
             Route::Disaggregated => (Side::P, 1),
             Route::Direct(side) => (side, client.max_tokens),
         };
-        let kv = (route == Route::Disaggregated).then(|| ferry_core::KvTransferParams {
-            do_remote_decode: true,
-            ..Default::default()
-        });
+        let kv = (route == Route::Disaggregated).then_some(ferry_core::TransferRequest::Export);
         self.clients.push(client.clone());
         match self.engines[side.idx()].as_mut() {
             Some(e) => {
@@ -787,7 +784,16 @@ impl Sim {
                     self.client_done(i, side, reason, message)?;
                 } else {
                     // P's prefill is over: the proxy takes P's parameters to D (none, e.g.
-                    // for KV that mixed weights: D computes the prompt itself).
+                    // for KV that mixed weights: D computes the prompt itself), and D's edge
+                    // parses them, as the server's does.
+                    let kv = kv
+                        .as_ref()
+                        .map(ferry_core::TransferRequest::parse)
+                        .transpose()
+                        .map_err(|e| {
+                            format!("{id}: P returned kv_transfer_params D cannot parse: {e}")
+                        })?
+                        .flatten();
                     let due = self.now + Duration::from_millis(self.rng.range(0, 5));
                     self.clients[i].stage = Stage::Proxy { due, kv };
                 }

@@ -23,10 +23,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use ferry_core::{
-    AllowedPeers, ConnectorId, FetchError, KvTransferParams, ModelOutput, OffloadConfig,
+    AllowedPeers, ConnectorId, FetchError, ImportSpec, ModelOutput, OffloadConfig,
     OffloadConnector, OffloadPolicy, PdConfig, PdConnector, PdRole, ReqIdx, SampledToken,
     SamplingParams, Scheduler, SchedulerConfig, Step, StepDriver, StepModel, StepPlan, StepWork,
-    TokenId, WorkPhase, WorkerJob, WorkerReport,
+    TokenId, TransferRequest, WorkPhase, WorkerJob, WorkerReport,
 };
 use ferry_core::{PdJob, PdReport, TierJob, TierReport};
 use serde::{Deserialize, Serialize};
@@ -163,36 +163,30 @@ impl Connectors {
         Ok(())
     }
 
-    /// The transfer parameters request `line` (its index in the trace) arrives with, on a
-    /// core with `block_size` and `weight_version`.
+    /// The transfer request `line` (its index in the trace) arrives with, on a core with
+    /// `block_size` and `weight_version`: what the edge would parse its parameters into.
     fn transfer_params(
         &self,
         line: usize,
         prompt_len: usize,
         block_size: usize,
         weight_version: &str,
-    ) -> Option<KvTransferParams> {
+    ) -> Option<TransferRequest> {
         if self.kinds.contains(&BenchConnector::PdProducer) {
-            return Some(KvTransferParams {
-                do_remote_decode: true,
-                ..KvTransferParams::default()
-            });
+            return Some(TransferRequest::Export);
         }
         if self.kinds.contains(&BenchConnector::PdConsumer) {
             // What P's export of the whole prompt would carry (P computed every prompt token).
             let n_blocks = prompt_len.div_ceil(block_size) as u32;
-            return Some(KvTransferParams {
-                do_remote_prefill: true,
-                remote_engine_id: Some(BENCH_P.to_owned()),
-                remote_block_ids: Some((1..=n_blocks).collect()),
-                remote_request_id: Some(format!("p-{line}")),
+            return Some(TransferRequest::Import(ImportSpec {
+                remote_engine_id: BENCH_P.to_owned(),
+                remote_block_ids: (1..=n_blocks).collect(),
                 remote_host: Some(BENCH_P_HOST.to_owned()),
                 remote_port: Some(BENCH_P_PORT),
-                weight_version: Some(weight_version.to_owned()),
-                export_token: Some(format!("export-{line}")),
-                n_tokens: Some(prompt_len),
-                ..KvTransferParams::default()
-            });
+                weight_version: weight_version.to_owned(),
+                export_token: format!("export-{line}"),
+                n_tokens: prompt_len,
+            }));
         }
         None
     }

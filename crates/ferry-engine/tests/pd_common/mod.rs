@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use ferry_core::{FinishReason, TokenId};
-use ferry_engine::{EngineHandle, KvTransferParams};
+use ferry_engine::{EngineHandle, KvTransferParams, TransferRequest};
 
 use crate::support::{collect, request, Collected};
 
@@ -28,10 +28,7 @@ pub fn prompt(i: usize, len: usize) -> Vec<TokenId> {
 /// P's part: the prompt to its first token, exported.
 pub async fn prefill(p: &EngineHandle, id: &str, prompt: Vec<TokenId>) -> KvTransferParams {
     let mut req = request(id, prompt, 1);
-    req.kv_transfer_params = Some(KvTransferParams {
-        do_remote_decode: true,
-        ..KvTransferParams::default()
-    });
+    req.transfer = Some(TransferRequest::Export);
     let c = within(collect(within(p.generate(req)).await.unwrap())).await;
     let finish = c.finish.expect("finished");
     assert_eq!(finish.reason, FinishReason::Length);
@@ -47,11 +44,13 @@ pub async fn decode(
     params: KvTransferParams,
 ) -> Collected {
     let mut req = request(id, prompt, MAX_TOKENS);
-    req.kv_transfer_params = Some(KvTransferParams {
+    // D's edge parses P's parameters, with the roles a proxy sets.
+    let params = KvTransferParams {
         do_remote_prefill: true,
         do_remote_decode: false,
         ..params
-    });
+    };
+    req.transfer = TransferRequest::parse(&params).expect("P's parameters parse");
     within(collect(within(d.generate(req)).await.unwrap())).await
 }
 

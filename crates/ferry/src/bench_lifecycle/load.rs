@@ -96,7 +96,7 @@ impl Load {
                     params: SamplingParams::greedy(spec.output_len),
                     stop: Vec::new(),
                     detokenize: false,
-                    kv_transfer_params: None,
+                    transfer: None,
                     constraint: None,
                 })
                 .await

@@ -19,6 +19,7 @@ use anyhow::{ensure, Context};
 use ferry_engine::{
     Connector, EngineHandle, GenerateRequest, InMemoryFabric, InMemoryTransport, KvCacheSize,
     KvTransferParams, ModelEngineConfig, PauseMode, PdConfig, PdRole, SamplingParams, TokenId,
+    TransferRequest,
 };
 use ferry_kv::{BlockGrant, ExportOffer, FetchSpec, Reports, Transport};
 use serde_json::{json, Value};
@@ -235,10 +236,7 @@ async fn prefill_all(
             request_id: format!("p{round}-{i}"),
             prompt: prompt(round, i, args.prompt_len, vocab),
             params: SamplingParams::greedy(1),
-            kv_transfer_params: Some(KvTransferParams {
-                do_remote_decode: true,
-                ..KvTransferParams::default()
-            }),
+            transfer: Some(TransferRequest::Export),
             ..GenerateRequest::default()
         };
         tasks.push(tokio::spawn(async move {
@@ -277,11 +275,13 @@ async fn start_loads(
                 ignore_eos: true,
                 ..SamplingParams::greedy(4)
             },
-            kv_transfer_params: Some(KvTransferParams {
+            // D's edge parses P's parameters, with the roles a proxy sets.
+            transfer: TransferRequest::parse(&KvTransferParams {
                 do_remote_prefill: true,
                 do_remote_decode: false,
                 ..params
-            }),
+            })
+            .map_err(|e| anyhow::anyhow!("P's transfer parameters: {e}"))?,
             ..GenerateRequest::default()
         };
         let mut stream = d.generate(req).await?;
