@@ -477,10 +477,11 @@ impl EngineCore {
 
     /// Aborts the live request in slot `idx` (its reader is gone); false if none.
     pub fn handle_abort_idx(&mut self, idx: ReqIdx) -> bool {
-        let Some(id) = self.driver.sched.request(idx).map(|r| r.id.clone()) else {
+        let Some(out) = abort_idx(&mut self.driver.sched, idx) else {
             return false;
         };
-        self.handle_abort(&id)
+        self.emit_finish(out, None);
+        true
     }
 
     /// A connector's worker reported; requests it ended (a failed load) finish now.
@@ -681,14 +682,10 @@ impl EngineCore {
         weights: PreparedWeights,
         version: Option<String>,
     ) -> Result<(String, Option<RetiredWeights>), WeightError> {
+        let version = version.unwrap_or_else(|| next_version(self.driver.sched.weight_version()));
         let ops = self.driver.model.executor.weight_ops_mut();
         let retired = ops.install(weights)?;
-        let version = version.unwrap_or_else(|| next_version(self.driver.sched.weight_version()));
-        self.driver
-            .model
-            .executor
-            .weight_ops_mut()
-            .set_version(&version);
+        ops.set_version(&version);
         self.driver.sched.set_weight_version(version.clone());
         self.counters.n_weight_updates += 1;
         Ok((version, retired))
