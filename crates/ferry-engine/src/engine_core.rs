@@ -198,6 +198,17 @@ pub enum CallResult {
     Status(LifecycleStatus, WeightInfo),
 }
 
+impl CallResult {
+    /// Why the call failed, if it did (a refused lifecycle op or weight install).
+    pub fn error(&self) -> Option<String> {
+        match self {
+            Self::Op(Err(e)) => Some(e.to_string()),
+            Self::Installed(Err(e)) => Some(e.to_string()),
+            _ => None,
+        }
+    }
+}
+
 /// What leaves the core ([`EngineCore::poll_event`]).
 #[derive(Debug)]
 pub enum CoreEvent {

@@ -11,8 +11,8 @@
 //! the network (`net.rs`, a `ferry_kv::Transport` whose pulls run P's own checks and copy
 //! real bytes), the offload copier (`copier.rs`, running `ferry_kv::HostMemory`), the masks
 //! (computed inline, by the real llguidance matcher over the tiny model's tokenizer) and
-//! time (a simulated millisecond clock; leases and bounds expire in it). `engine.rs` is only
-//! the wiring. A seed fixes everything, so a failing seed replays exactly, with a
+//! time (a simulated millisecond clock; leases and bounds expire in it). `engine.rs` and `setup.rs`
+//! are only the wiring. A seed fixes everything, so a failing seed replays exactly, with a
 //! readable trace, and shrinks to a short schedule (`shrink.rs`).
 //!
 //! What a run checks is listed in `sim.rs`; the oracle for tokens is in `oracle.rs`.
@@ -20,6 +20,7 @@
 pub mod client;
 pub mod copier;
 pub mod engine;
+pub mod messages;
 pub mod net;
 pub mod oracle;
 pub mod rng;

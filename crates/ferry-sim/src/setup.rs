@@ -1,20 +1,24 @@
-//! How the engines of a run are set up: the scheduler's limits and the offload tier, drawn
-//! per seed.
+//! How the engines of a run are set up (the scheduler's limits and the offload tier, drawn
+//! per seed), and what each engine core is given in the simulation: the checksum executor
+//! with injected step failures, the real connectors over the simulated network and copier,
+//! reports into the simulation's mailbox, inline masks under the simulation's constraint,
+//! and the oracle watching every forward.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use ferry_core::{
-    AllowedPeers, KvLoadFailurePolicy, OffloadConfig, OffloadConnector, OffloadPolicy, PdConfig,
-    PdRole, SchedulerConfig,
+    AllowedPeers, ConnectorId, KvLoadFailurePolicy, OffloadConfig, OffloadConnector, OffloadPolicy,
+    PdConfig, PdRole, Scheduler, SchedulerConfig, StepPlan,
 };
-use ferry_engine::Connector;
-use ferry_model::{ChecksumModel, Executor, Hooked};
+use ferry_engine::{Connector, Constraint, Constraints, EngineCore, InlineEnv, StructuredOutput};
+use ferry_kv::Reports;
+use ferry_model::{ChecksumModel, ExecError, Executor, Hooked, StepHook};
 
 use crate::copier::Copier;
-use crate::engine::StepFaults;
+use crate::messages::{Mail, Mailbox};
 use crate::net::SimNet;
-use crate::oracle::VOCAB;
+use crate::oracle::{SharedOracle, VOCAB};
 use crate::schedule::Side;
 
 /// How the engines of a run are set up (drawn per seed).
@@ -50,10 +54,51 @@ impl EngineSetup {
         }
     }
 
+    /// One engine's core, with checks on, and what the simulation keeps a handle on.
+    pub fn build(
+        &self,
+        side: Side,
+        incarnation: u32,
+        net: &SimNet,
+        mailbox: &Mailbox,
+        secret: [u8; 32],
+    ) -> Built {
+        let faults = StepFaults::default();
+        let (executor, connectors, copier) = self.parts(side, net, secret, &faults);
+        let report_to = |connector: ConnectorId| {
+            let mailbox = Arc::clone(mailbox);
+            Reports::new(move |report| {
+                let mail = Mail {
+                    side,
+                    incarnation,
+                    connector,
+                    report,
+                };
+                mailbox
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(mail);
+            })
+        };
+        let sched = Scheduler::new(self.sched.clone()).expect("valid scheduler config");
+        let oracle = SharedOracle::default();
+        oracle.lock().enabled = true;
+        let env = Box::new(InlineEnv);
+        let core = EngineCore::with_connectors(sched, executor, connectors, report_to, env)
+            .checked()
+            .with_observer(Box::new(oracle.clone()));
+        Built {
+            core,
+            copier,
+            oracle,
+            faults,
+        }
+    }
+
     /// What one engine is made of: the checksum executor (failing the forwards `faults` asks
     /// to), the P/D connector over the simulated network and, if the setup has one, the
     /// offload tier with its simulated copier, in the setup's connector order.
-    pub fn parts(
+    fn parts(
         &self,
         side: Side,
         net: &SimNet,
@@ -100,4 +145,59 @@ impl EngineSetup {
         }
         (executor, connectors, copier)
     }
+}
+
+/// An engine core as [`EngineSetup::build`] makes it, with the handles the simulation keeps.
+#[derive(Debug)]
+pub struct Built {
+    pub core: EngineCore,
+    pub copier: Option<Copier>,
+    pub oracle: SharedOracle,
+    pub faults: StepFaults,
+}
+
+/// Fails the next forwards a fault asked for, never more than two in a row (a third would
+/// end every request with `error`, which the checks would count as lost).
+#[derive(Debug, Clone, Default)]
+pub struct StepFaults(Arc<Mutex<(u8, u8)>>);
+
+impl StepFaults {
+    /// The next `n` forwards fail.
+    pub fn fail_next(&self, n: u8) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).0 = n;
+    }
+}
+
+impl StepHook for StepFaults {
+    fn before_step(&mut self, plan: &StepPlan) -> Result<(), ExecError> {
+        let mut s = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let (to_fail, in_a_row) = &mut *s;
+        if *to_fail == 0 || *in_a_row >= 2 {
+            *in_a_row = 0;
+            return Ok(());
+        }
+        *to_fail -= 1;
+        *in_a_row += 1;
+        Err(ExecError::InvalidPlan(format!(
+            "step {} failed by the simulation",
+            plan.step
+        )))
+    }
+}
+
+/// The structured-output constraint of constrained requests: a short choice, then up to two
+/// words, over the tiny model's tokenizer (so some tokens are forced, and the grammar
+/// completes), compiled by the real llguidance matcher. Compiled once per thread.
+pub fn constraint() -> Constraint {
+    thread_local! {
+        static COMPILED: Constraint = {
+            let model = ferry_model::tiny::tiny_model();
+            let eos = model.config.eos_token_ids[0];
+            let tokenizer = Arc::new(model.tokenizer.expect("the tiny model has a tokenizer"));
+            Constraints::new(tokenizer, eos, VOCAB)
+                .and_then(|c| c.compile(&StructuredOutput::Regex("(yes|no|maybe)( [a-z]{1,4}){0,2}".into())))
+                .expect("the simulation's constraint compiles")
+        };
+    }
+    COMPILED.with(Constraint::clone)
 }

@@ -36,7 +36,8 @@ use ferry_core::{
 };
 
 use crate::client::{Client, End, Stage};
-use crate::engine::{EngineSetup, Event, Input, Mailbox, SimEngine};
+use crate::engine::{EngineSetup, Event, Input, SimEngine};
+use crate::messages::Mailbox;
 use crate::net::{SimNet, Touch};
 use crate::rng::Rng;
 use crate::schedule::{Action, Fault, OpKind, Route, Side, Target, Timed};
@@ -256,7 +257,7 @@ impl Sim {
             now: Duration::ZERO,
             net,
             mailbox: Arc::new(Mutex::new(Vec::new())),
-            constraint: crate::engine::constraint(),
+            constraint: crate::setup::constraint(),
             engines: [None, None],
             incarnations: [0, 0],
             restart_at: [None, None],
@@ -317,17 +318,11 @@ impl Sim {
         for chunk in secret.chunks_mut(8) {
             chunk.copy_from_slice(&self.rng.below(u64::MAX).to_le_bytes());
         }
-        self.engines[i] = Some(SimEngine::start(
-            side,
-            self.incarnations[i],
-            self.now,
-            &self.setup,
-            &self.net,
-            &self.mailbox,
-            secret,
-            &self.constraint,
-        ));
         let inc = self.incarnations[i];
+        let built = self
+            .setup
+            .build(side, inc, &self.net, &self.mailbox, secret);
+        self.engines[i] = Some(SimEngine::start(side, inc, self.now, built));
         self.note(|| {
             format!(
                 "{}: engine starts (incarnation {inc}, weights w0)",
@@ -626,13 +621,8 @@ impl Sim {
         self.clients.push(client.clone());
         match self.engines[side.idx()].as_mut() {
             Some(e) => {
-                e.push(Input::Add {
-                    id: client.id.clone(),
-                    prompt: client.prompt.clone(),
-                    max_tokens: max,
-                    kv,
-                    constrained: client.constrained,
-                });
+                let constraint = client.constrained.then(|| self.constraint.clone());
+                e.push(Input::add(&client.id, &client.prompt, max, kv, constraint));
                 client.stage = Stage::On {
                     side,
                     incarnation: e.incarnation,
@@ -715,13 +705,8 @@ impl Sim {
                 continue;
             };
             let c = &self.clients[i];
-            d.push(Input::Add {
-                id: c.id.clone(),
-                prompt: c.prompt.clone(),
-                max_tokens: c.max_tokens,
-                kv,
-                constrained: c.constrained,
-            });
+            let constraint = c.constrained.then(|| self.constraint.clone());
+            d.push(Input::add(&c.id, &c.prompt, c.max_tokens, kv, constraint));
             let inc = d.incarnation;
             let d_paused = paused(d);
             let causes = self.abort_causes[Side::D.idx()];
@@ -989,7 +974,7 @@ impl Sim {
             Fault::TimeJump { ms: m } => self.jump += ms(m),
             Fault::StepFails { side, n } => {
                 if let Some(e) = self.engines[side.idx()].as_ref() {
-                    e.fail_steps(n);
+                    e.faults.fail_next(n);
                 }
             }
         }
