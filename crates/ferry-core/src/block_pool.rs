@@ -9,6 +9,7 @@
 
 use crate::hash::{BlockHash, BlockHashMap};
 use crate::ids::BlockId;
+use crate::kv_events::{KvEventLog, Medium};
 
 /// The null block: padding in block tables, never owned.
 pub const NULL_BLOCK: BlockId = 0;
@@ -35,6 +36,8 @@ pub struct BlockPool {
     tail: u32,
     n_free: usize,
     cached: BlockHashMap<BlockId>,
+    /// The journal of cache changes for KV events (off unless the engine publishes them).
+    log: KvEventLog,
 }
 
 impl BlockPool {
@@ -57,6 +60,7 @@ impl BlockPool {
             n_free: 0,
             // At most one entry per block: sized once, so it never rehashes mid-step.
             cached: BlockHashMap::with_capacity_and_hasher(n_blocks as usize, Default::default()),
+            log: KvEventLog::new(false, 0, ""),
         };
         for b in 1..pool.meta.len() as u32 {
             pool.push_back(b);
@@ -147,17 +151,29 @@ impl BlockPool {
         }
     }
 
-    /// Registers a full block's contents under `hash`. If another block is already cached
-    /// under the same hash (two requests computed the same prefix at once), this one stays
-    /// uncached and is simply freed later.
-    pub fn cache(&mut self, block: BlockId, hash: BlockHash) {
+    /// Registers a full block's contents under `hash`; returns whether it was newly cached.
+    /// If another block is already cached under the same hash (two requests computed the same
+    /// prefix at once), this one stays uncached and is simply freed later.
+    pub fn cache(&mut self, block: BlockId, hash: BlockHash) -> bool {
         if self.meta[block as usize].hash.is_some() {
-            return;
+            return false;
         }
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
             e.insert(block);
             self.meta[block as usize].hash = Some(hash);
+            return true;
         }
+        false
+    }
+
+    /// The journal of cache changes (KV events).
+    pub fn log_mut(&mut self) -> &mut KvEventLog {
+        &mut self.log
+    }
+
+    /// Journals the pool's changes into `log` from now on.
+    pub fn set_log(&mut self, log: KvEventLog) {
+        self.log = log;
     }
 
     /// Drops a block's hash from the prefix cache (its contents can no longer be hit).
@@ -172,6 +188,7 @@ impl BlockPool {
         };
         if self.cached.get(&hash) == Some(&block) {
             self.cached.remove(&hash);
+            self.log.removed(&hash, Medium::Primary);
         }
         true
     }
@@ -189,6 +206,7 @@ impl BlockPool {
             self.meta[b as usize].hash = None;
         }
         self.cached.clear();
+        self.log.cleared();
         true
     }
 
@@ -202,7 +220,7 @@ impl BlockPool {
     }
 
     /// Every (hash, block) entry of the prefix-cache index, in no particular order.
-    pub(crate) fn cached_entries(&self) -> impl Iterator<Item = (&BlockHash, &BlockId)> {
+    pub fn cached_entries(&self) -> impl Iterator<Item = (&BlockHash, &BlockId)> {
         self.cached.iter()
     }
 

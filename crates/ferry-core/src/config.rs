@@ -45,6 +45,8 @@ pub struct SchedulerConfig {
     /// block, or finish it with an error (the default, as in vLLM). A load cut short by a
     /// reset is neither: the request recomputes after the resume.
     pub kv_load_failure_policy: KvLoadFailurePolicy,
+    /// Journal the prefix cache's changes for KV events (`Scheduler::take_kv_events`).
+    pub kv_events: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -63,6 +65,7 @@ impl Default for SchedulerConfig {
             kv_load_timeout: Duration::from_secs(30),
             lifecycle_wait_timeout: Duration::from_secs(60),
             kv_load_failure_policy: KvLoadFailurePolicy::Fail,
+            kv_events: false,
         }
     }
 }

@@ -170,7 +170,13 @@ impl KvCacheManager {
             .min(req.block_hashes.len())
             .min(req.blocks.len());
         for i in req.n_cached_blocks..n_full {
-            self.pool.cache(req.blocks[i], req.block_hashes[i]);
+            if self.pool.cache(req.blocks[i], req.block_hashes[i]) && self.pool.log_mut().is_on() {
+                let parent = i.checked_sub(1).map(|p| &req.block_hashes[p]);
+                let tokens = &req.tokens[i * self.block_size..(i + 1) * self.block_size];
+                self.pool
+                    .log_mut()
+                    .stored(&req.block_hashes[i], parent, tokens);
+            }
         }
         req.n_cached_blocks = req.n_cached_blocks.max(n_full);
     }

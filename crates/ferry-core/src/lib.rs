@@ -48,6 +48,7 @@ pub mod hash;
 pub mod holds;
 pub mod ids;
 pub mod kv_cache;
+pub mod kv_events;
 pub mod lifecycle;
 pub mod offload;
 pub mod ownership;
@@ -69,6 +70,7 @@ pub use connector::{
 pub use driver::{Step, StepDriver, StepError, StepFailure, StepKind, StepModel, WorkPhase};
 pub use holds::{HoldKind, Holder};
 pub use ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
+pub use kv_events::{KvEvent, KvEventBatch, Medium};
 pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,

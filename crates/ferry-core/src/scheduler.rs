@@ -206,6 +206,11 @@ impl Scheduler {
             config.enable_prefix_caching,
         );
         kv.set_current_root(hash_root);
+        kv.pool_mut().set_log(crate::kv_events::KvEventLog::new(
+            config.kv_events,
+            config.block_size,
+            &config.weight_version,
+        ));
         let control = lifecycle_machine::Control::new(&config.weight_version);
         Ok(Self {
             kv,
@@ -1132,6 +1137,11 @@ impl Scheduler {
     /// the pool's reference counts and free queue.
     pub fn check_ownership(&self) -> Result<(), OwnershipError> {
         ownership::check(self.kv.pool(), self.owners())
+    }
+
+    /// The block pool (read-only): its prefix-cache index, for checks.
+    pub fn kv_pool(&self) -> &crate::block_pool::BlockPool {
+        self.kv.pool()
     }
 
     /// Every block's status, for tests and debugging.

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use ferry_core::{ConnectorId, FinishReason, OpId, ReqIdx, Scheduler, StepKind};
+use ferry_core::{ConnectorId, FinishReason, KvEventBatch, OpId, ReqIdx, Scheduler, StepKind};
 use ferry_kv::Reports;
 use ferry_model::{Executor, RetiredWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -70,6 +70,8 @@ pub(crate) struct EngineLoop {
     /// Lifecycle answers waiting for the stats to be published (`send_replies`).
     replies: Vec<(PendingReply, CallResult)>,
     stats: watch::Sender<EngineStats>,
+    /// Where KV event batches go (the publisher), when the engine publishes them.
+    kv_events: Option<mpsc::UnboundedSender<KvEventBatch>>,
     /// Requests this loop finished itself (aborted because their reader was gone, or at
     /// shutdown), counted in the stats on top of the core's finishes.
     n_late_finished: u64,
@@ -92,6 +94,7 @@ impl EngineLoop {
         stats: watch::Sender<EngineStats>,
         connectors: Vec<Connector>,
         reports: mpsc::WeakUnboundedSender<Queued>,
+        kv_events: Option<mpsc::UnboundedSender<KvEventBatch>>,
     ) -> std::io::Result<Self> {
         // Each worker reports on this engine's input queue, through a weak sender: reports
         // never keep a stopped engine's queue alive.
@@ -126,6 +129,7 @@ impl EngineLoop {
             ops: BTreeMap::new(),
             replies: Vec::new(),
             stats,
+            kv_events,
             n_late_finished: 0,
             shutdown: None,
             stopping: false,
@@ -318,6 +322,12 @@ impl EngineLoop {
                 CoreEvent::Reply(op, result) => {
                     if let Some(reply) = self.ops.remove(&op) {
                         self.replies.push((reply, result));
+                    }
+                }
+                // A publisher that is gone loses nothing the engine needs.
+                CoreEvent::Kv(batch) => {
+                    if let Some(tx) = &self.kv_events {
+                        let _ = tx.send(batch);
                     }
                 }
             }

@@ -35,10 +35,10 @@ use std::fmt;
 use std::time::Duration;
 
 use ferry_core::{
-    AddError, ConnectorId, FinishReason, LifecycleError, LifecycleEvent, LifecycleStatus,
-    ModelOutput, OpId, PauseMode, ReqIdx, RequestOutput, SamplingParams, Scheduler, SleepLevel,
-    Step, StepDriver, StepError, StepKind, StepModel, StepPlan, StepWork, TokenId, TransferRequest,
-    WakeTag, WeightResidency, WorkPhase, WorkerReport,
+    AddError, ConnectorId, FinishReason, KvEventBatch, LifecycleError, LifecycleEvent,
+    LifecycleStatus, ModelOutput, OpId, PauseMode, ReqIdx, RequestOutput, SamplingParams,
+    Scheduler, SleepLevel, Step, StepDriver, StepError, StepKind, StepModel, StepPlan, StepWork,
+    TokenId, TransferRequest, WakeTag, WeightResidency, WorkPhase, WorkerReport,
 };
 use ferry_kv::{KvArena, Reports, WorkerConnector};
 use ferry_model::{ExecError, Executor, PreparedWeights, RetiredWeights, WeightError};
@@ -216,6 +216,10 @@ pub enum CoreEvent {
     Request(ReqIdx, Event),
     /// A lifecycle call's answer.
     Reply(OpId, CallResult),
+    /// Changes of the prefix cache, for KV event subscribers (only with
+    /// `SchedulerConfig::kv_events`). They come out before any other event of the same input
+    /// or step, so a cleared cache is announced before the reply of the call that cleared it.
+    Kv(KvEventBatch),
 }
 
 /// Counters the engine publishes with its stats.
@@ -315,6 +319,8 @@ pub struct EngineCore {
     /// Indexed by `ReqIdx`: the core reuses slots, so this stays as small as the peak load.
     live: Vec<Option<Live>>,
     events: VecDeque<CoreEvent>,
+    /// KV event batches drained from the scheduler, not yet polled.
+    kv_batches: Vec<KvEventBatch>,
     /// Reused by `poll_lifecycle`.
     lifecycle_events: Vec<LifecycleEvent>,
     next_op: u64,
@@ -349,6 +355,7 @@ impl EngineCore {
             driver: StepDriver::new(sched, model),
             live: Vec::new(),
             events: VecDeque::new(),
+            kv_batches: Vec::new(),
             lifecycle_events: Vec::new(),
             next_op: 0,
             consecutive_failures: 0,
@@ -626,6 +633,14 @@ impl EngineCore {
 
     /// The next event, in the order they happened.
     pub fn poll_event(&mut self) -> Option<CoreEvent> {
+        if self.kv_batches.is_empty() {
+            self.driver.sched.take_kv_events(&mut self.kv_batches);
+            // Handed out from the back: keep their order.
+            self.kv_batches.reverse();
+        }
+        if let Some(batch) = self.kv_batches.pop() {
+            return Some(CoreEvent::Kv(batch));
+        }
         self.events.pop_front()
     }
 

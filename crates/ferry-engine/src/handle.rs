@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use ferry_core::{
-    KvConnector, OffloadConfig, OffloadConnector, PdConfig, PdConnector, Scheduler, SchedulerConfig,
+    KvConnector, KvEventBatch, OffloadConfig, OffloadConnector, PdConfig, PdConnector, Scheduler,
+    SchedulerConfig,
 };
 use ferry_kv::{OffloadWorker, PdWorker, Transport, WorkerConnector};
 use tokenizers::Tokenizer;
@@ -103,8 +104,23 @@ pub fn spawn_with_connectors(
         ..EngineStats::default()
     });
     let weight_preparer = executor.weight_ops().preparer();
-    let engine = EngineLoop::new(core, executor, rx, stats_tx, connectors, tx.downgrade())
-        .map_err(SpawnError::Thread)?;
+    let (kv_tx, kv_rx) = match config.scheduler.kv_events {
+        true => {
+            let (tx, rx) = mpsc::unbounded_channel();
+            (Some(tx), Some(rx))
+        }
+        false => (None, None),
+    };
+    let engine = EngineLoop::new(
+        core,
+        executor,
+        rx,
+        stats_tx,
+        connectors,
+        tx.downgrade(),
+        kv_tx,
+    )
+    .map_err(SpawnError::Thread)?;
     let thread = std::thread::Builder::new()
         .name("ferry-engine".into())
         .spawn(move || engine.run())
@@ -123,6 +139,7 @@ pub fn spawn_with_connectors(
             stopped: AtomicBool::new(false),
             n_queued: Arc::new(AtomicUsize::new(0)),
             constraints: OnceLock::new(),
+            kv_events: Mutex::new(kv_rx),
         }),
     })
 }
@@ -152,6 +169,8 @@ struct Inner {
     n_queued: Arc<AtomicUsize>,
     /// The structured-output compiler, built at its first use (it indexes the vocabulary).
     constraints: OnceLock<Result<Arc<Constraints>, ConstraintError>>,
+    /// The engine's KV event batches, for the one publisher that takes them.
+    kv_events: Mutex<Option<mpsc::UnboundedReceiver<KvEventBatch>>>,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -220,6 +239,17 @@ impl EngineHandle {
     }
 
     /// The latest published snapshot (no round trip to the engine thread).
+    /// The engine's KV event batches, in the order the cache changed: once, for the
+    /// publisher; `None` if the engine was started without `SchedulerConfig::kv_events` or
+    /// they were taken already.
+    pub fn take_kv_events(&self) -> Option<mpsc::UnboundedReceiver<KvEventBatch>> {
+        self.inner
+            .kv_events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+
     pub fn stats(&self) -> EngineStats {
         self.inner.stats.borrow().clone()
     }

@@ -49,11 +49,11 @@ pub use error::{
     WeightReloadError, WeightUpdateError,
 };
 pub use ferry_core::{
-    ip_literal, AddError, AllowedPeers, ConnectorId, FinishReason, KvConnector,
-    KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus, OffloadConfig,
-    OffloadConnector, OffloadPolicy, PauseMode, PdConfig, PdConnector, PdRole, SamplerSpec,
-    SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, TierStats, TokenId, TransferId,
-    TransferRequest, WakeTag, WeightResidency,
+    ip_literal, AddError, AllowedPeers, ConnectorId, FinishReason, KvConnector, KvEvent,
+    KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus, Medium,
+    OffloadConfig, OffloadConnector, OffloadPolicy, PauseMode, PdConfig, PdConnector, PdRole,
+    SamplerSpec, SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, TierStats, TokenId,
+    TransferId, TransferRequest, WakeTag, WeightResidency,
 };
 pub use ferry_kv::{
     InMemoryFabric, InMemoryTransport, OffloadWorker, PdWorker, Transport, WorkerConnector,

@@ -51,6 +51,8 @@ pub struct ModelEngineConfig {
     pub lifecycle_wait_timeout: Duration,
     /// What a failed KV load does to its request.
     pub kv_load_failure_policy: KvLoadFailurePolicy,
+    /// Publish KV events (`EngineHandle::take_kv_events`).
+    pub kv_events: bool,
 }
 
 impl Default for ModelEngineConfig {
@@ -72,6 +74,7 @@ impl Default for ModelEngineConfig {
             kv_load_timeout: core.kv_load_timeout,
             lifecycle_wait_timeout: core.lifecycle_wait_timeout,
             kv_load_failure_policy: core.kv_load_failure_policy,
+            kv_events: false,
         }
     }
 }
@@ -226,5 +229,6 @@ fn scheduler_config(
         kv_load_timeout: config.kv_load_timeout,
         lifecycle_wait_timeout: config.lifecycle_wait_timeout,
         kv_load_failure_policy: config.kv_load_failure_policy,
+        kv_events: config.kv_events,
     })
 }

@@ -7,7 +7,8 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use ferry_core::{OpId, Scheduler};
+use ferry_core::kv_events::external_hash;
+use ferry_core::{KvEvent, KvEventBatch, OpId, Scheduler};
 use ferry_engine::{CoreEvent, EngineCore, Event as CoreOut};
 
 use crate::copier::Copier;
@@ -35,6 +36,8 @@ pub struct SimEngine {
     ids: BTreeMap<u32, String>,
     /// Requests accepted and not finished yet: each must finish exactly once.
     pub live: BTreeSet<String>,
+    /// The arena's cached blocks as a KV event subscriber sees them (the current epoch's).
+    kv_index: (u64, BTreeSet<u64>),
     pub n_steps: u64,
 }
 
@@ -58,6 +61,7 @@ impl SimEngine {
             ops: BTreeMap::new(),
             ids: BTreeMap::new(),
             live: BTreeSet::new(),
+            kv_index: (0, BTreeSet::new()),
             n_steps: 0,
         }
     }
@@ -94,6 +98,7 @@ impl SimEngine {
             .is_some();
         self.n_steps += u64::from(stepped);
         self.drain(events)?;
+        self.check_kv_index()?;
         match self.oracle.lock().violations.first() {
             Some(v) => Err(format!("oracle: {v}")),
             None => Ok(stepped),
@@ -124,11 +129,61 @@ impl SimEngine {
         }
     }
 
+    /// Applies a KV event batch to the subscriber's view: a new epoch starts from nothing.
+    fn index_kv_events(&mut self, batch: KvEventBatch) -> Result<(), String> {
+        let (epoch, index) = &mut self.kv_index;
+        if batch.epoch < *epoch {
+            return Err(format!(
+                "KV events went back from epoch {epoch} to {}",
+                batch.epoch
+            ));
+        }
+        if batch.epoch > *epoch && batch.events.first() != Some(&KvEvent::AllCleared) {
+            return Err(format!(
+                "epoch {} began without AllBlocksCleared",
+                batch.epoch
+            ));
+        }
+        *epoch = batch.epoch;
+        for event in batch.events {
+            match event {
+                KvEvent::AllCleared => index.clear(),
+                KvEvent::Stored { hashes, .. } => index.extend(hashes),
+                KvEvent::Removed { hashes, .. } => {
+                    for h in &hashes {
+                        index.remove(h);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every block a KV event subscriber believes cached is cached: a router never sends a
+    /// request for a hit that a wipe or an eviction took away.
+    fn check_kv_index(&self) -> Result<(), String> {
+        let pool = self.core.sched().kv_pool();
+        let cached: BTreeSet<u64> = pool
+            .cached_entries()
+            .map(|(h, _)| external_hash(h))
+            .collect();
+        match self.kv_index.1.iter().find(|h| !cached.contains(h)) {
+            Some(h) => Err(format!(
+                "KV events announce block {h:016x}, which is not cached"
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// The core's events, as the simulation reads them; checks each request finishes once.
     fn drain(&mut self, events: &mut Vec<Event>) -> Result<(), String> {
         while let Some(event) = self.core.poll_event() {
             let (idx, sampled, finish) = match event {
                 CoreEvent::Request(_, CoreOut::Admitted { .. }) => continue,
+                CoreEvent::Kv(batch) => {
+                    self.index_kv_events(batch)?;
+                    continue;
+                }
                 CoreEvent::Request(
                     idx,
                     CoreOut::Output {

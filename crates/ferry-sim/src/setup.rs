@@ -50,6 +50,7 @@ impl EngineSetup {
             kv_load_timeout: Duration::from_millis(500),
             lifecycle_wait_timeout: Duration::from_millis(1000),
             kv_load_failure_policy: policy,
+            kv_events: true,
             ..SchedulerConfig::default()
         }
     }

@@ -528,6 +528,14 @@ impl Scheduler {
         let seed = format!("{}\u{0}{}", c.weight_version, c.weight_epoch);
         self.hash_root = chain_root(&seed);
         self.kv.set_current_root(self.hash_root);
+        let version = c.weight_version.clone();
+        self.kv.pool_mut().log_mut().new_version(version);
+    }
+
+    /// The KV events since the last call, in batches (`kv_events.rs`); none unless
+    /// `SchedulerConfig::kv_events` is on.
+    pub fn take_kv_events(&mut self, out: &mut Vec<crate::KvEventBatch>) {
+        self.kv.pool_mut().log_mut().drain(out);
     }
 
     /// The version of the weights loaded now.
