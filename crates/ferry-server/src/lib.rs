@@ -99,6 +99,20 @@ pub struct ServerConfig {
     /// With a key, every route but `/health` and `/metrics` needs `Authorization: Bearer
     /// <key>` ([`auth`]); its `Debug` is redacted.
     pub api_key: Option<ApiKey>,
+    /// Where this engine publishes its KV events (`ferry serve --kv-events-config`), for
+    /// `GET /kv_events_info`; none: it publishes none.
+    pub kv_events: Option<KvEventsInfo>,
+}
+
+/// Where an engine's KV events can be subscribed to (`GET /kv_events_info`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct KvEventsInfo {
+    /// The ZMQ PUB socket (`tcp://host:port`, the address it bound).
+    pub endpoint: String,
+    /// The ROUTER socket that replays buffered batches from a sequence number.
+    pub replay_endpoint: Option<String>,
+    pub topic: String,
+    pub block_size: usize,
 }
 
 /// The default push limit: 16 GiB (whole checkpoints of mid-sized models), capped at the
@@ -127,6 +141,7 @@ impl ServerConfig {
             kv_connector: false,
             kv_allowed_peers: AllowedPeers::default(),
             api_key: None,
+            kv_events: None,
         }
     }
 
@@ -157,6 +172,7 @@ pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
         .route("/v1/models", get(routes::models))
         .route("/health", get(routes::health))
         .route("/version", get(routes::version))
+        .route("/kv_events_info", get(routes::kv_events_info))
         .route("/metrics", get(routes::metrics))
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))

@@ -130,6 +130,11 @@ pub const ROUTES: &[RouteDoc] = &[
         "200 while the engine runs, 503 once it has stopped",
     ),
     route(GET, "/version", "The server's version"),
+    route(
+        GET,
+        "/kv_events_info",
+        "Where the engine publishes its KV events (ZMQ endpoints, topic, block size)",
+    ),
     route(GET, "/metrics", "Prometheus metrics"),
     route(GET, "/openapi.json", "This document"),
     RouteDoc {

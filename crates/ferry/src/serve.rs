@@ -144,6 +144,13 @@ pub struct Args {
     /// first, then pd.
     #[arg(long, value_enum, value_delimiter = ',')]
     pub kv_connector: Option<Vec<ConnectorName>>,
+    /// KV cache events for KV-aware routers, as vLLM takes it (JSON):
+    /// `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://host:5557",
+    /// "replay_endpoint": ..., "topic": ..., "buffer_steps": ...}`. Without an endpoint the PUB
+    /// socket binds --host's address on port 5557 (not every interface: events carry prompt
+    /// token ids). `GET /kv_events_info` tells subscribers where to connect.
+    #[arg(long, value_name = "JSON", value_parser = parse_kv_events_config)]
+    pub kv_events_config: Option<Box<ferry_kv_events::KvEventsConfig>>,
 }
 
 /// `--kv-role`.
@@ -438,6 +445,10 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         weight_version: "0".to_owned(),
         export_lease: Duration::from_secs(args.kv_lease_seconds),
         kv_load_failure_policy: args.kv_load_failure_policy.into(),
+        kv_events: args
+            .kv_events_config
+            .as_ref()
+            .is_some_and(|c| c.publishes()),
         ..ModelEngineConfig::default()
     };
     let mut connectors = Vec::new();
@@ -477,6 +488,25 @@ async fn serve(args: Args) -> anyhow::Result<()> {
             .map_err(|e| flag_error(&args, e))?;
     let engine = started.handle;
     let scheduler = started.scheduler;
+    let kv_events = match (&args.kv_events_config, engine.take_kv_events()) {
+        (Some(c), Some(batches)) => {
+            let publisher =
+                ferry_kv_events::Publisher::start(c, &c.pub_endpoint(&args.host), batches).await?;
+            tracing::info!(
+                replay = ?publisher.replay_endpoint,
+                topic = %publisher.topic,
+                "KV events published on {}",
+                publisher.endpoint
+            );
+            Some(ferry_server::KvEventsInfo {
+                endpoint: publisher.endpoint,
+                replay_endpoint: publisher.replay_endpoint,
+                topic: publisher.topic,
+                block_size: scheduler.block_size,
+            })
+        }
+        _ => None,
+    };
     let server_config = ServerConfig {
         enable_admin_api: args.enable_admin_api,
         api_key: args.api_key.clone(),
@@ -487,6 +517,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
             .as_ref()
             .map(|plan| plan.allowed_peers.clone())
             .unwrap_or_default(),
+        kv_events,
         ..ServerConfig::for_model(served_model_name.clone(), &started.model)
     };
     if args.api_key.is_some() {
@@ -519,6 +550,12 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         .context("HTTP server")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+fn parse_kv_events_config(json: &str) -> Result<Box<ferry_kv_events::KvEventsConfig>, String> {
+    ferry_kv_events::KvEventsConfig::parse(json)
+        .map(Box::new)
+        .map_err(|e| e.to_string())
 }
 
 /// Resolves on Ctrl-C or SIGTERM, after aborting every in-flight request: their streams end

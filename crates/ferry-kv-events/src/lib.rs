@@ -1,0 +1,21 @@
+//! ferry-kv-events: the engine's KV cache events on the wire, as vLLM publishes them, so the
+//! KV-aware routers users already run (Dynamo, llm-d, SGLang's gateway, vllm-router) and
+//! `ferry proxy` can follow every instance's prefix cache.
+//!
+//! * [`KvEventsConfig`]: `--kv-events-config`, vLLM's `KVEventsConfig` fields.
+//! * [`wire`]: a batch as msgpack, in the positional layout of vLLM 0.11.0's
+//!   `vllm/distributed/kv_events.py` (`array_like` structs), with two trailing fields vLLM's
+//!   decoder ignores: the weight version and the cache epoch the batch's blocks belong to.
+//! * [`Publisher`]: a ZMQ PUB socket sending `(topic, sequence number as 8 bytes big-endian,
+//!   batch)`, and a ROUTER socket that resends buffered batches from a sequence number,
+//!   ending with sequence -1.
+//!
+//! The engine thread never waits on any of it: batches reach the publisher's task over an
+//! unbounded channel (`EngineHandle::take_kv_events`).
+
+mod config;
+mod publisher;
+pub mod wire;
+
+pub use config::{ConfigError, KvEventsConfig, DEFAULT_PORT};
+pub use publisher::{Publisher, PublisherError};
