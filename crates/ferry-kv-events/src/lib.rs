@@ -9,13 +9,16 @@
 //! * [`Publisher`]: a ZMQ PUB socket sending `(topic, sequence number as 8 bytes big-endian,
 //!   batch)`, and a ROUTER socket that resends buffered batches from a sequence number,
 //!   ending with sequence -1.
+//! * [`Subscriber`]: the other end, as `ferry proxy` follows each instance.
 //!
 //! The engine thread never waits on any of it: batches reach the publisher's task over an
 //! unbounded channel (`EngineHandle::take_kv_events`).
 
 mod config;
 mod publisher;
+mod subscriber;
 pub mod wire;
 
 pub use config::{ConfigError, KvEventsConfig, DEFAULT_PORT};
 pub use publisher::{Publisher, PublisherError};
+pub use subscriber::{Sequenced, SubscribeError, Subscriber};

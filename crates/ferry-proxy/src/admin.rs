@@ -135,12 +135,38 @@ async fn broadcast(
                 .send_read(instance, call)
                 .await
                 .map(|(status, _, body)| (status, parse_body(&body)));
+            // A call that may have wiped the instance's cache fences its prefix index at
+            // once, before the instance's own event arrives (whatever it answered: a failed
+            // call may have cleared part of it).
+            if method == Method::POST && clears_cache(path_and_query) {
+                instance.kv().wipe(crate::fleet::unix_now());
+            }
             InstanceResult {
                 instance: Arc::clone(instance),
                 outcome,
             }
         });
     futures_util::future::join_all(calls).await
+}
+
+/// Whether an admin call may clear the instance's prefix cache: a reset, a sleep or memory
+/// release, a weight change, and a pause unless `clear_cache=false`.
+fn clears_cache(path_and_query: &str) -> bool {
+    let (path, query) = path_and_query
+        .split_once('?')
+        .unwrap_or((path_and_query, ""));
+    match path {
+        "/reset_prefix_cache"
+        | "/flush_cache"
+        | "/sleep"
+        | "/release_kv_cache_memory"
+        | "/release_memory_occupation"
+        | "/update_weights"
+        | "/update_weights_from_disk"
+        | "/update_weight_version" => true,
+        "/pause" => !form_pairs(query).any(|(k, v)| k == "clear_cache" && v == "false"),
+        _ => false,
+    }
 }
 
 /// An instance's JSON answer; one that is not JSON is kept as a string.

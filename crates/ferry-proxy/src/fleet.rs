@@ -1,19 +1,27 @@
 //! The instances behind the proxy and the choice among them: each [`Instance`] counts the
-//! requests the proxy has in flight on it, and [`Fleet::pick`] takes the least-loaded one of a
-//! role (ties go round-robin, so an idle fleet still spreads requests).
+//! requests (and prompt blocks) the proxy has in flight on it and keeps its prefix cache as
+//! its KV events describe it ([`KvIndex`]); [`Fleet::pick`] takes one of a role by the
+//! [`Routing`] policy: by prefix (`kv`: Dynamo's cost, `overlap_weight × blocks to prefill +
+//! blocks in flight`), the least-loaded one, or in turn. Ties go round-robin, so an idle fleet
+//! still spreads requests. `kv` routes by load while any candidate's index is not synced.
 //!
 //! The counts are the proxy's own, not the instances' `/metrics`: they are exact for traffic
 //! that goes through this proxy, cost nothing per request, and never wait on a scrape.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+use crate::kv_index::{KvIndex, Sync};
 
 /// What an instance does in the P/D pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
     Prefill,
     Decode,
+    /// A plain instance (no `--kv-role`) that computes whole requests (`--instance`).
+    Whole,
 }
 
 impl Role {
@@ -21,6 +29,7 @@ impl Role {
         match self {
             Role::Prefill => "prefill",
             Role::Decode => "decode",
+            Role::Whole => "instance",
         }
     }
 }
@@ -38,8 +47,18 @@ pub struct Instance {
     pub url: String,
     pub role: Role,
     in_flight: AtomicUsize,
+    /// Full prompt blocks of the requests in flight (the routing cost's load term).
+    in_flight_blocks: AtomicUsize,
     n_requests: AtomicU64,
     n_failures: AtomicU64,
+    kv: Mutex<KvIndex>,
+    /// Requests routed here by prefix, and the prompt tokens predicted cached.
+    pub n_kv_routed: AtomicU64,
+    pub n_predicted_hit_tokens: AtomicU64,
+    /// Requests whose answer reported fewer cached tokens than predicted, and of those the
+    /// stale routes (predicted from blocks a wipe had taken more than 100 ms before).
+    pub n_kv_misses: AtomicU64,
+    pub n_stale_routes: AtomicU64,
 }
 
 impl Instance {
@@ -48,9 +67,25 @@ impl Instance {
             url: url.into().trim_end_matches('/').to_owned(),
             role,
             in_flight: AtomicUsize::new(0),
+            in_flight_blocks: AtomicUsize::new(0),
             n_requests: AtomicU64::new(0),
             n_failures: AtomicU64::new(0),
+            kv: Mutex::new(KvIndex::default()),
+            n_kv_routed: AtomicU64::new(0),
+            n_predicted_hit_tokens: AtomicU64::new(0),
+            n_kv_misses: AtomicU64::new(0),
+            n_stale_routes: AtomicU64::new(0),
         }
+    }
+
+    /// The instance's prefix index.
+    pub fn kv(&self) -> MutexGuard<'_, KvIndex> {
+        self.kv.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Prompt blocks in flight here.
+    pub fn in_flight_blocks(&self) -> usize {
+        self.in_flight_blocks.load(Ordering::Relaxed)
     }
 
     /// Generation requests the proxy has on this instance now.
@@ -77,20 +112,81 @@ impl Instance {
 #[derive(Debug)]
 pub struct InFlight {
     pub instance: Arc<Instance>,
+    blocks: usize,
+    /// What the prefix routing predicted, to check against the answer's `cached_tokens`.
+    pub prediction: Option<Prediction>,
 }
 
+/// A route by prefix: the cached tokens it expected, under which index generation, when.
+#[derive(Debug, Clone, Copy)]
+pub struct Prediction {
+    pub tokens: usize,
+    pub generation: u64,
+    /// Seconds since the Unix epoch.
+    pub at: f64,
+}
+
+/// How long after a wipe's time a route from blocks it took still counts as an ordinary
+/// miss (the event's way to the proxy), not a stale route.
+pub const STALE_GRACE_S: f64 = 0.1;
+
 impl InFlight {
-    fn start(instance: Arc<Instance>) -> Self {
+    fn start(instance: Arc<Instance>, blocks: usize) -> Self {
         instance.in_flight.fetch_add(1, Ordering::Relaxed);
+        instance
+            .in_flight_blocks
+            .fetch_add(blocks, Ordering::Relaxed);
         instance.n_requests.fetch_add(1, Ordering::Relaxed);
-        Self { instance }
+        Self {
+            instance,
+            blocks,
+            prediction: None,
+        }
+    }
+
+    /// The instance answered with `cached` prompt tokens computed from its cache: a route by
+    /// prefix that expected more is a miss, and a stale route if a wipe explains it.
+    pub fn check_cached(&self, cached: usize) {
+        let Some(p) = self.prediction else { return };
+        if cached >= p.tokens {
+            return;
+        }
+        self.instance.n_kv_misses.fetch_add(1, Ordering::Relaxed);
+        if self
+            .instance
+            .kv()
+            .was_stale(p.generation, p.at, STALE_GRACE_S)
+        {
+            self.instance.n_stale_routes.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                instance = %self.instance.url,
+                predicted = p.tokens,
+                cached,
+                "a stale route: the prefix index still held blocks a wipe had taken"
+            );
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.instance.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.instance
+            .in_flight_blocks
+            .fetch_sub(self.blocks, Ordering::Relaxed);
     }
+}
+
+/// How the proxy picks among the instances of a role.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Routing {
+    /// By prefix (where every candidate's KV events are synced; else by load), with the
+    /// weight of a block to prefill against a block in flight.
+    Kv {
+        overlap_weight: f64,
+    },
+    LeastLoaded,
+    RoundRobin,
 }
 
 /// Every instance, prefill first.
@@ -98,20 +194,97 @@ impl Drop for InFlight {
 pub struct Fleet {
     instances: Vec<Arc<Instance>>,
     next: AtomicUsize,
+    pub routing: Routing,
 }
 
 impl Fleet {
     pub fn new(prefill: &[String], decode: &[String]) -> Self {
+        Self::with_instances(prefill, decode, &[])
+    }
+
+    /// P and D instances, and plain ones (`--instance`).
+    pub fn with_instances(prefill: &[String], decode: &[String], whole: &[String]) -> Self {
         let instances = prefill
             .iter()
             .map(|u| (u, Role::Prefill))
             .chain(decode.iter().map(|u| (u, Role::Decode)))
+            .chain(whole.iter().map(|u| (u, Role::Whole)))
             .map(|(u, role)| Arc::new(Instance::new(u.clone(), role)))
             .collect();
         Self {
             instances,
             next: AtomicUsize::new(0),
+            routing: Routing::LeastLoaded,
         }
+    }
+
+    /// The instances that compute prompts: P, or the plain instances.
+    pub fn prompt_role(&self) -> Role {
+        if self.of(Role::Whole).next().is_some() {
+            Role::Whole
+        } else {
+            Role::Prefill
+        }
+    }
+
+    /// Whether routing `role` by prefix needs the prompt's tokens now: the policy is `kv` and
+    /// every candidate's index is synced.
+    pub fn routes_by_prefix(&self, role: Role) -> bool {
+        matches!(self.routing, Routing::Kv { .. })
+            && role != Role::Decode
+            && self.of(role).all(|i| i.kv().sync == Sync::Synced)
+    }
+
+    /// [`pick`](Self::pick) by prefix when `tokens` are given and [`routes_by_prefix`]
+    /// (Self::routes_by_prefix), recording the prediction and the provisional blocks.
+    pub fn pick_for(
+        &self,
+        role: Role,
+        tried: &[String],
+        tokens: Option<&[u32]>,
+    ) -> Option<InFlight> {
+        let (Some(tokens), Routing::Kv { overlap_weight }) = (tokens, self.routing) else {
+            return self.pick(role, tried);
+        };
+        if !self.routes_by_prefix(role) {
+            return self.pick(role, tried);
+        }
+        let now = Instant::now();
+        let scored: Vec<(f64, usize, usize, &Arc<Instance>)> = self
+            .of(role)
+            .filter(|i| !tried.contains(&i.url))
+            .map(|i| {
+                let kv = i.kv();
+                let bs = kv.block_size.max(1);
+                let overlap = kv.overlap(tokens, now);
+                let to_prefill = (tokens.len() / bs).saturating_sub(overlap);
+                let cost = overlap_weight * to_prefill as f64 + i.in_flight_blocks() as f64;
+                (cost, overlap * bs, i.in_flight(), i)
+            })
+            .collect();
+        let best = scored
+            .iter()
+            .map(|s| (s.0, s.2))
+            .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))?;
+        let tied: Vec<_> = scored.iter().filter(|s| (s.0, s.2) == best).collect();
+        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        let &(_, hit, _, chosen) = tied[turn % tied.len()];
+        let (generation, blocks) = {
+            let mut kv = chosen.kv();
+            kv.add_provisional(tokens, now);
+            (kv.generation(), tokens.len() / kv.block_size.max(1))
+        };
+        chosen.n_kv_routed.fetch_add(1, Ordering::Relaxed);
+        chosen
+            .n_predicted_hit_tokens
+            .fetch_add(hit as u64, Ordering::Relaxed);
+        let mut guard = InFlight::start(Arc::clone(chosen), blocks);
+        guard.prediction = (hit > 0).then(|| Prediction {
+            tokens: hit,
+            generation,
+            at: unix_now(),
+        });
+        Some(guard)
     }
 
     /// Every instance, prefill first, in the order given.
@@ -129,6 +302,13 @@ impl Fleet {
     /// The counts are read once: other requests start and end concurrently, so a second read
     /// may match none of the first's minimum (which answered "no instance" with one idle).
     pub fn pick(&self, role: Role, tried: &[String]) -> Option<InFlight> {
+        if self.routing == Routing::RoundRobin {
+            let candidates: Vec<&Arc<Instance>> =
+                self.of(role).filter(|i| !tried.contains(&i.url)).collect();
+            let turn = self.next.fetch_add(1, Ordering::Relaxed);
+            let chosen = candidates.get(turn % candidates.len().max(1))?;
+            return Some(InFlight::start(Arc::clone(chosen), 0));
+        }
         let loads: Vec<(usize, &Arc<Instance>)> = self
             .of(role)
             .filter(|i| !tried.contains(&i.url))
@@ -142,8 +322,15 @@ impl Fleet {
             .collect();
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
         let chosen = tied[turn % tied.len()];
-        Some(InFlight::start(Arc::clone(chosen)))
+        Some(InFlight::start(Arc::clone(chosen), 0))
     }
+}
+
+/// Seconds since the Unix epoch, as KV event batches stamp them.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 #[cfg(test)]

@@ -103,9 +103,26 @@ impl IntoResponse for Stop {
 async fn generate(app: &ProxyState, route: Route, id: &str, body: &[u8]) -> Result<Response, Stop> {
     let request = parse_object(body)?;
     let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
+    let role = app.fleet.prompt_role();
+    let one_prompt = n_prompts(route, &request) == 1;
+    let tokens = match one_prompt && app.fleet.routes_by_prefix(role) {
+        true => prompt_tokens(app, route, &request, role).await,
+        false => None,
+    };
+    if role == Role::Whole {
+        return decode(
+            app,
+            route,
+            id,
+            request,
+            streaming,
+            (Role::Whole, tokens.as_deref()),
+        )
+        .await;
+    }
     let mut decode_request = request.clone();
-    if n_prompts(route, &request) == 1 {
-        match prefill(app, route, id, request).await? {
+    if one_prompt {
+        match prefill(app, route, id, request, tokens.as_deref()).await? {
             Prefilled::Exported(params) => {
                 decode_request.insert("kv_transfer_params".into(), params);
             }
@@ -119,7 +136,74 @@ async fn generate(app: &ProxyState, route: Route, id: &str, body: &[u8]) -> Resu
     } else {
         decode_request.remove("kv_transfer_params");
     }
-    decode(app, route, id, decode_request, streaming).await
+    decode(
+        app,
+        route,
+        id,
+        decode_request,
+        streaming,
+        (Role::Decode, None),
+    )
+    .await
+}
+
+/// The prompt's token ids, for routing by prefix: given in the request, or from an
+/// instance's `/tokenize` (as the instance will tokenize it: a completion's text with its
+/// special tokens, a chat's messages through the template). `None` (routed by load) when
+/// they cannot be had quickly.
+async fn prompt_tokens(
+    app: &ProxyState,
+    route: Route,
+    request: &Map<String, Value>,
+    role: Role,
+) -> Option<Vec<u32>> {
+    let ids = |v: &Value| -> Option<Vec<u32>> {
+        v.as_array()?
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect()
+    };
+    let body = match route {
+        Route::Completions => match request.get("prompt")? {
+            Value::String(s) => json!({ "prompt": s }),
+            Value::Array(a) if a.len() == 1 && a[0].is_string() => json!({ "prompt": a[0] }),
+            Value::Array(a) if a.len() == 1 && a[0].is_array() => return ids(&a[0]),
+            p => return ids(p),
+        },
+        Route::Chat => {
+            let mut body = json!({
+                "messages": request.get("messages")?,
+                "add_generation_prompt": request.get("add_generation_prompt").unwrap_or(&json!(true)),
+            });
+            if let Some(kwargs) = request.get("chat_template_kwargs") {
+                body["chat_template_kwargs"] = kwargs.clone();
+            }
+            body
+        }
+    };
+    let instance = app.fleet.of(role).next()?;
+    let call = Call {
+        method: Method::POST,
+        path_and_query: "/tokenize",
+        request_id: None,
+        content_type: Some(HeaderValue::from_static("application/json")),
+        body: serde_json::to_vec(&body).ok()?.into(),
+        timeout: Some(Duration::from_secs(2)),
+    };
+    match app.upstream.send_read(instance, call).await {
+        Ok((status, _, answer)) if status.is_success() => {
+            ids(&serde_json::from_slice::<Value>(&answer).ok()?["tokens"])
+        }
+        _ => None,
+    }
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` of a JSON answer.
+fn cached_tokens(answer: &[u8]) -> Option<usize> {
+    let v: Value = serde_json::from_slice(answer).ok()?;
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .map(|n| n as usize)
 }
 
 fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
@@ -186,6 +270,7 @@ async fn prefill(
     route: Route,
     id: &str,
     request: Map<String, Value>,
+    tokens: Option<&[u32]>,
 ) -> Result<Prefilled, Stop> {
     let body = Bytes::from(
         serde_json::to_vec(&prefill_request(route, request)).map_err(|e| {
@@ -194,7 +279,7 @@ async fn prefill(
     );
     let mut tried = Vec::new();
     let mut unreachable = Vec::new();
-    while let Some(guard) = app.fleet.pick(Role::Prefill, &tried) {
+    while let Some(guard) = app.fleet.pick_for(Role::Prefill, &tried, tokens) {
         let instance = Arc::clone(&guard.instance);
         tried.push(instance.url.clone());
         let call = Call {
@@ -210,6 +295,9 @@ async fn prefill(
                 return Err(Stop::Answer(passthrough(status, &headers, answer)))
             }
             Ok((_, _, answer)) => {
+                if let Some(cached) = cached_tokens(&answer) {
+                    guard.check_cached(cached);
+                }
                 drop(guard);
                 return prefilled(&instance, &answer).map_err(Stop::from);
             }
@@ -311,14 +399,16 @@ fn aborted_answer(route: Route, request: &Map<String, Value>, p_answer: Value) -
     response
 }
 
-/// Sends the client's request (with P's parameters) to the least-loaded decode instance and
-/// answers with what it returns, streamed as it comes.
+/// Sends the client's request (with P's parameters) to a decode instance (or the whole
+/// request to a plain one, picked by its prompt's `tokens` when given) and answers with what
+/// it returns, streamed as it comes.
 async fn decode(
     app: &ProxyState,
     route: Route,
     id: &str,
     request: Map<String, Value>,
     streaming: bool,
+    (role, tokens): (Role, Option<&[u32]>),
 ) -> Result<Response, Stop> {
     let body = Bytes::from(
         serde_json::to_vec(&request)
@@ -326,7 +416,7 @@ async fn decode(
     );
     let mut tried = Vec::new();
     let mut unreachable = Vec::new();
-    while let Some(guard) = app.fleet.pick(Role::Decode, &tried) {
+    while let Some(guard) = app.fleet.pick_for(role, &tried, tokens) {
         let instance = Arc::clone(&guard.instance);
         tried.push(instance.url.clone());
         let call = Call {
@@ -348,6 +438,9 @@ async fn decode(
                     instance.record_failure();
                     UpstreamError::from_reqwest(&instance, None, &e)
                 })?;
+                if let Some(cached) = cached_tokens(&answer).filter(|_| status.is_success()) {
+                    guard.check_cached(cached);
+                }
                 return Ok(passthrough(status, &headers, answer));
             }
             Err(e) if e.nothing_sent() => {
@@ -361,7 +454,7 @@ async fn decode(
             }
         }
     }
-    Err(none_reachable(Role::Decode, &unreachable).into())
+    Err(none_reachable(role, &unreachable).into())
 }
 
 /// A 503 when every instance of a role was unreachable (each named), or there is none.

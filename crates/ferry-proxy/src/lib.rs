@@ -22,6 +22,8 @@
 pub mod admin;
 pub mod fleet;
 pub mod generate;
+pub mod kv_index;
+pub mod kv_sub;
 pub mod metrics;
 pub mod routes;
 pub mod upstream;
@@ -36,6 +38,7 @@ use axum::Router;
 use ferry_http::ApiKey;
 
 use crate::fleet::Fleet;
+pub use crate::fleet::Routing;
 pub use crate::upstream::InstanceKey;
 use crate::upstream::Upstream;
 
@@ -46,6 +49,12 @@ pub struct ProxyConfig {
     pub prefill: Vec<String>,
     /// Base URLs of the decode instances.
     pub decode: Vec<String>,
+    /// Base URLs of plain instances (no `--kv-role`), each computing whole requests; instead
+    /// of P and D.
+    pub instances: Vec<String>,
+    /// How instances are picked (`--routing`); by prefix by default, which routes by load
+    /// while an instance publishes no KV events.
+    pub routing: Routing,
     /// Mount the lifecycle admin routes, fanned out to every instance.
     pub enable_admin_api: bool,
     /// The key clients must send (every route but `/health` and `/metrics`), as
@@ -69,6 +78,10 @@ impl ProxyConfig {
         Self {
             prefill,
             decode,
+            instances: Vec::new(),
+            routing: Routing::Kv {
+                overlap_weight: 1.0,
+            },
             enable_admin_api: false,
             api_key: None,
             instance_api_key: None,
@@ -85,13 +98,16 @@ impl ProxyConfig {
 pub struct ProxyState {
     pub config: ProxyConfig,
     pub fleet: Fleet,
-    pub upstream: Upstream,
+    pub upstream: Arc<Upstream>,
 }
 
 /// Why the proxy could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
-    #[error("the proxy needs at least one prefill and one decode instance")]
+    #[error(
+        "the proxy needs at least one prefill and one decode instance, or plain instances \
+         (--instance), not both"
+    )]
     NoInstances,
     #[error("could not build the HTTP client: {0}")]
     Client(#[from] reqwest::Error),
@@ -99,11 +115,26 @@ pub enum ProxyError {
 
 /// The proxy's routes.
 pub fn router(config: ProxyConfig) -> Result<Router, ProxyError> {
-    if config.prefill.is_empty() || config.decode.is_empty() {
+    let pd = !config.prefill.is_empty() && !config.decode.is_empty();
+    let whole = !config.instances.is_empty();
+    if pd == whole || (whole && !(config.prefill.is_empty() && config.decode.is_empty())) {
         return Err(ProxyError::NoInstances);
     }
-    let upstream = Upstream::new(config.connect_timeout, config.instance_api_key.clone())?;
-    let fleet = Fleet::new(&config.prefill, &config.decode);
+    let upstream = Arc::new(Upstream::new(
+        config.connect_timeout,
+        config.instance_api_key.clone(),
+    )?);
+    let mut fleet = Fleet::with_instances(&config.prefill, &config.decode, &config.instances);
+    fleet.routing = config.routing;
+    // The instances that compute prompts are followed through their KV events (outside a
+    // runtime, as in some tests, the proxy routes by load).
+    if matches!(config.routing, Routing::Kv { .. }) {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            for i in fleet.of(fleet.prompt_role()) {
+                rt.spawn(kv_sub::follow(Arc::clone(i), Arc::clone(&upstream)));
+            }
+        }
+    }
     let admin = config.enable_admin_api;
     let api_key = config.api_key.clone();
     let state = Arc::new(ProxyState {

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::sync::atomic::Ordering::Relaxed;
 
 use crate::fleet::Instance;
 
@@ -49,7 +50,7 @@ fn escape(v: &str) -> String {
 
 fn own_metrics(out: &mut String, scrapes: &[Scrape<'_>]) {
     type Figure = fn(&Scrape<'_>) -> u64;
-    let figures: [(&str, &str, &str, &str, Figure); 4] = [
+    let figures: [(&str, &str, &str, &str, Figure); 11] = [
         (
             "ferry_proxy_instance_up",
             "gauge",
@@ -77,6 +78,55 @@ fn own_metrics(out: &mut String, scrapes: &[Scrape<'_>]) {
             "_total",
             "Requests that could not reach the instance or broke off mid-answer.",
             |s| s.instance.n_failures(),
+        ),
+        (
+            "ferry_proxy_kv_synced",
+            "gauge",
+            "",
+            "Whether the proxy follows the instance's KV events (routing it by prefix).",
+            |s| u64::from(s.instance.kv().sync == crate::kv_index::Sync::Synced),
+        ),
+        (
+            "ferry_proxy_kv_index_blocks",
+            "gauge",
+            "",
+            "Blocks the proxy's prefix index holds for the instance.",
+            |s| s.instance.kv().n_blocks() as u64,
+        ),
+        (
+            "ferry_proxy_kv_index_drops",
+            "counter",
+            "_total",
+            "Times the instance's prefix index was dropped (a wipe, a new epoch or version, a lost batch, a clearing admin call).",
+            |s| s.instance.kv().n_drops,
+        ),
+        (
+            "ferry_proxy_kv_routed_requests",
+            "counter",
+            "_total",
+            "Requests routed to the instance by prefix.",
+            |s| s.instance.n_kv_routed.load(Relaxed),
+        ),
+        (
+            "ferry_proxy_kv_predicted_hit_tokens",
+            "counter",
+            "_total",
+            "Prompt tokens the prefix index predicted cached on the instance, over the requests routed there.",
+            |s| s.instance.n_predicted_hit_tokens.load(Relaxed),
+        ),
+        (
+            "ferry_proxy_kv_misses",
+            "counter",
+            "_total",
+            "Requests routed for a predicted hit whose answer reported fewer cached_tokens.",
+            |s| s.instance.n_kv_misses.load(Relaxed),
+        ),
+        (
+            "ferry_proxy_kv_stale_routes",
+            "counter",
+            "_total",
+            "Misses on blocks the index still held from before a wipe, routed more than 100 ms after it.",
+            |s| s.instance.n_stale_routes.load(Relaxed),
         ),
     ];
     for (name, kind, suffix, help, figure) in figures {

@@ -1,24 +1,38 @@
 //! `ferry proxy`: one OpenAI endpoint in front of prefill and decode servers (P/D
-//! disaggregation); the proxy itself is `ferry_proxy`. Here only the flags are checked and
+//! disaggregation), or of plain instances; the proxy itself is `ferry_proxy`. Here only the flags are checked and
 //! turned into a [`ProxyConfig`].
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use ferry_proxy::{InstanceKey, ProxyConfig};
+use ferry_proxy::{InstanceKey, ProxyConfig, Routing};
 use ferry_server::ApiKey;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Base URL of a prefill server (`ferry serve --kv-role kv_producer`), e.g.
     /// `http://127.0.0.1:8100`; repeat the flag or give several for more.
-    #[arg(long, required = true, num_args = 1..)]
+    #[arg(long, required_unless_present = "instance", num_args = 1..)]
     pub prefill: Vec<String>,
     /// Base URL of a decode server (`ferry serve --kv-role kv_consumer`); repeat or give
     /// several for more.
-    #[arg(long, required = true, num_args = 1..)]
+    #[arg(long, required_unless_present = "instance", num_args = 1..)]
     pub decode: Vec<String>,
+    /// Base URL of a plain server (no --kv-role), which computes whole requests; repeat or
+    /// give several. Instead of --prefill and --decode.
+    #[arg(long, num_args = 1.., conflicts_with_all = ["prefill", "decode"])]
+    pub instance: Vec<String>,
+    /// How to pick an instance: `kv` (the one holding the longest prefix of the prompt, by
+    /// the instances' KV events, weighed against its load; an instance that publishes no
+    /// events is routed by load), `least-loaded` or `round-robin`. With P/D, P is picked by
+    /// prefix and D by load.
+    #[arg(long, value_enum, default_value = "kv")]
+    pub routing: RoutingArg,
+    /// With `--routing kv`: the cost of a block to prefill against a block in flight
+    /// (Dynamo's `overlap_weight × prefill blocks + decode blocks`).
+    #[arg(long, default_value_t = 1.0)]
+    pub router_overlap_weight: f64,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -45,6 +59,13 @@ pub struct Args {
     /// weight reload).
     #[arg(long, default_value_t = 600.0)]
     pub admin_timeout_seconds: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RoutingArg {
+    Kv,
+    LeastLoaded,
+    RoundRobin,
 }
 
 fn seconds(value: f64, flag: &str) -> anyhow::Result<Duration> {
@@ -82,12 +103,24 @@ fn config(args: &Args) -> anyhow::Result<ProxyConfig> {
     };
     let prefill = urls(&args.prefill, "--prefill")?;
     let decode = urls(&args.decode, "--decode")?;
+    let instances = urls(&args.instance, "--instance")?;
     let mut seen = std::collections::BTreeSet::new();
-    for url in prefill.iter().chain(&decode) {
+    for url in prefill.iter().chain(&decode).chain(&instances) {
         if !seen.insert(url) {
-            bail!("{url} is given twice (--prefill/--decode): each instance has one role");
+            bail!(
+                "{url} is given twice (--prefill/--decode/--instance): each instance has one role"
+            );
         }
     }
+    let w = args.router_overlap_weight;
+    if !(w.is_finite() && w >= 0.0) {
+        bail!("--router-overlap-weight must be a number of at least 0, got {w}");
+    }
+    let routing = match args.routing {
+        RoutingArg::Kv => Routing::Kv { overlap_weight: w },
+        RoutingArg::LeastLoaded => Routing::LeastLoaded,
+        RoutingArg::RoundRobin => Routing::RoundRobin,
+    };
     Ok(ProxyConfig {
         enable_admin_api: args.enable_admin_api,
         api_key: args.api_key.clone(),
@@ -95,6 +128,8 @@ fn config(args: &Args) -> anyhow::Result<ProxyConfig> {
         connect_timeout: seconds(args.connect_timeout_seconds, "--connect-timeout-seconds")?,
         prefill_timeout: seconds(args.prefill_timeout_seconds, "--prefill-timeout-seconds")?,
         admin_timeout: seconds(args.admin_timeout_seconds, "--admin-timeout-seconds")?,
+        instances,
+        routing,
         ..ProxyConfig::new(prefill, decode)
     })
 }
@@ -111,6 +146,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .context("starting the tokio runtime")?;
     runtime.block_on(async move {
         let (n_prefill, n_decode) = (config.prefill.len(), config.decode.len());
+        let n_instances = config.instances.len();
+        let routing = config.routing;
         let admin = config.enable_admin_api;
         let keyed = config.api_key.is_some();
         let router = ferry_proxy::router(config)?;
@@ -126,6 +163,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tracing::info!(
             n_prefill,
             n_decode,
+            n_instances,
+            ?routing,
             "proxy serving on http://{}",
             listener.local_addr()?
         );

@@ -8,6 +8,7 @@
 //! The tests take one lock each, so their processes never compete for the CPU (several
 //! tests wait on leases and pauses), and each is bounded in time.
 
+mod kv_routing;
 mod procs;
 
 use std::time::{Duration, Instant};

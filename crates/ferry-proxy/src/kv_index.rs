@@ -1,0 +1,300 @@
+//! One instance's prefix cache as its KV events describe it ([`KvIndex`]), for routing a
+//! request to the instance that already holds its prompt's prefix.
+//!
+//! Blocks are keyed by their content, not by the engine's hash: a block's key is a hash of its
+//! parent's key and its tokens, so the proxy finds a prompt's blocks from its tokens alone,
+//! without knowing how the engine hashes (weight version, cache salt). The engine's hashes
+//! are kept only to apply `BlockRemoved` and to place a chain after its parent.
+//!
+//! The index is fenced: it is dropped on `AllBlocksCleared`, on a batch of another weight
+//! version or cache epoch (the engine wiped its cache, even if the clear itself was missed),
+//! on a gap in the sequence numbers that the replay cannot fill, and when a clearing admin
+//! call went through the proxy. A dropped index predicts no hit, so a wipe can cost a hit but
+//! never sends a request to a cache that is gone. Each wipe's time is kept, so a miss on a
+//! route made from blocks a wipe had already taken can be told apart from an eviction
+//! ([`KvIndex::was_stale`]).
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_core::{KvEvent, KvEventBatch, Medium};
+
+/// How long a block the proxy routed a prompt to counts as cached before the engine's event
+/// confirms it (the gap between routing and the prefill).
+pub const PROVISIONAL: Duration = Duration::from_secs(10);
+
+/// Where the index stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sync {
+    /// Not known yet whether the instance publishes events.
+    Unknown,
+    /// It does not (`/kv_events_info` says so): routed by load.
+    NoEvents,
+    /// Subscribed; the replay is not done yet: routed by load.
+    Syncing,
+    /// The index follows the instance's events.
+    Synced,
+}
+
+/// One instance's prefix cache as its events describe it (see the module docs).
+#[derive(Debug)]
+pub struct KvIndex {
+    pub sync: Sync,
+    pub block_size: usize,
+    /// The epoch and weight version of the events applied; `None` before the first.
+    epoch: Option<(u64, Arc<str>)>,
+    /// The last sequence number applied.
+    pub last_seq: Option<u64>,
+    /// Confirmed blocks: key → engine hash.
+    blocks: HashMap<u64, u64>,
+    by_hash: HashMap<u64, u64>,
+    /// Blocks the proxy routed prompts to, not confirmed yet: key → until when.
+    provisional: HashMap<u64, Instant>,
+    /// Every wipe seen: (the index's generation after it, when it happened, seconds since the
+    /// Unix epoch by the instance's clock or the proxy's).
+    wipes: Vec<(u64, f64)>,
+    /// Counts wipes; a route remembers the generation it was predicted under.
+    generation: u64,
+    pub n_drops: u64,
+}
+
+/// The key of the block holding `tokens` after the block keyed `parent` (0: none).
+pub fn block_key(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    // 0 stands for "no parent".
+    h.finish().max(1)
+}
+
+impl Default for KvIndex {
+    fn default() -> Self {
+        Self {
+            sync: Sync::Unknown,
+            block_size: 0,
+            epoch: None,
+            last_seq: None,
+            blocks: HashMap::new(),
+            by_hash: HashMap::new(),
+            provisional: HashMap::new(),
+            wipes: Vec::new(),
+            generation: 0,
+            n_drops: 0,
+        }
+    }
+}
+
+impl KvIndex {
+    /// Confirmed blocks held.
+    pub fn n_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// The index's generation: it moves at every wipe.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Drops everything: the cache was wiped at `at` (seconds since the Unix epoch).
+    pub fn wipe(&mut self, at: f64) {
+        self.blocks.clear();
+        self.by_hash.clear();
+        self.provisional.clear();
+        self.generation += 1;
+        self.n_drops += 1;
+        self.wipes.push((self.generation, at));
+        // Only recent wipes matter for classifying misses.
+        if self.wipes.len() > 64 {
+            self.wipes.remove(0);
+        }
+    }
+
+    /// Applies one batch, stamped `ts` by the publisher.
+    pub fn apply(&mut self, batch: &KvEventBatch, ts: f64) {
+        let fresh = match &self.epoch {
+            Some((e, v)) => *e != batch.epoch || **v != *batch.weight_version,
+            None => false,
+        };
+        if fresh && batch.events.first() != Some(&KvEvent::AllCleared) {
+            // A wipe whose clear this index never saw.
+            self.wipe(ts);
+        }
+        self.epoch = Some((batch.epoch, batch.weight_version.clone()));
+        if batch.block_size > 0 {
+            self.block_size = batch.block_size;
+        }
+        for event in &batch.events {
+            match event {
+                KvEvent::AllCleared => self.wipe(ts),
+                KvEvent::Stored {
+                    hashes,
+                    parent,
+                    tokens,
+                    medium: Medium::Primary,
+                } => self.stored(hashes, *parent, tokens),
+                KvEvent::Removed {
+                    hashes,
+                    medium: Medium::Primary,
+                } => {
+                    for h in hashes {
+                        if let Some(k) = self.by_hash.remove(h) {
+                            self.blocks.remove(&k);
+                        }
+                    }
+                }
+                // The offload tier's blocks are not in the arena: no prefill hit.
+                KvEvent::Stored { .. } | KvEvent::Removed { .. } => {}
+            }
+        }
+    }
+
+    fn stored(&mut self, hashes: &[u64], parent: Option<u64>, tokens: &[u32]) {
+        let bs = self.block_size;
+        let mut key = match parent {
+            None => 0,
+            Some(p) => match self.by_hash.get(&p) {
+                Some(&k) => k,
+                // A chain whose head this index does not hold (stored before the index
+                // started, in batches no longer replayable): it cannot be placed.
+                None => return,
+            },
+        };
+        if bs == 0 || tokens.len() != hashes.len() * bs {
+            return;
+        }
+        for (h, block) in hashes.iter().zip(tokens.chunks(bs)) {
+            key = block_key(key, block);
+            self.blocks.insert(key, *h);
+            self.by_hash.insert(*h, key);
+            self.provisional.remove(&key);
+        }
+    }
+
+    /// How many of `tokens`' leading full blocks the instance holds (or was just sent).
+    pub fn overlap(&self, tokens: &[u32], now: Instant) -> usize {
+        let bs = self.block_size;
+        if bs == 0 {
+            return 0;
+        }
+        let mut key = 0;
+        let mut n = 0;
+        for block in tokens.chunks_exact(bs) {
+            key = block_key(key, block);
+            let held = self.blocks.contains_key(&key)
+                || self.provisional.get(&key).is_some_and(|&t| t > now);
+            if !held {
+                break;
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// `tokens`' full blocks will be cached there soon: the proxy just sent them.
+    pub fn add_provisional(&mut self, tokens: &[u32], now: Instant) {
+        let bs = self.block_size;
+        if bs == 0 {
+            return;
+        }
+        self.provisional.retain(|_, &mut t| t > now);
+        let mut key = 0;
+        for block in tokens.chunks_exact(bs) {
+            key = block_key(key, block);
+            if !self.blocks.contains_key(&key) {
+                self.provisional.insert(key, now + PROVISIONAL);
+            }
+        }
+    }
+
+    /// Whether a route predicted under `generation` at `routed_at` was made more than
+    /// `grace` after a wipe the index had not applied yet: a stale route, the fleet's bug
+    /// (an ordinary miss is an eviction).
+    pub fn was_stale(&self, generation: u64, routed_at: f64, grace: f64) -> bool {
+        self.wipes
+            .iter()
+            .any(|&(g, at)| g > generation && at + grace < routed_at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(epoch: u64, events: Vec<KvEvent>) -> KvEventBatch {
+        KvEventBatch {
+            events,
+            block_size: 2,
+            weight_version: Arc::from("v0"),
+            epoch,
+        }
+    }
+
+    fn stored(hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>) -> KvEvent {
+        KvEvent::Stored {
+            hashes,
+            parent,
+            tokens,
+            medium: Medium::Primary,
+        }
+    }
+
+    #[test]
+    fn a_prompt_finds_its_blocks_and_a_wipe_or_a_new_epoch_drops_them() {
+        let now = Instant::now();
+        let mut ix = KvIndex::default();
+        ix.apply(
+            &batch(0, vec![stored(vec![10, 11], None, vec![1, 2, 3, 4])]),
+            1.0,
+        );
+        ix.apply(&batch(0, vec![stored(vec![12], Some(11), vec![5, 6])]), 1.0);
+        assert_eq!(ix.overlap(&[1, 2, 3, 4, 5, 6, 7], now), 3);
+        assert_eq!(
+            ix.overlap(&[1, 2, 9, 9, 5, 6], now),
+            1,
+            "a prefix, block by block"
+        );
+        ix.apply(
+            &batch(
+                0,
+                vec![KvEvent::Removed {
+                    hashes: vec![11],
+                    medium: Medium::Primary,
+                }],
+            ),
+            1.0,
+        );
+        assert_eq!(ix.overlap(&[1, 2, 3, 4, 5, 6], now), 1);
+        let g = ix.generation();
+        // A batch of the next epoch without its clear (missed): everything is gone.
+        ix.apply(&batch(1, vec![stored(vec![20], None, vec![7, 8])]), 5.0);
+        assert_eq!(ix.overlap(&[1, 2], now), 0);
+        assert_eq!(ix.overlap(&[7, 8], now), 1);
+        assert!(ix.was_stale(g, 5.2, 0.1), "routed 200 ms after the wipe");
+        assert!(!ix.was_stale(g, 5.05, 0.1), "within the grace");
+        assert!(!ix.was_stale(ix.generation(), 9.0, 0.1));
+        ix.apply(&batch(2, vec![KvEvent::AllCleared]), 6.0);
+        assert_eq!((ix.overlap(&[7, 8], now), ix.n_blocks()), (0, 0));
+    }
+
+    #[test]
+    fn provisional_blocks_count_until_confirmed_or_expired() {
+        let now = Instant::now();
+        let mut ix = KvIndex {
+            block_size: 2,
+            ..KvIndex::default()
+        };
+        ix.add_provisional(&[1, 2, 3, 4, 5], now);
+        assert_eq!(ix.overlap(&[1, 2, 3, 4], now), 2);
+        assert_eq!(ix.overlap(&[1, 2, 3, 4], now + PROVISIONAL), 0);
+        ix.apply(&batch(0, vec![stored(vec![1], None, vec![1, 2])]), 1.0);
+        assert_eq!(ix.overlap(&[1, 2], now + PROVISIONAL), 1);
+        ix.wipe(2.0);
+        assert_eq!(
+            ix.overlap(&[1, 2, 3, 4], now),
+            0,
+            "a wipe drops the provisional too"
+        );
+    }
+}

@@ -1,0 +1,134 @@
+//! `ferry proxy --routing kv` (the default) in front of plain instances that publish KV events:
+//! a repeated prefix goes to the instance that holds it; a wipe done on that instance directly
+//! (not through the proxy, as RL frameworks do) stops that the moment its event arrives; and
+//! once an instance announces the prefix again under its new epoch, it gets it back.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use super::bounded;
+use super::procs::*;
+
+/// Events on free ports, with replay.
+const EVENTS: &str = r#"{"enable_kv_cache_events": true, "publisher": "zmq",
+    "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#;
+const BLOCK: usize = 16;
+
+/// One instance's sample of a proxy metric.
+fn of(text: &str, name: &str, url: &str) -> f64 {
+    let label = format!("instance=\"{url}\"");
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(&label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A prompt of `shared` blocks of the shared prefix and then a suffix of its own.
+fn prompt(suffix: u32) -> Vec<u32> {
+    let mut p: Vec<u32> = (0..3 * BLOCK as u32).map(|i| 3 + i * 5 % 190).collect();
+    p.extend([200 + suffix, 201 + suffix, 7, 9]);
+    p
+}
+
+/// Sends one completion through the proxy; the cached tokens its answer reports.
+async fn send(proxy: &str, suffix: u32) -> u64 {
+    let body =
+        json!({"model": "tiny", "prompt": prompt(suffix), "max_tokens": 1, "temperature": 0});
+    let (status, answer) = post(&format!("{proxy}/v1/completions"), &body).await;
+    assert_eq!(status, 200, "{answer}");
+    answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens: {answer}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_goes_where_it_is_cached_and_never_to_a_wiped_cache() {
+    bounded(async {
+        let (a, b) = (
+            serve(&["--kv-events-config", EVENTS]),
+            serve(&["--kv-events-config", EVENTS]),
+        );
+        let (a, b) = (a.ready(), b.ready());
+        let args = [
+            "proxy",
+            "--port",
+            "0",
+            "--instance",
+            &a.url,
+            "--instance",
+            &b.url,
+        ];
+        let proxy = spawn(&args.map(String::from), &[]).ready();
+        let p = proxy.url.as_str();
+        wait_metrics(p, Duration::from_secs(30), |m| {
+            metric(m, "ferry_proxy_kv_synced") == 2.0
+        })
+        .await;
+
+        // The first request computes the prefix somewhere; once its blocks are announced,
+        // every request sharing it goes there and hits them.
+        assert_eq!(send(p, 0).await, 0);
+        let m = wait_metrics(p, Duration::from_secs(10), |m| {
+            metric(m, "ferry_proxy_kv_index_blocks") >= 3.0
+        })
+        .await;
+        let (holder, other) = match of(&m, "ferry_proxy_kv_index_blocks", &a.url) >= 3.0 {
+            true => (&a, &b),
+            false => (&b, &a),
+        };
+        for suffix in 1..=4 {
+            assert_eq!(send(p, suffix).await, 3 * BLOCK as u64, "request {suffix}");
+        }
+        let m = metrics_text(p).await;
+        assert_eq!(
+            of(&m, "ferry_proxy_kv_routed_requests_total", &holder.url),
+            5.0
+        );
+        assert_eq!(
+            of(&m, "ferry_proxy_kv_routed_requests_total", &other.url),
+            0.0
+        );
+        assert_eq!(
+            metric(&m, "ferry_proxy_kv_predicted_hit_tokens_total"),
+            4.0 * 3.0 * BLOCK as f64
+        );
+
+        // The holder is wiped directly: its event drops the index, and the proxy predicts no
+        // hit there any more.
+        let (status, body) = post(&format!("{}/reset_prefix_cache", holder.url), &json!({})).await;
+        assert_eq!(status, 200, "{body}");
+        wait_metrics(p, Duration::from_secs(2), |m| {
+            of(m, "ferry_proxy_kv_index_blocks", &holder.url) == 0.0
+        })
+        .await;
+        assert_eq!(send(p, 5).await, 0, "nothing is cached anywhere now");
+        let m = metrics_text(p).await;
+        assert_eq!(
+            metric(&m, "ferry_proxy_kv_predicted_hit_tokens_total"),
+            4.0 * 3.0 * BLOCK as f64
+        );
+        assert_eq!(metric(&m, "ferry_proxy_kv_misses_total"), 0.0);
+        assert_eq!(metric(&m, "ferry_proxy_kv_stale_routes_total"), 0.0);
+
+        // That request stored the prefix again where it ran: the proxy follows it there.
+        let m = wait_metrics(p, Duration::from_secs(10), |m| {
+            metric(m, "ferry_proxy_kv_index_blocks") >= 3.0
+        })
+        .await;
+        let new_holder = if of(&m, "ferry_proxy_kv_index_blocks", &a.url) >= 3.0 {
+            &a
+        } else {
+            &b
+        };
+        let before = of(&m, "ferry_proxy_kv_routed_requests_total", &new_holder.url);
+        assert_eq!(send(p, 6).await, 3 * BLOCK as u64);
+        let m = metrics_text(p).await;
+        assert_eq!(
+            of(&m, "ferry_proxy_kv_routed_requests_total", &new_holder.url),
+            before + 1.0
+        );
+        assert_eq!(metric(&m, "ferry_proxy_kv_misses_total"), 0.0);
+    })
+    .await;
+}
