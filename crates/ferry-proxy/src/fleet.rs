@@ -2,7 +2,7 @@
 //! requests (and prompt blocks) the proxy has in flight on it and keeps its prefix cache as
 //! its KV events describe it ([`KvIndex`]); [`Fleet::pick`] takes one of a role by the
 //! [`Routing`] policy: by prefix (`kv`: Dynamo's cost, `overlap_weight × blocks to prefill +
-//! blocks in flight`), the least-loaded one, or in turn. Ties go round-robin, so an idle fleet
+//! decode blocks in flight`), the least-loaded one, or in turn. Ties go round-robin, so an idle fleet
 //! still spreads requests. `kv` routes by load while any candidate's index is not synced.
 //!
 //! The counts are the proxy's own, not the instances' `/metrics`: they are exact for traffic
@@ -47,7 +47,8 @@ pub struct Instance {
     pub url: String,
     pub role: Role,
     in_flight: AtomicUsize,
-    /// Full prompt blocks of the requests in flight (the routing cost's load term).
+    /// Blocks the requests in flight here will decode into (the routing cost's load term,
+    /// Dynamo's "decode blocks": a prompt's own blocks are the prefill term of its route).
     in_flight_blocks: AtomicUsize,
     n_requests: AtomicU64,
     n_failures: AtomicU64,
@@ -83,7 +84,7 @@ impl Instance {
         self.kv.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Prompt blocks in flight here.
+    /// Decode blocks in flight here.
     pub fn in_flight_blocks(&self) -> usize {
         self.in_flight_blocks.load(Ordering::Relaxed)
     }
@@ -235,44 +236,48 @@ impl Fleet {
             && self.of(role).all(|i| i.kv().sync == Sync::Synced)
     }
 
-    /// [`pick`](Self::pick) by prefix when `tokens` are given and [`routes_by_prefix`]
-    /// (Self::routes_by_prefix), recording the prediction and the provisional blocks.
+    /// [`pick`](Self::pick) by prefix when the prompt's `tokens` (and the tokens the request
+    /// will decode there) are given and [`routes_by_prefix`](Self::routes_by_prefix),
+    /// recording the prediction and the provisional blocks. The cost of an instance is
+    /// `overlap_weight × the prompt's blocks it would prefill + the decode blocks in flight
+    /// there`; the lowest wins, then the one with fewer requests in flight, then in turn.
     pub fn pick_for(
         &self,
         role: Role,
         tried: &[String],
-        tokens: Option<&[u32]>,
+        prompt: Option<(&[u32], usize)>,
     ) -> Option<InFlight> {
-        let (Some(tokens), Routing::Kv { overlap_weight }) = (tokens, self.routing) else {
+        let (Some((tokens, n_decode)), Routing::Kv { overlap_weight }) = (prompt, self.routing)
+        else {
             return self.pick(role, tried);
         };
         if !self.routes_by_prefix(role) {
             return self.pick(role, tried);
         }
         let now = Instant::now();
-        let scored: Vec<(f64, usize, usize, &Arc<Instance>)> = self
+        let scored: Vec<(f64, usize, usize, usize, &Arc<Instance>)> = self
             .of(role)
             .filter(|i| !tried.contains(&i.url))
             .map(|i| {
                 let kv = i.kv();
                 let bs = kv.block_size.max(1);
                 let overlap = kv.overlap(tokens, now);
-                let to_prefill = (tokens.len() / bs).saturating_sub(overlap);
+                let to_prefill = tokens.len().div_ceil(bs).saturating_sub(overlap);
                 let cost = overlap_weight * to_prefill as f64 + i.in_flight_blocks() as f64;
-                (cost, overlap * bs, i.in_flight(), i)
+                (cost, overlap * bs, n_decode.div_ceil(bs), i.in_flight(), i)
             })
             .collect();
         let best = scored
             .iter()
-            .map(|s| (s.0, s.2))
+            .map(|s| (s.0, s.3))
             .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))?;
-        let tied: Vec<_> = scored.iter().filter(|s| (s.0, s.2) == best).collect();
+        let tied: Vec<_> = scored.iter().filter(|s| (s.0, s.3) == best).collect();
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
-        let &(_, hit, _, chosen) = tied[turn % tied.len()];
-        let (generation, blocks) = {
+        let &(_, hit, blocks, _, chosen) = tied[turn % tied.len()];
+        let generation = {
             let mut kv = chosen.kv();
             kv.add_provisional(tokens, now);
-            (kv.generation(), tokens.len() / kv.block_size.max(1))
+            kv.generation()
         };
         chosen.n_kv_routed.fetch_add(1, Ordering::Relaxed);
         chosen

@@ -110,19 +110,18 @@ async fn generate(app: &ProxyState, route: Route, id: &str, body: &[u8]) -> Resu
         false => None,
     };
     if role == Role::Whole {
-        return decode(
-            app,
-            route,
-            id,
-            request,
-            streaming,
-            (Role::Whole, tokens.as_deref()),
-        )
-        .await;
+        // The tokens it will decode there: what the request asks for (vLLM's default for a
+        // completion without a bound, 16, stands in for a chat's).
+        let n_decode = ["max_tokens", "max_completion_tokens"]
+            .iter()
+            .find_map(|k| request.get(*k)?.as_u64())
+            .unwrap_or(16) as usize;
+        let prompt = tokens.as_deref().map(|t| (t, n_decode));
+        return decode(app, route, id, request, streaming, (Role::Whole, prompt)).await;
     }
     let mut decode_request = request.clone();
     if one_prompt {
-        match prefill(app, route, id, request, tokens.as_deref()).await? {
+        match prefill(app, route, id, request, tokens.as_deref().map(|t| (t, 1))).await? {
             Prefilled::Exported(params) => {
                 decode_request.insert("kv_transfer_params".into(), params);
             }
@@ -270,7 +269,7 @@ async fn prefill(
     route: Route,
     id: &str,
     request: Map<String, Value>,
-    tokens: Option<&[u32]>,
+    prompt: Option<(&[u32], usize)>,
 ) -> Result<Prefilled, Stop> {
     let body = Bytes::from(
         serde_json::to_vec(&prefill_request(route, request)).map_err(|e| {
@@ -279,7 +278,7 @@ async fn prefill(
     );
     let mut tried = Vec::new();
     let mut unreachable = Vec::new();
-    while let Some(guard) = app.fleet.pick_for(Role::Prefill, &tried, tokens) {
+    while let Some(guard) = app.fleet.pick_for(Role::Prefill, &tried, prompt) {
         let instance = Arc::clone(&guard.instance);
         tried.push(instance.url.clone());
         let call = Call {
@@ -408,7 +407,7 @@ async fn decode(
     id: &str,
     request: Map<String, Value>,
     streaming: bool,
-    (role, tokens): (Role, Option<&[u32]>),
+    (role, prompt): (Role, Option<(&[u32], usize)>),
 ) -> Result<Response, Stop> {
     let body = Bytes::from(
         serde_json::to_vec(&request)
@@ -416,7 +415,7 @@ async fn decode(
     );
     let mut tried = Vec::new();
     let mut unreachable = Vec::new();
-    while let Some(guard) = app.fleet.pick_for(role, &tried, tokens) {
+    while let Some(guard) = app.fleet.pick_for(role, &tried, prompt) {
         let instance = Arc::clone(&guard.instance);
         tried.push(instance.url.clone());
         let call = Call {

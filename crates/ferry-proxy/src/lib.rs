@@ -1,21 +1,28 @@
 //! ferry-proxy: one OpenAI-compatible endpoint in front of ferry prefill (P) and decode (D)
-//! servers (`ferry serve --kv-role kv_producer | kv_consumer`), as `ferry proxy` runs it.
+//! servers (`ferry serve --kv-role kv_producer | kv_consumer`), or of plain servers
+//! (`--instance`), as `ferry proxy` runs it.
 //!
-//! A generation request goes to the least-loaded P with `max_tokens: 1` and
+//! A generation request goes to a P with `max_tokens: 1` and
 //! `kv_transfer_params: {"do_remote_decode": true}`, then, unchanged but for P's returned
-//! `kv_transfer_params`, to the least-loaded D, whose answer streams back ([`generate`]). The
+//! `kv_transfer_params`, to the least-loaded D, whose answer streams back ([`generate`]); with
+//! plain instances it goes whole to one. P (or the plain instance) is picked by prefix: the one
+//! whose prefix cache, as its KV events describe it, holds most of the prompt, weighed against
+//! its load ([`fleet`], [`kv_index`], [`kv_sub`]). The
 //! lifecycle admin routes go to every instance and report each one's result ([`admin`]);
 //! `/health` and `/metrics` summarise the fleet (`/health` with `version_skew`: whether the
 //! instances run different weight versions, [`versions`]), and `/v1/models`, `/tokenize`,
 //! `/detokenize` and `/version` are answered by one instance ([`routes`]).
 //!
-//! The key decisions: the proxy holds no state but its in-flight counts ([`fleet`]), so it
-//! can be restarted or run twice at will; it validates only what it must read (a JSON
+//! The key decisions: the proxy holds no state but its in-flight counts and the prefix
+//! indexes it rebuilds from the instances' events (replayed at start; dropped on every wipe,
+//! so they never predict a hit on a cache that is gone), so it can be restarted or run twice
+//! at will; it validates only what it must read (a JSON
 //! object, how many prompts), so every refusal is the instances' own 400 naming the field;
 //! and every call to an instance has a connect timeout, so an instance that is down is a 503
 //! naming it, never a hang ([`upstream`]).
 //!
-//! It speaks HTTP only: `ferry-http` gives it the wire shapes it shares with the instances
+//! It speaks HTTP, and ZMQ for the events (`ferry-kv-events`): `ferry-http` gives it the wire
+//! shapes it shares with the instances
 //! (the OpenAI error body, the request id rules, the API key check, the body limit), and it
 //! depends on nothing of the engine behind them: building the proxy builds no model.
 

@@ -72,7 +72,12 @@ pub async fn health(State(app): State<Arc<ProxyState>>) -> Response {
             v
         })
         .collect();
-    if healthy(Role::Prefill) && healthy(Role::Decode) {
+    // The roles the fleet needs: P and D, or its plain instances.
+    let roles: &[Role] = match app.fleet.prompt_role() {
+        Role::Whole => &[Role::Whole],
+        _ => &[Role::Prefill, Role::Decode],
+    };
+    if roles.iter().all(|r| healthy(*r)) {
         let status = if results.iter().all(Result::is_ok) {
             "ok"
         } else {
@@ -82,8 +87,9 @@ pub async fn health(State(app): State<Arc<ProxyState>>) -> Response {
                            "version_skew": version_skew, "weight_versions": weight_versions}))
         .into_response();
     }
-    let down: Vec<&str> = [Role::Prefill, Role::Decode]
-        .into_iter()
+    let down: Vec<&str> = roles
+        .iter()
+        .copied()
         .filter(|r| !healthy(*r))
         .map(Role::as_str)
         .collect();
@@ -167,7 +173,8 @@ pub async fn forward(
     let order = app
         .fleet
         .of(Role::Decode)
-        .chain(app.fleet.of(Role::Prefill));
+        .chain(app.fleet.of(Role::Prefill))
+        .chain(app.fleet.of(Role::Whole));
     let mut unreachable = Vec::new();
     for instance in order {
         let call = Call {

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod bench_lifecycle;
 mod bench_model;
 mod bench_offload;
+mod bench_route;
 mod bench_scheduler;
 mod bench_serve;
 mod bench_transfer;
@@ -64,6 +65,9 @@ enum BenchCommand {
     /// The CPU offload tier: store and load throughput against memcpy, and time to first
     /// token on repeated prefixes that do not fit the KV cache, with and without the tier.
     Offload(bench_offload::Args),
+    /// `ferry proxy`'s routing policies on a shared-prefix workload: TTFT, prefix-cache hit
+    /// rate, misses and stale routes per policy, against one instance with all the KV.
+    Route(bench_route::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -83,6 +87,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Lifecycle(args)) => bench_lifecycle::run(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run(args),
         Command::Bench(BenchCommand::Offload(args)) => bench_offload::run(args),
+        Command::Bench(BenchCommand::Route(args)) => bench_route::run(args),
         Command::MakeModel(cmd) => make_model::run(cmd),
     }
 }
