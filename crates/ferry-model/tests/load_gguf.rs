@@ -7,7 +7,9 @@ use std::path::Path;
 
 use ferry_model::load::gguf::{GgmlType, GgufFile, GgufValue};
 use ferry_model::load::gguf_model::{hf_tensor_name, unpermute_rows};
+use ferry_model::load::WeightFiles;
 use ferry_model::{load_model, load_model_with_progress, LlamaConfig, LoadError};
+use ferry_model::{PreparedWeights, WeightSlots};
 
 // ---------------------------------------------------------------------------------------------
 // A minimal GGUF writer (the format as the GGUF spec describes it).
@@ -536,6 +538,7 @@ fn metadata_becomes_the_config() {
         max_position_embeddings: 4096,
         tie_word_embeddings: true,
         attention_bias: false,
+        o_proj_bias: false,
         qk_norm: false,
         bos_token_id: Some(5),
         eos_token_ids: vec![5],
@@ -604,20 +607,63 @@ fn tokenizer_from_metadata() {
     assert_eq!(tok.decode(&[3, 4, 3, 5], true).unwrap(), "ab ab");
 }
 
+/// Slots for a reload that must fail before any tensor is read.
+struct NoSlots;
+
+impl WeightSlots for NoSlots {
+    fn slot(&mut self, idx: usize) -> &mut [f32] {
+        panic!("tensor {idx} read: the reload should have been refused first")
+    }
+
+    fn finish(self: Box<Self>) -> PreparedWeights {
+        panic!("the reload should have been refused")
+    }
+}
+
+/// A tensor the forward would not read is refused, naming it, whatever its type: dropping a
+/// weight is a silently wrong answer.
 #[test]
-fn unsupported_type_names_the_tensor_only_when_needed() {
+fn an_unused_tensor_is_refused_naming_it() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("m.gguf");
-    // An unused Q4_K tensor does not block loading.
-    write_model(&path, true, |ts| {
-        ts.push(GgufTensor {
-            name: "blk.0.unused.weight".into(),
-            dims: vec![256, 1],
-            ty: 12,
-            bytes: vec![0; 144],
-        })
-    });
-    load_model(&path).unwrap();
+    let extra = [
+        ("blk.0.unused.weight", None),
+        // A later layer's bias where layer 0 (which sets the config) has none.
+        (
+            "blk.1.attn_output.bias",
+            Some("model.layers.1.self_attn.o_proj.bias"),
+        ),
+    ];
+    for (name, hf) in extra {
+        write_model(&path, true, |ts| {
+            ts.push(GgufTensor {
+                name: name.into(),
+                dims: vec![256, 1],
+                ty: 12,
+                bytes: vec![0; 144],
+            })
+        });
+        match load_model(&path).unwrap_err() {
+            LoadError::UnusedTensor {
+                path: p, tensor, ..
+            } => {
+                assert_eq!(p, path);
+                let want = hf.map_or(name.to_owned(), |hf| format!("{name} ({hf})"));
+                assert_eq!(tensor, want);
+            }
+            other => panic!("expected UnusedTensor, got {other:?}"),
+        }
+        let err = WeightFiles::open(&path)
+            .and_then(|f| f.read_into(&mut NoSlots))
+            .unwrap_err();
+        assert!(matches!(err, LoadError::UnusedTensor { .. }), "{err:?}");
+    }
+}
+
+#[test]
+fn unsupported_type_names_the_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
     // A needed one is an error naming it.
     write_model(&path, true, |ts| {
         let t = ts

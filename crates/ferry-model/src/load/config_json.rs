@@ -69,6 +69,7 @@ pub fn parse_config(json: &Value, path: &Path) -> Result<LlamaConfig, LoadError>
         }
     };
     let (rope_theta, rope_scaling) = rope(&fields)?;
+    let bias_flag = fields.opt_bool("attention_bias")?.unwrap_or(false);
     let config = LlamaConfig {
         vocab_size: fields.usize("vocab_size")?,
         hidden_size,
@@ -84,9 +85,10 @@ pub fn parse_config(json: &Value, path: &Path) -> Result<LlamaConfig, LoadError>
         rope_scaling,
         max_position_embeddings: fields.opt_usize("max_position_embeddings")?.unwrap_or(2048),
         tie_word_embeddings: fields.opt_bool("tie_word_embeddings")?.unwrap_or(false),
-        // Qwen2 always has q/k/v biases (its config has no flag); Llama and Qwen3 say so.
-        attention_bias: flavour == Flavour::Qwen2
-            || fields.opt_bool("attention_bias")?.unwrap_or(false),
+        // Qwen2 always has q/k/v biases and never an o_proj one (its config has no flag);
+        // Llama and Qwen3 put a bias on all four projections when `attention_bias` says so.
+        attention_bias: flavour == Flavour::Qwen2 || bias_flag,
+        o_proj_bias: flavour != Flavour::Qwen2 && bias_flag,
         qk_norm: flavour == Flavour::Qwen3,
         bos_token_id: fields.opt_u32("bos_token_id")?,
         eos_token_ids: eos_ids(json, path)?,

@@ -141,6 +141,7 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
         max_position_embeddings: meta.opt_usize("llama.context_length")?.unwrap_or(2048),
         tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
         attention_bias: gguf.tensor_info("blk.0.attn_q.bias").is_some(),
+        o_proj_bias: gguf.tensor_info("blk.0.attn_output.bias").is_some(),
         qk_norm: false,
         bos_token_id: meta.opt_u32("tokenizer.ggml.bos_token_id")?,
         eos_token_ids,
@@ -174,7 +175,8 @@ fn rope_scaling(meta: &Meta<'_>) -> Result<Option<RopeScaling>, LoadError> {
 
 /// Every expected tensor, dequantized straight into `dest` (as tensor `idx` of
 /// [`expected_tensors`]), checked against its expected shape, and (q/k) with llama.cpp's
-/// rope permutation undone.
+/// rope permutation undone; first, every tensor of the file is checked to be one of them
+/// ([`check_unused`]).
 pub(crate) fn gguf_weights(
     gguf: &GgufFile,
     config: &LlamaConfig,
@@ -182,6 +184,7 @@ pub(crate) fn gguf_weights(
     progress: Progress<'_>,
 ) -> Result<(), LoadError> {
     let expected = expected_tensors(config);
+    check_unused(gguf, &expected)?;
     let n_expected = expected.len();
     let mut by_hf_name = std::collections::HashMap::new();
     for info in &gguf.tensors {
@@ -226,6 +229,30 @@ pub(crate) fn gguf_weights(
             None => gguf.dequantize_into(info, out)?,
         }
         progress(idx + 1, n_expected, &name);
+    }
+    Ok(())
+}
+
+/// Refuses a file holding a tensor the forward would not read, naming it (with its Hugging
+/// Face name where it has one): a bias of a later layer only, a tensor of another
+/// architecture. `rope_freqs.weight` never gets here: [`gguf_config`] refuses it first.
+fn check_unused(gguf: &GgufFile, expected: &[(String, Vec<usize>)]) -> Result<(), LoadError> {
+    let wanted: std::collections::HashSet<&str> =
+        expected.iter().map(|(name, _)| name.as_str()).collect();
+    for info in &gguf.tensors {
+        let hf = hf_tensor_name(&info.name);
+        if hf.as_deref().is_some_and(|n| wanted.contains(n)) {
+            continue;
+        }
+        let tensor = match hf {
+            Some(hf) => format!("{} ({hf})", info.name),
+            None => info.name.clone(),
+        };
+        return Err(LoadError::UnusedTensor {
+            path: gguf.path.clone(),
+            tensor,
+            message: "the forward of this config does not read it (see docs/model.md)".into(),
+        });
     }
     Ok(())
 }

@@ -292,7 +292,8 @@ pub fn reference_logits(c: &LlamaConfig, w: &WeightStore, tokens: &[u32]) -> Vec
             let o = linear(
                 &attn,
                 t(w, &format!("{p}.self_attn.o_proj.weight")),
-                None,
+                c.o_proj_bias
+                    .then(|| t(w, &format!("{p}.self_attn.o_proj.bias"))),
                 h,
             );
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
