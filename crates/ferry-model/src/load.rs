@@ -424,6 +424,16 @@ pub enum ModelSpec {
     Path(PathBuf),
 }
 
+/// `tiny`, or the path as written (what start-up errors name).
+impl std::fmt::Display for ModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Tiny => f.write_str("tiny"),
+            Self::Path(path) => write!(f, "{}", path.display()),
+        }
+    }
+}
+
 impl ModelSpec {
     /// `tiny` → [`ModelSpec::Tiny`]; no argument → the default model in `cache_dir`; anything
     /// else is a path.

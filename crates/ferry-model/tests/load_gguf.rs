@@ -670,7 +670,7 @@ fn unsupported_type_names_the_tensor() {
             .iter_mut()
             .find(|t| t.name == "blk.0.ffn_up.weight")
             .unwrap();
-        t.ty = 12; // Q4_K
+        t.ty = 10; // Q2_K
     });
     let err = load_model(&path).unwrap_err();
     match &err {
@@ -681,10 +681,80 @@ fn unsupported_type_names_the_tensor() {
         } => {
             assert_eq!(p, &path);
             assert_eq!(tensor, "blk.0.ffn_up.weight");
-            assert!(dtype.starts_with("ggml type 12"), "{dtype}");
+            assert!(dtype.starts_with("Q2_K "), "{dtype}");
         }
         other => panic!("expected UnsupportedDtype, got {other:?}"),
     }
+    // The message a user reads: the path as written, the type by ggml's name.
+    let text = err.to_string();
+    assert!(text.starts_with(&format!("{}: ", path.display())), "{text}");
+    assert!(
+        !text.contains("Path(") && !text.contains("ggml type"),
+        "{text}"
+    );
+}
+
+/// Q5_0, Q5_1, Q4_K and Q6_K blocks of random bytes dequantize to the bits the `gguf`
+/// package gives (tests/golden/ggml_dequant.json, from
+/// scripts/golden/make_ggml_dequant.py): the definition the stored-precision kernels are
+/// then held to.
+#[test]
+fn k_quant_and_q5_dequantization_matches_the_gguf_package() {
+    use ferry_model::load::gguf::dequantize;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/ggml_dequant.json");
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for (name, id) in [("Q5_0", 6), ("Q5_1", 7), ("Q4_K", 12), ("Q6_K", 14)] {
+        let case = &golden[name];
+        let hex = case["bytes"].as_str().unwrap();
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        let want: Vec<u32> = case["bits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u32)
+            .collect();
+        let ty = GgmlType::from_id(id);
+        assert_eq!(ty.to_string(), name);
+        let got = dequantize(ty, &bytes, want.len()).unwrap();
+        let got: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g,
+                w,
+                "{name} element {i}: {} vs gguf {}",
+                f32::from_bits(*g),
+                f32::from_bits(*w)
+            );
+        }
+        // The same values through ferry's dtype (what the kernels are tested against).
+        let dtype = ferry_model::WeightDtype::from_ggml(ty).unwrap();
+        let mut via_dtype = vec![0.0; want.len()];
+        ferry_model::dtype::dequantize_into(dtype, &bytes, &mut via_dtype);
+        assert!(via_dtype
+            .iter()
+            .map(|x| x.to_bits())
+            .eq(want.iter().copied()));
+    }
+}
+
+#[test]
+fn ggml_types_are_named_as_ggml_names_them() {
+    for (id, name) in [
+        (6, "Q5_0"),
+        (12, "Q4_K"),
+        (14, "Q6_K"),
+        (30, "BF16"),
+        (23, "IQ4_XS"),
+    ] {
+        assert_eq!(GgmlType::from_id(id).to_string(), name);
+    }
+    assert_eq!(GgmlType::from_id(4).to_string(), "ggml type 4");
+    assert_eq!(GgmlType::from_id(999).to_string(), "ggml type 999");
 }
 
 #[test]
