@@ -660,6 +660,33 @@ fn an_unused_tensor_is_refused_naming_it() {
     }
 }
 
+/// A GGUF's `tokenizer.ggml.pre = "qwen2"` splits as Qwen2's tokenizer.json does (each digit
+/// alone, letters with one leading non-letter), not as GPT-2 does.
+#[test]
+fn the_qwen2_pre_tokenizer_splits_digits_one_by_one() {
+    use ferry_model::load::tokenizer::{byte_level_bpe, ByteLevelBpeSpec, PreTokenizerKind};
+    let tokens: Vec<String> = ["a", "b", "1", "2", "Ġ", "ab", "12", "Ġab", ",", "Ġ,"]
+        .map(String::from)
+        .into();
+    let merges = [("a", "b"), ("1", "2"), ("Ġ", "ab"), ("Ġ", ",")]
+        .map(|(a, b)| (a.to_owned(), b.to_owned()))
+        .into();
+    let ids = |pre: PreTokenizerKind, text: &str| {
+        let spec = ByteLevelBpeSpec {
+            tokens: tokens.clone(),
+            merges: Vec::clone(&merges),
+            special_ids: vec![],
+            added_ids: vec![],
+            bos_id: None,
+            pre_tokenizer: pre,
+        };
+        let tok = byte_level_bpe(&spec).unwrap();
+        tok.encode(text, false).unwrap().get_ids().to_vec()
+    };
+    assert_eq!(ids(PreTokenizerKind::Gpt2, "ab12 ab ,"), [5, 6, 7, 9]);
+    assert_eq!(ids(PreTokenizerKind::Qwen2, "ab12 ab ,"), [5, 2, 3, 7, 9]);
+}
+
 #[test]
 fn unsupported_type_names_the_tensor() {
     let tmp = tempfile::tempdir().unwrap();
