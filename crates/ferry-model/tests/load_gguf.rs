@@ -769,6 +769,33 @@ fn k_quant_and_q5_dequantization_matches_the_gguf_package() {
     }
 }
 
+/// A quantized tensor whose rows are not whole blocks (a Q4_K row of 128: the 256 elements
+/// would fill one block only by running across rows) is refused naming it.
+#[test]
+fn rows_of_partial_blocks_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("rows.gguf");
+    let tensor = GgufTensor {
+        name: "x".into(),
+        dims: vec![128, 2],
+        ty: 12,
+        bytes: vec![0; 144],
+    };
+    write_gguf(&path, &[], &[tensor]);
+    match GgufFile::open(&path).unwrap_err() {
+        LoadError::TensorData {
+            tensor, message, ..
+        } => {
+            assert_eq!(tensor, "x");
+            assert!(
+                message.contains("not whole Q4_K blocks of 256"),
+                "{message}"
+            );
+        }
+        other => panic!("expected TensorData, got {other:?}"),
+    }
+}
+
 #[test]
 fn ggml_types_are_named_as_ggml_names_them() {
     for (id, name) in [

@@ -311,13 +311,25 @@ impl GgufFile {
         self.tensors.iter().find(|t| t.name == name)
     }
 
-    /// The raw bytes of a tensor; errors name the tensor when its type is unsupported or its
-    /// data runs past the end of the file.
+    /// The raw bytes of a tensor; errors name the tensor when its type is unsupported, its
+    /// rows are not whole blocks (ggml requires them to be; a Q4_K row is a multiple of 256)
+    /// or its data runs past the end of the file.
     pub fn tensor_bytes(&self, info: &GgufTensorInfo) -> Result<&[u8], LoadError> {
         let len = info
             .dtype
             .byte_size(info.numel())
             .ok_or_else(|| self.unsupported(info))?;
+        let (block, _) = info.dtype.block().ok_or_else(|| self.unsupported(info))?;
+        if let Some(&row) = info.dims.first().filter(|&&d| d % block as u64 != 0) {
+            return Err(LoadError::TensorData {
+                path: self.path.clone(),
+                tensor: info.name.clone(),
+                message: format!(
+                    "rows of {row} elements are not whole {} blocks of {block}",
+                    info.dtype
+                ),
+            });
+        }
         let start = usize::try_from(info.offset)
             .ok()
             .and_then(|o| o.checked_add(self.data_start));
