@@ -46,4 +46,9 @@ pub enum RopeScaling {
     },
     /// Plain linear position interpolation.
     Linear { factor: f32 },
+    /// Per-frequency divisors of the base frequencies (`head_dim / 2` of them): a GGUF's
+    /// `rope_freqs.weight`, which is how llama.cpp's converter writes Llama 3's scaling
+    /// (its factors are `1 / (llama3 scale)` of each frequency, so dividing by them gives
+    /// Hugging Face's frequencies to f32 precision).
+    Factors { factors: Vec<f32> },
 }

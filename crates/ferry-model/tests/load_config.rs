@@ -306,3 +306,23 @@ fn written_config_parses_back_identically() {
         assert_eq!(parse(&to_hf_config_json(&c)).unwrap(), c, "{arch}");
     }
 }
+
+/// A GGUF's rope factors (`RopeScaling::Factors`) written into a folder read back as they
+/// were (ferry's own `rope_freqs` rope type), and a list of the wrong length is refused.
+#[test]
+fn rope_factors_round_trip_and_are_checked() {
+    let mut c = parse(&llama()).unwrap();
+    c.head_dim = 4;
+    c.rope_scaling = Some(RopeScaling::Factors {
+        factors: vec![1.0, 3.25],
+    });
+    let json = to_hf_config_json(&c);
+    assert_eq!(json["rope_scaling"]["rope_type"], "rope_freqs");
+    assert_eq!(parse(&json).unwrap(), c);
+    let mut short = json.clone();
+    short["rope_scaling"]["factors"] = json!([1.0]);
+    match parse(&short).unwrap_err() {
+        LoadError::Field { field, .. } => assert_eq!(field, "rope_scaling.factors"),
+        other => panic!("expected Field, got {other:?}"),
+    }
+}

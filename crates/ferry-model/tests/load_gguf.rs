@@ -859,8 +859,10 @@ fn other_architectures_are_refused() {
     }
 }
 
+/// Partial rope is refused; so are rope factors (`rope_freqs.weight`, used as the rope
+/// scaling: `tests/load_gguf_models.rs`) of the wrong length, or beside a scaling type.
 #[test]
-fn partial_rope_and_llama3_rope_freqs_are_refused() {
+fn partial_rope_and_misfit_rope_freqs_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("m.gguf");
     let mut kv = model_metadata();
@@ -875,11 +877,33 @@ fn partial_rope_and_llama3_rope_freqs_are_refused() {
     write_gguf(
         &path,
         &model_metadata(),
-        &[f32_tensor("rope_freqs.weight", &[2], &[1.0, 1.0])],
+        &[f32_tensor("rope_freqs.weight", &[3], &[1.0, 1.0, 2.0])],
     );
     match load_model(&path).unwrap_err() {
-        LoadError::UnsupportedRope { rope_type, .. } => assert!(rope_type.starts_with("llama3")),
-        other => panic!("expected UnsupportedRope, got {other:?}"),
+        LoadError::TensorShape {
+            tensor, expected, ..
+        } => assert_eq!((tensor.as_str(), expected), ("rope_freqs.weight", vec![2])),
+        other => panic!("expected TensorShape, got {other:?}"),
+    }
+    let mut kv = model_metadata();
+    kv.push(("llama.rope.scaling.type", Meta::Str("linear")));
+    write_gguf(
+        &path,
+        &kv,
+        &[f32_tensor("rope_freqs.weight", &[2], &[1.0, 2.0])],
+    );
+    match load_model(&path).unwrap_err() {
+        LoadError::Field { field, .. } => assert_eq!(field, "llama.rope.scaling.type"),
+        other => panic!("expected Field, got {other:?}"),
+    }
+    write_gguf(
+        &path,
+        &model_metadata(),
+        &[f32_tensor("rope_freqs.weight", &[2], &[1.0, -2.0])],
+    );
+    match load_model(&path).unwrap_err() {
+        LoadError::Field { field, .. } => assert_eq!(field, "rope_scaling.factors"),
+        other => panic!("expected Field, got {other:?}"),
     }
 }
 

@@ -343,6 +343,112 @@ fn k_quant_and_q5_ggufs_load_and_match_the_reference() {
     }
 }
 
+/// A Llama 3.1-style GGUF: llama.cpp's converter writes the llama3 rope scaling as
+/// per-frequency factors in `rope_freqs.weight` (its `generate_extra_tensors`), which the
+/// loader reads into the config and the forward uses: logits match the reference forward of
+/// the Hugging Face config with `rope_scaling` llama3, and differ from the unscaled model's.
+#[test]
+fn a_gguf_with_rope_freqs_computes_the_llama3_scaled_model() {
+    let (factor, low, high, old) = (8.0f64, 1.0f64, 4.0f64, 64.0f64);
+    let hf = LlamaConfig {
+        rope_theta: 500_000.0,
+        rope_scaling: Some(ferry_model::RopeScaling::Llama3 {
+            factor: factor as f32,
+            low_freq_factor: low as f32,
+            high_freq_factor: high as f32,
+            original_max_position_embeddings: old as usize,
+        }),
+        ..small_config()
+    };
+    let d = hf.head_dim;
+    // The converter's factors, in f64 then stored as f32.
+    let factors: Vec<f32> = (0..d / 2)
+        .map(|i| {
+            let freq = 1.0 / 500_000f64.powf((2 * i) as f64 / d as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let f = if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            f as f32
+        })
+        .collect();
+    assert!(
+        factors.iter().any(|&f| f > 1.0 && f < 8.0),
+        "a blended band"
+    );
+    let in_file = LlamaConfig {
+        rope_scaling: Some(ferry_model::RopeScaling::Factors {
+            factors: factors.clone(),
+        }),
+        ..hf.clone()
+    };
+    let weights = random_weights(&hf, 13);
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("llama3.gguf");
+    let held = write_gguf(&path, "llama", &hf, &weights, |_| WeightDtype::F32);
+    // The file as converted: the factors beside the weights (appended, rewritten).
+    append_rope_freqs(&path, &factors);
+    let loaded = load_model(&path).unwrap();
+    assert_eq!(loaded.config, in_file);
+    let mut model = LlamaModel::new(&loaded.config, &loaded.weights).unwrap();
+    // Against Hugging Face's llama3 frequencies (the reference computes them from `hf`).
+    let scaled = check_forward(&hf, &mut model, &held);
+    let mut plain = LlamaModel::new(&small_config_with(&hf), &loaded.weights).unwrap();
+    let mut kv = arena_for(&plain, 64, BS);
+    let mut pool = Pool::new(64, BS, 3);
+    let mut seq = Seq::new(0, random_tokens(9, hf.vocab_size, 5));
+    let n = seq.tokens.len();
+    let logits = step(&mut plain, &mut kv, &mut pool, &mut [&mut seq], &[n]);
+    assert_ne!(
+        bits(logits.row(0)),
+        scaled[0],
+        "the factors change the model"
+    );
+}
+
+/// `config` without rope scaling.
+fn small_config_with(config: &LlamaConfig) -> LlamaConfig {
+    LlamaConfig {
+        rope_scaling: None,
+        ..config.clone()
+    }
+}
+
+/// Rewrites the GGUF at `path` with `rope_freqs.weight` (f32) added after its tensors.
+fn append_rope_freqs(path: &Path, factors: &[f32]) {
+    use ferry_model::load::gguf::GgufFile;
+    let gguf = GgufFile::open(path).unwrap();
+    let kv: Vec<(String, Meta)> = gguf
+        .metadata
+        .iter()
+        .map(|(k, v)| {
+            let m = match v {
+                ferry_model::load::gguf::GgufValue::U32(x) => Meta::U32(*x),
+                ferry_model::load::gguf::GgufValue::F32(x) => Meta::F32(*x),
+                other => Meta::Str(other.as_str().unwrap().to_owned()),
+            };
+            (k.clone(), m)
+        })
+        .collect();
+    let mut tensors: Vec<(String, Vec<usize>, u32, Vec<u8>)> = gguf
+        .tensors
+        .iter()
+        .map(|t| {
+            let bytes = gguf.tensor_bytes(t).unwrap().to_vec();
+            (t.name.clone(), t.shape(), t.dtype.id(), bytes)
+        })
+        .collect();
+    let bytes = factors.iter().flat_map(|f| f.to_le_bytes()).collect();
+    tensors.push(("rope_freqs.weight".into(), vec![factors.len()], 0, bytes));
+    drop(gguf);
+    std::fs::write(path, gguf_bytes(&kv, &tensors)).unwrap();
+}
+
 /// A Qwen2 GGUF with an `o_proj` bias (which Qwen2 does not have) is refused naming it, as
 /// is one lacking the q/k/v biases every Qwen2 has.
 #[test]

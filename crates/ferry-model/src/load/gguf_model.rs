@@ -101,12 +101,6 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
         });
     };
     let k = |key: &str| format!("{arch}.{key}");
-    if gguf.tensor_info("rope_freqs.weight").is_some() {
-        return Err(LoadError::UnsupportedRope {
-            path: gguf.path.clone(),
-            rope_type: "llama3 (per-frequency factors in rope_freqs.weight)".into(),
-        });
-    }
     let hidden_size = meta.usize(&k("embedding_length"))?;
     let num_attention_heads = meta.usize(&k("attention.head_count"))?;
     if num_attention_heads == 0 {
@@ -150,7 +144,7 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
             .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
             .unwrap_or(1e-5),
         rope_theta: meta.opt_f32(&k("rope.freq_base"))?.unwrap_or(10_000.0),
-        rope_scaling: rope_scaling(&meta, arch)?,
+        rope_scaling: rope_scaling(&meta, arch, head_dim)?,
         max_position_embeddings: meta.opt_usize(&k("context_length"))?.unwrap_or(2048),
         tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
         attention_bias: arch == "qwen2" || gguf.tensor_info("blk.0.attn_q.bias").is_some(),
@@ -163,11 +157,25 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
     Ok(config)
 }
 
-fn rope_scaling(meta: &Meta<'_>, arch: &str) -> Result<Option<RopeScaling>, LoadError> {
+/// The file's rope scaling: the per-frequency factors of `rope_freqs.weight` (llama.cpp's
+/// converter writes Llama 3's scaling that way), or `<arch>.rope.scaling.*` (none or linear).
+/// Both at once is refused: which one llama.cpp applies depends on its version.
+fn rope_scaling(
+    meta: &Meta<'_>,
+    arch: &str,
+    head_dim: usize,
+) -> Result<Option<RopeScaling>, LoadError> {
     let k = |key: &str| format!("{arch}.{key}");
     let key = &k("rope.scaling.type");
+    let factors = rope_factors(meta.gguf, head_dim)?;
     let kind = match meta.gguf.get(key) {
-        None => return Ok(None),
+        None => return Ok(factors),
+        Some(_) if factors.is_some() => {
+            return Err(meta.err(
+                key,
+                "given beside rope_freqs.weight; expected one of the two",
+            ))
+        }
         Some(v) => v
             .as_str()
             .ok_or_else(|| meta.err(key, "expected a string"))?,
@@ -186,6 +194,28 @@ fn rope_scaling(meta: &Meta<'_>, arch: &str) -> Result<Option<RopeScaling>, Load
         }),
     }
 }
+
+/// `rope_freqs.weight` as [`RopeScaling::Factors`], checked to hold `head_dim / 2` factors;
+/// `None` when the file has none.
+fn rope_factors(gguf: &GgufFile, head_dim: usize) -> Result<Option<RopeScaling>, LoadError> {
+    let Some(info) = gguf.tensor_info(ROPE_FREQS) else {
+        return Ok(None);
+    };
+    if info.shape() != [head_dim / 2] {
+        return Err(LoadError::TensorShape {
+            path: gguf.path.clone(),
+            tensor: ROPE_FREQS.into(),
+            expected: vec![head_dim / 2],
+            actual: info.shape(),
+        });
+    }
+    let factors = gguf.dequantize(info)?;
+    Ok(Some(RopeScaling::Factors { factors }))
+}
+
+/// The GGUF tensor of per-frequency rope factors, read into the config rather than the
+/// weights.
+const ROPE_FREQS: &str = "rope_freqs.weight";
 
 /// Every expected tensor, dequantized straight into `dest` (as tensor `idx` of
 /// [`expected_tensors`]), checked against its expected shape, and (q/k) with llama.cpp's
@@ -249,11 +279,11 @@ pub(crate) fn gguf_weights(
 
 /// Refuses a file holding a tensor the forward would not read, naming it (with its Hugging
 /// Face name where it has one): a bias of a later layer only, a tensor of another
-/// architecture. `rope_freqs.weight` never gets here: [`gguf_config`] refuses it first.
+/// architecture. `rope_freqs.weight` is read by [`gguf_config`] into the rope scaling.
 fn check_unused(gguf: &GgufFile, expected: &[(String, Vec<usize>)]) -> Result<(), LoadError> {
     let wanted: std::collections::HashSet<&str> =
         expected.iter().map(|(name, _)| name.as_str()).collect();
-    for info in &gguf.tensors {
+    for info in gguf.tensors.iter().filter(|t| t.name != ROPE_FREQS) {
         let hf = hf_tensor_name(&info.name);
         if hf.as_deref().is_some_and(|n| wanted.contains(n)) {
             continue;

@@ -164,6 +164,11 @@ fn ref_inv_freq(c: &LlamaConfig) -> Vec<f64> {
     match &c.rope_scaling {
         None => base,
         Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / *factor as f64).collect(),
+        Some(RopeScaling::Factors { factors }) => base
+            .iter()
+            .zip(factors)
+            .map(|(f, &d)| f / d as f64)
+            .collect(),
         Some(RopeScaling::Llama3 {
             factor,
             low_freq_factor,
