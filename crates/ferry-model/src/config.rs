@@ -21,8 +21,12 @@ pub struct LlamaConfig {
     pub rope_scaling: Option<RopeScaling>,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
-    /// Bias on q/k/v projections (Qwen2/2.5).
+    /// Bias on q/k/v projections (Qwen2/2.5 always; Llama and Qwen3 with `attention_bias`).
     pub attention_bias: bool,
+    /// Bias on the output projection `o_proj` (Llama and Qwen3 with `attention_bias`, which
+    /// transformers gives every attention projection; never Qwen2, whose `o_proj` has none).
+    #[serde(default)]
+    pub o_proj_bias: bool,
     /// RMSNorm on q and k per head before rope (Qwen3).
     pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
@@ -42,4 +46,9 @@ pub enum RopeScaling {
     },
     /// Plain linear position interpolation.
     Linear { factor: f32 },
+    /// Per-frequency divisors of the base frequencies (`head_dim / 2` of them): a GGUF's
+    /// `rope_freqs.weight`, which is how llama.cpp's converter writes Llama 3's scaling
+    /// (its factors are `1 / (llama3 scale)` of each frequency, so dividing by them gives
+    /// Hugging Face's frequencies to f32 precision).
+    Factors { factors: Vec<f32> },
 }

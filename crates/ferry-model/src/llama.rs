@@ -339,6 +339,10 @@ impl LlamaModel {
         });
         let proj = take(&mut s.proj, n * h);
         timed(Phase::LayerMatmuls, || matmul(attn, &lw.o_proj, proj, n));
+        if let Some(bias) = &lw.o_bias {
+            proj.chunks_exact_mut(h)
+                .for_each(|row| add_assign(row, bias));
+        }
         add_assign(x, proj);
 
         let normed = take(&mut s.normed, n * h);

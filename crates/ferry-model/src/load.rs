@@ -23,7 +23,7 @@ use crate::dtype::WeightDtype;
 use crate::weights::update::WeightSlots;
 use crate::{LlamaConfig, StoredTensor, Tensor, WeightStore};
 
-pub use expected::expected_tensors;
+pub use expected::{expected_tensors, is_ignorable};
 
 /// File name of the default real model (SmolLM2-135M-Instruct, Q4_1) inside `<cache>/models/`,
 /// where `scripts/fetch-model.sh` puts it.
@@ -91,6 +91,14 @@ pub enum LoadError {
         path: PathBuf,
         tensor: String,
         dtype: String,
+    },
+    /// A tensor in the file that the forward would not read: loading it anyway would give
+    /// outputs other than the checkpoint's, with no warning.
+    #[error("{path}: tensor `{tensor}` is not used by this model: {message}")]
+    UnusedTensor {
+        path: PathBuf,
+        tensor: String,
+        message: String,
     },
     #[error("{path}: tensor `{tensor}`: {message}")]
     TensorData {
@@ -414,6 +422,16 @@ pub enum ModelSpec {
     /// The deterministic random-weight model built into the binary ([`crate::tiny`]).
     Tiny,
     Path(PathBuf),
+}
+
+/// `tiny`, or the path as written (what start-up errors name).
+impl std::fmt::Display for ModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Tiny => f.write_str("tiny"),
+            Self::Path(path) => write!(f, "{}", path.display()),
+        }
+    }
 }
 
 impl ModelSpec {

@@ -113,6 +113,7 @@ pub fn tiny_config() -> LlamaConfig {
         max_position_embeddings: 2048,
         tie_word_embeddings: false,
         attention_bias: false,
+        o_proj_bias: false,
         qk_norm: false,
         bos_token_id: Some(special_id(ENDOFTEXT)),
         eos_token_ids: vec![special_id(IM_END)],

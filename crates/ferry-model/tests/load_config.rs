@@ -55,6 +55,7 @@ fn llama_fields_and_defaults() {
         max_position_embeddings: 8192,
         tie_word_embeddings: true,
         attention_bias: false,
+        o_proj_bias: false,
         qk_norm: false,
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
@@ -152,7 +153,26 @@ fn qwen2_has_attention_bias() {
     v["use_sliding_window"] = json!(false);
     let c = parse(&v).unwrap();
     assert!(c.attention_bias);
+    assert!(!c.o_proj_bias, "Qwen2's o_proj has no bias");
     assert!(!c.qk_norm);
+    v["attention_bias"] = json!(true);
+    assert!(!parse(&v).unwrap().o_proj_bias);
+}
+
+/// transformers gives Llama and Qwen3 a bias on all four attention projections when
+/// `attention_bias` is set, `o_proj` included.
+#[test]
+fn llama_and_qwen3_attention_bias_covers_o_proj() {
+    for arch in ["LlamaForCausalLM", "Qwen3ForCausalLM"] {
+        let mut v = llama();
+        v["architectures"] = json!([arch]);
+        let c = parse(&v).unwrap();
+        assert!(!c.attention_bias && !c.o_proj_bias, "{arch}");
+        v["attention_bias"] = json!(true);
+        let c = parse(&v).unwrap();
+        assert!(c.attention_bias && c.o_proj_bias, "{arch}");
+        assert_eq!(parse(&to_hf_config_json(&c)).unwrap(), c, "{arch}");
+    }
 }
 
 #[test]
@@ -284,5 +304,25 @@ fn written_config_parses_back_identically() {
         v["architectures"] = json!([arch]);
         let c = parse(&v).unwrap();
         assert_eq!(parse(&to_hf_config_json(&c)).unwrap(), c, "{arch}");
+    }
+}
+
+/// A GGUF's rope factors (`RopeScaling::Factors`) written into a folder read back as they
+/// were (ferry's own `rope_freqs` rope type), and a list of the wrong length is refused.
+#[test]
+fn rope_factors_round_trip_and_are_checked() {
+    let mut c = parse(&llama()).unwrap();
+    c.head_dim = 4;
+    c.rope_scaling = Some(RopeScaling::Factors {
+        factors: vec![1.0, 3.25],
+    });
+    let json = to_hf_config_json(&c);
+    assert_eq!(json["rope_scaling"]["rope_type"], "rope_freqs");
+    assert_eq!(parse(&json).unwrap(), c);
+    let mut short = json.clone();
+    short["rope_scaling"]["factors"] = json!([1.0]);
+    match parse(&short).unwrap_err() {
+        LoadError::Field { field, .. } => assert_eq!(field, "rope_scaling.factors"),
+        other => panic!("expected Field, got {other:?}"),
     }
 }

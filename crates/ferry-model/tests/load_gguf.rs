@@ -7,7 +7,9 @@ use std::path::Path;
 
 use ferry_model::load::gguf::{GgmlType, GgufFile, GgufValue};
 use ferry_model::load::gguf_model::{hf_tensor_name, unpermute_rows};
+use ferry_model::load::WeightFiles;
 use ferry_model::{load_model, load_model_with_progress, LlamaConfig, LoadError};
+use ferry_model::{PreparedWeights, WeightSlots};
 
 // ---------------------------------------------------------------------------------------------
 // A minimal GGUF writer (the format as the GGUF spec describes it).
@@ -536,6 +538,7 @@ fn metadata_becomes_the_config() {
         max_position_embeddings: 4096,
         tie_word_embeddings: true,
         attention_bias: false,
+        o_proj_bias: false,
         qk_norm: false,
         bos_token_id: Some(5),
         eos_token_ids: vec![5],
@@ -604,27 +607,97 @@ fn tokenizer_from_metadata() {
     assert_eq!(tok.decode(&[3, 4, 3, 5], true).unwrap(), "ab ab");
 }
 
+/// Slots for a reload that must fail before any tensor is read.
+struct NoSlots;
+
+impl WeightSlots for NoSlots {
+    fn slot(&mut self, idx: usize) -> &mut [f32] {
+        panic!("tensor {idx} read: the reload should have been refused first")
+    }
+
+    fn finish(self: Box<Self>) -> PreparedWeights {
+        panic!("the reload should have been refused")
+    }
+}
+
+/// A tensor the forward would not read is refused, naming it, whatever its type: dropping a
+/// weight is a silently wrong answer.
 #[test]
-fn unsupported_type_names_the_tensor_only_when_needed() {
+fn an_unused_tensor_is_refused_naming_it() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("m.gguf");
-    // An unused Q4_K tensor does not block loading.
-    write_model(&path, true, |ts| {
-        ts.push(GgufTensor {
-            name: "blk.0.unused.weight".into(),
-            dims: vec![256, 1],
-            ty: 12,
-            bytes: vec![0; 144],
-        })
-    });
-    load_model(&path).unwrap();
+    let extra = [
+        ("blk.0.unused.weight", None),
+        // A later layer's bias where layer 0 (which sets the config) has none.
+        (
+            "blk.1.attn_output.bias",
+            Some("model.layers.1.self_attn.o_proj.bias"),
+        ),
+    ];
+    for (name, hf) in extra {
+        write_model(&path, true, |ts| {
+            ts.push(GgufTensor {
+                name: name.into(),
+                dims: vec![256, 1],
+                ty: 12,
+                bytes: vec![0; 144],
+            })
+        });
+        match load_model(&path).unwrap_err() {
+            LoadError::UnusedTensor {
+                path: p, tensor, ..
+            } => {
+                assert_eq!(p, path);
+                let want = hf.map_or(name.to_owned(), |hf| format!("{name} ({hf})"));
+                assert_eq!(tensor, want);
+            }
+            other => panic!("expected UnusedTensor, got {other:?}"),
+        }
+        let err = WeightFiles::open(&path)
+            .and_then(|f| f.read_into(&mut NoSlots))
+            .unwrap_err();
+        assert!(matches!(err, LoadError::UnusedTensor { .. }), "{err:?}");
+    }
+}
+
+/// A GGUF's `tokenizer.ggml.pre = "qwen2"` splits as Qwen2's tokenizer.json does (each digit
+/// alone, letters with one leading non-letter), not as GPT-2 does.
+#[test]
+fn the_qwen2_pre_tokenizer_splits_digits_one_by_one() {
+    use ferry_model::load::tokenizer::{byte_level_bpe, ByteLevelBpeSpec, PreTokenizerKind};
+    let tokens: Vec<String> = ["a", "b", "1", "2", "Ġ", "ab", "12", "Ġab", ",", "Ġ,"]
+        .map(String::from)
+        .into();
+    let merges = [("a", "b"), ("1", "2"), ("Ġ", "ab"), ("Ġ", ",")]
+        .map(|(a, b)| (a.to_owned(), b.to_owned()))
+        .into();
+    let ids = |pre: PreTokenizerKind, text: &str| {
+        let spec = ByteLevelBpeSpec {
+            tokens: tokens.clone(),
+            merges: Vec::clone(&merges),
+            special_ids: vec![],
+            added_ids: vec![],
+            bos_id: None,
+            pre_tokenizer: pre,
+        };
+        let tok = byte_level_bpe(&spec).unwrap();
+        tok.encode(text, false).unwrap().get_ids().to_vec()
+    };
+    assert_eq!(ids(PreTokenizerKind::Gpt2, "ab12 ab ,"), [5, 6, 7, 9]);
+    assert_eq!(ids(PreTokenizerKind::Qwen2, "ab12 ab ,"), [5, 2, 3, 7, 9]);
+}
+
+#[test]
+fn unsupported_type_names_the_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
     // A needed one is an error naming it.
     write_model(&path, true, |ts| {
         let t = ts
             .iter_mut()
             .find(|t| t.name == "blk.0.ffn_up.weight")
             .unwrap();
-        t.ty = 12; // Q4_K
+        t.ty = 10; // Q2_K
     });
     let err = load_model(&path).unwrap_err();
     match &err {
@@ -635,10 +708,107 @@ fn unsupported_type_names_the_tensor_only_when_needed() {
         } => {
             assert_eq!(p, &path);
             assert_eq!(tensor, "blk.0.ffn_up.weight");
-            assert!(dtype.starts_with("ggml type 12"), "{dtype}");
+            assert!(dtype.starts_with("Q2_K "), "{dtype}");
         }
         other => panic!("expected UnsupportedDtype, got {other:?}"),
     }
+    // The message a user reads: the path as written, the type by ggml's name.
+    let text = err.to_string();
+    assert!(text.starts_with(&format!("{}: ", path.display())), "{text}");
+    assert!(
+        !text.contains("Path(") && !text.contains("ggml type"),
+        "{text}"
+    );
+}
+
+/// Q5_0, Q5_1, Q4_K and Q6_K blocks of random bytes dequantize to the bits the `gguf`
+/// package gives (tests/golden/ggml_dequant.json, from
+/// scripts/golden/make_ggml_dequant.py): the definition the stored-precision kernels are
+/// then held to.
+#[test]
+fn k_quant_and_q5_dequantization_matches_the_gguf_package() {
+    use ferry_model::load::gguf::dequantize;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/ggml_dequant.json");
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for (name, id) in [("Q5_0", 6), ("Q5_1", 7), ("Q4_K", 12), ("Q6_K", 14)] {
+        let case = &golden[name];
+        let hex = case["bytes"].as_str().unwrap();
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        let want: Vec<u32> = case["bits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u32)
+            .collect();
+        let ty = GgmlType::from_id(id);
+        assert_eq!(ty.to_string(), name);
+        let got = dequantize(ty, &bytes, want.len()).unwrap();
+        let got: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g,
+                w,
+                "{name} element {i}: {} vs gguf {}",
+                f32::from_bits(*g),
+                f32::from_bits(*w)
+            );
+        }
+        // The same values through ferry's dtype (what the kernels are tested against).
+        let dtype = ferry_model::WeightDtype::from_ggml(ty).unwrap();
+        let mut via_dtype = vec![0.0; want.len()];
+        ferry_model::dtype::dequantize_into(dtype, &bytes, &mut via_dtype);
+        assert!(via_dtype
+            .iter()
+            .map(|x| x.to_bits())
+            .eq(want.iter().copied()));
+    }
+}
+
+/// A quantized tensor whose rows are not whole blocks (a Q4_K row of 128: the 256 elements
+/// would fill one block only by running across rows) is refused naming it.
+#[test]
+fn rows_of_partial_blocks_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("rows.gguf");
+    let tensor = GgufTensor {
+        name: "x".into(),
+        dims: vec![128, 2],
+        ty: 12,
+        bytes: vec![0; 144],
+    };
+    write_gguf(&path, &[], &[tensor]);
+    match GgufFile::open(&path).unwrap_err() {
+        LoadError::TensorData {
+            tensor, message, ..
+        } => {
+            assert_eq!(tensor, "x");
+            assert!(
+                message.contains("not whole Q4_K blocks of 256"),
+                "{message}"
+            );
+        }
+        other => panic!("expected TensorData, got {other:?}"),
+    }
+}
+
+#[test]
+fn ggml_types_are_named_as_ggml_names_them() {
+    for (id, name) in [
+        (6, "Q5_0"),
+        (12, "Q4_K"),
+        (14, "Q6_K"),
+        (30, "BF16"),
+        (23, "IQ4_XS"),
+    ] {
+        assert_eq!(GgmlType::from_id(id).to_string(), name);
+    }
+    assert_eq!(GgmlType::from_id(4).to_string(), "ggml type 4");
+    assert_eq!(GgmlType::from_id(999).to_string(), "ggml type 999");
 }
 
 #[test]
@@ -689,8 +859,10 @@ fn other_architectures_are_refused() {
     }
 }
 
+/// Partial rope is refused; so are rope factors (`rope_freqs.weight`, used as the rope
+/// scaling: `tests/load_gguf_models.rs`) of the wrong length, or beside a scaling type.
 #[test]
-fn partial_rope_and_llama3_rope_freqs_are_refused() {
+fn partial_rope_and_misfit_rope_freqs_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("m.gguf");
     let mut kv = model_metadata();
@@ -705,11 +877,33 @@ fn partial_rope_and_llama3_rope_freqs_are_refused() {
     write_gguf(
         &path,
         &model_metadata(),
-        &[f32_tensor("rope_freqs.weight", &[2], &[1.0, 1.0])],
+        &[f32_tensor("rope_freqs.weight", &[3], &[1.0, 1.0, 2.0])],
     );
     match load_model(&path).unwrap_err() {
-        LoadError::UnsupportedRope { rope_type, .. } => assert!(rope_type.starts_with("llama3")),
-        other => panic!("expected UnsupportedRope, got {other:?}"),
+        LoadError::TensorShape {
+            tensor, expected, ..
+        } => assert_eq!((tensor.as_str(), expected), ("rope_freqs.weight", vec![2])),
+        other => panic!("expected TensorShape, got {other:?}"),
+    }
+    let mut kv = model_metadata();
+    kv.push(("llama.rope.scaling.type", Meta::Str("linear")));
+    write_gguf(
+        &path,
+        &kv,
+        &[f32_tensor("rope_freqs.weight", &[2], &[1.0, 2.0])],
+    );
+    match load_model(&path).unwrap_err() {
+        LoadError::Field { field, .. } => assert_eq!(field, "llama.rope.scaling.type"),
+        other => panic!("expected Field, got {other:?}"),
+    }
+    write_gguf(
+        &path,
+        &model_metadata(),
+        &[f32_tensor("rope_freqs.weight", &[2], &[1.0, -2.0])],
+    );
+    match load_model(&path).unwrap_err() {
+        LoadError::Field { field, .. } => assert_eq!(field, "rope_scaling.factors"),
+        other => panic!("expected Field, got {other:?}"),
     }
 }
 

@@ -6,7 +6,10 @@ use std::path::Path;
 
 use ferry_model::load::config_json::to_hf_config_json;
 use ferry_model::load::load_hf_folder;
-use ferry_model::{expected_tensors, load_model, LlamaConfig, LoadError};
+use ferry_model::load::WeightFiles;
+use ferry_model::{
+    expected_tensors, load_model, LlamaConfig, LlamaPreparer, LoadError, WeightPreparer,
+};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
@@ -26,6 +29,7 @@ fn small_config() -> LlamaConfig {
         max_position_embeddings: 64,
         tie_word_embeddings: false,
         attention_bias: false,
+        o_proj_bias: false,
         qk_norm: false,
         bos_token_id: None,
         eos_token_ids: vec![9],
@@ -151,6 +155,23 @@ fn sharded_round_trip() {
     assert_loaded_equals(tmp.path(), &config, &entries);
 }
 
+/// A Llama folder with `attention_bias` holds an `o_proj.bias` per layer, and it is loaded.
+#[test]
+fn llama_attention_bias_loads_the_o_proj_bias() {
+    let config = LlamaConfig {
+        attention_bias: true,
+        o_proj_bias: true,
+        ..small_config()
+    };
+    let entries = entries(&config, |_| Dtype::F32);
+    assert!(entries
+        .iter()
+        .any(|e| e.name == "model.layers.1.self_attn.o_proj.bias"));
+    let tmp = tempfile::tempdir().unwrap();
+    write_folder(tmp.path(), &config, &entries, 1);
+    assert_loaded_equals(tmp.path(), &config, &entries);
+}
+
 #[test]
 fn tied_embeddings_need_no_lm_head_and_extra_tensors_are_ignored() {
     let mut config = small_config();
@@ -167,6 +188,75 @@ fn tied_embeddings_need_no_lm_head_and_extra_tensors_are_ignored() {
     write_folder(tmp.path(), &config, &entries, 1);
     let model = load_model(tmp.path()).unwrap();
     assert_eq!(model.weights.tensors.len(), entries.len() - 1);
+    assert!(model.weights.get("lm_head.weight").is_none());
+}
+
+/// A tensor the forward would not read is refused at load and by a reload from disk, naming
+/// it and its file, in a single file or in any shard.
+#[test]
+fn an_unused_tensor_is_refused_naming_it() {
+    let config = small_config();
+    for n_shards in [1, 3] {
+        let mut entries = entries(&config, |_| Dtype::F32);
+        entries.push(Entry {
+            name: "model.layers.1.self_attn.o_proj.bias".into(),
+            shape: vec![8],
+            dtype: Dtype::F32,
+            data: vec![0.5; 8],
+        });
+        let tmp = tempfile::tempdir().unwrap();
+        write_folder(tmp.path(), &config, &entries, n_shards);
+        let check = |err: LoadError| match err {
+            LoadError::UnusedTensor { path, tensor, .. } => {
+                assert_eq!(tensor, "model.layers.1.self_attn.o_proj.bias");
+                assert!(path.starts_with(tmp.path()), "{}", path.display());
+            }
+            other => panic!("expected UnusedTensor, got {other:?}"),
+        };
+        check(load_model(tmp.path()).unwrap_err());
+        check(ferry_model::load::load_model_stored(tmp.path()).unwrap_err());
+        let files = WeightFiles::open(tmp.path()).unwrap();
+        let mut slots = LlamaPreparer::new(config.clone())
+            .slots(&expected_tensors(&config))
+            .unwrap();
+        check(files.read_into(slots.as_mut()).unwrap_err());
+    }
+}
+
+/// A tied model's `lm_head.weight` is accepted when it equals the embedding (a checkpoint
+/// saved without de-duplicating the tie) and refused when it differs.
+#[test]
+fn a_tied_head_must_equal_the_embedding() {
+    let mut config = small_config();
+    config.tie_word_embeddings = true;
+    let mut entries = entries(&config, |_| Dtype::F32);
+    let embed = entries
+        .iter()
+        .find(|e| e.name == "model.embed_tokens.weight")
+        .unwrap();
+    let mut head = Entry {
+        name: "lm_head.weight".into(),
+        shape: embed.shape.clone(),
+        dtype: Dtype::BF16,
+        data: embed.data.clone(),
+    };
+    head.data[17] += 1.0;
+    entries.push(head);
+    let tmp = tempfile::tempdir().unwrap();
+    write_folder(tmp.path(), &config, &entries, 2);
+    match load_model(tmp.path()).unwrap_err() {
+        LoadError::UnusedTensor {
+            tensor, message, ..
+        } => {
+            assert_eq!(tensor, "lm_head.weight");
+            assert!(message.contains("tie_word_embeddings"), "{message}");
+        }
+        other => panic!("expected UnusedTensor, got {other:?}"),
+    }
+    let head = entries.last_mut().unwrap();
+    head.data[17] -= 1.0;
+    write_folder(tmp.path(), &config, &entries, 2);
+    let model = load_model(tmp.path()).unwrap();
     assert!(model.weights.get("lm_head.weight").is_none());
 }
 

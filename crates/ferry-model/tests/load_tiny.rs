@@ -141,6 +141,9 @@ fn model_spec_resolution() {
     assert_eq!(ModelSpec::resolve(None, cache), ModelSpec::Path(default));
     let spec = ModelSpec::resolve(Some("/m/x.gguf"), cache);
     assert_eq!(spec, ModelSpec::Path("/m/x.gguf".into()));
+    // What start-up errors print: the path as written, not `Path("...")`.
+    assert_eq!(spec.to_string(), "/m/x.gguf");
+    assert_eq!(ModelSpec::Tiny.to_string(), "tiny");
     let err = spec.load().unwrap_err().to_string();
     assert!(
         err.contains("/m/x.gguf") && err.contains("scripts/fetch-model.sh"),

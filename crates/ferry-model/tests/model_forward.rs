@@ -56,6 +56,32 @@ fn qwen2_qkv_bias_matches_dense_reference() {
     check_against_reference(&config, 3);
 }
 
+/// Llama with `attention_bias`: transformers puts a bias on `o_proj` too, which the forward
+/// must add (dropping it moves logits by whole units).
+#[test]
+fn llama_attention_bias_with_o_proj_bias_matches_dense_reference() {
+    let config = LlamaConfig {
+        attention_bias: true,
+        o_proj_bias: true,
+        ..small_config()
+    };
+    check_against_reference(&config, 5);
+}
+
+/// Qwen3 with `attention_bias`: q/k/v and o biases along with the q/k norms.
+#[test]
+fn qwen3_attention_bias_with_o_proj_bias_matches_dense_reference() {
+    let config = LlamaConfig {
+        architecture: "Qwen3ForCausalLM".into(),
+        attention_bias: true,
+        o_proj_bias: true,
+        qk_norm: true,
+        head_dim: 24,
+        ..small_config()
+    };
+    check_against_reference(&config, 6);
+}
+
 #[test]
 fn qwen3_qk_norm_and_wide_heads_match_dense_reference() {
     // Qwen3's head_dim is not hidden / heads: 4 heads × 24 = 96 wide from hidden 64.

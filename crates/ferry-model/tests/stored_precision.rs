@@ -17,6 +17,11 @@ const BS: usize = 4;
 fn tiny_in(dtype_of: impl Fn(&str) -> WeightDtype) -> (LlamaConfig, WeightStore) {
     let config = tiny_config();
     let f32s = tiny_weights(&config);
+    (config, stored_in(&f32s, dtype_of))
+}
+
+/// `f32s` with every matrix in `dtype_of(name)` (vectors stay f32).
+fn stored_in(f32s: &WeightStore, dtype_of: impl Fn(&str) -> WeightDtype) -> WeightStore {
     let mut store = WeightStore::default();
     for (name, t) in &f32s.tensors {
         if t.shape.len() == 2 {
@@ -26,7 +31,24 @@ fn tiny_in(dtype_of: impl Fn(&str) -> WeightDtype) -> (LlamaConfig, WeightStore)
             store.insert(name.clone(), t.clone());
         }
     }
-    (config, store)
+    store
+}
+
+/// A random model whose every row length is a multiple of 256 (hidden 256, intermediate
+/// 512, four heads of 64), as the K-quants need, with q/k/v and o biases.
+fn k_quant_config() -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: 300,
+        hidden_size: 256,
+        intermediate_size: 512,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 64,
+        attention_bias: true,
+        o_proj_bias: true,
+        ..ferry_model::random_model::small_config()
+    }
 }
 
 /// Every logits row of a run of three requests: prompts prefilled in uneven chunks side by
@@ -101,6 +123,63 @@ fn tiny_in_every_dtype_gives_the_bits_of_its_f32_dequantization() {
             Some(f32_rows) => assert_ne!(f32_rows, &got, "{dtype} computed the f32 model"),
         }
     }
+}
+
+/// The dtypes the matmul reads through an f32 scratch (Q5_0, Q5_1 in the tiny model; all
+/// four, Q4_K and Q6_K included, in a model of rows 256 long) give the bits of the same
+/// weights dequantized to f32 at load, at batch 1 and in a crowded batch, and each computes
+/// its own model.
+#[test]
+fn by_rows_dtypes_give_the_bits_of_their_f32_dequantization() {
+    let config = k_quant_config();
+    let f32s = ferry_model::random_model::random_weights(&config, 7);
+    let tiny = tiny_config();
+    let tiny_f32s = tiny_weights(&tiny);
+    let mut seen: Vec<Vec<Vec<u32>>> = Vec::new();
+    for dtype in WeightDtype::BY_ROWS {
+        let mut cases = vec![(config.clone(), stored_in(&f32s, |_| dtype))];
+        if dtype.block_elems() == 32 {
+            cases.push((tiny.clone(), stored_in(&tiny_f32s, |_| dtype)));
+        }
+        for (config, stored) in cases {
+            let mut kept = LlamaModel::new(&config, &stored).unwrap();
+            let mut dequantized = LlamaModel::new(&config, &stored.dequantized()).unwrap();
+            assert!(kept.weights().total_bytes() * 4 < dequantized.weights().total_bytes());
+            let got = crowded_run(&mut kept, 6);
+            assert!(
+                got == crowded_run(&mut dequantized, 6),
+                "{dtype}: logits differ"
+            );
+            let prompt = random_tokens(5, config.vocab_size, 20);
+            let alone = alone_run(&mut kept, prompt.clone(), 3);
+            assert!(
+                alone == alone_run(&mut dequantized, prompt, 3),
+                "{dtype}: logits alone differ"
+            );
+            assert!(
+                !seen.contains(&got),
+                "{dtype} computed another dtype's model"
+            );
+            seen.push(got);
+        }
+    }
+    // A mix in one fused matrix, with a register-kernel dtype beside them.
+    let mixed = stored_in(&f32s, |name| {
+        if name.contains("q_proj") || name.contains("up_proj") {
+            WeightDtype::Q4_K
+        } else if name.contains("k_proj") || name.contains("down_proj") {
+            WeightDtype::Q6_K
+        } else if name.contains("v_proj") {
+            WeightDtype::Q5_1
+        } else if name.contains("gate_proj") {
+            WeightDtype::Q4_1
+        } else {
+            WeightDtype::Q5_0
+        }
+    });
+    let mut kept = LlamaModel::new(&config, &mixed).unwrap();
+    let mut dequantized = LlamaModel::new(&config, &mixed.dequantized()).unwrap();
+    assert!(crowded_run(&mut kept, 6) == crowded_run(&mut dequantized, 6));
 }
 
 /// q/k/v and gate/up fused from parts of different dtypes, as after a partial update.

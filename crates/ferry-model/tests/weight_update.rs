@@ -70,13 +70,15 @@ fn share(store: &WeightStore, i: usize, n: usize) -> WeightStore {
     part
 }
 
-/// Every variant of the fused layout: untied head; q/k/v biases, q/k norms and a tied head.
+/// Every variant of the fused layout: untied head; q/k/v and o_proj biases, q/k norms and a
+/// tied head.
 fn configs() -> [LlamaConfig; 2] {
     [
         small_config(),
         LlamaConfig {
             architecture: "Qwen3ForCausalLM".into(),
             attention_bias: true,
+            o_proj_bias: true,
             qk_norm: true,
             tie_word_embeddings: true,
             ..small_config()

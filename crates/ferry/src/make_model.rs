@@ -34,7 +34,7 @@ pub fn run(cmd: MakeModelCommand) -> anyhow::Result<()> {
         MakeModelCommand::Tiny { out } => write(&tiny::tiny_model(), &out),
         MakeModelCommand::Convert { model, out } => {
             let spec = ModelSpec::resolve(model.as_deref(), &cache_dir()?);
-            let loaded = spec.load().with_context(|| format!("loading {spec:?}"))?;
+            let loaded = spec.load().with_context(|| format!("loading {spec}"))?;
             write(&loaded, &out)
         }
     }

@@ -616,7 +616,7 @@ fn load(spec: &ModelSpec) -> anyhow::Result<LoadedModel> {
             bar.set_position(done as u64);
             bar.set_message(name.to_owned());
         })
-        .with_context(|| format!("loading the model {spec:?}"))?;
+        .with_context(|| format!("loading the model {spec}"))?;
     bar.finish_and_clear();
     tracing::info!(
         source = %model.source,

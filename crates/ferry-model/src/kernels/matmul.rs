@@ -1,5 +1,8 @@
 //! `out = x · Wᵀ` for row-major `x` (`m × k`, f32) and a PyTorch-layout weight `W` (`n × k`)
-//! kept in its stored precision ([`Matrix`]: segments of F32, F16, BF16, Q8_0, Q4_0, Q4_1).
+//! kept in its stored precision ([`Matrix`]: segments of F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+//! which the kernels read in registers, and Q5_0, Q5_1, Q4_K, Q6_K, which are dequantized a
+//! block of rows at a time into an f32 scratch and multiplied from there by the f32 kernels:
+//! [`WeightDtype::BY_ROWS`]).
 //!
 //! Each output element is one dot product in the fixed order described in the parent module,
 //! whatever `m` is and whichever register tile computes it, so a request's activations give the
@@ -180,9 +183,10 @@ fn run(isa: Isa, x: &[f32], parts: &[Part], out: &mut [f32], m: usize, n: usize,
         let packed = (cfg!(target_arch = "x86_64")
             && isa == Isa::Avx512
             && m >= DEQUANT_ROWS
-            && parts
-                .iter()
-                .any(|p| p.rows.dtype != WeightDtype::F32 || m >= F32_PANEL_ROWS))
+            && parts.iter().any(|p| {
+                let d = p.rows.dtype;
+                (d != WeightDtype::F32 && !d.by_rows()) || m >= F32_PANEL_ROWS
+            }))
         .then(|| {
             let panels = aligned(xpack, m * (k / 16 * 16));
             pack_x(x, m, k, panels);
@@ -473,6 +477,11 @@ fn run_part(job: Job<'_>, w: Rows, out: *mut f32, local: Range<usize>) {
     if local.is_empty() {
         return;
     }
+    if w.dtype.by_rows() {
+        // No register kernel reads these: every row block goes through an f32 scratch,
+        // whatever the batch, and the f32 tiles compute from there.
+        return run_rows_dequantized(isa, x, w, out, m, n, k, local);
+    }
     let f32_panels = packed.is_some() && m >= F32_PANEL_ROWS;
     if m >= DEQUANT_ROWS && (w.dtype != WeightDtype::F32 || f32_panels) {
         return match packed {
@@ -675,10 +684,11 @@ fn run_rows_dequantized(
     });
 }
 
-/// Rows `rows` of `w` dequantized into `out` (`rows.len() × k`), exactly as the loader does.
+/// Rows `rows` of `w` dequantized into `out` (`rows.len() × k`), exactly as the loader does
+/// (the AVX2 decoders for the dtypes that have them, the loader's own code otherwise).
 fn dequantize_rows(isa: Isa, w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2Fma {
+    if isa == Isa::Avx2Fma && !w.dtype.by_rows() {
         // SAFETY: `Avx2Fma` is only chosen after run-time detection of AVX2, FMA and F16C;
         // the rows lie inside the weights the caller checked, and `out` holds them.
         return unsafe { avx2::dequantize_rows(w, rows, k, out) };
@@ -723,6 +733,9 @@ fn dtype_code(d: WeightDtype) -> u8 {
         WeightDtype::Q8_0 => Q8_0,
         WeightDtype::Q4_0 => Q4_0,
         WeightDtype::Q4_1 => Q4_1,
+        WeightDtype::Q5_0 | WeightDtype::Q5_1 | WeightDtype::Q4_K | WeightDtype::Q6_K => {
+            unreachable!("{d} is read through an f32 scratch, never by a register kernel")
+        }
     }
 }
 

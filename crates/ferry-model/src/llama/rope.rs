@@ -99,6 +99,11 @@ pub fn inv_freq(head_dim: usize, theta: f64, scaling: Option<&RopeScaling>) -> V
                 )
             })
             .collect(),
+        Some(RopeScaling::Factors { factors }) => base
+            .iter()
+            .zip(factors)
+            .map(|(f, &d)| f / f64::from(d))
+            .collect(),
     }
 }
 

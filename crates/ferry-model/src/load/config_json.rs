@@ -69,6 +69,7 @@ pub fn parse_config(json: &Value, path: &Path) -> Result<LlamaConfig, LoadError>
         }
     };
     let (rope_theta, rope_scaling) = rope(&fields)?;
+    let bias_flag = fields.opt_bool("attention_bias")?.unwrap_or(false);
     let config = LlamaConfig {
         vocab_size: fields.usize("vocab_size")?,
         hidden_size,
@@ -84,9 +85,10 @@ pub fn parse_config(json: &Value, path: &Path) -> Result<LlamaConfig, LoadError>
         rope_scaling,
         max_position_embeddings: fields.opt_usize("max_position_embeddings")?.unwrap_or(2048),
         tie_word_embeddings: fields.opt_bool("tie_word_embeddings")?.unwrap_or(false),
-        // Qwen2 always has q/k/v biases (its config has no flag); Llama and Qwen3 say so.
-        attention_bias: flavour == Flavour::Qwen2
-            || fields.opt_bool("attention_bias")?.unwrap_or(false),
+        // Qwen2 always has q/k/v biases and never an o_proj one (its config has no flag);
+        // Llama and Qwen3 put a bias on all four projections when `attention_bias` says so.
+        attention_bias: flavour == Flavour::Qwen2 || bias_flag,
+        o_proj_bias: flavour != Flavour::Qwen2 && bias_flag,
         qk_norm: flavour == Flavour::Qwen3,
         bos_token_id: fields.opt_u32("bos_token_id")?,
         eos_token_ids: eos_ids(json, path)?,
@@ -140,6 +142,19 @@ pub fn validate(config: &LlamaConfig, path: &Path) -> Result<(), LoadError> {
             "head_dim",
             format!("{} is odd; rotary embeddings need pairs", config.head_dim),
         ));
+    }
+    if let Some(RopeScaling::Factors { factors }) = &config.rope_scaling {
+        let half = config.head_dim / 2;
+        if factors.len() != half || !factors.iter().all(|f| f.is_finite() && *f > 0.0) {
+            return Err(LoadError::field(
+                path,
+                "rope_scaling.factors",
+                format!(
+                    "expected {half} positive factors (head_dim / 2), got {:?}",
+                    factors
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -249,6 +264,18 @@ fn rope_scaling(value: &Value, path: &Path, field: &str) -> Result<Option<RopeSc
         "linear" => Ok(Some(RopeScaling::Linear {
             factor: num("factor")?,
         })),
+        // ferry's own, written by `to_hf_config_json` for a GGUF's `rope_freqs.weight`.
+        "rope_freqs" => {
+            let name = format!("{field}.factors");
+            let factors = obj
+                .get("factors")
+                .and_then(Value::as_array)
+                .ok_or_else(|| LoadError::field(path, &name, "missing or not a list"))?
+                .iter()
+                .map(|v| as_f32(v, path, &name))
+                .collect::<Result<_, _>>()?;
+            Ok(Some(RopeScaling::Factors { factors }))
+        }
         "llama3" => Ok(Some(RopeScaling::Llama3 {
             factor: num("factor")?,
             low_freq_factor: num("low_freq_factor")?,
@@ -376,6 +403,12 @@ pub fn to_hf_config_json(config: &LlamaConfig) -> Value {
             "low_freq_factor": f32_json(*low_freq_factor),
             "high_freq_factor": f32_json(*high_freq_factor),
             "original_max_position_embeddings": original_max_position_embeddings,
+        }),
+        // No Hugging Face rope type divides by given factors: ferry's own name, which ferry
+        // reads back and transformers refuses (never a silently different rope).
+        Some(RopeScaling::Factors { factors }) => serde_json::json!({
+            "rope_type": "rope_freqs",
+            "factors": factors.iter().map(|&f| f32_json(f)).collect::<Vec<_>>(),
         }),
     };
     let eos = match config.eos_token_ids.as_slice() {

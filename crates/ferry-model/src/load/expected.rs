@@ -1,7 +1,10 @@
 //! The tensors a [`LlamaConfig`] needs, by Hugging Face name and PyTorch shape.
 //!
 //! The loaders validate against this list (so a checkpoint that lacks or misshapes a tensor
-//! fails at load, naming it), and the model reads exactly these names.
+//! fails at load, naming it), and the model reads exactly these names. A tensor a file holds
+//! beyond the list is refused too, naming it (a weight the forward would silently drop is a
+//! wrong answer with no warning), unless [`is_ignorable`] says it carries nothing the
+//! forward lacks; docs/model.md lists those.
 
 use crate::LlamaConfig;
 
@@ -33,6 +36,9 @@ pub fn expected_tensors(config: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
             out.push((p("self_attn.k_norm.weight"), vec![config.head_dim]));
         }
         out.push((p("self_attn.o_proj.weight"), vec![hidden, q_dim]));
+        if config.o_proj_bias {
+            out.push((p("self_attn.o_proj.bias"), vec![hidden]));
+        }
         out.push((p("post_attention_layernorm.weight"), vec![hidden]));
         out.push((p("mlp.gate_proj.weight"), vec![inter, hidden]));
         out.push((p("mlp.up_proj.weight"), vec![inter, hidden]));
@@ -43,4 +49,28 @@ pub fn expected_tensors(config: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
         out.push(("lm_head.weight".to_owned(), vec![config.vocab_size, hidden]));
     }
     out
+}
+
+/// Whether a checkpoint tensor outside [`expected_tensors`] may be left unread: only
+/// `rotary_emb.inv_freq` buffers (per layer or model-wide), the rope inverse frequencies that
+/// older transformers versions saved and that the config's `rope_theta` and `rope_scaling`
+/// determine (transformers recomputes them at load too). A tied model's `lm_head.weight` is
+/// not on this list: the safetensors loader accepts it only when it equals the embedding.
+pub fn is_ignorable(name: &str) -> bool {
+    name.strip_suffix(".rotary_emb.inv_freq")
+        .is_some_and(|prefix| prefix == "model" || prefix.starts_with("model.layers."))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_ignorable;
+
+    #[test]
+    fn only_rope_inverse_frequencies_are_ignorable() {
+        assert!(is_ignorable("model.layers.3.self_attn.rotary_emb.inv_freq"));
+        assert!(is_ignorable("model.rotary_emb.inv_freq"));
+        assert!(!is_ignorable("rotary_emb.inv_freq"));
+        assert!(!is_ignorable("model.layers.0.self_attn.o_proj.bias"));
+        assert!(!is_ignorable("lm_head.weight"));
+    }
 }

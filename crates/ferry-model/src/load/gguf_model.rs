@@ -1,6 +1,7 @@
-//! A GGUF file (llama architecture) → [`LoadedModel`]: config from `llama.*` metadata, tensors
-//! renamed to Hugging Face names and dequantized to f32, q/k rows un-permuted, and the
-//! tokenizer and chat template from `tokenizer.*` metadata.
+//! A GGUF file (llama, qwen2 or qwen3 architecture) → [`LoadedModel`]: config from
+//! `<arch>.*` metadata, tensors renamed to Hugging Face names (kept as stored or dequantized to
+//! f32), a llama model's q/k rows un-permuted, and the tokenizer and chat template from
+//! `tokenizer.*` metadata.
 
 use std::path::Path;
 
@@ -77,34 +78,40 @@ pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
 
-/// The config a llama-architecture GGUF describes.
+/// GGUF architectures (`general.architecture`) and the Hugging Face architecture each is.
+pub const GGUF_ARCHITECTURES: [(&str, &str); 3] = [
+    ("llama", "LlamaForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"),
+];
+
+/// The config a GGUF of a supported architecture ([`GGUF_ARCHITECTURES`]) describes, from
+/// its `<arch>.*` metadata and which tensors it holds: q/k/v biases where layer 0 has
+/// `attn_q.bias` (Qwen2 always, which must have them), an `o_proj` bias where it has
+/// `attn_output.bias` (never Qwen2, whose `o_proj` has none: one there is refused as
+/// unused), q/k norms for Qwen3.
 pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
     let meta = Meta { gguf };
     let arch = meta.str("general.architecture")?;
-    if arch != "llama" {
+    let Some(&(_, hf_architecture)) = GGUF_ARCHITECTURES.iter().find(|(a, _)| *a == arch) else {
         return Err(LoadError::UnsupportedArchitecture {
             path: gguf.path.clone(),
             architecture: arch.to_owned(),
-            supported: "llama",
+            supported: "llama, qwen2, qwen3",
         });
-    }
-    if gguf.tensor_info("rope_freqs.weight").is_some() {
-        return Err(LoadError::UnsupportedRope {
-            path: gguf.path.clone(),
-            rope_type: "llama3 (per-frequency factors in rope_freqs.weight)".into(),
-        });
-    }
-    let hidden_size = meta.usize("llama.embedding_length")?;
-    let num_attention_heads = meta.usize("llama.attention.head_count")?;
+    };
+    let k = |key: &str| format!("{arch}.{key}");
+    let hidden_size = meta.usize(&k("embedding_length"))?;
+    let num_attention_heads = meta.usize(&k("attention.head_count"))?;
     if num_attention_heads == 0 {
-        return Err(meta.err("llama.attention.head_count", "must be positive"));
+        return Err(meta.err(&k("attention.head_count"), "must be positive"));
     }
-    let head_dim = match meta.opt_usize("llama.attention.key_length")? {
+    let head_dim = match meta.opt_usize(&k("attention.key_length"))? {
         Some(d) => d,
         None => hidden_size / num_attention_heads,
     };
     // Partial rotary embeddings (rope over fewer dims than the head) are not implemented.
-    if let Some(rope_dims) = meta.opt_usize("llama.rope.dimension_count")? {
+    if let Some(rope_dims) = meta.opt_usize(&k("rope.dimension_count"))? {
         if rope_dims != head_dim {
             return Err(LoadError::UnsupportedRope {
                 path: gguf.path.clone(),
@@ -114,7 +121,7 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
     }
     let vocab_size = match gguf.array_len("tokenizer.ggml.tokens") {
         Some(n) => n,
-        None => meta.usize("llama.vocab_size")?,
+        None => meta.usize(&k("vocab_size"))?,
     };
     let mut eos_token_ids = Vec::new();
     for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
@@ -123,25 +130,26 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
         }
     }
     let config = LlamaConfig {
-        architecture: "LlamaForCausalLM".into(),
+        architecture: hf_architecture.into(),
         vocab_size,
         hidden_size,
-        intermediate_size: meta.usize("llama.feed_forward_length")?,
-        num_hidden_layers: meta.usize("llama.block_count")?,
+        intermediate_size: meta.usize(&k("feed_forward_length"))?,
+        num_hidden_layers: meta.usize(&k("block_count"))?,
         num_attention_heads,
         num_key_value_heads: meta
-            .opt_usize("llama.attention.head_count_kv")?
+            .opt_usize(&k("attention.head_count_kv"))?
             .unwrap_or(num_attention_heads),
         head_dim,
         rms_norm_eps: meta
-            .opt_f32("llama.attention.layer_norm_rms_epsilon")?
+            .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
             .unwrap_or(1e-5),
-        rope_theta: meta.opt_f32("llama.rope.freq_base")?.unwrap_or(10_000.0),
-        rope_scaling: rope_scaling(&meta)?,
-        max_position_embeddings: meta.opt_usize("llama.context_length")?.unwrap_or(2048),
+        rope_theta: meta.opt_f32(&k("rope.freq_base"))?.unwrap_or(10_000.0),
+        rope_scaling: rope_scaling(&meta, arch, head_dim)?,
+        max_position_embeddings: meta.opt_usize(&k("context_length"))?.unwrap_or(2048),
         tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
-        attention_bias: gguf.tensor_info("blk.0.attn_q.bias").is_some(),
-        qk_norm: false,
+        attention_bias: arch == "qwen2" || gguf.tensor_info("blk.0.attn_q.bias").is_some(),
+        o_proj_bias: arch != "qwen2" && gguf.tensor_info("blk.0.attn_output.bias").is_some(),
+        qk_norm: arch == "qwen3",
         bos_token_id: meta.opt_u32("tokenizer.ggml.bos_token_id")?,
         eos_token_ids,
     };
@@ -149,10 +157,25 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
     Ok(config)
 }
 
-fn rope_scaling(meta: &Meta<'_>) -> Result<Option<RopeScaling>, LoadError> {
-    let key = "llama.rope.scaling.type";
+/// The file's rope scaling: the per-frequency factors of `rope_freqs.weight` (llama.cpp's
+/// converter writes Llama 3's scaling that way), or `<arch>.rope.scaling.*` (none or linear).
+/// Both at once is refused: which one llama.cpp applies depends on its version.
+fn rope_scaling(
+    meta: &Meta<'_>,
+    arch: &str,
+    head_dim: usize,
+) -> Result<Option<RopeScaling>, LoadError> {
+    let k = |key: &str| format!("{arch}.{key}");
+    let key = &k("rope.scaling.type");
+    let factors = rope_factors(meta.gguf, head_dim)?;
     let kind = match meta.gguf.get(key) {
-        None => return Ok(None),
+        None => return Ok(factors),
+        Some(_) if factors.is_some() => {
+            return Err(meta.err(
+                key,
+                "given beside rope_freqs.weight; expected one of the two",
+            ))
+        }
         Some(v) => v
             .as_str()
             .ok_or_else(|| meta.err(key, "expected a string"))?,
@@ -161,8 +184,8 @@ fn rope_scaling(meta: &Meta<'_>) -> Result<Option<RopeScaling>, LoadError> {
         "none" => Ok(None),
         "linear" => {
             let factor = meta
-                .opt_f32("llama.rope.scaling.factor")?
-                .ok_or_else(|| meta.err("llama.rope.scaling.factor", "missing"))?;
+                .opt_f32(&k("rope.scaling.factor"))?
+                .ok_or_else(|| meta.err(&k("rope.scaling.factor"), "missing"))?;
             Ok(Some(RopeScaling::Linear { factor }))
         }
         other => Err(LoadError::UnsupportedRope {
@@ -172,9 +195,32 @@ fn rope_scaling(meta: &Meta<'_>) -> Result<Option<RopeScaling>, LoadError> {
     }
 }
 
+/// `rope_freqs.weight` as [`RopeScaling::Factors`], checked to hold `head_dim / 2` factors;
+/// `None` when the file has none.
+fn rope_factors(gguf: &GgufFile, head_dim: usize) -> Result<Option<RopeScaling>, LoadError> {
+    let Some(info) = gguf.tensor_info(ROPE_FREQS) else {
+        return Ok(None);
+    };
+    if info.shape() != [head_dim / 2] {
+        return Err(LoadError::TensorShape {
+            path: gguf.path.clone(),
+            tensor: ROPE_FREQS.into(),
+            expected: vec![head_dim / 2],
+            actual: info.shape(),
+        });
+    }
+    let factors = gguf.dequantize(info)?;
+    Ok(Some(RopeScaling::Factors { factors }))
+}
+
+/// The GGUF tensor of per-frequency rope factors, read into the config rather than the
+/// weights.
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
 /// Every expected tensor, dequantized straight into `dest` (as tensor `idx` of
 /// [`expected_tensors`]), checked against its expected shape, and (q/k) with llama.cpp's
-/// rope permutation undone.
+/// rope permutation undone; first, every tensor of the file is checked to be one of them
+/// ([`check_unused`]).
 pub(crate) fn gguf_weights(
     gguf: &GgufFile,
     config: &LlamaConfig,
@@ -182,6 +228,7 @@ pub(crate) fn gguf_weights(
     progress: Progress<'_>,
 ) -> Result<(), LoadError> {
     let expected = expected_tensors(config);
+    check_unused(gguf, &expected)?;
     let n_expected = expected.len();
     let mut by_hf_name = std::collections::HashMap::new();
     for info in &gguf.tensors {
@@ -226,6 +273,30 @@ pub(crate) fn gguf_weights(
             None => gguf.dequantize_into(info, out)?,
         }
         progress(idx + 1, n_expected, &name);
+    }
+    Ok(())
+}
+
+/// Refuses a file holding a tensor the forward would not read, naming it (with its Hugging
+/// Face name where it has one): a bias of a later layer only, a tensor of another
+/// architecture. `rope_freqs.weight` is read by [`gguf_config`] into the rope scaling.
+fn check_unused(gguf: &GgufFile, expected: &[(String, Vec<usize>)]) -> Result<(), LoadError> {
+    let wanted: std::collections::HashSet<&str> =
+        expected.iter().map(|(name, _)| name.as_str()).collect();
+    for info in gguf.tensors.iter().filter(|t| t.name != ROPE_FREQS) {
+        let hf = hf_tensor_name(&info.name);
+        if hf.as_deref().is_some_and(|n| wanted.contains(n)) {
+            continue;
+        }
+        let tensor = match hf {
+            Some(hf) => format!("{} ({hf})", info.name),
+            None => info.name.clone(),
+        };
+        return Err(LoadError::UnusedTensor {
+            path: gguf.path.clone(),
+            tensor,
+            message: "the forward of this config does not read it (see docs/model.md)".into(),
+        });
     }
     Ok(())
 }
@@ -291,10 +362,14 @@ fn gguf_name_hint(hf: &str) -> String {
     "?".into()
 }
 
-/// llama.cpp's converter permutes q_proj rows over `num_attention_heads` and k_proj rows over
-/// `num_key_value_heads` (weights and biases) for its interleaved rope.
+/// llama.cpp's converter permutes a llama model's q_proj rows over `num_attention_heads` and
+/// k_proj rows over `num_key_value_heads` (weights and biases) for its interleaved rope;
+/// Qwen2 and Qwen3 keep Hugging Face's order (llama.cpp runs them with the NEOX rope, which
+/// is Hugging Face's `rotate_half`).
 fn permuted_heads(hf_name: &str, config: &LlamaConfig) -> Option<usize> {
-    if hf_name.contains(".self_attn.q_proj.") {
+    if config.architecture != "LlamaForCausalLM" {
+        None
+    } else if hf_name.contains(".self_attn.q_proj.") {
         Some(config.num_attention_heads)
     } else if hf_name.contains(".self_attn.k_proj.") {
         Some(config.num_key_value_heads)
@@ -389,6 +464,7 @@ fn byte_level_spec(meta: &Meta<'_>) -> Result<ByteLevelBpeSpec, LoadError> {
         .and_then(GgufValue::as_str)
     {
         Some("smollm") => PreTokenizerKind::Gpt2IndividualDigits,
+        Some("qwen2") => PreTokenizerKind::Qwen2,
         _ => PreTokenizerKind::Gpt2,
     };
     Ok(ByteLevelBpeSpec {

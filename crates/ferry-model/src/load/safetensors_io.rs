@@ -2,7 +2,7 @@
 //! `model.safetensors.index.json`. Files are memory-mapped; F32, F16 and BF16 become f32, or
 //! stay as they are where the destination keeps matrices in their stored precision.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
@@ -21,14 +21,16 @@ type Wanted = (String, Vec<usize>);
 type ByFile<'a> = BTreeMap<PathBuf, Vec<(usize, &'a Wanted)>>;
 
 /// Reads exactly the `expected` tensors (name, shape) from the folder's safetensors files,
-/// each converted straight into `dest` (as tensor `idx` of `expected`).
+/// each converted straight into `dest` (as tensor `idx` of `expected`), after checking that
+/// the files hold no tensor beyond them ([`check_unused`]).
 pub(crate) fn read_weights(
     dir: &Path,
     expected: &[Wanted],
     dest: &mut dyn TensorDest,
     progress: Progress<'_>,
 ) -> Result<(), LoadError> {
-    let by_file = assign_files(dir, expected)?;
+    let (by_file, all_files) = assign_files(dir, expected)?;
+    check_unused(&all_files, expected)?;
     let mut n_done = 0;
     let mut tensor_done = |name: &str| {
         n_done += 1;
@@ -41,11 +43,16 @@ pub(crate) fn read_weights(
 }
 
 /// Which file holds each expected tensor (with its index in `expected`): all in
-/// `model.safetensors`, or as the index says.
-fn assign_files<'a>(dir: &Path, expected: &'a [Wanted]) -> Result<ByFile<'a>, LoadError> {
+/// `model.safetensors`, or as the index says; and every file of the checkpoint (the index
+/// may name files holding no expected tensor).
+fn assign_files<'a>(
+    dir: &Path,
+    expected: &'a [Wanted],
+) -> Result<(ByFile<'a>, BTreeSet<PathBuf>), LoadError> {
     let index_path = dir.join(INDEX_FILE);
     let single_path = dir.join(SINGLE_FILE);
     let mut by_file: ByFile<'a> = BTreeMap::new();
+    let mut all_files = BTreeSet::new();
     if index_path.exists() {
         let index = super::config_json::read_json(&index_path)?;
         let map = index
@@ -54,6 +61,12 @@ fn assign_files<'a>(dir: &Path, expected: &'a [Wanted]) -> Result<ByFile<'a>, Lo
             .ok_or_else(|| {
                 LoadError::field(&index_path, "weight_map", "missing or not an object")
             })?;
+        for file in map.values() {
+            let file = file.as_str().ok_or_else(|| {
+                LoadError::field(&index_path, "weight_map", "a file name is not a string")
+            })?;
+            all_files.insert(dir.join(file));
+        }
         for (idx, item) in expected.iter().enumerate() {
             let file = map.get(&item.0).and_then(|f| f.as_str()).ok_or_else(|| {
                 LoadError::MissingTensor {
@@ -64,6 +77,7 @@ fn assign_files<'a>(dir: &Path, expected: &'a [Wanted]) -> Result<ByFile<'a>, Lo
             by_file.entry(dir.join(file)).or_default().push((idx, item));
         }
     } else if single_path.exists() {
+        all_files.insert(single_path.clone());
         by_file.insert(single_path, expected.iter().enumerate().collect());
     } else {
         return Err(LoadError::invalid(
@@ -71,7 +85,146 @@ fn assign_files<'a>(dir: &Path, expected: &'a [Wanted]) -> Result<ByFile<'a>, Lo
             format!("no {SINGLE_FILE} or {INDEX_FILE} in the model folder"),
         ));
     }
-    Ok(by_file)
+    Ok((by_file, all_files))
+}
+
+/// Refuses a checkpoint holding a tensor outside `expected`, naming it and its file, unless
+/// [`super::is_ignorable`] allows it, or it is the `lm_head.weight` of a tied model that
+/// equals the embedding (a checkpoint saved without de-duplicating the tie). A tied model's
+/// head that differs is refused: the config says the head is the embedding, the file says
+/// otherwise, and either choice could be the wrong answer.
+fn check_unused(files: &BTreeSet<PathBuf>, expected: &[Wanted]) -> Result<(), LoadError> {
+    let wanted: std::collections::HashSet<&str> =
+        expected.iter().map(|(name, _)| name.as_str()).collect();
+    let tied = !wanted.contains(HEAD);
+    for path in files {
+        let (_, mmap) = map_file(path)?;
+        let (_, header) = read_header(&mmap, path)?;
+        let mut names = header.offset_keys();
+        names.sort();
+        for name in names {
+            if wanted.contains(name.as_str()) || super::is_ignorable(&name) {
+                continue;
+            }
+            let message = if name == HEAD && tied {
+                if head_equals_embedding(files)? {
+                    continue;
+                }
+                format!(
+                    "the config ties the head to the embeddings (`tie_word_embeddings`), but \
+                     this {HEAD} differs from {EMBED}"
+                )
+            } else {
+                "the forward of this config does not read it (see docs/model.md)".to_owned()
+            };
+            return Err(LoadError::UnusedTensor {
+                path: path.clone(),
+                tensor: name,
+                message,
+            });
+        }
+    }
+    Ok(())
+}
+
+const HEAD: &str = "lm_head.weight";
+const EMBED: &str = "model.embed_tokens.weight";
+/// Elements compared at a time by [`head_equals_embedding`].
+const COMPARE_ELEMS: usize = 1 << 18;
+
+/// Whether `lm_head.weight` holds the same values (as f32, bit for bit) and shape as
+/// `model.embed_tokens.weight`, compared in chunks so no full copy of either is made.
+fn head_equals_embedding(files: &BTreeSet<PathBuf>) -> Result<bool, LoadError> {
+    let (Some(head), Some(embed)) = (locate(files, HEAD)?, locate(files, EMBED)?) else {
+        return Ok(false);
+    };
+    if head.shape != embed.shape {
+        return Ok(false);
+    }
+    let n: usize = head.shape.iter().product();
+    let mut start = 0;
+    while start < n {
+        let len = COMPARE_ELEMS.min(n - start);
+        let (a, b) = (head.read_f32(start, len)?, embed.read_f32(start, len)?);
+        if a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits()) {
+            return Ok(false);
+        }
+        start += len;
+    }
+    Ok(true)
+}
+
+/// A tensor found in one of a checkpoint's files.
+struct Located {
+    file: std::fs::File,
+    path: PathBuf,
+    /// Byte offset of its data in the file.
+    offset: u64,
+    dtype: Dtype,
+    shape: Vec<usize>,
+}
+
+/// The tensor `name` in the first of `files` holding it.
+fn locate(files: &BTreeSet<PathBuf>, name: &str) -> Result<Option<Located>, LoadError> {
+    for path in files {
+        let (file, mmap) = map_file(path)?;
+        let (n_header, header) = read_header(&mmap, path)?;
+        if let Some(info) = header.info(name) {
+            return Ok(Some(Located {
+                offset: (HEADER_LEN_BYTES + n_header + info.data_offsets.0) as u64,
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                file,
+                path: path.clone(),
+            }));
+        }
+    }
+    Ok(None)
+}
+
+impl Located {
+    /// Elements `start..start + len` as f32.
+    fn read_f32(&self, start: usize, len: usize) -> Result<Vec<f32>, LoadError> {
+        let width = f32_source_width(self.dtype).ok_or_else(|| LoadError::UnsupportedDtype {
+            path: self.path.clone(),
+            tensor: HEAD.to_owned(),
+            dtype: format!("{:?} (supported: F32, F16, BF16)", self.dtype),
+        })?;
+        let mut out = vec![0.0; len];
+        let offset = self.offset + (start * width) as u64;
+        read_chunks(
+            &self.file,
+            &self.path,
+            offset,
+            len * width,
+            width,
+            |at, bytes| {
+                decode_into(
+                    self.dtype,
+                    bytes,
+                    &mut out[at / width..(at + bytes.len()) / width],
+                );
+            },
+        )?;
+        Ok(out)
+    }
+}
+
+/// A safetensors file opened and memory-mapped (only its header is read through the map).
+fn map_file(path: &Path) -> Result<(std::fs::File, memmap2::Mmap), LoadError> {
+    let file = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
+    // SAFETY: as in `read_file`: a read-only mapping, read only for its header.
+    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))?;
+    Ok((file, mmap))
+}
+
+/// The header's length and the header of a mapped safetensors file.
+fn read_header(
+    mmap: &[u8],
+    path: &Path,
+) -> Result<(usize, safetensors::tensor::Metadata), LoadError> {
+    SafeTensors::read_metadata(mmap)
+        .map_err(|e| LoadError::invalid(path, format!("invalid safetensors file: {e}")))
 }
 
 fn read_file(

@@ -11,7 +11,9 @@ use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::SplitDelimiterBehavior;
 use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
 use super::LoadError;
@@ -87,7 +89,14 @@ pub enum PreTokenizerKind {
     /// GPT-2's split with every digit its own word (SmolLM's tokenizer.json, llama.cpp's
     /// `smollm` pre-tokenizer).
     Gpt2IndividualDigits,
+    /// Qwen2's split (Qwen2/2.5/3's tokenizer.json, llama.cpp's `qwen2` pre-tokenizer):
+    /// [`QWEN2_SPLIT`], then the byte-level mapping without GPT-2's regex.
+    Qwen2,
 }
+
+/// The regex of Qwen2's `Split` pre-tokenizer (its tokenizer.json, `Isolated`): letters
+/// with one leading non-letter, each digit alone, punctuation runs, newlines.
+pub const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// What a byte-level BPE tokenizer is built from.
 #[derive(Debug, Clone)]
@@ -127,6 +136,15 @@ pub fn byte_level_bpe(spec: &ByteLevelBpeSpec) -> Result<Tokenizer, String> {
         PreTokenizerKind::Gpt2 => byte_level.into(),
         PreTokenizerKind::Gpt2IndividualDigits => {
             Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+        }
+        PreTokenizerKind::Qwen2 => {
+            let split = Split::new(
+                SplitPattern::Regex(QWEN2_SPLIT.into()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| e.to_string())?;
+            Sequence::new(vec![split.into(), byte_level.use_regex(false).into()]).into()
         }
     };
     tokenizer.with_pre_tokenizer(Some(pre));

@@ -60,6 +60,8 @@ pub struct LayerWeights {
     pub q_norm: Option<WeightBuf>,
     pub k_norm: Option<WeightBuf>,
     pub o_proj: Matrix,
+    /// `o_proj` bias (Llama and Qwen3 with `attention_bias`).
+    pub o_bias: Option<WeightBuf>,
     pub post_norm: WeightBuf,
     /// `[gate; up]` rows, each `hidden` wide (two segments).
     pub gate_up: Matrix,
@@ -148,6 +150,7 @@ impl LlamaWeights {
                     + opt(&l.q_norm)
                     + opt(&l.k_norm)
                     + l.o_proj.n_bytes()
+                    + opt(&l.o_bias)
                     + l.post_norm.n_bytes()
                     + l.gate_up.n_bytes()
                     + l.down.n_bytes()
@@ -319,6 +322,12 @@ fn layer_from_store(c: &LlamaConfig, g: &Getter<'_>, l: usize) -> Result<LayerWe
         q_norm,
         k_norm,
         o_proj: g.matrix(&[attn("o_proj", "weight", vec![h, q_out])])?,
+        o_bias: if c.o_proj_bias {
+            let (name, shape) = attn("o_proj", "bias", vec![h]);
+            Some(g.get(&name, &shape)?)
+        } else {
+            None
+        },
         post_norm: g.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
         gate_up: g.matrix(&[mlp("gate_proj", vec![i, h]), mlp("up_proj", vec![i, h])])?,
         down: g.matrix(&[mlp("down_proj", vec![h, i])])?,

@@ -30,6 +30,7 @@ pub(crate) enum LayerBuffer {
     QNorm,
     KNorm,
     OProj,
+    OBias,
     PostNorm,
     GateUp,
     Down,
@@ -188,7 +189,7 @@ impl WeightPreparer for LlamaPreparer {
 /// The config fields that shape or change the forward, as text for comparison and errors
 /// (`{:?}` of an f32 round-trips, so equal text means equal bits). Token ids (`bos`, `eos`)
 /// are left out: they steer tokenization and stopping, which the engine fixed at start.
-fn forward_fields(c: &LlamaConfig) -> [(&'static str, String); 15] {
+fn forward_fields(c: &LlamaConfig) -> [(&'static str, String); 16] {
     [
         ("architecture", c.architecture.clone()),
         ("vocab_size", c.vocab_size.to_string()),
@@ -207,6 +208,7 @@ fn forward_fields(c: &LlamaConfig) -> [(&'static str, String); 15] {
         ),
         ("tie_word_embeddings", c.tie_word_embeddings.to_string()),
         ("attention_bias", c.attention_bias.to_string()),
+        ("o_proj_bias", c.o_proj_bias.to_string()),
         ("qk_norm", c.qk_norm.to_string()),
     ]
 }
@@ -425,6 +427,7 @@ fn layer_place(c: &LlamaConfig, param: &str) -> Option<(LayerBuffer, usize)> {
         "self_attn.q_norm.weight" if c.qk_norm => (LayerBuffer::QNorm, 0),
         "self_attn.k_norm.weight" if c.qk_norm => (LayerBuffer::KNorm, 0),
         "self_attn.o_proj.weight" => (LayerBuffer::OProj, 0),
+        "self_attn.o_proj.bias" if c.o_proj_bias => (LayerBuffer::OBias, 0),
         "post_attention_layernorm.weight" => (LayerBuffer::PostNorm, 0),
         "mlp.gate_proj.weight" => (LayerBuffer::GateUp, 0),
         "mlp.up_proj.weight" => (LayerBuffer::GateUp, 1),
@@ -538,6 +541,7 @@ pub(crate) fn buffer_mut(w: &mut LlamaWeights, b: Buffer) -> Option<BufferMut<'_
                 LayerBuffer::QNorm => layer.q_norm.as_mut().map(V),
                 LayerBuffer::KNorm => layer.k_norm.as_mut().map(V),
                 LayerBuffer::OProj => Some(M(&mut layer.o_proj)),
+                LayerBuffer::OBias => layer.o_bias.as_mut().map(V),
                 LayerBuffer::PostNorm => Some(V(&mut layer.post_norm)),
                 LayerBuffer::GateUp => Some(M(&mut layer.gate_up)),
                 LayerBuffer::Down => Some(M(&mut layer.down)),
@@ -564,6 +568,7 @@ fn zeroed_weights(c: &LlamaConfig) -> LlamaWeights {
         q_norm: c.qk_norm.then(|| zeros(hd)),
         k_norm: c.qk_norm.then(|| zeros(hd)),
         o_proj: matrix(q_out, &[h]),
+        o_bias: c.o_proj_bias.then(|| zeros(h)),
         post_norm: zeros(h),
         gate_up: matrix(h, &[i, i]),
         down: matrix(i, &[h]),

@@ -164,6 +164,11 @@ fn ref_inv_freq(c: &LlamaConfig) -> Vec<f64> {
     match &c.rope_scaling {
         None => base,
         Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / *factor as f64).collect(),
+        Some(RopeScaling::Factors { factors }) => base
+            .iter()
+            .zip(factors)
+            .map(|(f, &d)| f / d as f64)
+            .collect(),
         Some(RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -292,7 +297,8 @@ pub fn reference_logits(c: &LlamaConfig, w: &WeightStore, tokens: &[u32]) -> Vec
             let o = linear(
                 &attn,
                 t(w, &format!("{p}.self_attn.o_proj.weight")),
-                None,
+                c.o_proj_bias
+                    .then(|| t(w, &format!("{p}.self_attn.o_proj.bias"))),
                 h,
             );
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);

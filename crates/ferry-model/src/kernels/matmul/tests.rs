@@ -209,6 +209,54 @@ fn every_dtype_gives_the_bits_of_its_f32_dequantization() {
     }
 }
 
+/// The same for the dtypes read through an f32 scratch ([`WeightDtype::BY_ROWS`]), at every
+/// batch size (the AVX-512 f32 panels from 256 activation rows included), and beside a
+/// register-kernel segment in one matrix.
+#[test]
+fn by_rows_dtypes_give_the_bits_of_their_f32_dequantization() {
+    for dtype in WeightDtype::BY_ROWS {
+        let ks: &[usize] = if dtype.block_elems() == 32 {
+            &[96, 512]
+        } else {
+            &[256, 768]
+        };
+        for &k in ks {
+            let (w, w32) = stored(dtype, &[37, 9, 31], k, 7);
+            let n = w.n_rows();
+            let x = pseudo(260 * k, 8);
+            for isa in isas() {
+                for m in [1, 2, 5, 64, 260] {
+                    let (mut got, mut want) = (vec![0.0; m * n], vec![0.0; m * n]);
+                    matmul_with(isa, &x[..m * k], &w, &mut got, m);
+                    matmul_f32_with(isa, &x[..m * k], &w32, &mut want, m, n, k);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{dtype} {isa:?} k={k} m={m}");
+                }
+            }
+        }
+    }
+    let k = 256;
+    let parts = [
+        (WeightDtype::Q4_K, 21),
+        (WeightDtype::Q4_1, 12),
+        (WeightDtype::Q6_K, 7),
+        (WeightDtype::Q5_0, 30),
+        (WeightDtype::Q5_1, 5),
+    ];
+    let (w, w32) = stored_mixed(&parts, k, 40);
+    let n = w.n_rows();
+    let x = pseudo(66 * k, 9);
+    for isa in isas() {
+        for m in [1, 4, 66] {
+            let (mut got, mut want) = (vec![0.0; m * n], vec![0.0; m * n]);
+            matmul_with(isa, &x[..m * k], &w, &mut got, m);
+            matmul_f32_with(isa, &x[..m * k], &w32, &mut want, m, n, k);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "mixed {isa:?} m={m}");
+        }
+    }
+}
+
 /// A matrix whose segments differ in dtype (a bf16 push into part of a Q4_1 model's fused
 /// matrix, say) gives each row the bits of its f32 dequantization at every batch size: the
 /// batched steps send the f32 segment through the row tiles and the others through panels.

@@ -1,0 +1,491 @@
+//! Whole random-weight models written as GGUF files the way llama.cpp's converter writes them
+//! (llama with q/k rows permuted for its interleaved rope; qwen2 and qwen3 in Hugging Face's
+//! order), in F32 and in the quantized types GGUF files ship in (Q4_K and Q6_K as a Q4_K_M
+//! file mixes them, Q5_0, Q5_1), then loaded: the config each architecture's metadata
+//! describes, the weights as the file holds them, logits against the dense f64 reference
+//! forward over the dequantized weights, and the model kept as stored computing the bits of
+//! the same file dequantized to f32.
+
+mod model_support;
+
+use std::path::Path;
+
+use ferry_model::dtype::quantize;
+use ferry_model::random_model::{random_weights, small_config};
+use ferry_model::{load_model, LlamaConfig, LlamaModel, WeightDtype, WeightStore};
+use model_support::*;
+
+/// Relative tolerance of the f32 forward against the f64 reference (as `model_forward.rs`).
+const TOL: f64 = 1e-4;
+const BS: usize = 4;
+
+// ---------------------------------------------------------------------------------------------
+// A GGUF writer: metadata of the value types a converter writes, tensors 32-byte aligned.
+
+enum Meta {
+    U32(u32),
+    F32(f32),
+    Str(String),
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend((s.len() as u64).to_le_bytes());
+    out.extend(s.as_bytes());
+}
+
+/// A GGUF v3 file of `kv` and `tensors` (name, PyTorch shape, ggml type id, bytes).
+fn gguf_bytes(kv: &[(String, Meta)], tensors: &[(String, Vec<usize>, u32, Vec<u8>)]) -> Vec<u8> {
+    const ALIGN: usize = 32;
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((kv.len() as u64).to_le_bytes());
+    for (key, value) in kv {
+        put_str(&mut out, key);
+        match value {
+            Meta::U32(v) => {
+                out.extend(4u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            Meta::F32(v) => {
+                out.extend(6u32.to_le_bytes());
+                out.extend(v.to_le_bytes());
+            }
+            Meta::Str(s) => {
+                out.extend(8u32.to_le_bytes());
+                put_str(&mut out, s);
+            }
+        }
+    }
+    let mut offset = 0;
+    let mut offsets = Vec::new();
+    for (name, shape, ty, bytes) in tensors {
+        put_str(&mut out, name);
+        out.extend((shape.len() as u32).to_le_bytes());
+        for d in shape.iter().rev() {
+            out.extend((*d as u64).to_le_bytes());
+        }
+        out.extend(ty.to_le_bytes());
+        out.extend((offset as u64).to_le_bytes());
+        offsets.push(offset);
+        offset = (offset + bytes.len()).next_multiple_of(ALIGN);
+    }
+    out.resize(out.len().next_multiple_of(ALIGN), 0);
+    let start = out.len();
+    for ((_, _, _, bytes), at) in tensors.iter().zip(offsets) {
+        out.resize(start + at, 0);
+        out.extend(bytes);
+    }
+    out
+}
+
+/// The GGUF name llama.cpp gives a Hugging Face tensor.
+fn gguf_name(hf: &str) -> String {
+    match hf {
+        "model.embed_tokens.weight" => return "token_embd.weight".into(),
+        "model.norm.weight" => return "output_norm.weight".into(),
+        "lm_head.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.").unwrap();
+    let (layer, param) = rest.split_once('.').unwrap();
+    let (part, suffix) = param.rsplit_once('.').unwrap();
+    let g = match part {
+        "input_layernorm" => "attn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        other => panic!("no GGUF name for {other}"),
+    };
+    format!("blk.{layer}.{g}.{suffix}")
+}
+
+/// llama.cpp's converter permutation of q/k rows (`reshape(n_head, 2, half, ...)
+/// .swapaxes(1, 2)`): GGUF row `h*hd + 2i + s` holds Hugging Face row `h*hd + s*half + i`.
+fn permute_rows(hf: &[f32], n_heads: usize, rows: usize) -> Vec<f32> {
+    let cols = hf.len() / rows;
+    let (hd, mut out) = (rows / n_heads, vec![0.0; hf.len()]);
+    for h in 0..n_heads {
+        for i in 0..hd / 2 {
+            for s in 0..2 {
+                let (src, dst) = (h * hd + s * hd / 2 + i, h * hd + 2 * i + s);
+                out[dst * cols..][..cols].copy_from_slice(&hf[src * cols..][..cols]);
+            }
+        }
+    }
+    out
+}
+
+/// Writes `weights` of `config` as a GGUF of architecture `arch`, every matrix in
+/// `dtype_of(name)` (quantized by ferry's quantizers), every vector f32. Returns the weights
+/// as the file holds them, dequantized, in Hugging Face order: what loading must give.
+fn write_gguf(
+    path: &Path,
+    arch: &str,
+    config: &LlamaConfig,
+    weights: &WeightStore,
+    dtype_of: impl Fn(&str) -> WeightDtype,
+) -> WeightStore {
+    let k = |key: &str| format!("{arch}.{key}");
+    let c = config;
+    let mut kv = vec![
+        ("general.architecture".into(), Meta::Str(arch.into())),
+        (k("vocab_size"), Meta::U32(c.vocab_size as u32)),
+        (k("embedding_length"), Meta::U32(c.hidden_size as u32)),
+        (
+            k("feed_forward_length"),
+            Meta::U32(c.intermediate_size as u32),
+        ),
+        (k("block_count"), Meta::U32(c.num_hidden_layers as u32)),
+        (
+            k("attention.head_count"),
+            Meta::U32(c.num_attention_heads as u32),
+        ),
+        (
+            k("attention.head_count_kv"),
+            Meta::U32(c.num_key_value_heads as u32),
+        ),
+        (k("attention.key_length"), Meta::U32(c.head_dim as u32)),
+        (k("rope.dimension_count"), Meta::U32(c.head_dim as u32)),
+        (
+            k("attention.layer_norm_rms_epsilon"),
+            Meta::F32(c.rms_norm_eps),
+        ),
+        (k("rope.freq_base"), Meta::F32(c.rope_theta)),
+        (
+            k("context_length"),
+            Meta::U32(c.max_position_embeddings as u32),
+        ),
+    ];
+    if let Some(bos) = c.bos_token_id {
+        kv.push(("tokenizer.ggml.bos_token_id".into(), Meta::U32(bos)));
+    }
+    kv.push((
+        "tokenizer.ggml.eos_token_id".into(),
+        Meta::U32(c.eos_token_ids[0]),
+    ));
+    let mut tensors = Vec::new();
+    let mut held = WeightStore::default();
+    for (name, t) in &weights.tensors {
+        let heads = if arch != "llama" {
+            None
+        } else if name.contains(".q_proj.") {
+            Some(c.num_attention_heads)
+        } else if name.contains(".k_proj.") {
+            Some(c.num_key_value_heads)
+        } else {
+            None
+        };
+        let dtype = if t.shape.len() == 2 {
+            dtype_of(name)
+        } else {
+            WeightDtype::F32
+        };
+        let bytes = quantize(dtype, &t.data);
+        // What the file holds, back in Hugging Face order (the permutation moves whole rows,
+        // and each row's blocks with it).
+        let mut values = vec![0.0; t.data.len()];
+        ferry_model::dtype::dequantize_into(dtype, &bytes, &mut values);
+        held.insert(
+            name.clone(),
+            ferry_model::Tensor::new(t.shape.clone(), values),
+        );
+        let bytes = match heads {
+            Some(n) => quantize(dtype, &permute_rows(&t.data, n, t.shape[0])),
+            None => bytes,
+        };
+        tensors.push((gguf_name(name), t.shape.clone(), dtype.ggml().id(), bytes));
+    }
+    std::fs::write(path, gguf_bytes(&kv, &tensors)).unwrap();
+    held
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// Prefill then three greedy tokens, each step's logits against the dense reference over
+/// `weights` (what the file holds); returns every step's logits as bits.
+fn check_forward(
+    config: &LlamaConfig,
+    model: &mut LlamaModel,
+    weights: &WeightStore,
+) -> Vec<Vec<u32>> {
+    let mut kv = arena_for(model, 64, BS);
+    let mut pool = Pool::new(64, BS, 3);
+    let mut seq = Seq::new(0, random_tokens(9, config.vocab_size, 5));
+    let mut count = seq.tokens.len();
+    let mut rows = Vec::new();
+    for step_idx in 0..4 {
+        let logits = step(model, &mut kv, &mut pool, &mut [&mut seq], &[count]);
+        let want = reference_logits(config, weights, &seq.tokens);
+        let what = format!("{} step {step_idx}", config.architecture);
+        assert_close(logits.row(0), want.last().unwrap(), TOL, &what);
+        rows.push(bits(logits.row(0)));
+        seq.tokens.push(argmax(logits.row(0)));
+        count = 1;
+    }
+    rows
+}
+
+/// Loads `path` dequantized to f32 and kept as stored: the config is `config`, the f32
+/// weights are `held` bit for bit, both forwards match the reference over them, and the
+/// stored one computes the bits of the f32 one.
+fn check_loaded(path: &Path, config: &LlamaConfig, held: &WeightStore) {
+    let f32s = load_model(path).unwrap();
+    assert_eq!(&f32s.config, config);
+    assert_eq!(f32s.weights.tensors.len(), held.tensors.len());
+    for (name, t) in &held.tensors {
+        let got = f32s.weights.get(name).unwrap();
+        assert_eq!(got.shape, t.shape, "{name}");
+        assert!(
+            got.data == t.data,
+            "{} {name}: values differ",
+            config.architecture
+        );
+    }
+    let stored = ferry_model::load::load_model_stored(path).unwrap();
+    let mut a = LlamaModel::new(&f32s.config, &f32s.weights).unwrap();
+    let mut b = LlamaModel::new(&stored.config, &stored.weights).unwrap();
+    let want = check_forward(config, &mut a, held);
+    assert!(
+        check_forward(config, &mut b, held) == want,
+        "{}: stored differs",
+        config.architecture
+    );
+}
+
+/// A config of `arch` as the GGUF's metadata and tensors describe it.
+fn arch_config(arch: &str, base: LlamaConfig) -> LlamaConfig {
+    match arch {
+        "llama" => LlamaConfig {
+            attention_bias: true,
+            o_proj_bias: true,
+            ..base
+        },
+        "qwen2" => LlamaConfig {
+            architecture: "Qwen2ForCausalLM".into(),
+            attention_bias: true,
+            tie_word_embeddings: true,
+            ..base
+        },
+        _ => LlamaConfig {
+            architecture: "Qwen3ForCausalLM".into(),
+            qk_norm: true,
+            head_dim: base.hidden_size / base.num_attention_heads * 3 / 2,
+            ..base
+        },
+    }
+}
+
+/// Llama (with `attention_bias`: q/k/v and o biases, q/k permuted), Qwen2 (q/k/v biases,
+/// tied head) and Qwen3 (q/k norms, head_dim wider than hidden / heads) in F32 and Q8_0.
+#[test]
+fn llama_qwen2_and_qwen3_ggufs_load_and_match_the_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    for arch in ["llama", "qwen2", "qwen3"] {
+        let config = arch_config(arch, small_config());
+        let weights = random_weights(&config, 11);
+        for dtype in [WeightDtype::F32, WeightDtype::Q8_0] {
+            let path = tmp.path().join(format!("{arch}-{dtype}.gguf"));
+            let held = write_gguf(&path, arch, &config, &weights, |_| dtype);
+            check_loaded(&path, &config, &held);
+        }
+    }
+}
+
+/// The types GGUF files ship in, on a model whose rows are multiples of 256: a Q4_K_M-like
+/// mix (Q6_K for v, down and the head, Q4_K elsewhere), all Q5_0, all Q5_1, for each
+/// architecture.
+#[test]
+fn k_quant_and_q5_ggufs_load_and_match_the_reference() {
+    let base = LlamaConfig {
+        vocab_size: 300,
+        hidden_size: 256,
+        intermediate_size: 512,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 64,
+        ..small_config()
+    };
+    let q4_k_m = |name: &str| {
+        if name.contains("v_proj") || name.contains("down_proj") || name.contains("lm_head") {
+            WeightDtype::Q6_K
+        } else {
+            WeightDtype::Q4_K
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for arch in ["llama", "qwen2", "qwen3"] {
+        let mut config = arch_config(arch, base.clone());
+        // Qwen3's wider heads: 4 × 128 = 512, still a multiple of 256.
+        if arch == "qwen3" {
+            config.head_dim = 128;
+        }
+        let weights = random_weights(&config, 12);
+        let path = tmp.path().join(format!("{arch}-q4_k_m.gguf"));
+        let held = write_gguf(&path, arch, &config, &weights, q4_k_m);
+        check_loaded(&path, &config, &held);
+        let gguf = ferry_model::load::gguf::GgufFile::open(&path).unwrap();
+        let types: std::collections::BTreeSet<String> =
+            gguf.tensors.iter().map(|t| t.dtype.to_string()).collect();
+        assert_eq!(types, ["F32", "Q4_K", "Q6_K"].map(String::from).into());
+        for dtype in [WeightDtype::Q5_0, WeightDtype::Q5_1] {
+            let path = tmp.path().join(format!("{arch}-{dtype}.gguf"));
+            let held = write_gguf(&path, arch, &config, &weights, |_| dtype);
+            check_loaded(&path, &config, &held);
+        }
+    }
+}
+
+/// A Llama 3.1-style GGUF: llama.cpp's converter writes the llama3 rope scaling as
+/// per-frequency factors in `rope_freqs.weight` (its `generate_extra_tensors`), which the
+/// loader reads into the config and the forward uses: logits match the reference forward of
+/// the Hugging Face config with `rope_scaling` llama3, and differ from the unscaled model's.
+#[test]
+fn a_gguf_with_rope_freqs_computes_the_llama3_scaled_model() {
+    let (factor, low, high, old) = (8.0f64, 1.0f64, 4.0f64, 64.0f64);
+    let hf = LlamaConfig {
+        rope_theta: 500_000.0,
+        rope_scaling: Some(ferry_model::RopeScaling::Llama3 {
+            factor: factor as f32,
+            low_freq_factor: low as f32,
+            high_freq_factor: high as f32,
+            original_max_position_embeddings: old as usize,
+        }),
+        ..small_config()
+    };
+    let d = hf.head_dim;
+    // The converter's factors, in f64 then stored as f32.
+    let factors: Vec<f32> = (0..d / 2)
+        .map(|i| {
+            let freq = 1.0 / 500_000f64.powf((2 * i) as f64 / d as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let f = if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            f as f32
+        })
+        .collect();
+    assert!(
+        factors.iter().any(|&f| f > 1.0 && f < 8.0),
+        "a blended band"
+    );
+    let in_file = LlamaConfig {
+        rope_scaling: Some(ferry_model::RopeScaling::Factors {
+            factors: factors.clone(),
+        }),
+        ..hf.clone()
+    };
+    let weights = random_weights(&hf, 13);
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("llama3.gguf");
+    let held = write_gguf(&path, "llama", &hf, &weights, |_| WeightDtype::F32);
+    // The file as converted: the factors beside the weights (appended, rewritten).
+    append_rope_freqs(&path, &factors);
+    let loaded = load_model(&path).unwrap();
+    assert_eq!(loaded.config, in_file);
+    let mut model = LlamaModel::new(&loaded.config, &loaded.weights).unwrap();
+    // Against Hugging Face's llama3 frequencies (the reference computes them from `hf`).
+    let scaled = check_forward(&hf, &mut model, &held);
+    let mut plain = LlamaModel::new(&small_config_with(&hf), &loaded.weights).unwrap();
+    let mut kv = arena_for(&plain, 64, BS);
+    let mut pool = Pool::new(64, BS, 3);
+    let mut seq = Seq::new(0, random_tokens(9, hf.vocab_size, 5));
+    let n = seq.tokens.len();
+    let logits = step(&mut plain, &mut kv, &mut pool, &mut [&mut seq], &[n]);
+    assert_ne!(
+        bits(logits.row(0)),
+        scaled[0],
+        "the factors change the model"
+    );
+}
+
+/// `config` without rope scaling.
+fn small_config_with(config: &LlamaConfig) -> LlamaConfig {
+    LlamaConfig {
+        rope_scaling: None,
+        ..config.clone()
+    }
+}
+
+/// Rewrites the GGUF at `path` with `rope_freqs.weight` (f32) added after its tensors.
+fn append_rope_freqs(path: &Path, factors: &[f32]) {
+    use ferry_model::load::gguf::GgufFile;
+    let gguf = GgufFile::open(path).unwrap();
+    let kv: Vec<(String, Meta)> = gguf
+        .metadata
+        .iter()
+        .map(|(k, v)| {
+            let m = match v {
+                ferry_model::load::gguf::GgufValue::U32(x) => Meta::U32(*x),
+                ferry_model::load::gguf::GgufValue::F32(x) => Meta::F32(*x),
+                other => Meta::Str(other.as_str().unwrap().to_owned()),
+            };
+            (k.clone(), m)
+        })
+        .collect();
+    let mut tensors: Vec<(String, Vec<usize>, u32, Vec<u8>)> = gguf
+        .tensors
+        .iter()
+        .map(|t| {
+            let bytes = gguf.tensor_bytes(t).unwrap().to_vec();
+            (t.name.clone(), t.shape(), t.dtype.id(), bytes)
+        })
+        .collect();
+    let bytes = factors.iter().flat_map(|f| f.to_le_bytes()).collect();
+    tensors.push(("rope_freqs.weight".into(), vec![factors.len()], 0, bytes));
+    drop(gguf);
+    std::fs::write(path, gguf_bytes(&kv, &tensors)).unwrap();
+}
+
+/// A Qwen2 GGUF with an `o_proj` bias (which Qwen2 does not have) is refused naming it, as
+/// is one lacking the q/k/v biases every Qwen2 has.
+#[test]
+fn a_qwen2_gguf_with_an_o_bias_or_without_qkv_biases_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = arch_config("qwen2", small_config());
+    let with_o = LlamaConfig {
+        o_proj_bias: true,
+        ..config.clone()
+    };
+    let path = tmp.path().join("o.gguf");
+    write_gguf(&path, "qwen2", &with_o, &random_weights(&with_o, 1), |_| {
+        WeightDtype::F32
+    });
+    match load_model(&path).unwrap_err() {
+        ferry_model::LoadError::UnusedTensor { tensor, .. } => {
+            assert_eq!(
+                tensor,
+                "blk.0.attn_output.bias (model.layers.0.self_attn.o_proj.bias)"
+            )
+        }
+        other => panic!("expected UnusedTensor, got {other:?}"),
+    }
+    let without = LlamaConfig {
+        attention_bias: false,
+        ..config
+    };
+    write_gguf(
+        &path,
+        "qwen2",
+        &without,
+        &random_weights(&without, 1),
+        |_| WeightDtype::F32,
+    );
+    let err = load_model(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("missing tensor") && err.contains("q_proj.bias"),
+        "{err}"
+    );
+}
