@@ -772,6 +772,13 @@ pub trait KvConnector: Send + std::fmt::Debug {
     /// Drops the connector's own cache (an offload tier's index). Re-entrant: a second call
     /// before the next step only adds to what the first one did.
     fn reset_cache(&mut self);
+
+    /// From now on, journal the changes of the connector's own cache for KV events (a tier's
+    /// stored and removed blocks); connectors with no cache of their own ignore it.
+    fn publish_tier_changes(&mut self) {}
+
+    /// The changes journaled since the last call (see `publish_tier_changes`).
+    fn take_tier_changes(&mut self, _out: &mut Vec<crate::kv_events::TierChange>) {}
 }
 
 #[cfg(test)]

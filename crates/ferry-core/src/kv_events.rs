@@ -69,6 +69,16 @@ pub fn external_hash(hash: &BlockHash) -> u64 {
     u64::from_be_bytes(first)
 }
 
+/// A change of a connector's own cache (the offload tier), journaled by the connector and
+/// collected by the scheduler (`KvConnector::take_tier_changes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierChange {
+    /// The block keyed by this hash is stored in the tier (loadable).
+    Stored(BlockHash),
+    /// It is not any more (evicted, or the tier was reset).
+    Removed(BlockHash),
+}
+
 /// One journaled change, as the pool and the scheduler see it.
 #[derive(Debug, Clone)]
 enum Change {
@@ -173,6 +183,14 @@ impl KvEventLog {
             tokens: Vec::new(),
             medium: Medium::Tier,
         }));
+    }
+
+    /// A change of the offload tier.
+    pub fn tier(&mut self, change: TierChange) {
+        match change {
+            TierChange::Stored(h) => self.tier_stored(&h),
+            TierChange::Removed(h) => self.removed(&h, Medium::Tier),
+        }
     }
 
     /// The prefix cache was cleared.

@@ -37,6 +37,7 @@ use crate::connector::{
 use crate::hash::{BlockHash, BlockHashMap};
 use crate::holds::HoldKind;
 use crate::ids::{ReqIdx, TransferId};
+use crate::kv_events::TierChange;
 
 /// The tier's configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,6 +142,8 @@ pub struct OffloadConnector {
     ended: Vec<TransferId>,
     loads: Vec<LoadResult>,
     stats: TierStats,
+    /// Stored and removed blocks for KV events, once `publish_tier_changes` turned it on.
+    changes: Option<Vec<TierChange>>,
 }
 
 impl OffloadConnector {
@@ -159,6 +162,7 @@ impl OffloadConnector {
             jobs: Vec::new(),
             ended: Vec::new(),
             loads: Vec::new(),
+            changes: None,
             stats: TierStats {
                 bytes_capacity: n_slots as u64 * config.slot_bytes(),
                 ..TierStats::default()
@@ -213,8 +217,15 @@ impl OffloadConnector {
             .expect("the policy lists index keys");
         self.policy.evicted(victim);
         self.stats.n_evictions += 1;
+        self.note(TierChange::Removed(victim));
         debug_assert_eq!(self.busy[entry.slot as usize], 0);
         Some(entry.slot)
+    }
+
+    fn note(&mut self, change: TierChange) {
+        if let Some(changes) = &mut self.changes {
+            changes.push(change);
+        }
     }
 
     /// A job that touched `slots` reported: slots the index forgot meanwhile become free.
@@ -277,6 +288,7 @@ impl OffloadConnector {
             };
             if ok {
                 e.storing = false;
+                self.note(TierChange::Stored(key));
             } else {
                 let slot = e.slot;
                 self.index.remove(&key);
@@ -540,9 +552,24 @@ impl KvConnector for OffloadConnector {
         !self.jobs.is_empty() || !self.flush.is_empty()
     }
 
+    fn publish_tier_changes(&mut self) {
+        self.changes.get_or_insert_with(Vec::new);
+    }
+
+    fn take_tier_changes(&mut self, out: &mut Vec<TierChange>) {
+        if let Some(changes) = &mut self.changes {
+            out.append(changes);
+        }
+    }
+
     fn reset_cache(&mut self) {
         self.abandon_in_flight();
-        for (_, entry) in self.index.drain() {
+        for (key, entry) in self.index.drain() {
+            if !entry.storing {
+                if let Some(changes) = &mut self.changes {
+                    changes.push(TierChange::Removed(key));
+                }
+            }
             let s = entry.slot as usize;
             if self.busy[s] == 0 {
                 self.free_slots.insert(entry.slot);

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use ferry_core::kv_events::external_hash;
-use ferry_core::{KvEvent, KvEventBatch, OpId, Scheduler};
+use ferry_core::{KvEvent, KvEventBatch, Medium, OpId, Scheduler};
 use ferry_engine::{CoreEvent, EngineCore, Event as CoreOut};
 
 use crate::copier::Copier;
@@ -38,6 +38,9 @@ pub struct SimEngine {
     pub live: BTreeSet<String>,
     /// The arena's cached blocks as a KV event subscriber sees them (the current epoch's).
     kv_index: (u64, BTreeSet<u64>),
+    /// KV event batches applied, and the offload tier's events among them.
+    pub n_kv_batches: u64,
+    pub n_tier_events: u64,
     pub n_steps: u64,
 }
 
@@ -62,6 +65,8 @@ impl SimEngine {
             ids: BTreeMap::new(),
             live: BTreeSet::new(),
             kv_index: (0, BTreeSet::new()),
+            n_kv_batches: 0,
+            n_tier_events: 0,
             n_steps: 0,
         }
     }
@@ -131,6 +136,7 @@ impl SimEngine {
 
     /// Applies a KV event batch to the subscriber's view: a new epoch starts from nothing.
     fn index_kv_events(&mut self, batch: KvEventBatch) -> Result<(), String> {
+        self.n_kv_batches += 1;
         let (epoch, index) = &mut self.kv_index;
         if batch.epoch < *epoch {
             return Err(format!(
@@ -145,15 +151,24 @@ impl SimEngine {
             ));
         }
         *epoch = batch.epoch;
+        // The arena's blocks (the tier's are checked by the tier's own accounting).
         for event in batch.events {
             match event {
                 KvEvent::AllCleared => index.clear(),
-                KvEvent::Stored { hashes, .. } => index.extend(hashes),
-                KvEvent::Removed { hashes, .. } => {
+                KvEvent::Stored {
+                    hashes,
+                    medium: Medium::Primary,
+                    ..
+                } => index.extend(hashes),
+                KvEvent::Removed {
+                    hashes,
+                    medium: Medium::Primary,
+                } => {
                     for h in &hashes {
                         index.remove(h);
                     }
                 }
+                KvEvent::Stored { .. } | KvEvent::Removed { .. } => self.n_tier_events += 1,
             }
         }
         Ok(())

@@ -120,6 +120,9 @@ pub struct Stats {
     pub n_tokens_masked: u64,
     /// Forwards that failed (a fault) and the engine recovered from.
     pub n_step_failures: u64,
+    /// KV events checked (batches applied to a subscriber's view), and the tier's among them.
+    pub n_kv_batches: u64,
+    pub n_tier_kv_events: u64,
     pub n_steps: u64,
     pub tier: bool,
     pub end_ms: u64,
@@ -987,6 +990,8 @@ impl Sim {
         self.stats.n_tokens_mixed += o.n_mixed;
         self.stats.n_tokens_masked += o.n_masked;
         self.stats.n_step_failures += e.core.counters().n_step_failures_total;
+        self.stats.n_kv_batches += e.n_kv_batches;
+        self.stats.n_tier_kv_events += e.n_tier_events;
         self.stats.n_steps += e.n_steps;
     }
 

@@ -46,6 +46,8 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
         total.n_tokens_mixed += s.n_tokens_mixed;
         total.n_tokens_masked += s.n_tokens_masked;
         total.n_step_failures += s.n_step_failures;
+        total.n_kv_batches += s.n_kv_batches;
+        total.n_tier_kv_events += s.n_tier_kv_events;
         total.n_ops += s.n_ops;
         total.n_pulls_ok += s.n_pulls_ok;
         total.n_pulls_failed += s.n_pulls_failed;
@@ -59,7 +61,8 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
 }
 
 /// The runs must exercise what they claim to: tokens checked (some under a constraint's
-/// mask), pulls that succeed and fail, crashes, failed steps, tier copies (with the tier on),
+/// mask), pulls that succeed and fail, crashes, failed steps, KV events (the tier's with the
+/// tier on), tier copies (with the tier on),
 /// and requests failed by the faults injected on their loads under `fail` (each one checked
 /// to be such a fault).
 fn assert_exercised(s: &Stats, n: u64, tier: bool) {
@@ -71,6 +74,8 @@ fn assert_exercised(s: &Stats, n: u64, tier: bool) {
     assert!(s.n_crashes > n / 4, "{s:?}");
     assert!(s.n_ops > 20 * n, "{s:?}");
     assert_eq!(s.n_copies > 0, tier, "{s:?}");
+    assert!(s.n_kv_batches > 20 * n, "{s:?}");
+    assert_eq!(s.n_tier_kv_events > 0, tier, "{s:?}");
 }
 
 #[test]

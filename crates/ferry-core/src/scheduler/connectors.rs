@@ -12,7 +12,10 @@ use crate::ids::ConnectorId;
 impl Scheduler {
     /// Registers a connector; the lifecycle drives it from now on. Holds it owns name it by
     /// the returned id (its index in registration order).
-    pub fn add_connector(&mut self, connector: Box<dyn KvConnector>) -> ConnectorId {
+    pub fn add_connector(&mut self, mut connector: Box<dyn KvConnector>) -> ConnectorId {
+        if self.config.kv_events {
+            connector.publish_tier_changes();
+        }
         self.connectors.push(connector);
         ConnectorId(self.connectors.len() as u32 - 1)
     }

@@ -535,7 +535,17 @@ impl Scheduler {
     /// The KV events since the last call, in batches (`kv_events.rs`); none unless
     /// `SchedulerConfig::kv_events` is on.
     pub fn take_kv_events(&mut self, out: &mut Vec<crate::KvEventBatch>) {
-        self.kv.pool_mut().log_mut().drain(out);
+        let log = self.kv.pool_mut().log_mut();
+        if log.is_on() {
+            let mut changes = Vec::new();
+            for c in &mut self.connectors {
+                c.take_tier_changes(&mut changes);
+            }
+            for change in changes {
+                log.tier(change);
+            }
+        }
+        log.drain(out);
     }
 
     /// The version of the weights loaded now.
