@@ -7,11 +7,11 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use ferry_core::kv_events::external_hash;
-use ferry_core::{KvEvent, KvEventBatch, Medium, OpId, Scheduler};
+use ferry_core::{OpId, Scheduler};
 use ferry_engine::{CoreEvent, EngineCore, Event as CoreOut};
 
 use crate::copier::Copier;
+use crate::kv_view::KvView;
 pub use crate::messages::{Event, Input};
 use crate::oracle::SharedOracle;
 use crate::schedule::Side;
@@ -36,11 +36,8 @@ pub struct SimEngine {
     ids: BTreeMap<u32, String>,
     /// Requests accepted and not finished yet: each must finish exactly once.
     pub live: BTreeSet<String>,
-    /// The arena's cached blocks as a KV event subscriber sees them (the current epoch's).
-    kv_index: (u64, BTreeSet<u64>),
-    /// KV event batches applied, and the offload tier's events among them.
-    pub n_kv_batches: u64,
-    pub n_tier_events: u64,
+    /// The arena as a KV event subscriber sees it (checked after every tick).
+    pub kv_view: KvView,
     pub n_steps: u64,
 }
 
@@ -64,9 +61,7 @@ impl SimEngine {
             ops: BTreeMap::new(),
             ids: BTreeMap::new(),
             live: BTreeSet::new(),
-            kv_index: (0, BTreeSet::new()),
-            n_kv_batches: 0,
-            n_tier_events: 0,
+            kv_view: KvView::default(),
             n_steps: 0,
         }
     }
@@ -103,7 +98,7 @@ impl SimEngine {
             .is_some();
         self.n_steps += u64::from(stepped);
         self.drain(events)?;
-        self.check_kv_index()?;
+        self.kv_view.check(self.core.sched())?;
         match self.oracle.lock().violations.first() {
             Some(v) => Err(format!("oracle: {v}")),
             None => Ok(stepped),
@@ -134,69 +129,13 @@ impl SimEngine {
         }
     }
 
-    /// Applies a KV event batch to the subscriber's view: a new epoch starts from nothing.
-    fn index_kv_events(&mut self, batch: KvEventBatch) -> Result<(), String> {
-        self.n_kv_batches += 1;
-        let (epoch, index) = &mut self.kv_index;
-        if batch.epoch < *epoch {
-            return Err(format!(
-                "KV events went back from epoch {epoch} to {}",
-                batch.epoch
-            ));
-        }
-        if batch.epoch > *epoch && batch.events.first() != Some(&KvEvent::AllCleared) {
-            return Err(format!(
-                "epoch {} began without AllBlocksCleared",
-                batch.epoch
-            ));
-        }
-        *epoch = batch.epoch;
-        // The arena's blocks (the tier's are checked by the tier's own accounting).
-        for event in batch.events {
-            match event {
-                KvEvent::AllCleared => index.clear(),
-                KvEvent::Stored {
-                    hashes,
-                    medium: Medium::Primary,
-                    ..
-                } => index.extend(hashes),
-                KvEvent::Removed {
-                    hashes,
-                    medium: Medium::Primary,
-                } => {
-                    for h in &hashes {
-                        index.remove(h);
-                    }
-                }
-                KvEvent::Stored { .. } | KvEvent::Removed { .. } => self.n_tier_events += 1,
-            }
-        }
-        Ok(())
-    }
-
-    /// Every block a KV event subscriber believes cached is cached: a router never sends a
-    /// request for a hit that a wipe or an eviction took away.
-    fn check_kv_index(&self) -> Result<(), String> {
-        let pool = self.core.sched().kv_pool();
-        let cached: BTreeSet<u64> = pool
-            .cached_entries()
-            .map(|(h, _)| external_hash(h))
-            .collect();
-        match self.kv_index.1.iter().find(|h| !cached.contains(h)) {
-            Some(h) => Err(format!(
-                "KV events announce block {h:016x}, which is not cached"
-            )),
-            None => Ok(()),
-        }
-    }
-
     /// The core's events, as the simulation reads them; checks each request finishes once.
     fn drain(&mut self, events: &mut Vec<Event>) -> Result<(), String> {
         while let Some(event) = self.core.poll_event() {
             let (idx, sampled, finish) = match event {
                 CoreEvent::Request(_, CoreOut::Admitted { .. }) => continue,
                 CoreEvent::Kv(batch) => {
-                    self.index_kv_events(batch)?;
+                    self.kv_view.apply(batch)?;
                     continue;
                 }
                 CoreEvent::Request(

@@ -15,11 +15,13 @@
 //! are only the wiring. A seed fixes everything, so a failing seed replays exactly, with a
 //! readable trace, and shrinks to a short schedule (`shrink.rs`).
 //!
-//! What a run checks is listed in `sim.rs`; the oracle for tokens is in `oracle.rs`.
+//! What a run checks is listed in `sim.rs`; the oracle for tokens is in `oracle.rs`, the
+//! check of the KV events against the prefix cache in `kv_view.rs`.
 
 pub mod client;
 pub mod copier;
 pub mod engine;
+pub mod kv_view;
 pub mod messages;
 pub mod net;
 pub mod oracle;

@@ -990,8 +990,8 @@ impl Sim {
         self.stats.n_tokens_mixed += o.n_mixed;
         self.stats.n_tokens_masked += o.n_masked;
         self.stats.n_step_failures += e.core.counters().n_step_failures_total;
-        self.stats.n_kv_batches += e.n_kv_batches;
-        self.stats.n_tier_kv_events += e.n_tier_events;
+        self.stats.n_kv_batches += e.kv_view.n_batches;
+        self.stats.n_tier_kv_events += e.kv_view.n_tier_events;
         self.stats.n_steps += e.n_steps;
     }
 
