@@ -455,7 +455,14 @@ fn model_metadata() -> Vec<(&'static str, Meta)> {
 
 /// Writes the model with q/k permuted as llama.cpp stores them; `edit` may change tensors.
 fn write_model(path: &Path, tied: bool, edit: impl Fn(&mut Vec<GgufTensor>)) {
-    let mut tensors: Vec<GgufTensor> = model_tensors(tied)
+    let mut tensors = model_gguf_tensors(tied);
+    edit(&mut tensors);
+    write_gguf(path, &model_metadata(), &tensors);
+}
+
+/// The model's tensors as llama.cpp stores them (q/k permuted).
+fn model_gguf_tensors(tied: bool) -> Vec<GgufTensor> {
+    model_tensors(tied)
         .into_iter()
         .map(|(hf, shape, gguf, data)| {
             let data = match hf.as_str() {
@@ -469,9 +476,38 @@ fn write_model(path: &Path, tied: bool, edit: impl Fn(&mut Vec<GgufTensor>)) {
             };
             f32_tensor(&gguf, &shape, &data)
         })
-        .collect();
-    edit(&mut tensors);
-    write_gguf(path, &model_metadata(), &tensors);
+        .collect()
+}
+
+/// A pre-tokenizer ferry does not implement is refused at load, naming it: splitting its text
+/// the GPT-2 way would tokenize it wrongly without a word. GPT-2's own names load.
+#[test]
+fn an_unknown_pre_tokenizer_is_refused_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (pre, ok) in [
+        ("llama-bpe", false),
+        ("deepseek-llm", false),
+        ("gpt-2", true),
+        ("default", true),
+    ] {
+        let meta: Vec<(&str, Meta)> = model_metadata()
+            .into_iter()
+            .map(|(k, v)| match k {
+                "tokenizer.ggml.pre" => (k, Meta::Str(pre)),
+                _ => (k, v),
+            })
+            .collect();
+        let p = tmp.path().join(format!("{pre}.gguf"));
+        write_gguf(&p, &meta, &model_gguf_tensors(true));
+        match load_model(&p) {
+            Ok(_) => assert!(ok, "{pre} loaded"),
+            Err(e) => {
+                assert!(!ok, "{pre}: {e}");
+                let e = e.to_string();
+                assert!(e.contains("tokenizer.ggml.pre") && e.contains(pre), "{e}");
+            }
+        }
+    }
 }
 
 #[test]

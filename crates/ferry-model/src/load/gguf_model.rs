@@ -465,7 +465,20 @@ fn byte_level_spec(meta: &Meta<'_>) -> Result<ByteLevelBpeSpec, LoadError> {
     {
         Some("smollm") => PreTokenizerKind::Gpt2IndividualDigits,
         Some("qwen2") => PreTokenizerKind::Qwen2,
-        _ => PreTokenizerKind::Gpt2,
+        // llama.cpp's names for GPT-2's own split.
+        None | Some("default" | "gpt-2" | "gpt2") => PreTokenizerKind::Gpt2,
+        // Another split (llama-bpe, deepseek, ...) done the GPT-2 way would tokenize text
+        // wrongly without a word: refused.
+        Some(other) => {
+            return Err(meta.err(
+                "tokenizer.ggml.pre",
+                format!(
+                    "pre-tokenizer `{other}` is not supported (ferry splits text as `smollm`, \
+                     `qwen2` and GPT-2's `default`/`gpt-2` do); its text would be tokenized \
+                     wrongly"
+                ),
+            ))
+        }
     };
     Ok(ByteLevelBpeSpec {
         tokens,
