@@ -209,20 +209,28 @@ impl KvEventLog {
         }
     }
 
+    /// `events` as a batch of the current weight version and epoch.
+    fn batch(&self, events: Vec<KvEvent>) -> KvEventBatch {
+        KvEventBatch {
+            events,
+            block_size: self.block_size,
+            weight_version: self.version.clone(),
+            epoch: self.epoch,
+        }
+    }
+
     /// Everything journaled since the last call, cut into batches at every wipe.
-    pub fn drain(&mut self, out: &mut Vec<KvEventBatch>) {
+    pub fn drain(&mut self, out: &mut impl Extend<KvEventBatch>) {
         let mut events = Vec::new();
-        for change in self.changes.drain(..) {
+        // Out of `self` while it is read (its capacity comes back after).
+        let mut changes = std::mem::take(&mut self.changes);
+        for change in changes.drain(..) {
             let event = match change {
                 Change::Event(e) => e,
                 wipe => {
                     if !events.is_empty() {
-                        out.push(KvEventBatch {
-                            events: std::mem::take(&mut events),
-                            block_size: self.block_size,
-                            weight_version: self.version.clone(),
-                            epoch: self.epoch,
-                        });
+                        let batch = std::mem::take(&mut events);
+                        out.extend(Some(self.batch(batch)));
                     }
                     if let Change::NewVersion(v) = wipe {
                         self.version = v;
@@ -233,13 +241,9 @@ impl KvEventLog {
             };
             events.push(event);
         }
+        self.changes = changes;
         if !events.is_empty() {
-            out.push(KvEventBatch {
-                events,
-                block_size: self.block_size,
-                weight_version: self.version.clone(),
-                epoch: self.epoch,
-            });
+            out.extend(Some(self.batch(events)));
         }
     }
 }

@@ -319,8 +319,10 @@ pub struct EngineCore {
     /// Indexed by `ReqIdx`: the core reuses slots, so this stays as small as the peak load.
     live: Vec<Option<Live>>,
     events: VecDeque<CoreEvent>,
+    /// Whether the scheduler journals KV events (`SchedulerConfig::kv_events`).
+    kv_events: bool,
     /// KV event batches drained from the scheduler, not yet polled.
-    kv_batches: Vec<KvEventBatch>,
+    kv_batches: VecDeque<KvEventBatch>,
     /// Reused by `poll_lifecycle`.
     lifecycle_events: Vec<LifecycleEvent>,
     next_op: u64,
@@ -339,6 +341,7 @@ impl EngineCore {
         env: Box<dyn CoreEnv>,
     ) -> Self {
         let config = sched.config();
+        let kv_events = config.kv_events;
         let layout = executor.kv_layout(config.block_size);
         let arena = KvArena::new(layout, config.n_blocks as usize);
         let model = EngineModel {
@@ -355,7 +358,8 @@ impl EngineCore {
             driver: StepDriver::new(sched, model),
             live: Vec::new(),
             events: VecDeque::new(),
-            kv_batches: Vec::new(),
+            kv_events,
+            kv_batches: VecDeque::new(),
             lifecycle_events: Vec::new(),
             next_op: 0,
             consecutive_failures: 0,
@@ -633,12 +637,10 @@ impl EngineCore {
 
     /// The next event, in the order they happened.
     pub fn poll_event(&mut self) -> Option<CoreEvent> {
-        if self.kv_batches.is_empty() {
+        if self.kv_events && self.kv_batches.is_empty() {
             self.driver.sched.take_kv_events(&mut self.kv_batches);
-            // Handed out from the back: keep their order.
-            self.kv_batches.reverse();
         }
-        if let Some(batch) = self.kv_batches.pop() {
+        if let Some(batch) = self.kv_batches.pop_front() {
             return Some(CoreEvent::Kv(batch));
         }
         self.events.pop_front()

@@ -104,12 +104,11 @@ pub fn spawn_with_connectors(
         ..EngineStats::default()
     });
     let weight_preparer = executor.weight_ops().preparer();
-    let (kv_tx, kv_rx) = match config.scheduler.kv_events {
-        true => {
-            let (tx, rx) = mpsc::unbounded_channel();
-            (Some(tx), Some(rx))
-        }
-        false => (None, None),
+    let (kv_tx, kv_rx) = if config.scheduler.kv_events {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Some(tx), Some(rx))
+    } else {
+        (None, None)
     };
     let engine = EngineLoop::new(
         core,

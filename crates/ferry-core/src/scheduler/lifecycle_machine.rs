@@ -534,7 +534,7 @@ impl Scheduler {
 
     /// The KV events since the last call, in batches (`kv_events.rs`); none unless
     /// `SchedulerConfig::kv_events` is on.
-    pub fn take_kv_events(&mut self, out: &mut Vec<crate::KvEventBatch>) {
+    pub fn take_kv_events(&mut self, out: &mut impl Extend<crate::KvEventBatch>) {
         let log = self.kv.pool_mut().log_mut();
         if log.is_on() {
             let mut changes = Vec::new();
