@@ -255,25 +255,36 @@ impl Fleet {
             return self.pick(role, tried);
         }
         let now = Instant::now();
-        let scored: Vec<(f64, usize, usize, usize, &Arc<Instance>)> = self
-            .of(role)
-            .filter(|i| !tried.contains(&i.url))
-            .map(|i| {
-                let kv = i.kv();
+        let scored: Vec<Score<'_>> = self
+            .candidates(role, tried)
+            .map(|instance| {
+                let kv = instance.kv();
                 let bs = kv.block_size.max(1);
                 let overlap = kv.overlap(tokens, now);
                 let to_prefill = tokens.len().div_ceil(bs).saturating_sub(overlap);
-                let cost = overlap_weight * to_prefill as f64 + i.in_flight_blocks() as f64;
-                (cost, overlap * bs, n_decode.div_ceil(bs), i.in_flight(), i)
+                Score {
+                    cost: overlap_weight * to_prefill as f64 + instance.in_flight_blocks() as f64,
+                    in_flight: instance.in_flight(),
+                    hit_tokens: overlap * bs,
+                    decode_blocks: n_decode.div_ceil(bs),
+                    instance,
+                }
             })
             .collect();
         let best = scored
             .iter()
-            .map(|s| (s.0, s.3))
+            .map(|s| (s.cost, s.in_flight))
             .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))?;
-        let tied: Vec<_> = scored.iter().filter(|s| (s.0, s.3) == best).collect();
-        let turn = self.next.fetch_add(1, Ordering::Relaxed);
-        let &(_, hit, blocks, _, chosen) = tied[turn % tied.len()];
+        let tied: Vec<&Score<'_>> = scored
+            .iter()
+            .filter(|s| (s.cost, s.in_flight) == best)
+            .collect();
+        let &&Score {
+            hit_tokens: hit,
+            decode_blocks: blocks,
+            instance: chosen,
+            ..
+        } = self.in_turn(&tied)?;
         let generation = {
             let mut kv = chosen.kv();
             kv.add_provisional(tokens, now);
@@ -307,28 +318,52 @@ impl Fleet {
     /// The counts are read once: other requests start and end concurrently, so a second read
     /// may match none of the first's minimum (which answered "no instance" with one idle).
     pub fn pick(&self, role: Role, tried: &[String]) -> Option<InFlight> {
-        if self.routing == Routing::RoundRobin {
-            let candidates: Vec<&Arc<Instance>> =
-                self.of(role).filter(|i| !tried.contains(&i.url)).collect();
-            let turn = self.next.fetch_add(1, Ordering::Relaxed);
-            let chosen = candidates.get(turn % candidates.len().max(1))?;
-            return Some(InFlight::start(Arc::clone(chosen), 0));
-        }
-        let loads: Vec<(usize, &Arc<Instance>)> = self
-            .of(role)
-            .filter(|i| !tried.contains(&i.url))
-            .map(|i| (i.in_flight(), i))
-            .collect();
-        let least = loads.iter().map(|(n, _)| *n).min()?;
-        let tied: Vec<&Arc<Instance>> = loads
-            .iter()
-            .filter(|(n, _)| *n == least)
-            .map(|(_, i)| *i)
-            .collect();
-        let turn = self.next.fetch_add(1, Ordering::Relaxed);
-        let chosen = tied[turn % tied.len()];
+        let candidates: Vec<&Arc<Instance>> = self.candidates(role, tried).collect();
+        let chosen: &Arc<Instance> = if self.routing == Routing::RoundRobin {
+            *self.in_turn(&candidates)?
+        } else {
+            let loads: Vec<usize> = candidates.iter().map(|i| i.in_flight()).collect();
+            let least = *loads.iter().min()?;
+            let tied: Vec<&Arc<Instance>> = candidates
+                .iter()
+                .zip(&loads)
+                .filter(|(_, &n)| n == least)
+                .map(|(i, _)| *i)
+                .collect();
+            *self.in_turn(&tied)?
+        };
         Some(InFlight::start(Arc::clone(chosen), 0))
     }
+
+    /// The instances of `role` not in `tried` (by URL).
+    fn candidates<'a>(
+        &'a self,
+        role: Role,
+        tried: &'a [String],
+    ) -> impl Iterator<Item = &'a Arc<Instance>> + 'a {
+        self.of(role).filter(move |i| !tried.contains(&i.url))
+    }
+
+    /// The next of `tied` in turn (the fleet's one counter, so ties spread over requests).
+    fn in_turn<'a, T>(&self, tied: &'a [T]) -> Option<&'a T> {
+        if tied.is_empty() {
+            return None;
+        }
+        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        Some(&tied[turn % tied.len()])
+    }
+}
+
+/// One candidate of a route by prefix.
+struct Score<'a> {
+    /// `overlap_weight × blocks to prefill + decode blocks in flight`.
+    cost: f64,
+    in_flight: usize,
+    /// Prompt tokens predicted cached there.
+    hit_tokens: usize,
+    /// The blocks this request will decode into there.
+    decode_blocks: usize,
+    instance: &'a Arc<Instance>,
 }
 
 /// Seconds since the Unix epoch, as KV event batches stamp them.

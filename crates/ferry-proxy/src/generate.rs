@@ -105,9 +105,10 @@ async fn generate(app: &ProxyState, route: Route, id: &str, body: &[u8]) -> Resu
     let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
     let role = app.fleet.prompt_role();
     let one_prompt = n_prompts(route, &request) == 1;
-    let tokens = match one_prompt && app.fleet.routes_by_prefix(role) {
-        true => prompt_tokens(app, route, &request, role).await,
-        false => None,
+    let tokens = if one_prompt && app.fleet.routes_by_prefix(role) {
+        prompt_tokens(app, route, &request, role).await
+    } else {
+        None
     };
     if role == Role::Whole {
         // The tokens it will decode there: what the request asks for (vLLM's default for a
