@@ -23,7 +23,10 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
+use clap::ValueEnum;
 use serde_json::{json, Value};
+
+use crate::proxy::RoutingArg;
 
 const BLOCK_SIZE: usize = 16;
 const EVENTS: &str = r#"{"enable_kv_cache_events": true, "publisher": "zmq",
@@ -58,10 +61,11 @@ pub struct Args {
     /// The policies, in order.
     #[arg(
         long,
+        value_enum,
         value_delimiter = ',',
         default_value = "kv,least-loaded,round-robin"
     )]
-    policies: Vec<String>,
+    policies: Vec<RoutingArg>,
     /// Do not pin each instance to a core.
     #[arg(long)]
     no_pin: bool,
@@ -109,10 +113,8 @@ fn start(args: &[String], core: Option<usize>) -> anyhow::Result<Proc> {
     let stderr = child.stderr.take().context("no stderr")?;
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                // Keep draining so the child never blocks on a full pipe.
-                continue;
-            }
+            // Sent or not, the pipe is drained, so the child never blocks on it.
+            let _ = tx.send(line);
         }
     });
     let mut proc = Proc {
@@ -304,8 +306,13 @@ fn metric(text: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// The longest sequence of the workload (a prompt, its token, and slack), in whole blocks.
+fn max_model_len(args: &Args) -> usize {
+    (args.prefix_len + args.suffix_len + 16).next_multiple_of(BLOCK_SIZE)
+}
+
 fn serve_args(args: &Args, n_blocks: u32) -> Vec<String> {
-    let max_len = (args.prefix_len + args.suffix_len + 16).next_multiple_of(BLOCK_SIZE);
+    let max_len = max_model_len(args);
     let mut a = strings(&["serve", "--port", "0", "--enable-admin-api"]);
     if let Some(m) = &args.model {
         a.extend(["--model".into(), m.clone()]);
@@ -327,15 +334,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "nothing to run"
     );
     ensure!(args.concurrency > 0, "--concurrency must be at least 1");
-    for p in &args.policies {
-        ensure!(
-            matches!(p.as_str(), "kv" | "least-loaded" | "round-robin"),
-            "--policies: {p:?} is not kv, least-loaded or round-robin"
-        );
-    }
     let prefix_blocks = args.prefix_len.div_ceil(BLOCK_SIZE) as u32;
-    let running = ((args.prefix_len + args.suffix_len + 16).div_ceil(BLOCK_SIZE) as u32 + 1)
-        * args.concurrency as u32;
+    let running = (max_model_len(&args) / BLOCK_SIZE + 1) as u32 * args.concurrency as u32;
     // Each instance holds its share of the groups' prefixes (half of them with two), so
     // placement decides whether a prefix is still cached when its group comes back.
     let share = (args.groups as u32).div_ceil(args.instances as u32);
@@ -360,7 +360,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         summary(&samples, wall)
     };
     let mut policies = Vec::new();
-    for policy in &args.policies {
+    for arg in &args.policies {
+        let policy = arg
+            .to_possible_value()
+            .expect("every routing policy has a name")
+            .get_name()
+            .to_owned();
         let fleet: Vec<Proc> = (0..args.instances)
             .map(|i| start(&serve_args(&args, n_blocks), pin(i)))
             .collect::<anyhow::Result<_>>()?;
@@ -380,7 +385,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     .text()
                     .await
             };
-            if policy == "kv" {
+            if *arg == RoutingArg::Kv {
                 let deadline = Instant::now() + Duration::from_secs(60);
                 while metric(&metrics().await?, "ferry_proxy_kv_synced") < args.instances as f64 {
                     ensure!(
