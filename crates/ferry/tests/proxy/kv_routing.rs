@@ -73,9 +73,10 @@ async fn a_prefix_goes_where_it_is_cached_and_never_to_a_wiped_cache() {
             metric(m, "ferry_proxy_kv_index_blocks") >= 3.0
         })
         .await;
-        let (holder, other) = match of(&m, "ferry_proxy_kv_index_blocks", &a.url) >= 3.0 {
-            true => (&a, &b),
-            false => (&b, &a),
+        let (holder, other) = if of(&m, "ferry_proxy_kv_index_blocks", &a.url) >= 3.0 {
+            (&a, &b)
+        } else {
+            (&b, &a)
         };
         for suffix in 1..=4 {
             assert_eq!(send(p, suffix).await, 3 * BLOCK as u64, "request {suffix}");

@@ -3,11 +3,14 @@
 //! cycle and a cache-clearing pause go through it with requests in flight and lose nothing; a
 //! P that dies while D pulls, a D that dies while P holds exports, forged parameters sent
 //! straight to D, several P and D, an instance that is down, keys and bad input, and
-//! instances on different weight versions (a 409 and `/health`'s `version_skew`).
+//! instances on different weight versions (a 409 and `/health`'s `version_skew`). Beside them,
+//! the KV events the instances publish (`kv_events.rs`) and the proxy's routing by them
+//! (`kv_routing.rs`).
 //!
 //! The tests take one lock each, so their processes never compete for the CPU (several
 //! tests wait on leases and pauses), and each is bounded in time.
 
+mod kv_events;
 mod kv_routing;
 mod procs;
 
