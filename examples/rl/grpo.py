@@ -351,18 +351,35 @@ def loop(args, rng, task, model, prev, push_names, opt, ferry, checks):
         new_version = f"step-{step}"
         if args.pause_mid_rollout and step < args.steps:
             # (tests) make the update land inside the next batch whatever the speeds: submit it
-            # only now, and pause once every rollout has its first tokens
-            nxt = submit_batch()
-            all_rollouts += nxt
-            deadline = time.monotonic() + args.request_timeout
-            while time.monotonic() < deadline and not all(
-                    r.done.is_set() or all(c.token_ids for c in r.choices) for r in nxt):
-                time.sleep(0.001)
-        t = time.perf_counter()
-        ferry.pause(clear_cache=True)
-        pause_s = time.perf_counter() - t
-        generated = ferry.metric("ferry_generation_tokens_total") - gen0
-        ferry.wait_received(generated)
+            # only now, pause as soon as one of its rollouts has tokens, and check, paused and
+            # with every generated token received, that some choice is really mid-generation.
+            # When the batch outran the pause (a fast engine, a slow client), resume and try
+            # again with one more batch: the check holds by construction, not by timing.
+            nxt = []
+            for attempt in range(1, args.span_attempts + 1):
+                more = submit_batch()
+                nxt += more
+                all_rollouts += more
+                deadline = time.monotonic() + args.request_timeout
+                while time.monotonic() < deadline and not any(
+                        r.done.is_set() or any(c.token_ids for c in r.choices) for r in more):
+                    time.sleep(0.0005)
+                t = time.perf_counter()
+                ferry.pause(clear_cache=True)
+                pause_s = time.perf_counter() - t
+                ferry.wait_received(ferry.metric("ferry_generation_tokens_total") - gen0)
+                if any(c.token_ids and c.finish_reason is None for r in nxt for c in r.choices):
+                    break
+                if attempt == args.span_attempts:
+                    checks.add("update_lands_mid_rollout", False,
+                               f"step {step}: every batch of {attempt} finished before its pause")
+                    break
+                ferry.resume()
+        else:
+            t = time.perf_counter()
+            ferry.pause(clear_cache=True)
+            pause_s = time.perf_counter() - t
+            ferry.wait_received(ferry.metric("ferry_generation_tokens_total") - gen0)
         n_frozen = ferry.mark_update(new_version)
         sync_wait_s = time.perf_counter() - t - pause_s
         t = time.perf_counter()
@@ -518,7 +535,10 @@ def main():
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--pause-mid-rollout", action="store_true",
                     help="(tests) submit the next batch after training, not before, and pause "
-                         "once each of its rollouts has started: every update lands mid-rollout")
+                         "once one of its rollouts has started: every update lands mid-rollout")
+    ap.add_argument("--span-attempts", type=int, default=50,
+                    help="(tests, --pause-mid-rollout) batches to try before giving up on an "
+                         "update that lands mid-rollout")
     args = ap.parse_args()
     if args.trainer is None:
         try:
