@@ -429,7 +429,7 @@ async fn decode(
         };
         match app.upstream.send(&instance, call).await {
             Ok(response) if streaming && response.status().is_success() => {
-                return Ok(stream_back(response, guard));
+                return Ok(stream_back(response, guard, app.config.stream_idle_timeout));
             }
             Ok(response) => {
                 let status = response.status();
@@ -482,27 +482,47 @@ fn passthrough(status: StatusCode, headers: &axum::http::HeaderMap, body: Bytes)
 
 /// D's event stream, passed through as it arrives; the request counts as in flight on D until
 /// the stream ends or the client goes away (which drops the stream and so closes D's
-/// connection, and D aborts the request). A connection to D that breaks mid-stream ends the
-/// client's stream with an error event naming D, then `[DONE]`.
-fn stream_back(response: reqwest::Response, guard: InFlight) -> Response {
+/// connection, and D aborts the request). A connection to D that breaks mid-stream, or stays
+/// silent for `idle` (a cut link leaves the TCP connection open and quiet; `ferry serve` sends
+/// a keep-alive comment on an idle stream every 2 s (`ferry_server::sse::SSE_KEEP_ALIVE`), a paused
+/// one included), ends the client's stream with an error event naming D, then `[DONE]`; the
+/// connection to D is dropped with the stream.
+fn stream_back(response: reqwest::Response, guard: InFlight, idle: Option<Duration>) -> Response {
     let status = response.status();
     let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
-    let instance = Arc::clone(&guard.instance);
-    let mut failed = false;
-    let stream = response.bytes_stream().map(move |piece| {
-        let _in_flight = &guard;
-        match piece {
-            Ok(bytes) => Ok::<_, std::convert::Infallible>(bytes),
-            Err(e) if !failed => {
-                failed = true;
+    let pieces = response.bytes_stream().boxed();
+    let stream = futures_util::stream::unfold(Some((pieces, guard)), move |state| async move {
+        let (mut pieces, guard) = state?;
+        let next = match idle {
+            None => pieces.next().await.map(|p| p.map_err(Broke::Error)),
+            Some(t) => match tokio::time::timeout(t, pieces.next()).await {
+                Ok(next) => next.map(|p| p.map_err(Broke::Error)),
+                Err(_) => Some(Err(Broke::Silent(t))),
+            },
+        };
+        match next {
+            None => None,
+            Some(Ok(bytes)) => Some((Ok::<_, std::convert::Infallible>(bytes), Some((pieces, guard)))),
+            Some(Err(why)) => {
+                let instance = &guard.instance;
                 instance.record_failure();
-                let e = UpstreamError::from_reqwest(&instance, None, &e);
+                let e = match why {
+                    Broke::Error(e) => UpstreamError::from_reqwest(instance, None, &e),
+                    Broke::Silent(t) => UpstreamError::broken(
+                        instance,
+                        format!(
+                            "its stream sent nothing for {:.1} s (--stream-idle-timeout-seconds): \
+                             the connection is taken as dead",
+                            t.as_secs_f64()
+                        ),
+                    ),
+                };
                 tracing::warn!("{e}");
                 let body = bad_gateway(e.to_string()).body();
                 let json = serde_json::to_string(&body).unwrap_or_default();
-                Ok(Bytes::from(format!("data: {json}\n\ndata: [DONE]\n\n")))
+                // The guard and D's connection go with this last piece.
+                Some((Ok(Bytes::from(format!("data: {json}\n\ndata: [DONE]\n\n"))), None))
             }
-            Err(_) => Ok(Bytes::new()),
         }
     });
     let mut out = Response::new(Body::from_stream(stream));
@@ -514,6 +534,13 @@ fn stream_back(response: reqwest::Response, guard: InFlight) -> Response {
     out.headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     out
+}
+
+/// Why D's stream ended early.
+enum Broke {
+    Error(reqwest::Error),
+    /// Nothing arrived for this long.
+    Silent(Duration),
 }
 
 /// Default bound on P's answer.

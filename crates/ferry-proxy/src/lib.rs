@@ -78,7 +78,14 @@ pub struct ProxyConfig {
     pub admin_timeout: Duration,
     /// Bound on each instance's `/health` and `/metrics` answer.
     pub health_timeout: Duration,
+    /// How long a streamed answer from an instance may stay silent before the client gets
+    /// an error event naming the instance (`None`: forever). `ferry serve` sends keep-alive
+    /// comments well within the default, also while a pause holds the request.
+    pub stream_idle_timeout: Option<Duration>,
 }
+
+/// Default of [`ProxyConfig::stream_idle_timeout`].
+pub const DEFAULT_STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl ProxyConfig {
     pub fn new(prefill: Vec<String>, decode: Vec<String>) -> Self {
@@ -96,6 +103,7 @@ impl ProxyConfig {
             prefill_timeout: generate::DEFAULT_PREFILL_TIMEOUT,
             admin_timeout: Duration::from_secs(600),
             health_timeout: Duration::from_secs(2),
+            stream_idle_timeout: Some(DEFAULT_STREAM_IDLE_TIMEOUT),
         }
     }
 }

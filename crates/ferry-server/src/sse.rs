@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 
-use axum::response::sse::{Event, Sse};
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use ferry_engine::OutputChunk;
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
@@ -65,8 +65,16 @@ pub fn sse_response<F: ChunkFormatter>(choices: Vec<ChoiceStream>, mut formatter
             }
         }
     });
-    Sse::new(events).into_response()
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE).text("keep-alive"))
+        .into_response()
 }
+
+/// A stream that sent nothing for this long sends an SSE comment (`: keep-alive`), which
+/// clients skip: a request queued, paused or computing a long prompt still shows a live
+/// connection, so a proxy (`ferry proxy --stream-idle-timeout-seconds`) or a client can tell
+/// it from a link that went silent.
+pub const SSE_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// JSON text of a response chunk. Our response types always serialize; should one ever fail,
 /// the client gets an error event rather than a silently missing chunk.

@@ -59,6 +59,12 @@ pub struct Args {
     /// weight reload).
     #[arg(long, default_value_t = 600.0)]
     pub admin_timeout_seconds: f64,
+    /// Seconds a streamed answer from an instance may stay silent before the client gets an
+    /// error event naming it (a cut link leaves the connection open and quiet; `ferry serve`
+    /// sends a keep-alive comment every 2 s of silence, also while paused). 0: no bound (for
+    /// instances that send no keep-alives through long pauses).
+    #[arg(long, default_value_t = 30.0)]
+    pub stream_idle_timeout_seconds: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -128,6 +134,10 @@ fn config(args: &Args) -> anyhow::Result<ProxyConfig> {
         connect_timeout: seconds(args.connect_timeout_seconds, "--connect-timeout-seconds")?,
         prefill_timeout: seconds(args.prefill_timeout_seconds, "--prefill-timeout-seconds")?,
         admin_timeout: seconds(args.admin_timeout_seconds, "--admin-timeout-seconds")?,
+        stream_idle_timeout: match args.stream_idle_timeout_seconds {
+            0.0 => None,
+            t => Some(seconds(t, "--stream-idle-timeout-seconds")?),
+        },
         instances,
         routing,
         ..ProxyConfig::new(prefill, decode)

@@ -105,6 +105,14 @@ pub struct Args {
     /// How long P keeps an export's blocks for its reader; unread exports come back after it.
     #[arg(long, default_value_t = 30)]
     pub kv_lease_seconds: u64,
+    /// How long D waits for a KV load before `--kv-load-failure-policy` applies (a link that
+    /// went silent, a P that stalls); fractions allowed, e.g. `2.5`.
+    #[arg(long, default_value = "30", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub kv_load_timeout_seconds: Duration,
+    /// Bound on every connect, read and write of a KV transfer connection, on both sides (and
+    /// how long P keeps an idle transfer connection open); fractions allowed.
+    #[arg(long, default_value = "30", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub kv_io_timeout_seconds: Duration,
     /// What a request whose KV load hit a fault (the link broke, the pull timed out, P is
     /// gone) does: `fail` (finish with an error that says why, as vLLM) or `recompute`
     /// (compute the prompt locally). A load the lifecycle retracted (P revoked the export,
@@ -223,6 +231,8 @@ struct KvPlan {
     allowed_peers: AllowedPeers,
     /// The fleet secret that authenticates transfer connections.
     secret: Option<KvSecret>,
+    /// Bound on every connect, read and write of a transfer connection.
+    io_timeout: Duration,
 }
 
 /// Longest `--kv-engine-id` (it travels in every transfer's parameters and handshake).
@@ -281,6 +291,7 @@ fn kv_plan(args: &Args) -> anyhow::Result<Option<KvPlan>> {
         advertised_host,
         allowed_peers,
         secret: args.kv_transfer_secret.clone(),
+        io_timeout: args.kv_io_timeout_seconds,
     }))
 }
 
@@ -365,7 +376,7 @@ fn kv_transport(
         model_id: model_id.to_owned(),
         max_in_flight_fetches: KV_MAX_IN_FLIGHT_FETCHES,
         max_connections: KV_MAX_CONNECTIONS,
-        io_timeout: KV_IO_TIMEOUT,
+        io_timeout: plan.io_timeout,
         allowed_peers: plan.allowed_peers.clone(),
         secret: plan.secret.as_ref().map(|s| s.0.as_bytes().to_vec()),
     })
@@ -392,11 +403,10 @@ fn warn_unauthenticated(plan: &KvPlan) {
     }
 }
 
-/// Bounds of the TCP transport: loads in flight, peer connections, and the wait for one read
-/// or write on a transfer connection.
+/// Bounds of the TCP transport: loads in flight and peer connections (the wait for one read
+/// or write is `--kv-io-timeout-seconds`).
 const KV_MAX_IN_FLIGHT_FETCHES: usize = 64;
 const KV_MAX_CONNECTIONS: usize = 256;
-const KV_IO_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -444,6 +454,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         logprobs_mode: args.logprobs_mode,
         weight_version: "0".to_owned(),
         export_lease: Duration::from_secs(args.kv_lease_seconds),
+        kv_load_timeout: args.kv_load_timeout_seconds,
         kv_load_failure_policy: args.kv_load_failure_policy.into(),
         kv_events: args
             .kv_events_config
@@ -550,6 +561,18 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         .context("HTTP server")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// A positive number of seconds, fractions allowed (`30`, `2.5`).
+fn parse_seconds(text: &str) -> Result<Duration, String> {
+    let seconds: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    if !(seconds.is_finite() && seconds > 0.0 && seconds <= 1e9) {
+        return Err(format!("{text:?} must be a positive number of seconds"));
+    }
+    Ok(Duration::from_secs_f64(seconds))
 }
 
 fn parse_kv_events_config(json: &str) -> Result<Box<ferry_kv_events::KvEventsConfig>, String> {

@@ -32,27 +32,10 @@ async fn bounded<F: std::future::Future<Output = ()>>(body: F) {
 
 const TEST_BOUND: Duration = Duration::from_secs(90);
 
-const PROMPT: &str = "The ferry crossed the wide river at dawn, carrying twelve cars, a bicycle \
-                      and a dog that barked at every gull it saw.";
-
-fn completion(prompt: &str, max_tokens: u32) -> Value {
-    json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-           "logprobs": 2, "ignore_eos": true})
-}
-
 fn chat(content: &str, max_tokens: u32) -> Value {
     json!({"model": "tiny", "messages": [{"role": "user", "content": content}],
            "max_completion_tokens": max_tokens, "temperature": 0, "logprobs": true,
            "top_logprobs": 2, "ignore_eos": true})
-}
-
-fn with(mut body: Value, key: &str, value: Value) -> Value {
-    body[key] = value;
-    body
-}
-
-fn url(base: &str, path: &str) -> String {
-    format!("{base}{path}")
 }
 
 /// P's export for `prompt`, asked of P directly, as a proxy would.
@@ -141,37 +124,6 @@ async fn one_p_one_d_gives_the_tokens_and_logprobs_of_one_engine() {
         );
     })
     .await;
-}
-
-/// A safetensors body replacing the tiny model's final norm with `value` everywhere.
-fn norm_push(value: f32) -> Vec<u8> {
-    let n = 64;
-    let header = format!(
-        r#"{{"model.norm.weight":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#,
-        n * 4
-    );
-    let mut header = header.into_bytes();
-    while header.len() % 8 != 0 {
-        header.push(b' ');
-    }
-    let mut out = (header.len() as u64).to_le_bytes().to_vec();
-    out.extend(header);
-    for _ in 0..n {
-        out.extend(value.to_le_bytes());
-    }
-    out
-}
-
-async fn push(base: &str, query: &str, body: Vec<u8>) -> (u16, Value) {
-    let response = client()
-        .post(url(base, &format!("/update_weights{query}")))
-        .header("content-type", "application/octet-stream")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

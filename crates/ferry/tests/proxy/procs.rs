@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 pub const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
 
@@ -78,7 +78,39 @@ pub fn spawn(args: &[String], env: &[(&str, &str)]) -> Starting {
 /// `spawn` that also keeps each variable of `unset` from the test's environment out of the
 /// child's (`env` may still set it).
 pub fn spawn_unset(args: &[String], env: &[(&str, &str)], unset: &[&str]) -> Starting {
-    let mut command = Command::new(FERRY);
+    spawn_in(None, args, env, unset)
+}
+
+/// `spawn_unset` inside the network namespace `netns` when given (`ip netns exec`, which
+/// becomes `ferry` itself). Such a child is killed when the thread that spawned it ends
+/// (`PR_SET_PDEATHSIG`), so a test killed outright leaves no server running in a namespace.
+pub fn spawn_in(
+    netns: Option<&str>,
+    args: &[String],
+    env: &[(&str, &str)],
+    unset: &[&str],
+) -> Starting {
+    let mut command = match netns {
+        None => Command::new(FERRY),
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, FERRY]);
+            #[cfg(target_os = "linux")]
+            {
+                use std::os::unix::process::CommandExt;
+                // SAFETY: `prctl` is async-signal-safe and touches no memory of the parent.
+                unsafe {
+                    c.pre_exec(|| {
+                        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    });
+                }
+            }
+            c
+        }
+    };
     command
         .args(args)
         .env_remove("FERRY_API_KEY")
@@ -330,4 +362,57 @@ pub async fn wait_metrics(base: &str, within: Duration, cond: impl Fn(&str) -> b
         // on the tiny model.
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+}
+
+// ---- requests the tests send ----
+
+/// A prompt of a few dozen tokens for the tiny model.
+pub const PROMPT: &str = "The ferry crossed the wide river at dawn, carrying twelve cars, a bicycle \
+                      and a dog that barked at every gull it saw.";
+
+/// A greedy completion with logprobs that runs `max_tokens` whatever the model says.
+pub fn completion(prompt: &str, max_tokens: u32) -> Value {
+    json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+           "logprobs": 2, "ignore_eos": true})
+}
+
+pub fn with(mut body: Value, key: &str, value: Value) -> Value {
+    body[key] = value;
+    body
+}
+
+pub fn url(base: &str, path: &str) -> String {
+    format!("{base}{path}")
+}
+
+/// A safetensors body replacing the tiny model's final norm with `value` everywhere.
+pub fn norm_push(value: f32) -> Vec<u8> {
+    let n = 64;
+    let header = format!(
+        r#"{{"model.norm.weight":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#,
+        n * 4
+    );
+    let mut header = header.into_bytes();
+    while header.len() % 8 != 0 {
+        header.push(b' ');
+    }
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend(header);
+    for _ in 0..n {
+        out.extend(value.to_le_bytes());
+    }
+    out
+}
+
+/// `POST /update_weights` with safetensors bytes.
+pub async fn push(base: &str, query: &str, body: Vec<u8>) -> (u16, Value) {
+    let response = client()
+        .post(url(base, &format!("/update_weights{query}")))
+        .header("content-type", "application/octet-stream")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
 }
