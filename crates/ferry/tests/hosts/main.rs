@@ -198,8 +198,17 @@ impl Fleet {
         post(&url(&self.proxy_url, "/v1/completions"), body).await
     }
 
+    /// D's metrics once it is settled: every load it started finished or failed, and no
+    /// request is left (its counters follow its answers by a step).
     async fn d_metrics(&self) -> String {
-        metrics_text(&self.d_url).await
+        wait_metrics(&self.d_url, Duration::from_secs(10), |t| {
+            metric(t, "ferry_kv_loads_started_total")
+                == metric(t, "ferry_kv_loads_finished_total")
+                    + metric(t, "ferry_kv_loads_failed_total")
+                && metric(t, "ferry_num_requests_running") == 0.0
+                && metric(t, "ferry_num_requests_waiting") == 0.0
+        })
+        .await
     }
 
     /// Waits until neither P nor D holds a block for a request or an export: every export
