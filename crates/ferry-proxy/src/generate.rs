@@ -502,7 +502,10 @@ fn stream_back(response: reqwest::Response, guard: InFlight, idle: Option<Durati
         };
         match next {
             None => None,
-            Some(Ok(bytes)) => Some((Ok::<_, std::convert::Infallible>(bytes), Some((pieces, guard)))),
+            Some(Ok(bytes)) => Some((
+                Ok::<_, std::convert::Infallible>(bytes),
+                Some((pieces, guard)),
+            )),
             Some(Err(why)) => {
                 let instance = &guard.instance;
                 instance.record_failure();
@@ -521,7 +524,10 @@ fn stream_back(response: reqwest::Response, guard: InFlight, idle: Option<Durati
                 let body = bad_gateway(e.to_string()).body();
                 let json = serde_json::to_string(&body).unwrap_or_default();
                 // The guard and D's connection go with this last piece.
-                Some((Ok(Bytes::from(format!("data: {json}\n\ndata: [DONE]\n\n"))), None))
+                Some((
+                    Ok(Bytes::from(format!("data: {json}\n\ndata: [DONE]\n\n"))),
+                    None,
+                ))
             }
         }
     });

@@ -257,7 +257,8 @@ fn kv_plan(args: &Args) -> anyhow::Result<Option<KvPlan>> {
             bail!("--kv-transfer-host {h:?} is not a host name or address")
         }
         Some(h) => h.clone(),
-        None if ip.is_unspecified() => bail!(
+        // D advertises nothing (its listener serves no exports), so it needs no address.
+        None if ip.is_unspecified() && role != KvRole::Consumer => bail!(
             "--kv-transfer-host is required when --host is {ip} (every interface): give the \
              address D reaches this server's KV transfer listener at"
         ),

@@ -343,6 +343,15 @@ fn bad_kv_flags_are_errors_naming_the_flag() {
     assert!(err.contains("--kv-engine-id"), "{err}");
     let err = run(&["--kv-role", "both", "--kv-transfer-port", "70000"]);
     assert!(err.contains("--kv-transfer-port"), "{err}");
+    for bad in ["0", "-1", "soon", "inf"] {
+        for flag in ["--kv-load-timeout-seconds", "--kv-io-timeout-seconds"] {
+            let err = run(&["--kv-role", "both", &format!("{flag}={bad}")]);
+            assert!(
+                err.contains(flag) && err.contains(bad),
+                "{flag} {bad}: {err}"
+            );
+        }
+    }
     let err = run(&["--kv-lease-seconds", "0"]);
     assert!(
         err.contains("--kv-lease-seconds must be at least 1"),

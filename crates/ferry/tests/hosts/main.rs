@@ -10,10 +10,10 @@
 //! Where namespaces cannot be made they print a skip line, unless `FERRY_REQUIRE_HOSTS=1`
 //! (`.ci/run`).
 
+mod net;
 #[allow(dead_code)] // Shared with the proxy tests; not every helper is used here.
 #[path = "../proxy/procs.rs"]
 mod procs;
-mod net;
 mod relay;
 
 use std::net::SocketAddr;
@@ -82,7 +82,9 @@ fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| (*s).to_owned()).collect()
 }
 
-fn serve_args(role: &str, transfer_host: &str, extra: &[String]) -> Vec<String> {
+/// `ferry serve` on every interface of its host; P advertises `transfer_host` (D advertises
+/// nothing, so it needs none).
+fn serve_args(role: &str, transfer_host: Option<&str>, extra: &[String]) -> Vec<String> {
     let mut args = strings(&[
         "serve",
         "--model",
@@ -98,8 +100,6 @@ fn serve_args(role: &str, transfer_host: &str, extra: &[String]) -> Vec<String> 
         "1024",
         "--kv-role",
         role,
-        "--kv-transfer-host",
-        transfer_host,
         "--kv-transfer-port",
         &KV_PORT.to_string(),
         "--kv-io-timeout-seconds",
@@ -109,6 +109,9 @@ fn serve_args(role: &str, transfer_host: &str, extra: &[String]) -> Vec<String> 
         "--kv-lease-seconds",
         LEASE_S,
     ]);
+    if let Some(host) = transfer_host {
+        args.extend(strings(&["--kv-transfer-host", host]));
+    }
     args.extend_from_slice(extra);
     args
 }
@@ -141,13 +144,13 @@ impl Fleet {
         } else {
             pd.addr_a.to_string()
         };
-        let p_args = serve_args("kv_producer", &advertised, &[]);
+        let p_args = serve_args("kv_producer", Some(&advertised), &[]);
         let mut d_extra = strings(&[
             "--kv-allowed-peers",
             &format!("{},{}", pd.addr_a, relay_addr.ip()),
         ]);
         d_extra.extend(strings(options.d_extra));
-        let d_args = serve_args("kv_consumer", &pd.addr_b.to_string(), &d_extra);
+        let d_args = serve_args("kv_consumer", None, &d_extra);
         let (p_proc, d_proc) = (start_in(&p, &p_args), start_in(&d, &d_args));
         let (p_proc, d_proc) = (p_proc.ready(), d_proc.ready());
         let (p_at_x, d_at_x) = (
@@ -293,7 +296,11 @@ async fn link_cut_mid_transfer(policy: &str) {
         }
         _ => {
             assert_eq!(status, 200, "{out}");
-            assert_eq!(logprobs_of(&out), logprobs_of(&reference), "recomputed on D");
+            assert_eq!(
+                logprobs_of(&out),
+                logprobs_of(&reference),
+                "recomputed on D"
+            );
         }
     }
     fleet.pd.restore();
@@ -437,8 +444,7 @@ async fn the_proxys_link_to_d_cut_during_a_stream_is_an_error_naming_d() {
         let proxy = url(&fleet.proxy_url, "/v1/completions");
         let streamed = tokio::spawn(async move { stream(&proxy, &body).await });
         wait_metrics(&fleet.d_url, Duration::from_secs(20), |t| {
-            metric(t, "ferry_num_requests_waiting") + metric(t, "ferry_num_requests_running")
-                == 1.0
+            metric(t, "ferry_num_requests_waiting") + metric(t, "ferry_num_requests_running") == 1.0
         })
         .await;
         // Longer than the proxy's idle bound: the keep-alives hold the paused stream open.

@@ -92,7 +92,15 @@ impl Host {
     pub fn sysctl(&self, key: &str, value: &str) {
         must(
             "ip",
-            &["netns", "exec", &self.ns, "sysctl", "-q", "-w", &format!("{key}={value}")],
+            &[
+                "netns",
+                "exec",
+                &self.ns,
+                "sysctl",
+                "-q",
+                "-w",
+                &format!("{key}={value}"),
+            ],
         );
     }
 }

@@ -658,6 +658,14 @@ fn bad_proxy_flags_are_errors_naming_the_flag() {
         "0",
     ]);
     assert!(err.contains("--connect-timeout-seconds"), "{err}");
+    let err = run(&[
+        "--prefill",
+        "http://h:1",
+        "--decode",
+        "http://h:2",
+        "--stream-idle-timeout-seconds=-1",
+    ]);
+    assert!(err.contains("--stream-idle-timeout-seconds"), "{err}");
 }
 
 /// The default model (SmolLM2-135M-Instruct, fetched by scripts/fetch-model.sh; this test

@@ -367,7 +367,8 @@ pub async fn wait_metrics(base: &str, within: Duration, cond: impl Fn(&str) -> b
 // ---- requests the tests send ----
 
 /// A prompt of a few dozen tokens for the tiny model.
-pub const PROMPT: &str = "The ferry crossed the wide river at dawn, carrying twelve cars, a bicycle \
+pub const PROMPT: &str =
+    "The ferry crossed the wide river at dawn, carrying twelve cars, a bicycle \
                       and a dog that barked at every gull it saw.";
 
 /// A greedy completion with logprobs that runs `max_tokens` whatever the model says.
