@@ -378,15 +378,26 @@ async fn a_relay_that_stalls_truncates_or_delays_a_transfer_loads_nothing_partia
         let whole = relay.forwarded();
         assert!(whole > 64 * 1024, "a transfer of {whole} bytes");
 
+        // Each fault, and the counter that names its kind on D.
         let faults = [
-            ("stalled midway", Fault::StallAfter(whole / 2)),
-            ("closed after half the bytes", Fault::CloseAfter(whole / 2)),
+            (
+                "stalled midway",
+                Fault::StallAfter(whole / 2),
+                "ferry_kv_loads_timed_out_total",
+            ),
+            (
+                "closed after half the bytes",
+                Fault::CloseAfter(whole / 2),
+                "ferry_kv_loads_broken_total",
+            ),
             (
                 "first byte after the load timeout",
                 Fault::DelayFirst(Duration::from_secs_f64(LOAD_TIMEOUT_S + 2.0)),
+                "ferry_kv_loads_timed_out_total",
             ),
         ];
-        for (i, (what, fault)) in faults.into_iter().enumerate() {
+        for (i, (what, fault, kind)) in faults.into_iter().enumerate() {
+            let kind_before = metric(&fleet.d_metrics().await, kind);
             relay.set(fault);
             // The same length as the whole one, so half its bytes is mid-transfer.
             let body = completion(&long_prompt(&format!("fault {i}"), 3), 8);
@@ -408,6 +419,7 @@ async fn a_relay_that_stalls_truncates_or_delays_a_transfer_loads_nothing_partia
                 "{what}: {d}"
             );
             assert_eq!(metric(&d, "ferry_kv_loads_finished_total"), 1.0, "{what}");
+            assert_eq!(metric(&d, kind), kind_before + 1.0, "{what}: {d}");
             fleet.no_block_held().await;
         }
         // And a whole transfer again.
@@ -473,8 +485,15 @@ async fn the_proxys_link_to_d_cut_during_a_stream_is_an_error_naming_d() {
         let (status, out) = post(&url(&fleet.d_url, "/resume"), &json!(null)).await;
         assert_eq!(status, 200, "{out}");
         fleet.no_block_held().await;
+        // The proxy counts it against D.
         let proxy_metrics = metrics_text(&fleet.proxy_url).await;
-        assert!(!proxy_metrics.is_empty());
+        let failures = proxy_metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("ferry_proxy_failures_total") && l.contains(&fleet.d_url_at_proxy)
+            })
+            .unwrap_or_else(|| panic!("{proxy_metrics}"));
+        assert!(failures.ends_with(" 1"), "{failures}");
     })
     .await;
 }
