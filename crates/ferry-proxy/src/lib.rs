@@ -137,6 +137,7 @@ pub fn router(config: ProxyConfig) -> Result<Router, ProxyError> {
     }
     let upstream = Arc::new(Upstream::new(
         config.connect_timeout,
+        config.stream_idle_timeout,
         config.instance_api_key.clone(),
     )?);
     let mut fleet = Fleet::with_instances(&config.prefill, &config.decode, &config.instances);

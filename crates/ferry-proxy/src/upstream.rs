@@ -81,13 +81,15 @@ impl UpstreamError {
                 url,
                 reason: source_chain(e),
             }
-        } else if e.is_timeout() {
+        } else if let Some(t) = timeout.filter(|_| e.is_timeout()) {
             UpstreamError::Timeout {
                 role,
                 url,
-                seconds: timeout.map_or(0, |t| t.as_secs()),
+                seconds: t.as_secs(),
             }
         } else {
+            // A timeout with no bound of ours is the kernel's: the connection died (its
+            // keep-alive probes went unanswered).
             UpstreamError::Broken {
                 role,
                 url,
@@ -162,17 +164,38 @@ pub struct Call<'a> {
 }
 
 impl Upstream {
+    /// `dead_after`: how soon a connection to an instance that stopped answering at the TCP
+    /// level (a cut link, a host gone) must count as dead, whatever is being waited for —
+    /// a non-streamed answer sends nothing until it is complete, so only TCP keep-alive
+    /// probes, which a live host's kernel answers however long the generation runs, tell a
+    /// slow answer from a dead link. Probes start after a third of it and repeat every sixth,
+    /// and the kernel ends a connection whose probes (or data) went unanswered for
+    /// `dead_after` (`TCP_USER_TIMEOUT`, which takes precedence over the probe count). `None`:
+    /// no bound at all (reqwest's own default would end such connections after 30 s).
     pub fn new(
         connect_timeout: Duration,
+        dead_after: Option<Duration>,
         key: Option<InstanceKey>,
     ) -> Result<Self, reqwest::Error> {
-        let client = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             // Instances are addressed directly: a proxy from the environment must not be used.
             .no_proxy()
             .connect_timeout(connect_timeout)
-            .tcp_nodelay(true)
-            .build()?;
-        Ok(Self { client, key })
+            .tcp_nodelay(true);
+        // The kernel counts keep-alive times in whole seconds.
+        let at_least_1s = |d: Duration| d.max(Duration::from_secs(1));
+        builder = match dead_after {
+            Some(t) => builder
+                .tcp_keepalive(at_least_1s(t / 3))
+                .tcp_keepalive_interval(at_least_1s(t / 6))
+                .tcp_keepalive_retries(3)
+                .tcp_user_timeout(at_least_1s(t)),
+            None => builder.tcp_keepalive(None).tcp_user_timeout(None),
+        };
+        Ok(Self {
+            client: builder.build()?,
+            key,
+        })
     }
 
     /// Sends `call` to `instance`; the answer's status and headers, its body unread.

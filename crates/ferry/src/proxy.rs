@@ -61,7 +61,9 @@ pub struct Args {
     pub admin_timeout_seconds: f64,
     /// Seconds a streamed answer from an instance may stay silent before the client gets an
     /// error event naming it (a cut link leaves the connection open and quiet; `ferry serve`
-    /// sends a keep-alive comment every 2 s of silence, also while paused). 0: no bound (for
+    /// sends a keep-alive comment every 2 s of silence, also while paused). A non-streamed
+    /// answer over a link that died fails (502) within about as long: TCP keep-alive probes,
+    /// which a live instance's kernel answers whatever it computes. 0: neither bound (for
     /// instances that send no keep-alives through long pauses).
     #[arg(long, default_value_t = 30.0)]
     pub stream_idle_timeout_seconds: f64,

@@ -499,6 +499,53 @@ async fn the_proxys_link_to_d_cut_during_a_stream_is_an_error_naming_d() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streamed_answer_over_a_cut_link_to_d_is_a_502_naming_d() {
+    bounded(async {
+        let idle = 3.0;
+        let options = Options {
+            proxy_extra: &["--stream-idle-timeout-seconds", "3"],
+            ..Options::default()
+        };
+        let Some(fleet) = Fleet::start("answer cut", options) else {
+            return;
+        };
+        // D holds the request (paused): no byte of the answer comes for as long as that
+        // lasts, as for a long generation.
+        let (status, out) = post(&url(&fleet.d_url, "/pause?mode=keep"), &json!(null)).await;
+        assert_eq!(status, 200, "{out}");
+        let (proxy, body) = (
+            url(&fleet.proxy_url, "/v1/completions"),
+            completion(PROMPT, 8),
+        );
+        let answer = tokio::spawn(async move { post(&proxy, &body).await });
+        wait_metrics(&fleet.d_url, Duration::from_secs(20), |t| {
+            metric(t, "ferry_num_requests_waiting") + metric(t, "ferry_num_requests_running") == 1.0
+        })
+        .await;
+        // A live D answers the proxy's keep-alive probes: the wait is not cut short.
+        tokio::time::sleep(Duration::from_secs_f64(idle + 1.5)).await;
+        assert!(!answer.is_finished(), "a paused answer is still awaited");
+
+        fleet.xd.cut();
+        let cut_at = Instant::now();
+        let (status, out) = answer.await.unwrap();
+        let took = cut_at.elapsed();
+        assert_eq!(status, 502, "{out} after {took:?}");
+        assert!(
+            took < Duration::from_secs_f64(idle + 2.5),
+            "{took:?}: {out}"
+        );
+        let message = out["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(&fleet.d_url_at_proxy), "{out}");
+        fleet.xd.restore();
+        let (status, out) = post(&url(&fleet.d_url, "/resume"), &json!(null)).await;
+        assert_eq!(status, 200, "{out}");
+        fleet.no_block_held().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn p_killed_and_restarted_on_its_address_serves_d_again_without_a_stale_connection() {
     bounded(async {
         let options = Options {

@@ -1,6 +1,12 @@
-//! Hosts of their own for tests: network namespaces joined by veth pairs, each pair a link with
-//! a /30 of its own, that a test can cut (`ip link set … down`), restore and rate-limit
-//! (`tc … tbf`).
+//! Hosts of their own for tests: network namespaces joined by links, each with a /30 of its
+//! own, that a test can cut (`ip link set … down`), restore and rate-limit (`tc … tbf`).
+//!
+//! A link is two veth pairs through a bridge in the net's switch namespace (`…-sw`), as two
+//! hosts plugged into a switch: a cut takes the `b` host's switch port down, so `b` loses its
+//! carrier while `a` keeps its own, and what `a` sends is lost on the way, not refused by its
+//! kernel. (A veth pair straight between the hosts would take `a`'s carrier with the cut: its
+//! kernel would refuse to send, and TCP waits out such local errors forever instead of
+//! counting unanswered keep-alive probes, which is not how a broken network behaves.)
 //!
 //! A [`Net`] takes a /24 of 10.200.0.0/13 for itself (from its process id and a counter, so
 //! tests and test processes run side by side) and names everything it makes after the process:
@@ -65,6 +71,24 @@ impl Side {
         }
     }
 
+    /// The hardware address of `dev`.
+    fn mac(&self, dev: &str) -> String {
+        let mut args = vec!["link", "show", "dev", dev];
+        if let Side::Host(ns) = self {
+            args.splice(0..0, ["-n", ns.as_str()]);
+        }
+        let out = Command::new("ip")
+            .args(&args)
+            .output()
+            .expect("ip link show");
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.split_whitespace()
+            .skip_while(|w| *w != "link/ether")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no hardware address for {dev}: {text}"))
+            .to_owned()
+    }
+
     fn tc(&self, args: &[&str]) -> Result<(), String> {
         match self {
             Side::Root => run("tc", args),
@@ -105,28 +129,32 @@ impl Host {
     }
 }
 
-/// A veth pair between two sides, `a` at `.1` and `b` at `.2` of its /30.
+/// A link between two sides through the switch, `a` at `.1` and `b` at `.2` of its /30.
 #[derive(Debug, Clone)]
 pub struct Link {
     pub a: (Side, String),
     pub b: (Side, String),
     pub addr_a: Ipv4Addr,
     pub addr_b: Ipv4Addr,
+    /// The switch's port that `b` is plugged into.
+    switch: Side,
+    port_b: String,
 }
 
 impl Link {
-    /// Takes both ends down: packets stop, open TCP connections stay open and silent.
+    /// Unplugs `b` (its switch port down): packets stop both ways, open TCP connections stay
+    /// open and silent, `a` keeps its carrier.
     pub fn cut(&self) {
-        for (side, dev) in [&self.a, &self.b] {
-            side.ip(&["link", "set", dev, "down"]).unwrap();
-        }
+        self.switch
+            .ip(&["link", "set", &self.port_b, "down"])
+            .unwrap();
     }
 
-    /// Brings both ends back up (their addresses and routes come back with them).
+    /// Plugs `b` back in.
     pub fn restore(&self) {
-        for (side, dev) in [&self.a, &self.b] {
-            side.ip(&["link", "set", dev, "up"]).unwrap();
-        }
+        self.switch
+            .ip(&["link", "set", &self.port_b, "up"])
+            .unwrap();
     }
 
     /// Limits each direction to `rate` (tc's syntax, e.g. `50mbit`) with a token bucket.
@@ -145,7 +173,10 @@ impl Link {
 pub struct Net {
     tag: String,
     subnet: [u8; 3],
+    /// Every namespace made, the switch's included.
     hosts: Vec<Host>,
+    /// The namespace whose bridges join the links' ends.
+    switch: Side,
     n_links: u8,
 }
 
@@ -173,10 +204,13 @@ impl Net {
             return None;
         }
         must("ip", &["netns", "del", &probe]);
+        let switch = format!("{tag}-sw");
+        must("ip", &["netns", "add", &switch]);
         Some(Net {
             tag,
             subnet,
-            hosts: Vec::new(),
+            hosts: vec![Host { ns: switch.clone() }],
+            switch: Side::Host(switch),
             n_links: 0,
         })
     }
@@ -200,43 +234,74 @@ impl Net {
         let [o1, o2, o3] = self.subnet;
         let addr_a = Ipv4Addr::new(o1, o2, o3, 4 * k + 1);
         let addr_b = Ipv4Addr::new(o1, o2, o3, 4 * k + 2);
-        let pid = std::process::id();
-        // Names live in their own namespace, except root-side ends, which must be unique
-        // among every test process: the process and a per-process counter (15 bytes at most).
-        let unique = NEXT.fetch_add(1, Ordering::Relaxed);
-        let name = |side: &Option<&Host>, end: char| match side {
-            None => format!("fv{pid:x}x{unique:x}{end}"),
-            Some(_) => format!("eth{k}"),
+        let Side::Host(switch) = &self.switch else {
+            unreachable!("the switch is a namespace")
         };
-        let (name_a, name_b) = (name(&a, 'a'), name(&b, 'b'));
+        let bridge = format!("br{k}");
+        must(
+            "ip",
+            &["-n", switch, "link", "add", &bridge, "type", "bridge"],
+        );
+        must("ip", &["-n", switch, "link", "set", &bridge, "up"]);
         let side = |h: Option<&Host>| h.map_or(Side::Root, Host::side);
         let (side_a, side_b) = (side(a), side(b));
-        let mut add: Vec<String> = vec!["link".into(), "add".into(), name_a.clone()];
-        if let Side::Host(ns) = &side_a {
-            add.extend(["netns".into(), ns.clone()]);
-        }
-        add.extend([
-            "type".into(),
-            "veth".into(),
-            "peer".into(),
-            "name".into(),
-            name_b.clone(),
-        ]);
-        if let Side::Host(ns) = &side_b {
-            add.extend(["netns".into(), ns.clone()]);
-        }
-        let add: Vec<&str> = add.iter().map(String::as_str).collect();
-        must("ip", &add);
-        for (s, dev, addr) in [(&side_a, &name_a, addr_a), (&side_b, &name_b, addr_b)] {
-            s.ip(&["addr", "add", &format!("{addr}/30"), "dev", dev])
+        let pid = std::process::id();
+        let mut ends = Vec::new();
+        for (s, end, addr) in [(&side_a, 'a', addr_a), (&side_b, 'b', addr_b)] {
+            // A host's end is named in its own namespace; a root-side end must be unique
+            // among every test process: the process and a per-process counter (at most 15
+            // bytes, the kernel's limit).
+            let dev = match s {
+                Side::Root => format!("fv{pid:x}x{:x}", NEXT.fetch_add(1, Ordering::Relaxed)),
+                Side::Host(_) => format!("eth{k}"),
+            };
+            let port = format!("p{k}{end}");
+            let mut add = vec!["link", "add", dev.as_str()];
+            if let Side::Host(ns) = s {
+                add.extend(["netns", ns.as_str()]);
+            }
+            add.extend(["type", "veth", "peer", "name", &port, "netns", switch]);
+            must("ip", &add);
+            must(
+                "ip",
+                &["-n", switch, "link", "set", &port, "master", &bridge],
+            );
+            must("ip", &["-n", switch, "link", "set", &port, "up"]);
+            s.ip(&["addr", "add", &format!("{addr}/30"), "dev", &dev])
                 .unwrap();
-            s.ip(&["link", "set", dev, "up"]).unwrap();
+            s.ip(&["link", "set", &dev, "up"]).unwrap();
+            ends.push((s.clone(), dev, port));
+        }
+        let (b_side, b_dev, port_b) = ends.pop().expect("two ends");
+        let (a_side, a_dev, _) = ends.pop().expect("two ends");
+        // Each end knows the other's hardware address for good, as after a first exchange:
+        // with the link cut, packets then go out and are lost, instead of waiting on address
+        // resolution that fails, which the kernel reports to TCP as a local error.
+        for (s, dev, peer, peer_side, peer_dev) in [
+            (&a_side, &a_dev, addr_b, &b_side, &b_dev),
+            (&b_side, &b_dev, addr_a, &a_side, &a_dev),
+        ] {
+            let mac = peer_side.mac(peer_dev);
+            s.ip(&[
+                "neigh",
+                "replace",
+                &peer.to_string(),
+                "lladdr",
+                &mac,
+                "dev",
+                dev,
+                "nud",
+                "permanent",
+            ])
+            .unwrap();
         }
         Link {
-            a: (side_a, name_a),
-            b: (side_b, name_b),
+            a: (a_side, a_dev),
+            b: (b_side, b_dev),
             addr_a,
             addr_b,
+            switch: self.switch.clone(),
+            port_b,
         }
     }
 }
