@@ -436,63 +436,89 @@ async fn a_relay_that_stalls_truncates_or_delays_a_transfer_loads_nothing_partia
     .await;
 }
 
+/// The proxy's bound on silence in the tests that cut its link to D.
+const IDLE_S: f64 = 3.0;
+
+/// A fleet whose proxy bounds silence at [`IDLE_S`], with D paused (keep) holding the one
+/// request `send` sent through the proxy, awaited past the bound (so only a dead link can end
+/// it); `None` where hosts cannot be made.
+async fn held_by_paused_d<T, F>(
+    test: &str,
+    send: impl FnOnce(String) -> F,
+) -> Option<(Fleet, tokio::task::JoinHandle<T>)>
+where
+    T: Send + 'static,
+    F: std::future::Future<Output = T> + Send + 'static,
+{
+    let options = Options {
+        proxy_extra: &["--stream-idle-timeout-seconds", "3"],
+        ..Options::default()
+    };
+    let fleet = Fleet::start(test, options)?;
+    let (status, out) = post(&url(&fleet.d_url, "/pause?mode=keep"), &json!(null)).await;
+    assert_eq!(status, 200, "{out}");
+    let task = tokio::spawn(send(url(&fleet.proxy_url, "/v1/completions")));
+    wait_metrics(&fleet.d_url, Duration::from_secs(20), |t| {
+        metric(t, "ferry_num_requests_waiting") + metric(t, "ferry_num_requests_running") == 1.0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs_f64(IDLE_S + 1.5)).await;
+    assert!(!task.is_finished(), "the held request is still awaited");
+    Some((fleet, task))
+}
+
+/// Cuts the proxy's link to D and returns the held request's outcome, checked to come within
+/// the proxy's bound; then restores the link, resumes D and checks D holds nothing.
+async fn cut_the_link_to_d<T>(fleet: &Fleet, task: tokio::task::JoinHandle<T>) -> T {
+    fleet.xd.cut();
+    let cut_at = Instant::now();
+    let outcome = task.await.unwrap();
+    let took = cut_at.elapsed();
+    assert!(
+        took < Duration::from_secs_f64(IDLE_S + 2.5),
+        "the answer came {took:?} after the cut"
+    );
+    fleet.xd.restore();
+    let (status, out) = post(&url(&fleet.d_url, "/resume"), &json!(null)).await;
+    assert_eq!(status, 200, "{out}");
+    // D's request does not hang: resumed, it finishes (or the proxy's close reaches D).
+    fleet.no_block_held().await;
+    outcome
+}
+
+/// The failures the proxy counted against D.
+async fn proxy_failures_of_d(fleet: &Fleet) -> String {
+    let text = metrics_text(&fleet.proxy_url).await;
+    text.lines()
+        .find(|l| l.starts_with("ferry_proxy_failures_total") && l.contains(&fleet.d_url_at_proxy))
+        .unwrap_or_else(|| panic!("{text}"))
+        .to_owned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxys_link_to_d_cut_during_a_stream_is_an_error_naming_d() {
     bounded(async {
-        let idle = 3.0;
-        let options = Options {
-            proxy_extra: &["--stream-idle-timeout-seconds", "3"],
-            ..Options::default()
-        };
-        let Some(fleet) = Fleet::start("stream cut", options) else {
-            return;
-        };
-        // D holds the request (paused, keep): its stream is open and quiet but for D's
-        // keep-alives.
-        let (status, out) = post(&url(&fleet.d_url, "/pause?mode=keep"), &json!(null)).await;
-        assert_eq!(status, 200, "{out}");
+        // The paused stream is open and quiet but for D's keep-alives, which hold it open
+        // past the proxy's bound.
         let body = json!({"model": "tiny", "prompt": PROMPT, "max_tokens": 16,
                           "temperature": 0, "stream": true});
-        let proxy = url(&fleet.proxy_url, "/v1/completions");
-        let streamed = tokio::spawn(async move { stream(&proxy, &body).await });
-        wait_metrics(&fleet.d_url, Duration::from_secs(20), |t| {
-            metric(t, "ferry_num_requests_waiting") + metric(t, "ferry_num_requests_running") == 1.0
-        })
-        .await;
-        // Longer than the proxy's idle bound: the keep-alives hold the paused stream open.
-        tokio::time::sleep(Duration::from_secs_f64(idle + 1.5)).await;
-        assert!(!streamed.is_finished(), "a paused stream stays open");
-
-        fleet.xd.cut();
-        let cut_at = Instant::now();
-        let (status, events, done) = streamed.await.unwrap();
-        let took = cut_at.elapsed();
+        let held = held_by_paused_d(
+            "stream cut",
+            |proxy| async move { stream(&proxy, &body).await },
+        );
+        let Some((fleet, task)) = held.await else {
+            return;
+        };
+        let (status, events, done) = cut_the_link_to_d(&fleet, task).await;
         assert_eq!(status, 200);
         assert!(done, "{events:?}");
-        assert!(
-            took < Duration::from_secs_f64(idle + 2.5),
-            "the error came {took:?} after the cut"
-        );
         let error = events.last().unwrap();
         let message = error["error"]["message"].as_str().unwrap_or_default();
         assert!(
             message.contains(&fleet.d_url_at_proxy) && message.contains("nothing"),
             "{error}"
         );
-        // D's request does not hang: resumed, it finishes (or its client's close reaches D
-        // once the link is back).
-        fleet.xd.restore();
-        let (status, out) = post(&url(&fleet.d_url, "/resume"), &json!(null)).await;
-        assert_eq!(status, 200, "{out}");
-        fleet.no_block_held().await;
-        // The proxy counts it against D.
-        let proxy_metrics = metrics_text(&fleet.proxy_url).await;
-        let failures = proxy_metrics
-            .lines()
-            .find(|l| {
-                l.starts_with("ferry_proxy_failures_total") && l.contains(&fleet.d_url_at_proxy)
-            })
-            .unwrap_or_else(|| panic!("{proxy_metrics}"));
+        let failures = proxy_failures_of_d(&fleet).await;
         assert!(failures.ends_with(" 1"), "{failures}");
     })
     .await;
@@ -501,46 +527,22 @@ async fn the_proxys_link_to_d_cut_during_a_stream_is_an_error_naming_d() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_streamed_answer_over_a_cut_link_to_d_is_a_502_naming_d() {
     bounded(async {
-        let idle = 3.0;
-        let options = Options {
-            proxy_extra: &["--stream-idle-timeout-seconds", "3"],
-            ..Options::default()
-        };
-        let Some(fleet) = Fleet::start("answer cut", options) else {
+        // No byte of a held answer comes for as long as the pause lasts, as for a long
+        // generation; a live D answers the proxy's keep-alive probes meanwhile.
+        let body = completion(PROMPT, 8);
+        let held = held_by_paused_d(
+            "answer cut",
+            |proxy| async move { post(&proxy, &body).await },
+        );
+        let Some((fleet, task)) = held.await else {
             return;
         };
-        // D holds the request (paused): no byte of the answer comes for as long as that
-        // lasts, as for a long generation.
-        let (status, out) = post(&url(&fleet.d_url, "/pause?mode=keep"), &json!(null)).await;
-        assert_eq!(status, 200, "{out}");
-        let (proxy, body) = (
-            url(&fleet.proxy_url, "/v1/completions"),
-            completion(PROMPT, 8),
-        );
-        let answer = tokio::spawn(async move { post(&proxy, &body).await });
-        wait_metrics(&fleet.d_url, Duration::from_secs(20), |t| {
-            metric(t, "ferry_num_requests_waiting") + metric(t, "ferry_num_requests_running") == 1.0
-        })
-        .await;
-        // A live D answers the proxy's keep-alive probes: the wait is not cut short.
-        tokio::time::sleep(Duration::from_secs_f64(idle + 1.5)).await;
-        assert!(!answer.is_finished(), "a paused answer is still awaited");
-
-        fleet.xd.cut();
-        let cut_at = Instant::now();
-        let (status, out) = answer.await.unwrap();
-        let took = cut_at.elapsed();
-        assert_eq!(status, 502, "{out} after {took:?}");
-        assert!(
-            took < Duration::from_secs_f64(idle + 2.5),
-            "{took:?}: {out}"
-        );
+        let (status, out) = cut_the_link_to_d(&fleet, task).await;
+        assert_eq!(status, 502, "{out}");
         let message = out["error"]["message"].as_str().unwrap_or_default();
         assert!(message.contains(&fleet.d_url_at_proxy), "{out}");
-        fleet.xd.restore();
-        let (status, out) = post(&url(&fleet.d_url, "/resume"), &json!(null)).await;
-        assert_eq!(status, 200, "{out}");
-        fleet.no_block_held().await;
+        let failures = proxy_failures_of_d(&fleet).await;
+        assert!(failures.ends_with(" 1"), "{failures}");
     })
     .await;
 }
