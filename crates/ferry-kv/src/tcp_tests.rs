@@ -1153,6 +1153,8 @@ enum Answer {
     CloseUnanswered,
     /// Status ok, then closes: the pull was taken.
     OkThenClose,
+    /// The first byte of a refusal, then closes.
+    RefusalCut,
     /// Status ok and block 0, then nothing for `WAIT`, the connection open.
     Stall,
 }
@@ -1188,6 +1190,7 @@ fn scripted_p(script: Vec<Vec<Answer>>) -> (SocketAddr, Arc<std::sync::atomic::A
                         }
                         Answer::CloseUnanswered => return Ok(()),
                         Answer::OkThenClose => return s.write_all(&[STATUS_OK]),
+                        Answer::RefusalCut => return s.write_all(&[STATUS_REFUSED_AS]),
                         Answer::Stall => {
                             s.write_all(&[STATUS_OK])?;
                             s.write_all(&pattern(LAYOUT, 0))?;
@@ -1229,11 +1232,16 @@ fn a_reused_connection_closed_before_the_answer_is_retried_once_on_a_new_one() {
 }
 
 #[test]
-fn a_pull_whose_status_arrived_is_never_retried() {
+fn a_request_whose_answer_began_is_never_retried() {
     use Answer::*;
-    let (addr, accepted) = scripted_p(vec![vec![Serve, OkThenClose], vec![Serve]]);
+    let (addr, accepted) = scripted_p(vec![
+        vec![Serve, OkThenClose],
+        vec![Serve, RefusalCut],
+        vec![Serve],
+    ]);
     let d = transport("D");
     let d_arena = KvArena::new(LAYOUT, 4);
+    // Each broken pull runs on a reused connection, where an unanswered one would be retried.
     pull_ok(&d, &d_arena, addr, "tok", &FOUR);
     let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &FOUR), &FOUR);
     let e = fetch_result(&rx).unwrap_err();
@@ -1244,8 +1252,23 @@ fn a_pull_whose_status_arrived_is_never_retried() {
         e.reason
     );
     assert!(e.reason.contains("reading block 0"), "{}", e.reason);
-    assert_eq!(accepted.load(Ordering::SeqCst), 1, "no second connection");
-    assert_eq!(d.stats().retries, 0, "{:?}", d.stats());
+    pull_ok(&d, &d_arena, addr, "tok", &FOUR);
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &FOUR), &FOUR);
+    let e = fetch_result(&rx).unwrap_err();
+    assert_eq!(
+        (e.kind, e.good_blocks),
+        (FetchFailure::Fault, 0),
+        "{}",
+        e.reason
+    );
+    assert!(e.reason.contains("pull refused by"), "{}", e.reason);
+    assert_eq!(accepted.load(Ordering::SeqCst), 2, "no third connection");
+    let stats = d.stats();
+    assert_eq!(
+        (stats.retries, stats.connections_reused),
+        (0, 2),
+        "{stats:?}"
+    );
 }
 
 #[test]
