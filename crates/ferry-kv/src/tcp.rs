@@ -94,7 +94,7 @@
 //! same everywhere). A background task drops expired ones, so a P no longer used does not
 //! keep sockets open on D. When P closes a connection in the instant D reuses it, the request
 //! fails before any byte of P's answer arrived; D then sends it once more on a fresh
-//! connection (the reasoning why that is safe is at [`request`]). Once any byte of P's answer
+//! connection (why that is safe is said at the function `request`). Once any byte of P's answer
 //! arrived, D never sends a request again. `pool_idle_per_peer = 0` turns the pool off: one
 //! connection per fetch or release, closed after it.
 //!
@@ -107,8 +107,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -381,7 +380,7 @@ fn still_open(stream: &TcpStream) -> bool {
 
 /// Drops expired idle connections now and then, so sockets to a P no longer used close.
 async fn expire_idle(inner: Arc<Inner>) {
-    let every = inner.pool.max_age.max(Duration::from_millis(10));
+    let every = (inner.pool.max_age / 2).max(Duration::from_millis(10));
     loop {
         tokio::time::sleep(every).await;
         inner.pool.expire();
