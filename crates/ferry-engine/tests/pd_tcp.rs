@@ -31,6 +31,7 @@ fn pd_engine(id: &str, role: PdRole, config: SchedulerConfig) -> (EngineHandle, 
         io_timeout: Duration::from_secs(5),
         allowed_peers: ferry_core::AllowedPeers::default(),
         secret: None,
+        pool_idle_per_peer: ferry_kv::DEFAULT_POOL_IDLE_PER_PEER,
     })
     .unwrap();
     let addr = transport.local_addr();

@@ -26,7 +26,9 @@ pub use access::{Access, BlockGrant};
 pub use arena::{KvArena, KvError, KvLayout, KvPlane};
 pub use offload::{CopyJob, HostMemory, OffloadWorker};
 pub use resident::resident_bytes;
-pub use tcp::{TcpTransport, TcpTransportConfig, TransportError};
+pub use tcp::{
+    TcpStats, TcpTransport, TcpTransportConfig, TransportError, DEFAULT_POOL_IDLE_PER_PEER,
+};
 pub use transport::{
     ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, ReleaseSpec, Transport,
 };

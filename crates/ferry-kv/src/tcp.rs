@@ -9,7 +9,8 @@
 //!
 //! # Protocol (version [`PROTOCOL_VERSION`], all integers little-endian)
 //!
-//! One TCP connection per fetch or release, opened by D. Strings are a u32 length (at most
+//! D opens the connections and sends requests on them, one at a time; a connection serves
+//! many requests (see *Connection reuse* below). Strings are a u32 length (at most
 //! [`MAX_STRING_BYTES`]) and UTF-8. A *status* is u8 0 (ok); or u8 1 and a string reason (a
 //! refusal that is a fault: the form version 1 used, so peers of either version read each
 //! other's handshake refusals); or u8 2, a u8 kind and a string reason (a refusal that says who
@@ -75,16 +76,40 @@
 //! * A release is fire-and-forget: D logs its failure at debug level, and P's lease still
 //!   bounds the export.
 //!
+//! # Connection reuse
+//!
+//! A handshake costs round trips (and, with a secret, two proofs each side), a connect one
+//! more: on a link with latency that dominates a small pull. So D keeps, per P address, up to
+//! `pool_idle_per_peer` idle connections that finished a request cleanly, and sends the next
+//! pull or release to that P on one of them (the most recently used first). Only a clean end
+//! returns a connection to the pool: a pull whose last block arrived, a refused pull or a
+//! refused release (P serves on after refusing a request it could read), a release answered
+//! ok. A cancelled or failed pull, a timeout, a protocol error or a failed handshake drops the
+//! connection, since D can no longer tell where in the stream it is.
+//!
+//! An idle connection is checked before it is reused, so a dead one is never used twice: a
+//! non-blocking peek that finds a byte (P sends nothing unasked), an end of stream (P closed
+//! it: its idle timeout, a restart) or an error drops it, and so does an age past half of
+//! `io_timeout` (P closes a connection idle for its own `io_timeout`, which a fleet sets the
+//! same everywhere). A background task drops expired ones, so a P no longer used does not
+//! keep sockets open on D. When P closes a connection in the instant D reuses it, the request
+//! fails before any byte of P's answer arrived; D then sends it once more on a fresh
+//! connection (why that is safe is said at the function `request`). Once any byte of P's answer
+//! arrived, D never sends a request again. `pool_idle_per_peer = 0` turns the pool off: one
+//! connection per fetch or release, closed after it.
+//!
 //! Bounds: `max_in_flight_fetches` on D (fetches, and releases separately) and
 //! `max_connections` on P are semaphores; a connection over P's limit waits for a slot up to
-//! `io_timeout`, then is refused with a reason. A release as a whole is bounded by
-//! `io_timeout`.
+//! `io_timeout`, then is refused with a reason. An idle pooled connection holds one of P's
+//! slots until it is reused, P's idle timeout closes it or D drops it, so P's
+//! `max_connections` should cover `pool_idle_per_peer` times the D engines it serves, plus
+//! their fetches in flight. A release as a whole is bounded by `io_timeout`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry_core::{AllowedPeers, FetchError, FetchFailure, PdReport, TransferId, Unpublished};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -145,7 +170,13 @@ pub struct TcpTransportConfig {
     /// it before any request is served; every peer must have the same one. `None`: no
     /// authentication (peers with a secret refuse this one). Must not be empty.
     pub secret: Option<Vec<u8>>,
+    /// D: most idle connections kept per P address for later pulls and releases (module
+    /// doc, *Connection reuse*); 0 turns the pool off (a connection per fetch or release).
+    pub pool_idle_per_peer: usize,
 }
+
+/// What `ferry serve` keeps idle per P: enough for a burst of parallel loads from one P.
+pub const DEFAULT_POOL_IDLE_PER_PEER: usize = 8;
 
 impl std::fmt::Debug for TcpTransportConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -160,6 +191,7 @@ impl std::fmt::Debug for TcpTransportConfig {
             .field("allowed_peers", &self.allowed_peers.describe())
             // Never the secret itself.
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
+            .field("pool_idle_per_peer", &self.pool_idle_per_peer)
             .finish()
     }
 }
@@ -192,6 +224,167 @@ struct Inner {
     fetch_slots: Arc<Semaphore>,
     release_slots: Arc<Semaphore>,
     connection_slots: Arc<Semaphore>,
+    /// D's idle connections to P, by P's address.
+    pool: Pool,
+    counters: Counters,
+}
+
+/// Counts of what a transport's connections did; see [`TcpStats`].
+#[derive(Default)]
+struct Counters {
+    connections_opened: AtomicU64,
+    connections_reused: AtomicU64,
+    idle_dropped: AtomicU64,
+    retries: AtomicU64,
+    handshakes_accepted: AtomicU64,
+}
+
+fn count(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// What a transport's connections did since it started: how often D connected and reused,
+/// how often P accepted. For tests, benchmarks and logs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TcpStats {
+    /// D: connections opened (connected and handshaken) for pulls and releases.
+    pub connections_opened: u64,
+    /// D: requests sent on an idle connection from the pool.
+    pub connections_reused: u64,
+    /// D: idle connections dropped unused because the health check failed (P closed them,
+    /// or they sent something unasked).
+    pub idle_dropped: u64,
+    /// D: requests sent again on a fresh connection after a reused one failed before any
+    /// byte of P's answer arrived.
+    pub retries: u64,
+    /// P: handshakes its listener completed.
+    pub handshakes_accepted: u64,
+}
+
+/// D's idle connections, handshaken and between requests, by P's address (module doc,
+/// *Connection reuse*).
+struct Pool {
+    idle: Mutex<HashMap<SocketAddr, Vec<Idle>>>,
+    /// Most idle connections per address; 0: the pool is off.
+    per_peer: usize,
+    /// Older idle connections are dropped, not reused: below P's idle timeout, so P does not
+    /// close one just as D reuses it.
+    max_age: Duration,
+}
+
+struct Idle {
+    stream: TcpStream,
+    since: Instant,
+}
+
+impl Pool {
+    fn new(per_peer: usize, io_timeout: Duration) -> Self {
+        Self {
+            idle: Mutex::default(),
+            per_peer,
+            max_age: io_timeout / 2,
+        }
+    }
+
+    /// The most recently used idle connection to `addr` that is young enough and still
+    /// open; every one found dead or too old on the way is dropped.
+    fn take(&self, addr: SocketAddr, counters: &Counters) -> Option<TcpStream> {
+        loop {
+            let idle = {
+                let mut pool = lock(&self.idle);
+                let list = pool.get_mut(&addr)?;
+                let idle = list.pop();
+                if list.is_empty() {
+                    pool.remove(&addr);
+                }
+                idle?
+            };
+            if idle.since.elapsed() >= self.max_age {
+                // The ones below it are older still: the next `pop` drops them too.
+                continue;
+            }
+            if still_open(&idle.stream) {
+                count(&counters.connections_reused);
+                return Some(idle.stream);
+            }
+            count(&counters.idle_dropped);
+        }
+    }
+
+    /// Keeps a connection whose request ended cleanly; over `per_peer` the oldest goes.
+    fn put(&self, addr: SocketAddr, stream: TcpStream) {
+        if self.per_peer == 0 {
+            return;
+        }
+        let mut pool = lock(&self.idle);
+        let list = pool.entry(addr).or_default();
+        list.push(Idle {
+            stream,
+            since: Instant::now(),
+        });
+        let excess = list.len().saturating_sub(self.per_peer);
+        let dropped: Vec<Idle> = list.drain(..excess).collect();
+        drop(pool);
+        drop(dropped);
+    }
+
+    /// Drops every idle connection past `max_age`.
+    fn expire(&self) {
+        let mut expired = Vec::new();
+        let mut pool = lock(&self.idle);
+        pool.retain(|_, list| {
+            let young = list.partition_point(|idle| idle.since.elapsed() >= self.max_age);
+            expired.extend(list.drain(..young));
+            !list.is_empty()
+        });
+        drop(pool);
+        drop(expired);
+    }
+
+    fn clear(&self) {
+        let idle = std::mem::take(&mut *lock(&self.idle));
+        drop(idle);
+    }
+}
+
+/// Whether an idle connection can carry a request: nothing to read (P sends nothing unasked)
+/// and no end of stream or error pending. Asks the socket itself, not the runtime's cached
+/// readiness, so a close that arrived a moment ago is seen.
+#[cfg(unix)]
+fn still_open(stream: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    // SAFETY: the descriptor is the stream's own, open while `stream` is borrowed; the buffer
+    // is one byte that outlives the call. MSG_PEEK consumes nothing, MSG_DONTWAIT never
+    // blocks.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            std::ptr::from_mut(&mut byte).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock
+}
+
+/// Whether an idle connection can carry a request (see the unix version); here through the
+/// runtime's readiness, which may miss a close that just arrived (the retry covers it).
+#[cfg(not(unix))]
+fn still_open(stream: &TcpStream) -> bool {
+    matches!(
+        stream.try_read(&mut [0u8; 1]),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+    )
+}
+
+/// Drops expired idle connections now and then, so sockets to a P no longer used close.
+async fn expire_idle(inner: Arc<Inner>) {
+    let every = (inner.pool.max_age / 2).max(Duration::from_millis(10));
+    loop {
+        tokio::time::sleep(every).await;
+        inner.pool.expire();
+    }
 }
 
 /// P's exports: the live ones by token, and how ended ones ended.
@@ -277,12 +470,17 @@ impl TcpTransport {
             fetch_slots: Arc::new(Semaphore::new(config.max_in_flight_fetches.max(1))),
             release_slots: Arc::new(Semaphore::new(config.max_in_flight_fetches.max(1))),
             connection_slots: Arc::new(Semaphore::new(config.max_connections.max(1))),
+            pool: Pool::new(config.pool_idle_per_peer, config.io_timeout),
+            counters: Counters::default(),
             key,
             config,
             exports: Mutex::default(),
             fetches: Mutex::default(),
         });
         runtime.spawn(accept_loop(inner.clone(), listener));
+        if inner.pool.per_peer > 0 {
+            runtime.spawn(expire_idle(inner.clone()));
+        }
         Ok(Arc::new(Self {
             inner,
             local_addr,
@@ -300,6 +498,19 @@ impl TcpTransport {
         lock(&self.inner.exports).live.len()
     }
 
+    /// What this transport's connections did since it started.
+    pub fn stats(&self) -> TcpStats {
+        let c = &self.inner.counters;
+        let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        TcpStats {
+            connections_opened: get(&c.connections_opened),
+            connections_reused: get(&c.connections_reused),
+            idle_dropped: get(&c.idle_dropped),
+            retries: get(&c.retries),
+            handshakes_accepted: get(&c.handshakes_accepted),
+        }
+    }
+
     fn runtime(&self) -> &tokio::runtime::Runtime {
         self.runtime.as_ref().expect("running until dropped")
     }
@@ -309,6 +520,11 @@ impl Drop for TcpTransport {
     fn drop(&mut self) {
         // Closes the listener and every connection: their peers see a failed transfer.
         if let Some(runtime) = self.runtime.take() {
+            {
+                // Idle connections close here, inside the runtime that registered them.
+                let _context = runtime.enter();
+                self.inner.pool.clear();
+            }
             runtime.shutdown_background();
         }
     }
@@ -511,19 +727,11 @@ async fn fetch_blocks(
         return Err(cancelled(0));
     }
     let t = config.io_timeout;
-    let opened = async {
-        let mut stream = connect(addr, t).await?;
-        handshake(inner, &mut stream, addr).await?;
-        let mut msg = Vec::new();
-        write_pull(&mut msg, spec);
-        timed(t, "write", stream.write_all(&msg))
-            .await
-            .map_err(|e| e.at(0, format_args!("sending the pull to {addr}")))?;
-        read_status(&mut stream, t)
-            .await
-            .map_err(|e| e.at(0, format_args!("pull refused by {addr}")))?;
-        Ok::<_, FetchError>(stream)
-    };
+    let mut msg = Vec::new();
+    write_pull(&mut msg, spec);
+    // Dropped on a cancel, with its connection: a connection the cancel interrupted is never
+    // pooled.
+    let opened = request(inner, addr, &msg, "pull");
     let mut stream = tokio::select! {
         stream = opened => stream?,
         () = cancel.notify.notified() => return Err(cancelled(0)),
@@ -542,6 +750,8 @@ async fn fetch_blocks(
             () = cancel.notify.notified() => return Err(cancelled(j)),
         }
     }
+    // The last block arrived: P is waiting for the next request on this connection.
+    inner.pool.put(addr, stream);
     Ok(())
 }
 
@@ -553,17 +763,12 @@ async fn run_release(inner: &Inner, spec: &ReleaseSpec) -> Result<(), FetchError
     let t = config.io_timeout;
     let release = async {
         let _slot = inner.release_slots.acquire().await.expect("never closed");
-        let mut stream = connect(addr, t).await?;
-        handshake(inner, &mut stream, addr).await?;
         let mut msg = vec![REQUEST_RELEASE];
         put_string(&mut msg, &spec.remote_engine_id);
         put_string(&mut msg, &spec.token);
-        timed(t, "write", stream.write_all(&msg))
-            .await
-            .map_err(|e| e.at(0, format_args!("sending the release to {addr}")))?;
-        read_status(&mut stream, t)
-            .await
-            .map_err(|e| e.at(0, format_args!("release refused by {addr}")))
+        let stream = request(inner, addr, &msg, "release").await?;
+        inner.pool.put(addr, stream);
+        Ok(())
     };
     match tokio::time::timeout(t, release).await {
         Ok(result) => result,
@@ -572,6 +777,134 @@ async fn run_release(inner: &Inner, spec: &ReleaseSpec) -> Result<(), FetchError
             format!("releasing at {addr} timed out after {t:?}"),
         )),
     }
+}
+
+/// Sends `msg`, one whole request, to P at `addr` and reads P's status: on an idle connection
+/// from the pool when a healthy one is there, else on a new one. `Ok`: P answered ok, and the
+/// stream is where the answer's body (a pull's blocks) starts; the caller pools it once the
+/// request is done. A refusal pools the connection here (P serves on after refusing a
+/// request it could read); any other failure drops it.
+///
+/// A reused connection that fails before any byte of P's answer arrived (the write fails, or
+/// the status read meets an end of stream or a reset) carries the request once more, on a
+/// fresh connection. That is safe because P has not served the request, or cannot serve it
+/// twice:
+///
+/// * a P that closed the connection without reading the request (its idle timeout fired, it
+///   restarted) took nothing;
+/// * a P whose process died after reading it holds nothing any more: a restarted P does not
+///   know the token and refuses the retry as invalid, which is what D would report anyway;
+/// * a P that took an export for the pull and then failed to write its status puts the
+///   export back (a failed pull ends nothing), so the retry pulls it as the first would have;
+///   if the retry comes before P noticed, P refuses it (being pulled by another reader):
+///   a failed load with no block, as the first attempt would have been without the retry;
+/// * a release is idempotent: P ignores a token it no longer serves.
+///
+/// D never loads a block from a connection whose status it did not read, so a retry cannot
+/// load twice. Once a byte of P's answer arrived P served the request, and D never sends it
+/// again (a timeout, too, may be a P that is slow, not gone: no retry). A fresh connection
+/// is not retried either: its failure is P's or the link's, not the pool's.
+async fn request(
+    inner: &Inner,
+    addr: SocketAddr,
+    msg: &[u8],
+    what: &str,
+) -> Result<TcpStream, FetchError> {
+    let t = inner.config.io_timeout;
+    let (mut stream, mut reused) = match inner.pool.take(addr, &inner.counters) {
+        Some(stream) => (stream, true),
+        None => (open(inner, addr).await?, false),
+    };
+    loop {
+        let failed = match exchange(&mut stream, msg, t).await {
+            Ok(()) => return Ok(stream),
+            Err(failed) => failed,
+        };
+        if reused && failed.unserved() {
+            tracing::debug!(%addr, "an idle transfer connection failed ({}): retrying on a new one", failed.error());
+            count(&inner.counters.retries);
+            stream = open(inner, addr).await?;
+            reused = false;
+            continue;
+        }
+        if failed.is_refusal() {
+            inner.pool.put(addr, stream);
+        }
+        return Err(failed.at(what, addr));
+    }
+}
+
+/// A new connection to P at `addr`, handshaken.
+async fn open(inner: &Inner, addr: SocketAddr) -> Result<TcpStream, FetchError> {
+    let mut stream = connect(addr, inner.config.io_timeout).await?;
+    handshake(inner, &mut stream, addr).await?;
+    count(&inner.counters.connections_opened);
+    Ok(stream)
+}
+
+/// How a request on a connection failed.
+enum Exchange {
+    /// Writing the request failed.
+    Send(TransportError),
+    /// Reading P's status failed, or P refused; `answered` once a byte of it arrived.
+    Status {
+        error: TransportError,
+        answered: bool,
+    },
+}
+
+impl Exchange {
+    fn error(&self) -> &TransportError {
+        match self {
+            Self::Send(error) | Self::Status { error, .. } => error,
+        }
+    }
+
+    /// P cannot have served the request: the connection broke (not timed out) before any
+    /// byte of P's answer arrived.
+    fn unserved(&self) -> bool {
+        match self {
+            Self::Send(error) => matches!(error, TransportError::Io(_)),
+            Self::Status { error, answered } => !answered && matches!(error, TransportError::Io(_)),
+        }
+    }
+
+    /// P refused the request and serves on: the connection is still in step.
+    fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            Self::Status {
+                error: TransportError::Refused { .. },
+                ..
+            }
+        )
+    }
+
+    fn at(self, what: &str, addr: SocketAddr) -> FetchError {
+        match self {
+            Self::Send(e) => e.at(0, format_args!("sending the {what} to {addr}")),
+            Self::Status { error, .. } => error.at(0, format_args!("{what} refused by {addr}")),
+        }
+    }
+}
+
+/// Writes a request and reads P's status.
+async fn exchange(stream: &mut TcpStream, msg: &[u8], t: Duration) -> Result<(), Exchange> {
+    timed(t, "write", stream.write_all(msg))
+        .await
+        .map_err(Exchange::Send)?;
+    let first = timed(t, "read", stream.read_u8())
+        .await
+        .map_err(|error| Exchange::Status {
+            error,
+            answered: false,
+        })?;
+    status_after(stream, t, first)
+        .await
+        .map_err(|error| Exchange::Status {
+            error,
+            answered: true,
+        })
 }
 
 /// Where to connect: `host` must be an IP address inside `allowed_peers` (never a name to
@@ -651,8 +984,18 @@ async fn handshake(
 /// Reads a status; `Err` is the peer's refusal (who is to blame, and its reason), or why
 /// there was none.
 async fn read_status(stream: &mut TcpStream, t: Duration) -> Result<(), TransportError> {
+    let first = timed(t, "read", stream.read_u8()).await?;
+    status_after(stream, t, first).await
+}
+
+/// The rest of a status whose first byte was `first`.
+async fn status_after(
+    stream: &mut TcpStream,
+    t: Duration,
+    first: u8,
+) -> Result<(), TransportError> {
     let refused = |kind, reason| Err(TransportError::Refused { kind, reason });
-    match timed(t, "read", stream.read_u8()).await? {
+    match first {
         STATUS_OK => Ok(()),
         STATUS_REFUSED => refused(
             FetchFailure::Fault,
@@ -710,6 +1053,7 @@ async fn serve_connection(inner: Arc<Inner>, mut stream: TcpStream, peer: Socket
         refuse(&mut stream, t, FetchFailure::Fault, &reason).await;
         return;
     }
+    count(&inner.counters.handshakes_accepted);
     loop {
         // An idle connection is closed after `io_timeout`, like any stalled read.
         let served = match timed(t, "read", stream.read_u8()).await {

@@ -32,6 +32,7 @@ fn config(id: &str, layout: KvLayout, model_id: &str, io_timeout: Duration) -> T
         io_timeout,
         allowed_peers: AllowedPeers::default(),
         secret: None,
+        pool_idle_per_peer: DEFAULT_POOL_IDLE_PER_PEER,
     }
 }
 
@@ -1017,4 +1018,291 @@ fn a_producer_transport_dropped_mid_pull_is_a_failed_load_on_d() {
         assert!(started.elapsed() < WAIT, "P's grant leaked");
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+// ---- connection reuse ----
+
+fn pull_ok(d: &TcpTransport, d_arena: &KvArena, addr: SocketAddr, token: &str, blocks: &[u32]) {
+    let rx = fetch(d, d_arena, spec(addr, token, 0, blocks), blocks);
+    assert_eq!(fetch_result(&rx), Ok(()), "pulling {token}");
+}
+
+fn with_pool(id: &str, pool_idle_per_peer: usize, io_timeout: Duration) -> Arc<TcpTransport> {
+    let mut cfg = config(id, LAYOUT, "m", io_timeout);
+    cfg.pool_idle_per_peer = pool_idle_per_peer;
+    TcpTransport::start(cfg).unwrap()
+}
+
+#[test]
+fn pulls_and_releases_to_one_producer_share_one_connection() {
+    let (p, d) = (transport("P"), transport("D"));
+    let addr = p.local_addr();
+    let p_arena = filled_arena(LAYOUT, 8);
+    let d_arena = KvArena::new(LAYOUT, 8);
+    let _a = publish(&p, &p_arena, &[0, 1], "a");
+    let _b = publish(&p, &p_arena, &[2, 3], "b");
+    let c_rx = publish(&p, &p_arena, &[4], "c");
+    pull_ok(&d, &d_arena, addr, "a", &[0, 1]);
+    pull_ok(&d, &d_arena, addr, "b", &[2, 3]);
+    for b in 0..4 {
+        assert_eq!(d_arena.block_bytes(b), &pattern(LAYOUT, b)[..], "block {b}");
+    }
+    // A refused pull keeps the connection, and the next pull uses it again.
+    let rx = fetch(&d, &d_arena, spec(addr, "a", 0, &[0, 1]), &[0, 1]);
+    assert_eq!(refused_as(&rx).0, FetchFailure::Invalid);
+    let _e = publish(&p, &p_arena, &[5], "e");
+    pull_ok(&d, &d_arena, addr, "e", &[5]);
+    // Last: P reports the release before it answers it, so a request after this report
+    // could find the connection still busy.
+    d.release(release_spec(addr, "P", "c"));
+    assert!(matches!(
+        c_rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::Pd(PdReport::ExportGone { .. })
+    ));
+    assert_eq!(p.stats().handshakes_accepted, 1, "{:?}", p.stats());
+    let stats = d.stats();
+    assert_eq!(
+        (stats.connections_opened, stats.connections_reused),
+        (1, 4),
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn without_the_pool_each_pull_connects() {
+    let p = transport("P");
+    let d = with_pool("D", 0, WAIT);
+    let addr = p.local_addr();
+    let p_arena = filled_arena(LAYOUT, 4);
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let _a = publish(&p, &p_arena, &[0, 1], "a");
+    let _b = publish(&p, &p_arena, &[2, 3], "b");
+    pull_ok(&d, &d_arena, addr, "a", &[0, 1]);
+    pull_ok(&d, &d_arena, addr, "b", &[2, 3]);
+    assert_eq!(p.stats().handshakes_accepted, 2, "{:?}", p.stats());
+    let stats = d.stats();
+    assert_eq!(
+        (stats.connections_opened, stats.connections_reused),
+        (2, 0),
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn an_idle_connection_past_half_the_timeout_is_not_reused() {
+    let p = transport("P");
+    let d = with_pool("D", DEFAULT_POOL_IDLE_PER_PEER, Duration::from_millis(400));
+    let addr = p.local_addr();
+    let p_arena = filled_arena(LAYOUT, 4);
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let _a = publish(&p, &p_arena, &[0, 1], "a");
+    let _b = publish(&p, &p_arena, &[2, 3], "b");
+    pull_ok(&d, &d_arena, addr, "a", &[0, 1]);
+    std::thread::sleep(Duration::from_millis(300));
+    pull_ok(&d, &d_arena, addr, "b", &[2, 3]);
+    assert_eq!(p.stats().handshakes_accepted, 2, "{:?}", p.stats());
+    assert_eq!(d.stats().connections_reused, 0, "{:?}", d.stats());
+}
+
+#[test]
+fn a_producer_restarted_on_its_address_is_reached_on_a_fresh_connection() {
+    let d = transport("D");
+    let p = transport("P");
+    let addr = p.local_addr();
+    let p_arena = filled_arena(LAYOUT, 4);
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let _a = publish(&p, &p_arena, &[0, 1], "a");
+    pull_ok(&d, &d_arena, addr, "a", &[0, 1]);
+    // P goes; until its runtime dropped every task, and with them its end of D's idle
+    // connection.
+    let old = p.inner.clone();
+    drop(p);
+    let started = Instant::now();
+    while Arc::strong_count(&old) > 1 {
+        assert!(started.elapsed() < WAIT, "P's tasks never ended");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut cfg = config("P", LAYOUT, "m", WAIT);
+    cfg.listen = addr;
+    let p = TcpTransport::start(cfg).unwrap();
+    let _b = publish(&p, &p_arena, &[2, 3], "b");
+    pull_ok(&d, &d_arena, addr, "b", &[2, 3]);
+    assert_eq!(d_arena.block_bytes(3), &pattern(LAYOUT, 3)[..]);
+    assert_eq!(p.stats().handshakes_accepted, 1, "{:?}", p.stats());
+    // The health check dropped the stale connection: it was never written to.
+    let stats = d.stats();
+    assert_eq!(
+        (
+            stats.idle_dropped,
+            stats.retries,
+            stats.connections_reused,
+            stats.connections_opened
+        ),
+        (1, 0, 0, 2),
+        "{stats:?}"
+    );
+}
+
+/// What a scripted P does with one pull (of four blocks, token `"tok"`) on a connection.
+#[derive(Debug, Clone, Copy)]
+enum Answer {
+    /// Status ok and the four blocks.
+    Serve,
+    /// Reads the pull and closes without a byte of answer, as a P whose idle timeout fired
+    /// just then or that died would.
+    CloseUnanswered,
+    /// Status ok, then closes: the pull was taken.
+    OkThenClose,
+    /// The first byte of a refusal, then closes.
+    RefusalCut,
+    /// Status ok and block 0, then nothing for `WAIT`, the connection open.
+    Stall,
+}
+
+/// A hand-written P that answers the pulls on its `i`-th connection as `script[i]` says,
+/// then keeps that connection until D closes it. Returns its address and how many
+/// connections it accepted.
+fn scripted_p(script: Vec<Vec<Answer>>) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = StdListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = accepted.clone();
+    std::thread::spawn(move || {
+        for answers in script {
+            let Ok((mut s, _)) = listener.accept() else {
+                return;
+            };
+            counter.fetch_add(1, Ordering::SeqCst);
+            std::thread::spawn(move || -> std::io::Result<()> {
+                let hello = hello(&config("D", LAYOUT, "m", WAIT));
+                s.read_exact(&mut vec![0; hello.len()])?;
+                s.write_all(&[STATUS_OK, STATUS_OK])?;
+                let mut pull = Vec::new();
+                write_pull(&mut pull, &spec(addr, "tok", 0, &[0, 1, 2, 3]));
+                for answer in answers {
+                    s.read_exact(&mut vec![0; pull.len()])?;
+                    match answer {
+                        Answer::Serve => {
+                            s.write_all(&[STATUS_OK])?;
+                            for b in 0..4 {
+                                s.write_all(&pattern(LAYOUT, b))?;
+                            }
+                        }
+                        Answer::CloseUnanswered => return Ok(()),
+                        Answer::OkThenClose => return s.write_all(&[STATUS_OK]),
+                        Answer::RefusalCut => return s.write_all(&[STATUS_REFUSED_AS]),
+                        Answer::Stall => {
+                            s.write_all(&[STATUS_OK])?;
+                            s.write_all(&pattern(LAYOUT, 0))?;
+                            std::thread::sleep(WAIT);
+                            return Ok(());
+                        }
+                    }
+                }
+                // Until D closes.
+                let _ = s.read(&mut [0u8; 1]);
+                Ok(())
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+const FOUR: [u32; 4] = [0, 1, 2, 3];
+
+#[test]
+fn a_reused_connection_closed_before_the_answer_is_retried_once_on_a_new_one() {
+    use Answer::*;
+    let (addr, accepted) = scripted_p(vec![vec![Serve, CloseUnanswered], vec![Serve]]);
+    let d = transport("D");
+    let d_arena = KvArena::new(LAYOUT, 4);
+    pull_ok(&d, &d_arena, addr, "tok", &FOUR);
+    pull_ok(&d, &d_arena, addr, "tok", &FOUR);
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    let stats = d.stats();
+    assert_eq!(
+        (
+            stats.connections_reused,
+            stats.retries,
+            stats.connections_opened
+        ),
+        (1, 1, 2),
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn a_request_whose_answer_began_is_never_retried() {
+    use Answer::*;
+    let (addr, accepted) = scripted_p(vec![
+        vec![Serve, OkThenClose],
+        vec![Serve, RefusalCut],
+        vec![Serve],
+    ]);
+    let d = transport("D");
+    let d_arena = KvArena::new(LAYOUT, 4);
+    // Each broken pull runs on a reused connection, where an unanswered one would be retried.
+    pull_ok(&d, &d_arena, addr, "tok", &FOUR);
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &FOUR), &FOUR);
+    let e = fetch_result(&rx).unwrap_err();
+    assert_eq!(
+        (e.kind, e.good_blocks),
+        (FetchFailure::Fault, 0),
+        "{}",
+        e.reason
+    );
+    assert!(e.reason.contains("reading block 0"), "{}", e.reason);
+    pull_ok(&d, &d_arena, addr, "tok", &FOUR);
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &FOUR), &FOUR);
+    let e = fetch_result(&rx).unwrap_err();
+    assert_eq!(
+        (e.kind, e.good_blocks),
+        (FetchFailure::Fault, 0),
+        "{}",
+        e.reason
+    );
+    assert!(e.reason.contains("pull refused by"), "{}", e.reason);
+    assert_eq!(accepted.load(Ordering::SeqCst), 2, "no third connection");
+    let stats = d.stats();
+    assert_eq!(
+        (stats.retries, stats.connections_reused),
+        (0, 2),
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn a_timed_out_pull_leaves_no_connection_to_reuse() {
+    use Answer::*;
+    let (addr, accepted) = scripted_p(vec![vec![Serve, Stall], vec![Serve]]);
+    // Long enough that the first connection is young when the second pull takes it.
+    let d = with_pool("D", DEFAULT_POOL_IDLE_PER_PEER, Duration::from_secs(2));
+    let d_arena = KvArena::new(LAYOUT, 4);
+    pull_ok(&d, &d_arena, addr, "tok", &FOUR);
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &FOUR), &FOUR);
+    let e = fetch_result(&rx).unwrap_err();
+    assert_eq!(e.good_blocks, 1, "{}", e.reason);
+    assert!(e.reason.contains("timed out"), "{}", e.reason);
+    // On the stalled connection this pull would time out too.
+    pull_ok(&d, &d_arena, addr, "tok", &FOUR);
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    assert_eq!(d.stats().connections_reused, 1, "{:?}", d.stats());
+}
+
+#[test]
+fn a_cancelled_pull_leaves_no_connection_to_reuse() {
+    use Answer::*;
+    let (addr, accepted) = scripted_p(vec![vec![Serve, Stall], vec![Serve]]);
+    let d = transport("D");
+    let d_arena = KvArena::new(LAYOUT, 4);
+    pull_ok(&d, &d_arena, addr, "tok", &FOUR);
+    let rx = fetch(&d, &d_arena, spec(addr, "tok", 0, &FOUR), &FOUR);
+    // Until block 0 landed (the scripted P then stalls).
+    std::thread::sleep(Duration::from_millis(300));
+    d.cancel_fetch(TransferId(9));
+    let e = fetch_result(&rx).unwrap_err();
+    assert_eq!((e.good_blocks, e.reason.as_str()), (1, "cancelled"));
+    pull_ok(&d, &d_arena, addr, "tok", &FOUR);
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    assert_eq!(d.stats().connections_reused, 1, "{:?}", d.stats());
 }

@@ -380,6 +380,7 @@ fn kv_transport(
         io_timeout: plan.io_timeout,
         allowed_peers: plan.allowed_peers.clone(),
         secret: plan.secret.as_ref().map(|s| s.0.as_bytes().to_vec()),
+        pool_idle_per_peer: ferry_kv::DEFAULT_POOL_IDLE_PER_PEER,
     })
     .with_context(|| {
         format!(
