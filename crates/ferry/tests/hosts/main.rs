@@ -666,3 +666,58 @@ async fn the_rl_cycle_across_hosts_loses_nothing_and_sets_one_version() {
     })
     .await;
 }
+
+/// `ferry bench transfer`'s two ends on two hosts over a link limited to 50 Mbit/s: the rate
+/// it reports is the link's, within 20% (TCP/IP headers take about 4% of it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_transfer_between_two_hosts_reports_the_rate_of_a_limited_link() {
+    bounded(async {
+        let Some(mut net) = Net::new("bench transfer") else {
+            return;
+        };
+        let (p, d) = (net.host("p"), net.host("d"));
+        let link = net.link(Some(&p), Some(&d));
+        let limit_mbit = 50.0;
+        link.limit("50mbit");
+        let addr = format!("{}:{KV_PORT}", link.addr_a);
+        // 8 blocks of the default model's layout (5.9 MB, about a second at the limit), 3
+        // pulls.
+        const SIZES: [&str; 5] = ["--n-blocks", "8", "--repeat", "3", "--json"];
+        let bench = |host: &Host, end: &[&str]| {
+            let mut c = std::process::Command::new("ip");
+            c.args(["netns", "exec", &host.ns, FERRY, "bench", "transfer"])
+                .args(SIZES)
+                .args(end)
+                .args(["--timeout-seconds", "60"])
+                .env("FERRY_KV_TRANSFER_SECRET", SECRET)
+                .env("RUST_LOG", "warn");
+            c
+        };
+        let mut serve = bench(&p, &["--serve", &addr])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("the serve end");
+        let pulled = tokio::task::spawn_blocking(move || {
+            bench(&d, &["--pull", &addr])
+                .output()
+                .expect("the pull end")
+        })
+        .await
+        .unwrap();
+        let _ = serve.kill();
+        let _ = serve.wait();
+        assert!(
+            pulled.status.success(),
+            "{}",
+            String::from_utf8_lossy(&pulled.stderr)
+        );
+        let report: Value = serde_json::from_slice(&pulled.stdout).expect("one JSON object");
+        let rate = report["median_mbit_per_s"].as_f64().unwrap();
+        assert!(
+            (rate - limit_mbit).abs() <= 0.2 * limit_mbit,
+            "{rate:.1} Mbit/s over a {limit_mbit} Mbit/s link: {report}"
+        );
+        eprintln!("bench transfer over a {limit_mbit} Mbit/s link: {report}");
+    })
+    .await;
+}
