@@ -111,7 +111,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use ferry_core::{AllowedPeers, FetchError, FetchFailure, PdReport, TransferId, Unpublished};
+use ferry_core::{
+    AllowedPeers, FetchEnd, FetchError, FetchFailure, PdReport, TransferId, Unpublished,
+};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
@@ -684,14 +686,25 @@ async fn run_fetch(
     // Nothing writes the blocks once the grant is gone: only then is it reported.
     drop(dst);
     lock(&inner.fetches).remove(&spec.hold);
-    if let Err(e) = &result {
-        tracing::debug!(
+    match &result {
+        // A broken or stalled transfer is news for an operator whatever the policy makes of
+        // it (under `recompute` the request succeeds and this line is the only trace).
+        Err(e) if matches!(e.end, FetchEnd::Failed | FetchEnd::TimedOut) => tracing::warn!(
             hold = spec.hold.0,
             good_blocks = e.good_blocks,
             kind = e.kind.as_str(),
-            "fetch failed: {}",
+            "KV fetch failed: {}",
             e.reason
-        );
+        ),
+        // Cancels and refusals follow the lifecycle (resets, leases): routine.
+        Err(e) => tracing::debug!(
+            hold = spec.hold.0,
+            good_blocks = e.good_blocks,
+            kind = e.kind.as_str(),
+            "KV fetch ended: {}",
+            e.reason
+        ),
+        Ok(()) => {}
     }
     reports.send(PdReport::FetchDone {
         hold: spec.hold,
