@@ -80,10 +80,11 @@ pub use ownership::{BlockStatus, Owner, OwnershipError};
 pub use pd::{PdConfig, PdConnector, PdRole};
 pub use peers::{ip_literal, AllowedPeers, IpNet};
 pub use plan::{
-    mask_allows, ModelOutput, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenMask,
+    mask_allows, AdjustedToken, LogitsAdjust, ModelOutput, SampleSpec, SampledToken, ScheduledReq,
+    StepPlan, TokenMask,
 };
 pub use request::{AddError, FinishReason, Request, RequestState};
-pub use sampling::{SamplerSpec, SamplingParams};
+pub use sampling::{LogitsParams, SamplerSpec, SamplingParams};
 pub use scheduler::{
     Finished, OutputError, QueueError, RequestOutput, Scheduler, SchedulerStats, TransferError,
 };

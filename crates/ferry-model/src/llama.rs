@@ -442,6 +442,7 @@ impl Executor for LlamaModel {
                     spec,
                     req,
                     mask: plan.mask_of(spec),
+                    adjust: plan.adjust_of(spec),
                 })
                 .collect();
             sample_batch(&data, vocab, &rows, &mut self.sampler_scratch)

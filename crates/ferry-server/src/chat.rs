@@ -42,7 +42,8 @@ impl GenerationRoute for Chat {
             GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
         params.structured = structured_output(&req.structured)?;
         req.unsupported.check(i64::from(params.n))?;
-        let prompt = render_prompt(app, &req.own)?;
+        let prompt = params.truncate(render_tokens(app, &req.own)?);
+        check_prompt(&prompt, "messages", &app.limits)?;
         let prompts = vec![PreparedPrompt {
             sampling: params.for_prompt(prompt.len(), &app.limits)?,
             tokens: prompt,
@@ -102,6 +103,14 @@ impl GenerationRoute for Chat {
 /// The messages through the chat template, tokenized (without adding special tokens: the
 /// template writes them) and checked against the context.
 pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiError> {
+    let tokens = render_tokens(app, req)?;
+    check_prompt(&tokens, "messages", &app.limits)?;
+    Ok(tokens)
+}
+
+/// The messages through the chat template, tokenized, not checked yet (a request may cut
+/// them with `truncate_prompt_tokens` first).
+fn render_tokens(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiError> {
     let messages = req
         .messages
         .as_deref()
@@ -114,9 +123,7 @@ pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiEr
         req.add_generation_prompt.unwrap_or(true),
         req.chat_template_kwargs.as_ref(),
     )?;
-    let tokens = app.tokenize(&text, false, "messages")?;
-    check_prompt(&tokens, "messages", &app.limits)?;
-    Ok(tokens)
+    app.tokenize(&text, false, "messages")
 }
 
 /// A `chat.completion.chunk` with these choices.
@@ -180,6 +187,7 @@ impl ChunkFormatter for Formatter {
         };
         let chunk = ChatChunk {
             kv_transfer_params,
+            usage: self.base.chunk_usage(),
             ..chat_chunk(&self.base.head, vec![choice])
         };
         std::iter::once(to_json(&chunk)).chain(error).collect()

@@ -16,6 +16,10 @@ use crate::state::AppState;
 use crate::structured::structured_output;
 use serde_json::Value;
 
+/// `max_tokens` of a completion that sets none: vLLM's and OpenAI's legacy completions
+/// default (chat's is the rest of the context).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
+
 /// The completions route, for [`crate::generate::handle`].
 #[derive(Debug)]
 pub struct Completions;
@@ -36,6 +40,7 @@ impl GenerationRoute for Completions {
             &app.limits,
         )?;
         params.structured = structured_output(&req.structured)?;
+        params.default_max_tokens = Some(COMPLETIONS_DEFAULT_MAX_TOKENS);
         req.unsupported.check(i64::from(params.n))?;
         let prompts = prepare_prompts(app, req.own.prompt.map(|p| p.into_batch()), &params)?;
         Ok((prompts, params))
@@ -136,6 +141,7 @@ fn prepare_prompts(
                 Prompt::Text(t) => app.tokenize(&t, true, &param)?,
                 Prompt::Tokens(t) => t,
             };
+            let tokens = params.truncate(tokens);
             check_prompt(&tokens, &param, &app.limits)?;
             let sampling = params.for_prompt(tokens.len(), &app.limits)?;
             Ok(PreparedPrompt { tokens, sampling })
@@ -200,7 +206,7 @@ impl ChunkFormatter for Formatter {
         };
         let response = CompletionResponse {
             kv_transfer_params,
-            ..completion_response(&self.base.head, vec![choice], None)
+            ..completion_response(&self.base.head, vec![choice], self.base.chunk_usage())
         };
         std::iter::once(to_json(&response)).chain(error).collect()
     }

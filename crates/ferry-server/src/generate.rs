@@ -55,6 +55,10 @@ pub struct LaunchSpec<'a> {
     pub transfer: Option<&'a TransferRequest>,
     /// The compiled structured-output constraint: each choice gets its own copy.
     pub constraint: Option<&'a Constraint>,
+    /// Special tokens stay in the text (`skip_special_tokens: false`).
+    pub keep_special_tokens: bool,
+    /// The matched stop string stays in the text.
+    pub include_stop_str_in_output: bool,
 }
 
 /// One choice's engine output, with latency bookkeeping.
@@ -175,6 +179,8 @@ pub async fn launch(
                 detokenize: engine.tokenizer().is_some(),
                 transfer: choice_transfer(spec.transfer, i),
                 constraint: spec.constraint.cloned(),
+                keep_special_tokens: spec.keep_special_tokens,
+                include_stop_str_in_output: spec.include_stop_str_in_output,
             };
             let stream = engine
                 .generate(req)
@@ -429,6 +435,8 @@ pub async fn handle<R: GenerationRoute>(
         arrival,
         transfer: transfer.as_ref(),
         constraint: constraint.as_ref(),
+        keep_special_tokens: !params.skip_special_tokens,
+        include_stop_str_in_output: params.include_stop_str_in_output,
     };
     let recorders = Recorders {
         metrics: &app.metrics,
@@ -440,13 +448,14 @@ pub async fn handle<R: GenerationRoute>(
         created: unix_now(),
         model: app.config.served_model_name.clone(),
     };
+    let texts = app.texts.with_token_ids(params.tokens_as_ids);
     let generation = Generation {
         prompts: &prompts,
         params: &params,
-        texts: &app.texts,
+        texts: &texts,
     };
     if params.stream {
-        let base = StreamBase::new(head, &prompts, &params, app.texts.clone());
+        let base = StreamBase::new(head, &prompts, &params, texts.clone());
         return Ok(sse_response(choices, R::streaming(base, generation)));
     }
     let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
@@ -500,6 +509,8 @@ pub struct StreamBase {
     pub constrained: bool,
     pub texts: TokenTexts,
     include_usage: bool,
+    /// Every chunk carries the usage so far (`continuous_usage_stats`).
+    continuous_usage: bool,
     usage: UsageTally,
     /// The request's `stop_token_ids` (see [`finish_fields`]).
     stop_token_ids: Vec<TokenId>,
@@ -519,6 +530,7 @@ impl StreamBase {
             constrained: params.structured.is_some(),
             texts,
             include_usage: params.include_usage,
+            continuous_usage: params.continuous_usage,
             usage: UsageTally::new(prompts, params.n),
             stop_token_ids: params.sampling.stop_token_ids.clone(),
         }
@@ -547,5 +559,11 @@ impl StreamBase {
     /// The usage for the stream's last chunk, if the client asked for it.
     pub fn final_usage(&self) -> Option<Usage> {
         self.include_usage.then(|| self.usage.usage())
+    }
+
+    /// The usage so far, for a content chunk, if the client asked for it on every chunk
+    /// (vLLM's `continuous_usage_stats`); read after [`StreamBase::observe`].
+    pub fn chunk_usage(&self) -> Option<Usage> {
+        self.continuous_usage.then(|| self.usage.usage())
     }
 }

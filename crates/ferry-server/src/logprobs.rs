@@ -18,15 +18,33 @@ use crate::response::{
 #[derive(Debug, Clone)]
 pub struct TokenTexts {
     tokenizer: Option<Arc<Tokenizer>>,
+    /// Every token is named `token:<id>` (vLLM's `return_tokens_as_token_ids`).
+    as_ids: bool,
 }
 
 impl TokenTexts {
     pub fn new(tokenizer: Option<Arc<Tokenizer>>) -> Self {
-        Self { tokenizer }
+        Self {
+            tokenizer,
+            as_ids: false,
+        }
     }
 
-    /// The token's text; without a tokenizer, `token_id:<id>` (vLLM's token-id form).
+    /// These texts, naming each token `token:<id>` when `as_ids` (the form AReaL and other
+    /// RL clients parse back into ids, unambiguous where two tokens decode alike).
+    pub fn with_token_ids(&self, as_ids: bool) -> Self {
+        Self {
+            tokenizer: self.tokenizer.clone(),
+            as_ids,
+        }
+    }
+
+    /// The token's text; `token:<id>` when asked; without a tokenizer, `token_id:<id>`
+    /// (vLLM's token-id form).
     pub fn text(&self, id: TokenId) -> String {
+        if self.as_ids {
+            return format!("token:{id}");
+        }
         self.tokenizer
             .as_ref()
             .and_then(|t| t.decode(&[id], false).ok())

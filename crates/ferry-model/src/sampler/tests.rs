@@ -16,6 +16,7 @@ fn spec(temperature: f32) -> SampleSpec {
         },
         output_idx: 0,
         mask: None,
+        adjust: None,
     }
 }
 
@@ -501,6 +502,7 @@ proptest::proptest! {
             params: SamplerSpec { temperature, top_k, top_p, min_p, seed: Some(seed), seed_stream: 0, logprobs: Some(1) },
             output_idx,
             mask: None,
+            adjust: None,
         };
         let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
         let allowed = naive_allowed(&logits, &s.params, 1e-4);
@@ -633,6 +635,7 @@ fn each_logprobs_mode_matches_a_reference_from_the_raw_logits() {
                 },
                 output_idx: i,
                 mask: None,
+                adjust: None,
             };
             let out = sample(&logits, &s, ReqIdx(0), &mut scratch);
             assert!(allowed.contains(&out.token), "{mode}: token {}", out.token);
@@ -663,6 +666,7 @@ fn each_logprobs_mode_matches_a_reference_from_the_raw_logits() {
                 },
                 output_idx: 0,
                 mask: None,
+                adjust: None,
             };
             let out = sample(&logits, &s, ReqIdx(0), &mut scratch);
             let mass: f64 = out
@@ -763,6 +767,7 @@ fn a_masked_sample_is_the_sample_of_the_masked_logits_with_raw_logprobs() {
                 spec: s,
                 req: ReqIdx(0),
                 mask: Some(&mask),
+                adjust: None,
             };
             let mut a = SamplerScratch::with_seed(i as u64);
             a.set_logprobs_mode(mode);
@@ -818,6 +823,7 @@ fn a_mask_that_allows_one_token_forces_it_and_a_batch_with_masks_matches_rows() 
             req: ReqIdx(i as u32),
             // Every other row unconstrained: both kinds in one batch.
             mask: (i % 2 == 0).then(|| masks[i].as_slice()),
+            adjust: None,
         })
         .collect();
     let mut serial = SamplerScratch::with_seed(5);
@@ -838,6 +844,7 @@ fn a_mask_that_allows_one_token_forces_it_and_a_batch_with_masks_matches_rows() 
         spec: &s,
         req: ReqIdx(0),
         mask: Some(&empty),
+        adjust: None,
     };
     let row_logits = &logits[..vocab];
     assert_eq!(

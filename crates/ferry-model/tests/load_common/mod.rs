@@ -333,6 +333,7 @@ pub fn paged_logits_of(
                     params: SamplerSpec::default(),
                     output_idx: 0,
                     mask: None,
+                    adjust: None,
                 }),
             }],
             token_ids: ids[chunk].to_vec(),
