@@ -237,7 +237,11 @@ async fn gbnf_grammars_constrain_like_their_lark_form() {
     let gbnf_words = "root ::= word (\" \" word){0,2}\nword ::= [ab]+ | \"a\"";
     // The digit lists end where the grammar does (EOS forced); the words may go on.
     let cases: [(Value, &Check, bool); 3] = [
-        (json!({"structured_outputs": {"grammar": gbnf}}), &digits, true),
+        (
+            json!({"structured_outputs": {"grammar": gbnf}}),
+            &digits,
+            true,
+        ),
         (json!({"guided_grammar": gbnf}), &digits, true),
         (json!({"guided_grammar": gbnf_words}), &words, false),
     ];
