@@ -340,6 +340,7 @@ pub fn paged_logits_of(
             block_tables: table.clone(),
             connector_work: Vec::new(),
             token_masks: Vec::new(),
+            logits_adjusts: Vec::new(),
         };
         let logits = llama.forward(&plan, &mut kv).expect("valid plan");
         rows.push(logits.row(0).to_vec());
