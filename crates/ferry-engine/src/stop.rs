@@ -149,6 +149,33 @@ mod tests {
     }
 
     #[test]
+    fn a_stop_string_can_be_kept_in_the_text() {
+        let mut m = StopMatcher::new(vec!["END".into()]).including_stop();
+        assert_eq!(m.push("abc E"), StopOutcome::Continue("abc ".into()));
+        assert_eq!(
+            m.push("ND more"),
+            StopOutcome::Stopped {
+                text: "END".into(),
+                stop: "END".into()
+            }
+        );
+    }
+
+    #[test]
+    fn unmatched_text_passes_but_a_stop_string_it_begins_still_matches() {
+        let mut m = StopMatcher::new(vec!["ab".into()]);
+        // `ab` inside the unmatched text does not stop; its trailing `a` is held back.
+        assert_eq!(m.push_unmatched("xaba"), "xab");
+        assert_eq!(
+            m.push("b!"),
+            StopOutcome::Stopped {
+                text: String::new(),
+                stop: "ab".into()
+            }
+        );
+    }
+
+    #[test]
     fn empty_stop_strings_are_ignored() {
         let (out, stop) = run(&[""], &["ab"]);
         assert_eq!(out, ["ab", ""]);
