@@ -128,6 +128,44 @@ pub struct StepPlan {
     pub token_masks: Vec<TokenMask>,
     /// The logits processing of samples that have one ([`SampleSpec::adjust`] indexes them).
     pub logits_adjusts: Vec<LogitsAdjust>,
+    /// The prompt logprobs this step computes, in plan order (requests that asked for them
+    /// and compute prompt positions this step).
+    pub prompt_logprobs: Vec<PromptLogprobsWork>,
+}
+
+/// One request's prompt logprobs in a step: the logits of each position this step computes
+/// whose next token is in the prompt, scored against that token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprobsWork {
+    /// Index of the request in [`StepPlan::reqs`].
+    pub req_pos: usize,
+    /// How many top logprobs besides the prompt token's.
+    pub top_n: u32,
+    /// The prompt tokens at positions `start_pos + 1 ..`, one per position from `start_pos`:
+    /// position `start_pos + i` is scored against `targets[i]`.
+    pub targets: Vec<TokenId>,
+}
+
+/// The logprob of one prompt token under the logits of the position before it (raw
+/// log-softmax, whatever the logprobs mode, as vLLM reports prompt logprobs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptTokenLogprob {
+    pub token: TokenId,
+    pub logprob: f32,
+    /// 1 for the most likely token (ties: the lower id first).
+    pub rank: u32,
+    /// The top-n `(token, logprob)` pairs, best first.
+    pub top: Vec<(TokenId, f32)>,
+}
+
+/// A request's prompt logprobs computed by one step: positions `first_target..` of its
+/// prompt, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprobs {
+    pub req: ReqIdx,
+    /// Position of the first scored prompt token (at least 1).
+    pub first_target: usize,
+    pub tokens: Vec<PromptTokenLogprob>,
 }
 
 impl StepPlan {
@@ -193,4 +231,7 @@ pub struct SampledToken {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ModelOutput {
     pub sampled: Vec<SampledToken>,
+    /// One entry per [`StepPlan::prompt_logprobs`] item, in its order (an executor that cannot
+    /// compute them, such as the checksum model, leaves this empty).
+    pub prompt_logprobs: Vec<PromptLogprobs>,
 }

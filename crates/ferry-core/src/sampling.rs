@@ -21,6 +21,10 @@ pub struct SamplingParams {
     /// Penalties, `logit_bias` and `min_tokens`: the logits processing that depends on the
     /// request's tokens (see [`LogitsParams`]).
     pub logits: LogitsParams,
+    /// Logprobs of the prompt's tokens (each under the logits of the position before it),
+    /// with this many top logprobs besides: computed in the prefill, which then takes no
+    /// prefix-cache hit so that every position is computed (as vLLM). `None`: none.
+    pub prompt_logprobs: Option<u32>,
 }
 
 impl Default for SamplingParams {
@@ -32,6 +36,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             cache_salt: None,
             logits: LogitsParams::default(),
+            prompt_logprobs: None,
         }
     }
 }

@@ -50,7 +50,8 @@ use crate::ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
 use crate::kv_cache::{KvCacheManager, PrefixHit};
 use crate::ownership::{self, Owner, OwnershipError};
 use crate::plan::{
-    AdjustedToken, LogitsAdjust, ModelOutput, SampleSpec, SampledToken, ScheduledReq, StepPlan,
+    AdjustedToken, LogitsAdjust, ModelOutput, PromptLogprobsWork, SampleSpec, SampledToken,
+    ScheduledReq, StepPlan,
 };
 use crate::request::{AddError, FinishReason, Request, RequestState};
 use crate::sampling::SamplingParams;
@@ -532,7 +533,14 @@ impl Scheduler {
             .as_mut()
             .expect("a live request");
         self.kv.rehash_if_stale(req, &self.hash_root);
-        let hit = self.kv.find_computed_blocks(req);
+        // Prompt logprobs need every position computed: no hit (the blocks still enter the
+        // cache for others).
+        let wants_prompt_logprobs = req.params.prompt_logprobs.is_some();
+        let hit = if wants_prompt_logprobs {
+            crate::kv_cache::PrefixHit::default()
+        } else {
+            self.kv.find_computed_blocks(req)
+        };
         let n_hit_tokens = hit.n_blocks() * block_size;
         let query = ExternalQuery {
             req: r,
@@ -546,7 +554,11 @@ impl Scheduler {
         // request; invalid transfer parameters fail it closed, whatever the policy.
         // Loads supply prompt KV only, and never the last prompt token (its logits are
         // needed to sample): hits are compared on what they can supply.
-        let n_max = req.prompt_len.saturating_sub(1 + n_hit_tokens);
+        let n_max = if wants_prompt_logprobs {
+            0
+        } else {
+            req.prompt_len.saturating_sub(1 + n_hit_tokens)
+        };
         let mut best: Option<(ConnectorId, usize, HoldKind)> = None;
         let mut not_yet = false;
         let mut refused = None;
@@ -744,6 +756,17 @@ impl Scheduler {
                     adjust,
                 }
             });
+            if let Some(top_n) = req.params.prompt_logprobs {
+                // Position p scores the prompt token at p + 1.
+                let end_target = (end_pos + 1).min(req.prompt_len);
+                if start_pos + 1 < end_target {
+                    plan.prompt_logprobs.push(PromptLogprobsWork {
+                        req_pos: plan.reqs.len(),
+                        top_n,
+                        targets: req.tokens[start_pos + 1..end_target].to_vec(),
+                    });
+                }
+            }
             req.n_computed = end_pos;
             plan.reqs.push(ScheduledReq {
                 req: d.req,
@@ -765,6 +788,7 @@ impl Scheduler {
         plan.connector_work.clear();
         plan.token_masks.clear();
         plan.logits_adjusts.clear();
+        plan.prompt_logprobs.clear();
         if plan.block_tables.capacity() >= self.spare.block_tables.capacity() {
             self.spare = plan;
         }

@@ -81,7 +81,10 @@ impl StepModel for Script<'_> {
                 top_logprobs: vec![],
             })
             .collect();
-        Ok(ModelOutput { sampled })
+        Ok(ModelOutput {
+            sampled,
+            prompt_logprobs: Vec::new(),
+        })
     }
 }
 
@@ -323,7 +326,13 @@ fn output_must_answer_the_latest_plan() {
         s2.add("B", prompt(2, 10), SamplingParams::greedy(5));
         let plan = s2.sched.schedule();
         s2.sched
-            .on_step_output(&plan, &ModelOutput { sampled })
+            .on_step_output(
+                &plan,
+                &ModelOutput {
+                    sampled,
+                    prompt_logprobs: Vec::new(),
+                },
+            )
             .unwrap_err()
     };
     assert_eq!(

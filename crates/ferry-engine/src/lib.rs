@@ -52,8 +52,9 @@ pub use ferry_core::{
     ip_literal, AddError, AllowedPeers, ConnectorId, FinishReason, KvConnector, KvEvent,
     KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus,
     LogitsParams, Medium, OffloadConfig, OffloadConnector, OffloadPolicy, PauseMode, PdConfig,
-    PdConnector, PdRole, SamplerSpec, SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel,
-    TierStats, TokenId, TransferId, TransferRequest, WakeTag, WeightResidency,
+    PdConnector, PdRole, PromptTokenLogprob, SamplerSpec, SamplingParams, SchedulerConfig,
+    SchedulerStats, SleepLevel, TierStats, TokenId, TransferId, TransferRequest, WakeTag,
+    WeightResidency,
 };
 pub use ferry_kv::{
     InMemoryFabric, InMemoryTransport, OffloadWorker, PdWorker, Transport, WorkerConnector,
@@ -130,6 +131,10 @@ pub struct OutputChunk {
     /// For a constrained request, one entry per token in `token_ids`: the constraint allowed
     /// only that token (it was forced, not chosen by the model). Empty otherwise.
     pub forced: Vec<bool>,
+    /// Logprobs of the prompt's tokens from position 1 on, for a request that asked for
+    /// them (`SamplingParams::prompt_logprobs`): they arrive in order, with or before the
+    /// first token (all of them once the first token has come).
+    pub prompt_logprobs: Vec<PromptTokenLogprob>,
     pub finish: Option<Finish>,
 }
 

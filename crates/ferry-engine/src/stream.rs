@@ -67,6 +67,8 @@ pub struct GenerateStream {
     weight_versions: Vec<String>,
     /// The chunk with `finish` has been returned (or built).
     done: bool,
+    /// Prompt logprobs received, for the next chunk returned.
+    prompt_logprobs: Vec<ferry_core::PromptTokenLogprob>,
 }
 
 impl GenerateStream {
@@ -105,6 +107,7 @@ impl GenerateStream {
             n_output_tokens: 0,
             weight_versions: Vec::new(),
             done: false,
+            prompt_logprobs: Vec::new(),
         }
     }
 
@@ -145,6 +148,7 @@ impl GenerateStream {
                 self.absorb(event, &mut chunk);
             }
             if !chunk.token_ids.is_empty() || chunk.finish.is_some() {
+                chunk.prompt_logprobs = std::mem::take(&mut self.prompt_logprobs);
                 return Poll::Ready(Some(chunk));
             }
         }
@@ -154,6 +158,7 @@ impl GenerateStream {
     fn absorb(&mut self, event: Event, chunk: &mut OutputChunk) {
         match event {
             Event::Admitted { n_cached_tokens } => self.n_cached_tokens = n_cached_tokens,
+            Event::PromptLogprobs(lps) => self.prompt_logprobs.extend(lps),
             Event::Output {
                 sampled,
                 finish,

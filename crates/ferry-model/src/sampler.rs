@@ -42,7 +42,9 @@ use std::fmt;
 use std::str::FromStr;
 
 use ferry_core::sampling::SamplerSpec;
-use ferry_core::{mask_allows, LogitsAdjust, ReqIdx, SampleSpec, SampledToken, TokenId};
+use ferry_core::{
+    mask_allows, LogitsAdjust, PromptTokenLogprob, ReqIdx, SampleSpec, SampledToken, TokenId,
+};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -660,6 +662,37 @@ fn pick(keys: &[u64], probs: &[f32], u: f64) -> usize {
     }
     // Only reachable through rounding when `u` is within an ulp of 1.
     last_nonzero
+}
+
+/// The logprob of the prompt token `token` under `logits` (the row of the position before
+/// it): raw log-softmax, whatever the engine's logprobs mode (vLLM reports prompt logprobs
+/// so), its rank (1 + the tokens with a strictly higher logit, as vLLM counts it) and the
+/// `top_n` best tokens.
+pub fn prompt_token_logprob(logits: &[f32], token: TokenId, top_n: usize) -> PromptTokenLogprob {
+    let row = RowStats::new(logits);
+    let Some(&l) = logits.get(token as usize) else {
+        return PromptTokenLogprob {
+            token,
+            logprob: f32::NEG_INFINITY,
+            rank: 0,
+            top: Vec::new(),
+        };
+    };
+    let clean = row.clean(l);
+    let higher = logits.iter().filter(|&&o| row.clean(o) > clean).count();
+    let reported = Reported {
+        logits,
+        row: &row,
+        mode: LogprobsMode::RawLogprobs,
+        survivors: None,
+    };
+    let mut keys = Vec::new();
+    PromptTokenLogprob {
+        token,
+        logprob: row.logprob(l),
+        rank: u32::try_from(higher + 1).unwrap_or(u32::MAX),
+        top: top_logprobs(&reported, top_n, &mut keys),
+    }
 }
 
 /// The `n` best tokens of the raw logits, best first (ties: lower id), with their values.

@@ -8,7 +8,7 @@ use crate::generate::{
     response_transfer_params, weight_versions, ChunkFinish, Collected, Generation, GenerationRoute,
     Head, Prepared, PreparedPrompt, StreamBase,
 };
-use crate::logprobs::chat_logprobs;
+use crate::logprobs::{chat_logprobs, prompt_logprobs_json};
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
 use crate::request::{ChatFields, ChatRequest};
 use crate::response::{
@@ -70,6 +70,11 @@ impl GenerationRoute for Chat {
             texts,
         } = generation;
         let kv_transfer_params = response_transfer_params(&collected);
+        // One prompt: every choice computed the same prompt logprobs.
+        let prompt_lps = collected
+            .first()
+            .map(|c| c.prompt_logprobs.clone())
+            .unwrap_or_default();
         let (choices, usage) =
             generation.collect_choices(collected, |c, finish_reason, stop_reason| ChatChoice {
                 weight_versions: Some(weight_versions(c.finish.as_ref())),
@@ -90,8 +95,13 @@ impl GenerationRoute for Chat {
                 prompt_token_ids: None,
                 token_ids: params.return_token_ids.then_some(c.token_ids),
                 forced_tokens: params.structured.is_some().then_some(c.forced),
+                prompt_logprobs: None,
             });
         ChatResponse {
+            prompt_logprobs: params
+                .sampling
+                .prompt_logprobs
+                .map(|_| prompt_logprobs_json(texts, &prompt_lps)),
             usage: Some(usage),
             prompt_token_ids: params.return_token_ids.then(|| prompts[0].tokens.clone()),
             kv_transfer_params,
@@ -184,8 +194,11 @@ impl ChunkFormatter for Formatter {
             token_ids: self.base.return_token_ids.then_some(out.token_ids),
             forced_tokens: self.base.constrained.then_some(out.forced),
             weight_versions,
+            prompt_logprobs: None,
         };
         let chunk = ChatChunk {
+            prompt_logprobs: (!out.prompt_logprobs.is_empty())
+                .then(|| prompt_logprobs_json(&self.base.texts, &out.prompt_logprobs)),
             kv_transfer_params,
             usage: self.base.chunk_usage(),
             ..chat_chunk(&self.base.head, vec![choice])

@@ -7,7 +7,7 @@ use crate::generate::{
     response_transfer_params, weight_versions, ChunkFinish, Collected, Generation, GenerationRoute,
     Head, Prepared, PreparedPrompt, StreamBase,
 };
-use crate::logprobs::completion_logprobs;
+use crate::logprobs::{completion_logprobs, prompt_logprobs_json};
 use crate::params::{check_completion_logprobs, check_prompt, GenerationParams};
 use crate::request::{CompletionRequest, Prompt};
 use crate::response::{CompletionChoice, CompletionResponse, Response, Text, Usage};
@@ -92,6 +92,10 @@ impl GenerationRoute for Completions {
                         .then(|| prompts[c.index / n].tokens.clone()),
                     token_ids: params.return_token_ids.then_some(c.token_ids),
                     forced_tokens: params.structured.is_some().then_some(c.forced),
+                    prompt_logprobs: params
+                        .sampling
+                        .prompt_logprobs
+                        .map(|_| prompt_logprobs_json(texts, &c.prompt_logprobs)),
                 }
             });
         CompletionResponse {
@@ -203,6 +207,8 @@ impl ChunkFormatter for Formatter {
             token_ids: return_token_ids.then_some(chunk.token_ids),
             forced_tokens: self.base.constrained.then_some(chunk.forced),
             weight_versions,
+            prompt_logprobs: (!chunk.prompt_logprobs.is_empty())
+                .then(|| prompt_logprobs_json(&self.base.texts, &chunk.prompt_logprobs)),
         };
         let response = CompletionResponse {
             kv_transfer_params,

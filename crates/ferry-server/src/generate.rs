@@ -15,7 +15,8 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use ferry_engine::{
     AddError, Constraint, EngineHandle, Finish, FinishReason, GenerateError, GenerateRequest,
-    GenerateStream, OutputChunk, SamplingParams, TokenId, TokenLogprob, TransferRequest,
+    GenerateStream, OutputChunk, PromptTokenLogprob, SamplingParams, TokenId, TokenLogprob,
+    TransferRequest,
 };
 use futures_util::stream::{self, BoxStream, StreamExt};
 use serde::Serialize;
@@ -104,6 +105,7 @@ impl ChoiceStream {
             out.token_ids.extend_from_slice(&chunk.token_ids);
             out.forced.extend_from_slice(&chunk.forced);
             out.logprobs.extend(chunk.logprobs);
+            out.prompt_logprobs.extend(chunk.prompt_logprobs);
             out.text.push_str(&chunk.text);
             if chunk.finish.is_some() {
                 out.finish = chunk.finish;
@@ -130,6 +132,8 @@ pub struct Collected {
     /// Per token, for a constrained request: the constraint allowed only that token.
     pub forced: Vec<bool>,
     pub logprobs: Vec<TokenLogprob>,
+    /// The prompt's logprobs, when the request asked for them.
+    pub prompt_logprobs: Vec<PromptTokenLogprob>,
     pub text: String,
     /// `None` only if the engine went away without a final chunk.
     pub finish: Option<Finish>,

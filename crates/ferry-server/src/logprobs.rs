@@ -6,12 +6,12 @@
 use std::sync::Arc;
 
 use ferry_engine::TokenId;
-use ferry_engine::TokenLogprob;
+use ferry_engine::{PromptTokenLogprob, TokenLogprob};
 use tokenizers::Tokenizer;
 
 use crate::response::{
     finite_logprob, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
-    TopLogprobMap,
+    PromptLogprobEntry, PromptLogprobMap, PromptLogprobsJson, TopLogprobMap,
 };
 
 /// Token id → text, for logprobs.
@@ -103,4 +103,30 @@ pub fn chat_logprobs(texts: &TokenTexts, lps: &[TokenLogprob]) -> ChatLogprobs {
         })
         .collect();
     ChatLogprobs { content }
+}
+
+/// vLLM's `prompt_logprobs` for `lps` (the logprobs of prompt positions 1..): `null` for the
+/// first token, then per token its own entry and the top-n's, keyed by token id.
+pub fn prompt_logprobs_json(texts: &TokenTexts, lps: &[PromptTokenLogprob]) -> PromptLogprobsJson {
+    let entry = |token: TokenId, logprob: f32, rank: u32| {
+        (
+            token,
+            PromptLogprobEntry {
+                logprob: finite_logprob(logprob),
+                rank,
+                decoded_token: texts.text(token),
+            },
+        )
+    };
+    std::iter::once(None)
+        .chain(lps.iter().map(|lp| {
+            let own = entry(lp.token, lp.logprob, lp.rank);
+            let top = lp
+                .top
+                .iter()
+                .zip(1u32..)
+                .map(|(&(t, l), rank)| entry(t, l, rank));
+            Some(PromptLogprobMap(std::iter::once(own).chain(top).collect()))
+        }))
+        .collect()
 }

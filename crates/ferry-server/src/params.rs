@@ -90,6 +90,10 @@ impl GenerationParams {
             )?,
             cache_salt: check_cache_salt(common.cache_salt.as_deref())?,
             logits: check_logits(common, limits)?,
+            prompt_logprobs: common
+                .prompt_logprobs
+                .map(|v| check_top_n("prompt_logprobs", v, limits))
+                .transpose()?,
         };
         let stop = check_stop(common.stop.clone().map(|s| s.into_vec()), limits)?;
         let max_tokens = match max_tokens.0 {

@@ -112,6 +112,9 @@ pub struct CommonParams {
     /// Token id (a string key) → bias added to its logit, in `[-100, 100]`.
     #[schema(value_type = Option<Object>)]
     pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Logprobs of the prompt's tokens, with this many top logprobs each (vLLM's); the
+    /// request then takes no prefix-cache hit.
+    pub prompt_logprobs: Option<i64>,
 }
 
 /// The structured-output fields (see [`crate::structured`]), raw: their shapes vary, so
@@ -145,7 +148,6 @@ pub struct Unsupported {
     pub best_of: Option<Value>,
     pub echo: Option<Value>,
     pub suffix: Option<Value>,
-    pub prompt_logprobs: Option<Value>,
     pub use_beam_search: Option<Value>,
     pub tools: Option<Value>,
     pub functions: Option<Value>,
@@ -169,11 +171,10 @@ impl Unsupported {
             _ => false,
         };
         let best_of_n = |v: &Value| v.as_i64().is_some_and(|b| b <= n);
-        let checks: [FieldCheck<'_>; 10] = [
+        let checks: [FieldCheck<'_>; 9] = [
             ("best_of", &self.best_of, &best_of_n),
             ("echo", &self.echo, &falsy),
             ("suffix", &self.suffix, &empty),
-            ("prompt_logprobs", &self.prompt_logprobs, &|_| false),
             ("use_beam_search", &self.use_beam_search, &falsy),
             ("tools", &self.tools, &empty),
             ("functions", &self.functions, &empty),
@@ -356,8 +357,8 @@ mod tests {
                 .param
         };
         assert_eq!(
-            err(r#"{"prompt_logprobs": 1}"#).as_deref(),
-            Some("prompt_logprobs")
+            err(r#"{"use_beam_search": true}"#).as_deref(),
+            Some("use_beam_search")
         );
         assert_eq!(err(r#"{"best_of": 3, "n": 2}"#).as_deref(), Some("best_of"));
         assert_eq!(err(r#"{"echo": true}"#).as_deref(), Some("echo"));

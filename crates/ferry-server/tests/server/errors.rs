@@ -70,7 +70,7 @@ async fn bad_completion_requests_name_their_field() {
             Some("logit_bias.5"),
         ),
         (
-            json!({"prompt": "x", "prompt_logprobs": 1}),
+            json!({"prompt": "x", "prompt_logprobs": 50}),
             Some("prompt_logprobs"),
         ),
         (json!({"prompt": "x", "best_of": 2}), Some("best_of")),

@@ -492,3 +492,109 @@ async fn penalty_fields_are_checked() {
     )
     .await;
 }
+
+/// A prompt long enough to fill prefix-cache blocks.
+fn long_prompt() -> Vec<u64> {
+    (0..40).map(|i| 40 + (i * 7) % 180).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_logprobs_equal_a_forward_of_each_prefix_and_skip_the_prefix_cache() {
+    let s = start(Options {
+        max_top_logprobs: Some(1000),
+        ..Options::default()
+    })
+    .await;
+    let vocab = vocab_size(&s);
+    let prompt = long_prompt();
+    // Fill the cache with the prompt first: the request below still computes every position.
+    let plain = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0});
+    s.ok("/v1/completions", &plain).await;
+    let body = json!({"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                      "prompt_logprobs": 2, "return_token_ids": true});
+    let out = s.ok("/v1/completions", &body).await;
+    assert_eq!(out["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let lps = out["choices"][0]["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(lps.len(), prompt.len());
+    assert_eq!(lps[0], Value::Null);
+    // The reference: the next-token logprobs of a one-token completion of each prefix.
+    for p in 1..prompt.len() {
+        let reference = s
+            .ok(
+                "/v1/completions",
+                &json!({"prompt": prompt[..p], "max_tokens": 1, "temperature": 0,
+                        "logprobs": vocab, "return_tokens_as_token_ids": true}),
+            )
+            .await;
+        let top = reference["choices"][0]["logprobs"]["top_logprobs"][0]
+            .as_object()
+            .unwrap()
+            .clone();
+        let value = |t: u64| top[&format!("token:{t}")].as_f64().unwrap();
+        let entry = lps[p].as_object().unwrap();
+        let own = &entry[&prompt[p].to_string()];
+        assert_eq!(
+            own["logprob"].as_f64().unwrap(),
+            value(prompt[p]),
+            "position {p}"
+        );
+        let rank = 1 + top
+            .values()
+            .filter(|v| v.as_f64().unwrap() > value(prompt[p]))
+            .count();
+        assert_eq!(own["rank"].as_u64().unwrap() as usize, rank, "position {p}");
+        assert_eq!(
+            own["decoded_token"],
+            detokenize(&s, &[prompt[p]]).await,
+            "position {p}"
+        );
+        // The top 2 are the reference's best two, ranks 1 and 2.
+        let mut best: Vec<(u64, f64)> = top
+            .iter()
+            .map(|(k, v)| (k[6..].parse().unwrap(), v.as_f64().unwrap()))
+            .collect();
+        best.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        for (i, (t, l)) in best[..2].iter().enumerate() {
+            let e = &entry[&t.to_string()];
+            assert_eq!(e["logprob"].as_f64().unwrap(), *l, "position {p}");
+            if *t != prompt[p] {
+                assert_eq!(e["rank"].as_u64().unwrap() as usize, i + 1, "position {p}");
+            }
+        }
+        assert!(entry.len() <= 3, "position {p}: {entry:?}");
+    }
+    // It filled the cache for others all the same.
+    s.ok("/v1/completions", &plain).await;
+    let again = s.ok("/v1/completions", &body).await;
+    assert_eq!(
+        again["choices"][0]["prompt_logprobs"],
+        out["choices"][0]["prompt_logprobs"]
+    );
+    let after = s.ok("/v1/completions", &plain).await;
+    assert!(
+        after["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    // Streaming: the same list on the first chunk; chat: on the response.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let events = s.stream("/v1/completions", &streamed).await;
+    assert_eq!(
+        events[0]["choices"][0]["prompt_logprobs"],
+        out["choices"][0]["prompt_logprobs"]
+    );
+    assert!(events[1..]
+        .iter()
+        .all(|e| e["choices"][0].get("prompt_logprobs").is_none()));
+    let chat = s
+        .ok(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                    "prompt_logprobs": 0}),
+        )
+        .await;
+    let n_prompt = chat["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(chat["prompt_logprobs"].as_array().unwrap().len(), n_prompt);
+}
