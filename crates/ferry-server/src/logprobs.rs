@@ -70,11 +70,53 @@ pub fn completion_logprobs(
             .map(|&(id, l)| (texts.text(id), finite_logprob(l)))
             .collect();
         top.push((text.clone(), finite_logprob(lp.logprob)));
-        out.top_logprobs.push(TopLogprobMap(top));
-        out.token_logprobs.push(finite_logprob(lp.logprob));
+        out.top_logprobs.push(Some(TopLogprobMap(top)));
+        out.token_logprobs.push(Some(finite_logprob(lp.logprob)));
         out.tokens.push(text);
     }
     (out, offset)
+}
+
+/// An echoed prompt's part of completions logprobs (it comes before the output's): each
+/// prompt token with its prompt logprob, the first with none; offsets from 0. Returns the
+/// offset after the prompt as well.
+pub fn echo_logprobs(
+    texts: &TokenTexts,
+    prompt: &[TokenId],
+    lps: &[PromptTokenLogprob],
+) -> (CompletionLogprobs, usize) {
+    let mut out = CompletionLogprobs::default();
+    let mut offset = 0;
+    for (i, &token) in prompt.iter().enumerate() {
+        let text = texts.text(token);
+        out.text_offset.push(offset);
+        offset += text.chars().count();
+        let lp = i.checked_sub(1).and_then(|j| lps.get(j));
+        out.token_logprobs
+            .push(lp.map(|lp| finite_logprob(lp.logprob)));
+        out.top_logprobs.push(lp.map(|lp| {
+            let mut top: Vec<(String, f32)> = lp
+                .top
+                .iter()
+                .map(|&(id, l)| (texts.text(id), finite_logprob(l)))
+                .collect();
+            top.push((text.clone(), finite_logprob(lp.logprob)));
+            TopLogprobMap(top)
+        }));
+        out.tokens.push(text);
+    }
+    (out, offset)
+}
+
+impl CompletionLogprobs {
+    /// `self` followed by `rest`.
+    pub fn append(mut self, rest: Self) -> Self {
+        self.tokens.extend(rest.tokens);
+        self.token_logprobs.extend(rest.token_logprobs);
+        self.top_logprobs.extend(rest.top_logprobs);
+        self.text_offset.extend(rest.text_offset);
+        self
+    }
 }
 
 /// Chat logprobs for `lps`.

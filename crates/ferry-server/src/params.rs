@@ -54,6 +54,8 @@ pub struct GenerationParams {
     pub tokens_as_ids: bool,
     /// Keep only the prompt's last this many tokens.
     pub truncate_prompt_tokens: Option<usize>,
+    /// Completions' `echo`: each prompt's text, to put before its choices' text.
+    pub echo: Option<Vec<String>>,
 }
 
 /// Temperatures above this are refused (OpenAI's documented range is [0, 2]).
@@ -131,6 +133,7 @@ impl GenerationParams {
             skip_special_tokens: common.skip_special_tokens.unwrap_or(true),
             tokens_as_ids: common.return_tokens_as_token_ids.unwrap_or(false),
             truncate_prompt_tokens: check_truncate(common.truncate_prompt_tokens, limits)?,
+            echo: None,
         })
     }
 

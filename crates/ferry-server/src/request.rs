@@ -146,7 +146,6 @@ pub struct StructuredFields {
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct Unsupported {
     pub best_of: Option<Value>,
-    pub echo: Option<Value>,
     pub suffix: Option<Value>,
     pub use_beam_search: Option<Value>,
     pub tools: Option<Value>,
@@ -171,9 +170,8 @@ impl Unsupported {
             _ => false,
         };
         let best_of_n = |v: &Value| v.as_i64().is_some_and(|b| b <= n);
-        let checks: [FieldCheck<'_>; 9] = [
+        let checks: [FieldCheck<'_>; 8] = [
             ("best_of", &self.best_of, &best_of_n),
-            ("echo", &self.echo, &falsy),
             ("suffix", &self.suffix, &empty),
             ("use_beam_search", &self.use_beam_search, &falsy),
             ("tools", &self.tools, &empty),
@@ -217,6 +215,8 @@ pub struct CompletionFields {
     pub prompt: Option<PromptInput>,
     /// Top-n count (legacy completions format); `0` returns only the sampled token's logprob.
     pub logprobs: Option<i64>,
+    /// The text (and, with `logprobs`, the logprobs) starts with the prompt's.
+    pub echo: Option<bool>,
 }
 
 impl CompletionRequest {
@@ -361,13 +361,12 @@ mod tests {
             Some("use_beam_search")
         );
         assert_eq!(err(r#"{"best_of": 3, "n": 2}"#).as_deref(), Some("best_of"));
-        assert_eq!(err(r#"{"echo": true}"#).as_deref(), Some("echo"));
         assert_eq!(err(r#"{"suffix": "x"}"#).as_deref(), Some("suffix"));
         assert_eq!(
             err(r#"{"tools": [{"type": "function"}]}"#).as_deref(),
             Some("tools")
         );
-        let ok = parse(r#"{"best_of": 2, "n": 2, "echo": false}"#);
+        let ok = parse(r#"{"best_of": 2, "n": 2, "suffix": ""}"#);
         assert!(ok.unsupported.check(2).is_ok());
     }
 }

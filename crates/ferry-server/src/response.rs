@@ -184,10 +184,11 @@ pub type ChatChunkChoice = Choice<DeltaContent, ChatLogprobs>;
 #[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    /// `{token text: logprob}` per token, best first.
-    #[schema(value_type = Vec<std::collections::HashMap<String, f32>>)]
-    pub top_logprobs: Vec<TopLogprobMap>,
+    /// `null` only for an echoed prompt's first token (nothing comes before it).
+    pub token_logprobs: Vec<Option<f32>>,
+    /// `{token text: logprob}` per token, best first (`null` where `token_logprobs` is).
+    #[schema(value_type = Vec<Option<std::collections::HashMap<String, f32>>>)]
+    pub top_logprobs: Vec<Option<TopLogprobMap>>,
     /// Character offset of each token in the choice's text.
     pub text_offset: Vec<usize>,
 }

@@ -74,7 +74,7 @@ async fn bad_completion_requests_name_their_field() {
             Some("prompt_logprobs"),
         ),
         (json!({"prompt": "x", "best_of": 2}), Some("best_of")),
-        (json!({"prompt": "x", "echo": true}), Some("echo")),
+        (json!({"prompt": "x", "echo": "yes"}), Some("echo")),
         (json!({"prompt": "x", "suffix": "y"}), Some("suffix")),
     ];
     for (body, param) in cases {

@@ -598,3 +598,61 @@ async fn prompt_logprobs_equal_a_forward_of_each_prefix_and_skip_the_prefix_cach
     let n_prompt = chat["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
     assert_eq!(chat["prompt_logprobs"].as_array().unwrap().len(), n_prompt);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_puts_the_prompt_and_its_logprobs_before_the_output() {
+    let s = start(Options::default()).await;
+    let plain = s
+        .ok("/v1/completions", &greedy(4, json!({"logprobs": 1})))
+        .await;
+    let echoed = s
+        .ok(
+            "/v1/completions",
+            &greedy(4, json!({"logprobs": 1, "echo": true})),
+        )
+        .await;
+    assert_eq!(text(&echoed), format!("{PROMPT}{}", text(&plain)));
+    let prompt_ids = ids(&echoed["choices"][0]["prompt_token_ids"]);
+    let n = prompt_ids.len();
+    let lp = &echoed["choices"][0]["logprobs"];
+    let plain_lp = &plain["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), n + 4);
+    assert_eq!(lp["token_logprobs"][0], Value::Null);
+    assert_eq!(lp["top_logprobs"][0], Value::Null);
+    assert_eq!(
+        lp["token_logprobs"].as_array().unwrap()[n..],
+        plain_lp["token_logprobs"].as_array().unwrap()[..]
+    );
+    assert_eq!(
+        lp["tokens"].as_array().unwrap()[n..],
+        plain_lp["tokens"].as_array().unwrap()[..]
+    );
+    // The prompt's entries are its prompt logprobs.
+    let with_prompt = s
+        .ok("/v1/completions", &greedy(4, json!({"prompt_logprobs": 1})))
+        .await;
+    let prompt_lps = with_prompt["choices"][0]["prompt_logprobs"]
+        .as_array()
+        .unwrap();
+    for i in 1..n {
+        let own = &prompt_lps[i][&prompt_ids[i].to_string()];
+        assert_eq!(lp["token_logprobs"][i], own["logprob"], "prompt token {i}");
+    }
+    // Offsets count the echoed text too.
+    let offsets: Vec<u64> = ids(&lp["text_offset"]);
+    assert_eq!(offsets[0], 0);
+    assert_eq!(offsets[n] as usize, PROMPT.chars().count());
+    // Streamed, the echo comes with the first chunk.
+    let mut streamed = greedy(4, json!({"echo": true, "stream": true}));
+    streamed["return_token_ids"] = json!(false);
+    let events = s.stream("/v1/completions", &streamed).await;
+    assert!(events[0]["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .starts_with(PROMPT));
+    let joined: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(joined, text(&echoed));
+}
