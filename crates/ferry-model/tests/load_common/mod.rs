@@ -341,6 +341,7 @@ pub fn paged_logits_of(
             connector_work: Vec::new(),
             token_masks: Vec::new(),
             logits_adjusts: Vec::new(),
+            prompt_logprobs: Vec::new(),
         };
         let logits = llama.forward(&plan, &mut kv).expect("valid plan");
         rows.push(logits.row(0).to_vec());
