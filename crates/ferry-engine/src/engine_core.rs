@@ -631,6 +631,8 @@ impl EngineCore {
             None => {}
             Some(e) => self.on_step_failure(&plan, &e.to_string()),
         }
+        // A failed step's prompt logprobs are not sent.
+        self.driver.model.prompt_logprobs.clear();
         self.driver.sched.recycle_plan(plan);
         Ok(match kind {
             StepKind::Idle => None,
