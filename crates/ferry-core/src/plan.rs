@@ -152,7 +152,8 @@ pub struct PromptLogprobsWork {
 pub struct PromptTokenLogprob {
     pub token: TokenId,
     pub logprob: f32,
-    /// 1 for the most likely token (ties: the lower id first).
+    /// How many tokens have a logprob at least this one's, itself included (vLLM's rank: 1
+    /// for the most likely token).
     pub rank: u32,
     /// The top-n `(token, logprob)` pairs, best first.
     pub top: Vec<(TokenId, f32)>,

@@ -666,8 +666,8 @@ fn pick(keys: &[u64], probs: &[f32], u: f64) -> usize {
 
 /// The logprob of the prompt token `token` under `logits` (the row of the position before
 /// it): raw log-softmax, whatever the engine's logprobs mode (vLLM reports prompt logprobs
-/// so), its rank (1 + the tokens with a strictly higher logit, as vLLM counts it) and the
-/// `top_n` best tokens.
+/// so), its rank (the number of tokens whose logit is at least its own, itself included, as
+/// vLLM counts it: 1 for the best) and the `top_n` best tokens.
 pub fn prompt_token_logprob(logits: &[f32], token: TokenId, top_n: usize) -> PromptTokenLogprob {
     let row = RowStats::new(logits);
     let Some(&l) = logits.get(token as usize) else {
@@ -679,7 +679,7 @@ pub fn prompt_token_logprob(logits: &[f32], token: TokenId, top_n: usize) -> Pro
         };
     };
     let clean = row.clean(l);
-    let higher = logits.iter().filter(|&&o| row.clean(o) > clean).count();
+    let at_least = logits.iter().filter(|&&o| row.clean(o) >= clean).count();
     let reported = Reported {
         logits,
         row: &row,
@@ -690,7 +690,7 @@ pub fn prompt_token_logprob(logits: &[f32], token: TokenId, top_n: usize) -> Pro
     PromptTokenLogprob {
         token,
         logprob: row.logprob(l),
-        rank: u32::try_from(higher + 1).unwrap_or(u32::MAX),
+        rank: u32::try_from(at_least).unwrap_or(u32::MAX),
         top: top_logprobs(&reported, top_n, &mut keys),
     }
 }

@@ -486,7 +486,7 @@ fn prompt_logprobs_match_the_dense_reference() {
             "position {p}: {} vs {want}",
             lp.logprob
         );
-        let rank = 1 + row.iter().filter(|&&l| l > row[target as usize]).count();
+        let rank = row.iter().filter(|&&l| l >= row[target as usize]).count();
         assert_eq!(lp.rank as usize, rank, "position {p}");
         let mut order: Vec<usize> = (0..row.len()).collect();
         order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));

@@ -538,9 +538,10 @@ async fn prompt_logprobs_equal_a_forward_of_each_prefix_and_skip_the_prefix_cach
             value(prompt[p]),
             "position {p}"
         );
-        let rank = 1 + top
+        // vLLM's rank: the tokens at least as likely, itself included.
+        let rank = top
             .values()
-            .filter(|v| v.as_f64().unwrap() > value(prompt[p]))
+            .filter(|v| v.as_f64().unwrap() >= value(prompt[p]))
             .count();
         assert_eq!(own["rank"].as_u64().unwrap() as usize, rank, "position {p}");
         assert_eq!(
