@@ -34,7 +34,7 @@
 //!     .filter(|r| r.sample.is_some())
 //!     .map(|r| SampledToken { req: r.req, token: 42, logprob: 0.0, top_logprobs: vec![] })
 //!     .collect();
-//! let outputs = core.on_step_output(&plan, &ModelOutput { sampled }).unwrap();
+//! let outputs = core.on_step_output(&plan, &ModelOutput { sampled, ..ModelOutput::default() }).unwrap();
 //! assert_eq!(outputs[0].finished.as_ref().unwrap().request_id, "a");
 //! core.recycle_plan(plan);
 //! assert!(core.check_ownership().is_ok());
@@ -80,10 +80,11 @@ pub use ownership::{BlockStatus, Owner, OwnershipError};
 pub use pd::{PdConfig, PdConnector, PdRole};
 pub use peers::{ip_literal, AllowedPeers, IpNet};
 pub use plan::{
-    mask_allows, ModelOutput, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenMask,
+    mask_allows, AdjustedToken, LogitsAdjust, ModelOutput, PromptLogprobs, PromptLogprobsWork,
+    PromptTokenLogprob, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenMask,
 };
 pub use request::{AddError, FinishReason, Request, RequestState};
-pub use sampling::{SamplerSpec, SamplingParams};
+pub use sampling::{LogitsParams, SamplerSpec, SamplingParams};
 pub use scheduler::{
     Finished, OutputError, QueueError, RequestOutput, Scheduler, SchedulerStats, TransferError,
 };

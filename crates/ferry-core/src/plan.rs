@@ -40,6 +40,65 @@ pub struct SampleSpec {
     /// [`StepPlan::token_masks`]; `None`: any token. The scheduler never sets it: the engine
     /// fills it in, from the request's constraint, between `schedule` and the forward.
     pub mask: Option<u32>,
+    /// The request's logits processing (penalties, `logit_bias`, `min_tokens`), as an index
+    /// into [`StepPlan::logits_adjusts`]; `None`: the logits are sampled as the model gave
+    /// them. The scheduler sets it from the request's tokens.
+    pub adjust: Option<u32>,
+}
+
+/// One sample's logits processing ([`crate::sampling::LogitsParams`] applied to its
+/// request's tokens so far): a short list of the tokens whose logit changes, so the executor
+/// needs nothing but the plan, and a request's sample depends on its own tokens alone.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LogitsAdjust {
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+    /// Every token whose logit changes, sorted by id, each once.
+    pub tokens: Vec<AdjustedToken>,
+}
+
+/// One token's entry in a [`LogitsAdjust`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdjustedToken {
+    pub token: TokenId,
+    /// Added first: the request's `logit_bias`, or `-inf` for a stop token `min_tokens`
+    /// still holds back.
+    pub bias: f32,
+    /// How often the token appears in the output so far.
+    pub output_count: u32,
+    /// It appears in the prompt or the output (the repetition penalty applies).
+    pub seen: bool,
+}
+
+impl LogitsAdjust {
+    /// The processed logit of `entry`'s token, from its logit `l`: vLLM's order and
+    /// arithmetic (bias, then `l / r` if positive else `l * r` for a seen token, then
+    /// `- f * count`, then `- p` if it is in the output).
+    pub fn apply(&self, entry: &AdjustedToken, l: f32) -> f32 {
+        let mut l = l + entry.bias;
+        if entry.seen && self.repetition_penalty != 1.0 {
+            l = if l > 0.0 {
+                l / self.repetition_penalty
+            } else {
+                l * self.repetition_penalty
+            };
+        }
+        if entry.output_count > 0 {
+            l -= self.frequency_penalty * entry.output_count as f32;
+            l -= self.presence_penalty;
+        }
+        l
+    }
+
+    /// Applies the processing to a row of logits in place.
+    pub fn apply_row(&self, logits: &mut [f32]) {
+        for e in &self.tokens {
+            if let Some(l) = logits.get_mut(e.token as usize) {
+                *l = self.apply(e, *l);
+            }
+        }
+    }
 }
 
 /// The tokens one sample may take: bit `t % 32` of word `t / 32` set means token `t` is
@@ -67,6 +126,47 @@ pub struct StepPlan {
     pub connector_work: Vec<StepWork>,
     /// The masks of constrained samples ([`SampleSpec::mask`] indexes them).
     pub token_masks: Vec<TokenMask>,
+    /// The logits processing of samples that have one ([`SampleSpec::adjust`] indexes them).
+    pub logits_adjusts: Vec<LogitsAdjust>,
+    /// The prompt logprobs this step computes, in plan order (requests that asked for them
+    /// and compute prompt positions this step).
+    pub prompt_logprobs: Vec<PromptLogprobsWork>,
+}
+
+/// One request's prompt logprobs in a step: the logits of each position this step computes
+/// whose next token is in the prompt, scored against that token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprobsWork {
+    /// Index of the request in [`StepPlan::reqs`].
+    pub req_pos: usize,
+    /// How many top logprobs besides the prompt token's.
+    pub top_n: u32,
+    /// The prompt tokens at positions `start_pos + 1 ..`, one per position from `start_pos`:
+    /// position `start_pos + i` is scored against `targets[i]`.
+    pub targets: Vec<TokenId>,
+}
+
+/// The logprob of one prompt token under the logits of the position before it (raw
+/// log-softmax, whatever the logprobs mode, as vLLM reports prompt logprobs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptTokenLogprob {
+    pub token: TokenId,
+    pub logprob: f32,
+    /// How many tokens have a logprob at least this one's, itself included (vLLM's rank: 1
+    /// for the most likely token).
+    pub rank: u32,
+    /// The top-n `(token, logprob)` pairs, best first.
+    pub top: Vec<(TokenId, f32)>,
+}
+
+/// A request's prompt logprobs computed by one step: positions `first_target..` of its
+/// prompt, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprobs {
+    pub req: ReqIdx,
+    /// Position of the first scored prompt token (at least 1).
+    pub first_target: usize,
+    pub tokens: Vec<PromptTokenLogprob>,
 }
 
 impl StepPlan {
@@ -92,7 +192,6 @@ impl StepPlan {
         &self.block_tables[r.blocks.clone()]
     }
 
-    /// Arena slot (`block * block_size + offset`) of the token at absolute position `pos`.
     /// The mask a sample is held to, if any.
     pub fn mask_of(&self, spec: &SampleSpec) -> Option<&[u32]> {
         spec.mask
@@ -100,6 +199,13 @@ impl StepPlan {
             .map(Vec::as_slice)
     }
 
+    /// The logits processing of a sample, if any.
+    pub fn adjust_of(&self, spec: &SampleSpec) -> Option<&LogitsAdjust> {
+        spec.adjust
+            .and_then(|i| self.logits_adjusts.get(i as usize))
+    }
+
+    /// Arena slot (`block * block_size + offset`) of the token at absolute position `pos`.
     pub fn slot_of(&self, r: &ScheduledReq, pos: usize) -> usize {
         let table = self.block_table_of(r);
         table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
@@ -126,4 +232,7 @@ pub struct SampledToken {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ModelOutput {
     pub sampled: Vec<SampledToken>,
+    /// One entry per [`StepPlan::prompt_logprobs`] item, in its order (an executor that cannot
+    /// compute them, such as the checksum model, leaves this empty).
+    pub prompt_logprobs: Vec<PromptLogprobs>,
 }

@@ -18,6 +18,13 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<TokenId>,
     /// Isolates prefix-cache hits between tenants: folded into the first block's hash.
     pub cache_salt: Option<String>,
+    /// Penalties, `logit_bias` and `min_tokens`: the logits processing that depends on the
+    /// request's tokens (see [`LogitsParams`]).
+    pub logits: LogitsParams,
+    /// Logprobs of the prompt's tokens (each under the logits of the position before it),
+    /// with this many top logprobs besides: computed in the prefill, which then takes no
+    /// prefix-cache hit so that every position is computed (as vLLM). `None`: none.
+    pub prompt_logprobs: Option<u32>,
 }
 
 impl Default for SamplingParams {
@@ -28,6 +35,8 @@ impl Default for SamplingParams {
             ignore_eos: false,
             stop_token_ids: Vec::new(),
             cache_salt: None,
+            logits: LogitsParams::default(),
+            prompt_logprobs: None,
         }
     }
 }
@@ -76,5 +85,50 @@ impl Default for SamplerSpec {
             seed_stream: 0,
             logprobs: None,
         }
+    }
+}
+
+/// vLLM's logits processors that look at the request's tokens, with vLLM's semantics:
+///
+/// * `logit_bias`: added to the token's logit;
+/// * `min_tokens`: until that many tokens are generated, EOS (unless `ignore_eos`) and the
+///   `stop_token_ids` cannot be sampled (their logits are `-inf`) and do not stop the request;
+/// * `repetition_penalty` (`1.0`: off): a token that appears in the prompt or the output has
+///   its logit divided by the penalty when positive, multiplied by it otherwise;
+/// * `frequency_penalty` times the token's count in the output, and `presence_penalty` once
+///   if it appears in the output, are subtracted (OpenAI's definition).
+///
+/// Applied in that order (bias and `min_tokens`, then repetition, frequency, presence), on
+/// the raw logits, before temperature and the filters, as vLLM's v1 sampler does; the
+/// scheduler turns them into one [`crate::plan::LogitsAdjust`] per sample.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogitsParams {
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+    /// `(token, bias)`, one entry per token.
+    pub logit_bias: Vec<(TokenId, f32)>,
+    pub min_tokens: u32,
+}
+
+impl Default for LogitsParams {
+    /// Nothing: no penalty, no bias, no minimum.
+    fn default() -> Self {
+        Self {
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+        }
+    }
+}
+
+impl LogitsParams {
+    /// Whether the penalties change any logit (bias and `min_tokens` aside).
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
     }
 }

@@ -49,7 +49,10 @@ use crate::holds::{HoldKind, Holder, Holds, Lease};
 use crate::ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
 use crate::kv_cache::{KvCacheManager, PrefixHit};
 use crate::ownership::{self, Owner, OwnershipError};
-use crate::plan::{ModelOutput, SampleSpec, SampledToken, ScheduledReq, StepPlan};
+use crate::plan::{
+    AdjustedToken, LogitsAdjust, ModelOutput, PromptLogprobsWork, SampleSpec, SampledToken,
+    ScheduledReq, StepPlan,
+};
 use crate::request::{AddError, FinishReason, Request, RequestState};
 use crate::sampling::SamplingParams;
 
@@ -530,7 +533,14 @@ impl Scheduler {
             .as_mut()
             .expect("a live request");
         self.kv.rehash_if_stale(req, &self.hash_root);
-        let hit = self.kv.find_computed_blocks(req);
+        // Prompt logprobs need every position computed: no hit (the blocks still enter the
+        // cache for others).
+        let wants_prompt_logprobs = req.params.prompt_logprobs.is_some();
+        let hit = if wants_prompt_logprobs {
+            crate::kv_cache::PrefixHit::default()
+        } else {
+            self.kv.find_computed_blocks(req)
+        };
         let n_hit_tokens = hit.n_blocks() * block_size;
         let query = ExternalQuery {
             req: r,
@@ -544,7 +554,11 @@ impl Scheduler {
         // request; invalid transfer parameters fail it closed, whatever the policy.
         // Loads supply prompt KV only, and never the last prompt token (its logits are
         // needed to sample): hits are compared on what they can supply.
-        let n_max = req.prompt_len.saturating_sub(1 + n_hit_tokens);
+        let n_max = if wants_prompt_logprobs {
+            0
+        } else {
+            req.prompt_len.saturating_sub(1 + n_hit_tokens)
+        };
         let mut best: Option<(ConnectorId, usize, HoldKind)> = None;
         let mut not_yet = false;
         let mut refused = None;
@@ -730,11 +744,29 @@ impl Scheduler {
                 .extend_from_slice(&req.tokens[start_pos..end_pos]);
             let blocks = plan.block_tables.len()..plan.block_tables.len() + req.blocks.len();
             plan.block_tables.extend_from_slice(&req.blocks);
-            let sample = (end_pos == req.tokens.len()).then(|| SampleSpec {
-                params: req.params.sampler,
-                output_idx: req.n_output_tokens() as u32,
-                mask: None,
+            let sample = (end_pos == req.tokens.len()).then(|| {
+                let adjust = logits_adjust(req, &self.config.eos_token_ids).map(|a| {
+                    plan.logits_adjusts.push(a);
+                    plan.logits_adjusts.len() as u32 - 1
+                });
+                SampleSpec {
+                    params: req.params.sampler,
+                    output_idx: req.n_output_tokens() as u32,
+                    mask: None,
+                    adjust,
+                }
             });
+            if let Some(top_n) = req.params.prompt_logprobs {
+                // Position p scores the prompt token at p + 1.
+                let end_target = (end_pos + 1).min(req.prompt_len);
+                if start_pos + 1 < end_target {
+                    plan.prompt_logprobs.push(PromptLogprobsWork {
+                        req_pos: plan.reqs.len(),
+                        top_n,
+                        targets: req.tokens[start_pos + 1..end_target].to_vec(),
+                    });
+                }
+            }
             req.n_computed = end_pos;
             plan.reqs.push(ScheduledReq {
                 req: d.req,
@@ -755,6 +787,8 @@ impl Scheduler {
         plan.block_tables.clear();
         plan.connector_work.clear();
         plan.token_masks.clear();
+        plan.logits_adjusts.clear();
+        plan.prompt_logprobs.clear();
         if plan.block_tables.capacity() >= self.spare.block_tables.capacity() {
             self.spare = plan;
         }
@@ -1223,8 +1257,12 @@ fn stop_reason(
     eos: &[TokenId],
     max_model_len: usize,
 ) -> Option<FinishReason> {
-    if (!req.params.ignore_eos && eos.contains(&token))
-        || req.params.stop_token_ids.contains(&token)
+    // Below `min_tokens` a stop token does not stop (the sampler holds them back; this
+    // covers a constraint that forces one).
+    let may_stop = req.n_output_tokens() >= req.params.logits.min_tokens as usize;
+    if may_stop
+        && ((!req.params.ignore_eos && eos.contains(&token))
+            || req.params.stop_token_ids.contains(&token))
     {
         Some(FinishReason::Stop)
     } else if req.n_output_tokens() >= req.params.max_tokens as usize
@@ -1234,6 +1272,74 @@ fn stop_reason(
     } else {
         None
     }
+}
+
+/// The logits processing of `req`'s next sample (see [`crate::LogitsParams`]), or `None` when it
+/// has none. Built from the request's tokens each time it samples: the cost is linear in its
+/// length, paid only by requests with penalties (bias and `min_tokens` alone cost their own
+/// few entries).
+fn logits_adjust(req: &Request, eos: &[TokenId]) -> Option<LogitsAdjust> {
+    let p = &req.params.logits;
+    let n_output = req.n_output_tokens();
+    let hold_stops = n_output < p.min_tokens as usize;
+    if !p.has_penalties() && p.logit_bias.is_empty() && !hold_stops {
+        return None;
+    }
+    let mut tokens: Vec<AdjustedToken> = Vec::new();
+    let entry = |token| AdjustedToken {
+        token,
+        bias: 0.0,
+        output_count: 0,
+        seen: false,
+    };
+    if p.has_penalties() {
+        let mut prompt: Vec<TokenId> = req.tokens[..req.prompt_len].to_vec();
+        prompt.sort_unstable();
+        prompt.dedup();
+        let mut output: Vec<TokenId> = req.tokens[req.prompt_len..].to_vec();
+        output.sort_unstable();
+        tokens.extend(prompt.into_iter().map(|t| AdjustedToken {
+            seen: true,
+            ..entry(t)
+        }));
+        for chunk in output.chunk_by(|a, b| a == b) {
+            tokens.push(AdjustedToken {
+                output_count: chunk.len() as u32,
+                seen: true,
+                ..entry(chunk[0])
+            });
+        }
+    }
+    let mut extra: Vec<(TokenId, f32)> = p.logit_bias.clone();
+    if hold_stops {
+        let stops = req.params.stop_token_ids.iter();
+        let eos = eos.iter().filter(|_| !req.params.ignore_eos);
+        extra.extend(stops.chain(eos).map(|&t| (t, f32::NEG_INFINITY)));
+    }
+    tokens.extend(
+        extra
+            .into_iter()
+            .map(|(t, bias)| AdjustedToken { bias, ..entry(t) }),
+    );
+    // One entry per token: counts add up, `seen` and the biases combine.
+    tokens.sort_by_key(|e| e.token);
+    let mut merged: Vec<AdjustedToken> = Vec::with_capacity(tokens.len());
+    for e in tokens {
+        match merged.last_mut() {
+            Some(m) if m.token == e.token => {
+                m.bias += e.bias;
+                m.output_count += e.output_count;
+                m.seen |= e.seen;
+            }
+            _ => merged.push(e),
+        }
+    }
+    Some(LogitsAdjust {
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        repetition_penalty: p.repetition_penalty,
+        tokens: merged,
+    })
 }
 
 /// Whether a load that failed with `kind` was retracted by the lifecycle (the request

@@ -7,9 +7,9 @@ use std::convert::Infallible;
 
 use common::{fake_token, prompt, small_config, Harness};
 use ferry_core::{
-    AddError, BlockStatus, ConnectorId, FinishReason, HoldKind, Holder, ModelOutput, OutputError,
-    Owner, RequestState, SampledToken, SamplingParams, Scheduler, SchedulerConfig, StepDriver,
-    StepModel, StepPlan, TransferError,
+    AddError, AdjustedToken, BlockStatus, ConnectorId, FinishReason, HoldKind, Holder,
+    LogitsAdjust, LogitsParams, ModelOutput, OutputError, Owner, RequestState, SampledToken,
+    SamplingParams, Scheduler, SchedulerConfig, StepDriver, StepModel, StepPlan, TransferError,
 };
 
 #[test]
@@ -81,7 +81,10 @@ impl StepModel for Script<'_> {
                 top_logprobs: vec![],
             })
             .collect();
-        Ok(ModelOutput { sampled })
+        Ok(ModelOutput {
+            sampled,
+            prompt_logprobs: Vec::new(),
+        })
     }
 }
 
@@ -165,6 +168,151 @@ fn abort_frees_blocks_and_ignores_unknown_ids() {
 }
 
 #[test]
+fn below_min_tokens_stop_tokens_do_not_stop() {
+    let c = small_config(); // EOS is 2
+    let p = |min_tokens, stop: Vec<u32>| SamplingParams {
+        max_tokens: 10,
+        stop_token_ids: stop,
+        logits: LogitsParams {
+            min_tokens,
+            ..LogitsParams::default()
+        },
+        ..SamplingParams::default()
+    };
+    // A model that emits stop tokens anyway (a constraint can force one): below the minimum
+    // they are ordinary tokens, from the minimum on they stop as usual.
+    let script = [5, 2, 4, 2, 4, 8];
+    // As vLLM checks it: the token that makes the output `min_tokens` long may stop it.
+    assert_eq!(
+        run_scripted(c.clone(), p(4, vec![4]), &script),
+        (vec![5, 2, 4, 2], FinishReason::Stop)
+    );
+    assert_eq!(
+        run_scripted(c.clone(), p(3, vec![4]), &script),
+        (vec![5, 2, 4], FinishReason::Stop)
+    );
+    assert_eq!(
+        run_scripted(c, p(0, vec![]), &script),
+        (vec![5, 2], FinishReason::Stop)
+    );
+}
+
+#[test]
+fn the_plan_carries_each_samples_logits_processing() {
+    let mut h = Harness::new(small_config()); // EOS is 2
+    let params = SamplingParams {
+        max_tokens: 8,
+        stop_token_ids: vec![9],
+        logits: LogitsParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            repetition_penalty: 1.5,
+            logit_bias: vec![(7, 3.0), (40, -1.0)],
+            min_tokens: 2,
+        },
+        ..SamplingParams::default()
+    };
+    h.add("P", vec![7, 7, 3], params);
+    h.add("plain", vec![1, 2, 3], SamplingParams::greedy(4));
+    let entry = |token, bias, output_count, seen| AdjustedToken {
+        token,
+        bias,
+        output_count,
+        seen,
+    };
+    let mut outputs: Vec<u32> = Vec::new();
+    for step in 0..3 {
+        let plan = h.sched.schedule();
+        let specs: Vec<_> = plan.reqs.iter().filter_map(|r| r.sample).collect();
+        assert_eq!(specs.len(), 2);
+        // Only the request with processing has any; its list is built from its own tokens.
+        assert_eq!(specs[1].adjust, None);
+        let adjust = plan.adjust_of(&specs[0]).unwrap();
+        assert_eq!(
+            (
+                adjust.presence_penalty,
+                adjust.frequency_penalty,
+                adjust.repetition_penalty
+            ),
+            (0.5, 0.25, 1.5)
+        );
+        let mut want = match step {
+            // Before any output: the prompt's tokens, the biases, EOS and the stop token held
+            // back (min_tokens 2).
+            0 => vec![
+                entry(2, f32::NEG_INFINITY, 0, false),
+                entry(3, 0.0, 0, true),
+                entry(7, 3.0, 0, true),
+                entry(9, f32::NEG_INFINITY, 0, false),
+                entry(40, -1.0, 0, false),
+            ],
+            _ => Vec::new(),
+        };
+        if step > 0 {
+            let count = |t: u32| outputs.iter().filter(|&&o| o == t).count() as u32;
+            let mut ids: Vec<u32> = [2, 3, 7, 9, 40]
+                .into_iter()
+                .chain(outputs.clone())
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            for t in ids {
+                let held = outputs.len() < 2 && (t == 2 || t == 9);
+                let bias = match t {
+                    _ if held => f32::NEG_INFINITY,
+                    7 => 3.0,
+                    40 => -1.0,
+                    _ => 0.0,
+                };
+                let seen = [3, 7].contains(&t) || count(t) > 0;
+                if bias != 0.0 || seen {
+                    want.push(entry(t, bias, count(t), seen));
+                }
+            }
+        }
+        assert_eq!(adjust.tokens, want, "step {step}");
+        let out = h.run_model(&plan);
+        outputs.push(out.sampled[0].token);
+        h.sched.on_step_output(&plan, &out).unwrap();
+    }
+}
+
+#[test]
+fn logits_processing_follows_vllms_order() {
+    let adjust = LogitsAdjust {
+        presence_penalty: 0.5,
+        frequency_penalty: 0.25,
+        repetition_penalty: 2.0,
+        tokens: Vec::new(),
+    };
+    let e = |bias, output_count, seen| AdjustedToken {
+        token: 0,
+        bias,
+        output_count,
+        seen,
+    };
+    // Bias first, then the repetition penalty by sign, then frequency and presence.
+    assert_eq!(adjust.apply(&e(1.0, 0, true), 3.0), 2.0);
+    assert_eq!(adjust.apply(&e(-5.0, 0, true), 3.0), -4.0);
+    assert_eq!(adjust.apply(&e(0.0, 2, true), 3.0), 1.5 - 0.5 - 0.5);
+    assert_eq!(adjust.apply(&e(0.0, 0, false), 3.0), 3.0);
+    assert_eq!(
+        adjust.apply(&e(f32::NEG_INFINITY, 1, true), 3.0),
+        f32::NEG_INFINITY
+    );
+    let mut row = vec![1.0, 2.0, -1.0];
+    LogitsAdjust {
+        tokens: vec![AdjustedToken {
+            token: 2,
+            ..e(0.0, 1, true)
+        }],
+        ..adjust
+    }
+    .apply_row(&mut row);
+    assert_eq!(row, [1.0, 2.0, -2.0 - 0.25 - 0.5]);
+}
+
+#[test]
 fn output_must_answer_the_latest_plan() {
     let mut h = Harness::new(small_config());
     h.add("A", prompt(1, 10), SamplingParams::greedy(5));
@@ -178,7 +326,13 @@ fn output_must_answer_the_latest_plan() {
         s2.add("B", prompt(2, 10), SamplingParams::greedy(5));
         let plan = s2.sched.schedule();
         s2.sched
-            .on_step_output(&plan, &ModelOutput { sampled })
+            .on_step_output(
+                &plan,
+                &ModelOutput {
+                    sampled,
+                    prompt_logprobs: Vec::new(),
+                },
+            )
             .unwrap_err()
     };
     assert_eq!(

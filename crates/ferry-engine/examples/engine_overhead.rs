@@ -59,6 +59,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 detokenize: tokenizer.is_some(),
                 transfer: None,
                 constraint: None,
+                ..GenerateRequest::default()
             };
             let mut stream = engine.generate(req).await?;
             tasks.push(tokio::spawn(async move {

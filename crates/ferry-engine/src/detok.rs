@@ -21,13 +21,15 @@ use tokenizers::Tokenizer;
 /// Ids kept before the window are dropped once there are this many (bounded memory).
 const COMPACT_AT: usize = 256;
 
-/// The incremental decoder of one sequence. Special tokens are skipped.
+/// The incremental decoder of one sequence. Special tokens are skipped unless
+/// [`IncrementalDetokenizer::keep_special_tokens`] says otherwise.
 #[derive(Debug)]
 pub struct IncrementalDetokenizer {
     tokenizer: Arc<Tokenizer>,
     ids: Vec<TokenId>,
     prefix_offset: usize,
     read_offset: usize,
+    skip_special_tokens: bool,
 }
 
 impl IncrementalDetokenizer {
@@ -39,7 +41,14 @@ impl IncrementalDetokenizer {
             ids: context.to_vec(),
             prefix_offset: 0,
             read_offset: context.len(),
+            skip_special_tokens: true,
         }
+    }
+
+    /// Special tokens are decoded into the text too (vLLM's `skip_special_tokens: false`).
+    pub fn keep_special_tokens(mut self) -> Self {
+        self.skip_special_tokens = false;
+        self
     }
 
     /// Adds one token; returns the text it completes (often empty while a multibyte
@@ -75,7 +84,10 @@ impl IncrementalDetokenizer {
         if start >= end {
             return String::new();
         }
-        match self.tokenizer.decode(&self.ids[start..end], true) {
+        match self
+            .tokenizer
+            .decode(&self.ids[start..end], self.skip_special_tokens)
+        {
             Ok(text) => text,
             Err(e) => {
                 tracing::warn!("cannot decode tokens {:?}: {e}", &self.ids[start..end]);

@@ -36,9 +36,10 @@ use std::time::Duration;
 
 use ferry_core::{
     AddError, ConnectorId, FinishReason, KvEventBatch, LifecycleError, LifecycleEvent,
-    LifecycleStatus, ModelOutput, OpId, PauseMode, ReqIdx, RequestOutput, SamplingParams,
-    Scheduler, SleepLevel, Step, StepDriver, StepError, StepKind, StepModel, StepPlan, StepWork,
-    TokenId, TransferRequest, WakeTag, WeightResidency, WorkPhase, WorkerReport,
+    LifecycleStatus, ModelOutput, OpId, PauseMode, PromptLogprobs, ReqIdx, RequestOutput,
+    SamplingParams, Scheduler, SleepLevel, Step, StepDriver, StepError, StepKind, StepModel,
+    StepPlan, StepWork, TokenId, TransferRequest, WakeTag, WeightResidency, WorkPhase,
+    WorkerReport,
 };
 use ferry_kv::{KvArena, Reports, WorkerConnector};
 use ferry_model::{ExecError, Executor, PreparedWeights, RetiredWeights, WeightError};
@@ -249,6 +250,9 @@ struct Live {
     admitted: bool,
     /// The structured-output constraint, with the mask of the next token.
     constraint: Option<ConstraintState>,
+    /// The prompt position whose logprob is sent next (prompt logprobs start at 1; a
+    /// preempted request computes its prompt again, and nothing goes out twice).
+    next_prompt_logprob: usize,
 }
 
 /// The step driver's model: the executor, its arena, the connectors' workers.
@@ -264,6 +268,8 @@ struct EngineModel {
     observer: Option<Box<dyn StepObserver>>,
     /// The last forward's duration.
     forward: Duration,
+    /// The last forward's prompt logprobs, until the step's events are sent.
+    prompt_logprobs: Vec<PromptLogprobs>,
 }
 
 impl fmt::Debug for EngineModel {
@@ -280,10 +286,13 @@ impl StepModel for EngineModel {
 
     fn compute(&mut self, core: &Scheduler, plan: &StepPlan) -> Result<ModelOutput, ExecError> {
         let started = self.env.now();
-        let out = self.executor.execute(plan, &mut self.arena);
+        let mut out = self.executor.execute(plan, &mut self.arena);
         self.forward = self.env.now().saturating_sub(started);
         if let (Ok(out), Some(observer)) = (&out, &mut self.observer) {
             observer.on_computed(core, plan, out);
+        }
+        if let Ok(out) = &mut out {
+            self.prompt_logprobs = std::mem::take(&mut out.prompt_logprobs);
         }
         out
     }
@@ -353,6 +362,7 @@ impl EngineCore {
             env,
             observer: None,
             forward: Duration::ZERO,
+            prompt_logprobs: Vec::new(),
         };
         Self {
             driver: StepDriver::new(sched, model),
@@ -481,6 +491,7 @@ impl EngineCore {
         self.live[i] = Some(Live {
             admitted: false,
             constraint,
+            next_prompt_logprob: 1,
         });
         if let Some(why) = refused {
             self.stop_for_constraint(idx, why);
@@ -614,11 +625,14 @@ impl EngineCore {
         match failure {
             None if kind == StepKind::Forward => {
                 self.consecutive_failures = 0;
+                self.emit_prompt_logprobs();
                 self.emit_outputs(step_outputs);
             }
             None => {}
             Some(e) => self.on_step_failure(&plan, &e.to_string()),
         }
+        // A failed step's prompt logprobs are not sent.
+        self.driver.model.prompt_logprobs.clear();
         self.driver.sched.recycle_plan(plan);
         Ok(match kind {
             StepKind::Idle => None,
@@ -889,6 +903,23 @@ impl EngineCore {
         }
         self.counters.n_generated_tokens_total += n_tokens;
         self.counters.n_requests_finished_total += n_finished;
+    }
+
+    /// Sends the last forward's prompt logprobs to their requests, each position once.
+    fn emit_prompt_logprobs(&mut self) {
+        for p in std::mem::take(&mut self.driver.model.prompt_logprobs) {
+            let Some(live) = self.live.get_mut(p.req.0 as usize).and_then(Option::as_mut) else {
+                continue;
+            };
+            let skip = live.next_prompt_logprob.saturating_sub(p.first_target);
+            if p.first_target > live.next_prompt_logprob || skip >= p.tokens.len() {
+                continue;
+            }
+            live.next_prompt_logprob = p.first_target + p.tokens.len();
+            let tokens = p.tokens.into_iter().skip(skip).collect();
+            self.events
+                .push_back(CoreEvent::Request(p.req, Event::PromptLogprobs(tokens)));
+        }
     }
 
     /// Feeds each constrained request the token it just sampled and computes its next mask

@@ -205,6 +205,9 @@ impl EngineHandle {
             stop: req.stop,
             detokenize: req.detokenize,
             tokenizer: self.inner.tokenizer.clone().filter(|_| needs_text),
+            min_tokens: req.params.logits.min_tokens,
+            keep_special_tokens: req.keep_special_tokens,
+            include_stop_str_in_output: req.include_stop_str_in_output,
         };
         if self.inner.tx.is_closed() || self.inner.permits.is_closed() {
             return Err(Stopped.into());

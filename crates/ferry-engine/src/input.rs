@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use ferry_core::{
     AddError, ConnectorId, FinishReason, KvTransferParams, LifecycleError, LifecycleStatus,
-    PauseMode, SampledToken, SamplingParams, SleepLevel, TokenId, TransferId, TransferRequest,
-    WakeTag, WorkerReport,
+    PauseMode, PromptTokenLogprob, SampledToken, SamplingParams, SleepLevel, TokenId, TransferId,
+    TransferRequest, WakeTag, WorkerReport,
 };
 use ferry_model::{PreparedWeights, RetiredWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
@@ -166,6 +166,9 @@ pub enum Event {
         /// The token was the only one the request's constraint allowed.
         forced: bool,
     },
+    /// Logprobs of the request's next prompt tokens (it asked for prompt logprobs), in
+    /// prompt order from position 1, each position once; before the outputs of that step.
+    PromptLogprobs(Vec<PromptTokenLogprob>),
 }
 
 /// The engine's side of a finish: the reader adds prompt and cache counts.

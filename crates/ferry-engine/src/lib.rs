@@ -50,10 +50,11 @@ pub use error::{
 };
 pub use ferry_core::{
     ip_literal, AddError, AllowedPeers, ConnectorId, FinishReason, KvConnector, KvEvent,
-    KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus, Medium,
-    OffloadConfig, OffloadConnector, OffloadPolicy, PauseMode, PdConfig, PdConnector, PdRole,
-    SamplerSpec, SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, TierStats, TokenId,
-    TransferId, TransferRequest, WakeTag, WeightResidency,
+    KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus,
+    LogitsParams, Medium, OffloadConfig, OffloadConnector, OffloadPolicy, PauseMode, PdConfig,
+    PdConnector, PdRole, PromptTokenLogprob, SamplerSpec, SamplingParams, SchedulerConfig,
+    SchedulerStats, SleepLevel, TierStats, TokenId, TransferId, TransferRequest, WakeTag,
+    WeightResidency,
 };
 pub use ferry_kv::{
     InMemoryFabric, InMemoryTransport, OffloadWorker, PdWorker, Transport, WorkerConnector,
@@ -109,6 +110,12 @@ pub struct GenerateRequest {
     /// A structured-output constraint ([`EngineHandle::constraints`] compiles one): every
     /// output token is one the constraint allows.
     pub constraint: Option<Constraint>,
+    /// Special tokens stay in the text (vLLM's `skip_special_tokens: false`); by default they
+    /// are left out.
+    pub keep_special_tokens: bool,
+    /// A matched stop string stays at the end of the text, and a stop token's text is kept
+    /// (vLLM's `include_stop_str_in_output`).
+    pub include_stop_str_in_output: bool,
 }
 
 /// New output since the previous chunk (usually one token; several if the reader fell behind
@@ -124,6 +131,10 @@ pub struct OutputChunk {
     /// For a constrained request, one entry per token in `token_ids`: the constraint allowed
     /// only that token (it was forced, not chosen by the model). Empty otherwise.
     pub forced: Vec<bool>,
+    /// Logprobs of the prompt's tokens from position 1 on, for a request that asked for
+    /// them (`SamplingParams::prompt_logprobs`): they arrive in order, with or before the
+    /// first token (all of them once the first token has come).
+    pub prompt_logprobs: Vec<PromptTokenLogprob>,
     pub finish: Option<Finish>,
 }
 

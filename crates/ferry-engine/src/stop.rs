@@ -11,6 +11,8 @@
 pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
+    /// A match's text keeps the stop string (vLLM's `include_stop_str_in_output`).
+    include_stop: bool,
 }
 
 /// What to do with a delta.
@@ -28,7 +30,24 @@ impl StopMatcher {
         Self {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
+            include_stop: false,
         }
+    }
+
+    /// A match's text ends with the stop string instead of before it.
+    pub fn including_stop(mut self) -> Self {
+        self.include_stop = true;
+        self
+    }
+
+    /// Feeds a delta in which no stop string may end (the first `min_tokens` tokens' text):
+    /// emits what cannot begin a stop string and holds the rest, so that a stop string that
+    /// begins here and ends in a later delta still matches.
+    pub fn push_unmatched(&mut self, delta: &str) -> String {
+        self.held.push_str(delta);
+        let keep_from = self.hold_back_start();
+        let rest = self.held.split_off(keep_from);
+        std::mem::replace(&mut self.held, rest)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -39,7 +58,12 @@ impl StopMatcher {
     pub fn push(&mut self, delta: &str) -> StopOutcome {
         self.held.push_str(delta);
         if let Some((at, stop)) = self.earliest_match() {
-            self.held.truncate(at);
+            let end = if self.include_stop {
+                at + stop.len()
+            } else {
+                at
+            };
+            self.held.truncate(end);
             return StopOutcome::Stopped {
                 text: std::mem::take(&mut self.held),
                 stop,
@@ -122,6 +146,33 @@ mod tests {
         assert_eq!(stop.as_deref(), Some("界"));
         let (out, _) = run(&["界x"], &["世界"]);
         assert_eq!(out, ["世", "界"]);
+    }
+
+    #[test]
+    fn a_stop_string_can_be_kept_in_the_text() {
+        let mut m = StopMatcher::new(vec!["END".into()]).including_stop();
+        assert_eq!(m.push("abc E"), StopOutcome::Continue("abc ".into()));
+        assert_eq!(
+            m.push("ND more"),
+            StopOutcome::Stopped {
+                text: "END".into(),
+                stop: "END".into()
+            }
+        );
+    }
+
+    #[test]
+    fn unmatched_text_passes_but_a_stop_string_it_begins_still_matches() {
+        let mut m = StopMatcher::new(vec!["ab".into()]);
+        // `ab` inside the unmatched text does not stop; its trailing `a` is held back.
+        assert_eq!(m.push_unmatched("xaba"), "xab");
+        assert_eq!(
+            m.push("b!"),
+            StopOutcome::Stopped {
+                text: String::new(),
+                stop: "ab".into()
+            }
+        );
     }
 
     #[test]

@@ -30,6 +30,12 @@ pub(crate) struct StreamSetup {
     pub detokenize: bool,
     /// Set when text is needed (detokenize or stop strings).
     pub tokenizer: Option<Arc<Tokenizer>>,
+    /// Stop strings do not match in the text of the first this many tokens.
+    pub min_tokens: u32,
+    /// Special tokens stay in the text.
+    pub keep_special_tokens: bool,
+    /// A matched stop string, and a stop token's text, stay in the text.
+    pub include_stop_str_in_output: bool,
 }
 
 /// Text state: the decoder, the stop matcher, and whether the caller wants the text.
@@ -38,6 +44,10 @@ struct TextState {
     detok: IncrementalDetokenizer,
     stop: StopMatcher,
     emit: bool,
+    /// See [`StreamSetup::min_tokens`].
+    min_tokens: u32,
+    /// See [`StreamSetup::include_stop_str_in_output`].
+    include_stop: bool,
 }
 
 /// Output of one request. Dropping it before the final chunk aborts the request.
@@ -57,6 +67,8 @@ pub struct GenerateStream {
     weight_versions: Vec<String>,
     /// The chunk with `finish` has been returned (or built).
     done: bool,
+    /// Prompt logprobs received, for the next chunk returned.
+    prompt_logprobs: Vec<ferry_core::PromptTokenLogprob>,
 }
 
 impl GenerateStream {
@@ -65,10 +77,23 @@ impl GenerateStream {
         events: mpsc::UnboundedReceiver<Event>,
         inputs: mpsc::UnboundedSender<Queued>,
     ) -> Self {
-        let text = setup.tokenizer.map(|tokenizer| TextState {
-            detok: IncrementalDetokenizer::new(tokenizer, &setup.prompt_tail),
-            stop: StopMatcher::new(setup.stop),
-            emit: setup.detokenize,
+        let text = setup.tokenizer.map(|tokenizer| {
+            let detok = IncrementalDetokenizer::new(tokenizer, &setup.prompt_tail);
+            TextState {
+                detok: if setup.keep_special_tokens {
+                    detok.keep_special_tokens()
+                } else {
+                    detok
+                },
+                stop: if setup.include_stop_str_in_output {
+                    StopMatcher::new(setup.stop).including_stop()
+                } else {
+                    StopMatcher::new(setup.stop)
+                },
+                emit: setup.detokenize,
+                min_tokens: setup.min_tokens,
+                include_stop: setup.include_stop_str_in_output,
+            }
         });
         Self {
             request_id: setup.request_id,
@@ -82,6 +107,7 @@ impl GenerateStream {
             n_output_tokens: 0,
             weight_versions: Vec::new(),
             done: false,
+            prompt_logprobs: Vec::new(),
         }
     }
 
@@ -122,6 +148,7 @@ impl GenerateStream {
                 self.absorb(event, &mut chunk);
             }
             if !chunk.token_ids.is_empty() || chunk.finish.is_some() {
+                chunk.prompt_logprobs = std::mem::take(&mut self.prompt_logprobs);
                 return Poll::Ready(Some(chunk));
             }
         }
@@ -131,6 +158,7 @@ impl GenerateStream {
     fn absorb(&mut self, event: Event, chunk: &mut OutputChunk) {
         match event {
             Event::Admitted { n_cached_tokens } => self.n_cached_tokens = n_cached_tokens,
+            Event::PromptLogprobs(lps) => self.prompt_logprobs.extend(lps),
             Event::Output {
                 sampled,
                 finish,
@@ -157,7 +185,9 @@ impl GenerateStream {
     }
 
     /// Adds one token to the chunk, and its text unless it is the stop token (whose text is
-    /// not part of the output, as with OpenAI). A stop string match finishes the stream.
+    /// not part of the output, as with OpenAI, unless `include_stop_str_in_output`). A stop
+    /// string match finishes the stream; none matches in the text of the first `min_tokens`
+    /// tokens (as vLLM: a stop string may still end after them).
     fn push_token(&mut self, s: SampledToken, is_stop_token: bool, chunk: &mut OutputChunk) {
         self.n_output_tokens += 1;
         chunk.token_ids.push(s.token);
@@ -171,13 +201,20 @@ impl GenerateStream {
         let Some(text) = self.text.as_mut() else {
             return;
         };
-        if is_stop_token {
+        if is_stop_token && !text.include_stop {
             return;
         }
         let delta = text.detok.push(s.token);
         if text.stop.is_empty() {
             if text.emit {
                 chunk.text.push_str(&delta);
+            }
+            return;
+        }
+        if self.n_output_tokens <= text.min_tokens as usize {
+            let t = text.stop.push_unmatched(&delta);
+            if text.emit {
+                chunk.text.push_str(&t);
             }
             return;
         }

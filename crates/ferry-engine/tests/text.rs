@@ -61,6 +61,7 @@ fn text_request(id: &str, max_tokens: usize, stop: &[&str]) -> GenerateRequest {
         detokenize: true,
         transfer: None,
         constraint: None,
+        ..GenerateRequest::default()
     }
 }
 
@@ -372,6 +373,7 @@ async fn generate_all(
             detokenize: true,
             transfer: None,
             constraint: None,
+            ..GenerateRequest::default()
         })
         .collect();
     let tasks = spawn_held(engine, gate, requests).await;

@@ -32,6 +32,7 @@ fn spec(temperature: f32, top_k: u32, top_p: f32, min_p: f32, logprobs: Option<u
         },
         output_idx: 0,
         mask: None,
+        adjust: None,
     }
 }
 

@@ -33,6 +33,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     params: SamplerSpec::default(),
                     output_idx: 0,
                     mask: None,
+                    adjust: None,
                 }),
             }],
             token_ids: vec![token],

@@ -316,7 +316,10 @@ impl Executor for ChecksumModel {
             .iter()
             .filter_map(|r| r.sample.as_ref().map(|s| self.sample_one(plan, r, s, kv)))
             .collect();
-        Ok(ModelOutput { sampled })
+        Ok(ModelOutput {
+            sampled,
+            prompt_logprobs: Vec::new(),
+        })
     }
 
     fn weight_ops(&self) -> &dyn ModelWeights {

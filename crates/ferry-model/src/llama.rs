@@ -13,14 +13,14 @@
 //! `llama/weight_ops.rs`; the checks and layout conversion that run off the engine thread in
 //! [`crate::weights::llama_update`].
 
-use ferry_core::{ModelOutput, ReqIdx, StepPlan};
+use ferry_core::{ModelOutput, PromptLogprobs, ReqIdx, StepPlan};
 use ferry_kv::{KvArena, KvLayout};
 
 use crate::config::LlamaConfig;
 use crate::executor::{ExecError, Executor};
 use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_row, silu_mul};
 use crate::profile::{timed, Phase};
-use crate::sampler::{sample_batch, LogprobsMode, SampleRow, SamplerScratch};
+use crate::sampler::{prompt_token_logprob, sample_batch, LogprobsMode, SampleRow, SamplerScratch};
 use crate::weights::llama::{LayerWeights, LlamaWeights, ModelError};
 use crate::weights::store::WeightStore;
 use crate::weights::update::WeightResidency;
@@ -33,6 +33,9 @@ mod weight_ops;
 
 /// Positions the rope tables cover from the start (they grow on demand).
 const INITIAL_ROPE_POSITIONS: usize = 4096;
+
+/// Prompt positions whose logits are computed at once for prompt logprobs.
+const PROMPT_LOGITS_ROWS: usize = 64;
 
 /// Logits of the sampled positions of one step: one row per scheduled request whose
 /// `sample` is set, in plan order.
@@ -63,6 +66,8 @@ pub struct LlamaModel {
     scratch: Scratch,
     /// Logits rows of [`Executor::execute`], kept across steps (a batch-64 step's are 12 MB).
     logits_buf: Vec<f32>,
+    /// The last forward's prompt logprobs, until `execute` returns them.
+    prompt_out: Vec<PromptLogprobs>,
     /// Sleep state of `weights` (see `llama/weight_ops.rs`): steps run only when `Resident`.
     residency: WeightResidency,
 }
@@ -113,6 +118,7 @@ impl LlamaModel {
             sampler_scratch: SamplerScratch::default(),
             scratch: Scratch::default(),
             logits_buf: Vec::new(),
+            prompt_out: Vec::new(),
             residency: WeightResidency::Resident,
         })
     }
@@ -187,8 +193,40 @@ impl LlamaModel {
             self.layer(l, lw, &meta, kv, &mut x, &mut scratch);
         }
         self.scratch = scratch;
-        self.logits(&meta, &x, data);
+        self.logits(&meta.sample_rows, &x, data);
+        self.prompt_out = self.prompt_logprobs(plan, &x);
         Ok(meta.sample_reqs)
+    }
+
+    /// The plan's prompt logprobs, from the residual stream `x` of the step's tokens: the
+    /// head runs on the scored positions in chunks of [`PROMPT_LOGITS_ROWS`] (a long prompt's
+    /// every row of logits at once would take gigabytes), apart from the sampled rows'.
+    fn prompt_logprobs(&self, plan: &StepPlan, x: &[f32]) -> Vec<PromptLogprobs> {
+        let vocab = self.config.vocab_size;
+        let mut buf = Vec::new();
+        plan.prompt_logprobs
+            .iter()
+            .filter_map(|w| {
+                let r = plan.reqs.get(w.req_pos)?;
+                let n = w.targets.len().min(r.tokens.len());
+                let rows: Vec<usize> = (r.tokens.start..r.tokens.start + n).collect();
+                let mut tokens = Vec::with_capacity(n);
+                for (rows, targets) in rows
+                    .chunks(PROMPT_LOGITS_ROWS)
+                    .zip(w.targets.chunks(PROMPT_LOGITS_ROWS))
+                {
+                    self.logits(rows, x, &mut buf);
+                    for (row, &t) in buf.chunks_exact(vocab).zip(targets) {
+                        tokens.push(prompt_token_logprob(row, t, w.top_n as usize));
+                    }
+                }
+                Some(PromptLogprobs {
+                    req: r.req,
+                    first_target: r.start_pos + 1,
+                    tokens,
+                })
+            })
+            .collect()
     }
 
     fn check_arena(&self, plan: &StepPlan, kv: &KvArena) -> Result<(), ExecError> {
@@ -398,12 +436,13 @@ impl LlamaModel {
         }
     }
 
-    /// Final norm and head on the sampled tokens only.
-    fn logits(&self, meta: &TokenMeta<'_>, x: &[f32], data: &mut Vec<f32>) {
+    /// Final norm and head on the step tokens `rows` only (the sampled ones, or scored
+    /// prompt positions), into the front of `data`.
+    fn logits(&self, rows: &[usize], x: &[f32], data: &mut Vec<f32>) {
         let (h, vocab) = (self.config.hidden_size, self.config.vocab_size);
-        let m = meta.sample_rows.len();
+        let m = rows.len();
         let mut last = vec![0.0f32; m * h];
-        for (dst, &t) in last.chunks_exact_mut(h).zip(&meta.sample_rows) {
+        for (dst, &t) in last.chunks_exact_mut(h).zip(rows) {
             rms_norm_row(
                 &x[t * h..(t + 1) * h],
                 &self.weights.norm,
@@ -442,12 +481,16 @@ impl Executor for LlamaModel {
                     spec,
                     req,
                     mask: plan.mask_of(spec),
+                    adjust: plan.adjust_of(spec),
                 })
                 .collect();
             sample_batch(&data, vocab, &rows, &mut self.sampler_scratch)
         });
         self.logits_buf = data;
-        Ok(ModelOutput { sampled: sampled? })
+        Ok(ModelOutput {
+            sampled: sampled?,
+            prompt_logprobs: std::mem::take(&mut self.prompt_out),
+        })
     }
 
     fn weight_ops(&self) -> &dyn crate::ModelWeights {

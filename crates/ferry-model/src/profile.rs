@@ -103,6 +103,7 @@ mod tests {
                     params: SamplerSpec::default(),
                     output_idx: 0,
                     mask: None,
+                    adjust: None,
                 }),
             }],
             ..StepPlan::default()

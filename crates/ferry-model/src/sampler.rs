@@ -19,6 +19,13 @@
 //! engine RNG's draws are taken first in row order, so the result is exactly that of sampling
 //! row by row.
 //!
+//! Logits processing: a row may come with a `ferry_core::LogitsAdjust` (the request's
+//! penalties, `logit_bias` and `min_tokens`, turned by the scheduler into a short list of the
+//! tokens they change). It is applied to a copy of the raw logits first, in vLLM's order and
+//! arithmetic; everything after (temperature, filters, the draw, the processed logprobs) reads
+//! the processed row, while the raw modes still report the model's own logits. The list is a
+//! function of the request's own tokens, so a request's sample never depends on its batch.
+//!
 //! Constraints: a row may come with a token mask (a structured-output constraint; see
 //! `ferry_core::TokenMask`). The sample, greedy or drawn, is then taken from the allowed
 //! tokens alone (the others count as `-inf`), while the reported logprobs stay in the
@@ -35,7 +42,9 @@ use std::fmt;
 use std::str::FromStr;
 
 use ferry_core::sampling::SamplerSpec;
-use ferry_core::{mask_allows, ReqIdx, SampleSpec, SampledToken, TokenId};
+use ferry_core::{
+    mask_allows, LogitsAdjust, PromptTokenLogprob, ReqIdx, SampleSpec, SampledToken, TokenId,
+};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -45,12 +54,15 @@ use crate::kernels::{clean_logit, clean_max, exp_scaled, exp_sum};
 /// What the sampler reports as a token's logprob, for the sampled token and its top-n alike:
 /// vLLM's `--logprobs-mode`, one setting for the whole engine.
 ///
-/// "Processed" is the distribution the token was actually drawn from: the logits divided by
+/// "Processed" is the distribution the token was actually drawn from: the logits after the
+/// request's logits processing (penalties, bias, `min_tokens`) and its mask, divided by
 /// the temperature, then every token the top-k, top-p and min-p filters removed set to
 /// `-inf` (ferry applies them in that order). A greedy request (temperature 0) is not scaled
 /// or filtered, as in vLLM, where temperature 0 means greedy and resets the filters: its
-/// processed values equal its raw ones. Top-n lists stay in the raw logits' order (best
-/// first, ties to the lower id), which is also the processed order, filtered tokens last.
+/// processed values are those of its processed logits (its raw ones when it has no logits
+/// processing and no mask). Top-n lists are best first (ties to the lower id) by the logits
+/// behind the reported values: the raw logits in the raw modes, the processed logits before
+/// temperature and filters in the processed ones (filtered tokens come last).
 /// Logits are reported as the sampler sees them: NaN as `-inf`, `+inf` as `f32::MAX`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LogprobsMode {
@@ -117,7 +129,8 @@ pub struct SamplerScratch {
     /// Candidates as order keys (see `order_key`) while filtering, then while selecting the
     /// top-n logprobs.
     keys: Vec<u64>,
-    /// A constrained row's logits with the disallowed tokens at `-inf`.
+    /// A processed row's logits (see `process_logits`): its logits processing applied, the
+    /// tokens its mask disallows at `-inf`.
     masked: Vec<f32>,
     /// Draws for requests without a seed.
     rng: ChaCha8Rng,
@@ -193,22 +206,25 @@ pub fn sample_masked(
     sample_with_draw(logits, row, (draw, mode), &mut bufs)
 }
 
-/// One row of a batch to sample: its spec, its request, and the tokens it may take (`None`:
-/// any; see `ferry_core::TokenMask`).
+/// One row of a batch to sample: its spec, its request, the tokens it may take (`None`:
+/// any; see `ferry_core::TokenMask`) and its logits processing (`None`: none; see
+/// `ferry_core::LogitsAdjust`).
 #[derive(Debug, Clone, Copy)]
 pub struct SampleRow<'a> {
     pub spec: &'a SampleSpec,
     pub req: ReqIdx,
     pub mask: Option<&'a [u32]>,
+    pub adjust: Option<&'a LogitsAdjust>,
 }
 
 impl<'a> SampleRow<'a> {
-    /// A row with no constraint.
+    /// A row with no constraint and no logits processing.
     pub fn new(spec: &'a SampleSpec, req: ReqIdx) -> Self {
         Self {
             spec,
             req,
             mask: None,
+            adjust: None,
         }
     }
 }
@@ -282,7 +298,12 @@ fn engine_draw(spec: &SampleSpec, rng: &mut ChaCha8Rng) -> Option<f64> {
 /// the engine's logprobs mode.
 fn sample_with_draw(
     raw_logits: &[f32],
-    SampleRow { spec, req, mask }: SampleRow<'_>,
+    SampleRow {
+        spec,
+        req,
+        mask,
+        adjust,
+    }: SampleRow<'_>,
     (engine_draw, mode): (Option<f64>, LogprobsMode),
     bufs: &mut Buffers<'_>,
 ) -> SampledToken {
@@ -300,10 +321,11 @@ fn sample_with_draw(
             top_logprobs: Vec::new(),
         };
     }
-    // A constrained row samples from its allowed tokens alone; a mask that allows none of
-    // this row's tokens (the engine never sends one) is ignored rather than sampled from.
-    let constrained = mask.is_some_and(|mask| apply_mask(raw_logits, mask, masked));
-    let logits = if constrained {
+    // A row with logits processing samples from the processed logits; a constrained row from
+    // its allowed tokens alone (a mask that allows none of this row's tokens, which the engine
+    // never sends, is ignored rather than sampled from).
+    let processed = process_logits(raw_logits, adjust, mask, masked);
+    let logits = if processed {
         masked.as_slice()
     } else {
         raw_logits
@@ -331,7 +353,7 @@ fn sample_with_draw(
     // The raw modes report the model's own distribution, mask or not.
     let raw_row;
     let (reported_logits, reported_row) = match mode {
-        LogprobsMode::RawLogprobs | LogprobsMode::RawLogits if constrained => {
+        LogprobsMode::RawLogprobs | LogprobsMode::RawLogits if processed => {
             raw_row = RowStats::new(raw_logits);
             (raw_logits, &raw_row)
         }
@@ -352,18 +374,41 @@ fn sample_with_draw(
     }
 }
 
-/// Fills `masked` with `logits`, every token `mask` does not allow at `-inf`; false (and
-/// `masked` unspecified) when the mask allows none of them.
-fn apply_mask(logits: &[f32], mask: &[u32], masked: &mut Vec<f32>) -> bool {
-    masked.clear();
-    masked.extend(logits.iter().enumerate().map(|(t, &l)| {
-        if mask_allows(mask, t as TokenId) {
-            l
-        } else {
-            f32::NEG_INFINITY
+/// Fills `out` with the processed `logits`: `adjust`'s processing first (bias, `min_tokens`,
+/// penalties), then every token `mask` does not allow at `-inf`. False (and `out`
+/// unspecified) when there is nothing to do: no processing, and no mask or one that allows
+/// none of the tokens.
+fn process_logits(
+    logits: &[f32],
+    adjust: Option<&LogitsAdjust>,
+    mask: Option<&[u32]>,
+    out: &mut Vec<f32>,
+) -> bool {
+    let mask = mask.filter(|mask| (0..logits.len()).any(|t| mask_allows(mask, t as TokenId)));
+    if adjust.is_none() && mask.is_none() {
+        return false;
+    }
+    out.clear();
+    match mask {
+        Some(mask) => out.extend(logits.iter().enumerate().map(|(t, &l)| {
+            if mask_allows(mask, t as TokenId) {
+                l
+            } else {
+                f32::NEG_INFINITY
+            }
+        })),
+        None => out.extend_from_slice(logits),
+    }
+    if let Some(adjust) = adjust {
+        // Masked tokens stay at `-inf` whatever the processing does to them.
+        for e in &adjust.tokens {
+            let allowed = mask.is_none_or(|mask| mask_allows(mask, e.token));
+            if let (Some(l), true) = (out.get_mut(e.token as usize), allowed) {
+                *l = adjust.apply(e, *l);
+            }
         }
-    }));
-    (0..logits.len()).any(|t| mask_allows(mask, t as TokenId))
+    }
+    true
 }
 
 /// The uniform draw in `[0, 1)` of a seeded request: ChaCha8 keyed by `seed`, on stream
@@ -617,6 +662,37 @@ fn pick(keys: &[u64], probs: &[f32], u: f64) -> usize {
     }
     // Only reachable through rounding when `u` is within an ulp of 1.
     last_nonzero
+}
+
+/// The logprob of the prompt token `token` under `logits` (the row of the position before
+/// it): raw log-softmax, whatever the engine's logprobs mode (vLLM reports prompt logprobs
+/// so), its rank (the number of tokens whose logit is at least its own, itself included, as
+/// vLLM counts it: 1 for the best) and the `top_n` best tokens.
+pub fn prompt_token_logprob(logits: &[f32], token: TokenId, top_n: usize) -> PromptTokenLogprob {
+    let row = RowStats::new(logits);
+    let Some(&l) = logits.get(token as usize) else {
+        return PromptTokenLogprob {
+            token,
+            logprob: f32::NEG_INFINITY,
+            rank: 0,
+            top: Vec::new(),
+        };
+    };
+    let clean = row.clean(l);
+    let at_least = logits.iter().filter(|&&o| row.clean(o) >= clean).count();
+    let reported = Reported {
+        logits,
+        row: &row,
+        mode: LogprobsMode::RawLogprobs,
+        survivors: None,
+    };
+    let mut keys = Vec::new();
+    PromptTokenLogprob {
+        token,
+        logprob: row.logprob(l),
+        rank: u32::try_from(at_least).unwrap_or(u32::MAX),
+        top: top_logprobs(&reported, top_n, &mut keys),
+    }
 }
 
 /// The `n` best tokens of the raw logits, best first (ties: lower id), with their values.

@@ -437,3 +437,65 @@ fn replace_weights_swaps_in_place_and_keeps_the_old_on_error() {
     model.replace_weights(&wb).unwrap();
     assert_eq!(logits_of(&mut model), want_b);
 }
+
+/// Prompt logprobs, computed in chunked prefill steps (a chunk's last position scored
+/// against the next chunk's first token), equal the log-softmax of the dense reference's
+/// logits at every position, with ranks and top lists from the same rows; the sample is the
+/// one a plain forward gives.
+#[test]
+fn prompt_logprobs_match_the_dense_reference() {
+    use ferry_core::PromptLogprobsWork;
+    let config = small_config();
+    let weights = random_weights(&config, 11);
+    let mut model = LlamaModel::new(&config, &weights).expect("valid weights");
+    let mut kv = arena_for(&model, 64, BS);
+    let mut pool = Pool::new(64, BS, 11);
+    let tokens = random_tokens(13, config.vocab_size, 12);
+    let mut seq = Seq::new(0, tokens.clone());
+    let reference = reference_logits(&config, &weights, &tokens);
+    let top_n = 3;
+    let mut got = Vec::new();
+    for count in [5, 6, 2] {
+        let mut plan = build_plan(&mut pool, &mut [&mut seq], &[count]);
+        let start = seq.computed;
+        let end_target = (start + count + 1).min(tokens.len());
+        plan.prompt_logprobs.push(PromptLogprobsWork {
+            req_pos: 0,
+            top_n,
+            targets: tokens[start + 1..end_target].to_vec(),
+        });
+        let out = model.execute(&plan, &mut kv).expect("valid plan");
+        seq.computed += count;
+        assert_eq!(out.prompt_logprobs.len(), 1);
+        assert_eq!(out.prompt_logprobs[0].first_target, start + 1);
+        got.extend(out.prompt_logprobs[0].tokens.clone());
+        if seq.computed == tokens.len() {
+            assert_eq!(out.sampled[0].token, argmax_f64(reference.last().unwrap()));
+        }
+    }
+    assert_eq!(got.len(), tokens.len() - 1);
+    for (p, lp) in got.iter().enumerate() {
+        let row = &reference[p];
+        let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = max + row.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+        let target = tokens[p + 1];
+        assert_eq!(lp.token, target);
+        let want = row[target as usize] - lse;
+        assert!(
+            (f64::from(lp.logprob) - want).abs() < TOL * max.abs().max(1.0),
+            "position {p}: {} vs {want}",
+            lp.logprob
+        );
+        let rank = row.iter().filter(|&&l| l >= row[target as usize]).count();
+        assert_eq!(lp.rank as usize, rank, "position {p}");
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        let top: Vec<u32> = lp.top.iter().map(|&(t, _)| t).collect();
+        let want_top: Vec<u32> = order[..top_n as usize].iter().map(|&t| t as u32).collect();
+        assert_eq!(top, want_top, "position {p}");
+    }
+}
+
+fn argmax_f64(row: &[f64]) -> u32 {
+    (0..row.len()).fold(0, |best, t| if row[t] > row[best] { t } else { best }) as u32
+}

@@ -8,7 +8,7 @@ use crate::generate::{
     response_transfer_params, weight_versions, ChunkFinish, Collected, Generation, GenerationRoute,
     Head, Prepared, PreparedPrompt, StreamBase,
 };
-use crate::logprobs::chat_logprobs;
+use crate::logprobs::{chat_logprobs, prompt_logprobs_json};
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
 use crate::request::{ChatFields, ChatRequest};
 use crate::response::{
@@ -42,7 +42,8 @@ impl GenerationRoute for Chat {
             GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
         params.structured = structured_output(&req.structured)?;
         req.unsupported.check(i64::from(params.n))?;
-        let prompt = render_prompt(app, &req.own)?;
+        let prompt = params.truncate(render_tokens(app, &req.own)?);
+        check_prompt(&prompt, "messages", &app.limits)?;
         let prompts = vec![PreparedPrompt {
             sampling: params.for_prompt(prompt.len(), &app.limits)?,
             tokens: prompt,
@@ -69,6 +70,11 @@ impl GenerationRoute for Chat {
             texts,
         } = generation;
         let kv_transfer_params = response_transfer_params(&collected);
+        // One prompt: every choice computed the same prompt logprobs.
+        let prompt_lps = collected
+            .first()
+            .map(|c| c.prompt_logprobs.clone())
+            .unwrap_or_default();
         let (choices, usage) =
             generation.collect_choices(collected, |c, finish_reason, stop_reason| ChatChoice {
                 weight_versions: Some(weight_versions(c.finish.as_ref())),
@@ -89,8 +95,13 @@ impl GenerationRoute for Chat {
                 prompt_token_ids: None,
                 token_ids: params.return_token_ids.then_some(c.token_ids),
                 forced_tokens: params.structured.is_some().then_some(c.forced),
+                prompt_logprobs: None,
             });
         ChatResponse {
+            prompt_logprobs: params
+                .sampling
+                .prompt_logprobs
+                .map(|_| prompt_logprobs_json(texts, &prompt_lps)),
             usage: Some(usage),
             prompt_token_ids: params.return_token_ids.then(|| prompts[0].tokens.clone()),
             kv_transfer_params,
@@ -102,6 +113,14 @@ impl GenerationRoute for Chat {
 /// The messages through the chat template, tokenized (without adding special tokens: the
 /// template writes them) and checked against the context.
 pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiError> {
+    let tokens = render_tokens(app, req)?;
+    check_prompt(&tokens, "messages", &app.limits)?;
+    Ok(tokens)
+}
+
+/// The messages through the chat template, tokenized, not checked yet (a request may cut
+/// them with `truncate_prompt_tokens` first).
+fn render_tokens(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiError> {
     let messages = req
         .messages
         .as_deref()
@@ -114,9 +133,7 @@ pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiEr
         req.add_generation_prompt.unwrap_or(true),
         req.chat_template_kwargs.as_ref(),
     )?;
-    let tokens = app.tokenize(&text, false, "messages")?;
-    check_prompt(&tokens, "messages", &app.limits)?;
-    Ok(tokens)
+    app.tokenize(&text, false, "messages")
 }
 
 /// A `chat.completion.chunk` with these choices.
@@ -177,9 +194,13 @@ impl ChunkFormatter for Formatter {
             token_ids: self.base.return_token_ids.then_some(out.token_ids),
             forced_tokens: self.base.constrained.then_some(out.forced),
             weight_versions,
+            prompt_logprobs: None,
         };
         let chunk = ChatChunk {
+            prompt_logprobs: (!out.prompt_logprobs.is_empty())
+                .then(|| prompt_logprobs_json(&self.base.texts, &out.prompt_logprobs)),
             kv_transfer_params,
+            usage: self.base.chunk_usage(),
             ..chat_chunk(&self.base.head, vec![choice])
         };
         std::iter::once(to_json(&chunk)).chain(error).collect()

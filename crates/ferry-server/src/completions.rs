@@ -1,20 +1,26 @@
 //! `POST /v1/completions`: text or token-id prompts (single or batched), streaming or not.
 
-use ferry_engine::OutputChunk;
+use ferry_engine::{OutputChunk, PromptTokenLogprob, TokenLogprob};
 
 use crate::error::ApiError;
 use crate::generate::{
     response_transfer_params, weight_versions, ChunkFinish, Collected, Generation, GenerationRoute,
     Head, Prepared, PreparedPrompt, StreamBase,
 };
-use crate::logprobs::completion_logprobs;
+use crate::logprobs::{completion_logprobs, echo_logprobs, prompt_logprobs_json, TokenTexts};
 use crate::params::{check_completion_logprobs, check_prompt, GenerationParams};
 use crate::request::{CompletionRequest, Prompt};
-use crate::response::{CompletionChoice, CompletionResponse, Response, Text, Usage};
+use crate::response::{
+    CompletionChoice, CompletionLogprobs, CompletionResponse, Response, Text, Usage,
+};
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
 use crate::structured::structured_output;
 use serde_json::Value;
+
+/// `max_tokens` of a completion that sets none: vLLM's and OpenAI's legacy completions
+/// default (chat's is the rest of the context).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
 
 /// The completions route, for [`crate::generate::handle`].
 #[derive(Debug)]
@@ -36,8 +42,17 @@ impl GenerationRoute for Completions {
             &app.limits,
         )?;
         params.structured = structured_output(&req.structured)?;
+        params.default_max_tokens = Some(COMPLETIONS_DEFAULT_MAX_TOKENS);
         req.unsupported.check(i64::from(params.n))?;
+        let echo = req.own.echo.unwrap_or(false);
+        if let (true, Some(n)) = (echo, logprobs) {
+            // Echoed logprobs cover the prompt: its logprobs, with as many top entries.
+            params.sampling.prompt_logprobs.get_or_insert(n);
+        }
         let prompts = prepare_prompts(app, req.own.prompt.map(|p| p.into_batch()), &params)?;
+        if echo {
+            params.echo = Some(echo_texts(app, &prompts)?);
+        }
         Ok((prompts, params))
     }
 
@@ -54,6 +69,7 @@ impl GenerationRoute for Completions {
             n,
             started: vec![false; n_choices],
             text_offsets: vec![0; n_choices],
+            echo: generation.params.echo.clone(),
         }
     }
 
@@ -78,8 +94,19 @@ impl GenerationRoute for Completions {
                         .sampling
                         .sampler
                         .logprobs
-                        .map(|_| completion_logprobs(texts, &c.logprobs, 0).0),
-                    content: Text { text: c.text },
+                        .map(|_| match &params.echo {
+                            Some(_) => {
+                                let prompt = &prompts[c.index / n].tokens;
+                                echoed_logprobs(texts, prompt, &c.prompt_logprobs, &c.logprobs).0
+                            }
+                            None => completion_logprobs(texts, &c.logprobs, 0).0,
+                        }),
+                    content: Text {
+                        text: match &params.echo {
+                            Some(echo) => format!("{}{}", echo[c.index / n], c.text),
+                            None => c.text,
+                        },
+                    },
                     finish_reason: Some(finish_reason),
                     stop_reason,
                     prompt_token_ids: params
@@ -87,6 +114,10 @@ impl GenerationRoute for Completions {
                         .then(|| prompts[c.index / n].tokens.clone()),
                     token_ids: params.return_token_ids.then_some(c.token_ids),
                     forced_tokens: params.structured.is_some().then_some(c.forced),
+                    prompt_logprobs: params
+                        .sampling
+                        .prompt_logprobs
+                        .map(|_| prompt_logprobs_json(texts, &c.prompt_logprobs)),
                 }
             });
         CompletionResponse {
@@ -94,6 +125,35 @@ impl GenerationRoute for Completions {
             ..completion_response(&head, choices, Some(usage))
         }
     }
+}
+
+/// `echo`'s text of each prompt: its tokens decoded, special tokens included (so a token-id
+/// prompt echoes as text too).
+fn echo_texts(app: &AppState, prompts: &[PreparedPrompt]) -> Result<Vec<String>, ApiError> {
+    let tokenizer = app
+        .engine
+        .tokenizer()
+        .ok_or_else(|| ApiError::invalid("echo", "`echo` needs a model with a tokenizer"))?;
+    prompts
+        .iter()
+        .map(|p| {
+            tokenizer
+                .decode(&p.tokens, false)
+                .map_err(|e| ApiError::invalid("echo", format!("cannot decode the prompt: {e}")))
+        })
+        .collect()
+}
+
+/// An echoed choice's logprobs: the prompt's, then `output`'s (offsets after the prompt).
+fn echoed_logprobs(
+    texts: &TokenTexts,
+    prompt: &[u32],
+    prompt_lps: &[PromptTokenLogprob],
+    output: &[TokenLogprob],
+) -> (CompletionLogprobs, usize) {
+    let (head, offset) = echo_logprobs(texts, prompt, prompt_lps);
+    let (rest, end) = completion_logprobs(texts, output, offset);
+    (head.append(rest), end)
 }
 
 /// Tokenizes and validates every prompt of the batch.
@@ -136,6 +196,7 @@ fn prepare_prompts(
                 Prompt::Text(t) => app.tokenize(&t, true, &param)?,
                 Prompt::Tokens(t) => t,
             };
+            let tokens = params.truncate(tokens);
             check_prompt(&tokens, &param, &app.limits)?;
             let sampling = params.for_prompt(tokens.len(), &app.limits)?;
             Ok(PreparedPrompt { tokens, sampling })
@@ -163,6 +224,8 @@ pub struct Formatter {
     n: usize,
     started: Vec<bool>,
     text_offsets: Vec<usize>,
+    /// `echo`'s prompt texts, one per prompt.
+    echo: Option<Vec<String>>,
 }
 
 impl ChunkFormatter for Formatter {
@@ -179,16 +242,35 @@ impl ChunkFormatter for Formatter {
             error,
         } = self.base.observe(index, &chunk);
         let first = !std::mem::replace(&mut self.started[index], true);
+        // An echo comes with the choice's first chunk.
+        let echo = self
+            .echo
+            .as_ref()
+            .filter(|_| first)
+            .map(|e| &e[index / self.n]);
         let logprobs = self.base.logprobs.then(|| {
-            let (lp, end) =
-                completion_logprobs(&self.base.texts, &chunk.logprobs, self.text_offsets[index]);
+            let (lp, end) = match echo {
+                Some(_) => echoed_logprobs(
+                    &self.base.texts,
+                    &self.prompts[index / self.n],
+                    &chunk.prompt_logprobs,
+                    &chunk.logprobs,
+                ),
+                None => {
+                    completion_logprobs(&self.base.texts, &chunk.logprobs, self.text_offsets[index])
+                }
+            };
             self.text_offsets[index] = end;
             lp
         });
+        let text = match echo {
+            Some(e) => format!("{e}{}", chunk.text),
+            None => chunk.text,
+        };
         let return_token_ids = self.base.return_token_ids;
         let choice = CompletionChoice {
             index,
-            content: Text { text: chunk.text },
+            content: Text { text },
             logprobs,
             finish_reason,
             stop_reason,
@@ -197,10 +279,12 @@ impl ChunkFormatter for Formatter {
             token_ids: return_token_ids.then_some(chunk.token_ids),
             forced_tokens: self.base.constrained.then_some(chunk.forced),
             weight_versions,
+            prompt_logprobs: (!chunk.prompt_logprobs.is_empty())
+                .then(|| prompt_logprobs_json(&self.base.texts, &chunk.prompt_logprobs)),
         };
         let response = CompletionResponse {
             kv_transfer_params,
-            ..completion_response(&self.base.head, vec![choice], None)
+            ..completion_response(&self.base.head, vec![choice], self.base.chunk_usage())
         };
         std::iter::once(to_json(&response)).chain(error).collect()
     }

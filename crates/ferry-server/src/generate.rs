@@ -15,7 +15,8 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use ferry_engine::{
     AddError, Constraint, EngineHandle, Finish, FinishReason, GenerateError, GenerateRequest,
-    GenerateStream, OutputChunk, SamplingParams, TokenId, TokenLogprob, TransferRequest,
+    GenerateStream, OutputChunk, PromptTokenLogprob, SamplingParams, TokenId, TokenLogprob,
+    TransferRequest,
 };
 use futures_util::stream::{self, BoxStream, StreamExt};
 use serde::Serialize;
@@ -55,6 +56,10 @@ pub struct LaunchSpec<'a> {
     pub transfer: Option<&'a TransferRequest>,
     /// The compiled structured-output constraint: each choice gets its own copy.
     pub constraint: Option<&'a Constraint>,
+    /// Special tokens stay in the text (`skip_special_tokens: false`).
+    pub keep_special_tokens: bool,
+    /// The matched stop string stays in the text.
+    pub include_stop_str_in_output: bool,
 }
 
 /// One choice's engine output, with latency bookkeeping.
@@ -100,6 +105,7 @@ impl ChoiceStream {
             out.token_ids.extend_from_slice(&chunk.token_ids);
             out.forced.extend_from_slice(&chunk.forced);
             out.logprobs.extend(chunk.logprobs);
+            out.prompt_logprobs.extend(chunk.prompt_logprobs);
             out.text.push_str(&chunk.text);
             if chunk.finish.is_some() {
                 out.finish = chunk.finish;
@@ -126,6 +132,8 @@ pub struct Collected {
     /// Per token, for a constrained request: the constraint allowed only that token.
     pub forced: Vec<bool>,
     pub logprobs: Vec<TokenLogprob>,
+    /// The prompt's logprobs, when the request asked for them.
+    pub prompt_logprobs: Vec<PromptTokenLogprob>,
     pub text: String,
     /// `None` only if the engine went away without a final chunk.
     pub finish: Option<Finish>,
@@ -175,6 +183,8 @@ pub async fn launch(
                 detokenize: engine.tokenizer().is_some(),
                 transfer: choice_transfer(spec.transfer, i),
                 constraint: spec.constraint.cloned(),
+                keep_special_tokens: spec.keep_special_tokens,
+                include_stop_str_in_output: spec.include_stop_str_in_output,
             };
             let stream = engine
                 .generate(req)
@@ -429,6 +439,8 @@ pub async fn handle<R: GenerationRoute>(
         arrival,
         transfer: transfer.as_ref(),
         constraint: constraint.as_ref(),
+        keep_special_tokens: !params.skip_special_tokens,
+        include_stop_str_in_output: params.include_stop_str_in_output,
     };
     let recorders = Recorders {
         metrics: &app.metrics,
@@ -440,13 +452,14 @@ pub async fn handle<R: GenerationRoute>(
         created: unix_now(),
         model: app.config.served_model_name.clone(),
     };
+    let texts = app.texts.with_token_ids(params.tokens_as_ids);
     let generation = Generation {
         prompts: &prompts,
         params: &params,
-        texts: &app.texts,
+        texts: &texts,
     };
     if params.stream {
-        let base = StreamBase::new(head, &prompts, &params, app.texts.clone());
+        let base = StreamBase::new(head, &prompts, &params, texts.clone());
         return Ok(sse_response(choices, R::streaming(base, generation)));
     }
     let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
@@ -500,6 +513,8 @@ pub struct StreamBase {
     pub constrained: bool,
     pub texts: TokenTexts,
     include_usage: bool,
+    /// Every chunk carries the usage so far (`continuous_usage_stats`).
+    continuous_usage: bool,
     usage: UsageTally,
     /// The request's `stop_token_ids` (see [`finish_fields`]).
     stop_token_ids: Vec<TokenId>,
@@ -519,6 +534,7 @@ impl StreamBase {
             constrained: params.structured.is_some(),
             texts,
             include_usage: params.include_usage,
+            continuous_usage: params.continuous_usage,
             usage: UsageTally::new(prompts, params.n),
             stop_token_ids: params.sampling.stop_token_ids.clone(),
         }
@@ -547,5 +563,11 @@ impl StreamBase {
     /// The usage for the stream's last chunk, if the client asked for it.
     pub fn final_usage(&self) -> Option<Usage> {
         self.include_usage.then(|| self.usage.usage())
+    }
+
+    /// The usage so far, for a content chunk, if the client asked for it on every chunk
+    /// (vLLM's `continuous_usage_stats`); read after [`StreamBase::observe`].
+    pub fn chunk_usage(&self) -> Option<Usage> {
+        self.continuous_usage.then(|| self.usage.usage())
     }
 }

@@ -29,6 +29,7 @@ pub mod chat_template;
 pub mod completions;
 pub mod error;
 pub mod extract;
+pub mod gbnf;
 pub mod generate;
 pub mod kv_transfer;
 pub mod live;

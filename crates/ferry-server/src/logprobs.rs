@@ -6,27 +6,45 @@
 use std::sync::Arc;
 
 use ferry_engine::TokenId;
-use ferry_engine::TokenLogprob;
+use ferry_engine::{PromptTokenLogprob, TokenLogprob};
 use tokenizers::Tokenizer;
 
 use crate::response::{
     finite_logprob, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs,
-    TopLogprobMap,
+    PromptLogprobEntry, PromptLogprobMap, PromptLogprobsJson, TopLogprobMap,
 };
 
 /// Token id → text, for logprobs.
 #[derive(Debug, Clone)]
 pub struct TokenTexts {
     tokenizer: Option<Arc<Tokenizer>>,
+    /// Every token is named `token:<id>` (vLLM's `return_tokens_as_token_ids`).
+    as_ids: bool,
 }
 
 impl TokenTexts {
     pub fn new(tokenizer: Option<Arc<Tokenizer>>) -> Self {
-        Self { tokenizer }
+        Self {
+            tokenizer,
+            as_ids: false,
+        }
     }
 
-    /// The token's text; without a tokenizer, `token_id:<id>` (vLLM's token-id form).
+    /// These texts, naming each token `token:<id>` when `as_ids` (the form AReaL and other
+    /// RL clients parse back into ids, unambiguous where two tokens decode alike).
+    pub fn with_token_ids(&self, as_ids: bool) -> Self {
+        Self {
+            tokenizer: self.tokenizer.clone(),
+            as_ids,
+        }
+    }
+
+    /// The token's text; `token:<id>` when asked; without a tokenizer, `token_id:<id>`
+    /// (vLLM's token-id form).
     pub fn text(&self, id: TokenId) -> String {
+        if self.as_ids {
+            return format!("token:{id}");
+        }
         self.tokenizer
             .as_ref()
             .and_then(|t| t.decode(&[id], false).ok())
@@ -52,11 +70,53 @@ pub fn completion_logprobs(
             .map(|&(id, l)| (texts.text(id), finite_logprob(l)))
             .collect();
         top.push((text.clone(), finite_logprob(lp.logprob)));
-        out.top_logprobs.push(TopLogprobMap(top));
-        out.token_logprobs.push(finite_logprob(lp.logprob));
+        out.top_logprobs.push(Some(TopLogprobMap(top)));
+        out.token_logprobs.push(Some(finite_logprob(lp.logprob)));
         out.tokens.push(text);
     }
     (out, offset)
+}
+
+/// An echoed prompt's part of completions logprobs (it comes before the output's): each
+/// prompt token with its prompt logprob, the first with none; offsets from 0. Returns the
+/// offset after the prompt as well.
+pub fn echo_logprobs(
+    texts: &TokenTexts,
+    prompt: &[TokenId],
+    lps: &[PromptTokenLogprob],
+) -> (CompletionLogprobs, usize) {
+    let mut out = CompletionLogprobs::default();
+    let mut offset = 0;
+    for (i, &token) in prompt.iter().enumerate() {
+        let text = texts.text(token);
+        out.text_offset.push(offset);
+        offset += text.chars().count();
+        let lp = i.checked_sub(1).and_then(|j| lps.get(j));
+        out.token_logprobs
+            .push(lp.map(|lp| finite_logprob(lp.logprob)));
+        out.top_logprobs.push(lp.map(|lp| {
+            let mut top: Vec<(String, f32)> = lp
+                .top
+                .iter()
+                .map(|&(id, l)| (texts.text(id), finite_logprob(l)))
+                .collect();
+            top.push((text.clone(), finite_logprob(lp.logprob)));
+            TopLogprobMap(top)
+        }));
+        out.tokens.push(text);
+    }
+    (out, offset)
+}
+
+impl CompletionLogprobs {
+    /// `self` followed by `rest`.
+    pub fn append(mut self, rest: Self) -> Self {
+        self.tokens.extend(rest.tokens);
+        self.token_logprobs.extend(rest.token_logprobs);
+        self.top_logprobs.extend(rest.top_logprobs);
+        self.text_offset.extend(rest.text_offset);
+        self
+    }
 }
 
 /// Chat logprobs for `lps`.
@@ -85,4 +145,30 @@ pub fn chat_logprobs(texts: &TokenTexts, lps: &[TokenLogprob]) -> ChatLogprobs {
         })
         .collect();
     ChatLogprobs { content }
+}
+
+/// vLLM's `prompt_logprobs` for `lps` (the logprobs of prompt positions 1..): `null` for the
+/// first token, then per token its own entry and the top-n's, keyed by token id.
+pub fn prompt_logprobs_json(texts: &TokenTexts, lps: &[PromptTokenLogprob]) -> PromptLogprobsJson {
+    let entry = |token: TokenId, logprob: f32, rank: u32| {
+        (
+            token,
+            PromptLogprobEntry {
+                logprob: finite_logprob(logprob),
+                rank,
+                decoded_token: texts.text(token),
+            },
+        )
+    };
+    std::iter::once(None)
+        .chain(lps.iter().map(|lp| {
+            let own = entry(lp.token, lp.logprob, lp.rank);
+            let top = lp
+                .top
+                .iter()
+                .zip(1u32..)
+                .map(|(&(t, l), rank)| entry(t, l, rank));
+            Some(PromptLogprobMap(std::iter::once(own).chain(top).collect()))
+        }))
+        .collect()
 }

@@ -1,7 +1,7 @@
 //! Validation: turns the wire fields into engine parameters, refusing every bad value with a
 //! 400 naming its field *before* anything reaches the engine.
 
-use ferry_engine::{SamplerSpec, SamplingParams, TokenId};
+use ferry_engine::{LogitsParams, SamplerSpec, SamplingParams, TokenId};
 
 use crate::error::ApiError;
 use crate::kv_transfer::KvTransferParamsJson;
@@ -41,6 +41,21 @@ pub struct GenerationParams {
     pub kv_transfer_params: Option<KvTransferParamsJson>,
     /// The structured-output constraint, if any; compiled in [`crate::generate::handle`].
     pub structured: Option<StructuredSpec>,
+    /// `max_tokens` when the request has none: `None` is the rest of the context (chat),
+    /// completions set 16 (vLLM's and OpenAI's legacy completions default), capped there too.
+    pub default_max_tokens: Option<u32>,
+    /// With `include_usage`, every streamed chunk carries the usage so far.
+    pub continuous_usage: bool,
+    /// A matched stop string (or stop token's text) stays in the text.
+    pub include_stop_str_in_output: bool,
+    /// Special tokens are left out of the text (vLLM's default).
+    pub skip_special_tokens: bool,
+    /// Logprobs name tokens `token:<id>`.
+    pub tokens_as_ids: bool,
+    /// Keep only the prompt's last this many tokens.
+    pub truncate_prompt_tokens: Option<usize>,
+    /// Completions' `echo`: each prompt's text, to put before its choices' text.
+    pub echo: Option<Vec<String>>,
 }
 
 /// Temperatures above this are refused (OpenAI's documented range is [0, 2]).
@@ -76,6 +91,11 @@ impl GenerationParams {
                 limits,
             )?,
             cache_salt: check_cache_salt(common.cache_salt.as_deref())?,
+            logits: check_logits(common, limits)?,
+            prompt_logprobs: common
+                .prompt_logprobs
+                .map(|v| check_top_n("prompt_logprobs", v, limits))
+                .transpose()?,
         };
         let stop = check_stop(common.stop.clone().map(|s| s.into_vec()), limits)?;
         let max_tokens = match max_tokens.0 {
@@ -89,22 +109,41 @@ impl GenerationParams {
             Some(v) => Some((u32::try_from(v).unwrap_or(u32::MAX), max_tokens.1)),
         };
         let stream = common.stream.unwrap_or(false);
+        let options = common.stream_options.clone().unwrap_or_default();
+        if common.stream_options.is_some() && !stream {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "`stream_options` can only be set when `stream` is true",
+            ));
+        }
+        let include_usage = stream && options.include_usage.unwrap_or(false);
         Ok(Self {
             sampling,
             max_tokens,
             stop,
             n,
             stream,
-            include_usage: stream
-                && common
-                    .stream_options
-                    .as_ref()
-                    .and_then(|o| o.include_usage)
-                    .unwrap_or(false),
+            include_usage,
             return_token_ids: common.return_token_ids.unwrap_or(false),
             kv_transfer_params: common.kv_transfer_params.clone(),
             structured: None,
+            default_max_tokens: None,
+            continuous_usage: include_usage && options.continuous_usage_stats.unwrap_or(false),
+            include_stop_str_in_output: common.include_stop_str_in_output.unwrap_or(false),
+            skip_special_tokens: common.skip_special_tokens.unwrap_or(true),
+            tokens_as_ids: common.return_tokens_as_token_ids.unwrap_or(false),
+            truncate_prompt_tokens: check_truncate(common.truncate_prompt_tokens, limits)?,
+            echo: None,
         })
+    }
+
+    /// `prompt` cut to its last `truncate_prompt_tokens` tokens, if the request asks for it.
+    pub fn truncate(&self, mut prompt: Vec<TokenId>) -> Vec<TokenId> {
+        if let Some(keep) = self.truncate_prompt_tokens {
+            let cut = prompt.len().saturating_sub(keep);
+            prompt.drain(..cut);
+        }
+        prompt
     }
 
     /// The sampling parameters for one prompt of `prompt_len` tokens: `max_tokens` defaults to
@@ -116,7 +155,9 @@ impl GenerationParams {
     ) -> Result<SamplingParams, ApiError> {
         let room = limits.max_model_len.saturating_sub(prompt_len);
         let max_tokens = match self.max_tokens {
-            None => room,
+            None => self
+                .default_max_tokens
+                .map_or(room, |d| room.min(d as usize)),
             Some((v, field)) if v as usize > room => {
                 return Err(ApiError::invalid(
                     field,
@@ -128,6 +169,13 @@ impl GenerationParams {
             }
             Some((v, _)) => v as usize,
         };
+        let min_tokens = self.sampling.logits.min_tokens;
+        if min_tokens as usize > max_tokens {
+            return Err(ApiError::invalid(
+                "min_tokens",
+                format!("`min_tokens` ({min_tokens}) must not exceed `max_tokens` ({max_tokens})"),
+            ));
+        }
         Ok(SamplingParams {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
             ..self.sampling.clone()
@@ -252,6 +300,88 @@ fn check_token_ids(
     Ok(ids.to_vec())
 }
 
+/// vLLM's range of `presence_penalty` and `frequency_penalty`.
+const MAX_PENALTY: f64 = 2.0;
+
+/// vLLM's range of a `logit_bias` value: larger ones are clamped to it.
+const MAX_LOGIT_BIAS: f64 = 100.0;
+
+/// The penalties, `logit_bias` and `min_tokens`, with vLLM's ranges.
+fn check_logits(common: &CommonParams, limits: &Limits) -> Result<LogitsParams, ApiError> {
+    let penalty = |field: &str, v: Option<f64>| -> Result<f32, ApiError> {
+        let v = v.unwrap_or(0.0);
+        if !(-MAX_PENALTY..=MAX_PENALTY).contains(&v) {
+            return Err(ApiError::invalid(
+                field,
+                format!("`{field}` must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {v}"),
+            ));
+        }
+        Ok(v as f32)
+    };
+    let repetition = common.repetition_penalty.unwrap_or(1.0);
+    if !(repetition > 0.0 && repetition.is_finite()) {
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            format!("`repetition_penalty` must be a positive number, got {repetition}"),
+        ));
+    }
+    let min_tokens = match common.min_tokens.unwrap_or(0) {
+        m if m < 0 => {
+            return Err(ApiError::invalid(
+                "min_tokens",
+                format!("`min_tokens` must be at least 0, got {m}"),
+            ))
+        }
+        m => u32::try_from(m).unwrap_or(u32::MAX),
+    };
+    let mut logit_bias = Vec::new();
+    for (key, value) in common.logit_bias.iter().flatten() {
+        let field = format!("logit_bias.{key}");
+        let token: TokenId = key.parse().map_err(|_| {
+            ApiError::invalid(
+                field.clone(),
+                format!("`logit_bias` keys are token ids, got `{key}`"),
+            )
+        })?;
+        if limits.vocab_size.is_some_and(|v| token as usize >= v) {
+            return Err(ApiError::invalid(
+                field,
+                format!("token id {token} is outside the vocabulary"),
+            ));
+        }
+        let bias = value.as_f64().filter(|b| b.is_finite()).ok_or_else(|| {
+            ApiError::invalid(
+                field.clone(),
+                format!("`logit_bias` values are numbers, got {value}"),
+            )
+        })?;
+        logit_bias.push((token, bias.clamp(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) as f32));
+    }
+    Ok(LogitsParams {
+        presence_penalty: penalty("presence_penalty", common.presence_penalty)?,
+        frequency_penalty: penalty("frequency_penalty", common.frequency_penalty)?,
+        repetition_penalty: repetition as f32,
+        logit_bias,
+        min_tokens,
+    })
+}
+
+/// `truncate_prompt_tokens`: at least 1, at most the model's length; `-1` is that length.
+fn check_truncate(v: Option<i64>, limits: &Limits) -> Result<Option<usize>, ApiError> {
+    match v {
+        None => Ok(None),
+        Some(-1) => Ok(Some(limits.max_model_len)),
+        Some(k) if k >= 1 && k as u64 <= limits.max_model_len as u64 => Ok(Some(k as usize)),
+        Some(k) => Err(ApiError::invalid(
+            "truncate_prompt_tokens",
+            format!(
+                "`truncate_prompt_tokens` must be -1 or between 1 and {}, got {k}",
+                limits.max_model_len
+            ),
+        )),
+    }
+}
+
 fn check_cache_salt(salt: Option<&str>) -> Result<Option<String>, ApiError> {
     match salt {
         Some("") => Err(ApiError::invalid(
@@ -343,11 +473,10 @@ mod tests {
         assert_eq!(p.sampling.stop_token_ids, vec![3, 4]);
         assert_eq!(p.sampling.sampler.min_p, 0.1);
         assert_eq!(p.sampling.cache_salt.as_deref(), Some("s"));
-        // include_usage only applies to streams.
-        assert!(
-            !parse(r#"{"stream_options": {"include_usage": true}}"#)
-                .unwrap()
-                .include_usage
+        // stream_options only go with a stream (vLLM refuses them otherwise).
+        assert_eq!(
+            field(r#"{"stream_options": {"include_usage": true}}"#),
+            "stream_options"
         );
     }
 

@@ -61,7 +61,10 @@ impl StopInput {
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, ToSchema)]
 pub struct StreamOptions {
+    /// A last chunk with the request's usage.
     pub include_usage: Option<bool>,
+    /// With `include_usage`: every chunk carries the usage so far (vLLM's extension).
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// Sampling fields common to both routes.
@@ -88,6 +91,30 @@ pub struct CommonParams {
     pub user: Option<String>,
     /// P/D disaggregation: `do_remote_decode` on P, P's returned parameters on D.
     pub kv_transfer_params: Option<KvTransferParamsJson>,
+    /// Until this many tokens are generated, EOS and `stop_token_ids` cannot be sampled and
+    /// stop strings do not match (vLLM's).
+    pub min_tokens: Option<i64>,
+    /// The matched stop string (or stop token's text) stays at the end of the text.
+    pub include_stop_str_in_output: Option<bool>,
+    /// Special tokens are left out of the text (default `true`, as vLLM).
+    pub skip_special_tokens: Option<bool>,
+    /// Logprobs name each token `token:<id>` instead of its text (vLLM's).
+    pub return_tokens_as_token_ids: Option<bool>,
+    /// Keep only the prompt's last this many tokens (`-1`: the model's maximum length).
+    pub truncate_prompt_tokens: Option<i64>,
+    /// Subtracted once from the logit of every token the output already has (OpenAI's).
+    pub presence_penalty: Option<f64>,
+    /// Subtracted from a token's logit once per time the output has it (OpenAI's).
+    pub frequency_penalty: Option<f64>,
+    /// A token of the prompt or output: its logit divided by this when positive, multiplied
+    /// when not (vLLM's; `1` is off).
+    pub repetition_penalty: Option<f64>,
+    /// Token id (a string key) → bias added to its logit, in `[-100, 100]`.
+    #[schema(value_type = Option<Object>)]
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Logprobs of the prompt's tokens, with this many top logprobs each (vLLM's); the
+    /// request then takes no prefix-cache hit.
+    pub prompt_logprobs: Option<i64>,
 }
 
 /// The structured-output fields (see [`crate::structured`]), raw: their shapes vary, so
@@ -98,7 +125,7 @@ pub struct StructuredFields {
     #[schema(value_type = Option<Object>)]
     pub response_format: Option<Value>,
     /// Exactly one of `json` (a schema, or a JSON string of one), `regex`, `choice`, `grammar`
-    /// (Lark), `json_object: true`.
+    /// (Lark or GBNF), `json_object: true`; with `disable_any_whitespace`.
     #[schema(value_type = Option<Object>)]
     pub structured_outputs: Option<Value>,
     /// A JSON schema (vLLM's older name).
@@ -110,7 +137,7 @@ pub struct StructuredFields {
     /// The output is one of these strings.
     #[schema(value_type = Option<Vec<String>>)]
     pub guided_choice: Option<Value>,
-    /// A Lark grammar.
+    /// A Lark or GBNF grammar.
     #[schema(value_type = Option<String>)]
     pub guided_grammar: Option<Value>,
 }
@@ -118,16 +145,8 @@ pub struct StructuredFields {
 /// Known fields we do not implement. Each is refused when it has a non-default value.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct Unsupported {
-    pub presence_penalty: Option<Value>,
-    pub frequency_penalty: Option<Value>,
-    pub repetition_penalty: Option<Value>,
-    pub logit_bias: Option<Value>,
     pub best_of: Option<Value>,
-    pub echo: Option<Value>,
     pub suffix: Option<Value>,
-    pub min_tokens: Option<Value>,
-    pub prompt_logprobs: Option<Value>,
-    pub include_stop_str_in_output: Option<Value>,
     pub use_beam_search: Option<Value>,
     pub tools: Option<Value>,
     pub functions: Option<Value>,
@@ -143,8 +162,6 @@ impl Unsupported {
     /// Refuses the first field set to something other than its OpenAI default. `n` is the
     /// request's `n` (`best_of` equal to `n` is the default).
     pub fn check(&self, n: i64) -> Result<(), ApiError> {
-        let zero = |v: &Value| v.as_f64() == Some(0.0);
-        let one = |v: &Value| v.as_f64() == Some(1.0);
         let falsy = |v: &Value| v == &Value::Bool(false);
         let empty = |v: &Value| match v {
             Value::String(s) => s.is_empty(),
@@ -153,21 +170,9 @@ impl Unsupported {
             _ => false,
         };
         let best_of_n = |v: &Value| v.as_i64().is_some_and(|b| b <= n);
-        let checks: [FieldCheck<'_>; 16] = [
-            ("presence_penalty", &self.presence_penalty, &zero),
-            ("frequency_penalty", &self.frequency_penalty, &zero),
-            ("repetition_penalty", &self.repetition_penalty, &one),
-            ("logit_bias", &self.logit_bias, &empty),
+        let checks: [FieldCheck<'_>; 8] = [
             ("best_of", &self.best_of, &best_of_n),
-            ("echo", &self.echo, &falsy),
             ("suffix", &self.suffix, &empty),
-            ("min_tokens", &self.min_tokens, &zero),
-            ("prompt_logprobs", &self.prompt_logprobs, &|_| false),
-            (
-                "include_stop_str_in_output",
-                &self.include_stop_str_in_output,
-                &falsy,
-            ),
             ("use_beam_search", &self.use_beam_search, &falsy),
             ("tools", &self.tools, &empty),
             ("functions", &self.functions, &empty),
@@ -210,6 +215,8 @@ pub struct CompletionFields {
     pub prompt: Option<PromptInput>,
     /// Top-n count (legacy completions format); `0` returns only the sampled token's logprob.
     pub logprobs: Option<i64>,
+    /// The text (and, with `logprobs`, the logprobs) starts with the prompt's.
+    pub echo: Option<bool>,
 }
 
 impl CompletionRequest {
@@ -350,21 +357,16 @@ mod tests {
                 .param
         };
         assert_eq!(
-            err(r#"{"presence_penalty": 0.5}"#).as_deref(),
-            Some("presence_penalty")
-        );
-        assert_eq!(
-            err(r#"{"logit_bias": {"1": 2}}"#).as_deref(),
-            Some("logit_bias")
+            err(r#"{"use_beam_search": true}"#).as_deref(),
+            Some("use_beam_search")
         );
         assert_eq!(err(r#"{"best_of": 3, "n": 2}"#).as_deref(), Some("best_of"));
-        assert_eq!(err(r#"{"echo": true}"#).as_deref(), Some("echo"));
         assert_eq!(err(r#"{"suffix": "x"}"#).as_deref(), Some("suffix"));
         assert_eq!(
             err(r#"{"tools": [{"type": "function"}]}"#).as_deref(),
             Some("tools")
         );
-        let ok = parse(r#"{"best_of": 2, "n": 2, "echo": false, "logit_bias": {}}"#);
+        let ok = parse(r#"{"best_of": 2, "n": 2, "suffix": ""}"#);
         assert!(ok.unsupported.check(2).is_ok());
     }
 }

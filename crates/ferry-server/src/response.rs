@@ -67,6 +67,41 @@ pub struct Response<C> {
     /// streaming, on the chunk that finishes the exporting choice).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_transfer_params: Option<KvTransferParamsJson>,
+    /// Chat's prompt logprobs (vLLM's placement; completions put them on each choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub prompt_logprobs: Option<PromptLogprobsJson>,
+}
+
+/// vLLM's `prompt_logprobs`: one entry per prompt token, `null` for the first (nothing comes
+/// before it), else token id (as a string key) → `{"logprob", "rank", "decoded_token"}` for
+/// the prompt token and the top-n.
+pub type PromptLogprobsJson = Vec<Option<PromptLogprobMap>>;
+
+/// One position of [`PromptLogprobsJson`]: `(token id, entry)` pairs, the prompt token
+/// first, serialized as a JSON object in that order (a token listed twice keeps its first
+/// entry).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PromptLogprobMap(pub Vec<(TokenId, PromptLogprobEntry)>);
+
+/// A token's entry in a [`PromptLogprobMap`] (vLLM's `Logprob`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PromptLogprobEntry {
+    pub logprob: f32,
+    pub rank: u32,
+    pub decoded_token: String,
+}
+
+impl Serialize for PromptLogprobMap {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut seen = std::collections::HashSet::new();
+        let entries: Vec<_> = self.0.iter().filter(|(t, _)| seen.insert(*t)).collect();
+        let mut map = serializer.serialize_map(Some(entries.len()))?;
+        for (token, entry) in entries {
+            map.serialize_entry(&token.to_string(), entry)?;
+        }
+        map.end()
+    }
 }
 
 impl<C> Response<C> {
@@ -81,6 +116,7 @@ impl<C> Response<C> {
             usage: None,
             prompt_token_ids: None,
             kv_transfer_params: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -109,6 +145,11 @@ pub struct Choice<Content, Logprobs> {
     /// streaming, only on the chunk that carries `finish_reason`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weight_versions: Option<Vec<String>>,
+    /// Completions' prompt logprobs (chat puts them on the response); when streaming, on the
+    /// choice's first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub prompt_logprobs: Option<PromptLogprobsJson>,
 }
 
 /// A completion choice's content.
@@ -143,10 +184,11 @@ pub type ChatChunkChoice = Choice<DeltaContent, ChatLogprobs>;
 #[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    /// `{token text: logprob}` per token, best first.
-    #[schema(value_type = Vec<std::collections::HashMap<String, f32>>)]
-    pub top_logprobs: Vec<TopLogprobMap>,
+    /// `null` only for an echoed prompt's first token (nothing comes before it).
+    pub token_logprobs: Vec<Option<f32>>,
+    /// `{token text: logprob}` per token, best first (`null` where `token_logprobs` is).
+    #[schema(value_type = Vec<Option<std::collections::HashMap<String, f32>>>)]
+    pub top_logprobs: Vec<Option<TopLogprobMap>>,
     /// Character offset of each token in the choice's text.
     pub text_offset: Vec<usize>,
 }
@@ -213,6 +255,7 @@ impl ChatChunkChoice {
             token_ids,
             forced_tokens: None,
             weight_versions: None,
+            prompt_logprobs: None,
         }
     }
 }

@@ -4,7 +4,8 @@
 //!   "json_object"}`, or `{"type": "json_schema", "json_schema": {"name": ..., "schema":
 //!   {...}, "strict": ...}}` (ferry always enforces the schema, strict or not);
 //! * vLLM's `structured_outputs`: exactly one of `json` (a schema, as an object or as a JSON
-//!   string), `regex`, `choice`, `grammar` (Lark) or `json_object: true`;
+//!   string), `regex`, `choice`, `grammar` (Lark, or GBNF: see [`crate::gbnf`]) or
+//!   `json_object: true`, and `disable_any_whitespace` (JSON without free whitespace);
 //! * vLLM's older names: `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 //!
 //! At most one of these may be set; each error names the field at fault. The constraint is
@@ -15,6 +16,7 @@ use ferry_engine::{Constraint, ConstraintError, EngineHandle, StructuredOutput};
 use serde_json::Value;
 
 use crate::error::ApiError;
+use crate::gbnf::{gbnf_to_lark, looks_like_gbnf};
 use crate::request::StructuredFields;
 
 /// A request's constraint, with the field it came from (for error messages).
@@ -129,6 +131,7 @@ fn structured_outputs(v: Option<&Value>) -> Result<Option<StructuredSpec>, ApiEr
         ApiError::invalid(P, "`structured_outputs` must be an object with one of `json`, `regex`, `choice`, `grammar` or `json_object`")
     })?;
     let mut found = None;
+    let mut compact = false;
     for (key, value) in obj.iter().filter(|(_, v)| !v.is_null()) {
         let spec = match key.as_str() {
             "json" => schema("structured_outputs.json", value)?,
@@ -148,8 +151,20 @@ fn structured_outputs(v: Option<&Value>) -> Result<Option<StructuredSpec>, ApiEr
                     ))
                 }
             },
+            "disable_any_whitespace" => match value {
+                Value::Bool(b) => {
+                    compact = *b;
+                    continue;
+                }
+                _ => {
+                    return Err(ApiError::invalid(
+                        "structured_outputs.disable_any_whitespace",
+                        "`structured_outputs.disable_any_whitespace` must be a boolean",
+                    ))
+                }
+            },
             // vLLM's knobs for other backends: harmless to accept when off.
-            "disable_fallback" | "disable_additional_properties" | "disable_any_whitespace"
+            "disable_fallback" | "disable_additional_properties"
                 if value == &Value::Bool(false) =>
             {
                 continue
@@ -174,7 +189,11 @@ fn structured_outputs(v: Option<&Value>) -> Result<Option<StructuredSpec>, ApiEr
         }
         found = Some(spec);
     }
-    Ok(found)
+    Ok(if compact {
+        found.map(without_any_whitespace)
+    } else {
+        found
+    })
 }
 
 /// A JSON schema as an object (or a boolean schema), or as a string holding one.
@@ -215,11 +234,45 @@ fn regex(param: &'static str, v: &Value) -> Result<StructuredSpec, ApiError> {
     })
 }
 
+/// A Lark grammar, or a GBNF one (`root ::= ...`, llama.cpp's format, which vLLM's default
+/// backends take) translated into Lark.
 fn grammar(param: &'static str, v: &Value) -> Result<StructuredSpec, ApiError> {
+    let src = string(param, v, "a Lark or GBNF grammar")?;
+    let lark = if looks_like_gbnf(src) {
+        gbnf_to_lark(src)
+            .map_err(|why| ApiError::invalid(param, format!("invalid GBNF in `{param}`: {why}")))?
+    } else {
+        src.to_owned()
+    };
     Ok(StructuredSpec {
-        output: StructuredOutput::Grammar(string(param, v, "a Lark grammar")?.to_owned()),
+        output: StructuredOutput::Grammar(lark),
         param,
     })
+}
+
+/// `spec` with JSON's free whitespace turned off (vLLM's `disable_any_whitespace`): a JSON
+/// constraint produces compact JSON (llguidance's `whitespace_flexible: false`, set through
+/// the schema's `x-guidance` options); other constraints are left as they are, as in vLLM.
+fn without_any_whitespace(spec: StructuredSpec) -> StructuredSpec {
+    let schema = match spec.output {
+        StructuredOutput::JsonObject => serde_json::json!({"type": "object"}),
+        StructuredOutput::JsonSchema(Value::Bool(true)) => serde_json::json!({}),
+        StructuredOutput::JsonSchema(schema @ Value::Object(_)) => schema,
+        output => return StructuredSpec { output, ..spec },
+    };
+    let mut schema = schema;
+    if let Some(obj) = schema.as_object_mut() {
+        let options = obj
+            .entry("x-guidance")
+            .or_insert_with(|| Value::Object(Default::default()));
+        if let Some(options) = options.as_object_mut() {
+            options.insert("whitespace_flexible".into(), Value::Bool(false));
+        }
+    }
+    StructuredSpec {
+        output: StructuredOutput::JsonSchema(schema),
+        ..spec
+    }
 }
 
 fn choice(param: &'static str, v: &Value) -> Result<StructuredSpec, ApiError> {

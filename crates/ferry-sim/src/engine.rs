@@ -133,7 +133,9 @@ impl SimEngine {
     fn drain(&mut self, events: &mut Vec<Event>) -> Result<(), String> {
         while let Some(event) = self.core.poll_event() {
             let (idx, sampled, finish) = match event {
-                CoreEvent::Request(_, CoreOut::Admitted { .. }) => continue,
+                CoreEvent::Request(_, CoreOut::Admitted { .. } | CoreOut::PromptLogprobs(_)) => {
+                    continue
+                }
                 CoreEvent::Kv(batch) => {
                     self.kv_view.apply(batch)?;
                     continue;

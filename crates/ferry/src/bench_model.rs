@@ -394,6 +394,7 @@ fn run_step(
                 params: SamplerSpec::default(),
                 output_idx: 0,
                 mask: None,
+                adjust: None,
             }),
         });
     }

@@ -271,7 +271,10 @@ impl Executor for Scripted {
                 }
             })
             .collect();
-        Ok(ModelOutput { sampled })
+        Ok(ModelOutput {
+            sampled,
+            prompt_logprobs: Vec::new(),
+        })
     }
 }
 

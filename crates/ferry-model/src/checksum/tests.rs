@@ -41,6 +41,7 @@ fn sample_spec(logprobs: Option<u32>) -> SampleSpec {
         },
         output_idx: 0,
         mask: None,
+        adjust: None,
     }
 }
 

@@ -16,6 +16,7 @@ fn spec(temperature: f32) -> SampleSpec {
         },
         output_idx: 0,
         mask: None,
+        adjust: None,
     }
 }
 
@@ -501,6 +502,7 @@ proptest::proptest! {
             params: SamplerSpec { temperature, top_k, top_p, min_p, seed: Some(seed), seed_stream: 0, logprobs: Some(1) },
             output_idx,
             mask: None,
+            adjust: None,
         };
         let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
         let allowed = naive_allowed(&logits, &s.params, 1e-4);
@@ -633,6 +635,7 @@ fn each_logprobs_mode_matches_a_reference_from_the_raw_logits() {
                 },
                 output_idx: i,
                 mask: None,
+                adjust: None,
             };
             let out = sample(&logits, &s, ReqIdx(0), &mut scratch);
             assert!(allowed.contains(&out.token), "{mode}: token {}", out.token);
@@ -663,6 +666,7 @@ fn each_logprobs_mode_matches_a_reference_from_the_raw_logits() {
                 },
                 output_idx: 0,
                 mask: None,
+                adjust: None,
             };
             let out = sample(&logits, &s, ReqIdx(0), &mut scratch);
             let mass: f64 = out
@@ -763,6 +767,7 @@ fn a_masked_sample_is_the_sample_of_the_masked_logits_with_raw_logprobs() {
                 spec: s,
                 req: ReqIdx(0),
                 mask: Some(&mask),
+                adjust: None,
             };
             let mut a = SamplerScratch::with_seed(i as u64);
             a.set_logprobs_mode(mode);
@@ -818,6 +823,7 @@ fn a_mask_that_allows_one_token_forces_it_and_a_batch_with_masks_matches_rows() 
             req: ReqIdx(i as u32),
             // Every other row unconstrained: both kinds in one batch.
             mask: (i % 2 == 0).then(|| masks[i].as_slice()),
+            adjust: None,
         })
         .collect();
     let mut serial = SamplerScratch::with_seed(5);
@@ -838,10 +844,117 @@ fn a_mask_that_allows_one_token_forces_it_and_a_batch_with_masks_matches_rows() 
         spec: &s,
         req: ReqIdx(0),
         mask: Some(&empty),
+        adjust: None,
     };
     let row_logits = &logits[..vocab];
     assert_eq!(
         sample_masked(row_logits, row, &mut SamplerScratch::with_seed(0)),
         sample(row_logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0))
     );
+}
+
+/// Penalties and biases on a handful of tokens, the best raw token pushed down hard.
+fn adjust_for(logits: &[f32]) -> LogitsAdjust {
+    let best = RowStats::new(logits).argmax as u32;
+    let entry = |token, bias, output_count, seen| ferry_core::AdjustedToken {
+        token,
+        bias,
+        output_count,
+        seen,
+    };
+    let mut tokens = vec![
+        entry(3, 4.0, 0, false),
+        entry(10, 0.0, 2, true),
+        entry(17, 0.0, 0, true),
+        entry(best, -20.0, 1, true),
+    ];
+    tokens.sort_by_key(|e| e.token);
+    tokens.dedup_by_key(|e| e.token);
+    LogitsAdjust {
+        presence_penalty: 0.5,
+        frequency_penalty: 0.3,
+        repetition_penalty: 1.7,
+        tokens,
+    }
+}
+
+#[test]
+fn an_adjusted_sample_is_the_sample_of_the_processed_logits_with_raw_logprobs() {
+    let vocab = 200;
+    let logits = random_logits(21, vocab, 5.0);
+    let adjust = adjust_for(&logits);
+    let mut by_hand = logits.clone();
+    adjust.apply_row(&mut by_hand);
+    let mut specs = mixed_batch(24);
+    specs.iter_mut().for_each(|s| s.params.logprobs = Some(4));
+    for mode in LogprobsMode::ALL {
+        for (i, s) in specs.iter().enumerate() {
+            let row = SampleRow {
+                adjust: Some(&adjust),
+                ..SampleRow::new(s, ReqIdx(0))
+            };
+            let mut a = SamplerScratch::with_seed(i as u64);
+            a.set_logprobs_mode(mode);
+            let got = sample_masked(&logits, row, &mut a);
+            let mut b = SamplerScratch::with_seed(i as u64);
+            b.set_logprobs_mode(mode);
+            let reference = sample(&by_hand, s, ReqIdx(0), &mut b);
+            assert_eq!(got.token, reference.token, "{mode} spec {i}");
+            match mode {
+                LogprobsMode::RawLogprobs | LogprobsMode::RawLogits => {
+                    let mut c = SamplerScratch::with_seed(i as u64);
+                    c.set_logprobs_mode(mode);
+                    let raw = sample(&logits, s, ReqIdx(0), &mut c);
+                    // The raw model's values, whatever was sampled.
+                    let raw_row = RowStats::new(&logits);
+                    let t = got.token as usize;
+                    let want = if mode == LogprobsMode::RawLogprobs {
+                        raw_row.logprob(logits[t])
+                    } else {
+                        logits[t]
+                    };
+                    assert_eq!(got.logprob, want, "{mode} spec {i}");
+                    assert_eq!(got.top_logprobs, raw.top_logprobs, "{mode} spec {i}");
+                }
+                _ => assert_eq!(got, reference, "{mode} spec {i}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn a_masked_token_stays_out_whatever_its_bias_and_batches_match_rows() {
+    let vocab = 96;
+    let n = 10;
+    let logits: Vec<f32> = (0..n)
+        .flat_map(|i| random_logits(900 + i as u64, vocab, 6.0))
+        .collect();
+    let specs = mixed_batch(n);
+    let allowed: Vec<usize> = (0..vocab).filter(|t| t % 5 == 1).collect();
+    let mask = mask_of(vocab, &allowed);
+    // Token 3 is not allowed (3 % 5 != 1), though its bias pushes it up.
+    let adjusts: Vec<LogitsAdjust> = (0..n)
+        .map(|i| adjust_for(&logits[i * vocab..(i + 1) * vocab]))
+        .collect();
+    let rows: Vec<SampleRow<'_>> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| SampleRow {
+            spec: s,
+            req: ReqIdx(i as u32),
+            mask: (i % 2 == 0).then_some(mask.as_slice()),
+            adjust: (i % 3 != 2).then(|| &adjusts[i]),
+        })
+        .collect();
+    let mut serial = SamplerScratch::with_seed(8);
+    let expected: Vec<SampledToken> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, row)| sample_masked(&logits[i * vocab..(i + 1) * vocab], *row, &mut serial))
+        .collect();
+    let got = sample_batch(&logits, vocab, &rows, &mut SamplerScratch::with_seed(8));
+    assert_eq!(got, expected);
+    for (i, t) in got.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+        assert!(allowed.contains(&(t.token as usize)), "row {i}: {t:?}");
+    }
 }

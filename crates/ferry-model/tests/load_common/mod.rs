@@ -333,12 +333,15 @@ pub fn paged_logits_of(
                     params: SamplerSpec::default(),
                     output_idx: 0,
                     mask: None,
+                    adjust: None,
                 }),
             }],
             token_ids: ids[chunk].to_vec(),
             block_tables: table.clone(),
             connector_work: Vec::new(),
             token_masks: Vec::new(),
+            logits_adjusts: Vec::new(),
+            prompt_logprobs: Vec::new(),
         };
         let logits = llama.forward(&plan, &mut kv).expect("valid plan");
         rows.push(logits.row(0).to_vec());

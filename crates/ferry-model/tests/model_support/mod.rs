@@ -76,6 +76,7 @@ pub fn build_plan(pool: &mut Pool, seqs: &mut [&mut Seq], counts: &[usize]) -> S
             params: SamplerSpec::default(),
             output_idx: 0,
             mask: None,
+            adjust: None,
         });
         plan.reqs.push(ScheduledReq {
             req: seq.req,

@@ -121,28 +121,30 @@ async fn stop_reason_is_null_when_the_model_stops_on_its_eos() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn chat_roles_are_openais() {
+async fn chat_roles_are_openais_and_custom_ones_reach_the_template() {
     let s = start(Options::default()).await;
     let chat = |messages: Value| json!({"messages": messages, "max_tokens": 1});
+    // A role OpenAI does not list goes to the template as it is (vLLM passes it through).
     for role in ["function", "User", "bot", ""] {
         let messages = json!([{"role": "system", "content": "a"},
                               {"role": role, "content": "b"}]);
-        s.expect_error(
-            "/v1/chat/completions",
-            &chat(messages.clone()),
-            400,
-            Some("messages[1].role"),
-        )
-        .await;
-        s.expect_error(
-            "/tokenize",
-            &json!({"messages": messages}),
-            400,
-            Some("messages[1].role"),
-        )
-        .await;
+        let rendered = format!(
+            "<|im_start|>system\na<|im_end|>\n<|im_start|>{role}\nb<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let by_messages = s.ok("/tokenize", &json!({"messages": messages})).await;
+        let by_text = s.ok("/tokenize", &json!({"prompt": rendered})).await;
+        assert_eq!(by_messages["tokens"], by_text["tokens"], "{role:?}");
+        let out = s.ok("/v1/chat/completions", &chat(messages)).await;
+        assert_eq!(out["usage"]["prompt_tokens"], by_text["count"], "{role:?}");
     }
-    assert_eq!(s.n_steps.load(Ordering::SeqCst), 0);
+    // A message without a role is still refused.
+    s.expect_error(
+        "/v1/chat/completions",
+        &chat(json!([{"content": "b"}])),
+        400,
+        Some("messages[0].role"),
+    )
+    .await;
     let every_role = json!([
         {"role": "developer", "content": "a"},
         {"role": "system", "content": "b"},

@@ -58,19 +58,23 @@ async fn bad_completion_requests_name_their_field() {
         (json!({"prompt": {"text": "x"}}), Some("prompt")),
         (json!({"max_tokens": 3}), Some("prompt")),
         (
-            json!({"prompt": "x", "presence_penalty": 0.5}),
+            json!({"prompt": "x", "presence_penalty": 2.5}),
             Some("presence_penalty"),
         ),
         (
-            json!({"prompt": "x", "frequency_penalty": 1}),
+            json!({"prompt": "x", "frequency_penalty": 3}),
             Some("frequency_penalty"),
         ),
         (
-            json!({"prompt": "x", "logit_bias": {"5": 1}}),
-            Some("logit_bias"),
+            json!({"prompt": "x", "logit_bias": {"5": "up"}}),
+            Some("logit_bias.5"),
+        ),
+        (
+            json!({"prompt": "x", "prompt_logprobs": 50}),
+            Some("prompt_logprobs"),
         ),
         (json!({"prompt": "x", "best_of": 2}), Some("best_of")),
-        (json!({"prompt": "x", "echo": true}), Some("echo")),
+        (json!({"prompt": "x", "echo": "yes"}), Some("echo")),
         (json!({"prompt": "x", "suffix": "y"}), Some("suffix")),
     ];
     for (body, param) in cases {

@@ -13,5 +13,6 @@ mod logprobs_mode;
 mod misc;
 mod openapi;
 mod pd;
+mod rl_fields;
 mod structured;
 mod support;

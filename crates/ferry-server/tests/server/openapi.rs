@@ -228,7 +228,8 @@ async fn the_document_matches_the_router_and_the_docs() {
         assert!(
             (in_completion && in_chat)
                 || ((in_completion || in_chat)
-                    && (route_own.contains(&name) || name == "prompt" || name == "logprobs")),
+                    && (route_own.contains(&name)
+                        || ["prompt", "logprobs", "echo"].contains(&name))),
             "docs/api.md's parameter `{name}` is not in the request schemas"
         );
     }

@@ -209,3 +209,94 @@ async fn bad_constraints_are_refused_naming_the_field() {
     }
     assert_eq!(s.n_steps.load(std::sync::atomic::Ordering::SeqCst), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gbnf_grammars_constrain_like_their_lark_form() {
+    let s = start(Options::default()).await;
+    let digits = |t: &str| {
+        let inner = t
+            .strip_prefix('[')
+            .and_then(|t| t.strip_suffix(']'))
+            .unwrap_or_else(|| panic!("{t:?}"));
+        assert!(
+            inner
+                .split(',')
+                .all(|d| d.len() == 1 && d.as_bytes()[0].is_ascii_digit()),
+            "{t:?}"
+        );
+    };
+    // llama.cpp's format: a comment, a rule over two lines, a dashed name, a class.
+    let gbnf = "# a list of up to three digits\nroot ::= \"[\" one-digit\n    (\",\" one-digit)? (\",\" one-digit)? \"]\"\none-digit ::= [0-9]\n";
+    let words = |t: &str| {
+        assert!(
+            t.split(' ')
+                .all(|w| !w.is_empty() && w.bytes().all(|b| b"ab".contains(&b))),
+            "{t:?}"
+        );
+    };
+    let gbnf_words = "root ::= word (\" \" word){0,2}\nword ::= [ab]+ | \"a\"";
+    // The digit lists end where the grammar does (EOS forced); the words may go on.
+    let cases: [(Value, &Check, bool); 3] = [
+        (
+            json!({"structured_outputs": {"grammar": gbnf}}),
+            &digits,
+            true,
+        ),
+        (json!({"guided_grammar": gbnf}), &digits, true),
+        (json!({"guided_grammar": gbnf_words}), &words, false),
+    ];
+    for (i, (fields, check, ends_forced)) in cases.iter().enumerate() {
+        for seed in 0..3 {
+            let mut body = json!({"model": MODEL, "prompt": format!("gbnf {i}"), "max_tokens": 24,
+                                  "temperature": 1.0, "seed": seed, "return_token_ids": true});
+            body.as_object_mut()
+                .unwrap()
+                .extend(fields.as_object().unwrap().clone());
+            let full = s.ok("/v1/completions", &body).await;
+            let choice = &full["choices"][0];
+            let text = choice["text"].as_str().unwrap();
+            if *ends_forced {
+                check_choice(choice, text, *check);
+            } else {
+                assert_eq!(choice["finish_reason"], "stop", "{choice}");
+                check(text);
+            }
+        }
+    }
+    // A GBNF grammar that does not parse is a 400 naming the field.
+    for bad in ["root ::= (\"a\"", "start ::= \"a\"", "root ::= [a-"] {
+        let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_grammar": bad});
+        s.expect_error("/v1/completions", &body, 400, Some("guided_grammar"))
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disable_any_whitespace_gives_compact_json() {
+    let s = start(Options::default()).await;
+    let mut flexible = schema();
+    flexible.as_object_mut().unwrap().remove("x-guidance");
+    // A bias that makes the model write a space wherever it may.
+    let space = s.ok("/tokenize", &json!({"prompt": " "})).await["tokens"][0].clone();
+    let body = |disable: bool| {
+        json!({"model": MODEL, "prompt": "json", "max_tokens": 40, "temperature": 0,
+               "return_token_ids": true, "logit_bias": {space.to_string(): 30},
+               "structured_outputs": {"json": flexible, "disable_any_whitespace": disable}})
+    };
+    let loose = s.ok("/v1/completions", &body(false)).await;
+    let text = loose["choices"][0]["text"].as_str().unwrap();
+    assert!(text.contains(' '), "free whitespace is taken: {text:?}");
+    let compact = s.ok("/v1/completions", &body(true)).await;
+    let choice = &compact["choices"][0];
+    let text = choice["text"].as_str().unwrap();
+    assert!(!text.contains(char::is_whitespace), "{text:?}");
+    check_choice(choice, text, &check_schema_output);
+    // Also for json_object, and through chat.
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 12, "temperature": 0, "logit_bias": {space.to_string(): 30},
+                      "structured_outputs": {"json_object": true, "disable_any_whitespace": true}});
+    let out = s.ok("/v1/chat/completions", &chat).await;
+    let content = out["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(content.starts_with('{'), "{content:?}");
+    assert!(!content.contains(char::is_whitespace), "{content:?}");
+}

@@ -98,6 +98,7 @@ impl Load {
                     detokenize: false,
                     transfer: None,
                     constraint: None,
+                    ..GenerateRequest::default()
                 })
                 .await
                 .with_context(|| format!("queueing request {request_id}"))?;
