@@ -714,6 +714,107 @@ mod tests {
     }
 
     #[test]
+    fn native_prefills_set_their_fields_in_sampling_params() {
+        let request = object(json!({"input_ids": [1, 2], "stream": true,
+            "return_logprob": true, "top_logprobs_num": 2, "return_text_in_logprobs": true,
+            "sampling_params": {"max_new_tokens": 50, "n": 3, "temperature": 0}}));
+        assert_eq!(
+            Value::Object(prefill_request(Route::Sglang, request)),
+            json!({"input_ids": [1, 2], "stream": false,
+                "sampling_params": {"max_new_tokens": 1, "n": 1, "temperature": 0},
+                "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}})
+        );
+        let request = object(json!({"model": "m", "token_ids": [3], "stream": true,
+            "stream_options": {"include_usage": true},
+            "sampling_params": {"max_tokens": 9, "logprobs": 2, "prompt_logprobs": 1}}));
+        assert_eq!(
+            Value::Object(prefill_request(Route::Vllm, request)),
+            json!({"model": "m", "token_ids": [3], "stream": false,
+                "sampling_params": {"max_tokens": 1, "n": 1},
+                "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}})
+        );
+        let budget = |route, v: Value| decode_budget(route, &object(v));
+        assert_eq!(budget(Route::Sglang, json!({})), 128);
+        assert_eq!(
+            budget(
+                Route::Sglang,
+                json!({"sampling_params": {"max_new_tokens": 7}})
+            ),
+            7
+        );
+        assert_eq!(budget(Route::Vllm, json!({"sampling_params": {}})), 16);
+        assert_eq!(budget(Route::Completions, json!({"max_tokens": 5})), 5);
+        let n = |v: Value| n_prompts(Route::Sglang, &object(v));
+        assert_eq!(n(json!({"input_ids": [1, 2]})), 1);
+        assert_eq!(n(json!({"input_ids": [[1], [2]]})), 2);
+        assert_eq!(n(json!({"input_ids": null, "text": ["a", "b", "c"]})), 3);
+        assert_eq!(n(json!({"text": "a"})), 1);
+        assert_eq!(
+            n_prompts(Route::Vllm, &object(json!({"token_ids": [1, 2]}))),
+            1
+        );
+        let instance = crate::fleet::Instance::new("http://p0", Role::Prefill);
+        let aborted = json!({"text": "", "output_ids": [],
+            "meta_info": {"finish_reason": {"type": "abort", "message": "aborted"}}});
+        assert_eq!(
+            prefilled(
+                Route::Sglang,
+                &instance,
+                &serde_json::to_vec(&aborted).unwrap()
+            )
+            .unwrap(),
+            Prefilled::Aborted(aborted)
+        );
+        let exported = json!({"meta_info": {"finish_reason": {"type": "length", "length": 1}},
+                              "kv_transfer_params": {"do_remote_prefill": true}});
+        assert_eq!(
+            prefilled(
+                Route::Sglang,
+                &instance,
+                &serde_json::to_vec(&exported).unwrap()
+            )
+            .unwrap(),
+            Prefilled::Exported(json!({"do_remote_prefill": true}))
+        );
+        let answer = json!({"meta_info": {"cached_tokens": 8}});
+        assert_eq!(
+            cached_tokens(Route::Sglang, &serde_json::to_vec(&answer).unwrap()),
+            Some(8)
+        );
+    }
+
+    #[tokio::test]
+    async fn an_aborted_sglang_answer_is_one_output_per_choice() {
+        let p_answer = json!({"text": "", "output_ids": [],
+            "meta_info": {"finish_reason": {"type": "abort", "message": "aborted"}},
+            "kv_transfer_params": {"x": 1}});
+        let body = |r: Response| async move {
+            let bytes = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
+            String::from_utf8(bytes.to_vec()).unwrap()
+        };
+        let request = object(json!({"input_ids": [1], "sampling_params": {"n": 2}}));
+        let plain: Value = serde_json::from_str(
+            &body(aborted_answer(Route::Sglang, &request, p_answer.clone())).await,
+        )
+        .unwrap();
+        assert_eq!(plain.as_array().unwrap().len(), 2, "{plain}");
+        assert_eq!(plain[1]["index"], 1);
+        assert_eq!(plain[1]["meta_info"]["finish_reason"]["type"], "abort");
+        assert!(plain[0].get("kv_transfer_params").is_none(), "{plain}");
+        let request = object(json!({"input_ids": [1], "stream": true}));
+        let events = body(aborted_answer(Route::Sglang, &request, p_answer)).await;
+        let events: Vec<&str> = events
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert_eq!(events.len(), 2, "{events:?}");
+        assert_eq!(events[1], "[DONE]");
+        let first: Value = serde_json::from_str(events[0]).unwrap();
+        assert_eq!(first["meta_info"]["finish_reason"]["type"], "abort");
+        assert!(first.get("index").is_none());
+    }
+
+    #[test]
     fn counts_prompts_as_the_server_reads_them() {
         let n = |v: Value| n_prompts(Route::Completions, &object(v));
         assert_eq!(n(json!({"prompt": "a"})), 1);

@@ -12,12 +12,13 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use ferry_engine::FinishReason;
 use serde_json::{json, Map, Value};
 
 use super::as_completions;
 use crate::error::ApiError;
+use crate::extract::RequestId;
 use crate::generate::start;
 use crate::state::AppState;
 
@@ -90,8 +91,11 @@ pub async fn world_size() -> Json<Value> {
 /// `GET /health_generate`: 200 once a one-token greedy generation (prompt: token 0, as
 /// SGLang's) finishes within [`HEALTH_GENERATE_TIMEOUT`]; else 503 saying why. It runs
 /// through the same path as every generation request.
-pub async fn health_generate(State(app): State<Arc<AppState>>) -> Response {
-    match tokio::time::timeout(HEALTH_GENERATE_TIMEOUT, one_token(&app)).await {
+pub async fn health_generate(
+    State(app): State<Arc<AppState>>,
+    Extension(RequestId(id)): Extension<RequestId>,
+) -> Response {
+    match tokio::time::timeout(HEALTH_GENERATE_TIMEOUT, one_token(&app, id)).await {
         Ok(Ok(())) => StatusCode::OK.into_response(),
         Ok(Err(e)) => ApiError::unavailable(format!("a one-token generation failed: {}", e.message))
             .into_response(),
@@ -102,13 +106,13 @@ pub async fn health_generate(State(app): State<Arc<AppState>>) -> Response {
     }
 }
 
-async fn one_token(app: &AppState) -> Result<(), ApiError> {
+/// The one-token generation, under the health request's own id.
+async fn one_token(app: &AppState, id: String) -> Result<(), ApiError> {
     let mut body = Map::new();
     body.insert("prompt".into(), json!([0]));
     body.insert("max_tokens".into(), json!(1));
     body.insert("temperature".into(), json!(0));
     let (prompts, params) = as_completions(app, vec![body], |_, p| p.to_owned())?;
-    let id = "health_generate".to_owned();
     let (_, choices) = start(app, id, &prompts, &params, "prompt", Instant::now()).await?;
     for choice in choices {
         let c = choice.collect().await;

@@ -16,7 +16,7 @@ pub mod discovery;
 pub mod sglang;
 pub mod vllm;
 
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 
 use crate::completions::Completions;
 use crate::error::ApiError;
@@ -111,6 +111,7 @@ pub fn refuse_set(map: &Map<String, Value>, keys: &[&str], prefix: &str) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn logprobs_are_written_as_the_openai_routes_write_them() {

@@ -367,20 +367,35 @@ pub async fn generate(
         n,
     };
     let (head, choices) = start(&app, request_id, &prepared, &params, "input_ids", arrival).await?;
-    let version = current_version(&app).await;
     if stream {
+        let version = current_version(&app).await;
         let formatter = Formatter {
             shape: shape.clone(),
             head,
             texts: app.texts.clone(),
             arrival,
             version,
-            so_far: (0..choices.len()).map(|_| Collected::default()).collect(),
+            so_far: (0..choices.len())
+                .map(|index| Collected {
+                    index,
+                    ..Collected::default()
+                })
+                .collect(),
         };
         return Ok(sse_response(choices, formatter));
     }
     let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
     check_failed_choices(&collected)?;
+    // Asked of the engine only when a choice computed no token to report it.
+    let version = if collected.iter().all(|c| {
+        c.finish
+            .as_ref()
+            .is_some_and(|f| !f.weight_versions.is_empty())
+    }) {
+        String::new()
+    } else {
+        current_version(&app).await
+    };
     let kv_transfer_params = crate::generate::response_transfer_params(&collected);
     let outputs: Vec<Value> = collected
         .iter()
@@ -398,7 +413,8 @@ pub async fn generate(
     Ok(Json(answer).into_response())
 }
 
-/// The engine's weight version now: the `weight_version` of a choice that computed no token.
+/// The engine's weight version now: the `weight_version` of a choice that computed no token
+/// (a stream asks for it up front, as its events are written as they come).
 async fn current_version(app: &AppState) -> String {
     app.engine
         .weight_info()
@@ -513,38 +529,31 @@ impl ChunkFormatter for Formatter {
         let Some(c) = self.so_far.get_mut(index) else {
             return Vec::new();
         };
-        c.index = index;
         c.token_ids.extend_from_slice(&chunk.token_ids);
         c.logprobs.extend(chunk.logprobs);
         c.text.push_str(&chunk.text);
-        let mut events = Vec::new();
-        if let Some(f) = chunk.finish {
-            let error = (f.reason == FinishReason::Error)
-                .then(|| f.message.clone())
-                .flatten();
-            c.finish = Some(f);
-            events.push(to_json(&output(
-                &self.shape,
-                &self.head,
-                &self.texts,
-                c,
-                &self.version,
-                self.arrival,
-            )));
-            if let Some(message) = error {
-                let e = ApiError::generation_failed(format!("choice {index} failed: {message}"));
-                events.push(to_json(&e.body()));
-            }
-            return events;
+        // An explained `error` finish: an error event follows the choice's last output.
+        let error = chunk
+            .finish
+            .as_ref()
+            .filter(|f| f.reason == FinishReason::Error)
+            .and_then(|f| f.message.clone())
+            .map(|m| {
+                let e = ApiError::generation_failed(format!("choice {index} failed: {m}"));
+                to_json(&e.body())
+            });
+        if chunk.finish.is_some() {
+            c.finish = chunk.finish;
         }
-        vec![to_json(&output(
+        let event = output(
             &self.shape,
             &self.head,
             &self.texts,
             c,
             &self.version,
             self.arrival,
-        ))]
+        );
+        std::iter::once(to_json(&event)).chain(error).collect()
     }
 
     fn end(&mut self) -> Vec<String> {
