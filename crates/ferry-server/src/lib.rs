@@ -20,7 +20,9 @@
 //! map onto it), [`extract`] (JSON bodies, request ids), [`request`] / [`response`] (wire
 //! types), [`params`] (validation), [`chat_template`], [`generate`] (the one handler of both
 //! generation routes: engine requests, `n`, usage), [`sse`] (streaming), [`completions`] and
-//! [`chat`] (each route's request parsing and wire format), [`routes`] (the small routes),
+//! [`chat`] (each route's request parsing and wire format), [`native`] (SGLang's and vLLM's
+//! native generate routes, as completions requests in those wire formats, and SGLang's
+//! discovery routes), [`routes`] (the small routes),
 //! [`metrics`], [`logprobs`], [`state`]. The edge it shares with the P/D proxy (the error
 //! type, request ids, the API key, the body limit and [`ferry_http::edge_layers`]) is
 //! `ferry-http`'s, re-exported under the paths it had here.

@@ -63,6 +63,7 @@ pub async fn server_info(State(app): State<Arc<AppState>>) -> Result<Json<Value>
         "is_embedding": false,
         "context_length": app.limits.max_model_len,
         "page_size": sched.block_size,
+        "max_total_num_tokens": sched.n_blocks as usize * sched.block_size,
         "max_running_requests": sched.max_num_seqs,
         "chunked_prefill_size": sched.max_num_batched_tokens,
         "disable_radix_cache": !sched.enable_prefix_caching,
@@ -79,6 +80,9 @@ pub async fn model_info(State(app): State<Arc<AppState>>) -> Result<Json<Value>,
         "model_path": path,
         "tokenizer_path": path,
         "is_generation": true,
+        "preferred_sampling_params": null,
+        "has_image_understanding": false,
+        "has_audio_understanding": false,
         "weight_version": weight_version(&app).await?,
     })))
 }

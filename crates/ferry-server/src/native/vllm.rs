@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use ferry_engine::{OutputChunk, TokenLogprob};
@@ -107,9 +108,17 @@ const REFUSED_SAMPLING: &[&str] = &[
 pub async fn generate(
     State(app): State<Arc<AppState>>,
     Extension(RequestId(request_id)): Extension<RequestId>,
+    headers: HeaderMap,
     ApiJson(body): ApiJson<Value>,
 ) -> Result<Response, ApiError> {
     let arrival = Instant::now();
+    if let Some(session) = headers.get("x-session-id") {
+        tracing::debug!(
+            request_id,
+            ?session,
+            "X-Session-ID (ignored: one server routes nothing)"
+        );
+    }
     let req = object(body)?;
     refuse_set(&req, &["features"], "")?;
     let ids = match get(&req, "token_ids") {

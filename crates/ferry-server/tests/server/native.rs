@@ -492,12 +492,14 @@ async fn discovery_routes_describe_the_server() {
         assert_eq!(info["weight_version"], "0");
         assert_eq!(info["context_length"], MAX_MODEL_LEN);
         assert_eq!(info["page_size"], 4);
+        assert_eq!(info["max_total_num_tokens"], 512 * 4);
     }
     for path in ["/model_info", "/get_model_info"] {
         assert_eq!(
             s.get_json(path).await,
             json!({"model_path": "tiny", "tokenizer_path": "tiny", "is_generation": true,
-                   "weight_version": "0"}),
+                   "preferred_sampling_params": null, "has_image_understanding": false,
+                   "has_audio_understanding": false, "weight_version": "0"}),
             "{path}"
         );
     }
