@@ -156,7 +156,13 @@ pub async fn reset_prefix_cache(
         raw.as_deref(),
         &["reset_running_requests", "reset_external"],
     )?;
-    let req: ResetPrefixCache = optional_json(&body)?;
+    // A JSON `null` (what a client that always sends a body sends without arguments) is no
+    // arguments, as an empty body is.
+    let req: ResetPrefixCache = if body.trim_ascii() == b"null" {
+        ResetPrefixCache::default()
+    } else {
+        optional_json(&body)?
+    };
     let running = match req.reset_running_requests {
         Some(b) => b,
         None => q.bool("reset_running_requests", false)?,

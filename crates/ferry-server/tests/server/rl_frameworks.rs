@@ -407,6 +407,11 @@ async fn skyrl_generates_with_a_session_and_resets_the_cache_by_json_body() {
         .collect();
     assert_eq!(response_logprobs.len(), 40);
 
+    // A `null` body is no arguments, as an empty one is (a client that always sends a body).
+    let (status, reply) = s
+        .send_json(s.http.post(s.url("/reset_prefix_cache")).json(&Value::Null))
+        .await;
+    assert_eq!((status, reply), (200, json!({"success": true})));
     assert_eq!(s.get_json("/get_world_size").await["world_size"], 1);
     let update_info = json!({"update_info": {"names": ["model.norm.weight"],
         "dtype_names": ["float32"], "shapes": [[64]], "packed": true}});
