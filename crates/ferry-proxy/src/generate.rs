@@ -1,7 +1,10 @@
-//! The two generation routes through P and D: the request goes to a prefill instance with
+//! The generation routes through P and D: the request goes to a prefill instance with
 //! `max_tokens: 1` and `kv_transfer_params: {"do_remote_decode": true}`, then, as the client
 //! sent it, with P's returned `kv_transfer_params`, to a decode instance, whose answer (SSE or
-//! JSON) goes back to the client as it comes.
+//! JSON) goes back to the client as it comes. The OpenAI routes and the RL frameworks' native
+//! ones (SGLang's `/generate`, vLLM's `/inference/v1/generate`, whose `max_new_tokens` or
+//! `max_tokens` sits in `sampling_params`) take the same path; [`Route`] knows where each
+//! keeps its fields.
 //!
 //! Both calls carry the client's request id, so `/abort_requests` with it reaches the request
 //! on either side. The body is checked only as far as the proxy must read it (a JSON object;
@@ -38,6 +41,10 @@ use crate::ProxyState;
 pub enum Route {
     Completions,
     Chat,
+    /// SGLang's native `/generate`.
+    Sglang,
+    /// vLLM's token-in/token-out `/inference/v1/generate`.
+    Vllm,
 }
 
 impl Route {
@@ -45,8 +52,37 @@ impl Route {
         match self {
             Route::Completions => "/v1/completions",
             Route::Chat => "/v1/chat/completions",
+            Route::Sglang => "/generate",
+            Route::Vllm => "/inference/v1/generate",
         }
     }
+
+    /// Whether the sampling fields sit in `sampling_params` (the native routes).
+    fn native(self) -> bool {
+        matches!(self, Route::Sglang | Route::Vllm)
+    }
+}
+
+/// `POST /generate` (SGLang's).
+pub async fn sglang(
+    State(app): State<Arc<ProxyState>>,
+    Extension(RequestId(id)): Extension<RequestId>,
+    ApiBytes(body): ApiBytes,
+) -> Response {
+    generate(&app, Route::Sglang, &id, &body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `POST /inference/v1/generate` (vLLM's).
+pub async fn vllm(
+    State(app): State<Arc<ProxyState>>,
+    Extension(RequestId(id)): Extension<RequestId>,
+    ApiBytes(body): ApiBytes,
+) -> Response {
+    generate(&app, Route::Vllm, &id, &body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 /// `POST /v1/completions`.
@@ -111,12 +147,7 @@ async fn generate(app: &ProxyState, route: Route, id: &str, body: &[u8]) -> Resu
         None
     };
     if role == Role::Whole {
-        // The tokens it will decode there: what the request asks for (vLLM's default for a
-        // completion without a bound, 16, stands in for a chat's).
-        let n_decode = ["max_tokens", "max_completion_tokens"]
-            .iter()
-            .find_map(|k| request.get(*k)?.as_u64())
-            .unwrap_or(16) as usize;
+        let n_decode = decode_budget(route, &request);
         let prompt = tokens.as_deref().map(|t| (t, n_decode));
         return decode(app, route, id, request, streaming, (Role::Whole, prompt)).await;
     }
@@ -147,6 +178,30 @@ async fn generate(app: &ProxyState, route: Route, id: &str, body: &[u8]) -> Resu
     .await
 }
 
+/// The tokens a whole instance will decode for the request: what it asks for (vLLM's default
+/// for a completion without a bound, 16, stands in for a chat's and a token-in/token-out
+/// request's; SGLang's own default is 128).
+fn decode_budget(route: Route, request: &Map<String, Value>) -> usize {
+    let (fields, keys, default): (Option<&Map<String, Value>>, &[&str], u64) = match route {
+        Route::Completions | Route::Chat => {
+            (Some(request), &["max_tokens", "max_completion_tokens"], 16)
+        }
+        Route::Sglang => (
+            request.get("sampling_params").and_then(Value::as_object),
+            &["max_new_tokens"],
+            128,
+        ),
+        Route::Vllm => (
+            request.get("sampling_params").and_then(Value::as_object),
+            &["max_tokens"],
+            16,
+        ),
+    };
+    fields
+        .and_then(|f| keys.iter().find_map(|k| f.get(*k)?.as_u64()))
+        .unwrap_or(default) as usize
+}
+
 /// The prompt's token ids, for routing by prefix: given in the request, or from an
 /// instance's `/tokenize` (as the instance will tokenize it: a completion's text with its
 /// special tokens, a chat's messages through the template). `None` (routed by load) when
@@ -169,6 +224,18 @@ async fn prompt_tokens(
             Value::Array(a) if a.len() == 1 && a[0].is_string() => json!({ "prompt": a[0] }),
             Value::Array(a) if a.len() == 1 && a[0].is_array() => return ids(&a[0]),
             p => return ids(p),
+        },
+        Route::Vllm => return ids(request.get("token_ids")?),
+        Route::Sglang => match (request.get("input_ids"), request.get("text")) {
+            (Some(p), _) if !p.is_null() => match p {
+                Value::Array(a) if a.len() == 1 && a[0].is_array() => return ids(&a[0]),
+                p => return ids(p),
+            },
+            (_, Some(Value::String(s))) => json!({ "prompt": s }),
+            (_, Some(Value::Array(a))) if a.len() == 1 && a[0].is_string() => {
+                json!({ "prompt": a[0] })
+            }
+            _ => return None,
         },
         Route::Chat => {
             let mut body = json!({
@@ -198,12 +265,15 @@ async fn prompt_tokens(
     }
 }
 
-/// `usage.prompt_tokens_details.cached_tokens` of a JSON answer.
-fn cached_tokens(answer: &[u8]) -> Option<usize> {
+/// The prompt tokens a JSON answer says were cached: its
+/// `usage.prompt_tokens_details.cached_tokens` (SGLang's: `meta_info.cached_tokens`).
+fn cached_tokens(route: Route, answer: &[u8]) -> Option<usize> {
     let v: Value = serde_json::from_slice(answer).ok()?;
-    v["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .map(|n| n as usize)
+    let cached = match route {
+        Route::Sglang => &v["meta_info"]["cached_tokens"],
+        _ => &v["usage"]["prompt_tokens_details"]["cached_tokens"],
+    };
+    cached.as_u64().map(|n| n as usize)
 }
 
 fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
@@ -218,17 +288,20 @@ fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-/// How many prompts the request holds (chat: one; completions: a string or token list is
-/// one, a list of strings or of token lists one each).
+/// How many prompts the request holds (chat and token-in/token-out: one; completions: a
+/// string or token list is one, a list of strings or of token lists one each; SGLang's
+/// `input_ids` or `text` likewise).
 fn n_prompts(route: Route, request: &Map<String, Value>) -> usize {
-    match (route, request.get("prompt")) {
-        (Route::Completions, Some(Value::Array(items))) => {
-            if items.iter().all(Value::is_number) {
-                1
-            } else {
-                items.len()
-            }
-        }
+    let prompt = match route {
+        Route::Completions => request.get("prompt"),
+        Route::Sglang => request
+            .get("input_ids")
+            .filter(|v| !v.is_null())
+            .or_else(|| request.get("text")),
+        Route::Chat | Route::Vllm => None,
+    };
+    match prompt {
+        Some(Value::Array(items)) if !items.iter().all(Value::is_number) => items.len(),
         _ => 1,
     }
 }
@@ -236,6 +309,38 @@ fn n_prompts(route: Route, request: &Map<String, Value>) -> usize {
 /// The request P computes: one token, no stream, one choice, no logprobs, and the export
 /// asked for. Everything else is the client's, so P refuses what D would.
 fn prefill_request(route: Route, mut request: Map<String, Value>) -> Map<String, Value> {
+    if route.native() {
+        // The native routes keep their sampling fields in `sampling_params`.
+        let mut sampling = match request.remove("sampling_params") {
+            Some(Value::Object(m)) => m,
+            _ => Map::new(),
+        };
+        let max = if route == Route::Sglang {
+            "max_new_tokens"
+        } else {
+            "max_tokens"
+        };
+        sampling.insert(max.into(), json!(1));
+        sampling.insert("n".into(), json!(1));
+        for key in ["logprobs", "prompt_logprobs"] {
+            sampling.remove(key);
+        }
+        request.insert("sampling_params".into(), Value::Object(sampling));
+        request.insert("stream".into(), json!(false));
+        for key in [
+            "stream_options",
+            "return_logprob",
+            "top_logprobs_num",
+            "return_text_in_logprobs",
+        ] {
+            request.remove(key);
+        }
+        request.insert(
+            "kv_transfer_params".into(),
+            json!({"do_remote_decode": true, "do_remote_prefill": false}),
+        );
+        return request;
+    }
     request.insert("max_tokens".into(), json!(1));
     if route == Route::Chat && request.contains_key("max_completion_tokens") {
         request.insert("max_completion_tokens".into(), json!(1));
@@ -295,11 +400,11 @@ async fn prefill(
                 return Err(Stop::Answer(passthrough(status, &headers, answer)))
             }
             Ok((_, _, answer)) => {
-                if let Some(cached) = cached_tokens(&answer) {
+                if let Some(cached) = cached_tokens(route, &answer) {
                     guard.check_cached(cached);
                 }
                 drop(guard);
-                return prefilled(&instance, &answer).map_err(Stop::from);
+                return prefilled(route, &instance, &answer).map_err(Stop::from);
             }
             Err(e) if e.nothing_sent() => {
                 instance.record_failure();
@@ -317,10 +422,18 @@ async fn prefill(
 
 /// P's `kv_transfer_params` out of its answer, or that it aborted the request or exported
 /// nothing.
-fn prefilled(instance: &crate::fleet::Instance, answer: &[u8]) -> Result<Prefilled, UpstreamError> {
+fn prefilled(
+    route: Route,
+    instance: &crate::fleet::Instance,
+    answer: &[u8],
+) -> Result<Prefilled, UpstreamError> {
     let value: Value = serde_json::from_slice(answer)
         .map_err(|e| UpstreamError::broken(instance, format!("its answer is not JSON: {e}")))?;
-    if value["choices"][0]["finish_reason"] == "abort" {
+    let finish = match route {
+        Route::Sglang => &value["meta_info"]["finish_reason"]["type"],
+        _ => &value["choices"][0]["finish_reason"],
+    };
+    if finish == "abort" {
         return Ok(Prefilled::Aborted(value));
     }
     match value.get("kv_transfer_params") {
@@ -345,8 +458,20 @@ fn prefilled(instance: &crate::fleet::Instance, answer: &[u8]) -> Result<Prefill
 /// before its one token, else the request had finished there), as one JSON body or, for a
 /// stream, one chunk per choice (and the usage chunk if asked for) then `[DONE]`.
 fn aborted_answer(route: Route, request: &Map<String, Value>, p_answer: Value) -> Response {
-    let n = request.get("n").and_then(Value::as_u64).unwrap_or(1).max(1);
+    let fields = if route.native() {
+        request.get("sampling_params").and_then(Value::as_object)
+    } else {
+        Some(request)
+    };
+    let n = fields
+        .and_then(|f| f.get("n"))
+        .and_then(Value::as_u64)
+        .unwrap_or(1)
+        .max(1);
     let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
+    if route == Route::Sglang {
+        return sglang_aborted(n, streaming, p_answer);
+    }
     if !streaming {
         let mut answer = p_answer;
         let choice = answer["choices"][0].clone();
@@ -362,6 +487,7 @@ fn aborted_answer(route: Route, request: &Map<String, Value>, p_answer: Value) -
     let object = match route {
         Route::Completions => "text_completion",
         Route::Chat => "chat.completion.chunk",
+        Route::Sglang | Route::Vllm => "",
     };
     let chunk = |choices: Value| {
         json!({"id": p_answer["id"], "object": object, "created": p_answer["created"],
@@ -374,8 +500,15 @@ fn aborted_answer(route: Route, request: &Map<String, Value>, p_answer: Value) -
                                          "finish_reason": "abort", "stop_reason": null}),
             Route::Chat => json!({"index": i, "delta": {}, "logprobs": null,
                                   "finish_reason": "abort", "stop_reason": null}),
+            Route::Sglang | Route::Vllm => json!({"index": i, "token_ids": [], "logprobs": null,
+                                  "finish_reason": "abort"}),
         };
-        body.push_str(&format!("data: {}\n\n", chunk(json!([choice]))));
+        let event = if route == Route::Vllm {
+            json!({"request_id": p_answer["request_id"], "choices": [choice]})
+        } else {
+            chunk(json!([choice]))
+        };
+        body.push_str(&format!("data: {event}\n\n"));
     }
     let include_usage = request
         .get("stream_options")
@@ -388,6 +521,39 @@ fn aborted_answer(route: Route, request: &Map<String, Value>, p_answer: Value) -
         body.push_str(&format!("data: {usage}\n\n"));
     }
     body.push_str("data: [DONE]\n\n");
+    sse_body(body)
+}
+
+/// An SGLang client's answer to a request P aborted: P's output dict (no tokens,
+/// `finish_reason` `abort`) for each of the `n` choices (a list when `n` > 1), or, for a
+/// stream, one event each (with its `index` when `n` > 1), then `[DONE]`.
+fn sglang_aborted(n: u64, streaming: bool, p_answer: Value) -> Response {
+    let outputs: Vec<Value> = (0..n)
+        .map(|i| {
+            let mut out = p_answer.clone();
+            if let Value::Object(o) = &mut out {
+                o.remove("kv_transfer_params");
+                if n > 1 {
+                    o.insert("index".into(), json!(i));
+                }
+            }
+            out
+        })
+        .collect();
+    if !streaming {
+        return if n > 1 {
+            axum::Json(Value::Array(outputs)).into_response()
+        } else {
+            axum::Json(outputs.into_iter().next().unwrap_or_default()).into_response()
+        };
+    }
+    let mut body: String = outputs.iter().map(|o| format!("data: {o}\n\n")).collect();
+    body.push_str("data: [DONE]\n\n");
+    sse_body(body)
+}
+
+/// A complete server-sent-event body.
+fn sse_body(body: String) -> Response {
     let mut response = Response::new(Body::from(body));
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -438,7 +604,8 @@ async fn decode(
                     instance.record_failure();
                     UpstreamError::from_reqwest(&instance, None, &e)
                 })?;
-                if let Some(cached) = cached_tokens(&answer).filter(|_| status.is_success()) {
+                if let Some(cached) = cached_tokens(route, &answer).filter(|_| status.is_success())
+                {
                     guard.check_cached(cached);
                 }
                 return Ok(passthrough(status, &headers, answer));
@@ -580,6 +747,107 @@ mod tests {
     }
 
     #[test]
+    fn native_prefills_set_their_fields_in_sampling_params() {
+        let request = object(json!({"input_ids": [1, 2], "stream": true,
+            "return_logprob": true, "top_logprobs_num": 2, "return_text_in_logprobs": true,
+            "sampling_params": {"max_new_tokens": 50, "n": 3, "temperature": 0}}));
+        assert_eq!(
+            Value::Object(prefill_request(Route::Sglang, request)),
+            json!({"input_ids": [1, 2], "stream": false,
+                "sampling_params": {"max_new_tokens": 1, "n": 1, "temperature": 0},
+                "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}})
+        );
+        let request = object(json!({"model": "m", "token_ids": [3], "stream": true,
+            "stream_options": {"include_usage": true},
+            "sampling_params": {"max_tokens": 9, "logprobs": 2, "prompt_logprobs": 1}}));
+        assert_eq!(
+            Value::Object(prefill_request(Route::Vllm, request)),
+            json!({"model": "m", "token_ids": [3], "stream": false,
+                "sampling_params": {"max_tokens": 1, "n": 1},
+                "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}})
+        );
+        let budget = |route, v: Value| decode_budget(route, &object(v));
+        assert_eq!(budget(Route::Sglang, json!({})), 128);
+        assert_eq!(
+            budget(
+                Route::Sglang,
+                json!({"sampling_params": {"max_new_tokens": 7}})
+            ),
+            7
+        );
+        assert_eq!(budget(Route::Vllm, json!({"sampling_params": {}})), 16);
+        assert_eq!(budget(Route::Completions, json!({"max_tokens": 5})), 5);
+        let n = |v: Value| n_prompts(Route::Sglang, &object(v));
+        assert_eq!(n(json!({"input_ids": [1, 2]})), 1);
+        assert_eq!(n(json!({"input_ids": [[1], [2]]})), 2);
+        assert_eq!(n(json!({"input_ids": null, "text": ["a", "b", "c"]})), 3);
+        assert_eq!(n(json!({"text": "a"})), 1);
+        assert_eq!(
+            n_prompts(Route::Vllm, &object(json!({"token_ids": [1, 2]}))),
+            1
+        );
+        let instance = crate::fleet::Instance::new("http://p0", Role::Prefill);
+        let aborted = json!({"text": "", "output_ids": [],
+            "meta_info": {"finish_reason": {"type": "abort", "message": "aborted"}}});
+        assert_eq!(
+            prefilled(
+                Route::Sglang,
+                &instance,
+                &serde_json::to_vec(&aborted).unwrap()
+            )
+            .unwrap(),
+            Prefilled::Aborted(aborted)
+        );
+        let exported = json!({"meta_info": {"finish_reason": {"type": "length", "length": 1}},
+                              "kv_transfer_params": {"do_remote_prefill": true}});
+        assert_eq!(
+            prefilled(
+                Route::Sglang,
+                &instance,
+                &serde_json::to_vec(&exported).unwrap()
+            )
+            .unwrap(),
+            Prefilled::Exported(json!({"do_remote_prefill": true}))
+        );
+        let answer = json!({"meta_info": {"cached_tokens": 8}});
+        assert_eq!(
+            cached_tokens(Route::Sglang, &serde_json::to_vec(&answer).unwrap()),
+            Some(8)
+        );
+    }
+
+    #[tokio::test]
+    async fn an_aborted_sglang_answer_is_one_output_per_choice() {
+        let p_answer = json!({"text": "", "output_ids": [],
+            "meta_info": {"finish_reason": {"type": "abort", "message": "aborted"}},
+            "kv_transfer_params": {"x": 1}});
+        let body = |r: Response| async move {
+            let bytes = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
+            String::from_utf8(bytes.to_vec()).unwrap()
+        };
+        let request = object(json!({"input_ids": [1], "sampling_params": {"n": 2}}));
+        let plain: Value = serde_json::from_str(
+            &body(aborted_answer(Route::Sglang, &request, p_answer.clone())).await,
+        )
+        .unwrap();
+        assert_eq!(plain.as_array().unwrap().len(), 2, "{plain}");
+        assert_eq!(plain[1]["index"], 1);
+        assert_eq!(plain[1]["meta_info"]["finish_reason"]["type"], "abort");
+        assert!(plain[0].get("kv_transfer_params").is_none(), "{plain}");
+        let request = object(json!({"input_ids": [1], "stream": true}));
+        let events = body(aborted_answer(Route::Sglang, &request, p_answer)).await;
+        let events: Vec<&str> = events
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert_eq!(events.len(), 2, "{events:?}");
+        assert_eq!(events[1], "[DONE]");
+        let first: Value = serde_json::from_str(events[0]).unwrap();
+        assert_eq!(first["meta_info"]["finish_reason"]["type"], "abort");
+        assert!(first.get("index").is_none());
+    }
+
+    #[test]
     fn counts_prompts_as_the_server_reads_them() {
         let n = |v: Value| n_prompts(Route::Completions, &object(v));
         assert_eq!(n(json!({"prompt": "a"})), 1);
@@ -600,19 +868,19 @@ mod tests {
             "usage": {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}});
         let answer = serde_json::to_vec(&aborted).unwrap();
         assert_eq!(
-            prefilled(&instance, &answer).unwrap(),
+            prefilled(Route::Completions, &instance, &answer).unwrap(),
             Prefilled::Aborted(aborted.clone())
         );
         let exported = json!({"choices": [{"finish_reason": "length"}],
                               "kv_transfer_params": {"do_remote_prefill": true}});
         let answer = serde_json::to_vec(&exported).unwrap();
         assert_eq!(
-            prefilled(&instance, &answer).unwrap(),
+            prefilled(Route::Completions, &instance, &answer).unwrap(),
             Prefilled::Exported(json!({"do_remote_prefill": true}))
         );
         let answer = serde_json::to_vec(&json!({"choices": [{"finish_reason": "length"}]}));
         assert_eq!(
-            prefilled(&instance, &answer.unwrap()).unwrap(),
+            prefilled(Route::Completions, &instance, &answer.unwrap()).unwrap(),
             Prefilled::Nothing
         );
     }

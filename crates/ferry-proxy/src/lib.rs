@@ -2,7 +2,8 @@
 //! servers (`ferry serve --kv-role kv_producer | kv_consumer`), or of plain servers
 //! (`--instance`), as `ferry proxy` runs it.
 //!
-//! A generation request goes to a P with `max_tokens: 1` and
+//! A generation request (`/v1/completions`, `/v1/chat/completions`, SGLang's `/generate`,
+//! vLLM's `/inference/v1/generate`) goes to a P with `max_tokens: 1` and
 //! `kv_transfer_params: {"do_remote_decode": true}`, then, unchanged but for P's returned
 //! `kv_transfer_params`, to the least-loaded D, whose answer streams back ([`generate`]); with
 //! plain instances it goes whole to one. P (or the plain instance) is picked by prefix: the one
@@ -11,7 +12,8 @@
 //! lifecycle admin routes go to every instance and report each one's result ([`admin`]);
 //! `/health` and `/metrics` summarise the fleet (`/health` with `version_skew`: whether the
 //! instances run different weight versions, [`versions`]), and `/v1/models`, `/tokenize`,
-//! `/detokenize` and `/version` are answered by one instance ([`routes`]).
+//! `/detokenize`, `/version` and SGLang's discovery routes (`/server_info`, `/model_info`,
+//! `/health_generate`, ...) are answered by one instance ([`routes`]).
 //!
 //! The key decisions: the proxy holds no state but its in-flight counts and the prefix
 //! indexes it rebuilds from the instances' events (replayed at start; dropped on every wipe,
@@ -161,6 +163,14 @@ pub fn router(config: ProxyConfig) -> Result<Router, ProxyError> {
     let routes = Router::new()
         .route("/v1/completions", post(generate::completions))
         .route("/v1/chat/completions", post(generate::chat))
+        .route("/generate", post(generate::sglang))
+        .route("/inference/v1/generate", post(generate::vllm))
+        .route("/server_info", get(routes::forward))
+        .route("/get_server_info", get(routes::forward))
+        .route("/model_info", get(routes::forward))
+        .route("/get_model_info", get(routes::forward))
+        .route("/health_generate", get(routes::forward))
+        .route("/get_world_size", get(routes::forward))
         .route("/v1/models", get(routes::forward))
         .route("/version", get(routes::forward))
         .route("/tokenize", post(routes::forward))

@@ -1,6 +1,6 @@
 //! The proxy's small routes: `/health` and `/metrics` about the whole fleet, and the routes an
 //! instance answers as well as any other (`/v1/models`, `/tokenize`, `/detokenize`,
-//! `/version`), forwarded to one.
+//! `/version`, SGLang's discovery routes), forwarded to one.
 
 use std::sync::Arc;
 
@@ -157,8 +157,10 @@ pub async fn metrics(State(app): State<Arc<ProxyState>>) -> Response {
         .into_response()
 }
 
-/// `/v1/models`, `/tokenize`, `/detokenize`, `/version`: forwarded to one instance (decode
-/// first, the next one when one is unreachable), its answer returned as it came.
+/// `/v1/models`, `/tokenize`, `/detokenize`, `/version` and SGLang's discovery routes
+/// (`/server_info`, `/get_server_info`, `/model_info`, `/get_model_info`,
+/// `/health_generate`, `/get_world_size`): forwarded to one instance (decode first, the next
+/// one when one is unreachable), its answer returned as it came.
 pub async fn forward(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(id)): Extension<RequestId>,

@@ -407,6 +407,42 @@ pub async fn handle<R: GenerationRoute>(
 ) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     let (prompts, params) = R::prepare(&app, &body)?;
+    let (head, choices) = start(
+        &app,
+        request_id,
+        &prompts,
+        &params,
+        R::PROMPT_PARAM,
+        arrival,
+    )
+    .await?;
+    let texts = app.texts.with_token_ids(params.tokens_as_ids);
+    let generation = Generation {
+        prompts: &prompts,
+        params: &params,
+        texts: &texts,
+    };
+    if params.stream {
+        let base = StreamBase::new(head, &prompts, &params, texts.clone());
+        return Ok(sse_response(choices, R::streaming(base, generation)));
+    }
+    let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
+    check_failed_choices(&collected)?;
+    Ok(Json(R::full_response(head, generation, collected)).into_response())
+}
+
+/// Starts a prepared request on the engine: checks its P/D transfer (and where a load would
+/// connect), compiles its structured-output constraint, and launches its choices. Every
+/// generation route goes through here (the OpenAI routes through [`handle`], SGLang's and
+/// vLLM's native routes through [`crate::native`]), so they share one path to the engine.
+pub async fn start(
+    app: &AppState,
+    request_id: String,
+    prompts: &[PreparedPrompt],
+    params: &GenerationParams,
+    prompt_param: &'static str,
+    arrival: Instant,
+) -> Result<(Head, Vec<ChoiceStream>), ApiError> {
     let transfer = params
         .kv_transfer_params
         .clone()
@@ -435,7 +471,7 @@ pub async fn handle<R: GenerationRoute>(
         request_id: &request_id,
         n: params.n,
         stop: &params.stop,
-        prompt_param: R::PROMPT_PARAM,
+        prompt_param,
         arrival,
         transfer: transfer.as_ref(),
         constraint: constraint.as_ref(),
@@ -446,25 +482,13 @@ pub async fn handle<R: GenerationRoute>(
         metrics: &app.metrics,
         live: &app.live,
     };
-    let choices = launch(&app.engine, recorders, &prompts, &spec).await?;
+    let choices = launch(&app.engine, recorders, prompts, &spec).await?;
     let head = Head {
         id: request_id,
         created: unix_now(),
         model: app.config.served_model_name.clone(),
     };
-    let texts = app.texts.with_token_ids(params.tokens_as_ids);
-    let generation = Generation {
-        prompts: &prompts,
-        params: &params,
-        texts: &texts,
-    };
-    if params.stream {
-        let base = StreamBase::new(head, &prompts, &params, texts.clone());
-        return Ok(sse_response(choices, R::streaming(base, generation)));
-    }
-    let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
-    check_failed_choices(&collected)?;
-    Ok(Json(R::full_response(head, generation, collected)).into_response())
+    Ok((head, choices))
 }
 
 impl Generation<'_> {

@@ -2,7 +2,9 @@
 //!
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent
 //! events or not), `GET /v1/models`, `GET /health`, `GET /version`, `GET /metrics`
-//! (Prometheus text), `POST /tokenize`, `POST /detokenize`; with
+//! (Prometheus text), `POST /tokenize`, `POST /detokenize`; the RL frameworks' native routes
+//! ([`native`]: SGLang's `POST /generate` and discovery routes, vLLM's `POST
+//! /inference/v1/generate`); with
 //! [`ServerConfig::enable_admin_api`], the lifecycle admin API ([`admin`]). With
 //! [`ServerConfig::api_key`], every route but `/health` and `/metrics` needs the key
 //! ([`auth`]).
@@ -18,7 +20,9 @@
 //! map onto it), [`extract`] (JSON bodies, request ids), [`request`] / [`response`] (wire
 //! types), [`params`] (validation), [`chat_template`], [`generate`] (the one handler of both
 //! generation routes: engine requests, `n`, usage), [`sse`] (streaming), [`completions`] and
-//! [`chat`] (each route's request parsing and wire format), [`routes`] (the small routes),
+//! [`chat`] (each route's request parsing and wire format), [`native`] (SGLang's and vLLM's
+//! native generate routes, as completions requests in those wire formats, and SGLang's
+//! discovery routes), [`routes`] (the small routes),
 //! [`metrics`], [`logprobs`], [`state`]. The edge it shares with the P/D proxy (the error
 //! type, request ids, the API key, the body limit and [`ferry_http::edge_layers`]) is
 //! `ferry-http`'s, re-exported under the paths it had here.
@@ -35,6 +39,7 @@ pub mod kv_transfer;
 pub mod live;
 pub mod logprobs;
 pub mod metrics;
+pub mod native;
 pub mod openapi;
 pub mod params;
 pub mod request;
@@ -68,6 +73,10 @@ pub use ferry_http::MAX_BODY_BYTES;
 pub struct ServerConfig {
     /// The `model` name clients must use (and `/v1/models` lists).
     pub served_model_name: String,
+    /// Where the model was loaded from (a folder, a GGUF file, `tiny`): SGLang's
+    /// `model_path` and `tokenizer_path` in `/server_info` and `/model_info`. `None` reports
+    /// the served name.
+    pub model_path: Option<String>,
     /// The model's Jinja chat template; without one, chat requests are a 400 saying so.
     pub chat_template: Option<String>,
     /// `bos_token` / `eos_token` as the chat template sees them.
@@ -129,6 +138,7 @@ impl ServerConfig {
     pub fn new(served_model_name: impl Into<String>) -> Self {
         Self {
             served_model_name: served_model_name.into(),
+            model_path: None,
             chat_template: None,
             bos_token: String::new(),
             eos_token: String::new(),
@@ -146,10 +156,11 @@ impl ServerConfig {
         }
     }
 
-    /// [`ServerConfig::new`] with what the model brings: its chat template, the special tokens
-    /// the template sees, and its vocabulary size.
+    /// [`ServerConfig::new`] with what the model brings: where it came from, its chat
+    /// template, the special tokens the template sees, and its vocabulary size.
     pub fn for_model(served_model_name: impl Into<String>, model: &ModelInfo) -> Self {
         Self {
+            model_path: Some(model.source.clone()),
             chat_template: model.chat_template.clone(),
             bos_token: model.bos_token.clone(),
             eos_token: model.eos_token.clone(),
@@ -177,7 +188,15 @@ pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
         .route("/metrics", get(routes::metrics))
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))
-        .route("/openapi.json", get(routes::openapi));
+        .route("/openapi.json", get(routes::openapi))
+        .route("/generate", post(native::sglang::generate))
+        .route("/inference/v1/generate", post(native::vllm::generate))
+        .route("/server_info", get(native::discovery::server_info))
+        .route("/get_server_info", get(native::discovery::server_info))
+        .route("/model_info", get(native::discovery::model_info))
+        .route("/get_model_info", get(native::discovery::model_info))
+        .route("/health_generate", get(native::discovery::health_generate))
+        .route("/get_world_size", get(native::discovery::world_size));
     let routes = if admin {
         routes.merge(admin::routes())
     } else {

@@ -17,11 +17,13 @@ use utoipa::openapi::{
 };
 use utoipa::ToSchema;
 
-use crate::admin::sglang::{MemoryTags, PauseGeneration};
-use crate::admin::weights::{UpdateFromDisk, UpdateWeightVersion};
-use crate::admin::AbortRequests;
+use crate::admin::sglang::{AbortRequest, MemoryTags, PauseGeneration};
+use crate::admin::weights::{UpdateFromDisk, UpdateWeightVersion, UpdateWeightsJson};
+use crate::admin::{AbortRequests, ResetPrefixCache};
 use crate::error::ErrorBody;
 use crate::kv_transfer::KvTransferParamsJson;
+use crate::native::sglang::SglangGenerateRequest;
+use crate::native::vllm::VllmGenerateRequest;
 use crate::request::{ChatFields, CommonParams, CompletionFields, StructuredFields};
 use crate::response::{ChatChunk, ChatResponse, CompletionResponse, ModelList};
 use crate::routes::{DetokenizeRequest, TokenizeRequest};
@@ -150,6 +152,40 @@ pub const ROUTES: &[RouteDoc] = &[
         ..route(POST, "/detokenize", "Token ids to text (vLLM's shape)")
     },
     RouteDoc {
+        body: Some("SglangGenerateRequest"),
+        ..route(
+            POST,
+            "/generate",
+            "SGLang's native generate (`input_ids` or `text`, `sampling_params`; a list for a batch; SGLang's stream with `stream: true`)",
+        )
+    },
+    RouteDoc {
+        body: Some("VllmGenerateRequest"),
+        ..route(
+            POST,
+            "/inference/v1/generate",
+            "vLLM's token-in/token-out generate (`token_ids`, `sampling_params`)",
+        )
+    },
+    route(
+        GET,
+        "/server_info",
+        "SGLang's server arguments (model path, parallel sizes, weight version)",
+    ),
+    route(GET, "/get_server_info", "SGLang's older name of `/server_info`"),
+    route(
+        GET,
+        "/model_info",
+        "SGLang's model info (model and tokenizer path, weight version)",
+    ),
+    route(GET, "/get_model_info", "SGLang's older name of `/model_info`"),
+    route(
+        GET,
+        "/health_generate",
+        "200 once a one-token generation works, else 503",
+    ),
+    route(GET, "/get_world_size", "vLLM's world size (always 1)"),
+    RouteDoc {
         query: PAUSE_QUERY,
         ..admin(POST, "/pause", "Pause generation")
     },
@@ -186,6 +222,7 @@ pub const ROUTES: &[RouteDoc] = &[
                 "also reset the connectors' caches (default false)",
             ),
         ],
+        body: Some("ResetPrefixCache"),
         ..admin(POST, "/reset_prefix_cache", "Drop every cached KV block")
     },
     RouteDoc {
@@ -193,6 +230,7 @@ pub const ROUTES: &[RouteDoc] = &[
         ..admin(POST, "/abort_requests", "Abort requests by id (none: all)")
     },
     RouteDoc {
+        body: Some("UpdateWeightsJson"),
         query: &[(
             "weight_version",
             "the version the pushed weights get (default: bumped)",
@@ -200,7 +238,7 @@ pub const ROUTES: &[RouteDoc] = &[
         ..admin(
             POST,
             "/update_weights",
-            "Push weights: the body is safetensors bytes",
+            "Push weights: safetensors bytes, or JSON `{\"weight_dir\": ...}` (`update_info` is refused: it needs a GPU collective)",
         )
     },
     RouteDoc {
@@ -219,6 +257,11 @@ pub const ROUTES: &[RouteDoc] = &[
             "Rename the current weights' version",
         )
     },
+    admin(
+        POST,
+        "/init_weight_transfer_engine",
+        "vLLM's NCCL weight-transfer setup: refused (400), it needs a GPU collective",
+    ),
     admin(
         GET,
         "/weight_info",
@@ -239,6 +282,14 @@ pub const ROUTES: &[RouteDoc] = &[
         ..admin(GET_POST, "/resume_memory_occupation", "SGLang's wake-up")
     },
     admin(GET, "/get_weight_version", "SGLang's weight version"),
+    RouteDoc {
+        body: Some("AbortRequest"),
+        ..admin(
+            POST,
+            "/abort_request",
+            "SGLang's abort: one request by `rid`, or all with `abort_all`",
+        )
+    },
 ];
 
 /// The document, with the admin routes when the server mounts them.
@@ -286,12 +337,17 @@ pub fn document(with_admin: bool) -> OpenApi {
     add::<TokenizeRequest>(&mut schemas);
     add::<DetokenizeRequest>(&mut schemas);
     add::<ErrorBody>(&mut schemas);
+    add::<SglangGenerateRequest>(&mut schemas);
+    add::<VllmGenerateRequest>(&mut schemas);
     if with_admin {
+        add::<UpdateWeightsJson>(&mut schemas);
+        add::<ResetPrefixCache>(&mut schemas);
         add::<AbortRequests>(&mut schemas);
         add::<UpdateFromDisk>(&mut schemas);
         add::<UpdateWeightVersion>(&mut schemas);
         add::<PauseGeneration>(&mut schemas);
         add::<MemoryTags>(&mut schemas);
+        add::<AbortRequest>(&mut schemas);
     }
     // The two generation requests: each route's own fields, the shared sampling fields and
     // the structured-output fields, as read by `CompletionRequest::from_json` and

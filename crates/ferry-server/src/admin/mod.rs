@@ -55,6 +55,10 @@ pub fn routes() -> Router<Arc<AppState>> {
             post(weights::update_weight_version),
         )
         .route("/weight_info", get(weights::weight_info))
+        .route(
+            "/init_weight_transfer_engine",
+            post(weights::init_weight_transfer_engine),
+        )
         .merge(sglang::routes())
 }
 
@@ -132,19 +136,41 @@ pub async fn release_kv_cache_memory(
     Ok(Json(json!({"status": "released"})))
 }
 
-/// `POST /reset_prefix_cache?reset_running_requests=&reset_external=` → `{"success": bool}`:
-/// false (nothing changed) while blocks are held. `reset_external` resets every connector's
-/// cache too.
+/// `POST /reset_prefix_cache`'s optional JSON body (SkyRL sends its argument there): the
+/// same arguments as the query string; one the body sets wins over the query's.
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+pub struct ResetPrefixCache {
+    pub reset_running_requests: Option<bool>,
+    pub reset_external: Option<bool>,
+}
+
+/// `POST /reset_prefix_cache?reset_running_requests=&reset_external=` (or the same in a JSON
+/// body) → `{"success": bool}`: false (nothing changed) while blocks are held.
+/// `reset_external` resets every connector's cache too.
 pub async fn reset_prefix_cache(
     State(app): State<Arc<AppState>>,
     RawQuery(raw): RawQuery,
+    ApiBytes(body): ApiBytes,
 ) -> AdminReply {
     let q = QueryArgs::parse(
         raw.as_deref(),
         &["reset_running_requests", "reset_external"],
     )?;
-    let running = q.bool("reset_running_requests", false)?;
-    let external = q.bool("reset_external", false)?;
+    // A JSON `null` (what a client that always sends a body sends without arguments) is no
+    // arguments, as an empty body is.
+    let req: ResetPrefixCache = if body.trim_ascii() == b"null" {
+        ResetPrefixCache::default()
+    } else {
+        optional_json(&body)?
+    };
+    let running = match req.reset_running_requests {
+        Some(b) => b,
+        None => q.bool("reset_running_requests", false)?,
+    };
+    let external = match req.reset_external {
+        Some(b) => b,
+        None => q.bool("reset_external", false)?,
+    };
     let success = app
         .engine
         .reset_prefix_cache(running, external)

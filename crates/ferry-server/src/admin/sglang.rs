@@ -10,6 +10,7 @@
 //! | `GET\|POST /resume_memory_occupation {"tags": [...]}` | `wake_up(tags)` |
 //! | `POST /update_weights_from_disk` | the same route |
 //! | `GET /get_weight_version` | `{"weight_version": ...}` |
+//! | `POST /abort_request {"rid": ..., "abort_all": bool}` | `abort_requests` (one request's id, or all) |
 
 use std::sync::Arc;
 
@@ -44,6 +45,7 @@ pub fn routes() -> Router<Arc<AppState>> {
             get(resume_memory_occupation).post(resume_memory_occupation),
         )
         .route("/get_weight_version", get(get_weight_version))
+        .route("/abort_request", post(abort_request))
 }
 
 #[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
@@ -164,6 +166,38 @@ pub async fn resume_memory_occupation(
         .await
         .map_err(api_error)?;
     Ok(Json(json!({"success": true})))
+}
+
+/// `POST /abort_request`'s body (SGLang's `AbortReq`).
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+pub struct AbortRequest {
+    /// A request's id: its `X-Request-Id`, which `/generate` reports as `meta_info.id`.
+    pub rid: Option<String>,
+    /// Abort every request in flight (slime drains its servers with it before a weight
+    /// update).
+    pub abort_all: Option<bool>,
+}
+
+/// `POST /abort_request {"rid": ..., "abort_all": bool}` → `{"success": true, "aborted":
+/// n}`: aborts one request (every choice of it) or, with `abort_all`, every request. An
+/// unknown or finished id aborts nothing.
+pub async fn abort_request(
+    State(app): State<Arc<AppState>>,
+    ApiBytes(body): ApiBytes,
+) -> AdminReply {
+    let req: AbortRequest = optional_json(&body)?;
+    let ids = match (req.abort_all, req.rid.as_deref()) {
+        (Some(true), _) => None,
+        (_, Some(rid)) if !rid.is_empty() => Some(app.live.expand(&[rid.to_owned()])),
+        _ => {
+            return Err(ApiError::invalid(
+                "rid",
+                "`rid` (a request id) or `abort_all: true` is required",
+            ))
+        }
+    };
+    let n = app.engine.abort_requests(ids).await.map_err(api_error)?;
+    Ok(Json(json!({"success": true, "aborted": n})))
 }
 
 /// `GET /get_weight_version` → `{"weight_version": ...}`.

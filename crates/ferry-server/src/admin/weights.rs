@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::{RawQuery, State};
+use axum::http::{header, HeaderMap};
 use axum::Json;
 use ferry_engine::{WeightInfo, WeightPushError, WeightResidency, WeightUpdateInfo};
 use futures_util::{Stream, StreamExt};
@@ -33,10 +34,14 @@ use crate::state::AppState;
 pub struct UpdateFromDisk {
     pub model_path: Option<String>,
     pub weight_version: Option<String>,
+    /// SGLang's: abort every request in flight before the update (they end with
+    /// `finish_reason` `abort`), so that none runs on across it.
+    pub abort_all_requests: Option<bool>,
 }
 
-/// `POST /update_weights_from_disk {"model_path": ..., "weight_version": optional}`: reloads
-/// every weight from a model folder (or GGUF file) of the same model.
+/// `POST /update_weights_from_disk {"model_path": ..., "weight_version": optional,
+/// "abort_all_requests": optional}`: reloads every weight from a model folder (or GGUF file)
+/// of the same model.
 pub async fn update_weights_from_disk(
     State(app): State<Arc<AppState>>,
     ApiBytes(body): ApiBytes,
@@ -48,6 +53,14 @@ pub async fn update_weights_from_disk(
         Some(p) => PathBuf::from(p),
     };
     let version = non_empty(req.weight_version, "weight_version")?;
+    if req.abort_all_requests == Some(true) {
+        app.engine.abort_requests(None).await.map_err(api_error)?;
+    }
+    reload(&app, path, version).await
+}
+
+/// Reloads every weight from `path` (a model folder or GGUF file).
+async fn reload(app: &AppState, path: PathBuf, version: Option<String>) -> AdminReply {
     let info = app
         .engine
         .update_weights_from_disk(path, version)
@@ -56,14 +69,96 @@ pub async fn update_weights_from_disk(
     Ok(Json(update_reply(&info, "weights reloaded from disk")))
 }
 
-/// `POST /update_weights?weight_version=v7` with a safetensors body (`Content-Type:
-/// application/octet-stream`): replaces the named parameters (some or all). The body may be
-/// up to `ServerConfig::max_weight_push_bytes`; it is converted as it arrives.
+/// `POST /update_weights` with a JSON body (`Content-Type: application/json`): prime-rl's
+/// `{"weight_dir": ...}`, and vLLM's `{"update_info": ...}`, which is refused.
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+pub struct UpdateWeightsJson {
+    /// A folder of the same model's weights, loaded as `/update_weights_from_disk` loads
+    /// `model_path`.
+    pub weight_dir: Option<String>,
+    pub weight_version: Option<String>,
+    /// vLLM's NCCL weight transfer (names, dtypes, shapes of tensors broadcast over a GPU
+    /// collective): refused with a 400 naming what ferry offers instead.
+    #[schema(value_type = Option<Object>)]
+    pub update_info: Option<Value>,
+}
+
+/// The 400 for vLLM's `update_info`.
+pub const NEEDS_COLLECTIVE: &str = "`update_info` asks for vLLM's NCCL weight transfer, which \
+    needs a GPU collective between the trainer and this server; ferry has none. Send the \
+    weights instead: the safetensors bytes as the body of `POST /update_weights` \
+    (Content-Type: application/octet-stream), a folder with `POST /update_weights \
+    {\"weight_dir\": ...}`, or a model folder with `POST /update_weights_from_disk \
+    {\"model_path\": ...}`";
+
+/// `POST /init_weight_transfer_engine` (vLLM's: joins an NCCL group with the trainer, as
+/// TRL's async GRPO and SkyRL do before `{"update_info": ...}` pushes): a 400 saying it needs
+/// a GPU collective and what ferry offers instead.
+pub async fn init_weight_transfer_engine() -> ApiError {
+    ApiError::invalid(
+        "init_info",
+        "`/init_weight_transfer_engine` joins vLLM's NCCL weight-transfer group, which needs a \
+         GPU collective between the trainer and this server; ferry has none. Send the weights \
+         instead: the safetensors bytes as the body of `POST /update_weights` (Content-Type: \
+         application/octet-stream), a folder with `POST /update_weights {\"weight_dir\": ...}`, \
+         or a model folder with `POST /update_weights_from_disk {\"model_path\": ...}`",
+    )
+}
+
+/// `POST /update_weights`: the body's `Content-Type` chooses the form. `application/json`:
+/// `{"weight_dir": ..., "weight_version": optional}` reloads every weight from that folder
+/// (prime-rl's weight sync, between `/pause?mode=keep` and `/resume`), and vLLM's
+/// `{"update_info": ...}` is a 400 ([`NEEDS_COLLECTIVE`]). Anything else is a safetensors
+/// push ([`push_safetensors`]).
 pub async fn push(
     State(app): State<Arc<AppState>>,
     RawQuery(raw): RawQuery,
+    headers: HeaderMap,
     body: Body,
 ) -> AdminReply {
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
+    if !json {
+        return push_safetensors(app, raw, body).await;
+    }
+    let q = QueryArgs::parse(raw.as_deref(), &["weight_version"])?;
+    let bytes = axum::body::to_bytes(body, crate::MAX_BODY_BYTES)
+        .await
+        .map_err(|e| ApiError::invalid("body", format!("could not read the JSON body: {e}")))?;
+    let req: UpdateWeightsJson = optional_json(&bytes)?;
+    if req.update_info.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::invalid("update_info", NEEDS_COLLECTIVE));
+    }
+    let path = match req.weight_dir.as_deref() {
+        None => {
+            return Err(ApiError::invalid(
+                "weight_dir",
+                "`weight_dir` is required in a JSON body (or send safetensors bytes as \
+                 application/octet-stream)",
+            ))
+        }
+        Some("") => return Err(ApiError::invalid("weight_dir", "`weight_dir` is empty")),
+        Some(p) => PathBuf::from(p),
+    };
+    let version = match non_empty(req.weight_version, "weight_version")? {
+        Some(v) => Some(v),
+        None => q.non_empty("weight_version")?,
+    };
+    reload(&app, path, version).await.map_err(|mut e| {
+        if e.param.as_deref() == Some("model_path") {
+            e.param = Some("weight_dir".to_owned());
+        }
+        e
+    })
+}
+
+/// `POST /update_weights?weight_version=v7` with a safetensors body (`Content-Type:
+/// application/octet-stream`): replaces the named parameters (some or all). The body may be
+/// up to `ServerConfig::max_weight_push_bytes`; it is converted as it arrives.
+async fn push_safetensors(app: Arc<AppState>, raw: Option<String>, body: Body) -> AdminReply {
     let q = QueryArgs::parse(raw.as_deref(), &["weight_version"])?;
     let version = q.non_empty("weight_version")?;
     let limit = app.config.max_weight_push_bytes;

@@ -4,14 +4,15 @@
 //! P that dies while D pulls, a D that dies while P holds exports, forged parameters sent
 //! straight to D, several P and D, an instance that is down, keys and bad input, and
 //! instances on different weight versions (a 409 and `/health`'s `version_skew`). Beside them,
-//! the KV events the instances publish (`kv_events.rs`) and the proxy's routing by them
-//! (`kv_routing.rs`).
+//! the KV events the instances publish (`kv_events.rs`), the proxy's routing by them
+//! (`kv_routing.rs`), and the RL frameworks' native routes through P and D (`native.rs`).
 //!
 //! The tests take one lock each, so their processes never compete for the CPU (several
 //! tests wait on leases and pauses), and each is bounded in time.
 
 mod kv_events;
 mod kv_routing;
+mod native;
 mod procs;
 
 use std::time::{Duration, Instant};
