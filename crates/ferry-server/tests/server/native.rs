@@ -272,10 +272,14 @@ async fn vllm_streams_new_token_ids_and_the_usage_chunk() {
     let s = start(Options::default()).await;
     let prompt = prompt_ids(&s, "the quick brown fox").await;
     let body = |stream: bool| {
-        json!({"token_ids": prompt, "stream": stream,
-               "stream_options": {"include_usage": stream},
+        let mut body = json!({"token_ids": prompt, "stream": stream,
                "sampling_params": {"max_tokens": 6, "temperature": 0, "ignore_eos": true,
-                                   "logprobs": 1}})
+                                   "logprobs": 1}});
+        // vLLM refuses `stream_options` without `stream`.
+        if stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        body
     };
     let whole = s.ok("/inference/v1/generate", &body(false)).await;
     let events = s.stream("/inference/v1/generate", &body(true)).await;
