@@ -32,6 +32,7 @@ use crate::extract::{ApiJson, RequestId};
 use crate::generate::{
     check_failed_choices, finish_fields, response_transfer_params, start, StreamBase, UsageTally,
 };
+use crate::logprobs::prompt_logprobs_json;
 use crate::sse::{sse_response, to_json, ChunkFormatter};
 use crate::state::AppState;
 
@@ -171,7 +172,12 @@ pub async fn generate(
     Ok(Json(json!({
         "request_id": head.id,
         "choices": choices,
-        "prompt_logprobs": null,
+        // One list per request, as vLLM's (every choice computed the same prompt).
+        "prompt_logprobs": params.sampling.prompt_logprobs.and_then(|_| {
+            collected
+                .first()
+                .map(|c| prompt_logprobs_json(&app.texts, &c.prompt_logprobs))
+        }),
         "kv_transfer_params": response_transfer_params(&collected),
         "usage": usage.usage(),
     }))

@@ -522,3 +522,46 @@ async fn discovery_routes_describe_the_server() {
     s.engine.resume().await.unwrap();
     assert_eq!(s.get("/health_generate").await.status().as_u16(), 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_generate_reports_the_prompt_logprobs_completions_does() {
+    let s = start(Options::default()).await;
+    let prompt = prompt_ids(&s, "the quick brown fox jumps").await;
+    let completion = s
+        .ok(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                    "prompt_logprobs": 1}),
+        )
+        .await;
+    let want = &completion["choices"][0]["prompt_logprobs"];
+    assert_eq!(want.as_array().unwrap().len(), prompt.len(), "{want}");
+    let native = s
+        .ok(
+            "/inference/v1/generate",
+            &json!({"token_ids": prompt,
+                    "sampling_params": {"max_tokens": 2, "temperature": 0,
+                                        "prompt_logprobs": 1}}),
+        )
+        .await;
+    // The same f32s (the JSON texts differ: this route writes them through f64).
+    assert_eq!(as_f32(&native["prompt_logprobs"]), as_f32(want), "{native}");
+    // Not asked for: null, as vLLM.
+    let plain = s
+        .ok(
+            "/inference/v1/generate",
+            &json!({"token_ids": prompt, "sampling_params": {"max_tokens": 2}}),
+        )
+        .await;
+    assert_eq!(plain["prompt_logprobs"], Value::Null);
+}
+
+/// `v` with every number rounded to f32, the precision logprobs have.
+fn as_f32(v: &Value) -> Value {
+    match v {
+        Value::Number(n) => json!(n.as_f64().unwrap() as f32),
+        Value::Array(a) => Value::Array(a.iter().map(as_f32).collect()),
+        Value::Object(m) => Value::Object(m.iter().map(|(k, v)| (k.clone(), as_f32(v))).collect()),
+        other => other.clone(),
+    }
+}
