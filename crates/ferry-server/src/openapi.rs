@@ -19,7 +19,7 @@ use utoipa::ToSchema;
 
 use crate::admin::sglang::{AbortRequest, MemoryTags, PauseGeneration};
 use crate::admin::weights::{UpdateFromDisk, UpdateWeightVersion, UpdateWeightsJson};
-use crate::admin::{AbortRequests, ResetPrefixCache};
+use crate::admin::{AbortRequests, ResetPrefixCache, SleepBody, WakeUpBody};
 use crate::error::ErrorBody;
 use crate::kv_transfer::KvTransferParamsJson;
 use crate::native::sglang::SglangGenerateRequest;
@@ -199,10 +199,12 @@ pub const ROUTES: &[RouteDoc] = &[
             ),
             ("mode", "`abort` (default), `wait` or `keep`"),
         ],
+        body: Some("SleepBody"),
         ..admin(POST, "/sleep", "Release memory")
     },
     RouteDoc {
         query: &[("tags", "`weights` or `kv_cache`, repeatable (none: all)")],
+        body: Some("WakeUpBody"),
         ..admin(POST, "/wake_up", "Bring memory back")
     },
     admin(GET, "/is_sleeping", "Whether anything is asleep"),
@@ -342,6 +344,8 @@ pub fn document(with_admin: bool) -> OpenApi {
     if with_admin {
         add::<UpdateWeightsJson>(&mut schemas);
         add::<ResetPrefixCache>(&mut schemas);
+        add::<SleepBody>(&mut schemas);
+        add::<WakeUpBody>(&mut schemas);
         add::<AbortRequests>(&mut schemas);
         add::<UpdateFromDisk>(&mut schemas);
         add::<UpdateWeightVersion>(&mut schemas);

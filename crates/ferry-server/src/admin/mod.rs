@@ -98,22 +98,80 @@ pub async fn is_paused(State(app): State<Arc<AppState>>) -> AdminReply {
     Ok(Json(json!({"is_paused": paused})))
 }
 
-/// `POST /sleep?level=0|1|2&mode=abort|wait|keep` (vLLM's defaults: level 1, abort).
-pub async fn sleep(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) -> AdminReply {
+/// `POST /sleep`'s optional JSON body (SkyRL sends `{"level": 1}`): the query's arguments;
+/// one the body sets wins over the query's.
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SleepBody {
+    pub level: Option<u8>,
+    /// `abort`, `wait` or `keep`.
+    pub mode: Option<String>,
+}
+
+/// `POST /sleep?level=0|1|2&mode=abort|wait|keep` (vLLM's defaults: level 1, abort), or the
+/// same in a JSON body.
+pub async fn sleep(
+    State(app): State<Arc<AppState>>,
+    RawQuery(raw): RawQuery,
+    ApiBytes(body): ApiBytes,
+) -> AdminReply {
     let q = QueryArgs::parse(raw.as_deref(), &["level", "mode"])?;
-    let level = q.sleep_level("level", SleepLevel::L1)?;
-    let mode = q.pause_mode("mode", PauseMode::Abort)?;
+    let req: SleepBody = body_or_default(&body)?;
+    let level = match req.level {
+        Some(l) => SleepLevel::from_u8(l).ok_or_else(|| {
+            ApiError::invalid(
+                "level",
+                format!("invalid sleep level `{l}` (expected 0, 1 or 2)"),
+            )
+        })?,
+        None => q.sleep_level("level", SleepLevel::L1)?,
+    };
+    let mode = match req.mode {
+        Some(m) => m
+            .parse()
+            .map_err(|e: String| ApiError::invalid("mode", e))?,
+        None => q.pause_mode("mode", PauseMode::Abort)?,
+    };
     app.engine.sleep(level, mode).await.map_err(api_error)?;
     Ok(Json(json!({"status": "sleeping", "level": level.as_u8()})))
 }
 
-/// `POST /wake_up?tags=weights&tags=kv_cache` (none: everything) → `{"is_sleeping": bool}`,
-/// true while some tag is still asleep.
-pub async fn wake_up(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) -> AdminReply {
+/// `POST /wake_up`'s optional JSON body (SkyRL sends `{"tags": [...]}`); its tags replace the
+/// query's.
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WakeUpBody {
+    pub tags: Option<Vec<String>>,
+}
+
+/// `POST /wake_up?tags=weights&tags=kv_cache` (none: everything; or `{"tags": [...]}` in a
+/// JSON body) → `{"is_sleeping": bool}`, true while some tag is still asleep.
+pub async fn wake_up(
+    State(app): State<Arc<AppState>>,
+    RawQuery(raw): RawQuery,
+    ApiBytes(body): ApiBytes,
+) -> AdminReply {
     let q = QueryArgs::parse(raw.as_deref(), &["tags"])?;
-    let tags = wake_tags(&q.all("tags"), "tags", &[])?;
+    let req: WakeUpBody = body_or_default(&body)?;
+    let tags = match &req.tags {
+        Some(list) => {
+            let list: Vec<&str> = list.iter().map(String::as_str).collect();
+            wake_tags(&list, "tags", &[])?
+        }
+        None => wake_tags(&q.all("tags"), "tags", &[])?,
+    };
     app.engine.wake_up(&tags).await.map_err(api_error)?;
     is_sleeping(State(app)).await
+}
+
+/// An admin call's optional JSON body: empty or `null` (what a client that always sends a
+/// body sends without arguments, and the proxy's fan-out) is no arguments.
+fn body_or_default<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, ApiError> {
+    if body.trim_ascii() == b"null" {
+        Ok(T::default())
+    } else {
+        optional_json(body)
+    }
 }
 
 /// `GET /is_sleeping` → `{"is_sleeping": bool}`.
@@ -156,13 +214,7 @@ pub async fn reset_prefix_cache(
         raw.as_deref(),
         &["reset_running_requests", "reset_external"],
     )?;
-    // A JSON `null` (what a client that always sends a body sends without arguments) is no
-    // arguments, as an empty body is.
-    let req: ResetPrefixCache = if body.trim_ascii() == b"null" {
-        ResetPrefixCache::default()
-    } else {
-        optional_json(&body)?
-    };
+    let req: ResetPrefixCache = body_or_default(&body)?;
     let running = match req.reset_running_requests {
         Some(b) => b,
         None => q.bool("reset_running_requests", false)?,

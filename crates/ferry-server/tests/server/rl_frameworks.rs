@@ -442,6 +442,19 @@ async fn skyrl_generates_with_a_session_and_resets_the_cache_by_json_body() {
     )
     .await;
     assert_eq!(s.engine.weight_info().await.unwrap().n_weight_updates, 0);
+
+    // Its sleep and wake-up, arguments in JSON bodies (level 1, given rather than defaulted):
+    // waking the weights alone leaves the KV cache asleep.
+    let post = |path: &'static str, body: Value| s.send_json(s.http.post(s.url(path)).json(&body));
+    let (status, reply) = post("/sleep", json!({"level": 1})).await;
+    assert_eq!((status, &reply["level"]), (200, &json!(1)), "{reply}");
+    let (status, reply) = post("/wake_up", json!({"tags": ["weights"]})).await;
+    assert_eq!((status, reply), (200, json!({"is_sleeping": true})));
+    let (status, reply) = post("/wake_up", json!({"tags": ["kv_cache"]})).await;
+    assert_eq!((status, reply), (200, json!({"is_sleeping": false})));
+    let (status, reply) = post("/sleep", json!({"level": 7})).await;
+    assert_eq!(status, 400, "{reply}");
+    assert_eq!(reply["error"]["param"], "level", "{reply}");
 }
 
 /// TRL's async GRPO (`trl/experimental/async_grpo/async_rollout_worker.py`): waits on `GET
