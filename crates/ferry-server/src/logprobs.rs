@@ -64,17 +64,23 @@ pub fn completion_logprobs(
         let text = texts.text(lp.token);
         out.text_offset.push(offset);
         offset += text.chars().count();
-        let mut top: Vec<(String, f32)> = lp
-            .top
-            .iter()
-            .map(|&(id, l)| (texts.text(id), finite_logprob(l)))
-            .collect();
-        top.push((text.clone(), finite_logprob(lp.logprob)));
-        out.top_logprobs.push(Some(TopLogprobMap(top)));
+        out.top_logprobs
+            .push(Some(top_map(texts, &lp.top, &text, lp.logprob)));
         out.token_logprobs.push(Some(finite_logprob(lp.logprob)));
         out.tokens.push(text);
     }
     (out, offset)
+}
+
+/// A token's `top_logprobs` entry: its top alternatives, then the token itself (`text`, its
+/// `logprob`), as the OpenAI completions format lists them.
+fn top_map(texts: &TokenTexts, top: &[(TokenId, f32)], text: &str, logprob: f32) -> TopLogprobMap {
+    let mut map: Vec<(String, f32)> = top
+        .iter()
+        .map(|&(id, l)| (texts.text(id), finite_logprob(l)))
+        .collect();
+    map.push((text.to_owned(), finite_logprob(logprob)));
+    TopLogprobMap(map)
 }
 
 /// An echoed prompt's part of completions logprobs (it comes before the output's): each
@@ -94,15 +100,8 @@ pub fn echo_logprobs(
         let lp = i.checked_sub(1).and_then(|j| lps.get(j));
         out.token_logprobs
             .push(lp.map(|lp| finite_logprob(lp.logprob)));
-        out.top_logprobs.push(lp.map(|lp| {
-            let mut top: Vec<(String, f32)> = lp
-                .top
-                .iter()
-                .map(|&(id, l)| (texts.text(id), finite_logprob(l)))
-                .collect();
-            top.push((text.clone(), finite_logprob(lp.logprob)));
-            TopLogprobMap(top)
-        }));
+        out.top_logprobs
+            .push(lp.map(|lp| top_map(texts, &lp.top, &text, lp.logprob)));
         out.tokens.push(text);
     }
     (out, offset)
