@@ -576,6 +576,34 @@ fn stale_versions_compute_under_either_policy_and_release_the_export() {
     }
 }
 
+/// A choice that arrives only after its sibling loaded the export and finished (the choices
+/// are separate adds) computes, with prefix hits, instead of pulling the export a second
+/// time (which P refuses as invalid, so the choice would fail). The connector remembers used
+/// exports beyond their requests for this; here the prefix cache covers the prompt as well,
+/// so this holds the outcome, not that memory (a CI run once saw an `n=2` chat through the
+/// proxy fail this way; its path is not reproduced yet).
+#[test]
+fn a_late_choice_after_its_sibling_loaded_and_finished_computes() {
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let params = export(&mut f, &mut p, "x", prompt(1, 21));
+    for id in ["x-0", "x-1"] {
+        d.sched
+            .add_request_with_transfer(id, prompt(1, 21), greedy(2), typed(remote(&params)))
+            .unwrap();
+        for _ in 0..10 {
+            step_and_load(&mut f, "D", &mut d);
+        }
+        d.drain(100);
+    }
+    assert_eq!(f.n_pulls, 1);
+    for id in ["x-0", "x-1"] {
+        assert_eq!(d.finished[id].0, FinishReason::Length, "{id}");
+    }
+    assert_eq!(d.finished["x-0"].1, d.finished["x-1"].1, "the same tokens");
+}
+
 #[test]
 fn a_reused_export_is_not_loaded_twice() {
     let mut f = Fabric::default();
