@@ -26,7 +26,7 @@
 //! The export token is a keyed hash of the hold id under a secret the engine draws at start
 //! (`PdConfig::secret`), so it is unguessable to clients yet deterministic under simulation.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 
 use crate::connector::{
     prompt_hash, AllocatedLoad, ExternalMatch, ExternalQuery, FinishedRequest, KvConnector,
@@ -109,9 +109,6 @@ struct Loading {
 /// Names one export across engines: (engine id, token).
 type ExportKey = (String, String);
 
-/// How many used exports D remembers beyond their requests (`PdConnector::used_before`).
-const REMEMBERED_LOADS: usize = 4096;
-
 /// The P/D connector (see the module docs).
 #[derive(Debug)]
 pub struct PdConnector {
@@ -127,12 +124,6 @@ pub struct PdConnector {
     /// D: exports this engine loaded or is loading, with how many live requests name them:
     /// an export is loaded once; the others take prefix hits.
     seen: HashMap<ExportKey, Seen>,
-    /// D: the last [`REMEMBERED_LOADS`] exports whose `seen` entry ended after a load (or a
-    /// decline): a choice of the same request that arrives only after its siblings loaded
-    /// the export and finished (the choices are separate adds; a fast load and a short
-    /// answer can both happen in between) must not pull it again (P refuses a second pull
-    /// as invalid, which fails the request); it computes, taking prefix hits.
-    used_before: (VecDeque<ExportKey>, HashSet<ExportKey>),
     jobs: Vec<PdJob>,
     ended: Vec<TransferId>,
     loads: Vec<LoadResult>,
@@ -156,7 +147,6 @@ impl PdConnector {
             imports: HashMap::new(),
             loading: BTreeMap::new(),
             seen: HashMap::new(),
-            used_before: Default::default(),
             jobs: Vec::new(),
             ended: Vec::new(),
             loads: Vec::new(),
@@ -226,25 +216,9 @@ impl PdConnector {
         if seen.n_requests == 0 && !seen.loading {
             let used = seen.used;
             self.seen.remove(&key);
-            if used {
-                self.remember_used(key);
-            } else {
+            if !used {
                 // Nobody here will pull it: P need not wait out the lease.
                 self.release(spec);
-            }
-        }
-    }
-
-    /// Remembers that export `key` was loaded (or declined) here, forgetting the oldest
-    /// beyond [`REMEMBERED_LOADS`].
-    fn remember_used(&mut self, key: ExportKey) {
-        let (order, set) = &mut self.used_before;
-        if set.insert(key.clone()) {
-            order.push_back(key);
-            if order.len() > REMEMBERED_LOADS {
-                if let Some(old) = order.pop_front() {
-                    set.remove(&old);
-                }
             }
         }
     }
@@ -315,13 +289,7 @@ impl KvConnector for PdConnector {
             let n_tokens = spec.as_ref().map_or(0, |s| s.n_tokens);
             let hash = prompt_hash(&new.prompt[..n_tokens]);
             if let Ok(spec) = &spec {
-                let key = export_key(spec);
-                let used = self.used_before.1.contains(&key);
-                let seen = self.seen.entry(key).or_insert(Seen {
-                    used,
-                    ..Seen::default()
-                });
-                seen.n_requests += 1;
+                self.seen.entry(export_key(spec)).or_default().n_requests += 1;
             }
             self.imports.insert(
                 new.req,
@@ -454,7 +422,6 @@ impl KvConnector for PdConnector {
                     seen.loading = false;
                     if seen.n_requests == 0 {
                         self.seen.remove(&l.export);
-                        self.remember_used(l.export.clone());
                     }
                 }
                 if let Some(import) = self.imports.get_mut(&l.req) {
