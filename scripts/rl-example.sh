@@ -53,4 +53,4 @@ trap 'rm -rf "$work"' EXIT
 "$py" examples/rl/grpo.py --check --no-plot --ferry "$BIN" \
     --model-dir "$work/tiny" --serve-model tiny --trainer mini --task even-tokens \
     --steps 4 --prompts 3 --group 4 --max-tokens 64 --ignore-eos --lr 1e-2 \
-    --pause-mid-rollout --threads 1 --out "$work/run"
+    --pause-mid-rollout --threads 1 --bucket-bytes 100000 --out "$work/run"

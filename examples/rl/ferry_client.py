@@ -14,6 +14,7 @@ timing.
 import http.client
 import json
 import re
+import struct
 import threading
 import time
 import urllib.parse
@@ -136,6 +137,56 @@ class Ferry:
         path = "/update_weights?weight_version=" + urllib.parse.quote(version)
         return self.call("POST", path, body=blob, headers={"Content-Type": "application/octet-stream"})
 
+    def upload_weights(self, tensors, version, bucket_bytes=64 << 20):
+        """Pushes {name: torch tensor} as a bucketed upload (docs/weight-sync.md): buckets of
+        about `bucket_bytes`, each sent as its tensors are serialised (no bucket, let alone the
+        state dict, is ever one bytes object), then one commit installs all under `version`.
+        Returns the commit's reply; on an error the upload is discarded."""
+        up = self.call("POST", "/weight_uploads", {"weight_version": version})
+        uid = up["upload_id"]
+        try:
+            for names in _buckets(tensors, bucket_bytes):
+                self._send_bucket(f"/weight_uploads/{uid}/buckets", tensors, names)
+            return self.call("POST", f"/weight_uploads/{uid}/commit", {})
+        except BaseException:
+            try:
+                self.call("DELETE", f"/weight_uploads/{uid}")
+            except FerryError:
+                pass  # already discarded by the error
+            raise
+
+    def _send_bucket(self, path, tensors, names):
+        """One bucket in safetensors framing: the header, then each tensor's bytes straight
+        from its array as it is converted (the conversion of one overlaps the sending of the
+        last)."""
+        header, off = {}, 0
+        for name in names:
+            t = tensors[name]
+            n = t.numel() * 4
+            header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [off, off + n]}
+            off += n
+        h = json.dumps(header, separators=(",", ":")).encode()
+        h += b" " * (-len(h) % 8)
+        c = self._conn()
+        try:
+            c.putrequest("POST", path)
+            c.putheader("Content-Type", "application/octet-stream")
+            c.putheader("Content-Length", str(8 + len(h) + off))
+            c.endheaders()
+            c.send(struct.pack("<Q", len(h)) + h)
+            import torch  # the trainer's; the rest of this client needs none
+
+            for name in names:
+                a = tensors[name].detach().to(torch.float32).contiguous().cpu().numpy()
+                c.send(memoryview(a).cast("B"))
+            r = c.getresponse()
+            data = r.read()
+        finally:
+            c.close()
+        if r.status != 200:
+            raise FerryError(f"POST {path}: HTTP {r.status}: {data[:500]!r}")
+        return json.loads(data)
+
     def wait_received(self, target, timeout=60.0):
         """Waits until this client has received `target` tokens in all (see the module doc)."""
         deadline = time.monotonic() + timeout
@@ -225,3 +276,17 @@ class Ferry:
                 if ch.get("finish_reason") is not None:
                     c.finish_reason = ch["finish_reason"]
                     c.weight_versions = ch.get("weight_versions")
+
+
+def _buckets(tensors, bucket_bytes):
+    """Tensor names in name order, cut into buckets of about `bucket_bytes` (f32) each."""
+    bucket, size = [], 0
+    for name in sorted(tensors):
+        n = tensors[name].numel() * 4
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(name)
+        size += n
+    if bucket:
+        yield bucket

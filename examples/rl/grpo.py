@@ -8,8 +8,10 @@ Each step:
   2. on the previous batch: rewards, group-normalised advantages, the trainer's logprobs of
      the sampled tokens under the weights that generated each of them (the current weights,
      or the previous ones, kept for that), a PPO-clipped policy-gradient step with AdamW;
-  3. `POST /pause?mode=keep&clear_cache=true` -> `POST /update_weights?weight_version=step-N`
-     (the whole state dict as safetensors bytes, Hugging Face names) -> `POST /resume`.
+  3. `POST /pause?mode=keep&clear_cache=true` -> a bucketed upload of the whole state dict
+     (`POST /weight_uploads`, buckets of safetensors bytes under Hugging Face names, each
+     serialised as it is sent, then `.../commit` as `step-N`; `--push one-body`: one
+     `POST /update_weights?weight_version=step-N`) -> `POST /resume`.
 
 clear_cache=true: requests frozen by the pause drop their KV and recompute it with the new
 weights after the resume, so a token generated after the update was computed from the new
@@ -383,9 +385,15 @@ def loop(args, rng, task, model, prev, push_names, opt, ferry, checks):
         n_frozen = ferry.mark_update(new_version)
         sync_wait_s = time.perf_counter() - t - pause_s
         t = time.perf_counter()
-        blob = safetensors_bytes({k: v for k, v in model.state_dict().items() if k in push_names})
-        serialize_s = time.perf_counter() - t
-        reply = ferry.update_weights(blob, new_version)
+        state = {k: v for k, v in model.state_dict().items() if k in push_names}
+        if args.push == "one-body":
+            blob = safetensors_bytes(state)
+            serialize_s = time.perf_counter() - t
+            reply = ferry.update_weights(blob, new_version)
+        else:
+            # Buckets serialised as they are sent: no serialising step of its own.
+            serialize_s = 0.0
+            reply = ferry.upload_weights(state, new_version, bucket_bytes=args.bucket_bytes)
         push_s = time.perf_counter() - t
         t = time.perf_counter()
         ferry.resume()
@@ -431,7 +439,8 @@ def loop(args, rng, task, model, prev, push_names, opt, ferry, checks):
             "sync_wait_s": sync_wait_s,
             "serialize_s": serialize_s,
             "push_s": push_s,
-            "push_bytes": len(blob),
+            "push_bytes": sum(v.numel() * 4 for v in state.values()),
+            "push": args.push,
             "resume_s": resume_s,
             "step_s": step_s,
             "weight_sync_share": (pause_s + sync_wait_s + push_s + resume_s) / step_s,
@@ -518,6 +527,9 @@ def main():
     ap.add_argument("--trainer", choices=["hf", "mini"], default=None,
                     help="hf: transformers; mini: examples/rl/llama_mini.py (default: hf if installed)")
     ap.add_argument("--task", choices=sorted(TASKS), default="wordcount")
+    ap.add_argument("--push", choices=["bucketed", "one-body"], default="bucketed",
+                    help="weight sync: a bucketed upload (/weight_uploads) or one safetensors body")
+    ap.add_argument("--bucket-bytes", type=int, default=64 << 20, help="bucket size of a bucketed upload")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (groups)")
     ap.add_argument("--group", type=int, default=4, help="samples per prompt (n)")

@@ -60,7 +60,8 @@ pub use ferry_kv::{
     InMemoryFabric, InMemoryTransport, OffloadWorker, PdWorker, Transport, WorkerConnector,
 };
 pub use ferry_model::{
-    Executor, LoadError, LoadedModel, LogprobsMode, ModelSpec, Tensor, WeightError, WeightStore,
+    BucketInfo, Executor, LoadError, LoadedModel, LogprobsMode, ModelSpec, PreparedWeights, Tensor,
+    WeightError, WeightStore, WeightUpload,
 };
 pub use handle::{random_secret, spawn, spawn_with_connectors, Connector, EngineHandle};
 pub use input::{EngineFinish, Event};

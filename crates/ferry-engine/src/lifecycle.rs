@@ -16,8 +16,11 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::Instant;
 
-use ferry_core::{LifecycleStatus, PauseMode, SleepLevel, WakeTag};
-use ferry_model::{expected_tensors, PreparedWeights, SafetensorsPush, WeightFiles, WeightStore};
+use ferry_core::{LifecycleStatus, PauseMode, SleepLevel, WakeTag, WeightResidency};
+use ferry_model::{
+    expected_tensors, BucketInfo, PreparedWeights, SafetensorsPush, WeightFiles, WeightStore,
+    WeightUpload,
+};
 use futures_core::Stream;
 use tokio::sync::{mpsc, oneshot};
 
@@ -146,41 +149,65 @@ impl EngineHandle {
         S: Stream<Item = Result<B, E>> + Unpin,
         B: AsRef<[u8]> + Send + 'static,
     {
-        let mut push = SafetensorsPush::new(self.weight_preparer());
         let started = Instant::now();
-        let (tx, mut rx) = mpsc::channel::<B>(PUSH_PIECES_AHEAD);
-        let reader = tokio::task::spawn_blocking(move || {
-            while let Some(piece) = rx.blocking_recv() {
-                push.feed(piece.as_ref())?;
-            }
-            push.finish()
-        });
-        let mut body_error = None;
-        while let Some(piece) = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_next(cx)).await
-        {
-            match piece {
-                // A send fails only once the reader has refused the push: its error says why.
-                Ok(piece) => {
-                    if tx.send(piece).await.is_err() {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    body_error = Some(e);
-                    break;
-                }
-            }
-        }
-        drop(tx);
-        // Awaited even after a body error, so the partial update is freed before returning.
-        let prepared = reader
+        let push = read_stream(SafetensorsPush::new(self.weight_preparer()), body).await?;
+        let prepared = blocking(move || push.finish())
             .await
-            .map_err(|_| WeightUpdateError::Stopped(Stopped));
-        if let Some(e) = body_error {
-            return Err(WeightPushError::Body(e));
-        }
-        let prepared = prepared?.map_err(WeightUpdateError::Weights)?;
+            .map_err(WeightUpdateError::Stopped)?
+            .map_err(WeightUpdateError::Weights)?;
         Ok(self.install(prepared, version, started).await?)
+    }
+
+    /// A bucketed upload of this engine's weights, to stage buckets into
+    /// ([`EngineHandle::upload_bucket`]) and commit ([`EngineHandle::finish_upload`], then
+    /// [`EngineHandle::install_upload`]). Nothing reaches the engine before the commit.
+    pub fn weight_upload(&self) -> WeightUpload {
+        WeightUpload::new(self.weight_preparer())
+    }
+
+    /// Reads one bucket (a safetensors body) as it arrives into `upload`'s staged buffers, as
+    /// a push is read. On an error the upload is unchanged; the caller decides whether it
+    /// lives on.
+    pub async fn upload_bucket<S, B, E>(
+        &self,
+        upload: &mut WeightUpload,
+        body: &mut S,
+    ) -> Result<BucketInfo, WeightPushError<E>>
+    where
+        S: Stream<Item = Result<B, E>> + Unpin,
+        B: AsRef<[u8]> + Send + 'static,
+    {
+        let push = read_stream(upload.bucket(), body).await?;
+        Ok(upload.stage(push).map_err(WeightUpdateError::Weights)?)
+    }
+
+    /// Joins an upload's buckets into the one update its commit installs (off the engine
+    /// thread), and checks it can be installed now: weights dropped by sleep level 2 take
+    /// only a complete set. The first phase of a commit across instances.
+    pub async fn finish_upload(
+        &self,
+        upload: WeightUpload,
+    ) -> Result<PreparedWeights, WeightUpdateError> {
+        let dropped = self.weight_info().await?.residency == WeightResidency::Dropped;
+        let prepared = blocking(move || {
+            if dropped {
+                upload.finish_complete()
+            } else {
+                upload.finish()
+            }
+        })
+        .await??;
+        Ok(prepared)
+    }
+
+    /// Installs a finished upload between two steps under `version`: every staged tensor at
+    /// once, so each token is computed by the old weights or the new, never a mix.
+    pub async fn install_upload(
+        &self,
+        prepared: PreparedWeights,
+        version: Option<String>,
+    ) -> Result<WeightUpdateInfo, WeightUpdateError> {
+        self.install(prepared, version, Instant::now()).await
     }
 
     /// Reloads every weight from a model folder (or GGUF file) of the same model. The
@@ -288,4 +315,48 @@ impl EngineHandle {
 /// is gone (the runtime is shutting down) or `f` panicked.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Stopped> {
     tokio::task::spawn_blocking(f).await.map_err(|_| Stopped)
+}
+
+/// Feeds `body` into `push` piece by piece on a blocking thread while the next pieces are
+/// read, so the body is never held whole; returns the push once the body ended, for its
+/// `finish`. On a refusal (the reader's error) the rest of `body` is left unread.
+async fn read_stream<S, B, E>(
+    mut push: SafetensorsPush,
+    body: &mut S,
+) -> Result<SafetensorsPush, WeightPushError<E>>
+where
+    S: Stream<Item = Result<B, E>> + Unpin,
+    B: AsRef<[u8]> + Send + 'static,
+{
+    let (tx, mut rx) = mpsc::channel::<B>(PUSH_PIECES_AHEAD);
+    let reader = tokio::task::spawn_blocking(move || {
+        while let Some(piece) = rx.blocking_recv() {
+            push.feed(piece.as_ref())?;
+        }
+        Ok(push)
+    });
+    let mut body_error = None;
+    while let Some(piece) = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_next(cx)).await {
+        match piece {
+            // A send fails only once the reader has refused the push: its error says why.
+            Ok(piece) => {
+                if tx.send(piece).await.is_err() {
+                    break;
+                }
+            }
+            Err(e) => {
+                body_error = Some(e);
+                break;
+            }
+        }
+    }
+    drop(tx);
+    // Awaited even after a body error, so the partial bucket is freed before returning.
+    let read = reader
+        .await
+        .map_err(|_| WeightUpdateError::Stopped(Stopped));
+    if let Some(e) = body_error {
+        return Err(WeightPushError::Body(e));
+    }
+    Ok(read?.map_err(WeightUpdateError::Weights)?)
 }

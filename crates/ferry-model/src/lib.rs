@@ -40,3 +40,4 @@ pub use weights::update::{
     parse_safetensors, ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer,
     WeightResidency, WeightSlots, Weightless,
 };
+pub use weights::upload::{BucketInfo, WeightUpload};

@@ -72,7 +72,7 @@ pub struct InstanceResult {
 }
 
 impl InstanceResult {
-    fn ok(&self) -> bool {
+    pub(crate) fn ok(&self) -> bool {
         matches!(&self.outcome, Ok((s, _)) if s.is_success())
     }
 
@@ -116,12 +116,22 @@ async fn broadcast(
     content_type: Option<&HeaderValue>,
     bodies: Vec<reqwest::Body>,
 ) -> Vec<InstanceResult> {
-    let calls = app
-        .fleet
-        .all()
-        .iter()
-        .zip(bodies)
-        .map(|(instance, body)| async move {
+    let paths = vec![path_and_query.to_owned(); bodies.len()];
+    broadcast_to(app, method, &paths, request_id, content_type, bodies).await
+}
+
+/// Sends one call to every instance at once, each at its own path (in fleet order) with its
+/// own body.
+pub(crate) async fn broadcast_to(
+    app: &ProxyState,
+    method: &Method,
+    paths: &[String],
+    request_id: &str,
+    content_type: Option<&HeaderValue>,
+    bodies: Vec<reqwest::Body>,
+) -> Vec<InstanceResult> {
+    let calls = app.fleet.all().iter().zip(paths).zip(bodies).map(
+        |((instance, path_and_query), body)| async move {
             let call = Call {
                 method: method.clone(),
                 path_and_query,
@@ -145,7 +155,8 @@ async fn broadcast(
                 instance: Arc::clone(instance),
                 outcome,
             }
-        });
+        },
+    );
     futures_util::future::join_all(calls).await
 }
 
@@ -165,7 +176,7 @@ fn clears_cache(path_and_query: &str) -> bool {
         | "/update_weights_from_disk"
         | "/update_weight_version" => true,
         "/pause" => !form_pairs(query).any(|(k, v)| k == "clear_cache" && v == "false"),
-        _ => false,
+        _ => path.starts_with("/weight_uploads/") && path.ends_with("/commit"),
     }
 }
 
@@ -184,6 +195,15 @@ pub const VERSION_READS: [&str; 2] = ["/get_weight_version", "/weight_info"];
 /// different versions is a 409 naming each instance's version, with `instances` and
 /// `weight_versions` (each instance's URL, role and version).
 pub fn summarise(path: &str, results: &[InstanceResult]) -> Response {
+    summarise_noting(path, results, None)
+}
+
+/// [`summarise`], with `note` (what became of the operation) after a failure's message.
+pub(crate) fn summarise_noting(
+    path: &str,
+    results: &[InstanceResult],
+    note: Option<&str>,
+) -> Response {
     let instances: Vec<Value> = results.iter().map(InstanceResult::to_json).collect();
     let failures: Vec<String> = results.iter().filter_map(InstanceResult::failure).collect();
     if failures.is_empty() && VERSION_READS.contains(&path) {
@@ -227,12 +247,15 @@ pub fn summarise(path: &str, results: &[InstanceResult]) -> Response {
         .filter_map(|r| r.outcome.as_ref().ok())
         .collect();
     let n_ok = results.len() - failures.len();
-    let message = format!(
+    let mut message = format!(
         "{path} failed on {} of {} instances ({n_ok} succeeded): {}",
         failures.len(),
         results.len(),
         failures.join("; ")
     );
+    if let Some(note) = note {
+        message = format!("{message}; {note}");
+    }
     // Every failed instance answered, with one status: that status, and the first one's
     // field at fault (a bad argument is the same 400 from all). Else (one unreachable, or
     // answers that differ) a 502.
@@ -325,7 +348,7 @@ fn copies(body: &Bytes, n: usize) -> Vec<reqwest::Body> {
 
 /// A weight version for an update whose caller named none: the same on every instance,
 /// unique to this update.
-fn new_weight_version() -> String {
+pub(crate) fn new_weight_version() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -387,7 +410,30 @@ async fn push(
 ) -> Response {
     let query = with_weight_version(raw.as_deref());
     let path_and_query = format!("/update_weights?{query}");
-    let n = app.fleet.all().len();
+    let (feed, bodies) = tee(body, app.fleet.all().len());
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_static("application/octet-stream"));
+    let send = broadcast(
+        &app,
+        &Method::POST,
+        &path_and_query,
+        &id,
+        Some(&content_type),
+        bodies,
+    );
+    let ((), results) = tokio::join!(feed, send);
+    summarise("/update_weights", &results)
+}
+
+/// `body` copied to `n` bodies as it arrives (never held whole): the future feeds them, a
+/// slow reader slowing all (bounded memory). A reader that stopped (its instance refused the
+/// body) is skipped; a failed read ends every copy with the error.
+pub(crate) fn tee(
+    body: Body,
+    n: usize,
+) -> (impl std::future::Future<Output = ()>, Vec<reqwest::Body>) {
     let mut senders = Vec::with_capacity(n);
     let mut bodies = Vec::with_capacity(n);
     for _ in 0..n {
@@ -405,7 +451,6 @@ async fn push(
             let piece = piece.map_err(|e| std::io::Error::other(e.to_string()));
             let failed = piece.is_err();
             for tx in &senders {
-                // An instance that stopped reading (it refused the push) has dropped its end.
                 let copy = match &piece {
                     Ok(b) => Ok(b.clone()),
                     Err(e) => Err(std::io::Error::other(e.to_string())),
@@ -417,20 +462,7 @@ async fn push(
             }
         }
     };
-    let content_type = headers
-        .get(header::CONTENT_TYPE)
-        .cloned()
-        .unwrap_or_else(|| HeaderValue::from_static("application/octet-stream"));
-    let send = broadcast(
-        &app,
-        &Method::POST,
-        &path_and_query,
-        &id,
-        Some(&content_type),
-        bodies,
-    );
-    let ((), results) = tokio::join!(feed, send);
-    summarise("/update_weights", &results)
+    (feed, bodies)
 }
 
 /// The push's query with `weight_version` set: the caller's, else a new one.

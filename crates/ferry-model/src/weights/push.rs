@@ -15,6 +15,7 @@
 //! before a slot exists, so a refused push costs no weight memory and names the first bad
 //! tensor as [`crate::parse_safetensors`] and [`WeightPreparer::prepare`] do.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use safetensors::tensor::Metadata;
@@ -55,6 +56,8 @@ enum Stage {
 
 struct DataStage {
     slots: Box<dyn WeightSlots>,
+    /// The tensors' names, in name order.
+    names: Vec<String>,
     segments: Vec<Segment>,
     /// The segment the next byte belongs to.
     seg_idx: usize,
@@ -69,6 +72,8 @@ struct DataStage {
 /// A safetensors body being read into a prepared update (see the module docs).
 pub struct SafetensorsPush {
     preparer: Arc<dyn WeightPreparer>,
+    /// Names this push may not hold: tensors an earlier bucket of the same upload staged.
+    taken: BTreeSet<String>,
     stage: Stage,
 }
 
@@ -85,8 +90,15 @@ impl std::fmt::Debug for SafetensorsPush {
 
 impl SafetensorsPush {
     pub fn new(preparer: Arc<dyn WeightPreparer>) -> Self {
+        Self::excluding(preparer, BTreeSet::new())
+    }
+
+    /// A push refusing the tensors named in `taken` ([`WeightError::Duplicate`]): one bucket
+    /// of an upload whose earlier buckets staged them.
+    pub fn excluding(preparer: Arc<dyn WeightPreparer>, taken: BTreeSet<String>) -> Self {
         Self {
             preparer,
+            taken,
             stage: Stage::Header { bytes: Vec::new() },
         }
     }
@@ -108,6 +120,11 @@ impl SafetensorsPush {
 
     /// The prepared update, once the body has ended: every tensor's bytes arrived.
     pub fn finish(self) -> Result<PreparedWeights, WeightError> {
+        self.finish_named().map(|(weights, _)| weights)
+    }
+
+    /// [`SafetensorsPush::finish`], with the names of the tensors the update holds.
+    pub fn finish_named(self) -> Result<(PreparedWeights, Vec<String>), WeightError> {
         match self.stage {
             Stage::Header { bytes } => Err(malformed(format!(
                 "the body ends inside the header ({} bytes)",
@@ -117,7 +134,7 @@ impl SafetensorsPush {
                 "the body ends after {} of the {} data bytes its header describes",
                 data.pos, data.data_len
             ))),
-            Stage::Data(data) => Ok(data.slots.finish()),
+            Stage::Data(data) => Ok((data.slots.finish(), data.names)),
         }
     }
 
@@ -135,6 +152,9 @@ impl SafetensorsPush {
                     dtype: format!("{:?}", info.dtype),
                 });
             }
+        }
+        if let Some((name, _)) = by_name.iter().find(|(name, _)| self.taken.contains(name)) {
+            return Err(WeightError::Duplicate { name: name.clone() });
         }
         let list: Vec<(String, Vec<usize>)> = by_name
             .iter()
@@ -162,6 +182,7 @@ impl SafetensorsPush {
         segments.sort_by_key(|s| s.start);
         Ok(DataStage {
             slots,
+            names: list.into_iter().map(|(name, _)| name).collect(),
             segments,
             seg_idx: 0,
             pos: 0,

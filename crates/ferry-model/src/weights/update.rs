@@ -35,6 +35,9 @@ pub enum WeightError {
     },
     #[error("tensor `{name}` has unsupported dtype {dtype} (supported: F32, F16, BF16)")]
     UnsupportedDtype { name: String, dtype: String },
+    /// One upload held a tensor twice (two buckets named it).
+    #[error("tensor `{name}` was already sent in an earlier bucket of this upload")]
+    Duplicate { name: String },
     #[error("invalid safetensors data: {0}")]
     Malformed(String),
     /// A full set was required (the weights were dropped by sleep level 2, or a reload).
@@ -134,6 +137,27 @@ pub trait WeightPreparer: Send + Sync {
 
     /// For a reload from a model folder: the folder's config must describe the same model.
     fn check_config(&self, config: &LlamaConfig) -> Result<(), WeightError>;
+
+    /// Every parameter the model takes (`(name, shape)`); empty for an executor without
+    /// weights.
+    fn expected(&self) -> Vec<(String, Vec<usize>)> {
+        Vec::new()
+    }
+
+    /// One update from the buckets of an upload ([`crate::WeightUpload`]), each prepared by
+    /// this preparer from tensors no other bucket held. Buckets that together hold every
+    /// parameter make a complete update (installable after sleep level 2 dropped the
+    /// weights); moving, not copying, their tensors. An executor whose updates cannot be
+    /// combined takes a single bucket only.
+    fn merge(&self, mut parts: Vec<PreparedWeights>) -> Result<PreparedWeights, WeightError> {
+        match parts.len() {
+            0 => Err(WeightError::Empty),
+            1 => Ok(parts.remove(0)),
+            _ => Err(WeightError::Malformed(
+                "this model takes an upload in one bucket".to_owned(),
+            )),
+        }
+    }
 }
 
 /// An executor's weights as the lifecycle drives them: updates (between steps) and sleep.

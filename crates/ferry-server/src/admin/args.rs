@@ -181,7 +181,8 @@ fn weight_error(w: WeightError, source_param: &str) -> ApiError {
     match &w {
         WeightError::UnknownTensor { name }
         | WeightError::BadShape { name, .. }
-        | WeightError::UnsupportedDtype { name, .. } => ApiError::invalid(name.clone(), message),
+        | WeightError::UnsupportedDtype { name, .. }
+        | WeightError::Duplicate { name } => ApiError::invalid(name.clone(), message),
         WeightError::Empty | WeightError::Malformed(_) => ApiError::invalid("body", message),
         WeightError::Incomplete { .. } | WeightError::ConfigMismatch { .. } => {
             ApiError::invalid(source_param, message)

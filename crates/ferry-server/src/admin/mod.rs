@@ -14,6 +14,7 @@
 
 pub mod args;
 pub mod sglang;
+pub mod upload;
 pub mod weights;
 
 use std::sync::Arc;
@@ -59,6 +60,7 @@ pub fn routes() -> Router<Arc<AppState>> {
             "/init_weight_transfer_engine",
             post(weights::init_weight_transfer_engine),
         )
+        .merge(upload::routes())
         .merge(sglang::routes())
 }
 

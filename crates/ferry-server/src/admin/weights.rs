@@ -185,11 +185,16 @@ async fn push_safetensors(app: Arc<AppState>, raw: Option<String>, body: Body) -
 
 /// Why a pushed body could not be read.
 #[derive(Debug, thiserror::Error)]
-enum BodyError {
+pub(super) enum BodyError {
     #[error("the safetensors body is over {limit} bytes (see --max-weight-push-bytes)")]
     TooLarge { limit: usize },
     #[error("could not read the safetensors body: {0}")]
     Read(axum::Error),
+    #[error(
+        "the safetensors body stalled: no bytes for {:.0} s (see --weight-upload-timeout-seconds)",
+        timeout.as_secs_f64()
+    )]
+    Stalled { timeout: std::time::Duration },
 }
 
 impl From<BodyError> for ApiError {
@@ -197,12 +202,17 @@ impl From<BodyError> for ApiError {
         match e {
             BodyError::TooLarge { .. } => ApiError::too_large(e.to_string()),
             BodyError::Read(_) => ApiError::invalid("body", e.to_string()),
+            // The client's body, not an upstream, outlasted the bound: 408, not 504.
+            BodyError::Stalled { .. } => ApiError {
+                status: axum::http::StatusCode::REQUEST_TIMEOUT,
+                ..ApiError::timeout(e.to_string())
+            },
         }
     }
 }
 
 /// The body's pieces, ending with `TooLarge` once more than `limit` bytes came.
-fn limited(body: Body, limit: usize) -> impl Stream<Item = Result<Bytes, BodyError>> {
+pub(super) fn limited(body: Body, limit: usize) -> impl Stream<Item = Result<Bytes, BodyError>> {
     let mut n_read = 0usize;
     body.into_data_stream().map(move |piece| {
         let piece = piece.map_err(BodyError::Read)?;
@@ -214,7 +224,7 @@ fn limited(body: Body, limit: usize) -> impl Stream<Item = Result<Bytes, BodyErr
     })
 }
 
-fn update_reply(info: &WeightUpdateInfo, message: &str) -> Value {
+pub(super) fn update_reply(info: &WeightUpdateInfo, message: &str) -> Value {
     json!({
         "success": true,
         "message": message,

@@ -18,3 +18,4 @@ mod rl_fields;
 mod rl_frameworks;
 mod structured;
 mod support;
+mod upload;

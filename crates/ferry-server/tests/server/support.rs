@@ -27,6 +27,8 @@ pub struct Options {
     pub max_weight_push_bytes: Option<usize>,
     /// `ServerConfig::api_key`.
     pub api_key: Option<String>,
+    /// `ServerConfig::weight_upload_timeout` (default: the server's default).
+    pub weight_upload_timeout: Option<Duration>,
     /// The engine's logprobs mode.
     pub logprobs_mode: LogprobsMode,
     /// `ServerConfig::max_top_logprobs` (default: the server's default).
@@ -45,6 +47,7 @@ impl Default for Options {
             admin_api: false,
             max_weight_push_bytes: None,
             api_key: None,
+            weight_upload_timeout: None,
             logprobs_mode: LogprobsMode::default(),
             max_top_logprobs: None,
             kv_allowed_peers: AllowedPeers::default(),
@@ -131,6 +134,9 @@ pub async fn start_with(opts: Options, pd: Option<Pd>) -> Server {
             .unwrap_or(ferry_server::DEFAULT_MAX_WEIGHT_PUSH_BYTES),
         kv_connector: pd.is_some(),
         kv_allowed_peers: opts.kv_allowed_peers.clone(),
+        weight_upload_timeout: opts
+            .weight_upload_timeout
+            .unwrap_or(ferry_server::DEFAULT_WEIGHT_UPLOAD_TIMEOUT),
         ..defaults
     };
     let app = router(engine.clone(), server_config);

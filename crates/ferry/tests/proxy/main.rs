@@ -5,7 +5,8 @@
 //! straight to D, several P and D, an instance that is down, keys and bad input, and
 //! instances on different weight versions (a 409 and `/health`'s `version_skew`). Beside them,
 //! the KV events the instances publish (`kv_events.rs`), the proxy's routing by them
-//! (`kv_routing.rs`), and the RL frameworks' native routes through P and D (`native.rs`).
+//! (`kv_routing.rs`), the RL frameworks' native routes through P and D (`native.rs`), and
+//! bucketed weight uploads with their two-phase commit (`upload.rs`).
 //!
 //! The tests take one lock each, so their processes never compete for the CPU (several
 //! tests wait on leases and pauses), and each is bounded in time.
@@ -14,6 +15,7 @@ mod kv_events;
 mod kv_routing;
 mod native;
 mod procs;
+mod upload;
 
 use std::time::{Duration, Instant};
 

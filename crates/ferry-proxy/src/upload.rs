@@ -1,0 +1,404 @@
+//! Bucketed weight uploads through the proxy: one upload on every instance, each bucket
+//! copied to all of them as it arrives, and a two-phase commit.
+//!
+//! The routes are the instances' own (`ferry_server::admin::upload`). The proxy's upload id
+//! names one upload on each instance (their ids kept in fleet order); it makes the weight
+//! version when the caller names none, so every instance commits the same one.
+//!
+//! The commit is two-phase: every instance first prepares (joins its buckets and checks the
+//! update can be installed); only when all have does any commit. If a prepare fails, nothing
+//! commits, every instance's upload is discarded, and the error names the instance. An
+//! instance that fails between its prepare and its commit (it died) stays on its old version,
+//! which the error names and the proxy's version-skew reporting shows
+//! ([`crate::versions`]). A failed bucket, on any instance, discards the upload everywhere:
+//! the instances must hold the same tensors.
+
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, Method};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Extension, Json, Router};
+use ferry_http::error::ApiError;
+use ferry_http::extract::{random_id, ApiBytes, RequestId};
+use serde_json::{json, Map, Value};
+
+use crate::admin::{broadcast_to, new_weight_version, summarise_noting, tee, InstanceResult};
+use crate::ProxyState;
+
+pub fn routes() -> Router<Arc<ProxyState>> {
+    Router::new()
+        .route("/weight_uploads", post(begin).get(current))
+        .route("/weight_uploads/{id}", axum::routing::delete(discard))
+        .route("/weight_uploads/{id}/buckets", post(bucket))
+        .route("/weight_uploads/{id}/prepare", post(prepare))
+        .route("/weight_uploads/{id}/commit", post(commit))
+}
+
+/// The proxy's one open upload.
+#[derive(Debug, Default)]
+pub struct Uploads {
+    open: Mutex<Option<Open>>,
+}
+
+#[derive(Debug, Clone)]
+struct Open {
+    id: String,
+    /// Each instance's upload id, in fleet order.
+    ids: Vec<String>,
+    n_buckets: usize,
+    prepared: bool,
+}
+
+impl Uploads {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Open>> {
+        self.open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn get(&self, id: &str) -> Result<Open, ApiError> {
+        match self.lock().as_ref() {
+            Some(u) if u.id == id => Ok(u.clone()),
+            _ => Err(ApiError::not_found(
+                Some("upload_id"),
+                format!(
+                    "no open weight upload `{id}` on the proxy (it was committed, discarded \
+                     after an error, or never begun; start one with POST /weight_uploads)"
+                ),
+            )),
+        }
+    }
+
+    fn update(&self, id: &str, f: impl FnOnce(&mut Open)) {
+        if let Some(u) = self.lock().as_mut().filter(|u| u.id == id) {
+            f(u);
+        }
+    }
+
+    fn end(&self, id: &str) {
+        let mut open = self.lock();
+        if open.as_ref().is_some_and(|u| u.id == id) {
+            *open = None;
+        }
+    }
+}
+
+fn json_type() -> HeaderValue {
+    HeaderValue::from_static("application/json")
+}
+
+fn json_bodies(body: &Value, n: usize) -> Vec<reqwest::Body> {
+    let bytes = axum::body::Bytes::from(body.to_string());
+    (0..n).map(|_| reqwest::Body::from(bytes.clone())).collect()
+}
+
+fn empty_bodies(n: usize) -> Vec<reqwest::Body> {
+    (0..n).map(|_| reqwest::Body::from(Vec::new())).collect()
+}
+
+fn paths(open: &Open, suffix: &str) -> Vec<String> {
+    open.ids
+        .iter()
+        .map(|id| format!("/weight_uploads/{id}{suffix}"))
+        .collect()
+}
+
+/// The body as a JSON object (none: an empty one).
+fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Map::new());
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(Value::Null) => Ok(Map::new()),
+        _ => Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        )),
+    }
+}
+
+/// Discards the upload on every instance (best effort: an instance that lost it already
+/// answers 404) and forgets it.
+async fn discard_everywhere(app: &ProxyState, open: &Open, request_id: &str) {
+    let n = open.ids.len();
+    broadcast_to(
+        app,
+        &Method::DELETE,
+        &paths(open, ""),
+        request_id,
+        None,
+        empty_bodies(n),
+    )
+    .await;
+    app.uploads.end(&open.id);
+}
+
+/// The instances' failure as an error naming them, saying what became of the upload.
+fn failed(path: &str, results: &[InstanceResult], what: &str) -> Response {
+    summarise_noting(path, results, Some(what))
+}
+
+fn all_ok(results: &[InstanceResult]) -> bool {
+    results.iter().all(InstanceResult::ok)
+}
+
+/// `POST /weight_uploads {"weight_version"?}`: an upload on every instance, under one
+/// version (the caller's, else one the proxy makes). If any instance refuses, the others'
+/// uploads are discarded.
+async fn begin(
+    State(app): State<Arc<ProxyState>>,
+    Extension(RequestId(rid)): Extension<RequestId>,
+    ApiBytes(body): ApiBytes,
+) -> Response {
+    let mut request = match object(&body) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    if matches!(request.get("weight_version"), None | Some(Value::Null)) {
+        request.insert("weight_version".into(), json!(new_weight_version()));
+    }
+    let version = request["weight_version"].clone();
+    let id = format!("upload-{}", &random_id()[..16]);
+    {
+        let mut open = app.uploads.lock();
+        if let Some(u) = open.as_ref() {
+            return ApiError::conflict(format!(
+                "weight upload `{}` is open on the proxy: commit or discard it first",
+                u.id
+            ))
+            .into_response();
+        }
+        // Held while the instances begin, so a second begin is refused meanwhile.
+        *open = Some(Open {
+            id: id.clone(),
+            ids: Vec::new(),
+            n_buckets: 0,
+            prepared: false,
+        });
+    }
+    let n = app.fleet.all().len();
+    let results = broadcast_to(
+        &app,
+        &Method::POST,
+        &vec!["/weight_uploads".to_owned(); n],
+        &rid,
+        Some(&json_type()),
+        json_bodies(&Value::Object(request), n),
+    )
+    .await;
+    let ids: Vec<Option<String>> = results
+        .iter()
+        .map(|r| match &r.outcome {
+            Ok((s, b)) if s.is_success() => b["upload_id"].as_str().map(str::to_owned),
+            _ => None,
+        })
+        .collect();
+    if ids.iter().any(Option::is_none) || !all_ok(&results) {
+        // Discard what did begin.
+        let begun = Open {
+            id: id.clone(),
+            ids: ids.iter().map(|i| i.clone().unwrap_or_default()).collect(),
+            n_buckets: 0,
+            prepared: false,
+        };
+        discard_everywhere(&app, &begun, &rid).await;
+        return failed(
+            "/weight_uploads",
+            &results,
+            "no upload was begun on any instance",
+        );
+    }
+    let ids: Vec<String> = ids.into_iter().flatten().collect();
+    app.uploads.update(&id, |u| u.ids = ids.clone());
+    let instances: Vec<Value> = app
+        .fleet
+        .all()
+        .iter()
+        .zip(&ids)
+        .map(|(i, uid)| json!({"url": i.url, "role": i.role.as_str(), "upload_id": uid}))
+        .collect();
+    Json(json!({
+        "upload_id": id,
+        "weight_version": version,
+        "instances": instances,
+    }))
+    .into_response()
+}
+
+/// `GET /weight_uploads`: the proxy's open upload, or null.
+async fn current(State(app): State<Arc<ProxyState>>) -> Response {
+    let upload = app.uploads.lock().as_ref().map(|u| {
+        json!({"upload_id": u.id, "n_buckets": u.n_buckets, "prepared": u.prepared,
+               "instance_upload_ids": u.ids})
+    });
+    Json(json!({ "upload": upload })).into_response()
+}
+
+/// `POST /weight_uploads/{id}/buckets`: the body copied to every instance's upload as it
+/// arrives. A failure on any instance discards the upload everywhere.
+async fn bucket(
+    State(app): State<Arc<ProxyState>>,
+    Extension(RequestId(rid)): Extension<RequestId>,
+    Path(id): Path<String>,
+    body: Body,
+) -> Response {
+    let open = match app.uploads.get(&id) {
+        Ok(o) if !o.ids.is_empty() => o,
+        Ok(_) => {
+            return ApiError::conflict(format!("upload `{id}` is still beginning")).into_response()
+        }
+        Err(e) => return e.into_response(),
+    };
+    let (feed, bodies) = tee(body, open.ids.len());
+    let content_type = HeaderValue::from_static("application/octet-stream");
+    let targets = paths(&open, "/buckets");
+    let send = broadcast_to(
+        &app,
+        &Method::POST,
+        &targets,
+        &rid,
+        Some(&content_type),
+        bodies,
+    );
+    let ((), results) = tokio::join!(feed, send);
+    if !all_ok(&results) {
+        discard_everywhere(&app, &open, &rid).await;
+        return failed(
+            "/weight_uploads/buckets",
+            &results,
+            &format!("upload `{id}` was discarded on every instance"),
+        );
+    }
+    app.uploads.update(&id, |u| u.n_buckets += 1);
+    let mut reply = summary(&results);
+    reply["upload_id"] = json!(id);
+    Json(reply).into_response()
+}
+
+/// The first instance's answer with `instances` (each instance's status and body).
+fn summary(results: &[InstanceResult]) -> Value {
+    let first = results
+        .first()
+        .and_then(|r| r.outcome.as_ref().ok())
+        .map_or(json!({}), |(_, b)| b.clone());
+    let mut out = first;
+    out["instances"] = Value::Array(
+        results
+            .iter()
+            .map(|r| {
+                let body = r.outcome.as_ref().map_or(Value::Null, |(_, b)| b.clone());
+                json!({"url": r.instance.url, "role": r.instance.role.as_str(), "body": body})
+            })
+            .collect(),
+    );
+    out
+}
+
+/// The prepare phase on every instance: `Ok` when all prepared, else the error response
+/// (the upload discarded everywhere, nothing committed).
+async fn prepare_all(app: &ProxyState, open: &Open, rid: &str) -> Result<Value, Response> {
+    let n = open.ids.len();
+    let results = broadcast_to(
+        app,
+        &Method::POST,
+        &paths(open, "/prepare"),
+        rid,
+        Some(&json_type()),
+        json_bodies(&json!({}), n),
+    )
+    .await;
+    if !all_ok(&results) {
+        discard_everywhere(app, open, rid).await;
+        return Err(failed(
+            "/weight_uploads/prepare",
+            &results,
+            &format!(
+                "nothing was committed: upload `{}` was discarded on every instance",
+                open.id
+            ),
+        ));
+    }
+    app.uploads.update(&open.id, |u| u.prepared = true);
+    Ok(summary(&results))
+}
+
+/// `POST /weight_uploads/{id}/prepare`: the first phase on every instance.
+async fn prepare(
+    State(app): State<Arc<ProxyState>>,
+    Extension(RequestId(rid)): Extension<RequestId>,
+    Path(id): Path<String>,
+) -> Response {
+    let open = match app.uploads.get(&id) {
+        Ok(o) => o,
+        Err(e) => return e.into_response(),
+    };
+    match prepare_all(&app, &open, &rid).await {
+        Ok(mut reply) => {
+            reply["upload_id"] = json!(id);
+            Json(reply).into_response()
+        }
+        Err(response) => response,
+    }
+}
+
+/// `POST /weight_uploads/{id}/commit {"weight_version"?}`: every instance prepares (unless
+/// all did), and only then every instance commits.
+async fn commit(
+    State(app): State<Arc<ProxyState>>,
+    Extension(RequestId(rid)): Extension<RequestId>,
+    Path(id): Path<String>,
+    ApiBytes(body): ApiBytes,
+) -> Response {
+    let request = match object(&body) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let open = match app.uploads.get(&id) {
+        Ok(o) => o,
+        Err(e) => return e.into_response(),
+    };
+    if !open.prepared {
+        if let Err(response) = prepare_all(&app, &open, &rid).await {
+            return response;
+        }
+    }
+    let n = open.ids.len();
+    let results = broadcast_to(
+        &app,
+        &Method::POST,
+        &paths(&open, "/commit"),
+        &rid,
+        Some(&json_type()),
+        json_bodies(&Value::Object(request), n),
+    )
+    .await;
+    app.uploads.end(&id);
+    if !all_ok(&results) {
+        return failed(
+            "/weight_uploads/commit",
+            &results,
+            "the instances that failed after preparing keep their old weights and version \
+             (see /health's version_skew)",
+        );
+    }
+    let mut reply = summary(&results);
+    reply["upload_id"] = json!(id);
+    Json(reply).into_response()
+}
+
+/// `DELETE /weight_uploads/{id}`: discarded on every instance.
+async fn discard(
+    State(app): State<Arc<ProxyState>>,
+    Extension(RequestId(rid)): Extension<RequestId>,
+    Path(id): Path<String>,
+) -> Response {
+    let open = match app.uploads.get(&id) {
+        Ok(o) => o,
+        Err(e) => return e.into_response(),
+    };
+    discard_everywhere(&app, &open, &rid).await;
+    Json(json!({"upload_id": id, "discarded": true})).into_response()
+}

@@ -1,0 +1,397 @@
+//! Bucketed weight uploads: a trainer sends its state dict as several safetensors bodies
+//! (buckets) as it produces them, and one commit installs every staged tensor at once under
+//! the new version ([docs/weight-sync.md](../../../../docs/weight-sync.md)).
+//!
+//! ```text
+//! POST   /weight_uploads                   {"weight_version"?}  → {"upload_id", ...}
+//! POST   /weight_uploads/{id}/buckets      safetensors body     → what it staged
+//! POST   /weight_uploads/{id}/prepare                           → ready to commit
+//! POST   /weight_uploads/{id}/commit       {"weight_version"?}  → the update's reply
+//! DELETE /weight_uploads/{id}                                   → discarded
+//! GET    /weight_uploads                                        → the open upload, or null
+//! ```
+//!
+//! One upload at a time (a second is a 409 naming the open one). Each bucket is read as it
+//! arrives straight into staged buffers (`ferry_model::WeightUpload`); nothing reaches the
+//! engine before the commit, which installs between two steps, so every token is computed
+//! by the old weights or the new, never a mix. `prepare` is the first phase of a commit across
+//! instances (the proxy's): it joins the buckets and checks the update can be installed, so
+//! the commit that follows only installs.
+//!
+//! What fails discards the whole upload and frees what it staged, so nothing half-staged can
+//! be committed: a bucket that does not match the model (a 400 naming the tensor), a body cut
+//! off or stalled mid-bucket, a refused prepare, and an upload that no call touches for
+//! `ServerConfig::weight_upload_timeout` (`--weight-upload-timeout-seconds`).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes, HttpBody};
+use axum::extract::{Path, RawQuery, State};
+use axum::routing::post;
+use axum::{Json, Router};
+use ferry_engine::{PreparedWeights, WeightPushError, WeightUpload};
+use futures_util::{Stream, StreamExt};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::args::{non_empty, optional_json, QueryArgs};
+use super::weights::{limited, update_reply, BodyError};
+use super::AdminReply;
+use crate::error::{api_error, ApiError};
+use crate::extract::ApiBytes;
+use crate::state::AppState;
+
+/// The upload routes.
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/weight_uploads", post(begin).get(current))
+        .route("/weight_uploads/{id}", axum::routing::delete(discard))
+        .route("/weight_uploads/{id}/buckets", post(bucket))
+        .route("/weight_uploads/{id}/prepare", post(prepare))
+        .route("/weight_uploads/{id}/commit", post(commit))
+}
+
+/// The server's one open upload, if any.
+#[derive(Debug, Default)]
+pub struct Uploads {
+    open: Mutex<Option<Open>>,
+}
+
+#[derive(Debug)]
+struct Open {
+    id: String,
+    /// Set at the start; a commit's own version wins.
+    version: Option<String>,
+    stage: Stage,
+    n_buckets: usize,
+    /// The last call on it; idle past the timeout, it is discarded.
+    touched: Instant,
+}
+
+#[derive(Debug)]
+enum Stage {
+    /// Taking buckets.
+    Staging(WeightUpload),
+    /// A call is reading a bucket, preparing or committing: the upload is in its hands.
+    Busy(&'static str),
+    /// Joined and checked; waiting for the commit.
+    Prepared(PreparedWeights),
+}
+
+impl Uploads {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Open>> {
+        // A panic while holding the lock leaves nothing half-written: each critical
+        // section swaps whole values.
+        self.open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Takes the upload `id` out of its stage for a call (`what`): 404 when it is not the
+    /// open upload, 409 while another call holds it.
+    fn take(&self, id: &str, what: &'static str) -> Result<(Stage, Option<String>), ApiError> {
+        let mut open = self.lock();
+        let upload = match open.as_mut() {
+            Some(u) if u.id == id => u,
+            _ => return Err(unknown(id)),
+        };
+        if let Stage::Busy(doing) = upload.stage {
+            return Err(ApiError::conflict(format!(
+                "upload `{id}` is {doing}; send one call at a time"
+            )));
+        }
+        upload.touched = Instant::now();
+        let stage = std::mem::replace(&mut upload.stage, Stage::Busy(what));
+        Ok((stage, upload.version.clone()))
+    }
+
+    /// Puts the upload back after a call, in `stage`.
+    fn put(&self, id: &str, stage: Stage, bucket: bool) {
+        let mut open = self.lock();
+        if let Some(u) = open.as_mut().filter(|u| u.id == id) {
+            u.stage = stage;
+            u.touched = Instant::now();
+            u.n_buckets += usize::from(bucket);
+        }
+    }
+
+    /// Ends the upload `id` (committed, failed or discarded); returns what it staged.
+    fn end(&self, id: &str) -> Option<Open> {
+        let mut open = self.lock();
+        if open.as_ref().is_some_and(|u| u.id == id) {
+            open.take()
+        } else {
+            None
+        }
+    }
+}
+
+fn unknown(id: &str) -> ApiError {
+    ApiError::not_found(
+        Some("upload_id"),
+        format!(
+            "no open weight upload `{id}` (it was committed, discarded after an error, or \
+             expired; start another with POST /weight_uploads)"
+        ),
+    )
+}
+
+/// Frees staged weights off the async workers: they may be most of a model.
+fn free(open: Option<Open>) {
+    if let Some(open) = open {
+        tokio::task::spawn_blocking(move || drop(open));
+    }
+}
+
+/// `POST /weight_uploads`'s optional body.
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BeginUpload {
+    /// The version the commit installs under, unless the commit names one.
+    pub weight_version: Option<String>,
+}
+
+/// `POST /weight_uploads {"weight_version"?}`: opens an upload (409 while one is open).
+pub async fn begin(State(app): State<Arc<AppState>>, ApiBytes(body): ApiBytes) -> AdminReply {
+    let req: BeginUpload = optional_json(&body)?;
+    let version = non_empty(req.weight_version, "weight_version")?;
+    let id = format!("upload-{}", &crate::extract::random_id()[..16]);
+    {
+        let mut open = app.uploads.lock();
+        if let Some(u) = open.as_ref() {
+            return Err(ApiError::conflict(format!(
+                "weight upload `{}` is open: commit or discard it first (DELETE \
+                 /weight_uploads/{})",
+                u.id, u.id
+            )));
+        }
+        *open = Some(Open {
+            id: id.clone(),
+            version,
+            stage: Stage::Staging(app.engine.weight_upload()),
+            n_buckets: 0,
+            touched: Instant::now(),
+        });
+    }
+    let timeout = app.config.weight_upload_timeout;
+    tokio::spawn(expire(app.clone(), id.clone(), timeout));
+    Ok(Json(json!({
+        "upload_id": id,
+        "timeout_seconds": timeout.as_secs_f64(),
+    })))
+}
+
+/// Discards the upload `id` once no call has touched it for `timeout` (a call in progress
+/// keeps it: a bucket's body has its own bound, the same timeout between pieces).
+async fn expire(app: Arc<AppState>, id: String, timeout: Duration) {
+    loop {
+        let due = {
+            let open = app.uploads.lock();
+            match open.as_ref() {
+                Some(u) if u.id == id => u.touched + timeout,
+                _ => return,
+            }
+        };
+        tokio::time::sleep_until(due.into()).await;
+        let mut open = app.uploads.lock();
+        let idle = open.as_ref().is_some_and(|u| {
+            u.id == id && !matches!(u.stage, Stage::Busy(_)) && u.touched.elapsed() >= timeout
+        });
+        if idle {
+            tracing::warn!(
+                upload_id = %id,
+                "weight upload discarded: no call for {:.0} s",
+                timeout.as_secs_f64()
+            );
+            free(open.take());
+            return;
+        }
+    }
+}
+
+/// `GET /weight_uploads` → `{"upload": null}` or the open upload's id, stage and counts.
+pub async fn current(State(app): State<Arc<AppState>>) -> AdminReply {
+    let open = app.uploads.lock();
+    let upload = open.as_ref().map(|u| {
+        let (stage, n_tensors, n_bytes) = match &u.stage {
+            Stage::Staging(w) => ("staging", w.n_tensors(), w.n_bytes()),
+            Stage::Busy(doing) => (*doing, 0, 0),
+            Stage::Prepared(p) => ("prepared", p.n_tensors, p.n_bytes),
+        };
+        json!({
+            "upload_id": u.id,
+            "stage": stage,
+            "n_buckets": u.n_buckets,
+            "n_tensors": n_tensors,
+            "n_bytes": n_bytes,
+            "idle_seconds": u.touched.elapsed().as_secs_f64(),
+        })
+    });
+    Ok(Json(json!({ "upload": upload })))
+}
+
+/// `POST /weight_uploads/{id}/buckets` with a safetensors body: stages its tensors. A bucket
+/// may not repeat a tensor an earlier one sent. On any error the upload is discarded.
+pub async fn bucket(
+    State(app): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+    body: Body,
+) -> AdminReply {
+    QueryArgs::parse(raw.as_deref(), &[])?;
+    let limit = app.config.max_weight_push_bytes;
+    if body.size_hint().lower() > limit as u64 {
+        return Err(BodyError::TooLarge { limit }.into());
+    }
+    let (stage, _) = app.uploads.take(&id, "receiving a bucket")?;
+    let Stage::Staging(mut upload) = stage else {
+        app.uploads.put(&id, stage, false);
+        return Err(ApiError::conflict(format!(
+            "upload `{id}` is prepared: commit or discard it"
+        )));
+    };
+    let timeout = app.config.weight_upload_timeout;
+    // Fused: the refusal below reads on past the end the engine may have reached.
+    let mut pieces = Box::pin(stalls_after(limited(body, limit), timeout).fuse());
+    match app.engine.upload_bucket(&mut upload, &mut pieces).await {
+        Ok(info) => {
+            let (n_tensors, n_bytes) = (upload.n_tensors(), upload.n_bytes());
+            let n_bucket = upload.n_buckets();
+            app.uploads.put(&id, Stage::Staging(upload), true);
+            Ok(Json(json!({
+                "upload_id": id,
+                "bucket": n_bucket,
+                "n_tensors": info.n_tensors,
+                "n_bytes": info.n_bytes,
+                "staged_tensors": n_tensors,
+                "staged_bytes": n_bytes,
+            })))
+        }
+        Err(e) => {
+            free(app.uploads.end(&id));
+            drop(upload);
+            let mut error = match e {
+                WeightPushError::Body(e) => ApiError::from(e),
+                WeightPushError::Update(e) => {
+                    // Read the rest out (within the limit), so a client still sending gets
+                    // the 400 rather than a reset connection.
+                    while let Some(Ok(_)) = pieces.next().await {}
+                    api_error(e)
+                }
+            };
+            error.message = format!("{}; upload `{id}` was discarded", error.message);
+            Err(error)
+        }
+    }
+}
+
+/// The body's pieces, ending with `Stalled` when none comes for `timeout`.
+fn stalls_after(
+    body: impl Stream<Item = Result<Bytes, BodyError>> + Unpin,
+    timeout: Duration,
+) -> impl Stream<Item = Result<Bytes, BodyError>> {
+    futures_util::stream::unfold(Some(body), move |body| async move {
+        let mut body = body?;
+        match tokio::time::timeout(timeout, body.next()).await {
+            Ok(Some(Ok(piece))) => Some((Ok(piece), Some(body))),
+            Ok(Some(Err(e))) => Some((Err(e), None)),
+            Ok(None) => None,
+            Err(_) => Some((Err(BodyError::Stalled { timeout }), None)),
+        }
+    })
+}
+
+/// `POST /weight_uploads/{id}/prepare`: joins the buckets into the update the commit
+/// installs and checks it can be installed now (weights dropped by sleep level 2 take only a
+/// complete set). A refusal discards the upload.
+pub async fn prepare(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> AdminReply {
+    let (n_buckets, _, prepared) = prepared(&app, &id).await?;
+    let reply = json!({
+        "upload_id": id,
+        "prepared": true,
+        "n_buckets": n_buckets,
+        "n_tensors": prepared.n_tensors,
+        "n_bytes": prepared.n_bytes,
+        "complete": prepared.complete,
+    });
+    app.uploads.put(&id, Stage::Prepared(prepared), false);
+    Ok(Json(reply))
+}
+
+/// Takes the upload `id` and prepares it unless it was; on a refusal it is discarded.
+/// Returns its buckets, its version and the update.
+async fn prepared(
+    app: &AppState,
+    id: &str,
+) -> Result<(usize, Option<String>, PreparedWeights), ApiError> {
+    let (stage, version) = app.uploads.take(id, "preparing")?;
+    let n_buckets = app.uploads.lock().as_ref().map_or(0, |u| u.n_buckets);
+    match stage {
+        Stage::Prepared(p) => Ok((n_buckets, version, p)),
+        Stage::Busy(_) => unreachable!("take refuses a busy upload"),
+        Stage::Staging(upload) if upload.n_buckets() == 0 => {
+            app.uploads.put(id, Stage::Staging(upload), false);
+            Err(ApiError::invalid(
+                "upload_id",
+                format!("upload `{id}` holds no bucket yet"),
+            ))
+        }
+        Stage::Staging(upload) => match app.engine.finish_upload(upload).await {
+            Ok(p) => Ok((n_buckets, version, p)),
+            Err(e) => {
+                free(app.uploads.end(id));
+                let mut error = api_error(e);
+                error.message = format!("{}; upload `{id}` was discarded", error.message);
+                Err(error)
+            }
+        },
+    }
+}
+
+/// `POST /weight_uploads/{id}/commit`'s optional body.
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CommitUpload {
+    pub weight_version: Option<String>,
+}
+
+/// `POST /weight_uploads/{id}/commit {"weight_version"?}` (or `?weight_version=`): prepares
+/// the upload unless it was, then installs every staged tensor at once between two steps.
+/// The version: the commit's, else the start's, else the previous one bumped.
+pub async fn commit(
+    State(app): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
+    ApiBytes(body): ApiBytes,
+) -> AdminReply {
+    let q = QueryArgs::parse(raw.as_deref(), &["weight_version"])?;
+    let req: CommitUpload = optional_json(&body)?;
+    let named = match non_empty(req.weight_version, "weight_version")? {
+        Some(v) => Some(v),
+        None => q.non_empty("weight_version")?,
+    };
+    let started = Instant::now();
+    let (n_buckets, begun, prepared) = prepared(&app, &id).await?;
+    // The upload ends here either way: installed, or refused with nothing changed.
+    app.uploads.end(&id);
+    let info = app
+        .engine
+        .install_upload(prepared, named.or(begun))
+        .await
+        .map_err(api_error)?;
+    let mut reply = update_reply(&info, "weight upload committed");
+    reply["upload_id"] = json!(id);
+    reply["n_buckets"] = json!(n_buckets);
+    reply["commit_seconds"] = json!(started.elapsed().as_secs_f64());
+    Ok(Json(reply))
+}
+
+/// `DELETE /weight_uploads/{id}`: discards the upload and frees what it staged (409 while a
+/// call is reading a bucket of it: that call's error discards it).
+pub async fn discard(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> AdminReply {
+    let (stage, _) = app.uploads.take(&id, "being discarded")?;
+    let open = app.uploads.end(&id);
+    tokio::task::spawn_blocking(move || drop((stage, open)));
+    Ok(Json(json!({"upload_id": id, "discarded": true})))
+}
