@@ -34,6 +34,8 @@ use crate::{
 /// thread busy while the next arrive, few enough that the body is never held (a network
 /// piece is kilobytes to a megabyte).
 const PUSH_PIECES_AHEAD: usize = 8;
+/// Bytes of body pieces handed to the reader at once.
+const PUSH_BATCH_BYTES: usize = 1 << 20;
 
 impl EngineHandle {
     /// Stops compute (see [`PauseMode`]). Returns once paused: at once for `keep` and `abort`
@@ -328,20 +330,30 @@ where
     S: Stream<Item = Result<B, E>> + Unpin,
     B: AsRef<[u8]> + Send + 'static,
 {
-    let (tx, mut rx) = mpsc::channel::<B>(PUSH_PIECES_AHEAD);
+    // Pieces go to the reader in batches of about `PUSH_BATCH_BYTES`: a network piece is
+    // often a few kilobytes, and a hand-off per piece cost more than the conversion.
+    let (tx, mut rx) = mpsc::channel::<Vec<B>>(PUSH_PIECES_AHEAD);
     let reader = tokio::task::spawn_blocking(move || {
-        while let Some(piece) = rx.blocking_recv() {
-            push.feed(piece.as_ref())?;
+        while let Some(batch) = rx.blocking_recv() {
+            for piece in batch {
+                push.feed(piece.as_ref())?;
+            }
         }
         Ok(push)
     });
     let mut body_error = None;
+    let (mut batch, mut n_batched) = (Vec::new(), 0);
     while let Some(piece) = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_next(cx)).await {
         match piece {
-            // A send fails only once the reader has refused the push: its error says why.
             Ok(piece) => {
-                if tx.send(piece).await.is_err() {
-                    break;
+                n_batched += piece.as_ref().len();
+                batch.push(piece);
+                // A send fails only once the reader has refused the push: its error says why.
+                if n_batched >= PUSH_BATCH_BYTES {
+                    n_batched = 0;
+                    if tx.send(std::mem::take(&mut batch)).await.is_err() {
+                        break;
+                    }
                 }
             }
             Err(e) => {
@@ -349,6 +361,9 @@ where
                 break;
             }
         }
+    }
+    if !batch.is_empty() && body_error.is_none() {
+        let _ = tx.send(batch).await;
     }
     drop(tx);
     // Awaited even after a body error, so the partial bucket is freed before returning.

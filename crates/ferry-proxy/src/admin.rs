@@ -397,6 +397,8 @@ async fn from_disk(
 /// Chunks of the pushed body in flight per instance: a slow instance slows the push (the
 /// body is never held whole), bounded memory.
 const PUSH_QUEUE_CHUNKS: usize = 8;
+/// Bytes per piece the proxy sends an instance of a pushed body.
+const PUSH_PIECE_BYTES: usize = 1 << 20;
 
 /// `POST /update_weights?weight_version=` with a safetensors body: the body is copied to
 /// every instance as it arrives (never held whole), with the caller's version or one the
@@ -446,20 +448,37 @@ pub(crate) fn tee(
         bodies.push(reqwest::Body::wrap_stream(stream));
     }
     let feed = async move {
+        let send = |piece: Result<Bytes, String>| {
+            let senders = &senders;
+            async move {
+                for tx in senders {
+                    let copy = piece.clone().map_err(std::io::Error::other);
+                    let _ = tx.send(copy).await;
+                }
+            }
+        };
+        // The network's pieces (often a few kilobytes) gathered into pieces of
+        // `PUSH_PIECE_BYTES`: a copy through the cache costs less than a channel hand-off
+        // and a write to every instance per small piece.
         let mut data = body.into_data_stream();
+        let mut pending: Vec<u8> = Vec::new();
         while let Some(piece) = data.next().await {
-            let piece = piece.map_err(|e| std::io::Error::other(e.to_string()));
-            let failed = piece.is_err();
-            for tx in &senders {
-                let copy = match &piece {
-                    Ok(b) => Ok(b.clone()),
-                    Err(e) => Err(std::io::Error::other(e.to_string())),
-                };
-                let _ = tx.send(copy).await;
+            match piece {
+                Ok(b) if pending.is_empty() && b.len() >= PUSH_PIECE_BYTES => send(Ok(b)).await,
+                Ok(b) => {
+                    pending.extend_from_slice(&b);
+                    if pending.len() >= PUSH_PIECE_BYTES {
+                        send(Ok(Bytes::from(std::mem::take(&mut pending)))).await;
+                    }
+                }
+                Err(e) => {
+                    send(Err(e.to_string())).await;
+                    return;
+                }
             }
-            if failed {
-                break;
-            }
+        }
+        if !pending.is_empty() {
+            send(Ok(Bytes::from(pending))).await;
         }
     };
     (feed, bodies)

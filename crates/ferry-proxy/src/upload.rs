@@ -31,10 +31,13 @@ use crate::ProxyState;
 pub fn routes() -> Router<Arc<ProxyState>> {
     Router::new()
         .route("/weight_uploads", post(begin).get(current))
-        .route("/weight_uploads/{id}", axum::routing::delete(discard))
-        .route("/weight_uploads/{id}/buckets", post(bucket))
-        .route("/weight_uploads/{id}/prepare", post(prepare))
-        .route("/weight_uploads/{id}/commit", post(commit))
+        .route(
+            "/weight_uploads/{upload_id}",
+            axum::routing::delete(discard),
+        )
+        .route("/weight_uploads/{upload_id}/buckets", post(bucket))
+        .route("/weight_uploads/{upload_id}/prepare", post(prepare))
+        .route("/weight_uploads/{upload_id}/commit", post(commit))
 }
 
 /// The proxy's one open upload.
@@ -237,7 +240,7 @@ async fn current(State(app): State<Arc<ProxyState>>) -> Response {
     Json(json!({ "upload": upload })).into_response()
 }
 
-/// `POST /weight_uploads/{id}/buckets`: the body copied to every instance's upload as it
+/// `POST /weight_uploads/{upload_id}/buckets`: the body copied to every instance's upload as it
 /// arrives. A failure on any instance discards the upload everywhere.
 async fn bucket(
     State(app): State<Arc<ProxyState>>,
@@ -325,7 +328,7 @@ async fn prepare_all(app: &ProxyState, open: &Open, rid: &str) -> Result<Value, 
     Ok(summary(&results))
 }
 
-/// `POST /weight_uploads/{id}/prepare`: the first phase on every instance.
+/// `POST /weight_uploads/{upload_id}/prepare`: the first phase on every instance.
 async fn prepare(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(rid)): Extension<RequestId>,
@@ -344,7 +347,7 @@ async fn prepare(
     }
 }
 
-/// `POST /weight_uploads/{id}/commit {"weight_version"?}`: every instance prepares (unless
+/// `POST /weight_uploads/{upload_id}/commit {"weight_version"?}`: every instance prepares (unless
 /// all did), and only then every instance commits.
 async fn commit(
     State(app): State<Arc<ProxyState>>,
@@ -389,7 +392,7 @@ async fn commit(
     Json(reply).into_response()
 }
 
-/// `DELETE /weight_uploads/{id}`: discarded on every instance.
+/// `DELETE /weight_uploads/{upload_id}`: discarded on every instance.
 async fn discard(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(rid)): Extension<RequestId>,

@@ -18,6 +18,7 @@ use utoipa::openapi::{
 use utoipa::ToSchema;
 
 use crate::admin::sglang::{AbortRequest, MemoryTags, PauseGeneration};
+use crate::admin::upload::{BeginUpload, CommitUpload};
 use crate::admin::weights::{UpdateFromDisk, UpdateWeightVersion, UpdateWeightsJson};
 use crate::admin::{AbortRequests, ResetPrefixCache, SleepBody, WakeUpBody};
 use crate::error::ErrorBody;
@@ -33,6 +34,7 @@ use crate::routes::{DetokenizeRequest, TokenizeRequest};
 pub enum Method {
     Get,
     Post,
+    Delete,
 }
 
 impl Method {
@@ -40,6 +42,7 @@ impl Method {
         match self {
             Self::Get => "GET",
             Self::Post => "POST",
+            Self::Delete => "DELETE",
         }
     }
 
@@ -47,6 +50,7 @@ impl Method {
         match self {
             Self::Get => HttpMethod::Get,
             Self::Post => HttpMethod::Post,
+            Self::Delete => HttpMethod::Delete,
         }
     }
 }
@@ -70,6 +74,7 @@ pub struct RouteDoc {
 const POST: &[Method] = &[Method::Post];
 const GET: &[Method] = &[Method::Get];
 const GET_POST: &[Method] = &[Method::Get, Method::Post];
+const DELETE: &[Method] = &[Method::Delete];
 
 const fn route(methods: &'static [Method], path: &'static str, summary: &'static str) -> RouteDoc {
     RouteDoc {
@@ -259,6 +264,46 @@ pub const ROUTES: &[RouteDoc] = &[
             "Rename the current weights' version",
         )
     },
+    RouteDoc {
+        body: Some("BeginUpload"),
+        ..admin(
+            POST,
+            "/weight_uploads",
+            "Begin a bucketed weight upload (409 while one is open)",
+        )
+    },
+    admin(
+        GET,
+        "/weight_uploads",
+        "The open weight upload, or null",
+    ),
+    admin(
+        POST,
+        "/weight_uploads/{upload_id}/buckets",
+        "Stage a bucket: safetensors bytes, read as they arrive",
+    ),
+    admin(
+        POST,
+        "/weight_uploads/{upload_id}/prepare",
+        "Join the buckets and check they can be installed (the first phase of a commit)",
+    ),
+    RouteDoc {
+        body: Some("CommitUpload"),
+        query: &[(
+            "weight_version",
+            "the version the upload installs under (default: the begin's, else bumped)",
+        )],
+        ..admin(
+            POST,
+            "/weight_uploads/{upload_id}/commit",
+            "Install every staged tensor at once",
+        )
+    },
+    admin(
+        DELETE,
+        "/weight_uploads/{upload_id}",
+        "Discard the upload and free what it staged",
+    ),
     admin(
         POST,
         "/init_weight_transfer_engine",
@@ -294,11 +339,26 @@ pub const ROUTES: &[RouteDoc] = &[
     },
 ];
 
+/// The `{name}` parameters of a path, in order.
+pub fn path_params(path: &str) -> impl Iterator<Item = &str> {
+    path.split('/')
+        .filter_map(|part| part.strip_prefix('{').and_then(|p| p.strip_suffix('}')))
+}
+
 /// The document, with the admin routes when the server mounts them.
 pub fn document(with_admin: bool) -> OpenApi {
     let mut paths = PathsBuilder::new().build();
     for r in ROUTES.iter().filter(|r| with_admin || !r.admin) {
         let mut op = OperationBuilder::new().summary(Some(r.summary));
+        for name in path_params(r.path) {
+            op = op.parameter(
+                ParameterBuilder::new()
+                    .name(name)
+                    .parameter_in(ParameterIn::Path)
+                    .required(Required::True)
+                    .schema(Some(ObjectBuilder::new().schema_type(Type::String))),
+            );
+        }
         for (name, about) in r.query {
             op = op.parameter(
                 ParameterBuilder::new()
@@ -352,6 +412,8 @@ pub fn document(with_admin: bool) -> OpenApi {
         add::<PauseGeneration>(&mut schemas);
         add::<MemoryTags>(&mut schemas);
         add::<AbortRequest>(&mut schemas);
+        add::<BeginUpload>(&mut schemas);
+        add::<CommitUpload>(&mut schemas);
     }
     // The two generation requests: each route's own fields, the shared sampling fields and
     // the structured-output fields, as read by `CompletionRequest::from_json` and

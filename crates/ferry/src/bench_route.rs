@@ -16,16 +16,15 @@
 //! tokens, from the answers' `cached_tokens`), and from the proxy's `/metrics` the predicted
 //! hits, misses and stale routes.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context};
+use anyhow::{ensure, Context};
 use clap::ValueEnum;
 use serde_json::{json, Value};
 
+use crate::child::{start, Proc};
 use crate::proxy::RoutingArg;
 
 const BLOCK_SIZE: usize = 16;
@@ -74,71 +73,6 @@ pub struct Args {
     no_rl_cycle: bool,
     #[arg(long)]
     json: bool,
-}
-
-/// A `ferry` child process, killed when dropped.
-struct Proc {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `ferry <args>` (pinned to `core` when given) and waits for its address.
-fn start(args: &[String], core: Option<usize>) -> anyhow::Result<Proc> {
-    let exe = std::env::current_exe().context("locating the ferry binary")?;
-    let mut command = match core {
-        Some(c) => {
-            let mut t = Command::new("taskset");
-            t.args(["-c", &c.to_string()]).arg(&exe);
-            t
-        }
-        None => Command::new(&exe),
-    };
-    let mut child = command
-        .args(args)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .env_remove("FERRY_API_KEY")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("starting ferry {}", args.join(" ")))?;
-    let (tx, rx) = mpsc::channel();
-    let stderr = child.stderr.take().context("no stderr")?;
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            // Sent or not, the pipe is drained, so the child never blocks on it.
-            let _ = tx.send(line);
-        }
-    });
-    let mut proc = Proc {
-        child,
-        url: String::new(),
-    };
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let mut log = Vec::new();
-    while proc.url.is_empty() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let Ok(line) = rx.recv_timeout(left) else {
-            bail!(
-                "ferry {} did not start:\n{}",
-                args.join(" "),
-                log.join("\n")
-            );
-        };
-        if let Some(rest) = line.split("serving on http://").nth(1) {
-            let addr = rest.split_whitespace().next().unwrap_or_default();
-            proc.url = format!("http://{addr}");
-        }
-        log.push(line);
-    }
-    Ok(proc)
 }
 
 fn strings(args: &[&str]) -> Vec<String> {

@@ -9,7 +9,9 @@ mod bench_route;
 mod bench_scheduler;
 mod bench_serve;
 mod bench_transfer;
+mod bench_weight_sync;
 mod byte_size;
+mod child;
 mod fetch;
 mod kv_offload;
 mod make_model;
@@ -62,6 +64,10 @@ enum BenchCommand {
     /// KV transfer throughput P→D through two TCP transports on loopback, against plain
     /// loopback TCP.
     Transfer(bench_transfer::Args),
+    /// Weight sync: a bucketed upload of the model's f32 tensors to `ferry serve` (and through
+    /// `ferry proxy` to 1P1D) against plain loopback sockets, the one-body push, and a reload
+    /// from disk against `cat`, in one run.
+    WeightSync(bench_weight_sync::Args),
     /// The CPU offload tier: store and load throughput against memcpy, and time to first
     /// token on repeated prefixes that do not fit the KV cache, with and without the tier.
     Offload(bench_offload::Args),
@@ -86,6 +92,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
         Command::Bench(BenchCommand::Lifecycle(args)) => bench_lifecycle::run(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run(args),
+        Command::Bench(BenchCommand::WeightSync(args)) => bench_weight_sync::run(args),
         Command::Bench(BenchCommand::Offload(args)) => bench_offload::run(args),
         Command::Bench(BenchCommand::Route(args)) => bench_route::run(args),
         Command::MakeModel(cmd) => make_model::run(cmd),

@@ -4,10 +4,10 @@
 //!
 //! ```text
 //! POST   /weight_uploads                   {"weight_version"?}  → {"upload_id", ...}
-//! POST   /weight_uploads/{id}/buckets      safetensors body     → what it staged
-//! POST   /weight_uploads/{id}/prepare                           → ready to commit
-//! POST   /weight_uploads/{id}/commit       {"weight_version"?}  → the update's reply
-//! DELETE /weight_uploads/{id}                                   → discarded
+//! POST   /weight_uploads/{upload_id}/buckets      safetensors body     → what it staged
+//! POST   /weight_uploads/{upload_id}/prepare                           → ready to commit
+//! POST   /weight_uploads/{upload_id}/commit       {"weight_version"?}  → the update's reply
+//! DELETE /weight_uploads/{upload_id}                                   → discarded
 //! GET    /weight_uploads                                        → the open upload, or null
 //! ```
 //!
@@ -46,10 +46,13 @@ use crate::state::AppState;
 pub fn routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/weight_uploads", post(begin).get(current))
-        .route("/weight_uploads/{id}", axum::routing::delete(discard))
-        .route("/weight_uploads/{id}/buckets", post(bucket))
-        .route("/weight_uploads/{id}/prepare", post(prepare))
-        .route("/weight_uploads/{id}/commit", post(commit))
+        .route(
+            "/weight_uploads/{upload_id}",
+            axum::routing::delete(discard),
+        )
+        .route("/weight_uploads/{upload_id}/buckets", post(bucket))
+        .route("/weight_uploads/{upload_id}/prepare", post(prepare))
+        .route("/weight_uploads/{upload_id}/commit", post(commit))
 }
 
 /// The server's one open upload, if any.
@@ -231,7 +234,7 @@ pub async fn current(State(app): State<Arc<AppState>>) -> AdminReply {
     Ok(Json(json!({ "upload": upload })))
 }
 
-/// `POST /weight_uploads/{id}/buckets` with a safetensors body: stages its tensors. A bucket
+/// `POST /weight_uploads/{upload_id}/buckets` with a safetensors body: stages its tensors. A bucket
 /// may not repeat a tensor an earlier one sent. On any error the upload is discarded.
 pub async fn bucket(
     State(app): State<Arc<AppState>>,
@@ -302,7 +305,7 @@ fn stalls_after(
     })
 }
 
-/// `POST /weight_uploads/{id}/prepare`: joins the buckets into the update the commit
+/// `POST /weight_uploads/{upload_id}/prepare`: joins the buckets into the update the commit
 /// installs and checks it can be installed now (weights dropped by sleep level 2 take only a
 /// complete set). A refusal discards the upload.
 pub async fn prepare(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> AdminReply {
@@ -349,14 +352,14 @@ async fn prepared(
     }
 }
 
-/// `POST /weight_uploads/{id}/commit`'s optional body.
+/// `POST /weight_uploads/{upload_id}/commit`'s optional body.
 #[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CommitUpload {
     pub weight_version: Option<String>,
 }
 
-/// `POST /weight_uploads/{id}/commit {"weight_version"?}` (or `?weight_version=`): prepares
+/// `POST /weight_uploads/{upload_id}/commit {"weight_version"?}` (or `?weight_version=`): prepares
 /// the upload unless it was, then installs every staged tensor at once between two steps.
 /// The version: the commit's, else the start's, else the previous one bumped.
 pub async fn commit(
@@ -387,7 +390,7 @@ pub async fn commit(
     Ok(Json(reply))
 }
 
-/// `DELETE /weight_uploads/{id}`: discards the upload and frees what it staged (409 while a
+/// `DELETE /weight_uploads/{upload_id}`: discards the upload and frees what it staged (409 while a
 /// call is reading a bucket of it: that call's error discards it).
 pub async fn discard(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> AdminReply {
     let (stage, _) = app.uploads.take(&id, "being discarded")?;

@@ -43,7 +43,7 @@ fn routes_in(text: &str) -> BTreeSet<(String, String)> {
             continue;
         }
         for m in methods.split('|') {
-            if m == "GET" || m == "POST" {
+            if m == "GET" || m == "POST" || m == "DELETE" {
                 out.insert((m.to_owned(), path.to_owned()));
             }
         }
@@ -148,9 +148,16 @@ async fn the_document_matches_the_router_and_the_docs() {
     for r in ROUTES {
         for m in r.methods {
             let query: Vec<String> = r.query.iter().map(|(n, _)| format!("{n}=zz")).collect();
-            let url = s.url(&format!("{}?{}", r.path, query.join("&")));
+            // A path parameter gets a value no resource has: its handler answers a 404 that
+            // names the parameter, where the fallback's names none.
+            let params: Vec<&str> = ferry_server::openapi::path_params(r.path).collect();
+            let path = params.iter().fold(r.path.to_owned(), |p, name| {
+                p.replace(&format!("{{{name}}}"), "zz")
+            });
+            let url = s.url(&format!("{path}?{}", query.join("&")));
             let req = match m.as_str() {
                 "GET" => s.http.get(url),
+                "DELETE" => s.http.delete(url),
                 _ => s.http.post(url),
             };
             let resp = req.send().await.unwrap();
@@ -159,7 +166,10 @@ async fn the_document_matches_the_router_and_the_docs() {
             let body: Value =
                 serde_json::from_str(&resp.text().await.unwrap()).unwrap_or(Value::Null);
             let what = format!("{} {} -> {status} {body}", m.as_str(), r.path);
-            assert!(status != 404 && status != 405, "{what}");
+            let names_a_param = params
+                .iter()
+                .any(|p| body["error"]["param"].as_str() == Some(*p));
+            assert!((status != 404 || names_a_param) && status != 405, "{what}");
             let message = body["error"]["message"].as_str().unwrap_or("");
             assert!(!message.contains("unknown query parameter"), "{what}");
             assert!(

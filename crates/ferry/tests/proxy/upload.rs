@@ -153,3 +153,39 @@ async fn a_prepare_that_fails_on_one_instance_commits_nowhere_and_names_it() {
     })
     .await;
 }
+
+/// D dies between its prepare and its commit: P commits, and the error names D, whose old
+/// version is what it comes back with (a restart loads its model again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_lost_between_prepare_and_commit_is_named_and_the_others_commit() {
+    bounded(async {
+        let mut fleet = pd_fleet(&[], &[]);
+        let proxy = fleet.proxy.url.clone();
+        let id = staged(&proxy).await;
+        let (status, prepared) = post(
+            &url(&proxy, &format!("/weight_uploads/{id}/prepare")),
+            &json!(null),
+        )
+        .await;
+        assert_eq!(status, 200, "{prepared}");
+        for i in prepared["instances"].as_array().unwrap() {
+            assert_eq!(i["body"]["prepared"], true, "{prepared}");
+        }
+        let d_url = fleet.d.url.clone();
+        fleet.d.kill();
+        let (status, reply) = post(
+            &url(&proxy, &format!("/weight_uploads/{id}/commit")),
+            &json!({"weight_version": "half-fleet"}),
+        )
+        .await;
+        assert_ne!(status, 200, "{reply}");
+        let message = reply["error"]["message"].as_str().unwrap();
+        assert!(message.contains(&d_url), "{message}");
+        assert!(message.contains("old weights"), "{message}");
+        let (_, info) = get(&url(&fleet.p.url, "/weight_info")).await;
+        assert_eq!(info["weight_version"], "half-fleet", "{info}");
+        let (_, open) = get(&url(&proxy, "/weight_uploads")).await;
+        assert_eq!(open["upload"], Value::Null, "{open}");
+    })
+    .await;
+}
