@@ -282,33 +282,65 @@ async fn measure(
             .map(str::to_owned),
             None,
         )?;
-        let (mut through, mut direct, mut plain2) = (vec![], vec![], vec![]);
+        let (mut through, mut direct, mut plain2, mut ratios) = (vec![], vec![], vec![], vec![]);
         for round in 0..args.rounds {
             plain2.push(plain_socket(&[&parts], 2).await?);
-            // The client's own fan-out: the same upload to P and to D at once, no proxy.
-            let started = Instant::now();
-            let version = format!("direct-{round}");
-            let (to_p, to_d) = tokio::join!(
-                upload_to(&client, &p.url, &parts, &version),
-                upload_to(&client, &d.url, &parts, &version)
-            );
-            to_p?;
-            to_d?;
-            direct.push(started.elapsed().as_secs_f64());
-            let times = upload_to(&client, &proxy.url, &parts, &format!("fleet-{round}")).await?;
-            through.push(times.served_s);
+            // The client's own fan-out (the same upload to P and to D at once, no proxy) and
+            // the upload through the proxy, in alternating order: a pair per round, since the
+            // four processes on the machine's cores make each time vary more than the pair.
+            let fan_out = || async {
+                let started = Instant::now();
+                let version = format!("direct-{round}");
+                let (to_p, to_d) = tokio::join!(
+                    upload_to(&client, &p.url, &parts, &version),
+                    upload_to(&client, &d.url, &parts, &version)
+                );
+                to_p?;
+                to_d?;
+                anyhow::Ok(started.elapsed().as_secs_f64())
+            };
+            let via_proxy = || async {
+                let version = format!("fleet-{round}");
+                anyhow::Ok(
+                    upload_to(&client, &proxy.url, &parts, &version)
+                        .await?
+                        .served_s,
+                )
+            };
+            let (d_s, t_s) = if round % 2 == 0 {
+                let d_s = fan_out().await?;
+                (d_s, via_proxy().await?)
+            } else {
+                let t_s = via_proxy().await?;
+                (fan_out().await?, t_s)
+            };
+            direct.push(d_s);
+            through.push(t_s);
+            ratios.push(t_s / d_s);
         }
-        let (through, direct, plain2) = (median(through), median(direct), median(plain2));
+        let rounds: Vec<Value> = through
+            .iter()
+            .zip(&direct)
+            .map(|(t, d)| json!({"proxy_s": t, "direct_s": d}))
+            .collect();
         drop((proxy, p, d));
         json!({
-            "upload_s": through,
-            "direct_fanout_s": direct,
-            "upload_over_direct_fanout": through / direct,
-            "plain_sockets_to_two_sinks_s": plain2,
+            "upload_s": median(through),
+            "direct_fanout_s": median(direct),
+            "upload_over_direct_fanout": median(ratios),
+            "plain_sockets_to_two_sinks_s": median(plain2),
+            "rounds": rounds,
         })
     };
 
     let served = median(upload.iter().map(|t| t.served_s).collect());
+    let of_plain = median(
+        plain
+            .iter()
+            .zip(&upload)
+            .map(|(p, u)| p / u.served_s)
+            .collect(),
+    );
     let plain_s = median(plain);
     let peak = memory
         .iter()
@@ -332,7 +364,7 @@ async fn measure(
             "buckets_s": median(upload.iter().map(|t| t.buckets_s).collect()),
             "commit_s": median(upload.iter().map(|t| t.commit_s).collect()),
             "gb_s": gb(served),
-            "of_plain_socket": plain_s / served,
+            "of_plain_socket": of_plain,
         },
         "one_body_push_s": median(push),
         "server_memory": {

@@ -268,9 +268,8 @@ fn read_file(
         let offset = data_start + start as u64;
         let dtype = WeightDtype::from_safetensors(info.dtype).filter(|_| shape.len() == 2);
         if let Some(out) = dtype.and_then(|d| dest.stored_mut(idx, name, shape, d)) {
-            read_chunks(&file, path, offset, end - start, 1, |at, bytes| {
-                out[at..at + bytes.len()].copy_from_slice(bytes);
-            })?;
+            // Kept as stored: read straight into its place, no copy through a buffer.
+            read_exact_at(&file, path, offset, out)?;
             tensor_done(name);
             continue;
         }
@@ -285,6 +284,19 @@ fn read_file(
         tensor_done(name);
     }
     Ok(())
+}
+
+/// Fills `out` with the file's bytes from `offset`.
+fn read_exact_at(
+    mut file: &std::fs::File,
+    path: &Path,
+    offset: u64,
+    out: &mut [u8],
+) -> Result<(), LoadError> {
+    use std::io::{Read, Seek, SeekFrom};
+    file.seek(SeekFrom::Start(offset))
+        .and_then(|_| file.read_exact(out))
+        .map_err(|e| LoadError::io(path, e))
 }
 
 /// Little-endian F32/F16/BF16 bytes → f32; `None` for other dtypes. The bytes of a mapped

@@ -406,6 +406,24 @@ impl WeightSlots for LlamaSlots {
         Some(segment.bytes_mut())
     }
 
+    /// A full update's matrices (all but a few kilobytes of norms): their fresh pages are
+    /// taken, and cleared by the kernel, on rayon's threads at once.
+    fn prefault(&mut self) {
+        let Target::Full(w) = &mut self.target else {
+            return;
+        };
+        let mut matrices: Vec<&mut Matrix> = vec![&mut w.embed];
+        matrices.extend(w.lm_head.as_mut());
+        for l in &mut w.layers {
+            matrices.extend([&mut l.qkv, &mut l.o_proj, &mut l.gate_up, &mut l.down]);
+        }
+        let regions: Vec<&mut [u8]> = matrices
+            .into_iter()
+            .flat_map(|m| m.segments_mut().iter_mut().map(Segment::bytes_mut))
+            .collect();
+        crate::weights::buf::prefault(regions);
+    }
+
     fn finish(mut self: Box<Self>) -> PreparedWeights {
         // Readers write stored matrices in the file's layout; the kernels may read another.
         for (idx, place) in self.places.iter().enumerate() {

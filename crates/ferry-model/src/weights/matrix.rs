@@ -184,6 +184,11 @@ impl Matrix {
         &self.segments
     }
 
+    /// Every segment, to be filled in place.
+    pub fn segments_mut(&mut self) -> &mut [Segment] {
+        &mut self.segments
+    }
+
     /// Segment `idx`, to be filled in place by a reader.
     pub fn segment_mut(&mut self, idx: usize) -> Option<&mut Segment> {
         self.segments.get_mut(idx)

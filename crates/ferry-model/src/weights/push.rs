@@ -286,7 +286,7 @@ fn malformed(message: String) -> WeightError {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::random_model::{random_weights, small_config};
     use crate::weights::llama_update::{LlamaPayload, LlamaUpdate};
@@ -328,12 +328,12 @@ mod tests {
         push.finish()
     }
 
-    fn update_of(p: PreparedWeights) -> LlamaUpdate {
+    pub(crate) fn update_of(p: PreparedWeights) -> LlamaUpdate {
         p.into_payload::<LlamaPayload>().unwrap().update
     }
 
     /// Every float of full weights, as bits, buffer by buffer.
-    fn bits_of(update: LlamaUpdate) -> Vec<u32> {
+    pub(crate) fn bits_of(update: LlamaUpdate) -> Vec<u32> {
         let LlamaUpdate::Full(w) = update else {
             panic!("a complete set is a full update");
         };

@@ -117,6 +117,12 @@ pub trait WeightSlots: Send {
 
     /// The update, once every slot has been written.
     fn finish(self: Box<Self>) -> PreparedWeights;
+
+    /// Takes the slots' memory from the OS now, on every thread of rayon's pool, before a
+    /// reader fills them (see [`crate::weights::buf::prefault`]). For a reader that is faster
+    /// than the kernel clears fresh pages (a reload from files in the page cache); a network
+    /// reader need not. Does nothing by default.
+    fn prefault(&mut self) {}
 }
 
 /// Weights an executor gave up (replaced or dropped): the caller drops them, off the engine

@@ -119,7 +119,7 @@ mod tests {
 
     use super::*;
     use crate::random_model::{random_weights, small_config};
-    use crate::weights::llama_update::{LlamaPayload, LlamaUpdate};
+    use crate::weights::push::tests::{bits_of, update_of};
     use crate::{LlamaPreparer, WeightStore};
 
     fn body(store: &WeightStore) -> Vec<u8> {
@@ -162,24 +162,7 @@ mod tests {
 
     /// Every float of a full update, buffer by buffer, as bits.
     fn bits(p: PreparedWeights) -> Vec<u32> {
-        let LlamaUpdate::Full(w) = p.into_payload::<LlamaPayload>().expect("llama").update else {
-            panic!("a complete upload is a full update");
-        };
-        let mut bufs: Vec<Vec<f32>> = vec![w.embed.to_f32(), w.norm.to_vec()];
-        bufs.extend(w.lm_head.as_ref().map(|m| m.to_f32()));
-        for l in &w.layers {
-            bufs.extend([
-                l.input_norm.to_vec(),
-                l.qkv.to_f32(),
-                l.o_proj.to_f32(),
-                l.post_norm.to_vec(),
-                l.gate_up.to_f32(),
-                l.down.to_f32(),
-            ]);
-        }
-        bufs.iter()
-            .flat_map(|b| b.iter().map(|x| x.to_bits()))
-            .collect()
+        bits_of(update_of(p))
     }
 
     #[test]

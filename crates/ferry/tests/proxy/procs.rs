@@ -388,9 +388,15 @@ pub fn url(base: &str, path: &str) -> String {
 
 /// A safetensors body replacing the tiny model's final norm with `value` everywhere.
 pub fn norm_push(value: f32) -> Vec<u8> {
+    vector_push("model.norm.weight", value)
+}
+
+/// A safetensors body setting the vector `name` (64 values, as the tiny model's norms) to
+/// `value` everywhere.
+pub fn vector_push(name: &str, value: f32) -> Vec<u8> {
     let n = 64;
     let header = format!(
-        r#"{{"model.norm.weight":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#,
+        r#"{{"{name}":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#,
         n * 4
     );
     let mut header = header.into_bytes();

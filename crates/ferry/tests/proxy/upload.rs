@@ -11,26 +11,6 @@ fn greedy_body() -> Value {
     completion("the weights arrive in buckets", 6)
 }
 
-/// A safetensors body setting the vector `name` (64 values, as the tiny model's norms) to
-/// `value` everywhere.
-fn vector_body(name: &str, value: f32) -> Vec<u8> {
-    let n = 64;
-    let header = format!(
-        r#"{{"{name}":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#,
-        n * 4
-    );
-    let mut header = header.into_bytes();
-    while header.len() % 8 != 0 {
-        header.push(b' ');
-    }
-    let mut out = (header.len() as u64).to_le_bytes().to_vec();
-    out.extend(header);
-    for _ in 0..n {
-        out.extend(value.to_le_bytes());
-    }
-    out
-}
-
 const NORMS: [(&str, f32); 2] = [
     ("model.norm.weight", 0.5),
     ("model.layers.0.input_layernorm.weight", 2.0),
@@ -54,7 +34,7 @@ async fn staged(base: &str) -> String {
     assert_eq!(status, 200, "{begun}");
     let id = begun["upload_id"].as_str().unwrap().to_owned();
     for (name, value) in NORMS {
-        let (status, reply) = send_bucket(base, &id, vector_body(name, value)).await;
+        let (status, reply) = send_bucket(base, &id, vector_push(name, value)).await;
         assert_eq!(status, 200, "{reply}");
     }
     id
