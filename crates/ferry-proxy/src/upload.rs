@@ -14,6 +14,7 @@
 //! the instances must hold the same tensors.
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -53,18 +54,37 @@ struct Open {
     ids: Vec<String>,
     n_buckets: usize,
     prepared: bool,
+    /// The last call through the proxy on it.
+    touched: Instant,
+    /// How long the instances keep an upload no call touches (their `timeout_seconds`; the
+    /// shortest): past it they have discarded theirs, and the proxy forgets its own, so a
+    /// client gone midway never blocks the next upload.
+    timeout: Duration,
 }
 
 impl Uploads {
+    /// The open upload, forgotten first if the instances have discarded theirs.
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Open>> {
-        self.open
+        let mut open = self
+            .open
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if open
+            .as_ref()
+            .is_some_and(|u| !u.ids.is_empty() && u.touched.elapsed() > u.timeout)
+        {
+            *open = None;
+        }
+        open
     }
 
     fn get(&self, id: &str) -> Result<Open, ApiError> {
-        match self.lock().as_ref() {
-            Some(u) if u.id == id => Ok(u.clone()),
+        let mut open = self.lock();
+        match open.as_mut() {
+            Some(u) if u.id == id => {
+                u.touched = Instant::now();
+                Ok(u.clone())
+            }
             _ => Err(ApiError::not_found(
                 Some("upload_id"),
                 format!(
@@ -77,6 +97,7 @@ impl Uploads {
 
     fn update(&self, id: &str, f: impl FnOnce(&mut Open)) {
         if let Some(u) = self.lock().as_mut().filter(|u| u.id == id) {
+            u.touched = Instant::now();
             f(u);
         }
     }
@@ -180,6 +201,8 @@ async fn begin(
             ids: Vec::new(),
             n_buckets: 0,
             prepared: false,
+            touched: Instant::now(),
+            timeout: Duration::MAX,
         });
     }
     let n = app.fleet.all().len();
@@ -206,6 +229,8 @@ async fn begin(
             ids: ids.iter().map(|i| i.clone().unwrap_or_default()).collect(),
             n_buckets: 0,
             prepared: false,
+            touched: Instant::now(),
+            timeout: Duration::MAX,
         };
         discard_everywhere(&app, &begun, &rid).await;
         return failed(
@@ -215,7 +240,18 @@ async fn begin(
         );
     }
     let ids: Vec<String> = ids.into_iter().flatten().collect();
-    app.uploads.update(&id, |u| u.ids = ids.clone());
+    let timeout = results
+        .iter()
+        .filter_map(|r| r.outcome.as_ref().ok())
+        .filter_map(|(_, b)| b["timeout_seconds"].as_f64())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .fold(f64::INFINITY, f64::min);
+    app.uploads.update(&id, |u| {
+        u.ids = ids.clone();
+        if timeout.is_finite() {
+            u.timeout = Duration::from_secs_f64(timeout);
+        }
+    });
     let instances: Vec<Value> = app
         .fleet
         .all()

@@ -130,6 +130,39 @@ impl Uploads {
     }
 }
 
+/// The upload a call took out of its stage ([`Uploads::take`]), ended if the call is dropped
+/// before it puts the upload back or ends it (a client gone mid-call: hyper drops the
+/// handler), so no upload stays busy forever.
+struct Claim<'a> {
+    uploads: &'a Uploads,
+    id: &'a str,
+    armed: bool,
+}
+
+impl<'a> Claim<'a> {
+    fn new(uploads: &'a Uploads, id: &'a str) -> Self {
+        Self {
+            uploads,
+            id,
+            armed: true,
+        }
+    }
+
+    /// The call put the upload back or ended it itself.
+    fn release(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::warn!(upload_id = %self.id, "weight upload discarded: its call ended midway");
+            free(self.uploads.end(self.id));
+        }
+    }
+}
+
 fn unknown(id: &str) -> ApiError {
     ApiError::not_found(
         Some("upload_id"),
@@ -254,10 +287,13 @@ pub async fn bucket(
             "upload `{id}` is prepared: commit or discard it"
         )));
     };
+    let claim = Claim::new(&app.uploads, &id);
     let timeout = app.config.weight_upload_timeout;
     // Fused: the refusal below reads on past the end the engine may have reached.
     let mut pieces = Box::pin(stalls_after(limited(body, limit), timeout).fuse());
-    match app.engine.upload_bucket(&mut upload, &mut pieces).await {
+    let read = app.engine.upload_bucket(&mut upload, &mut pieces).await;
+    claim.release();
+    match read {
         Ok(info) => {
             let (n_tensors, n_bytes) = (upload.n_tensors(), upload.n_bytes());
             let n_bucket = upload.n_buckets();
@@ -273,7 +309,8 @@ pub async fn bucket(
         }
         Err(e) => {
             free(app.uploads.end(&id));
-            drop(upload);
+            // What it staged may be most of a model: freed off the async workers.
+            tokio::task::spawn_blocking(move || drop(upload));
             let mut error = match e {
                 WeightPushError::Body(e) => ApiError::from(e),
                 WeightPushError::Update(e) => {
@@ -340,15 +377,20 @@ async fn prepared(
                 format!("upload `{id}` holds no bucket yet"),
             ))
         }
-        Stage::Staging(upload) => match app.engine.finish_upload(upload).await {
-            Ok(p) => Ok((n_buckets, version, p)),
-            Err(e) => {
-                free(app.uploads.end(id));
-                let mut error = api_error(e);
-                error.message = format!("{}; upload `{id}` was discarded", error.message);
-                Err(error)
+        Stage::Staging(upload) => {
+            let claim = Claim::new(&app.uploads, id);
+            let finished = app.engine.finish_upload(upload).await;
+            claim.release();
+            match finished {
+                Ok(p) => Ok((n_buckets, version, p)),
+                Err(e) => {
+                    free(app.uploads.end(id));
+                    let mut error = api_error(e);
+                    error.message = format!("{}; upload `{id}` was discarded", error.message);
+                    Err(error)
+                }
             }
-        },
+        }
     }
 }
 
@@ -397,4 +439,36 @@ pub async fn discard(State(app): State<Arc<AppState>>, Path(id): Path<String>) -
     let open = app.uploads.end(&id);
     tokio::task::spawn_blocking(move || drop((stage, open)));
     Ok(Json(json!({"upload_id": id, "discarded": true})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open(id: &str) -> Uploads {
+        let uploads = Uploads::default();
+        *uploads.lock() = Some(Open {
+            id: id.to_owned(),
+            version: None,
+            stage: Stage::Busy("receiving a bucket"),
+            n_buckets: 0,
+            touched: Instant::now(),
+        });
+        uploads
+    }
+
+    /// A call dropped midway (its client gone) ends the upload it held; one that finished
+    /// leaves it to whoever put it back.
+    #[tokio::test]
+    async fn a_claim_dropped_midway_ends_the_upload() {
+        let uploads = open("u1");
+        drop(Claim::new(&uploads, "u1"));
+        assert!(uploads.lock().is_none());
+        let uploads = open("u2");
+        Claim::new(&uploads, "u2").release();
+        assert!(uploads.lock().is_some());
+        // A busy upload refuses a second call with a 409, and another id is a 404.
+        assert_eq!(uploads.take("u2", "preparing").unwrap_err().status, 409);
+        assert_eq!(uploads.take("u3", "preparing").unwrap_err().status, 404);
+    }
 }

@@ -169,3 +169,26 @@ async fn an_instance_lost_between_prepare_and_commit_is_named_and_the_others_com
     })
     .await;
 }
+
+/// A client gone midway never blocks the next upload: once the instances' idle timeout has
+/// discarded theirs, the proxy forgets its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_upload_expires_on_the_proxy_with_the_instances() {
+    bounded(async {
+        let short = ["--weight-upload-timeout-seconds", "1"];
+        let fleet = pd_fleet(&short, &short);
+        let proxy = &fleet.proxy.url;
+        let first = staged(proxy).await;
+        let (status, refused) = post(&url(proxy, "/weight_uploads"), &json!({})).await;
+        assert_eq!(status, 409, "{refused}");
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        let (status, begun) = post(&url(proxy, "/weight_uploads"), &json!({})).await;
+        assert_eq!(status, 200, "{begun}");
+        assert_ne!(begun["upload_id"].as_str(), Some(first.as_str()));
+        for base in [&fleet.p.url, &fleet.d.url] {
+            let (_, info) = get(&url(base, "/weight_info")).await;
+            assert_eq!(info["n_weight_updates"], 0, "{base}: {info}");
+        }
+    })
+    .await;
+}
