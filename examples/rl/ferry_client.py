@@ -167,25 +167,18 @@ class Ferry:
             off += n
         h = json.dumps(header, separators=(",", ":")).encode()
         h += b" " * (-len(h) % 8)
-        c = self._conn()
-        try:
-            c.putrequest("POST", path)
-            c.putheader("Content-Type", "application/octet-stream")
-            c.putheader("Content-Length", str(8 + len(h) + off))
-            c.endheaders()
-            c.send(struct.pack("<Q", len(h)) + h)
+
+        def pieces():
+            yield struct.pack("<Q", len(h)) + h
             import torch  # the trainer's; the rest of this client needs none
 
             for name in names:
                 a = tensors[name].detach().to(torch.float32).contiguous().cpu().numpy()
-                c.send(memoryview(a).cast("B"))
-            r = c.getresponse()
-            data = r.read()
-        finally:
-            c.close()
-        if r.status != 200:
-            raise FerryError(f"POST {path}: HTTP {r.status}: {data[:500]!r}")
-        return json.loads(data)
+                yield memoryview(a).cast("B")
+
+        # With a Content-Length, http.client sends an iterable body piece by piece as is.
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(8 + len(h) + off)}
+        return self.call("POST", path, body=pieces(), headers=headers)
 
     def wait_received(self, target, timeout=60.0):
         """Waits until this client has received `target` tokens in all (see the module doc)."""

@@ -204,7 +204,6 @@ pub(crate) fn summarise_noting(
     results: &[InstanceResult],
     note: Option<&str>,
 ) -> Response {
-    let instances: Vec<Value> = results.iter().map(InstanceResult::to_json).collect();
     let failures: Vec<String> = results.iter().filter_map(InstanceResult::failure).collect();
     if failures.is_empty() && VERSION_READS.contains(&path) {
         let versions: Vec<InstanceVersion<'_>> = results
@@ -225,7 +224,7 @@ pub(crate) fn summarise_noting(
                  proxy)",
                 versions::describe(&versions)
             ));
-            let mut response = with_instances(&error, instances);
+            let mut response = with_instances(&error, results);
             if let Some(body) = response.1.as_object_mut() {
                 body.insert("weight_versions".into(), versions::to_json(&versions));
             }
@@ -233,13 +232,7 @@ pub(crate) fn summarise_noting(
         }
     }
     if failures.is_empty() {
-        let bodies: Vec<&Value> = results
-            .iter()
-            .filter_map(|r| r.outcome.as_ref().ok().map(|(_, b)| b))
-            .collect();
-        let mut body = merge(&bodies);
-        body.insert("instances".into(), Value::Array(instances));
-        return Json(Value::Object(body)).into_response();
+        return Json(Value::Object(merged(results))).into_response();
     }
     let failed: Vec<&(StatusCode, Value)> = results
         .iter()
@@ -272,14 +265,31 @@ pub(crate) fn summarise_noting(
         }
         _ => crate::upstream::bad_gateway(message),
     };
-    with_instances(&error, instances).into_response()
+    with_instances(&error, results).into_response()
+}
+
+/// The instances' answers merged ([`merge`]), with `instances` (each instance's URL, role,
+/// status and body): the reply when every instance succeeded.
+pub(crate) fn merged(results: &[InstanceResult]) -> Map<String, Value> {
+    let bodies: Vec<&Value> = results
+        .iter()
+        .filter_map(|r| r.outcome.as_ref().ok().map(|(_, b)| b))
+        .collect();
+    let mut body = merge(&bodies);
+    body.insert("instances".into(), instances_json(results));
+    body
+}
+
+/// Each instance's URL, role, status and body.
+fn instances_json(results: &[InstanceResult]) -> Value {
+    Value::Array(results.iter().map(InstanceResult::to_json).collect())
 }
 
 /// `error`'s OpenAI body with `instances`, logged.
-fn with_instances(error: &ApiError, instances: Vec<Value>) -> (StatusCode, Json<Value>) {
+fn with_instances(error: &ApiError, results: &[InstanceResult]) -> (StatusCode, Json<Value>) {
     tracing::warn!("{}", error.message);
     let mut body = serde_json::to_value(error.body()).unwrap_or_else(|_| json!({}));
-    body["instances"] = Value::Array(instances);
+    body["instances"] = instances_json(results);
     (error.status, Json(body))
 }
 
@@ -342,7 +352,8 @@ async fn fan_out(
     summarise(uri.path(), &results)
 }
 
-fn copies(body: &Bytes, n: usize) -> Vec<reqwest::Body> {
+/// `n` bodies, each `body`.
+pub(crate) fn copies(body: &Bytes, n: usize) -> Vec<reqwest::Body> {
     (0..n).map(|_| reqwest::Body::from(body.clone())).collect()
 }
 

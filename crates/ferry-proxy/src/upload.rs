@@ -26,7 +26,9 @@ use ferry_http::error::ApiError;
 use ferry_http::extract::{random_id, ApiBytes, RequestId};
 use serde_json::{json, Map, Value};
 
-use crate::admin::{broadcast_to, new_weight_version, summarise_noting, tee, InstanceResult};
+use crate::admin::{
+    broadcast_to, copies, merged, new_weight_version, summarise_noting, tee, InstanceResult,
+};
 use crate::ProxyState;
 
 pub fn routes() -> Router<Arc<ProxyState>> {
@@ -60,6 +62,21 @@ struct Open {
     /// shortest): past it they have discarded theirs, and the proxy forgets its own, so a
     /// client gone midway never blocks the next upload.
     timeout: Duration,
+}
+
+impl Open {
+    /// An upload whose instances' ids are `ids` (none yet while they begin), kept until the
+    /// instances say how long they keep theirs.
+    fn new(id: &str, ids: Vec<String>) -> Self {
+        Self {
+            id: id.to_owned(),
+            ids,
+            n_buckets: 0,
+            prepared: false,
+            touched: Instant::now(),
+            timeout: Duration::MAX,
+        }
+    }
 }
 
 impl Uploads {
@@ -115,12 +132,7 @@ fn json_type() -> HeaderValue {
 }
 
 fn json_bodies(body: &Value, n: usize) -> Vec<reqwest::Body> {
-    let bytes = axum::body::Bytes::from(body.to_string());
-    (0..n).map(|_| reqwest::Body::from(bytes.clone())).collect()
-}
-
-fn empty_bodies(n: usize) -> Vec<reqwest::Body> {
-    (0..n).map(|_| reqwest::Body::from(Vec::new())).collect()
+    copies(&axum::body::Bytes::from(body.to_string()), n)
 }
 
 fn paths(open: &Open, suffix: &str) -> Vec<String> {
@@ -154,15 +166,10 @@ async fn discard_everywhere(app: &ProxyState, open: &Open, request_id: &str) {
         &paths(open, ""),
         request_id,
         None,
-        empty_bodies(n),
+        copies(&axum::body::Bytes::new(), n),
     )
     .await;
     app.uploads.end(&open.id);
-}
-
-/// The instances' failure as an error naming them, saying what became of the upload.
-fn failed(path: &str, results: &[InstanceResult], what: &str) -> Response {
-    summarise_noting(path, results, Some(what))
 }
 
 fn all_ok(results: &[InstanceResult]) -> bool {
@@ -196,14 +203,7 @@ async fn begin(
             .into_response();
         }
         // Held while the instances begin, so a second begin is refused meanwhile.
-        *open = Some(Open {
-            id: id.clone(),
-            ids: Vec::new(),
-            n_buckets: 0,
-            prepared: false,
-            touched: Instant::now(),
-            timeout: Duration::MAX,
-        });
+        *open = Some(Open::new(&id, Vec::new()));
     }
     let n = app.fleet.all().len();
     let results = broadcast_to(
@@ -224,19 +224,15 @@ async fn begin(
         .collect();
     if ids.iter().any(Option::is_none) || !all_ok(&results) {
         // Discard what did begin.
-        let begun = Open {
-            id: id.clone(),
-            ids: ids.iter().map(|i| i.clone().unwrap_or_default()).collect(),
-            n_buckets: 0,
-            prepared: false,
-            touched: Instant::now(),
-            timeout: Duration::MAX,
-        };
+        let begun = Open::new(
+            &id,
+            ids.iter().map(|i| i.clone().unwrap_or_default()).collect(),
+        );
         discard_everywhere(&app, &begun, &rid).await;
-        return failed(
+        return summarise_noting(
             "/weight_uploads",
             &results,
-            "no upload was begun on any instance",
+            Some("no upload was begun on any instance"),
         );
     }
     let ids: Vec<String> = ids.into_iter().flatten().collect();
@@ -283,14 +279,13 @@ async fn bucket(
     Extension(RequestId(rid)): Extension<RequestId>,
     Path(id): Path<String>,
     body: Body,
-) -> Response {
-    let open = match app.uploads.get(&id) {
-        Ok(o) if !o.ids.is_empty() => o,
-        Ok(_) => {
-            return ApiError::conflict(format!("upload `{id}` is still beginning")).into_response()
-        }
-        Err(e) => return e.into_response(),
-    };
+) -> Result<Response, Response> {
+    let open = app.uploads.get(&id).map_err(IntoResponse::into_response)?;
+    if open.ids.is_empty() {
+        return Err(
+            ApiError::conflict(format!("upload `{id}` is still beginning")).into_response(),
+        );
+    }
     let (feed, bodies) = tee(body, open.ids.len());
     let content_type = HeaderValue::from_static("application/octet-stream");
     let targets = paths(&open, "/buckets");
@@ -305,40 +300,26 @@ async fn bucket(
     let ((), results) = tokio::join!(feed, send);
     if !all_ok(&results) {
         discard_everywhere(&app, &open, &rid).await;
-        return failed(
+        return Err(summarise_noting(
             "/weight_uploads/buckets",
             &results,
-            &format!("upload `{id}` was discarded on every instance"),
-        );
+            Some(&format!("upload `{id}` was discarded on every instance")),
+        ));
     }
     app.uploads.update(&id, |u| u.n_buckets += 1);
-    let mut reply = summary(&results);
-    reply["upload_id"] = json!(id);
-    Json(reply).into_response()
+    Ok(reply(&results, &id))
 }
 
-/// The first instance's answer with `instances` (each instance's status and body).
-fn summary(results: &[InstanceResult]) -> Value {
-    let first = results
-        .first()
-        .and_then(|r| r.outcome.as_ref().ok())
-        .map_or(json!({}), |(_, b)| b.clone());
-    let mut out = first;
-    out["instances"] = Value::Array(
-        results
-            .iter()
-            .map(|r| {
-                let body = r.outcome.as_ref().map_or(Value::Null, |(_, b)| b.clone());
-                json!({"url": r.instance.url, "role": r.instance.role.as_str(), "body": body})
-            })
-            .collect(),
-    );
-    out
+/// The instances' answers merged, with the proxy's upload id.
+fn reply(results: &[InstanceResult], id: &str) -> Response {
+    let mut body = merged(results);
+    body.insert("upload_id".into(), json!(id));
+    Json(Value::Object(body)).into_response()
 }
 
 /// The prepare phase on every instance: `Ok` when all prepared, else the error response
 /// (the upload discarded everywhere, nothing committed).
-async fn prepare_all(app: &ProxyState, open: &Open, rid: &str) -> Result<Value, Response> {
+async fn prepare_all(app: &ProxyState, open: &Open, rid: &str) -> Result<Response, Response> {
     let n = open.ids.len();
     let results = broadcast_to(
         app,
@@ -351,17 +332,17 @@ async fn prepare_all(app: &ProxyState, open: &Open, rid: &str) -> Result<Value, 
     .await;
     if !all_ok(&results) {
         discard_everywhere(app, open, rid).await;
-        return Err(failed(
+        return Err(summarise_noting(
             "/weight_uploads/prepare",
             &results,
-            &format!(
+            Some(&format!(
                 "nothing was committed: upload `{}` was discarded on every instance",
                 open.id
-            ),
+            )),
         ));
     }
     app.uploads.update(&open.id, |u| u.prepared = true);
-    Ok(summary(&results))
+    Ok(reply(&results, &open.id))
 }
 
 /// `POST /weight_uploads/{upload_id}/prepare`: the first phase on every instance.
@@ -369,18 +350,9 @@ async fn prepare(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(rid)): Extension<RequestId>,
     Path(id): Path<String>,
-) -> Response {
-    let open = match app.uploads.get(&id) {
-        Ok(o) => o,
-        Err(e) => return e.into_response(),
-    };
-    match prepare_all(&app, &open, &rid).await {
-        Ok(mut reply) => {
-            reply["upload_id"] = json!(id);
-            Json(reply).into_response()
-        }
-        Err(response) => response,
-    }
+) -> Result<Response, Response> {
+    let open = app.uploads.get(&id).map_err(IntoResponse::into_response)?;
+    prepare_all(&app, &open, &rid).await
 }
 
 /// `POST /weight_uploads/{upload_id}/commit {"weight_version"?}`: every instance prepares (unless
@@ -390,19 +362,11 @@ async fn commit(
     Extension(RequestId(rid)): Extension<RequestId>,
     Path(id): Path<String>,
     ApiBytes(body): ApiBytes,
-) -> Response {
-    let request = match object(&body) {
-        Ok(m) => m,
-        Err(e) => return e.into_response(),
-    };
-    let open = match app.uploads.get(&id) {
-        Ok(o) => o,
-        Err(e) => return e.into_response(),
-    };
+) -> Result<Response, Response> {
+    let request = object(&body).map_err(IntoResponse::into_response)?;
+    let open = app.uploads.get(&id).map_err(IntoResponse::into_response)?;
     if !open.prepared {
-        if let Err(response) = prepare_all(&app, &open, &rid).await {
-            return response;
-        }
+        prepare_all(&app, &open, &rid).await?;
     }
     let n = open.ids.len();
     let results = broadcast_to(
@@ -416,16 +380,16 @@ async fn commit(
     .await;
     app.uploads.end(&id);
     if !all_ok(&results) {
-        return failed(
+        return Err(summarise_noting(
             "/weight_uploads/commit",
             &results,
-            "the instances that failed after preparing keep their old weights and version \
-             (see /health's version_skew)",
-        );
+            Some(
+                "the instances that failed after preparing keep their old weights and version \
+                 (see /health's version_skew)",
+            ),
+        ));
     }
-    let mut reply = summary(&results);
-    reply["upload_id"] = json!(id);
-    Json(reply).into_response()
+    Ok(reply(&results, &id))
 }
 
 /// `DELETE /weight_uploads/{upload_id}`: discarded on every instance.
@@ -433,11 +397,8 @@ async fn discard(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(rid)): Extension<RequestId>,
     Path(id): Path<String>,
-) -> Response {
-    let open = match app.uploads.get(&id) {
-        Ok(o) => o,
-        Err(e) => return e.into_response(),
-    };
+) -> Result<Response, Response> {
+    let open = app.uploads.get(&id).map_err(IntoResponse::into_response)?;
     discard_everywhere(&app, &open, &rid).await;
-    Json(json!({"upload_id": id, "discarded": true})).into_response()
+    Ok(Json(json!({"upload_id": id, "discarded": true})).into_response())
 }

@@ -34,7 +34,7 @@ use crate::byte_size::ByteSize;
 
 mod load;
 mod pd;
-mod report;
+pub(crate) mod report;
 mod updates;
 
 use load::{Load, LoadSpec, Snapshot};

@@ -24,7 +24,7 @@ use anyhow::{ensure, Context};
 use clap::ValueEnum;
 use serde_json::{json, Value};
 
-use crate::child::{start, Proc};
+use crate::child::{start, strings, Proc};
 use crate::proxy::RoutingArg;
 
 const BLOCK_SIZE: usize = 16;
@@ -73,10 +73,6 @@ pub struct Args {
     no_rl_cycle: bool,
     #[arg(long)]
     json: bool,
-}
-
-fn strings(args: &[&str]) -> Vec<String> {
-    args.iter().map(|s| (*s).to_owned()).collect()
 }
 
 /// The workload: one prompt per request, in arrival order, and its group.

@@ -29,8 +29,9 @@ use ferry_model::ModelSpec;
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 
+use crate::bench_lifecycle::report::{reset_peak, status_bytes};
 use crate::byte_size::ByteSize;
-use crate::child::start;
+use crate::child::{start, strings};
 
 /// Bytes per piece of a body, as a network write sends them.
 const PIECE_BYTES: usize = 1 << 20;
@@ -187,10 +188,11 @@ fn f32_model(
 }
 
 fn serve_args(folder: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
+    let folder = folder.display().to_string();
+    let mut args = strings(&[
         "serve",
         "--model",
-        &folder.display().to_string(),
+        &folder,
         "--host",
         "127.0.0.1",
         "--port",
@@ -200,11 +202,8 @@ fn serve_args(folder: &Path, extra: &[&str]) -> Vec<String> {
         "64MiB",
         "--max-model-len",
         "1024",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect();
-    args.extend(extra.iter().map(|s| (*s).to_owned()));
+    ]);
+    args.extend(strings(extra));
     args
 }
 
@@ -235,7 +234,7 @@ async fn measure(
     };
 
     let server = start(&serve_args(folder, &[]), None)?;
-    let pid = server.child.id();
+    let pid = server.child.id().to_string();
     let weight_bytes = client
         .get(format!("{}/weight_info", server.url))
         .send()
@@ -248,11 +247,11 @@ async fn measure(
     let (mut cat, mut reload) = (vec![], vec![]);
     for round in 0..args.rounds {
         plain.push(plain_socket(&[&parts], 1).await?);
-        let before = status_bytes(pid, "VmRSS")?;
-        reset_peak(pid)?;
+        let before = status_bytes(&pid, "VmRSS")?;
+        reset_peak(&pid)?;
         let times = upload_to(&client, &server.url, &parts, &format!("upload-{round}")).await?;
-        let peak = status_bytes(pid, "VmHWM")?;
-        let after = status_bytes(pid, "VmRSS")?;
+        let peak = status_bytes(&pid, "VmHWM")?;
+        let after = status_bytes(&pid, "VmRSS")?;
         memory.push(json!({"before": before, "peak": peak, "after": after}));
         upload.push(times);
         push.push(push_to(&client, &server.url, &whole, &format!("push-{round}")).await?);
@@ -267,7 +266,7 @@ async fn measure(
         let p = start(&serve_args(folder, &["--kv-role", "kv_producer"]), None)?;
         let d = start(&serve_args(folder, &["--kv-role", "kv_consumer"]), None)?;
         let proxy = start(
-            &[
+            &strings(&[
                 "proxy",
                 "--port",
                 "0",
@@ -278,8 +277,7 @@ async fn measure(
                 &p.url,
                 "--decode",
                 &d.url,
-            ]
-            .map(str::to_owned),
+            ]),
             None,
         )?;
         let (mut through, mut direct, mut plain2, mut ratios) = (vec![], vec![], vec![], vec![]);
@@ -546,26 +544,6 @@ async fn plain_socket(parts: &[&[Bucket]], n_sinks: usize) -> anyhow::Result<f64
         t.await??;
     }
     Ok(started.elapsed().as_secs_f64())
-}
-
-/// `key:` of `/proc/<pid>/status`, in bytes.
-fn status_bytes(pid: u32, key: &str) -> anyhow::Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let line = status
-        .lines()
-        .find(|l| l.starts_with(key) && l[key.len()..].starts_with(':'))
-        .with_context(|| format!("no {key} in /proc/{pid}/status"))?;
-    let kib: u64 = line
-        .split_whitespace()
-        .nth(1)
-        .context("no value")?
-        .parse()?;
-    Ok(kib * 1024)
-}
-
-/// Resets the process's peak resident memory (`VmHWM`) to what it holds now.
-fn reset_peak(pid: u32) -> anyhow::Result<()> {
-    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").context("resetting VmHWM")
 }
 
 #[cfg(test)]

@@ -73,3 +73,8 @@ pub fn start(args: &[String], core: Option<usize>) -> anyhow::Result<Proc> {
     }
     Ok(proc)
 }
+
+/// Command-line arguments as owned strings.
+pub fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| (*s).to_owned()).collect()
+}

@@ -30,7 +30,6 @@ pub struct WeightUpload {
     preparer: Arc<dyn WeightPreparer>,
     staged: Vec<PreparedWeights>,
     names: BTreeSet<String>,
-    n_bytes: usize,
 }
 
 impl std::fmt::Debug for WeightUpload {
@@ -38,7 +37,7 @@ impl std::fmt::Debug for WeightUpload {
         f.debug_struct("WeightUpload")
             .field("n_buckets", &self.staged.len())
             .field("n_tensors", &self.names.len())
-            .field("n_bytes", &self.n_bytes)
+            .field("n_bytes", &self.n_bytes())
             .finish_non_exhaustive()
     }
 }
@@ -49,7 +48,6 @@ impl WeightUpload {
             preparer,
             staged: Vec::new(),
             names: BTreeSet::new(),
-            n_bytes: 0,
         }
     }
 
@@ -69,7 +67,6 @@ impl WeightUpload {
             n_bytes: weights.n_bytes,
         };
         self.names.extend(names);
-        self.n_bytes += weights.n_bytes;
         self.staged.push(weights);
         Ok(info)
     }
@@ -84,7 +81,7 @@ impl WeightUpload {
 
     /// Bytes staged, in the executor's layout.
     pub fn n_bytes(&self) -> usize {
-        self.n_bytes
+        self.staged.iter().map(|w| w.n_bytes).sum()
     }
 
     /// The one update every staged bucket makes, ready to install.

@@ -26,17 +26,17 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes, HttpBody};
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, RawQuery, State};
 use axum::routing::post;
 use axum::{Json, Router};
-use ferry_engine::{PreparedWeights, WeightPushError, WeightUpload};
+use ferry_engine::{PreparedWeights, WeightUpload};
 use futures_util::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::json;
 
 use super::args::{non_empty, optional_json, QueryArgs};
-use super::weights::{limited, update_reply, BodyError};
+use super::weights::{limited, refusal, update_reply, BodyError};
 use super::AdminReply;
 use crate::error::{api_error, ApiError};
 use crate::extract::ApiBytes;
@@ -72,6 +72,14 @@ struct Open {
     touched: Instant,
 }
 
+/// An upload taken out of its stage by a call ([`Uploads::take`]).
+#[derive(Debug)]
+struct Taken {
+    stage: Stage,
+    version: Option<String>,
+    n_buckets: usize,
+}
+
 #[derive(Debug)]
 enum Stage {
     /// Taking buckets.
@@ -93,7 +101,7 @@ impl Uploads {
 
     /// Takes the upload `id` out of its stage for a call (`what`): 404 when it is not the
     /// open upload, 409 while another call holds it.
-    fn take(&self, id: &str, what: &'static str) -> Result<(Stage, Option<String>), ApiError> {
+    fn take(&self, id: &str, what: &'static str) -> Result<Taken, ApiError> {
         let mut open = self.lock();
         let upload = match open.as_mut() {
             Some(u) if u.id == id => u,
@@ -105,8 +113,21 @@ impl Uploads {
             )));
         }
         upload.touched = Instant::now();
-        let stage = std::mem::replace(&mut upload.stage, Stage::Busy(what));
-        Ok((stage, upload.version.clone()))
+        Ok(Taken {
+            stage: std::mem::replace(&mut upload.stage, Stage::Busy(what)),
+            version: upload.version.clone(),
+            n_buckets: upload.n_buckets,
+        })
+    }
+
+    /// Ends the upload `id` after `error` and frees what it staged (`staged`, which a call
+    /// held outside it, too); the error says so.
+    fn discard_after(&self, id: &str, staged: Option<Stage>, mut error: ApiError) -> ApiError {
+        let open = self.end(id);
+        // What it staged may be most of a model: freed off the async workers.
+        tokio::task::spawn_blocking(move || drop((open, staged)));
+        error.message = format!("{}; upload `{id}` was discarded", error.message);
+        error
     }
 
     /// Puts the upload back after a call, in `stage`.
@@ -276,11 +297,8 @@ pub async fn bucket(
     body: Body,
 ) -> AdminReply {
     QueryArgs::parse(raw.as_deref(), &[])?;
-    let limit = app.config.max_weight_push_bytes;
-    if body.size_hint().lower() > limit as u64 {
-        return Err(BodyError::TooLarge { limit }.into());
-    }
-    let (stage, _) = app.uploads.take(&id, "receiving a bucket")?;
+    let body = limited(body, app.config.max_weight_push_bytes)?;
+    let stage = app.uploads.take(&id, "receiving a bucket")?.stage;
     let Stage::Staging(mut upload) = stage else {
         app.uploads.put(&id, stage, false);
         return Err(ApiError::conflict(format!(
@@ -290,11 +308,10 @@ pub async fn bucket(
     let claim = Claim::new(&app.uploads, &id);
     let timeout = app.config.weight_upload_timeout;
     // Fused: the refusal below reads on past the end the engine may have reached.
-    let mut pieces = Box::pin(stalls_after(limited(body, limit), timeout).fuse());
-    let read = app.engine.upload_bucket(&mut upload, &mut pieces).await;
-    claim.release();
-    match read {
+    let mut pieces = Box::pin(stalls_after(body, timeout).fuse());
+    match app.engine.upload_bucket(&mut upload, &mut pieces).await {
         Ok(info) => {
+            claim.release();
             let (n_tensors, n_bytes) = (upload.n_tensors(), upload.n_bytes());
             let n_bucket = upload.n_buckets();
             app.uploads.put(&id, Stage::Staging(upload), true);
@@ -308,20 +325,12 @@ pub async fn bucket(
             })))
         }
         Err(e) => {
-            free(app.uploads.end(&id));
-            // What it staged may be most of a model: freed off the async workers.
-            tokio::task::spawn_blocking(move || drop(upload));
-            let mut error = match e {
-                WeightPushError::Body(e) => ApiError::from(e),
-                WeightPushError::Update(e) => {
-                    // Read the rest out (within the limit), so a client still sending gets
-                    // the 400 rather than a reset connection.
-                    while let Some(Ok(_)) = pieces.next().await {}
-                    api_error(e)
-                }
-            };
-            error.message = format!("{}; upload `{id}` was discarded", error.message);
-            Err(error)
+            // Still claimed while the rest of the body is read out.
+            let error = refusal(e, &mut pieces).await;
+            claim.release();
+            Err(app
+                .uploads
+                .discard_after(&id, Some(Stage::Staging(upload)), error))
         }
     }
 }
@@ -365,8 +374,11 @@ async fn prepared(
     app: &AppState,
     id: &str,
 ) -> Result<(usize, Option<String>, PreparedWeights), ApiError> {
-    let (stage, version) = app.uploads.take(id, "preparing")?;
-    let n_buckets = app.uploads.lock().as_ref().map_or(0, |u| u.n_buckets);
+    let Taken {
+        stage,
+        version,
+        n_buckets,
+    } = app.uploads.take(id, "preparing")?;
     match stage {
         Stage::Prepared(p) => Ok((n_buckets, version, p)),
         Stage::Busy(_) => unreachable!("take refuses a busy upload"),
@@ -383,12 +395,7 @@ async fn prepared(
             claim.release();
             match finished {
                 Ok(p) => Ok((n_buckets, version, p)),
-                Err(e) => {
-                    free(app.uploads.end(id));
-                    let mut error = api_error(e);
-                    error.message = format!("{}; upload `{id}` was discarded", error.message);
-                    Err(error)
-                }
+                Err(e) => Err(app.uploads.discard_after(id, None, api_error(e))),
             }
         }
     }
@@ -435,7 +442,7 @@ pub async fn commit(
 /// `DELETE /weight_uploads/{upload_id}`: discards the upload and frees what it staged (409 while a
 /// call is reading a bucket of it: that call's error discards it).
 pub async fn discard(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> AdminReply {
-    let (stage, _) = app.uploads.take(&id, "being discarded")?;
+    let stage = app.uploads.take(&id, "being discarded")?.stage;
     let open = app.uploads.end(&id);
     tokio::task::spawn_blocking(move || drop((stage, open)));
     Ok(Json(json!({"upload_id": id, "discarded": true})))

@@ -161,24 +161,29 @@ pub async fn push(
 async fn push_safetensors(app: Arc<AppState>, raw: Option<String>, body: Body) -> AdminReply {
     let q = QueryArgs::parse(raw.as_deref(), &["weight_version"])?;
     let version = q.non_empty("weight_version")?;
-    let limit = app.config.max_weight_push_bytes;
-    // A declared length over the limit is refused before a byte is read.
-    if body.size_hint().lower() > limit as u64 {
-        return Err(BodyError::TooLarge { limit }.into());
-    }
-    let mut body = Box::pin(limited(body, limit));
+    let mut body = Box::pin(limited(body, app.config.max_weight_push_bytes)?);
     match app
         .engine
         .update_weights_from_safetensors_stream(&mut body, version)
         .await
     {
         Ok(info) => Ok(Json(update_reply(&info, "weights updated"))),
-        Err(WeightPushError::Body(e)) => Err(e.into()),
-        Err(WeightPushError::Update(e)) => {
-            // A refused push leaves the body unread: read it out (within the limit), so the
-            // client, still sending, gets the 400 rather than a reset connection.
-            while let Some(Ok(_)) = body.next().await {}
-            Err(api_error(e))
+        Err(e) => Err(refusal(e, &mut body).await),
+    }
+}
+
+/// A push or bucket that failed, as the client's answer. A refused one leaves the body
+/// unread: it is read out (within the limit), so the client, still sending, gets the 400
+/// rather than a reset connection.
+pub(super) async fn refusal(
+    e: WeightPushError<BodyError>,
+    rest: &mut (impl Stream<Item = Result<Bytes, BodyError>> + Unpin),
+) -> ApiError {
+    match e {
+        WeightPushError::Body(e) => e.into(),
+        WeightPushError::Update(e) => {
+            while let Some(Ok(_)) = rest.next().await {}
+            api_error(e)
         }
     }
 }
@@ -211,17 +216,24 @@ impl From<BodyError> for ApiError {
     }
 }
 
-/// The body's pieces, ending with `TooLarge` once more than `limit` bytes came.
-pub(super) fn limited(body: Body, limit: usize) -> impl Stream<Item = Result<Bytes, BodyError>> {
+/// The body's pieces, ending with `TooLarge` once more than `limit` bytes came; a declared
+/// length over the limit is refused before a byte is read.
+pub(super) fn limited(
+    body: Body,
+    limit: usize,
+) -> Result<impl Stream<Item = Result<Bytes, BodyError>>, ApiError> {
+    if body.size_hint().lower() > limit as u64 {
+        return Err(BodyError::TooLarge { limit }.into());
+    }
     let mut n_read = 0usize;
-    body.into_data_stream().map(move |piece| {
+    Ok(body.into_data_stream().map(move |piece| {
         let piece = piece.map_err(BodyError::Read)?;
         n_read = n_read.saturating_add(piece.len());
         if n_read > limit {
             return Err(BodyError::TooLarge { limit });
         }
         Ok(piece)
-    })
+    }))
 }
 
 pub(super) fn update_reply(info: &WeightUpdateInfo, message: &str) -> Value {
@@ -299,12 +311,12 @@ mod tests {
         };
         let body = pieces(3, 40);
         assert_eq!(body.size_hint().lower(), 0, "no declared length");
-        let got: Vec<_> = limited(body, 100).collect().await;
+        let got: Vec<_> = limited(body, 100).unwrap().collect().await;
         assert_eq!(got.len(), 3);
         assert_eq!(got[0].as_ref().unwrap().len(), 40);
         assert_eq!(got[1].as_ref().unwrap().len(), 40);
         assert!(matches!(got[2], Err(BodyError::TooLarge { limit: 100 })));
-        let got: Vec<_> = limited(pieces(2, 50), 100).collect().await;
+        let got: Vec<_> = limited(pieces(2, 50), 100).unwrap().collect().await;
         assert!(got.iter().all(Result::is_ok) && got.len() == 2);
     }
 }

@@ -389,27 +389,40 @@ pub fn rss_bytes() -> anyhow::Result<u64> {
         .context("no VmRSS in /proc/self/status (resident memory needs Linux)")
 }
 
-/// Resets this process's peak resident memory (`VmHWM`) to its current resident memory, by
-/// writing `5` to `/proc/self/clear_refs` (Linux ≥ 4.0).
+/// Resets this process's peak resident memory (`VmHWM`) to its current resident memory
+/// ([`reset_peak`]).
 pub fn reset_peak_rss() -> anyhow::Result<()> {
-    std::fs::write("/proc/self/clear_refs", "5")
-        .context("resetting the peak resident memory through /proc/self/clear_refs")
+    reset_peak("self")
 }
 
 /// This process's peak resident memory since start or the last [`reset_peak_rss`]
 /// (`VmHWM`), in bytes.
 pub fn peak_rss_bytes() -> anyhow::Result<u64> {
-    let status =
-        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    status_bytes("self", "VmHWM")
+}
+
+/// Resets the peak resident memory (`VmHWM`) of `process` (`self`, or a pid) to its current
+/// resident memory, by writing `5` to `/proc/<process>/clear_refs` (Linux ≥ 4.0).
+pub fn reset_peak(process: &str) -> anyhow::Result<()> {
+    std::fs::write(format!("/proc/{process}/clear_refs"), "5").with_context(|| {
+        format!("resetting the peak resident memory through /proc/{process}/clear_refs")
+    })
+}
+
+/// A memory figure of `process` (`self`, or a pid) from `/proc/<process>/status` (`VmRSS`,
+/// `VmHWM`), in bytes.
+pub fn status_bytes(process: &str, key: &str) -> anyhow::Result<u64> {
+    let path = format!("/proc/{process}/status");
+    let status = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
     let line = status
         .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .context("no VmHWM in /proc/self/status")?;
+        .find(|l| l.starts_with(key) && l[key.len()..].starts_with(':'))
+        .with_context(|| format!("no {key} in {path}"))?;
     let kib: u64 = line
         .split_whitespace()
         .nth(1)
         .and_then(|v| v.parse().ok())
-        .context("a malformed VmHWM line")?;
+        .with_context(|| format!("a malformed {key} line in {path}"))?;
     Ok(kib * 1024)
 }
 
