@@ -26,6 +26,10 @@ scripts/smoke-openai.sh 2>&1 | tee -a "$log" || status=$?
 # versions reported in order across updates, no request lost. Cargo-style lines too.
 scripts/rl-example.sh 2>&1 | tee -a "$log" || status=$?
 
+# The NIXL transport (`--kv-transport nixl`): a second build, with the `nixl` feature, and
+# NIXL's libraries from PyPI.
+scripts/test-nixl.sh 2>&1 | tee -a "$log" || status=$?
+
 # cargo prints one "test result" line per test binary, the last ones for doc tests (often
 # empty); close with the totals so the end of the log says how many tests really ran.
 awk '/^test result:/ { p += $4; f += $6 } END { printf "tests: %d passed, %d failed\n", p, f }' "$log"

@@ -32,6 +32,8 @@ fn pd_engine(id: &str, role: PdRole, config: SchedulerConfig) -> (EngineHandle, 
         allowed_peers: ferry_core::AllowedPeers::default(),
         secret: None,
         pool_idle_per_peer: ferry_kv::DEFAULT_POOL_IDLE_PER_PEER,
+        one_sided: None,
+        read_timeout: ferry_kv::DEFAULT_READ_TIMEOUT,
     })
     .unwrap();
     let addr = transport.local_addr();

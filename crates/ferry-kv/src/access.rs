@@ -65,7 +65,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::ops::Range;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::arena::{KvArena, KvError, KvLayout};
@@ -90,6 +90,23 @@ pub(crate) struct Storage {
     claims: Mutex<BTreeMap<u32, Claim>>,
     /// Live grants over this storage, for the whole-arena slices' debug assertion.
     n_grants: AtomicUsize,
+    /// Unique in the process ([`MemoryRegion::id`]): addresses are reused, ids are not.
+    id: u64,
+    /// Run when the memory is freed, before it goes back ([`BlockGrant::on_region_freed`]).
+    on_free: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
+}
+
+/// The ids of [`Storage`]s: one more for every allocation.
+static NEXT_STORAGE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// One arena allocation as a transport that registers memory with a network stack (NIXL)
+/// sees it: where it starts, how many bytes it spans, and an id no other allocation of this
+/// process shares (the same addresses come back in later allocations; ids do not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MemoryRegion {
+    pub base: usize,
+    pub bytes: usize,
+    pub id: u64,
 }
 
 /// How the live grants over one storage use one block.
@@ -127,6 +144,8 @@ impl Storage {
             n_floats,
             claims: Mutex::default(),
             n_grants: AtomicUsize::new(0),
+            id: NEXT_STORAGE_ID.fetch_add(1, Ordering::Relaxed),
+            on_free: Mutex::default(),
         })
     }
 
@@ -221,6 +240,15 @@ fn advise_huge_pages(ptr: *mut u8, len: usize) {
 
 impl Drop for Storage {
     fn drop(&mut self) {
+        // Whoever registered this memory elsewhere lets go of it while it is still allocated.
+        let hooks = std::mem::take(
+            self.on_free
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for hook in hooks {
+            hook();
+        }
         if self.n_floats != 0 {
             // SAFETY: allocated in `zeroed` with this same layout; the last reference is going
             // away, so no slice or grant points into it any more.
@@ -455,6 +483,34 @@ impl BlockGrant {
     /// The arena generation this grant was made in.
     pub fn generation(&self) -> u64 {
         self.generation
+    }
+
+    /// The allocation the grant's blocks live in (for registering it with a network stack).
+    pub fn region(&self) -> MemoryRegion {
+        MemoryRegion {
+            base: self.storage.ptr.as_ptr() as usize,
+            bytes: self.storage.n_floats * std::mem::size_of::<f32>(),
+            id: self.storage.id,
+        }
+    }
+
+    /// Where block `blocks()[i]` starts, as an address inside [`BlockGrant::region`], for a
+    /// transport that moves bytes without this process (a one-sided read posts it to the
+    /// network stack). No reference is made; the grant's claims cover whoever uses it.
+    pub fn block_addr(&self, i: usize) -> usize {
+        self.block_raw(i).0 as usize
+    }
+
+    /// Runs `hook` when the allocation this grant is over is freed (after the arena let go of
+    /// it and the last grant dropped), before its memory goes back: a transport that
+    /// registered the memory deregisters it there. The hook runs on whichever thread drops
+    /// the last reference, so it must not wait for anything that thread may hold.
+    pub fn on_region_freed(&self, hook: Box<dyn FnOnce() + Send>) {
+        self.storage
+            .on_free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(hook);
     }
 
     /// `true` while `arena` still holds the allocation this grant was made over: `false` after a

@@ -16,18 +16,23 @@
 
 pub mod access;
 pub mod arena;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod offload;
+pub mod one_sided;
 pub mod resident;
 pub mod tcp;
 pub mod transport;
 pub mod worker;
 
-pub use access::{Access, BlockGrant};
+pub use access::{Access, BlockGrant, MemoryRegion};
 pub use arena::{KvArena, KvError, KvLayout, KvPlane};
 pub use offload::{CopyJob, HostMemory, OffloadWorker};
+pub use one_sided::{Exposed, OneSided, Remote};
 pub use resident::resident_bytes;
 pub use tcp::{
     TcpStats, TcpTransport, TcpTransportConfig, TransportError, DEFAULT_POOL_IDLE_PER_PEER,
+    DEFAULT_READ_TIMEOUT,
 };
 pub use transport::{
     ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, ReleaseSpec, Transport,

@@ -46,6 +46,16 @@
 //!   [`Tombstones`] remember it; a pull that fails [`check_pull`] or races another reader is
 //!   invalid; a pull naming another engine id is a fault (P restarted with a new id, or this
 //!   is not the P the parameters name).
+//! * *read* (one-sided transports only, [`crate::one_sided`]): u8 3, the fields of a pull, then
+//!   u64 the metadata generation D holds for this P (0: none). P checks it as a pull, marks
+//!   the export *being read* and answers a status; on ok: u64 P's metadata generation, u32
+//!   length and the metadata bytes (empty when D holds that generation), u32 P's read timeout
+//!   in milliseconds, u32 count and that many u64 block addresses. D reads the blocks with
+//!   its network stack, then sends *read done*: u8 4, u8 1 if every byte arrived (else 0). P
+//!   answers ok, and ends the export as pulled on a 1 (puts it back on a 0), if *read done*
+//!   came within its read timeout; otherwise P has already put the export back or ended it,
+//!   and closes the connection, so D counts nothing it read. A P without a one-sided
+//!   transport refuses a read as a fault.
 //! * *release*: u8 2, strings engine id and token. P stops serving a published export with
 //!   that token (and reports `ExportGone`), ignores a token it does not serve, and answers a
 //!   status (refused, as a fault, only for another engine id).
@@ -126,7 +136,9 @@ use crate::transport::{
 };
 use crate::worker::Reports;
 
-/// Bumped on every change of the wire format; peers of another version are refused.
+/// Bumped on every change of the wire format; peers of another version are refused. (The
+/// one-sided *read* requests are additions a P of this version without them refuses as an
+/// unknown request, so they did not change it.)
 pub const PROTOCOL_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"FERRYKV\0";
 /// Longest string field accepted from a peer (model ids, tokens, versions, reasons).
@@ -140,6 +152,10 @@ const STATUS_REFUSED: u8 = 1;
 const STATUS_REFUSED_AS: u8 = 2;
 const REQUEST_PULL: u8 = 1;
 const REQUEST_RELEASE: u8 = 2;
+const REQUEST_READ: u8 = 3;
+const REQUEST_READ_DONE: u8 = 4;
+/// Longest network-stack metadata accepted from P.
+const MAX_METADATA_BYTES: u32 = 16 << 20;
 /// Derives the proofs' key from the fleet secret.
 const KEY_CONTEXT: &str = "ferry kv transfer secret v2";
 const PROOF_P: &[u8; 16] = b"ferry kv proof P";
@@ -175,7 +191,18 @@ pub struct TcpTransportConfig {
     /// D: most idle connections kept per P address for later pulls and releases (module
     /// doc, *Connection reuse*); 0 turns the pool off (a connection per fetch or release).
     pub pool_idle_per_peer: usize,
+    /// D reads blocks one-sided through this network stack (NIXL) instead of receiving them on
+    /// the connection, and P serves such reads; `None`: TCP only (a P without it refuses
+    /// reads, and serves pulls either way).
+    pub one_sided: Option<std::sync::Arc<dyn crate::one_sided::OneSided>>,
+    /// P: how long an export stays *being read* before P stops waiting for the reader's word
+    /// (a clearing operation waits at most this long for it); D gives up its read by then.
+    pub read_timeout: Duration,
 }
+
+/// What `ferry serve` waits for a one-sided read (`--kv-read-timeout-seconds`): seconds, not
+/// the lease, so that a pause or cache reset on P never waits long for a reader.
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What `ferry serve` keeps idle per P: enough for a burst of parallel loads from one P.
 pub const DEFAULT_POOL_IDLE_PER_PEER: usize = 8;
@@ -194,6 +221,8 @@ impl std::fmt::Debug for TcpTransportConfig {
             // Never the secret itself.
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
             .field("pool_idle_per_peer", &self.pool_idle_per_peer)
+            .field("one_sided", &self.one_sided.as_ref().map(|o| o.name()))
+            .field("read_timeout", &self.read_timeout)
             .finish()
     }
 }
@@ -739,6 +768,9 @@ async fn fetch_blocks(
     if cancel.is_cancelled() {
         return Err(cancelled(0));
     }
+    if let Some(one_sided) = &config.one_sided {
+        return read_blocks(inner, one_sided.as_ref(), spec, dst, cancel, addr).await;
+    }
     let t = config.io_timeout;
     let mut msg = Vec::new();
     write_pull(&mut msg, spec);
@@ -766,6 +798,103 @@ async fn fetch_blocks(
     // The last block arrived: P is waiting for the next request on this connection.
     inner.pool.put(addr, stream);
     Ok(())
+}
+
+/// A fetch by one-sided read (module doc, *read*): P checks the pull and says where the blocks
+/// are; the network stack reads them; P confirms it held them throughout.
+async fn read_blocks(
+    inner: &Inner,
+    one_sided: &dyn crate::one_sided::OneSided,
+    spec: &FetchSpec,
+    dst: &mut BlockGrant,
+    cancel: &Cancel,
+    addr: SocketAddr,
+) -> Result<(), FetchError> {
+    let t = inner.config.io_timeout;
+    let mut msg = Vec::new();
+    write_pull(&mut msg, spec);
+    msg[0] = REQUEST_READ;
+    msg.extend_from_slice(&one_sided.known(addr).to_le_bytes());
+    let opened = request(inner, addr, &msg, "read");
+    let mut stream = tokio::select! {
+        stream = opened => stream?,
+        () = cancel.notify.notified() => return Err(cancelled(0)),
+    };
+    let fault = |e: TransportError| e.at(0, format_args!("the read's answer from {addr}"));
+    let answer = async {
+        let generation = stream.read_u64_le().await?;
+        let n_metadata = stream.read_u32_le().await?;
+        if n_metadata > MAX_METADATA_BYTES {
+            return Err(TransportError::Protocol(format!(
+                "{n_metadata} bytes of metadata (at most {MAX_METADATA_BYTES})"
+            )));
+        }
+        let mut metadata = vec![0u8; n_metadata as usize];
+        stream.read_exact(&mut metadata).await?;
+        let timeout_ms = stream.read_u32_le().await?;
+        let n = stream.read_u32_le().await?;
+        if n as usize != dst.blocks().len() {
+            return Err(TransportError::Protocol(format!(
+                "P sent {n} block addresses for {} blocks",
+                dst.blocks().len()
+            )));
+        }
+        let mut addrs = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            addrs.push(stream.read_u64_le().await?);
+        }
+        Ok::<_, TransportError>((generation, metadata, timeout_ms, addrs))
+    };
+    let (generation, metadata, timeout_ms, addrs) =
+        timed(t, "read", answer).await.map_err(fault)?;
+    let started = Instant::now();
+    // P stops waiting at its read timeout: a read still running then cannot count.
+    let deadline = started + Duration::from_millis(u64::from(timeout_ms));
+    let remote = crate::one_sided::Remote {
+        generation,
+        metadata: (!metadata.is_empty()).then_some(&metadata[..]),
+        addrs: &addrs,
+    };
+    // The network stack's calls block: off the runtime's async workers for their duration.
+    let read =
+        tokio::task::block_in_place(|| one_sided.read(addr, remote, dst, deadline, &cancel.flag));
+    if let Err(reason) = read {
+        // P hears at once that nothing was read (it puts the export back); its answer is not
+        // awaited (the link may be what failed), so the connection is not kept.
+        let _ = timed(t, "write", stream.write_all(&[REQUEST_READ_DONE, 0])).await;
+        drop(stream);
+        if cancel.is_cancelled() {
+            return Err(cancelled(0));
+        }
+        return Err(FetchError::fault(
+            0,
+            format!(
+                "{} read of {} blocks from {addr}: {reason}",
+                one_sided.name(),
+                addrs.len()
+            ),
+        ));
+    }
+    // The read counts only if P still held the blocks: its ok says so.
+    let confirmed = async {
+        timed(t, "write", stream.write_all(&[REQUEST_READ_DONE, 1])).await?;
+        read_status(&mut stream, t).await
+    }
+    .await;
+    match confirmed {
+        Ok(()) => {
+            inner.pool.put(addr, stream);
+            Ok(())
+        }
+        Err(e) => Err(e.at(
+            0,
+            format_args!(
+                "P at {addr} did not confirm the read (it may have let the blocks go: its read \
+                 timeout is {timeout_ms} ms, the read took {:?})",
+                started.elapsed()
+            ),
+        )),
+    }
 }
 
 /// Tells P that the export `spec.token` names will not be pulled. Bounded by `io_timeout`
@@ -1077,6 +1206,13 @@ async fn serve_connection(inner: Arc<Inner>, mut stream: TcpStream, peer: Socket
                     break;
                 }
             },
+            Ok(REQUEST_READ) => match timed(t, "read", read_read(&mut stream)).await {
+                Ok(Ok((spec, known))) => serve_read(&inner, &mut stream, &spec, known).await,
+                Ok(Err(e)) | Err(e) => {
+                    refuse(&mut stream, t, FetchFailure::Invalid, &e.to_string()).await;
+                    break;
+                }
+            },
             Ok(REQUEST_RELEASE) => match timed(t, "read", read_release(&mut stream)).await {
                 Ok(Ok((engine_id, token))) => {
                     serve_release(&inner, &mut stream, &engine_id, &token).await
@@ -1152,6 +1288,90 @@ async fn serve_pull(
     let sent = stream_blocks(stream, &published.offer.grant, range, t).await;
     settle(inner, published, sent.is_ok());
     sent
+}
+
+/// Serves a one-sided read (module doc, *read*): checks it as a pull, says where the blocks
+/// are, and keeps the export *being read* until the reader's *read done* or the read timeout.
+/// `Err` means the connection is unusable (and is closed, so a late *read done* counts
+/// nothing).
+async fn serve_read(
+    inner: &Inner,
+    stream: &mut TcpStream,
+    spec: &FetchSpec,
+    known: u64,
+) -> Result<(), TransportError> {
+    let t = inner.config.io_timeout;
+    let refusal = |kind, reason: &str| {
+        let mut msg = Vec::new();
+        put_refusal(&mut msg, kind, reason);
+        msg
+    };
+    let Some(one_sided) = &inner.config.one_sided else {
+        let msg = refusal(
+            FetchFailure::Fault,
+            "this engine serves KV over TCP only (--kv-transport tcp): its readers must use \
+             the same transport",
+        );
+        return timed(t, "write", stream.write_all(&msg)).await;
+    };
+    let published = match take_for_pull(inner, spec) {
+        Ok(published) => published,
+        Err((kind, reason)) => {
+            return timed(t, "write", stream.write_all(&refusal(kind, &reason))).await;
+        }
+    };
+    let range = check_pull(&published.offer, spec).expect("checked in take_for_pull");
+    let exposed = match one_sided.expose(&published.offer.grant, known) {
+        Ok(exposed) => exposed,
+        Err(reason) => {
+            settle(inner, published, false);
+            let reason = format!("{}: {reason}", one_sided.name());
+            return timed(
+                t,
+                "write",
+                stream.write_all(&refusal(FetchFailure::Fault, &reason)),
+            )
+            .await;
+        }
+    };
+    let read_timeout = inner.config.read_timeout;
+    let mut msg = vec![STATUS_OK];
+    msg.extend_from_slice(&exposed.generation.to_le_bytes());
+    let metadata = exposed.metadata.unwrap_or_default();
+    msg.extend_from_slice(&(metadata.len() as u32).to_le_bytes());
+    msg.extend_from_slice(&metadata);
+    let timeout_ms = u32::try_from(read_timeout.as_millis()).unwrap_or(u32::MAX);
+    msg.extend_from_slice(&timeout_ms.to_le_bytes());
+    msg.extend_from_slice(&(range.len() as u32).to_le_bytes());
+    for i in range {
+        msg.extend_from_slice(&(published.offer.grant.block_addr(i) as u64).to_le_bytes());
+    }
+    let started = Instant::now();
+    if let Err(e) = timed(t, "write", stream.write_all(&msg)).await {
+        settle(inner, published, false);
+        return Err(e);
+    }
+    // The export is being read: P keeps its blocks until the reader's word, or its timeout.
+    let left = read_timeout.saturating_sub(started.elapsed());
+    let done = async {
+        match stream.read_u8().await? {
+            REQUEST_READ_DONE => Ok(stream.read_u8().await? == 1),
+            other => Err(TransportError::Protocol(format!(
+                "request {other} while a read was in progress"
+            ))),
+        }
+    };
+    match timed(left, "waiting for the reader's end of a read", done).await {
+        Ok(complete) => {
+            settle(inner, published, complete);
+            timed(t, "write", stream.write_u8(STATUS_OK)).await
+        }
+        Err(e) => {
+            // Whatever the reader still reads is not confirmed: the connection closes.
+            settle(inner, published, false);
+            Err(e)
+        }
+    }
 }
 
 async fn stream_blocks(
@@ -1503,6 +1723,18 @@ async fn read_pull(
 }
 
 /// Reads a release request after its kind byte: engine id and token.
+/// A read's fields: a pull's, then the metadata generation D holds.
+async fn read_read(
+    stream: &mut TcpStream,
+) -> Result<Result<(FetchSpec, u64), TransportError>, TransportError> {
+    let spec = match read_pull(stream).await? {
+        Ok(spec) => spec,
+        Err(e) => return Ok(Err(e)),
+    };
+    let known = stream.read_u64_le().await?;
+    Ok(Ok((spec, known)))
+}
+
 async fn read_release(
     stream: &mut TcpStream,
 ) -> Result<Result<(String, String), TransportError>, TransportError> {

@@ -33,6 +33,8 @@ fn config(id: &str, layout: KvLayout, model_id: &str, io_timeout: Duration) -> T
         allowed_peers: AllowedPeers::default(),
         secret: None,
         pool_idle_per_peer: DEFAULT_POOL_IDLE_PER_PEER,
+        one_sided: None,
+        read_timeout: crate::DEFAULT_READ_TIMEOUT,
     }
 }
 
@@ -1305,4 +1307,223 @@ fn a_cancelled_pull_leaves_no_connection_to_reuse() {
     pull_ok(&d, &d_arena, addr, "tok", &FOUR);
     assert_eq!(accepted.load(Ordering::SeqCst), 2);
     assert_eq!(d.stats().connections_reused, 1, "{:?}", d.stats());
+}
+
+// ---- one-sided reads (the protocol's *read*, with an in-process stand-in for NIXL) ----
+
+/// A [`OneSided`] for tests: "reads" by copying from P's addresses in this same process,
+/// after `delay` (a slow network), counting the metadata it loaded.
+struct LocalReads {
+    delay: Duration,
+    known: Mutex<HashMap<SocketAddr, u64>>,
+    loads: std::sync::atomic::AtomicUsize,
+}
+
+impl LocalReads {
+    const GENERATION: u64 = 7;
+
+    fn new(delay: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            delay,
+            known: Mutex::default(),
+            loads: Default::default(),
+        })
+    }
+}
+
+impl crate::one_sided::OneSided for LocalReads {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    fn expose(&self, _grant: &BlockGrant, known: u64) -> Result<crate::Exposed, String> {
+        Ok(crate::Exposed {
+            generation: Self::GENERATION,
+            metadata: (known != Self::GENERATION).then(|| b"local".to_vec()),
+        })
+    }
+
+    fn known(&self, peer: SocketAddr) -> u64 {
+        lock(&self.known).get(&peer).copied().unwrap_or(0)
+    }
+
+    fn read(
+        &self,
+        peer: SocketAddr,
+        remote: crate::Remote<'_>,
+        dst: &mut BlockGrant,
+        deadline: Instant,
+        cancelled: &AtomicBool,
+    ) -> Result<(), String> {
+        if let Some(md) = remote.metadata {
+            assert_eq!(md, b"local");
+            self.loads.fetch_add(1, Ordering::Relaxed);
+            lock(&self.known).insert(peer, remote.generation);
+        }
+        let until = Instant::now() + self.delay;
+        while Instant::now() < until {
+            if cancelled.load(Ordering::Acquire) {
+                return Err("cancelled".into());
+            }
+            if Instant::now() >= deadline {
+                return Err("the read outlasted P's read timeout".into());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let n = dst.layout().block_bytes();
+        for (i, &addr) in remote.addrs.iter().enumerate() {
+            // SAFETY: P is this process, and it keeps the export's blocks (a read grant) until
+            // the read is confirmed or its read timeout passed, which the delay stays within in
+            // the tests that read.
+            let src = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, n) };
+            dst.block_bytes_mut(i).unwrap().copy_from_slice(src);
+        }
+        Ok(())
+    }
+}
+
+fn one_sided(id: &str, reads: Arc<LocalReads>, read_timeout: Duration) -> Arc<TcpTransport> {
+    let mut cfg = config(id, LAYOUT, "m", WAIT);
+    cfg.one_sided = Some(reads);
+    cfg.read_timeout = read_timeout;
+    TcpTransport::start(cfg).unwrap()
+}
+
+#[test]
+fn a_one_sided_read_moves_the_blocks_and_ends_the_export() {
+    let p = one_sided("P", LocalReads::new(Duration::ZERO), WAIT);
+    let reads = LocalReads::new(Duration::ZERO);
+    let d = one_sided("D", reads.clone(), WAIT);
+    let addr = p.local_addr();
+    let p_arena = filled_arena(LAYOUT, 8);
+    let d_arena = KvArena::new(LAYOUT, 8);
+    let p_rx = publish(&p, &p_arena, &[1, 3, 5], "a");
+    let rx = fetch(&d, &d_arena, spec(addr, "a", 0, &[1, 3, 5]), &[0, 1, 2]);
+    assert_eq!(fetch_result(&rx), Ok(()));
+    for (dst, src) in [(0, 1), (1, 3), (2, 5)] {
+        assert_eq!(
+            d_arena.block_bytes(dst),
+            &pattern(LAYOUT, src)[..],
+            "block {dst}"
+        );
+    }
+    assert!(matches!(
+        p_rx.recv_timeout(WAIT).unwrap(),
+        WorkerReport::Pd(PdReport::ExportPulled {
+            hold: TransferId(1)
+        })
+    ));
+    assert_eq!(p.n_published(), 0);
+    assert_eq!(p_arena.n_outstanding_grants(), 0, "P let the blocks go");
+    // Read once: a second read is a replay.
+    let rx = fetch(&d, &d_arena, spec(addr, "a", 0, &[1, 3, 5]), &[3, 4, 5]);
+    assert_eq!(refused_as(&rx).0, FetchFailure::Invalid);
+    // A second export of the same P: its metadata is not sent again.
+    let _b = publish(&p, &p_arena, &[6], "b");
+    let rx = fetch(&d, &d_arena, spec(addr, "b", 0, &[6]), &[6]);
+    assert_eq!(fetch_result(&rx), Ok(()));
+    assert_eq!(d_arena.block_bytes(6), &pattern(LAYOUT, 6)[..]);
+    assert_eq!(
+        reads.loads.load(Ordering::Relaxed),
+        1,
+        "metadata loaded once"
+    );
+    // A forged read is refused before P says where anything is.
+    let _c = publish(&p, &p_arena, &[7], "c");
+    let mut forged = spec(addr, "c", 0, &[7]);
+    forged.weight_version = "v1".into();
+    let rx = fetch(&d, &d_arena, forged, &[7]);
+    let (kind, reason) = refused_as(&rx);
+    assert_eq!(kind, FetchFailure::Invalid);
+    assert!(reason.contains("holds KV of weights"), "{reason}");
+}
+
+#[test]
+fn an_unpublish_during_a_slow_read_waits_only_for_the_read_timeout() {
+    let read_timeout = Duration::from_millis(300);
+    let p = one_sided("P", LocalReads::new(Duration::ZERO), read_timeout);
+    // A reader far slower than P's read timeout.
+    let d = one_sided("D", LocalReads::new(Duration::from_secs(3)), WAIT);
+    let p_arena = filled_arena(LAYOUT, 4);
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let ready_rx = publish(&p, &p_arena, &[2], "ready");
+    let _read_rx = {
+        // The export being read: another hold.
+        // SAFETY: as in `publish`.
+        let grant = unsafe { p_arena.grant(&[0, 1], Access::Read) }.unwrap();
+        let (r, rx) = reports();
+        p.publish(
+            ExportOffer {
+                engine_id: "P".into(),
+                hold: TransferId(2),
+                token: "slow".into(),
+                weight_version: "v0".into(),
+                prompt_hash: HASH,
+                n_tokens: 2 * LAYOUT.block_size,
+                grant,
+            },
+            r,
+        );
+        rx
+    };
+    let rx = fetch(
+        &d,
+        &d_arena,
+        spec(p.local_addr(), "slow", 0, &[0, 1]),
+        &[0, 1],
+    );
+    // Wait until the read has begun: the export is being read.
+    let started = Instant::now();
+    while !matches!(
+        lock(&p.inner.exports).live.get("slow"),
+        Some(Slot::Pulling { .. })
+    ) {
+        assert!(started.elapsed() < WAIT, "the read never began");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A clearing operation: the export not being read goes at once...
+    let (r, gone_ready) = reports();
+    let t = Instant::now();
+    p.unpublish("P", TransferId(1), Unpublished::Revoked, r);
+    assert!(matches!(
+        gone_ready.recv_timeout(Duration::from_millis(100)),
+        Ok(WorkerReport::Pd(PdReport::ExportGone { .. }))
+    ));
+    drop(ready_rx);
+    // ...and the one being read within P's read timeout, long before the reader is done.
+    let (r, gone_slow) = reports();
+    p.unpublish("P", TransferId(2), Unpublished::Revoked, r);
+    assert!(matches!(
+        gone_slow.recv_timeout(WAIT),
+        Ok(WorkerReport::Pd(PdReport::ExportGone {
+            hold: TransferId(2)
+        }))
+    ));
+    let waited = t.elapsed();
+    assert!(
+        waited < Duration::from_secs(2),
+        "waited {waited:?} for a read P bounds at {read_timeout:?}"
+    );
+    assert_eq!(p_arena.n_outstanding_grants(), 0, "P let every block go");
+    // The reader's late read counts nothing: its load fails.
+    let e = fetch_result(&rx).expect_err("an unconfirmed read");
+    assert_eq!(e.kind, FetchFailure::Fault, "{}", e.reason);
+    assert!(e.reason.contains("read timeout"), "{}", e.reason);
+    assert_eq!(d_arena.n_outstanding_grants(), 0);
+}
+
+#[test]
+fn a_read_from_a_tcp_only_producer_is_refused_as_a_fault() {
+    let p = transport("P");
+    let d = one_sided("D", LocalReads::new(Duration::ZERO), WAIT);
+    let p_arena = filled_arena(LAYOUT, 2);
+    let d_arena = KvArena::new(LAYOUT, 2);
+    let _p_rx = publish(&p, &p_arena, &[0], "a");
+    let rx = fetch(&d, &d_arena, spec(p.local_addr(), "a", 0, &[0]), &[0]);
+    let (kind, reason) = refused_as(&rx);
+    assert_eq!(kind, FetchFailure::Fault);
+    assert!(reason.contains("over TCP only"), "{reason}");
+    // The export is still there for a reader that pulls.
+    let tcp_d = transport("D2");
+    pull_ok(&tcp_d, &d_arena, p.local_addr(), "a", &[0]);
 }

@@ -17,6 +17,11 @@
 //! `--n-blocks` and `--repeat`, and the same secret (`--secret` or
 //! `FERRY_KV_TRANSFER_SECRET`), as a fleet's P and D do.
 //!
+//! `--kv-transport nixl` (a build with the `nixl` feature, after `scripts/fetch-nixl.sh`) adds
+//! a third run to every round of the default mode: the same export read one-sided through
+//! NIXL (two transports with a NIXL agent each, UCX choosing its transport as `UCX_TLS`
+//! says), reported beside the TCP transport and plain TCP from the same rounds.
+//!
 //! `--pulls-per-second` runs many small pulls (`--pull-blocks` each) P→D on loopback for
 //! `--seconds` with D's connection pool on and as long with it off, in alternating slices,
 //! and reports both rates: what reusing a connection saves over a connect and handshake per
@@ -85,6 +90,12 @@ pub struct Args {
     /// Seconds of pulls with the pool, and as many without, with `--pulls-per-second`.
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
+    /// `nixl`: also measure one-sided reads through NIXL in the same rounds (default mode).
+    #[arg(long, value_enum, default_value_t = crate::serve::KvTransportArg::Tcp)]
+    kv_transport: crate::serve::KvTransportArg,
+    /// The folder holding NIXL's `libnixl_capi.so`, as `ferry serve --nixl-lib-dir`.
+    #[arg(long, value_name = "DIR")]
+    nixl_lib_dir: Option<std::path::PathBuf>,
 }
 
 impl Args {
@@ -130,7 +141,29 @@ fn start(
     pool_idle_per_peer: usize,
     io_timeout: Duration,
 ) -> anyhow::Result<std::sync::Arc<TcpTransport>> {
-    TcpTransport::start(TcpTransportConfig {
+    let config = config_of(
+        id,
+        listen,
+        layout,
+        allowed_peers,
+        secret,
+        pool_idle_per_peer,
+        io_timeout,
+    );
+    TcpTransport::start(config).with_context(|| format!("{id}'s transport on {listen}"))
+}
+
+/// The bench's transport configuration (TCP only).
+fn config_of(
+    id: &str,
+    listen: SocketAddr,
+    layout: KvLayout,
+    allowed_peers: AllowedPeers,
+    secret: Option<Vec<u8>>,
+    pool_idle_per_peer: usize,
+    io_timeout: Duration,
+) -> TcpTransportConfig {
+    TcpTransportConfig {
         engine_id: id.into(),
         listen,
         layout,
@@ -141,8 +174,9 @@ fn start(
         allowed_peers,
         secret,
         pool_idle_per_peer,
-    })
-    .with_context(|| format!("{id}'s transport on {listen}"))
+        one_sided: None,
+        read_timeout: ferry_kv::DEFAULT_READ_TIMEOUT,
+    }
 }
 
 /// Block `b`'s bytes, the same in every process: each a function of its block and position.
@@ -169,6 +203,15 @@ fn reports() -> (Reports, Receiver<WorkerReport>) {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let nixl = args.kv_transport == crate::serve::KvTransportArg::Nixl;
+    if nixl {
+        ensure!(
+            args.serve.is_none() && args.pull.is_none() && !args.pulls_per_second,
+            "--kv-transport nixl measures the default mode (both ends in this process)"
+        );
+        // Before any thread starts.
+        crate::serve::load_nixl_library(args.nixl_lib_dir.as_deref())?;
+    }
     ensure!(args.n_blocks > 0, "--n-blocks must be at least 1");
     ensure!(args.repeat > 0, "--repeat must be at least 1");
     if let Some(addr) = args.serve {
@@ -201,14 +244,51 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let p = config(P_ID)?;
     let d = config("D")?;
+    // The NIXL pair: P's engine id (D's reads name it), each end with its own agent.
+    let one_sided = |id: &str| -> anyhow::Result<std::sync::Arc<TcpTransport>> {
+        TcpTransport::start(TcpTransportConfig {
+            one_sided: Some(crate::serve::nixl_reads(id)?),
+            ..config_of(
+                id,
+                loopback,
+                layout,
+                AllowedPeers::default(),
+                secret.clone(),
+                DEFAULT_POOL_IDLE_PER_PEER,
+                Duration::from_secs(30),
+            )
+        })
+        .with_context(|| format!("{id}'s NIXL transport"))
+    };
+    let nixl_pair = if nixl {
+        Some((
+            one_sided(P_ID)?,
+            one_sided("D")?,
+            KvArena::new(layout, args.n_blocks),
+        ))
+    } else {
+        None
+    };
 
     let src: Vec<u8> = (0..total_bytes).map(|i| (i * 7) as u8).collect();
     let mut dst = vec![0u8; total_bytes];
-    let (mut transport_s, mut plain_s) = (f64::INFINITY, f64::INFINITY);
+    let (mut transport_s, mut plain_s, mut nixl_s) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
     for r in 0..args.repeat {
         let token = format!("bench-{r}");
         transport_s = transport_s.min(transport_run(&p, &d, &p_arena, &d_arena, &token)?);
+        if let Some((np, nd, n_arena)) = &nixl_pair {
+            let token = format!("nixl-{r}");
+            nixl_s = nixl_s.min(transport_run(np, nd, &p_arena, n_arena, &token)?);
+        }
         plain_s = plain_s.min(plain_run(&src, &mut dst, block_bytes)?);
+    }
+    if let Some((_, _, n_arena)) = &nixl_pair {
+        for b in 0..args.n_blocks as u32 {
+            ensure!(
+                n_arena.block_bytes(b) == p_arena.block_bytes(b),
+                "block {b} arrived wrong over NIXL"
+            );
+        }
     }
     for b in 0..args.n_blocks as u32 {
         ensure!(
@@ -233,6 +313,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "plain_tcp_gb_per_s": plain_gbps,
             "ratio": ratio,
         });
+        let mut report = report;
+        if nixl {
+            report["nixl_s"] = nixl_s.into();
+            report["nixl_gb_per_s"] = (gb / nixl_s).into();
+            report["nixl_ratio"] = (gb / nixl_s / plain_gbps).into();
+            report["nixl_to_transport"] = (transport_s / nixl_s).into();
+            report["ucx_tls"] = std::env::var("UCX_TLS").unwrap_or_default().into();
+        }
         println!("{report}");
     } else {
         println!(
@@ -250,6 +338,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             plain_s * 1e3
         );
         println!("ratio:            {:.1}%", ratio * 100.0);
+        if nixl {
+            println!(
+                "NIXL P→D:         {:.2} GB/s ({:.1} ms), {:.1}% of plain TCP",
+                gb / nixl_s,
+                nixl_s * 1e3,
+                gb / nixl_s / plain_gbps * 100.0
+            );
+        }
     }
     Ok(())
 }

@@ -164,6 +164,32 @@ pub struct Args {
     /// token ids). `GET /kv_events_info` tells subscribers where to connect.
     #[arg(long, value_name = "JSON", value_parser = parse_kv_events_config)]
     pub kv_events_config: Option<Box<ferry_kv_events::KvEventsConfig>>,
+    /// How D gets an export's blocks: `tcp` (P streams them on the transfer connection) or
+    /// `nixl` (D reads them one-sided from P's memory through NIXL over UCX: RDMA where the
+    /// fabric has it; the transfer connection only authenticates and says which blocks).
+    /// `nixl` needs a build with the `nixl` feature, its libraries (scripts/fetch-nixl.sh) and
+    /// the fleet secret: any peer holding P's NIXL metadata can read P's registered memory,
+    /// so with NIXL the trust boundary is the fleet. A P with `nixl` serves `tcp` readers too.
+    #[arg(long, value_enum, default_value_t = KvTransportArg::Tcp, requires = "kv_role")]
+    pub kv_transport: KvTransportArg,
+    /// The folder holding NIXL's `libnixl_capi.so` (and `plugins/`), loaded by absolute path
+    /// at start. Default: the folder scripts/fetch-nixl.sh fills, when it exists; else the
+    /// usual library path.
+    #[arg(long, value_name = "DIR")]
+    pub nixl_lib_dir: Option<std::path::PathBuf>,
+    /// With `--kv-transport nixl`, P: how long an export stays *being read* before P stops
+    /// waiting for the reader (a pause or cache reset waits at most this long for reads in
+    /// flight; exports not being read are revoked at once); D gives a read up by then.
+    /// Fractions allowed.
+    #[arg(long, default_value = "5", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub kv_read_timeout_seconds: Duration,
+}
+
+/// `--kv-transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvTransportArg {
+    Tcp,
+    Nixl,
 }
 
 /// `--kv-role`.
@@ -238,6 +264,10 @@ struct KvPlan {
     secret: Option<KvSecret>,
     /// Bound on every connect, read and write of a transfer connection.
     io_timeout: Duration,
+    /// `--kv-transport nixl`: D reads one-sided, P serves such reads.
+    nixl: bool,
+    /// How long P waits for a one-sided read.
+    read_timeout: Duration,
 }
 
 /// Longest `--kv-engine-id` (it travels in every transfer's parameters and handshake).
@@ -286,6 +316,16 @@ fn kv_plan(args: &Args) -> anyhow::Result<Option<KvPlan>> {
             .map(|b| format!("{b:02x}"))
             .collect(),
     };
+    if args.kv_transport == KvTransportArg::Nixl && args.kv_transfer_secret.is_none() {
+        bail!(
+            "--kv-transport nixl needs the fleet secret (FERRY_KV_TRANSFER_SECRET or \
+             --kv-transfer-secret): a peer holding P's NIXL metadata can read any of P's KV \
+             memory, so the metadata goes only to peers that proved they hold the secret"
+        );
+    }
+    if args.kv_read_timeout_seconds.is_zero() {
+        bail!("--kv-read-timeout-seconds must be more than 0");
+    }
     let allowed_peers = match &args.kv_allowed_peers {
         None => AllowedPeers::default(),
         Some(list) => allowed_peers(list)?,
@@ -298,6 +338,8 @@ fn kv_plan(args: &Args) -> anyhow::Result<Option<KvPlan>> {
         allowed_peers,
         secret: args.kv_transfer_secret.clone(),
         io_timeout: args.kv_io_timeout_seconds,
+        nixl: args.kv_transport == KvTransportArg::Nixl,
+        read_timeout: args.kv_read_timeout_seconds,
     }))
 }
 
@@ -375,6 +417,11 @@ fn kv_transport(
         head_dim: c.head_dim,
         block_size,
     };
+    let one_sided = if plan.nixl {
+        Some(nixl_reads(&plan.engine_id)?)
+    } else {
+        None
+    };
     let transport = ferry_kv::TcpTransport::start(ferry_kv::TcpTransportConfig {
         engine_id: plan.engine_id.clone(),
         listen: plan.listen,
@@ -386,6 +433,8 @@ fn kv_transport(
         allowed_peers: plan.allowed_peers.clone(),
         secret: plan.secret.as_ref().map(|s| s.0.as_bytes().to_vec()),
         pool_idle_per_peer: ferry_kv::DEFAULT_POOL_IDLE_PER_PEER,
+        one_sided,
+        read_timeout: plan.read_timeout,
     })
     .with_context(|| {
         format!(
@@ -395,6 +444,64 @@ fn kv_transport(
     })?;
     let bound = transport.local_addr();
     Ok((transport, bound))
+}
+
+/// This process's NIXL agent (the library was loaded at start, [`load_nixl`]), named after the
+/// engine id and a random suffix: peers key P's metadata by the name.
+#[cfg(feature = "nixl")]
+pub(crate) fn nixl_reads(engine_id: &str) -> anyhow::Result<Arc<dyn ferry_kv::OneSided>> {
+    let suffix: String = ferry_engine::random_secret()[..4]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let reads = ferry_kv::nixl::NixlReads::new(&format!("ferry-{engine_id}-{suffix}"))
+        .map_err(|e| anyhow!("--kv-transport nixl: {e}"))?;
+    Ok(Arc::new(reads))
+}
+
+#[cfg(not(feature = "nixl"))]
+pub(crate) fn nixl_reads(_engine_id: &str) -> anyhow::Result<Arc<dyn ferry_kv::OneSided>> {
+    bail!("{NO_NIXL}")
+}
+
+#[cfg(not(feature = "nixl"))]
+const NO_NIXL: &str = "--kv-transport nixl: this ferry was built without NIXL (build it with \
+                       `cargo build --release --features nixl`; see the README, P/D with NIXL)";
+
+/// Where scripts/fetch-nixl.sh unpacks NIXL's libraries: `nixl/<version>/lib` in the model
+/// cache folder (`$FERRY_CACHE`, else `~/.cache/ferry`).
+#[cfg(feature = "nixl")]
+fn nixl_cache_dir() -> Option<std::path::PathBuf> {
+    ferry_model::cache_dir(std::env::var_os("FERRY_CACHE"), std::env::var_os("HOME"))
+        .map(|cache| cache.join("nixl").join(NIXL_VERSION).join("lib"))
+}
+
+/// The `nixl-cu12` wheel scripts/fetch-nixl.sh fetches (and `nixl-sys` 1.5.x binds).
+#[cfg(feature = "nixl")]
+const NIXL_VERSION: &str = "1.5.1";
+
+/// With `--kv-transport nixl`, loads NIXL's library before any thread starts (it may set
+/// `NIXL_PLUGIN_DIR`, and the loader reads its search path only at process start).
+fn load_nixl(args: &Args) -> anyhow::Result<()> {
+    if args.kv_transport != KvTransportArg::Nixl {
+        return Ok(());
+    }
+    load_nixl_library(args.nixl_lib_dir.as_deref())
+}
+
+/// Loads NIXL's library from `lib_dir` (`--nixl-lib-dir`), else the fetch script's folder when
+/// it exists, else the usual library path; an error says what is missing.
+#[cfg(feature = "nixl")]
+pub(crate) fn load_nixl_library(lib_dir: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let dir = lib_dir
+        .map(std::path::Path::to_path_buf)
+        .or_else(|| nixl_cache_dir().filter(|d| d.join("libnixl_capi.so").is_file()));
+    ferry_kv::nixl::load_library(dir.as_deref()).map_err(|e| anyhow!("--kv-transport nixl: {e}"))
+}
+
+#[cfg(not(feature = "nixl"))]
+pub(crate) fn load_nixl_library(_lib_dir: Option<&std::path::Path>) -> anyhow::Result<()> {
+    bail!("{NO_NIXL}");
 }
 
 /// A D that loads from peers beyond this machine without a fleet secret trusts every host at
@@ -416,6 +523,7 @@ const KV_MAX_IN_FLIGHT_FETCHES: usize = 64;
 const KV_MAX_CONNECTIONS: usize = 256;
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    load_nixl(&args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         // The forward runs on rayon's threads; HTTP needs little, so keep tokio's pool small.
         .worker_threads(2)

@@ -76,6 +76,9 @@ struct Options<'a> {
     /// P advertises the relay's address (`Fleet::relay_addr`) instead of its own on the P–D
     /// link.
     via_relay: bool,
+    /// P and D move KV with `--kv-transport nixl` (UCX over TCP on the P–D link only).
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    nixl: bool,
 }
 
 fn strings(args: &[&str]) -> Vec<String> {
@@ -116,13 +119,10 @@ fn serve_args(role: &str, transfer_host: Option<&str>, extra: &[String]) -> Vec<
     args
 }
 
-fn start_in(host: &Host, args: &[String]) -> Starting {
-    spawn_in(
-        Some(&host.ns),
-        args,
-        &[("FERRY_KV_TRANSFER_SECRET", SECRET)],
-        &[],
-    )
+fn start_in(host: &Host, args: &[String], env: &[(&str, &str)]) -> Starting {
+    let mut all = vec![("FERRY_KV_TRANSFER_SECRET", SECRET)];
+    all.extend_from_slice(env);
+    spawn_in(Some(&host.ns), args, &all, &[])
 }
 
 impl Fleet {
@@ -144,14 +144,29 @@ impl Fleet {
         } else {
             pd.addr_a.to_string()
         };
-        let p_args = serve_args("kv_producer", Some(&advertised), &[]);
+        let transport = strings(if options.nixl {
+            &["--kv-transport", "nixl"]
+        } else {
+            &[]
+        });
+        // UCX over TCP, on the P–D link's interface (named alike on both hosts).
+        let ucx: Vec<(&str, &str)> = if options.nixl {
+            vec![
+                ("UCX_TLS", "tcp,self"),
+                ("UCX_NET_DEVICES", pd.a.1.as_str()),
+            ]
+        } else {
+            Vec::new()
+        };
+        let p_args = serve_args("kv_producer", Some(&advertised), &transport);
         let mut d_extra = strings(&[
             "--kv-allowed-peers",
             &format!("{},{}", pd.addr_a, relay_addr.ip()),
         ]);
+        d_extra.extend(transport);
         d_extra.extend(strings(options.d_extra));
         let d_args = serve_args("kv_consumer", None, &d_extra);
-        let (p_proc, d_proc) = (start_in(&p, &p_args), start_in(&d, &d_args));
+        let (p_proc, d_proc) = (start_in(&p, &p_args, &ucx), start_in(&d, &d_args, &ucx));
         let (p_proc, d_proc) = (p_proc.ready(), d_proc.ready());
         let (p_at_x, d_at_x) = (
             format!("http://{}:{HTTP_PORT}", xp.addr_b),
@@ -256,8 +271,13 @@ async fn a_p_d_link_cut_mid_transfer_recomputes_under_recompute() {
 /// fails by D's bounds and the policy applies; P's export comes back by its lease; nothing is
 /// held on either side; the restored link carries the next transfer.
 async fn link_cut_mid_transfer(policy: &str) {
+    link_cut_mid_transfer_over(policy, false).await;
+}
+
+async fn link_cut_mid_transfer_over(policy: &str, nixl: bool) {
     let options = Options {
         d_extra: &["--kv-load-failure-policy", policy],
+        nixl,
         ..Options::default()
     };
     let Some(fleet) = Fleet::start(&format!("link cut ({policy})"), options) else {
@@ -578,7 +598,7 @@ async fn p_killed_and_restarted_on_its_address_serves_d_again_without_a_stale_co
         tokio::time::sleep(Duration::from_millis(300)).await;
         fleet.p.kill();
         tokio::time::sleep(Duration::from_millis(500)).await;
-        fleet.p = start_in(&fleet.p_host, &fleet.p_args).ready();
+        fleet.p = start_in(&fleet.p_host, &fleet.p_args, &[]).ready();
         let statuses = load.await.unwrap();
         // While P was down the proxy answered 503 (no P reachable), or 502 for a prefill P
         // died in; every other answer is whole (recomputed when its pull met the dying P).
@@ -615,9 +635,39 @@ async fn p_killed_and_restarted_on_its_address_serves_d_again_without_a_stale_co
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rl_cycle_across_hosts_loses_nothing_and_sets_one_version() {
-    bounded(async {
+    bounded(rl_cycle_across_hosts(false)).await;
+}
+
+/// Over NIXL (`--kv-transport nixl`, UCX over TCP between the hosts), the P/D tests whose
+/// faults are on the link itself: the RL cycle, and the P–D link cut mid-read.
+#[cfg(feature = "nixl")]
+mod over_nixl {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_rl_cycle_across_hosts_loses_nothing_and_sets_one_version() {
+        bounded(rl_cycle_across_hosts(true)).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_p_d_link_cut_mid_read_fails_by_the_timeout_under_fail() {
+        bounded(link_cut_mid_transfer_over("fail", true)).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_p_d_link_cut_mid_read_recomputes_under_recompute() {
+        bounded(link_cut_mid_transfer_over("recompute", true)).await;
+    }
+}
+
+async fn rl_cycle_across_hosts(nixl: bool) {
+    {
         // The shipped defaults (D's load failure policy included).
-        let Some(fleet) = Fleet::start("RL cycle", Options::default()) else {
+        let options = Options {
+            nixl,
+            ..Options::default()
+        };
+        let Some(fleet) = Fleet::start("RL cycle", options) else {
             return;
         };
         let proxy = fleet.proxy_url.clone();
@@ -649,7 +699,7 @@ async fn the_rl_cycle_across_hosts_loses_nothing_and_sets_one_version() {
             let (status, events, done) = task.await.unwrap();
             assert!(status == 200 && done, "{events:?}");
             let usage = &events.last().unwrap()["usage"];
-            assert_eq!(usage["completion_tokens"], n_tokens, "{usage}");
+            assert_eq!(usage["completion_tokens"], n_tokens, "{usage}\n{events:?}");
         }
         for base in [&fleet.p_url, &fleet.d_url] {
             let (_, info) = get(&url(base, "/weight_info")).await;
@@ -663,8 +713,7 @@ async fn the_rl_cycle_across_hosts_loses_nothing_and_sets_one_version() {
         assert_eq!(logprobs_of(&out), logprobs_of(&reference));
         assert_eq!(out["choices"][0]["weight_versions"], json!(["step-1"]));
         fleet.no_block_held().await;
-    })
-    .await;
+    }
 }
 
 /// `ferry bench transfer`'s two ends on two hosts over a link limited to 50 Mbit/s: the rate

@@ -1,0 +1,303 @@
+//! One-sided reads through NIXL (feature `nixl`): [`NixlReads`] is the [`OneSided`] that
+//! `--kv-transport nixl` gives the TCP transport, one NIXL agent per process with the UCX
+//! backend (RDMA where the fabric has it, shared memory on one host, TCP otherwise; pick with
+//! `UCX_TLS`).
+//!
+//! Built with `nixl-sys`'s `stub-api`, so the build needs no NIXL install: the stub looks up
+//! `libnixl_capi.so` by bare name on its first call. [`load_library`] loads it by absolute
+//! path from `--nixl-lib-dir` first (the dynamic loader matches the bare name to the library
+//! already loaded; `LD_LIBRARY_PATH` is read only at process start, so setting it later would
+//! not help), and checks that the real library is there before any call, so a missing library
+//! is an error message and never the stub's abort. `scripts/fetch-nixl.sh` fetches the
+//! libraries from PyPI's `nixl-cu12` wheel.
+//!
+//! Memory: an arena allocation is registered the first time a read touches it, and
+//! deregistered when it is freed (a hook on the allocation, [`BlockGrant::on_region_freed`]),
+//! each time with a new metadata generation, so peers load P's metadata again and no read can
+//! reach freed memory through a registration. D keeps one loaded metadata per P address and
+//! drops the old one when P sends a new generation.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use nixl_sys::{
+    Agent, MemType, MemoryRegion as NixlRegion, NixlDescriptor, RegistrationHandle, XferDescList,
+    XferOp, XferStatus,
+};
+
+use crate::access::{BlockGrant, MemoryRegion};
+use crate::one_sided::{Exposed, OneSided, Remote};
+
+/// The file the stub loads.
+const CAPI: &str = "libnixl_capi.so";
+
+/// Loads NIXL's C API (and, through its run path, NIXL and UCX) and checks it is the real
+/// library. With `dir`, from that folder by absolute path, and its `plugins` folder becomes
+/// `NIXL_PLUGIN_DIR` unless that is set; without, by the usual library path.
+///
+/// Call it before any thread starts: it may set an environment variable.
+pub fn load_library(dir: Option<&Path>) -> Result<(), String> {
+    if let Some(dir) = dir {
+        let lib = dir.join(CAPI);
+        if !lib.is_file() {
+            return Err(format!(
+                "{} does not exist (--nixl-lib-dir names the folder holding {CAPI}; \
+                 scripts/fetch-nixl.sh fetches it)",
+                lib.display()
+            ));
+        }
+        if std::env::var_os("NIXL_PLUGIN_DIR").is_none() {
+            std::env::set_var("NIXL_PLUGIN_DIR", dir.join("plugins"));
+        }
+        let path = CString::new(lib.as_os_str().as_encoded_bytes())
+            .map_err(|_| format!("{} holds a NUL byte", lib.display()))?;
+        // SAFETY: a NUL-terminated path; the handle is kept for the process's lifetime (never
+        // closed), so every symbol the stub resolves from it stays valid.
+        let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        if handle.is_null() {
+            // SAFETY: dlerror returns a NUL-terminated string or null, valid until the next
+            // dl call on this thread.
+            let why = unsafe {
+                let e = libc::dlerror();
+                if e.is_null() {
+                    "unknown error".to_owned()
+                } else {
+                    CStr::from_ptr(e).to_string_lossy().into_owned()
+                }
+            };
+            return Err(format!("loading {}: {why}", lib.display()));
+        }
+    }
+    if nixl_sys::is_stub() {
+        return Err(format!(
+            "{CAPI} was not found: run scripts/fetch-nixl.sh and pass the folder it prints as \
+             --nixl-lib-dir (or start with that folder on LD_LIBRARY_PATH)"
+        ));
+    }
+    Ok(())
+}
+
+/// A registered allocation, as NIXL's descriptor types want it.
+#[derive(Debug)]
+struct Region(MemoryRegion);
+
+impl NixlRegion for Region {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.0.base as *const u8
+    }
+
+    fn size(&self) -> usize {
+        self.0.bytes
+    }
+}
+
+impl NixlDescriptor for Region {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+/// The [`OneSided`] of `--kv-transport nixl`; see the module doc.
+pub struct NixlReads {
+    state: Arc<State>,
+}
+
+struct State {
+    agent: Agent,
+    /// Registered allocations by [`MemoryRegion::id`]; dropping a handle deregisters.
+    registered: Mutex<HashMap<u64, RegistrationHandle>>,
+    /// Changes whenever registered memory changes; starts random, so a restarted P never
+    /// repeats a generation a peer holds.
+    generation: AtomicU64,
+    /// D: the agent name and generation of the metadata loaded for each P address.
+    remotes: Mutex<HashMap<SocketAddr, (String, u64)>>,
+}
+
+impl std::fmt::Debug for NixlReads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlReads")
+            .field("agent", &self.state.agent.name())
+            .field("generation", &self.state.generation.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl NixlReads {
+    /// A NIXL agent named `name` (unique in the fleet: peers key metadata by it) with the UCX
+    /// backend. [`load_library`] must have succeeded.
+    pub fn new(name: &str) -> Result<Self, String> {
+        let agent = Agent::new(name).map_err(|e| format!("creating the NIXL agent: {e}"))?;
+        let (_, params) = agent.get_plugin_params("UCX").map_err(|e| {
+            format!("the NIXL UCX plugin is not there ({e}): is NIXL_PLUGIN_DIR right?")
+        })?;
+        agent
+            .create_backend("UCX", &params)
+            .map_err(|e| format!("starting the NIXL UCX backend: {e}"))?;
+        let mut seed = [0u8; 8];
+        getrandom::fill(&mut seed).map_err(|e| format!("no randomness: {e}"))?;
+        Ok(Self {
+            state: Arc::new(State {
+                agent,
+                registered: Mutex::default(),
+                generation: AtomicU64::new(u64::from_le_bytes(seed) | 1),
+                remotes: Mutex::default(),
+            }),
+        })
+    }
+
+    /// Allocations registered now (for tests: a freed arena is deregistered).
+    pub fn n_registered(&self) -> usize {
+        lock(&self.state.registered).len()
+    }
+}
+
+impl State {
+    /// Registers the allocation `grant` is over, once.
+    fn register(self: &Arc<Self>, grant: &BlockGrant) -> Result<(), String> {
+        let region = grant.region();
+        let mut registered = lock(&self.registered);
+        if registered.contains_key(&region.id) {
+            return Ok(());
+        }
+        let handle = self
+            .agent
+            .register_memory(&Region(region), None)
+            .map_err(|e| format!("registering {} bytes of KV arena: {e}", region.bytes))?;
+        registered.insert(region.id, handle);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        drop(registered);
+        // Deregistered while the allocation is still there; the hook holds no strong
+        // reference, so a dropped transport lets go of everything at once.
+        let state: Weak<State> = Arc::downgrade(self);
+        grant.on_region_freed(Box::new(move || {
+            if let Some(state) = state.upgrade() {
+                let handle = lock(&state.registered).remove(&region.id);
+                if handle.is_some() {
+                    state.generation.fetch_add(1, Ordering::AcqRel);
+                }
+                drop(handle);
+            }
+        }));
+        Ok(())
+    }
+
+    /// Loads P's metadata for `peer` when it sent one, dropping what was loaded before;
+    /// returns the agent name to read from.
+    fn remote(&self, peer: SocketAddr, remote: &Remote<'_>) -> Result<String, String> {
+        let mut remotes = lock(&self.remotes);
+        let held = remotes.get(&peer).map(|(_, g)| *g);
+        // Reads that began together all get P's metadata; the first loads it, the others
+        // find that generation loaded (reloading it would cut the first one's read short).
+        if let (Some(metadata), false) = (remote.metadata, held == Some(remote.generation)) {
+            if let Some((old, _)) = remotes.remove(&peer) {
+                // A stale metadata may name freed memory: never read through it again.
+                let _ = self.agent.invalidate_remote_md(&old);
+            }
+            let name = self
+                .agent
+                .load_remote_md(metadata)
+                .map_err(|e| format!("loading P's NIXL metadata: {e}"))?;
+            remotes.insert(peer, (name, remote.generation));
+        }
+        match remotes.get(&peer) {
+            Some((name, generation)) if *generation == remote.generation => Ok(name.clone()),
+            _ => Err("P sent no metadata for a generation this reader does not hold".into()),
+        }
+    }
+}
+
+impl OneSided for NixlReads {
+    fn name(&self) -> &'static str {
+        "nixl"
+    }
+
+    fn expose(&self, grant: &BlockGrant, known: u64) -> Result<Exposed, String> {
+        self.state.register(grant)?;
+        let generation = self.state.generation.load(Ordering::Acquire);
+        let metadata = if generation == known {
+            None
+        } else {
+            let md = self
+                .state
+                .agent
+                .get_local_md()
+                .map_err(|e| format!("this agent's metadata: {e}"))?;
+            Some(md)
+        };
+        Ok(Exposed {
+            generation,
+            metadata,
+        })
+    }
+
+    fn known(&self, peer: SocketAddr) -> u64 {
+        lock(&self.state.remotes).get(&peer).map_or(0, |(_, g)| *g)
+    }
+
+    fn read(
+        &self,
+        peer: SocketAddr,
+        remote: Remote<'_>,
+        dst: &mut BlockGrant,
+        deadline: Instant,
+        cancelled: &AtomicBool,
+    ) -> Result<(), String> {
+        let n = dst.blocks().len();
+        if remote.addrs.len() != n {
+            return Err(format!("{} addresses for {n} blocks", remote.addrs.len()));
+        }
+        // The destination must be registered too (an RDMA write lands in it).
+        self.state.register(dst)?;
+        let name = self.state.remote(peer, &remote)?;
+        let block_bytes = dst.layout().block_bytes();
+        let descs = || XferDescList::new(MemType::Dram).map_err(|e| e.to_string());
+        let (mut local, mut from) = (descs()?, descs()?);
+        for (i, &addr) in remote.addrs.iter().enumerate() {
+            local.add_desc(dst.block_addr(i), block_bytes, 0);
+            from.add_desc(addr as usize, block_bytes, 0);
+        }
+        let agent = &self.state.agent;
+        let request = agent
+            .create_xfer_req(XferOp::Read, &local, &from, &name, None)
+            .map_err(|e| format!("preparing the read: {e}"))?;
+        let mut in_progress = agent
+            .post_xfer_req(&request, None)
+            .map_err(|e| format!("posting the read: {e}"))?;
+        let mut spins = 0u32;
+        while in_progress {
+            if cancelled.load(Ordering::Acquire) {
+                // Dropping the request cancels it before the grant is given back.
+                return Err("cancelled".into());
+            }
+            if Instant::now() >= deadline {
+                return Err("the read outlasted P's read timeout".into());
+            }
+            in_progress = match agent.get_xfer_status(&request) {
+                Ok(XferStatus::InProgress) => true,
+                Ok(XferStatus::Success) => false,
+                Err(e) => return Err(format!("the read failed: {e}")),
+            };
+            // Spin briefly (small reads finish in microseconds), then poll more and more
+            // gently (a long read over a slow link should not burn a core).
+            spins = spins.saturating_add(1);
+            if in_progress && spins > 64 {
+                let pause = if spins > 2048 { 1000 } else { 50 };
+                std::thread::sleep(Duration::from_micros(pause));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
