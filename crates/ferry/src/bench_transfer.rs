@@ -130,30 +130,14 @@ impl Args {
 const P_ID: &str = "bench-p";
 const MODEL_ID: &str = "bench";
 
-/// A transport of the bench: `listen`, trusting `allowed_peers`, with a pool of
-/// `pool_idle_per_peer` idle connections on D.
-fn start(
-    id: &str,
-    listen: SocketAddr,
-    layout: KvLayout,
-    allowed_peers: AllowedPeers,
-    secret: Option<Vec<u8>>,
-    pool_idle_per_peer: usize,
-    io_timeout: Duration,
-) -> anyhow::Result<std::sync::Arc<TcpTransport>> {
-    let config = config_of(
-        id,
-        listen,
-        layout,
-        allowed_peers,
-        secret,
-        pool_idle_per_peer,
-        io_timeout,
-    );
+/// Starts a transport of the bench (its configuration from [`config_of`]).
+fn start(config: TcpTransportConfig) -> anyhow::Result<std::sync::Arc<TcpTransport>> {
+    let (id, listen) = (config.engine_id.clone(), config.listen);
     TcpTransport::start(config).with_context(|| format!("{id}'s transport on {listen}"))
 }
 
-/// The bench's transport configuration (TCP only).
+/// A transport of the bench: `listen`, trusting `allowed_peers`, with a pool of
+/// `pool_idle_per_peer` idle connections on D (TCP only: `one_sided` is `None`).
 fn config_of(
     id: &str,
     listen: SocketAddr,
@@ -232,7 +216,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let loopback: SocketAddr = "127.0.0.1:0".parse().expect("an address");
     let secret = args.secret()?;
     let config = |id: &str| {
-        start(
+        config_of(
             id,
             loopback,
             layout,
@@ -242,21 +226,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             Duration::from_secs(30),
         )
     };
-    let p = config(P_ID)?;
-    let d = config("D")?;
+    let p = start(config(P_ID))?;
+    let d = start(config("D"))?;
     // The NIXL pair: P's engine id (D's reads name it), each end with its own agent.
     let one_sided = |id: &str| -> anyhow::Result<std::sync::Arc<TcpTransport>> {
-        TcpTransport::start(TcpTransportConfig {
-            one_sided: Some(crate::serve::nixl_reads(id)?),
-            ..config_of(
-                id,
-                loopback,
-                layout,
-                AllowedPeers::default(),
-                secret.clone(),
-                DEFAULT_POOL_IDLE_PER_PEER,
-                Duration::from_secs(30),
-            )
+        let one_sided = Some(crate::serve::nixl_reads(id)?);
+        start(TcpTransportConfig {
+            one_sided,
+            ..config(id)
         })
         .with_context(|| format!("{id}'s NIXL transport"))
     };
@@ -357,7 +334,7 @@ fn serve(args: &Args, listen: SocketAddr) -> anyhow::Result<()> {
     let timeout = args.timeout()?;
     let p_arena = filled_arena(layout, args.n_blocks)?;
     // P connects to nobody: its allowed peers are never asked.
-    let p = start(
+    let p = start(config_of(
         P_ID,
         listen,
         layout,
@@ -365,7 +342,7 @@ fn serve(args: &Args, listen: SocketAddr) -> anyhow::Result<()> {
         args.secret()?,
         0,
         Duration::from_secs(30),
-    )?;
+    ))?;
     let addr = p.local_addr();
     let blocks: Vec<u32> = (0..args.n_blocks as u32).collect();
     let (reports, rx) = reports();
@@ -443,7 +420,7 @@ fn pull(args: &Args, addr: SocketAddr) -> anyhow::Result<()> {
         0,
     );
     let allowed = AllowedPeers::parse(&addr.ip().to_string()).map_err(anyhow::Error::msg)?;
-    let d = start(
+    let d = start(config_of(
         "bench-d",
         listen,
         layout,
@@ -451,7 +428,7 @@ fn pull(args: &Args, addr: SocketAddr) -> anyhow::Result<()> {
         args.secret()?,
         DEFAULT_POOL_IDLE_PER_PEER,
         timeout,
-    )?;
+    ))?;
     wait_for_listener(addr, timeout)?;
     let blocks: Vec<u32> = (0..args.n_blocks as u32).collect();
     let zeros = vec![0u8; block_bytes];
@@ -547,7 +524,7 @@ fn pulls_per_second(args: &Args) -> anyhow::Result<()> {
     let secret = args.secret()?;
     let t = Duration::from_secs(30);
     let start = |id: &str, pool: usize| {
-        start(
+        start(config_of(
             id,
             loopback,
             layout,
@@ -555,7 +532,7 @@ fn pulls_per_second(args: &Args) -> anyhow::Result<()> {
             secret.clone(),
             pool,
             t,
-        )
+        ))
     };
     let p = start(P_ID, 0)?;
     let with_pool = start("D-pool", DEFAULT_POOL_IDLE_PER_PEER)?;
