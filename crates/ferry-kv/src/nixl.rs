@@ -33,6 +33,12 @@ use nixl_sys::{
 use crate::access::{BlockGrant, MemoryRegion};
 use crate::one_sided::{Exposed, OneSided, Remote};
 
+/// How long a read is polled without pause, then with short pauses: most reads end within
+/// these (a read is polled busily for up to [`BUSY_POLL`], then every 64 polls pauses 20 µs
+/// until [`GENTLE_POLL`], and 500 µs after).
+const BUSY_POLL: Duration = Duration::from_millis(20);
+const GENTLE_POLL: Duration = Duration::from_secs(1);
+
 /// The file the stub loads.
 const CAPI: &str = "libnixl_capi.so";
 
@@ -269,6 +275,7 @@ impl OneSided for NixlReads {
         let request = agent
             .create_xfer_req(XferOp::Read, &local, &from, &name, None)
             .map_err(|e| format!("preparing the read: {e}"))?;
+        let posted = Instant::now();
         let mut in_progress = agent
             .post_xfer_req(&request, None)
             .map_err(|e| format!("posting the read: {e}"))?;
@@ -286,12 +293,22 @@ impl OneSided for NixlReads {
                 Ok(XferStatus::Success) => false,
                 Err(e) => return Err(format!("the read failed: {e}")),
             };
-            // Spin briefly (small reads finish in microseconds), then poll more and more
-            // gently (a long read over a slow link should not burn a core).
+            // Poll busily while the read is young (UCX progresses the read on each poll, and
+            // sleeping between polls throttled a read over TCP several-fold), then more and
+            // more gently: a long read over a slow link should not burn a core.
             spins = spins.saturating_add(1);
-            if in_progress && spins > 64 {
-                let pause = if spins > 2048 { 1000 } else { 50 };
-                std::thread::sleep(Duration::from_micros(pause));
+            if in_progress {
+                match posted.elapsed() {
+                    young if young < BUSY_POLL => std::thread::yield_now(),
+                    _ if spins.is_multiple_of(64) => std::thread::sleep(Duration::from_micros(
+                        if posted.elapsed() < GENTLE_POLL {
+                            20
+                        } else {
+                            500
+                        },
+                    )),
+                    _ => {}
+                }
             }
         }
         Ok(())
