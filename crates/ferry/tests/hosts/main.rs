@@ -60,6 +60,8 @@ struct Fleet {
     d_url_at_proxy: String,
     p_host: Host,
     p_args: Vec<String>,
+    /// P's environment beyond the secret (UCX's, over NIXL), for a restart.
+    p_env: Vec<(&'static str, String)>,
     pd: Link,
     xd: Link,
     /// The root-side end of D's management link, where a relay poses as P.
@@ -150,14 +152,15 @@ impl Fleet {
             &[]
         });
         // UCX over TCP, on the P–D link's interface (named alike on both hosts).
-        let ucx: Vec<(&str, &str)> = if options.nixl {
+        let p_env: Vec<(&'static str, String)> = if options.nixl {
             vec![
-                ("UCX_TLS", "tcp,self"),
-                ("UCX_NET_DEVICES", pd.a.1.as_str()),
+                ("UCX_TLS", "tcp,self".into()),
+                ("UCX_NET_DEVICES", pd.a.1.clone()),
             ]
         } else {
             Vec::new()
         };
+        let ucx: Vec<(&str, &str)> = p_env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let p_args = serve_args("kv_producer", Some(&advertised), &transport);
         let mut d_extra = strings(&[
             "--kv-allowed-peers",
@@ -196,6 +199,7 @@ impl Fleet {
             d_url_at_proxy: d_at_x,
             p_host: p,
             p_args,
+            p_env,
             pd,
             xd,
             relay_addr,
@@ -342,8 +346,16 @@ async fn link_cut_mid_transfer_over(policy: &str, nixl: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_transfers_over_a_50_mbit_link_give_one_engines_tokens() {
-    bounded(async {
-        let Some(fleet) = Fleet::start("50 Mbit/s", Options::default()) else {
+    bounded(sixteen_transfers_over_a_50_mbit_link(false)).await;
+}
+
+async fn sixteen_transfers_over_a_50_mbit_link(nixl: bool) {
+    {
+        let options = Options {
+            nixl,
+            ..Options::default()
+        };
+        let Some(fleet) = Fleet::start("50 Mbit/s", options) else {
             return;
         };
         fleet.pd.limit("50mbit");
@@ -370,8 +382,7 @@ async fn sixteen_transfers_over_a_50_mbit_link_give_one_engines_tokens() {
         assert_eq!(metric(&d, "ferry_kv_loads_finished_total"), 16.0, "{d}");
         assert_eq!(metric(&d, "ferry_kv_loads_failed_total"), 0.0, "{d}");
         fleet.no_block_held().await;
-    })
-    .await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -569,9 +580,16 @@ async fn a_non_streamed_answer_over_a_cut_link_to_d_is_a_502_naming_d() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn p_killed_and_restarted_on_its_address_serves_d_again_without_a_stale_connection() {
-    bounded(async {
+    bounded(p_killed_and_restarted(false)).await;
+}
+
+/// P killed under load and restarted on its address; over NIXL the new P is a new agent with
+/// new metadata, which D must load instead of reading through the old one.
+async fn p_killed_and_restarted(nixl: bool) {
+    {
         let options = Options {
             d_extra: &["--kv-load-failure-policy", "recompute"],
+            nixl,
             ..Options::default()
         };
         let Some(mut fleet) = Fleet::start("P restart", options) else {
@@ -598,7 +616,8 @@ async fn p_killed_and_restarted_on_its_address_serves_d_again_without_a_stale_co
         tokio::time::sleep(Duration::from_millis(300)).await;
         fleet.p.kill();
         tokio::time::sleep(Duration::from_millis(500)).await;
-        fleet.p = start_in(&fleet.p_host, &fleet.p_args, &[]).ready();
+        let env: Vec<(&str, &str)> = fleet.p_env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        fleet.p = start_in(&fleet.p_host, &fleet.p_args, &env).ready();
         let statuses = load.await.unwrap();
         // While P was down the proxy answered 503 (no P reachable), or 502 for a prefill P
         // died in; every other answer is whole (recomputed when its pull met the dying P).
@@ -629,8 +648,7 @@ async fn p_killed_and_restarted_on_its_address_serves_d_again_without_a_stale_co
         );
         assert_eq!(metric(&d, "ferry_kv_loads_failed_total"), failed, "{d}");
         fleet.no_block_held().await;
-    })
-    .await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -639,7 +657,9 @@ async fn the_rl_cycle_across_hosts_loses_nothing_and_sets_one_version() {
 }
 
 /// Over NIXL (`--kv-transport nixl`, UCX over TCP between the hosts), the P/D tests whose
-/// faults are on the link itself: the RL cycle, and the P–D link cut mid-read.
+/// faults are on the link or the peers themselves (the relay's stand in for P's side channel
+/// only, which a one-sided read bypasses): the RL cycle, sixteen reads over a limited link, P
+/// killed and restarted, and the P–D link cut mid-read.
 #[cfg(feature = "nixl")]
 mod over_nixl {
     use super::*;
@@ -647,6 +667,16 @@ mod over_nixl {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_rl_cycle_across_hosts_loses_nothing_and_sets_one_version() {
         bounded(rl_cycle_across_hosts(true)).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sixteen_reads_over_a_50_mbit_link_give_one_engines_tokens() {
+        bounded(sixteen_transfers_over_a_50_mbit_link(true)).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn p_killed_and_restarted_on_its_address_serves_d_again_with_new_metadata() {
+        bounded(p_killed_and_restarted(true)).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
