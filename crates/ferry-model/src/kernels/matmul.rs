@@ -1,8 +1,9 @@
 //! `out = x · Wᵀ` for row-major `x` (`m × k`, f32) and a PyTorch-layout weight `W` (`n × k`)
 //! kept in its stored precision ([`Matrix`]: segments of F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-//! which the kernels read in registers, and Q5_0, Q5_1, Q4_K, Q6_K, which are dequantized a
-//! block of rows at a time into an f32 scratch and multiplied from there by the f32 kernels:
-//! [`WeightDtype::BY_ROWS`]).
+//! which the kernels read in registers at every batch size; Q4_K and Q6_K, which the batch-1
+//! kernels read in registers (decode) and the batched steps dequantize a block of rows at a
+//! time into an f32 scratch to multiply from there with the f32 kernels; Q5_0 and Q5_1, which
+//! always take the scratch: [`WeightDtype::BY_ROWS`]).
 //!
 //! Each output element is one dot product in the fixed order described in the parent module,
 //! whatever `m` is and whichever register tile computes it, so a request's activations give the
@@ -477,9 +478,10 @@ fn run_part(job: Job<'_>, w: Rows, out: *mut f32, local: Range<usize>) {
     if local.is_empty() {
         return;
     }
-    if w.dtype.by_rows() {
-        // No register kernel reads these: every row block goes through an f32 scratch,
-        // whatever the batch, and the f32 tiles compute from there.
+    if w.dtype.by_rows() && !(m == 1 && k_quant(w.dtype)) {
+        // Batched (and Q5_0 / Q5_1 at any batch): every row block goes through an f32
+        // scratch and the f32 tiles compute from there. At batch 1 the K-quants take their
+        // own register kernels below (the portable path dequantizes a row at a time).
         return run_rows_dequantized(isa, x, w, out, m, n, k, local);
     }
     let f32_panels = packed.is_some() && m >= F32_PANEL_ROWS;
@@ -724,6 +726,8 @@ const BF16: u8 = 2;
 const Q8_0: u8 = 3;
 const Q4_0: u8 = 4;
 const Q4_1: u8 = 5;
+const Q4_K: u8 = 6;
+const Q6_K: u8 = 7;
 
 fn dtype_code(d: WeightDtype) -> u8 {
     match d {
@@ -733,10 +737,18 @@ fn dtype_code(d: WeightDtype) -> u8 {
         WeightDtype::Q8_0 => Q8_0,
         WeightDtype::Q4_0 => Q4_0,
         WeightDtype::Q4_1 => Q4_1,
-        WeightDtype::Q5_0 | WeightDtype::Q5_1 | WeightDtype::Q4_K | WeightDtype::Q6_K => {
+        WeightDtype::Q4_K => Q4_K,
+        WeightDtype::Q6_K => Q6_K,
+        WeightDtype::Q5_0 | WeightDtype::Q5_1 => {
             unreachable!("{d} is read through an f32 scratch, never by a register kernel")
         }
     }
+}
+
+/// Whether `d` is a K-quant (super-blocks of 256), which the batch-1 kernels read in
+/// registers while the batched steps dequantize it into an f32 scratch.
+fn k_quant(d: WeightDtype) -> bool {
+    matches!(d, WeightDtype::Q4_K | WeightDtype::Q6_K)
 }
 
 /// One block of the output: activation rows × W rows.

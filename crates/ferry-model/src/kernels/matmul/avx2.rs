@@ -8,6 +8,9 @@
 //! Quantized rows at batch 1 take [`kernel_quantized_1`], 4 rows at a time (measured on Zen 1
 //! against 6 and 8: fewer registers spilled, 5.4 ns per Q4_1 block against 6.2 and 6.7).
 //!
+//! Q4_K and Q6_K rows at batch 1 take [`kernel_k_quant_1`], 4 rows at a time, a super-block
+//! of 256 decoded in registers per row (the AVX-512 kernels' arithmetic, 8 lanes).
+//!
 //! Weights are dequantized in registers as in the AVX-512 path (see `load`), 8 at a time; a
 //! turn of the loop is one block of 32 (four chunks). F16 needs F16C, which every AVX2 CPU has
 //! and [`super::Isa`] checks for. Batched steps dequantize a W block once into an f32 scratch
@@ -18,7 +21,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::{block_scales, dtype_code as code, scalar_at, Rows, Tile};
-use super::{BF16, F16, F32, Q4_0, Q4_1, Q8_0};
+use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0};
 
 /// All of `t`, in `t`'s dtype.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -31,7 +34,9 @@ pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
             BF16 => tile_of::<BF16>(x, out, t),
             Q8_0 => tile_of::<Q8_0>(x, out, t),
             Q4_0 => tile_of::<Q4_0>(x, out, t),
-            _ => tile_of::<Q4_1>(x, out, t),
+            Q4_1 => tile_of::<Q4_1>(x, out, t),
+            Q4_K => tile_of::<Q4_K>(x, out, t),
+            _ => tile_of::<Q6_K>(x, out, t),
         }
     }
 }
@@ -40,6 +45,22 @@ pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
 unsafe fn tile_of<const D: u8>(x: &[f32], out: *mut f32, t: &Tile) {
     let xp = x.as_ptr();
     let mut j = t.w_rows.start;
+    if matches!(D, Q4_K | Q6_K) {
+        // Only batch 1 comes here (`run_part`: batched steps take an f32 scratch).
+        assert_eq!(t.x_rows.len(), 1, "K-quant tiles are batch 1");
+        let i = t.x_rows.start;
+        while j + QROWS <= t.w_rows.end {
+            // SAFETY (both calls): row i of x and rows j.. of w lie inside the tile, which
+            // the caller checked against the slice lengths.
+            unsafe { kernel_k_quant_1::<D, QROWS>(xp, out, t, i, j) };
+            j += QROWS;
+        }
+        while j < t.w_rows.end {
+            unsafe { kernel_k_quant_1::<D, 1>(xp, out, t, i, j) };
+            j += 1;
+        }
+        return;
+    }
     if t.x_rows.len() == 1 && matches!(D, Q8_0 | Q4_0 | Q4_1) {
         while j + QROWS <= t.w_rows.end {
             // SAFETY: as for the kernel calls below.
@@ -188,6 +209,183 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
     for (r, &a) in acc.iter().enumerate() {
         // SAFETY: (i, j + r) is inside the m × n output.
         unsafe { out.add(i * t.n + j + r).write(hsum(a)) };
+    }
+}
+
+/// [`kernel`] for one activation row against R rows of a K-quant (Q4_K, Q6_K): each 8-lane
+/// accumulator takes its row's chunks of 8 in order with fused multiply-adds, so the bits of
+/// the f32 tiles over the loader's values; the weights are decoded in registers super-block
+/// by super-block, a row at a time ([`q4_k_block`], [`q6_k_block`]; the arithmetic is the
+/// AVX-512 kernels', see there).
+///
+/// # Safety
+/// Rows j..j+R of the tile and row i of x lie inside their slices; `k` is a multiple of 256.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn kernel_k_quant_1<const D: u8, const R: usize>(
+    x: *const f32,
+    out: *mut f32,
+    t: &Tile,
+    i: usize,
+    j: usize,
+) {
+    let (k, w) = (t.k, t.w);
+    assert_eq!(k % 256, 0, "a K-quant row is whole super-blocks");
+    let block_bytes = w.dtype.block_bytes();
+    let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
+    let xr = x.wrapping_add(i * k);
+    let f16 = super::f16_table();
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..k / 256 {
+        let at = b * block_bytes;
+        if t.prefetch {
+            // As in `kernel`: the next R rows' bytes of this super-block.
+            for row in rows {
+                let line = row.wrapping_add(R * w.row_bytes + at);
+                for off in [0, 64, 128, block_bytes - 1] {
+                    _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(off).cast::<i8>());
+                }
+            }
+        }
+        let xb = xr.wrapping_add(256 * b);
+        for (a, &row) in acc.iter_mut().zip(&rows) {
+            // SAFETY: the super-block lies inside the row, its 256 activations inside row i.
+            *a = unsafe {
+                if D == Q4_K {
+                    q4_k_block(f16, xb, row.add(at), *a)
+                } else {
+                    q6_k_block(f16, xb, row.add(at), *a)
+                }
+            };
+        }
+    }
+    for (r, &a) in acc.iter().enumerate() {
+        // SAFETY: (i, j + r) is inside the m × n output.
+        unsafe { out.add(i * t.n + j + r).write(hsum(a)) };
+    }
+}
+
+/// `acc` after the multiply-adds of one Q4_K super-block at `block` against the 256
+/// activations at `x`, its 32 chunks of 8 in order: each value `q * d1 + (-m1)` fused,
+/// the loader's `(d * sc) * q - dmin * m` (`d1 * q` is exact in f32).
+///
+/// # Safety
+/// The super-block's 144 bytes at `block` and 256 floats at `x` are readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_k_block(f16: &[f32; 1 << 16], x: *const f32, block: *const u8, acc: __m256) -> __m256 {
+    const K1: u32 = 0x3f3f_3f3f;
+    const K2: u32 = 0x0f0f_0f0f;
+    const K3: u32 = 0x0303_0303;
+    // SAFETY (every read): inside the super-block or the activations, as the caller promised.
+    unsafe {
+        let [d, dmin] = block_scales(f16, block, true);
+        let s = block.add(4).cast::<u32>();
+        let (s0, s1, s2) = (
+            s.read_unaligned(),
+            s.add(1).read_unaligned(),
+            s.add(2).read_unaligned(),
+        );
+        // ggml's unpacking of the 6-bit scales (bytes 0..8) and mins (8..16).
+        let packed = [
+            s0 & K1,
+            (s2 & K2) | (((s0 >> 6) & K3) << 4),
+            s1 & K1,
+            ((s2 >> 4) & K2) | (((s1 >> 6) & K3) << 4),
+        ];
+        let bytes = _mm_loadu_si128(packed.as_ptr().cast());
+        let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(bytes)));
+        let mut d1 = [0.0f32; 8];
+        let mut neg_m1 = [0.0f32; 8];
+        _mm256_storeu_ps(d1.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), sc));
+        _mm256_storeu_ps(neg_m1.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(-dmin), m));
+        let low = _mm256_set1_epi32(0x0f);
+        let mut acc = acc;
+        for pair in 0..4 {
+            let qs = block.add(16 + 32 * pair);
+            // Bytes 8h..8h + 8, widened once: low nibbles for sub-block 2 * pair, high for the next.
+            let b: [__m256i; 4] = std::array::from_fn(|h| {
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * h).cast()))
+            });
+            let xs = x.add(64 * pair);
+            for sub in 0..2 {
+                let (d1, m1) = (
+                    _mm256_set1_ps(d1[2 * pair + sub]),
+                    _mm256_set1_ps(neg_m1[2 * pair + sub]),
+                );
+                for (h, &bh) in b.iter().enumerate() {
+                    let q = if sub == 0 {
+                        _mm256_and_si256(bh, low)
+                    } else {
+                        _mm256_srli_epi32::<4>(bh)
+                    };
+                    let w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d1, m1);
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(32 * sub + 8 * h)), w, acc);
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// [`q4_k_block`] for a Q6_K super-block: element `e` is the loader's
+/// `(d * sc[e / 16]) * (q - 32)`, the 6-bit values put together 32 at a time in bytes (see
+/// the AVX-512 `q6_k_block`), then widened 8 at a time.
+///
+/// # Safety
+/// The super-block's 210 bytes at `block` and 256 floats at `x` are readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q6_k_block(f16: &[f32; 1 << 16], x: *const f32, block: *const u8, acc: __m256) -> __m256 {
+    // SAFETY (every read): inside the super-block or the activations, as the caller promised.
+    unsafe {
+        let [d, _] = block_scales(f16, block.add(208), false);
+        let dv = _mm256_set1_ps(d);
+        let mut dsc = [0.0f32; 16];
+        for h in 0..2 {
+            let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(block.add(192 + 8 * h).cast()));
+            _mm256_storeu_ps(
+                dsc.as_mut_ptr().add(8 * h),
+                _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sc)),
+            );
+        }
+        let low4 = _mm256_set1_epi8(0x0f);
+        let bits45 = _mm256_set1_epi8(0x30);
+        let bias = _mm256_set1_epi8(32);
+        let mut acc = acc;
+        let mut q = [0i8; 128];
+        for half in 0..2 {
+            let ql = [0, 32].map(|o| _mm256_loadu_si256(block.add(64 * half + o).cast()));
+            let qh = _mm256_loadu_si256(block.add(128 + 32 * half).cast());
+            // Elements 32g..32g + 32 take nibble g / 2 of ql[g % 2] and bits 2g, 2g + 1 of
+            // qh, moved to bits 4-5 (16-bit shifts: the mask drops what crossed a byte).
+            let highs = [
+                _mm256_slli_epi16::<4>(qh),
+                _mm256_slli_epi16::<2>(qh),
+                qh,
+                _mm256_srli_epi16::<2>(qh),
+            ];
+            for (g, &high) in highs.iter().enumerate() {
+                let nibble = if g < 2 {
+                    ql[g]
+                } else {
+                    _mm256_srli_epi16::<4>(ql[g - 2])
+                };
+                let v = _mm256_or_si256(
+                    _mm256_and_si256(nibble, low4),
+                    _mm256_and_si256(high, bits45),
+                );
+                _mm256_storeu_si256(q.as_mut_ptr().add(32 * g).cast(), _mm256_sub_epi8(v, bias));
+            }
+            let xs = x.add(128 * half);
+            for c in 0..16 {
+                let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(q.as_ptr().add(8 * c).cast()));
+                let w = _mm256_mul_ps(_mm256_set1_ps(dsc[8 * half + c / 2]), _mm256_cvtepi32_ps(v));
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(8 * c)), w, acc);
+            }
+        }
+        acc
     }
 }
 
@@ -346,7 +544,8 @@ pub(super) unsafe fn dequantize_rows(w: Rows, rows: Range<usize>, k: usize, out:
             BF16 => dequantize_rows_of::<BF16>(w, rows, k, out),
             Q8_0 => dequantize_rows_of::<Q8_0>(w, rows, k, out),
             Q4_0 => dequantize_rows_of::<Q4_0>(w, rows, k, out),
-            _ => dequantize_rows_of::<Q4_1>(w, rows, k, out),
+            Q4_1 => dequantize_rows_of::<Q4_1>(w, rows, k, out),
+            _ => unreachable!("{} is dequantized by the loader's code", w.dtype),
         }
     }
 }

@@ -21,6 +21,10 @@
 //! the loader's arithmetic (see `load`); the loop runs 32 elements a turn (one quantization
 //! block, two chunks) so a block's scales are read once.
 //!
+//! Q4_K and Q6_K rows at batch 1 take [`kernel_k_quant_1`]: each super-block of 256 decoded
+//! in registers (the loader's values, see there) into the same accumulators in the same
+//! order. Batched, they go through an f32 scratch (the parent's `run_rows_dequantized`).
+//!
 //! Q4_0 and Q4_1 rows held in groups of four ([`crate::weights::row_groups`]: how a segment
 //! holds them on AVX-512) are read as held by the batch-1 rows ([`kernel_groups`]) and the
 //! panels ([`pack_groups`]); `run_rows` hands every other row to these tiles in the file's
@@ -33,7 +37,7 @@ use std::ops::Range;
 use super::{
     block_scales, dtype_code as code, scalar_at, whole_groups, Rows, Tile, GROUP_ROWS, PANEL,
 };
-use super::{BF16, F16, F32, Q4_0, Q4_1, Q8_0};
+use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0};
 
 /// W rows of the batched tile (the parent's block sizes, multiples of 24, are multiples of it).
 pub(super) const ROWS: usize = 4;
@@ -49,7 +53,9 @@ pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
             BF16 => tile_of::<BF16>(x, out, t),
             Q8_0 => tile_of::<Q8_0>(x, out, t),
             Q4_0 => tile_of::<Q4_0>(x, out, t),
-            _ => tile_of::<Q4_1>(x, out, t),
+            Q4_1 => tile_of::<Q4_1>(x, out, t),
+            Q4_K => tile_of::<Q4_K>(x, out, t),
+            _ => tile_of::<Q6_K>(x, out, t),
         }
     }
 }
@@ -57,6 +63,22 @@ pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn tile_of<const D: u8>(x: &[f32], out: *mut f32, t: &Tile) {
     let xp = x.as_ptr();
+    if matches!(D, Q4_K | Q6_K) {
+        // Only batch 1 comes here (`run_part`: batched steps take an f32 scratch).
+        assert_eq!(t.x_rows.len(), 1, "K-quant tiles are batch 1");
+        let (i, mut j) = (t.x_rows.start, t.w_rows.start);
+        while j + K_ROWS <= t.w_rows.end {
+            // SAFETY (both calls): row i of x and rows j.. of w lie inside the tile, which
+            // the caller checked against the slice lengths.
+            unsafe { kernel_k_quant_1::<D, K_ROWS>(xp, out, t, i, j, t.prefetch) };
+            j += K_ROWS;
+        }
+        while j < t.w_rows.end {
+            unsafe { kernel_k_quant_1::<D, 1>(xp, out, t, i, j, t.prefetch) };
+            j += 1;
+        }
+        return;
+    }
     if matches!(D, Q4_0 | Q4_1) && t.w.grouped > 0 {
         // Row groups: `run_rows` sends only whole groups here (every other row in the
         // file's layout), and only one to three activation rows (more take the panels).
@@ -319,7 +341,8 @@ pub(super) unsafe fn pack_rows(
             BF16 => pack_rows_of::<BF16>(w, rows, fetch_end, k, out),
             Q8_0 => pack_rows_of::<Q8_0>(w, rows, fetch_end, k, out),
             Q4_0 => pack_rows_of::<Q4_0>(w, rows, fetch_end, k, out),
-            _ => pack_rows_of::<Q4_1>(w, rows, fetch_end, k, out),
+            Q4_1 => pack_rows_of::<Q4_1>(w, rows, fetch_end, k, out),
+            _ => unreachable!("{} is packed through an f32 scratch", w.dtype),
         }
     }
 }
@@ -670,6 +693,193 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
     for (r, &sum) in sums.iter().enumerate() {
         // SAFETY: (i, j + r) is inside the m × n output.
         unsafe { out.add(i * t.n + j + r).write(sum) };
+    }
+}
+
+/// W rows of the batch-1 K-quant kernel ([`kernel_k_quant_1`]).
+const K_ROWS: usize = 8;
+
+/// [`kernel`] for one activation row against R rows of a K-quant (Q4_K, Q6_K; super-blocks
+/// of 256 elements, rows in the file's layout): each 16-lane accumulator takes its row's
+/// chunks of 16 in order with fused multiply-adds, then the fixed tree, so the bits of the
+/// f32 tiles over the loader's values ([`crate::dtype::dequantize_into`]); the weights are
+/// decoded in registers super-block by super-block, a row at a time ([`q4_k_block`],
+/// [`q6_k_block`]), and the activations' chunks come from L1 as memory operands.
+///
+/// # Safety
+/// Rows j..j+R of the tile and row i of x lie inside their slices; `k` is a multiple of 256.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn kernel_k_quant_1<const D: u8, const R: usize>(
+    x: *const f32,
+    out: *mut f32,
+    t: &Tile,
+    i: usize,
+    j: usize,
+    prefetch: bool,
+) {
+    let (k, w) = (t.k, t.w);
+    assert_eq!(k % 256, 0, "a K-quant row is whole super-blocks");
+    let block_bytes = w.dtype.block_bytes();
+    let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
+    let xr = x.wrapping_add(i * k);
+    let f16 = super::f16_table();
+    let to_l2 = super::prefetch_to_l2();
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..k / 256 {
+        let at = b * block_bytes;
+        if prefetch {
+            // As in `kernel_quantized_1`: this super-block's bytes (144 or 210, three or four
+            // lines) two steps of R rows ahead.
+            for row in rows {
+                let line = row.wrapping_add(2 * R * w.row_bytes + at);
+                for off in [0, 64, 128, block_bytes - 1] {
+                    super::prefetch_weights(line.wrapping_add(off), to_l2);
+                }
+            }
+        }
+        let xb = xr.wrapping_add(256 * b);
+        for (a, &row) in acc.iter_mut().zip(&rows) {
+            // SAFETY: the super-block lies inside the row, its 256 activations inside row i.
+            *a = unsafe {
+                if D == Q4_K {
+                    q4_k_block(f16, xb, row.add(at), *a)
+                } else {
+                    q6_k_block(f16, xb, row.add(at), *a)
+                }
+            };
+        }
+    }
+    let [sums] = joint_sums(&[acc]);
+    for (r, &sum) in sums.iter().enumerate() {
+        // SAFETY: (i, j + r) is inside the m × n output.
+        unsafe { out.add(i * t.n + j + r).write(sum) };
+    }
+}
+
+/// `acc` after the multiply-adds of one Q4_K super-block at `block` against the 256
+/// activations at `x`, its 16 chunks in order. Sub-block `s`'s value for nibble `q` is the
+/// loader's `(d * sc_s) * q - dmin * m_s`: `d * sc_s` and `dmin * m_s` are made 8 at a time
+/// (the same single roundings), and each sub-block's 16 values are one fused multiply-add,
+/// `q * d1 + (-m1)`, which gives the loader's bits because `d1 * q` is exact in f32 (an
+/// 11-bit f16 significand times a 6-bit and a 4-bit integer); the nibbles index that table
+/// (`vpermps` reads the low 4 bits). Each 32 bytes of nibbles hold sub-block `2i` in their
+/// low nibbles and `2i + 1` in the high ones.
+///
+/// # Safety
+/// The super-block's 144 bytes at `block` and 256 floats at `x` are readable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q4_k_block(f16: &[f32; 1 << 16], x: *const f32, block: *const u8, acc: __m512) -> __m512 {
+    const K1: u32 = 0x3f3f_3f3f;
+    const K2: u32 = 0x0f0f_0f0f;
+    const K3: u32 = 0x0303_0303;
+    // SAFETY (every read): inside the super-block or the activations, as the caller promised.
+    unsafe {
+        let [d, dmin] = block_scales(f16, block, true);
+        let s = block.add(4).cast::<u32>();
+        let (s0, s1, s2) = (
+            s.read_unaligned(),
+            s.add(1).read_unaligned(),
+            s.add(2).read_unaligned(),
+        );
+        // ggml's unpacking of the 6-bit scales (bytes 0..8) and mins (8..16).
+        let packed = [
+            s0 & K1,
+            (s2 & K2) | (((s0 >> 6) & K3) << 4),
+            s1 & K1,
+            ((s2 >> 4) & K2) | (((s1 >> 6) & K3) << 4),
+        ];
+        let bytes = _mm_loadu_si128(packed.as_ptr().cast());
+        let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(bytes)));
+        let mut d1 = [0.0f32; 8];
+        let mut neg_m1 = [0.0f32; 8];
+        _mm256_storeu_ps(d1.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), sc));
+        // -(dmin * m) exactly: rounding is symmetric in sign.
+        _mm256_storeu_ps(neg_m1.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(-dmin), m));
+        let iota = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        let mut acc = acc;
+        for pair in 0..4 {
+            let table = [2 * pair, 2 * pair + 1]
+                .map(|s| _mm512_fmadd_ps(iota, _mm512_set1_ps(d1[s]), _mm512_set1_ps(neg_m1[s])));
+            let qs = block.add(16 + 32 * pair);
+            let b = [0, 16].map(|h| _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h).cast())));
+            let xs = x.add(64 * pair);
+            for (c, idx) in [
+                b[0],
+                b[1],
+                _mm512_srli_epi32::<4>(b[0]),
+                _mm512_srli_epi32::<4>(b[1]),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let w = _mm512_permutexvar_ps(idx, table[c / 2]);
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(xs.add(16 * c)), w, acc);
+            }
+        }
+        acc
+    }
+}
+
+/// [`q4_k_block`] for a Q6_K super-block (128 bytes of low nibbles, 64 of 2-bit highs, 16 i8
+/// scales, f16 `d`): element `e` is the loader's `(d * sc[e / 16]) * (q - 32)`, each chunk of
+/// 16 one sub-block. The 6-bit values are put together 64 at a time in bytes (each half of
+/// 128 elements: its 64 bytes of `ql` give elements 0..64 by their low nibbles and 64..128
+/// by their high ones, and its 32 bytes of `qh`, in both 256-bit halves, the two high bits
+/// of each), then widened chunk by chunk and multiplied by the chunk's `d * sc` (made 16 at a
+/// time, the loader's rounding).
+///
+/// # Safety
+/// The super-block's 210 bytes at `block` and 256 floats at `x` are readable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q6_k_block(f16: &[f32; 1 << 16], x: *const f32, block: *const u8, acc: __m512) -> __m512 {
+    // SAFETY (every read): inside the super-block or the activations, as the caller promised.
+    unsafe {
+        let [d, _] = block_scales(f16, block.add(208), false);
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(192).cast())));
+        let mut dsc = [0.0f32; 16];
+        _mm512_storeu_ps(dsc.as_mut_ptr(), _mm512_mul_ps(_mm512_set1_ps(d), sc));
+        let low4 = _mm512_set1_epi8(0x0f);
+        let bits45 = _mm512_set1_epi8(0x30);
+        let bias = _mm512_set1_epi8(32);
+        // Bytes 32..64: the second 32 elements of each 64.
+        let upper: __mmask64 = 0xffff_ffff_0000_0000;
+        let mut acc = acc;
+        let mut q = [0i8; 128];
+        for half in 0..2 {
+            let ql = _mm512_loadu_si512(block.add(64 * half).cast());
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * half).cast()));
+            // Elements 0..32 take bits 0-1 of qh, 32..64 bits 2-3, 64..96 bits 4-5, 96..128
+            // bits 6-7, each moved to bits 4-5 (16-bit shifts: the mask drops what crossed a
+            // byte).
+            let high_a = _mm512_mask_blend_epi8(
+                upper,
+                _mm512_slli_epi16::<4>(qh),
+                _mm512_slli_epi16::<2>(qh),
+            );
+            let high_b = _mm512_mask_blend_epi8(upper, qh, _mm512_srli_epi16::<2>(qh));
+            let a = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(high_a, bits45));
+            let b = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4),
+                _mm512_and_si512(high_b, bits45),
+            );
+            _mm512_storeu_si512(q.as_mut_ptr().cast(), _mm512_sub_epi8(a, bias));
+            _mm512_storeu_si512(q.as_mut_ptr().add(64).cast(), _mm512_sub_epi8(b, bias));
+            let xs = x.add(128 * half);
+            for c in 0..8 {
+                let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    q.as_ptr().add(16 * c).cast(),
+                )));
+                let w = _mm512_mul_ps(_mm512_set1_ps(dsc[8 * half + c]), v);
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(xs.add(16 * c)), w, acc);
+            }
+        }
+        acc
     }
 }
 
