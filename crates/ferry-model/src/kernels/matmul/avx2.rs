@@ -214,9 +214,10 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
 
 /// [`kernel`] for one activation row against R rows of a K-quant (Q4_K, Q6_K): each 8-lane
 /// accumulator takes its row's chunks of 8 in order with fused multiply-adds, so the bits of
-/// the f32 tiles over the loader's values; the weights are decoded in registers super-block
-/// by super-block, a row at a time ([`q4_k_block`], [`q6_k_block`]; the arithmetic is the
-/// AVX-512 kernels', see there).
+/// the f32 tiles over the loader's values. The weights are decoded in registers a
+/// super-block at a time ([`q4_k_super_block`], [`q6_k_super_block`]; the arithmetic is the
+/// AVX-512 kernels', see there), each activation chunk loaded once for the R rows, whose
+/// independent chains of multiply-adds interleave.
 ///
 /// # Safety
 /// Rows j..j+R of the tile and row i of x lie inside their slices; `k` is a multiple of 256.
@@ -247,16 +248,15 @@ unsafe fn kernel_k_quant_1<const D: u8, const R: usize>(
                 }
             }
         }
+        let blocks = rows.map(|row| row.wrapping_add(at));
         let xb = xr.wrapping_add(256 * b);
-        for (a, &row) in acc.iter_mut().zip(&rows) {
-            // SAFETY: the super-block lies inside the row, its 256 activations inside row i.
-            *a = unsafe {
-                if D == Q4_K {
-                    q4_k_block(f16, xb, row.add(at), *a)
-                } else {
-                    q6_k_block(f16, xb, row.add(at), *a)
-                }
-            };
+        // SAFETY: each super-block lies inside its row, its 256 activations inside row i.
+        unsafe {
+            if D == Q4_K {
+                q4_k_super_block(f16, xb, &blocks, &mut acc);
+            } else {
+                q6_k_super_block(f16, xb, &blocks, &mut acc);
+            }
         }
     }
     for (r, &a) in acc.iter().enumerate() {
@@ -265,99 +265,120 @@ unsafe fn kernel_k_quant_1<const D: u8, const R: usize>(
     }
 }
 
-/// `acc` after the multiply-adds of one Q4_K super-block at `block` against the 256
-/// activations at `x`, its 32 chunks of 8 in order: each value `q * d1 + (-m1)` fused,
-/// the loader's `(d * sc) * q - dmin * m` (`d1 * q` is exact in f32).
+/// The multiply-adds of one Q4_K super-block of each of R rows against the 256 activations
+/// at `x`, each row's 32 chunks of 8 in order: each value `q * d1 + (-m1)` fused, the
+/// loader's `(d * sc) * q - dmin * m` (`d1 * q` is exact in f32).
 ///
 /// # Safety
-/// The super-block's 144 bytes at `block` and 256 floats at `x` are readable.
+/// Each super-block's 144 bytes and the 256 floats at `x` are readable.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn q4_k_block(f16: &[f32; 1 << 16], x: *const f32, block: *const u8, acc: __m256) -> __m256 {
+unsafe fn q4_k_super_block<const R: usize>(
+    f16: &[f32; 1 << 16],
+    x: *const f32,
+    blocks: &[*const u8; R],
+    acc: &mut [__m256; R],
+) {
     const K1: u32 = 0x3f3f_3f3f;
     const K2: u32 = 0x0f0f_0f0f;
     const K3: u32 = 0x0303_0303;
-    // SAFETY (every read): inside the super-block or the activations, as the caller promised.
-    unsafe {
-        let [d, dmin] = block_scales(f16, block, true);
-        let s = block.add(4).cast::<u32>();
-        let (s0, s1, s2) = (
-            s.read_unaligned(),
-            s.add(1).read_unaligned(),
-            s.add(2).read_unaligned(),
-        );
-        // ggml's unpacking of the 6-bit scales (bytes 0..8) and mins (8..16).
-        let packed = [
-            s0 & K1,
-            (s2 & K2) | (((s0 >> 6) & K3) << 4),
-            s1 & K1,
-            ((s2 >> 4) & K2) | (((s1 >> 6) & K3) << 4),
-        ];
-        let bytes = _mm_loadu_si128(packed.as_ptr().cast());
-        let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-        let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(bytes)));
-        let mut d1 = [0.0f32; 8];
-        let mut neg_m1 = [0.0f32; 8];
-        _mm256_storeu_ps(d1.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), sc));
-        _mm256_storeu_ps(neg_m1.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(-dmin), m));
-        let low = _mm256_set1_epi32(0x0f);
-        let mut acc = acc;
-        for pair in 0..4 {
-            let qs = block.add(16 + 32 * pair);
-            // Bytes 8h..8h + 8, widened once: low nibbles for sub-block 2 * pair, high for the next.
-            let b: [__m256i; 4] = std::array::from_fn(|h| {
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * h).cast()))
-            });
-            let xs = x.add(64 * pair);
-            for sub in 0..2 {
-                let (d1, m1) = (
-                    _mm256_set1_ps(d1[2 * pair + sub]),
-                    _mm256_set1_ps(neg_m1[2 * pair + sub]),
-                );
-                for (h, &bh) in b.iter().enumerate() {
-                    let q = if sub == 0 {
-                        _mm256_and_si256(bh, low)
-                    } else {
-                        _mm256_srli_epi32::<4>(bh)
-                    };
-                    let w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d1, m1);
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(32 * sub + 8 * h)), w, acc);
-                }
+    // Each row's d * sc (8) then -(dmin * m) (8), read back as broadcasts.
+    let mut scales = [[0.0f32; 16]; R];
+    for (out, &block) in scales.iter_mut().zip(blocks) {
+        // SAFETY (every read): the super-block's first 16 bytes.
+        unsafe {
+            let [d, dmin] = block_scales(f16, block, true);
+            let s = block.add(4).cast::<u32>();
+            let (s0, s1, s2) = (
+                s.read_unaligned(),
+                s.add(1).read_unaligned(),
+                s.add(2).read_unaligned(),
+            );
+            // ggml's unpacking of the 6-bit scales (bytes 0..8) and mins (8..16).
+            let packed = [
+                s0 & K1,
+                (s2 & K2) | (((s0 >> 6) & K3) << 4),
+                s1 & K1,
+                ((s2 >> 4) & K2) | (((s1 >> 6) & K3) << 4),
+            ];
+            let bytes = _mm_loadu_si128(packed.as_ptr().cast());
+            let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+            let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(bytes)));
+            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), sc));
+            // -(dmin * m) exactly: rounding is symmetric in sign.
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(8),
+                _mm256_mul_ps(_mm256_set1_ps(-dmin), m),
+            );
+        }
+    }
+    let scales = std::hint::black_box(&scales);
+    let low = _mm256_set1_epi32(0x0f);
+    for sub in 0..8 {
+        // Sub-block `sub`: the low (even) or high (odd) nibbles of the pair's 32 bytes.
+        // SAFETY (every read): inside the activations or the super-blocks.
+        let xv: [__m256; 4] =
+            std::array::from_fn(|c| unsafe { _mm256_loadu_ps(x.add(32 * sub + 8 * c)) });
+        for r in 0..R {
+            let (d1, m1) = (
+                _mm256_set1_ps(scales[r][sub]),
+                _mm256_set1_ps(scales[r][8 + sub]),
+            );
+            let qs = blocks[r].wrapping_add(16 + 32 * (sub / 2));
+            for (c, &xc) in xv.iter().enumerate() {
+                let b = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * c).cast())) };
+                let q = if sub % 2 == 0 {
+                    _mm256_and_si256(b, low)
+                } else {
+                    _mm256_srli_epi32::<4>(b)
+                };
+                let w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d1, m1);
+                acc[r] = _mm256_fmadd_ps(xc, w, acc[r]);
             }
         }
-        acc
     }
 }
 
-/// [`q4_k_block`] for a Q6_K super-block: element `e` is the loader's
+/// [`q4_k_super_block`] for Q6_K super-blocks: element `e` is the loader's
 /// `(d * sc[e / 16]) * (q - 32)`, the 6-bit values put together 32 at a time in bytes (see
-/// the AVX-512 `q6_k_block`), then widened 8 at a time.
+/// the AVX-512 `q6_k_super_block`), then widened 8 at a time.
 ///
 /// # Safety
-/// The super-block's 210 bytes at `block` and 256 floats at `x` are readable.
+/// Each super-block's 210 bytes and the 256 floats at `x` are readable.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn q6_k_block(f16: &[f32; 1 << 16], x: *const f32, block: *const u8, acc: __m256) -> __m256 {
-    // SAFETY (every read): inside the super-block or the activations, as the caller promised.
-    unsafe {
-        let [d, _] = block_scales(f16, block.add(208), false);
-        let dv = _mm256_set1_ps(d);
-        let mut dsc = [0.0f32; 16];
-        for h in 0..2 {
-            let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(block.add(192 + 8 * h).cast()));
-            _mm256_storeu_ps(
-                dsc.as_mut_ptr().add(8 * h),
-                _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sc)),
-            );
+unsafe fn q6_k_super_block<const R: usize>(
+    f16: &[f32; 1 << 16],
+    x: *const f32,
+    blocks: &[*const u8; R],
+    acc: &mut [__m256; R],
+) {
+    let mut dsc = [[0.0f32; 16]; R];
+    for (out, &block) in dsc.iter_mut().zip(blocks) {
+        // SAFETY (every read): the scales and d, inside the super-block.
+        unsafe {
+            let [d, _] = block_scales(f16, block.add(208), false);
+            for h in 0..2 {
+                let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(block.add(192 + 8 * h).cast()));
+                let v = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sc));
+                _mm256_storeu_ps(out.as_mut_ptr().add(8 * h), v);
+            }
         }
-        let low4 = _mm256_set1_epi8(0x0f);
-        let bits45 = _mm256_set1_epi8(0x30);
-        let bias = _mm256_set1_epi8(32);
-        let mut acc = acc;
-        let mut q = [0i8; 128];
-        for half in 0..2 {
-            let ql = [0, 32].map(|o| _mm256_loadu_si256(block.add(64 * half + o).cast()));
-            let qh = _mm256_loadu_si256(block.add(128 + 32 * half).cast());
+    }
+    let dsc = std::hint::black_box(&dsc);
+    let low4 = _mm256_set1_epi8(0x0f);
+    let bits45 = _mm256_set1_epi8(0x30);
+    let bias = _mm256_set1_epi8(32);
+    let mut q = [[0i8; 128]; R];
+    for half in 0..2 {
+        for (q, &block) in q.iter_mut().zip(blocks) {
+            // SAFETY (every read): inside the super-block.
+            let (ql, qh) = unsafe {
+                (
+                    [0, 32].map(|o| _mm256_loadu_si256(block.add(64 * half + o).cast())),
+                    _mm256_loadu_si256(block.add(128 + 32 * half).cast()),
+                )
+            };
             // Elements 32g..32g + 32 take nibble g / 2 of ql[g % 2] and bits 2g, 2g + 1 of
             // qh, moved to bits 4-5 (16-bit shifts: the mask drops what crossed a byte).
             let highs = [
@@ -376,16 +397,23 @@ unsafe fn q6_k_block(f16: &[f32; 1 << 16], x: *const f32, block: *const u8, acc:
                     _mm256_and_si256(nibble, low4),
                     _mm256_and_si256(high, bits45),
                 );
-                _mm256_storeu_si256(q.as_mut_ptr().add(32 * g).cast(), _mm256_sub_epi8(v, bias));
-            }
-            let xs = x.add(128 * half);
-            for c in 0..16 {
-                let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(q.as_ptr().add(8 * c).cast()));
-                let w = _mm256_mul_ps(_mm256_set1_ps(dsc[8 * half + c / 2]), _mm256_cvtepi32_ps(v));
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(xs.add(8 * c)), w, acc);
+                // SAFETY: bytes 32g..32g + 32 of the row's 128.
+                unsafe {
+                    _mm256_storeu_si256(q.as_mut_ptr().add(32 * g).cast(), _mm256_sub_epi8(v, bias))
+                };
             }
         }
-        acc
+        let q = std::hint::black_box(&q);
+        for c in 0..16 {
+            // SAFETY (every read): inside the activations, or the rows' 128 bytes.
+            let xv = unsafe { _mm256_loadu_ps(x.add(128 * half + 8 * c)) };
+            for r in 0..R {
+                let v = unsafe { _mm_loadl_epi64(q[r].as_ptr().add(8 * c).cast()) };
+                let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+                let w = _mm256_mul_ps(_mm256_set1_ps(dsc[r][8 * half + c / 2]), v);
+                acc[r] = _mm256_fmadd_ps(xv, w, acc[r]);
+            }
+        }
     }
 }
 

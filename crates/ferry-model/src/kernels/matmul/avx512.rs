@@ -67,14 +67,16 @@ unsafe fn tile_of<const D: u8>(x: &[f32], out: *mut f32, t: &Tile) {
         // Only batch 1 comes here (`run_part`: batched steps take an f32 scratch).
         assert_eq!(t.x_rows.len(), 1, "K-quant tiles are batch 1");
         let (i, mut j) = (t.x_rows.start, t.w_rows.start);
+        // The activation row itself (k floats, checked here).
+        let xk = x[i * t.k..(i + 1) * t.k].as_ptr();
         while j + K_ROWS <= t.w_rows.end {
-            // SAFETY (both calls): row i of x and rows j.. of w lie inside the tile, which
-            // the caller checked against the slice lengths.
-            unsafe { kernel_k_quant_1::<D, K_ROWS>(xp, out, t, i, j, t.prefetch) };
+            // SAFETY (both calls): the activation row at `xk` holds k floats, and rows j..
+            // of w lie inside the tile, which the caller checked.
+            unsafe { kernel_k_quant_1::<D, K_ROWS>(xk, out, t, i, j, t.prefetch) };
             j += K_ROWS;
         }
         while j < t.w_rows.end {
-            unsafe { kernel_k_quant_1::<D, 1>(xp, out, t, i, j, t.prefetch) };
+            unsafe { kernel_k_quant_1::<D, 1>(xk, out, t, i, j, t.prefetch) };
             j += 1;
         }
         return;
@@ -702,9 +704,12 @@ const K_ROWS: usize = 8;
 /// [`kernel`] for one activation row against R rows of a K-quant (Q4_K, Q6_K; super-blocks
 /// of 256 elements, rows in the file's layout): each 16-lane accumulator takes its row's
 /// chunks of 16 in order with fused multiply-adds, then the fixed tree, so the bits of the
-/// f32 tiles over the loader's values ([`crate::dtype::dequantize_into`]); the weights are
-/// decoded in registers super-block by super-block, a row at a time ([`q4_k_block`],
-/// [`q6_k_block`]), and the activations' chunks come from L1 as memory operands.
+/// f32 tiles over the loader's values ([`crate::dtype::dequantize_into`]). The weights are
+/// decoded in registers a super-block at a time ([`q4_k_super_block`],
+/// [`q6_k_super_block`]), each activation chunk loaded once for the R rows, whose
+/// multiply-adds interleave: the R accumulators are independent chains, so the FMA latency
+/// hides behind them. (One row's 16 chunks in a row, one chain, ran at the FMA latency: the
+/// layer matmuls of a Q4_K_M decode step took 8.2 ms against 3.5 here.)
 ///
 /// # Safety
 /// Rows j..j+R of the tile and row i of x lie inside their slices; `k` is a multiple of 256.
@@ -722,7 +727,6 @@ unsafe fn kernel_k_quant_1<const D: u8, const R: usize>(
     assert_eq!(k % 256, 0, "a K-quant row is whole super-blocks");
     let block_bytes = w.dtype.block_bytes();
     let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
-    let xr = x.wrapping_add(i * k);
     let f16 = super::f16_table();
     let to_l2 = super::prefetch_to_l2();
     let mut acc = [_mm512_setzero_ps(); R];
@@ -738,16 +742,15 @@ unsafe fn kernel_k_quant_1<const D: u8, const R: usize>(
                 }
             }
         }
-        let xb = xr.wrapping_add(256 * b);
-        for (a, &row) in acc.iter_mut().zip(&rows) {
-            // SAFETY: the super-block lies inside the row, its 256 activations inside row i.
-            *a = unsafe {
-                if D == Q4_K {
-                    q4_k_block(f16, xb, row.add(at), *a)
-                } else {
-                    q6_k_block(f16, xb, row.add(at), *a)
-                }
-            };
+        let blocks = rows.map(|row| row.wrapping_add(at));
+        let xb = x.wrapping_add(256 * b);
+        // SAFETY: each super-block lies inside its row, its 256 activations inside x.
+        unsafe {
+            if D == Q4_K {
+                q4_k_super_block(f16, xb, &blocks, &mut acc);
+            } else {
+                q6_k_super_block(f16, xb, &blocks, &mut acc);
+            }
         }
     }
     let [sums] = joint_sums(&[acc]);
@@ -757,24 +760,74 @@ unsafe fn kernel_k_quant_1<const D: u8, const R: usize>(
     }
 }
 
-/// `acc` after the multiply-adds of one Q4_K super-block at `block` against the 256
-/// activations at `x`, its 16 chunks in order. Sub-block `s`'s value for nibble `q` is the
-/// loader's `(d * sc_s) * q - dmin * m_s`: `d * sc_s` and `dmin * m_s` are made 8 at a time
-/// (the same single roundings), and each sub-block's 16 values are one fused multiply-add,
-/// `q * d1 + (-m1)`, which gives the loader's bits because `d1 * q` is exact in f32 (an
-/// 11-bit f16 significand times a 6-bit and a 4-bit integer); the nibbles index that table
-/// (`vpermps` reads the low 4 bits). Each 32 bytes of nibbles hold sub-block `2i` in their
-/// low nibbles and `2i + 1` in the high ones.
+/// The multiply-adds of one Q4_K super-block of each of R rows (`blocks`) against the 256
+/// activations at `x`, each row's 16 chunks in order into its accumulator. Sub-block `s`'s
+/// value for nibble `q` is the loader's `(d * sc_s) * q - dmin * m_s`: `d * sc_s` and
+/// `dmin * m_s` are made 8 at a time (the same single roundings), and each sub-block's 16
+/// values are one fused multiply-add, `q * d1 + (-m1)`, which gives the loader's bits
+/// because `d1 * q` is exact in f32 (an 11-bit f16 significand times a 6-bit and a 4-bit
+/// integer); the nibbles index that table (`vpermps` reads the low 4 bits). Each 32 bytes of
+/// nibbles hold sub-block `2i` in their low nibbles and `2i + 1` in the high ones.
 ///
 /// # Safety
-/// The super-block's 144 bytes at `block` and 256 floats at `x` are readable.
+/// Each super-block's 144 bytes and the 256 floats at `x` are readable.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn q4_k_block(f16: &[f32; 1 << 16], x: *const f32, block: *const u8, acc: __m512) -> __m512 {
+unsafe fn q4_k_super_block<const R: usize>(
+    f16: &[f32; 1 << 16],
+    x: *const f32,
+    blocks: &[*const u8; R],
+    acc: &mut [__m512; R],
+) {
+    // Each row's d * sc (8) then -(dmin * m) (8), read back as broadcasts.
+    let mut scales = [[0.0f32; 16]; R];
+    for (s, &block) in scales.iter_mut().zip(blocks) {
+        // SAFETY: inside the super-block, as the caller promised.
+        unsafe { q4_k_scales(f16, block, s) };
+    }
+    let scales = std::hint::black_box(&scales);
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    for pair in 0..4 {
+        // SAFETY (every read): inside the activations or the super-blocks.
+        let xv: [__m512; 4] =
+            std::array::from_fn(|c| unsafe { _mm512_loadu_ps(x.add(64 * pair + 16 * c)) });
+        for r in 0..R {
+            let s = &scales[r];
+            let table = [2 * pair, 2 * pair + 1]
+                .map(|q| _mm512_fmadd_ps(iota, _mm512_set1_ps(s[q]), _mm512_set1_ps(s[8 + q])));
+            let qs = blocks[r].wrapping_add(16 + 32 * pair);
+            // SAFETY: 16 of the super-block's nibble bytes each.
+            let b =
+                [0, 16].map(|h| unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h).cast())) });
+            let idx = [
+                b[0],
+                b[1],
+                _mm512_srli_epi32::<4>(b[0]),
+                _mm512_srli_epi32::<4>(b[1]),
+            ];
+            for c in 0..4 {
+                let w = _mm512_permutexvar_ps(idx[c], table[c / 2]);
+                acc[r] = _mm512_fmadd_ps(xv[c], w, acc[r]);
+            }
+        }
+    }
+}
+
+/// A Q4_K super-block's `d * sc` for its 8 sub-blocks into `out[..8]` and `-(dmin * m)`
+/// into `out[8..]` (`-dmin * m`: rounding is symmetric in sign), the 6-bit scales and mins
+/// unpacked as ggml does.
+///
+/// # Safety
+/// The super-block's first 16 bytes are readable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q4_k_scales(f16: &[f32; 1 << 16], block: *const u8, out: &mut [f32; 16]) {
     const K1: u32 = 0x3f3f_3f3f;
     const K2: u32 = 0x0f0f_0f0f;
     const K3: u32 = 0x0303_0303;
-    // SAFETY (every read): inside the super-block or the activations, as the caller promised.
+    // SAFETY (every read): the block's first 16 bytes, as the caller promised.
     unsafe {
         let [d, dmin] = block_scales(f16, block, true);
         let s = block.add(4).cast::<u32>();
@@ -783,77 +836,64 @@ unsafe fn q4_k_block(f16: &[f32; 1 << 16], x: *const f32, block: *const u8, acc:
             s.add(1).read_unaligned(),
             s.add(2).read_unaligned(),
         );
-        // ggml's unpacking of the 6-bit scales (bytes 0..8) and mins (8..16).
         let packed = [
             s0 & K1,
             (s2 & K2) | (((s0 >> 6) & K3) << 4),
             s1 & K1,
             ((s2 >> 4) & K2) | (((s1 >> 6) & K3) << 4),
         ];
-        let bytes = _mm_loadu_si128(packed.as_ptr().cast());
-        let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-        let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(bytes)));
-        let mut d1 = [0.0f32; 8];
-        let mut neg_m1 = [0.0f32; 8];
-        _mm256_storeu_ps(d1.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), sc));
-        // -(dmin * m) exactly: rounding is symmetric in sign.
-        _mm256_storeu_ps(neg_m1.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(-dmin), m));
-        let iota = _mm512_setr_ps(
-            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
-        );
-        let mut acc = acc;
-        for pair in 0..4 {
-            let table = [2 * pair, 2 * pair + 1]
-                .map(|s| _mm512_fmadd_ps(iota, _mm512_set1_ps(d1[s]), _mm512_set1_ps(neg_m1[s])));
-            let qs = block.add(16 + 32 * pair);
-            let b = [0, 16].map(|h| _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h).cast())));
-            let xs = x.add(64 * pair);
-            for (c, idx) in [
-                b[0],
-                b[1],
-                _mm512_srli_epi32::<4>(b[0]),
-                _mm512_srli_epi32::<4>(b[1]),
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                let w = _mm512_permutexvar_ps(idx, table[c / 2]);
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(xs.add(16 * c)), w, acc);
-            }
-        }
-        acc
+        let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+            packed.as_ptr().cast(),
+        )));
+        let dv = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin));
+        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(dv, v));
     }
 }
 
-/// [`q4_k_block`] for a Q6_K super-block (128 bytes of low nibbles, 64 of 2-bit highs, 16 i8
-/// scales, f16 `d`): element `e` is the loader's `(d * sc[e / 16]) * (q - 32)`, each chunk of
-/// 16 one sub-block. The 6-bit values are put together 64 at a time in bytes (each half of
-/// 128 elements: its 64 bytes of `ql` give elements 0..64 by their low nibbles and 64..128
-/// by their high ones, and its 32 bytes of `qh`, in both 256-bit halves, the two high bits
-/// of each), then widened chunk by chunk and multiplied by the chunk's `d * sc` (made 16 at a
-/// time, the loader's rounding).
+/// [`q4_k_super_block`] for Q6_K super-blocks (128 bytes of low nibbles, 64 of 2-bit highs,
+/// 16 i8 scales, f16 `d`): element `e` is the loader's `(d * sc[e / 16]) * (q - 32)`, each
+/// chunk of 16 one sub-block. The 6-bit values are put together 64 at a time in bytes (each
+/// half of 128 elements: its 64 bytes of `ql` give elements 0..64 by their low nibbles and
+/// 64..128 by their high ones, and its 32 bytes of `qh`, in both 256-bit halves, the two
+/// high bits of each), then widened chunk by chunk and multiplied by the chunk's `d * sc`
+/// (made 16 at a time, the loader's rounding).
 ///
 /// # Safety
-/// The super-block's 210 bytes at `block` and 256 floats at `x` are readable.
+/// Each super-block's 210 bytes and the 256 floats at `x` are readable.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn q6_k_block(f16: &[f32; 1 << 16], x: *const f32, block: *const u8, acc: __m512) -> __m512 {
-    // SAFETY (every read): inside the super-block or the activations, as the caller promised.
-    unsafe {
-        let [d, _] = block_scales(f16, block.add(208), false);
-        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(192).cast())));
-        let mut dsc = [0.0f32; 16];
-        _mm512_storeu_ps(dsc.as_mut_ptr(), _mm512_mul_ps(_mm512_set1_ps(d), sc));
-        let low4 = _mm512_set1_epi8(0x0f);
-        let bits45 = _mm512_set1_epi8(0x30);
-        let bias = _mm512_set1_epi8(32);
-        // Bytes 32..64: the second 32 elements of each 64.
-        let upper: __mmask64 = 0xffff_ffff_0000_0000;
-        let mut acc = acc;
-        let mut q = [0i8; 128];
-        for half in 0..2 {
-            let ql = _mm512_loadu_si512(block.add(64 * half).cast());
-            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * half).cast()));
+unsafe fn q6_k_super_block<const R: usize>(
+    f16: &[f32; 1 << 16],
+    x: *const f32,
+    blocks: &[*const u8; R],
+    acc: &mut [__m512; R],
+) {
+    let mut dsc = [[0.0f32; 16]; R];
+    for (out, &block) in dsc.iter_mut().zip(blocks) {
+        // SAFETY (both reads): the scales and d, inside the super-block.
+        unsafe {
+            let [d, _] = block_scales(f16, block.add(208), false);
+            let sc =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(192).cast())));
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(_mm512_set1_ps(d), sc));
+        }
+    }
+    let dsc = std::hint::black_box(&dsc);
+    let low4 = _mm512_set1_epi8(0x0f);
+    let bits45 = _mm512_set1_epi8(0x30);
+    let bias = _mm512_set1_epi8(32);
+    // Bytes 32..64: the second 32 elements of each 64.
+    let upper: __mmask64 = 0xffff_ffff_0000_0000;
+    let mut q = [[0i8; 128]; R];
+    for half in 0..2 {
+        for (q, &block) in q.iter_mut().zip(blocks) {
+            // SAFETY (every read): inside the super-block.
+            let (ql, qh) = unsafe {
+                (
+                    _mm512_loadu_si512(block.add(64 * half).cast()),
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * half).cast())),
+                )
+            };
             // Elements 0..32 take bits 0-1 of qh, 32..64 bits 2-3, 64..96 bits 4-5, 96..128
             // bits 6-7, each moved to bits 4-5 (16-bit shifts: the mask drops what crossed a
             // byte).
@@ -868,18 +908,23 @@ unsafe fn q6_k_block(f16: &[f32; 1 << 16], x: *const f32, block: *const u8, acc:
                 _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4),
                 _mm512_and_si512(high_b, bits45),
             );
-            _mm512_storeu_si512(q.as_mut_ptr().cast(), _mm512_sub_epi8(a, bias));
-            _mm512_storeu_si512(q.as_mut_ptr().add(64).cast(), _mm512_sub_epi8(b, bias));
-            let xs = x.add(128 * half);
-            for c in 0..8 {
-                let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    q.as_ptr().add(16 * c).cast(),
-                )));
-                let w = _mm512_mul_ps(_mm512_set1_ps(dsc[8 * half + c]), v);
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(xs.add(16 * c)), w, acc);
+            // SAFETY: 128 bytes.
+            unsafe {
+                _mm512_storeu_si512(q.as_mut_ptr().cast(), _mm512_sub_epi8(a, bias));
+                _mm512_storeu_si512(q.as_mut_ptr().add(64).cast(), _mm512_sub_epi8(b, bias));
             }
         }
-        acc
+        let q = std::hint::black_box(&q);
+        for c in 0..8 {
+            // SAFETY (every read): inside the activations, or the rows' 128 bytes.
+            let xv = unsafe { _mm512_loadu_ps(x.add(128 * half + 16 * c)) };
+            for r in 0..R {
+                let v = unsafe { _mm_loadu_si128(q[r].as_ptr().add(16 * c).cast()) };
+                let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+                let w = _mm512_mul_ps(_mm512_set1_ps(dsc[r][8 * half + c]), v);
+                acc[r] = _mm512_fmadd_ps(xv, w, acc[r]);
+            }
+        }
     }
 }
 
