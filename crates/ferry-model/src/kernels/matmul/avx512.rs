@@ -38,6 +38,7 @@ use super::{
     block_scales, dtype_code as code, scalar_at, whole_groups, Rows, Tile, GROUP_ROWS, PANEL,
 };
 use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0};
+use crate::dtype::WeightDtype;
 
 /// W rows of the batched tile (the parent's block sizes, multiples of 24, are multiples of it).
 pub(super) const ROWS: usize = 4;
@@ -815,6 +816,95 @@ unsafe fn q4_k_super_block<const R: usize>(
     }
 }
 
+/// Rows `rows` of K-quant `w` (Q4_K, Q6_K) dequantized into `out` (`rows.len() × k`): the
+/// loader's values, decoded as the batch-1 kernels decode them and stored, for the batched
+/// steps' f32 scratch (the loader's scalar code took 162 ns per Q4_K super-block and 581 per
+/// Q6_K one on a Zen 4 core; this takes a few).
+///
+/// # Safety
+/// The rows lie inside `w`'s memory, `k` is a multiple of 256, and `out` holds the rows.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn dequantize_k_rows(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    assert!(
+        k.is_multiple_of(256) && out.len() >= rows.len() * k,
+        "dequantize_k_rows: shapes"
+    );
+    let f16 = super::f16_table();
+    let block_bytes = w.dtype.block_bytes();
+    for (j, o) in rows.zip(out.chunks_exact_mut(k)) {
+        let row = w.ptr.wrapping_add(j * w.row_bytes);
+        for b in 0..k / 256 {
+            // SAFETY: the super-block lies inside the row, its 256 places inside `o`.
+            unsafe {
+                let (block, dst) = (row.add(b * block_bytes), o.as_mut_ptr().add(256 * b));
+                match w.dtype {
+                    WeightDtype::Q4_K => q4_k_values(f16, block, dst),
+                    _ => q6_k_values(f16, block, dst),
+                }
+            }
+        }
+    }
+}
+
+/// One Q4_K super-block's 256 values into `dst`, made as [`q4_k_super_block`] makes them.
+///
+/// # Safety
+/// The super-block's 144 bytes are readable and 256 floats at `dst` writable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q4_k_values(f16: &[f32; 1 << 16], block: *const u8, dst: *mut f32) {
+    let mut s = [0.0f32; 16];
+    // SAFETY (every access): inside the super-block or `dst`, as the caller promised.
+    unsafe {
+        q4_k_scales(f16, block, &mut s);
+        let iota = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        for pair in 0..4 {
+            let table = [2 * pair, 2 * pair + 1]
+                .map(|q| _mm512_fmadd_ps(iota, _mm512_set1_ps(s[q]), _mm512_set1_ps(s[8 + q])));
+            let qs = block.add(16 + 32 * pair);
+            let b = [0, 16].map(|h| _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h).cast())));
+            let idx = [
+                b[0],
+                b[1],
+                _mm512_srli_epi32::<4>(b[0]),
+                _mm512_srli_epi32::<4>(b[1]),
+            ];
+            for (c, &idx) in idx.iter().enumerate() {
+                let v = _mm512_permutexvar_ps(idx, table[c / 2]);
+                _mm512_storeu_ps(dst.add(64 * pair + 16 * c), v);
+            }
+        }
+    }
+}
+
+/// One Q6_K super-block's 256 values into `dst`, made as [`q6_k_super_block`] makes them.
+///
+/// # Safety
+/// The super-block's 210 bytes are readable and 256 floats at `dst` writable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q6_k_values(f16: &[f32; 1 << 16], block: *const u8, dst: *mut f32) {
+    // SAFETY (every access): inside the super-block or `dst`, as the caller promised.
+    unsafe {
+        let [d, _] = block_scales(f16, block.add(208), false);
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(192).cast())));
+        let mut dsc = [0.0f32; 16];
+        _mm512_storeu_ps(dsc.as_mut_ptr(), _mm512_mul_ps(_mm512_set1_ps(d), sc));
+        let mut q = [0i8; 128];
+        for half in 0..2 {
+            q6_k_bytes(block, half, &mut q);
+            for c in 0..8 {
+                let v = _mm_loadu_si128(q.as_ptr().add(16 * c).cast());
+                let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+                let w = _mm512_mul_ps(_mm512_set1_ps(dsc[8 * half + c]), v);
+                _mm512_storeu_ps(dst.add(128 * half + 16 * c), w);
+            }
+        }
+    }
+}
+
 /// A Q4_K super-block's `d * sc` for its 8 sub-blocks into `out[..8]` and `-(dmin * m)`
 /// into `out[8..]` (`-dmin * m`: rounding is symmetric in sign), the 6-bit scales and mins
 /// unpacked as ggml does.
@@ -879,40 +969,11 @@ unsafe fn q6_k_super_block<const R: usize>(
         }
     }
     let dsc = std::hint::black_box(&dsc);
-    let low4 = _mm512_set1_epi8(0x0f);
-    let bits45 = _mm512_set1_epi8(0x30);
-    let bias = _mm512_set1_epi8(32);
-    // Bytes 32..64: the second 32 elements of each 64.
-    let upper: __mmask64 = 0xffff_ffff_0000_0000;
     let mut q = [[0i8; 128]; R];
     for half in 0..2 {
         for (q, &block) in q.iter_mut().zip(blocks) {
-            // SAFETY (every read): inside the super-block.
-            let (ql, qh) = unsafe {
-                (
-                    _mm512_loadu_si512(block.add(64 * half).cast()),
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * half).cast())),
-                )
-            };
-            // Elements 0..32 take bits 0-1 of qh, 32..64 bits 2-3, 64..96 bits 4-5, 96..128
-            // bits 6-7, each moved to bits 4-5 (16-bit shifts: the mask drops what crossed a
-            // byte).
-            let high_a = _mm512_mask_blend_epi8(
-                upper,
-                _mm512_slli_epi16::<4>(qh),
-                _mm512_slli_epi16::<2>(qh),
-            );
-            let high_b = _mm512_mask_blend_epi8(upper, qh, _mm512_srli_epi16::<2>(qh));
-            let a = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(high_a, bits45));
-            let b = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4),
-                _mm512_and_si512(high_b, bits45),
-            );
-            // SAFETY: 128 bytes.
-            unsafe {
-                _mm512_storeu_si512(q.as_mut_ptr().cast(), _mm512_sub_epi8(a, bias));
-                _mm512_storeu_si512(q.as_mut_ptr().add(64).cast(), _mm512_sub_epi8(b, bias));
-            }
+            // SAFETY: inside the super-block.
+            unsafe { q6_k_bytes(block, half, q) };
         }
         let q = std::hint::black_box(&q);
         for c in 0..8 {
@@ -925,6 +986,43 @@ unsafe fn q6_k_super_block<const R: usize>(
                 acc[r] = _mm512_fmadd_ps(xv, w, acc[r]);
             }
         }
+    }
+}
+
+/// The 6-bit values `q - 32` of half `half` (128 elements) of the Q6_K super-block at
+/// `block`, as i8 in element order into `q`: its 64 bytes of `ql` give elements 0..64 by
+/// their low nibbles and 64..128 by their high ones, its 32 bytes of `qh` (in both 256-bit
+/// halves) the two high bits of each: elements 0..32 bits 0-1, 32..64 bits 2-3, 64..96 bits
+/// 4-5, 96..128 bits 6-7, each moved to bits 4-5 (16-bit shifts: the mask drops what
+/// crossed a byte).
+///
+/// # Safety
+/// The super-block's 210 bytes are readable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q6_k_bytes(block: *const u8, half: usize, q: &mut [i8; 128]) {
+    let low4 = _mm512_set1_epi8(0x0f);
+    let bits45 = _mm512_set1_epi8(0x30);
+    let bias = _mm512_set1_epi8(32);
+    // Bytes 32..64: the second 32 elements of each 64.
+    let upper: __mmask64 = 0xffff_ffff_0000_0000;
+    // SAFETY (every access): inside the super-block, as the caller promised, or `q`.
+    unsafe {
+        let ql = _mm512_loadu_si512(block.add(64 * half).cast());
+        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * half).cast()));
+        let high_a = _mm512_mask_blend_epi8(
+            upper,
+            _mm512_slli_epi16::<4>(qh),
+            _mm512_slli_epi16::<2>(qh),
+        );
+        let high_b = _mm512_mask_blend_epi8(upper, qh, _mm512_srli_epi16::<2>(qh));
+        let a = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(high_a, bits45));
+        let b = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4),
+            _mm512_and_si512(high_b, bits45),
+        );
+        _mm512_storeu_si512(q.as_mut_ptr().cast(), _mm512_sub_epi8(a, bias));
+        _mm512_storeu_si512(q.as_mut_ptr().add(64).cast(), _mm512_sub_epi8(b, bias));
     }
 }
 
