@@ -1,8 +1,8 @@
-//! Batch-1 speed of the K-quant kernels against Q4_1 and Q8_0, on `RAYON_NUM_THREADS`
+//! Batch-1 speed of the K-quant and 5-bit kernels against Q4_1 and Q8_0, on `RAYON_NUM_THREADS`
 //! threads: `cargo run --release -p ferry-model --example k_quant_speed` prints GB/s and ns
 //! per 256 elements of repeated passes over a 512 × 2048 matrix of each dtype (1.1–2.2 MB,
 //! in L2 on one core: the kernels' compute cost), then GFLOP/s at batch 8 (the batched steps,
-//! whose K-quant rows are dequantized into an f32 scratch).
+//! whose K-quant and 5-bit rows are dequantized into an f32 scratch).
 
 use std::time::Instant;
 
@@ -10,9 +10,11 @@ use ferry_model::dtype::quantize;
 use ferry_model::kernels::matmul;
 use ferry_model::{ByteBuf, Matrix, Segment, WeightDtype};
 
-const DTYPES: [WeightDtype; 4] = [
+const DTYPES: [WeightDtype; 6] = [
     WeightDtype::Q4_K,
     WeightDtype::Q6_K,
+    WeightDtype::Q5_0,
+    WeightDtype::Q5_1,
     WeightDtype::Q4_1,
     WeightDtype::Q8_0,
 ];

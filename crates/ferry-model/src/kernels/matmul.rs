@@ -1,9 +1,9 @@
 //! `out = x · Wᵀ` for row-major `x` (`m × k`, f32) and a PyTorch-layout weight `W` (`n × k`)
 //! kept in its stored precision ([`Matrix`]: segments of F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-//! which the kernels read in registers at every batch size; Q4_K and Q6_K, which the batch-1
-//! kernels read in registers (decode) and the batched steps dequantize a block of rows at a
-//! time into an f32 scratch to multiply from there with the f32 kernels; Q5_0 and Q5_1, which
-//! always take the scratch: [`WeightDtype::BY_ROWS`]).
+//! which the kernels read in registers at every batch size; Q4_K and Q6_K (and on AVX-512 Q5_0
+//! and Q5_1), which the batch-1 kernels read in registers (decode) and the batched steps
+//! dequantize a block of rows at a time into an f32 scratch to multiply from there with the
+//! f32 kernels: [`WeightDtype::BY_ROWS`]).
 //!
 //! Each output element is one dot product in the fixed order described in the parent module,
 //! whatever `m` is and whichever register tile computes it, so a request's activations give the
@@ -478,10 +478,11 @@ fn run_part(job: Job<'_>, w: Rows, out: *mut f32, local: Range<usize>) {
     if local.is_empty() {
         return;
     }
-    if w.dtype.by_rows() && !(m == 1 && k_quant(w.dtype)) {
-        // Batched (and Q5_0 / Q5_1 at any batch): every row block goes through an f32
-        // scratch and the f32 tiles compute from there. At batch 1 the K-quants take their
-        // own register kernels below (the portable path dequantizes a row at a time).
+    if w.dtype.by_rows() && !(m == 1 && read_at_batch_1(isa, w.dtype)) {
+        // Batched (and Q5_0 / Q5_1 at batch 1 on AVX2): every row block goes through an
+        // f32 scratch and the f32 tiles compute from there. At batch 1 the K-quants (and on
+        // AVX-512 the 5-bit dtypes) take their own register kernels below (the portable path
+        // dequantizes a row at a time).
         return run_rows_dequantized(isa, x, w, out, m, n, k, local);
     }
     let f32_panels = packed.is_some() && m >= F32_PANEL_ROWS;
@@ -736,6 +737,8 @@ const Q4_0: u8 = 4;
 const Q4_1: u8 = 5;
 const Q4_K: u8 = 6;
 const Q6_K: u8 = 7;
+const Q5_0: u8 = 8;
+const Q5_1: u8 = 9;
 
 fn dtype_code(d: WeightDtype) -> u8 {
     match d {
@@ -747,9 +750,8 @@ fn dtype_code(d: WeightDtype) -> u8 {
         WeightDtype::Q4_1 => Q4_1,
         WeightDtype::Q4_K => Q4_K,
         WeightDtype::Q6_K => Q6_K,
-        WeightDtype::Q5_0 | WeightDtype::Q5_1 => {
-            unreachable!("{d} is read through an f32 scratch, never by a register kernel")
-        }
+        WeightDtype::Q5_0 => Q5_0,
+        WeightDtype::Q5_1 => Q5_1,
     }
 }
 
@@ -757,6 +759,13 @@ fn dtype_code(d: WeightDtype) -> u8 {
 /// registers while the batched steps dequantize it into an f32 scratch.
 fn k_quant(d: WeightDtype) -> bool {
     matches!(d, WeightDtype::Q4_K | WeightDtype::Q6_K)
+}
+
+/// Whether a [`WeightDtype::BY_ROWS`] dtype has a batch-1 register kernel on `isa`: the
+/// K-quants everywhere (the portable path reads every dtype a row at a time), Q5_0 and Q5_1
+/// on AVX-512.
+fn read_at_batch_1(isa: Isa, d: WeightDtype) -> bool {
+    k_quant(d) || (isa == Isa::Avx512 && matches!(d, WeightDtype::Q5_0 | WeightDtype::Q5_1))
 }
 
 /// One block of the output: activation rows × W rows.

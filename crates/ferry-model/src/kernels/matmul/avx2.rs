@@ -36,7 +36,8 @@ pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
             Q4_0 => tile_of::<Q4_0>(x, out, t),
             Q4_1 => tile_of::<Q4_1>(x, out, t),
             Q4_K => tile_of::<Q4_K>(x, out, t),
-            _ => tile_of::<Q6_K>(x, out, t),
+            Q6_K => tile_of::<Q6_K>(x, out, t),
+            _ => unreachable!("{} is read through an f32 scratch on AVX2", t.w.dtype),
         }
     }
 }

@@ -23,7 +23,9 @@
 //!
 //! Q4_K and Q6_K rows at batch 1 take [`kernel_k_quant_1`]: each super-block of 256 decoded
 //! in registers (the loader's values, see there) into the same accumulators in the same
-//! order. Batched, they go through an f32 scratch (the parent's `run_rows_dequantized`).
+//! order; Q5_0 and Q5_1 rows at batch 1 take [`kernel_five_bit_1`], a block's 32 values
+//! looked up in two registers. Batched, they go through an f32 scratch (the parent's
+//! `run_rows_dequantized`; the K-quants' filled by [`dequantize_k_rows`]).
 //!
 //! Q4_0 and Q4_1 rows held in groups of four ([`crate::weights::row_groups`]: how a segment
 //! holds them on AVX-512) are read as held by the batch-1 rows ([`kernel_groups`]) and the
@@ -37,7 +39,7 @@ use std::ops::Range;
 use super::{
     block_scales, dtype_code as code, scalar_at, whole_groups, Rows, Tile, GROUP_ROWS, PANEL,
 };
-use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0};
+use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
 use crate::dtype::WeightDtype;
 
 /// W rows of the batched tile (the parent's block sizes, multiples of 24, are multiples of it).
@@ -56,7 +58,9 @@ pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
             Q4_0 => tile_of::<Q4_0>(x, out, t),
             Q4_1 => tile_of::<Q4_1>(x, out, t),
             Q4_K => tile_of::<Q4_K>(x, out, t),
-            _ => tile_of::<Q6_K>(x, out, t),
+            Q6_K => tile_of::<Q6_K>(x, out, t),
+            Q5_0 => tile_of::<Q5_0>(x, out, t),
+            _ => tile_of::<Q5_1>(x, out, t),
         }
     }
 }
@@ -64,6 +68,22 @@ pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn tile_of<const D: u8>(x: &[f32], out: *mut f32, t: &Tile) {
     let xp = x.as_ptr();
+    if matches!(D, Q5_0 | Q5_1) {
+        // Only batch 1 comes here (`run_part`: batched steps take an f32 scratch).
+        assert_eq!(t.x_rows.len(), 1, "5-bit tiles are batch 1");
+        let (i, mut j) = (t.x_rows.start, t.w_rows.start);
+        while j + K_ROWS <= t.w_rows.end {
+            // SAFETY (both calls): row i of x and rows j.. of w lie inside the tile, which
+            // the caller checked.
+            unsafe { kernel_five_bit_1::<D, K_ROWS>(xp, out, t, i, j, t.prefetch) };
+            j += K_ROWS;
+        }
+        while j < t.w_rows.end {
+            unsafe { kernel_five_bit_1::<D, 1>(xp, out, t, i, j, t.prefetch) };
+            j += 1;
+        }
+        return;
+    }
     if matches!(D, Q4_K | Q6_K) {
         // Only batch 1 comes here (`run_part`: batched steps take an f32 scratch).
         assert_eq!(t.x_rows.len(), 1, "K-quant tiles are batch 1");
@@ -813,6 +833,98 @@ unsafe fn q4_k_super_block<const R: usize>(
                 acc[r] = _mm512_fmadd_ps(xv[c], w, acc[r]);
             }
         }
+    }
+}
+
+/// [`kernel`] for one activation row against R rows of Q5_0 or Q5_1 (blocks of 32: f16 `d`
+/// (and `m`), 32 bits of fifth bits, 16 bytes of nibbles): each 16-lane accumulator takes its
+/// row's chunks of 16 in order with fused multiply-adds, the rows' chains interleaved block
+/// by block. A block's 32 possible values are two registers, the loader's `d * (q - 16)`
+/// (Q5_0: the same multiplication) or `d * q + m` (Q5_1: one fused multiply-add, exact
+/// because `d * q` is: an 11-bit significand times a 5-bit integer), looked up with
+/// `vpermt2ps`, whose index takes 5 bits: the nibble, and 16 where the element's fifth bit
+/// (a mask register straight from the block's 32 bits) is set.
+///
+/// # Safety
+/// Rows j..j+R of the tile and row i of x lie inside their slices; `k` is a multiple of 32.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn kernel_five_bit_1<const D: u8, const R: usize>(
+    x: *const f32,
+    out: *mut f32,
+    t: &Tile,
+    i: usize,
+    j: usize,
+    prefetch: bool,
+) {
+    let (k, w) = (t.k, t.w);
+    assert_eq!(k % 32, 0, "a 5-bit row is whole blocks");
+    let block_bytes = w.dtype.block_bytes();
+    // The fifth bits after the scales, then the nibbles.
+    let qh_at = if D == Q5_1 { 4 } else { 2 };
+    let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
+    let xr = x.wrapping_add(i * k);
+    let f16 = super::f16_table();
+    let to_l2 = super::prefetch_to_l2();
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    // q for the two halves of the table (Q5_0: q - 16, exact).
+    let q = if D == Q5_0 {
+        [_mm512_sub_ps(iota, _mm512_set1_ps(16.0)), iota]
+    } else {
+        [iota, _mm512_add_ps(iota, _mm512_set1_ps(16.0))]
+    };
+    let low4 = _mm512_set1_epi32(0x0f);
+    let fifth = _mm512_set1_epi32(0x10);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for p in (0..k).step_by(32) {
+        let at = p / 32 * block_bytes;
+        if prefetch {
+            // As in `kernel_quantized_1`: this block's bytes two steps of R rows ahead.
+            for row in rows {
+                let line = row.wrapping_add(2 * R * w.row_bytes + at);
+                super::prefetch_weights(line, to_l2);
+                super::prefetch_weights(line.wrapping_add(block_bytes - 1), to_l2);
+            }
+        }
+        // SAFETY: p + 32 <= k inside row i.
+        let xv = unsafe { [0, 16].map(|h| _mm512_loadu_ps(xr.add(p + h))) };
+        for (a, &row) in acc.iter_mut().zip(&rows) {
+            let block = row.wrapping_add(at);
+            // SAFETY (every read): the block lies inside the row.
+            let ([d, m], qh, bytes) = unsafe {
+                (
+                    block_scales(f16, block, D == Q5_1),
+                    block.add(qh_at).cast::<u32>().read_unaligned(),
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(qh_at + 4).cast())),
+                )
+            };
+            let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
+            let table = q.map(|q| {
+                if D == Q5_0 {
+                    _mm512_mul_ps(d, q)
+                } else {
+                    _mm512_fmadd_ps(q, d, m)
+                }
+            });
+            let low = _mm512_and_si512(bytes, low4);
+            let high = _mm512_srli_epi32::<4>(bytes);
+            // Elements 0..16 take bits 0..16 of qh, 16..32 the rest.
+            let idx = [
+                _mm512_mask_or_epi32(low, qh as u16, low, fifth),
+                _mm512_mask_or_epi32(high, (qh >> 16) as u16, high, fifth),
+            ];
+            for (&xh, idx) in xv.iter().zip(idx) {
+                let v = _mm512_permutex2var_ps(table[0], idx, table[1]);
+                *a = _mm512_fmadd_ps(xh, v, *a);
+            }
+        }
+    }
+    let [sums] = joint_sums(&[acc]);
+    for (r, &sum) in sums.iter().enumerate() {
+        // SAFETY: (i, j + r) is inside the m × n output.
+        unsafe { out.add(i * t.n + j + r).write(sum) };
     }
 }
 
