@@ -118,24 +118,27 @@ def run_llama(llama_bench, gguf, threads, tokens, prompt=0):
 
 def alternate(rounds, run_a, run_b):
     """Runs `run_a` and `run_b` `rounds` times, alternating which goes first, and returns each
-    one's best result (highest tok/s) and the ratio a/b of every round. On a shared host whose
+    one's best result (highest tok/s), the ratio a/b of every round and every round's pair of
+    rates [a, b]. On a shared host whose
     speed drifts by more than the gap being measured, the best of several interleaved runs
     compares the two engines at the host's same (fastest) state; one run of each compares
     whatever states they happened to meet."""
     best_a = best_b = None
     ratios = []
+    pairs = []
     for i in range(rounds):
         if i % 2 == 0:
             a, b = run_a(), run_b()
         else:
             b, a = run_b(), run_a()
+        pairs.append([a["tok_s"], b.get("tok_s")])
         if a["tok_s"] and b.get("tok_s"):
             ratios.append(round(a["tok_s"] / b["tok_s"], 2))
         if best_a is None or a["tok_s"] > best_a["tok_s"]:
             best_a = a
         if best_b is None or (b.get("tok_s") or 0) > (best_b.get("tok_s") or 0):
             best_b = b
-    return best_a, best_b, ratios
+    return best_a, best_b, ratios, pairs
 
 
 def llama_or_error(run):
@@ -172,7 +175,7 @@ def main():
         print(f"{'file':<34} {'ferry prefill tok/s':>19} {'llama.cpp tok/s':>15} {'ratio':>6} "
               f"{'ferry GFLOP/s':>13} {'of peak':>7}")
         for gguf in files:
-            ferry, llama, ratios = alternate(
+            ferry, llama, ratios, _ = alternate(
                 args.rounds,
                 lambda: run_ferry_prefill(args.ferry, gguf, args.threads, args.prefill),
                 lambda: llama_or_error(lambda: run_llama(args.llama_bench, gguf, args.threads, 0, args.prefill)))
@@ -189,13 +192,14 @@ def main():
     print(f"{'file':<34} {'ferry tok/s':>11} {'llama.cpp tok/s':>15} {'ratio':>6} "
           f"{'ferry GB/s':>10} {'read GB/s':>9} {'of read':>7} {'kernel GB/s':>11} {'of kernel':>9}")
     for gguf in files:
-        ferry, llama, ratios = alternate(
+        ferry, llama, ratios, pairs = alternate(
             args.rounds,
             lambda: run_ferry(args.ferry, gguf, args.threads, args.tokens),
             lambda: run_llama(args.llama_bench, gguf, args.threads, args.tokens))
         ratio = round(ferry["tok_s"] / llama["tok_s"], 2)
         results.append({"gguf": gguf, "ferry": ferry, "llama_cpp": llama, "ferry_over_llama_cpp": ratio,
-                        "round_ratios": ratios, "median_round_ratio": statistics.median(ratios) if ratios else None})
+                        "round_ratios": ratios, "median_round_ratio": round(statistics.median(ratios), 2) if ratios else None,
+                        "round_tok_s": pairs})
         print(f"{Path(gguf).name:<34} {ferry['tok_s']:>11.1f} {llama['tok_s']:>15.1f} {ratio:>6.2f} "
               f"{ferry['weight_read_gb_s']:>10.2f} {ferry['read_gb_s']:>9.2f} {ferry['read_fraction']:>7.2f} "
               f"{ferry['kernel_gb_s']:>11.2f} {ferry['kernel_fraction']:>9.2f}")
