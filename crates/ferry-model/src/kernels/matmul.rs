@@ -688,8 +688,8 @@ fn run_rows_dequantized(
 }
 
 /// Rows `rows` of `w` dequantized into `out` (`rows.len() × k`), exactly as the loader does
-/// (the AVX2 decoders for the dtypes that have them, the AVX-512 batch-1 kernels' decoding
-/// for the K-quants, the loader's own code otherwise).
+/// (the AVX2 decoders for the dtypes that have them, the batch-1 kernels' decoding for the
+/// K-quants, the loader's own code otherwise).
 fn dequantize_rows(isa: Isa, w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2Fma && !w.dtype.by_rows() {
@@ -703,6 +703,11 @@ fn dequantize_rows(isa: Isa, w: Rows, rows: Range<usize>, k: usize, out: &mut [f
         // rows lie inside the weights the caller checked (whole super-blocks), and `out`
         // holds them.
         return unsafe { avx512::dequantize_k_rows(w, rows, k, out) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2Fma && k_quant(w.dtype) {
+        // SAFETY: as above, for AVX2, FMA and F16C.
+        return unsafe { avx2::dequantize_k_rows(w, rows, k, out) };
     }
     let _ = isa;
     let n = w.dtype.row_bytes(k).expect("a row holds whole blocks");

@@ -9,7 +9,8 @@
 //! against 6 and 8: fewer registers spilled, 5.4 ns per Q4_1 block against 6.2 and 6.7).
 //!
 //! Q4_K and Q6_K rows at batch 1 take [`kernel_k_quant_1`], 4 rows at a time, a super-block
-//! of 256 decoded in registers per row (the AVX-512 kernels' arithmetic, 8 lanes).
+//! of 256 decoded in registers per row (the AVX-512 kernels' arithmetic, 8 lanes); batched,
+//! the same decoding fills the f32 scratch ([`dequantize_k_rows`]).
 //!
 //! Weights are dequantized in registers as in the AVX-512 path (see `load`), 8 at a time; a
 //! turn of the loop is one block of 32 (four chunks). F16 needs F16C, which every AVX2 CPU has
@@ -22,6 +23,7 @@ use std::ops::Range;
 
 use super::{block_scales, dtype_code as code, scalar_at, Rows, Tile};
 use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0};
+use crate::dtype::WeightDtype;
 
 /// All of `t`, in `t`'s dtype.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -280,38 +282,11 @@ unsafe fn q4_k_super_block<const R: usize>(
     blocks: &[*const u8; R],
     acc: &mut [__m256; R],
 ) {
-    const K1: u32 = 0x3f3f_3f3f;
-    const K2: u32 = 0x0f0f_0f0f;
-    const K3: u32 = 0x0303_0303;
     // Each row's d * sc (8) then -(dmin * m) (8), read back as broadcasts.
     let mut scales = [[0.0f32; 16]; R];
     for (out, &block) in scales.iter_mut().zip(blocks) {
-        // SAFETY (every read): the super-block's first 16 bytes.
-        unsafe {
-            let [d, dmin] = block_scales(f16, block, true);
-            let s = block.add(4).cast::<u32>();
-            let (s0, s1, s2) = (
-                s.read_unaligned(),
-                s.add(1).read_unaligned(),
-                s.add(2).read_unaligned(),
-            );
-            // ggml's unpacking of the 6-bit scales (bytes 0..8) and mins (8..16).
-            let packed = [
-                s0 & K1,
-                (s2 & K2) | (((s0 >> 6) & K3) << 4),
-                s1 & K1,
-                ((s2 >> 4) & K2) | (((s1 >> 6) & K3) << 4),
-            ];
-            let bytes = _mm_loadu_si128(packed.as_ptr().cast());
-            let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-            let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(bytes)));
-            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), sc));
-            // -(dmin * m) exactly: rounding is symmetric in sign.
-            _mm256_storeu_ps(
-                out.as_mut_ptr().add(8),
-                _mm256_mul_ps(_mm256_set1_ps(-dmin), m),
-            );
-        }
+        // SAFETY: the super-block's first 16 bytes.
+        unsafe { q4_k_scales(f16, block, out) };
     }
     let scales = std::hint::black_box(&scales);
     let low = _mm256_set1_epi32(0x0f);
@@ -356,53 +331,15 @@ unsafe fn q6_k_super_block<const R: usize>(
 ) {
     let mut dsc = [[0.0f32; 16]; R];
     for (out, &block) in dsc.iter_mut().zip(blocks) {
-        // SAFETY (every read): the scales and d, inside the super-block.
-        unsafe {
-            let [d, _] = block_scales(f16, block.add(208), false);
-            for h in 0..2 {
-                let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(block.add(192 + 8 * h).cast()));
-                let v = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sc));
-                _mm256_storeu_ps(out.as_mut_ptr().add(8 * h), v);
-            }
-        }
+        // SAFETY: inside the super-block.
+        unsafe { q6_k_scales(f16, block, out) };
     }
     let dsc = std::hint::black_box(&dsc);
-    let low4 = _mm256_set1_epi8(0x0f);
-    let bits45 = _mm256_set1_epi8(0x30);
-    let bias = _mm256_set1_epi8(32);
     let mut q = [[0i8; 128]; R];
     for half in 0..2 {
         for (q, &block) in q.iter_mut().zip(blocks) {
-            // SAFETY (every read): inside the super-block.
-            let (ql, qh) = unsafe {
-                (
-                    [0, 32].map(|o| _mm256_loadu_si256(block.add(64 * half + o).cast())),
-                    _mm256_loadu_si256(block.add(128 + 32 * half).cast()),
-                )
-            };
-            // Elements 32g..32g + 32 take nibble g / 2 of ql[g % 2] and bits 2g, 2g + 1 of
-            // qh, moved to bits 4-5 (16-bit shifts: the mask drops what crossed a byte).
-            let highs = [
-                _mm256_slli_epi16::<4>(qh),
-                _mm256_slli_epi16::<2>(qh),
-                qh,
-                _mm256_srli_epi16::<2>(qh),
-            ];
-            for (g, &high) in highs.iter().enumerate() {
-                let nibble = if g < 2 {
-                    ql[g]
-                } else {
-                    _mm256_srli_epi16::<4>(ql[g - 2])
-                };
-                let v = _mm256_or_si256(
-                    _mm256_and_si256(nibble, low4),
-                    _mm256_and_si256(high, bits45),
-                );
-                // SAFETY: bytes 32g..32g + 32 of the row's 128.
-                unsafe {
-                    _mm256_storeu_si256(q.as_mut_ptr().add(32 * g).cast(), _mm256_sub_epi8(v, bias))
-                };
-            }
+            // SAFETY: inside the super-block.
+            unsafe { q6_k_bytes(block, half, q) };
         }
         let q = std::hint::black_box(&q);
         for c in 0..16 {
@@ -413,6 +350,154 @@ unsafe fn q6_k_super_block<const R: usize>(
                 let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
                 let w = _mm256_mul_ps(_mm256_set1_ps(dsc[r][8 * half + c / 2]), v);
                 acc[r] = _mm256_fmadd_ps(xv, w, acc[r]);
+            }
+        }
+    }
+}
+
+/// A Q4_K super-block's `d * sc` for its 8 sub-blocks into `out[..8]` and `-(dmin * m)`
+/// into `out[8..]` (`-dmin * m`: rounding is symmetric in sign), the 6-bit scales and mins
+/// unpacked as ggml does.
+///
+/// # Safety
+/// The super-block's first 16 bytes are readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_k_scales(f16: &[f32; 1 << 16], block: *const u8, out: &mut [f32; 16]) {
+    const K1: u32 = 0x3f3f_3f3f;
+    const K2: u32 = 0x0f0f_0f0f;
+    const K3: u32 = 0x0303_0303;
+    // SAFETY (every read): the super-block's first 16 bytes, as the caller promised.
+    unsafe {
+        let [d, dmin] = block_scales(f16, block, true);
+        let s = block.add(4).cast::<u32>();
+        let (s0, s1, s2) = (
+            s.read_unaligned(),
+            s.add(1).read_unaligned(),
+            s.add(2).read_unaligned(),
+        );
+        let packed = [
+            s0 & K1,
+            (s2 & K2) | (((s0 >> 6) & K3) << 4),
+            s1 & K1,
+            ((s2 >> 4) & K2) | (((s1 >> 6) & K3) << 4),
+        ];
+        let bytes = _mm_loadu_si128(packed.as_ptr().cast());
+        let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(bytes)));
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), sc));
+        let neg_m1 = _mm256_mul_ps(_mm256_set1_ps(-dmin), m);
+        _mm256_storeu_ps(out.as_mut_ptr().add(8), neg_m1);
+    }
+}
+
+/// A Q6_K super-block's `d * sc` for its 16 sub-blocks into `out`.
+///
+/// # Safety
+/// The super-block's 210 bytes are readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q6_k_scales(f16: &[f32; 1 << 16], block: *const u8, out: &mut [f32; 16]) {
+    // SAFETY (every read): the scales and d, inside the super-block.
+    unsafe {
+        let [d, _] = block_scales(f16, block.add(208), false);
+        for h in 0..2 {
+            let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(block.add(192 + 8 * h).cast()));
+            let v = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sc));
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * h), v);
+        }
+    }
+}
+
+/// The 6-bit values `q - 32` of half `half` (128 elements) of the Q6_K super-block at
+/// `block`, as i8 in element order into `q`: elements 32g..32g + 32 take nibble g / 2 of the
+/// half's `ql[32 (g % 2)..]` and bits 2g, 2g + 1 of its `qh`, moved to bits 4-5 (16-bit
+/// shifts: the mask drops what crossed a byte).
+///
+/// # Safety
+/// The super-block's 210 bytes are readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q6_k_bytes(block: *const u8, half: usize, q: &mut [i8; 128]) {
+    let low4 = _mm256_set1_epi8(0x0f);
+    let bits45 = _mm256_set1_epi8(0x30);
+    let bias = _mm256_set1_epi8(32);
+    // SAFETY (every access): inside the super-block, as the caller promised, or `q`.
+    unsafe {
+        let ql = [0, 32].map(|o| _mm256_loadu_si256(block.add(64 * half + o).cast()));
+        let qh = _mm256_loadu_si256(block.add(128 + 32 * half).cast());
+        let highs = [
+            _mm256_slli_epi16::<4>(qh),
+            _mm256_slli_epi16::<2>(qh),
+            qh,
+            _mm256_srli_epi16::<2>(qh),
+        ];
+        for (g, &high) in highs.iter().enumerate() {
+            let nibble = if g < 2 {
+                ql[g]
+            } else {
+                _mm256_srli_epi16::<4>(ql[g - 2])
+            };
+            let v = _mm256_or_si256(
+                _mm256_and_si256(nibble, low4),
+                _mm256_and_si256(high, bits45),
+            );
+            _mm256_storeu_si256(q.as_mut_ptr().add(32 * g).cast(), _mm256_sub_epi8(v, bias));
+        }
+    }
+}
+
+/// Rows `rows` of K-quant `w` (Q4_K, Q6_K) dequantized into `out` (`rows.len() × k`): the
+/// loader's values, decoded as the batch-1 kernels decode them and stored, for the batched
+/// steps' f32 scratch.
+///
+/// # Safety
+/// The rows lie inside `w`'s memory, `k` is a multiple of 256, and `out` holds the rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dequantize_k_rows(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    assert!(
+        k.is_multiple_of(256) && out.len() >= rows.len() * k,
+        "dequantize_k_rows: shapes"
+    );
+    let f16 = super::f16_table();
+    let block_bytes = w.dtype.block_bytes();
+    let low = _mm256_set1_epi32(0x0f);
+    let mut s = [0.0f32; 16];
+    let mut q = [0i8; 128];
+    for (j, o) in rows.zip(out.chunks_exact_mut(k)) {
+        let row = w.ptr.wrapping_add(j * w.row_bytes);
+        for b in 0..k / 256 {
+            // SAFETY: the super-block lies inside the row, its 256 places inside `o`.
+            unsafe {
+                let (block, dst) = (row.add(b * block_bytes), o.as_mut_ptr().add(256 * b));
+                if w.dtype == WeightDtype::Q4_K {
+                    q4_k_scales(f16, block, &mut s);
+                    for sub in 0..8 {
+                        let (d1, m1) = (_mm256_set1_ps(s[sub]), _mm256_set1_ps(s[8 + sub]));
+                        let qs = block.add(16 + 32 * (sub / 2));
+                        for c in 0..4 {
+                            let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * c).cast()));
+                            let q = if sub % 2 == 0 {
+                                _mm256_and_si256(b, low)
+                            } else {
+                                _mm256_srli_epi32::<4>(b)
+                            };
+                            let v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d1, m1);
+                            _mm256_storeu_ps(dst.add(32 * sub + 8 * c), v);
+                        }
+                    }
+                } else {
+                    q6_k_scales(f16, block, &mut s);
+                    for half in 0..2 {
+                        q6_k_bytes(block, half, &mut q);
+                        for c in 0..16 {
+                            let v = _mm_loadl_epi64(q.as_ptr().add(8 * c).cast());
+                            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+                            let v = _mm256_mul_ps(_mm256_set1_ps(s[8 * half + c / 2]), v);
+                            _mm256_storeu_ps(dst.add(128 * half + 8 * c), v);
+                        }
+                    }
+                }
             }
         }
     }
