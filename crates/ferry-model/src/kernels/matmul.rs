@@ -244,6 +244,8 @@ fn f16_table() -> &'static [f32; 1 << 16] {
 /// 144). The batched packing and the AVX2 kernels (compute-bound on that host) measured the
 /// same either way and keep their L1 prefetches, as does AMD (Zen 5 was tuned with them: four
 /// groups ahead for Q8_0).
+/// The batch-1 K-quant and 5-bit kernels prefetch into L2 on every vendor whatever this
+/// says (`avx512::kernel_k_quant_1`: on Zen 4, 126-128 tok/s into L1, 138-146 into L2).
 /// `FERRY_WEIGHT_PREFETCH=l1` or `=l2` overrides the choice, for A/B runs on a new host.
 /// Read once per process. Only speed depends on it, never a result.
 #[cfg(target_arch = "x86_64")]

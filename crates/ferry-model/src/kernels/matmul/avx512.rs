@@ -749,17 +749,21 @@ unsafe fn kernel_k_quant_1<const D: u8, const R: usize>(
     let block_bytes = w.dtype.block_bytes();
     let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
     let f16 = super::f16_table();
-    let to_l2 = super::prefetch_to_l2();
     let mut acc = [_mm512_setzero_ps(); R];
     for b in 0..k / 256 {
         let at = b * block_bytes;
         if prefetch {
             // As in `kernel_quantized_1`: this super-block's bytes (144 or 210, three or four
-            // lines) two steps of R rows ahead.
+            // lines) two steps of R rows ahead, into L2 on every vendor: these kernels are
+            // bound by their instructions, and on Zen 4 a prefetch into L1 held the fill
+            // buffers their own loads need (decode of the Q4_K_M file in
+            // `docs/model-benchmarks.md`: 126-128 tok/s into L1, 138-146 into L2, three
+            // interleaved pairs of `ferry bench model`; one group ahead and four measured
+            // within noise of two).
             for row in rows {
                 let line = row.wrapping_add(2 * R * w.row_bytes + at);
                 for off in [0, 64, 128, block_bytes - 1] {
-                    super::prefetch_weights(line.wrapping_add(off), to_l2);
+                    super::prefetch_weights(line.wrapping_add(off), true);
                 }
             }
         }
@@ -865,7 +869,6 @@ unsafe fn kernel_five_bit_1<const D: u8, const R: usize>(
     let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
     let xr = x.wrapping_add(i * k);
     let f16 = super::f16_table();
-    let to_l2 = super::prefetch_to_l2();
     let iota = _mm512_setr_ps(
         0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
     );
@@ -881,11 +884,11 @@ unsafe fn kernel_five_bit_1<const D: u8, const R: usize>(
     for p in (0..k).step_by(32) {
         let at = p / 32 * block_bytes;
         if prefetch {
-            // As in `kernel_quantized_1`: this block's bytes two steps of R rows ahead.
+            // As in `kernel_k_quant_1`: this block's bytes two steps of R rows ahead, into L2.
             for row in rows {
                 let line = row.wrapping_add(2 * R * w.row_bytes + at);
-                super::prefetch_weights(line, to_l2);
-                super::prefetch_weights(line.wrapping_add(block_bytes - 1), to_l2);
+                super::prefetch_weights(line, true);
+                super::prefetch_weights(line.wrapping_add(block_bytes - 1), true);
             }
         }
         // SAFETY: p + 32 <= k inside row i.
