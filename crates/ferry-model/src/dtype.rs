@@ -50,13 +50,15 @@ impl WeightDtype {
         Self::Q4_1,
     ];
 
-    /// The dtypes the matmul dequantizes a block of rows at a time into an f32 scratch
-    /// (exactly [`dequantize_into`]'s values) and multiplies from there with the f32
-    /// kernels: the same bits as f32 weights, in the stored bytes. Q4_K and Q6_K rows are
-    /// multiples of 256 long.
+    /// The dtypes the matmul's batched steps dequantize a block of rows at a time into an f32
+    /// scratch (exactly [`dequantize_into`]'s values) and multiply from there with the f32
+    /// kernels: the same bits as f32 weights, in the stored bytes. At batch 1 Q4_K and Q6_K
+    /// (and on AVX-512 Q5_0 and Q5_1) are decoded in registers instead (the same bits
+    /// again). Q4_K and Q6_K rows are multiples of 256 long.
     pub const BY_ROWS: [WeightDtype; 4] = [Self::Q5_0, Self::Q5_1, Self::Q4_K, Self::Q6_K];
 
-    /// Whether the matmul reads this dtype through an f32 scratch ([`WeightDtype::BY_ROWS`]).
+    /// Whether the matmul's batched steps read this dtype through an f32 scratch
+    /// ([`WeightDtype::BY_ROWS`]).
     pub fn by_rows(self) -> bool {
         Self::BY_ROWS.contains(&self)
     }

@@ -1,8 +1,9 @@
 //! `out = x · Wᵀ` for row-major `x` (`m × k`, f32) and a PyTorch-layout weight `W` (`n × k`)
 //! kept in its stored precision ([`Matrix`]: segments of F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-//! which the kernels read in registers, and Q5_0, Q5_1, Q4_K, Q6_K, which are dequantized a
-//! block of rows at a time into an f32 scratch and multiplied from there by the f32 kernels:
-//! [`WeightDtype::BY_ROWS`]).
+//! which the kernels read in registers at every batch size; Q4_K and Q6_K (and on AVX-512 Q5_0
+//! and Q5_1), which the batch-1 kernels read in registers (decode) and the batched steps
+//! dequantize a block of rows at a time into an f32 scratch to multiply from there with the
+//! f32 kernels: [`WeightDtype::BY_ROWS`]).
 //!
 //! Each output element is one dot product in the fixed order described in the parent module,
 //! whatever `m` is and whichever register tile computes it, so a request's activations give the
@@ -243,6 +244,8 @@ fn f16_table() -> &'static [f32; 1 << 16] {
 /// 144). The batched packing and the AVX2 kernels (compute-bound on that host) measured the
 /// same either way and keep their L1 prefetches, as does AMD (Zen 5 was tuned with them: four
 /// groups ahead for Q8_0).
+/// The batch-1 K-quant and 5-bit kernels prefetch into L2 on every vendor whatever this
+/// says (`avx512::kernel_k_quant_1`: on Zen 4, 126-128 tok/s into L1, 138-146 into L2).
 /// `FERRY_WEIGHT_PREFETCH=l1` or `=l2` overrides the choice, for A/B runs on a new host.
 /// Read once per process. Only speed depends on it, never a result.
 #[cfg(target_arch = "x86_64")]
@@ -477,9 +480,11 @@ fn run_part(job: Job<'_>, w: Rows, out: *mut f32, local: Range<usize>) {
     if local.is_empty() {
         return;
     }
-    if w.dtype.by_rows() {
-        // No register kernel reads these: every row block goes through an f32 scratch,
-        // whatever the batch, and the f32 tiles compute from there.
+    if w.dtype.by_rows() && !(m == 1 && read_at_batch_1(isa, w.dtype)) {
+        // Batched (and Q5_0 / Q5_1 at batch 1 on AVX2): every row block goes through an
+        // f32 scratch and the f32 tiles compute from there. At batch 1 the K-quants (and on
+        // AVX-512 the 5-bit dtypes) take their own register kernels below (the portable path
+        // dequantizes a row at a time).
         return run_rows_dequantized(isa, x, w, out, m, n, k, local);
     }
     let f32_panels = packed.is_some() && m >= F32_PANEL_ROWS;
@@ -685,13 +690,26 @@ fn run_rows_dequantized(
 }
 
 /// Rows `rows` of `w` dequantized into `out` (`rows.len() × k`), exactly as the loader does
-/// (the AVX2 decoders for the dtypes that have them, the loader's own code otherwise).
+/// (the AVX2 decoders for the dtypes that have them, the batch-1 kernels' decoding for the
+/// K-quants, the loader's own code otherwise).
 fn dequantize_rows(isa: Isa, w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2Fma && !w.dtype.by_rows() {
         // SAFETY: `Avx2Fma` is only chosen after run-time detection of AVX2, FMA and F16C;
         // the rows lie inside the weights the caller checked, and `out` holds them.
         return unsafe { avx2::dequantize_rows(w, rows, k, out) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && k_quant(w.dtype) {
+        // SAFETY: `Avx512` is only chosen after run-time detection of AVX-512F and BW; the
+        // rows lie inside the weights the caller checked (whole super-blocks), and `out`
+        // holds them.
+        return unsafe { avx512::dequantize_k_rows(w, rows, k, out) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2Fma && k_quant(w.dtype) {
+        // SAFETY: as above, for AVX2, FMA and F16C.
+        return unsafe { avx2::dequantize_k_rows(w, rows, k, out) };
     }
     let _ = isa;
     let n = w.dtype.row_bytes(k).expect("a row holds whole blocks");
@@ -724,6 +742,10 @@ const BF16: u8 = 2;
 const Q8_0: u8 = 3;
 const Q4_0: u8 = 4;
 const Q4_1: u8 = 5;
+const Q4_K: u8 = 6;
+const Q6_K: u8 = 7;
+const Q5_0: u8 = 8;
+const Q5_1: u8 = 9;
 
 fn dtype_code(d: WeightDtype) -> u8 {
     match d {
@@ -733,10 +755,24 @@ fn dtype_code(d: WeightDtype) -> u8 {
         WeightDtype::Q8_0 => Q8_0,
         WeightDtype::Q4_0 => Q4_0,
         WeightDtype::Q4_1 => Q4_1,
-        WeightDtype::Q5_0 | WeightDtype::Q5_1 | WeightDtype::Q4_K | WeightDtype::Q6_K => {
-            unreachable!("{d} is read through an f32 scratch, never by a register kernel")
-        }
+        WeightDtype::Q4_K => Q4_K,
+        WeightDtype::Q6_K => Q6_K,
+        WeightDtype::Q5_0 => Q5_0,
+        WeightDtype::Q5_1 => Q5_1,
     }
+}
+
+/// Whether `d` is a K-quant (super-blocks of 256), which the batch-1 kernels read in
+/// registers while the batched steps dequantize it into an f32 scratch.
+fn k_quant(d: WeightDtype) -> bool {
+    matches!(d, WeightDtype::Q4_K | WeightDtype::Q6_K)
+}
+
+/// Whether a [`WeightDtype::BY_ROWS`] dtype has a batch-1 register kernel on `isa`: the
+/// K-quants everywhere (the portable path reads every dtype a row at a time), Q5_0 and Q5_1
+/// on AVX-512.
+fn read_at_batch_1(isa: Isa, d: WeightDtype) -> bool {
+    k_quant(d) || (isa == Isa::Avx512 && matches!(d, WeightDtype::Q5_0 | WeightDtype::Q5_1))
 }
 
 /// One block of the output: activation rows × W rows.

@@ -8,6 +8,10 @@
 //! Quantized rows at batch 1 take [`kernel_quantized_1`], 4 rows at a time (measured on Zen 1
 //! against 6 and 8: fewer registers spilled, 5.4 ns per Q4_1 block against 6.2 and 6.7).
 //!
+//! Q4_K and Q6_K rows at batch 1 take [`kernel_k_quant_1`], 4 rows at a time, a super-block
+//! of 256 decoded in registers per row (the AVX-512 kernels' arithmetic, 8 lanes); batched,
+//! the same decoding fills the f32 scratch ([`dequantize_k_rows`]).
+//!
 //! Weights are dequantized in registers as in the AVX-512 path (see `load`), 8 at a time; a
 //! turn of the loop is one block of 32 (four chunks). F16 needs F16C, which every AVX2 CPU has
 //! and [`super::Isa`] checks for. Batched steps dequantize a W block once into an f32 scratch
@@ -18,7 +22,8 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::{block_scales, dtype_code as code, scalar_at, Rows, Tile};
-use super::{BF16, F16, F32, Q4_0, Q4_1, Q8_0};
+use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0};
+use crate::dtype::WeightDtype;
 
 /// All of `t`, in `t`'s dtype.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -31,7 +36,10 @@ pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
             BF16 => tile_of::<BF16>(x, out, t),
             Q8_0 => tile_of::<Q8_0>(x, out, t),
             Q4_0 => tile_of::<Q4_0>(x, out, t),
-            _ => tile_of::<Q4_1>(x, out, t),
+            Q4_1 => tile_of::<Q4_1>(x, out, t),
+            Q4_K => tile_of::<Q4_K>(x, out, t),
+            Q6_K => tile_of::<Q6_K>(x, out, t),
+            _ => unreachable!("{} is read through an f32 scratch on AVX2", t.w.dtype),
         }
     }
 }
@@ -40,6 +48,22 @@ pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
 unsafe fn tile_of<const D: u8>(x: &[f32], out: *mut f32, t: &Tile) {
     let xp = x.as_ptr();
     let mut j = t.w_rows.start;
+    if matches!(D, Q4_K | Q6_K) {
+        // Only batch 1 comes here (`run_part`: batched steps take an f32 scratch).
+        assert_eq!(t.x_rows.len(), 1, "K-quant tiles are batch 1");
+        let i = t.x_rows.start;
+        while j + QROWS <= t.w_rows.end {
+            // SAFETY (both calls): row i of x and rows j.. of w lie inside the tile, which
+            // the caller checked against the slice lengths.
+            unsafe { kernel_k_quant_1::<D, QROWS>(xp, out, t, i, j) };
+            j += QROWS;
+        }
+        while j < t.w_rows.end {
+            unsafe { kernel_k_quant_1::<D, 1>(xp, out, t, i, j) };
+            j += 1;
+        }
+        return;
+    }
     if t.x_rows.len() == 1 && matches!(D, Q8_0 | Q4_0 | Q4_1) {
         while j + QROWS <= t.w_rows.end {
             // SAFETY: as for the kernel calls below.
@@ -188,6 +212,294 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
     for (r, &a) in acc.iter().enumerate() {
         // SAFETY: (i, j + r) is inside the m × n output.
         unsafe { out.add(i * t.n + j + r).write(hsum(a)) };
+    }
+}
+
+/// [`kernel`] for one activation row against R rows of a K-quant (Q4_K, Q6_K): each 8-lane
+/// accumulator takes its row's chunks of 8 in order with fused multiply-adds, so the bits of
+/// the f32 tiles over the loader's values. The weights are decoded in registers a
+/// super-block at a time ([`q4_k_super_block`], [`q6_k_super_block`]; the arithmetic is the
+/// AVX-512 kernels', see there), each activation chunk loaded once for the R rows, whose
+/// independent chains of multiply-adds interleave.
+///
+/// # Safety
+/// Rows j..j+R of the tile and row i of x lie inside their slices; `k` is a multiple of 256.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn kernel_k_quant_1<const D: u8, const R: usize>(
+    x: *const f32,
+    out: *mut f32,
+    t: &Tile,
+    i: usize,
+    j: usize,
+) {
+    let (k, w) = (t.k, t.w);
+    assert_eq!(k % 256, 0, "a K-quant row is whole super-blocks");
+    let block_bytes = w.dtype.block_bytes();
+    let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
+    let xr = x.wrapping_add(i * k);
+    let f16 = super::f16_table();
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..k / 256 {
+        let at = b * block_bytes;
+        if t.prefetch {
+            // As in `kernel`: the next R rows' bytes of this super-block.
+            for row in rows {
+                let line = row.wrapping_add(R * w.row_bytes + at);
+                for off in [0, 64, 128, block_bytes - 1] {
+                    _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(off).cast::<i8>());
+                }
+            }
+        }
+        let blocks = rows.map(|row| row.wrapping_add(at));
+        let xb = xr.wrapping_add(256 * b);
+        // SAFETY: each super-block lies inside its row, its 256 activations inside row i.
+        unsafe {
+            if D == Q4_K {
+                q4_k_super_block(f16, xb, &blocks, &mut acc);
+            } else {
+                q6_k_super_block(f16, xb, &blocks, &mut acc);
+            }
+        }
+    }
+    for (r, &a) in acc.iter().enumerate() {
+        // SAFETY: (i, j + r) is inside the m × n output.
+        unsafe { out.add(i * t.n + j + r).write(hsum(a)) };
+    }
+}
+
+/// The multiply-adds of one Q4_K super-block of each of R rows against the 256 activations
+/// at `x`, each row's 32 chunks of 8 in order: each value `q * d1 + (-m1)` fused, the
+/// loader's `(d * sc) * q - dmin * m` (`d1 * q` is exact in f32).
+///
+/// # Safety
+/// Each super-block's 144 bytes and the 256 floats at `x` are readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_k_super_block<const R: usize>(
+    f16: &[f32; 1 << 16],
+    x: *const f32,
+    blocks: &[*const u8; R],
+    acc: &mut [__m256; R],
+) {
+    // Each row's d * sc (8) then -(dmin * m) (8), read back as broadcasts.
+    let mut scales = [[0.0f32; 16]; R];
+    for (out, &block) in scales.iter_mut().zip(blocks) {
+        // SAFETY: the super-block's first 16 bytes.
+        unsafe { q4_k_scales(f16, block, out) };
+    }
+    let scales = std::hint::black_box(&scales);
+    let low = _mm256_set1_epi32(0x0f);
+    for sub in 0..8 {
+        // Sub-block `sub`: the low (even) or high (odd) nibbles of the pair's 32 bytes.
+        // SAFETY (every read): inside the activations or the super-blocks.
+        let xv: [__m256; 4] =
+            std::array::from_fn(|c| unsafe { _mm256_loadu_ps(x.add(32 * sub + 8 * c)) });
+        for r in 0..R {
+            let (d1, m1) = (
+                _mm256_set1_ps(scales[r][sub]),
+                _mm256_set1_ps(scales[r][8 + sub]),
+            );
+            let qs = blocks[r].wrapping_add(16 + 32 * (sub / 2));
+            for (c, &xc) in xv.iter().enumerate() {
+                let b = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * c).cast())) };
+                let q = if sub % 2 == 0 {
+                    _mm256_and_si256(b, low)
+                } else {
+                    _mm256_srli_epi32::<4>(b)
+                };
+                let w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d1, m1);
+                acc[r] = _mm256_fmadd_ps(xc, w, acc[r]);
+            }
+        }
+    }
+}
+
+/// [`q4_k_super_block`] for Q6_K super-blocks: element `e` is the loader's
+/// `(d * sc[e / 16]) * (q - 32)`, the 6-bit values put together 32 at a time in bytes (see
+/// the AVX-512 `q6_k_super_block`), then widened 8 at a time.
+///
+/// # Safety
+/// Each super-block's 210 bytes and the 256 floats at `x` are readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q6_k_super_block<const R: usize>(
+    f16: &[f32; 1 << 16],
+    x: *const f32,
+    blocks: &[*const u8; R],
+    acc: &mut [__m256; R],
+) {
+    let mut dsc = [[0.0f32; 16]; R];
+    for (out, &block) in dsc.iter_mut().zip(blocks) {
+        // SAFETY: inside the super-block.
+        unsafe { q6_k_scales(f16, block, out) };
+    }
+    let dsc = std::hint::black_box(&dsc);
+    let mut q = [[0i8; 128]; R];
+    for half in 0..2 {
+        for (q, &block) in q.iter_mut().zip(blocks) {
+            // SAFETY: inside the super-block.
+            unsafe { q6_k_bytes(block, half, q) };
+        }
+        let q = std::hint::black_box(&q);
+        for c in 0..16 {
+            // SAFETY (every read): inside the activations, or the rows' 128 bytes.
+            let xv = unsafe { _mm256_loadu_ps(x.add(128 * half + 8 * c)) };
+            for r in 0..R {
+                let v = unsafe { _mm_loadl_epi64(q[r].as_ptr().add(8 * c).cast()) };
+                let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+                let w = _mm256_mul_ps(_mm256_set1_ps(dsc[r][8 * half + c / 2]), v);
+                acc[r] = _mm256_fmadd_ps(xv, w, acc[r]);
+            }
+        }
+    }
+}
+
+/// A Q4_K super-block's `d * sc` for its 8 sub-blocks into `out[..8]` and `-(dmin * m)`
+/// into `out[8..]` (`-dmin * m`: rounding is symmetric in sign), the 6-bit scales and mins
+/// unpacked as ggml does.
+///
+/// # Safety
+/// The super-block's first 16 bytes are readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_k_scales(f16: &[f32; 1 << 16], block: *const u8, out: &mut [f32; 16]) {
+    const K1: u32 = 0x3f3f_3f3f;
+    const K2: u32 = 0x0f0f_0f0f;
+    const K3: u32 = 0x0303_0303;
+    // SAFETY (every read): the super-block's first 16 bytes, as the caller promised.
+    unsafe {
+        let [d, dmin] = block_scales(f16, block, true);
+        let s = block.add(4).cast::<u32>();
+        let (s0, s1, s2) = (
+            s.read_unaligned(),
+            s.add(1).read_unaligned(),
+            s.add(2).read_unaligned(),
+        );
+        let packed = [
+            s0 & K1,
+            (s2 & K2) | (((s0 >> 6) & K3) << 4),
+            s1 & K1,
+            ((s2 >> 4) & K2) | (((s1 >> 6) & K3) << 4),
+        ];
+        let bytes = _mm_loadu_si128(packed.as_ptr().cast());
+        let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(bytes)));
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), sc));
+        let neg_m1 = _mm256_mul_ps(_mm256_set1_ps(-dmin), m);
+        _mm256_storeu_ps(out.as_mut_ptr().add(8), neg_m1);
+    }
+}
+
+/// A Q6_K super-block's `d * sc` for its 16 sub-blocks into `out`.
+///
+/// # Safety
+/// The super-block's 210 bytes are readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q6_k_scales(f16: &[f32; 1 << 16], block: *const u8, out: &mut [f32; 16]) {
+    // SAFETY (every read): the scales and d, inside the super-block.
+    unsafe {
+        let [d, _] = block_scales(f16, block.add(208), false);
+        for h in 0..2 {
+            let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(block.add(192 + 8 * h).cast()));
+            let v = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sc));
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * h), v);
+        }
+    }
+}
+
+/// The 6-bit values `q - 32` of half `half` (128 elements) of the Q6_K super-block at
+/// `block`, as i8 in element order into `q`: elements 32g..32g + 32 take nibble g / 2 of the
+/// half's `ql[32 (g % 2)..]` and bits 2g, 2g + 1 of its `qh`, moved to bits 4-5 (16-bit
+/// shifts: the mask drops what crossed a byte).
+///
+/// # Safety
+/// The super-block's 210 bytes are readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q6_k_bytes(block: *const u8, half: usize, q: &mut [i8; 128]) {
+    let low4 = _mm256_set1_epi8(0x0f);
+    let bits45 = _mm256_set1_epi8(0x30);
+    let bias = _mm256_set1_epi8(32);
+    // SAFETY (every access): inside the super-block, as the caller promised, or `q`.
+    unsafe {
+        let ql = [0, 32].map(|o| _mm256_loadu_si256(block.add(64 * half + o).cast()));
+        let qh = _mm256_loadu_si256(block.add(128 + 32 * half).cast());
+        let highs = [
+            _mm256_slli_epi16::<4>(qh),
+            _mm256_slli_epi16::<2>(qh),
+            qh,
+            _mm256_srli_epi16::<2>(qh),
+        ];
+        for (g, &high) in highs.iter().enumerate() {
+            let nibble = if g < 2 {
+                ql[g]
+            } else {
+                _mm256_srli_epi16::<4>(ql[g - 2])
+            };
+            let v = _mm256_or_si256(
+                _mm256_and_si256(nibble, low4),
+                _mm256_and_si256(high, bits45),
+            );
+            _mm256_storeu_si256(q.as_mut_ptr().add(32 * g).cast(), _mm256_sub_epi8(v, bias));
+        }
+    }
+}
+
+/// Rows `rows` of K-quant `w` (Q4_K, Q6_K) dequantized into `out` (`rows.len() × k`): the
+/// loader's values, decoded as the batch-1 kernels decode them and stored, for the batched
+/// steps' f32 scratch.
+///
+/// # Safety
+/// The rows lie inside `w`'s memory, `k` is a multiple of 256, and `out` holds the rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dequantize_k_rows(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    assert!(
+        k.is_multiple_of(256) && out.len() >= rows.len() * k,
+        "dequantize_k_rows: shapes"
+    );
+    let f16 = super::f16_table();
+    let block_bytes = w.dtype.block_bytes();
+    let low = _mm256_set1_epi32(0x0f);
+    let mut s = [0.0f32; 16];
+    let mut q = [0i8; 128];
+    for (j, o) in rows.zip(out.chunks_exact_mut(k)) {
+        let row = w.ptr.wrapping_add(j * w.row_bytes);
+        for b in 0..k / 256 {
+            // SAFETY: the super-block lies inside the row, its 256 places inside `o`.
+            unsafe {
+                let (block, dst) = (row.add(b * block_bytes), o.as_mut_ptr().add(256 * b));
+                if w.dtype == WeightDtype::Q4_K {
+                    q4_k_scales(f16, block, &mut s);
+                    for sub in 0..8 {
+                        let (d1, m1) = (_mm256_set1_ps(s[sub]), _mm256_set1_ps(s[8 + sub]));
+                        let qs = block.add(16 + 32 * (sub / 2));
+                        for c in 0..4 {
+                            let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qs.add(8 * c).cast()));
+                            let q = if sub % 2 == 0 {
+                                _mm256_and_si256(b, low)
+                            } else {
+                                _mm256_srli_epi32::<4>(b)
+                            };
+                            let v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d1, m1);
+                            _mm256_storeu_ps(dst.add(32 * sub + 8 * c), v);
+                        }
+                    }
+                } else {
+                    q6_k_scales(f16, block, &mut s);
+                    for half in 0..2 {
+                        q6_k_bytes(block, half, &mut q);
+                        for c in 0..16 {
+                            let v = _mm_loadl_epi64(q.as_ptr().add(8 * c).cast());
+                            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+                            let v = _mm256_mul_ps(_mm256_set1_ps(s[8 * half + c / 2]), v);
+                            _mm256_storeu_ps(dst.add(128 * half + 8 * c), v);
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -346,7 +658,8 @@ pub(super) unsafe fn dequantize_rows(w: Rows, rows: Range<usize>, k: usize, out:
             BF16 => dequantize_rows_of::<BF16>(w, rows, k, out),
             Q8_0 => dequantize_rows_of::<Q8_0>(w, rows, k, out),
             Q4_0 => dequantize_rows_of::<Q4_0>(w, rows, k, out),
-            _ => dequantize_rows_of::<Q4_1>(w, rows, k, out),
+            Q4_1 => dequantize_rows_of::<Q4_1>(w, rows, k, out),
+            _ => unreachable!("{} is dequantized by the loader's code", w.dtype),
         }
     }
 }

@@ -21,6 +21,12 @@
 //! the loader's arithmetic (see `load`); the loop runs 32 elements a turn (one quantization
 //! block, two chunks) so a block's scales are read once.
 //!
+//! Q4_K and Q6_K rows at batch 1 take [`kernel_k_quant_1`]: each super-block of 256 decoded
+//! in registers (the loader's values, see there) into the same accumulators in the same
+//! order; Q5_0 and Q5_1 rows at batch 1 take [`kernel_five_bit_1`], a block's 32 values
+//! looked up in two registers. Batched, they go through an f32 scratch (the parent's
+//! `run_rows_dequantized`; the K-quants' filled by [`dequantize_k_rows`]).
+//!
 //! Q4_0 and Q4_1 rows held in groups of four ([`crate::weights::row_groups`]: how a segment
 //! holds them on AVX-512) are read as held by the batch-1 rows ([`kernel_groups`]) and the
 //! panels ([`pack_groups`]); `run_rows` hands every other row to these tiles in the file's
@@ -33,7 +39,8 @@ use std::ops::Range;
 use super::{
     block_scales, dtype_code as code, scalar_at, whole_groups, Rows, Tile, GROUP_ROWS, PANEL,
 };
-use super::{BF16, F16, F32, Q4_0, Q4_1, Q8_0};
+use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0};
+use crate::dtype::WeightDtype;
 
 /// W rows of the batched tile (the parent's block sizes, multiples of 24, are multiples of it).
 pub(super) const ROWS: usize = 4;
@@ -49,7 +56,11 @@ pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
             BF16 => tile_of::<BF16>(x, out, t),
             Q8_0 => tile_of::<Q8_0>(x, out, t),
             Q4_0 => tile_of::<Q4_0>(x, out, t),
-            _ => tile_of::<Q4_1>(x, out, t),
+            Q4_1 => tile_of::<Q4_1>(x, out, t),
+            Q4_K => tile_of::<Q4_K>(x, out, t),
+            Q6_K => tile_of::<Q6_K>(x, out, t),
+            Q5_0 => tile_of::<Q5_0>(x, out, t),
+            _ => tile_of::<Q5_1>(x, out, t),
         }
     }
 }
@@ -57,6 +68,40 @@ pub(super) unsafe fn tile(x: &[f32], out: *mut f32, t: &Tile) {
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn tile_of<const D: u8>(x: &[f32], out: *mut f32, t: &Tile) {
     let xp = x.as_ptr();
+    if matches!(D, Q5_0 | Q5_1) {
+        // Only batch 1 comes here (`run_part`: batched steps take an f32 scratch).
+        assert_eq!(t.x_rows.len(), 1, "5-bit tiles are batch 1");
+        let (i, mut j) = (t.x_rows.start, t.w_rows.start);
+        while j + K_ROWS <= t.w_rows.end {
+            // SAFETY (both calls): row i of x and rows j.. of w lie inside the tile, which
+            // the caller checked.
+            unsafe { kernel_five_bit_1::<D, K_ROWS>(xp, out, t, i, j, t.prefetch) };
+            j += K_ROWS;
+        }
+        while j < t.w_rows.end {
+            unsafe { kernel_five_bit_1::<D, 1>(xp, out, t, i, j, t.prefetch) };
+            j += 1;
+        }
+        return;
+    }
+    if matches!(D, Q4_K | Q6_K) {
+        // Only batch 1 comes here (`run_part`: batched steps take an f32 scratch).
+        assert_eq!(t.x_rows.len(), 1, "K-quant tiles are batch 1");
+        let (i, mut j) = (t.x_rows.start, t.w_rows.start);
+        // The activation row itself (k floats, checked here).
+        let xk = x[i * t.k..(i + 1) * t.k].as_ptr();
+        while j + K_ROWS <= t.w_rows.end {
+            // SAFETY (both calls): the activation row at `xk` holds k floats, and rows j..
+            // of w lie inside the tile, which the caller checked.
+            unsafe { kernel_k_quant_1::<D, K_ROWS>(xk, out, t, i, j, t.prefetch) };
+            j += K_ROWS;
+        }
+        while j < t.w_rows.end {
+            unsafe { kernel_k_quant_1::<D, 1>(xk, out, t, i, j, t.prefetch) };
+            j += 1;
+        }
+        return;
+    }
     if matches!(D, Q4_0 | Q4_1) && t.w.grouped > 0 {
         // Row groups: `run_rows` sends only whole groups here (every other row in the
         // file's layout), and only one to three activation rows (more take the panels).
@@ -319,7 +364,8 @@ pub(super) unsafe fn pack_rows(
             BF16 => pack_rows_of::<BF16>(w, rows, fetch_end, k, out),
             Q8_0 => pack_rows_of::<Q8_0>(w, rows, fetch_end, k, out),
             Q4_0 => pack_rows_of::<Q4_0>(w, rows, fetch_end, k, out),
-            _ => pack_rows_of::<Q4_1>(w, rows, fetch_end, k, out),
+            Q4_1 => pack_rows_of::<Q4_1>(w, rows, fetch_end, k, out),
+            _ => unreachable!("{} is packed through an f32 scratch", w.dtype),
         }
     }
 }
@@ -670,6 +716,428 @@ unsafe fn kernel_quantized_1<const D: u8, const R: usize>(
     for (r, &sum) in sums.iter().enumerate() {
         // SAFETY: (i, j + r) is inside the m × n output.
         unsafe { out.add(i * t.n + j + r).write(sum) };
+    }
+}
+
+/// W rows of the batch-1 K-quant kernel ([`kernel_k_quant_1`]).
+const K_ROWS: usize = 8;
+
+/// [`kernel`] for one activation row against R rows of a K-quant (Q4_K, Q6_K; super-blocks
+/// of 256 elements, rows in the file's layout): each 16-lane accumulator takes its row's
+/// chunks of 16 in order with fused multiply-adds, then the fixed tree, so the bits of the
+/// f32 tiles over the loader's values ([`crate::dtype::dequantize_into`]). The weights are
+/// decoded in registers a super-block at a time ([`q4_k_super_block`],
+/// [`q6_k_super_block`]), each activation chunk loaded once for the R rows, whose
+/// multiply-adds interleave: the R accumulators are independent chains, so the FMA latency
+/// hides behind them. (One row's 16 chunks in a row, one chain, ran at the FMA latency: the
+/// layer matmuls of a Q4_K_M decode step took 8.2 ms against 3.5 here.)
+///
+/// # Safety
+/// Rows j..j+R of the tile and row i of x lie inside their slices; `k` is a multiple of 256.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn kernel_k_quant_1<const D: u8, const R: usize>(
+    x: *const f32,
+    out: *mut f32,
+    t: &Tile,
+    i: usize,
+    j: usize,
+    prefetch: bool,
+) {
+    let (k, w) = (t.k, t.w);
+    assert_eq!(k % 256, 0, "a K-quant row is whole super-blocks");
+    let block_bytes = w.dtype.block_bytes();
+    let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
+    let f16 = super::f16_table();
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..k / 256 {
+        let at = b * block_bytes;
+        if prefetch {
+            // As in `kernel_quantized_1`: this super-block's bytes (144 or 210, three or four
+            // lines) two steps of R rows ahead, into L2 on every vendor: these kernels are
+            // bound by their instructions, and on Zen 4 a prefetch into L1 held the fill
+            // buffers their own loads need (decode of the Q4_K_M file in
+            // `docs/model-benchmarks.md`: 126-128 tok/s into L1, 138-146 into L2, three
+            // interleaved pairs of `ferry bench model`; one group ahead and four measured
+            // within noise of two).
+            for row in rows {
+                let line = row.wrapping_add(2 * R * w.row_bytes + at);
+                for off in [0, 64, 128, block_bytes - 1] {
+                    super::prefetch_weights(line.wrapping_add(off), true);
+                }
+            }
+        }
+        let blocks = rows.map(|row| row.wrapping_add(at));
+        let xb = x.wrapping_add(256 * b);
+        // SAFETY: each super-block lies inside its row, its 256 activations inside x.
+        unsafe {
+            if D == Q4_K {
+                q4_k_super_block(f16, xb, &blocks, &mut acc);
+            } else {
+                q6_k_super_block(f16, xb, &blocks, &mut acc);
+            }
+        }
+    }
+    let [sums] = joint_sums(&[acc]);
+    for (r, &sum) in sums.iter().enumerate() {
+        // SAFETY: (i, j + r) is inside the m × n output.
+        unsafe { out.add(i * t.n + j + r).write(sum) };
+    }
+}
+
+/// The multiply-adds of one Q4_K super-block of each of R rows (`blocks`) against the 256
+/// activations at `x`, each row's 16 chunks in order into its accumulator. Sub-block `s`'s
+/// value for nibble `q` is the loader's `(d * sc_s) * q - dmin * m_s`: `d * sc_s` and
+/// `dmin * m_s` are made 8 at a time (the same single roundings), and each sub-block's 16
+/// values are one fused multiply-add, `q * d1 + (-m1)`, which gives the loader's bits
+/// because `d1 * q` is exact in f32 (an 11-bit f16 significand times a 6-bit and a 4-bit
+/// integer); the nibbles index that table (`vpermps` reads the low 4 bits). Each 32 bytes of
+/// nibbles hold sub-block `2i` in their low nibbles and `2i + 1` in the high ones.
+///
+/// # Safety
+/// Each super-block's 144 bytes and the 256 floats at `x` are readable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q4_k_super_block<const R: usize>(
+    f16: &[f32; 1 << 16],
+    x: *const f32,
+    blocks: &[*const u8; R],
+    acc: &mut [__m512; R],
+) {
+    // Each row's d * sc (8) then -(dmin * m) (8), read back as broadcasts.
+    let mut scales = [[0.0f32; 16]; R];
+    for (s, &block) in scales.iter_mut().zip(blocks) {
+        // SAFETY: inside the super-block, as the caller promised.
+        unsafe { q4_k_scales(f16, block, s) };
+    }
+    let scales = std::hint::black_box(&scales);
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    for pair in 0..4 {
+        // SAFETY (every read): inside the activations or the super-blocks.
+        let xv: [__m512; 4] =
+            std::array::from_fn(|c| unsafe { _mm512_loadu_ps(x.add(64 * pair + 16 * c)) });
+        for r in 0..R {
+            let s = &scales[r];
+            let table = [2 * pair, 2 * pair + 1]
+                .map(|q| _mm512_fmadd_ps(iota, _mm512_set1_ps(s[q]), _mm512_set1_ps(s[8 + q])));
+            let qs = blocks[r].wrapping_add(16 + 32 * pair);
+            // SAFETY: 16 of the super-block's nibble bytes each.
+            let b =
+                [0, 16].map(|h| unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h).cast())) });
+            let idx = [
+                b[0],
+                b[1],
+                _mm512_srli_epi32::<4>(b[0]),
+                _mm512_srli_epi32::<4>(b[1]),
+            ];
+            for c in 0..4 {
+                let w = _mm512_permutexvar_ps(idx[c], table[c / 2]);
+                acc[r] = _mm512_fmadd_ps(xv[c], w, acc[r]);
+            }
+        }
+    }
+}
+
+/// [`kernel`] for one activation row against R rows of Q5_0 or Q5_1 (blocks of 32: f16 `d`
+/// (and `m`), 32 bits of fifth bits, 16 bytes of nibbles): each 16-lane accumulator takes its
+/// row's chunks of 16 in order with fused multiply-adds, the rows' chains interleaved block
+/// by block. A block's 32 possible values are two registers, the loader's `d * (q - 16)`
+/// (Q5_0: the same multiplication) or `d * q + m` (Q5_1: one fused multiply-add, exact
+/// because `d * q` is: an 11-bit significand times a 5-bit integer), looked up with
+/// `vpermt2ps`, whose index takes 5 bits: the nibble, and 16 where the element's fifth bit
+/// (a mask register straight from the block's 32 bits) is set.
+///
+/// # Safety
+/// Rows j..j+R of the tile and row i of x lie inside their slices; `k` is a multiple of 32.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn kernel_five_bit_1<const D: u8, const R: usize>(
+    x: *const f32,
+    out: *mut f32,
+    t: &Tile,
+    i: usize,
+    j: usize,
+    prefetch: bool,
+) {
+    let (k, w) = (t.k, t.w);
+    assert_eq!(k % 32, 0, "a 5-bit row is whole blocks");
+    let block_bytes = w.dtype.block_bytes();
+    // The fifth bits after the scales, then the nibbles.
+    let qh_at = if D == Q5_1 { 4 } else { 2 };
+    let rows: [*const u8; R] = std::array::from_fn(|r| w.ptr.wrapping_add((j + r) * w.row_bytes));
+    let xr = x.wrapping_add(i * k);
+    let f16 = super::f16_table();
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    // q for the two halves of the table (Q5_0: q - 16, exact).
+    let q = if D == Q5_0 {
+        [_mm512_sub_ps(iota, _mm512_set1_ps(16.0)), iota]
+    } else {
+        [iota, _mm512_add_ps(iota, _mm512_set1_ps(16.0))]
+    };
+    let low4 = _mm512_set1_epi32(0x0f);
+    let fifth = _mm512_set1_epi32(0x10);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for p in (0..k).step_by(32) {
+        let at = p / 32 * block_bytes;
+        if prefetch {
+            // As in `kernel_k_quant_1`: this block's bytes two steps of R rows ahead, into L2.
+            for row in rows {
+                let line = row.wrapping_add(2 * R * w.row_bytes + at);
+                super::prefetch_weights(line, true);
+                super::prefetch_weights(line.wrapping_add(block_bytes - 1), true);
+            }
+        }
+        // SAFETY: p + 32 <= k inside row i.
+        let xv = unsafe { [0, 16].map(|h| _mm512_loadu_ps(xr.add(p + h))) };
+        for (a, &row) in acc.iter_mut().zip(&rows) {
+            let block = row.wrapping_add(at);
+            // SAFETY (every read): the block lies inside the row.
+            let ([d, m], qh, bytes) = unsafe {
+                (
+                    block_scales(f16, block, D == Q5_1),
+                    block.add(qh_at).cast::<u32>().read_unaligned(),
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(qh_at + 4).cast())),
+                )
+            };
+            let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
+            let table = q.map(|q| {
+                if D == Q5_0 {
+                    _mm512_mul_ps(d, q)
+                } else {
+                    _mm512_fmadd_ps(q, d, m)
+                }
+            });
+            let low = _mm512_and_si512(bytes, low4);
+            let high = _mm512_srli_epi32::<4>(bytes);
+            // Elements 0..16 take bits 0..16 of qh, 16..32 the rest.
+            let idx = [
+                _mm512_mask_or_epi32(low, qh as u16, low, fifth),
+                _mm512_mask_or_epi32(high, (qh >> 16) as u16, high, fifth),
+            ];
+            for (&xh, idx) in xv.iter().zip(idx) {
+                let v = _mm512_permutex2var_ps(table[0], idx, table[1]);
+                *a = _mm512_fmadd_ps(xh, v, *a);
+            }
+        }
+    }
+    let [sums] = joint_sums(&[acc]);
+    for (r, &sum) in sums.iter().enumerate() {
+        // SAFETY: (i, j + r) is inside the m × n output.
+        unsafe { out.add(i * t.n + j + r).write(sum) };
+    }
+}
+
+/// Rows `rows` of K-quant `w` (Q4_K, Q6_K) dequantized into `out` (`rows.len() × k`): the
+/// loader's values, decoded as the batch-1 kernels decode them and stored, for the batched
+/// steps' f32 scratch (the loader's scalar code took 162 ns per Q4_K super-block and 581 per
+/// Q6_K one on a Zen 4 core; this takes a few).
+///
+/// # Safety
+/// The rows lie inside `w`'s memory, `k` is a multiple of 256, and `out` holds the rows.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn dequantize_k_rows(w: Rows, rows: Range<usize>, k: usize, out: &mut [f32]) {
+    assert!(
+        k.is_multiple_of(256) && out.len() >= rows.len() * k,
+        "dequantize_k_rows: shapes"
+    );
+    let f16 = super::f16_table();
+    let block_bytes = w.dtype.block_bytes();
+    for (j, o) in rows.zip(out.chunks_exact_mut(k)) {
+        let row = w.ptr.wrapping_add(j * w.row_bytes);
+        for b in 0..k / 256 {
+            // SAFETY: the super-block lies inside the row, its 256 places inside `o`.
+            unsafe {
+                let (block, dst) = (row.add(b * block_bytes), o.as_mut_ptr().add(256 * b));
+                match w.dtype {
+                    WeightDtype::Q4_K => q4_k_values(f16, block, dst),
+                    _ => q6_k_values(f16, block, dst),
+                }
+            }
+        }
+    }
+}
+
+/// One Q4_K super-block's 256 values into `dst`, made as [`q4_k_super_block`] makes them.
+///
+/// # Safety
+/// The super-block's 144 bytes are readable and 256 floats at `dst` writable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q4_k_values(f16: &[f32; 1 << 16], block: *const u8, dst: *mut f32) {
+    let mut s = [0.0f32; 16];
+    // SAFETY (every access): inside the super-block or `dst`, as the caller promised.
+    unsafe {
+        q4_k_scales(f16, block, &mut s);
+        let iota = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        for pair in 0..4 {
+            let table = [2 * pair, 2 * pair + 1]
+                .map(|q| _mm512_fmadd_ps(iota, _mm512_set1_ps(s[q]), _mm512_set1_ps(s[8 + q])));
+            let qs = block.add(16 + 32 * pair);
+            let b = [0, 16].map(|h| _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.add(h).cast())));
+            let idx = [
+                b[0],
+                b[1],
+                _mm512_srli_epi32::<4>(b[0]),
+                _mm512_srli_epi32::<4>(b[1]),
+            ];
+            for (c, &idx) in idx.iter().enumerate() {
+                let v = _mm512_permutexvar_ps(idx, table[c / 2]);
+                _mm512_storeu_ps(dst.add(64 * pair + 16 * c), v);
+            }
+        }
+    }
+}
+
+/// One Q6_K super-block's 256 values into `dst`, made as [`q6_k_super_block`] makes them.
+///
+/// # Safety
+/// The super-block's 210 bytes are readable and 256 floats at `dst` writable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q6_k_values(f16: &[f32; 1 << 16], block: *const u8, dst: *mut f32) {
+    // SAFETY (every access): inside the super-block or `dst`, as the caller promised.
+    unsafe {
+        let [d, _] = block_scales(f16, block.add(208), false);
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(192).cast())));
+        let mut dsc = [0.0f32; 16];
+        _mm512_storeu_ps(dsc.as_mut_ptr(), _mm512_mul_ps(_mm512_set1_ps(d), sc));
+        let mut q = [0i8; 128];
+        for half in 0..2 {
+            q6_k_bytes(block, half, &mut q);
+            for c in 0..8 {
+                let v = _mm_loadu_si128(q.as_ptr().add(16 * c).cast());
+                let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+                let w = _mm512_mul_ps(_mm512_set1_ps(dsc[8 * half + c]), v);
+                _mm512_storeu_ps(dst.add(128 * half + 16 * c), w);
+            }
+        }
+    }
+}
+
+/// A Q4_K super-block's `d * sc` for its 8 sub-blocks into `out[..8]` and `-(dmin * m)`
+/// into `out[8..]` (`-dmin * m`: rounding is symmetric in sign), the 6-bit scales and mins
+/// unpacked as ggml does.
+///
+/// # Safety
+/// The super-block's first 16 bytes are readable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q4_k_scales(f16: &[f32; 1 << 16], block: *const u8, out: &mut [f32; 16]) {
+    const K1: u32 = 0x3f3f_3f3f;
+    const K2: u32 = 0x0f0f_0f0f;
+    const K3: u32 = 0x0303_0303;
+    // SAFETY (every read): the block's first 16 bytes, as the caller promised.
+    unsafe {
+        let [d, dmin] = block_scales(f16, block, true);
+        let s = block.add(4).cast::<u32>();
+        let (s0, s1, s2) = (
+            s.read_unaligned(),
+            s.add(1).read_unaligned(),
+            s.add(2).read_unaligned(),
+        );
+        let packed = [
+            s0 & K1,
+            (s2 & K2) | (((s0 >> 6) & K3) << 4),
+            s1 & K1,
+            ((s2 >> 4) & K2) | (((s1 >> 6) & K3) << 4),
+        ];
+        let v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+            packed.as_ptr().cast(),
+        )));
+        let dv = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin));
+        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(dv, v));
+    }
+}
+
+/// [`q4_k_super_block`] for Q6_K super-blocks (128 bytes of low nibbles, 64 of 2-bit highs,
+/// 16 i8 scales, f16 `d`): element `e` is the loader's `(d * sc[e / 16]) * (q - 32)`, each
+/// chunk of 16 one sub-block. The 6-bit values are put together 64 at a time in bytes (each
+/// half of 128 elements: its 64 bytes of `ql` give elements 0..64 by their low nibbles and
+/// 64..128 by their high ones, and its 32 bytes of `qh`, in both 256-bit halves, the two
+/// high bits of each), then widened chunk by chunk and multiplied by the chunk's `d * sc`
+/// (made 16 at a time, the loader's rounding).
+///
+/// # Safety
+/// Each super-block's 210 bytes and the 256 floats at `x` are readable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q6_k_super_block<const R: usize>(
+    f16: &[f32; 1 << 16],
+    x: *const f32,
+    blocks: &[*const u8; R],
+    acc: &mut [__m512; R],
+) {
+    let mut dsc = [[0.0f32; 16]; R];
+    for (out, &block) in dsc.iter_mut().zip(blocks) {
+        // SAFETY (both reads): the scales and d, inside the super-block.
+        unsafe {
+            let [d, _] = block_scales(f16, block.add(208), false);
+            let sc =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(192).cast())));
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(_mm512_set1_ps(d), sc));
+        }
+    }
+    let dsc = std::hint::black_box(&dsc);
+    let mut q = [[0i8; 128]; R];
+    for half in 0..2 {
+        for (q, &block) in q.iter_mut().zip(blocks) {
+            // SAFETY: inside the super-block.
+            unsafe { q6_k_bytes(block, half, q) };
+        }
+        let q = std::hint::black_box(&q);
+        for c in 0..8 {
+            // SAFETY (every read): inside the activations, or the rows' 128 bytes.
+            let xv = unsafe { _mm512_loadu_ps(x.add(128 * half + 16 * c)) };
+            for r in 0..R {
+                let v = unsafe { _mm_loadu_si128(q[r].as_ptr().add(16 * c).cast()) };
+                let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+                let w = _mm512_mul_ps(_mm512_set1_ps(dsc[r][8 * half + c]), v);
+                acc[r] = _mm512_fmadd_ps(xv, w, acc[r]);
+            }
+        }
+    }
+}
+
+/// The 6-bit values `q - 32` of half `half` (128 elements) of the Q6_K super-block at
+/// `block`, as i8 in element order into `q`: its 64 bytes of `ql` give elements 0..64 by
+/// their low nibbles and 64..128 by their high ones, its 32 bytes of `qh` (in both 256-bit
+/// halves) the two high bits of each: elements 0..32 bits 0-1, 32..64 bits 2-3, 64..96 bits
+/// 4-5, 96..128 bits 6-7, each moved to bits 4-5 (16-bit shifts: the mask drops what
+/// crossed a byte).
+///
+/// # Safety
+/// The super-block's 210 bytes are readable.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q6_k_bytes(block: *const u8, half: usize, q: &mut [i8; 128]) {
+    let low4 = _mm512_set1_epi8(0x0f);
+    let bits45 = _mm512_set1_epi8(0x30);
+    let bias = _mm512_set1_epi8(32);
+    // Bytes 32..64: the second 32 elements of each 64.
+    let upper: __mmask64 = 0xffff_ffff_0000_0000;
+    // SAFETY (every access): inside the super-block, as the caller promised, or `q`.
+    unsafe {
+        let ql = _mm512_loadu_si512(block.add(64 * half).cast());
+        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * half).cast()));
+        let high_a = _mm512_mask_blend_epi8(
+            upper,
+            _mm512_slli_epi16::<4>(qh),
+            _mm512_slli_epi16::<2>(qh),
+        );
+        let high_b = _mm512_mask_blend_epi8(upper, qh, _mm512_srli_epi16::<2>(qh));
+        let a = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_and_si512(high_a, bits45));
+        let b = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4),
+            _mm512_and_si512(high_b, bits45),
+        );
+        _mm512_storeu_si512(q.as_mut_ptr().cast(), _mm512_sub_epi8(a, bias));
+        _mm512_storeu_si512(q.as_mut_ptr().add(64).cast(), _mm512_sub_epi8(b, bias));
     }
 }
 

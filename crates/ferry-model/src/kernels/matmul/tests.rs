@@ -330,3 +330,53 @@ fn extreme_scales_dequantize_exactly() {
         }
     }
 }
+
+/// The K-quant and 5-bit kernels read every bit of a block as the loader does: rows of
+/// arbitrary bytes (all six bits of Q4_K's packed scales and mins, Q6_K's negative i8
+/// scales and every 6-bit value, every fifth bit), with f16 scales that are negative,
+/// subnormal, large or zero, give the bits of their f32 dequantization at batch 1 (the
+/// register kernels, 8 and 4 rows at a time and single rows after them) and batched (the
+/// f32 scratch, filled by the same decoding on AVX-512).
+#[test]
+fn by_rows_blocks_of_any_bits_give_the_bits_of_their_f32_dequantization() {
+    use crate::weights::buf::ByteBuf;
+    use crate::weights::matrix::Segment;
+    let scales: [u16; 8] = [
+        0x3c00, 0xb800, 0x0001, 0x03ff, 0x7bff, 0x0000, 0x8000, 0x2e66,
+    ];
+    for dtype in WeightDtype::BY_ROWS {
+        for (k, rows) in [(256, 13), (768, 37)] {
+            let n_bytes = dtype.row_bytes(k).unwrap() * rows;
+            let mut bytes: Vec<u8> = pseudo(n_bytes, 21 + k as u32)
+                .iter()
+                .map(|v| ((v + 0.5) * 255.99) as u8)
+                .collect();
+            // Finite f16 scales (random bytes would hold NaNs, whose payloads are not the point).
+            for (b, block) in bytes.chunks_exact_mut(dtype.block_bytes()).enumerate() {
+                let (d, dmin) = (scales[b % 8], scales[(b / 8 + 3 * b) % 8]);
+                match dtype {
+                    WeightDtype::Q4_K | WeightDtype::Q5_1 => {
+                        block[..2].copy_from_slice(&d.to_le_bytes());
+                        block[2..4].copy_from_slice(&dmin.to_le_bytes());
+                    }
+                    WeightDtype::Q6_K => block[208..].copy_from_slice(&d.to_le_bytes()),
+                    _ => block[..2].copy_from_slice(&d.to_le_bytes()),
+                }
+            }
+            let segment = Segment::new(dtype, rows, k, ByteBuf::from_slice(&bytes)).unwrap();
+            let w = Matrix::new(k, vec![segment]);
+            let w32 = w.to_f32();
+            assert!(w32.iter().all(|v| v.is_finite()), "{dtype}: finite values");
+            let x = pseudo(3 * k, 22);
+            for isa in isas() {
+                for m in [1, 3] {
+                    let (mut got, mut want) = (vec![0.0; m * rows], vec![0.0; m * rows]);
+                    matmul_with(isa, &x[..m * k], &w, &mut got, m);
+                    matmul_f32_with(isa, &x[..m * k], &w32, &mut want, m, rows, k);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{dtype} {isa:?} k={k} m={m}");
+                }
+            }
+        }
+    }
+}
