@@ -39,12 +39,22 @@ use crate::one_sided::{Exposed, OneSided, Remote};
 const BUSY_POLL: Duration = Duration::from_millis(20);
 const GENTLE_POLL: Duration = Duration::from_secs(1);
 
+/// UCX settings [`load_library`] makes unless they are set: UCX's TCP transport moves a
+/// one-sided read in segments of this size (8 KiB by default), which held reads over TCP to
+/// 0.4–1 GB/s on loopback; with 512 KiB they ran at 3.9 GB/s (`ferry bench transfer
+/// --kv-transport nixl`, docs/benchmarks.md). Shared memory and RDMA do not use them.
+const UCX_DEFAULTS: [(&str, &str); 2] = [
+    ("UCX_TCP_TX_SEG_SIZE", "512k"),
+    ("UCX_TCP_RX_SEG_SIZE", "512k"),
+];
+
 /// The file the stub loads.
 const CAPI: &str = "libnixl_capi.so";
 
 /// Loads NIXL's C API (and, through its run path, NIXL and UCX) and checks it is the real
 /// library. With `dir`, from that folder by absolute path, and its `plugins` folder becomes
-/// `NIXL_PLUGIN_DIR` unless that is set; without, by the usual library path.
+/// `NIXL_PLUGIN_DIR` unless that is set; without, by the usual library path. Sets UCX's TCP
+/// segment size ([`UCX_DEFAULTS`]) unless it is set.
 ///
 /// Call it before any thread starts: it may set an environment variable.
 pub fn load_library(dir: Option<&Path>) -> Result<(), String> {
@@ -77,6 +87,11 @@ pub fn load_library(dir: Option<&Path>) -> Result<(), String> {
                 }
             };
             return Err(format!("loading {}: {why}", lib.display()));
+        }
+    }
+    for (var, value) in UCX_DEFAULTS {
+        if std::env::var_os(var).is_none() {
+            std::env::set_var(var, value);
         }
     }
     if nixl_sys::is_stub() {
