@@ -127,6 +127,19 @@ impl NixlDescriptor for Region {
     }
 }
 
+/// D's view of one P: the agent its metadata names, the generation, reads in flight, and
+/// whether a read ended without completing (cut short by a cancel, a timeout or an error) since
+/// the metadata was loaded. The connection such a read leaves may be stuck (seen after a link
+/// cut: the next read on it never ended), so a suspect peer's metadata is dropped and loaded
+/// again, which makes a new connection, as soon as no read uses it.
+#[derive(Debug)]
+struct Peer {
+    agent: String,
+    generation: u64,
+    in_flight: usize,
+    suspect: bool,
+}
+
 /// The [`OneSided`] of `--kv-transport nixl`; see the module doc.
 pub struct NixlReads {
     state: Arc<State>,
@@ -139,8 +152,8 @@ struct State {
     /// Changes whenever registered memory changes; starts random, so a restarted P never
     /// repeats a generation a peer holds.
     generation: AtomicU64,
-    /// D: the agent name and generation of the metadata loaded for each P address.
-    remotes: Mutex<HashMap<SocketAddr, (String, u64)>>,
+    /// D: what is loaded for each P address.
+    remotes: Mutex<HashMap<SocketAddr, Peer>>,
 }
 
 impl std::fmt::Debug for NixlReads {
@@ -211,27 +224,52 @@ impl State {
         Ok(())
     }
 
-    /// Loads P's metadata for `peer` when it sent one, dropping what was loaded before;
-    /// returns the agent name to read from.
-    fn remote(&self, peer: SocketAddr, remote: &Remote<'_>) -> Result<String, String> {
+    /// Begins a read from `peer`: loads P's metadata when it sent one for a generation not
+    /// loaded (or the peer is suspect and idle), dropping what was loaded before; returns the
+    /// agent name to read from. Every `Ok` is paired with an [`State::end_read`].
+    fn begin_read(&self, peer: SocketAddr, remote: &Remote<'_>) -> Result<String, String> {
         let mut remotes = lock(&self.remotes);
-        let held = remotes.get(&peer).map(|(_, g)| *g);
-        // Reads that began together all get P's metadata; the first loads it, the others
-        // find that generation loaded (reloading it would cut the first one's read short).
-        if let (Some(metadata), false) = (remote.metadata, held == Some(remote.generation)) {
-            if let Some((old, _)) = remotes.remove(&peer) {
-                // A stale metadata may name freed memory: never read through it again.
-                let _ = self.agent.invalidate_remote_md(&old);
+        let reload = match remotes.get(&peer) {
+            None => true,
+            Some(p) if p.generation != remote.generation => true,
+            // Reads that began together all get P's metadata; the first loads it, the others
+            // find that generation loaded (reloading it would cut the first one's read short).
+            Some(p) => p.suspect && p.in_flight == 0,
+        };
+        if let (Some(metadata), true) = (remote.metadata, reload) {
+            if let Some(old) = remotes.remove(&peer) {
+                // Stale metadata may name freed memory, a suspect one a stuck connection:
+                // never read through it again.
+                let _ = self.agent.invalidate_remote_md(&old.agent);
             }
-            let name = self
+            let agent = self
                 .agent
                 .load_remote_md(metadata)
                 .map_err(|e| format!("loading P's NIXL metadata: {e}"))?;
-            remotes.insert(peer, (name, remote.generation));
+            remotes.insert(
+                peer,
+                Peer {
+                    agent,
+                    generation: remote.generation,
+                    in_flight: 0,
+                    suspect: false,
+                },
+            );
         }
-        match remotes.get(&peer) {
-            Some((name, generation)) if *generation == remote.generation => Ok(name.clone()),
+        match remotes.get_mut(&peer) {
+            Some(p) if p.generation == remote.generation => {
+                p.in_flight += 1;
+                Ok(p.agent.clone())
+            }
             _ => Err("P sent no metadata for a generation this reader does not hold".into()),
+        }
+    }
+
+    /// Ends a read [`State::begin_read`] began; `completed: false` makes the peer suspect.
+    fn end_read(&self, peer: SocketAddr, completed: bool) {
+        if let Some(p) = lock(&self.remotes).get_mut(&peer) {
+            p.in_flight = p.in_flight.saturating_sub(1);
+            p.suspect |= !completed;
         }
     }
 }
@@ -260,8 +298,12 @@ impl OneSided for NixlReads {
         })
     }
 
+    /// 0 for a suspect peer, so P sends its metadata again.
     fn known(&self, peer: SocketAddr) -> u64 {
-        lock(&self.state.remotes).get(&peer).map_or(0, |(_, g)| *g)
+        match lock(&self.state.remotes).get(&peer) {
+            Some(p) if !p.suspect => p.generation,
+            _ => 0,
+        }
     }
 
     fn read(
@@ -278,7 +320,23 @@ impl OneSided for NixlReads {
         }
         // The destination must be registered too (an RDMA write lands in it).
         self.state.register(dst)?;
-        let name = self.state.remote(peer, &remote)?;
+        let name = self.state.begin_read(peer, &remote)?;
+        let read = self.read_from(&name, &remote, dst, deadline, cancelled);
+        self.state.end_read(peer, read.is_ok());
+        read
+    }
+}
+
+impl NixlReads {
+    /// One read from the agent `name` (see [`OneSided::read`]).
+    fn read_from(
+        &self,
+        name: &str,
+        remote: &Remote<'_>,
+        dst: &mut BlockGrant,
+        deadline: Instant,
+        cancelled: &AtomicBool,
+    ) -> Result<(), String> {
         let block_bytes = dst.layout().block_bytes();
         let descs = || XferDescList::new(MemType::Dram).map_err(|e| e.to_string());
         let (mut local, mut from) = (descs()?, descs()?);
@@ -288,7 +346,7 @@ impl OneSided for NixlReads {
         }
         let agent = &self.state.agent;
         let request = agent
-            .create_xfer_req(XferOp::Read, &local, &from, &name, None)
+            .create_xfer_req(XferOp::Read, &local, &from, name, None)
             .map_err(|e| format!("preparing the read: {e}"))?;
         let posted = Instant::now();
         let mut in_progress = agent
