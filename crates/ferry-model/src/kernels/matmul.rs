@@ -292,6 +292,29 @@ unsafe fn block_scales(table: &[f32; 1 << 16], block: *const u8, with_m: bool) -
     [d, if with_m { table[usize::from(at(2))] } else { d }]
 }
 
+/// A Q4_K super-block's eight 6-bit scales (bytes 0..8 of the result) and eight 6-bit mins
+/// (bytes 8..16), unpacked from its 12 packed bytes four at a time: ggml's
+/// `get_scale_min_k4` word by word (the loader's [`crate::load::gguf::q4_k_scale_min`] byte
+/// by byte), for the SIMD kernels to widen.
+///
+/// # Safety
+/// The super-block's first 16 bytes are readable.
+#[inline(always)]
+unsafe fn q4_k_scales_mins(block: *const u8) -> [u32; 4] {
+    const K1: u32 = 0x3f3f_3f3f;
+    const K2: u32 = 0x0f0f_0f0f;
+    const K3: u32 = 0x0303_0303;
+    // SAFETY: bytes 4..16 of the super-block, as the caller promised; unaligned reads.
+    let s = |i: usize| unsafe { block.add(4 + 4 * i).cast::<u32>().read_unaligned() };
+    let (s0, s1, s2) = (s(0), s(1), s(2));
+    [
+        s0 & K1,
+        (s2 & K2) | (((s0 >> 6) & K3) << 4),
+        s1 & K1,
+        ((s2 >> 4) & K2) | (((s1 >> 6) & K3) << 4),
+    ]
+}
+
 thread_local! {
     /// The activations packed into panels, reused from step to step.
     static XPACK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };

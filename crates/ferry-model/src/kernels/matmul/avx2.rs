@@ -364,24 +364,10 @@ unsafe fn q6_k_super_block<const R: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn q4_k_scales(f16: &[f32; 1 << 16], block: *const u8, out: &mut [f32; 16]) {
-    const K1: u32 = 0x3f3f_3f3f;
-    const K2: u32 = 0x0f0f_0f0f;
-    const K3: u32 = 0x0303_0303;
     // SAFETY (every read): the super-block's first 16 bytes, as the caller promised.
     unsafe {
         let [d, dmin] = block_scales(f16, block, true);
-        let s = block.add(4).cast::<u32>();
-        let (s0, s1, s2) = (
-            s.read_unaligned(),
-            s.add(1).read_unaligned(),
-            s.add(2).read_unaligned(),
-        );
-        let packed = [
-            s0 & K1,
-            (s2 & K2) | (((s0 >> 6) & K3) << 4),
-            s1 & K1,
-            ((s2 >> 4) & K2) | (((s1 >> 6) & K3) << 4),
-        ];
+        let packed = super::q4_k_scales_mins(block);
         let bytes = _mm_loadu_si128(packed.as_ptr().cast());
         let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
         let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(bytes)));
