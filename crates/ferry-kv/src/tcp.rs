@@ -811,9 +811,8 @@ async fn read_blocks(
     addr: SocketAddr,
 ) -> Result<(), FetchError> {
     let t = inner.config.io_timeout;
-    let mut msg = Vec::new();
-    write_pull(&mut msg, spec);
-    msg[0] = REQUEST_READ;
+    let mut msg = vec![REQUEST_READ];
+    put_pull_fields(&mut msg, spec);
     msg.extend_from_slice(&one_sided.known(addr).to_le_bytes());
     let opened = request(inner, addr, &msg, "read");
     let mut stream = tokio::select! {
@@ -1673,6 +1672,11 @@ fn check_hello(hello: &Hello, config: &TcpTransportConfig) -> Result<(), Transpo
 
 fn write_pull(buf: &mut Vec<u8>, spec: &FetchSpec) {
     buf.push(REQUEST_PULL);
+    put_pull_fields(buf, spec);
+}
+
+/// A pull's fields after its request byte (a *read* carries them too).
+fn put_pull_fields(buf: &mut Vec<u8>, spec: &FetchSpec) {
     put_string(buf, &spec.remote_engine_id);
     put_string(buf, &spec.token);
     put_string(buf, &spec.weight_version);
