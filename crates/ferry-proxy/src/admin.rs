@@ -181,7 +181,7 @@ fn clears_cache(path_and_query: &str) -> bool {
 }
 
 /// An instance's JSON answer; one that is not JSON is kept as a string.
-fn parse_body(body: &[u8]) -> Value {
+pub(crate) fn parse_body(body: &[u8]) -> Value {
     serde_json::from_slice(body)
         .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned()))
 }

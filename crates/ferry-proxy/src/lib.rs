@@ -30,11 +30,14 @@
 
 pub mod admin;
 pub mod fleet;
+pub mod front;
 pub mod generate;
 pub mod kv_index;
 pub mod kv_sub;
 pub mod metrics;
 pub mod routes;
+#[cfg(target_os = "linux")]
+pub mod splice;
 pub mod upload;
 pub mod upstream;
 pub mod versions;
@@ -190,13 +193,13 @@ pub fn router(config: ProxyConfig) -> Result<Router, ProxyError> {
     Ok(ferry_http::edge_layers(routes, api_key).with_state(state))
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves, then waits for open requests.
+/// Serves `router` on `listener` until `shutdown` resolves, then waits for open requests
+/// ([`front`]: a weight bucket's body goes to the instances without a copy through the
+/// proxy).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    front::serve(listener, router, shutdown).await
 }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderValue, Method};
+use axum::http::{HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
@@ -27,8 +27,10 @@ use ferry_http::extract::{random_id, ApiBytes, RequestId};
 use serde_json::{json, Map, Value};
 
 use crate::admin::{
-    broadcast_to, copies, merged, new_weight_version, summarise_noting, tee, InstanceResult,
+    broadcast_to, copies, merged, new_weight_version, parse_body, summarise_noting, tee,
+    InstanceResult,
 };
+use crate::front::SpliceSource;
 use crate::ProxyState;
 
 pub fn routes() -> Router<Arc<ProxyState>> {
@@ -274,10 +276,15 @@ async fn current(State(app): State<Arc<ProxyState>>) -> Response {
 
 /// `POST /weight_uploads/{upload_id}/buckets`: the body copied to every instance's upload as it
 /// arrives. A failure on any instance discards the upload everywhere.
+///
+/// Through the proxy's front door ([`crate::front`]) the body is still on the caller's
+/// connection ([`SpliceSource`]) and goes to the instances with splice, never through the
+/// proxy's memory ([`crate::splice`]); the answer's `spliced` says which way it went.
 async fn bucket(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(rid)): Extension<RequestId>,
     Path(id): Path<String>,
+    source: Option<Extension<SpliceSource>>,
     body: Body,
 ) -> Result<Response, Response> {
     let open = app.uploads.get(&id).map_err(IntoResponse::into_response)?;
@@ -286,18 +293,17 @@ async fn bucket(
             ApiError::conflict(format!("upload `{id}` is still beginning")).into_response(),
         );
     }
-    let (feed, bodies) = tee(body, open.ids.len());
-    let content_type = HeaderValue::from_static("application/octet-stream");
     let targets = paths(&open, "/buckets");
-    let send = broadcast_to(
-        &app,
-        &Method::POST,
-        &targets,
-        &rid,
-        Some(&content_type),
-        bodies,
-    );
-    let ((), results) = tokio::join!(feed, send);
+    let (results, spliced) = match source {
+        Some(Extension(source)) => match spliced(&app, &source, &targets, &rid).await {
+            Some(results) => (results, true),
+            None => (
+                copied(&app, &targets, &rid, source.into_body()).await,
+                false,
+            ),
+        },
+        None => (copied(&app, &targets, &rid, body).await, false),
+    };
     if !all_ok(&results) {
         discard_everywhere(&app, &open, &rid).await;
         return Err(summarise_noting(
@@ -307,7 +313,137 @@ async fn bucket(
         ));
     }
     app.uploads.update(&id, |u| u.n_buckets += 1);
-    Ok(reply(&results, &id))
+    let mut answer = merged(&results);
+    answer.insert("upload_id".into(), json!(id));
+    answer.insert("spliced".into(), json!(spliced));
+    Ok(Json(Value::Object(answer)).into_response())
+}
+
+/// The body read by the proxy and copied to every instance as it arrives.
+async fn copied(
+    app: &ProxyState,
+    targets: &[String],
+    rid: &str,
+    body: Body,
+) -> Vec<InstanceResult> {
+    let (feed, bodies) = tee(body, targets.len());
+    let content_type = HeaderValue::from_static("application/octet-stream");
+    let send = broadcast_to(
+        app,
+        &Method::POST,
+        targets,
+        rid,
+        Some(&content_type),
+        bodies,
+    );
+    let ((), results) = tokio::join!(feed, send);
+    results
+}
+
+/// The body moved from the caller's socket to every instance's with splice; `None` (the body
+/// untouched) where an instance is not at a plain `http://` address.
+#[cfg(target_os = "linux")]
+async fn spliced(
+    app: &ProxyState,
+    source: &SpliceSource,
+    targets: &[String],
+    rid: &str,
+) -> Option<Vec<InstanceResult>> {
+    use crate::upstream::UpstreamError;
+    use std::os::fd::AsRawFd;
+
+    let instances = app.fleet.all();
+    let mut legs = Vec::with_capacity(targets.len());
+    for (instance, path) in instances.iter().zip(targets) {
+        let url = reqwest::Url::parse(&instance.url).ok()?;
+        if url.scheme() != "http" {
+            return None;
+        }
+        let host = url.host_str()?;
+        let port = url.port_or_known_default()?;
+        let mut head = format!(
+            "POST {}{path} HTTP/1.1\r\nhost: {host}:{port}\r\n\
+             content-type: application/octet-stream\r\ncontent-length: {}\r\n\
+             connection: close\r\n",
+            url.path().trim_end_matches('/'),
+            source.len()
+        )
+        .into_bytes();
+        if HeaderValue::from_str(rid).is_ok() {
+            head.extend_from_slice(format!("x-request-id: {rid}\r\n").as_bytes());
+        }
+        if let Some(key) = app.upstream.authorization() {
+            head.extend_from_slice(b"authorization: ");
+            head.extend_from_slice(key.as_bytes());
+            head.extend_from_slice(b"\r\n");
+        }
+        head.extend_from_slice(b"\r\n");
+        legs.push(crate::splice::Target {
+            addr: format!("{host}:{port}"),
+            head,
+        });
+    }
+    let raw = source.take()?;
+    let (connect, within) = (app.config.connect_timeout, app.config.admin_timeout);
+    let fanned = tokio::task::spawn_blocking(move || {
+        crate::splice::fan_out(
+            raw.socket.as_raw_fd(),
+            &raw.prefix,
+            raw.in_socket,
+            raw.expect_continue,
+            &legs,
+            crate::splice::Limits {
+                connect,
+                stall: within,
+                answer_within: within,
+            },
+        )
+    })
+    .await
+    .ok()?;
+    if fanned.body.is_ok() {
+        source.read_all();
+    }
+    let results = instances
+        .iter()
+        .zip(fanned.answers)
+        .map(|(instance, answer)| {
+            let (role, url) = (instance.role.as_str(), instance.url.clone());
+            let outcome = match answer {
+                Ok((status, body)) => Ok((
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
+                    parse_body(&body),
+                )),
+                Err(crate::splice::Failure::Unreachable(reason)) => {
+                    Err(UpstreamError::Unreachable { role, url, reason })
+                }
+                Err(crate::splice::Failure::Timeout) => Err(UpstreamError::Timeout {
+                    role,
+                    url,
+                    seconds: within.as_secs(),
+                }),
+                Err(crate::splice::Failure::Broken(reason)) => {
+                    Err(UpstreamError::Broken { role, url, reason })
+                }
+            };
+            InstanceResult {
+                instance: Arc::clone(instance),
+                outcome,
+            }
+        })
+        .collect();
+    Some(results)
+}
+
+/// Without splice, every body is copied.
+#[cfg(not(target_os = "linux"))]
+async fn spliced(
+    _: &ProxyState,
+    _: &SpliceSource,
+    _: &[String],
+    _: &str,
+) -> Option<Vec<InstanceResult>> {
+    None
 }
 
 /// The instances' answers merged, with the proxy's upload id.

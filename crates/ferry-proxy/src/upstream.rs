@@ -198,6 +198,11 @@ impl Upstream {
         })
     }
 
+    /// The `Authorization` header the proxy sends its instances, if any.
+    pub fn authorization(&self) -> Option<&HeaderValue> {
+        self.key.as_ref().map(|k| &k.0)
+    }
+
     /// Sends `call` to `instance`; the answer's status and headers, its body unread.
     pub async fn send(
         &self,

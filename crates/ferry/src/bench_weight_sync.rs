@@ -207,9 +207,15 @@ fn serve_args(folder: &Path, extra: &[&str]) -> Vec<String> {
     args
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
+fn median(xs: Vec<f64>) -> f64 {
+    quantile(xs, 0.5)
+}
+
+/// The `q` quantile of `xs` (nearest rank, from the low end).
+fn quantile(mut xs: Vec<f64>, q: f64) -> f64 {
     xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
+    let rank = ((xs.len() as f64) * q) as usize;
+    xs[rank.min(xs.len() - 1)]
 }
 
 async fn measure(
@@ -281,6 +287,7 @@ async fn measure(
             None,
         )?;
         let (mut through, mut direct, mut plain2, mut ratios) = (vec![], vec![], vec![], vec![]);
+        let mut rounds = vec![];
         for round in 0..args.rounds {
             plain2.push(plain_socket(&[&parts], 2).await?);
             // The client's own fan-out (the same upload to P and to D at once, no proxy) and
@@ -293,39 +300,45 @@ async fn measure(
                     upload_to(&client, &p.url, &parts, &version),
                     upload_to(&client, &d.url, &parts, &version)
                 );
-                to_p?;
-                to_d?;
-                anyhow::Ok(started.elapsed().as_secs_f64())
+                let (to_p, to_d) = (to_p?, to_d?);
+                anyhow::Ok((started.elapsed().as_secs_f64(), to_p, to_d))
             };
             let via_proxy = || async {
                 let version = format!("fleet-{round}");
-                anyhow::Ok(
-                    upload_to(&client, &proxy.url, &parts, &version)
-                        .await?
-                        .served_s,
-                )
+                upload_to(&client, &proxy.url, &parts, &version).await
             };
-            let (d_s, t_s) = if round % 2 == 0 {
-                let d_s = fan_out().await?;
-                (d_s, via_proxy().await?)
+            let ((d_s, to_p, to_d), t) = if round % 2 == 0 {
+                let d = fan_out().await?;
+                (d, via_proxy().await?)
             } else {
-                let t_s = via_proxy().await?;
-                (fan_out().await?, t_s)
+                let t = via_proxy().await?;
+                (fan_out().await?, t)
             };
+            ensure!(
+                t.spliced,
+                "the proxy copied a bucket instead of splicing it (docs/proxy.md)"
+            );
             direct.push(d_s);
-            through.push(t_s);
-            ratios.push(t_s / d_s);
+            through.push(t.served_s);
+            ratios.push(t.served_s / d_s);
+            rounds.push(json!({
+                "proxy_s": t.served_s,
+                "direct_s": d_s,
+                "proxy": t.to_json(),
+                "direct_to_p": to_p.to_json(),
+                "direct_to_d": to_d.to_json(),
+            }));
         }
-        let rounds: Vec<Value> = through
-            .iter()
-            .zip(&direct)
-            .map(|(t, d)| json!({"proxy_s": t, "direct_s": d}))
-            .collect();
         drop((proxy, p, d));
         json!({
             "upload_s": median(through),
             "direct_fanout_s": median(direct),
-            "upload_over_direct_fanout": median(ratios),
+            "upload_over_direct_fanout": median(ratios.clone()),
+            // The rounds vary far more than the median (docs/weight-sync.md says why).
+            "upload_over_direct_fanout_quartiles": [
+                quantile(ratios.clone(), 0.25),
+                quantile(ratios, 0.75),
+            ],
             "plain_sockets_to_two_sinks_s": median(plain2),
             "rounds": rounds,
         })
@@ -392,6 +405,18 @@ struct UploadTimes {
     commit_s: f64,
     /// Until a request was served by the new version.
     served_s: f64,
+    /// No bucket was answered `"spliced": false` (only the proxy answers it).
+    spliced: bool,
+}
+
+impl UploadTimes {
+    fn to_json(&self) -> Value {
+        json!({
+            "buckets_s": self.buckets_s,
+            "commit_s": self.commit_s,
+            "served_s": self.served_s,
+        })
+    }
 }
 
 async fn ok_json(response: reqwest::Response, what: &str) -> anyhow::Result<Value> {
@@ -417,14 +442,20 @@ async fn upload_to(
         .as_str()
         .context("no upload_id")?
         .to_owned();
+    let mut spliced = true;
     for (i, b) in parts.iter().enumerate() {
         let sent = client
             .post(format!("{base}/weight_uploads/{id}/buckets"))
             .header("content-type", "application/octet-stream")
+            .header("content-length", b.n_bytes())
             .body(body_of(b.pieces()))
             .send()
             .await?;
-        ok_json(sent, &format!("bucket {i}")).await?;
+        let answer = ok_json(sent, &format!("bucket {i}")).await?;
+        // Only the proxy says (its zero-copy path needs the length up front).
+        if let Some(s) = answer["spliced"].as_bool() {
+            spliced &= s;
+        }
     }
     let buckets_s = started.elapsed().as_secs_f64();
     let committed = client
@@ -439,6 +470,7 @@ async fn upload_to(
         buckets_s,
         commit_s,
         served_s: started.elapsed().as_secs_f64(),
+        spliced,
     })
 }
 
@@ -468,6 +500,7 @@ async fn push_to(
     let pushed = client
         .post(format!("{base}/update_weights?weight_version={version}"))
         .header("content-type", "application/octet-stream")
+        .header("content-length", whole.n_bytes())
         .body(body_of(whole.pieces()))
         .send()
         .await?;
