@@ -32,7 +32,7 @@ use std::task::{ready, Context, Poll};
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri, Version};
 use axum::Router;
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -624,7 +624,8 @@ impl SpliceSource {
                     if let Err(e) = raw.socket.readable().await {
                         break Err(e);
                     }
-                    match raw.socket.try_read_buf(&mut piece) {
+                    // At most the body's bytes: what follows is the next request's.
+                    match raw.socket.try_read_buf(&mut (&mut piece).limit(want)) {
                         Ok(0) => {
                             break Err(io::Error::new(
                                 io::ErrorKind::UnexpectedEof,

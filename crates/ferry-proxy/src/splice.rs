@@ -9,8 +9,9 @@
 //!
 //! The calling thread (a blocking one) takes what the caller has sent into the input pipe
 //! and duplicates it into every instance's pipe once each has room (`feed_body`); a thread
-//! per instance splices its pipe into its socket and then reads its answer (`Leg::run`). Each instance gets its own connection with
-//! `Connection: close`, so its answer is what it sends until it closes. An instance that
+//! per instance splices its pipe into its socket and then reads its answer (`Leg::run`).
+//! Each instance gets its own connection with `Connection: close`, so its answer is what it
+//! sends until it closes. An instance that
 //! fails mid-body (it answered early, refusing the bucket, or went away) stops receiving;
 //! the others and the caller go on, and the route reports every instance's result.
 //!
@@ -132,10 +133,12 @@ pub fn fan_out(
         None => None,
     };
     if let Some(input) = &input {
-        for (feed, leg) in feeds.iter_mut().zip(&mut legs) {
-            if feed.as_ref().is_some_and(|f| f.capacity < input.capacity) {
+        for (slot, leg) in feeds.iter_mut().zip(&mut legs) {
+            let Some(feed) = slot else { continue };
+            feed.room = feed.capacity / input.capacity;
+            if feed.room == 0 {
                 leg.fail(Failure::Broken("a pipe smaller than the input's".into()));
-                *feed = None;
+                *slot = None;
             }
         }
     }
@@ -215,7 +218,8 @@ struct Feed {
     /// Where each batch in the pipe ends, counted from the start of the body.
     batches: VecDeque<u64>,
     teed: u64,
-    /// How many batches its pipe surely has slots for.
+    /// How many batches of the input its pipe surely has slots for (set once the input
+    /// is made).
     room: usize,
 }
 
@@ -260,9 +264,6 @@ fn feed_body(
     signal: &Signal,
     stall: Duration,
 ) -> Result<(), String> {
-    for feed in feeds.iter_mut().flatten() {
-        feed.room = feed.capacity / input.capacity;
-    }
     let null = std::fs::OpenOptions::new()
         .write(true)
         .open("/dev/null")

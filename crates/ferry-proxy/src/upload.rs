@@ -313,10 +313,9 @@ async fn bucket(
         ));
     }
     app.uploads.update(&id, |u| u.n_buckets += 1);
-    let mut answer = merged(&results);
-    answer.insert("upload_id".into(), json!(id));
-    answer.insert("spliced".into(), json!(spliced));
-    Ok(Json(Value::Object(answer)).into_response())
+    let mut body = answer(&results, &id);
+    body.insert("spliced".into(), json!(spliced));
+    Ok(Json(Value::Object(body)).into_response())
 }
 
 /// The body read by the proxy and copied to every instance as it arrives.
@@ -447,10 +446,14 @@ async fn spliced(
 }
 
 /// The instances' answers merged, with the proxy's upload id.
-fn reply(results: &[InstanceResult], id: &str) -> Response {
+fn answer(results: &[InstanceResult], id: &str) -> Map<String, Value> {
     let mut body = merged(results);
     body.insert("upload_id".into(), json!(id));
-    Json(Value::Object(body)).into_response()
+    body
+}
+
+fn reply(results: &[InstanceResult], id: &str) -> Response {
+    Json(Value::Object(answer(results, id))).into_response()
 }
 
 /// The prepare phase on every instance: `Ok` when all prepared, else the error response

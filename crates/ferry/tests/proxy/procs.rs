@@ -394,7 +394,11 @@ pub fn norm_push(value: f32) -> Vec<u8> {
 /// A safetensors body setting the vector `name` (64 values, as the tiny model's norms) to
 /// `value` everywhere.
 pub fn vector_push(name: &str, value: f32) -> Vec<u8> {
-    let n = 64;
+    f32_vector_body(name, 64, value)
+}
+
+/// A safetensors body holding one F32 vector `name` of `n` values, each `value`.
+pub fn f32_vector_body(name: &str, n: usize, value: f32) -> Vec<u8> {
     let header = format!(
         r#"{{"{name}":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#,
         n * 4
@@ -405,6 +409,7 @@ pub fn vector_push(name: &str, value: f32) -> Vec<u8> {
     }
     let mut out = (header.len() as u64).to_le_bytes().to_vec();
     out.extend(header);
+    out.reserve(n * 4);
     for _ in 0..n {
         out.extend(value.to_le_bytes());
     }

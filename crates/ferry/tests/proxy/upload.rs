@@ -375,7 +375,9 @@ async fn a_bucket_cut_off_or_refused_mid_body_stages_nothing_anywhere() {
     bounded(async {
         let fleet = pd_fleet(&[], &[]);
         let proxy = fleet.proxy.url.clone();
-        let before = post(&url(&proxy, "/v1/completions"), &greedy_body()).await.1;
+        let before = post(&url(&proxy, "/v1/completions"), &greedy_body())
+            .await
+            .1;
 
         // 1. Cut off: 4 MiB promised, 1 MiB sent, then the connection closes.
         let (status, begun) = post(&url(&proxy, "/weight_uploads"), &json!({})).await;
@@ -413,18 +415,7 @@ async fn a_bucket_cut_off_or_refused_mid_body_stages_nothing_anywhere() {
         let (status, begun) = post(&url(&proxy, "/weight_uploads"), &json!({})).await;
         assert_eq!(status, 200, "{begun}");
         let id = begun["upload_id"].as_str().unwrap().to_owned();
-        let n = 4 << 20;
-        let header = format!(
-            r#"{{"model.layers.0.nope.weight":{{"dtype":"F32","shape":[{n}],"data_offsets":[0,{}]}}}}"#,
-            n * 4
-        );
-        let mut header = header.into_bytes();
-        while header.len() % 8 != 0 {
-            header.push(b' ');
-        }
-        let mut body = (header.len() as u64).to_le_bytes().to_vec();
-        body.extend(header);
-        body.resize(body.len() + n * 4, 0);
+        let body = f32_vector_body("model.layers.0.nope.weight", 4 << 20, 0.0);
         let (status, refused) = send_bucket(&proxy, &id, body).await;
         assert_eq!(status, 400, "{refused}");
         let message = refused["error"]["message"].as_str().unwrap();
@@ -435,7 +426,10 @@ async fn a_bucket_cut_off_or_refused_mid_body_stages_nothing_anywhere() {
         }
         let (status, after) = post(&url(&proxy, "/v1/completions"), &greedy_body()).await;
         assert_eq!(status, 200, "{after}");
-        assert_eq!(after["choices"][0]["logprobs"], before["choices"][0]["logprobs"]);
+        assert_eq!(
+            after["choices"][0]["logprobs"],
+            before["choices"][0]["logprobs"]
+        );
     })
     .await;
 }
