@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # A reload from disk (`POST /update_weights_from_disk`) against `cat` of the same files, with
-# the page cache dropped before each (cold) and not (warm), in turn, five rounds. Needs root
+# the page cache dropped before each (cold) and not (warm), in turn, ROUNDS rounds (10 unless
+# set), then the medians of the ratios. Needs root
 # (it writes /proc/sys/vm/drop_caches, which empties the whole machine's page cache) and a
 # release build. `ferry bench weight-sync` measures the warm case only, since it cannot drop
-# caches. Usage: scripts/bench-cold-reload.sh [MODEL_FOLDER] (default: the default model
-# converted to f32 in a temporary folder). Figures: docs/weight-sync.md.
+# caches. Usage: [ROUNDS=10] scripts/bench-cold-reload.sh [MODEL_FOLDER] (default: the default
+# model converted to f32 in a temporary folder). Figures: docs/weight-sync.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FERRY=target/release/ferry
@@ -22,18 +23,34 @@ SERVER=$!
 trap 'kill $SERVER 2>/dev/null; [ $# -ge 1 ] || rm -rf "$M"' EXIT
 for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
 now() { date +%s.%N; }
+# The reload's time is curl's own (`time_total`: request sent to answer read), so the start of
+# the curl process is not counted.
 reload() {
-    curl -sf -X POST "http://127.0.0.1:$PORT/update_weights_from_disk" \
-        -H 'content-type: application/json' \
-        -d "{\"model_path\":\"$M\",\"weight_version\":\"$1\"}" >/dev/null
+    curl -sf -o /dev/null -w '%{time_total}' -X POST \
+        "http://127.0.0.1:$PORT/update_weights_from_disk" -H 'content-type: application/json' \
+        -d "{\"model_path\":\"$M\",\"weight_version\":\"$1\"}"
 }
 cold() { sync; echo 3 >/proc/sys/vm/drop_caches; }
-for r in 1 2 3 4 5; do
+ROUNDS=${ROUNDS:-10}
+OUT=$(mktemp)
+for r in $(seq "$ROUNDS"); do
     cold; t0=$(now); cat "$M"/*.safetensors >/dev/null; t1=$(now)
-    cold; t2=$(now); reload "cold-$r"; t3=$(now)
+    cold; cr=$(reload "cold-$r")
     t4=$(now); cat "$M"/*.safetensors >/dev/null; t5=$(now)
-    t6=$(now); reload "warm-$r"; t7=$(now)
-    python3 -c "
-c, r, wc, wr = $t1 - $t0, $t3 - $t2, $t5 - $t4, $t7 - $t6
+    wr=$(reload "warm-$r")
+    echo "$(echo "$t1 - $t0" | bc) $cr $(echo "$t5 - $t4" | bc) $wr" | tee -a "$OUT" | python3 -c "
+c, r, wc, wr = map(float, input().split())
 print(f'round $r: cold cat {c:.3f} s, cold reload {r:.3f} s ({r / c:.2f}x); warm cat {wc:.3f} s, warm reload {wr:.3f} s ({wr / wc:.2f}x)')"
 done
+python3 - "$OUT" <<'PY'
+import statistics, sys
+rows = [list(map(float, line.split())) for line in open(sys.argv[1])]
+def q(values):
+    a, b, c = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return f"median {b:.2f}, quartiles {a:.2f}-{c:.2f}"
+cold = [r / c for c, r, _, _ in rows]
+warm = [wr / wc for _, _, wc, wr in rows]
+print(f"cold reload / cold cat: {q(cold)}; cold cat median {statistics.median(r[0] for r in rows):.3f} s, cold reload median {statistics.median(r[1] for r in rows):.3f} s")
+print(f"warm reload / warm cat: {q(warm)}")
+PY
+rm -f "$OUT"

@@ -19,15 +19,18 @@ cargo test --workspace --locked --no-fail-fast "$@" 2>&1 | tee "$log" || status=
 
 # The official `openai` client against `ferry serve --model tiny` (the binary cargo test just
 # built); its checks print cargo-style lines, so the totals below count them too.
+echo "== [test.sh, ${SECONDS} s] scripts/smoke-openai.sh"
 scripts/smoke-openai.sh 2>&1 | tee -a "$log" || status=$?
 
 # The RL example (examples/rl/grpo.py) for a few GRPO steps on the tiny model, against the same
 # binary with the admin API: logprobs equal the trainer's under the generating weights, weight
 # versions reported in order across updates, no request lost. Cargo-style lines too.
+echo "== [test.sh, ${SECONDS} s] scripts/rl-example.sh"
 scripts/rl-example.sh 2>&1 | tee -a "$log" || status=$?
 
 # The NIXL transport (`--kv-transport nixl`): a second build, with the `nixl` feature, and
 # NIXL's libraries from PyPI.
+echo "== [test.sh, ${SECONDS} s] scripts/test-nixl.sh"
 scripts/test-nixl.sh 2>&1 | tee -a "$log" || status=$?
 
 # cargo prints one "test result" line per test binary, the last ones for doc tests (often

@@ -228,8 +228,6 @@ impl EngineHandle {
             // Complete: the files must hold every tensor the config needs, or reading fails
             // naming it.
             let mut slots = preparer.slots(&expected_tensors(files.config()))?;
-            // Files in the page cache read faster than the kernel clears fresh pages.
-            slots.prefault();
             files.read_into(&mut *slots)?;
             Ok(slots.finish())
         })

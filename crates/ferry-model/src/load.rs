@@ -12,6 +12,7 @@ pub mod config_json;
 pub mod expected;
 pub mod gguf;
 pub mod gguf_model;
+mod read_ahead;
 mod safetensors_io;
 
 pub(crate) use safetensors_io::{decode_into, f32_source_width, to_f32};
@@ -225,7 +226,8 @@ fn load_hf_folder_with_progress(
 
 /// Where a loader writes each tensor it reads: a new [`WeightStore`] (loading a model), or
 /// the slots of a prepared update (a reload, [`WeightFiles::read_into`]), so a reload never
-/// holds a tensor twice.
+/// holds a tensor twice. Asked again for the same tensor (and dtype), a destination answers
+/// the same memory: a reader may learn every tensor's place before it writes any.
 pub(crate) trait TensorDest {
     /// The floats of tensor `idx` of [`expected_tensors`] (`name`, `shape`, already checked),
     /// which the loader then writes whole.
@@ -262,12 +264,15 @@ impl TensorDest for StoredDest<'_> {
         dtype: WeightDtype,
     ) -> Option<&mut [u8]> {
         let n_bytes = dtype.row_bytes(shape[1])? * shape[0];
-        let t = StoredTensor {
-            shape: shape.to_vec(),
-            dtype,
-            bytes: vec![0; n_bytes],
-        };
-        self.0.insert_stored(name, t);
+        let differs = |t: &StoredTensor| t.dtype != dtype || t.shape != shape;
+        if self.0.stored.get(name).is_none_or(differs) {
+            let t = StoredTensor {
+                shape: shape.to_vec(),
+                dtype,
+                bytes: vec![0; n_bytes],
+            };
+            self.0.insert_stored(name, t);
+        }
         let t = self.0.stored.get_mut(name).expect("inserted just above");
         Some(&mut t.bytes)
     }
@@ -275,8 +280,10 @@ impl TensorDest for StoredDest<'_> {
 
 impl TensorDest for WeightStore {
     fn tensor_mut(&mut self, _idx: usize, name: &str, shape: &[usize]) -> &mut [f32] {
-        let zeros = vec![0.0; shape.iter().product()];
-        self.insert(name, Tensor::new(shape.to_vec(), zeros));
+        if self.tensors.get(name).is_none_or(|t| t.shape != shape) {
+            let zeros = vec![0.0; shape.iter().product()];
+            self.insert(name, Tensor::new(shape.to_vec(), zeros));
+        }
         let tensor = self.tensors.get_mut(name).expect("inserted just above");
         &mut tensor.data
     }
@@ -385,13 +392,18 @@ impl WeightFiles {
     /// Reads every tensor of [`expected_tensors`] of the config into `slots`, which must have
     /// been made for that list, in that order.
     pub fn read_into(&self, slots: &mut dyn WeightSlots) -> Result<(), LoadError> {
-        let dest = &mut ExpectedSlots(slots);
         let progress = &mut |_: usize, _: usize, _: &str| {};
         match &self.source {
+            // The reader takes the slots' pages on another thread as it goes.
             WeightSource::Folder(dir) => {
+                let dest = &mut ExpectedSlots(slots);
                 safetensors_io::read_weights(dir, &expected_tensors(&self.config), dest, progress)
             }
             WeightSource::Gguf(file) => {
+                // A file in the page cache is copied faster than the kernel clears fresh
+                // pages: they are all taken first, on every thread.
+                slots.prefault();
+                let dest = &mut ExpectedSlots(slots);
                 gguf_model::gguf_weights(file, &self.config, dest, progress)
             }
         }

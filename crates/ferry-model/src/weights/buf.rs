@@ -17,6 +17,8 @@ use std::ops::{Deref, DerefMut};
 
 mod slab;
 
+pub(crate) use slab::page_size;
+
 /// A fixed-length run of f32 weights in its own anonymous memory mapping (none when empty).
 #[derive(Default)]
 pub struct WeightBuf {
@@ -193,9 +195,27 @@ pub fn prefault(regions: Vec<&mut [u8]>) {
     });
 }
 
+/// The resident pages of `bytes` (page-aligned), by `mincore`.
+#[cfg(all(test, target_os = "linux"))]
+pub(crate) fn resident_pages(bytes: &[u8]) -> usize {
+    let page = 4096;
+    let mut status = vec![0u8; bytes.len().div_ceil(page)];
+    // SAFETY: a live, page-aligned mapping of `bytes.len()` bytes; one status byte per
+    // page in `status`.
+    let r = unsafe {
+        libc::mincore(
+            bytes.as_ptr() as *mut libc::c_void,
+            bytes.len(),
+            status.as_mut_ptr(),
+        )
+    };
+    assert_eq!(r, 0, "mincore failed");
+    status.iter().filter(|&&s| s & 1 == 1).count()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::WeightBuf;
+    use super::{resident_pages, WeightBuf};
 
     #[test]
     fn starts_zeroed_and_keeps_what_is_written() {
@@ -215,24 +235,6 @@ mod tests {
         assert!(buf.is_empty() && buf.map.is_none());
         assert_eq!(&mut *buf, &mut [] as &mut [f32]);
         assert_eq!(WeightBuf::from_slice(&[]), WeightBuf::default());
-    }
-
-    /// The resident pages of `bytes` (page-aligned), by `mincore`.
-    #[cfg(target_os = "linux")]
-    fn resident_pages(bytes: &[u8]) -> usize {
-        let page = 4096;
-        let mut status = vec![0u8; bytes.len().div_ceil(page)];
-        // SAFETY: a live, page-aligned mapping of `bytes.len()` bytes; one status byte per
-        // page in `status`.
-        let r = unsafe {
-            libc::mincore(
-                bytes.as_ptr() as *mut libc::c_void,
-                bytes.len(),
-                status.as_mut_ptr(),
-            )
-        };
-        assert_eq!(r, 0, "mincore failed");
-        status.iter().filter(|&&s| s & 1 == 1).count()
     }
 
     #[test]

@@ -110,7 +110,8 @@ pub trait WeightSlots: Send {
     /// The bytes of the `idx`-th tensor kept in `dtype`, for a reader to write whole in
     /// that dtype's layout, when the executor keeps that tensor in its stored precision (a
     /// matrix); `None` otherwise, and the reader converts into [`WeightSlots::slot`] instead.
-    /// Called once per tensor, before any of its bytes are written.
+    /// Asked again for the same tensor and dtype, answers the same bytes (a reader learns
+    /// every tensor's place before it writes any).
     fn stored_slot(&mut self, _idx: usize, _dtype: WeightDtype) -> Option<&mut [u8]> {
         None
     }
@@ -120,8 +121,9 @@ pub trait WeightSlots: Send {
 
     /// Takes the slots' memory from the OS now, on every thread of rayon's pool, before a
     /// reader fills them (see [`crate::weights::buf::prefault`]). For a reader that is faster
-    /// than the kernel clears fresh pages (a reload from files in the page cache); a network
-    /// reader need not. Does nothing by default.
+    /// than the kernel clears fresh pages (a reload from a GGUF file in the page cache; the
+    /// safetensors reader takes each tensor's pages on another thread while it reads); a
+    /// network reader need not. Does nothing by default.
     fn prefault(&mut self) {}
 }
 

@@ -176,7 +176,7 @@ pub(super) fn carve(len: usize) -> Carved {
 
 /// The OS page size: a released range must cover whole pages, or the advice would reach a
 /// neighbour's bytes (on a 16 or 64 KiB-page kernel as much as on a 4 KiB one).
-fn page_size() -> usize {
+pub(crate) fn page_size() -> usize {
     #[cfg(unix)]
     {
         static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
