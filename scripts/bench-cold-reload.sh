@@ -20,7 +20,8 @@ fi
 "$FERRY" serve --model "$M" --host 127.0.0.1 --port "$PORT" --enable-admin-api \
     --kv-cache-bytes 64MiB --max-model-len 1024 >/dev/null 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; [ $# -ge 1 ] || rm -rf "$M"' EXIT
+OUT=$(mktemp)
+trap 'kill $SERVER 2>/dev/null; rm -f "$OUT"; [ $# -ge 1 ] || rm -rf "$M"' EXIT
 for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
 now() { date +%s.%N; }
 # The reload's time is curl's own (`time_total`: request sent to answer read), so the start of
@@ -32,7 +33,6 @@ reload() {
 }
 cold() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 ROUNDS=${ROUNDS:-10}
-OUT=$(mktemp)
 for r in $(seq "$ROUNDS"); do
     cold; t0=$(now); cat "$M"/*.safetensors >/dev/null; t1=$(now)
     cold; cr=$(reload "cold-$r")
@@ -53,4 +53,3 @@ warm = [wr / wc for _, _, wc, wr in rows]
 print(f"cold reload / cold cat: {q(cold)}; cold cat median {statistics.median(r[0] for r in rows):.3f} s, cold reload median {statistics.median(r[1] for r in rows):.3f} s")
 print(f"warm reload / warm cat: {q(warm)}")
 PY
-rm -f "$OUT"

@@ -239,41 +239,24 @@ struct Planned<'a> {
     /// Byte offset of its data in the file, and its length.
     offset: u64,
     n_bytes: usize,
+    /// The dtype `dest` keeps it in as stored; `None` when it takes floats. Set by `place`.
+    kept: Option<WeightDtype>,
 }
 
 impl Planned<'_> {
-    /// Where `dest` takes this tensor: its bytes kept as stored (a matrix of a dtype the
-    /// destination keeps), or its floats.
-    fn dest<'d>(&self, dest: &'d mut dyn TensorDest) -> Dest<'d> {
+    /// Asks `dest` for this tensor's place, noting in `kept` whether it keeps the tensor as
+    /// stored (a matrix of a dtype the destination keeps) or takes its floats; returns the
+    /// place's address and length in bytes, for [`read_ahead::populate`].
+    fn place(&mut self, dest: &mut dyn TensorDest) -> (usize, usize) {
         let dtype = WeightDtype::from_safetensors(self.dtype).filter(|_| self.shape.len() == 2);
-        // Asked twice (a destination answers the same memory again): returning the first
-        // answer from inside an `if let` would keep `dest` borrowed on the `None` path.
-        let kept = dtype.filter(|&d| {
-            dest.stored_mut(self.idx, self.name, self.shape, d)
-                .is_some()
-        });
-        match kept {
-            Some(d) => Dest::Stored(
-                dest.stored_mut(self.idx, self.name, self.shape, d)
-                    .expect("the destination keeps this tensor as stored, as it said above"),
-            ),
-            None => Dest::F32(dest.tensor_mut(self.idx, self.name, self.shape)),
+        if let Some(d) = dtype {
+            if let Some(out) = dest.stored_mut(self.idx, self.name, self.shape, d) {
+                self.kept = Some(d);
+                return (out.as_ptr() as usize, out.len());
+            }
         }
-    }
-}
-
-enum Dest<'d> {
-    Stored(&'d mut [u8]),
-    F32(&'d mut [f32]),
-}
-
-impl Dest<'_> {
-    /// The address and length in bytes of the memory it names, for [`read_ahead::populate`].
-    fn range(&self) -> (usize, usize) {
-        match self {
-            Dest::Stored(bytes) => (bytes.as_ptr() as usize, bytes.len()),
-            Dest::F32(floats) => (floats.as_ptr() as usize, size_of_val(*floats)),
-        }
+        let out = dest.tensor_mut(self.idx, self.name, self.shape);
+        (out.as_ptr() as usize, size_of_val(out))
     }
 }
 
@@ -327,15 +310,16 @@ fn read_file(
             width,
             offset: data_start + start as u64,
             n_bytes: end - start,
+            kept: None,
         });
     }
     // In the file's order: the kernel reads ahead of a reader that goes front to back. One
-    // that jumps (the model's order: layers 1 and 10 sort apart by name) read a cold file
-    // far less evenly (see `read_ahead`).
+    // that jumps (the model's order, where layer 2 follows layer 1, which the file, sorted by
+    // name, keeps apart) read a cold file far less evenly (see `read_ahead`).
     plan.sort_by_key(|p| p.offset);
     // Every tensor's place, fixed before a byte is read (a destination hands the same memory
     // again), so its pages can be taken while earlier tensors are read.
-    let ranges: Vec<(usize, usize)> = plan.iter().map(|p| p.dest(dest).range()).collect();
+    let ranges: Vec<(usize, usize)> = plan.iter_mut().map(|p| p.place(dest)).collect();
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
         scope.spawn(|| read_ahead::populate(&ranges, &stop));
@@ -357,19 +341,22 @@ fn read_planned(
     let mut ahead = read_ahead::ReadAhead::new(file, file_len);
     for p in plan {
         ahead.reading_to(p.offset + p.n_bytes as u64);
-        match p.dest(dest) {
+        if let Some(d) = p.kept {
             // Kept as stored: read straight into its place, no copy through a buffer.
-            Dest::Stored(out) => read_exact_at(file, path, p.offset, out)?,
-            Dest::F32(out) => {
-                let width = p.width;
-                read_chunks(file, path, p.offset, p.n_bytes, width, |at, bytes| {
-                    decode_into(
-                        p.dtype,
-                        bytes,
-                        &mut out[at / width..(at + bytes.len()) / width],
-                    );
-                })?;
-            }
+            let out = dest
+                .stored_mut(p.idx, p.name, p.shape, d)
+                .expect("a destination answers the place it gave for this tensor again");
+            read_exact_at(file, path, p.offset, out)?;
+        } else {
+            let out = dest.tensor_mut(p.idx, p.name, p.shape);
+            let width = p.width;
+            read_chunks(file, path, p.offset, p.n_bytes, width, |at, bytes| {
+                decode_into(
+                    p.dtype,
+                    bytes,
+                    &mut out[at / width..(at + bytes.len()) / width],
+                );
+            })?;
         }
         tensor_done(p.name);
     }
