@@ -17,6 +17,11 @@
 //! 0.33–0.94); with the window below, 0.40 s; with the pages taken on another thread instead
 //! of first, 0.34 s. Both are hints: where the kernel has neither, or refuses, the reader only
 //! does the waiting itself.
+//!
+//! A file whose every page is already in the page cache ([`cached`]: a checkpoint the trainer
+//! just wrote, the common case in an RL loop) has no disk to wait on; the copy and the new
+//! pages are the whole work, and the safetensors reader shares it among several threads
+//! instead ([`cached_readers`]), each taking its own pages as it writes them.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -67,6 +72,33 @@ fn will_need(file: &std::fs::File, offset: u64, len: u64) {
 
 #[cfg(not(target_os = "linux"))]
 fn will_need(_file: &std::fs::File, _offset: u64, _len: u64) {}
+
+/// Whether every page of `map` (a file's whole mapping) is in the page cache (`mincore`,
+/// which reads nothing): then reading it waits on no disk, only on copying and on the new
+/// memory, and several readers share that work ([`cached_readers`]). False where the kernel
+/// cannot tell.
+pub(super) fn cached(map: &[u8]) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        let page = crate::weights::buf::page_size();
+        crate::weights::buf::resident_pages(map) == Some(map.len().div_ceil(page))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = map;
+        false
+    }
+}
+
+/// Readers of a file in the page cache: one per core, at least two (a reader stalled on a
+/// page fault leaves its core to the other), at most eight (memory bandwidth runs out long
+/// before). On this project's 2-vCPU VM, two servers reloading the f32 default model from the
+/// page cache in turn (15 rounds, `cat` of the file 0.059 s): one reader with the pages taken
+/// on another thread 0.098 s, two readers 0.084 s. In a throwaway C program (20 rounds, `cat`
+/// 0.048 s): 0.091 s against 0.063 s with two readers, 0.058 s with three, 0.068 s with four.
+pub(super) fn cached_readers() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
+}
 
 /// Bytes populated per call, so a reader that fails stops the work soon after.
 const POPULATE_PIECE_BYTES: usize = 8 << 20;
@@ -130,7 +162,7 @@ mod tests {
         #[cfg(target_os = "linux")]
         assert_eq!(
             crate::weights::buf::resident_pages(&map[..]),
-            33,
+            Some(33),
             "pages 0–2 and 10–39 are taken, and no other"
         );
         assert!(map[..page].iter().all(|&b| b == 7));
@@ -155,5 +187,24 @@ mod tests {
         assert_eq!(ahead.asked, 3 * WINDOW_BYTES);
         ahead.reading_to(len);
         assert_eq!(ahead.asked, len);
+    }
+
+    /// A file just written is all in the page cache; one whose pages were never written nor
+    /// read (a hole) is not, and a reader would wait on the disk.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_written_file_is_cached_and_an_untouched_one_is_not() {
+        use std::io::Write;
+        let page = crate::weights::buf::page_size();
+        let mut written = tempfile::tempfile().unwrap();
+        written.write_all(&vec![3u8; 8 * page + 5]).unwrap();
+        // SAFETY: a private temporary file nobody else can change.
+        let map = unsafe { memmap2::Mmap::map(&written) }.unwrap();
+        assert!(cached(&map));
+        let hole = tempfile::tempfile().unwrap();
+        hole.set_len(8 * page as u64).unwrap();
+        // SAFETY: as above.
+        let map = unsafe { memmap2::Mmap::map(&hole) }.unwrap();
+        assert!(!cached(&map));
     }
 }

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use safetensors::{Dtype, SafeTensors};
 
@@ -30,6 +30,17 @@ pub(crate) fn read_weights(
     dest: &mut dyn TensorDest,
     progress: Progress<'_>,
 ) -> Result<(), LoadError> {
+    read_weights_as(dir, expected, dest, progress, Readers::Auto)
+}
+
+/// [`read_weights`], each file read as `readers` says.
+fn read_weights_as(
+    dir: &Path,
+    expected: &[Wanted],
+    dest: &mut dyn TensorDest,
+    progress: Progress<'_>,
+    readers: Readers,
+) -> Result<(), LoadError> {
     let (by_file, all_files) = assign_files(dir, expected)?;
     check_unused(&all_files, expected)?;
     let mut n_done = 0;
@@ -38,9 +49,23 @@ pub(crate) fn read_weights(
         progress(n_done, expected.len(), name);
     };
     for (file, wanted) in by_file {
-        read_file(&file, &wanted, dest, &mut tensor_done)?;
+        read_file(&file, &wanted, dest, &mut tensor_done, readers)?;
     }
     Ok(())
+}
+
+/// How a file's tensors are read.
+#[derive(Clone, Copy, Debug)]
+enum Readers {
+    /// On several threads when every page of the file is in the page cache
+    /// ([`read_cached`]), else on one, with the disk read a window ahead ([`read_planned`]).
+    Auto,
+    /// On one thread as if the file were not cached (tests).
+    #[cfg(test)]
+    One,
+    /// On several threads as if it were, in pieces of the given size (tests).
+    #[cfg(test)]
+    Cached { readers: usize, piece_bytes: usize },
 }
 
 /// Which file holds each expected tensor (with its index in `expected`): all in
@@ -261,13 +286,15 @@ impl Planned<'_> {
 }
 
 /// Reads `wanted` out of one file into `dest`: every tensor checked first (none read before
-/// all pass), then read in the file's order, with the disk and the destination's pages
-/// taken a step ahead of the reader ([`read_ahead`]).
+/// all pass), then read in the file's order: by several readers when the whole file is in
+/// the page cache, else by one, with the disk and the destination's pages taken a step ahead
+/// of it ([`read_ahead`]).
 fn read_file(
     path: &Path,
     wanted: &[(usize, &Wanted)],
     dest: &mut dyn TensorDest,
     tensor_done: &mut dyn FnMut(&str),
+    readers: Readers,
 ) -> Result<(), LoadError> {
     let file = std::fs::File::open(path).map_err(|e| LoadError::io(path, e))?;
     // SAFETY: the mapping is read-only and lives only for this function. Another process
@@ -320,6 +347,31 @@ fn read_file(
     // Every tensor's place, fixed before a byte is read (a destination hands the same memory
     // again), so its pages can be taken while earlier tensors are read.
     let ranges: Vec<(usize, usize)> = plan.iter_mut().map(|p| p.place(dest)).collect();
+    let cached = match readers {
+        Readers::Auto => {
+            read_ahead::cached(&mmap).then(|| (read_ahead::cached_readers(), PIECE_BYTES))
+        }
+        #[cfg(test)]
+        Readers::One => None,
+        #[cfg(test)]
+        Readers::Cached {
+            readers,
+            piece_bytes,
+        } => Some((readers, piece_bytes)),
+    };
+    if let Some((readers, piece_bytes)) = cached {
+        // Nothing to wait for on the disk: the copy and the new pages are the work, shared.
+        let places = places(ranges);
+        return read_cached(
+            &file,
+            path,
+            &plan,
+            &places,
+            readers,
+            piece_bytes,
+            tensor_done,
+        );
+    }
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
         scope.spawn(|| read_ahead::populate(&ranges, &stop));
@@ -363,17 +415,161 @@ fn read_planned(
     Ok(())
 }
 
-/// Fills `out` with the file's bytes from `offset`.
+/// Bytes a reader of a cached file takes at a time ([`read_cached`]): small enough that the
+/// readers finish together, large enough that taking one is no cost.
+const PIECE_BYTES: usize = 8 << 20;
+
+/// A planned tensor's place as an address range, learnt from the destination before any
+/// byte is read.
+#[derive(Clone, Copy)]
+struct Place {
+    addr: usize,
+    n_bytes: usize,
+}
+
+/// The places of `ranges` (address, bytes), checked to be apart.
+///
+/// # Panics
+/// When two overlap: a destination broke [`TensorDest`]'s contract (each tensor its own
+/// memory), and readers writing side by side would race.
+fn places(ranges: Vec<(usize, usize)>) -> Vec<Place> {
+    let mut sorted: Vec<(usize, usize)> = ranges.iter().copied().filter(|r| r.1 > 0).collect();
+    sorted.sort_unstable();
+    for pair in sorted.windows(2) {
+        assert!(
+            pair[0].0 + pair[0].1 <= pair[1].0,
+            "a destination gave two tensors overlapping memory"
+        );
+    }
+    ranges
+        .into_iter()
+        .map(|(addr, n_bytes)| Place { addr, n_bytes })
+        .collect()
+}
+
+/// Reads the planned tensors of a file in the page cache into their `places` on `readers`
+/// threads (this one among them), `piece_bytes` at a time in the file's order, each reader
+/// faulting in the pages it writes; reports each tensor done in the file's order. The first
+/// error stops every reader and is returned.
+fn read_cached(
+    file: &std::fs::File,
+    path: &Path,
+    plan: &[Planned<'_>],
+    places: &[Place],
+    readers: usize,
+    piece_bytes: usize,
+    tensor_done: &mut dyn FnMut(&str),
+) -> Result<(), LoadError> {
+    // (tensor, byte offset in it, bytes): whole values each, `piece_bytes` being a multiple
+    // of every width.
+    let mut pieces = Vec::new();
+    let mut left = Vec::with_capacity(plan.len());
+    for (i, p) in plan.iter().enumerate() {
+        assert_eq!(piece_bytes % p.width, 0, "pieces of whole values");
+        let n = p.n_bytes.div_ceil(piece_bytes);
+        pieces.extend((0..n).map(|k| {
+            let at = k * piece_bytes;
+            (i, at, piece_bytes.min(p.n_bytes - at))
+        }));
+        left.push(AtomicUsize::new(n));
+    }
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    // Reads the next piece; `None` once none is left or a reader has failed.
+    let read_one = |buf: &mut Vec<u8>| -> Option<Result<(), LoadError>> {
+        if failed.load(Ordering::Relaxed) {
+            return None;
+        }
+        let &(i, at, n) = pieces.get(next.fetch_add(1, Ordering::Relaxed))?;
+        let (p, place) = (&plan[i], places[i]);
+        let offset = p.offset + at as u64;
+        let read = if p.kept.is_some() {
+            assert!(at + n <= place.n_bytes, "a piece within its tensor's place");
+            // SAFETY: `place` is tensor `i`'s memory in the destination (`n_bytes` long), which
+            // the caller holds borrowed exclusively and does not touch while the readers run;
+            // places are apart (`places` checked), and pieces of a tensor are apart, so no
+            // other reader writes these bytes.
+            let out = unsafe { std::slice::from_raw_parts_mut((place.addr + at) as *mut u8, n) };
+            read_exact_at(file, path, offset, out)
+        } else {
+            let width = p.width;
+            assert!(
+                (at + n) / width * size_of::<f32>() <= place.n_bytes,
+                "a piece within its tensor's place"
+            );
+            // SAFETY: as above, for a place of f32s (aligned: the destination's own slice).
+            let out = unsafe {
+                std::slice::from_raw_parts_mut((place.addr as *mut f32).add(at / width), n / width)
+            };
+            buf.resize(n, 0);
+            read_exact_at(file, path, offset, buf).map(|()| decode_into(p.dtype, buf, out))
+        };
+        if read.is_err() {
+            failed.store(true, Ordering::Relaxed);
+        } else {
+            left[i].fetch_sub(1, Ordering::Release);
+        }
+        Some(read)
+    };
+    let mut reported = 0;
+    let mut report = |reported: &mut usize| {
+        while *reported < plan.len() && left[*reported].load(Ordering::Acquire) == 0 {
+            tensor_done(plan[*reported].name);
+            *reported += 1;
+        }
+    };
+    let read = std::thread::scope(|scope| {
+        let others: Vec<_> = (1..readers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut buf = Vec::new();
+                    while let Some(read) = read_one(&mut buf) {
+                        read?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        let mut buf = Vec::new();
+        let mut mine = Ok(());
+        while let Some(read) = read_one(&mut buf) {
+            if read.is_err() {
+                mine = read;
+                break;
+            }
+            report(&mut reported);
+        }
+        let theirs = others.into_iter().map(|h| match h.join() {
+            Ok(read) => read,
+            Err(panic) => std::panic::resume_unwind(panic),
+        });
+        // Collected whole: every reader joined before an error is returned.
+        std::iter::once(mine)
+            .chain(theirs.collect::<Vec<_>>())
+            .collect()
+    });
+    report(&mut reported);
+    read
+}
+
+/// Fills `out` with the file's bytes from `offset` (positioned reads: readers on several
+/// threads share the file).
 fn read_exact_at(
-    mut file: &std::fs::File,
+    file: &std::fs::File,
     path: &Path,
     offset: u64,
     out: &mut [u8],
 ) -> Result<(), LoadError> {
-    use std::io::{Read, Seek, SeekFrom};
-    file.seek(SeekFrom::Start(offset))
-        .and_then(|_| file.read_exact(out))
-        .map_err(|e| LoadError::io(path, e))
+    #[cfg(unix)]
+    let read = std::os::unix::fs::FileExt::read_exact_at(file, out, offset);
+    #[cfg(not(unix))]
+    let read = {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut file = file;
+        file.seek(SeekFrom::Start(offset))
+            .and_then(|_| file.read_exact(out))
+    };
+    read.map_err(|e| LoadError::io(path, e))
 }
 
 /// Little-endian F32/F16/BF16 bytes → f32; `None` for other dtypes. The bytes of a mapped
@@ -458,20 +654,28 @@ mod tests {
             .iter()
             .map(|&i| (tensors[i].0.to_owned(), tensors[i].1.clone()))
             .collect();
-        for stored in [false, true] {
+        let cached = Readers::Cached {
+            readers: 3,
+            piece_bytes: 8,
+        };
+        for (stored, readers) in [false, true]
+            .into_iter()
+            .flat_map(|s| [Readers::Auto, Readers::One, cached].map(|r| (s, r)))
+        {
             let mut store = WeightStore::default();
             let mut order = Vec::new();
             let mut progress = |_: usize, _: usize, name: &str| order.push(name.to_owned());
+            let dir = dir.path();
             if stored {
                 let dest = &mut super::super::StoredDest(&mut store);
-                read_weights(dir.path(), &expected, dest, &mut progress).unwrap();
+                read_weights_as(dir, &expected, dest, &mut progress, readers).unwrap();
             } else {
-                read_weights(dir.path(), &expected, &mut store, &mut progress).unwrap();
+                read_weights_as(dir, &expected, &mut store, &mut progress, readers).unwrap();
             }
             assert_eq!(
                 order,
                 ["a.weight", "b.weight", "c.weight"],
-                "stored: {stored}"
+                "stored: {stored}, {readers:?}"
             );
             for (name, shape, v) in &tensors {
                 let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -492,5 +696,102 @@ mod tests {
                 (n_stored, 3 - n_stored)
             );
         }
+    }
+
+    /// Readers of a cached file split tensors into pieces across threads: 16-bit tensors are
+    /// converted piece by piece into their floats, or kept as they are, exactly.
+    #[test]
+    fn cached_readers_convert_and_keep_16_bit_tensors_piece_by_piece() {
+        let dir = tempfile::tempdir().unwrap();
+        let m: Vec<f32> = (0..15).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let v: Vec<f32> = (0..7).map(|i| 1.0 / (1 << i) as f32).collect();
+        let m_bytes: Vec<u8> = m
+            .iter()
+            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+            .collect();
+        let v_bytes: Vec<u8> = v
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+            .collect();
+        let views = [
+            ("m.weight", Dtype::BF16, vec![3, 5], &m_bytes),
+            ("v.weight", Dtype::F16, vec![7], &v_bytes),
+        ]
+        .map(|(name, dtype, shape, bytes)| {
+            (
+                name,
+                safetensors::tensor::TensorView::new(dtype, shape, bytes).unwrap(),
+            )
+        });
+        safetensors::serialize_to_file(views, None, &dir.path().join(SINGLE_FILE)).unwrap();
+        let expected: Vec<Wanted> = vec![
+            ("v.weight".into(), vec![7]),
+            ("m.weight".into(), vec![3, 5]),
+        ];
+        let readers = Readers::Cached {
+            readers: 3,
+            piece_bytes: 4,
+        };
+        let mut progress = |_: usize, _: usize, _: &str| {};
+        let mut floats = WeightStore::default();
+        read_weights_as(dir.path(), &expected, &mut floats, &mut progress, readers).unwrap();
+        assert_eq!(floats.tensors["m.weight"].data, m);
+        assert_eq!(floats.tensors["v.weight"].data, v);
+        let mut kept = WeightStore::default();
+        let dest = &mut super::super::StoredDest(&mut kept);
+        read_weights_as(dir.path(), &expected, dest, &mut progress, readers).unwrap();
+        assert_eq!(kept.stored["m.weight"].bytes, m_bytes);
+        assert_eq!(kept.stored["m.weight"].dtype, WeightDtype::BF16);
+        assert_eq!(
+            kept.tensors["v.weight"].data, v,
+            "a vector is kept as floats"
+        );
+    }
+
+    /// A reader that fails stops the others; the error names the file, and no tensor it
+    /// failed to fill is reported done.
+    #[test]
+    fn a_failed_cached_read_is_the_error_and_reports_nothing_unread() {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        std::io::Write::write_all(&mut file, &[1u8; 100]).unwrap();
+        let planned = |name, offset| Planned {
+            idx: 0,
+            name,
+            shape: &[16],
+            dtype: Dtype::F32,
+            width: 4,
+            offset,
+            n_bytes: 64,
+            kept: Some(WeightDtype::F32),
+        };
+        // The second tensor runs past the file's end.
+        let plan = [planned("x", 0), planned("y", 90)];
+        let (mut x, mut y) = ([0u8; 64], [0u8; 64]);
+        let places = places(vec![
+            (x.as_mut_ptr() as usize, x.len()),
+            (y.as_mut_ptr() as usize, y.len()),
+        ]);
+        let mut done = Vec::new();
+        let err = read_cached(
+            file.as_file(),
+            file.path(),
+            &plan,
+            &places,
+            3,
+            8,
+            &mut |name| done.push(name.to_owned()),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&err, LoadError::Io { path, .. } if path == file.path()),
+            "{err}"
+        );
+        assert!(!done.contains(&"y".to_owned()), "{done:?}");
+    }
+
+    #[test]
+    #[should_panic(expected = "overlapping memory")]
+    fn places_refuse_overlapping_tensors() {
+        places(vec![(4096, 100), (0, 0), (4000, 97)]);
     }
 }
