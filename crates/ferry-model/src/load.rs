@@ -295,7 +295,8 @@ const CHUNK_BYTES: usize = 1 << 20;
 /// Reads `len` bytes at `offset` of `file` in chunks of whole `unit`-byte units, handing
 /// `each(byte offset in the range, chunk)` every one. Reads rather than a memory map, so the
 /// file's pages never count in this process's resident memory: a reload's peak is the new
-/// weights, not the new weights plus the file.
+/// weights, not the new weights plus the file. Positioned reads ([`read_exact_at`]), so
+/// readers on several threads may share the file.
 pub(crate) fn read_chunks(
     file: &std::fs::File,
     path: &Path,
@@ -304,23 +305,36 @@ pub(crate) fn read_chunks(
     unit: usize,
     mut each: impl FnMut(usize, &[u8]),
 ) -> Result<(), LoadError> {
-    use std::io::{Read, Seek, SeekFrom};
     let chunk = (CHUNK_BYTES / unit).max(1) * unit;
     let mut buf = vec![0u8; chunk.min(len)];
-    let mut reader = file;
-    reader
-        .seek(SeekFrom::Start(offset))
-        .map_err(|e| LoadError::io(path, e))?;
     let mut done = 0;
     while done < len {
         let n = chunk.min(len - done);
-        reader
-            .read_exact(&mut buf[..n])
-            .map_err(|e| LoadError::io(path, e))?;
+        read_exact_at(file, path, offset + done as u64, &mut buf[..n])?;
         each(done, &buf[..n]);
         done += n;
     }
     Ok(())
+}
+
+/// Fills `out` with the file's bytes from `offset`, without moving the file's position
+/// (`pread`), so readers on several threads may share the file.
+pub(crate) fn read_exact_at(
+    file: &std::fs::File,
+    path: &Path,
+    offset: u64,
+    out: &mut [u8],
+) -> Result<(), LoadError> {
+    #[cfg(unix)]
+    let read = std::os::unix::fs::FileExt::read_exact_at(file, out, offset);
+    #[cfg(not(unix))]
+    let read = {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut file = file;
+        file.seek(SeekFrom::Start(offset))
+            .and_then(|_| file.read_exact(out))
+    };
+    read.map_err(|e| LoadError::io(path, e))
 }
 
 /// [`WeightSlots`] made for [`expected_tensors`], in that order.

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use safetensors::{Dtype, SafeTensors};
 
-use super::{read_ahead, read_chunks, LoadError, Progress, TensorDest};
+use super::{read_ahead, read_chunks, read_exact_at, LoadError, Progress, TensorDest};
 use crate::dtype::WeightDtype;
 
 const SINGLE_FILE: &str = "model.safetensors";
@@ -283,6 +283,23 @@ impl Planned<'_> {
         let out = dest.tensor_mut(self.idx, self.name, self.shape);
         (out.as_ptr() as usize, size_of_val(out))
     }
+
+    /// Reads the values from the `at`-th byte of this tensor's data (a whole value's) into
+    /// `out`, converted to floats, a chunk at a time.
+    fn read_floats(
+        &self,
+        file: &std::fs::File,
+        path: &Path,
+        at: usize,
+        out: &mut [f32],
+    ) -> Result<(), LoadError> {
+        let width = self.width;
+        let offset = self.offset + at as u64;
+        read_chunks(file, path, offset, out.len() * width, width, |at, bytes| {
+            let values = at / width..(at + bytes.len()) / width;
+            decode_into(self.dtype, bytes, &mut out[values]);
+        })
+    }
 }
 
 /// Reads `wanted` out of one file into `dest`: every tensor checked first (none read before
@@ -400,15 +417,7 @@ fn read_planned(
                 .expect("a destination answers the place it gave for this tensor again");
             read_exact_at(file, path, p.offset, out)?;
         } else {
-            let out = dest.tensor_mut(p.idx, p.name, p.shape);
-            let width = p.width;
-            read_chunks(file, path, p.offset, p.n_bytes, width, |at, bytes| {
-                decode_into(
-                    p.dtype,
-                    bytes,
-                    &mut out[at / width..(at + bytes.len()) / width],
-                );
-            })?;
+            p.read_floats(file, path, 0, dest.tensor_mut(p.idx, p.name, p.shape))?;
         }
         tensor_done(p.name);
     }
@@ -476,13 +485,12 @@ fn read_cached(
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     // Reads the next piece; `None` once none is left or a reader has failed.
-    let read_one = |buf: &mut Vec<u8>| -> Option<Result<(), LoadError>> {
+    let read_one = || -> Option<Result<(), LoadError>> {
         if failed.load(Ordering::Relaxed) {
             return None;
         }
         let &(i, at, n) = pieces.get(next.fetch_add(1, Ordering::Relaxed))?;
         let (p, place) = (&plan[i], places[i]);
-        let offset = p.offset + at as u64;
         let read = if p.kept.is_some() {
             assert!(at + n <= place.n_bytes, "a piece within its tensor's place");
             // SAFETY: `place` is tensor `i`'s memory in the destination (`n_bytes` long), which
@@ -490,7 +498,7 @@ fn read_cached(
             // places are apart (`places` checked), and pieces of a tensor are apart, so no
             // other reader writes these bytes.
             let out = unsafe { std::slice::from_raw_parts_mut((place.addr + at) as *mut u8, n) };
-            read_exact_at(file, path, offset, out)
+            read_exact_at(file, path, p.offset + at as u64, out)
         } else {
             let width = p.width;
             assert!(
@@ -501,8 +509,7 @@ fn read_cached(
             let out = unsafe {
                 std::slice::from_raw_parts_mut((place.addr as *mut f32).add(at / width), n / width)
             };
-            buf.resize(n, 0);
-            read_exact_at(file, path, offset, buf).map(|()| decode_into(p.dtype, buf, out))
+            p.read_floats(file, path, at, out)
         };
         if read.is_err() {
             failed.store(true, Ordering::Relaxed);
@@ -522,17 +529,15 @@ fn read_cached(
         let others: Vec<_> = (1..readers)
             .map(|_| {
                 scope.spawn(|| {
-                    let mut buf = Vec::new();
-                    while let Some(read) = read_one(&mut buf) {
+                    while let Some(read) = read_one() {
                         read?;
                     }
                     Ok(())
                 })
             })
             .collect();
-        let mut buf = Vec::new();
         let mut mine = Ok(());
-        while let Some(read) = read_one(&mut buf) {
+        while let Some(read) = read_one() {
             if read.is_err() {
                 mine = read;
                 break;
@@ -550,26 +555,6 @@ fn read_cached(
     });
     report(&mut reported);
     read
-}
-
-/// Fills `out` with the file's bytes from `offset` (positioned reads: readers on several
-/// threads share the file).
-fn read_exact_at(
-    file: &std::fs::File,
-    path: &Path,
-    offset: u64,
-    out: &mut [u8],
-) -> Result<(), LoadError> {
-    #[cfg(unix)]
-    let read = std::os::unix::fs::FileExt::read_exact_at(file, out, offset);
-    #[cfg(not(unix))]
-    let read = {
-        use std::io::{Read, Seek, SeekFrom};
-        let mut file = file;
-        file.seek(SeekFrom::Start(offset))
-            .and_then(|_| file.read_exact(out))
-    };
-    read.map_err(|e| LoadError::io(path, e))
 }
 
 /// Little-endian F32/F16/BF16 bytes → f32; `None` for other dtypes. The bytes of a mapped
