@@ -100,6 +100,10 @@ pub enum WeightResidency {
     Offloaded,
     /// Sleep level 2: dropped; a complete install must come before they can be restored.
     Dropped,
+    /// Lent to a reload in place while the engine is paused: nothing may compute until the
+    /// reload hands them back, `Resident` with the new weights, or `Dropped` (as sleep level 2
+    /// leaves them) when the read failed midway and they hold some of each.
+    Reloading,
 }
 
 impl WeightResidency {
@@ -118,9 +122,10 @@ impl WeightResidency {
         }
     }
 
-    /// Wake-up: resident again. False, changing nothing, while the weights are dropped.
+    /// Wake-up: resident again. False, changing nothing, while the weights are dropped or
+    /// lent to a reload.
     pub fn restore(&mut self) -> bool {
-        if *self == Self::Dropped {
+        if matches!(self, Self::Dropped | Self::Reloading) {
             return false;
         }
         *self = Self::Resident;
@@ -144,8 +149,11 @@ pub enum LifecycleError {
     NotPaused,
     #[error("the engine is sleeping ({what} released): call wake_up before resuming")]
     Asleep { what: &'static str },
-    #[error("the weights were dropped by sleep(level=2): reload or push a complete set of weights before waking them")]
+    #[error("the weights were dropped (by sleep(level=2), or by a reload in place that failed midway): reload or push a complete set of weights before waking them")]
     WeightsDropped,
+    /// The weights are lent to a reload in place ([`WeightResidency::Reloading`]).
+    #[error("the weights are being reloaded in place (update_weights_from_disk while paused): ask again once that reload has returned")]
+    Reloading,
     /// A clearing operation's wait for transfers and connector work outlasted
     /// `SchedulerConfig::lifecycle_wait_timeout`. The engine stays paused and consistent; the
     /// operation can be asked for again (it completes once the transfers are gone).
@@ -226,6 +234,7 @@ mod tests {
             (Resident, Offloaded),
             (Offloaded, Offloaded),
             (Dropped, Dropped),
+            (Reloading, Reloading),
         ] {
             let mut r = from;
             r.offload();
@@ -236,6 +245,7 @@ mod tests {
             (Resident, Resident),
             (Offloaded, Offloaded),
             (Dropped, Offloaded),
+            (Reloading, Reloading),
         ] {
             let mut r = from;
             r.refill();
@@ -246,6 +256,7 @@ mod tests {
             (Resident, true, Resident),
             (Offloaded, true, Resident),
             (Dropped, false, Dropped),
+            (Reloading, false, Reloading),
         ] {
             let mut r = from;
             assert_eq!(r.restore(), ok, "restore from {from:?}");

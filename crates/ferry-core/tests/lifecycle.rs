@@ -796,3 +796,69 @@ fn a_draining_pause_waits_for_requests_preempted_during_the_drain() {
         "b was readmitted and finished"
     );
 }
+
+#[test]
+fn weights_lend_only_to_a_completed_pause_and_hold_resume_and_sleep_until_they_return() {
+    // Running, or a `wait` pause still draining: not lent.
+    let mut h = busy(3);
+    assert!(!h.sched.lend_weights(), "running");
+    h.sched.pause(OpId(1), PauseMode::Wait, false);
+    assert!(!h.sched.lend_weights(), "a wait pause still pending");
+    assert_eq!(
+        h.sched.lifecycle_status().weights,
+        WeightResidency::Resident
+    );
+
+    // A keep pause completed: lent; nothing computes, resume and sleep are refused.
+    let mut h = busy(3);
+    h.sched.pause(OpId(1), PauseMode::Keep, false);
+    assert_eq!(poll(&mut h), vec![done(1)]);
+    assert!(h.sched.lend_weights());
+    assert!(!h.sched.lend_weights(), "lent once");
+    let s = h.sched.lifecycle_status();
+    assert_eq!(s.weights, WeightResidency::Reloading);
+    assert!(s.paused && s.sleeping);
+    assert_eq!(h.sched.resume(), Err(LifecycleError::Reloading));
+    h.sched.sleep(OpId(2), SleepLevel::L2, PauseMode::Keep);
+    assert_eq!(
+        poll(&mut h),
+        vec![LifecycleEvent::Failed(OpId(2), LifecycleError::Reloading)]
+    );
+    assert!(h.step().reqs.is_empty(), "nothing computes while lent");
+    // Back with new weights: the pause stays until the client's resume; nothing was lost.
+    h.sched.weights_returned(true);
+    let s = h.sched.lifecycle_status();
+    assert_eq!(s.weights, WeightResidency::Resident);
+    assert!(s.paused && !s.sleeping);
+    h.sched.resume().unwrap();
+    h.drain(100);
+    assert_eq!(h.generated, reference().generated);
+
+    // A read that failed midway: dropped, as after sleep level 2; a wake-up of the weights
+    // (after a complete install) brings them back, and the client's resume continues.
+    let mut h = busy(3);
+    h.sched.pause(OpId(1), PauseMode::Abort, false);
+    assert_eq!(poll(&mut h), vec![done(1)]);
+    assert!(h.sched.lend_weights());
+    h.sched.weights_returned(false);
+    let s = h.sched.lifecycle_status();
+    assert_eq!(s.weights, WeightResidency::Dropped);
+    assert!(s.sleeping && s.paused);
+    assert_eq!(
+        h.sched.resume(),
+        Err(LifecycleError::Asleep { what: "weights" })
+    );
+    h.sched.weights_returned(true);
+    assert_eq!(
+        h.sched.lifecycle_status().weights,
+        WeightResidency::Dropped,
+        "only lent weights come back"
+    );
+    h.sched.wake_up(&[WakeTag::Weights]);
+    assert!(
+        h.sched.lifecycle_status().paused,
+        "the client's pause stays"
+    );
+    h.sched.resume().unwrap();
+    assert!(!h.sched.lifecycle_status().sleeping);
+}

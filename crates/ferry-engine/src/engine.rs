@@ -37,6 +37,7 @@ enum PendingReply {
     Installed(Reply<Result<(String, Option<RetiredWeights>), WeightError>>),
     VersionSet(Reply<()>),
     Status(Reply<(LifecycleStatus, WeightInfo)>),
+    Lent(Reply<Option<RetiredWeights>>),
 }
 
 impl PendingReply {
@@ -50,6 +51,7 @@ impl PendingReply {
             (Self::Installed(r), CallResult::Installed(x)) => r.send(x).map_err(drop),
             (Self::VersionSet(r), CallResult::VersionSet) => r.send(()).map_err(drop),
             (Self::Status(r), CallResult::Status(s, w)) => r.send((s, w)).map_err(drop),
+            (Self::Lent(r), CallResult::Lent(x)) => r.send(x).map_err(drop),
             (_, result) => {
                 tracing::error!(?result, "a lifecycle answer of the wrong kind; dropped");
                 Ok(())
@@ -486,6 +488,16 @@ fn split_call(call: LifecycleCall) -> (Call, PendingReply) {
             PendingReply::VersionSet(reply),
         ),
         LifecycleCall::Status(reply) => (Call::Status, PendingReply::Status(reply)),
+        LifecycleCall::LendWeights(reply) => (Call::LendWeights, PendingReply::Lent(reply)),
+        LifecycleCall::ReturnWeights {
+            weights,
+            version,
+            reply,
+        } => (
+            Call::ReturnWeights { weights, version },
+            PendingReply::Installed(reply),
+        ),
+        LifecycleCall::LoseWeights(reply) => (Call::LoseWeights, PendingReply::Op(reply)),
     }
 }
 

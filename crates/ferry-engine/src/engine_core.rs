@@ -182,6 +182,17 @@ pub enum Call {
         version: String,
     },
     Status,
+    /// Lends the weights to a reload in place ([`WeightResidency::Reloading`]) if the engine
+    /// is in a completed pause and the executor reloads in place; `Lent(None)` otherwise.
+    LendWeights,
+    /// The weights a reload in place wrote over (the complete update its slots finished),
+    /// back under `version` (none: the next after the current).
+    ReturnWeights {
+        weights: PreparedWeights,
+        version: Option<String>,
+    },
+    /// A reload in place failed midway: what it was lent is gone, the weights are dropped.
+    LoseWeights,
 }
 
 /// A lifecycle call's answer, by kind of call.
@@ -197,6 +208,8 @@ pub enum CallResult {
     Installed(Result<(String, Option<RetiredWeights>), WeightError>),
     VersionSet,
     Status(LifecycleStatus, WeightInfo),
+    /// The weights lent to a reload in place, if they were.
+    Lent(Option<RetiredWeights>),
 }
 
 impl CallResult {
@@ -573,6 +586,14 @@ impl EngineCore {
                 self.driver.sched.lifecycle_status(),
                 self.weight_info(),
             )),
+            Call::LendWeights => Some(CallResult::Lent(self.lend_weights())),
+            Call::ReturnWeights { weights, version } => {
+                Some(CallResult::Installed(self.return_weights(weights, version)))
+            }
+            Call::LoseWeights => {
+                self.lose_weights();
+                Some(CallResult::Op(Ok(())))
+            }
         };
         if let Some(result) = result {
             self.events.push_back(CoreEvent::Reply(op, result));
@@ -703,6 +724,9 @@ impl EngineCore {
         let status = self.driver.sched.lifecycle_status();
         let wants = |t: WakeTag| tags.is_empty() || tags.contains(&t);
         let model = &mut self.driver.model;
+        if wants(WakeTag::Weights) && status.weights == WeightResidency::Reloading {
+            return Err(LifecycleError::Reloading);
+        }
         if wants(WakeTag::Weights) && status.weights != WeightResidency::Resident {
             model
                 .executor
@@ -724,13 +748,79 @@ impl EngineCore {
         weights: PreparedWeights,
         version: Option<String>,
     ) -> Result<(String, Option<RetiredWeights>), WeightError> {
+        let retired = self
+            .driver
+            .model
+            .executor
+            .weight_ops_mut()
+            .install(weights)?;
+        Ok((self.new_weight_version(version), retired))
+    }
+
+    /// The weights now installed go by `version` (none: the next after the current).
+    fn new_weight_version(&mut self, version: Option<String>) -> String {
         let version = version.unwrap_or_else(|| next_version(self.driver.sched.weight_version()));
-        let ops = self.driver.model.executor.weight_ops_mut();
-        let retired = ops.install(weights)?;
-        ops.set_version(&version);
+        self.driver
+            .model
+            .executor
+            .weight_ops_mut()
+            .set_version(&version);
         self.driver.sched.set_weight_version(version.clone());
         self.counters.n_weight_updates += 1;
-        Ok((version, retired))
+        version
+    }
+
+    /// Lends the weights to a reload in place: the lifecycle first (a completed pause, so no
+    /// step computes until they return), then the executor (if it reloads in place).
+    fn lend_weights(&mut self) -> Option<RetiredWeights> {
+        if !self.driver.sched.lend_weights() {
+            return None;
+        }
+        let lent = self.driver.model.executor.weight_ops_mut().lend();
+        if lent.is_none() {
+            // Nothing was lent: the weights are where they were.
+            self.driver.sched.weights_returned(true);
+        }
+        lent
+    }
+
+    /// Lent weights back, written over with the new ones, under a new version as any update
+    /// installs. Refused if none are lent; and (the weights are then lost, as the lent ones
+    /// are no more) for weights that are not the complete update of this executor's slots.
+    fn return_weights(
+        &mut self,
+        weights: PreparedWeights,
+        version: Option<String>,
+    ) -> Result<(String, Option<RetiredWeights>), WeightError> {
+        if self.driver.sched.lifecycle_status().weights != WeightResidency::Reloading {
+            return Err(WeightError::NotLent);
+        }
+        if let Err(e) = self
+            .driver
+            .model
+            .executor
+            .weight_ops_mut()
+            .take_back(Some(weights))
+        {
+            self.lose_weights();
+            return Err(e);
+        }
+        self.driver.sched.weights_returned(true);
+        Ok((self.new_weight_version(version), None))
+    }
+
+    /// A reload in place failed midway: the weights are dropped, as sleep level 2 leaves
+    /// them (a complete install and a wake-up of the weights bring them back). Nothing if
+    /// no weights are lent.
+    fn lose_weights(&mut self) {
+        if self.driver.sched.lifecycle_status().weights != WeightResidency::Reloading {
+            return;
+        }
+        let ops = self.driver.model.executor.weight_ops_mut();
+        if ops.take_back(None).is_err() {
+            tracing::error!("the executor had no weights lent to lose");
+        }
+        self.driver.sched.weights_returned(false);
     }
 
     /// A failed step (the driver already preempted every running request). After

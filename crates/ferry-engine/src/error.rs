@@ -116,7 +116,7 @@ pub enum WeightPushError<E> {
     Update(#[from] WeightUpdateError),
 }
 
-/// Why a reload from disk failed; the weights did not change.
+/// Why a reload from disk failed; the weights did not change, except after [`WeightReloadError::Torn`].
 #[derive(Debug, thiserror::Error)]
 pub enum WeightReloadError {
     /// The model folder or file could not be read.
@@ -124,6 +124,10 @@ pub enum WeightReloadError {
     Load(#[from] LoadError),
     #[error("weight update refused: {0}")]
     Weights(#[from] WeightError),
+    /// A reload in place failed after it began writing over the weights (the disk failed, or
+    /// the files changed under it): they are dropped, as sleep level 2 leaves them.
+    #[error("weight reload failed midway: {0}; it was writing over the weights in place (the engine was paused), so they are dropped: reload a complete set of weights, then wake_up the weights before resuming")]
+    Torn(LoadError),
     #[error(transparent)]
     Stopped(#[from] Stopped),
 }

@@ -149,6 +149,16 @@ pub(crate) enum LifecycleCall {
         reply: Reply<()>,
     },
     Status(Reply<(LifecycleStatus, WeightInfo)>),
+    /// Lend the weights to a reload in place, if the engine is in a completed pause.
+    LendWeights(Reply<Option<RetiredWeights>>),
+    /// Lent weights a reload in place wrote over, back under the new version.
+    ReturnWeights {
+        weights: PreparedWeights,
+        version: Option<String>,
+        reply: Reply<Result<(String, Option<RetiredWeights>), WeightError>>,
+    },
+    /// A reload in place failed midway: what was lent is gone.
+    LoseWeights(OpReply),
 }
 
 /// A raw per-request event from the engine thread. No text: detokenizing is the reader's job.

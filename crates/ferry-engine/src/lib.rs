@@ -230,6 +230,9 @@ pub struct WeightUpdateInfo {
     /// From queueing the install to its reply; the engine thread's share is a swap or a copy
     /// of the pushed bytes.
     pub install_seconds: f64,
+    /// A reload that wrote the new weights over the old ones, as the engine was paused: no
+    /// second copy, no fresh memory ([`EngineHandle::update_weights_from_disk`]).
+    pub in_place: bool,
 }
 
 /// The weights as the engine sees them.

@@ -10,16 +10,18 @@
 //! (`ferry_model::WeightSlots`), never parsed into a copy first, and a streamed push
 //! ([`EngineHandle::update_weights_from_safetensors_stream`]) never holds its whole body; so
 //! an update costs one extra copy of the tensors it replaces while it runs, and the replaced
-//! weights go back to the OS when dropped (`ferry_model::WeightBuf`).
+//! weights go back to the OS when dropped (`ferry_model::WeightBuf`). A reload from a model
+//! folder while the engine is paused costs none: it writes over the weights in place.
 
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Instant;
 
 use ferry_core::{LifecycleStatus, PauseMode, SleepLevel, WakeTag, WeightResidency};
 use ferry_model::{
-    expected_tensors, BucketInfo, PreparedWeights, SafetensorsPush, WeightFiles, WeightStore,
-    WeightUpload,
+    expected_tensors, BucketInfo, PreparedWeights, RetiredWeights, SafetensorsPush, WeightFiles,
+    WeightPreparer, WeightStore, WeightUpload,
 };
 use futures_core::Stream;
 use tokio::sync::{mpsc, oneshot};
@@ -214,7 +216,18 @@ impl EngineHandle {
 
     /// Reloads every weight from a model folder (or GGUF file) of the same model. The
     /// config is checked before a tensor is read; each tensor is then converted straight
-    /// into the new weights.
+    /// into its place.
+    ///
+    /// While the engine is in a completed pause, a safetensors folder is read **in place**:
+    /// every tensor is checked first ([`WeightFiles::check`]), then the engine lends its
+    /// weights ([`WeightResidency::Reloading`]: resume and sleep wait for the reload's
+    /// answer), the files are read over them, and they come back under the new version. No
+    /// second copy, so no fresh memory, which is most of a reload's cost when the files are
+    /// in the page cache. Only the disk failing or the files changing can stop that read
+    /// midway; the weights, part old and part new, are then dropped
+    /// ([`WeightReloadError::Torn`]), as sleep level 2 leaves them. Otherwise (running, or a
+    /// GGUF file) the files are read into new weights, which replace the old between two
+    /// steps while they serve.
     pub async fn update_weights_from_disk(
         &self,
         path: PathBuf,
@@ -222,17 +235,100 @@ impl EngineHandle {
     ) -> Result<WeightUpdateInfo, WeightReloadError> {
         let preparer = self.weight_preparer();
         let started = Instant::now();
-        let prepared = blocking(move || -> Result<_, WeightReloadError> {
+        let (files, expected, preparer) = blocking(move || -> Result<_, WeightReloadError> {
             let files = WeightFiles::open(&path)?;
             preparer.check_config(files.config())?;
             // Complete: the files must hold every tensor the config needs, or reading fails
             // naming it.
-            let mut slots = preparer.slots(&expected_tensors(files.config()))?;
+            let expected = expected_tensors(files.config());
+            Ok((files, expected, preparer))
+        })
+        .await??;
+        // In place only if nothing can stop the read but the disk: every tensor checked
+        // before the engine lends its weights (which it does only in a completed pause).
+        let (files, lent) = if files.reads_in_place() && self.is_paused().await? {
+            let files = blocking(move || files.check().map(|()| files)).await??;
+            (files, self.lifecycle(LifecycleCall::LendWeights).await?)
+        } else {
+            (files, None)
+        };
+        let reload = Reload {
+            preparer,
+            files,
+            expected,
+            version,
+            started,
+        };
+        match lent {
+            Some(lent) => self.reload_in_place(lent, reload).await,
+            None => self.reload_into_new(reload).await,
+        }
+    }
+
+    /// The weights read into new memory, then swapped in between two steps.
+    async fn reload_into_new(&self, reload: Reload) -> Result<WeightUpdateInfo, WeightReloadError> {
+        let (preparer, files) = (reload.preparer, reload.files);
+        let expected = reload.expected;
+        let prepared = blocking(move || -> Result<_, WeightReloadError> {
+            let mut slots = preparer.slots(&expected)?;
             files.read_into(&mut *slots)?;
             Ok(slots.finish())
         })
         .await??;
-        Ok(self.install(prepared, version, started).await?)
+        Ok(self
+            .install(prepared, reload.version, reload.started)
+            .await?)
+    }
+
+    /// The files read over `lent`, the engine's weights, then handed back. Whatever ends
+    /// this early (an error, or the caller giving up) leaves `lost` to tell the engine that
+    /// what it lent is gone.
+    async fn reload_in_place(
+        &self,
+        lent: RetiredWeights,
+        reload: Reload,
+    ) -> Result<WeightUpdateInfo, WeightReloadError> {
+        let Reload {
+            preparer,
+            files,
+            expected,
+            version,
+            started,
+        } = reload;
+        let lost = LostIfDropped(Some(self.clone()));
+        let prepared = blocking(move || -> Result<_, WeightReloadError> {
+            // Refused only for a list the check above would have refused: the weights, still
+            // whole, are dropped with `lost` all the same.
+            let mut slots = preparer
+                .slots_in_place(lent, &expected)
+                .map_err(|(e, _lent)| e)?;
+            files
+                .read_into(&mut *slots)
+                .map_err(WeightReloadError::Torn)?;
+            Ok(slots.finish())
+        })
+        .await??;
+        lost.defuse();
+        let (n_tensors, n_bytes) = (prepared.n_tensors, prepared.n_bytes);
+        let prepare_seconds = started.elapsed().as_secs_f64();
+        let queued = Instant::now();
+        let (weight_version, _) = self
+            .lifecycle(|reply| LifecycleCall::ReturnWeights {
+                weights: prepared,
+                version,
+                reply,
+            })
+            .await?
+            .map_err(WeightReloadError::Weights)?;
+        Ok(WeightUpdateInfo {
+            weight_version,
+            n_tensors,
+            n_bytes,
+            complete: true,
+            prepare_seconds,
+            install_seconds: queued.elapsed().as_secs_f64(),
+            in_place: true,
+        })
     }
 
     async fn install(
@@ -266,6 +362,7 @@ impl EngineHandle {
             complete,
             prepare_seconds,
             install_seconds,
+            in_place: false,
         })
     }
 
@@ -310,6 +407,42 @@ impl EngineHandle {
         call: impl FnOnce(OpReply) -> LifecycleCall,
     ) -> Result<(), LifecycleCallError> {
         Ok(self.lifecycle(call).await??)
+    }
+}
+
+/// A reload from disk, its files opened and their config checked against the model's.
+struct Reload {
+    preparer: Arc<dyn WeightPreparer>,
+    files: WeightFiles,
+    /// Every parameter the model takes: a reload is complete.
+    expected: Vec<(String, Vec<usize>)>,
+    version: Option<String>,
+    /// When the call began (for `prepare_seconds`).
+    started: Instant,
+}
+
+/// Tells the engine, when dropped armed, that the weights it lent to a reload in place are
+/// lost: the read failed, or its caller stopped waiting (the read itself runs on and drops
+/// what it wrote). Without it, an engine whose weights never came back would refuse resume
+/// for good.
+struct LostIfDropped(Option<EngineHandle>);
+
+impl LostIfDropped {
+    /// The weights are on their way back.
+    fn defuse(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for LostIfDropped {
+    fn drop(&mut self) {
+        if let Some(engine) = self.0.take() {
+            let (reply, _) = oneshot::channel();
+            let call = LifecycleCall::LoseWeights(reply);
+            // A stopped engine has nothing to tell.
+            let _ = engine
+                .send_utility_unbounded(Input::Utility(crate::input::Utility::Lifecycle(call)));
+        }
     }
 }
 
@@ -374,4 +507,96 @@ where
         return Err(WeightPushError::Body(e));
     }
     Ok(read?.map_err(WeightUpdateError::Weights)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use ferry_core::{LifecycleError, SchedulerConfig};
+    use ferry_model::{LlamaModel, WeightResidency};
+
+    use super::*;
+    use crate::{spawn, EngineConfig, LifecycleCallError};
+
+    /// A reload in place that never hands its weights back (its read failed, or its caller
+    /// stopped waiting) leaves them dropped, as sleep level 2 does, and the engine serves
+    /// again after a complete set and a wake-up, with nothing lost.
+    #[tokio::test]
+    async fn weights_lent_and_never_returned_are_dropped_and_come_back_with_a_complete_set() {
+        let tiny = ferry_model::tiny::tiny_model();
+        let model = LlamaModel::new(&tiny.config, &tiny.weights).unwrap();
+        let config = EngineConfig {
+            scheduler: SchedulerConfig {
+                block_size: 4,
+                n_blocks: 64,
+                max_num_seqs: 4,
+                max_num_batched_tokens: 64,
+                max_model_len: 256,
+                ..SchedulerConfig::default()
+            },
+            input_queue_capacity: 8,
+        };
+        let engine = spawn(config, Box::new(model), None).unwrap();
+        let lent = engine.lifecycle(LifecycleCall::LendWeights).await.unwrap();
+        assert!(lent.is_none(), "running: nothing is lent");
+
+        engine.pause(PauseMode::Keep, false).await.unwrap();
+        let lent = engine.lifecycle(LifecycleCall::LendWeights).await.unwrap();
+        assert!(lent.is_some(), "a completed pause lends");
+        let info = engine.weight_info().await.unwrap();
+        assert_eq!(info.residency, WeightResidency::Reloading);
+        assert_eq!(info.n_bytes, 0, "the engine holds none while lent");
+        let refused = |r: Result<(), LifecycleCallError>| {
+            matches!(
+                r,
+                Err(LifecycleCallError::Lifecycle(LifecycleError::Reloading))
+            )
+        };
+        assert!(refused(engine.resume().await));
+        assert!(refused(engine.wake_up(&[WakeTag::Weights]).await));
+        assert!(refused(engine.sleep(SleepLevel::L1, PauseMode::Keep).await));
+        let other = engine.update_weights(tiny.weights.clone(), None).await;
+        assert!(
+            matches!(
+                other,
+                Err(WeightUpdateError::Weights(
+                    ferry_model::WeightError::Reloading
+                ))
+            ),
+            "{other:?}"
+        );
+
+        // The reload gives up: the guard tells the engine.
+        drop(LostIfDropped(Some(engine.clone())));
+        drop(lent);
+        let info = engine.weight_info().await.unwrap();
+        assert_eq!(info.residency, WeightResidency::Dropped);
+        let status = engine.lifecycle_status().await.unwrap().0;
+        assert!(status.paused && status.sleeping);
+        assert!(matches!(
+            engine.resume().await,
+            Err(LifecycleCallError::Lifecycle(LifecycleError::Asleep { .. }))
+        ));
+        engine
+            .update_weights(tiny.weights.clone(), Some("again".into()))
+            .await
+            .unwrap();
+        engine.wake_up(&[WakeTag::Weights]).await.unwrap();
+        engine.resume().await.unwrap();
+        let req = crate::GenerateRequest {
+            request_id: "after".into(),
+            prompt: vec![5, 6, 7],
+            params: ferry_core::SamplingParams::greedy(4),
+            ..crate::GenerateRequest::default()
+        };
+        let mut stream = engine.generate(req).await.unwrap();
+        let mut n = 0;
+        while let Some(chunk) = stream.next().await {
+            n += chunk.token_ids.len();
+            if let Some(finish) = chunk.finish {
+                assert_eq!(finish.weight_versions, ["again"]);
+            }
+        }
+        assert_eq!(n, 4);
+        engine.shutdown().await.unwrap();
+    }
 }

@@ -177,6 +177,7 @@ async fn reload_from_disk_in_a_pause_keep_cycle_and_a_bad_folder_changes_nothing
         .await
         .unwrap();
     assert!(info.complete && info.prepare_seconds > 0.0);
+    assert!(info.in_place, "paused: read over the weights");
     engine.resume().await.unwrap();
     let after = generate(&engine, "after").await;
     assert_eq!(after.reason(), FinishReason::Length);
@@ -231,5 +232,128 @@ async fn sleep_level_2_drops_the_weights_and_a_reload_must_come_before_waking() 
     engine.wake_up(&[]).await.unwrap();
     assert!(!engine.is_sleeping().await.unwrap());
     assert_eq!(generate(&engine, "after").await.tokens, want);
+    engine.shutdown().await.unwrap();
+}
+
+/// `prompt()`'s greedy tokens with their logprobs (and the top 3), as bits.
+async fn generate_logprobs(engine: &EngineHandle, id: &str, n: u32) -> (Vec<TokenId>, Vec<u32>) {
+    let req = GenerateRequest {
+        request_id: id.to_owned(),
+        prompt: prompt(),
+        params: {
+            let mut params = SamplingParams::greedy(n);
+            params.sampler.logprobs = Some(3);
+            params
+        },
+        ..GenerateRequest::default()
+    };
+    let stream = engine.generate(req).await.unwrap();
+    let c = tokio::time::timeout(BOUND, collect(stream)).await.unwrap();
+    let bits = c
+        .chunks
+        .iter()
+        .flat_map(|chunk| &chunk.logprobs)
+        .flat_map(|l| std::iter::once(l.logprob).chain(l.top.iter().map(|t| t.1)))
+        .map(f32::to_bits)
+        .collect();
+    (c.tokens, bits)
+}
+
+/// The RL loop's reload: paused with a request kept mid-generation, the folder is read over
+/// the weights (no second copy), and after resume a new request's tokens and logprobs are
+/// bit for bit a fresh engine's on the folder's weights; the kept request goes on, on the new
+/// weights. Back again in place gives the first weights' logprobs; running, the same reload
+/// reads into new weights.
+#[tokio::test]
+async fn a_reload_while_paused_is_in_place_and_gives_a_fresh_engines_logprobs() {
+    let a = tiny_model().weights;
+    let b = random_weights(&tiny_config(), 5);
+    let fresh_logprobs = |w: WeightStore| async move {
+        let engine = engine(llama(&w), config());
+        let out = generate_logprobs(&engine, "fresh", 8).await;
+        engine.shutdown().await.unwrap();
+        out
+    };
+    let (want_a, want_b) = (
+        fresh_logprobs(a.clone()).await,
+        fresh_logprobs(b.clone()).await,
+    );
+    assert_ne!(want_a.1, want_b.1);
+    let tmp = tempfile::tempdir().unwrap();
+    let folder = |name: &str, weights: &WeightStore| {
+        let mut model = tiny_model();
+        model.weights = weights.clone();
+        let dir = tmp.path().join(name);
+        write_hf_folder(&model, &dir).unwrap();
+        dir
+    };
+    let (dir_a, dir_b) = (folder("a", &a), folder("b", &b));
+
+    // A long request held inside its first step; the pause comes behind it and keeps it.
+    let (exec, mut gate) = gated(llama(&a));
+    let engine = engine(exec, config());
+    let bytes = engine.weight_info().await.unwrap().n_bytes;
+    let long = GenerateRequest {
+        request_id: "long".into(),
+        prompt: prompt(),
+        params: SamplingParams::greedy(40),
+        ..GenerateRequest::default()
+    };
+    let stream = engine.generate(long).await.unwrap();
+    let kept = tokio::spawn(async move { tokio::time::timeout(BOUND, collect(stream)).await });
+    gate.next_step().await;
+    let e = engine.clone();
+    let pause = tokio::spawn(async move { e.pause(PauseMode::Keep, false).await });
+    while engine.n_queued_inputs() < 1 {
+        tokio::task::yield_now().await;
+    }
+    gate.release();
+    tokio::time::timeout(BOUND, pause)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let info = engine
+        .update_weights_from_disk(dir_b.clone(), Some("b".into()))
+        .await
+        .unwrap();
+    assert!(info.in_place && info.complete);
+    assert_eq!(info.weight_version, "b");
+    let w = engine.weight_info().await.unwrap();
+    assert_eq!(w.residency, ferry_model::WeightResidency::Resident);
+    assert_eq!(w.n_bytes, bytes);
+    assert!(
+        engine.is_paused().await.unwrap(),
+        "the pause stays the client's"
+    );
+    gate.open();
+    engine.resume().await.unwrap();
+    let kept = kept.await.unwrap().unwrap();
+    assert_eq!(
+        kept.reason(),
+        FinishReason::Length,
+        "the kept request was not lost"
+    );
+    assert_eq!(kept.tokens.len(), 40);
+    assert_eq!(kept.finish.unwrap().weight_versions, ["base", "b"]);
+    assert_eq!(generate_logprobs(&engine, "after-b", 8).await, want_b);
+
+    // And back, in place again.
+    engine.pause(PauseMode::Abort, true).await.unwrap();
+    let info = engine
+        .update_weights_from_disk(dir_a.clone(), Some("a".into()))
+        .await
+        .unwrap();
+    assert!(info.in_place);
+    engine.resume().await.unwrap();
+    assert_eq!(generate_logprobs(&engine, "after-a", 8).await, want_a);
+
+    // Running: into new weights, which replace these between two steps.
+    let info = engine
+        .update_weights_from_disk(dir_b, Some("b-running".into()))
+        .await
+        .unwrap();
+    assert!(!info.in_place);
+    assert_eq!(generate_logprobs(&engine, "running", 8).await, want_b);
     engine.shutdown().await.unwrap();
 }

@@ -364,6 +364,14 @@ impl ModelWeights for ChecksumWeights {
         self.states.restore()
     }
 
+    fn lend(&mut self) -> Option<RetiredWeights> {
+        self.states.lend()
+    }
+
+    fn take_back(&mut self, weights: Option<PreparedWeights>) -> Result<(), WeightError> {
+        self.states.take_back(weights)
+    }
+
     fn residency(&self) -> WeightResidency {
         self.states.residency()
     }

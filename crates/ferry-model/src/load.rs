@@ -403,6 +403,26 @@ impl WeightFiles {
         &self.config
     }
 
+    /// Whether a reload may write these files over the weights in place
+    /// ([`crate::WeightPreparer::slots_in_place`]): a safetensors folder, each of whose
+    /// tensors [`WeightFiles::check`] checks before one is read, so only the disk failing or
+    /// the files changing can stop the read midway. A GGUF file's tensors are checked as they
+    /// are read, so it is read into fresh weights.
+    pub fn reads_in_place(&self) -> bool {
+        matches!(self.source, WeightSource::Folder(_))
+    }
+
+    /// Checks what [`WeightFiles::read_into`] checks before it reads tensor data, reading
+    /// none: for a folder, its files and every expected tensor's shape, dtype and bytes.
+    pub fn check(&self) -> Result<(), LoadError> {
+        match &self.source {
+            WeightSource::Folder(dir) => {
+                safetensors_io::check_weights(dir, &expected_tensors(&self.config))
+            }
+            WeightSource::Gguf(_) => Ok(()),
+        }
+    }
+
     /// Reads every tensor of [`expected_tensors`] of the config into `slots`, which must have
     /// been made for that list, in that order.
     pub fn read_into(&self, slots: &mut dyn WeightSlots) -> Result<(), LoadError> {

@@ -493,3 +493,112 @@ mod push_bytes {
         );
     }
 }
+
+/// Where each matrix segment's bytes live: a reload in place keeps every one.
+fn segment_addresses(w: &LlamaWeights) -> Vec<usize> {
+    let mut matrices = vec![&w.embed];
+    matrices.extend(w.lm_head.as_ref());
+    for l in &w.layers {
+        matrices.extend([&l.qkv, &l.o_proj, &l.gate_up, &l.down]);
+    }
+    matrices
+        .iter()
+        .flat_map(|m| m.segments().iter().map(|s| s.bytes().as_ptr() as usize))
+        .collect()
+}
+
+/// The engine's `update_weights_from_disk` while paused: the model lends its weights, the
+/// folder is read over them, and they come back. Bit for bit a model built from the folder,
+/// in the same memory, for every variant of the layout; and back again to the first weights.
+#[test]
+fn a_reload_in_place_writes_the_files_over_the_same_memory() {
+    for config in configs() {
+        let (wa, wb) = (random_weights(&config, 21), random_weights(&config, 22));
+        let (want_a, want_b) = (
+            outputs(&mut model_from(&config, &wa)),
+            outputs(&mut model_from(&config, &wb)),
+        );
+        assert_ne!(want_a, want_b);
+        let tmp = tempfile::tempdir().unwrap();
+        let folder = |name: &str, weights: &WeightStore| {
+            let dir = tmp.path().join(name);
+            let model = ferry_model::LoadedModel {
+                config: config.clone(),
+                weights: weights.clone(),
+                tokenizer: None,
+                chat_template: None,
+                source: name.to_owned(),
+            };
+            write_hf_folder(&model, &dir).unwrap();
+            dir
+        };
+        let (dir_a, dir_b) = (folder("a", &wa), folder("b", &wb));
+
+        let mut model = model_from(&config, &wa);
+        let addresses = segment_addresses(model.weights());
+        for (dir, want) in [(&dir_b, &want_b), (&dir_a, &want_a)] {
+            let files = ferry_model::WeightFiles::open(dir).unwrap();
+            assert!(files.reads_in_place());
+            files.check().unwrap();
+            let preparer = model.weight_ops().preparer();
+            let lent = model
+                .weight_ops_mut()
+                .lend()
+                .expect("resident weights lend");
+            assert_eq!(model.weight_ops().residency(), WeightResidency::Reloading);
+            assert!(model.weight_ops_mut().lend().is_none(), "lent once");
+            assert!(matches!(
+                execute_once(&mut model),
+                Err(ExecError::WeightsUnloaded)
+            ));
+            assert_eq!(
+                push(&mut model, wb.clone()).unwrap_err(),
+                WeightError::Reloading,
+                "no other update while lent"
+            );
+            let mut slots = preparer
+                .slots_in_place(lent, &expected_tensors(&config))
+                .map_err(|(e, _)| e)
+                .unwrap();
+            files.read_into(&mut *slots).unwrap();
+            model
+                .weight_ops_mut()
+                .take_back(Some(slots.finish()))
+                .unwrap();
+            assert_eq!(model.weight_ops().residency(), WeightResidency::Resident);
+            assert_eq!(segment_addresses(model.weights()), addresses, "in place");
+            assert_eq!(&outputs(&mut model), want);
+        }
+    }
+}
+
+/// A reload in place whose read failed midway: the lent weights are lost, and the model
+/// holds them dropped, as after sleep level 2, until a complete set and a wake-up.
+#[test]
+fn weights_lost_by_a_reload_in_place_stay_dropped_until_a_complete_set() {
+    let tiny = tiny_model();
+    let mut model = model_from(&tiny.config, &tiny.weights);
+    let want = outputs(&mut model);
+    let preparer = model.weight_ops().preparer();
+    assert_eq!(
+        model.weight_ops_mut().take_back(None),
+        Err(WeightError::NotLent),
+        "nothing was lent"
+    );
+    let lent = model.weight_ops_mut().lend().unwrap();
+    // Slots for part of the weights are refused, and hand the lent weights back untouched.
+    let some: Vec<(String, Vec<usize>)> =
+        expected_tensors(&tiny.config).into_iter().take(3).collect();
+    let (e, lent) = match preparer.slots_in_place(lent, &some) {
+        Err(refused) => refused,
+        Ok(_) => panic!("a partial list is not a reload"),
+    };
+    assert!(matches!(e, WeightError::Incomplete { .. }), "{e}");
+    drop(lent);
+    model.weight_ops_mut().take_back(None).unwrap();
+    assert_eq!(model.weight_ops().residency(), WeightResidency::Dropped);
+    assert!(model.weight_ops_mut().restore().is_err());
+    push(&mut model, tiny.weights.clone()).unwrap();
+    model.weight_ops_mut().restore().unwrap();
+    assert_eq!(outputs(&mut model), want);
+}

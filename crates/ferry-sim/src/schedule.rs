@@ -90,6 +90,14 @@ pub enum OpKind {
     /// A weight update in place (a reload or a push): a new version, the same on every
     /// target.
     WeightUpdate,
+    /// The first half of a reload in place (`update_weights_from_disk` while paused): the
+    /// engine lends its weights, if it is in a completed pause.
+    LendWeights,
+    /// The second half: the lent weights come back under a new version (`ok`), or the read
+    /// failed midway and they are lost (dropped, as sleep level 2 leaves them).
+    ReturnWeights {
+        ok: bool,
+    },
 }
 
 /// A fault of the network or of a peer.
@@ -133,9 +141,10 @@ pub enum Action {
         op: OpKind,
     },
     /// A trainer's cycle on both engines, each call after the last replied: pause with
-    /// `mode` (clearing), a weight update, resume.
+    /// `mode` (clearing), a weight update (a reload in place: lend, then return), resume.
     RlCycle {
         mode: PauseMode,
+        in_place: bool,
     },
     Fault(Fault),
 }
@@ -210,7 +219,13 @@ fn op(rng: &mut Rng) -> OpKind {
         12 => OpKind::AbortOne {
             pick: rng.below(64) as u16,
         },
-        _ => OpKind::WeightUpdate,
+        _ => match rng.below(3) {
+            0 => OpKind::WeightUpdate,
+            1 => OpKind::LendWeights,
+            _ => OpKind::ReturnWeights {
+                ok: rng.chance(3, 4),
+            },
+        },
     }
 }
 
@@ -277,6 +292,7 @@ pub fn generate(seed: u64, params: ScheduleParams) -> Vec<Timed> {
             },
             86..=92 => Action::RlCycle {
                 mode: mode(&mut rng),
+                in_place: rng.bool(),
             },
             _ => Action::Fault(fault(&mut rng)),
         };
@@ -329,6 +345,15 @@ impl OpKind {
                     .map_err(|e| e.to_string())?,
                 version: Some(version),
             },
+            OpKind::LendWeights => Call::LendWeights,
+            // What the reload wrote over the lent weights (none here: they are weightless).
+            OpKind::ReturnWeights { ok: true } => Call::ReturnWeights {
+                weights: preparer()
+                    .prepare(WeightStore::default())
+                    .map_err(|e| e.to_string())?,
+                version: Some(version),
+            },
+            OpKind::ReturnWeights { ok: false } => Call::LoseWeights,
         })
     }
 }
@@ -371,6 +396,13 @@ impl fmt::Display for OpKind {
             OpKind::AbortAll => f.write_str("abort_requests(all)"),
             OpKind::AbortOne { pick } => write!(f, "abort_requests([live #{pick}])"),
             OpKind::WeightUpdate => f.write_str("update_weights()"),
+            OpKind::LendWeights => f.write_str("reload in place: lend the weights"),
+            OpKind::ReturnWeights { ok: true } => {
+                f.write_str("reload in place: the weights come back")
+            }
+            OpKind::ReturnWeights { ok: false } => {
+                f.write_str("reload in place: the read failed, the weights are lost")
+            }
         }
     }
 }
@@ -397,10 +429,15 @@ impl fmt::Display for Action {
             }
             Action::Disconnect { pick } => write!(f, "client: live request #{pick} disconnects"),
             Action::Op { target, op } => write!(f, "admin {target}: {op}"),
-            Action::RlCycle { mode } => write!(
+            Action::RlCycle { mode, in_place } => write!(
                 f,
-                "trainer P+D: pause({}, clear_cache) → update_weights → resume",
-                mode.as_str()
+                "trainer P+D: pause({}, clear_cache) → {} → resume",
+                mode.as_str(),
+                if *in_place {
+                    "reload in place"
+                } else {
+                    "update_weights"
+                }
             ),
             Action::Fault(fault) => write!(f, "fault: {fault:?}"),
         }

@@ -572,28 +572,37 @@ impl Sim {
                     self.issue(side, op, version.clone());
                 }
             }
-            Action::RlCycle { mode } => self.scripts.push(Script {
-                steps: VecDeque::from([
-                    (
-                        Target::Both,
-                        OpKind::Pause {
-                            mode,
-                            clear_cache: true,
-                        },
-                        None,
-                    ),
-                    (Target::Both, OpKind::WeightUpdate, None),
-                    (Target::Both, OpKind::Resume, None),
-                ]),
-                waiting: Vec::new(),
-            }),
+            Action::RlCycle { mode, in_place } => {
+                let mut steps = VecDeque::from([(
+                    Target::Both,
+                    OpKind::Pause {
+                        mode,
+                        clear_cache: true,
+                    },
+                    None,
+                )]);
+                if in_place {
+                    steps.push_back((Target::Both, OpKind::LendWeights, None));
+                    steps.push_back((Target::Both, OpKind::ReturnWeights { ok: true }, None));
+                } else {
+                    steps.push_back((Target::Both, OpKind::WeightUpdate, None));
+                }
+                steps.push_back((Target::Both, OpKind::Resume, None));
+                self.scripts.push(Script {
+                    steps,
+                    waiting: Vec::new(),
+                });
+            }
             Action::Fault(fault) => self.fault(fault),
         }
         Ok(())
     }
 
     fn new_version(&mut self, op: OpKind) -> String {
-        if op == OpKind::WeightUpdate {
+        if matches!(
+            op,
+            OpKind::WeightUpdate | OpKind::ReturnWeights { ok: true }
+        ) {
             self.n_versions += 1;
         }
         format!("w{}", self.n_versions)
@@ -1086,13 +1095,23 @@ impl Sim {
     }
 
     fn wake_all(&mut self) {
-        // Dropped weights are reloaded with the same new version on both engines.
+        // Dropped weights are reloaded, and lent ones come back, with the same new version on
+        // both engines.
         let version = self.new_version(OpKind::WeightUpdate);
         for side in [Side::P, Side::D] {
             let e = self.engines[side.idx()].as_ref().expect("restarted");
             let mut steps = VecDeque::new();
-            if e.core.executor().weight_ops().residency() == WeightResidency::Dropped {
-                steps.push_back((target_of(side), OpKind::WeightUpdate, Some(version.clone())));
+            match e.core.executor().weight_ops().residency() {
+                // A reload in place the schedule left unfinished ends.
+                WeightResidency::Reloading => steps.push_back((
+                    target_of(side),
+                    OpKind::ReturnWeights { ok: true },
+                    Some(version.clone()),
+                )),
+                WeightResidency::Dropped => {
+                    steps.push_back((target_of(side), OpKind::WeightUpdate, Some(version.clone())))
+                }
+                _ => {}
             }
             steps.push_back((target_of(side), OpKind::WakeUp { tags: 0 }, None));
             steps.push_back((target_of(side), OpKind::Resume, None));

@@ -13,7 +13,9 @@
 //! * through `ferry proxy` to one P and one D, against this process uploading to P and D
 //!   itself at once (the goal: within 1.3× of it), and against the bytes to two plain sinks;
 //! * `update_weights_from_disk` of the model's safetensors folder against `cat` of its files
-//!   to `/dev/null`.
+//!   to `/dev/null`: with the server running (read into new weights while the old serve),
+//!   and paused, as an RL loop reloads (read over the weights in place; the pause and the
+//!   resume timed apart).
 //!
 //! The server's resident memory is read around each upload (`/proc/<pid>/status`, its peak
 //! reset first through `/proc/<pid>/clear_refs`), against the bound of two copies of the
@@ -250,7 +252,7 @@ async fn measure(
         .as_u64()
         .unwrap_or(0);
     let (mut plain, mut upload, mut push, mut memory) = (vec![], vec![], vec![], vec![]);
-    let (mut cat, mut reload) = (vec![], vec![]);
+    let (mut cat, mut reload, mut paused) = (vec![], vec![], vec![]);
     for round in 0..args.rounds {
         plain.push(plain_socket(&[&parts], 1).await?);
         let before = status_bytes(&pid, "VmRSS")?;
@@ -263,6 +265,7 @@ async fn measure(
         push.push(push_to(&client, &server.url, &whole, &format!("push-{round}")).await?);
         cat.push(cat_files(folder)?);
         reload.push(reload_from(&client, &server.url, folder, &format!("disk-{round}")).await?);
+        paused.push(reload_paused(&client, &server.url, folder, &format!("paused-{round}")).await?);
     }
     drop(server);
 
@@ -360,6 +363,8 @@ async fn measure(
         .unwrap_or(0);
     let rss_before = memory[0]["before"].as_u64().unwrap_or(0);
     let (cat_s, reload_s) = (median(cat), median(reload));
+    let paused_s = median(paused.iter().map(|p| p.reload_s).collect());
+    let cycle_s = median(paused.iter().map(|p| p.cycle_s).collect());
     let gb = |s: f64| n_bytes as f64 / s / 1e9;
     Ok(json!({
         "model": args.model.as_deref().unwrap_or("default"),
@@ -392,6 +397,9 @@ async fn measure(
             "cat_s": cat_s,
             "reload_s": reload_s,
             "reload_over_cat": reload_s / cat_s,
+            "paused_reload_s": paused_s,
+            "paused_reload_over_cat": paused_s / cat_s,
+            "pause_reload_resume_s": cycle_s,
         },
         "proxy_1p1d": proxy,
     }))
@@ -515,14 +523,59 @@ async fn reload_from(
     folder: &Path,
     version: &str,
 ) -> anyhow::Result<f64> {
+    Ok(post_reload(client, base, folder, version).await?.0)
+}
+
+/// `update_weights_from_disk` of `folder`: its time and the reply.
+async fn post_reload(
+    client: &reqwest::Client,
+    base: &str,
+    folder: &Path,
+    version: &str,
+) -> anyhow::Result<(f64, Value)> {
     let started = Instant::now();
     let reloaded = client
         .post(format!("{base}/update_weights_from_disk"))
         .json(&json!({"model_path": folder, "weight_version": version}))
         .send()
         .await?;
-    ok_json(reloaded, "the reload from disk").await?;
-    Ok(started.elapsed().as_secs_f64())
+    let body = ok_json(reloaded, "the reload from disk").await?;
+    Ok((started.elapsed().as_secs_f64(), body))
+}
+
+/// A reload while paused, as an RL loop makes it.
+struct PausedReload {
+    /// `update_weights_from_disk` alone.
+    reload_s: f64,
+    /// Pause, reload, resume.
+    cycle_s: f64,
+}
+
+/// Pauses (`keep`), reloads the folder (read over the weights in place, which the reply must
+/// say), resumes.
+async fn reload_paused(
+    client: &reqwest::Client,
+    base: &str,
+    folder: &Path,
+    version: &str,
+) -> anyhow::Result<PausedReload> {
+    let started = Instant::now();
+    let paused = client
+        .post(format!("{base}/pause?mode=keep&clear_cache=false"))
+        .send()
+        .await?;
+    ok_json(paused, "the pause").await?;
+    let (reload_s, body) = post_reload(client, base, folder, version).await?;
+    ensure!(
+        body["in_place"] == true,
+        "a reload while paused is read in place: {body}"
+    );
+    let resumed = client.post(format!("{base}/resume")).send().await?;
+    ok_json(resumed, "the resume").await?;
+    Ok(PausedReload {
+        reload_s,
+        cycle_s: started.elapsed().as_secs_f64(),
+    })
 }
 
 /// `cat` of the folder's safetensors files to /dev/null, timed.

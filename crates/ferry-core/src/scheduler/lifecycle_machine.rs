@@ -189,6 +189,13 @@ impl Scheduler {
     /// memory and offloads or drops the weights. A full wake-up resumes, unless the client
     /// paused the engine before it went to sleep or while it slept.
     pub fn sleep(&mut self, op: OpId, level: SleepLevel, mode: PauseMode) -> Vec<RequestOutput> {
+        if self.control.weights == WeightResidency::Reloading {
+            // The reload holds the weights: a sleep could neither offload nor drop them.
+            self.control
+                .events
+                .push(LifecycleEvent::Failed(op, LifecycleError::Reloading));
+            return Vec::new();
+        }
         // A wake-up undoes only the sleep's own pause: an engine the client paused before it
         // slept stays paused until the client resumes it.
         let aborted = self.enter_pause(mode, PausedBy::Sleep);
@@ -252,6 +259,9 @@ impl Scheduler {
     /// Continues scheduling. Every pending operation fails (`CancelledByResume`); no request
     /// is lost. Refused while memory is released (wake it up first).
     pub fn resume(&mut self) -> Result<(), LifecycleError> {
+        if self.control.weights == WeightResidency::Reloading {
+            return Err(LifecycleError::Reloading);
+        }
         if self.control.kv_released {
             return Err(LifecycleError::Asleep { what: "KV cache" });
         }
@@ -294,6 +304,34 @@ impl Scheduler {
                 self.cancel_pending(LifecycleError::CancelledByWakeUp);
                 self.unpause();
             }
+        }
+    }
+
+    /// Lends the weights to a reload in place ([`WeightResidency::Reloading`]) if the engine
+    /// is in a completed pause: frozen, so no step computes until they come back, with no
+    /// operation pending (a sleep would offload or drop them) and the weights resident.
+    /// False, changing nothing, otherwise. Until [`Self::weights_returned`], resume and sleep
+    /// are refused with [`LifecycleError::Reloading`].
+    pub fn lend_weights(&mut self) -> bool {
+        let c = &mut self.control;
+        let lendable = c.frozen() && c.pending.is_empty() && c.weights == WeightResidency::Resident;
+        if lendable {
+            c.weights = WeightResidency::Reloading;
+        }
+        lendable
+    }
+
+    /// The reload in place ended: the weights are resident again with the new weights
+    /// (`reloaded`), or dropped, as sleep level 2 leaves them, when its read failed midway
+    /// (a complete install and a wake-up of the weights bring them back). The pause stays.
+    pub fn weights_returned(&mut self, reloaded: bool) {
+        let c = &mut self.control;
+        if c.weights == WeightResidency::Reloading {
+            c.weights = if reloaded {
+                WeightResidency::Resident
+            } else {
+                WeightResidency::Dropped
+            };
         }
     }
 

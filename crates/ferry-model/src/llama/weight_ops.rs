@@ -25,6 +25,9 @@ impl ModelWeights for LlamaModel {
     }
 
     fn install(&mut self, weights: PreparedWeights) -> Result<Option<RetiredWeights>, WeightError> {
+        if self.residency == WeightResidency::Reloading {
+            return Err(WeightError::Reloading);
+        }
         let payload = weights.into_payload::<LlamaPayload>()?;
         if payload.config != self.config {
             return Err(WeightError::WrongExecutor);
@@ -54,6 +57,42 @@ impl ModelWeights for LlamaModel {
 
     fn restore(&mut self) -> Result<(), ExecError> {
         update::restore(&mut self.residency)
+    }
+
+    /// The weights themselves, to be written over: the scratch buffers stay, as the next
+    /// step after the reload needs them again.
+    fn lend(&mut self) -> Option<RetiredWeights> {
+        if self.residency != WeightResidency::Resident {
+            return None;
+        }
+        self.residency = WeightResidency::Reloading;
+        Some(Box::new(std::mem::replace(
+            &mut self.weights,
+            empty_weights(),
+        )))
+    }
+
+    fn take_back(&mut self, weights: Option<PreparedWeights>) -> Result<(), WeightError> {
+        if self.residency != WeightResidency::Reloading {
+            return Err(WeightError::NotLent);
+        }
+        let Some(weights) = weights else {
+            // What was lent is gone: dropped, as sleep level 2 leaves them.
+            self.residency = WeightResidency::Dropped;
+            self.scratch = Scratch::default();
+            self.logits_buf = Vec::new();
+            self.sampler_scratch.release_buffers();
+            return Ok(());
+        };
+        let payload = weights.into_payload::<LlamaPayload>()?;
+        match payload.update {
+            LlamaUpdate::Full(weights) if payload.config == self.config => {
+                self.weights = *weights;
+                self.residency = WeightResidency::Resident;
+                Ok(())
+            }
+            _ => Err(WeightError::WrongExecutor),
+        }
     }
 
     fn residency(&self) -> WeightResidency {

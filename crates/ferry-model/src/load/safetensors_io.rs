@@ -320,43 +320,7 @@ fn read_file(
     // Only the header is read through it (validating it touches no tensor data); tensors
     // are read with `read_chunks`, so their pages stay out of resident memory.
     let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))?;
-    let (n_header, header) = SafeTensors::read_metadata(&mmap)
-        .map_err(|e| LoadError::invalid(path, format!("invalid safetensors file: {e}")))?;
-    let data_start = (HEADER_LEN_BYTES + n_header) as u64;
-    let mut plan = Vec::with_capacity(wanted.len());
-    for &(idx, (name, shape)) in wanted {
-        let info = header.info(name).ok_or_else(|| LoadError::MissingTensor {
-            path: path.to_owned(),
-            tensor: name.clone(),
-        })?;
-        if info.shape != *shape {
-            return Err(LoadError::TensorShape {
-                path: path.to_owned(),
-                tensor: name.clone(),
-                expected: shape.clone(),
-                actual: info.shape.clone(),
-            });
-        }
-        let Some(width) = f32_source_width(info.dtype) else {
-            return Err(LoadError::UnsupportedDtype {
-                path: path.to_owned(),
-                tensor: name.clone(),
-                dtype: format!("{:?} (supported: F32, F16, BF16)", info.dtype),
-            });
-        };
-        // The shape matches and the header was validated: the bytes are exactly its elements.
-        let (start, end) = info.data_offsets;
-        plan.push(Planned {
-            idx,
-            name,
-            shape,
-            dtype: info.dtype,
-            width,
-            offset: data_start + start as u64,
-            n_bytes: end - start,
-            kept: None,
-        });
-    }
+    let mut plan = plan_file(path, &mmap, wanted)?;
     // In the file's order: the kernel reads ahead of a reader that goes front to back. One
     // that jumps (the model's order, where layer 2 follows layer 1, which the file, sorted by
     // name, keeps apart) read a cold file far less evenly (see `read_ahead`).
@@ -396,6 +360,69 @@ fn read_file(
         stop.store(true, Ordering::Relaxed);
         read
     })
+}
+
+/// Every tensor of `wanted` checked against the header of `path` (mapped as `mmap`): there,
+/// of its shape and a dtype the loader reads. The header itself is checked whole by
+/// `read_metadata`, its data offsets against the file's length too, so a plan that passes
+/// reads only bytes the file holds.
+fn plan_file<'a>(
+    path: &Path,
+    mmap: &[u8],
+    wanted: &[(usize, &'a Wanted)],
+) -> Result<Vec<Planned<'a>>, LoadError> {
+    let (n_header, header) = SafeTensors::read_metadata(mmap)
+        .map_err(|e| LoadError::invalid(path, format!("invalid safetensors file: {e}")))?;
+    let data_start = (HEADER_LEN_BYTES + n_header) as u64;
+    let mut plan = Vec::with_capacity(wanted.len());
+    for &(idx, (name, shape)) in wanted {
+        let info = header.info(name).ok_or_else(|| LoadError::MissingTensor {
+            path: path.to_owned(),
+            tensor: name.clone(),
+        })?;
+        if info.shape != *shape {
+            return Err(LoadError::TensorShape {
+                path: path.to_owned(),
+                tensor: name.clone(),
+                expected: shape.clone(),
+                actual: info.shape.clone(),
+            });
+        }
+        let Some(width) = f32_source_width(info.dtype) else {
+            return Err(LoadError::UnsupportedDtype {
+                path: path.to_owned(),
+                tensor: name.clone(),
+                dtype: format!("{:?} (supported: F32, F16, BF16)", info.dtype),
+            });
+        };
+        // The shape matches and the header was validated: the bytes are exactly its elements.
+        let (start, end) = info.data_offsets;
+        plan.push(Planned {
+            idx,
+            name,
+            shape,
+            dtype: info.dtype,
+            width,
+            offset: data_start + start as u64,
+            n_bytes: end - start,
+            kept: None,
+        });
+    }
+    Ok(plan)
+}
+
+/// Checks, reading no tensor, what [`read_weights`] would check before it reads a byte of
+/// its tensor data: the files (index, headers, tensors the config does not use), and each
+/// expected tensor's shape, dtype and bytes. A read that follows fails only if the disk does
+/// or the files change; a reload in place checks first, as it writes over the weights.
+pub(crate) fn check_weights(dir: &Path, expected: &[Wanted]) -> Result<(), LoadError> {
+    let (by_file, all_files) = assign_files(dir, expected)?;
+    check_unused(&all_files, expected)?;
+    for (path, wanted) in by_file {
+        let (_, mmap) = map_file(&path)?;
+        plan_file(&path, &mmap, &wanted)?;
+    }
+    Ok(())
 }
 
 /// Reads each planned tensor of `file` (`file_len` bytes) into its place in `dest`, in turn.

@@ -18,7 +18,9 @@ use crate::load::expected_tensors;
 use crate::weights::buf::WeightBuf;
 use crate::weights::llama::{LayerWeights, LlamaWeights};
 use crate::weights::matrix::{Matrix, Segment};
-use crate::weights::update::{PreparedWeights, WeightError, WeightPreparer, WeightSlots};
+use crate::weights::update::{
+    PreparedWeights, RetiredWeights, WeightError, WeightPreparer, WeightSlots,
+};
 use crate::{LlamaConfig, WeightStore};
 
 /// A buffer of [`LayerWeights`].
@@ -169,6 +171,54 @@ impl WeightPreparer for LlamaPreparer {
             lens,
             n_bytes,
             target,
+        }))
+    }
+
+    fn slots_in_place(
+        &self,
+        lent: RetiredWeights,
+        tensors: &[(String, Vec<usize>)],
+    ) -> Result<Box<dyn WeightSlots>, (WeightError, RetiredWeights)> {
+        let mut weights = match lent.downcast::<LlamaWeights>() {
+            Ok(weights) => weights,
+            Err(lent) => return Err((WeightError::WrongExecutor, lent)),
+        };
+        let expected: BTreeMap<String, Vec<usize>> =
+            expected_tensors(&self.config).into_iter().collect();
+        let places = match check_list(&self.config, &expected, tensors) {
+            Ok(places) if tensors.len() == expected.len() => places,
+            Ok(_) => {
+                let given: BTreeSet<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+                let absent: Vec<&String> = expected
+                    .keys()
+                    .filter(|n| !given.contains(n.as_str()))
+                    .collect();
+                let error = WeightError::Incomplete {
+                    n_missing: absent.len(),
+                    first: absent.first().map(|n| n.to_string()).unwrap_or_default(),
+                };
+                return Err((error, weights));
+            }
+            Err(e) => return Err((e, weights)),
+        };
+        // Lent by a model of this config, so every place is there; checked all the same, as
+        // the reader writes each slot whole.
+        let fits = tensors
+            .iter()
+            .zip(&places)
+            .all(|((_, shape), &place)| place_fits(&mut weights, place, shape));
+        if !fits {
+            return Err((WeightError::WrongExecutor, weights));
+        }
+        Ok(Box::new(LlamaSlots {
+            config: self.config.clone(),
+            lens: tensors.iter().map(|(_, s)| s.iter().product()).collect(),
+            n_bytes: tensors
+                .iter()
+                .map(|(_, s)| s.iter().product::<usize>() * size_of::<f32>())
+                .collect(),
+            places,
+            target: Target::InPlace(weights),
         }))
     }
 
@@ -344,10 +394,27 @@ fn check_list(
         .collect()
 }
 
-/// What [`LlamaSlots`] fills: new whole weights, or one buffer per pushed tensor.
+/// What [`LlamaSlots`] fills: new whole weights, weights lent for a reload in place (their
+/// memory already taken), or one buffer per pushed tensor.
 enum Target {
     Full(Box<LlamaWeights>),
+    InPlace(Box<LlamaWeights>),
     Partial(Vec<Patch>),
+}
+
+/// Whether tensor `shape`'s place is in `w`, as long as the tensor: a matrix segment of as
+/// many rows (of `shape[1]` elements), or that many floats of a vector.
+fn place_fits(w: &mut LlamaWeights, place: Place, shape: &[usize]) -> bool {
+    let len: usize = shape.iter().product();
+    match buffer_mut(w, place.buffer) {
+        Some(BufferMut::Vector(v)) => place.offset + len <= v.len(),
+        Some(BufferMut::Matrix(m)) => {
+            let k = m.k();
+            let rows = m.segment_mut(place.offset).map(|s| s.rows());
+            matches!(shape, [r, c] if Some(*r) == rows && *c == k)
+        }
+        None => false,
+    }
 }
 
 /// The slots of a checked Llama update (see [`WeightPreparer::slots`]).
@@ -363,12 +430,23 @@ struct LlamaSlots {
 impl WeightSlots for LlamaSlots {
     fn slot(&mut self, idx: usize) -> &mut [f32] {
         let (place, len) = (self.places[idx], self.lens[idx]);
-        let missing = "zeroed_weights has a buffer for every place of its config";
+        let missing = "whole weights have a buffer for every place of their config (checked)";
         match &mut self.target {
-            Target::Full(weights) => match buffer_mut(weights, place.buffer).expect(missing) {
-                BufferMut::Vector(buffer) => &mut buffer[place.offset..place.offset + len],
-                BufferMut::Matrix(m) => f32s_mut(m.segment_mut(place.offset).expect(missing)),
-            },
+            Target::Full(weights) | Target::InPlace(weights) => {
+                match buffer_mut(weights, place.buffer).expect(missing) {
+                    BufferMut::Vector(buffer) => &mut buffer[place.offset..place.offset + len],
+                    BufferMut::Matrix(m) => {
+                        let k = m.k();
+                        let segment = m.segment_mut(place.offset).expect(missing);
+                        if segment.dtype() != WeightDtype::F32 {
+                            // Lent weights hold this matrix in another dtype: f32 rows anew.
+                            *segment = Segment::zeroed(WeightDtype::F32, segment.rows(), k)
+                                .expect("f32 rows hold any length");
+                        }
+                        f32s_mut(segment)
+                    }
+                }
+            }
             Target::Partial(patches) => f32s_mut(&mut patches[idx].data),
         }
     }
@@ -378,18 +456,20 @@ impl WeightSlots for LlamaSlots {
     fn stored_slot(&mut self, idx: usize, dtype: WeightDtype) -> Option<&mut [u8]> {
         let place = self.places[idx];
         let segment = match &mut self.target {
-            Target::Full(weights) => match buffer_mut(weights, place.buffer)? {
-                BufferMut::Matrix(m) => {
-                    let k = m.k();
-                    let rows = m.segment_mut(place.offset)?.rows();
-                    if m.segment_mut(place.offset)?.dtype() != dtype {
-                        let fresh = Segment::zeroed(dtype, rows, k).ok()?;
-                        m.replace_segment(place.offset, fresh).ok()?;
+            Target::Full(weights) | Target::InPlace(weights) => {
+                match buffer_mut(weights, place.buffer)? {
+                    BufferMut::Matrix(m) => {
+                        let k = m.k();
+                        let rows = m.segment_mut(place.offset)?.rows();
+                        if m.segment_mut(place.offset)?.dtype() != dtype {
+                            let fresh = Segment::zeroed(dtype, rows, k).ok()?;
+                            m.replace_segment(place.offset, fresh).ok()?;
+                        }
+                        m.segment_mut(place.offset)?
                     }
-                    m.segment_mut(place.offset)?
+                    BufferMut::Vector(_) => return None,
                 }
-                BufferMut::Vector(_) => return None,
-            },
+            }
             Target::Partial(patches) => {
                 let patch = &mut patches[idx];
                 if !is_matrix(place.buffer) {
@@ -403,12 +483,14 @@ impl WeightSlots for LlamaSlots {
             }
         };
         self.n_bytes[idx] = segment.bytes().len();
-        Some(segment.bytes_mut())
+        // Lent weights' rows may be arranged for the kernels; the reader writes the file's.
+        Some(segment.overwrite_mut())
     }
 
     /// A full update's matrices (all but a few kilobytes of norms): their fresh pages are
     /// taken, and cleared by the kernel, on rayon's threads at once.
     fn prefault(&mut self) {
+        // Lent weights' memory is already taken.
         let Target::Full(w) = &mut self.target else {
             return;
         };
@@ -428,10 +510,12 @@ impl WeightSlots for LlamaSlots {
         // Readers write stored matrices in the file's layout; the kernels may read another.
         for (idx, place) in self.places.iter().enumerate() {
             let segment = match &mut self.target {
-                Target::Full(weights) => match buffer_mut(weights, place.buffer) {
-                    Some(BufferMut::Matrix(m)) => m.segment_mut(place.offset),
-                    _ => None,
-                },
+                Target::Full(weights) | Target::InPlace(weights) => {
+                    match buffer_mut(weights, place.buffer) {
+                        Some(BufferMut::Matrix(m)) => m.segment_mut(place.offset),
+                        _ => None,
+                    }
+                }
                 Target::Partial(patches) => Some(&mut patches[idx].data),
             };
             if let Some(segment) = segment {
@@ -441,7 +525,7 @@ impl WeightSlots for LlamaSlots {
         let n_tensors = self.lens.len();
         let n_bytes = self.n_bytes.iter().sum();
         let (update, complete) = match self.target {
-            Target::Full(weights) => (LlamaUpdate::Full(weights), true),
+            Target::Full(weights) | Target::InPlace(weights) => (LlamaUpdate::Full(weights), true),
             Target::Partial(patches) => (LlamaUpdate::Partial(patches), false),
         };
         let payload = LlamaPayload {

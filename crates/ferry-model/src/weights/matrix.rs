@@ -145,6 +145,13 @@ impl Segment {
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         &mut self.bytes
     }
+
+    /// The bytes, to be written over whole in the file's layout (a reload in place): the
+    /// segment counts them as not arranged, so [`Segment::arrange`] arranges the new rows.
+    pub fn overwrite_mut(&mut self) -> &mut [u8] {
+        self.grouped = 0;
+        &mut self.bytes
+    }
 }
 
 /// A row-major weight matrix (`n_rows × k`, PyTorch layout) as segments stacked row-wise.

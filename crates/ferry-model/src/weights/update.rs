@@ -51,6 +51,12 @@ pub enum WeightError {
     },
     #[error("these weights were prepared for another executor")]
     WrongExecutor,
+    /// Another update came while the weights were lent to a reload in place.
+    #[error("the weights are being reloaded in place (update_weights_from_disk while paused): update them once that reload has returned")]
+    Reloading,
+    /// Weights handed back to an executor that lent none.
+    #[error("no weights are lent to a reload in place")]
+    NotLent,
 }
 
 /// Weights checked and converted for one executor, ready for
@@ -143,6 +149,21 @@ pub trait WeightPreparer: Send + Sync {
     /// makes their destinations in the executor's layout, for a reader to fill.
     fn slots(&self, tensors: &[(String, Vec<usize>)]) -> Result<Box<dyn WeightSlots>, WeightError>;
 
+    /// Slots for every parameter (`tensors`, the complete list) that are the places of
+    /// `lent`, the weights [`ModelWeights::lend`] gave up: a reader overwrites them in place
+    /// and `finish` makes them a complete update for [`ModelWeights::take_back`]. A matrix
+    /// read in another dtype than it holds gets a fresh segment of that dtype, as an update
+    /// of fresh weights would. On an error `lent` comes back untouched. An executor that
+    /// lends nothing refuses.
+    fn slots_in_place(
+        &self,
+        lent: RetiredWeights,
+        tensors: &[(String, Vec<usize>)],
+    ) -> Result<Box<dyn WeightSlots>, (WeightError, RetiredWeights)> {
+        let _ = tensors;
+        Err((WeightError::WrongExecutor, lent))
+    }
+
     /// For a reload from a model folder: the folder's config must describe the same model.
     fn check_config(&self, config: &LlamaConfig) -> Result<(), WeightError>;
 
@@ -194,6 +215,24 @@ pub trait ModelWeights: Send {
     /// were dropped and no complete install came since.
     fn restore(&mut self) -> Result<(), ExecError>;
 
+    /// Lends the resident weights to a reload in place, which writes the new weights over
+    /// them with no fresh memory ([`WeightPreparer::slots_in_place`]): the executor holds
+    /// none ([`WeightResidency::Reloading`]) and refuses steps until
+    /// [`ModelWeights::take_back`]. `None`, changing nothing, when they are not resident or
+    /// this executor does not reload in place.
+    fn lend(&mut self) -> Option<RetiredWeights> {
+        None
+    }
+
+    /// Ends a reload in place: `Some` is the complete update its slots finished, made of the
+    /// lent weights, which become the weights, resident; `None` means the read failed midway
+    /// (the lent weights, part old and part new, were dropped): the weights stay dropped, as
+    /// sleep level 2 leaves them. Refused, changing nothing, unless the weights are lent.
+    fn take_back(&mut self, weights: Option<PreparedWeights>) -> Result<(), WeightError> {
+        let _ = weights;
+        Err(WeightError::WrongExecutor)
+    }
+
     fn residency(&self) -> WeightResidency;
 
     /// Bytes of the weights held, each tensor in its stored dtype (0 once dropped, and for
@@ -217,6 +256,9 @@ impl ModelWeights for Weightless {
     }
 
     fn install(&mut self, weights: PreparedWeights) -> Result<Option<RetiredWeights>, WeightError> {
+        if self.residency == WeightResidency::Reloading {
+            return Err(WeightError::Reloading);
+        }
         weights.into_payload::<WeightlessPreparer>()?;
         self.residency.refill();
         Ok(None)
@@ -233,6 +275,29 @@ impl ModelWeights for Weightless {
 
     fn restore(&mut self) -> Result<(), ExecError> {
         restore(&mut self.residency)
+    }
+
+    /// Nothing to lend but the state, so lifecycle tests see a reload in place as a real
+    /// model goes through it.
+    fn lend(&mut self) -> Option<RetiredWeights> {
+        (self.residency == WeightResidency::Resident).then(|| {
+            self.residency = WeightResidency::Reloading;
+            Box::new(WeightlessPreparer) as RetiredWeights
+        })
+    }
+
+    fn take_back(&mut self, weights: Option<PreparedWeights>) -> Result<(), WeightError> {
+        if self.residency != WeightResidency::Reloading {
+            return Err(WeightError::NotLent);
+        }
+        self.residency = match weights {
+            Some(weights) => {
+                weights.into_payload::<WeightlessPreparer>()?;
+                WeightResidency::Resident
+            }
+            None => WeightResidency::Dropped,
+        };
+        Ok(())
     }
 
     fn residency(&self) -> WeightResidency {
@@ -274,6 +339,17 @@ impl WeightPreparer for WeightlessPreparer {
 
     fn check_config(&self, _config: &LlamaConfig) -> Result<(), WeightError> {
         Ok(())
+    }
+
+    fn slots_in_place(
+        &self,
+        lent: RetiredWeights,
+        tensors: &[(String, Vec<usize>)],
+    ) -> Result<Box<dyn WeightSlots>, (WeightError, RetiredWeights)> {
+        match self.slots(tensors) {
+            Ok(slots) => Ok(slots),
+            Err(e) => Err((e, lent)),
+        }
     }
 }
 

@@ -168,6 +168,8 @@ impl EngineFailure for WeightReloadError {
     fn into_api_error(self) -> ApiError {
         match self {
             WeightReloadError::Load(_) => ApiError::invalid("model_path", self.to_string()),
+            // The request was good; the disk or the files failed it, and the weights are gone.
+            WeightReloadError::Torn(_) => ApiError::internal(self.to_string()),
             WeightReloadError::Weights(w) => weight_error(w, "model_path"),
             WeightReloadError::Stopped(e) => e.into_api_error(),
         }
@@ -188,6 +190,9 @@ fn weight_error(w: WeightError, source_param: &str) -> ApiError {
             ApiError::invalid(source_param, message)
         }
         WeightError::WrongExecutor => ApiError::internal(message),
+        WeightError::Reloading => ApiError::conflict(message),
+        // Only the engine's own reload hands weights back.
+        WeightError::NotLent => ApiError::internal(message),
     }
 }
 

@@ -246,6 +246,7 @@ pub(super) fn update_reply(info: &WeightUpdateInfo, message: &str) -> Value {
         "complete": info.complete,
         "prepare_seconds": info.prepare_seconds,
         "install_seconds": info.install_seconds,
+        "in_place": info.in_place,
     })
 }
 
@@ -272,8 +273,9 @@ pub async fn update_weight_version(
 }
 
 /// `GET /weight_info` → `{"weight_version", "n_weight_updates", "residency", "weight_bytes"}`
-/// (`resident`, `offloaded` by sleep level 1, `dropped` by sleep level 2; the bytes of the
-/// weights held, each tensor in its stored dtype).
+/// (`resident`, `offloaded` by sleep level 1, `dropped` by sleep level 2 or a failed reload
+/// in place, `reloading` while one runs; the bytes of the weights held, each tensor in its
+/// stored dtype).
 pub async fn weight_info(State(app): State<Arc<AppState>>) -> AdminReply {
     let info = engine_weight_info(&app).await?;
     Ok(Json(json!({
@@ -293,6 +295,7 @@ fn residency_name(r: WeightResidency) -> &'static str {
         WeightResidency::Resident => "resident",
         WeightResidency::Offloaded => "offloaded",
         WeightResidency::Dropped => "dropped",
+        WeightResidency::Reloading => "reloading",
     }
 }
 

@@ -309,7 +309,8 @@ async fn sleep(ctx: &Ctx<'_>, level: u8, mode: Mode) {
             .await;
         let message = refused.body["error"]["message"].as_str().unwrap_or("");
         assert!(message.contains("reload"), "{}", refused.body);
-        ctx.reload().await;
+        let (_, in_place) = ctx.reload().await;
+        assert!(!in_place, "dropped weights are read into new memory");
     }
     let woken = ctx
         .post(Target::Both, "/wake_up", ctx.bounds.clearing, 200)
@@ -440,7 +441,13 @@ async fn reload(ctx: &Ctx<'_>, mode: Mode) {
         200,
     )
     .await;
-    let version = ctx.reload().await;
+    let (version, in_place) = ctx.reload().await;
+    // A folder is read over the paused engine's weights; a GGUF file into new ones.
+    assert_eq!(
+        in_place,
+        matches!(ctx.setup.model, crate::fleet::Model::Tiny),
+        "{mode:?}"
+    );
     for base in [&ctx.trio.p.url, &ctx.trio.d.url] {
         let (_, info) = crate::procs::get(&format!("{base}/weight_info")).await;
         assert_eq!(info["weight_version"], version.as_str(), "{base}: {info}");

@@ -235,8 +235,10 @@ impl<'a> Ctx<'a> {
         .await
     }
 
-    /// Reloads the same weights from disk under a new version, everywhere; returns it.
-    pub async fn reload(&self) -> String {
+    /// Reloads the same weights from disk under a new version, everywhere; returns it, and
+    /// whether the reload read over the weights in place (as it does for a folder, here the
+    /// tiny model's, while the engine is paused with its weights resident).
+    pub async fn reload(&self) -> (String, bool) {
         let n = self.n_sent.fetch_add(1, Ordering::Relaxed);
         let version = format!("{}-{}-v{n}", slug(&self.case), self.setup.id_label());
         let body = json!({"model_path": self.setup.model.reload_path(), "weight_version": version});
@@ -255,7 +257,9 @@ impl<'a> Ctx<'a> {
             "{}",
             reply.body
         );
-        version
+        let in_place = reply.body["in_place"].as_bool();
+        assert!(in_place.is_some(), "{}", reply.body);
+        (version, in_place == Some(true))
     }
 
     /// Whether each engine the target names is paused (`want`).

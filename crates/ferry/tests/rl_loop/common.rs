@@ -434,14 +434,18 @@ async fn rl_loop(
         )
         .await;
         let version = updated["weight_version"].as_str().unwrap_or("");
+        // Paused, each instance reads the folder over its weights in place.
         let same_on_both = updated["instances"].as_array().is_some_and(|a| {
-            a.len() == 2 && a.iter().all(|i| i["body"]["weight_version"] == version)
+            a.len() == 2
+                && a.iter().all(|i| {
+                    i["body"]["weight_version"] == version && i["body"]["in_place"] == true
+                })
         });
         if updated["success"] == true && version.starts_with("proxy-") && same_on_both {
             n_weight_updates += 1;
         } else {
             failures.push(format!(
-                "cycle {cycle}: the weight update set no one version: {updated}"
+                "cycle {cycle}: the weight update set no one version in place: {updated}"
             ));
         }
         if cycle % 5 == 0 {
