@@ -141,10 +141,14 @@ pub enum Action {
         op: OpKind,
     },
     /// A trainer's cycle on both engines, each call after the last replied: pause with
-    /// `mode` (clearing), a weight update (a reload in place: lend, then return), resume.
+    /// `mode` (clearing), a weight update, resume. The update is a reload in place (lend,
+    /// then return) with `in_place`; with `read_fails` too, that reload's read fails midway
+    /// (the weights are lost) and the trainer does what the reply says: a complete update, a
+    /// wake-up of the weights, then the resume.
     RlCycle {
         mode: PauseMode,
         in_place: bool,
+        read_fails: bool,
     },
     Fault(Fault),
 }
@@ -290,10 +294,14 @@ pub fn generate(seed: u64, params: ScheduleParams) -> Vec<Timed> {
                 target: target(&mut rng),
                 op: op(&mut rng),
             },
-            86..=92 => Action::RlCycle {
-                mode: mode(&mut rng),
-                in_place: rng.bool(),
-            },
+            86..=92 => {
+                let in_place = rng.bool();
+                Action::RlCycle {
+                    mode: mode(&mut rng),
+                    in_place,
+                    read_fails: in_place && rng.chance(1, 4),
+                }
+            }
             _ => Action::Fault(fault(&mut rng)),
         };
         out.push(Timed { tick, action });
@@ -429,14 +437,20 @@ impl fmt::Display for Action {
             }
             Action::Disconnect { pick } => write!(f, "client: live request #{pick} disconnects"),
             Action::Op { target, op } => write!(f, "admin {target}: {op}"),
-            Action::RlCycle { mode, in_place } => write!(
+            Action::RlCycle {
+                mode,
+                in_place,
+                read_fails,
+            } => write!(
                 f,
                 "trainer P+D: pause({}, clear_cache) → {} → resume",
                 mode.as_str(),
-                if *in_place {
-                    "reload in place"
-                } else {
-                    "update_weights"
+                match (in_place, read_fails) {
+                    (true, true) => {
+                        "reload in place, whose read fails → update_weights → wake_up(weights)"
+                    }
+                    (true, false) => "reload in place",
+                    (false, _) => "update_weights",
                 }
             ),
             Action::Fault(fault) => write!(f, "fault: {fault:?}"),

@@ -572,7 +572,11 @@ impl Sim {
                     self.issue(side, op, version.clone());
                 }
             }
-            Action::RlCycle { mode, in_place } => {
+            Action::RlCycle {
+                mode,
+                in_place,
+                read_fails,
+            } => {
                 let mut steps = VecDeque::from([(
                     Target::Both,
                     OpKind::Pause {
@@ -583,8 +587,14 @@ impl Sim {
                 )]);
                 if in_place {
                     steps.push_back((Target::Both, OpKind::LendWeights, None));
-                    steps.push_back((Target::Both, OpKind::ReturnWeights { ok: true }, None));
-                } else {
+                    let ok = !read_fails;
+                    steps.push_back((Target::Both, OpKind::ReturnWeights { ok }, None));
+                }
+                if read_fails {
+                    // The weights are dropped: a complete set, then their wake-up.
+                    steps.push_back((Target::Both, OpKind::WeightUpdate, None));
+                    steps.push_back((Target::Both, OpKind::WakeUp { tags: 1 }, None));
+                } else if !in_place {
                     steps.push_back((Target::Both, OpKind::WeightUpdate, None));
                 }
                 steps.push_back((Target::Both, OpKind::Resume, None));
