@@ -141,16 +141,40 @@ pub enum Action {
         op: OpKind,
     },
     /// A trainer's cycle on both engines, each call after the last replied: pause with
-    /// `mode` (clearing), a weight update, resume. The update is a reload in place (lend,
-    /// then return) with `in_place`; with `read_fails` too, that reload's read fails midway
-    /// (the weights are lost) and the trainer does what the reply says: a complete update, a
-    /// wake-up of the weights, then the resume.
+    /// `mode` (clearing), the weight update `update`, resume.
     RlCycle {
         mode: PauseMode,
-        in_place: bool,
-        read_fails: bool,
+        update: CycleUpdate,
     },
     Fault(Fault),
+}
+
+/// How a trainer's cycle updates the weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CycleUpdate {
+    /// One install of new weights.
+    Install,
+    /// A reload in place: the weights lent, then returned.
+    InPlace,
+    /// A reload in place whose read fails midway (the weights are lost); the trainer does
+    /// what the reply says: a complete install, a wake-up of the weights, then the resume.
+    InPlaceFails,
+}
+
+impl CycleUpdate {
+    /// The calls it makes, in turn, between the pause and the resume.
+    pub fn calls(self) -> &'static [OpKind] {
+        match self {
+            Self::Install => &[OpKind::WeightUpdate],
+            Self::InPlace => &[OpKind::LendWeights, OpKind::ReturnWeights { ok: true }],
+            Self::InPlaceFails => &[
+                OpKind::LendWeights,
+                OpKind::ReturnWeights { ok: false },
+                OpKind::WeightUpdate,
+                OpKind::WakeUp { tags: 1 },
+            ],
+        }
+    }
 }
 
 /// An action at a tick.
@@ -296,11 +320,13 @@ pub fn generate(seed: u64, params: ScheduleParams) -> Vec<Timed> {
             },
             86..=92 => {
                 let in_place = rng.bool();
-                Action::RlCycle {
-                    mode: mode(&mut rng),
-                    in_place,
-                    read_fails: in_place && rng.chance(1, 4),
-                }
+                let mode = mode(&mut rng);
+                let update = match (in_place, in_place && rng.chance(1, 4)) {
+                    (false, _) => CycleUpdate::Install,
+                    (true, false) => CycleUpdate::InPlace,
+                    (true, true) => CycleUpdate::InPlaceFails,
+                };
+                Action::RlCycle { mode, update }
             }
             _ => Action::Fault(fault(&mut rng)),
         };
@@ -437,22 +463,15 @@ impl fmt::Display for Action {
             }
             Action::Disconnect { pick } => write!(f, "client: live request #{pick} disconnects"),
             Action::Op { target, op } => write!(f, "admin {target}: {op}"),
-            Action::RlCycle {
-                mode,
-                in_place,
-                read_fails,
-            } => write!(
-                f,
-                "trainer P+D: pause({}, clear_cache) → {} → resume",
-                mode.as_str(),
-                match (in_place, read_fails) {
-                    (true, true) => {
-                        "reload in place, whose read fails → update_weights → wake_up(weights)"
-                    }
-                    (true, false) => "reload in place",
-                    (false, _) => "update_weights",
-                }
-            ),
+            Action::RlCycle { mode, update } => {
+                let calls: Vec<String> = update.calls().iter().map(|c| c.to_string()).collect();
+                write!(
+                    f,
+                    "trainer P+D: pause({}, clear_cache) → {} → resume",
+                    mode.as_str(),
+                    calls.join(" → ")
+                )
+            }
             Action::Fault(fault) => write!(f, "fault: {fault:?}"),
         }
     }

@@ -572,34 +572,16 @@ impl Sim {
                     self.issue(side, op, version.clone());
                 }
             }
-            Action::RlCycle {
-                mode,
-                in_place,
-                read_fails,
-            } => {
-                let mut steps = VecDeque::from([(
-                    Target::Both,
-                    OpKind::Pause {
-                        mode,
-                        clear_cache: true,
-                    },
-                    None,
-                )]);
-                if in_place {
-                    steps.push_back((Target::Both, OpKind::LendWeights, None));
-                    let ok = !read_fails;
-                    steps.push_back((Target::Both, OpKind::ReturnWeights { ok }, None));
-                }
-                if read_fails {
-                    // The weights are dropped: a complete set, then their wake-up.
-                    steps.push_back((Target::Both, OpKind::WeightUpdate, None));
-                    steps.push_back((Target::Both, OpKind::WakeUp { tags: 1 }, None));
-                } else if !in_place {
-                    steps.push_back((Target::Both, OpKind::WeightUpdate, None));
-                }
-                steps.push_back((Target::Both, OpKind::Resume, None));
+            Action::RlCycle { mode, update } => {
+                let pause = OpKind::Pause {
+                    mode,
+                    clear_cache: true,
+                };
+                let calls = std::iter::once(pause)
+                    .chain(update.calls().iter().copied())
+                    .chain([OpKind::Resume]);
                 self.scripts.push(Script {
-                    steps,
+                    steps: calls.map(|op| (Target::Both, op, None)).collect(),
                     waiting: Vec::new(),
                 });
             }

@@ -47,10 +47,7 @@ impl ModelWeights for LlamaModel {
             return None;
         }
         self.residency = WeightResidency::Dropped;
-        // Buffers sized for the largest step seen: hundreds of megabytes for a big batch.
-        self.scratch = Scratch::default();
-        self.logits_buf = Vec::new();
-        self.sampler_scratch.release_buffers();
+        self.release_step_buffers();
         let old = std::mem::replace(&mut self.weights, empty_weights());
         Some(Box::new(old))
     }
@@ -79,9 +76,7 @@ impl ModelWeights for LlamaModel {
         let Some(weights) = weights else {
             // What was lent is gone: dropped, as sleep level 2 leaves them.
             self.residency = WeightResidency::Dropped;
-            self.scratch = Scratch::default();
-            self.logits_buf = Vec::new();
-            self.sampler_scratch.release_buffers();
+            self.release_step_buffers();
             return Ok(());
         };
         let payload = weights.into_payload::<LlamaPayload>()?;
@@ -105,6 +100,15 @@ impl ModelWeights for LlamaModel {
 }
 
 impl LlamaModel {
+    /// Frees the buffers sized for the largest step seen (hundreds of megabytes for a big
+    /// batch), which grow back on the first step after the weights do: what dropped weights
+    /// leave behind.
+    fn release_step_buffers(&mut self) {
+        self.scratch = Scratch::default();
+        self.logits_buf = Vec::new();
+        self.sampler_scratch.release_buffers();
+    }
+
     /// Puts a complete set in place. Weights dropped by sleep come back asleep: a wake-up
     /// (`restore`) makes them usable, as with every executor.
     fn swap_weights(&mut self, weights: LlamaWeights) -> Option<RetiredWeights> {
@@ -124,7 +128,7 @@ impl LlamaModel {
         patches: Vec<Patch>,
     ) -> Result<Option<RetiredWeights>, WeightError> {
         if self.residency == WeightResidency::Dropped {
-            let (n_missing, first) = missing(&self.config, &patches);
+            let (n_missing, first) = missing(&self.config, patches.iter().map(|p| p.name.as_str()));
             return Err(WeightError::Incomplete { n_missing, first });
         }
         if !patches.iter().all(|p| patch_fits(&mut self.weights, p)) {

@@ -157,21 +157,12 @@ impl WeightPreparer for LlamaPreparer {
                     .collect(),
             )
         };
-        let lens = tensors
-            .iter()
-            .map(|(_, shape)| shape.iter().product())
-            .collect();
-        let n_bytes = tensors
-            .iter()
-            .map(|(_, shape)| shape.iter().product::<usize>() * size_of::<f32>())
-            .collect();
-        Ok(Box::new(LlamaSlots {
-            config: self.config.clone(),
+        Ok(Box::new(LlamaSlots::new(
+            &self.config,
+            tensors,
             places,
-            lens,
-            n_bytes,
             target,
-        }))
+        )))
     }
 
     fn slots_in_place(
@@ -188,16 +179,9 @@ impl WeightPreparer for LlamaPreparer {
         let places = match check_list(&self.config, &expected, tensors) {
             Ok(places) if tensors.len() == expected.len() => places,
             Ok(_) => {
-                let given: BTreeSet<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
-                let absent: Vec<&String> = expected
-                    .keys()
-                    .filter(|n| !given.contains(n.as_str()))
-                    .collect();
-                let error = WeightError::Incomplete {
-                    n_missing: absent.len(),
-                    first: absent.first().map(|n| n.to_string()).unwrap_or_default(),
-                };
-                return Err((error, weights));
+                let names = tensors.iter().map(|(name, _)| name.as_str());
+                let (n_missing, first) = missing(&self.config, names);
+                return Err((WeightError::Incomplete { n_missing, first }, weights));
             }
             Err(e) => return Err((e, weights)),
         };
@@ -210,16 +194,13 @@ impl WeightPreparer for LlamaPreparer {
         if !fits {
             return Err((WeightError::WrongExecutor, weights));
         }
-        Ok(Box::new(LlamaSlots {
-            config: self.config.clone(),
-            lens: tensors.iter().map(|(_, s)| s.iter().product()).collect(),
-            n_bytes: tensors
-                .iter()
-                .map(|(_, s)| s.iter().product::<usize>() * size_of::<f32>())
-                .collect(),
+        let target = Target::InPlace(weights);
+        Ok(Box::new(LlamaSlots::new(
+            &self.config,
+            tensors,
             places,
-            target: Target::InPlace(weights),
-        }))
+            target,
+        )))
     }
 
     fn expected(&self) -> Vec<(String, Vec<usize>)> {
@@ -425,6 +406,29 @@ struct LlamaSlots {
     lens: Vec<usize>,
     n_bytes: Vec<usize>,
     target: Target,
+}
+
+impl LlamaSlots {
+    /// Slots for the checked list `tensors`, each at its place in `target`, counted in f32
+    /// until a reader keeps it in another dtype.
+    fn new(
+        config: &LlamaConfig,
+        tensors: &[(String, Vec<usize>)],
+        places: Vec<Place>,
+        target: Target,
+    ) -> Self {
+        let lens: Vec<usize> = tensors
+            .iter()
+            .map(|(_, shape)| shape.iter().product())
+            .collect();
+        Self {
+            config: config.clone(),
+            places,
+            n_bytes: lens.iter().map(|n| n * size_of::<f32>()).collect(),
+            lens,
+            target,
+        }
+    }
 }
 
 impl WeightSlots for LlamaSlots {
@@ -759,10 +763,13 @@ pub(crate) fn empty_weights() -> LlamaWeights {
     }
 }
 
-/// The first expected tensor a partial update lacks, and how many it lacks.
-pub(crate) fn missing(config: &LlamaConfig, patches: &[Patch]) -> (usize, String) {
-    let present: std::collections::BTreeSet<&str> =
-        patches.iter().map(|p| p.name.as_str()).collect();
+/// The first expected tensor a partial update (of the tensors `present`) lacks, and how many
+/// it lacks.
+pub(crate) fn missing<'a>(
+    config: &LlamaConfig,
+    present: impl IntoIterator<Item = &'a str>,
+) -> (usize, String) {
+    let present: BTreeSet<&str> = present.into_iter().collect();
     let absent: Vec<String> = expected_tensors(config)
         .into_iter()
         .map(|(name, _)| name)
@@ -834,7 +841,8 @@ mod tests {
             data: zeroed_rows(&[0]),
         };
         let n = expected_tensors(&c).len();
-        let (n_missing, first) = missing(&c, &[patch("model.embed_tokens.weight")]);
+        let patches = [patch("model.embed_tokens.weight")];
+        let (n_missing, first) = missing(&c, patches.iter().map(|p| p.name.as_str()));
         assert_eq!(
             (n_missing, first.as_str()),
             (n - 1, "model.layers.0.input_layernorm.weight")
