@@ -3,12 +3,13 @@
 //! `ferry proxy` can follow every instance's prefix cache.
 //!
 //! * [`KvEventsConfig`]: `--kv-events-config`, vLLM's `KVEventsConfig` fields.
-//! * [`wire`]: a batch as msgpack, in the positional layout of vLLM 0.11.0's
-//!   `vllm/distributed/kv_events.py` (`array_like` structs), with two trailing fields vLLM's
-//!   decoder ignores: the weight version and the cache epoch the batch's blocks belong to.
+//! * [`wire`]: a batch as msgpack, in the layout of vLLM 0.34.0's
+//!   `vllm/distributed/kv_events.py` (the batch an array, each event a map tagged with its
+//!   class), with two trailing batch fields vLLM's decoder ignores: the weight version and the
+//!   cache epoch the batch's blocks belong to. It reads vLLM 0.11's layout too.
 //! * [`Publisher`]: a ZMQ PUB socket sending `(topic, sequence number as 8 bytes big-endian,
 //!   batch)`, and a ROUTER socket that resends buffered batches from a sequence number,
-//!   ending with sequence -1.
+//!   `(topic, sequence, batch)` each, ending with sequence -1.
 //! * [`Subscriber`]: the other end, as `ferry proxy` follows each instance.
 //!
 //! The engine thread never waits on any of it: batches reach the publisher's task over an

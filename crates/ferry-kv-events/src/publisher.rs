@@ -127,7 +127,9 @@ impl Task {
     }
 
     /// A replay request, `(identity, "", start sequence as 8 bytes big-endian)`: every
-    /// buffered batch from `start` on as `(identity, "", seq, batch)`, then `(.., -1, "")`.
+    /// buffered batch from `start` on as `(identity, "", topic, seq, batch)`, then
+    /// `(identity, "", "", -1, "")`, as vLLM 0.34's publisher answers (0.11's sent no topic
+    /// frame; ferry's subscriber reads both).
     async fn serve_replay(&mut self, request: ZmqMessage) {
         let frames = request.into_vec();
         let (Some(identity), Some(start)) = (frames.first(), frames.last()) else {
@@ -141,22 +143,29 @@ impl Task {
         let Some(router) = &mut self.replay else {
             return;
         };
-        let frame = |seq: &[u8], payload: Bytes| {
+        let frame = |topic: Bytes, seq: &[u8], payload: Bytes| {
             let mut m = ZmqMessage::from(identity.clone());
             m.push_back(Bytes::new());
+            m.push_back(topic);
             m.push_back(Bytes::copy_from_slice(seq));
             m.push_back(payload);
             m
         };
         for (seq, payload) in self.buffer.iter().filter(|(s, _)| *s >= start) {
             if router
-                .send(frame(&seq.to_be_bytes(), payload.clone()))
+                .send(frame(
+                    self.topic.clone(),
+                    &seq.to_be_bytes(),
+                    payload.clone(),
+                ))
                 .await
                 .is_err()
             {
                 return;
             }
         }
-        let _ = router.send(frame(&END_SEQ, Bytes::new())).await;
+        let _ = router
+            .send(frame(Bytes::new(), &END_SEQ, Bytes::new()))
+            .await;
     }
 }

@@ -108,7 +108,8 @@ impl Subscriber {
                     .await
                     .map_err(socket_err(endpoint))?
                     .into_vec();
-                // (empty, seq, batch); the end is seq -1.
+                // (empty, topic, seq, batch) from vLLM 0.34 and ferry, (empty, seq, batch)
+                // from vLLM 0.11; the end is seq -1.
                 let [.., seq, payload] = &frames[..] else {
                     return Err(SubscribeError::Frames(frames.len()));
                 };

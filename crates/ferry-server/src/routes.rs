@@ -41,8 +41,8 @@ pub async fn health(State(app): State<Arc<AppState>>) -> Response {
 }
 
 /// Where the engine publishes its KV events: `{"enabled": false}` when it does not; else the
-/// endpoints, the topic and the block size a subscriber needs (the format: vLLM 0.11's
-/// `kv_events.py`, see `ferry-kv-events`).
+/// endpoints, the topic and the block size a subscriber needs (the format: vLLM 0.34's
+/// `kv_events.py`, `ferry_kv_events::wire::FORMAT`).
 pub async fn kv_events_info(State(app): State<Arc<AppState>>) -> Json<serde_json::Value> {
     Json(match &app.config.kv_events {
         None => serde_json::json!({ "enabled": false }),
@@ -53,7 +53,7 @@ pub async fn kv_events_info(State(app): State<Arc<AppState>>) -> Json<serde_json
             "replay_endpoint": info.replay_endpoint,
             "topic": info.topic,
             "block_size": info.block_size,
-            "format": "vllm-0.11-array-like",
+            "format": "vllm-0.34",
         }),
     })
 }

@@ -1,11 +1,12 @@
-"""A KV event subscriber as vLLM's consumers write one: pyzmq SUB (+ DEALER for replays) and
-msgspec structs declared in the field order of vLLM 0.11.0's vllm/distributed/kv_events.py
-(array_like, omit_defaults, tagged events). ferry's two trailing batch fields (weight version,
-cache epoch) are read with a second struct that extends vLLM's, so the test checks both that
-vLLM's own decoder accepts ferry's batches and what the extra fields say.
+"""A KV event subscriber on libzmq, as vLLM's consumers connect: pyzmq SUB for live batches
+and DEALER for replays, in the framing of vLLM 0.34.0's publisher. It decodes nothing: it
+hands every batch's bytes to the test (kv_events.rs), which checks they are what ferry's
+encoder writes for the events they carry; that encoder writes what vLLM 0.34.0's own code
+writes (crates/ferry-kv-events/tests/vllm_golden.rs, against batches vLLM's kv_events.py
+published, made by scripts/golden/make_kv_events.py).
 
 Usage: subscriber.py ENDPOINT REPLAY_ENDPOINT TOPIC
-Prints one JSON line per batch received live ({"seq", "recv", "events", ...}); on stdin line
+Prints one JSON line per batch received live ({"seq", "recv", "payload": hex}); on stdin line
 "replay N" asks the replay socket for every batch from N and prints {"replayed": [...]}; on
 "quit" exits. Prints {"ready": true} once subscribed.
 """
@@ -15,69 +16,9 @@ import sys
 import threading
 import time
 
-import msgspec
 import zmq
 
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-class FerryBatch(KVEventBatch):
-    """vLLM's batch with ferry's trailing fields."""
-
-    weight_version: str = ""
-    epoch: int = 0
-
-
-vllm_decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-ferry_decoder = msgspec.msgpack.Decoder(type=FerryBatch)
-
-
-def describe(seq, payload):
-    vllm = vllm_decoder.decode(payload)  # vLLM's own decoder must accept the batch
-    ours = ferry_decoder.decode(payload)
-    events = []
-    for e in vllm.events:
-        if isinstance(e, BlockStored):
-            events.append({"type": "BlockStored", "block_hashes": e.block_hashes,
-                           "parent_block_hash": e.parent_block_hash, "token_ids": e.token_ids,
-                           "block_size": e.block_size, "medium": e.medium})
-        elif isinstance(e, BlockRemoved):
-            events.append({"type": "BlockRemoved", "block_hashes": e.block_hashes,
-                           "medium": e.medium})
-        else:
-            events.append({"type": "AllBlocksCleared"})
-    return {"seq": seq, "recv": time.time(), "ts": vllm.ts, "events": events,
-            "weight_version": ours.weight_version, "epoch": ours.epoch}
+END = (-1).to_bytes(8, "big", signed=True)
 
 
 def main():
@@ -96,7 +37,8 @@ def main():
         while True:
             t, seq, payload = sub.recv_multipart()
             assert t == topic, t
-            out(describe(int.from_bytes(seq, "big"), payload))
+            out({"seq": int.from_bytes(seq, "big"), "recv": time.time(),
+                 "payload": payload.hex()})
 
     # The SUB socket needs a moment to join (ZMQ's slow joiner); the test sends nothing it
     # must see live until this says so, and checks the rest through the replay.
@@ -111,11 +53,13 @@ def main():
             dealer.send_multipart([b"", int(cmd[1]).to_bytes(8, "big")])
             got = []
             while True:
-                _, seq, payload = dealer.recv_multipart()
-                seq = int.from_bytes(seq, "big", signed=True)
-                if seq == -1:
+                empty, t, seq, payload = dealer.recv_multipart()
+                assert empty == b"", empty
+                if seq == END:
+                    assert (t, payload) == (b"", b""), (t, payload)
                     break
-                got.append(describe(seq, payload))
+                assert t == topic, t
+                got.append({"seq": int.from_bytes(seq, "big"), "payload": payload.hex()})
             dealer.close()
             out({"replayed": got})
         elif cmd and cmd[0] == "quit":
