@@ -3,10 +3,9 @@
 //! anything is loaded where they can be; errors name the flag.
 
 use anyhow::{bail, Context};
+use ferry_cli::ByteSize;
 use ferry_engine::{Connector, OffloadConfig, OffloadPolicy};
 use ferry_model::LoadedModel;
-
-use crate::byte_size::ByteSize;
 
 /// `--kv-offload-policy`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

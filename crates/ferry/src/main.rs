@@ -1,18 +1,9 @@
-//! The `ferry` command line: the server, benchmarks and model tools.
+//! The `ferry` command line: the server, the proxy, model tools, and the benchmarks
+//! (`ferry bench ...`, the `ferry-bench` crate).
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-mod bench_lifecycle;
-mod bench_model;
-mod bench_offload;
-mod bench_route;
-mod bench_scheduler;
-mod bench_serve;
-mod bench_transfer;
-mod bench_weight_sync;
-mod byte_size;
-mod child;
-mod fetch;
 mod kv_offload;
 mod make_model;
 mod proxy;
@@ -44,36 +35,10 @@ enum Command {
     },
     /// Benchmarks that print JSON.
     #[command(subcommand)]
-    Bench(BenchCommand),
+    Bench(ferry_bench::BenchCommand),
     /// Write a model fixture.
     #[command(subcommand)]
     MakeModel(make_model::MakeModelCommand),
-}
-
-#[derive(Debug, Subcommand)]
-enum BenchCommand {
-    /// Replay a request trace through the scheduler with a fake model.
-    Scheduler(bench_scheduler::Args),
-    /// Prefill and decode throughput of a model.
-    Model(bench_model::Args),
-    /// Load a running OpenAI-compatible server and report throughput and latency.
-    Serve(bench_serve::Args),
-    /// Time and memory of the lifecycle operations (pause, resume, reset, sleep, weight
-    /// reload) on an in-process engine under load.
-    Lifecycle(bench_lifecycle::Args),
-    /// KV transfer throughput P→D through two TCP transports on loopback, against plain
-    /// loopback TCP.
-    Transfer(bench_transfer::Args),
-    /// Weight sync: a bucketed upload of the model's f32 tensors to `ferry serve` (and through
-    /// `ferry proxy` to 1P1D) against plain loopback sockets, the one-body push, and a reload
-    /// from disk against `cat`, in one run.
-    WeightSync(bench_weight_sync::Args),
-    /// The CPU offload tier: store and load throughput against memcpy, and time to first
-    /// token on repeated prefixes that do not fit the KV cache, with and without the tier.
-    Offload(bench_offload::Args),
-    /// `ferry proxy`'s routing policies on a shared-prefix workload: TTFT, prefix-cache hit
-    /// rate, misses and stale routes per policy, against one instance with all the KV.
-    Route(bench_route::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -83,18 +48,15 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(args) => serve::run(*args),
         Command::Proxy(args) => proxy::run(args),
         Command::FetchModel { python } => {
-            let path = fetch::ensure_default_model(&make_model::cache_dir()?, &python)?;
+            let path = ferry_cli::ensure_default_model(&ferry_cli::cache_dir()?, &python)?;
             println!("{}", path.display());
             Ok(())
         }
-        Command::Bench(BenchCommand::Scheduler(args)) => bench_scheduler::run(args),
-        Command::Bench(BenchCommand::Model(args)) => bench_model::run(args),
-        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
-        Command::Bench(BenchCommand::Lifecycle(args)) => bench_lifecycle::run(args),
-        Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run(args),
-        Command::Bench(BenchCommand::WeightSync(args)) => bench_weight_sync::run(args),
-        Command::Bench(BenchCommand::Offload(args)) => bench_offload::run(args),
-        Command::Bench(BenchCommand::Route(args)) => bench_route::run(args),
+        Command::Bench(command) => {
+            // The fleet benchmarks start this binary as their servers and proxies.
+            let ferry = std::env::current_exe().context("locating the ferry binary")?;
+            ferry_bench::run(command, &ferry)
+        }
         Command::MakeModel(cmd) => make_model::run(cmd),
     }
 }

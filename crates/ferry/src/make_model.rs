@@ -33,7 +33,7 @@ pub fn run(cmd: MakeModelCommand) -> anyhow::Result<()> {
     match cmd {
         MakeModelCommand::Tiny { out } => write(&tiny::tiny_model(), &out),
         MakeModelCommand::Convert { model, out } => {
-            let spec = ModelSpec::resolve(model.as_deref(), &cache_dir()?);
+            let spec = ModelSpec::resolve(model.as_deref(), &ferry_cli::cache_dir()?);
             let loaded = spec.load().with_context(|| format!("loading {spec}"))?;
             write(&loaded, &out)
         }
@@ -45,13 +45,6 @@ fn write(model: &ferry_model::LoadedModel, out: &std::path::Path) -> anyhow::Res
         .with_context(|| format!("writing model folder {}", out.display()))?;
     println!("{}", out.display());
     Ok(())
-}
-
-/// The model cache folder: `$FERRY_CACHE`, else `$HOME/.cache/ferry` (the same rule as
-/// scripts/fetch-model.sh). Read here, at the binary's edge, and passed down explicitly.
-pub fn cache_dir() -> anyhow::Result<PathBuf> {
-    ferry_model::cache_dir(std::env::var_os("FERRY_CACHE"), std::env::var_os("HOME"))
-        .context("neither FERRY_CACHE nor HOME is set")
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use ferry_cli::RoutingArg;
 use ferry_proxy::{InstanceKey, ProxyConfig, Routing};
 use ferry_server::ApiKey;
 
@@ -67,13 +68,6 @@ pub struct Args {
     /// instances that send no keep-alives through long pauses).
     #[arg(long, default_value_t = 30.0)]
     pub stream_idle_timeout_seconds: f64,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum RoutingArg {
-    Kv,
-    LeastLoaded,
-    RoundRobin,
 }
 
 fn seconds(value: f64, flag: &str) -> anyhow::Result<Duration> {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
+use ferry_cli::{load_nixl_library, nixl_reads, ByteSize, KvTransportArg};
 use ferry_core::{AllowedPeers, IpNet};
 use ferry_engine::{
     Connector, EngineHandle, KvCacheSize, KvLoadFailurePolicy, LogprobsMode, ModelEngineConfig,
@@ -18,7 +19,6 @@ use ferry_engine::{
 use ferry_model::{LoadedModel, ModelSpec};
 use ferry_server::{ApiKey, ServerConfig};
 
-use crate::byte_size::ByteSize;
 use crate::kv_offload::{ConnectorName, PolicyArg};
 
 #[derive(Debug, clap::Args)]
@@ -183,13 +183,6 @@ pub struct Args {
     /// Fractions allowed.
     #[arg(long, default_value = "5", value_name = "SECONDS", value_parser = parse_seconds)]
     pub kv_read_timeout_seconds: Duration,
-}
-
-/// `--kv-transport`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum KvTransportArg {
-    Tcp,
-    Nixl,
 }
 
 /// `--kv-role`.
@@ -446,40 +439,6 @@ fn kv_transport(
     Ok((transport, bound))
 }
 
-/// This process's NIXL agent (the library was loaded at start, [`load_nixl`]), named after the
-/// engine id and a random suffix: peers key P's metadata by the name.
-#[cfg(feature = "nixl")]
-pub(crate) fn nixl_reads(engine_id: &str) -> anyhow::Result<Arc<dyn ferry_kv::OneSided>> {
-    let suffix: String = ferry_engine::random_secret()[..4]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let reads = ferry_kv::nixl::NixlReads::new(&format!("ferry-{engine_id}-{suffix}"))
-        .map_err(|e| anyhow!("--kv-transport nixl: {e}"))?;
-    Ok(Arc::new(reads))
-}
-
-#[cfg(not(feature = "nixl"))]
-pub(crate) fn nixl_reads(_engine_id: &str) -> anyhow::Result<Arc<dyn ferry_kv::OneSided>> {
-    bail!("{NO_NIXL}")
-}
-
-#[cfg(not(feature = "nixl"))]
-const NO_NIXL: &str = "--kv-transport nixl: this ferry was built without NIXL (build it with \
-                       `cargo build --release --features nixl`; see the README, P/D with NIXL)";
-
-/// Where scripts/fetch-nixl.sh unpacks NIXL's libraries: `nixl/<version>/lib` in the model
-/// cache folder (`$FERRY_CACHE`, else `~/.cache/ferry`).
-#[cfg(feature = "nixl")]
-fn nixl_cache_dir() -> Option<std::path::PathBuf> {
-    ferry_model::cache_dir(std::env::var_os("FERRY_CACHE"), std::env::var_os("HOME"))
-        .map(|cache| cache.join("nixl").join(NIXL_VERSION).join("lib"))
-}
-
-/// The `nixl-cu12` wheel scripts/fetch-nixl.sh fetches (and `nixl-sys` 1.5.x binds).
-#[cfg(feature = "nixl")]
-const NIXL_VERSION: &str = "1.5.1";
-
 /// With `--kv-transport nixl`, loads NIXL's library before any thread starts (it may set
 /// `NIXL_PLUGIN_DIR`, and the loader reads its search path only at process start).
 fn load_nixl(args: &Args) -> anyhow::Result<()> {
@@ -487,21 +446,6 @@ fn load_nixl(args: &Args) -> anyhow::Result<()> {
         return Ok(());
     }
     load_nixl_library(args.nixl_lib_dir.as_deref())
-}
-
-/// Loads NIXL's library from `lib_dir` (`--nixl-lib-dir`), else the fetch script's folder when
-/// it exists, else the usual library path; an error says what is missing.
-#[cfg(feature = "nixl")]
-pub(crate) fn load_nixl_library(lib_dir: Option<&std::path::Path>) -> anyhow::Result<()> {
-    let dir = lib_dir
-        .map(std::path::Path::to_path_buf)
-        .or_else(|| nixl_cache_dir().filter(|d| d.join("libnixl_capi.so").is_file()));
-    ferry_kv::nixl::load_library(dir.as_deref()).map_err(|e| anyhow!("--kv-transport nixl: {e}"))
-}
-
-#[cfg(not(feature = "nixl"))]
-pub(crate) fn load_nixl_library(_lib_dir: Option<&std::path::Path>) -> anyhow::Result<()> {
-    bail!("{NO_NIXL}");
 }
 
 /// A D that loads from peers beyond this machine without a fleet secret trusts every host at
@@ -546,7 +490,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         offload.is_some(),
         kv.is_some(),
     )?;
-    let spec = resolve_model(&args)?;
+    let spec = ferry_cli::resolve_model(args.model.as_deref(), &args.python)?;
     let model = tokio::task::spawn_blocking(move || load(&spec))
         .await
         .context("model loading thread")??;
@@ -726,16 +670,6 @@ pub(crate) async fn shutdown_signal() {
     {
         let _ = ctrl_c.await;
     }
-}
-
-/// `--model`, with the default model fetched when it is not cached.
-fn resolve_model(args: &Args) -> anyhow::Result<ModelSpec> {
-    let cache = crate::make_model::cache_dir()?;
-    Ok(match args.model.as_deref() {
-        // The fetcher knows where the default model lives; use the path it returns.
-        None => ModelSpec::Path(crate::fetch::ensure_default_model(&cache, &args.python)?),
-        Some(model) => ModelSpec::resolve(Some(model), &cache),
-    })
 }
 
 /// Loads the model with a progress bar over its tensors (none for `tiny`).

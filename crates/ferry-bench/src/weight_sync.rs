@@ -27,13 +27,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context};
 use bytes::Bytes;
+use ferry_cli::ByteSize;
 use ferry_model::ModelSpec;
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 
-use crate::bench_lifecycle::report::{reset_peak, status_bytes};
-use crate::byte_size::ByteSize;
 use crate::child::{start, strings};
+use crate::lifecycle::report::{reset_peak, status_bytes};
 
 /// Bytes per piece of a body, as a network write sends them.
 const PIECE_BYTES: usize = 1 << 20;
@@ -135,7 +135,7 @@ fn buckets(tensors: &[(String, Vec<usize>, Bytes)], bucket_bytes: usize) -> Vec<
         .collect()
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, ferry: &Path) -> anyhow::Result<()> {
     ensure!(args.rounds > 0, "--rounds must be at least 1");
     let bucket_bytes = usize::try_from(args.bucket_bytes.0).context("--bucket-bytes")?;
     ensure!(bucket_bytes > 0, "--bucket-bytes must be positive");
@@ -146,7 +146,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    let report = runtime.block_on(measure(&args, bucket_bytes, &folder, &tensors))?;
+    let report = runtime.block_on(measure(&args, ferry, bucket_bytes, &folder, &tensors))?;
     if args.json {
         println!("{report}");
     } else {
@@ -162,17 +162,11 @@ fn f32_model(
     args: &Args,
     tmp: &Path,
 ) -> anyhow::Result<(PathBuf, Vec<(String, Vec<usize>, Bytes)>)> {
-    let cache = crate::make_model::cache_dir()?;
-    let loaded = match args.model.as_deref() {
-        None => {
-            let path = crate::fetch::ensure_default_model(&cache, &args.python)?;
-            ferry_model::load_model(&path)?
+    let loaded = match ferry_cli::resolve_model(args.model.as_deref(), &args.python)? {
+        ModelSpec::Tiny => ferry_model::tiny::tiny_model(),
+        ModelSpec::Path(path) => {
+            ferry_model::load_model(&path).with_context(|| format!("loading {}", path.display()))?
         }
-        Some(model) => match ModelSpec::resolve(Some(model), &cache) {
-            ModelSpec::Tiny => ferry_model::tiny::tiny_model(),
-            ModelSpec::Path(path) => ferry_model::load_model(&path)
-                .with_context(|| format!("loading {}", path.display()))?,
-        },
     };
     let folder = tmp.join("f32");
     ferry_model::tiny::write_hf_folder(&loaded, &folder)
@@ -222,6 +216,7 @@ fn quantile(mut xs: Vec<f64>, q: f64) -> f64 {
 
 async fn measure(
     args: &Args,
+    ferry: &Path,
     bucket_bytes: usize,
     folder: &Path,
     tensors: &[(String, Vec<usize>, Bytes)],
@@ -241,7 +236,7 @@ async fn measure(
         }
     };
 
-    let server = start(&serve_args(folder, &[]), None)?;
+    let server = start(ferry, &serve_args(folder, &[]), None)?;
     let pid = server.child.id().to_string();
     let weight_bytes = client
         .get(format!("{}/weight_info", server.url))
@@ -272,9 +267,18 @@ async fn measure(
     let proxy = if args.no_proxy {
         Value::Null
     } else {
-        let p = start(&serve_args(folder, &["--kv-role", "kv_producer"]), None)?;
-        let d = start(&serve_args(folder, &["--kv-role", "kv_consumer"]), None)?;
+        let p = start(
+            ferry,
+            &serve_args(folder, &["--kv-role", "kv_producer"]),
+            None,
+        )?;
+        let d = start(
+            ferry,
+            &serve_args(folder, &["--kv-role", "kv_consumer"]),
+            None,
+        )?;
         let proxy = start(
+            ferry,
             &strings(&[
                 "proxy",
                 "--port",

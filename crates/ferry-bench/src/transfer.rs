@@ -91,8 +91,8 @@ pub struct Args {
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
     /// `nixl`: also measure one-sided reads through NIXL in the same rounds (default mode).
-    #[arg(long, value_enum, default_value_t = crate::serve::KvTransportArg::Tcp)]
-    kv_transport: crate::serve::KvTransportArg,
+    #[arg(long, value_enum, default_value_t = ferry_cli::KvTransportArg::Tcp)]
+    kv_transport: ferry_cli::KvTransportArg,
     /// The folder holding NIXL's `libnixl_capi.so`, as `ferry serve --nixl-lib-dir`.
     #[arg(long, value_name = "DIR")]
     nixl_lib_dir: Option<std::path::PathBuf>,
@@ -187,14 +187,14 @@ fn reports() -> (Reports, Receiver<WorkerReport>) {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let nixl = args.kv_transport == crate::serve::KvTransportArg::Nixl;
+    let nixl = args.kv_transport == ferry_cli::KvTransportArg::Nixl;
     if nixl {
         ensure!(
             args.serve.is_none() && args.pull.is_none() && !args.pulls_per_second,
             "--kv-transport nixl measures the default mode (both ends in this process)"
         );
         // Before any thread starts.
-        crate::serve::load_nixl_library(args.nixl_lib_dir.as_deref())?;
+        ferry_cli::load_nixl_library(args.nixl_lib_dir.as_deref())?;
     }
     ensure!(args.n_blocks > 0, "--n-blocks must be at least 1");
     ensure!(args.repeat > 0, "--repeat must be at least 1");
@@ -230,7 +230,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let d = start(config("D"))?;
     // The NIXL pair: P's engine id (D's reads name it), each end with its own agent.
     let one_sided = |id: &str| -> anyhow::Result<std::sync::Arc<TcpTransport>> {
-        let one_sided = Some(crate::serve::nixl_reads(id)?);
+        let one_sided = Some(ferry_cli::nixl_reads(id)?);
         start(TcpTransportConfig {
             one_sided,
             ..config(id)

@@ -1,8 +1,9 @@
 //! `ferry` child processes for the benchmarks that run a fleet (`ferry bench route`, `ferry
-//! bench weight-sync`): started from this binary, their address read from their log, killed
-//! when dropped.
+//! bench weight-sync`): started from the `ferry` binary the caller names (the one running the
+//! benchmark), their address read from their log, killed when dropped.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -22,16 +23,15 @@ impl Drop for Proc {
     }
 }
 
-/// Starts `ferry <args>` (pinned to `core` when given) and waits for its address.
-pub fn start(args: &[String], core: Option<usize>) -> anyhow::Result<Proc> {
-    let exe = std::env::current_exe().context("locating the ferry binary")?;
+/// Starts `<ferry> <args>` (pinned to `core` when given) and waits for its address.
+pub fn start(ferry: &Path, args: &[String], core: Option<usize>) -> anyhow::Result<Proc> {
     let mut command = match core {
         Some(c) => {
             let mut t = Command::new("taskset");
-            t.args(["-c", &c.to_string()]).arg(&exe);
+            t.args(["-c", &c.to_string()]).arg(ferry);
             t
         }
-        None => Command::new(&exe),
+        None => Command::new(ferry),
     };
     let mut child = command
         .args(args)

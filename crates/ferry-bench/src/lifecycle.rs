@@ -24,13 +24,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context};
+use ferry_cli::ByteSize;
 use ferry_engine::{
     EngineHandle, KvCacheSize, LifecycleCallError, ModelEngineConfig, PauseMode, SchedulerConfig,
     SleepLevel, StartError, WakeTag,
 };
 use ferry_model::ModelSpec;
-
-use crate::byte_size::ByteSize;
 
 mod load;
 mod pd;
@@ -238,12 +237,7 @@ fn start(args: &Args) -> anyhow::Result<Bench> {
 /// The path reloads read: `--model` (the default model fetched when missing), or a folder
 /// in `tmp` holding the `tiny` model.
 fn model_path(args: &Args, tmp: &Path) -> anyhow::Result<PathBuf> {
-    let cache = crate::make_model::cache_dir()?;
-    let spec = match args.model.as_deref() {
-        None => ModelSpec::Path(crate::fetch::ensure_default_model(&cache, &args.python)?),
-        Some(model) => ModelSpec::resolve(Some(model), &cache),
-    };
-    match spec {
+    match ferry_cli::resolve_model(args.model.as_deref(), &args.python)? {
         ModelSpec::Path(path) => Ok(path),
         ModelSpec::Tiny => {
             let dir = tmp.join("tiny");
