@@ -13,51 +13,19 @@ use std::time::{Duration, Instant};
 
 use ferry_core::{ConnectorId, FinishReason, KvEventBatch, OpId, ReqIdx, Scheduler, StepKind};
 use ferry_kv::Reports;
-use ferry_model::{Executor, RetiredWeights, WeightError};
+use ferry_model::Executor;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::engine_core::{Call, CallResult, CoreEvent, EngineCore, NewRequest, ThreadedEnv};
+use crate::engine_core::{CallResult, CoreEvent, EngineCore, NewRequest, ThreadedEnv};
 use crate::handle::Connector;
-use crate::input::{AddInput, Event, Input, LifecycleCall, OpReply, Queued, Reply, Utility};
-use crate::{EngineStats, LifecycleStatus, WeightInfo};
+use crate::input::{AddInput, Event, Input, Queued, Reply, Utility};
+use crate::EngineStats;
 
 /// A reply held back until the engine reaches a state.
 #[derive(Debug)]
 enum Deferred {
     /// Until no request is live.
     Idle(Reply<()>),
-}
-
-/// A lifecycle call's reply channel, kept until the core answers the call.
-#[derive(Debug)]
-enum PendingReply {
-    Op(OpReply),
-    Reset(Reply<bool>),
-    Aborted(Reply<usize>),
-    Installed(Reply<Result<(String, Option<RetiredWeights>), WeightError>>),
-    VersionSet(Reply<()>),
-    Status(Reply<(LifecycleStatus, WeightInfo)>),
-    Lent(Reply<Option<RetiredWeights>>),
-}
-
-impl PendingReply {
-    /// Answers with `result` (a caller that stopped waiting is no one's concern); a result of
-    /// another kind of call is a bug, logged.
-    fn send(self, result: CallResult) {
-        let _ = match (self, result) {
-            (Self::Op(r), CallResult::Op(x)) => r.send(x).map_err(drop),
-            (Self::Reset(r), CallResult::Reset(x)) => r.send(x).map_err(drop),
-            (Self::Aborted(r), CallResult::Aborted(x)) => r.send(x).map_err(drop),
-            (Self::Installed(r), CallResult::Installed(x)) => r.send(x).map_err(drop),
-            (Self::VersionSet(r), CallResult::VersionSet) => r.send(()).map_err(drop),
-            (Self::Status(r), CallResult::Status(s, w)) => r.send((s, w)).map_err(drop),
-            (Self::Lent(r), CallResult::Lent(x)) => r.send(x).map_err(drop),
-            (_, result) => {
-                tracing::error!(?result, "a lifecycle answer of the wrong kind; dropped");
-                Ok(())
-            }
-        };
-    }
 }
 
 /// Everything the engine thread owns.
@@ -68,9 +36,9 @@ pub(crate) struct EngineLoop {
     readers: Vec<Option<mpsc::UnboundedSender<Event>>>,
     deferred: Vec<Deferred>,
     /// Replies of pending lifecycle calls, by the id the core answers them by.
-    ops: BTreeMap<OpId, PendingReply>,
+    ops: BTreeMap<OpId, Reply<CallResult>>,
     /// Lifecycle answers waiting for the stats to be published (`send_replies`).
-    replies: Vec<(PendingReply, CallResult)>,
+    replies: Vec<(Reply<CallResult>, CallResult)>,
     stats: watch::Sender<EngineStats>,
     /// Where KV event batches go (the publisher), when the engine publishes them.
     kv_events: Option<mpsc::UnboundedSender<KvEventBatch>>,
@@ -294,9 +262,8 @@ impl EngineLoop {
             Utility::CheckInvariants(reply) => {
                 let _ = reply.send(self.core.check());
             }
-            Utility::Lifecycle(call) => {
+            Utility::Lifecycle(call, reply) => {
                 let started = Instant::now();
-                let (call, reply) = split_call(call);
                 let op = self.core.handle_call(call);
                 self.ops.insert(op, reply);
                 self.deliver();
@@ -367,7 +334,8 @@ impl EngineLoop {
     /// stats after its reply sees what its call did.
     fn send_replies(&mut self) {
         for (reply, result) in self.replies.drain(..) {
-            reply.send(result);
+            // A caller that stopped waiting is no one's concern.
+            let _ = reply.send(result);
         }
     }
 
@@ -442,62 +410,6 @@ impl EngineLoop {
         if let Some(reply) = self.shutdown.take() {
             let _ = reply.send(());
         }
-    }
-}
-
-/// A lifecycle call as the core takes it, and where its answer goes.
-fn split_call(call: LifecycleCall) -> (Call, PendingReply) {
-    match call {
-        LifecycleCall::Pause {
-            mode,
-            clear_cache,
-            reply,
-        } => (Call::Pause { mode, clear_cache }, PendingReply::Op(reply)),
-        LifecycleCall::Resume(reply) => (Call::Resume, PendingReply::Op(reply)),
-        LifecycleCall::Sleep { level, mode, reply } => {
-            (Call::Sleep { level, mode }, PendingReply::Op(reply))
-        }
-        LifecycleCall::WakeUp { tags, reply } => (Call::WakeUp { tags }, PendingReply::Op(reply)),
-        LifecycleCall::ReleaseKvCacheMemory(reply) => {
-            (Call::ReleaseKvCacheMemory, PendingReply::Op(reply))
-        }
-        LifecycleCall::ResetPrefixCache {
-            reset_running_requests,
-            reset_connector,
-            reply,
-        } => (
-            Call::ResetPrefixCache {
-                reset_running_requests,
-                reset_connector,
-            },
-            PendingReply::Reset(reply),
-        ),
-        LifecycleCall::AbortRequests { ids, reply } => {
-            (Call::AbortRequests { ids }, PendingReply::Aborted(reply))
-        }
-        LifecycleCall::InstallWeights {
-            weights,
-            version,
-            reply,
-        } => (
-            Call::InstallWeights { weights, version },
-            PendingReply::Installed(reply),
-        ),
-        LifecycleCall::SetWeightVersion { version, reply } => (
-            Call::SetWeightVersion { version },
-            PendingReply::VersionSet(reply),
-        ),
-        LifecycleCall::Status(reply) => (Call::Status, PendingReply::Status(reply)),
-        LifecycleCall::LendWeights(reply) => (Call::LendWeights, PendingReply::Lent(reply)),
-        LifecycleCall::ReturnWeights {
-            weights,
-            version,
-            reply,
-        } => (
-            Call::ReturnWeights { weights, version },
-            PendingReply::Installed(reply),
-        ),
-        LifecycleCall::LoseWeights(reply) => (Call::LoseWeights, PendingReply::Op(reply)),
     }
 }
 

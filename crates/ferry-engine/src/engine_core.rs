@@ -147,8 +147,14 @@ pub struct NewRequest {
 }
 
 /// A lifecycle call (`../shared/design/lifecycle.md`); each is answered by a
-/// [`CoreEvent::Reply`] with the [`OpId`] `handle_call` returned.
-#[derive(Debug)]
+/// [`CoreEvent::Reply`] with the [`OpId`] `handle_call` returned. Its name, [`CallKind`],
+/// lists every call ([`CallKind::iter`]): the simulation checks that its runs make each.
+#[derive(Debug, strum::EnumDiscriminants)]
+#[strum_discriminants(
+    name(CallKind),
+    derive(Hash, PartialOrd, Ord, strum::EnumIter),
+    doc = "A lifecycle call's name."
+)]
 pub enum Call {
     Pause {
         mode: PauseMode,
@@ -182,18 +188,30 @@ pub enum Call {
         version: String,
     },
     Status,
-    /// Lends the weights to a reload in place ([`WeightResidency::Reloading`]) if the engine
-    /// is in a completed pause and the executor reloads in place; `Lent(None)` otherwise.
-    LendWeights,
-    /// The weights a reload in place wrote over (the complete update its slots finished),
+    /// Lends the weights to the reload in place `lend` ([`WeightResidency::Reloading`]) if
+    /// the engine is in a completed pause and the executor reloads in place; `Lent(None)`
+    /// otherwise. A reload is driven by [`crate::DiskReload`].
+    LendWeights {
+        lend: LendId,
+    },
+    /// The weights the reload `lend` wrote over (the complete update its slots finished),
     /// back under `version` (none: the next after the current).
     ReturnWeights {
+        lend: LendId,
         weights: PreparedWeights,
         version: Option<String>,
     },
-    /// A reload in place failed midway: what it was lent is gone, the weights are dropped.
-    LoseWeights,
+    /// The reload `lend` failed midway, or its caller went away: what it was lent is gone,
+    /// the weights are dropped. Nothing if the weights are not lent to `lend`.
+    LoseWeights {
+        lend: LendId,
+    },
 }
+
+/// Names one lend of the weights to a reload in place, so that a return or a loss reaches
+/// only the lend it is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LendId(pub u64);
 
 /// A lifecycle call's answer, by kind of call.
 #[derive(Debug)]
@@ -210,6 +228,61 @@ pub enum CallResult {
     Status(LifecycleStatus, WeightInfo),
     /// The weights lent to a reload in place, if they were.
     Lent(Option<RetiredWeights>),
+}
+
+/// The answer of one kind of call, or the answer back when it is of another kind.
+impl CallResult {
+    pub fn into_op(self) -> Result<Result<(), LifecycleError>, Self> {
+        match self {
+            Self::Op(r) => Ok(r),
+            other => Err(other),
+        }
+    }
+
+    pub fn into_reset(self) -> Result<bool, Self> {
+        match self {
+            Self::Reset(r) => Ok(r),
+            other => Err(other),
+        }
+    }
+
+    pub fn into_aborted(self) -> Result<usize, Self> {
+        match self {
+            Self::Aborted(n) => Ok(n),
+            other => Err(other),
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    pub fn into_installed(
+        self,
+    ) -> Result<Result<(String, Option<RetiredWeights>), WeightError>, Self> {
+        match self {
+            Self::Installed(r) => Ok(r),
+            other => Err(other),
+        }
+    }
+
+    pub fn into_version_set(self) -> Result<(), Self> {
+        match self {
+            Self::VersionSet => Ok(()),
+            other => Err(other),
+        }
+    }
+
+    pub fn into_status(self) -> Result<(LifecycleStatus, WeightInfo), Self> {
+        match self {
+            Self::Status(s, w) => Ok((s, w)),
+            other => Err(other),
+        }
+    }
+
+    pub fn into_lent(self) -> Result<Option<RetiredWeights>, Self> {
+        match self {
+            Self::Lent(w) => Ok(w),
+            other => Err(other),
+        }
+    }
 }
 
 impl CallResult {
@@ -348,6 +421,8 @@ pub struct EngineCore {
     /// Reused by `poll_lifecycle`.
     lifecycle_events: Vec<LifecycleEvent>,
     next_op: u64,
+    /// The reload in place the weights are lent to, while they are.
+    lent_to: Option<LendId>,
     consecutive_failures: u32,
     counters: CoreCounters,
 }
@@ -385,6 +460,7 @@ impl EngineCore {
             kv_batches: VecDeque::new(),
             lifecycle_events: Vec::new(),
             next_op: 0,
+            lent_to: None,
             consecutive_failures: 0,
             counters: CoreCounters::default(),
         }
@@ -586,12 +662,16 @@ impl EngineCore {
                 self.driver.sched.lifecycle_status(),
                 self.weight_info(),
             )),
-            Call::LendWeights => Some(CallResult::Lent(self.lend_weights())),
-            Call::ReturnWeights { weights, version } => {
-                Some(CallResult::Installed(self.return_weights(weights, version)))
-            }
-            Call::LoseWeights => {
-                self.lose_weights();
+            Call::LendWeights { lend } => Some(CallResult::Lent(self.lend_weights(lend))),
+            Call::ReturnWeights {
+                lend,
+                weights,
+                version,
+            } => Some(CallResult::Installed(
+                self.return_weights(lend, weights, version),
+            )),
+            Call::LoseWeights { lend } => {
+                self.lose_weights(lend);
                 Some(CallResult::Op(Ok(())))
             }
         };
@@ -772,7 +852,7 @@ impl EngineCore {
 
     /// Lends the weights to a reload in place: the lifecycle first (a completed pause, so no
     /// step computes until they return), then the executor (if it reloads in place).
-    fn lend_weights(&mut self) -> Option<RetiredWeights> {
+    fn lend_weights(&mut self, lend: LendId) -> Option<RetiredWeights> {
         if !self.driver.sched.lend_weights() {
             return None;
         }
@@ -780,8 +860,16 @@ impl EngineCore {
         if lent.is_none() {
             // Nothing was lent: the weights are where they were.
             self.driver.sched.weights_returned(true);
+        } else {
+            self.lent_to = Some(lend);
         }
         lent
+    }
+
+    /// Whether the weights are lent to `lend`.
+    fn lent_to(&self, lend: LendId) -> bool {
+        self.lent_to == Some(lend)
+            && self.driver.sched.lifecycle_status().weights == WeightResidency::Reloading
     }
 
     /// Lent weights back, written over with the new ones, under a new version as any update
@@ -789,10 +877,11 @@ impl EngineCore {
     /// are no more) for weights that are not the complete update of this executor's slots.
     fn return_weights(
         &mut self,
+        lend: LendId,
         weights: PreparedWeights,
         version: Option<String>,
     ) -> Result<(String, Option<RetiredWeights>), WeightError> {
-        if self.driver.sched.lifecycle_status().weights != WeightResidency::Reloading {
+        if !self.lent_to(lend) {
             return Err(WeightError::NotLent);
         }
         if let Err(e) = self
@@ -802,20 +891,22 @@ impl EngineCore {
             .weight_ops_mut()
             .take_back(Some(weights))
         {
-            self.lose_weights();
+            self.lose_weights(lend);
             return Err(e);
         }
+        self.lent_to = None;
         self.driver.sched.weights_returned(true);
         Ok((self.new_weight_version(version), None))
     }
 
     /// A reload in place failed midway: the weights are dropped, as sleep level 2 leaves
     /// them (a complete install and a wake-up of the weights bring them back). Nothing if
-    /// no weights are lent.
-    fn lose_weights(&mut self) {
-        if self.driver.sched.lifecycle_status().weights != WeightResidency::Reloading {
+    /// the weights are not lent to `lend`.
+    fn lose_weights(&mut self, lend: LendId) {
+        if !self.lent_to(lend) {
             return;
         }
+        self.lent_to = None;
         let ops = self.driver.model.executor.weight_ops_mut();
         if ops.take_back(None).is_err() {
             tracing::error!("the executor had no weights lent to lose");

@@ -20,21 +20,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ferry_core::{
-    AddError, ConnectorId, FinishReason, KvTransferParams, LifecycleError, LifecycleStatus,
-    PauseMode, PromptTokenLogprob, SampledToken, SamplingParams, SleepLevel, TokenId, TransferId,
-    TransferRequest, WakeTag, WorkerReport,
+    AddError, ConnectorId, FinishReason, KvTransferParams, PromptTokenLogprob, SampledToken,
+    SamplingParams, TokenId, TransferId, TransferRequest, WorkerReport,
 };
-use ferry_model::{PreparedWeights, RetiredWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
-use crate::WeightInfo;
+use crate::engine_core::{Call, CallResult};
 
 /// A call's reply. The engine thread never sends "stopped": a reply it drops unanswered (it
 /// stopped, or panicked) reads as [`crate::Stopped`] on the caller's side.
 pub(crate) type Reply<T> = oneshot::Sender<T>;
-
-/// The reply of an operation the lifecycle state machine may refuse or cancel.
-pub(crate) type OpReply = Reply<Result<(), LifecycleError>>;
 
 /// One queued input with the permit it holds (none for aborts).
 #[derive(Debug)]
@@ -105,60 +100,9 @@ pub(crate) enum Utility {
     WaitIdle(Reply<()>),
     /// The core's block-ownership and queue checks, for tests and debugging.
     CheckInvariants(oneshot::Sender<Result<(), String>>),
-    /// A lifecycle operation (take no queue permit: they must get through a full queue).
-    Lifecycle(LifecycleCall),
-}
-
-/// The lifecycle operations of `../shared/design/lifecycle.md`, each with its reply.
-#[derive(Debug)]
-pub(crate) enum LifecycleCall {
-    Pause {
-        mode: PauseMode,
-        clear_cache: bool,
-        reply: OpReply,
-    },
-    Resume(OpReply),
-    Sleep {
-        level: SleepLevel,
-        mode: PauseMode,
-        reply: OpReply,
-    },
-    WakeUp {
-        tags: Vec<WakeTag>,
-        reply: OpReply,
-    },
-    ReleaseKvCacheMemory(OpReply),
-    ResetPrefixCache {
-        reset_running_requests: bool,
-        reset_connector: bool,
-        reply: Reply<bool>,
-    },
-    /// `None`: every live request.
-    AbortRequests {
-        ids: Option<Vec<String>>,
-        reply: Reply<usize>,
-    },
-    /// Weights already checked and converted off the engine thread.
-    InstallWeights {
-        weights: PreparedWeights,
-        version: Option<String>,
-        reply: Reply<Result<(String, Option<RetiredWeights>), WeightError>>,
-    },
-    SetWeightVersion {
-        version: String,
-        reply: Reply<()>,
-    },
-    Status(Reply<(LifecycleStatus, WeightInfo)>),
-    /// Lend the weights to a reload in place, if the engine is in a completed pause.
-    LendWeights(Reply<Option<RetiredWeights>>),
-    /// Lent weights a reload in place wrote over, back under the new version.
-    ReturnWeights {
-        weights: PreparedWeights,
-        version: Option<String>,
-        reply: Reply<Result<(String, Option<RetiredWeights>), WeightError>>,
-    },
-    /// A reload in place failed midway: what was lent is gone.
-    LoseWeights(OpReply),
+    /// A lifecycle call (takes no queue permit: they must get through a full queue), with
+    /// where its answer goes.
+    Lifecycle(Call, Reply<CallResult>),
 }
 
 /// A raw per-request event from the engine thread. No text: detokenizing is the reader's job.

@@ -30,6 +30,7 @@ mod error;
 mod handle;
 mod input;
 mod lifecycle;
+pub mod reload;
 mod start;
 pub mod stop;
 mod stream;
@@ -41,8 +42,8 @@ mod transfer_stats;
 // other ferry crate.
 pub use constraint::{Constraint, ConstraintError, Constraints, StructuredOutput};
 pub use engine_core::{
-    Call, CallResult, CoreCounters, CoreEnv, CoreEvent, EngineCore, InlineEnv, MaskWork,
-    NewRequest, StepObserver, Stepped, ThreadedEnv,
+    Call, CallKind, CallResult, CoreCounters, CoreEnv, CoreEvent, EngineCore, InlineEnv, LendId,
+    MaskWork, NewRequest, StepObserver, Stepped, ThreadedEnv,
 };
 pub use error::{
     GenerateError, LifecycleCallError, SpawnError, StartError, Stopped, WeightPushError,
@@ -65,6 +66,7 @@ pub use ferry_model::{
 };
 pub use handle::{random_secret, spawn, spawn_with_connectors, Connector, EngineHandle};
 pub use input::{EngineFinish, Event};
+pub use reload::{DiskReload, ReloadFailure, Reloaded, Step as ReloadStep};
 pub use start::{
     start_model, start_model_with, start_model_with_connectors, KvCacheSize, ModelEngineConfig,
     ModelInfo, StartedEngine, DEFAULT_MAX_MODEL_LEN_CAP,

@@ -20,13 +20,15 @@ use std::time::Instant;
 
 use ferry_core::{LifecycleStatus, PauseMode, SleepLevel, WakeTag, WeightResidency};
 use ferry_model::{
-    expected_tensors, BucketInfo, PreparedWeights, RetiredWeights, SafetensorsPush, WeightFiles,
-    WeightPreparer, WeightStore, WeightUpload,
+    expected_tensors, BucketInfo, PreparedWeights, SafetensorsPush, WeightFiles, WeightStore,
+    WeightUpload,
 };
 use futures_core::Stream;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::input::{Input, LifecycleCall, OpReply, Reply};
+use crate::engine_core::{Call, CallResult, LendId};
+use crate::input::{Input, Utility};
+use crate::reload::{DiskReload, ReloadFailure, Step};
 use crate::{
     EngineHandle, LifecycleCallError, Stopped, WeightInfo, WeightPushError, WeightReloadError,
     WeightUpdateError, WeightUpdateInfo,
@@ -48,18 +50,13 @@ impl EngineHandle {
         mode: PauseMode,
         clear_cache: bool,
     ) -> Result<(), LifecycleCallError> {
-        self.operation(|reply| LifecycleCall::Pause {
-            mode,
-            clear_cache,
-            reply,
-        })
-        .await
+        self.operation(Call::Pause { mode, clear_cache }).await
     }
 
     /// Continues scheduling; a pending reset or sleep fails with a "cancelled by resume"
     /// error. Refused while memory is released (call `wake_up`).
     pub async fn resume(&self) -> Result<(), LifecycleCallError> {
-        self.operation(LifecycleCall::Resume).await
+        self.operation(Call::Resume).await
     }
 
     /// Pauses with `mode`, then (levels 1 and 2) resets every cache, frees the KV memory and
@@ -69,20 +66,20 @@ impl EngineHandle {
         level: SleepLevel,
         mode: PauseMode,
     ) -> Result<(), LifecycleCallError> {
-        self.operation(|reply| LifecycleCall::Sleep { level, mode, reply })
-            .await
+        self.operation(Call::Sleep { level, mode }).await
     }
 
     /// Restores what sleep or `release_kv_cache_memory` released (`tags` empty: everything).
     pub async fn wake_up(&self, tags: &[WakeTag]) -> Result<(), LifecycleCallError> {
-        let tags = tags.to_vec();
-        self.operation(|reply| LifecycleCall::WakeUp { tags, reply })
-            .await
+        self.operation(Call::WakeUp {
+            tags: tags.to_vec(),
+        })
+        .await
     }
 
     /// Resets every cache and frees the KV memory; needs a completed pause.
     pub async fn release_kv_cache_memory(&self) -> Result<(), LifecycleCallError> {
-        self.operation(LifecycleCall::ReleaseKvCacheMemory).await
+        self.operation(Call::ReleaseKvCacheMemory).await
     }
 
     /// Drops every cached block hash now: false (nothing changed) while blocks are held.
@@ -93,19 +90,20 @@ impl EngineHandle {
         reset_running_requests: bool,
         reset_connector: bool,
     ) -> Result<bool, Stopped> {
-        self.lifecycle(|reply| LifecycleCall::ResetPrefixCache {
-            reset_running_requests,
-            reset_connector,
-            reply,
-        })
-        .await
+        let answer = self
+            .call(Call::ResetPrefixCache {
+                reset_running_requests,
+                reset_connector,
+            })
+            .await?;
+        expect(answer, CallResult::into_reset)
     }
 
     /// Finishes the named live requests (`None`: all) as aborted; unknown ids are ignored.
     /// Returns how many were aborted.
     pub async fn abort_requests(&self, ids: Option<Vec<String>>) -> Result<usize, Stopped> {
-        self.lifecycle(|reply| LifecycleCall::AbortRequests { ids, reply })
-            .await
+        let answer = self.call(Call::AbortRequests { ids }).await?;
+        expect(answer, CallResult::into_aborted)
     }
 
     /// Pushes tensors (some or all parameters). Names, shapes and dtypes are checked before
@@ -221,7 +219,8 @@ impl EngineHandle {
     /// While the engine is in a completed pause, a safetensors folder is read **in place**:
     /// every tensor is checked first ([`WeightFiles::check`]), then the engine lends its
     /// weights ([`WeightResidency::Reloading`]: resume and sleep wait for the reload's
-    /// answer), the files are read over them, and they come back under the new version. No
+    /// answer; it lends only in a completed pause, `crate::reload` has the order of the
+    /// calls), the files are read over them, and they come back under the new version. No
     /// second copy, so no fresh memory, which is most of a reload's cost when the files are
     /// in the page cache. Only the disk failing or the files changing can stop that read
     /// midway; the weights, part old and part new, are then dropped
@@ -241,93 +240,93 @@ impl EngineHandle {
             // Complete: the files must hold every tensor the config needs, or reading fails
             // naming it.
             let expected = expected_tensors(files.config());
-            Ok((files, expected, preparer))
+            Ok((Arc::new(files), Arc::new(expected), preparer))
         })
         .await??;
-        // In place only if nothing can stop the read but the disk: every tensor checked
-        // before the engine lends its weights (which it does only in a completed pause).
-        let (files, lent) = if files.reads_in_place() && self.is_paused().await? {
-            let files = blocking(move || files.check().map(|()| files)).await??;
-            (files, self.lifecycle(LifecycleCall::LendWeights).await?)
-        } else {
-            (files, None)
-        };
-        let reload = Reload {
-            preparer,
-            files,
-            expected,
+        // The order of the calls is the machine's (`reload.rs`); this drives it with the
+        // files, reading on blocking threads. Leaving early (an error, or the caller giving
+        // up) drops `reload`, whose guard tells the engine if its weights were out.
+        let engine = self.clone();
+        let mut reload = DiskReload::new(
+            files.reads_in_place(),
             version,
-            started,
+            LendId::next(),
+            Box::new(move |call| engine.send_call(call)),
+        );
+        // The error of the stage that failed, for the answer.
+        let mut failed: Option<WeightReloadError> = None;
+        let (mut prepare_seconds, mut queued) = (0.0, started);
+        let mut step = reload.start();
+        let reloaded = loop {
+            step = match step {
+                Step::Call(call) => {
+                    if matches!(
+                        call,
+                        Call::InstallWeights { .. } | Call::ReturnWeights { .. }
+                    ) {
+                        prepare_seconds = started.elapsed().as_secs_f64();
+                        queued = Instant::now();
+                    }
+                    reload.answered(self.call(call).await?)
+                }
+                Step::Check => {
+                    let files = Arc::clone(&files);
+                    let checked = blocking(move || files.check()).await?;
+                    let checked = checked.map_err(WeightReloadError::Load);
+                    reload.checked(kept(&mut failed, checked).is_some())
+                }
+                Step::ReadInPlace(lent) => {
+                    let (files, expected) = (Arc::clone(&files), Arc::clone(&expected));
+                    let preparer = Arc::clone(&preparer);
+                    let read = blocking(move || -> Result<_, WeightReloadError> {
+                        // Refused only for a list the check would have refused: the weights,
+                        // still whole, are given up all the same.
+                        let mut slots = preparer
+                            .slots_in_place(lent, &expected)
+                            .map_err(|(e, _lent)| WeightReloadError::Weights(e))?;
+                        files
+                            .read_into(&mut *slots)
+                            .map_err(WeightReloadError::Torn)?;
+                        Ok(slots.finish())
+                    })
+                    .await?;
+                    reload.read(kept(&mut failed, read))
+                }
+                Step::ReadNew => {
+                    let (files, expected) = (Arc::clone(&files), Arc::clone(&expected));
+                    let preparer = Arc::clone(&preparer);
+                    let read = blocking(move || -> Result<_, WeightReloadError> {
+                        let mut slots = preparer.slots(&expected)?;
+                        files.read_into(&mut *slots)?;
+                        Ok(slots.finish())
+                    })
+                    .await?;
+                    reload.read(kept(&mut failed, read))
+                }
+                Step::Done(result) => break result,
+            };
         };
-        match lent {
-            Some(lent) => self.reload_in_place(lent, reload).await,
-            None => self.reload_into_new(reload).await,
+        let reloaded = match reloaded {
+            Ok(r) => r,
+            Err(ReloadFailure::Weights(e)) => return Err(WeightReloadError::Weights(e)),
+            Err(ReloadFailure::Refused | ReloadFailure::Torn) => {
+                return Err(failed.unwrap_or(WeightReloadError::Stopped(Stopped)))
+            }
+            // Logged by the machine; the engine's answers cannot be trusted.
+            Err(ReloadFailure::Unexpected(_)) => return Err(WeightReloadError::Stopped(Stopped)),
+        };
+        let install_seconds = queued.elapsed().as_secs_f64();
+        if let Some(old) = reloaded.retired {
+            blocking(move || drop(old)).await?;
         }
-    }
-
-    /// The weights read into new memory, then swapped in between two steps.
-    async fn reload_into_new(&self, reload: Reload) -> Result<WeightUpdateInfo, WeightReloadError> {
-        let (preparer, files) = (reload.preparer, reload.files);
-        let expected = reload.expected;
-        let prepared = blocking(move || -> Result<_, WeightReloadError> {
-            let mut slots = preparer.slots(&expected)?;
-            files.read_into(&mut *slots)?;
-            Ok(slots.finish())
-        })
-        .await??;
-        Ok(self
-            .install(prepared, reload.version, reload.started)
-            .await?)
-    }
-
-    /// The files read over `lent`, the engine's weights, then handed back. Whatever ends
-    /// this early (an error, or the caller giving up) leaves `lost` to tell the engine that
-    /// what it lent is gone.
-    async fn reload_in_place(
-        &self,
-        lent: RetiredWeights,
-        reload: Reload,
-    ) -> Result<WeightUpdateInfo, WeightReloadError> {
-        let Reload {
-            preparer,
-            files,
-            expected,
-            version,
-            started,
-        } = reload;
-        let lost = LostIfDropped(Some(self.clone()));
-        let prepared = blocking(move || -> Result<_, WeightReloadError> {
-            // Refused only for a list the check above would have refused: the weights, still
-            // whole, are dropped with `lost` all the same.
-            let mut slots = preparer
-                .slots_in_place(lent, &expected)
-                .map_err(|(e, _lent)| e)?;
-            files
-                .read_into(&mut *slots)
-                .map_err(WeightReloadError::Torn)?;
-            Ok(slots.finish())
-        })
-        .await??;
-        lost.defuse();
-        let (n_tensors, n_bytes) = (prepared.n_tensors, prepared.n_bytes);
-        let prepare_seconds = started.elapsed().as_secs_f64();
-        let queued = Instant::now();
-        let (weight_version, _) = self
-            .lifecycle(|reply| LifecycleCall::ReturnWeights {
-                weights: prepared,
-                version,
-                reply,
-            })
-            .await?
-            .map_err(WeightReloadError::Weights)?;
         Ok(WeightUpdateInfo {
-            weight_version,
-            n_tensors,
-            n_bytes,
-            complete: true,
+            weight_version: reloaded.weight_version,
+            n_tensors: reloaded.n_tensors,
+            n_bytes: reloaded.n_bytes,
+            complete: reloaded.complete,
             prepare_seconds,
-            install_seconds: queued.elapsed().as_secs_f64(),
-            in_place: true,
+            install_seconds,
+            in_place: reloaded.in_place,
         })
     }
 
@@ -340,13 +339,8 @@ impl EngineHandle {
         let (n_tensors, n_bytes, complete) = (weights.n_tensors, weights.n_bytes, weights.complete);
         let prepare_seconds = started.elapsed().as_secs_f64();
         let queued = Instant::now();
-        let (weight_version, retired) = self
-            .lifecycle(|reply| LifecycleCall::InstallWeights {
-                weights,
-                version,
-                reply,
-            })
-            .await??;
+        let answer = self.call(Call::InstallWeights { weights, version }).await?;
+        let (weight_version, retired) = expect(answer, CallResult::into_installed)??;
         let install_seconds = queued.elapsed().as_secs_f64();
         if let Some(old) = retired {
             // Freeing hundreds of megabytes takes milliseconds: not on this task, nor on the
@@ -369,14 +363,15 @@ impl EngineHandle {
     /// Renames the weights now loaded (no weights change). Prefix-cache entries of the old
     /// name are never hit again.
     pub async fn update_weight_version(&self, version: String) -> Result<(), Stopped> {
-        self.lifecycle(|reply| LifecycleCall::SetWeightVersion { version, reply })
-            .await
+        let answer = self.call(Call::SetWeightVersion { version }).await?;
+        expect(answer, CallResult::into_version_set)
     }
 
     /// The lifecycle state and the weights, read on the engine thread (so it reflects every
     /// call handled before it).
     pub async fn lifecycle_status(&self) -> Result<(LifecycleStatus, WeightInfo), Stopped> {
-        self.lifecycle(LifecycleCall::Status).await
+        let answer = self.call(Call::Status).await?;
+        expect(answer, CallResult::into_status)
     }
 
     pub async fn is_paused(&self) -> Result<bool, Stopped> {
@@ -391,59 +386,46 @@ impl EngineHandle {
         Ok(self.lifecycle_status().await?.1)
     }
 
-    /// A lifecycle call and its reply; an unanswered reply means the engine stopped.
-    async fn lifecycle<T>(
-        &self,
-        call: impl FnOnce(Reply<T>) -> LifecycleCall,
-    ) -> Result<T, Stopped> {
+    /// A lifecycle call and its answer; an unanswered call means the engine stopped.
+    pub(crate) async fn call(&self, call: Call) -> Result<CallResult, Stopped> {
         let (tx, rx) = oneshot::channel();
-        self.send_utility_unbounded(Input::Utility(crate::input::Utility::Lifecycle(call(tx))))?;
+        self.send_utility_unbounded(Input::Utility(Utility::Lifecycle(call, tx)))?;
         rx.await.map_err(|_| Stopped)
     }
 
+    /// A lifecycle call whose answer no one waits for (a reload's guard giving up lent
+    /// weights). A stopped engine has nothing to tell.
+    fn send_call(&self, call: Call) {
+        let (reply, _) = oneshot::channel();
+        let _ = self.send_utility_unbounded(Input::Utility(Utility::Lifecycle(call, reply)));
+    }
+
     /// A lifecycle operation the core may refuse or cancel.
-    async fn operation(
-        &self,
-        call: impl FnOnce(OpReply) -> LifecycleCall,
-    ) -> Result<(), LifecycleCallError> {
-        Ok(self.lifecycle(call).await??)
+    async fn operation(&self, call: Call) -> Result<(), LifecycleCallError> {
+        let answer = self.call(call).await?;
+        Ok(expect(answer, CallResult::into_op)??)
     }
 }
 
-/// A reload from disk, its files opened and their config checked against the model's.
-struct Reload {
-    preparer: Arc<dyn WeightPreparer>,
-    files: WeightFiles,
-    /// Every parameter the model takes: a reload is complete.
-    expected: Vec<(String, Vec<usize>)>,
-    version: Option<String>,
-    /// When the call began (for `prepare_seconds`).
-    started: Instant,
+/// The answer of the kind `kind` takes; another kind is a bug in the core, logged, and the
+/// caller sees the engine as gone (its answers cannot be trusted).
+fn expect<T>(
+    answer: CallResult,
+    kind: fn(CallResult) -> Result<T, CallResult>,
+) -> Result<T, Stopped> {
+    kind(answer).map_err(|other| {
+        tracing::error!(?other, "a lifecycle answer of the wrong kind");
+        Stopped
+    })
 }
 
-/// Tells the engine, when dropped armed, that the weights it lent to a reload in place are
-/// lost: the read failed, or its caller stopped waiting (the read itself runs on and drops
-/// what it wrote). Without it, an engine whose weights never came back would refuse resume
-/// for good.
-struct LostIfDropped(Option<EngineHandle>);
-
-impl LostIfDropped {
-    /// The weights are on their way back.
-    fn defuse(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for LostIfDropped {
-    fn drop(&mut self) {
-        if let Some(engine) = self.0.take() {
-            let (reply, _) = oneshot::channel();
-            let call = LifecycleCall::LoseWeights(reply);
-            // A stopped engine has nothing to tell.
-            let _ = engine
-                .send_utility_unbounded(Input::Utility(crate::input::Utility::Lifecycle(call)));
-        }
-    }
+/// `result`'s value; its error is kept in `failed` (a reload's answer names the stage that
+/// failed).
+fn kept<T>(
+    failed: &mut Option<WeightReloadError>,
+    result: Result<T, WeightReloadError>,
+) -> Option<T> {
+    result.map_err(|e| *failed = Some(e)).ok()
 }
 
 /// Runs `f` on tokio's blocking pool (file reads, tensor conversion). `Stopped` if the pool
@@ -536,11 +518,17 @@ mod tests {
             input_queue_capacity: 8,
         };
         let engine = spawn(config, Box::new(model), None).unwrap();
-        let lent = engine.lifecycle(LifecycleCall::LendWeights).await.unwrap();
-        assert!(lent.is_none(), "running: nothing is lent");
+        let lend = |engine: &EngineHandle| {
+            let engine = engine.clone();
+            async move {
+                let answer = engine.call(Call::LendWeights { lend: LendId(7) });
+                answer.await.unwrap().into_lent().unwrap()
+            }
+        };
+        assert!(lend(&engine).await.is_none(), "running: nothing is lent");
 
         engine.pause(PauseMode::Keep, false).await.unwrap();
-        let lent = engine.lifecycle(LifecycleCall::LendWeights).await.unwrap();
+        let lent = lend(&engine).await;
         assert!(lent.is_some(), "a completed pause lends");
         let info = engine.weight_info().await.unwrap();
         assert_eq!(info.residency, WeightResidency::Reloading);
@@ -564,10 +552,51 @@ mod tests {
             ),
             "{other:?}"
         );
-
-        // The reload gives up: the guard tells the engine.
-        drop(LostIfDropped(Some(engine.clone())));
+        // Another lend's loss or return does not touch them.
+        engine.send_call(Call::LoseWeights { lend: LendId(8) });
+        let info = engine.weight_info().await.unwrap();
+        assert_eq!(info.residency, WeightResidency::Reloading);
         drop(lent);
+
+        // A reload whose caller goes away mid-read: its guard gives the weights up. The
+        // engine is lent to `LendId(7)`; this reload's lend is that one, driven to its read.
+        let sink = engine.clone();
+        let mut reload = DiskReload::new(
+            true,
+            None,
+            LendId(7),
+            Box::new(move |call| sink.send_call(call)),
+        );
+        let Step::Check = reload.start() else {
+            panic!("a reload in place checks its files first")
+        };
+        assert!(matches!(
+            reload.checked(true),
+            Step::Call(Call::LendWeights { lend: LendId(7) })
+        ));
+        // (The weights are already lent to it, above: the engine refuses a second lend.)
+        let second = engine.call(Call::LendWeights { lend: LendId(7) }).await;
+        let Step::ReadNew = reload.answered(second.unwrap()) else {
+            panic!("a lend refused reads into new weights")
+        };
+        drop(reload);
+        let info = engine.weight_info().await.unwrap();
+        assert_eq!(
+            info.residency,
+            WeightResidency::Reloading,
+            "a reload that was not lent anything gives nothing up"
+        );
+        let sink = engine.clone();
+        let mut reload = DiskReload::new(
+            true,
+            None,
+            LendId(7),
+            Box::new(move |call| sink.send_call(call)),
+        );
+        reload.start();
+        reload.checked(true);
+        // Dropped while its lend is asked for (the weights may be out): the guard fires.
+        drop(reload);
         let info = engine.weight_info().await.unwrap();
         assert_eq!(info.residency, WeightResidency::Dropped);
         let status = engine.lifecycle_status().await.unwrap().0;

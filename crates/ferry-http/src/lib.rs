@@ -3,17 +3,19 @@
 //! bodies, the same request-id rules, the same API-key check and the same body limit.
 //!
 //! Modules: [`error`] (the OpenAI-shaped error every handler returns), [`extract`] (the raw
-//! body extractor and the `X-Request-Id` middleware), [`auth`] (the API key). [`edge_layers`]
+//! body extractor and the `X-Request-Id` middleware), [`json`] (JSON bodies whose errors name
+//! the field at fault), [`auth`] (the API key). [`edge_layers`]
 //! puts the middlewares on a router in the order both sides use.
 //!
 //! The key decision: this crate knows HTTP and nothing behind it. It depends on axum, serde,
-//! thiserror and tracing (and utoipa with the `openapi` feature, which the server turns on for
+//! serde_json, thiserror and tracing (and utoipa with the `openapi` feature, which the server turns on for
 //! its schema), never on the engine or the model, so building the proxy builds neither. The
 //! engine's errors are mapped to [`error::ApiError`] in `ferry-server`.
 
 pub mod auth;
 pub mod error;
 pub mod extract;
+pub mod json;
 
 use std::sync::Arc;
 

@@ -2,10 +2,18 @@
 //! `ProxyConfig::enable_admin_api`): every call goes to every instance at once, and the answer
 //! reports each instance's result.
 //!
-//! The paths are the instances' own (vLLM's and SGLang's names, `ferry_server::admin`), so an
-//! RL framework drives a P/D fleet as it drives one server. Arguments are the instances' to
-//! check: each validates before it acts, so a bad one is the same 400 from all and changes
-//! nothing anywhere.
+//! The routes are the instances' own, from the one table of admin calls (`ferry_admin`:
+//! vLLM's and SGLang's names), so an RL framework drives a P/D fleet as it drives one server,
+//! and [`routes`] says, by an exhaustive `match`, how each call crosses the fleet: most fan
+//! out as they are; a weight push is copied to every instance as it arrives; a reload and an
+//! upload get one weight version everywhere; an upload commits in two phases
+//! ([`crate::upload`]). The proxy reads every call's arguments as the instances do
+//! (`AdminCall::read`): a bad one is the 400 naming it, sent to no instance.
+//!
+//! Fencing: a call whose arguments may wipe an instance's cache (`Effects::wipes_cache`: a
+//! reset, a pause unless `clear_cache=false`, SGLang's `retract`, a sleep or memory release, a
+//! weight change) empties that instance's prefix index as soon as it answers, before the proxy
+//! answers, so no request is routed by a cache that is gone while its event is on the way.
 //!
 //! When every instance succeeds the answer is an instance's shape, merged ([`merge`]:
 //! `is_paused` only when all are, `is_sleeping` when any is, `aborted` summed), plus
@@ -28,8 +36,9 @@ use axum::body::{Body, Bytes};
 use axum::extract::{RawQuery, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::on;
 use axum::{Extension, Json, Router};
+use ferry_admin::{AdminCall, Args};
 use ferry_http::error::ApiError;
 use ferry_http::extract::{random_id, ApiBytes, RequestId};
 use futures_util::StreamExt;
@@ -40,28 +49,56 @@ use crate::upstream::{Call, UpstreamError};
 use crate::versions::{self, InstanceVersion};
 use crate::ProxyState;
 
-/// The admin routes (vLLM's paths, then SGLang's), each fanned out to every instance.
+/// Every admin call, at its path for its methods, as it crosses the fleet.
 pub fn routes() -> Router<Arc<ProxyState>> {
-    Router::new()
-        .route("/pause", post(fan_out))
-        .route("/resume", post(fan_out))
-        .route("/is_paused", get(fan_out))
-        .route("/sleep", post(fan_out))
-        .route("/wake_up", post(fan_out))
-        .route("/is_sleeping", get(fan_out))
-        .route("/release_kv_cache_memory", post(fan_out))
-        .route("/reset_prefix_cache", post(fan_out))
-        .route("/abort_requests", post(fan_out))
-        .route("/update_weights", post(push))
-        .route("/update_weights_from_disk", post(from_disk))
-        .route("/update_weight_version", post(fan_out))
-        .route("/weight_info", get(fan_out))
-        .route("/pause_generation", post(fan_out))
-        .route("/continue_generation", post(fan_out))
-        .route("/flush_cache", get(fan_out).post(fan_out))
-        .route("/release_memory_occupation", get(fan_out).post(fan_out))
-        .route("/resume_memory_occupation", get(fan_out).post(fan_out))
-        .route("/get_weight_version", get(fan_out))
+    use crate::upload;
+    use AdminCall as C;
+    AdminCall::all().fold(Router::new(), |router, call| {
+        let decl = call.decl();
+        let methods = decl.method_filter();
+        let route = match call {
+            C::UpdateWeights => on(methods, push),
+            C::UpdateWeightsFromDisk => on(methods, from_disk),
+            C::BeginUpload => on(methods, upload::begin),
+            C::CurrentUpload => on(methods, upload::current),
+            C::UploadBucket => on(methods, upload::bucket),
+            C::PrepareUpload => on(methods, upload::prepare),
+            C::CommitUpload => on(methods, upload::commit),
+            C::DiscardUpload => on(methods, upload::discard),
+            C::Pause
+            | C::Resume
+            | C::IsPaused
+            | C::Sleep
+            | C::WakeUp
+            | C::IsSleeping
+            | C::ReleaseKvCacheMemory
+            | C::ResetPrefixCache
+            | C::AbortRequests
+            | C::UpdateWeightVersion
+            | C::WeightInfo
+            | C::InitWeightTransferEngine
+            | C::PauseGeneration
+            | C::ContinueGeneration
+            | C::FlushCache
+            | C::ReleaseMemoryOccupation
+            | C::ResumeMemoryOccupation
+            | C::GetWeightVersion
+            | C::AbortRequest => on(methods, move |state, id, method, uri, headers, body| {
+                fan_out(call, state, id, method, uri, headers, body)
+            }),
+        };
+        router.route(decl.path, route)
+    })
+}
+
+/// `call`'s arguments, read from its request as the instances read them (`body`: `None` for
+/// a body streamed past the reading).
+pub(crate) fn read(call: AdminCall, uri: &Uri, body: Option<&[u8]>) -> Result<Args, ApiError> {
+    call.read(ferry_admin::Request {
+        path: uri.path(),
+        query: uri.query(),
+        body,
+    })
 }
 
 /// One instance's result.
@@ -107,77 +144,69 @@ impl InstanceResult {
     }
 }
 
-/// Sends one call to every instance at once, each with its own body.
-async fn broadcast(
-    app: &ProxyState,
-    method: &Method,
-    path_and_query: &str,
-    request_id: &str,
-    content_type: Option<&HeaderValue>,
-    bodies: Vec<reqwest::Body>,
-) -> Vec<InstanceResult> {
-    let paths = vec![path_and_query.to_owned(); bodies.len()];
-    broadcast_to(app, method, &paths, request_id, content_type, bodies).await
+/// What a broadcast sends: the method, each instance's path (in fleet order; one path for
+/// all when there is one), the request id and the body's type.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Broadcast<'a> {
+    pub method: &'a Method,
+    pub paths: &'a [String],
+    pub request_id: &'a str,
+    pub content_type: Option<&'a HeaderValue>,
+    /// The call may wipe the instances' caches (its `Effects::wipes_cache`): each instance's
+    /// prefix index is emptied as it answers.
+    pub fence: bool,
 }
 
-/// Sends one call to every instance at once, each at its own path (in fleet order) with its
-/// own body.
+/// Sends one call to every instance at once, each with its own body.
 pub(crate) async fn broadcast_to(
     app: &ProxyState,
-    method: &Method,
-    paths: &[String],
-    request_id: &str,
-    content_type: Option<&HeaderValue>,
+    call: Broadcast<'_>,
     bodies: Vec<reqwest::Body>,
 ) -> Vec<InstanceResult> {
-    let calls = app.fleet.all().iter().zip(paths).zip(bodies).map(
-        |((instance, path_and_query), body)| async move {
-            let call = Call {
-                method: method.clone(),
-                path_and_query,
-                request_id: Some(request_id),
-                content_type: content_type.cloned(),
-                body,
-                timeout: Some(app.config.admin_timeout),
-            };
-            let outcome = app
-                .upstream
-                .send_read(instance, call)
-                .await
-                .map(|(status, _, body)| (status, parse_body(&body)));
-            // A call that may have wiped the instance's cache fences its prefix index at
-            // once, before the instance's own event arrives (whatever it answered: a failed
-            // call may have cleared part of it).
-            if method == Method::POST && clears_cache(path_and_query) {
-                instance.kv().wipe(crate::fleet::unix_now());
-            }
-            InstanceResult {
-                instance: Arc::clone(instance),
-                outcome,
-            }
-        },
-    );
+    let Broadcast {
+        method,
+        paths,
+        request_id,
+        content_type,
+        fence,
+    } = call;
+    let one = paths.len() == 1;
+    let calls =
+        app.fleet
+            .all()
+            .iter()
+            .enumerate()
+            .zip(bodies)
+            .map(|((i, instance), body)| async move {
+                let path_and_query = &paths[if one { 0 } else { i }];
+                let call = Call {
+                    method: method.clone(),
+                    path_and_query,
+                    request_id: Some(request_id),
+                    content_type: content_type.cloned(),
+                    body,
+                    timeout: Some(app.config.admin_timeout),
+                };
+                let outcome = app
+                    .upstream
+                    .send_read(instance, call)
+                    .await
+                    .map(|(status, _, body)| (status, parse_body(&body)));
+                // A call that may have wiped the instance's cache fences its prefix index at
+                // once, before the instance's own event arrives (whatever it answered: a failed
+                // call may have cleared part of it).
+                if fence {
+                    instance.kv().wipe(crate::fleet::unix_now());
+                    instance
+                        .n_fences
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                InstanceResult {
+                    instance: Arc::clone(instance),
+                    outcome,
+                }
+            });
     futures_util::future::join_all(calls).await
-}
-
-/// Whether an admin call may clear the instance's prefix cache: a reset, a sleep or memory
-/// release, a weight change, and a pause unless `clear_cache=false`.
-fn clears_cache(path_and_query: &str) -> bool {
-    let (path, query) = path_and_query
-        .split_once('?')
-        .unwrap_or((path_and_query, ""));
-    match path {
-        "/reset_prefix_cache"
-        | "/flush_cache"
-        | "/sleep"
-        | "/release_kv_cache_memory"
-        | "/release_memory_occupation"
-        | "/update_weights"
-        | "/update_weights_from_disk"
-        | "/update_weight_version" => true,
-        "/pause" => !form_pairs(query).any(|(k, v)| k == "clear_cache" && v == "false"),
-        _ => path.starts_with("/weight_uploads/") && path.ends_with("/commit"),
-    }
 }
 
 /// An instance's JSON answer; one that is not JSON is kept as a string.
@@ -186,12 +215,9 @@ pub(crate) fn parse_body(body: &[u8]) -> Value {
         .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into_owned()))
 }
 
-/// The routes that read the instances' weight version: through the proxy, a 409 when the
-/// instances answer different ones, never one instance's version standing for all.
-pub const VERSION_READS: [&str; 2] = ["/get_weight_version", "/weight_info"];
-
 /// The answer to the caller: the merged body when every instance succeeded, else an error
-/// naming the ones that failed. A version read ([`VERSION_READS`]) whose instances answered
+/// naming the ones that failed. A version read (`CallDecl::reads_weight_version`) whose
+/// instances answered
 /// different versions is a 409 naming each instance's version, with `instances` and
 /// `weight_versions` (each instance's URL, role and version).
 pub fn summarise(path: &str, results: &[InstanceResult]) -> Response {
@@ -205,7 +231,10 @@ pub(crate) fn summarise_noting(
     note: Option<&str>,
 ) -> Response {
     let failures: Vec<String> = results.iter().filter_map(InstanceResult::failure).collect();
-    if failures.is_empty() && VERSION_READS.contains(&path) {
+    let reads_version = AdminCall::all()
+        .filter(|c| c.decl().reads_weight_version)
+        .any(|c| c.decl().path == path);
+    if failures.is_empty() && reads_version {
         let versions: Vec<InstanceVersion<'_>> = results
             .iter()
             .map(|r| InstanceVersion {
@@ -329,6 +358,7 @@ pub fn merge(bodies: &[&Value]) -> Map<String, Value> {
 
 /// Any admin call whose body is small JSON (or none): the same call to every instance.
 async fn fan_out(
+    call: AdminCall,
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(id)): Extension<RequestId>,
     method: Method,
@@ -336,16 +366,23 @@ async fn fan_out(
     headers: HeaderMap,
     ApiBytes(body): ApiBytes,
 ) -> Response {
+    let args = match read(call, &uri, Some(&body)) {
+        Ok(args) => args,
+        Err(refused) => return refused.into_response(),
+    };
     let path_and_query = uri
         .path_and_query()
         .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned());
     let bodies = copies(&body, app.fleet.all().len());
-    let results = broadcast(
+    let results = broadcast_to(
         &app,
-        &method,
-        &path_and_query,
-        &id,
-        headers.get(header::CONTENT_TYPE),
+        Broadcast {
+            method: &method,
+            paths: &[path_and_query],
+            request_id: &id,
+            content_type: headers.get(header::CONTENT_TYPE),
+            fence: args.effects().wipes_cache(),
+        },
         bodies,
     )
     .await;
@@ -371,8 +408,13 @@ pub(crate) fn new_weight_version() -> String {
 async fn from_disk(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(id)): Extension<RequestId>,
+    uri: Uri,
     ApiBytes(body): ApiBytes,
 ) -> Response {
+    let args = match read(AdminCall::UpdateWeightsFromDisk, &uri, Some(&body)) {
+        Ok(args) => args,
+        Err(refused) => return refused.into_response(),
+    };
     let mut request = if body.iter().all(u8::is_ascii_whitespace) {
         Map::new()
     } else {
@@ -393,12 +435,15 @@ async fn from_disk(
     let body = Bytes::from(Value::Object(request).to_string());
     let bodies = copies(&body, app.fleet.all().len());
     let json_type = HeaderValue::from_static("application/json");
-    let results = broadcast(
+    let results = broadcast_to(
         &app,
-        &Method::POST,
-        "/update_weights_from_disk",
-        &id,
-        Some(&json_type),
+        Broadcast {
+            method: &Method::POST,
+            paths: &["/update_weights_from_disk".to_owned()],
+            request_id: &id,
+            content_type: Some(&json_type),
+            fence: args.effects().wipes_cache(),
+        },
         bodies,
     )
     .await;
@@ -417,10 +462,15 @@ const PUSH_PIECE_BYTES: usize = 1 << 20;
 async fn push(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(id)): Extension<RequestId>,
+    uri: Uri,
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let args = match read(AdminCall::UpdateWeights, &uri, None) {
+        Ok(args) => args,
+        Err(refused) => return refused.into_response(),
+    };
     let query = with_weight_version(raw.as_deref());
     let path_and_query = format!("/update_weights?{query}");
     let (feed, bodies) = tee(body, app.fleet.all().len());
@@ -428,12 +478,16 @@ async fn push(
         .get(header::CONTENT_TYPE)
         .cloned()
         .unwrap_or_else(|| HeaderValue::from_static("application/octet-stream"));
-    let send = broadcast(
+    let paths = [path_and_query];
+    let send = broadcast_to(
         &app,
-        &Method::POST,
-        &path_and_query,
-        &id,
-        Some(&content_type),
+        Broadcast {
+            method: &Method::POST,
+            paths: &paths,
+            request_id: &id,
+            content_type: Some(&content_type),
+            fence: args.effects().wipes_cache(),
+        },
         bodies,
     );
     let ((), results) = tokio::join!(feed, send);
@@ -614,7 +668,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_version_read_whose_instances_differ_is_a_409_naming_each() {
-        for path in VERSION_READS {
+        for path in ["/get_weight_version", "/weight_info"] {
             let results = [
                 at("http://p0", Role::Prefill, "v1"),
                 at("http://d0", Role::Decode, "v2"),

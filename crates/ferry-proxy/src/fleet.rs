@@ -60,6 +60,9 @@ pub struct Instance {
     /// stale routes (predicted from blocks a wipe had taken more than 100 ms before).
     pub n_kv_misses: AtomicU64,
     pub n_stale_routes: AtomicU64,
+    /// Admin calls through the proxy that may have wiped the instance's cache, each of which
+    /// emptied its prefix index as the instance answered (`admin::broadcast_to`).
+    pub n_fences: AtomicU64,
 }
 
 impl Instance {
@@ -76,6 +79,7 @@ impl Instance {
             n_predicted_hit_tokens: AtomicU64::new(0),
             n_kv_misses: AtomicU64::new(0),
             n_stale_routes: AtomicU64::new(0),
+            n_fences: AtomicU64::new(0),
         }
     }
 

@@ -121,11 +121,11 @@ fn head_end(buf: &[u8]) -> Option<usize> {
     buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4)
 }
 
-/// Whether `path` is a bucket's: `/weight_uploads/{id}/buckets`.
+/// Whether `path` is a bucket's (`/weight_uploads/{upload_id}/buckets`, as the table of admin
+/// calls declares it).
 fn is_bucket_path(path: &str) -> bool {
-    path.strip_prefix("/weight_uploads/")
-        .and_then(|rest| rest.strip_suffix("/buckets"))
-        .is_some_and(|id| !id.is_empty() && !id.contains('/'))
+    ferry_admin::AdminCall::find(ferry_admin::Method::Post, path)
+        == Some(ferry_admin::AdminCall::UploadBucket)
 }
 
 /// Whether a comma-separated header value holds `token`.

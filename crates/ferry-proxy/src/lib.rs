@@ -185,7 +185,7 @@ pub fn router(config: ProxyConfig) -> Result<Router, ProxyError> {
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics));
     let routes = if admin {
-        routes.merge(admin::routes()).merge(upload::routes())
+        routes.merge(admin::routes())
     } else {
         routes
     };

@@ -50,7 +50,7 @@ fn escape(v: &str) -> String {
 
 fn own_metrics(out: &mut String, scrapes: &[Scrape<'_>]) {
     type Figure = fn(&Scrape<'_>) -> u64;
-    let figures: [(&str, &str, &str, &str, Figure); 11] = [
+    let figures: [(&str, &str, &str, &str, Figure); 12] = [
         (
             "ferry_proxy_instance_up",
             "gauge",
@@ -99,6 +99,13 @@ fn own_metrics(out: &mut String, scrapes: &[Scrape<'_>]) {
             "_total",
             "Times the instance's prefix index was dropped (a wipe, a new epoch or version, a lost batch, a clearing admin call).",
             |s| s.instance.kv().n_drops,
+        ),
+        (
+            "ferry_proxy_kv_fences",
+            "counter",
+            "_total",
+            "Admin calls through the proxy that may have wiped the instance's cache (a reset, a clearing pause or sleep, a memory release, a weight change); each emptied its prefix index before the proxy answered.",
+            |s| s.instance.n_fences.load(Relaxed),
         ),
         (
             "ferry_proxy_kv_routed_requests",

@@ -1,7 +1,8 @@
 //! Bucketed weight uploads through the proxy: one upload on every instance, each bucket
 //! copied to all of them as it arrives, and a two-phase commit.
 //!
-//! The routes are the instances' own (`ferry_server::admin::upload`). The proxy's upload id
+//! The routes are the instances' own (`ferry_admin`'s table, mounted by
+//! [`crate::admin::routes`]). The proxy's upload id
 //! names one upload on each instance (their ids kept in fleet order); it makes the weight
 //! version when the caller names none, so every instance commits the same one.
 //!
@@ -18,32 +19,20 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderValue, Method, StatusCode};
+use axum::http::{HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use axum::{Extension, Json, Router};
+use axum::{Extension, Json};
+use ferry_admin::AdminCall;
 use ferry_http::error::ApiError;
 use ferry_http::extract::{random_id, ApiBytes, RequestId};
 use serde_json::{json, Map, Value};
 
 use crate::admin::{
-    broadcast_to, copies, merged, new_weight_version, parse_body, summarise_noting, tee,
-    InstanceResult,
+    broadcast_to, copies, merged, new_weight_version, parse_body, read, summarise_noting, tee,
+    Broadcast, InstanceResult,
 };
 use crate::front::SpliceSource;
 use crate::ProxyState;
-
-pub fn routes() -> Router<Arc<ProxyState>> {
-    Router::new()
-        .route("/weight_uploads", post(begin).get(current))
-        .route(
-            "/weight_uploads/{upload_id}",
-            axum::routing::delete(discard),
-        )
-        .route("/weight_uploads/{upload_id}/buckets", post(bucket))
-        .route("/weight_uploads/{upload_id}/prepare", post(prepare))
-        .route("/weight_uploads/{upload_id}/commit", post(commit))
-}
 
 /// The proxy's one open upload.
 #[derive(Debug, Default)]
@@ -164,10 +153,13 @@ async fn discard_everywhere(app: &ProxyState, open: &Open, request_id: &str) {
     let n = open.ids.len();
     broadcast_to(
         app,
-        &Method::DELETE,
-        &paths(open, ""),
-        request_id,
-        None,
+        Broadcast {
+            method: &Method::DELETE,
+            paths: &paths(open, ""),
+            request_id,
+            content_type: None,
+            fence: false,
+        },
         copies(&axum::body::Bytes::new(), n),
     )
     .await;
@@ -181,11 +173,15 @@ fn all_ok(results: &[InstanceResult]) -> bool {
 /// `POST /weight_uploads {"weight_version"?}`: an upload on every instance, under one
 /// version (the caller's, else one the proxy makes). If any instance refuses, the others'
 /// uploads are discarded.
-async fn begin(
+pub(crate) async fn begin(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(rid)): Extension<RequestId>,
+    uri: Uri,
     ApiBytes(body): ApiBytes,
 ) -> Response {
+    if let Err(refused) = read(AdminCall::BeginUpload, &uri, Some(&body)) {
+        return refused.into_response();
+    }
     let mut request = match object(&body) {
         Ok(m) => m,
         Err(e) => return e.into_response(),
@@ -210,10 +206,13 @@ async fn begin(
     let n = app.fleet.all().len();
     let results = broadcast_to(
         &app,
-        &Method::POST,
-        &vec!["/weight_uploads".to_owned(); n],
-        &rid,
-        Some(&json_type()),
+        Broadcast {
+            method: &Method::POST,
+            paths: &vec!["/weight_uploads".to_owned(); n],
+            request_id: &rid,
+            content_type: Some(&json_type()),
+            fence: false,
+        },
         json_bodies(&Value::Object(request), n),
     )
     .await;
@@ -266,7 +265,7 @@ async fn begin(
 }
 
 /// `GET /weight_uploads`: the proxy's open upload, or null.
-async fn current(State(app): State<Arc<ProxyState>>) -> Response {
+pub(crate) async fn current(State(app): State<Arc<ProxyState>>) -> Response {
     let upload = app.uploads.lock().as_ref().map(|u| {
         json!({"upload_id": u.id, "n_buckets": u.n_buckets, "prepared": u.prepared,
                "instance_upload_ids": u.ids})
@@ -280,13 +279,15 @@ async fn current(State(app): State<Arc<ProxyState>>) -> Response {
 /// Through the proxy's front door ([`crate::front`]) the body is still on the caller's
 /// connection ([`SpliceSource`]) and goes to the instances with splice, never through the
 /// proxy's memory ([`crate::splice`]); the answer's `spliced` says which way it went.
-async fn bucket(
+pub(crate) async fn bucket(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(rid)): Extension<RequestId>,
     Path(id): Path<String>,
+    uri: Uri,
     source: Option<Extension<SpliceSource>>,
     body: Body,
 ) -> Result<Response, Response> {
+    read(AdminCall::UploadBucket, &uri, None).map_err(IntoResponse::into_response)?;
     let open = app.uploads.get(&id).map_err(IntoResponse::into_response)?;
     if open.ids.is_empty() {
         return Err(
@@ -329,10 +330,13 @@ async fn copied(
     let content_type = HeaderValue::from_static("application/octet-stream");
     let send = broadcast_to(
         app,
-        &Method::POST,
-        targets,
-        rid,
-        Some(&content_type),
+        Broadcast {
+            method: &Method::POST,
+            paths: targets,
+            request_id: rid,
+            content_type: Some(&content_type),
+            fence: false,
+        },
         bodies,
     );
     let ((), results) = tokio::join!(feed, send);
@@ -462,10 +466,13 @@ async fn prepare_all(app: &ProxyState, open: &Open, rid: &str) -> Result<Respons
     let n = open.ids.len();
     let results = broadcast_to(
         app,
-        &Method::POST,
-        &paths(open, "/prepare"),
-        rid,
-        Some(&json_type()),
+        Broadcast {
+            method: &Method::POST,
+            paths: &paths(open, "/prepare"),
+            request_id: rid,
+            content_type: Some(&json_type()),
+            fence: false,
+        },
         json_bodies(&json!({}), n),
     )
     .await;
@@ -485,23 +492,30 @@ async fn prepare_all(app: &ProxyState, open: &Open, rid: &str) -> Result<Respons
 }
 
 /// `POST /weight_uploads/{upload_id}/prepare`: the first phase on every instance.
-async fn prepare(
+pub(crate) async fn prepare(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(rid)): Extension<RequestId>,
     Path(id): Path<String>,
+    uri: Uri,
 ) -> Result<Response, Response> {
+    read(AdminCall::PrepareUpload, &uri, Some(b"")).map_err(IntoResponse::into_response)?;
     let open = app.uploads.get(&id).map_err(IntoResponse::into_response)?;
     prepare_all(&app, &open, &rid).await
 }
 
 /// `POST /weight_uploads/{upload_id}/commit {"weight_version"?}`: every instance prepares (unless
 /// all did), and only then every instance commits.
-async fn commit(
+pub(crate) async fn commit(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(rid)): Extension<RequestId>,
     Path(id): Path<String>,
+    uri: Uri,
     ApiBytes(body): ApiBytes,
 ) -> Result<Response, Response> {
+    let fence = read(AdminCall::CommitUpload, &uri, Some(&body))
+        .map_err(IntoResponse::into_response)?
+        .effects()
+        .wipes_cache();
     let request = object(&body).map_err(IntoResponse::into_response)?;
     let open = app.uploads.get(&id).map_err(IntoResponse::into_response)?;
     if !open.prepared {
@@ -510,10 +524,13 @@ async fn commit(
     let n = open.ids.len();
     let results = broadcast_to(
         &app,
-        &Method::POST,
-        &paths(&open, "/commit"),
-        &rid,
-        Some(&json_type()),
+        Broadcast {
+            method: &Method::POST,
+            paths: &paths(&open, "/commit"),
+            request_id: &rid,
+            content_type: Some(&json_type()),
+            fence,
+        },
         json_bodies(&Value::Object(request), n),
     )
     .await;
@@ -532,11 +549,13 @@ async fn commit(
 }
 
 /// `DELETE /weight_uploads/{upload_id}`: discarded on every instance.
-async fn discard(
+pub(crate) async fn discard(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(rid)): Extension<RequestId>,
     Path(id): Path<String>,
+    uri: Uri,
 ) -> Result<Response, Response> {
+    read(AdminCall::DiscardUpload, &uri, Some(b"")).map_err(IntoResponse::into_response)?;
     let open = app.uploads.get(&id).map_err(IntoResponse::into_response)?;
     discard_everywhere(&app, &open, &rid).await;
     Ok(Json(json!({"upload_id": id, "discarded": true})).into_response())

@@ -2,7 +2,9 @@
 //!
 //! The schemas come from the wire types themselves (`utoipa`'s `ToSchema` derives on the
 //! request and response structs), so a field added to a request is in the document by
-//! construction. The routes are the table below; `tests/server/openapi.rs` checks it against
+//! construction. The routes are the table below ([`ROUTES`]) and, for the admin API, the
+//! admin calls' own table (`ferry_admin::AdminCall::decl`), both in [`routes`];
+//! `tests/server/openapi.rs` checks them against
 //! the live router (every documented route answers its method, every documented query
 //! parameter is one its handler knows) and against the API's documentation (every route and
 //! parameter the README, `docs/api.md` and `docs/lifecycle-admin.md` list is here).
@@ -17,10 +19,6 @@ use utoipa::openapi::{
 };
 use utoipa::ToSchema;
 
-use crate::admin::sglang::{AbortRequest, MemoryTags, PauseGeneration};
-use crate::admin::upload::{BeginUpload, CommitUpload};
-use crate::admin::weights::{UpdateFromDisk, UpdateWeightVersion, UpdateWeightsJson};
-use crate::admin::{AbortRequests, ResetPrefixCache, SleepBody, WakeUpBody};
 use crate::error::ErrorBody;
 use crate::kv_transfer::KvTransferParamsJson;
 use crate::native::sglang::SglangGenerateRequest;
@@ -28,30 +26,18 @@ use crate::native::vllm::VllmGenerateRequest;
 use crate::request::{ChatFields, CommonParams, CompletionFields, StructuredFields};
 use crate::response::{ChatChunk, ChatResponse, CompletionResponse, ModelList};
 use crate::routes::{DetokenizeRequest, TokenizeRequest};
+use ferry_admin::bodies::{
+    AbortRequest, AbortRequests, BeginUpload, CommitUpload, MemoryTags, PauseGeneration,
+    ResetPrefixCache, SleepBody, UpdateFromDisk, UpdateWeightVersion, UpdateWeightsJson,
+    WakeUpBody,
+};
+pub use ferry_admin::{Method, Param};
 
-/// An HTTP method of a documented route.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Method {
-    Get,
-    Post,
-    Delete,
-}
-
-impl Method {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Get => "GET",
-            Self::Post => "POST",
-            Self::Delete => "DELETE",
-        }
-    }
-
-    fn http(self) -> HttpMethod {
-        match self {
-            Self::Get => HttpMethod::Get,
-            Self::Post => HttpMethod::Post,
-            Self::Delete => HttpMethod::Delete,
-        }
+fn http_method(m: Method) -> HttpMethod {
+    match m {
+        Method::Get => HttpMethod::Get,
+        Method::Post => HttpMethod::Post,
+        Method::Delete => HttpMethod::Delete,
     }
 }
 
@@ -61,8 +47,7 @@ pub struct RouteDoc {
     pub methods: &'static [Method],
     pub path: &'static str,
     pub summary: &'static str,
-    /// Query parameters: name and meaning.
-    pub query: &'static [(&'static str, &'static str)],
+    pub query: &'static [Param],
     /// The JSON body's schema (a component name), if the route takes one.
     pub body: Option<&'static str>,
     /// The 200 reply's schema (a component name), if it has a fixed one.
@@ -73,8 +58,6 @@ pub struct RouteDoc {
 
 const POST: &[Method] = &[Method::Post];
 const GET: &[Method] = &[Method::Get];
-const GET_POST: &[Method] = &[Method::Get, Method::Post];
-const DELETE: &[Method] = &[Method::Delete];
 
 const fn route(methods: &'static [Method], path: &'static str, summary: &'static str) -> RouteDoc {
     RouteDoc {
@@ -88,26 +71,7 @@ const fn route(methods: &'static [Method], path: &'static str, summary: &'static
     }
 }
 
-const fn admin(methods: &'static [Method], path: &'static str, summary: &'static str) -> RouteDoc {
-    RouteDoc {
-        admin: true,
-        ..route(methods, path, summary)
-    }
-}
-
-const PAUSE_QUERY: &[(&str, &str)] = &[
-    ("mode", "`abort` (default), `wait` or `keep`"),
-    (
-        "clear_cache",
-        "reset the prefix cache once paused (default true)",
-    ),
-    (
-        "wait_for_inflight_requests",
-        "deprecated: `true` means `mode=wait`",
-    ),
-];
-
-/// Every route the server serves.
+/// Every route the server serves but the admin calls ([`routes`] adds those).
 pub const ROUTES: &[RouteDoc] = &[
     RouteDoc {
         body: Some("CompletionRequest"),
@@ -190,154 +154,31 @@ pub const ROUTES: &[RouteDoc] = &[
         "200 once a one-token generation works, else 503",
     ),
     route(GET, "/get_world_size", "vLLM's world size (always 1)"),
-    RouteDoc {
-        query: PAUSE_QUERY,
-        ..admin(POST, "/pause", "Pause generation")
-    },
-    admin(POST, "/resume", "Resume after a pause"),
-    admin(GET, "/is_paused", "Whether the engine is paused"),
-    RouteDoc {
-        query: &[
-            (
-                "level",
-                "0, 1 (default: weights offloaded) or 2 (weights dropped)",
-            ),
-            ("mode", "`abort` (default), `wait` or `keep`"),
-        ],
-        body: Some("SleepBody"),
-        ..admin(POST, "/sleep", "Release memory")
-    },
-    RouteDoc {
-        query: &[("tags", "`weights` or `kv_cache`, repeatable (none: all)")],
-        body: Some("WakeUpBody"),
-        ..admin(POST, "/wake_up", "Bring memory back")
-    },
-    admin(GET, "/is_sleeping", "Whether anything is asleep"),
-    admin(
-        POST,
-        "/release_kv_cache_memory",
-        "Free the KV cache of a paused engine",
-    ),
-    RouteDoc {
-        query: &[
-            (
-                "reset_running_requests",
-                "also preempt running requests (default false)",
-            ),
-            (
-                "reset_external",
-                "also reset the connectors' caches (default false)",
-            ),
-        ],
-        body: Some("ResetPrefixCache"),
-        ..admin(POST, "/reset_prefix_cache", "Drop every cached KV block")
-    },
-    RouteDoc {
-        body: Some("AbortRequests"),
-        ..admin(POST, "/abort_requests", "Abort requests by id (none: all)")
-    },
-    RouteDoc {
-        body: Some("UpdateWeightsJson"),
-        query: &[(
-            "weight_version",
-            "the version the pushed weights get (default: bumped)",
-        )],
-        ..admin(
-            POST,
-            "/update_weights",
-            "Push weights: safetensors bytes, or JSON `{\"weight_dir\": ...}` (`update_info` is refused: it needs a GPU collective)",
-        )
-    },
-    RouteDoc {
-        body: Some("UpdateFromDisk"),
-        ..admin(
-            POST,
-            "/update_weights_from_disk",
-            "Reload weights from a model folder or GGUF file",
-        )
-    },
-    RouteDoc {
-        body: Some("UpdateWeightVersion"),
-        ..admin(
-            POST,
-            "/update_weight_version",
-            "Rename the current weights' version",
-        )
-    },
-    RouteDoc {
-        body: Some("BeginUpload"),
-        ..admin(
-            POST,
-            "/weight_uploads",
-            "Begin a bucketed weight upload (409 while one is open)",
-        )
-    },
-    admin(
-        GET,
-        "/weight_uploads",
-        "The open weight upload, or null",
-    ),
-    admin(
-        POST,
-        "/weight_uploads/{upload_id}/buckets",
-        "Stage a bucket: safetensors bytes, read as they arrive",
-    ),
-    admin(
-        POST,
-        "/weight_uploads/{upload_id}/prepare",
-        "Join the buckets and check they can be installed (the first phase of a commit)",
-    ),
-    RouteDoc {
-        body: Some("CommitUpload"),
-        query: &[(
-            "weight_version",
-            "the version the upload installs under (default: the begin's, else bumped)",
-        )],
-        ..admin(
-            POST,
-            "/weight_uploads/{upload_id}/commit",
-            "Install every staged tensor at once",
-        )
-    },
-    admin(
-        DELETE,
-        "/weight_uploads/{upload_id}",
-        "Discard the upload and free what it staged",
-    ),
-    admin(
-        POST,
-        "/init_weight_transfer_engine",
-        "vLLM's NCCL weight-transfer setup: refused (400), it needs a GPU collective",
-    ),
-    admin(
-        GET,
-        "/weight_info",
-        "The weights' version, update count and residency",
-    ),
-    RouteDoc {
-        body: Some("PauseGeneration"),
-        ..admin(POST, "/pause_generation", "SGLang's pause")
-    },
-    admin(POST, "/continue_generation", "SGLang's resume"),
-    admin(GET_POST, "/flush_cache", "SGLang's prefix-cache reset"),
-    RouteDoc {
-        body: Some("MemoryTags"),
-        ..admin(GET_POST, "/release_memory_occupation", "SGLang's sleep")
-    },
-    RouteDoc {
-        body: Some("MemoryTags"),
-        ..admin(GET_POST, "/resume_memory_occupation", "SGLang's wake-up")
-    },
-    admin(GET, "/get_weight_version", "SGLang's weight version"),
-    RouteDoc {
-        body: Some("AbortRequest"),
-        ..admin(
-            POST,
-            "/abort_request",
-            "SGLang's abort: one request by `rid`, or all with `abort_all`",
-        )
-    },
 ];
+
+/// Every route the server serves, with the admin API's: each admin call as the table
+/// declares it.
+pub fn routes() -> Vec<RouteDoc> {
+    let admin = ferry_admin::AdminCall::all().map(|call| {
+        let d = call.decl();
+        let body = match d.body {
+            ferry_admin::Body::Json(schema) | ferry_admin::Body::JsonOrSafetensors(schema) => {
+                Some(schema)
+            }
+            ferry_admin::Body::None | ferry_admin::Body::Safetensors => None,
+        };
+        RouteDoc {
+            methods: d.methods,
+            path: d.path,
+            summary: d.summary,
+            query: d.query,
+            body,
+            reply: None,
+            admin: true,
+        }
+    });
+    ROUTES.iter().copied().chain(admin).collect()
+}
 
 /// The `{name}` parameters of a path, in order.
 pub fn path_params(path: &str) -> impl Iterator<Item = &str> {
@@ -348,7 +189,7 @@ pub fn path_params(path: &str) -> impl Iterator<Item = &str> {
 /// The document, with the admin routes when the server mounts them.
 pub fn document(with_admin: bool) -> OpenApi {
     let mut paths = PathsBuilder::new().build();
-    for r in ROUTES.iter().filter(|r| with_admin || !r.admin) {
+    for r in routes().into_iter().filter(|r| with_admin || !r.admin) {
         let mut op = OperationBuilder::new().summary(Some(r.summary));
         for name in path_params(r.path) {
             op = op.parameter(
@@ -359,13 +200,13 @@ pub fn document(with_admin: bool) -> OpenApi {
                     .schema(Some(ObjectBuilder::new().schema_type(Type::String))),
             );
         }
-        for (name, about) in r.query {
+        for param in r.query {
             op = op.parameter(
                 ParameterBuilder::new()
-                    .name(*name)
+                    .name(param.name)
                     .parameter_in(ParameterIn::Query)
                     .required(Required::False)
-                    .description(Some(*about))
+                    .description(Some(param.about))
                     .schema(Some(ObjectBuilder::new().schema_type(Type::String))),
             );
         }
@@ -386,7 +227,7 @@ pub fn document(with_admin: bool) -> OpenApi {
         let op = op
             .response("200", ok.build())
             .response("4XX", error.build());
-        let methods = r.methods.iter().map(|m| m.http()).collect();
+        let methods = r.methods.iter().map(|&m| http_method(m)).collect();
         paths.add_path_operation(r.path, methods, op.build());
     }
     let mut schemas: Vec<(String, RefOr<Schema>)> = Vec::new();

@@ -2,19 +2,22 @@
 //! lifecycle events and wake-up), with checks on, driven as the engine thread drives it; what
 //! the core is given in the simulation is built in `setup.rs`. [`SimEngine::tick`] is one turn
 //! of the engine loop: every queued input in arrival order (each followed by the checks), the
-//! clock, one step (or the idle work).
+//! clock, one step (or the idle work). A reload from disk runs the engine's own machine
+//! beside it (`reload.rs`), its calls queued as its handle's would be.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::PoisonError;
 use std::time::Duration;
 
 use ferry_core::{OpId, Scheduler};
-use ferry_engine::{CoreEvent, EngineCore, Event as CoreOut};
+use ferry_engine::{Call, CallKind, CallResult, CoreEvent, EngineCore, Event as CoreOut, LendId};
 
 use crate::copier::Copier;
 use crate::kv_view::KvView;
 pub use crate::messages::{Event, Input};
 use crate::oracle::SharedOracle;
-use crate::schedule::Side;
+use crate::reload::{Guarded, Next, SimReload};
+use crate::schedule::{OpKind, Side};
 pub use crate::setup::EngineSetup;
 use crate::setup::{Built, StepFaults};
 
@@ -39,6 +42,14 @@ pub struct SimEngine {
     /// The arena as a KV event subscriber sees it (checked after every tick).
     pub kv_view: KvView,
     pub n_steps: u64,
+    /// Reloads from disk in flight.
+    pub reloads: Vec<SimReload>,
+    /// Calls the reloads' guards sent, queued for the engine.
+    guarded: Guarded,
+    /// Lends named so far.
+    n_lends: u64,
+    /// The calls the core was made, by kind.
+    pub calls: BTreeMap<CallKind, u64>,
 }
 
 impl SimEngine {
@@ -63,6 +74,10 @@ impl SimEngine {
             live: BTreeSet::new(),
             kv_view: KvView::default(),
             n_steps: 0,
+            reloads: Vec::new(),
+            guarded: Guarded::default(),
+            n_lends: 0,
+            calls: BTreeMap::new(),
         }
     }
 
@@ -75,20 +90,25 @@ impl SimEngine {
     }
 
     pub fn has_inputs(&self) -> bool {
-        !self.inbox.is_empty()
+        !self.inbox.is_empty() || !self.reloads.is_empty()
     }
 
-    /// The core's next deadline, in simulated time.
+    /// The core's next deadline, or a reload's next read, in simulated time.
     pub fn next_deadline(&self) -> Option<Duration> {
-        self.core.next_deadline().map(|d| self.epoch + d)
+        let core = self.core.next_deadline().map(|d| self.epoch + d);
+        core.into_iter()
+            .chain(self.reloads.iter().filter_map(SimReload::due))
+            .min()
     }
 
     /// One turn of the engine loop at simulated time `now`. `Err`: a broken invariant.
     pub fn tick(&mut self, now: Duration, events: &mut Vec<Event>) -> Result<bool, String> {
         self.core.handle_time(now.saturating_sub(self.epoch));
+        self.reloads_at(now, events);
+        self.drain(now, events)?;
         while let Some(input) = self.inbox.pop_front() {
-            self.handle(input, events);
-            self.drain(events)?;
+            self.handle(input, now, events);
+            self.drain(now, events)?;
             self.core.check()?;
         }
         let stepped = self
@@ -97,7 +117,7 @@ impl SimEngine {
             .map_err(|e| format!("step: {e}"))?
             .is_some();
         self.n_steps += u64::from(stepped);
-        self.drain(events)?;
+        self.drain(now, events)?;
         self.kv_view.check(self.core.sched())?;
         match self.oracle.lock().violations.first() {
             Some(v) => Err(format!("oracle: {v}")),
@@ -105,7 +125,7 @@ impl SimEngine {
         }
     }
 
-    fn handle(&mut self, input: Input, events: &mut Vec<Event>) {
+    fn handle(&mut self, input: Input, now: Duration, events: &mut Vec<Event>) {
         match input {
             Input::Add(req) => {
                 let id = req.request_id.clone();
@@ -121,16 +141,123 @@ impl SimEngine {
             Input::Report(c, report) => self.core.handle_report(c, report),
             Input::Op { op, kind, version } => {
                 let weights = || self.core.executor().weight_ops().preparer();
-                match kind.call(&self.live, weights, version) {
-                    Ok(call) => drop(self.ops.insert(self.core.handle_call(call), op)),
+                if kind == OpKind::SetWeightVersion {
+                    let old = self.core.sched().weight_version().to_owned();
+                    self.oracle.lock().rename(&version, &old);
+                }
+                match kind.call(&self.live, weights, version.clone()) {
+                    Ok(Some(call)) => {
+                        let id = self.call(call);
+                        self.ops.insert(id, op);
+                    }
+                    Ok(None) => self.start_reload(op, kind, version, now, events),
                     Err(e) => events.push(Event::Reply { op, result: Err(e) }),
                 }
             }
         }
     }
 
+    /// Makes `call`, counted.
+    fn call(&mut self, call: Call) -> OpId {
+        *self.calls.entry(CallKind::from(&call)).or_default() += 1;
+        self.core.handle_call(call)
+    }
+
+    fn start_reload(
+        &mut self,
+        op: u64,
+        kind: OpKind,
+        version: String,
+        now: Duration,
+        events: &mut Vec<Event>,
+    ) {
+        let OpKind::Reload {
+            in_place,
+            check_ms,
+            read_ms,
+            fault,
+        } = kind
+        else {
+            unreachable!("only a reload is no one call")
+        };
+        self.n_lends += 1;
+        let lend = LendId(self.n_lends);
+        let plan = (in_place, check_ms, read_ms, fault);
+        let (reload, next) = SimReload::start(op, now, plan, version, lend, &self.guarded);
+        self.reloads.push(reload);
+        let i = self.reloads.len() - 1;
+        self.follow(i, next, events);
+    }
+
+    /// Takes reload `i`'s next step.
+    fn follow(&mut self, i: usize, next: Next, events: &mut Vec<Event>) {
+        match next {
+            Next::Call(call) => {
+                let id = self.call(call);
+                self.reloads[i].called(id);
+            }
+            Next::Wait => {}
+            Next::Done(result) => {
+                let reload = self.reloads.remove(i);
+                events.push(Event::Reply {
+                    op: reload.op,
+                    result,
+                });
+            }
+        }
+    }
+
+    /// The reloads' checks and reads due by `now`, and callers that left by then (each
+    /// reload dropped with its guard, whose calls are made at once, as the handle's guard
+    /// queues them).
+    fn reloads_at(&mut self, now: Duration, events: &mut Vec<Event>) {
+        let mut i = 0;
+        while i < self.reloads.len() {
+            if self.reloads[i].leaves_at.is_some_and(|t| t <= now) {
+                let reload = self.reloads.remove(i);
+                events.push(Event::Reply {
+                    op: reload.op,
+                    result: Err("the caller went away".into()),
+                });
+                drop(reload);
+                continue;
+            }
+            if self.reloads[i].due().is_some_and(|t| t <= now) {
+                let preparer = self.core.executor().weight_ops().preparer();
+                let next = self.reloads[i].io_done(now, &*preparer);
+                let n = self.reloads.len();
+                self.follow(i, next, events);
+                if self.reloads.len() < n {
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        let guarded =
+            std::mem::take(&mut *self.guarded.lock().unwrap_or_else(PoisonError::into_inner));
+        for call in guarded {
+            self.call(call);
+        }
+    }
+
+    /// The answer to core call `id`, if a reload waits for it.
+    fn reload_answer(
+        &mut self,
+        id: OpId,
+        answer: CallResult,
+        now: Duration,
+        events: &mut Vec<Event>,
+    ) -> Option<CallResult> {
+        let Some(i) = self.reloads.iter().position(|r| r.waits_for(id)) else {
+            return Some(answer);
+        };
+        let next = self.reloads[i].answered(answer, now);
+        self.follow(i, next, events);
+        None
+    }
+
     /// The core's events, as the simulation reads them; checks each request finishes once.
-    fn drain(&mut self, events: &mut Vec<Event>) -> Result<(), String> {
+    fn drain(&mut self, now: Duration, events: &mut Vec<Event>) -> Result<(), String> {
         while let Some(event) = self.core.poll_event() {
             let (idx, sampled, finish) = match event {
                 CoreEvent::Request(_, CoreOut::Admitted { .. } | CoreOut::PromptLogprobs(_)) => {
@@ -146,8 +273,11 @@ impl SimEngine {
                         sampled, finish, ..
                     },
                 ) => (idx, sampled, finish),
-                CoreEvent::Reply(op, result) => {
-                    if let Some(op) = self.ops.remove(&op) {
+                CoreEvent::Reply(id, result) => {
+                    let Some(result) = self.reload_answer(id, result, now, events) else {
+                        continue;
+                    };
+                    if let Some(op) = self.ops.remove(&id) {
                         let result = result.error().map_or(Ok(()), Err);
                         events.push(Event::Reply { op, result });
                     }

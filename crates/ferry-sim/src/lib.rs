@@ -25,6 +25,7 @@ pub mod kv_view;
 pub mod messages;
 pub mod net;
 pub mod oracle;
+pub mod reload;
 pub mod rng;
 pub mod schedule;
 pub mod setup;

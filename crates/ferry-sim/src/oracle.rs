@@ -4,7 +4,9 @@
 //! request frozen across an update without a cache clear keeps its KV: that is allowed, and
 //! its tokens are then not predictable). KV a request did not compute itself (a prefix hit, a
 //! P/D load, an offload load) is taken to be of the current weights: stale KV shows as a
-//! wrong token. It watches the engine core's steps as a `StepObserver`.
+//! wrong token. It watches the engine core's steps as a `StepObserver`. A weight version is
+//! the weights it names, except a new name given to the weights loaded
+//! (`update_weight_version`), which names the same weights as before ([`Oracle::rename`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -21,6 +23,8 @@ pub const VOCAB: usize = 50_000;
 #[derive(Debug, Default)]
 pub struct Oracle {
     versions: Vec<String>,
+    /// A name `update_weight_version` gave → the version whose weights it names.
+    renamed: BTreeMap<String, String>,
     /// Request id → per position, the index (in `versions`) of the weights its KV is of.
     shadow: HashMap<String, Vec<u32>>,
     refs: BTreeMap<String, ChecksumModel>,
@@ -34,6 +38,17 @@ pub struct Oracle {
 }
 
 impl Oracle {
+    /// The weights loaded, named `old`, are named `new` from now on (no weight changes).
+    pub fn rename(&mut self, new: &str, old: &str) {
+        let weights = self.weights_of(old).to_owned();
+        self.renamed.insert(new.to_owned(), weights);
+    }
+
+    /// The version whose weights `name` names.
+    fn weights_of<'a>(&'a self, name: &'a str) -> &'a str {
+        self.renamed.get(name).map_or(name, String::as_str)
+    }
+
     fn intern(&mut self, version: &str) -> u32 {
         match self.versions.iter().position(|v| v == version) {
             Some(i) => i as u32,
@@ -56,7 +71,8 @@ impl Oracle {
     }
 
     fn check(&mut self, core: &Scheduler, plan: &StepPlan, out: &ModelOutput) {
-        let version = core.weight_version();
+        let version = self.weights_of(core.weight_version()).to_owned();
+        let version = version.as_str();
         let current = self.intern(version);
         let mut sampled = out.sampled.iter();
         for r in &plan.reqs {

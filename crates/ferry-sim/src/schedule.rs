@@ -87,16 +87,36 @@ pub enum OpKind {
     AbortOne {
         pick: u16,
     },
-    /// A weight update in place (a reload or a push): a new version, the same on every
-    /// target.
+    /// A weight update in place (a push): a new version, the same on every target.
     WeightUpdate,
-    /// The first half of a reload in place (`update_weights_from_disk` while paused): the
-    /// engine lends its weights, if it is in a completed pause.
-    LendWeights,
-    /// The second half: the lent weights come back under a new version (`ok`), or the read
-    /// failed midway and they are lost (dropped, as sleep level 2 leaves them).
-    ReturnWeights {
-        ok: bool,
+    /// A reload from disk (`update_weights_from_disk`), driven by the engine's own machine
+    /// (`ferry_engine::DiskReload`): read over the weights in a completed pause when
+    /// `in_place` (a safetensors folder; a GGUF file never is), else into new ones. Its
+    /// check takes `check_ms` and its read `read_ms` of simulated time; `fault` says what
+    /// goes wrong.
+    Reload {
+        in_place: bool,
+        check_ms: u8,
+        read_ms: u8,
+        fault: ReloadFault,
+    },
+    /// A new name for the weights (`update_weight_version`).
+    SetWeightVersion,
+    /// The engine's lifecycle status and weights (`is_paused`, `weight_info`, ...).
+    Status,
+}
+
+/// What goes wrong in a reload from disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReloadFault {
+    None,
+    /// A tensor's header does not match: refused before anything is lent.
+    CheckFails,
+    /// The disk fails midway through the read (over lent weights: they are lost).
+    ReadFails,
+    /// The caller goes away after `ms`, wherever the reload is then.
+    CallerLeaves {
+        ms: u8,
     },
 }
 
@@ -154,22 +174,27 @@ pub enum Action {
 pub enum CycleUpdate {
     /// One install of new weights.
     Install,
-    /// A reload in place: the weights lent, then returned.
-    InPlace,
+    /// A reload from disk, in place (the engines are paused), taking `ms` to read.
+    Reload { ms: u8 },
     /// A reload in place whose read fails midway (the weights are lost); the trainer does
     /// what the reply says: a complete install, a wake-up of the weights, then the resume.
-    InPlaceFails,
+    ReloadFails { ms: u8 },
 }
 
 impl CycleUpdate {
     /// The calls it makes, in turn, between the pause and the resume.
-    pub fn calls(self) -> &'static [OpKind] {
+    pub fn calls(self) -> Vec<OpKind> {
+        let reload = |read_ms, fault| OpKind::Reload {
+            in_place: true,
+            check_ms: 1,
+            read_ms,
+            fault,
+        };
         match self {
-            Self::Install => &[OpKind::WeightUpdate],
-            Self::InPlace => &[OpKind::LendWeights, OpKind::ReturnWeights { ok: true }],
-            Self::InPlaceFails => &[
-                OpKind::LendWeights,
-                OpKind::ReturnWeights { ok: false },
+            Self::Install => vec![OpKind::WeightUpdate],
+            Self::Reload { ms } => vec![reload(ms, ReloadFault::None)],
+            Self::ReloadFails { ms } => vec![
+                reload(ms, ReloadFault::ReadFails),
                 OpKind::WeightUpdate,
                 OpKind::WakeUp { tags: 1 },
             ],
@@ -221,7 +246,7 @@ fn target(rng: &mut Rng) -> Target {
 }
 
 fn op(rng: &mut Rng) -> OpKind {
-    match rng.below(14) {
+    match rng.below(16) {
         0..=2 => OpKind::Pause {
             mode: mode(rng),
             clear_cache: rng.chance(2, 3),
@@ -247,13 +272,29 @@ fn op(rng: &mut Rng) -> OpKind {
         12 => OpKind::AbortOne {
             pick: rng.below(64) as u16,
         },
-        _ => match rng.below(3) {
+        13 => match rng.below(3) {
             0 => OpKind::WeightUpdate,
-            1 => OpKind::LendWeights,
-            _ => OpKind::ReturnWeights {
-                ok: rng.chance(3, 4),
-            },
+            _ => reload(rng),
         },
+        14 => OpKind::SetWeightVersion,
+        _ => OpKind::Status,
+    }
+}
+
+fn reload(rng: &mut Rng) -> OpKind {
+    let (check_ms, read_ms) = (rng.below(4) as u8, rng.below(40) as u8);
+    let leaves_after = rng.below(u64::from(check_ms) + u64::from(read_ms) + 3) as u8;
+    let fault = rng.weighted(&[
+        (4, ReloadFault::None),
+        (1, ReloadFault::CheckFails),
+        (2, ReloadFault::ReadFails),
+        (1, ReloadFault::CallerLeaves { ms: leaves_after }),
+    ]);
+    OpKind::Reload {
+        in_place: rng.chance(7, 8),
+        check_ms,
+        read_ms,
+        fault,
     }
 }
 
@@ -321,10 +362,11 @@ pub fn generate(seed: u64, params: ScheduleParams) -> Vec<Timed> {
             86..=92 => {
                 let in_place = rng.bool();
                 let mode = mode(&mut rng);
+                let ms = rng.below(30) as u8;
                 let update = match (in_place, in_place && rng.chance(1, 4)) {
                     (false, _) => CycleUpdate::Install,
-                    (true, false) => CycleUpdate::InPlace,
-                    (true, true) => CycleUpdate::InPlaceFails,
+                    (true, false) => CycleUpdate::Reload { ms },
+                    (true, true) => CycleUpdate::ReloadFails { ms },
                 };
                 Action::RlCycle { mode, update }
             }
@@ -336,14 +378,16 @@ pub fn generate(seed: u64, params: ScheduleParams) -> Vec<Timed> {
 
 impl OpKind {
     /// The engine core's call for this admin call: `live` are the engine's live requests (for
-    /// `AbortOne`), `preparer` gives the engine's weight preparer (for an update in place).
+    /// `AbortOne`), `preparer` gives the engine's weight preparer (for an update). `None`
+    /// for a reload, which is no one call but the calls of its machine
+    /// (`crate::engine::SimEngine`).
     pub fn call(
         self,
         live: &BTreeSet<String>,
         preparer: impl FnOnce() -> Arc<dyn WeightPreparer>,
         version: String,
-    ) -> Result<Call, String> {
-        Ok(match self {
+    ) -> Result<Option<Call>, String> {
+        Ok(Some(match self {
             OpKind::Pause { mode, clear_cache } => Call::Pause { mode, clear_cache },
             OpKind::Sleep { level, mode } => Call::Sleep { level, mode },
             OpKind::Resume => Call::Resume,
@@ -379,16 +423,18 @@ impl OpKind {
                     .map_err(|e| e.to_string())?,
                 version: Some(version),
             },
-            OpKind::LendWeights => Call::LendWeights,
-            // What the reload wrote over the lent weights (none here: they are weightless).
-            OpKind::ReturnWeights { ok: true } => Call::ReturnWeights {
-                weights: preparer()
-                    .prepare(WeightStore::default())
-                    .map_err(|e| e.to_string())?,
-                version: Some(version),
-            },
-            OpKind::ReturnWeights { ok: false } => Call::LoseWeights,
-        })
+            OpKind::SetWeightVersion => Call::SetWeightVersion { version },
+            OpKind::Status => Call::Status,
+            OpKind::Reload { .. } => return Ok(None),
+        }))
+    }
+
+    /// Whether the call makes a new weight version (a fresh one is drawn for it).
+    pub fn sets_version(self) -> bool {
+        matches!(
+            self,
+            OpKind::WeightUpdate | OpKind::Reload { .. } | OpKind::SetWeightVersion
+        )
     }
 }
 
@@ -430,13 +476,28 @@ impl fmt::Display for OpKind {
             OpKind::AbortAll => f.write_str("abort_requests(all)"),
             OpKind::AbortOne { pick } => write!(f, "abort_requests([live #{pick}])"),
             OpKind::WeightUpdate => f.write_str("update_weights()"),
-            OpKind::LendWeights => f.write_str("reload in place: lend the weights"),
-            OpKind::ReturnWeights { ok: true } => {
-                f.write_str("reload in place: the weights come back")
+            OpKind::Reload {
+                in_place,
+                check_ms,
+                read_ms,
+                fault,
+            } => {
+                write!(
+                    f,
+                    "update_weights_from_disk({}, check {check_ms} ms, read {read_ms} ms",
+                    if in_place { "safetensors" } else { "gguf" }
+                )?;
+                match fault {
+                    ReloadFault::None => f.write_str(")"),
+                    ReloadFault::CheckFails => f.write_str(", the check fails)"),
+                    ReloadFault::ReadFails => f.write_str(", the read fails midway)"),
+                    ReloadFault::CallerLeaves { ms } => {
+                        write!(f, ", the caller leaves after {ms} ms)")
+                    }
+                }
             }
-            OpKind::ReturnWeights { ok: false } => {
-                f.write_str("reload in place: the read failed, the weights are lost")
-            }
+            OpKind::SetWeightVersion => f.write_str("update_weight_version()"),
+            OpKind::Status => f.write_str("status()"),
         }
     }
 }

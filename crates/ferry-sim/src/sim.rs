@@ -124,6 +124,8 @@ pub struct Stats {
     pub n_kv_batches: u64,
     pub n_tier_kv_events: u64,
     pub n_steps: u64,
+    /// The lifecycle calls the engines were made, by kind.
+    pub calls: std::collections::BTreeMap<ferry_engine::CallKind, u64>,
     pub tier: bool,
     pub end_ms: u64,
 }
@@ -155,7 +157,7 @@ impl OpRecord {
             OpKind::Pause { mode, clear_cache } => {
                 !clear_cache && matches!(mode, PauseMode::Keep | PauseMode::Abort)
             }
-            OpKind::Sleep { .. } | OpKind::ReleaseKv => false,
+            OpKind::Sleep { .. } | OpKind::ReleaseKv | OpKind::Reload { .. } => false,
             _ => true,
         }
     }
@@ -578,7 +580,7 @@ impl Sim {
                     clear_cache: true,
                 };
                 let calls = std::iter::once(pause)
-                    .chain(update.calls().iter().copied())
+                    .chain(update.calls())
                     .chain([OpKind::Resume]);
                 self.scripts.push(Script {
                     steps: calls.map(|op| (Target::Both, op, None)).collect(),
@@ -591,10 +593,7 @@ impl Sim {
     }
 
     fn new_version(&mut self, op: OpKind) -> String {
-        if matches!(
-            op,
-            OpKind::WeightUpdate | OpKind::ReturnWeights { ok: true }
-        ) {
+        if op.sets_version() {
             self.n_versions += 1;
         }
         format!("w{}", self.n_versions)
@@ -912,6 +911,13 @@ impl Sim {
 
     /// Sends a lifecycle call to `side` (an error reply at once if it is down).
     fn issue(&mut self, side: Side, kind: OpKind, version: String) -> u64 {
+        // A new name is the engine's own: P and D may hold different weights when it comes
+        // (one restarted), and one name on both would tell D that P's KV is of its weights.
+        let version = if kind == OpKind::SetWeightVersion {
+            format!("{version}-{}", side.name())
+        } else {
+            version
+        };
         let op = self.ops.len() as u64;
         self.stats.n_ops += 1;
         self.ops.push(OpRecord {
@@ -994,6 +1000,9 @@ impl Sim {
         self.stats.n_kv_batches += e.kv_view.n_batches;
         self.stats.n_tier_kv_events += e.kv_view.n_tier_events;
         self.stats.n_steps += e.n_steps;
+        for (&kind, &n) in &e.calls {
+            *self.stats.calls.entry(kind).or_default() += n;
+        }
     }
 
     fn crash(&mut self, side: Side, down_for: Duration) {
@@ -1087,23 +1096,15 @@ impl Sim {
     }
 
     fn wake_all(&mut self) {
-        // Dropped weights are reloaded, and lent ones come back, with the same new version on
-        // both engines.
+        // Dropped weights are reloaded, with the same new version on both engines. (Weights
+        // lent to a reload and never returned stay `Reloading`: the wake-up is refused and
+        // the run fails as not running after it.)
         let version = self.new_version(OpKind::WeightUpdate);
         for side in [Side::P, Side::D] {
             let e = self.engines[side.idx()].as_ref().expect("restarted");
             let mut steps = VecDeque::new();
-            match e.core.executor().weight_ops().residency() {
-                // A reload in place the schedule left unfinished ends.
-                WeightResidency::Reloading => steps.push_back((
-                    target_of(side),
-                    OpKind::ReturnWeights { ok: true },
-                    Some(version.clone()),
-                )),
-                WeightResidency::Dropped => {
-                    steps.push_back((target_of(side), OpKind::WeightUpdate, Some(version.clone())))
-                }
-                _ => {}
+            if e.core.executor().weight_ops().residency() == WeightResidency::Dropped {
+                steps.push_back((target_of(side), OpKind::WeightUpdate, Some(version.clone())));
             }
             steps.push_back((target_of(side), OpKind::WakeUp { tags: 0 }, None));
             steps.push_back((target_of(side), OpKind::Resume, None));

@@ -4,7 +4,9 @@
 //! names the seed and its shrunk schedule; `cargo run -p ferry-sim -- --seed N` replays it
 //! with a trace. And the checks themselves can fail: corrupted transfers are caught.
 
+use ferry_engine::CallKind;
 use ferry_sim::{generate, shrink, ScheduleParams, Sim, SimConfig, Stats, Tier};
+use strum::IntoEnumIterator;
 
 fn n_seeds() -> u64 {
     std::env::var("FERRY_SIM_SEEDS")
@@ -55,6 +57,9 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
         total.n_crashes += s.n_crashes;
         total.n_tokens_checked += s.n_tokens_checked;
         total.n_steps += s.n_steps;
+        for (kind, n) in s.calls {
+            *total.calls.entry(kind).or_default() += n;
+        }
     }
     eprintln!("{n} seeds ({tier:?}): {total:?}");
     total
@@ -64,7 +69,8 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
 /// mask), pulls that succeed and fail, crashes, failed steps, KV events (the tier's with the
 /// tier on), tier copies (with the tier on),
 /// and requests failed by the faults injected on their loads under `fail` (each one checked
-/// to be such a fault).
+/// to be such a fault); and every lifecycle call the engine core takes, by its name (a call
+/// added to `ferry_engine::Call` fails this until the schedules make it).
 fn assert_exercised(s: &Stats, n: u64, tier: bool) {
     assert!(s.n_tokens_checked > 50 * n, "{s:?}");
     assert!(s.n_tokens_masked > 5 * n, "{s:?}");
@@ -76,6 +82,14 @@ fn assert_exercised(s: &Stats, n: u64, tier: bool) {
     assert_eq!(s.n_copies > 0, tier, "{s:?}");
     assert!(s.n_kv_batches > 20 * n, "{s:?}");
     assert_eq!(s.n_tier_kv_events > 0, tier, "{s:?}");
+    for kind in CallKind::iter() {
+        let made = s.calls.get(&kind).copied().unwrap_or(0);
+        assert!(
+            made > n / 10,
+            "{kind:?} made {made} times in {n} seeds: {:?}",
+            s.calls
+        );
+    }
 }
 
 #[test]

@@ -2,255 +2,194 @@
 //! KV release, cache reset, aborts and weight updates, under the paths and parameters RL
 //! frameworks already call on vLLM, with SGLang's names as aliases ([`sglang`]).
 //!
+//! Every call is declared once, in `ferry-admin` (its route, methods, arguments and effects):
+//! [`routes`] mounts each [`AdminCall`] at its path for its methods, and [`handle`] reads its
+//! arguments with [`AdminCall::read`] (a bad one is a 400 naming it and changes nothing), then
+//! makes the engine calls its [`Args`] ask for: one exhaustive `match`, so a call added to the
+//! table does not build until the server says what it does.
+//!
 //! Mounted by [`crate::router`] only with `ServerConfig::enable_admin_api` (off: every path
 //! here is a 404 like any unknown route), because any client that reaches it can stop the
-//! engine or replace its weights.
-//!
-//! Every handler validates its arguments before it calls the engine (a bad argument is a 400
-//! naming it and changes nothing), then makes one [`ferry_engine::EngineHandle`] call; the
-//! engine's errors map by variant (the [`crate::error::EngineFailure`] impls in [`args`]):
-//! lifecycle conflicts are 409, a refused weight update or an unreadable model folder is 400,
-//! a stopped engine is 503.
+//! engine or replace its weights. The engine's errors map by variant (the
+//! [`crate::error::EngineFailure`] impls in [`failures`]): lifecycle conflicts are 409, a
+//! refused weight update or an unreadable model folder is 400, a stopped engine is 503.
 
-pub mod args;
+pub mod failures;
 pub mod sglang;
 pub mod upload;
 pub mod weights;
 
 use std::sync::Arc;
 
-use axum::extract::{RawQuery, State};
-use axum::routing::{get, post};
+use axum::body::Body;
+use axum::extract::{FromRequest, Request, State};
+use axum::http::{header, HeaderMap};
+use axum::routing::on;
 use axum::{Json, Router};
-use ferry_engine::{PauseMode, SleepLevel};
-use serde::Deserialize;
+use ferry_admin::{AdminCall, Args, Pausing};
 use serde_json::{json, Value};
 
 use crate::error::{api_error, ApiError};
 use crate::extract::ApiBytes;
 use crate::state::AppState;
-use args::{optional_json, wake_tags, QueryArgs};
 
 /// A handler's reply: a small JSON object, or an OpenAI-shaped error.
 pub type AdminReply = Result<Json<Value>, ApiError>;
 
-/// The admin routes (vLLM's paths, then SGLang's aliases).
+/// Every admin call, at its path, for its methods.
 pub fn routes() -> Router<Arc<AppState>> {
-    Router::new()
-        .route("/pause", post(pause))
-        .route("/resume", post(resume))
-        .route("/is_paused", get(is_paused))
-        .route("/sleep", post(sleep))
-        .route("/wake_up", post(wake_up))
-        .route("/is_sleeping", get(is_sleeping))
-        .route("/release_kv_cache_memory", post(release_kv_cache_memory))
-        .route("/reset_prefix_cache", post(reset_prefix_cache))
-        .route("/abort_requests", post(abort_requests))
-        .route("/update_weights", post(weights::push))
-        .route(
-            "/update_weights_from_disk",
-            post(weights::update_weights_from_disk),
+    AdminCall::all().fold(Router::new(), |router, call| {
+        let decl = call.decl();
+        router.route(
+            decl.path,
+            on(decl.method_filter(), move |State(app), req| {
+                handle(app, call, req)
+            }),
         )
-        .route(
-            "/update_weight_version",
-            post(weights::update_weight_version),
-        )
-        .route("/weight_info", get(weights::weight_info))
-        .route(
-            "/init_weight_transfer_engine",
-            post(weights::init_weight_transfer_engine),
-        )
-        .merge(upload::routes())
-        .merge(sglang::routes())
+    })
 }
 
-/// `POST /pause?mode=abort|wait|keep&clear_cache=true|false`. vLLM's defaults: `abort`, and
-/// `clear_cache=true`; the deprecated `wait_for_inflight_requests=true` means `mode=wait`.
-/// Replies once paused (after the drain for `wait`, after the cache reset with
-/// `clear_cache`).
-pub async fn pause(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) -> AdminReply {
-    let q = QueryArgs::parse(
-        raw.as_deref(),
-        &["mode", "clear_cache", "wait_for_inflight_requests"],
-    )?;
-    let default_mode = if q.bool("wait_for_inflight_requests", false)? {
-        PauseMode::Wait
+/// Whether the request's body is JSON (`/update_weights` chooses its form by it).
+pub fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// One admin call: its arguments read as the table says, then made.
+async fn handle(app: Arc<AppState>, call: AdminCall, req: Request) -> AdminReply {
+    let (parts, body) = req.into_parts();
+    let uri = parts.uri.clone();
+    let (args, streamed) = if call.streams_body(is_json(&parts.headers)) {
+        let args = call.read(ferry_admin::Request {
+            path: uri.path(),
+            query: uri.query(),
+            body: None,
+        })?;
+        (args, Some(body))
     } else {
-        PauseMode::Abort
+        let ApiBytes(bytes) = ApiBytes::from_request(Request::from_parts(parts, body), &()).await?;
+        let args = call.read(ferry_admin::Request {
+            path: uri.path(),
+            query: uri.query(),
+            body: Some(&bytes),
+        })?;
+        (args, None)
     };
-    let mode = q.pause_mode("mode", default_mode)?;
-    let clear_cache = q.bool("clear_cache", true)?;
-    app.engine
-        .pause(mode, clear_cache)
-        .await
-        .map_err(api_error)?;
-    Ok(Json(json!({"status": "paused"})))
+    run(app, args, streamed).await
 }
 
-/// `POST /resume`: continues scheduling; a pending cache reset or sleep fails with 409.
-pub async fn resume(State(app): State<Arc<AppState>>, RawQuery(raw): RawQuery) -> AdminReply {
-    QueryArgs::parse(raw.as_deref(), &[])?;
-    app.engine.resume().await.map_err(api_error)?;
-    Ok(Json(json!({"status": "resumed"})))
-}
-
-/// `GET /is_paused` → `{"is_paused": bool}`.
-pub async fn is_paused(State(app): State<Arc<AppState>>) -> AdminReply {
-    let paused = app.engine.is_paused().await.map_err(api_error)?;
-    Ok(Json(json!({"is_paused": paused})))
-}
-
-/// `POST /sleep`'s optional JSON body (SkyRL sends `{"level": 1}`): the query's arguments;
-/// one the body sets wins over the query's.
-#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct SleepBody {
-    pub level: Option<u8>,
-    /// `abort`, `wait` or `keep`.
-    pub mode: Option<String>,
-}
-
-/// `POST /sleep?level=0|1|2&mode=abort|wait|keep` (vLLM's defaults: level 1, abort), or the
-/// same in a JSON body.
-pub async fn sleep(
-    State(app): State<Arc<AppState>>,
-    RawQuery(raw): RawQuery,
-    ApiBytes(body): ApiBytes,
-) -> AdminReply {
-    let q = QueryArgs::parse(raw.as_deref(), &["level", "mode"])?;
-    let req: SleepBody = body_or_default(&body)?;
-    let level = match req.level {
-        Some(l) => SleepLevel::from_u8(l).ok_or_else(|| {
-            ApiError::invalid(
-                "level",
-                format!("invalid sleep level `{l}` (expected 0, 1 or 2)"),
-            )
-        })?,
-        None => q.sleep_level("level", SleepLevel::L1)?,
-    };
-    let mode = match req.mode {
-        Some(m) => m
-            .parse()
-            .map_err(|e: String| ApiError::invalid("mode", e))?,
-        None => q.pause_mode("mode", PauseMode::Abort)?,
-    };
-    app.engine.sleep(level, mode).await.map_err(api_error)?;
-    Ok(Json(json!({"status": "sleeping", "level": level.as_u8()})))
-}
-
-/// `POST /wake_up`'s optional JSON body (SkyRL sends `{"tags": [...]}`); its tags replace the
-/// query's.
-#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct WakeUpBody {
-    pub tags: Option<Vec<String>>,
-}
-
-/// `POST /wake_up?tags=weights&tags=kv_cache` (none: everything; or `{"tags": [...]}` in a
-/// JSON body) → `{"is_sleeping": bool}`, true while some tag is still asleep.
-pub async fn wake_up(
-    State(app): State<Arc<AppState>>,
-    RawQuery(raw): RawQuery,
-    ApiBytes(body): ApiBytes,
-) -> AdminReply {
-    let q = QueryArgs::parse(raw.as_deref(), &["tags"])?;
-    let req: WakeUpBody = body_or_default(&body)?;
-    let tags = match &req.tags {
-        Some(list) => {
-            let list: Vec<&str> = list.iter().map(String::as_str).collect();
-            wake_tags(&list, "tags", &[])?
+/// Makes the engine calls `args` ask for; `streamed` is the body of a call that streams it.
+async fn run(app: Arc<AppState>, args: Args, streamed: Option<Body>) -> AdminReply {
+    let engine = &app.engine;
+    let reply = match args {
+        Args::Pause(Pausing { mode, clear_cache }) => {
+            engine.pause(mode, clear_cache).await.map_err(api_error)?;
+            json!({"status": "paused"})
         }
-        None => wake_tags(&q.all("tags"), "tags", &[])?,
+        Args::Resume => {
+            engine.resume().await.map_err(api_error)?;
+            json!({"status": "resumed"})
+        }
+        Args::IsPaused => json!({"is_paused": engine.is_paused().await.map_err(api_error)?}),
+        Args::Sleep { level, mode } => {
+            engine.sleep(level, mode).await.map_err(api_error)?;
+            json!({"status": "sleeping", "level": level.as_u8()})
+        }
+        Args::WakeUp { tags } => {
+            engine.wake_up(&tags).await.map_err(api_error)?;
+            is_sleeping(&app).await?
+        }
+        Args::IsSleeping => is_sleeping(&app).await?,
+        Args::ReleaseKvCacheMemory => {
+            engine.release_kv_cache_memory().await.map_err(api_error)?;
+            json!({"status": "released"})
+        }
+        Args::ResetPrefixCache {
+            reset_running_requests,
+            reset_external,
+        } => {
+            let success = engine
+                .reset_prefix_cache(reset_running_requests, reset_external)
+                .await
+                .map_err(api_error)?;
+            json!({"success": success})
+        }
+        Args::AbortRequests { ids } => {
+            let n = abort(&app, ids).await?;
+            json!({"status": "aborted", "aborted": n})
+        }
+        Args::UpdateWeights(update) => weights::update_weights(&app, update, streamed).await?,
+        Args::UpdateWeightsFromDisk {
+            model_path,
+            weight_version,
+            abort_all_requests,
+        } => {
+            if abort_all_requests {
+                engine.abort_requests(None).await.map_err(api_error)?;
+            }
+            weights::reload(&app, model_path.into(), weight_version).await?
+        }
+        Args::UpdateWeightVersion { new_version } => {
+            engine
+                .update_weight_version(new_version.clone())
+                .await
+                .map_err(api_error)?;
+            json!({"success": true, "new_version": new_version})
+        }
+        Args::WeightInfo => weights::weight_info(&app).await?,
+        Args::InitWeightTransferEngine => return Err(weights::needs_collective()),
+        Args::BeginUpload { weight_version } => upload::begin(&app, weight_version)?,
+        Args::CurrentUpload => upload::current(&app),
+        Args::UploadBucket { upload_id } => {
+            let body = streamed.expect("a bucket streams its body");
+            upload::bucket(&app, upload_id, body).await?
+        }
+        Args::PrepareUpload { upload_id } => upload::prepare(&app, upload_id).await?,
+        Args::CommitUpload {
+            upload_id,
+            weight_version,
+        } => upload::commit(&app, upload_id, weight_version).await?,
+        Args::DiscardUpload { upload_id } => upload::discard(&app, &upload_id)?,
+        Args::PauseGeneration(Pausing { mode, clear_cache }) => {
+            engine.pause(mode, clear_cache).await.map_err(api_error)?;
+            json!({"message": "Generation paused successfully.", "status": "ok"})
+        }
+        Args::ContinueGeneration => {
+            engine.resume().await.map_err(api_error)?;
+            json!({"message": "Generation continued successfully.", "status": "ok"})
+        }
+        Args::FlushCache => sglang::flush_cache(&app).await?,
+        Args::ReleaseMemoryOccupation { tags } => {
+            sglang::release_memory_occupation(&app, tags).await?
+        }
+        Args::ResumeMemoryOccupation { tags } => {
+            sglang::resume_memory_occupation(&app, tags).await?
+        }
+        Args::GetWeightVersion => {
+            let info = weights::engine_weight_info(&app).await?;
+            json!({"weight_version": info.weight_version})
+        }
+        Args::AbortRequest { ids } => {
+            let n = abort(&app, ids).await?;
+            json!({"success": true, "aborted": n})
+        }
     };
-    app.engine.wake_up(&tags).await.map_err(api_error)?;
-    is_sleeping(State(app)).await
+    Ok(Json(reply))
 }
 
-/// An admin call's optional JSON body: empty or `null` (what a client that always sends a
-/// body sends without arguments, and the proxy's fan-out) is no arguments.
-fn body_or_default<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, ApiError> {
-    if body.trim_ascii() == b"null" {
-        Ok(T::default())
-    } else {
-        optional_json(body)
-    }
-}
-
-/// `GET /is_sleeping` → `{"is_sleeping": bool}`.
-pub async fn is_sleeping(State(app): State<Arc<AppState>>) -> AdminReply {
+/// `{"is_sleeping": bool}`: true while some tag is still asleep.
+async fn is_sleeping(app: &AppState) -> Result<Value, ApiError> {
     let sleeping = app.engine.is_sleeping().await.map_err(api_error)?;
-    Ok(Json(json!({"is_sleeping": sleeping})))
+    Ok(json!({"is_sleeping": sleeping}))
 }
 
-/// `POST /release_kv_cache_memory`: needs a completed pause (else 409); `wake_up` with
-/// `tags=kv_cache` brings the memory back.
-pub async fn release_kv_cache_memory(
-    State(app): State<Arc<AppState>>,
-    RawQuery(raw): RawQuery,
-) -> AdminReply {
-    QueryArgs::parse(raw.as_deref(), &[])?;
-    app.engine
-        .release_kv_cache_memory()
-        .await
-        .map_err(api_error)?;
-    Ok(Json(json!({"status": "released"})))
-}
-
-/// `POST /reset_prefix_cache`'s optional JSON body (SkyRL sends its argument there): the
-/// same arguments as the query string; one the body sets wins over the query's.
-#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
-pub struct ResetPrefixCache {
-    pub reset_running_requests: Option<bool>,
-    pub reset_external: Option<bool>,
-}
-
-/// `POST /reset_prefix_cache?reset_running_requests=&reset_external=` (or the same in a JSON
-/// body) → `{"success": bool}`: false (nothing changed) while blocks are held.
-/// `reset_external` resets every connector's cache too.
-pub async fn reset_prefix_cache(
-    State(app): State<Arc<AppState>>,
-    RawQuery(raw): RawQuery,
-    ApiBytes(body): ApiBytes,
-) -> AdminReply {
-    let q = QueryArgs::parse(
-        raw.as_deref(),
-        &["reset_running_requests", "reset_external"],
-    )?;
-    let req: ResetPrefixCache = body_or_default(&body)?;
-    let running = match req.reset_running_requests {
-        Some(b) => b,
-        None => q.bool("reset_running_requests", false)?,
-    };
-    let external = match req.reset_external {
-        Some(b) => b,
-        None => q.bool("reset_external", false)?,
-    };
-    let success = app
-        .engine
-        .reset_prefix_cache(running, external)
-        .await
-        .map_err(api_error)?;
-    Ok(Json(json!({"success": success})))
-}
-
-/// `POST /abort_requests`'s body (absent or empty: abort everything).
-#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
-pub struct AbortRequests {
-    pub request_ids: Option<Vec<String>>,
-}
-
-/// `POST /abort_requests {"request_ids": [...]}` → `{"status": "aborted", "aborted": n}`.
-/// An id is an `X-Request-Id` of a generation request (every choice of it is aborted) or an
-/// engine request id; unknown or finished ids are ignored. Empty or missing: every request.
-pub async fn abort_requests(
-    State(app): State<Arc<AppState>>,
-    ApiBytes(body): ApiBytes,
-) -> AdminReply {
-    let req: AbortRequests = optional_json(&body)?;
-    let ids = req
-        .request_ids
-        .filter(|ids| !ids.is_empty())
-        .map(|ids| app.live.expand(&ids));
-    let n = app.engine.abort_requests(ids).await.map_err(api_error)?;
-    Ok(Json(json!({"status": "aborted", "aborted": n})))
+/// Aborts `ids` (`None`: every request). An id is an `X-Request-Id` of a generation request
+/// (every choice of it is aborted) or an engine request id; unknown or finished ids are
+/// ignored. Returns how many were aborted.
+async fn abort(app: &AppState, ids: Option<Vec<String>>) -> Result<usize, ApiError> {
+    let ids = ids.map(|ids| app.live.expand(&ids));
+    app.engine.abort_requests(ids).await.map_err(api_error)
 }

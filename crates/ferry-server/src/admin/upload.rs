@@ -27,33 +27,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, RawQuery, State};
-use axum::routing::post;
-use axum::{Json, Router};
 use ferry_engine::{PreparedWeights, WeightUpload};
 use futures_util::{Stream, StreamExt};
-use serde::Deserialize;
-use serde_json::json;
+use serde_json::{json, Value};
 
-use super::args::{non_empty, optional_json, QueryArgs};
 use super::weights::{limited, refusal, update_reply, BodyError};
-use super::AdminReply;
 use crate::error::{api_error, ApiError};
-use crate::extract::ApiBytes;
 use crate::state::AppState;
-
-/// The upload routes.
-pub fn routes() -> Router<Arc<AppState>> {
-    Router::new()
-        .route("/weight_uploads", post(begin).get(current))
-        .route(
-            "/weight_uploads/{upload_id}",
-            axum::routing::delete(discard),
-        )
-        .route("/weight_uploads/{upload_id}/buckets", post(bucket))
-        .route("/weight_uploads/{upload_id}/prepare", post(prepare))
-        .route("/weight_uploads/{upload_id}/commit", post(commit))
-}
 
 /// The server's one open upload, if any.
 #[derive(Debug, Default)]
@@ -201,18 +181,8 @@ fn free(open: Option<Open>) {
     }
 }
 
-/// `POST /weight_uploads`'s optional body.
-#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct BeginUpload {
-    /// The version the commit installs under, unless the commit names one.
-    pub weight_version: Option<String>,
-}
-
 /// `POST /weight_uploads {"weight_version"?}`: opens an upload (409 while one is open).
-pub async fn begin(State(app): State<Arc<AppState>>, ApiBytes(body): ApiBytes) -> AdminReply {
-    let req: BeginUpload = optional_json(&body)?;
-    let version = non_empty(req.weight_version, "weight_version")?;
+pub fn begin(app: &Arc<AppState>, version: Option<String>) -> Result<Value, ApiError> {
     let id = format!("upload-{}", &crate::extract::random_id()[..16]);
     {
         let mut open = app.uploads.lock();
@@ -233,10 +203,10 @@ pub async fn begin(State(app): State<Arc<AppState>>, ApiBytes(body): ApiBytes) -
     }
     let timeout = app.config.weight_upload_timeout;
     tokio::spawn(expire(app.clone(), id.clone(), timeout));
-    Ok(Json(json!({
+    Ok(json!({
         "upload_id": id,
         "timeout_seconds": timeout.as_secs_f64(),
-    })))
+    }))
 }
 
 /// Discards the upload `id` once no call has touched it for `timeout` (a call in progress
@@ -268,7 +238,7 @@ async fn expire(app: Arc<AppState>, id: String, timeout: Duration) {
 }
 
 /// `GET /weight_uploads` → `{"upload": null}` or the open upload's id, stage and counts.
-pub async fn current(State(app): State<Arc<AppState>>) -> AdminReply {
+pub fn current(app: &AppState) -> Value {
     let open = app.uploads.lock();
     let upload = open.as_ref().map(|u| {
         let (stage, n_tensors, n_bytes) = match &u.stage {
@@ -285,18 +255,12 @@ pub async fn current(State(app): State<Arc<AppState>>) -> AdminReply {
             "idle_seconds": u.touched.elapsed().as_secs_f64(),
         })
     });
-    Ok(Json(json!({ "upload": upload })))
+    json!({ "upload": upload })
 }
 
 /// `POST /weight_uploads/{upload_id}/buckets` with a safetensors body: stages its tensors. A bucket
 /// may not repeat a tensor an earlier one sent. On any error the upload is discarded.
-pub async fn bucket(
-    State(app): State<Arc<AppState>>,
-    Path(id): Path<String>,
-    RawQuery(raw): RawQuery,
-    body: Body,
-) -> AdminReply {
-    QueryArgs::parse(raw.as_deref(), &[])?;
+pub async fn bucket(app: &AppState, id: String, body: Body) -> Result<Value, ApiError> {
     let body = limited(body, app.config.max_weight_push_bytes)?;
     let stage = app.uploads.take(&id, "receiving a bucket")?.stage;
     let Stage::Staging(mut upload) = stage else {
@@ -315,14 +279,14 @@ pub async fn bucket(
             let (n_tensors, n_bytes) = (upload.n_tensors(), upload.n_bytes());
             let n_bucket = upload.n_buckets();
             app.uploads.put(&id, Stage::Staging(upload), true);
-            Ok(Json(json!({
+            Ok(json!({
                 "upload_id": id,
                 "bucket": n_bucket,
                 "n_tensors": info.n_tensors,
                 "n_bytes": info.n_bytes,
                 "staged_tensors": n_tensors,
                 "staged_bytes": n_bytes,
-            })))
+            }))
         }
         Err(e) => {
             // Still claimed while the rest of the body is read out.
@@ -354,8 +318,8 @@ fn stalls_after(
 /// `POST /weight_uploads/{upload_id}/prepare`: joins the buckets into the update the commit
 /// installs and checks it can be installed now (weights dropped by sleep level 2 take only a
 /// complete set). A refusal discards the upload.
-pub async fn prepare(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> AdminReply {
-    let (n_buckets, _, prepared) = prepared(&app, &id).await?;
+pub async fn prepare(app: &AppState, id: String) -> Result<Value, ApiError> {
+    let (n_buckets, _, prepared) = prepared(app, &id).await?;
     let reply = json!({
         "upload_id": id,
         "prepared": true,
@@ -365,7 +329,7 @@ pub async fn prepare(State(app): State<Arc<AppState>>, Path(id): Path<String>) -
         "complete": prepared.complete,
     });
     app.uploads.put(&id, Stage::Prepared(prepared), false);
-    Ok(Json(reply))
+    Ok(reply)
 }
 
 /// Takes the upload `id` and prepares it unless it was; on a refusal it is discarded.
@@ -401,30 +365,12 @@ async fn prepared(
     }
 }
 
-/// `POST /weight_uploads/{upload_id}/commit`'s optional body.
-#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct CommitUpload {
-    pub weight_version: Option<String>,
-}
-
 /// `POST /weight_uploads/{upload_id}/commit {"weight_version"?}` (or `?weight_version=`): prepares
 /// the upload unless it was, then installs every staged tensor at once between two steps.
-/// The version: the commit's, else the start's, else the previous one bumped.
-pub async fn commit(
-    State(app): State<Arc<AppState>>,
-    Path(id): Path<String>,
-    RawQuery(raw): RawQuery,
-    ApiBytes(body): ApiBytes,
-) -> AdminReply {
-    let q = QueryArgs::parse(raw.as_deref(), &["weight_version"])?;
-    let req: CommitUpload = optional_json(&body)?;
-    let named = match non_empty(req.weight_version, "weight_version")? {
-        Some(v) => Some(v),
-        None => q.non_empty("weight_version")?,
-    };
+/// The version: the commit's (`named`), else the start's, else the previous one bumped.
+pub async fn commit(app: &AppState, id: String, named: Option<String>) -> Result<Value, ApiError> {
     let started = Instant::now();
-    let (n_buckets, begun, prepared) = prepared(&app, &id).await?;
+    let (n_buckets, begun, prepared) = prepared(app, &id).await?;
     // The upload ends here either way: installed, or refused with nothing changed.
     app.uploads.end(&id);
     let info = app
@@ -436,16 +382,16 @@ pub async fn commit(
     reply["upload_id"] = json!(id);
     reply["n_buckets"] = json!(n_buckets);
     reply["commit_seconds"] = json!(started.elapsed().as_secs_f64());
-    Ok(Json(reply))
+    Ok(reply)
 }
 
 /// `DELETE /weight_uploads/{upload_id}`: discards the upload and frees what it staged (409 while a
 /// call is reading a bucket of it: that call's error discards it).
-pub async fn discard(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> AdminReply {
-    let stage = app.uploads.take(&id, "being discarded")?.stage;
-    let open = app.uploads.end(&id);
+pub fn discard(app: &AppState, id: &str) -> Result<Value, ApiError> {
+    let stage = app.uploads.take(id, "being discarded")?.stage;
+    let open = app.uploads.end(id);
     tokio::task::spawn_blocking(move || drop((stage, open)));
-    Ok(Json(json!({"upload_id": id, "discarded": true})))
+    Ok(json!({"upload_id": id, "discarded": true}))
 }
 
 #[cfg(test)]

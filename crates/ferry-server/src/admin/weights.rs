@@ -14,87 +14,62 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes, HttpBody};
-use axum::extract::{RawQuery, State};
-use axum::http::{header, HeaderMap};
-use axum::Json;
+use ferry_admin::UpdateWeights;
 use ferry_engine::{WeightInfo, WeightPushError, WeightResidency, WeightUpdateInfo};
 use futures_util::{Stream, StreamExt};
-use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::args::{non_empty, optional_json, QueryArgs};
-use super::AdminReply;
 use crate::error::{api_error, ApiError};
-use crate::extract::ApiBytes;
 use crate::state::AppState;
 
-/// `POST /update_weights_from_disk`'s body (SGLang's and vLLM's field names; other SGLang
-/// fields such as `load_format` are accepted and ignored).
-#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
-pub struct UpdateFromDisk {
-    pub model_path: Option<String>,
-    pub weight_version: Option<String>,
-    /// SGLang's: abort every request in flight before the update (they end with
-    /// `finish_reason` `abort`), so that none runs on across it.
-    pub abort_all_requests: Option<bool>,
-}
-
-/// `POST /update_weights_from_disk {"model_path": ..., "weight_version": optional,
-/// "abort_all_requests": optional}`: reloads every weight from a model folder (or GGUF file)
-/// of the same model.
-pub async fn update_weights_from_disk(
-    State(app): State<Arc<AppState>>,
-    ApiBytes(body): ApiBytes,
-) -> AdminReply {
-    let req: UpdateFromDisk = optional_json(&body)?;
-    let path = match req.model_path.as_deref() {
-        None => return Err(ApiError::invalid("model_path", "`model_path` is required")),
-        Some("") => return Err(ApiError::invalid("model_path", "`model_path` is empty")),
-        Some(p) => PathBuf::from(p),
-    };
-    let version = non_empty(req.weight_version, "weight_version")?;
-    if req.abort_all_requests == Some(true) {
-        app.engine.abort_requests(None).await.map_err(api_error)?;
+/// `POST /update_weights`: by the body's `Content-Type`, safetensors bytes pushed
+/// ([`push_safetensors`]), or JSON `{"weight_dir": ..., "weight_version": optional}`, which
+/// reloads every weight from that folder (prime-rl's weight sync, between
+/// `/pause?mode=keep` and `/resume`; vLLM's `{"update_info": ...}` was refused as it was
+/// read).
+pub async fn update_weights(
+    app: &Arc<AppState>,
+    update: UpdateWeights,
+    streamed: Option<Body>,
+) -> Result<Value, ApiError> {
+    match update {
+        UpdateWeights::Push { weight_version } => {
+            let body = streamed.expect("a push streams its body");
+            push_safetensors(app, weight_version, body).await
+        }
+        UpdateWeights::Folder {
+            weight_dir,
+            weight_version,
+        } => reload(app, weight_dir.into(), weight_version)
+            .await
+            .map_err(|mut e| {
+                if e.param.as_deref() == Some("model_path") {
+                    e.param = Some("weight_dir".to_owned());
+                }
+                e
+            }),
     }
-    reload(&app, path, version).await
 }
 
-/// Reloads every weight from `path` (a model folder or GGUF file).
-async fn reload(app: &AppState, path: PathBuf, version: Option<String>) -> AdminReply {
+/// Reloads every weight from `path` (a model folder or GGUF file) of the same model
+/// (`POST /update_weights_from_disk {"model_path": ...}`).
+pub async fn reload(
+    app: &AppState,
+    path: PathBuf,
+    version: Option<String>,
+) -> Result<Value, ApiError> {
     let info = app
         .engine
         .update_weights_from_disk(path, version)
         .await
         .map_err(api_error)?;
-    Ok(Json(update_reply(&info, "weights reloaded from disk")))
+    Ok(update_reply(&info, "weights reloaded from disk"))
 }
-
-/// `POST /update_weights` with a JSON body (`Content-Type: application/json`): prime-rl's
-/// `{"weight_dir": ...}`, and vLLM's `{"update_info": ...}`, which is refused.
-#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
-pub struct UpdateWeightsJson {
-    /// A folder of the same model's weights, loaded as `/update_weights_from_disk` loads
-    /// `model_path`.
-    pub weight_dir: Option<String>,
-    pub weight_version: Option<String>,
-    /// vLLM's NCCL weight transfer (names, dtypes, shapes of tensors broadcast over a GPU
-    /// collective): refused with a 400 naming what ferry offers instead.
-    #[schema(value_type = Option<Object>)]
-    pub update_info: Option<Value>,
-}
-
-/// The 400 for vLLM's `update_info`.
-pub const NEEDS_COLLECTIVE: &str = "`update_info` asks for vLLM's NCCL weight transfer, which \
-    needs a GPU collective between the trainer and this server; ferry has none. Send the \
-    weights instead: the safetensors bytes as the body of `POST /update_weights` \
-    (Content-Type: application/octet-stream), a folder with `POST /update_weights \
-    {\"weight_dir\": ...}`, or a model folder with `POST /update_weights_from_disk \
-    {\"model_path\": ...}`";
 
 /// `POST /init_weight_transfer_engine` (vLLM's: joins an NCCL group with the trainer, as
 /// TRL's async GRPO and SkyRL do before `{"update_info": ...}` pushes): a 400 saying it needs
 /// a GPU collective and what ferry offers instead.
-pub async fn init_weight_transfer_engine() -> ApiError {
+pub fn needs_collective() -> ApiError {
     ApiError::invalid(
         "init_info",
         "`/init_weight_transfer_engine` joins vLLM's NCCL weight-transfer group, which needs a \
@@ -105,69 +80,21 @@ pub async fn init_weight_transfer_engine() -> ApiError {
     )
 }
 
-/// `POST /update_weights`: the body's `Content-Type` chooses the form. `application/json`:
-/// `{"weight_dir": ..., "weight_version": optional}` reloads every weight from that folder
-/// (prime-rl's weight sync, between `/pause?mode=keep` and `/resume`), and vLLM's
-/// `{"update_info": ...}` is a 400 ([`NEEDS_COLLECTIVE`]). Anything else is a safetensors
-/// push ([`push_safetensors`]).
-pub async fn push(
-    State(app): State<Arc<AppState>>,
-    RawQuery(raw): RawQuery,
-    headers: HeaderMap,
-    body: Body,
-) -> AdminReply {
-    let json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"));
-    if !json {
-        return push_safetensors(app, raw, body).await;
-    }
-    let q = QueryArgs::parse(raw.as_deref(), &["weight_version"])?;
-    let bytes = axum::body::to_bytes(body, crate::MAX_BODY_BYTES)
-        .await
-        .map_err(|e| ApiError::invalid("body", format!("could not read the JSON body: {e}")))?;
-    let req: UpdateWeightsJson = optional_json(&bytes)?;
-    if req.update_info.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::invalid("update_info", NEEDS_COLLECTIVE));
-    }
-    let path = match req.weight_dir.as_deref() {
-        None => {
-            return Err(ApiError::invalid(
-                "weight_dir",
-                "`weight_dir` is required in a JSON body (or send safetensors bytes as \
-                 application/octet-stream)",
-            ))
-        }
-        Some("") => return Err(ApiError::invalid("weight_dir", "`weight_dir` is empty")),
-        Some(p) => PathBuf::from(p),
-    };
-    let version = match non_empty(req.weight_version, "weight_version")? {
-        Some(v) => Some(v),
-        None => q.non_empty("weight_version")?,
-    };
-    reload(&app, path, version).await.map_err(|mut e| {
-        if e.param.as_deref() == Some("model_path") {
-            e.param = Some("weight_dir".to_owned());
-        }
-        e
-    })
-}
-
 /// `POST /update_weights?weight_version=v7` with a safetensors body (`Content-Type:
 /// application/octet-stream`): replaces the named parameters (some or all). The body may be
 /// up to `ServerConfig::max_weight_push_bytes`; it is converted as it arrives.
-async fn push_safetensors(app: Arc<AppState>, raw: Option<String>, body: Body) -> AdminReply {
-    let q = QueryArgs::parse(raw.as_deref(), &["weight_version"])?;
-    let version = q.non_empty("weight_version")?;
+async fn push_safetensors(
+    app: &AppState,
+    version: Option<String>,
+    body: Body,
+) -> Result<Value, ApiError> {
     let mut body = Box::pin(limited(body, app.config.max_weight_push_bytes)?);
     match app
         .engine
         .update_weights_from_safetensors_stream(&mut body, version)
         .await
     {
-        Ok(info) => Ok(Json(update_reply(&info, "weights updated"))),
+        Ok(info) => Ok(update_reply(&info, "weights updated")),
         Err(e) => Err(refusal(e, &mut body).await),
     }
 }
@@ -250,40 +177,18 @@ pub(super) fn update_reply(info: &WeightUpdateInfo, message: &str) -> Value {
     })
 }
 
-/// `POST /update_weight_version`'s body.
-#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
-pub struct UpdateWeightVersion {
-    pub new_version: Option<String>,
-}
-
-/// `POST /update_weight_version {"new_version": ...}`: renames the weights now loaded (no
-/// weight changes); prefix-cache entries of the old name are never hit again.
-pub async fn update_weight_version(
-    State(app): State<Arc<AppState>>,
-    ApiBytes(body): ApiBytes,
-) -> AdminReply {
-    let req: UpdateWeightVersion = optional_json(&body)?;
-    let version = non_empty(req.new_version, "new_version")?
-        .ok_or_else(|| ApiError::invalid("new_version", "`new_version` is required"))?;
-    app.engine
-        .update_weight_version(version.clone())
-        .await
-        .map_err(api_error)?;
-    Ok(Json(json!({"success": true, "new_version": version})))
-}
-
 /// `GET /weight_info` → `{"weight_version", "n_weight_updates", "residency", "weight_bytes"}`
 /// (`resident`, `offloaded` by sleep level 1, `dropped` by sleep level 2 or a failed reload
 /// in place, `reloading` while one runs; the bytes of the weights held, each tensor in its
 /// stored dtype).
-pub async fn weight_info(State(app): State<Arc<AppState>>) -> AdminReply {
-    let info = engine_weight_info(&app).await?;
-    Ok(Json(json!({
+pub async fn weight_info(app: &AppState) -> Result<Value, ApiError> {
+    let info = engine_weight_info(app).await?;
+    Ok(json!({
         "weight_version": info.weight_version,
         "n_weight_updates": info.n_weight_updates,
         "residency": residency_name(info.residency),
         "weight_bytes": info.n_bytes,
-    })))
+    }))
 }
 
 pub(super) async fn engine_weight_info(app: &AppState) -> Result<WeightInfo, ApiError> {

@@ -11,6 +11,7 @@
 //! The tests take one lock each, so their processes never compete for the CPU (several
 //! tests wait on leases and pauses), and each is bounded in time.
 
+mod admin_calls;
 mod kv_events;
 mod kv_routing;
 mod native;
