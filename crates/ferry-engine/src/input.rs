@@ -21,10 +21,10 @@ use std::sync::Arc;
 
 use ferry_core::{
     AddError, ConnectorId, FinishReason, KvTransferParams, LifecycleError, LifecycleStatus,
-    PauseMode, PromptTokenLogprob, SampledToken, SamplingParams, SleepLevel, TokenId, TransferId,
-    TransferRequest, WakeTag, WorkerReport,
+    PauseMode, PromptTokenLogprob, SampledToken, SamplingParams, SleepLevel, StepError, TokenId,
+    TransferId, TransferRequest, WakeTag, WorkerReport,
 };
-use ferry_model::{PreparedWeights, RetiredWeights, WeightError};
+use ferry_model::{ExecError, PreparedWeights, RetiredWeights, WeightError};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
 use crate::WeightInfo;
@@ -104,7 +104,7 @@ pub(crate) enum Utility {
     /// Answered once no request is live (deferred).
     WaitIdle(Reply<()>),
     /// The core's block-ownership and queue checks, for tests and debugging.
-    CheckInvariants(oneshot::Sender<Result<(), String>>),
+    CheckInvariants(oneshot::Sender<Result<(), StepError<ExecError>>>),
     /// A lifecycle operation (take no queue permit: they must get through a full queue).
     Lifecycle(LifecycleCall),
 }

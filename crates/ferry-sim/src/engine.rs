@@ -89,7 +89,7 @@ impl SimEngine {
         while let Some(input) = self.inbox.pop_front() {
             self.handle(input, events);
             self.drain(events)?;
-            self.core.check()?;
+            self.core.check().map_err(|e| e.to_string())?;
         }
         let stepped = self
             .core
