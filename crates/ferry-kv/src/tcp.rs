@@ -1066,7 +1066,7 @@ fn peer_addr(
     let ip = config
         .allowed_peers
         .check_host(host)
-        .map_err(FetchError::invalid)?;
+        .map_err(|e| FetchError::invalid(e.to_string()))?;
     Ok(SocketAddr::new(ip, port))
 }
 

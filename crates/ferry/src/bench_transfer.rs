@@ -419,7 +419,7 @@ fn pull(args: &Args, addr: SocketAddr) -> anyhow::Result<()> {
         },
         0,
     );
-    let allowed = AllowedPeers::parse(&addr.ip().to_string()).map_err(anyhow::Error::msg)?;
+    let allowed = AllowedPeers::parse(&addr.ip().to_string())?;
     let d = start(config_of(
         "bench-d",
         listen,
