@@ -15,8 +15,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Context;
+use ferry_arena::KvArena;
 use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
-use ferry_kv::KvArena;
 use ferry_model::profile::PhaseNanos;
 use ferry_model::random_model::{random_weights, small_config, smollm2_135m_config, SplitMix64};
 use ferry_model::{Executor, LlamaConfig, LlamaModel, WeightStore};

@@ -19,12 +19,13 @@ use std::sync::mpsc::channel;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
+use ferry_arena::{KvArena, KvLayout, Reports, WorkerConnector};
 use ferry_core::{HostCopy, TierJob, TierReport, TransferId, WorkerJob, WorkerReport};
 use ferry_engine::{
     start_model_with_connectors, Connector, EngineHandle, GenerateRequest, KvCacheSize,
     ModelEngineConfig, OffloadConfig, OffloadPolicy, SamplingParams,
 };
-use ferry_kv::{KvArena, KvLayout, OffloadWorker, Reports, WorkerConnector};
+use ferry_kv::OffloadWorker;
 use ferry_model::LoadedModel;
 
 #[derive(Debug, clap::Args)]

@@ -33,10 +33,10 @@ use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
+use ferry_arena::{Access, KvArena, KvLayout, Reports};
 use ferry_core::{AllowedPeers, PdReport, TransferId, WorkerReport};
 use ferry_kv::{
-    Access, ExportOffer, FetchSpec, KvArena, KvLayout, Reports, TcpTransport, TcpTransportConfig,
-    Transport, DEFAULT_POOL_IDLE_PER_PEER,
+    ExportOffer, FetchSpec, TcpTransport, TcpTransportConfig, Transport, DEFAULT_POOL_IDLE_PER_PEER,
 };
 
 #[derive(Debug, clap::Args)]
@@ -419,7 +419,7 @@ fn pull(args: &Args, addr: SocketAddr) -> anyhow::Result<()> {
         },
         0,
     );
-    let allowed = AllowedPeers::parse(&addr.ip().to_string()).map_err(anyhow::Error::msg)?;
+    let allowed = AllowedPeers::parse(&addr.ip().to_string())?;
     let d = start(config_of(
         "bench-d",
         listen,
@@ -603,7 +603,12 @@ fn pulls_per_second(args: &Args) -> anyhow::Result<()> {
 }
 
 /// The export `token` of every block in `grant`, as P publishes it.
-fn offer(token: &str, hold: usize, layout: KvLayout, grant: ferry_kv::BlockGrant) -> ExportOffer {
+fn offer(
+    token: &str,
+    hold: usize,
+    layout: KvLayout,
+    grant: ferry_arena::BlockGrant,
+) -> ExportOffer {
     ExportOffer {
         engine_id: P_ID.into(),
         hold: TransferId(hold as u64 + 1),

@@ -138,12 +138,10 @@ pub struct ImportSpec {
 }
 
 impl ImportSpec {
-    /// The import `params` describe, or the first key a load needs that they lack
-    /// (`"do_remote_prefill needs <key>"`).
-    pub fn parse(params: &KvTransferParams) -> Result<Self, String> {
-        fn need<T: Clone>(key: &str, v: &Option<T>) -> Result<T, String> {
-            v.clone()
-                .ok_or_else(|| format!("do_remote_prefill needs {key}"))
+    /// The import `params` describe, or the first key a load needs that they lack.
+    pub fn parse(params: &KvTransferParams) -> Result<Self, MissingParam> {
+        fn need<T: Clone>(key: &'static str, v: &Option<T>) -> Result<T, MissingParam> {
+            v.clone().ok_or(MissingParam(key))
         }
         Ok(Self {
             remote_engine_id: need("remote_engine_id", &params.remote_engine_id)?,
@@ -156,6 +154,12 @@ impl ImportSpec {
         })
     }
 }
+
+/// A load's `kv_transfer_params` lack a key it needs (the key's name); the edge refuses the
+/// request with it (HTTP 400).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("do_remote_prefill needs {0}")]
+pub struct MissingParam(pub &'static str);
 
 /// What a request asks of the P/D transfer: its `kv_transfer_params` parsed once, at the
 /// edge ([`TransferRequest::parse`]), into the one value the engine and the connectors carry.
@@ -174,9 +178,9 @@ pub enum TransferRequest {
 
 impl TransferRequest {
     /// The transfer `params` ask for: none when neither role flag is set (the other keys
-    /// then mean nothing), or the first key a load needs that they lack
-    /// (`"do_remote_prefill needs <key>"`, from [`ImportSpec::parse`]).
-    pub fn parse(params: &KvTransferParams) -> Result<Option<Self>, String> {
+    /// then mean nothing), or the first key a load needs that they lack (from
+    /// [`ImportSpec::parse`]).
+    pub fn parse(params: &KvTransferParams) -> Result<Option<Self>, MissingParam> {
         let import = if params.do_remote_prefill {
             Some(ImportSpec::parse(params)?)
         } else {

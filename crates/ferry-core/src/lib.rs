@@ -63,9 +63,9 @@ pub use config::{ConfigError, SchedulerConfig};
 pub use connector::{
     prompt_hash, AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchCancel,
     FetchEnd, FetchError, FetchFailure, FinishedRequest, HostCopy, ImportSpec, KvConnector,
-    KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, NewRequest, PdJob, PdReport,
-    StepWork, StoreHolds, TierJob, TierReport, TierStats, TransferParamsError, TransferRequest,
-    Unpublished, WorkerJob, WorkerReport,
+    KvLoadFailurePolicy, KvTransferParams, LoadOutcome, LoadResult, MissingParam, NewRequest,
+    PdJob, PdReport, StepWork, StoreHolds, TierJob, TierReport, TierStats, TransferParamsError,
+    TransferRequest, Unpublished, WorkerJob, WorkerReport,
 };
 pub use driver::{Step, StepDriver, StepError, StepFailure, StepKind, StepModel, WorkPhase};
 pub use holds::{HoldKind, Holder};
@@ -75,10 +75,12 @@ pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,
 };
-pub use offload::{OffloadConfig, OffloadConnector, OffloadPolicy};
+pub use offload::{
+    OffloadConfig, OffloadConfigError, OffloadConnector, OffloadPolicy, UnknownPolicy,
+};
 pub use ownership::{BlockStatus, Owner, OwnershipError};
 pub use pd::{PdConfig, PdConnector, PdRole};
-pub use peers::{ip_literal, AllowedPeers, IpNet};
+pub use peers::{ip_literal, AllowedPeers, IpNet, PeerError};
 pub use plan::{
     mask_allows, AdjustedToken, LogitsAdjust, ModelOutput, PromptLogprobs, PromptLogprobsWork,
     PromptTokenLogprob, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenMask,

@@ -27,8 +27,8 @@ mod policy;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-pub use policy::OffloadPolicy;
 use policy::Policy;
+pub use policy::{OffloadPolicy, UnknownPolicy};
 
 use crate::connector::{
     AllocatedLoad, ComputedBlocks, ExternalMatch, ExternalQuery, FetchFailure, HostCopy,
@@ -70,22 +70,39 @@ impl OffloadConfig {
     }
 
     /// Why this configuration cannot work, if it cannot.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), OffloadConfigError> {
         if self.blocks_per_slot == 0 || self.block_size == 0 || self.block_bytes == 0 {
-            return Err("the offloaded block must be at least one engine block".into());
+            return Err(OffloadConfigError::EmptyBlock);
         }
         if self.n_slots() == 0 {
-            return Err(format!(
-                "{} bytes hold no offloaded block of {} bytes",
-                self.capacity_bytes,
-                self.slot_bytes()
-            ));
+            return Err(OffloadConfigError::NoSlot {
+                capacity_bytes: self.capacity_bytes,
+                slot_bytes: self.slot_bytes(),
+            });
         }
         if self.n_slots() > u32::MAX as usize / self.blocks_per_slot {
-            return Err(format!("{} bytes is too large a tier", self.capacity_bytes));
+            return Err(OffloadConfigError::TooLarge {
+                capacity_bytes: self.capacity_bytes,
+            });
         }
         Ok(())
     }
+}
+
+/// Why an offload tier's configuration cannot work ([`OffloadConfig::validate`]); the command
+/// line names the flag.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OffloadConfigError {
+    #[error("the offloaded block must be at least one engine block")]
+    EmptyBlock,
+    #[error("{capacity_bytes} bytes hold no offloaded block of {slot_bytes} bytes")]
+    NoSlot {
+        capacity_bytes: u64,
+        slot_bytes: u64,
+    },
+    /// More host blocks than a host block id (`u32`) can name.
+    #[error("{capacity_bytes} bytes is too large a tier")]
+    TooLarge { capacity_bytes: u64 },
 }
 
 /// One offloaded block in the index.
@@ -620,17 +637,26 @@ mod config_tests {
                 ..c.clone()
             },
         ] {
-            let err = bad.validate().unwrap_err();
-            assert!(err.contains("at least one engine block"), "{bad:?}: {err}");
+            assert_eq!(
+                bad.validate(),
+                Err(OffloadConfigError::EmptyBlock),
+                "{bad:?}"
+            );
         }
-        assert!(config(3, 299)
-            .validate()
-            .unwrap_err()
-            .contains("hold no offloaded block"));
+        assert_eq!(
+            config(3, 299).validate(),
+            Err(OffloadConfigError::NoSlot {
+                capacity_bytes: 299,
+                slot_bytes: 300
+            })
+        );
         // The slot count times the blocks per slot must fit the host block ids (u32).
         let huge = config(2, u64::from(u32::MAX) * 200);
-        assert!(
-            huge.validate().unwrap_err().contains("too large"),
+        assert_eq!(
+            huge.validate(),
+            Err(OffloadConfigError::TooLarge {
+                capacity_bytes: u64::from(u32::MAX) * 200
+            }),
             "{huge:?}"
         );
         let largest = config(2, u64::from(u32::MAX / 2) * 200);

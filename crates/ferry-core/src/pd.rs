@@ -178,7 +178,10 @@ impl PdConnector {
             ));
         }
         if let Some(host) = &spec.remote_host {
-            self.config.allowed_peers.check_host(host)?;
+            self.config
+                .allowed_peers
+                .check_host(host)
+                .map_err(|e| e.to_string())?;
         }
         let (n_tokens, ids) = (spec.n_tokens, &spec.remote_block_ids);
         if n_tokens == 0 || n_tokens > prompt_len {

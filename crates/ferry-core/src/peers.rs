@@ -20,19 +20,24 @@ pub struct IpNet {
 
 impl IpNet {
     /// An address (`127.0.0.2`, `::1`) or a network (`10.0.0.0/8`, `fd00::/8`).
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, PeerError> {
         let s = s.trim();
         let (addr, prefix) = match s.split_once('/') {
             Some((a, p)) => (a, Some(p)),
             None => (s, None),
         };
-        let addr = ip_literal(addr).ok_or_else(|| format!("{s:?} is not an IP address or CIDR"))?;
+        let addr = ip_literal(addr).ok_or_else(|| PeerError::NotAnAddress(s.to_owned()))?;
         let max = if addr.is_ipv4() { 32 } else { 128 };
         let prefix = match prefix {
             None => max,
             Some(p) => match p.parse::<u8>() {
                 Ok(p) if p <= max => p,
-                _ => return Err(format!("{s:?}: the prefix length must be 0..={max}")),
+                _ => {
+                    return Err(PeerError::Prefix {
+                        net: s.to_owned(),
+                        max,
+                    })
+                }
             },
         };
         Ok(Self { addr, prefix })
@@ -119,7 +124,7 @@ impl AllowedPeers {
     }
 
     /// Parses a comma- or space-separated list of addresses and CIDRs.
-    pub fn parse(list: &str) -> Result<Self, String> {
+    pub fn parse(list: &str) -> Result<Self, PeerError> {
         let nets = list
             .split([',', ' '])
             .filter(|s| !s.is_empty())
@@ -138,17 +143,15 @@ impl AllowedPeers {
 
     /// Checks a `remote_host` as the core sees it: an address (already resolved at the
     /// edge) inside the set. `Err` says why not.
-    pub fn check_host(&self, host: &str) -> Result<IpAddr, String> {
-        let ip = ip_literal(host).ok_or_else(|| {
-            format!("remote_host {host:?} is not an IP address (names are resolved at the edge)")
-        })?;
+    pub fn check_host(&self, host: &str) -> Result<IpAddr, PeerError> {
+        let ip = ip_literal(host).ok_or_else(|| PeerError::HostName(host.to_owned()))?;
         if self.contains(ip) {
             Ok(ip)
         } else {
-            Err(format!(
-                "remote_host {host:?} is not an allowed KV peer (allowed: {})",
-                self.describe()
-            ))
+            Err(PeerError::NotAllowed {
+                host: host.to_owned(),
+                allowed: self.describe(),
+            })
         }
     }
 
@@ -163,6 +166,24 @@ impl AllowedPeers {
             .collect::<Vec<_>>()
             .join(", ")
     }
+}
+
+/// Why an address, a network or a `remote_host` is refused; `Display` is the message a
+/// command-line error or a refused load carries.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerError {
+    /// Neither an address nor `address/prefix`.
+    #[error("{0:?} is not an IP address or CIDR")]
+    NotAnAddress(String),
+    /// A network whose prefix length is not a number up to the address's bits.
+    #[error("{net:?}: the prefix length must be 0..={max}")]
+    Prefix { net: String, max: u8 },
+    /// A `remote_host` that is a name: the edge resolves names, the core takes addresses.
+    #[error("remote_host {0:?} is not an IP address (names are resolved at the edge)")]
+    HostName(String),
+    /// A `remote_host` outside the allowed peers (`allowed` lists them).
+    #[error("remote_host {host:?} is not an allowed KV peer (allowed: {allowed})")]
+    NotAllowed { host: String, allowed: String },
 }
 
 #[cfg(test)]
@@ -183,8 +204,17 @@ mod tests {
         assert!(IpNet::parse("0.0.0.0/0")
             .unwrap()
             .contains("8.8.8.8".parse().unwrap()));
-        assert!(IpNet::parse("10.0.0.0/33").is_err());
-        assert!(IpNet::parse("example.com").is_err());
+        assert_eq!(
+            IpNet::parse("10.0.0.0/33"),
+            Err(PeerError::Prefix {
+                net: "10.0.0.0/33".into(),
+                max: 32
+            })
+        );
+        assert_eq!(
+            IpNet::parse("example.com"),
+            Err(PeerError::NotAnAddress("example.com".into()))
+        );
     }
 
     #[test]
@@ -193,9 +223,16 @@ mod tests {
         assert!(p.check_host("127.0.0.1").is_ok());
         assert!(p.check_host("::1").is_ok());
         assert!(p.check_host("[::1]").is_ok());
-        let e = p.check_host("192.168.1.5").unwrap_err();
-        assert!(e.contains("not an allowed KV peer"), "{e}");
-        let e = p.check_host("localhost").unwrap_err();
-        assert!(e.contains("not an IP address"), "{e}");
+        assert_eq!(
+            p.check_host("192.168.1.5"),
+            Err(PeerError::NotAllowed {
+                host: "192.168.1.5".into(),
+                allowed: "127.0.0.0/8, ::1/128".into()
+            })
+        );
+        assert_eq!(
+            p.check_host("localhost"),
+            Err(PeerError::HostName("localhost".into()))
+        );
     }
 }

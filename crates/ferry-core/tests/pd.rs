@@ -13,9 +13,9 @@ use std::time::Duration;
 use common::{prompt, Harness};
 use ferry_core::{
     ConnectorId, FetchError, FetchFailure, FinishReason, HoldKind, ImportSpec, KvLoadFailurePolicy,
-    KvTransferParams, LifecycleError, LifecycleEvent, OpId, Owner, PauseMode, PdConfig,
-    PdConnector, PdJob, PdReport, PdRole, RequestState, SamplingParams, SchedulerConfig, StepPlan,
-    TierJob, TierReport, TransferId, TransferRequest, WorkerJob, WorkerReport,
+    KvTransferParams, LifecycleError, LifecycleEvent, MissingParam, OpId, Owner, PauseMode,
+    PdConfig, PdConnector, PdJob, PdReport, PdRole, RequestState, SamplingParams, SchedulerConfig,
+    StepPlan, TierJob, TierReport, TransferId, TransferRequest, WorkerJob, WorkerReport,
 };
 
 const BS: usize = 4;
@@ -1760,8 +1760,7 @@ fn transfer_parameters_parse_into_one_request() {
         export_token: None,
         ..load
     };
-    assert_eq!(
-        TransferRequest::parse(&missing),
-        Err("do_remote_prefill needs export_token".to_owned())
-    );
+    let e = TransferRequest::parse(&missing).unwrap_err();
+    assert_eq!(e, MissingParam("export_token"));
+    assert_eq!(e.to_string(), "do_remote_prefill needs export_token");
 }

@@ -11,8 +11,8 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use ferry_arena::Reports;
 use ferry_core::{ConnectorId, FinishReason, KvEventBatch, OpId, ReqIdx, Scheduler, StepKind};
-use ferry_kv::Reports;
 use ferry_model::Executor;
 use tokio::sync::{mpsc, oneshot, watch};
 

@@ -34,6 +34,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::time::Duration;
 
+use ferry_arena::{KvArena, Reports, WorkerConnector};
 use ferry_core::{
     AddError, ConnectorId, FinishReason, KvEventBatch, LifecycleError, LifecycleEvent,
     LifecycleStatus, ModelOutput, OpId, PauseMode, PromptLogprobs, ReqIdx, RequestOutput,
@@ -41,7 +42,6 @@ use ferry_core::{
     StepPlan, StepWork, TokenId, TransferRequest, WakeTag, WeightResidency, WorkPhase,
     WorkerReport,
 };
-use ferry_kv::{KvArena, Reports, WorkerConnector};
 use ferry_model::{ExecError, Executor, PreparedWeights, RetiredWeights, WeightError};
 
 use crate::constraint::{Constraint, ConstraintState, Next};
@@ -541,9 +541,9 @@ impl EngineCore {
         self.driver.sched.next_deadline()
     }
 
-    /// Block ownership, then the queues.
-    pub fn check(&self) -> Result<(), String> {
-        self.driver.check().map_err(|e| e.to_string())
+    /// Block ownership, then the queues; the error names the block or request.
+    pub fn check(&self) -> Result<(), StepError<ExecError>> {
+        self.driver.check()
     }
 
     // ---- inputs ----
@@ -687,8 +687,9 @@ impl EngineCore {
 
     /// One step if there is work, then the lifecycle moves forward. `None`: nothing was
     /// computed and no worker ran (idle: wait for an input or the next deadline). `Err`: a
-    /// broken invariant, only with checks on.
-    pub fn step(&mut self) -> Result<Option<Stepped>, String> {
+    /// broken invariant (ownership, queues, a plan's limits), only with checks on; a failed
+    /// forward is no error here (the step's requests are preempted and retried).
+    pub fn step(&mut self) -> Result<Option<Stepped>, StepError<ExecError>> {
         let stepped = if self.has_work() {
             self.step_once()?
         } else {
@@ -698,19 +699,17 @@ impl EngineCore {
         Ok(stepped)
     }
 
-    fn step_once(&mut self) -> Result<Option<Stepped>, String> {
+    fn step_once(&mut self) -> Result<Option<Stepped>, StepError<ExecError>> {
         let Self {
             driver,
             live,
             events,
             ..
         } = self;
-        let step = driver
-            .try_step_with(|sched, plan| {
-                attach_masks(live, plan);
-                note_admissions(live, events, sched, plan);
-            })
-            .map_err(|e: StepError<ExecError>| e.to_string())?;
+        let step = driver.try_step_with(|sched, plan| {
+            attach_masks(live, plan);
+            note_admissions(live, events, sched, plan);
+        })?;
         let Step {
             plan,
             kind,

@@ -5,11 +5,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
+use ferry_arena::WorkerConnector;
 use ferry_core::{
     KvConnector, KvEventBatch, OffloadConfig, OffloadConnector, PdConfig, PdConnector, Scheduler,
-    SchedulerConfig,
+    SchedulerConfig, StepError,
 };
-use ferry_kv::{OffloadWorker, PdWorker, Transport, WorkerConnector};
+use ferry_kv::{OffloadWorker, PdWorker, Transport};
+use ferry_model::ExecError;
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore, TryAcquireError};
 
@@ -306,7 +308,7 @@ impl EngineHandle {
     /// Runs the core's block-ownership and queue checks on the engine thread (between
     /// steps); the error names what is wrong. For tests and debugging.
     /// Takes no queue permit.
-    pub async fn check_invariants(&self) -> Result<Result<(), String>, Stopped> {
+    pub async fn check_invariants(&self) -> Result<Result<(), StepError<ExecError>>, Stopped> {
         let (tx, rx) = oneshot::channel();
         self.send(Input::Utility(Utility::CheckInvariants(tx)), None)?;
         rx.await.map_err(|_| Stopped)

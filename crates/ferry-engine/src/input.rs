@@ -21,8 +21,9 @@ use std::sync::Arc;
 
 use ferry_core::{
     AddError, ConnectorId, FinishReason, KvTransferParams, PromptTokenLogprob, SampledToken,
-    SamplingParams, TokenId, TransferId, TransferRequest, WorkerReport,
+    SamplingParams, StepError, TokenId, TransferId, TransferRequest, WorkerReport,
 };
+use ferry_model::ExecError;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
 use crate::engine_core::{Call, CallResult};
@@ -99,7 +100,7 @@ pub(crate) enum Utility {
     /// Answered once no request is live (deferred).
     WaitIdle(Reply<()>),
     /// The core's block-ownership and queue checks, for tests and debugging.
-    CheckInvariants(oneshot::Sender<Result<(), String>>),
+    CheckInvariants(oneshot::Sender<Result<(), StepError<ExecError>>>),
     /// A lifecycle call (takes no queue permit: they must get through a full queue), with
     /// where its answer goes.
     Lifecycle(Call, Reply<CallResult>),

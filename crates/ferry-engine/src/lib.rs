@@ -49,20 +49,19 @@ pub use error::{
     GenerateError, LifecycleCallError, SpawnError, StartError, Stopped, WeightPushError,
     WeightReloadError, WeightUpdateError,
 };
+pub use ferry_arena::WorkerConnector;
 pub use ferry_core::{
     ip_literal, AddError, AllowedPeers, ConnectorId, FinishReason, KvConnector, KvEvent,
     KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus,
     LogitsParams, Medium, OffloadConfig, OffloadConnector, OffloadPolicy, PauseMode, PdConfig,
     PdConnector, PdRole, PromptTokenLogprob, SamplerSpec, SamplingParams, SchedulerConfig,
-    SchedulerStats, SleepLevel, TierStats, TokenId, TransferId, TransferRequest, WakeTag,
-    WeightResidency,
+    SchedulerStats, SleepLevel, StepError, TierStats, TokenId, TransferId, TransferRequest,
+    WakeTag, WeightResidency,
 };
-pub use ferry_kv::{
-    InMemoryFabric, InMemoryTransport, OffloadWorker, PdWorker, Transport, WorkerConnector,
-};
+pub use ferry_kv::{InMemoryFabric, InMemoryTransport, OffloadWorker, PdWorker, Transport};
 pub use ferry_model::{
-    BucketInfo, Executor, LoadError, LoadedModel, LogprobsMode, ModelSpec, PreparedWeights, Tensor,
-    WeightError, WeightStore, WeightUpload,
+    BucketInfo, ExecError, Executor, LoadError, LoadedModel, LogprobsMode, ModelSpec,
+    PreparedWeights, Tensor, WeightError, WeightStore, WeightUpload,
 };
 pub use handle::{random_secret, spawn, spawn_with_connectors, Connector, EngineHandle};
 pub use input::{EngineFinish, Event};

@@ -398,7 +398,7 @@ async fn shutdown_with_requests_in_flight_aborts_each() {
 struct Panicking(ferry_model::ChecksumModel, u32);
 
 impl ferry_model::Executor for Panicking {
-    fn kv_layout(&self, block_size: usize) -> ferry_kv::KvLayout {
+    fn kv_layout(&self, block_size: usize) -> ferry_arena::KvLayout {
         self.0.kv_layout(block_size)
     }
     fn vocab_size(&self) -> usize {
@@ -413,7 +413,7 @@ impl ferry_model::Executor for Panicking {
     fn execute(
         &mut self,
         plan: &ferry_core::StepPlan,
-        kv: &mut ferry_kv::KvArena,
+        kv: &mut ferry_arena::KvArena,
     ) -> Result<ferry_core::ModelOutput, ferry_model::ExecError> {
         self.1 += 1;
         assert!(self.1 < 2, "injected executor panic");

@@ -166,8 +166,8 @@ async fn a_keep_pause_on_p_with_held_exports_replies_at_once_and_a_clearing_one_
 struct Held {
     fetches: Vec<(
         ferry_kv::FetchSpec,
-        ferry_kv::BlockGrant,
-        ferry_kv::Reports,
+        ferry_arena::BlockGrant,
+        ferry_arena::Reports,
         bool,
     )>,
 }
@@ -207,7 +207,7 @@ impl GatedTransport {
 }
 
 impl ferry_kv::Transport for GatedTransport {
-    fn publish(&self, offer: ferry_kv::ExportOffer, reports: ferry_kv::Reports) {
+    fn publish(&self, offer: ferry_kv::ExportOffer, reports: ferry_arena::Reports) {
         self.inner.publish(offer, reports);
     }
     fn unpublish(
@@ -215,7 +215,7 @@ impl ferry_kv::Transport for GatedTransport {
         engine_id: &str,
         hold: ferry_core::TransferId,
         reason: ferry_core::Unpublished,
-        reports: ferry_kv::Reports,
+        reports: ferry_arena::Reports,
     ) {
         self.inner.unpublish(engine_id, hold, reason, reports);
     }
@@ -225,8 +225,8 @@ impl ferry_kv::Transport for GatedTransport {
     fn fetch(
         &self,
         spec: ferry_kv::FetchSpec,
-        dst: ferry_kv::BlockGrant,
-        reports: ferry_kv::Reports,
+        dst: ferry_arena::BlockGrant,
+        reports: ferry_arena::Reports,
     ) {
         let mut held = self.held.lock().unwrap();
         match held.as_mut() {

@@ -7,19 +7,33 @@
 mod pd_common;
 mod support;
 
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use ferry_arena::BlockGrant;
 use ferry_core::FinishReason;
 use ferry_engine::{
     spawn_with_connectors, Connector, EngineConfig, EngineHandle, Executor, KvLoadFailurePolicy,
     KvTransferParams, PdConfig, PdRole, SchedulerConfig,
 };
-use ferry_kv::{TcpTransport, TcpTransportConfig};
+use ferry_kv::{Exposed, OneSided, OneSidedError, Remote, TcpTransport, TcpTransportConfig};
 use pd_common::*;
 use support::*;
 
 fn pd_engine(id: &str, role: PdRole, config: SchedulerConfig) -> (EngineHandle, Arc<TcpTransport>) {
+    pd_engine_with(id, role, config, None, ferry_kv::DEFAULT_READ_TIMEOUT)
+}
+
+/// A P/D engine whose transport reads KV through `one_sided` (none: streams it over TCP).
+fn pd_engine_with(
+    id: &str,
+    role: PdRole,
+    config: SchedulerConfig,
+    one_sided: Option<Arc<dyn OneSided>>,
+    read_timeout: Duration,
+) -> (EngineHandle, Arc<TcpTransport>) {
     let bs = config.block_size;
     let transport = TcpTransport::start(TcpTransportConfig {
         engine_id: id.to_owned(),
@@ -32,8 +46,8 @@ fn pd_engine(id: &str, role: PdRole, config: SchedulerConfig) -> (EngineHandle, 
         allowed_peers: ferry_core::AllowedPeers::default(),
         secret: None,
         pool_idle_per_peer: ferry_kv::DEFAULT_POOL_IDLE_PER_PEER,
-        one_sided: None,
-        read_timeout: ferry_kv::DEFAULT_READ_TIMEOUT,
+        one_sided,
+        read_timeout,
     })
     .unwrap();
     let addr = transport.local_addr();
@@ -125,4 +139,86 @@ async fn a_producer_gone_is_a_failed_load_that_recomputes_or_fails() {
     until_clean(&p).await;
     until_clean(&d).await;
     until_clean(&d_fail).await;
+}
+
+/// One-sided reads over a link that stalled: P exposes its blocks, and every read waits until
+/// its deadline (P's read timeout) and reports that it ran out of time, as NIXL's does.
+struct StalledReads;
+
+impl OneSided for StalledReads {
+    fn name(&self) -> &'static str {
+        "stalled"
+    }
+
+    fn expose(&self, _grant: &BlockGrant, known: u64) -> Result<Exposed, OneSidedError> {
+        Ok(Exposed {
+            generation: 1,
+            metadata: (known != 1).then(|| b"stalled".to_vec()),
+        })
+    }
+
+    fn known(&self, _peer: SocketAddr) -> u64 {
+        0
+    }
+
+    fn read(
+        &self,
+        _peer: SocketAddr,
+        _remote: Remote<'_>,
+        _dst: &mut BlockGrant,
+        deadline: Instant,
+        cancelled: &AtomicBool,
+    ) -> Result<(), OneSidedError> {
+        while Instant::now() < deadline {
+            if cancelled.load(Ordering::Acquire) {
+                return Err(OneSidedError::Cancelled);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Err(OneSidedError::TimedOut)
+    }
+}
+
+/// A one-sided read that outlasts P's read timeout is a timed-out load on D's metrics
+/// (`ferry_kv_loads_timed_out_total`), not a broken one, and under `recompute` D answers
+/// with its own prefill. The scheduler's own load bound (30 s) is far off, so the count is
+/// the transport's.
+#[tokio::test]
+async fn a_one_sided_read_past_the_read_timeout_counts_as_timed_out() {
+    let read_timeout = Duration::from_millis(200);
+    let (p, _p_transport) = pd_engine_with(
+        "P",
+        PdRole::Producer,
+        small_config(128, 8),
+        Some(Arc::new(StalledReads)),
+        read_timeout,
+    );
+    let mut cfg = small_config(128, 8);
+    cfg.kv_load_failure_policy = KvLoadFailurePolicy::Recompute;
+    let (d, _d_transport) = pd_engine_with(
+        "D",
+        PdRole::Consumer,
+        cfg,
+        Some(Arc::new(StalledReads)),
+        read_timeout,
+    );
+    let a = prompt(2, 13);
+    let params = prefill(&p, "a", a.clone()).await;
+    let c = decode(&d, "a", a.clone(), params).await;
+    assert_eq!(
+        c.tokens,
+        oracle("v0", &a, MAX_TOKENS as usize),
+        "recomputed"
+    );
+    let t = d.stats().transfers;
+    assert_eq!(
+        (
+            t.n_loads_failed_total,
+            t.n_loads_timed_out_total,
+            t.n_loads_broken_total
+        ),
+        (1, 1, 0),
+        "{t:?}"
+    );
+    until_clean(&d).await;
 }

@@ -1,40 +1,29 @@
-//! ferry-kv: where KV bytes live and how they move.
+//! ferry-kv: how KV bytes move. The P/D transports (in memory, TCP, one-sided reads through
+//! NIXL) and the offload copier run the jobs the scheduler's connectors plan, as workers
+//! ([`PdWorker`], [`OffloadWorker`]) the engine drives through `ferry-arena`'s
+//! `WorkerConnector`, on `ferry-arena`'s `KvArena`.
 //!
-//! The [`KvArena`] is block-major: block `b` holds every layer's K and V for its
-//! `block_size` tokens in one contiguous byte range, so a transfer or an offload copies a
-//! whole block with one copy. Worker-side connectors and transports (later issues) build on
-//! its byte-level block access, which reports bad block ids as a [`KvError`] naming the block;
-//! attention uses the typed accessors ([`KvArena::token`], [`KvArena::plane`]).
-//!
-//! Transports and offload copiers run on their own threads and must not stop the engine thread,
-//! so the arena's memory is shared, reference-counted storage: the engine thread keeps its
-//! ordinary `&`/`&mut` access, and a worker gets a [`BlockGrant`] over exactly the blocks a
-//! transfer hold names ([`KvArena::grant`]). All cross-thread `unsafe` lives in [`access`], whose
-//! safety argument is the scheduler's block ledger (a block a transfer holds is never touched by
-//! a step, and the reverse); the module checks what it can at run time (ids, lengths, conflicting
-//! grants, generations) and keeps released memory alive until the last grant drops.
+//! Transports and copiers run on their own threads and never stop the engine thread: the engine
+//! hands a worker a `BlockGrant` over exactly the blocks a transfer hold names, and the worker
+//! reports back through `Reports` when it is done with them. All cross-thread access to the
+//! arena goes through grants (`ferry_arena::access`, the one audited module); a worker's one
+//! `unsafe` for it is the call to `KvArena::grant`, for the blocks of the job's hold.
 
-pub mod access;
-pub mod arena;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub mod offload;
 pub mod one_sided;
-pub mod resident;
 pub mod tcp;
 pub mod transport;
 pub mod worker;
 
-pub use access::{Access, BlockGrant, MemoryRegion};
-pub use arena::{KvArena, KvError, KvLayout, KvPlane};
-pub use offload::{CopyJob, HostMemory, OffloadWorker};
-pub use one_sided::{Exposed, OneSided, Remote};
-pub use resident::resident_bytes;
+pub use offload::{CopyError, CopyJob, HostMemory, OffloadWorker};
+pub use one_sided::{Exposed, OneSided, OneSidedError, Remote};
 pub use tcp::{
     TcpStats, TcpTransport, TcpTransportConfig, TransportError, DEFAULT_POOL_IDLE_PER_PEER,
     DEFAULT_READ_TIMEOUT,
 };
 pub use transport::{
-    ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, ReleaseSpec, Transport,
+    ExportOffer, FetchSpec, InMemoryFabric, InMemoryTransport, PullError, ReleaseSpec, Transport,
 };
-pub use worker::{PdWorker, Reports, WorkerConnector};
+pub use worker::PdWorker;

@@ -20,18 +20,18 @@
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
+use ferry_arena::{BlockGrant, MemoryRegion};
 use nixl_sys::{
     Agent, MemType, MemoryRegion as NixlRegion, NixlDescriptor, RegistrationHandle, XferDescList,
     XferOp, XferStatus,
 };
 
-use crate::access::{BlockGrant, MemoryRegion};
-use crate::one_sided::{Exposed, OneSided, Remote};
+use crate::one_sided::{Exposed, OneSided, OneSidedError, Remote};
 
 /// How long a read is polled without pause, then with short pauses: most reads end within
 /// these (a read is polled busily for up to [`BUSY_POLL`], then every 64 polls pauses 20 µs
@@ -51,34 +51,70 @@ const UCX_DEFAULTS: [(&str, &str); 2] = [
 /// The file the stub loads.
 const CAPI: &str = "libnixl_capi.so";
 
+/// Why NIXL could not be set up at start ([`load_library`], [`NixlReads::new`]); `ferry serve`
+/// refuses to start with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NixlError {
+    /// `--nixl-lib-dir` names a folder without the C API.
+    #[error(
+        "{} does not exist (--nixl-lib-dir names the folder holding {CAPI}; \
+         scripts/fetch-nixl.sh fetches it)",
+        .0.display()
+    )]
+    NoLibrary(PathBuf),
+    /// The library's path cannot be given to the loader.
+    #[error("{} holds a NUL byte", .0.display())]
+    NulInPath(PathBuf),
+    /// The dynamic loader refused the library (a missing dependency, another architecture).
+    #[error("loading {}: {reason}", path.display())]
+    Load { path: PathBuf, reason: String },
+    /// Only the stub is there: no folder was given and none is on the library path.
+    #[error(
+        "{CAPI} was not found: run scripts/fetch-nixl.sh and pass the folder it prints as \
+         --nixl-lib-dir (or start with that folder on LD_LIBRARY_PATH)"
+    )]
+    NotFound,
+    /// NIXL failed at `step` (creating the agent, finding or starting the UCX backend).
+    #[error("{step}: {reason}")]
+    Setup { step: &'static str, reason: String },
+    /// The system had no randomness for the first metadata generation.
+    #[error("no randomness: {0}")]
+    NoRandomness(String),
+}
+
+/// A failure of the network stack at `step`, in its own words.
+fn stack(step: &'static str) -> impl FnOnce(nixl_sys::NixlError) -> OneSidedError {
+    move |e| OneSidedError::Stack {
+        step,
+        reason: e.to_string(),
+    }
+}
+
 /// Loads NIXL's C API (and, through its run path, NIXL and UCX) and checks it is the real
 /// library. With `dir`, from that folder by absolute path, and its `plugins` folder becomes
 /// `NIXL_PLUGIN_DIR` unless that is set; without, by the usual library path. Sets UCX's TCP
 /// segment size ([`UCX_DEFAULTS`]) unless it is set.
 ///
 /// Call it before any thread starts: it may set an environment variable.
-pub fn load_library(dir: Option<&Path>) -> Result<(), String> {
+pub fn load_library(dir: Option<&Path>) -> Result<(), NixlError> {
     if let Some(dir) = dir {
         let lib = dir.join(CAPI);
         if !lib.is_file() {
-            return Err(format!(
-                "{} does not exist (--nixl-lib-dir names the folder holding {CAPI}; \
-                 scripts/fetch-nixl.sh fetches it)",
-                lib.display()
-            ));
+            return Err(NixlError::NoLibrary(lib));
         }
         if std::env::var_os("NIXL_PLUGIN_DIR").is_none() {
             std::env::set_var("NIXL_PLUGIN_DIR", dir.join("plugins"));
         }
-        let path = CString::new(lib.as_os_str().as_encoded_bytes())
-            .map_err(|_| format!("{} holds a NUL byte", lib.display()))?;
+        let Ok(path) = CString::new(lib.as_os_str().as_encoded_bytes()) else {
+            return Err(NixlError::NulInPath(lib));
+        };
         // SAFETY: a NUL-terminated path; the handle is kept for the process's lifetime (never
         // closed), so every symbol the stub resolves from it stays valid.
         let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
         if handle.is_null() {
             // SAFETY: dlerror returns a NUL-terminated string or null, valid until the next
             // dl call on this thread.
-            let why = unsafe {
+            let reason = unsafe {
                 let e = libc::dlerror();
                 if e.is_null() {
                     "unknown error".to_owned()
@@ -86,7 +122,7 @@ pub fn load_library(dir: Option<&Path>) -> Result<(), String> {
                     CStr::from_ptr(e).to_string_lossy().into_owned()
                 }
             };
-            return Err(format!("loading {}: {why}", lib.display()));
+            return Err(NixlError::Load { path: lib, reason });
         }
     }
     for (var, value) in UCX_DEFAULTS {
@@ -95,10 +131,7 @@ pub fn load_library(dir: Option<&Path>) -> Result<(), String> {
         }
     }
     if nixl_sys::is_stub() {
-        return Err(format!(
-            "{CAPI} was not found: run scripts/fetch-nixl.sh and pass the folder it prints as \
-             --nixl-lib-dir (or start with that folder on LD_LIBRARY_PATH)"
-        ));
+        return Err(NixlError::NotFound);
     }
     Ok(())
 }
@@ -168,16 +201,22 @@ impl std::fmt::Debug for NixlReads {
 impl NixlReads {
     /// A NIXL agent named `name` (unique in the fleet: peers key metadata by it) with the UCX
     /// backend. [`load_library`] must have succeeded.
-    pub fn new(name: &str) -> Result<Self, String> {
-        let agent = Agent::new(name).map_err(|e| format!("creating the NIXL agent: {e}"))?;
-        let (_, params) = agent.get_plugin_params("UCX").map_err(|e| {
-            format!("the NIXL UCX plugin is not there ({e}): is NIXL_PLUGIN_DIR right?")
-        })?;
+    pub fn new(name: &str) -> Result<Self, NixlError> {
+        let setup = |step| {
+            move |e: nixl_sys::NixlError| NixlError::Setup {
+                step,
+                reason: e.to_string(),
+            }
+        };
+        let agent = Agent::new(name).map_err(setup("creating the NIXL agent"))?;
+        let (_, params) = agent.get_plugin_params("UCX").map_err(setup(
+            "finding the NIXL UCX plugin (is NIXL_PLUGIN_DIR right?)",
+        ))?;
         agent
             .create_backend("UCX", &params)
-            .map_err(|e| format!("starting the NIXL UCX backend: {e}"))?;
+            .map_err(setup("starting the NIXL UCX backend"))?;
         let mut seed = [0u8; 8];
-        getrandom::fill(&mut seed).map_err(|e| format!("no randomness: {e}"))?;
+        getrandom::fill(&mut seed).map_err(|e| NixlError::NoRandomness(e.to_string()))?;
         Ok(Self {
             state: Arc::new(State {
                 agent,
@@ -196,7 +235,7 @@ impl NixlReads {
 
 impl State {
     /// Registers the allocation `grant` is over, once.
-    fn register(self: &Arc<Self>, grant: &BlockGrant) -> Result<(), String> {
+    fn register(self: &Arc<Self>, grant: &BlockGrant) -> Result<(), OneSidedError> {
         let region = grant.region();
         let mut registered = lock(&self.registered);
         if registered.contains_key(&region.id) {
@@ -205,7 +244,7 @@ impl State {
         let handle = self
             .agent
             .register_memory(&Region(region), None)
-            .map_err(|e| format!("registering {} bytes of KV arena: {e}", region.bytes))?;
+            .map_err(stack("registering the KV arena's memory"))?;
         registered.insert(region.id, handle);
         self.generation.fetch_add(1, Ordering::AcqRel);
         drop(registered);
@@ -227,7 +266,7 @@ impl State {
     /// Begins a read from `peer`: loads P's metadata when it sent one for a generation not
     /// loaded (or the peer is suspect and idle), dropping what was loaded before; returns the
     /// agent name to read from. Every `Ok` is paired with an [`State::end_read`].
-    fn begin_read(&self, peer: SocketAddr, remote: &Remote<'_>) -> Result<String, String> {
+    fn begin_read(&self, peer: SocketAddr, remote: &Remote<'_>) -> Result<String, OneSidedError> {
         let mut remotes = lock(&self.remotes);
         let reload = match remotes.get(&peer) {
             None => true,
@@ -245,7 +284,7 @@ impl State {
             let agent = self
                 .agent
                 .load_remote_md(metadata)
-                .map_err(|e| format!("loading P's NIXL metadata: {e}"))?;
+                .map_err(stack("loading P's NIXL metadata"))?;
             remotes.insert(
                 peer,
                 Peer {
@@ -261,7 +300,9 @@ impl State {
                 p.in_flight += 1;
                 Ok(p.agent.clone())
             }
-            _ => Err("P sent no metadata for a generation this reader does not hold".into()),
+            _ => Err(OneSidedError::Protocol(
+                "P sent no metadata for a generation this reader does not hold".into(),
+            )),
         }
     }
 
@@ -279,7 +320,7 @@ impl OneSided for NixlReads {
         "nixl"
     }
 
-    fn expose(&self, grant: &BlockGrant, known: u64) -> Result<Exposed, String> {
+    fn expose(&self, grant: &BlockGrant, known: u64) -> Result<Exposed, OneSidedError> {
         self.state.register(grant)?;
         let generation = self.state.generation.load(Ordering::Acquire);
         let metadata = if generation == known {
@@ -289,7 +330,7 @@ impl OneSided for NixlReads {
                 .state
                 .agent
                 .get_local_md()
-                .map_err(|e| format!("this agent's metadata: {e}"))?;
+                .map_err(stack("this agent's metadata"))?;
             Some(md)
         };
         Ok(Exposed {
@@ -313,10 +354,13 @@ impl OneSided for NixlReads {
         dst: &mut BlockGrant,
         deadline: Instant,
         cancelled: &AtomicBool,
-    ) -> Result<(), String> {
+    ) -> Result<(), OneSidedError> {
         let n = dst.blocks().len();
         if remote.addrs.len() != n {
-            return Err(format!("{} addresses for {n} blocks", remote.addrs.len()));
+            return Err(OneSidedError::Protocol(format!(
+                "{} addresses for {n} blocks",
+                remote.addrs.len()
+            )));
         }
         // The destination must be registered too (an RDMA write lands in it).
         self.state.register(dst)?;
@@ -336,9 +380,9 @@ impl NixlReads {
         dst: &mut BlockGrant,
         deadline: Instant,
         cancelled: &AtomicBool,
-    ) -> Result<(), String> {
+    ) -> Result<(), OneSidedError> {
         let block_bytes = dst.layout().block_bytes();
-        let descs = || XferDescList::new(MemType::Dram).map_err(|e| e.to_string());
+        let descs = || XferDescList::new(MemType::Dram).map_err(stack("describing the read"));
         let (mut local, mut from) = (descs()?, descs()?);
         for (i, &addr) in remote.addrs.iter().enumerate() {
             local.add_desc(dst.block_addr(i), block_bytes, 0);
@@ -347,24 +391,24 @@ impl NixlReads {
         let agent = &self.state.agent;
         let request = agent
             .create_xfer_req(XferOp::Read, &local, &from, name, None)
-            .map_err(|e| format!("preparing the read: {e}"))?;
+            .map_err(stack("preparing the read"))?;
         let posted = Instant::now();
         let mut in_progress = agent
             .post_xfer_req(&request, None)
-            .map_err(|e| format!("posting the read: {e}"))?;
+            .map_err(stack("posting the read"))?;
         let mut spins = 0u32;
         while in_progress {
             if cancelled.load(Ordering::Acquire) {
                 // Dropping the request cancels it before the grant is given back.
-                return Err("cancelled".into());
+                return Err(OneSidedError::Cancelled);
             }
             if Instant::now() >= deadline {
-                return Err("the read outlasted P's read timeout".into());
+                return Err(OneSidedError::TimedOut);
             }
             in_progress = match agent.get_xfer_status(&request) {
                 Ok(XferStatus::InProgress) => true,
                 Ok(XferStatus::Success) => false,
-                Err(e) => return Err(format!("the read failed: {e}")),
+                Err(e) => return Err(stack("the read")(e)),
             };
             // Poll busily while the read is young (UCX progresses the read on each poll, and
             // sleeping between polls throttled a read over TCP several-fold), then more and

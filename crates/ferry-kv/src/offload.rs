@@ -21,11 +21,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
+use ferry_arena::{Access, BlockGrant, KvArena, KvError, Reports, WorkerConnector};
 use ferry_core::{FetchError, HostCopy, TierJob, TierReport, TransferId};
-
-use crate::access::{Access, BlockGrant};
-use crate::arena::KvArena;
-use crate::worker::{Reports, WorkerConnector};
 
 /// One `Store` or `Load` job with a grant over exactly its hold's blocks, as a copier runs
 /// it: the copier thread here, and the simulation's deterministic copier (`ferry-sim`), so
@@ -82,7 +79,7 @@ impl CopyJob {
                 reports: reports.clone(),
             }),
             Err(e) => {
-                reports.send(copy_report(hold, epoch, store, Err(e.to_string())));
+                reports.send(copy_report(hold, epoch, store, Err(e.into())));
                 None
             }
         }
@@ -204,7 +201,7 @@ fn copy_report(
     hold: TransferId,
     epoch: u64,
     store: bool,
-    result: Result<(), String>,
+    result: Result<(), CopyError>,
 ) -> TierReport {
     if store {
         TierReport::StoreDone {
@@ -216,7 +213,7 @@ fn copy_report(
         TierReport::LoadDone {
             hold,
             epoch,
-            result: result.map_err(|reason| FetchError::fault(0, reason)),
+            result: result.map_err(|e| FetchError::fault(0, e.to_string())),
         }
     }
 }
@@ -310,14 +307,14 @@ impl HostMemory {
         store: bool,
         copies: &[HostCopy],
         grant: &mut BlockGrant,
-    ) -> Result<(), String> {
+    ) -> Result<(), CopyError> {
         let bb = self.block_bytes;
         let n = self.n_host_blocks;
         if let Some(c) = copies.iter().find(|c| c.host_block as usize >= n) {
-            return Err(format!(
-                "host block {} is out of range (the tier has {n})",
-                c.host_block
-            ));
+            return Err(CopyError::HostBlockOutOfRange {
+                host_block: c.host_block,
+                n_host_blocks: n,
+            });
         }
         let host_bytes = &self.host_bytes;
         let host = self.host.get_or_insert_with(|| {
@@ -328,9 +325,9 @@ impl HostMemory {
             let at = c.host_block as usize * bb;
             let slot = &mut host[at..at + bb];
             if store {
-                grant.read_block_into(i, slot).map_err(|e| e.to_string())?;
+                grant.read_block_into(i, slot)?;
             } else {
-                grant.write_block(i, slot).map_err(|e| e.to_string())?;
+                grant.write_block(i, slot)?;
             }
         }
         Ok(())
@@ -341,6 +338,20 @@ impl HostMemory {
         self.host = None;
         self.host_bytes.store(0, Ordering::Relaxed);
     }
+}
+
+/// Why a copy job failed: a host block the tier does not have, or the arena refused the grant
+/// or a block (a `KvError` naming it). A load that fails is a fault (`LoadDone`'s
+/// `FetchError`), a store that fails is not kept.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CopyError {
+    #[error("host block {host_block} is out of range (the tier has {n_host_blocks})")]
+    HostBlockOutOfRange {
+        host_block: u32,
+        n_host_blocks: usize,
+    },
+    #[error(transparent)]
+    Arena(#[from] KvError),
 }
 
 #[cfg(test)]

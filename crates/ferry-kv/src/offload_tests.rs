@@ -3,11 +3,10 @@
 
 use std::sync::mpsc;
 
+use ferry_arena::{KvArena, KvLayout, Reports, WorkerConnector};
 use ferry_core::{HostCopy, TierJob, TierReport, TransferId, WorkerJob, WorkerReport};
 
 use super::OffloadWorker;
-use crate::arena::{KvArena, KvLayout};
-use crate::worker::{Reports, WorkerConnector};
 
 fn layout() -> KvLayout {
     KvLayout {

@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use crate::access::BlockGrant;
+use ferry_arena::BlockGrant;
 
 /// A network stack that lets peers read registered memory without this process.
 pub trait OneSided: Send + Sync + 'static {
@@ -25,7 +25,7 @@ pub trait OneSided: Send + Sync + 'static {
     /// loads to read it when the peer's `known` generation is another one. The generation
     /// changes whenever registered memory changes (an arena released or reallocated), so a
     /// peer never keeps metadata that reaches freed memory.
-    fn expose(&self, grant: &BlockGrant, known: u64) -> Result<Exposed, String>;
+    fn expose(&self, grant: &BlockGrant, known: u64) -> Result<Exposed, OneSidedError>;
 
     /// D: the metadata generation it loaded for the peer at `peer` (0: none).
     fn known(&self, peer: SocketAddr) -> u64;
@@ -33,7 +33,8 @@ pub trait OneSided: Send + Sync + 'static {
     /// D: reads one block at each of `remote.addrs` on the peer at `peer` into the blocks of
     /// `dst` (in order, each exactly one block), first loading `remote.metadata` when the peer
     /// sent it. Blocking; returns once every byte arrived, the read failed, `deadline` passed
-    /// or `cancelled` was set. However it returns, nothing writes `dst` any more.
+    /// ([`OneSidedError::TimedOut`]) or `cancelled` was set ([`OneSidedError::Cancelled`]).
+    /// However it returns, nothing writes `dst` any more.
     fn read(
         &self,
         peer: SocketAddr,
@@ -41,7 +42,28 @@ pub trait OneSided: Send + Sync + 'static {
         dst: &mut BlockGrant,
         deadline: Instant,
         cancelled: &AtomicBool,
-    ) -> Result<(), String>;
+    ) -> Result<(), OneSidedError>;
+}
+
+/// Why a one-sided read or an exposure failed, said where it failed: the TCP transport counts
+/// a load by it (a timeout as timed out, a cancel as cancelled, the rest as broken), never by
+/// the message. `Display` is the reason a log or D's `FetchError` carries.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OneSidedError {
+    /// The read had not ended at its deadline (P's read timeout): P no longer counts it.
+    #[error("the read outlasted P's read timeout")]
+    TimedOut,
+    /// The reader's fetch was cancelled while the read ran.
+    #[error("cancelled")]
+    Cancelled,
+    /// What P sent does not describe a read this reader can make (addresses for another
+    /// number of blocks, no metadata for a generation it does not hold).
+    #[error("{0}")]
+    Protocol(String),
+    /// The network stack failed at `step` (registering memory, loading a peer's metadata,
+    /// posting or completing the read), with its own words.
+    #[error("{step}: {reason}")]
+    Stack { step: &'static str, reason: String },
 }
 
 /// What P answers a read with, besides the block addresses.

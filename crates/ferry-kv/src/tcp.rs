@@ -121,6 +121,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use ferry_arena::{BlockGrant, KvLayout, Reports};
 use ferry_core::{
     AllowedPeers, FetchEnd, FetchError, FetchFailure, PdReport, TransferId, Unpublished,
 };
@@ -128,13 +129,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
 
-use crate::access::BlockGrant;
-use crate::arena::KvLayout;
+use crate::one_sided::{OneSided, OneSidedError, Remote};
 use crate::transport::{
     check_destination, check_pull, gone_export, ExportOffer, FetchSpec, ReleaseSpec, Tombstones,
     Transport,
 };
-use crate::worker::Reports;
 
 /// Bumped on every change of the wire format; peers of another version are refused. (The
 /// one-sided *read* requests are additions a P of this version without them refuses as an
@@ -194,7 +193,7 @@ pub struct TcpTransportConfig {
     /// D reads blocks one-sided through this network stack (NIXL) instead of receiving them on
     /// the connection, and P serves such reads; `None`: TCP only (a P without it refuses
     /// reads, and serves pulls either way).
-    pub one_sided: Option<std::sync::Arc<dyn crate::one_sided::OneSided>>,
+    pub one_sided: Option<std::sync::Arc<dyn OneSided>>,
     /// P: how long an export stays *being read* before P stops waiting for the reader's word
     /// (a clearing operation waits at most this long for it); D gives up its read by then.
     pub read_timeout: Duration,
@@ -748,7 +747,7 @@ async fn fetch_blocks(
     cancel: &Cancel,
 ) -> Result<(), FetchError> {
     let config = &inner.config;
-    check_destination(spec, dst.blocks().len()).map_err(FetchError::invalid)?;
+    check_destination(spec, dst.blocks().len())?;
     if dst.layout() != config.layout {
         return Err(FetchError::fault(
             0,
@@ -804,7 +803,7 @@ async fn fetch_blocks(
 /// are; the network stack reads them; P confirms it held them throughout.
 async fn read_blocks(
     inner: &Inner,
-    one_sided: &dyn crate::one_sided::OneSided,
+    one_sided: &dyn OneSided,
     spec: &FetchSpec,
     dst: &mut BlockGrant,
     cancel: &Cancel,
@@ -849,7 +848,7 @@ async fn read_blocks(
     let started = Instant::now();
     // P stops waiting at its read timeout: a read still running then cannot count.
     let deadline = started + Duration::from_millis(u64::from(timeout_ms));
-    let remote = crate::one_sided::Remote {
+    let remote = Remote {
         generation,
         metadata: (!metadata.is_empty()).then_some(&metadata[..]),
         addrs: &addrs,
@@ -857,7 +856,7 @@ async fn read_blocks(
     // The network stack's calls block: off the runtime's async workers for their duration.
     let read =
         tokio::task::block_in_place(|| one_sided.read(addr, remote, dst, deadline, &cancel.flag));
-    if let Err(reason) = read {
+    if let Err(e) = read {
         // P hears at once that nothing was read (it puts the export back); its answer is not
         // awaited (the link may be what failed), so the connection is not kept.
         let _ = timed(t, "write", stream.write_all(&[REQUEST_READ_DONE, 0])).await;
@@ -865,14 +864,18 @@ async fn read_blocks(
         if cancel.is_cancelled() {
             return Err(cancelled(0));
         }
-        return Err(FetchError::fault(
-            0,
-            format!(
-                "{} read of {} blocks from {addr}: {reason}",
-                one_sided.name(),
-                addrs.len()
-            ),
-        ));
+        let reason = format!(
+            "{} read of {} blocks from {addr}: {e}",
+            one_sided.name(),
+            addrs.len()
+        );
+        return Err(match e {
+            OneSidedError::TimedOut => FetchError::timed_out(0, reason),
+            OneSidedError::Cancelled => cancelled(0),
+            OneSidedError::Protocol(_) | OneSidedError::Stack { .. } => {
+                FetchError::fault(0, reason)
+            }
+        });
     }
     // The read counts only if P still held the blocks: its ok says so.
     let confirmed = async {
@@ -1063,7 +1066,7 @@ fn peer_addr(
     let ip = config
         .allowed_peers
         .check_host(host)
-        .map_err(FetchError::invalid)?;
+        .map_err(|e| FetchError::invalid(e.to_string()))?;
     Ok(SocketAddr::new(ip, port))
 }
 
@@ -1322,9 +1325,9 @@ async fn serve_read(
     let range = check_pull(&published.offer, spec).expect("checked in take_for_pull");
     let exposed = match one_sided.expose(&published.offer.grant, known) {
         Ok(exposed) => exposed,
-        Err(reason) => {
+        Err(e) => {
             settle(inner, published, false);
-            let reason = format!("{}: {reason}", one_sided.name());
+            let reason = format!("{}: {e}", one_sided.name());
             return timed(
                 t,
                 "write",
@@ -1412,7 +1415,7 @@ fn take_for_pull(inner: &Inner, spec: &FetchSpec) -> Result<Published, (FetchFai
             "the export is being pulled by another reader".into(),
         ));
     };
-    check_pull(&published.offer, spec).map_err(|reason| (FetchFailure::Invalid, reason))?;
+    check_pull(&published.offer, spec).map_err(|e| (FetchFailure::Invalid, e.to_string()))?;
     let hold = published.offer.hold;
     match std::mem::replace(
         slot,

@@ -5,11 +5,12 @@ use std::net::{SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
 use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
-use ferry_core::{FetchError, FetchFailure, PdReport, TransferId, Unpublished, WorkerReport};
+use ferry_arena::{Access, KvArena};
+use ferry_core::{
+    FetchEnd, FetchError, FetchFailure, PdReport, TransferId, Unpublished, WorkerReport,
+};
 
 use super::*;
-use crate::access::Access;
-use crate::arena::KvArena;
 use crate::transport::no_export;
 
 const LAYOUT: KvLayout = KvLayout {
@@ -1336,7 +1337,7 @@ impl crate::one_sided::OneSided for LocalReads {
         "local"
     }
 
-    fn expose(&self, _grant: &BlockGrant, known: u64) -> Result<crate::Exposed, String> {
+    fn expose(&self, _grant: &BlockGrant, known: u64) -> Result<crate::Exposed, OneSidedError> {
         Ok(crate::Exposed {
             generation: Self::GENERATION,
             metadata: (known != Self::GENERATION).then(|| b"local".to_vec()),
@@ -1354,7 +1355,7 @@ impl crate::one_sided::OneSided for LocalReads {
         dst: &mut BlockGrant,
         deadline: Instant,
         cancelled: &AtomicBool,
-    ) -> Result<(), String> {
+    ) -> Result<(), OneSidedError> {
         if let Some(md) = remote.metadata {
             assert_eq!(md, b"local");
             self.loads.fetch_add(1, Ordering::Relaxed);
@@ -1363,10 +1364,10 @@ impl crate::one_sided::OneSided for LocalReads {
         let until = Instant::now() + self.delay;
         while Instant::now() < until {
             if cancelled.load(Ordering::Acquire) {
-                return Err("cancelled".into());
+                return Err(OneSidedError::Cancelled);
             }
             if Instant::now() >= deadline {
-                return Err("the read outlasted P's read timeout".into());
+                return Err(OneSidedError::TimedOut);
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -1382,7 +1383,45 @@ impl crate::one_sided::OneSided for LocalReads {
     }
 }
 
-fn one_sided(id: &str, reads: Arc<LocalReads>, read_timeout: Duration) -> Arc<TcpTransport> {
+/// A [`OneSided`] whose reads fail in the stack: addresses exposed, nothing read.
+struct BrokenReads;
+
+impl crate::one_sided::OneSided for BrokenReads {
+    fn name(&self) -> &'static str {
+        "broken"
+    }
+
+    fn expose(&self, _grant: &BlockGrant, _known: u64) -> Result<crate::Exposed, OneSidedError> {
+        Ok(crate::Exposed {
+            generation: 1,
+            metadata: None,
+        })
+    }
+
+    fn known(&self, _peer: SocketAddr) -> u64 {
+        1
+    }
+
+    fn read(
+        &self,
+        _peer: SocketAddr,
+        _remote: crate::Remote<'_>,
+        _dst: &mut BlockGrant,
+        _deadline: Instant,
+        _cancelled: &AtomicBool,
+    ) -> Result<(), OneSidedError> {
+        Err(OneSidedError::Stack {
+            step: "the read",
+            reason: "the endpoint is gone".into(),
+        })
+    }
+}
+
+fn one_sided(
+    id: &str,
+    reads: Arc<dyn crate::one_sided::OneSided>,
+    read_timeout: Duration,
+) -> Arc<TcpTransport> {
     let mut cfg = config(id, LAYOUT, "m", WAIT);
     cfg.one_sided = Some(reads);
     cfg.read_timeout = read_timeout;
@@ -1505,10 +1544,62 @@ fn an_unpublish_during_a_slow_read_waits_only_for_the_read_timeout() {
         "waited {waited:?} for a read P bounds at {read_timeout:?}"
     );
     assert_eq!(p_arena.n_outstanding_grants(), 0, "P let every block go");
-    // The reader's late read counts nothing: its load fails.
+    // The reader's late read counts nothing: its load fails, as a timeout.
     let e = fetch_result(&rx).expect_err("an unconfirmed read");
-    assert_eq!(e.kind, FetchFailure::Fault, "{}", e.reason);
+    assert_eq!(
+        (e.kind, e.end),
+        (FetchFailure::Fault, FetchEnd::TimedOut),
+        "{}",
+        e.reason
+    );
     assert!(e.reason.contains("read timeout"), "{}", e.reason);
+    assert_eq!(d_arena.n_outstanding_grants(), 0);
+}
+
+/// A one-sided read ends as its stack said: one that outlasts P's read timeout as timed out,
+/// one the stack failed as broken (how `/metrics` counts loads: `kv_loads_timed_out`,
+/// `kv_loads_broken`), both faults to the request, neither confirmed by P.
+#[test]
+fn a_one_sided_read_that_runs_out_of_time_ends_as_timed_out() {
+    let p = one_sided(
+        "P",
+        LocalReads::new(Duration::ZERO),
+        Duration::from_millis(200),
+    );
+    let slow = one_sided("D", LocalReads::new(Duration::from_secs(3)), WAIT);
+    let broken = one_sided("D2", Arc::new(BrokenReads), WAIT);
+    let p_arena = filled_arena(LAYOUT, 4);
+    let d_arena = KvArena::new(LAYOUT, 4);
+    let addr = p.local_addr();
+    let _a = publish(&p, &p_arena, &[1, 2], "a");
+    let e = fetch_result(&fetch(
+        &slow,
+        &d_arena,
+        spec(addr, "a", 0, &[1, 2]),
+        &[0, 1],
+    ))
+    .expect_err("a read past P's read timeout");
+    assert_eq!(
+        (e.kind, e.end, e.good_blocks),
+        (FetchFailure::Fault, FetchEnd::TimedOut, 0),
+        "{}",
+        e.reason
+    );
+    assert!(e.reason.contains("local read of 2 blocks"), "{}", e.reason);
+    let _b = publish(&p, &p_arena, &[3], "b");
+    let e = fetch_result(&fetch(&broken, &d_arena, spec(addr, "b", 0, &[3]), &[2]))
+        .expect_err("a read the stack failed");
+    assert_eq!(
+        (e.kind, e.end, e.good_blocks),
+        (FetchFailure::Fault, FetchEnd::Failed, 0),
+        "{}",
+        e.reason
+    );
+    assert!(
+        e.reason.contains("the read: the endpoint is gone"),
+        "{}",
+        e.reason
+    );
     assert_eq!(d_arena.n_outstanding_grants(), 0);
 }
 

@@ -18,10 +18,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use ferry_arena::{BlockGrant, Reports};
 use ferry_core::{BlockId, FetchError, FetchFailure, PdReport, TransferId, Unpublished};
-
-use crate::access::BlockGrant;
-use crate::worker::Reports;
 
 /// An export P offers: its blocks (a read grant over the hold's blocks) and what a reader
 /// must present.
@@ -107,33 +105,56 @@ struct Published {
 /// at the asked positions. `Ok` names the blocks to read (positions in the offer's grant).
 /// Public so that every transport, the simulation's too, checks pulls with this code.
 /// Every `Err` is invalid input (`FetchFailure::Invalid`).
-pub fn check_pull(offer: &ExportOffer, spec: &FetchSpec) -> Result<std::ops::Range<usize>, String> {
+pub fn check_pull(
+    offer: &ExportOffer,
+    spec: &FetchSpec,
+) -> Result<std::ops::Range<usize>, PullError> {
     if spec.weight_version != offer.weight_version {
-        return Err(format!(
-            "the export holds KV of weights {:?}, the reader expects {:?}",
-            offer.weight_version, spec.weight_version
-        ));
+        return Err(PullError::WeightVersion {
+            export: offer.weight_version.clone(),
+            reader: spec.weight_version.clone(),
+        });
     }
     if spec.prompt_hash != offer.prompt_hash {
-        return Err("the reader's prompt is not the exported one".into());
+        return Err(PullError::Prompt);
     }
     let range = spec.first_block..spec.first_block.saturating_add(spec.src_blocks.len());
     if offer.grant.blocks().get(range.clone()) != Some(&spec.src_blocks[..]) {
-        return Err("remote_block_ids are not the export's blocks".into());
+        return Err(PullError::Blocks);
     }
     Ok(range)
 }
 
 /// D's own check before a pull: one destination block per source block.
-pub fn check_destination(spec: &FetchSpec, n_dst: usize) -> Result<(), String> {
+pub fn check_destination(spec: &FetchSpec, n_dst: usize) -> Result<(), PullError> {
     if n_dst != spec.src_blocks.len() {
-        return Err(format!(
-            "{} destination blocks for {} source blocks",
+        return Err(PullError::Destination {
             n_dst,
-            spec.src_blocks.len()
-        ));
+            n_src: spec.src_blocks.len(),
+        });
     }
     Ok(())
+}
+
+/// A pull that does not match its export ([`check_pull`], on P) or its destination
+/// ([`check_destination`], on D): invalid input, refused before any block moves. `Display` is
+/// the reason the refusal carries (on the wire, for the TCP transport).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PullError {
+    #[error("the export holds KV of weights {export:?}, the reader expects {reader:?}")]
+    WeightVersion { export: String, reader: String },
+    #[error("the reader's prompt is not the exported one")]
+    Prompt,
+    #[error("remote_block_ids are not the export's blocks")]
+    Blocks,
+    #[error("{n_dst} destination blocks for {n_src} source blocks")]
+    Destination { n_dst: usize, n_src: usize },
+}
+
+impl From<PullError> for FetchError {
+    fn from(e: PullError) -> Self {
+        FetchError::invalid(e.to_string())
+    }
 }
 
 /// The message of a pull whose token names no export.
@@ -237,8 +258,8 @@ impl InMemoryFabric {
                 .and_then(|t| t.get(&spec.token));
             return Err(gone_export(&spec.remote_engine_id, ended));
         };
-        check_destination(spec, dst.blocks().len()).map_err(FetchError::invalid)?;
-        let range = check_pull(&published.offer, spec).map_err(FetchError::invalid)?;
+        check_destination(spec, dst.blocks().len())?;
+        let range = check_pull(&published.offer, spec)?;
         for (j, i) in range.enumerate() {
             published
                 .offer

@@ -3,8 +3,9 @@
 //! and deregistered when it is freed, each time under a new metadata generation, so a peer
 //! never keeps metadata that reaches freed memory. One agent in this process, one test.
 
-use ferry_kv::nixl::{load_library, NixlReads};
-use ferry_kv::{Access, KvArena, KvLayout, OneSided};
+use ferry_arena::{Access, KvArena, KvLayout};
+use ferry_kv::nixl::{load_library, NixlError, NixlReads};
+use ferry_kv::OneSided;
 
 const LAYOUT: KvLayout = KvLayout {
     n_layers: 2,
@@ -25,7 +26,10 @@ fn lib_dir() -> std::path::PathBuf {
 #[test]
 fn registrations_follow_the_arena_memory() {
     let missing = load_library(Some(std::path::Path::new("/nonexistent")));
-    assert!(missing.unwrap_err().contains("does not exist"));
+    assert_eq!(
+        missing,
+        Err(NixlError::NoLibrary("/nonexistent/libnixl_capi.so".into()))
+    );
     load_library(Some(&lib_dir())).expect("run scripts/fetch-nixl.sh first");
     let reads = NixlReads::new("ferry-kv-test").unwrap();
     let mut arena = KvArena::new(LAYOUT, 4);

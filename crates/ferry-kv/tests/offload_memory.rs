@@ -3,8 +3,9 @@
 
 use std::sync::mpsc;
 
+use ferry_arena::{resident_bytes, KvArena, KvLayout, Reports, WorkerConnector};
 use ferry_core::{HostCopy, TierJob, TransferId, WorkerJob};
-use ferry_kv::{resident_bytes, KvArena, KvLayout, OffloadWorker, Reports, WorkerConnector};
+use ferry_kv::OffloadWorker;
 
 #[cfg(target_os = "linux")]
 #[test]

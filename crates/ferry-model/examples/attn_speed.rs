@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use ferry_kv::{KvArena, KvLayout};
+use ferry_arena::{KvArena, KvLayout};
 use ferry_model::llama::attention::{paged_attention, AttnQuery};
 
 const SEQS: usize = 64;

@@ -8,9 +8,9 @@
 use std::error::Error;
 use std::time::{Duration, Instant};
 
+use ferry_arena::KvArena;
 use ferry_core::sampling::SamplerSpec;
 use ferry_core::{ReqIdx, SampleSpec, ScheduledReq, StepPlan};
-use ferry_kv::KvArena;
 use ferry_model::sampler::{sample, SamplerScratch};
 use ferry_model::{ChecksumModel, Executor};
 

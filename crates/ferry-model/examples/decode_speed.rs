@@ -4,8 +4,8 @@
 
 use std::time::Instant;
 
+use ferry_arena::KvArena;
 use ferry_core::{ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
-use ferry_kv::KvArena;
 use ferry_model::{load_model_stored, Executor, LlamaModel};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -24,8 +24,8 @@
 //! * **Sampling.** The distribution is a point mass: every temperature, filter and seed gives
 //!   the same token, with logprob 0.0 (and `[(token, 0.0)]` as its top-n when asked).
 
+use ferry_arena::{KvArena, KvLayout, KvPlane};
 use ferry_core::{BlockId, ModelOutput, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenId};
-use ferry_kv::{KvArena, KvLayout, KvPlane};
 
 use std::sync::Arc;
 

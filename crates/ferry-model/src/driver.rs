@@ -1,8 +1,8 @@
 //! An executor and its KV arena as the model of `ferry_core::StepDriver`, so tests and tools
 //! run real steps through the same driver as the core's own tests.
 
+use ferry_arena::KvArena;
 use ferry_core::{ModelOutput, Scheduler, SchedulerConfig, StepModel, StepPlan};
-use ferry_kv::KvArena;
 
 use crate::executor::{ExecError, Executor};
 

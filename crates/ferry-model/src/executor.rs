@@ -4,8 +4,8 @@
 //! it never decides what to schedule. A CUDA backend is another implementation of this trait
 //! with its own arena placement (see ARCHITECTURE.md).
 
+use ferry_arena::{KvArena, KvLayout};
 use ferry_core::{ModelOutput, StepPlan};
-use ferry_kv::{KvArena, KvLayout};
 
 use crate::weights::update::ModelWeights;
 

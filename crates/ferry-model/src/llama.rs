@@ -13,8 +13,8 @@
 //! `llama/weight_ops.rs`; the checks and layout conversion that run off the engine thread in
 //! [`crate::weights::llama_update`].
 
+use ferry_arena::{KvArena, KvLayout};
 use ferry_core::{ModelOutput, PromptLogprobs, ReqIdx, StepPlan};
-use ferry_kv::{KvArena, KvLayout};
 
 use crate::config::LlamaConfig;
 use crate::executor::{ExecError, Executor};

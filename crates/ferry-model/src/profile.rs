@@ -85,8 +85,8 @@ mod tests {
     use super::*;
     use crate::random_model::{random_weights, small_config};
     use crate::{Executor, LlamaModel};
+    use ferry_arena::KvArena;
     use ferry_core::{ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
-    use ferry_kv::KvArena;
 
     /// One forward of a small model: 4 prompt tokens of one request, which samples.
     fn forward(model: &mut LlamaModel, kv: &mut KvArena) {

@@ -4,8 +4,8 @@
 
 mod model_support;
 
+use ferry_arena::{KvArena, KvLayout};
 use ferry_core::BlockId;
-use ferry_kv::{KvArena, KvLayout};
 use ferry_model::llama::attention::{paged_attention, write_kv, AttnQuery};
 use ferry_model::random_model::SplitMix64;
 use model_support::Pool;

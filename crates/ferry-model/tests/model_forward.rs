@@ -4,7 +4,7 @@
 
 mod model_support;
 
-use ferry_kv::KvArena;
+use ferry_arena::KvArena;
 use ferry_model::random_model::{random_weights, small_config};
 use ferry_model::{ExecError, Executor, LlamaConfig, LlamaModel, ModelError, RopeScaling};
 use model_support::*;

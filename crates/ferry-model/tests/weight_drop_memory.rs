@@ -8,7 +8,7 @@ const MIB: usize = 1 << 20;
 
 #[cfg(target_os = "linux")]
 fn rss_bytes() -> usize {
-    ferry_kv::resident_bytes().expect("VmRSS") as usize
+    ferry_arena::resident_bytes().expect("VmRSS") as usize
 }
 
 /// The SmolLM2-135M shape cut to 4 layers with an untied head: about 280 MB of f32, of

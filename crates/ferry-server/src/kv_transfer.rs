@@ -161,7 +161,8 @@ impl KvTransferParamsJson {
             }
         }
         // Every key a load needs was checked above, so this refuses nothing a client sends.
-        TransferRequest::parse(&self.into_engine()).map_err(|e| ApiError::invalid(FIELD, e))
+        TransferRequest::parse(&self.into_engine())
+            .map_err(|e| ApiError::invalid(FIELD, e.to_string()))
     }
 
     fn into_engine(self) -> KvTransferParams {

@@ -10,8 +10,9 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use ferry_arena::{KvArena, Reports, WorkerConnector};
 use ferry_core::{TierJob, TransferId};
-use ferry_kv::{CopyJob, HostMemory, KvArena, Reports, WorkerConnector};
+use ferry_kv::{CopyJob, HostMemory};
 
 /// The copier's queue and memory, shared by the worker and the simulation.
 #[derive(Debug)]

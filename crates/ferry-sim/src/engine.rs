@@ -109,7 +109,7 @@ impl SimEngine {
         while let Some(input) = self.inbox.pop_front() {
             self.handle(input, now, events);
             self.drain(now, events)?;
-            self.core.check()?;
+            self.core.check().map_err(|e| e.to_string())?;
         }
         let stepped = self
             .core

@@ -15,9 +15,10 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use ferry_arena::{BlockGrant, Reports};
 use ferry_core::{FetchError, FetchFailure, PdReport, TransferId, Unpublished};
 use ferry_kv::transport::{check_destination, check_pull, gone_export, Tombstones};
-use ferry_kv::{BlockGrant, ExportOffer, FetchSpec, ReleaseSpec, Reports, Transport};
+use ferry_kv::{ExportOffer, FetchSpec, ReleaseSpec, Transport};
 
 use crate::rng::Rng;
 
@@ -370,8 +371,8 @@ impl NetState {
             }
             return Err(gone_export(&spec.remote_engine_id, ended));
         };
-        check_destination(spec, dst.blocks().len()).map_err(FetchError::invalid)?;
-        let range = check_pull(&published.offer, spec).map_err(FetchError::invalid)?;
+        check_destination(spec, dst.blocks().len())?;
+        let range = check_pull(&published.offer, spec)?;
         let n = range.len();
         let n_copy = match fate {
             Fate::BreakAfter(good) => good.min(n),

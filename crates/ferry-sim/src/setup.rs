@@ -7,12 +7,12 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use ferry_arena::Reports;
 use ferry_core::{
     AllowedPeers, ConnectorId, KvLoadFailurePolicy, OffloadConfig, OffloadConnector, OffloadPolicy,
     PdConfig, PdRole, Scheduler, SchedulerConfig, StepPlan,
 };
 use ferry_engine::{Connector, Constraint, Constraints, EngineCore, InlineEnv, StructuredOutput};
-use ferry_kv::Reports;
 use ferry_model::{ChecksumModel, ExecError, Executor, Hooked, StepHook};
 
 use crate::copier::Copier;

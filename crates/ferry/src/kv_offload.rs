@@ -110,7 +110,7 @@ pub fn offload_connector(
     block_size: usize,
 ) -> anyhow::Result<(Connector, OffloadConfig)> {
     let c = &model.config;
-    let layout = ferry_kv::KvLayout {
+    let layout = ferry_arena::KvLayout {
         n_layers: c.num_hidden_layers,
         n_kv_heads: c.num_key_value_heads,
         head_dim: c.head_dim,

@@ -404,7 +404,7 @@ fn kv_transport(
     block_size: usize,
 ) -> anyhow::Result<(Arc<dyn Transport>, SocketAddr)> {
     let c = &model.config;
-    let layout = ferry_kv::KvLayout {
+    let layout = ferry_arena::KvLayout {
         n_layers: c.num_hidden_layers,
         n_kv_heads: c.num_key_value_heads,
         head_dim: c.head_dim,

@@ -16,12 +16,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context};
+use ferry_arena::{BlockGrant, Reports};
 use ferry_engine::{
     Connector, EngineHandle, GenerateRequest, InMemoryFabric, InMemoryTransport, KvCacheSize,
     KvTransferParams, ModelEngineConfig, PauseMode, PdConfig, PdRole, SamplingParams, TokenId,
     TransferRequest,
 };
-use ferry_kv::{BlockGrant, ExportOffer, FetchSpec, Reports, Transport};
+use ferry_kv::{ExportOffer, FetchSpec, Transport};
 use serde_json::{json, Value};
 
 use super::report::Samples;

@@ -385,7 +385,7 @@ impl Report {
 
 /// This process's resident memory (`VmRSS` in `/proc/self/status`), in bytes.
 pub fn rss_bytes() -> anyhow::Result<u64> {
-    ferry_kv::resident_bytes()
+    ferry_arena::resident_bytes()
         .context("no VmRSS in /proc/self/status (resident memory needs Linux)")
 }
 

@@ -21,16 +21,21 @@ pub enum OffloadPolicy {
 }
 
 impl std::str::FromStr for OffloadPolicy {
-    type Err = String;
+    type Err = UnknownPolicy;
 
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, UnknownPolicy> {
         match s {
             "lru" => Ok(Self::Lru),
             "arc" => Ok(Self::Arc),
-            _ => Err(format!("unknown offload policy {s:?}: expected lru or arc")),
+            _ => Err(UnknownPolicy(s.to_owned())),
         }
     }
 }
+
+/// A name that is no [`OffloadPolicy`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown offload policy {0:?}: expected lru or arc")]
+pub struct UnknownPolicy(pub String);
 
 impl OffloadPolicy {
     pub fn as_str(self) -> &'static str {
@@ -259,8 +264,10 @@ mod tests {
         }
         assert_eq!(OffloadPolicy::Lru.as_str(), "lru");
         assert_eq!(OffloadPolicy::Arc.as_str(), "arc");
-        let err = "fifo".parse::<OffloadPolicy>().unwrap_err();
-        assert!(err.contains("fifo"), "{err}");
+        assert_eq!(
+            "fifo".parse::<OffloadPolicy>(),
+            Err(UnknownPolicy("fifo".into()))
+        );
     }
 
     /// LRU: a touch makes a key the most recent; a touch of a key the tier does not hold adds

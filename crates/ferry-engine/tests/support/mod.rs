@@ -3,14 +3,13 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
+use ferry_arena::{KvArena, KvLayout};
 use ferry_core::{
     FinishReason, ModelOutput, SampledToken, SamplingParams, SchedulerConfig, StepPlan, TokenId,
 };
 use ferry_engine::{
     spawn, EngineConfig, EngineHandle, Finish, GenerateRequest, GenerateStream, OutputChunk,
 };
-use ferry_kv::KvArena;
-use ferry_kv::KvLayout;
 use ferry_model::{ChecksumModel, ExecError, Executor, Hooked, ModelWeights, StepHook, Weightless};
 
 pub const VOCAB: usize = 1000;

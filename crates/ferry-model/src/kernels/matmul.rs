@@ -239,7 +239,7 @@ fn f16_table() -> &'static [f32; 1 << 16] {
 /// ~2% (its blocks take longer to decode per byte, so the stream waits less); once the
 /// weights sat on huge pages (`weights/buf/slab.rs`), the F32 file's from 45.7–48.1 to
 /// 48.1–50.9 (the AVX-512 tile's own prefetch, 4 interleaved pairs; batch 32 unchanged).
-/// Once the KV arena sat on huge pages too (`ferry_kv`'s `access.rs`), batch-64 decode
+/// Once the KV arena sat on huge pages too (`ferry_arena`'s `access.rs`), batch-64 decode
 /// attention went from 23.9–24.3 to 22.7–23.1 ms per step into L2 (`attn_speed`, context
 /// 144). The batched packing and the AVX2 kernels (compute-bound on that host) measured the
 /// same either way and keep their L1 prefetches, as does AMD (Zen 5 was tuned with them: four

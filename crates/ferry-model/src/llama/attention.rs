@@ -7,8 +7,8 @@
 //! f32 over positions in order, so a token's output depends only on its request's KV, never on
 //! the rest of the batch.
 
+use ferry_arena::{KvArena, KvLayout, KvPlane};
 use ferry_core::BlockId;
-use ferry_kv::{KvArena, KvLayout, KvPlane};
 
 use std::ops::Range;
 
@@ -26,7 +26,7 @@ pub struct AttnQuery<'a> {
 
 /// Writes one token's K and V (`n_kv_heads × head_dim` floats each) of layer `layer` into
 /// the arena at arena slot `slot` (`block * block_size + offset`). Touches only that block:
-/// blocks a transfer holds may be in use on another thread (`ferry_kv::access`).
+/// blocks a transfer holds may be in use on another thread (`ferry_arena::access`).
 pub fn write_kv(arena: &mut KvArena, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
     let tf = arena.layout().token_floats();
     arena
@@ -381,7 +381,7 @@ fn attend_token(
 
 /// The K or V vectors (all KV heads) of the `n` positions from `p0` (a block boundary) on,
 /// back to back, from the one block that holds them: slices never span blocks, since blocks a
-/// transfer holds may be in use on another thread (`ferry_kv::access`).
+/// transfer holds may be in use on another thread (`ferry_arena::access`).
 fn kv_rows<'a>(
     arena: &'a KvArena,
     layout: &KvLayout,

@@ -311,7 +311,7 @@ pub fn paged_logits_of(
     const BLOCK_SIZE: usize = 4;
     let n_blocks = ids.len().div_ceil(BLOCK_SIZE);
     let layout = ferry_model::Executor::kv_layout(&*llama, BLOCK_SIZE);
-    let mut kv = ferry_kv::KvArena::new(layout, n_blocks + 1);
+    let mut kv = ferry_arena::KvArena::new(layout, n_blocks + 1);
     // Blocks in reverse order, so a forward that ignored the table would read the wrong KV.
     let table: Vec<u32> = (1..=n_blocks as u32).rev().collect();
     let chunks: Vec<std::ops::Range<usize>> = if every_position {

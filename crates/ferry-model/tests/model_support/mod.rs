@@ -3,8 +3,8 @@
 
 #![allow(dead_code)]
 
+use ferry_arena::KvArena;
 use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
-use ferry_kv::KvArena;
 use ferry_model::random_model::SplitMix64;
 use ferry_model::{Executor, LlamaConfig, LlamaModel, Logits, RopeScaling, WeightStore};
 

@@ -73,6 +73,7 @@ struct Fleet {
 
 #[derive(Default)]
 struct Options<'a> {
+    p_extra: &'a [&'a str],
     d_extra: &'a [&'a str],
     proxy_extra: &'a [&'a str],
     /// P advertises the relay's address (`Fleet::relay_addr`) instead of its own on the P–D
@@ -161,7 +162,9 @@ impl Fleet {
             Vec::new()
         };
         let ucx: Vec<(&str, &str)> = p_env.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let p_args = serve_args("kv_producer", Some(&advertised), &transport);
+        let mut p_extra = transport.clone();
+        p_extra.extend(strings(options.p_extra));
+        let p_args = serve_args("kv_producer", Some(&advertised), &p_extra);
         let mut d_extra = strings(&[
             "--kv-allowed-peers",
             &format!("{},{}", pd.addr_a, relay_addr.ip()),
@@ -280,6 +283,13 @@ async fn link_cut_mid_transfer(policy: &str) {
 
 async fn link_cut_mid_transfer_over(policy: &str, nixl: bool) {
     let options = Options {
+        // Over NIXL, P's read timeout (1 s, which P tells D with the addresses) ends D's read
+        // before D's load bound (3 s) would: the read itself runs out of time.
+        p_extra: if nixl {
+            &["--kv-read-timeout-seconds", "1"]
+        } else {
+            &[]
+        },
         d_extra: &["--kv-load-failure-policy", policy],
         nixl,
         ..Options::default()
@@ -312,6 +322,9 @@ async fn link_cut_mid_transfer_over(policy: &str, nixl: bool) {
     let d = fleet.d_metrics().await;
     assert_eq!(metric(&d, "ferry_kv_loads_failed_total"), 1.0, "{d}");
     assert_eq!(metric(&d, "ferry_kv_loads_finished_total"), 0.0, "{d}");
+    // A stalled transfer is a timeout, whichever bound ended it: TCP's io_timeout (2 s) or,
+    // over NIXL, the read's own deadline, P's read timeout.
+    assert_eq!(metric(&d, "ferry_kv_loads_timed_out_total"), 1.0, "{d}");
     match policy {
         "fail" => {
             assert_eq!(status, 500, "{out}");

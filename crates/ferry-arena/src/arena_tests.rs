@@ -199,8 +199,7 @@ fn release_frees_and_reallocate_gives_zeroed_memory() {
     assert_eq!(arena.block(1)[0], 7.0);
 }
 
-/// Resident set size of this process in bytes, from `/proc/self/statm` (resident pages) and
-/// the page size the kernel reports in `/proc/self/smaps`.
+/// This process's resident set size in bytes (`VmRSS`, read by `resident.rs`).
 #[cfg(target_os = "linux")]
 fn rss_bytes() -> usize {
     crate::resident_bytes().expect("VmRSS") as usize

@@ -57,7 +57,7 @@
 //! safety contract.
 //!
 //! The tests (`access_tests.rs`) run under Miri, with Stacked and with Tree Borrows, sizes shrunk:
-//! `MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test -p ferry-kv --lib -- access`. Miri is
+//! `MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test -p ferry-arena --lib -- access`. Miri is
 //! a manual check (it needs nightly), not part of `.ci/run`.
 
 use std::alloc::{self, Layout};

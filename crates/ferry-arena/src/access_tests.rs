@@ -3,7 +3,7 @@
 //!
 //! Also meant for Miri (Stacked and Tree Borrows), which checks the module's safety argument
 //! rather than just the results; sizes shrink under Miri:
-//! `MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test -p ferry-kv --lib -- access`.
+//! `MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test -p ferry-arena --lib -- access`.
 
 use std::sync::mpsc;
 use std::thread;
