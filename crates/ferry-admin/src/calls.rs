@@ -5,7 +5,7 @@
 
 use strum::IntoEnumIterator;
 
-pub use crate::args::AdminCall;
+use crate::args::AdminCall;
 
 /// An HTTP method an admin call answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,7 +8,7 @@
 //! * its path, methods, dialect (vLLM's name, SGLang's or ferry's own), summary, query
 //!   parameters and body ([`AdminCall::decl`], the table, in [`calls`]);
 //! * how its arguments are read from the query string and the JSON body, with a 400 naming
-//!   the parameter at fault ([`AdminCall::read`], in [`args`]);
+//!   the parameter at fault ([`AdminCall::read`], in [`read`]);
 //! * what it may do given those arguments: clear the prefix cache, change the weights, abort
 //!   requests, release memory ([`Args::effects`]).
 //!
@@ -20,6 +20,9 @@
 //! call is adding a variant here; the compiler then asks the server and the proxy what they
 //! do with it.
 //!
+//! Modules, bottom up: [`query`] and [`bodies`] (the query string and the JSON bodies as
+//! read), [`args`] (the calls and their effects), [`calls`] (the table), [`read`].
+//!
 //! The key decision: the crate knows HTTP and the lifecycle's vocabulary (`ferry-core`'s
 //! pause modes, sleep levels and wake-up tags), nothing of the engine or the model, so the
 //! proxy depends on it and still builds no model.
@@ -28,7 +31,9 @@ pub mod args;
 pub mod bodies;
 pub mod calls;
 pub mod query;
+pub mod read;
 
-pub use args::{Args, Effects, Pausing, Request, UpdateWeights};
-pub use calls::{AdminCall, Body, CallDecl, Dialect, Method, Param};
+pub use args::{AdminCall, Args, Effects, Pausing, UpdateWeights};
+pub use calls::{Body, CallDecl, Dialect, Method, Param};
 pub use query::QueryArgs;
+pub use read::Request;

@@ -10,8 +10,8 @@
 //! (cache reset, P/D exports, pauses) are built on that ledger, so "reset failed because some
 //! block is still held" always names who holds it.
 //!
-//! Modules, bottom up, each importing only modules before it (`tests/no_import_loop.rs`
-//! checks that no module imports one that imports it back): [`ids`] (the basic ids),
+//! Modules, bottom up, each importing only modules before it (`ferry-lint`'s
+//! `tests/import_rings.rs` checks that no module imports one that imports it back): [`ids`] (the basic ids),
 //! [`sampling`], [`hash`] (chained blake3 block hashes), [`peers`], [`lifecycle`] (the
 //! lifecycle's public types), [`block_pool`] (ref counts, LRU free queue, prefix-cache
 //! index), [`holds`] (transfer holds: holder, kind, lease), [`ownership`] (the ledger and its

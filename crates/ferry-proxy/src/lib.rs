@@ -9,7 +9,8 @@
 //! plain instances it goes whole to one. P (or the plain instance) is picked by prefix: the one
 //! whose prefix cache, as its KV events describe it, holds most of the prompt, weighed against
 //! its load ([`fleet`], [`kv_index`], [`kv_sub`]). The
-//! lifecycle admin routes go to every instance and report each one's result ([`admin`]);
+//! lifecycle admin routes go to every instance and report each one's result ([`admin`],
+//! [`broadcast`]);
 //! `/health` and `/metrics` summarise the fleet (`/health` with `version_skew`: whether the
 //! instances run different weight versions, [`versions`]), and `/v1/models`, `/tokenize`,
 //! `/detokenize`, `/version` and SGLang's discovery routes (`/server_info`, `/model_info`,
@@ -29,6 +30,7 @@
 //! depends on nothing of the engine behind them: building the proxy builds no model.
 
 pub mod admin;
+pub mod broadcast;
 pub mod fleet;
 pub mod front;
 pub mod generate;

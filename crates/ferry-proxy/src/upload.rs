@@ -27,7 +27,7 @@ use ferry_http::error::ApiError;
 use ferry_http::extract::{random_id, ApiBytes, RequestId};
 use serde_json::{json, Map, Value};
 
-use crate::admin::{
+use crate::broadcast::{
     broadcast_to, copies, merged, new_weight_version, parse_body, read, summarise_noting, tee,
     Broadcast, InstanceResult,
 };

@@ -3,7 +3,7 @@
 //! P and D on different weight versions make every transfer fail D's version check (and,
 //! under `--kv-load-failure-policy recompute`, every prompt is computed twice), so the proxy
 //! never hides a skew: the version reads through it (`/get_weight_version`, `/weight_info`)
-//! are a 409 naming each instance's version ([`crate::admin::summarise`]), and `/health`
+//! are a 409 naming each instance's version ([`crate::broadcast::summarise`]), and `/health`
 //! says `version_skew` ([`crate::routes::health`]).
 //!
 //! `/health` reads each instance's version from its `/metrics`

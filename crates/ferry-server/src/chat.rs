@@ -6,14 +6,14 @@ use ferry_engine::OutputChunk;
 use crate::error::ApiError;
 use crate::generate::{
     response_transfer_params, weight_versions, ChunkFinish, Collected, Generation, GenerationRoute,
-    Head, Prepared, PreparedPrompt, StreamBase,
+    Prepared, PreparedPrompt, StreamBase,
 };
 use crate::logprobs::{chat_logprobs, prompt_logprobs_json};
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
 use crate::request::{ChatFields, ChatRequest};
 use crate::response::{
     AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta, DeltaContent,
-    Message, Response,
+    Head, Message, Response,
 };
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;

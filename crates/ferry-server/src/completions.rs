@@ -5,13 +5,13 @@ use ferry_engine::{OutputChunk, PromptTokenLogprob, TokenLogprob};
 use crate::error::ApiError;
 use crate::generate::{
     response_transfer_params, weight_versions, ChunkFinish, Collected, Generation, GenerationRoute,
-    Head, Prepared, PreparedPrompt, StreamBase,
+    Prepared, PreparedPrompt, StreamBase,
 };
 use crate::logprobs::{completion_logprobs, echo_logprobs, prompt_logprobs_json, TokenTexts};
 use crate::params::{check_completion_logprobs, check_prompt, GenerationParams};
 use crate::request::{CompletionRequest, Prompt};
 use crate::response::{
-    CompletionChoice, CompletionLogprobs, CompletionResponse, Response, Text, Usage,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, Head, Response, Text, Usage,
 };
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;

@@ -29,7 +29,7 @@ use crate::live::{LiveRequests, Registration};
 use crate::logprobs::TokenTexts;
 use crate::metrics::Metrics;
 use crate::params::GenerationParams;
-use crate::response::{StopReasonJson, Usage};
+use crate::response::{Head, StopReasonJson, Usage};
 use crate::sse::{sse_response, to_json, ChunkFormatter};
 use crate::state::{unix_now, AppState};
 use crate::structured::compile;
@@ -355,14 +355,6 @@ pub fn finish_fields(
     }
 }
 
-/// The fields every response and streamed chunk of one request repeats.
-#[derive(Debug, Clone)]
-pub struct Head {
-    pub id: String,
-    pub created: u64,
-    pub model: String,
-}
-
 /// A request's tokenized prompts and their parameters, as [`GenerationRoute::prepare`] reads
 /// them.
 pub type Prepared = (Vec<PreparedPrompt>, GenerationParams);
@@ -424,7 +416,8 @@ pub async fn handle<R: GenerationRoute>(
     };
     if params.stream {
         let base = StreamBase::new(head, &prompts, &params, texts.clone());
-        return Ok(sse_response(choices, R::streaming(base, generation)));
+        let streams = choices.into_iter().map(ChoiceStream::into_stream);
+        return Ok(sse_response(streams, R::streaming(base, generation)));
     }
     let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
     check_failed_choices(&collected)?;

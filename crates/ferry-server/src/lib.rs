@@ -48,6 +48,7 @@ pub mod routes;
 pub mod sse;
 pub mod state;
 pub mod structured;
+pub mod uploads;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -196,7 +197,7 @@ pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
         .route("/metrics", get(routes::metrics))
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))
-        .route("/openapi.json", get(routes::openapi))
+        .route("/openapi.json", get(openapi::openapi_json))
         .route("/generate", post(native::sglang::generate))
         .route("/inference/v1/generate", post(native::vllm::generate))
         .route("/server_info", get(native::discovery::server_info))

@@ -9,6 +9,10 @@
 //! parameter is one its handler knows) and against the API's documentation (every route and
 //! parameter the README, `docs/api.md` and `docs/lifecycle-admin.md` list is here).
 
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::Json;
 use utoipa::openapi::path::{
     HttpMethod, OperationBuilder, ParameterBuilder, ParameterIn, PathsBuilder,
 };
@@ -26,12 +30,18 @@ use crate::native::vllm::VllmGenerateRequest;
 use crate::request::{ChatFields, CommonParams, CompletionFields, StructuredFields};
 use crate::response::{ChatChunk, ChatResponse, CompletionResponse, ModelList};
 use crate::routes::{DetokenizeRequest, TokenizeRequest};
+use crate::state::AppState;
 use ferry_admin::bodies::{
     AbortRequest, AbortRequests, BeginUpload, CommitUpload, MemoryTags, PauseGeneration,
     ResetPrefixCache, SleepBody, UpdateFromDisk, UpdateWeightVersion, UpdateWeightsJson,
     WakeUpBody,
 };
 pub use ferry_admin::{Method, Param};
+
+/// `GET /openapi.json`: the API's OpenAPI document (with the admin routes when they are on).
+pub async fn openapi_json(State(app): State<Arc<AppState>>) -> Json<OpenApi> {
+    Json(document(app.config.enable_admin_api))
+}
 
 fn http_method(m: Method) -> HttpMethod {
     match m {

@@ -11,8 +11,15 @@ use utoipa::ToSchema;
 
 use ferry_engine::TokenId;
 
-use crate::generate::Head;
 use crate::kv_transfer::KvTransferParamsJson;
+
+/// The fields every response and streamed chunk of one request repeats.
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
 
 /// `usage`. `prompt_tokens` counts each prompt once, whatever `n`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]

@@ -210,8 +210,3 @@ pub async fn detokenize(
 pub async fn not_found() -> ApiError {
     ApiError::not_found(None, "no such route")
 }
-
-/// `GET /openapi.json`: the API's OpenAPI document (with the admin routes when they are on).
-pub async fn openapi(State(app): State<Arc<AppState>>) -> Json<utoipa::openapi::OpenApi> {
-    Json(crate::openapi::document(app.config.enable_admin_api))
-}

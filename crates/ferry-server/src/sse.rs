@@ -14,8 +14,6 @@ use ferry_engine::OutputChunk;
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use serde::Serialize;
 
-use crate::generate::ChoiceStream;
-
 /// Turns engine output into the route's chunk JSON.
 pub trait ChunkFormatter: Send + 'static {
     /// Events sent before any engine output (chat's role deltas).
@@ -33,9 +31,12 @@ struct State<F> {
     done: bool,
 }
 
-/// The SSE response for `choices`.
-pub fn sse_response<F: ChunkFormatter>(choices: Vec<ChoiceStream>, mut formatter: F) -> Response {
-    let merged = stream::select_all(choices.into_iter().map(ChoiceStream::into_stream));
+/// The SSE response for `choices`: each choice's engine output as `(choice index, chunk)`.
+pub fn sse_response<F: ChunkFormatter>(
+    choices: impl IntoIterator<Item = BoxStream<'static, (usize, OutputChunk)>>,
+    mut formatter: F,
+) -> Response {
+    let merged = stream::select_all(choices);
     let pending = formatter.start().into();
     let state = State {
         merged,

@@ -13,6 +13,7 @@ use crate::live::LiveRequests;
 use crate::logprobs::TokenTexts;
 use crate::metrics::Metrics;
 use crate::params::Limits;
+use crate::uploads::Uploads;
 use crate::ServerConfig;
 
 #[derive(Debug)]
@@ -28,8 +29,8 @@ pub struct AppState {
     pub live: Arc<LiveRequests>,
     /// When the server started (the model card's `created`).
     pub started_unix_s: u64,
-    /// The open bucketed weight upload, if any (`crate::admin::upload`).
-    pub uploads: crate::admin::upload::Uploads,
+    /// The open bucketed weight upload, if any (`crate::admin::upload` drives it).
+    pub uploads: Uploads,
 }
 
 impl AppState {

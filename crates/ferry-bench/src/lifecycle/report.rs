@@ -6,8 +6,6 @@ use std::time::Duration;
 use anyhow::Context;
 use serde_json::{json, Map, Value};
 
-use super::updates::{UpdateMemory, UpdateRss};
-
 /// Repeated measurements of one quantity, reported as min / p50 / max.
 #[derive(Debug, Clone, Default)]
 pub struct Samples(Vec<f64>);
@@ -126,6 +124,39 @@ pub struct MemoryReport {
     pub sleep2: RssStep,
     /// KV bytes the load that precedes each measurement wrote (at most the arena).
     pub kv_fill_bytes: u64,
+}
+
+/// Resident memory around one update, in bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct UpdateRss {
+    /// Just before the update.
+    pub before: u64,
+    /// When it returned (the replaced weights are freed by then).
+    pub after: u64,
+    /// The peak during it (`VmHWM` reset just before).
+    pub peak: u64,
+    /// Bytes of the weights held after it.
+    pub weight_bytes: u64,
+}
+
+impl UpdateRss {
+    /// How far the peak rose over what was resident before.
+    pub fn peak_extra(&self) -> u64 {
+        self.peak.saturating_sub(self.before)
+    }
+}
+
+/// What phase 0 measured (`updates.rs`).
+#[derive(Debug, Default)]
+pub struct UpdateMemory {
+    /// Resident memory before the first update.
+    pub rss_before: u64,
+    /// Bytes of the weights held before the first update.
+    pub weight_bytes_before: u64,
+    pub pushes: Vec<UpdateRss>,
+    pub reloads: Vec<UpdateRss>,
+    pub push_ms: Samples,
+    pub reload_ms: Samples,
 }
 
 /// Everything the benchmark prints.

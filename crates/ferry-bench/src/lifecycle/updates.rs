@@ -20,43 +20,10 @@ use std::time::Instant;
 use anyhow::Context;
 use ferry_engine::EngineHandle;
 
-use super::report::{self, Samples};
+use super::report::{self, UpdateMemory, UpdateRss};
 
 /// Bytes per piece of a streamed push.
 const PIECE_BYTES: usize = 1 << 20;
-
-/// Resident memory around one update, in bytes.
-#[derive(Debug, Clone, Copy)]
-pub struct UpdateRss {
-    /// Just before the update.
-    pub before: u64,
-    /// When it returned (the replaced weights are freed by then).
-    pub after: u64,
-    /// The peak during it (`VmHWM` reset just before).
-    pub peak: u64,
-    /// Bytes of the weights held after it.
-    pub weight_bytes: u64,
-}
-
-impl UpdateRss {
-    /// How far the peak rose over what was resident before.
-    pub fn peak_extra(&self) -> u64 {
-        self.peak.saturating_sub(self.before)
-    }
-}
-
-/// What phase 0 measured.
-#[derive(Debug, Default)]
-pub struct UpdateMemory {
-    /// Resident memory before the first update.
-    pub rss_before: u64,
-    /// Bytes of the weights held before the first update.
-    pub weight_bytes_before: u64,
-    pub pushes: Vec<UpdateRss>,
-    pub reloads: Vec<UpdateRss>,
-    pub push_ms: Samples,
-    pub reload_ms: Samples,
-}
 
 /// Pushes `body` (a safetensors file) `n` times, then reloads `model_path` `n` times.
 pub async fn measure(

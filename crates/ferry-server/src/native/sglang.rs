@@ -30,8 +30,9 @@ use serde_json::{json, Map, Value};
 use super::{as_completions, get, logprob_json, object, refuse_set, room, token_ids};
 use crate::error::ApiError;
 use crate::extract::{ApiJson, RequestId};
-use crate::generate::{check_failed_choices, start, Collected, Head};
+use crate::generate::{check_failed_choices, start, ChoiceStream, Collected};
 use crate::logprobs::TokenTexts;
+use crate::response::Head;
 use crate::sse::{sse_response, to_json, ChunkFormatter};
 use crate::state::AppState;
 
@@ -382,7 +383,8 @@ pub async fn generate(
                 })
                 .collect(),
         };
-        return Ok(sse_response(choices, formatter));
+        let streams = choices.into_iter().map(ChoiceStream::into_stream);
+        return Ok(sse_response(streams, formatter));
     }
     let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
     check_failed_choices(&collected)?;

@@ -30,7 +30,8 @@ use super::{as_completions, get, logprob_json, object, refuse_set, room, token_i
 use crate::error::ApiError;
 use crate::extract::{ApiJson, RequestId};
 use crate::generate::{
-    check_failed_choices, finish_fields, response_transfer_params, start, StreamBase, UsageTally,
+    check_failed_choices, finish_fields, response_transfer_params, start, ChoiceStream, StreamBase,
+    UsageTally,
 };
 use crate::logprobs::prompt_logprobs_json;
 use crate::sse::{sse_response, to_json, ChunkFormatter};
@@ -150,7 +151,8 @@ pub async fn generate(
     let (head, choices) = start(&app, request_id, &prompts, &params, "token_ids", arrival).await?;
     if params.stream {
         let base = StreamBase::new(head, &prompts, &params, app.texts.clone());
-        return Ok(sse_response(choices, Formatter { base, top_n }));
+        let streams = choices.into_iter().map(ChoiceStream::into_stream);
+        return Ok(sse_response(streams, Formatter { base, top_n }));
     }
     let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
     check_failed_choices(&collected)?;

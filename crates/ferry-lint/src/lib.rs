@@ -1,0 +1,39 @@
+//! ferry-lint: rules about the workspace's own source, checked as tests
+//! (`tests/import_rings.rs`).
+//!
+//! The rule it holds: no module imports one that imports it back, directly or around a ring,
+//! in any crate. The modules of a crate then stack bottom up, and each can be read, tested
+//! and changed knowing only the ones below it. A ring is broken the way ferry-core's `ids.rs`
+//! says: move what both need into a module below them, split the module that does two jobs,
+//! or move a function to the module whose job it is.
+//!
+//! The check reads every file under a crate's `src/`, follows each crate root's `mod`
+//! declarations to its modules ([`tree`]: a library and a binary are checked apart), finds
+//! what each file refers to through `crate::`, `super::` and `self::` paths (in `use`
+//! declarations and inline, test modules included; comments and string literals skipped:
+//! [`tokens`], [`paths`]) and builds the graph of modules ([`graph`], which says what counts
+//! as an edge). A ring is reported with the modules in it, one shortest cycle and every import
+//! that keeps them in it ([`report`]); [`workspace`] runs that on each crate of the workspace.
+//! `cargo run -p ferry-lint -- CRATE...` prints the rings of the named crates (all without
+//! names; `--workspace DIR` reads another checkout).
+//!
+//! The key decision: it reads source, not the compiler's resolution, so it builds in seconds
+//! with no crate of the workspace. What it cannot see (a method called on a value, a macro's
+//! expansion) is no edge; every path written is.
+
+pub mod error;
+pub mod graph;
+pub mod paths;
+pub mod report;
+pub mod tokens;
+pub mod tree;
+pub mod workspace;
+
+pub use error::Error;
+pub use report::{render, Ring};
+pub use workspace::{check, read_crate, workspace_crates, CrateReport, CrateSource};
+
+/// The workspace this crate was built in (`crates/ferry-lint/../..`).
+pub fn this_workspace() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
