@@ -156,11 +156,6 @@ fn the_engine_core_and_what_it_imports_do_no_io() {
     let engine = read_crate(&this_workspace().join("crates/ferry-engine")).expect("ferry-engine");
     let reach = reach_of(&engine, &ROOTS);
     let names = reach.names();
-    println!(
-        "proved sans-IO (ferry-engine, from {}): {}",
-        ROOTS.join(", "),
-        names.join(", ")
-    );
     let wrong = findings(&reach);
     assert!(
         wrong.is_empty(),
@@ -213,6 +208,11 @@ fn the_engine_core_and_what_it_imports_do_no_io() {
         "the engine core names crates that reach I/O (see `cargo tree -p ferry-engine -e \
          normal -i CRATE`):\n{}",
         bad.join("\n")
+    );
+    println!(
+        "proved sans-IO (ferry-engine, from {}): {}",
+        ROOTS.join(", "),
+        names.join(", ")
     );
 }
 
