@@ -59,6 +59,15 @@
 //! The tests (`access_tests.rs`) run under Miri, with Stacked and with Tree Borrows, sizes shrunk:
 //! `MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test -p ferry-arena --lib -- access`. Miri is
 //! a manual check (it needs nightly), not part of `.ci/run`.
+//!
+//! [`KvArena`]: crate::KvArena
+//! [`KvArena::as_mut_slice`]: crate::KvArena::as_mut_slice
+//! [`KvArena::as_slice`]: crate::KvArena::as_slice
+//! [`KvArena::generation`]: crate::KvArena::generation
+//! [`KvArena::grant`]: crate::KvArena::grant
+//! [`KvArena::n_outstanding_grants`]: crate::KvArena::n_outstanding_grants
+//! [`KvArena::reallocate`]: crate::KvArena::reallocate
+//! [`KvArena::release`]: crate::KvArena::release
 
 use std::alloc::{self, Layout};
 use std::collections::{BTreeMap, BTreeSet};
@@ -68,21 +77,13 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use crate::arena::{KvArena, KvError, KvLayout};
-
-/// What a [`BlockGrant`] may do with its blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Access {
-    /// Read the blocks (an export sending them, an offload store copying them out).
-    Read,
-    /// Overwrite the blocks (an import landing, an offload load copying them in).
-    Write,
-}
+use crate::block::{Access, KvError, KvLayout};
 
 /// One zeroed allocation of arena memory, shared by the arena and the grants made over it.
 ///
 /// Holds the memory only through a raw pointer, so no reference to it exists except the ones
-/// [`KvArena`] and [`BlockGrant`] make for the duration of one borrow (see the module doc).
+/// [`KvArena`](crate::KvArena) and [`BlockGrant`] make for the duration of one borrow (see
+/// the module doc).
 pub(crate) struct Storage {
     ptr: NonNull<f32>,
     n_floats: usize,
@@ -375,6 +376,50 @@ impl ArenaMemory {
         );
     }
 
+    /// A grant over `blocks` of this memory, whose layout is `layout`, for
+    /// [`KvArena::grant`](crate::KvArena::grant), which has checked that every id is in range
+    /// and the memory allocated: refused when a write grant names a block twice, or when
+    /// another live grant claims a block in a conflicting way.
+    ///
+    /// # Safety
+    ///
+    /// `KvArena::grant`'s: until the grant drops, the engine thread neither writes `blocks`
+    /// nor, for a write grant, reads them.
+    pub(crate) unsafe fn grant(
+        &self,
+        blocks: &[u32],
+        access: Access,
+        layout: KvLayout,
+    ) -> Result<BlockGrant, KvError> {
+        if access == Access::Write {
+            let mut seen = BTreeSet::new();
+            if let Some(&block) = blocks.iter().find(|&&block| !seen.insert(block)) {
+                return Err(KvError::DuplicateBlock { block });
+            }
+        }
+        self.storage.claim(blocks, access)?;
+        self.storage.n_grants.fetch_add(1, Ordering::Relaxed);
+        self.n_grants.fetch_add(1, Ordering::Relaxed);
+        Ok(BlockGrant {
+            storage: Arc::clone(&self.storage),
+            blocks: blocks.into(),
+            access,
+            layout,
+            generation: self.generation,
+            n_grants: Arc::clone(&self.n_grants),
+        })
+    }
+
+    /// Grants made over this memory (any generation) not dropped yet; reading it zero also
+    /// makes their writes visible here.
+    pub(crate) fn n_outstanding_grants(&self) -> usize {
+        self.n_grants.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
     #[cfg(test)]
     pub(crate) fn storage_weak(&self) -> std::sync::Weak<Storage> {
         Arc::downgrade(&self.storage)
@@ -402,57 +447,8 @@ impl fmt::Debug for ArenaMemory {
     }
 }
 
-impl KvArena {
-    /// A handle a worker thread uses to read or write exactly `blocks` (in that order; `i` in
-    /// [`BlockGrant`]'s methods indexes this list) while the engine thread keeps stepping.
-    ///
-    /// Refused with an error naming the block when an id is out of range, the arena is released,
-    /// a write grant names a block twice, or another live grant claims a block in a conflicting
-    /// way (any claim, for a write grant; a write claim, for a read grant).
-    ///
-    /// # Safety
-    ///
-    /// Until the returned grant drops, the engine thread must not write `blocks` through this
-    /// arena, nor read them if `access` is [`Access::Write`]. The block ledger guarantees this for
-    /// the blocks of a transfer hold that stays held until the grant is dropped (module doc).
-    pub unsafe fn grant(&self, blocks: &[u32], access: Access) -> Result<BlockGrant, KvError> {
-        for &block in blocks {
-            self.check_block(block)?;
-        }
-        if access == Access::Write {
-            let mut seen = BTreeSet::new();
-            if let Some(&block) = blocks.iter().find(|&&block| !seen.insert(block)) {
-                return Err(KvError::DuplicateBlock { block });
-            }
-        }
-        let memory = self.memory();
-        memory.storage.claim(blocks, access)?;
-        memory.storage.n_grants.fetch_add(1, Ordering::Relaxed);
-        memory.n_grants.fetch_add(1, Ordering::Relaxed);
-        Ok(BlockGrant {
-            storage: Arc::clone(&memory.storage),
-            blocks: blocks.into(),
-            access,
-            layout: self.layout(),
-            generation: memory.generation,
-            n_grants: Arc::clone(&memory.n_grants),
-        })
-    }
-
-    /// Grants made by this arena (over any generation) that have not been dropped yet. Zero
-    /// means every worker let go; reading it zero also makes their writes visible here.
-    pub fn n_outstanding_grants(&self) -> usize {
-        self.memory().n_grants.load(Ordering::Acquire)
-    }
-
-    /// Which allocation the arena holds: 0 from [`KvArena::new`], one more on every
-    /// [`KvArena::reallocate`] that allocates.
-    pub fn generation(&self) -> u64 {
-        self.memory().generation
-    }
-}
-
-/// A worker thread's access to some blocks of one arena allocation; see [`KvArena::grant`].
+/// A worker thread's access to some blocks of one arena allocation; see
+/// [`KvArena::grant`](crate::KvArena::grant).
 ///
 /// Keeps the allocation alive and its blocks claimed until dropped. Block indexes `i` are
 /// positions in [`BlockGrant::blocks`]; a position past its end panics, like slice indexing,
@@ -471,7 +467,7 @@ impl BlockGrant {
         self.access
     }
 
-    /// The granted block ids, in the order given to [`KvArena::grant`].
+    /// The granted block ids, in the order given to [`KvArena::grant`](crate::KvArena::grant).
     pub fn blocks(&self) -> &[u32] {
         &self.blocks
     }
@@ -513,10 +509,10 @@ impl BlockGrant {
             .push(hook);
     }
 
-    /// `true` while `arena` still holds the allocation this grant was made over: `false` after a
-    /// release (and any reallocation), or for another arena.
-    pub fn is_current(&self, arena: &KvArena) -> bool {
-        Arc::ptr_eq(&self.storage, &arena.memory().storage)
+    /// Whether `memory` is the allocation this grant was made over
+    /// ([`BlockGrant::is_current`](crate::BlockGrant::is_current) asks it of an arena).
+    pub(crate) fn is_over(&self, memory: &ArenaMemory) -> bool {
+        Arc::ptr_eq(&self.storage, &memory.storage)
     }
 
     /// Block `blocks()[i]` as bytes.
@@ -622,7 +618,3 @@ impl fmt::Debug for BlockGrant {
             .finish_non_exhaustive()
     }
 }
-
-#[cfg(test)]
-#[path = "access_tests.rs"]
-mod tests;

@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::thread;
 
 use super::*;
-use crate::arena::KvPlane;
+use crate::block::KvPlane;
 
 /// Rounds of concurrent writes; each round rewrites every block involved.
 const N_ROUNDS: usize = if cfg!(miri) { 2 } else { 300 };

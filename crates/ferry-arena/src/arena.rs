@@ -16,91 +16,12 @@
 //!
 //! The memory itself is shared storage ([`crate::access`]): the engine thread uses it through
 //! `&self`/`&mut self` as if it were a `Vec<f32>`, and worker threads reach the blocks a transfer
-//! holds through a [`BlockGrant`](crate::BlockGrant).
+//! holds through a [`BlockGrant`].
 
 use std::ops::Range;
 
-use crate::access::{Access, ArenaMemory};
-
-/// Shape of the KV a model needs per block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvLayout {
-    pub n_layers: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub block_size: usize,
-}
-
-/// Which half of a layer's KV: keys or values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum KvPlane {
-    K,
-    V,
-}
-
-impl KvLayout {
-    /// Floats of one token's K (or V) in one layer.
-    pub fn token_floats(&self) -> usize {
-        self.n_kv_heads * self.head_dim
-    }
-
-    /// Floats of K (or V) of one layer in one block.
-    pub fn plane_floats(&self) -> usize {
-        self.block_size * self.token_floats()
-    }
-
-    /// Floats of one whole block (every layer, K and V).
-    pub fn block_floats(&self) -> usize {
-        self.n_layers * 2 * self.plane_floats()
-    }
-
-    pub fn block_bytes(&self) -> usize {
-        self.block_floats() * std::mem::size_of::<f32>()
-    }
-
-    /// Offset (in floats, inside a block) of layer `layer`'s K plane (`v = false`) or V plane.
-    pub fn plane_offset(&self, layer: usize, v: bool) -> usize {
-        (layer * 2 + usize::from(v)) * self.plane_floats()
-    }
-
-    /// Offset (in floats, inside a block) of the K or V vector (all heads) of the token in
-    /// slot `slot` (`0..block_size`) of layer `layer`.
-    pub fn token_offset(&self, layer: usize, plane: KvPlane, slot: usize) -> usize {
-        self.plane_offset(layer, plane == KvPlane::V) + slot * self.token_floats()
-    }
-
-    /// Offset (in floats, inside a block) of one head's vector of the token in slot `slot`.
-    pub fn head_offset(&self, layer: usize, plane: KvPlane, slot: usize, head: usize) -> usize {
-        self.token_offset(layer, plane, slot) + head * self.head_dim
-    }
-}
-
-/// Why a byte-level block access failed. Every variant names the block it was about.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KvError {
-    #[error("KV block {block} is out of range: the arena has {n_blocks} blocks")]
-    BlockOutOfRange { block: u32, n_blocks: usize },
-    #[error("KV block {block}: got {actual} bytes, a block holds {expected}")]
-    WrongLength {
-        block: u32,
-        expected: usize,
-        actual: usize,
-    },
-    #[error("KV block {block}: the arena is released (sleeping or KV memory released)")]
-    Released { block: u32 },
-    #[error("KV block {block}: source layout {src:?} differs from destination layout {dst:?}")]
-    LayoutMismatch {
-        block: u32,
-        src: KvLayout,
-        dst: KvLayout,
-    },
-    #[error("KV block {block} appears more than once in one write grant")]
-    DuplicateBlock { block: u32 },
-    #[error("KV block {block} is already granted to another worker ({held:?})")]
-    BlockBusy { block: u32, held: Access },
-    #[error("KV block {block}: the grant is read-only")]
-    ReadOnlyGrant { block: u32 },
-}
+use crate::access::{ArenaMemory, BlockGrant};
+use crate::block::{Access, KvError, KvLayout, KvPlane};
 
 /// Block-major KV memory. Can be released (sleep, KV memory release) and reallocated.
 #[derive(Debug)]
@@ -139,7 +60,7 @@ impl KvArena {
     }
 
     /// Frees the memory itself (not just marks it free): the allocation goes back to the OS, at
-    /// once, or when the last outstanding [`BlockGrant`](crate::BlockGrant) over it drops
+    /// once, or when the last outstanding [`BlockGrant`] over it drops
     /// ([`KvArena::n_outstanding_grants`]).
     pub fn release(&mut self) {
         self.memory.release();
@@ -320,6 +241,51 @@ impl KvArena {
     }
 }
 
+impl KvArena {
+    /// A handle a worker thread uses to read or write exactly `blocks` (in that order; `i` in
+    /// [`BlockGrant`]'s methods indexes this list) while the engine thread keeps stepping.
+    ///
+    /// Refused with an error naming the block when an id is out of range, the arena is released,
+    /// a write grant names a block twice, or another live grant claims a block in a conflicting
+    /// way (any claim, for a write grant; a write claim, for a read grant).
+    ///
+    /// # Safety
+    ///
+    /// Until the returned grant drops, the engine thread must not write `blocks` through this
+    /// arena, nor read them if `access` is [`Access::Write`]. The block ledger guarantees this for
+    /// the blocks of a transfer hold that stays held until the grant is dropped
+    /// ([`crate::access`]'s module doc).
+    pub unsafe fn grant(&self, blocks: &[u32], access: Access) -> Result<BlockGrant, KvError> {
+        for &block in blocks {
+            self.check_block(block)?;
+        }
+        // SAFETY: the caller's promise is the one `ArenaMemory::grant` asks for.
+        unsafe { self.memory().grant(blocks, access, self.layout()) }
+    }
+
+    /// Grants made by this arena (over any generation) that have not been dropped yet. Zero
+    /// means every worker let go; reading it zero also makes their writes visible here.
+    pub fn n_outstanding_grants(&self) -> usize {
+        self.memory().n_outstanding_grants()
+    }
+
+    /// Which allocation the arena holds: 0 from [`KvArena::new`], one more on every
+    /// [`KvArena::reallocate`] that allocates.
+    pub fn generation(&self) -> u64 {
+        self.memory().generation()
+    }
+}
+
+// Here rather than beside the rest of `BlockGrant` in `access.rs`: it takes the arena, and
+// `access.rs` (the memory and the grants over it) sits below `arena.rs`.
+impl BlockGrant {
+    /// `true` while `arena` still holds the allocation this grant was made over: `false` after a
+    /// release (and any reallocation), or for another arena.
+    pub fn is_current(&self, arena: &KvArena) -> bool {
+        self.is_over(arena.memory())
+    }
+}
+
 fn floats_as_bytes(floats: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding and u8 has alignment 1; the byte slice covers exactly the
     // memory of `floats` and borrows it for the same lifetime.
@@ -336,3 +302,9 @@ fn floats_as_bytes_mut(floats: &mut [f32]) -> &mut [u8] {
 #[cfg(test)]
 #[path = "arena_tests.rs"]
 mod tests;
+
+// The grants' tests make their grants through the arena, so they are the arena's: as
+// `access`'s they would import upwards.
+#[cfg(test)]
+#[path = "access_tests.rs"]
+mod access_tests;

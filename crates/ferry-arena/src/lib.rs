@@ -24,10 +24,12 @@
 
 pub mod access;
 pub mod arena;
+pub mod block;
 pub mod resident;
 pub mod worker;
 
-pub use access::{Access, BlockGrant, MemoryRegion};
-pub use arena::{KvArena, KvError, KvLayout, KvPlane};
+pub use access::{BlockGrant, MemoryRegion};
+pub use arena::KvArena;
+pub use block::{Access, KvError, KvLayout, KvPlane};
 pub use resident::resident_bytes;
 pub use worker::{Reports, WorkerConnector};

@@ -16,10 +16,29 @@ use ferry_core::{ConnectorId, FinishReason, KvEventBatch, OpId, ReqIdx, Schedule
 use ferry_model::Executor;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::engine_core::{CallResult, CoreEvent, EngineCore, NewRequest, ThreadedEnv};
-use crate::handle::Connector;
-use crate::input::{AddInput, Event, Input, Queued, Reply, Utility};
+use crate::connector::Connector;
+use crate::engine_core::{CallResult, CoreEnv, CoreEvent, EngineCore, MaskWork, NewRequest};
+use crate::event::Event;
+use crate::input::{AddInput, Input, Queued, Reply, Utility};
 use crate::EngineStats;
+
+/// The engine thread's environment: the wall clock from `epoch`, masks on rayon's threads.
+/// Here, not beside [`CoreEnv`]: the core itself reads no clock and starts no thread.
+#[derive(Debug, Clone, Copy)]
+pub struct ThreadedEnv {
+    pub epoch: Instant,
+}
+
+impl CoreEnv for ThreadedEnv {
+    fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    fn run_masks(&self, work: &mut [MaskWork<'_>]) {
+        use rayon::prelude::*;
+        work.par_iter_mut().for_each(MaskWork::run);
+    }
+}
 
 /// A reply held back until the engine reaches a state.
 #[derive(Debug)]

@@ -44,11 +44,10 @@ use ferry_core::{
 };
 use ferry_model::{ExecError, Executor, PreparedWeights, RetiredWeights, WeightError};
 
+use crate::connector::Connector;
 use crate::constraint::{Constraint, ConstraintState, Next};
-use crate::handle::Connector;
-use crate::input::{EngineFinish, Event};
+use crate::event::{EngineFinish, Event};
 use crate::transfer_stats::{TransferStats, TransferTally};
-use crate::WeightInfo;
 
 /// Consecutive failed steps after which every live request is finished with `error`.
 pub const MAX_CONSECUTIVE_FAILURES: u32 = 3;
@@ -63,23 +62,6 @@ pub trait CoreEnv: Send {
     /// the engine spreads them over threads (a mask over a 50k vocabulary can take a
     /// millisecond), the simulation runs them in order.
     fn run_masks(&self, work: &mut [MaskWork<'_>]);
-}
-
-/// The engine thread's environment: the wall clock from `epoch`, masks on rayon's threads.
-#[derive(Debug, Clone, Copy)]
-pub struct ThreadedEnv {
-    pub epoch: std::time::Instant,
-}
-
-impl CoreEnv for ThreadedEnv {
-    fn now(&self) -> Duration {
-        self.epoch.elapsed()
-    }
-
-    fn run_masks(&self, work: &mut [MaskWork<'_>]) {
-        use rayon::prelude::*;
-        work.par_iter_mut().for_each(MaskWork::run);
-    }
 }
 
 /// A deterministic environment: no clock (time stands at zero), masks computed inline in
@@ -228,6 +210,18 @@ pub enum CallResult {
     Status(LifecycleStatus, WeightInfo),
     /// The weights lent to a reload in place, if they were.
     Lent(Option<RetiredWeights>),
+}
+
+/// The weights as the engine sees them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightInfo {
+    pub weight_version: String,
+    /// Completed weight updates (reloads and pushes) since start.
+    pub n_weight_updates: u64,
+    pub residency: WeightResidency,
+    /// Bytes of the weights held, each tensor in its stored dtype (a pushed tensor keeps
+    /// the dtype it came in); 0 after sleep level 2.
+    pub n_bytes: u64,
 }
 
 /// The answer of one kind of call, or the answer back when it is of another kind.

@@ -5,9 +5,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
-use ferry_arena::WorkerConnector;
 use ferry_core::{
-    KvConnector, KvEventBatch, OffloadConfig, OffloadConnector, PdConfig, PdConnector, Scheduler,
+    KvEventBatch, OffloadConfig, OffloadConnector, PdConfig, PdConnector, Scheduler,
     SchedulerConfig, StepError,
 };
 use ferry_kv::{OffloadWorker, PdWorker, Transport};
@@ -15,6 +14,7 @@ use ferry_model::ExecError;
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore, TryAcquireError};
 
+use crate::connector::Connector;
 use crate::constraint::{ConstraintError, Constraints};
 use crate::engine::EngineLoop;
 use crate::input::{AddInput, Input, QueueSlot, Queued, Utility};
@@ -32,22 +32,10 @@ pub fn spawn(
     spawn_with_connectors(config, executor, tokenizer, Vec::new())
 }
 
-/// One KV connector: its scheduler side, which the core drives, and its worker side, which
-/// the engine thread hands each step's jobs to (none for a connector that plans no jobs).
-#[derive(Debug)]
-pub struct Connector {
-    pub scheduler: Box<dyn KvConnector>,
-    pub worker: Option<Box<dyn WorkerConnector>>,
-}
-
+/// The connectors ferry-kv's workers serve. Here, with the handle that starts them, not in
+/// `connector.rs`: their workers run transports and copier threads, which the engine core
+/// and what it imports never name (`ferry-lint`'s `tests/sans_io.rs`).
 impl Connector {
-    pub fn new(scheduler: Box<dyn KvConnector>, worker: Box<dyn WorkerConnector>) -> Self {
-        Self {
-            scheduler,
-            worker: Some(worker),
-        }
-    }
-
     /// The P/D connector over `transport`, both sides.
     pub fn pd(config: PdConfig, transport: Arc<dyn Transport>) -> Self {
         let worker = PdWorker::new(config.engine_id.clone(), transport);
@@ -73,15 +61,6 @@ pub fn random_secret() -> [u8; 32] {
     let mut out = [0u8; 32];
     getrandom::fill(&mut out).expect("the operating system's random number generator failed");
     out
-}
-
-impl From<Box<dyn KvConnector>> for Connector {
-    fn from(scheduler: Box<dyn KvConnector>) -> Self {
-        Self {
-            scheduler,
-            worker: None,
-        }
-    }
 }
 
 /// [`spawn`] with KV connectors (P/D transfer, offload tier), in order: the core drives them,

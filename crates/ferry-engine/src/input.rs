@@ -1,5 +1,5 @@
-//! What crosses between callers and the engine thread: the closed input enum (in) and the
-//! per-request raw events (out).
+//! What crosses from callers to the engine thread: the closed input enum and its queue (the
+//! per-request events that come back are `event.rs`'s).
 //!
 //! The queue. Inputs travel on one unbounded tokio channel, and the *bound* is a semaphore of
 //! `input_queue_capacity` permits: an add takes a permit with `try_acquire` (none left:
@@ -20,13 +20,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use ferry_core::{
-    AddError, ConnectorId, FinishReason, KvTransferParams, PromptTokenLogprob, SampledToken,
-    SamplingParams, StepError, TokenId, TransferId, TransferRequest, WorkerReport,
+    AddError, ConnectorId, SamplingParams, StepError, TokenId, TransferRequest, WorkerReport,
 };
 use ferry_model::ExecError;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
 use crate::engine_core::{Call, CallResult};
+use crate::event::Event;
 
 /// A call's reply. The engine thread never sends "stopped": a reply it drops unanswered (it
 /// stopped, or panicked) reads as [`crate::Stopped`] on the caller's side.
@@ -104,40 +104,4 @@ pub(crate) enum Utility {
     /// A lifecycle call (takes no queue permit: they must get through a full queue), with
     /// where its answer goes.
     Lifecycle(Call, Reply<CallResult>),
-}
-
-/// A raw per-request event from the engine thread. No text: detokenizing is the reader's job.
-#[derive(Debug)]
-pub enum Event {
-    /// The request was scheduled for the first time; that many prompt tokens were cache hits.
-    Admitted { n_cached_tokens: usize },
-    /// One step's output: a token (none for an abort or error) and, on the last, the finish.
-    /// The two travel together so that a reader sees a stop token and its finish at once.
-    Output {
-        sampled: Option<SampledToken>,
-        finish: Option<EngineFinish>,
-        /// The weight version the token was computed with (set with `sampled`).
-        weight_version: Option<Arc<str>>,
-        /// The token was the only one the request's constraint allowed.
-        forced: bool,
-    },
-    /// Logprobs of the request's next prompt tokens (it asked for prompt logprobs), in
-    /// prompt order from position 1, each position once; before the outputs of that step.
-    PromptLogprobs(Vec<PromptTokenLogprob>),
-}
-
-/// The engine's side of a finish: the reader adds prompt and cache counts.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EngineFinish {
-    pub reason: FinishReason,
-    /// The stop token, when a token (EOS or a stop token id) stopped the request.
-    pub stop_token: Option<TokenId>,
-    /// The hold keeping the request's KV (`Finished::transfer`): a connector's export.
-    pub transfer: Option<TransferId>,
-    /// The connectors' transfer parameters for the client (P's export).
-    pub kv_transfer_params: Option<Box<KvTransferParams>>,
-    /// Why, for an `error` finish the core explained (a failed KV load).
-    pub message: Option<String>,
-    /// Why, for a `stop` a structured-output constraint decided.
-    pub constraint_stop: Option<String>,
 }

@@ -7,7 +7,12 @@
 //! lifecycle calls), [`EngineCore::step`] runs a step and moves the lifecycle, and everything
 //! that comes out leaves by one route, [`EngineCore::poll_event`], drained after every input
 //! and every step (the order to call things in is in `engine_core.rs`'s docs). The engine
-//! thread, the simulation (`ferry-sim`) and tests all drive this one core.
+//! thread, the simulation (`ferry-sim`) and tests all drive this one core. It is sans-IO by
+//! construction: `engine_core.rs` and `reload.rs` (the reload from disk as a state machine)
+//! and every module they import (`connector.rs`, `constraint.rs`, `event.rs`,
+//! `transfer_stats.rs`) name no async runtime, thread, clock or channel; ferry-lint's
+//! `tests/sans_io.rs` fails if one does. The tokio side (`handle.rs`, `input.rs`,
+//! `stream.rs`, the engine thread in `engine.rs`) sits above them.
 //!
 //! One `std::thread` (the engine thread, `engine.rs`) is a thin loop around the core. Everything
 //! that can change its state arrives as one closed enum (`input::Input`) on one queue and is
@@ -22,11 +27,13 @@
 //! ([`stop`]), aborting the request when one matches. A slow client therefore costs the engine
 //! nothing, and text work runs on the callers' tokio threads in parallel.
 
+mod connector;
 pub mod constraint;
 pub mod detok;
 mod engine;
 pub mod engine_core;
 mod error;
+mod event;
 mod handle;
 mod input;
 mod lifecycle;
@@ -40,15 +47,18 @@ mod transfer_stats;
 
 // What the engine's API takes and returns, so its callers (the server, the binary) need no
 // other ferry crate.
+pub use connector::Connector;
 pub use constraint::{Constraint, ConstraintError, Constraints, StructuredOutput};
+pub use engine::ThreadedEnv;
 pub use engine_core::{
     Call, CallKind, CallResult, CoreCounters, CoreEnv, CoreEvent, EngineCore, InlineEnv, LendId,
-    MaskWork, NewRequest, StepObserver, Stepped, ThreadedEnv,
+    MaskWork, NewRequest, StepObserver, Stepped, WeightInfo,
 };
 pub use error::{
     GenerateError, LifecycleCallError, SpawnError, StartError, Stopped, WeightPushError,
     WeightReloadError, WeightUpdateError,
 };
+pub use event::{EngineFinish, Event};
 pub use ferry_arena::WorkerConnector;
 pub use ferry_core::{
     ip_literal, AddError, AllowedPeers, ConnectorId, FinishReason, KvConnector, KvEvent,
@@ -63,8 +73,7 @@ pub use ferry_model::{
     BucketInfo, ExecError, Executor, LoadError, LoadedModel, LogprobsMode, ModelSpec,
     PreparedWeights, Tensor, WeightError, WeightStore, WeightUpload,
 };
-pub use handle::{random_secret, spawn, spawn_with_connectors, Connector, EngineHandle};
-pub use input::{EngineFinish, Event};
+pub use handle::{random_secret, spawn, spawn_with_connectors, EngineHandle};
 pub use reload::{DiskReload, ReloadFailure, Reloaded, Step as ReloadStep};
 pub use start::{
     start_model, start_model_with, start_model_with_connectors, KvCacheSize, ModelEngineConfig,
@@ -234,18 +243,6 @@ pub struct WeightUpdateInfo {
     /// A reload that wrote the new weights over the old ones, as the engine was paused: no
     /// second copy, no fresh memory ([`EngineHandle::update_weights_from_disk`]).
     pub in_place: bool,
-}
-
-/// The weights as the engine sees them.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WeightInfo {
-    pub weight_version: String,
-    /// Completed weight updates (reloads and pushes) since start.
-    pub n_weight_updates: u64,
-    pub residency: WeightResidency,
-    /// Bytes of the weights held, each tensor in its stored dtype (a pushed tensor keeps
-    /// the dtype it came in); 0 after sleep level 2.
-    pub n_bytes: u64,
 }
 
 /// The server shares one handle between tasks and moves streams into them.

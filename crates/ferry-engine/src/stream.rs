@@ -13,7 +13,8 @@ use tokenizers::Tokenizer;
 use tokio::sync::mpsc;
 
 use crate::detok::IncrementalDetokenizer;
-use crate::input::{EngineFinish, Event, Input, Queued};
+use crate::event::{EngineFinish, Event};
+use crate::input::{Input, Queued};
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::{Finish, OutputChunk, StopReason, TokenLogprob};
 

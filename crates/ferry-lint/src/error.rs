@@ -1,5 +1,6 @@
 //! What can stop the checker from reading a crate: a file it cannot read, a module whose file
-//! it cannot find, a file no crate root reaches (a module it would not see).
+//! it cannot find, a file no crate root reaches (a module it would not see), a target or
+//! module asked for that the crate does not have.
 
 use std::path::PathBuf;
 
@@ -28,4 +29,8 @@ pub enum Error {
         files.iter().map(|f| format!("src/{f}")).collect::<Vec<_>>().join(", ")
     )]
     Unreached { files: Vec<String> },
+    #[error("src/ has no crate root {root}")]
+    NoTarget { root: String },
+    #[error("src/{root}'s crate has no module {module}")]
+    NoModule { root: String, module: String },
 }

@@ -34,19 +34,13 @@ pub fn graph(target: &Target) -> Graph {
     for (from, refs) in target.refs() {
         let file = &target.modules[&from].file;
         for r in refs {
-            let common = from
-                .iter()
-                .zip(&r.target)
-                .take_while(|(a, b)| a == b)
-                .count();
-            if common >= from.len() || common >= r.target.len() {
-                // Inside one module and its submodules.
+            let Some((a, b)) = edge(&from, &r.target) else {
                 continue;
-            }
+            };
             edges
-                .entry(from[..=common].to_vec())
+                .entry(a)
                 .or_default()
-                .entry(r.target[..=common].to_vec())
+                .entry(b)
                 .or_default()
                 .push(Evidence {
                     file: file.clone(),
@@ -56,6 +50,17 @@ pub fn graph(target: &Target) -> Graph {
         }
     }
     edges
+}
+
+/// The edge a reference from module `from` to module `to` makes: the two sibling modules it
+/// crosses (`a::b` → `c::d` is `a -> c`), or none when one of the two is inside the other.
+pub fn edge(from: &[String], to: &[String]) -> Option<(ModPath, ModPath)> {
+    let common = from.iter().zip(to).take_while(|(a, b)| a == b).count();
+    if common >= from.len() || common >= to.len() {
+        // Inside one module and its submodules.
+        return None;
+    }
+    Some((from[..=common].to_vec(), to[..=common].to_vec()))
 }
 
 /// How many edges the graph has.

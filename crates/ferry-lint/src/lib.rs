@@ -1,9 +1,15 @@
-//! ferry-lint: rules about the workspace's own source, checked as tests
-//! (`tests/import_rings.rs`).
+//! ferry-lint: rules about the workspace's own source, checked as tests.
 //!
-//! The rule it holds: no module imports one that imports it back, directly or around a ring,
-//! in any crate. The modules of a crate then stack bottom up, and each can be read, tested
-//! and changed knowing only the ones below it. A ring is broken the way ferry-core's `ids.rs`
+//! The rules it holds:
+//! * no module imports one that imports it back, directly or around a ring, in any crate
+//!   (`tests/import_rings.rs`);
+//! * the engine core is sans-IO: ferry-engine's `engine_core` and `reload`, and every module
+//!   they reach by the same import edges ([`mod@reach`]), name no async runtime, thread, clock,
+//!   channel, file, socket or process, and the crates they name reach no tokio or transport
+//!   in cargo's graph (`tests/sans_io.rs`).
+//!
+//! Without rings, the modules of a crate stack bottom up, and each can be read, tested and
+//! changed knowing only the ones below it. A ring is broken the way ferry-core's `ids.rs`
 //! says: move what both need into a module below them, split the module that does two jobs,
 //! or move a function to the module whose job it is.
 //!
@@ -15,7 +21,8 @@
 //! as an edge). A ring is reported with the modules in it, one shortest cycle and every import
 //! that keeps them in it ([`report`]); [`workspace`] runs that on each crate of the workspace.
 //! `cargo run -p ferry-lint -- CRATE...` prints the rings of the named crates (all without
-//! names; `--workspace DIR` reads another checkout).
+//! names; `--workspace DIR` reads another checkout). [`reach()`] walks the same edges from
+//! some modules and hands back the tokens of every module it reaches.
 //!
 //! The key decision: it reads source, not the compiler's resolution, so it builds in seconds
 //! with no crate of the workspace. What it cannot see (a method called on a value, a macro's
@@ -24,12 +31,14 @@
 pub mod error;
 pub mod graph;
 pub mod paths;
+pub mod reach;
 pub mod report;
 pub mod tokens;
 pub mod tree;
 pub mod workspace;
 
 pub use error::Error;
+pub use reach::{reach, Reach, Reached};
 pub use report::{render, Ring};
 pub use workspace::{check, read_crate, workspace_crates, CrateReport, CrateSource};
 

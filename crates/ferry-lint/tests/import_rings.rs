@@ -1,42 +1,25 @@
 //! No import ring in any crate of the workspace (see the crate docs for the rule and what
-//! counts as an import), but for the crates still to fix, whose rings are printed.
+//! counts as an import), and no exception: the list of crates still to fix that this test
+//! began with emptied as their rings were broken, and went with its last entry.
 
 use ferry_lint::{check, this_workspace, workspace_crates, CrateReport};
 
-/// Crates whose rings are still to break (issue 51: their code is being moved). A crate here
-/// that has no ring any more fails the test until it is removed, so the list only shrinks;
-/// nothing may be added to it.
-const STILL_TO_FIX: &[&str] = &["ferry-engine", "ferry-model", "ferry-arena"];
-
-/// What is wrong with the workspace given each crate's report: a ring outside
-/// `still_to_fix`, a crate in `still_to_fix` with none (or that does not exist). Each line
-/// says what to do.
-fn verdict(reports: &[CrateReport], still_to_fix: &[&str]) -> Vec<String> {
-    let mut wrong = Vec::new();
-    for r in reports {
-        match (still_to_fix.contains(&r.name.as_str()), r.has_rings()) {
-            (false, true) => wrong.push(format!(
+/// What is wrong with the workspace given each crate's report: every crate with a ring, its
+/// rings named with the imports that keep them. Each line says what to do.
+fn verdict(reports: &[CrateReport]) -> Vec<String> {
+    reports
+        .iter()
+        .filter(|r| r.has_rings())
+        .map(|r| {
+            format!(
                 "{} has import rings (a module imports one that imports it back); break \
                  them (move what both need into a module below them, split the module, or \
                  move a function to the module whose job it is):\n{}",
                 r.name,
                 r.render()
-            )),
-            (true, false) => wrong.push(format!(
-                "{} has no import ring any more: remove it from STILL_TO_FIX",
-                r.name
-            )),
-            _ => {}
-        }
-    }
-    for name in still_to_fix {
-        if !reports.iter().any(|r| r.name == *name) {
-            wrong.push(format!(
-                "STILL_TO_FIX names {name}, which is no crate of the workspace: remove it"
-            ));
-        }
-    }
-    wrong
+            )
+        })
+        .collect()
 }
 
 #[test]
@@ -73,20 +56,12 @@ fn no_crate_has_an_import_ring() {
         .sum();
     assert!(n_modules > 150, "only {n_modules} modules found");
     assert!(n_edges > 200, "only {n_edges} module edges found");
-    for r in reports
-        .iter()
-        .filter(|r| STILL_TO_FIX.contains(&r.name.as_str()))
-    {
-        // For whoever breaks them next (`cargo test -p ferry-lint -- --nocapture`, or
-        // `cargo run -p ferry-lint -- CRATE`).
-        println!("still to fix: {}", r.render());
-    }
-    let wrong = verdict(&reports, STILL_TO_FIX);
+    let wrong = verdict(&reports);
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
 #[test]
-fn the_list_of_crates_still_to_fix_can_only_shrink() {
+fn a_crate_with_a_ring_fails_naming_it_and_a_clean_one_passes() {
     let crate_with = |name: &str, files: &[(&str, &str)]| {
         let source = ferry_lint::CrateSource {
             name: name.to_owned(),
@@ -109,18 +84,10 @@ fn the_list_of_crates_still_to_fix_can_only_shrink() {
         ("b.rs", ""),
     ];
     let reports = [crate_with("x", &ring), crate_with("y", &clean)];
-    // A ring in a listed crate is allowed; in any other it is not.
-    assert_eq!(verdict(&reports, &["x"]), Vec::<String>::new());
-    let wrong = verdict(&reports, &[]);
+    // The crate with a ring fails, named with its ring; the clean one does not.
+    let wrong = verdict(&reports);
     assert_eq!(wrong.len(), 1, "{wrong:?}");
     assert!(wrong[0].starts_with("x has import rings"), "{}", wrong[0]);
     assert!(wrong[0].contains("ring among a, b"), "{}", wrong[0]);
-    // A listed crate without a ring, or a name that is no crate, fails until removed.
-    assert_eq!(
-        verdict(&reports, &["x", "y", "z"]),
-        vec![
-            "y has no import ring any more: remove it from STILL_TO_FIX".to_owned(),
-            "STILL_TO_FIX names z, which is no crate of the workspace: remove it".to_owned(),
-        ]
-    );
+    assert_eq!(verdict(&reports[1..]), Vec::<String>::new());
 }

@@ -2,6 +2,10 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod tensors;
+
+pub use tensors::{expected_tensors, is_ignorable};
+
 /// One configuration for every supported architecture (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3):
 /// they differ only in the flags below.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,12 +1,16 @@
 //! [`WeightDtype`]: the precisions a weight matrix is kept in, as stored in its file (or as a
 //! weight update pushed it), and their exact scalar dequantization.
 //!
-//! The scalar dequantization here *is* the loader's ([`crate::load::gguf::dequantize_into`]),
+//! The scalar dequantization here *is* the loader's ([`crate::ggml::dequantize_into`]),
 //! so "the f32 value of a stored weight" has one definition: the matmul kernels that
 //! dequantize in registers are tested bit for bit against it, which is what keeps a model
 //! kept in its stored precision bit-identical to the same model dequantized to f32 at load.
+//! The same goes for a safetensors tensor's F32, F16 and BF16 bytes (`decode_into`), which
+//! the folder loader and the weight updates both convert.
 
-use crate::load::gguf::{self, GgmlType, QK, QK_K};
+use safetensors::Dtype;
+
+use crate::ggml::{self, GgmlType, QK, QK_K};
 
 /// How one weight matrix is held in memory: its rows are runs of these, row after row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -149,7 +153,7 @@ impl std::fmt::Display for WeightDtype {
 /// # Panics
 /// When `bytes` is not `out.len()` elements of `dtype`.
 pub fn dequantize_into(dtype: WeightDtype, bytes: &[u8], out: &mut [f32]) {
-    gguf::dequantize_into(dtype.ggml(), bytes, out).unwrap_or_else(|| {
+    ggml::dequantize_into(dtype.ggml(), bytes, out).unwrap_or_else(|| {
         panic!(
             "{} bytes are not {} elements of {dtype}",
             bytes.len(),
@@ -354,6 +358,48 @@ fn quantize_q6_k(block: &[f32], out: &mut Vec<u8>) {
 fn put_nibbles(out: &mut Vec<u8>, block: &[f32], q: impl Fn(f32) -> u8) {
     let (low, high) = block.split_at(QK / 2);
     out.extend(low.iter().zip(high).map(|(&l, &h)| q(l) | (q(h) << 4)));
+}
+
+/// Little-endian F32/F16/BF16 bytes → f32; `None` for other dtypes. The bytes of a mapped
+/// file need not be aligned, so values are decoded from byte chunks, not cast in place.
+pub(crate) fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    let width = f32_source_width(dtype)?;
+    let mut out = vec![0.0; bytes.len() / width];
+    decode_into(dtype, &bytes[..out.len() * width], &mut out);
+    Some(out)
+}
+
+/// Bytes per element of a dtype that converts to f32 (F32, F16, BF16); `None` for others.
+pub(crate) fn f32_source_width(dtype: Dtype) -> Option<usize> {
+    match dtype {
+        Dtype::F32 => Some(4),
+        Dtype::F16 | Dtype::BF16 => Some(2),
+        _ => None,
+    }
+}
+
+/// Decodes little-endian `dtype` values from `bytes` into `out`, one per element
+/// (`bytes.len()` is `out.len()` times the dtype's width; a dtype [`f32_source_width`]
+/// refuses writes nothing).
+pub(crate) fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        Dtype::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        Dtype::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        Dtype::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        _ => {}
+    }
 }
 
 #[cfg(test)]

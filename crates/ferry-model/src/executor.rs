@@ -7,17 +7,8 @@
 use ferry_arena::{KvArena, KvLayout};
 use ferry_core::{ModelOutput, StepPlan};
 
+pub use crate::error::ExecError;
 use crate::weights::update::ModelWeights;
-
-#[derive(Debug, thiserror::Error)]
-pub enum ExecError {
-    #[error("KV arena is released (sleeping); wake it before running a step")]
-    ArenaReleased,
-    #[error("weights are asleep (sleep level 1 offloaded them, level 2 dropped them); wake them, after a reload for level 2, before running a step")]
-    WeightsUnloaded,
-    #[error("invalid step plan: {0}")]
-    InvalidPlan(String),
-}
 
 pub trait Executor: Send {
     /// KV shape per block this executor needs (for a given block size).

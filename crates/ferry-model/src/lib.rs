@@ -8,33 +8,39 @@ pub mod checksum;
 pub mod config;
 pub mod driver;
 pub mod dtype;
+pub mod error;
 pub mod executor;
+pub mod ggml;
+pub mod isa;
 pub mod kernels;
 pub mod llama;
 pub mod load;
 pub mod profile;
-pub mod random_model;
 pub mod sampler;
+pub mod spec;
 pub mod tiny;
 pub mod weights;
 
 pub use checksum::{ChecksumConfigError, ChecksumModel};
-pub use config::{LlamaConfig, RopeScaling};
+pub use config::{expected_tensors, LlamaConfig, RopeScaling};
 pub use driver::ExecutorModel;
 pub use dtype::WeightDtype;
 pub use executor::{ExecError, Executor, Hooked, StepHook};
 pub use llama::{LlamaModel, Logits};
-pub use load::{cache_dir, default_model_path, expected_tensors, ModelSpec};
+pub use load::{cache_dir, default_model_path};
 pub use load::{
     load_model, load_model_stored, load_model_stored_with_progress, load_model_with_progress,
     LoadError, LoadedModel, Precision, Progress, WeightFiles,
 };
 pub use sampler::LogprobsMode;
+pub use spec::ModelSpec;
 pub use weights::buf::{ByteBuf, WeightBuf};
 pub use weights::llama::{LlamaWeights, ModelError};
 pub use weights::llama_update::LlamaPreparer;
 pub use weights::matrix::{Matrix, Segment};
 pub use weights::push::SafetensorsPush;
+// Random weights for tests and benchmarks, by the name they have always had here.
+pub use weights::random as random_model;
 pub use weights::store::{StoredTensor, Tensor, WeightStore};
 pub use weights::update::{
     parse_safetensors, ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer,

@@ -17,7 +17,8 @@ use ferry_arena::{KvArena, KvLayout};
 use ferry_core::{ModelOutput, PromptLogprobs, ReqIdx, StepPlan};
 
 use crate::config::LlamaConfig;
-use crate::executor::{ExecError, Executor};
+use crate::error::ExecError;
+use crate::executor::Executor;
 use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_row, silu_mul};
 use crate::profile::{timed, Phase};
 use crate::sampler::{prompt_token_logprob, sample_batch, LogprobsMode, SampleRow, SamplerScratch};
@@ -501,3 +502,6 @@ impl Executor for LlamaModel {
         self
     }
 }
+
+#[cfg(test)]
+mod tests;

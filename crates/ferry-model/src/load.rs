@@ -1,4 +1,5 @@
-//! Loading a model: a Hugging Face folder, a GGUF file, or the built-in `tiny` model.
+//! Loading a model: a Hugging Face folder or a GGUF file (the built-in `tiny` model is
+//! `tiny.rs`'s; [`crate::ModelSpec`] names either).
 //!
 //! Every loader produces the same [`LoadedModel`]: a [`LlamaConfig`], f32 weights under their
 //! Hugging Face names (GGUF names are mapped, and llama.cpp's q/k row permutation undone), the
@@ -9,13 +10,11 @@
 //! weights plus the page cache, never a second full copy.
 
 pub mod config_json;
-pub mod expected;
 pub mod gguf;
 pub mod gguf_model;
 mod read_ahead;
 mod safetensors_io;
 
-pub(crate) use safetensors_io::{decode_into, f32_source_width, to_f32};
 pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
@@ -24,7 +23,9 @@ use crate::dtype::WeightDtype;
 use crate::weights::update::WeightSlots;
 use crate::{LlamaConfig, StoredTensor, Tensor, WeightStore};
 
-pub use expected::{expected_tensors, is_ignorable};
+// The tensors a config names are the config's (`config/tensors.rs`); the loaders' users
+// keep finding them here.
+pub use crate::config::tensors::{expected_tensors, is_ignorable};
 
 /// File name of the default real model (SmolLM2-135M-Instruct, Q4_1) inside `<cache>/models/`,
 /// where `scripts/fetch-model.sh` puts it.
@@ -171,7 +172,7 @@ pub enum Precision {
     Stored,
 }
 
-fn load_any(
+pub(crate) fn load_any(
     path: &Path,
     precision: Precision,
     progress: Progress<'_>,
@@ -460,65 +461,4 @@ pub fn cache_dir(
 /// ([`cache_dir`]).
 pub fn default_model_path(cache_dir: &Path) -> PathBuf {
     cache_dir.join("models").join(DEFAULT_MODEL_FILE)
-}
-
-/// A model as named on the command line: the built-in `tiny` model, or a folder / GGUF path.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ModelSpec {
-    /// The deterministic random-weight model built into the binary ([`crate::tiny`]).
-    Tiny,
-    Path(PathBuf),
-}
-
-/// `tiny`, or the path as written (what start-up errors name).
-impl std::fmt::Display for ModelSpec {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Tiny => f.write_str("tiny"),
-            Self::Path(path) => write!(f, "{}", path.display()),
-        }
-    }
-}
-
-impl ModelSpec {
-    /// `tiny` → [`ModelSpec::Tiny`]; no argument → the default model in `cache_dir`; anything
-    /// else is a path.
-    pub fn resolve(arg: Option<&str>, cache_dir: &Path) -> Self {
-        match arg {
-            Some("tiny") => Self::Tiny,
-            Some(path) => Self::Path(PathBuf::from(path)),
-            None => Self::Path(default_model_path(cache_dir)),
-        }
-    }
-
-    pub fn load(&self) -> Result<LoadedModel, LoadError> {
-        self.load_with_progress(&mut |_, _, _| {})
-    }
-
-    /// [`ModelSpec::load`], every tensor f32, reporting each converted tensor to `progress`.
-    pub fn load_with_progress(&self, progress: Progress<'_>) -> Result<LoadedModel, LoadError> {
-        self.load_as(Precision::F32, progress)
-    }
-
-    /// The model in `precision` (the built-in model is f32 either way), reporting each
-    /// tensor read to `progress`.
-    pub fn load_as(
-        &self,
-        precision: Precision,
-        progress: Progress<'_>,
-    ) -> Result<LoadedModel, LoadError> {
-        match self {
-            Self::Tiny => Ok(crate::tiny::tiny_model()),
-            Self::Path(path) => {
-                if !path.exists() {
-                    return Err(LoadError::invalid(
-                        path,
-                        "no such model file or folder (the default model is fetched by \
-                         scripts/fetch-model.sh)",
-                    ));
-                }
-                load_any(path, precision, progress)
-            }
-        }
-    }
 }

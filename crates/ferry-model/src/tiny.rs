@@ -13,9 +13,10 @@ use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::{Dtype, View};
 
+use crate::config::expected_tensors;
 use crate::load::config_json::to_hf_config_json;
 use crate::load::tokenizer::{byte_level_bpe, byte_to_char, ByteLevelBpeSpec, PreTokenizerKind};
-use crate::load::{expected_tensors, LoadError, LoadedModel};
+use crate::load::{LoadError, LoadedModel};
 use crate::{LlamaConfig, Tensor, WeightStore};
 
 /// Seed of the weights. Changing it (or the draw order) changes the committed golden logits.

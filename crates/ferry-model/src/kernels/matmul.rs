@@ -294,7 +294,7 @@ unsafe fn block_scales(table: &[f32; 1 << 16], block: *const u8, with_m: bool) -
 
 /// A Q4_K super-block's eight 6-bit scales (bytes 0..8 of the result) and eight 6-bit mins
 /// (bytes 8..16), unpacked from its 12 packed bytes four at a time: ggml's
-/// `get_scale_min_k4` word by word (the loader's [`crate::load::gguf::q4_k_scale_min`] byte
+/// `get_scale_min_k4` word by word (the loader's [`crate::ggml::q4_k_scale_min`] byte
 /// by byte), for the SIMD kernels to widen.
 ///
 /// # Safety
@@ -821,7 +821,7 @@ unsafe fn scalar_at(dtype: WeightDtype, row: *const u8, q: usize) -> f32 {
     let n = dtype.block_bytes();
     // SAFETY: the block holding element q lies inside the row.
     let bytes = unsafe { std::slice::from_raw_parts(row.add(block * n), n) };
-    let mut values = [0.0f32; crate::load::gguf::QK];
+    let mut values = [0.0f32; crate::ggml::QK];
     let values = &mut values[..dtype.block_elems()];
     crate::dtype::dequantize_into(dtype, bytes, values);
     values[q % dtype.block_elems()]

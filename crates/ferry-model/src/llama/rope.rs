@@ -153,7 +153,7 @@ mod tests {
 
     #[test]
     fn rotation_matches_rotate_half_formula() {
-        let mut cfg = crate::random_model::small_config();
+        let mut cfg = crate::weights::random::small_config();
         cfg.head_dim = 4;
         cfg.rope_theta = 10000.0;
         let rope = Rope::new(&cfg, 8);

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use safetensors::{Dtype, SafeTensors};
 
 use super::{read_ahead, read_chunks, read_exact_at, LoadError, Progress, TensorDest};
-use crate::dtype::WeightDtype;
+use crate::dtype::{decode_into, f32_source_width, WeightDtype};
 
 const SINGLE_FILE: &str = "model.safetensors";
 /// Bytes of the header's length prefix.
@@ -582,48 +582,6 @@ fn read_cached(
     });
     report(&mut reported);
     read
-}
-
-/// Little-endian F32/F16/BF16 bytes → f32; `None` for other dtypes. The bytes of a mapped
-/// file need not be aligned, so values are decoded from byte chunks, not cast in place.
-pub(crate) fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    let width = f32_source_width(dtype)?;
-    let mut out = vec![0.0; bytes.len() / width];
-    decode_into(dtype, &bytes[..out.len() * width], &mut out);
-    Some(out)
-}
-
-/// Bytes per element of a dtype that converts to f32 (F32, F16, BF16); `None` for others.
-pub(crate) fn f32_source_width(dtype: Dtype) -> Option<usize> {
-    match dtype {
-        Dtype::F32 => Some(4),
-        Dtype::F16 | Dtype::BF16 => Some(2),
-        _ => None,
-    }
-}
-
-/// Decodes little-endian `dtype` values from `bytes` into `out`, one per element
-/// (`bytes.len()` is `out.len()` times the dtype's width; a dtype [`f32_source_width`]
-/// refuses writes nothing).
-pub(crate) fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
-    match dtype {
-        Dtype::F32 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
-        Dtype::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        Dtype::BF16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        _ => {}
-    }
 }
 
 #[cfg(test)]

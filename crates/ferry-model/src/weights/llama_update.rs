@@ -13,8 +13,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::config::expected_tensors;
 use crate::dtype::WeightDtype;
-use crate::load::expected_tensors;
 use crate::weights::buf::WeightBuf;
 use crate::weights::llama::{LayerWeights, LlamaWeights};
 use crate::weights::matrix::{Matrix, Segment};
@@ -782,7 +782,7 @@ pub(crate) fn missing<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::random_model::small_config;
+    use crate::weights::random::small_config;
 
     #[test]
     fn every_expected_tensor_has_a_place_and_nothing_else_does() {

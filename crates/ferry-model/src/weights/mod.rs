@@ -4,6 +4,8 @@
 //!   matrix in its stored precision, one row segment per tensor, whose 4-bit rows
 //!   [`row_groups`] regroups for the AVX-512 kernel; [`buf`] the memory under both, anonymous
 //!   mappings carved from huge-page slabs (`buf/slab.rs`) that go back to the OS when dropped.
+//! * Made up: [`random`] is random weights in a real architecture's shape, for tests and
+//!   benchmarks (`ferry_model::random_model`).
 //! * Laid out: [`llama`] is the Llama-family weights as the forward reads them (q/k/v and
 //!   gate/up fused), built from a store after checking every tensor.
 //! * Replaced: [`update`] is what any executor's weight update goes through (prepare off the
@@ -20,6 +22,7 @@ pub mod llama;
 pub mod llama_update;
 pub mod matrix;
 pub mod push;
+pub mod random;
 pub mod row_groups;
 pub mod store;
 pub mod update;

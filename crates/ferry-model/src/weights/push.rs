@@ -22,7 +22,7 @@ use safetensors::tensor::Metadata;
 use safetensors::Dtype;
 
 use crate::dtype::WeightDtype;
-use crate::load::{decode_into, f32_source_width};
+use crate::dtype::{decode_into, f32_source_width};
 use crate::weights::update::{PreparedWeights, WeightError, WeightPreparer, WeightSlots};
 
 /// Bytes of the length prefix of a safetensors header.
@@ -288,8 +288,8 @@ fn malformed(message: String) -> WeightError {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::random_model::{random_weights, small_config};
     use crate::weights::llama_update::{LlamaPayload, LlamaUpdate};
+    use crate::weights::random::{random_weights, small_config};
     use crate::{parse_safetensors, LlamaPreparer, WeightStore};
 
     fn body(store: &WeightStore, dtype: Dtype) -> Vec<u8> {

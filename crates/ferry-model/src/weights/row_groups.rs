@@ -19,7 +19,7 @@
 //! wants the file's layout gets it back row by row ([`file_row`]), bit for bit.
 
 use crate::dtype::WeightDtype;
-use crate::kernels::Isa;
+use crate::isa::Isa;
 
 /// Rows per group.
 pub const GROUP_ROWS: usize = 4;

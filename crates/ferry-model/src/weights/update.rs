@@ -18,7 +18,8 @@ use std::sync::Arc;
 pub use ferry_core::WeightResidency;
 
 use crate::dtype::WeightDtype;
-use crate::{ExecError, LlamaConfig, WeightStore};
+use crate::error::ExecError;
+use crate::{LlamaConfig, WeightStore};
 
 /// What is wrong with a weight update; nothing has changed when one is returned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -373,7 +374,7 @@ pub fn parse_safetensors(bytes: &[u8]) -> Result<WeightStore, WeightError> {
     // Sorted, so errors and conversion order do not depend on the header's order.
     views.sort_by(|a, b| a.0.cmp(&b.0));
     for (name, view) in &views {
-        if crate::load::to_f32(view.dtype(), &[]).is_none() {
+        if crate::dtype::to_f32(view.dtype(), &[]).is_none() {
             return Err(WeightError::UnsupportedDtype {
                 name: name.clone(),
                 dtype: format!("{:?}", view.dtype()),
@@ -382,7 +383,7 @@ pub fn parse_safetensors(bytes: &[u8]) -> Result<WeightStore, WeightError> {
     }
     let mut store = WeightStore::default();
     for (name, view) in views {
-        let data = crate::load::to_f32(view.dtype(), view.data())
+        let data = crate::dtype::to_f32(view.dtype(), view.data())
             .ok_or_else(|| WeightError::Malformed(format!("tensor `{name}`: bad data")))?;
         store.insert(name, crate::Tensor::new(view.shape().to_vec(), data));
     }

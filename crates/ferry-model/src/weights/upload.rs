@@ -115,8 +115,8 @@ mod tests {
     use safetensors::Dtype;
 
     use super::*;
-    use crate::random_model::{random_weights, small_config};
     use crate::weights::push::tests::{bits_of, update_of};
+    use crate::weights::random::{random_weights, small_config};
     use crate::{LlamaPreparer, WeightStore};
 
     fn body(store: &WeightStore) -> Vec<u8> {

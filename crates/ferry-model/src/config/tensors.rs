@@ -1,4 +1,6 @@
-//! The tensors a [`LlamaConfig`] needs, by Hugging Face name and PyTorch shape.
+//! The tensors a [`LlamaConfig`] needs, by Hugging Face name and PyTorch shape. Part of the
+//! config (the architecture it describes holds them), below everything that builds or checks
+//! them: the loaders, the weights, the random and tiny models.
 //!
 //! The loaders validate against this list (so a checkpoint that lacks or misshapes a tensor
 //! fails at load, naming it), and the model reads exactly these names. A tensor a file holds
@@ -6,7 +8,7 @@
 //! wrong answer with no warning), unless [`is_ignorable`] says it carries nothing the
 //! forward lacks; docs/model.md lists those.
 
-use crate::LlamaConfig;
+use super::LlamaConfig;
 
 /// Every tensor the model needs, in a stable order: embeddings, then each layer, then the
 /// final norm and (unless tied to the embeddings) `lm_head.weight`.

@@ -1,9 +1,11 @@
 //! Models with random weights in a real architecture's shape: for tests (small configs) and
 //! for `ferry bench model --random` (the SmolLM2-135M shape) before or without a download.
+//! Among the weights, which it makes as a store of tensors, so that their own tests can use
+//! it; the crate root names it `random_model` as before.
 
+use super::store::{Tensor, WeightStore};
+use crate::config::expected_tensors;
 use crate::config::LlamaConfig;
-use crate::load::expected_tensors;
-use crate::weights::store::{Tensor, WeightStore};
 
 /// A small Llama config for tests: hidden 64, 4 heads, 2 KV heads, 2 layers, vocab 97.
 pub fn small_config() -> LlamaConfig {
