@@ -31,7 +31,13 @@ fn workspace_root() -> PathBuf {
 fn from_metadata(root: &Path) -> (Edges, Edges) {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
-        .args(["metadata", "--format-version", "1", "--no-deps", "--offline"])
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
         .current_dir(root)
         .output()
         .expect("running cargo metadata");
@@ -156,7 +162,9 @@ fn differences(said: &Edges, built: &Edges, kind: &str) -> Vec<String> {
         }
     }
     for name in said.keys().filter(|n| !built.contains_key(*n)) {
-        out.push(format!("{name} is drawn ({kind}) but is no crate with such edges"));
+        out.push(format!(
+            "{name} is drawn ({kind}) but is no crate with such edges"
+        ));
     }
     out
 }
