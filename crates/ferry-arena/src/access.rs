@@ -77,6 +77,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use ferry_core::BlockId;
+
 use crate::block::{Access, KvError, KvLayout};
 
 /// One zeroed allocation of arena memory, shared by the arena and the grants made over it.
@@ -88,7 +90,7 @@ pub(crate) struct Storage {
     ptr: NonNull<f32>,
     n_floats: usize,
     /// Blocks claimed by live grants over this storage.
-    claims: Mutex<BTreeMap<u32, Claim>>,
+    claims: Mutex<BTreeMap<BlockId, Claim>>,
     /// Live grants over this storage, for the whole-arena slices' debug assertion.
     n_grants: AtomicUsize,
     /// Unique in the process ([`MemoryRegion::id`]): addresses are reused, ids are not.
@@ -154,7 +156,7 @@ impl Storage {
         Layout::array::<f32>(n_floats).expect("KV arena size overflows isize")
     }
 
-    fn lock_claims(&self) -> MutexGuard<'_, BTreeMap<u32, Claim>> {
+    fn lock_claims(&self) -> MutexGuard<'_, BTreeMap<BlockId, Claim>> {
         // The map is only changed after all checks passed, so a panic elsewhere while the lock
         // was held cannot have left it half-updated.
         self.claims.lock().unwrap_or_else(PoisonError::into_inner)
@@ -162,7 +164,7 @@ impl Storage {
 
     /// Claims `blocks` for one grant, or names the first block another live grant's claim
     /// conflicts with. Write grants' ids must already be distinct.
-    fn claim(&self, blocks: &[u32], access: Access) -> Result<(), KvError> {
+    fn claim(&self, blocks: &[BlockId], access: Access) -> Result<(), KvError> {
         let mut claims = self.lock_claims();
         for &block in blocks {
             let held = match (access, claims.get(&block)) {
@@ -186,7 +188,7 @@ impl Storage {
         Ok(())
     }
 
-    fn unclaim(&self, blocks: &[u32], access: Access) {
+    fn unclaim(&self, blocks: &[BlockId], access: Access) {
         let mut claims = self.lock_claims();
         for &block in blocks {
             match (access, claims.get_mut(&block)) {
@@ -387,7 +389,7 @@ impl ArenaMemory {
     /// nor, for a write grant, reads them.
     pub(crate) unsafe fn grant(
         &self,
-        blocks: &[u32],
+        blocks: &[BlockId],
         access: Access,
         layout: KvLayout,
     ) -> Result<BlockGrant, KvError> {
@@ -455,7 +457,7 @@ impl fmt::Debug for ArenaMemory {
 /// because the worker built that list itself.
 pub struct BlockGrant {
     storage: Arc<Storage>,
-    blocks: Box<[u32]>,
+    blocks: Box<[BlockId]>,
     access: Access,
     layout: KvLayout,
     generation: u64,
@@ -468,7 +470,7 @@ impl BlockGrant {
     }
 
     /// The granted block ids, in the order given to [`KvArena::grant`](crate::KvArena::grant).
-    pub fn blocks(&self) -> &[u32] {
+    pub fn blocks(&self) -> &[BlockId] {
         &self.blocks
     }
 
@@ -570,7 +572,7 @@ impl BlockGrant {
     /// Start and length in bytes of block `blocks()[i]`.
     fn block_raw(&self, i: usize) -> (*mut u8, usize) {
         let block_floats = self.layout.block_floats();
-        let start = self.blocks[i] as usize * block_floats;
+        let start = self.blocks[i].index() * block_floats;
         debug_assert!(start + block_floats <= self.storage.n_floats);
         // SAFETY: `grant` checked the block is in range of the arena this storage was allocated
         // for, so the offset stays inside the allocation.
@@ -587,7 +589,7 @@ impl BlockGrant {
     }
 }
 
-fn check_len(block: u32, expected: usize, actual: usize) -> Result<(), KvError> {
+fn check_len(block: BlockId, expected: usize, actual: usize) -> Result<(), KvError> {
     if actual == expected {
         Ok(())
     } else {

@@ -12,16 +12,16 @@ use crate::ids::BlockId;
 use crate::kv_events::{KvEventLog, Medium};
 
 /// The null block: padding in block tables, never owned.
-pub const NULL_BLOCK: BlockId = 0;
+pub const NULL_BLOCK: BlockId = BlockId::NULL;
 
 /// End-of-list marker for the intrusive free queue.
-const NIL: u32 = u32::MAX;
+const NIL: BlockId = BlockId(u32::MAX);
 
 #[derive(Debug, Clone)]
 struct BlockMeta {
     ref_cnt: u32,
-    prev: u32,
-    next: u32,
+    prev: BlockId,
+    next: BlockId,
     in_free_queue: bool,
     /// Set while the block's contents are registered in the prefix cache under this hash.
     hash: Option<BlockHash>,
@@ -32,8 +32,8 @@ struct BlockMeta {
 #[derive(Debug)]
 pub struct BlockPool {
     meta: Vec<BlockMeta>,
-    head: u32,
-    tail: u32,
+    head: BlockId,
+    tail: BlockId,
     n_free: usize,
     cached: BlockHashMap<BlockId>,
     /// The journal of cache changes for KV events (off unless the engine publishes them).
@@ -63,7 +63,7 @@ impl BlockPool {
             log: KvEventLog::new(false, 0, ""),
         };
         for b in 1..pool.meta.len() as u32 {
-            pool.push_back(b);
+            pool.push_back(BlockId(b));
         }
         pool
     }
@@ -89,18 +89,18 @@ impl BlockPool {
     }
 
     pub fn ref_cnt(&self, block: BlockId) -> u32 {
-        self.meta.get(block as usize).map_or(0, |m| m.ref_cnt)
+        self.meta.get(block.index()).map_or(0, |m| m.ref_cnt)
     }
 
     pub fn is_in_free_queue(&self, block: BlockId) -> bool {
         self.meta
-            .get(block as usize)
+            .get(block.index())
             .is_some_and(|m| m.in_free_queue)
     }
 
     /// The hash a block is cached under, if any.
     pub fn cached_hash(&self, block: BlockId) -> Option<BlockHash> {
-        self.meta.get(block as usize).and_then(|m| m.hash)
+        self.meta.get(block.index()).and_then(|m| m.hash)
     }
 
     /// Number of distinct hashes in the prefix cache.
@@ -124,7 +124,7 @@ impl BlockPool {
             let b = self.head;
             self.unlink(b);
             self.evict(b);
-            self.meta[b as usize].ref_cnt = 1;
+            self.meta[b.index()].ref_cnt = 1;
             out.push(b);
         }
         true
@@ -133,17 +133,17 @@ impl BlockPool {
     /// Adds a reference to a block (a prefix hit or a second owner), pulling it out of the
     /// free queue if it was there.
     pub fn touch(&mut self, block: BlockId) {
-        if self.meta[block as usize].in_free_queue {
+        if self.meta[block.index()].in_free_queue {
             self.unlink(block);
         }
-        self.meta[block as usize].ref_cnt += 1;
+        self.meta[block.index()].ref_cnt += 1;
     }
 
     /// Drops one reference; a block nobody holds goes to the tail of the free queue (keeping
     /// its hash, so it can still be hit until it is reused). Callers release a request's
     /// blocks tail first, so a chain's tail is evicted before its head.
     pub fn release(&mut self, block: BlockId) {
-        let m = &mut self.meta[block as usize];
+        let m = &mut self.meta[block.index()];
         debug_assert!(m.ref_cnt > 0, "release of unheld block {block}");
         m.ref_cnt = m.ref_cnt.saturating_sub(1);
         if m.ref_cnt == 0 && !m.in_free_queue {
@@ -155,12 +155,12 @@ impl BlockPool {
     /// If another block is already cached under the same hash (two requests computed the same
     /// prefix at once), this one stays uncached and is simply freed later.
     pub fn cache(&mut self, block: BlockId, hash: BlockHash) -> bool {
-        if self.meta[block as usize].hash.is_some() {
+        if self.meta[block.index()].hash.is_some() {
             return false;
         }
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
             e.insert(block);
-            self.meta[block as usize].hash = Some(hash);
+            self.meta[block.index()].hash = Some(hash);
             return true;
         }
         false
@@ -179,11 +179,7 @@ impl BlockPool {
     /// Drops a block's hash from the prefix cache (its contents can no longer be hit).
     /// Returns whether it was cached.
     pub fn evict(&mut self, block: BlockId) -> bool {
-        let Some(hash) = self
-            .meta
-            .get_mut(block as usize)
-            .and_then(|m| m.hash.take())
-        else {
+        let Some(hash) = self.meta.get_mut(block.index()).and_then(|m| m.hash.take()) else {
             return false;
         };
         if self.cached.get(&hash) == Some(&block) {
@@ -203,7 +199,7 @@ impl BlockPool {
         // clearing the indexed blocks clears them all, in time proportional to the cache, not
         // to the pool (a pool has hundreds of thousands of blocks for a small model).
         for &b in self.cached.values() {
-            self.meta[b as usize].hash = None;
+            self.meta[b.index()].hash = None;
         }
         self.cached.clear();
         self.log.cleared();
@@ -225,14 +221,14 @@ impl BlockPool {
     }
 
     fn push_back(&mut self, b: BlockId) {
-        let m = &mut self.meta[b as usize];
+        let m = &mut self.meta[b.index()];
         m.prev = self.tail;
         m.next = NIL;
         m.in_free_queue = true;
         if self.tail == NIL {
             self.head = b;
         } else {
-            self.meta[self.tail as usize].next = b;
+            self.meta[self.tail.index()].next = b;
         }
         self.tail = b;
         self.n_free += 1;
@@ -240,7 +236,7 @@ impl BlockPool {
 
     fn unlink(&mut self, b: BlockId) {
         let (prev, next) = {
-            let m = &mut self.meta[b as usize];
+            let m = &mut self.meta[b.index()];
             m.in_free_queue = false;
             (
                 std::mem::replace(&mut m.prev, NIL),
@@ -250,12 +246,12 @@ impl BlockPool {
         if prev == NIL {
             self.head = next;
         } else {
-            self.meta[prev as usize].next = next;
+            self.meta[prev.index()].next = next;
         }
         if next == NIL {
             self.tail = prev;
         } else {
-            self.meta[next as usize].prev = prev;
+            self.meta[next.index()].prev = prev;
         }
         self.n_free -= 1;
     }
@@ -265,7 +261,7 @@ impl BlockPool {
 #[derive(Debug)]
 pub struct FreeQueueIter<'a> {
     pool: &'a BlockPool,
-    cur: u32,
+    cur: BlockId,
     remaining: usize,
 }
 
@@ -277,7 +273,7 @@ impl Iterator for FreeQueueIter<'_> {
             return None;
         }
         let b = self.cur;
-        self.cur = self.pool.meta[b as usize].next;
+        self.cur = self.pool.meta[b.index()].next;
         self.remaining -= 1;
         Some(b)
     }
@@ -298,7 +294,7 @@ mod tests {
     #[test]
     fn starts_with_all_but_null_free_in_order() {
         let p = BlockPool::new(5);
-        assert_eq!(queue(&p), vec![1, 2, 3, 4]);
+        assert_eq!(queue(&p), BlockId::list([1, 2, 3, 4]));
         assert_eq!((p.n_usable(), p.n_free(), p.n_used()), (4, 4, 0));
     }
 
@@ -309,7 +305,7 @@ mod tests {
         assert!(!p.take(3, &mut out));
         assert!(out.is_empty());
         assert!(p.take(2, &mut out));
-        assert_eq!(out, vec![1, 2]);
+        assert_eq!(out, BlockId::list([1, 2]));
         assert_eq!(p.n_free(), 0);
     }
 
@@ -321,23 +317,23 @@ mod tests {
         for &b in a.iter().rev() {
             p.release(b);
         }
-        assert_eq!(queue(&p), vec![4, 5, 3, 2, 1]);
+        assert_eq!(queue(&p), BlockId::list([4, 5, 3, 2, 1]));
     }
 
     #[test]
     fn touch_removes_from_middle_and_release_appends() {
         let mut p = BlockPool::new(5);
-        p.touch(2);
-        assert_eq!(queue(&p), vec![1, 3, 4]);
-        p.touch(2);
-        assert_eq!(p.ref_cnt(2), 2);
-        p.release(2);
-        assert_eq!(queue(&p), vec![1, 3, 4]);
-        p.release(2);
-        assert_eq!(queue(&p), vec![1, 3, 4, 2]);
-        p.touch(4);
-        p.touch(1);
-        assert_eq!(queue(&p), vec![3, 2]);
+        p.touch(BlockId(2));
+        assert_eq!(queue(&p), BlockId::list([1, 3, 4]));
+        p.touch(BlockId(2));
+        assert_eq!(p.ref_cnt(BlockId(2)), 2);
+        p.release(BlockId(2));
+        assert_eq!(queue(&p), BlockId::list([1, 3, 4]));
+        p.release(BlockId(2));
+        assert_eq!(queue(&p), BlockId::list([1, 3, 4, 2]));
+        p.touch(BlockId(4));
+        p.touch(BlockId(1));
+        assert_eq!(queue(&p), BlockId::list([3, 2]));
     }
 
     #[test]
@@ -345,14 +341,14 @@ mod tests {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
         p.take(1, &mut out);
-        p.cache(1, h(9));
-        p.release(1);
-        assert_eq!(p.lookup(&h(9)), Some(1));
+        p.cache(BlockId(1), h(9));
+        p.release(BlockId(1));
+        assert_eq!(p.lookup(&h(9)), Some(BlockId(1)));
         out.clear();
         p.take(2, &mut out); // 2 first, then 1 (evicted lazily now)
-        assert_eq!(out, vec![2, 1]);
+        assert_eq!(out, BlockId::list([2, 1]));
         assert_eq!(p.lookup(&h(9)), None);
-        assert_eq!(p.cached_hash(1), None);
+        assert_eq!(p.cached_hash(BlockId(1)), None);
     }
 
     #[test]
@@ -360,12 +356,12 @@ mod tests {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
         p.take(2, &mut out);
-        p.cache(1, h(1));
-        p.cache(2, h(1));
-        assert_eq!(p.lookup(&h(1)), Some(1));
-        assert_eq!(p.cached_hash(2), None);
-        assert!(!p.evict(2));
-        assert!(p.evict(1));
+        p.cache(BlockId(1), h(1));
+        p.cache(BlockId(2), h(1));
+        assert_eq!(p.lookup(&h(1)), Some(BlockId(1)));
+        assert_eq!(p.cached_hash(BlockId(2)), None);
+        assert!(!p.evict(BlockId(2)));
+        assert!(p.evict(BlockId(1)));
         assert_eq!(p.lookup(&h(1)), None);
     }
 
@@ -374,10 +370,10 @@ mod tests {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
         p.take(1, &mut out);
-        p.cache(1, h(3));
+        p.cache(BlockId(1), h(3));
         assert!(!p.reset_cache());
-        assert_eq!(p.lookup(&h(3)), Some(1));
-        p.release(1);
+        assert_eq!(p.lookup(&h(3)), Some(BlockId(1)));
+        p.release(BlockId(1));
         assert!(p.reset_cache());
         assert_eq!((p.lookup(&h(3)), p.n_cached()), (None, 0));
     }

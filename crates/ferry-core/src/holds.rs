@@ -245,9 +245,15 @@ mod tests {
     fn ids_follow_the_order_of_opening_and_a_reservation_uses_the_next_one() {
         let mut pool = BlockPool::new(8);
         let mut holds = Holds::new();
-        let a = holds.open_referencing(&mut pool, vec![1, 2], C, HoldKind::Store, Lease::Unbounded);
+        let a = holds.open_referencing(
+            &mut pool,
+            BlockId::list([1, 2]),
+            C,
+            HoldKind::Store,
+            Lease::Unbounded,
+        );
         assert_eq!(a, TransferId(0));
-        assert_eq!((pool.ref_cnt(1), pool.ref_cnt(2)), (1, 1));
+        assert_eq!((pool.ref_cnt(BlockId(1)), pool.ref_cnt(BlockId(2))), (1, 1));
         // A reservation dropped unopened leaves its id to the next hold.
         let unused = holds.reserve().id();
         assert_eq!(unused, TransferId(1));
@@ -255,7 +261,12 @@ mod tests {
         let id = r.id();
         assert_eq!(id, TransferId(1));
         assert_eq!(
-            r.open(vec![3], C, HoldKind::Export, Lease::Until(secs(5))),
+            r.open(
+                BlockId::list([3]),
+                C,
+                HoldKind::Export,
+                Lease::Until(secs(5))
+            ),
             id
         );
         let b = holds.open(vec![], Holder::Caller, HoldKind::Caller, Lease::Unbounded);
@@ -269,15 +280,25 @@ mod tests {
     #[test]
     fn a_lease_is_reported_once_when_it_runs_out_and_the_next_deadline_follows() {
         let mut holds = Holds::new();
-        let export = holds.open(vec![1], C, HoldKind::Export, Lease::Until(secs(5)));
-        let load = holds.open(vec![2], C, HoldKind::Import, Lease::Until(secs(3)));
+        let export = holds.open(
+            BlockId::list([1]),
+            C,
+            HoldKind::Export,
+            Lease::Until(secs(5)),
+        );
+        let load = holds.open(
+            BlockId::list([2]),
+            C,
+            HoldKind::Import,
+            Lease::Until(secs(3)),
+        );
         let caller = holds.open(
-            vec![3],
+            BlockId::list([3]),
             Holder::Caller,
             HoldKind::Caller,
             Lease::Until(secs(3)),
         );
-        holds.open(vec![4], C, HoldKind::Store, Lease::Unbounded);
+        holds.open(BlockId::list([4]), C, HoldKind::Store, Lease::Unbounded);
         assert_eq!(holds.next_deadline(), Some(secs(3)));
         let mut out = Vec::new();
         holds.expire(secs(2), &mut out);
@@ -298,10 +319,19 @@ mod tests {
     fn release_gives_the_references_back_once() {
         let mut pool = BlockPool::new(8);
         let mut holds = Holds::new();
-        let id = holds.open_referencing(&mut pool, vec![1, 2], C, HoldKind::Load, Lease::Unbounded);
-        assert_eq!(holds.get(id).map(|h| h.blocks.clone()), Some(vec![1, 2]));
+        let id = holds.open_referencing(
+            &mut pool,
+            BlockId::list([1, 2]),
+            C,
+            HoldKind::Load,
+            Lease::Unbounded,
+        );
+        assert_eq!(
+            holds.get(id).map(|h| h.blocks.clone()),
+            Some(BlockId::list([1, 2]))
+        );
         assert!(holds.release(id, &mut pool));
-        assert_eq!((pool.ref_cnt(1), pool.ref_cnt(2)), (0, 0));
+        assert_eq!((pool.ref_cnt(BlockId(1)), pool.ref_cnt(BlockId(2))), (0, 0));
         assert!(!holds.release(id, &mut pool), "not open any more");
         assert!(holds.is_empty());
     }

@@ -241,33 +241,36 @@ mod tests {
     #[test]
     fn second_request_hits_full_shared_blocks_only() {
         let mut kv = KvCacheManager::new(16, 4, true);
-        let mut a = req((0..10).collect());
+        let mut a = req((0..10).map(TokenId).collect());
         assert_eq!(admit(&mut kv, &mut a, 100), 0);
-        assert_eq!(a.blocks, vec![1, 2, 3]);
-        let mut b = req((0..9).chain([50, 51]).collect());
+        assert_eq!(a.blocks, BlockId::list([1, 2, 3]));
+        let mut b = req((0..9).chain([50, 51]).map(TokenId).collect());
         assert_eq!(admit(&mut kv, &mut b, 100), 8);
-        assert_eq!(b.blocks, vec![1, 2, 4]);
-        assert_eq!((kv.pool().ref_cnt(1), kv.pool().ref_cnt(3)), (2, 1));
+        assert_eq!(b.blocks, BlockId::list([1, 2, 4]));
+        assert_eq!(
+            (kv.pool().ref_cnt(BlockId(1)), kv.pool().ref_cnt(BlockId(3))),
+            (2, 1)
+        );
     }
 
     #[test]
     fn hit_leaves_one_token_to_compute() {
         let mut kv = KvCacheManager::new(16, 4, true);
-        let mut a = req((0..8).collect());
+        let mut a = req((0..8).map(TokenId).collect());
         admit(&mut kv, &mut a, 100);
-        let mut b = req((0..8).collect());
+        let mut b = req((0..8).map(TokenId).collect());
         assert_eq!(admit(&mut kv, &mut b, 100), 4);
         // Only the first block may hit; the second is recomputed into a fresh block.
-        assert_eq!(b.blocks, vec![1, 3]);
+        assert_eq!(b.blocks, BlockId::list([1, 3]));
     }
 
     #[test]
     fn allocation_is_all_or_nothing_and_counts_free_hits() {
         let mut kv = KvCacheManager::new(4, 4, true); // 3 usable
-        let mut a = req((0..9).collect());
+        let mut a = req((0..9).map(TokenId).collect());
         admit(&mut kv, &mut a, 100);
         kv.free(&mut a); // blocks 3,2,1 free (cached 1,2)
-        let mut b = req((0..8).chain([70; 9]).collect()); // 17 tokens: 5 blocks
+        let mut b = req((0..8).chain([70; 9]).map(TokenId).collect()); // 17 tokens: 5 blocks
         kv.rehash_if_stale(&mut b, &chain_root("w"));
         let hit = kv.find_computed_blocks(&b);
         assert_eq!(hit.n_blocks(), 2);
@@ -279,7 +282,7 @@ mod tests {
     #[test]
     fn external_tokens_get_room() {
         let mut kv = KvCacheManager::new(8, 4, false);
-        let mut a = req((0..3).collect());
+        let mut a = req((0..3).map(TokenId).collect());
         assert!(kv.allocate_slots(&mut a, PrefixHit::default(), 3, 8));
         assert_eq!(a.blocks.len(), 3);
     }
@@ -287,11 +290,11 @@ mod tests {
     #[test]
     fn blocks_a_connector_will_load_are_hit_only_once_the_load_landed() {
         let mut kv = KvCacheManager::new(16, 4, true);
-        let mut a = req((0..10).collect());
+        let mut a = req((0..10).map(TokenId).collect());
         kv.rehash_if_stale(&mut a, &chain_root("w"));
         // 8 tokens (two full blocks) come from a connector; 1 is computed after them.
         assert!(kv.allocate_slots(&mut a, PrefixHit::default(), 1, 8));
-        let mut b = req((0..10).collect());
+        let mut b = req((0..10).map(TokenId).collect());
         kv.rehash_if_stale(&mut b, &chain_root("w"));
         assert_eq!(
             kv.find_computed_blocks(&b).n_blocks(),
@@ -307,19 +310,19 @@ mod tests {
     #[test]
     fn evicted_blocks_are_no_longer_hit() {
         let mut kv = KvCacheManager::new(8, 4, true);
-        let mut a = req((0..9).collect());
+        let mut a = req((0..9).map(TokenId).collect());
         admit(&mut kv, &mut a, 100);
         kv.evict_blocks(&a.blocks[..1]);
-        let mut b = req((0..9).collect());
+        let mut b = req((0..9).map(TokenId).collect());
         assert_eq!(admit(&mut kv, &mut b, 100), 0);
     }
 
     #[test]
     fn caching_disabled_never_hits() {
         let mut kv = KvCacheManager::new(16, 4, false);
-        let mut a = req((0..9).collect());
+        let mut a = req((0..9).map(TokenId).collect());
         admit(&mut kv, &mut a, 100);
-        let mut b = req((0..9).collect());
+        let mut b = req((0..9).map(TokenId).collect());
         assert_eq!(admit(&mut kv, &mut b, 100), 0);
         assert_eq!(kv.pool().n_cached(), 0);
     }

@@ -23,16 +23,16 @@
 //! One step, with a stand-in for the executor:
 //!
 //! ```
-//! use ferry_core::{ModelOutput, SampledToken, SamplingParams, Scheduler, SchedulerConfig};
+//! use ferry_core::{ModelOutput, SampledToken, SamplingParams, Scheduler, SchedulerConfig, TokenId};
 //!
 //! let mut core = Scheduler::new(SchedulerConfig::default()).unwrap();
-//! core.add_request("a", vec![1, 2, 3], SamplingParams::greedy(1)).unwrap();
+//! core.add_request("a", TokenId::list([1, 2, 3]), SamplingParams::greedy(1)).unwrap();
 //! let plan = core.schedule();
 //! let sampled = plan
 //!     .reqs
 //!     .iter()
 //!     .filter(|r| r.sample.is_some())
-//!     .map(|r| SampledToken { req: r.req, token: 42, logprob: 0.0, top_logprobs: vec![] })
+//!     .map(|r| SampledToken { req: r.req, token: TokenId(42), logprob: 0.0, top_logprobs: vec![] })
 //!     .collect();
 //! let outputs = core.on_step_output(&plan, &ModelOutput { sampled, ..ModelOutput::default() }).unwrap();
 //! assert_eq!(outputs[0].finished.as_ref().unwrap().request_id, "a");

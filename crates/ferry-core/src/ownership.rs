@@ -76,7 +76,7 @@ pub fn ledger<'a>(
     for (owner, blocks) in owners {
         for &block in blocks {
             let slot = held
-                .get_mut(block as usize)
+                .get_mut(block.index())
                 .ok_or(OwnershipError::OutOfRange {
                     block,
                     n_blocks,
@@ -95,7 +95,7 @@ pub fn ledger<'a>(
         .into_iter()
         .enumerate()
         .map(|(b, mut owners)| {
-            let b = b as BlockId;
+            let b = BlockId(b as u32);
             if b == NULL_BLOCK {
                 BlockStatus::Null
             } else if owners.is_empty() {
@@ -119,7 +119,7 @@ pub fn check<'a>(
     let ledger = ledger(pool, owners)?;
     check_free_queue(pool)?;
     for (b, status) in ledger.iter().enumerate() {
-        let block = b as BlockId;
+        let block = BlockId(b as u32);
         let ref_cnt = pool.ref_cnt(block);
         match status {
             BlockStatus::Null => {}
@@ -165,15 +165,15 @@ fn check_free_queue(pool: &BlockPool) -> Result<(), OwnershipError> {
     let mut seen = vec![false; pool.n_blocks()];
     let mut listed = 0;
     for block in pool.free_queue() {
-        let b = block as usize;
+        let b = block.index();
         if block == NULL_BLOCK || seen[b] || !pool.is_in_free_queue(block) {
             return Err(OwnershipError::FreeQueueCorrupt { block });
         }
         seen[b] = true;
         listed += 1;
     }
-    let marked = (1..pool.n_blocks() as BlockId)
-        .filter(|&b| pool.is_in_free_queue(b))
+    let marked = (1..pool.n_blocks() as u32)
+        .filter(|&b| pool.is_in_free_queue(BlockId(b)))
         .count();
     if listed != pool.n_free() || marked != listed {
         return Err(OwnershipError::FreeCountMismatch {
@@ -223,7 +223,7 @@ mod tests {
         assert_eq!(
             check(&p, []),
             Err(OwnershipError::RefCountMismatch {
-                block: 1,
+                block: BlockId(1),
                 ref_cnt: 1,
                 n_owners: 0,
                 owners: vec![],
@@ -240,7 +240,7 @@ mod tests {
         assert!(matches!(
             check(&p, [(A, &a[..]), (T, &t[..])]),
             Err(OwnershipError::RefCountMismatch {
-                block: 1,
+                block: BlockId(1),
                 ref_cnt: 1,
                 n_owners: 2,
                 ..
@@ -252,9 +252,9 @@ mod tests {
     fn held_block_in_free_queue_is_reported() {
         let p = BlockPool::new(3);
         assert!(matches!(
-            check(&p, [(A, &[1][..])]),
+            check(&p, [(A, &BlockId::list([1])[..])]),
             Err(OwnershipError::RefCountMismatch {
-                block: 1,
+                block: BlockId(1),
                 ref_cnt: 0,
                 ..
             })
@@ -265,16 +265,22 @@ mod tests {
     fn null_duplicate_and_out_of_range_are_reported() {
         let p = BlockPool::new(3);
         assert_eq!(
-            check(&p, [(A, &[0][..])]),
+            check(&p, [(A, &BlockId::list([0])[..])]),
             Err(OwnershipError::NullBlockOwned { owner: A })
         );
         assert_eq!(
-            check(&p, [(A, &[1, 1][..])]),
-            Err(OwnershipError::ListedTwice { block: 1, owner: A })
+            check(&p, [(A, &BlockId::list([1, 1])[..])]),
+            Err(OwnershipError::ListedTwice {
+                block: BlockId(1),
+                owner: A
+            })
         );
         assert!(matches!(
-            check(&p, [(A, &[9][..])]),
-            Err(OwnershipError::OutOfRange { block: 9, .. })
+            check(&p, [(A, &BlockId::list([9])[..])]),
+            Err(OwnershipError::OutOfRange {
+                block: BlockId(9),
+                ..
+            })
         ));
     }
 }

@@ -194,7 +194,7 @@ impl EngineHandle {
             return Err(Stopped.into());
         }
         let vocab_size = self.inner.vocab_size;
-        if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= vocab_size) {
+        if let Some(&token) = req.prompt.iter().find(|&&t| t.index() >= vocab_size) {
             return Err(GenerateError::TokenOutOfVocabulary { token, vocab_size });
         }
         let permit = self.permit()?;

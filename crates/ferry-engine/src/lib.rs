@@ -61,7 +61,7 @@ pub use error::{
 pub use event::{EngineFinish, Event};
 pub use ferry_arena::WorkerConnector;
 pub use ferry_core::{
-    ip_literal, AddError, AllowedPeers, ConnectorId, FinishReason, KvConnector, KvEvent,
+    ip_literal, AddError, AllowedPeers, BlockId, ConnectorId, FinishReason, KvConnector, KvEvent,
     KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus,
     LogitsParams, Medium, OffloadConfig, OffloadConnector, OffloadPolicy, PauseMode, PdConfig,
     PdConnector, PdRole, PromptTokenLogprob, SamplerSpec, SamplingParams, SchedulerConfig,

@@ -493,7 +493,7 @@ where
 
 #[cfg(test)]
 mod tests {
-    use ferry_core::{LifecycleError, SchedulerConfig};
+    use ferry_core::{LifecycleError, SchedulerConfig, TokenId};
     use ferry_model::{LlamaModel, WeightResidency};
 
     use super::*;
@@ -613,7 +613,7 @@ mod tests {
         engine.resume().await.unwrap();
         let req = crate::GenerateRequest {
             request_id: "after".into(),
-            prompt: vec![5, 6, 7],
+            prompt: TokenId::list([5, 6, 7]),
             params: ferry_core::SamplingParams::greedy(4),
             ..crate::GenerateRequest::default()
         };

@@ -1,6 +1,7 @@
 //! The small routes: `/v1/models`, `/health`, `/version`, `/metrics`, `/tokenize`,
 //! `/detokenize` (the last two in vLLM's request and response shapes).
 
+use ferry_engine::TokenId;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -94,7 +95,7 @@ pub struct TokenizeRequest {
 pub struct TokenizeResponse {
     pub count: usize,
     pub max_model_len: usize,
-    pub tokens: Vec<u32>,
+    pub tokens: Vec<TokenId>,
     pub token_strs: Option<Vec<String>>,
 }
 
@@ -127,7 +128,7 @@ pub async fn tokenize(
             .map(|&id| {
                 app.engine
                     .tokenizer()
-                    .and_then(|t| t.id_to_token(id))
+                    .and_then(|t| t.id_to_token(id.0))
                     .unwrap_or_default()
             })
             .collect()
@@ -146,7 +147,7 @@ fn tokenize_chat(
     app: &AppState,
     messages: Vec<ChatMessage>,
     req: &TokenizeRequest,
-) -> Result<Vec<u32>, ApiError> {
+) -> Result<Vec<TokenId>, ApiError> {
     if req.add_special_tokens == Some(true) {
         let text = app.template()?.render(
             &messages,
@@ -168,7 +169,8 @@ fn tokenize_chat(
 #[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct DetokenizeRequest {
     pub model: Option<String>,
-    pub tokens: Option<Vec<u32>>,
+    #[schema(value_type = Option<Vec<u32>>)]
+    pub tokens: Option<Vec<TokenId>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -192,7 +194,7 @@ pub async fn detokenize(
         if let Some((i, id)) = tokens
             .iter()
             .enumerate()
-            .find(|(_, &id)| id as usize >= vocab)
+            .find(|(_, &id)| id.index() >= vocab)
         {
             return Err(ApiError::invalid(
                 format!("tokens[{i}]"),
@@ -201,7 +203,7 @@ pub async fn detokenize(
         }
     }
     let prompt = tokenizer
-        .decode(&tokens, false)
+        .decode(TokenId::as_raw_slice(&tokens), false)
         .map_err(|e| ApiError::invalid("tokens", format!("could not detokenize: {e}")))?;
     Ok(Json(DetokenizeResponse { prompt }))
 }
