@@ -414,8 +414,8 @@ fn a_release_keeps_an_outstanding_grants_memory_until_it_drops() {
     }
 }
 
-/// Whole-arena slices would race with a worker (module doc, point 2); debug builds catch them.
-#[cfg(debug_assertions)]
+/// Whole-arena slices would race with a worker (module doc, point 2); an assert catches them,
+/// in release builds too.
 #[test]
 fn whole_arena_slices_are_refused_while_a_grant_is_outstanding() {
     use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -424,7 +424,11 @@ fn whole_arena_slices_are_refused_while_a_grant_is_outstanding() {
     let grant = unsafe { arena.grant(&[BlockId(1)], Access::Read).unwrap() };
     let err = catch_unwind(AssertUnwindSafe(|| arena.as_mut_slice().len())).unwrap_err();
     let message = err.downcast_ref::<String>().unwrap();
-    assert!(message.contains("whole-arena KV slice"), "{message}");
+    assert_eq!(
+        message,
+        "KV arena: a whole-arena mutable KV slice while workers hold 1 grants over the arena \
+         races with them"
+    );
     assert!(catch_unwind(AssertUnwindSafe(|| arena.as_slice().len())).is_err());
     // Block-level access to the other blocks is fine.
     arena.block_mut(BlockId(2))[0] = 1.0;
@@ -482,4 +486,19 @@ fn grants_from_before_a_release_are_stale() {
     // SAFETY: nothing touches `other`.
     let foreign = unsafe { other.grant(&[BlockId(0)], Access::Read).unwrap() };
     assert!(!foreign.is_current(&arena));
+}
+
+/// A dropped grant gives back exactly the claims it made; a registry that lost one no longer
+/// knows who reads or writes the block, and says so, in release builds too.
+#[test]
+#[should_panic(
+    expected = "KV arena: end of a Read grant over block 2, which the registry \
+                           claims as nothing"
+)]
+fn a_grant_whose_claim_is_gone_panics_when_dropped() {
+    let arena = KvArena::new(layout(), 4);
+    // SAFETY: the engine touches nothing while the grant lives.
+    let grant = unsafe { arena.grant(&[BlockId(2)], Access::Read).unwrap() };
+    arena.memory().forget_claims();
+    drop(grant);
 }

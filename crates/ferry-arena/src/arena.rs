@@ -232,7 +232,7 @@ impl KvArena {
     ///
     /// Not while a worker holds a grant over this memory: a reference to the whole arena counts
     /// as an access to every block, the granted ones included, and so races with the worker
-    /// (see [`crate::access`], point 2). Debug builds assert there is none.
+    /// (see [`crate::access`], point 2). Asserted, in release builds too.
     pub fn as_slice(&self) -> &[f32] {
         self.memory.as_slice()
     }

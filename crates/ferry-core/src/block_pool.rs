@@ -6,10 +6,19 @@
 //! prefix hit on a free but still cached block) are all O(1) with no allocation. Cached blocks
 //! stay in the free queue: they are evicted lazily, when the queue hands them out again.
 //! Block 0 is the null block: never in the queue, never handed out.
+//!
+//! Every change of a block's state states its precondition with an `assert!`, kept in release
+//! builds: a block taken from the free queue is held by no one, a reference is given back
+//! only by someone holding one (no double free, no count below zero), a count never wraps,
+//! the null block is never referenced, a block is cached only while held. Each operation is
+//! told who it acts for ([`Owner`]), so a broken precondition panics naming the block, that
+//! owner and the operation; the engine reports the panic as its own failure. The checks are
+//! a compare each on data the operation touches anyway; the message is built out of line.
 
 use crate::hash::{BlockHash, BlockHashMap};
 use crate::ids::BlockId;
 use crate::kv_events::{KvEventLog, Medium};
+use crate::owner::Owner;
 
 /// The null block: padding in block tables, never owned.
 pub const NULL_BLOCK: BlockId = BlockId::NULL;
@@ -114,14 +123,18 @@ impl BlockPool {
     }
 
     /// Takes `n` blocks from the head of the free queue (least recently used first) into
-    /// `out`, evicting their cached hashes. Takes nothing and returns false if fewer than `n`
-    /// are free.
-    pub fn take(&mut self, n: usize, out: &mut Vec<BlockId>) -> bool {
+    /// `out` for `owner`, evicting their cached hashes. Takes nothing and returns false if fewer
+    /// than `n` are free. Panics if a block in the free queue is still held.
+    pub fn take(&mut self, n: usize, out: &mut Vec<BlockId>, owner: Owner) -> bool {
         if n > self.n_free {
             return false;
         }
         for _ in 0..n {
             let b = self.head;
+            let ref_cnt = self.meta[b.index()].ref_cnt;
+            if ref_cnt != 0 {
+                broken(BlockOp::Take, b, owner, Broken::StillHeld(ref_cnt));
+            }
             self.unlink(b);
             self.evict(b);
             self.meta[b.index()].ref_cnt = 1;
@@ -130,32 +143,54 @@ impl BlockPool {
         true
     }
 
-    /// Adds a reference to a block (a prefix hit or a second owner), pulling it out of the
-    /// free queue if it was there.
-    pub fn touch(&mut self, block: BlockId) {
-        if self.meta[block.index()].in_free_queue {
+    /// Adds a reference to a block for `owner` (a prefix hit or a second owner), pulling it
+    /// out of the free queue if it was there. Panics on the null block or a count at its
+    /// maximum.
+    pub fn touch(&mut self, block: BlockId, owner: Owner) {
+        if block == NULL_BLOCK {
+            broken(BlockOp::Touch, block, owner, Broken::Null);
+        }
+        let m = &self.meta[block.index()];
+        if m.ref_cnt == u32::MAX {
+            broken(BlockOp::Touch, block, owner, Broken::Overflow);
+        }
+        if m.in_free_queue {
             self.unlink(block);
         }
         self.meta[block.index()].ref_cnt += 1;
     }
 
-    /// Drops one reference; a block nobody holds goes to the tail of the free queue (keeping
-    /// its hash, so it can still be hit until it is reused). Callers release a request's
-    /// blocks tail first, so a chain's tail is evicted before its head.
-    pub fn release(&mut self, block: BlockId) {
+    /// Gives back `owner`'s reference to a block; a block nobody holds goes to the tail of the
+    /// free queue (keeping its hash, so it can still be hit until it is reused). Callers release
+    /// a request's blocks tail first, so a chain's tail is evicted before its head. Panics if
+    /// no one holds the block (a double free: the count would go below zero).
+    pub fn release(&mut self, block: BlockId, owner: Owner) {
         let m = &mut self.meta[block.index()];
-        debug_assert!(m.ref_cnt > 0, "release of unheld block {block}");
-        m.ref_cnt = m.ref_cnt.saturating_sub(1);
+        if m.ref_cnt == 0 || block == NULL_BLOCK {
+            let why = if block == NULL_BLOCK {
+                Broken::Null
+            } else {
+                Broken::NotHeld
+            };
+            broken(BlockOp::Release, block, owner, why);
+        }
+        m.ref_cnt -= 1;
         if m.ref_cnt == 0 && !m.in_free_queue {
             self.push_back(block);
         }
     }
 
-    /// Registers a full block's contents under `hash`; returns whether it was newly cached.
-    /// If another block is already cached under the same hash (two requests computed the same
-    /// prefix at once), this one stays uncached and is simply freed later.
-    pub fn cache(&mut self, block: BlockId, hash: BlockHash) -> bool {
-        if self.meta[block.index()].hash.is_some() {
+    /// Registers a full block's contents, computed for `owner`, under `hash`; returns whether
+    /// it was newly cached. If another block is already cached under the same hash (two
+    /// requests computed the same prefix at once), this one stays uncached and is simply freed
+    /// later. Panics if no one holds the block: a free block's contents may be reused at any
+    /// time, so they cannot be what the hash promises.
+    pub fn cache(&mut self, block: BlockId, hash: BlockHash, owner: Owner) -> bool {
+        let m = &self.meta[block.index()];
+        if m.ref_cnt == 0 {
+            broken(BlockOp::Cache, block, owner, Broken::NotHeld);
+        }
+        if m.hash.is_some() {
             return false;
         }
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
@@ -257,6 +292,55 @@ impl BlockPool {
     }
 }
 
+/// A block-state change of the pool, named in the panic of a broken precondition.
+#[derive(Debug, Clone, Copy)]
+enum BlockOp {
+    Take,
+    Touch,
+    Release,
+    Cache,
+}
+
+/// Which precondition a block-state change broke.
+#[derive(Debug, Clone, Copy)]
+enum Broken {
+    /// Taken from the free queue with this many references still held.
+    StillHeld(u32),
+    /// No one holds it: a release would be a double free, a cache would name reusable memory.
+    NotHeld,
+    /// One more reference would wrap the count.
+    Overflow,
+    /// The null block is padding, never owned.
+    Null,
+}
+
+/// Panics naming the block, the owner and the operation. Out of line and cold, so the
+/// operations' common path is the compare that guards the call.
+#[cold]
+#[inline(never)]
+fn broken(op: BlockOp, block: BlockId, owner: Owner, why: Broken) -> ! {
+    let what = match op {
+        BlockOp::Take => "take for",
+        BlockOp::Touch => "reference by",
+        BlockOp::Release => "release by",
+        BlockOp::Cache => "cache by",
+    };
+    let why = match (op, why) {
+        (_, Broken::StillHeld(n)) => {
+            format!("which is still held ({n} references): a block reused while held")
+        }
+        (BlockOp::Release, Broken::NotHeld) => {
+            "which no one holds: a double free (its reference count would go below zero)".into()
+        }
+        (_, Broken::NotHeld) => "which no one holds: its contents may be reused at any time".into(),
+        (_, Broken::Overflow) => {
+            format!("whose reference count is at its maximum ({})", u32::MAX)
+        }
+        (_, Broken::Null) => "the null block, which is never owned".into(),
+    };
+    panic!("block pool: {what} {owner} of block {block}, {why}")
+}
+
 /// Walks the free queue; bounded by the free count so a corrupted list cannot loop forever.
 #[derive(Debug)]
 pub struct FreeQueueIter<'a> {
@@ -282,6 +366,15 @@ impl Iterator for FreeQueueIter<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::{ReqIdx, TransferId};
+    use crate::owner::{HoldKind, Holder};
+
+    const R: Owner = Owner::Request(ReqIdx(0));
+    const T: Owner = Owner::Transfer {
+        hold: TransferId(3),
+        holder: Holder::Caller,
+        kind: HoldKind::Caller,
+    };
 
     fn h(n: u8) -> BlockHash {
         BlockHash([n; 32])
@@ -302,9 +395,9 @@ mod tests {
     fn take_is_all_or_nothing() {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
-        assert!(!p.take(3, &mut out));
+        assert!(!p.take(3, &mut out, R));
         assert!(out.is_empty());
-        assert!(p.take(2, &mut out));
+        assert!(p.take(2, &mut out, R));
         assert_eq!(out, BlockId::list([1, 2]));
         assert_eq!(p.n_free(), 0);
     }
@@ -313,9 +406,9 @@ mod tests {
     fn released_tail_first_evicts_tail_first() {
         let mut p = BlockPool::new(6);
         let mut a = Vec::new();
-        p.take(3, &mut a); // 1,2,3
+        p.take(3, &mut a, R); // 1,2,3
         for &b in a.iter().rev() {
-            p.release(b);
+            p.release(b, R);
         }
         assert_eq!(queue(&p), BlockId::list([4, 5, 3, 2, 1]));
     }
@@ -323,16 +416,16 @@ mod tests {
     #[test]
     fn touch_removes_from_middle_and_release_appends() {
         let mut p = BlockPool::new(5);
-        p.touch(BlockId(2));
+        p.touch(BlockId(2), R);
         assert_eq!(queue(&p), BlockId::list([1, 3, 4]));
-        p.touch(BlockId(2));
+        p.touch(BlockId(2), R);
         assert_eq!(p.ref_cnt(BlockId(2)), 2);
-        p.release(BlockId(2));
+        p.release(BlockId(2), R);
         assert_eq!(queue(&p), BlockId::list([1, 3, 4]));
-        p.release(BlockId(2));
+        p.release(BlockId(2), R);
         assert_eq!(queue(&p), BlockId::list([1, 3, 4, 2]));
-        p.touch(BlockId(4));
-        p.touch(BlockId(1));
+        p.touch(BlockId(4), R);
+        p.touch(BlockId(1), R);
         assert_eq!(queue(&p), BlockId::list([3, 2]));
     }
 
@@ -340,12 +433,12 @@ mod tests {
     fn cached_free_block_is_hit_until_reused() {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
-        p.take(1, &mut out);
-        p.cache(BlockId(1), h(9));
-        p.release(BlockId(1));
+        p.take(1, &mut out, R);
+        p.cache(BlockId(1), h(9), R);
+        p.release(BlockId(1), R);
         assert_eq!(p.lookup(&h(9)), Some(BlockId(1)));
         out.clear();
-        p.take(2, &mut out); // 2 first, then 1 (evicted lazily now)
+        p.take(2, &mut out, R); // 2 first, then 1 (evicted lazily now)
         assert_eq!(out, BlockId::list([2, 1]));
         assert_eq!(p.lookup(&h(9)), None);
         assert_eq!(p.cached_hash(BlockId(1)), None);
@@ -355,9 +448,9 @@ mod tests {
     fn duplicate_hash_keeps_first_block() {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
-        p.take(2, &mut out);
-        p.cache(BlockId(1), h(1));
-        p.cache(BlockId(2), h(1));
+        p.take(2, &mut out, R);
+        p.cache(BlockId(1), h(1), R);
+        p.cache(BlockId(2), h(1), R);
         assert_eq!(p.lookup(&h(1)), Some(BlockId(1)));
         assert_eq!(p.cached_hash(BlockId(2)), None);
         assert!(!p.evict(BlockId(2)));
@@ -369,12 +462,89 @@ mod tests {
     fn reset_fails_while_held_and_clears_when_free() {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
-        p.take(1, &mut out);
-        p.cache(BlockId(1), h(3));
+        p.take(1, &mut out, R);
+        p.cache(BlockId(1), h(3), R);
         assert!(!p.reset_cache());
         assert_eq!(p.lookup(&h(3)), Some(BlockId(1)));
-        p.release(BlockId(1));
+        p.release(BlockId(1), R);
         assert!(p.reset_cache());
         assert_eq!((p.lookup(&h(3)), p.n_cached()), (None, 0));
+    }
+
+    // Each broken precondition panics, in release builds too, naming the block, the owner
+    // and the operation (`cargo test --release -p ferry-core --lib block_pool` runs these
+    // without debug assertions).
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: release by request #0 of block 1, which no one \
+                               holds: a double free (its reference count would go below zero)"
+    )]
+    fn a_double_free_panics() {
+        let mut p = BlockPool::new(3);
+        let mut out = Vec::new();
+        p.take(1, &mut out, R);
+        p.release(BlockId(1), R);
+        p.release(BlockId(1), R);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: release by caller's hold 3 (ended by the caller) of \
+                               block 2, which no one holds: a double free"
+    )]
+    fn releasing_a_block_never_taken_panics_naming_the_hold() {
+        let mut p = BlockPool::new(3);
+        p.release(BlockId(2), T);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: take for request #0 of block 1, which is still held \
+                               (2 references): a block reused while held"
+    )]
+    fn taking_a_held_block_from_the_free_queue_panics() {
+        let mut p = BlockPool::new(3);
+        // A free queue that lists a held block: what a bug in the pool's own bookkeeping
+        // would leave behind.
+        p.meta[1].ref_cnt = 2;
+        p.take(1, &mut Vec::new(), R);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: reference by caller's hold 3 (ended by the caller) \
+                               of block 1, whose reference count is at its maximum (4294967295)"
+    )]
+    fn a_reference_count_never_wraps() {
+        let mut p = BlockPool::new(3);
+        p.take(1, &mut Vec::new(), R);
+        p.meta[1].ref_cnt = u32::MAX;
+        p.touch(BlockId(1), T);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: reference by request #0 of block 0, the null block, \
+                               which is never owned"
+    )]
+    fn the_null_block_is_never_referenced() {
+        BlockPool::new(3).touch(NULL_BLOCK, R);
+    }
+
+    #[test]
+    #[should_panic(expected = "block pool: release by request #0 of block 0, the null block")]
+    fn the_null_block_is_never_released() {
+        BlockPool::new(3).release(NULL_BLOCK, R);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: cache by request #0 of block 2, which no one holds: \
+                               its contents may be reused at any time"
+    )]
+    fn caching_a_free_block_panics() {
+        let mut p = BlockPool::new(3);
+        p.cache(BlockId(2), h(1), R);
     }
 }

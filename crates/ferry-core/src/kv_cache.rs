@@ -3,11 +3,14 @@
 //! It looks up a new request's computed prefix in the prefix cache, allocates slots for the
 //! tokens scheduled this step (plus room for KV a connector will load), registers newly full
 //! blocks in the prefix cache, frees a request's blocks tail first, and evicts given blocks.
-//! The scheduler decides *what* runs; this module only does the block arithmetic.
+//! The scheduler decides *what* runs; this module only does the block arithmetic. Every
+//! block it takes, references, caches or frees it does for the request as its owner
+//! (`Owner::Request`), so the pool's checks name the request when one fails.
 
 use crate::block_pool::BlockPool;
 use crate::hash::{extend_block_hashes, BlockHash};
 use crate::ids::BlockId;
+use crate::owner::Owner;
 use crate::request::Request;
 
 /// The result of a prefix lookup, to be passed to [`KvCacheManager::allocate_slots`]. The hit
@@ -75,7 +78,14 @@ impl KvCacheManager {
             return;
         }
         if req.hash_root != *root {
-            debug_assert!(req.blocks.is_empty());
+            assert!(
+                req.blocks.is_empty(),
+                "kv cache: rehash of request #{} ({:?}), which holds {} blocks: its hashes \
+                 would no longer describe its KV",
+                req.idx.0,
+                req.id,
+                req.blocks.len()
+            );
             req.block_hashes.clear();
             req.hash_root = *root;
         }
@@ -142,13 +152,19 @@ impl KvCacheManager {
         if n_take + n_free_hits > self.pool.n_free() {
             return false;
         }
+        let owner = Owner::Request(req.idx);
         for &b in hits {
-            self.pool.touch(b);
+            self.pool.touch(b, owner);
         }
         req.blocks.extend_from_slice(hits);
         req.n_cached_blocks = req.n_cached_blocks.max(hits.len());
-        let taken = self.pool.take(n_take, &mut req.blocks);
-        debug_assert!(taken);
+        let taken = self.pool.take(n_take, &mut req.blocks, owner);
+        assert!(
+            taken,
+            "kv cache: take for request #{} ({:?}) of {n_take} blocks, counted free, failed: \
+             the pool's free count is wrong",
+            req.idx.0, req.id
+        );
         self.hit_blocks.clear();
         let n_cacheable = if n_external == 0 {
             n_tokens
@@ -169,8 +185,11 @@ impl KvCacheManager {
         let n_full = (n_tokens.min(req.tokens.len()) / self.block_size)
             .min(req.block_hashes.len())
             .min(req.blocks.len());
+        let owner = Owner::Request(req.idx);
         for i in req.n_cached_blocks..n_full {
-            if self.pool.cache(req.blocks[i], req.block_hashes[i]) && self.pool.log_mut().is_on() {
+            if self.pool.cache(req.blocks[i], req.block_hashes[i], owner)
+                && self.pool.log_mut().is_on()
+            {
                 let parent = i.checked_sub(1).map(|p| &req.block_hashes[p]);
                 let tokens = &req.tokens[i * self.block_size..(i + 1) * self.block_size];
                 self.pool
@@ -183,8 +202,9 @@ impl KvCacheManager {
 
     /// Frees all of `req`'s blocks, tail first, so the chain's tail is evicted before its head.
     pub fn free(&mut self, req: &mut Request) {
+        let owner = Owner::Request(req.idx);
         for &b in req.blocks.iter().rev() {
-            self.pool.release(b);
+            self.pool.release(b, owner);
         }
         req.blocks.clear();
         req.n_cached_blocks = 0;

@@ -13,8 +13,9 @@
 //! Modules, bottom up, each importing only modules before it (`ferry-lint`'s
 //! `tests/import_rings.rs` checks that no module imports one that imports it back): [`ids`] (the basic ids),
 //! [`sampling`], [`hash`] (chained blake3 block hashes), [`peers`], [`lifecycle`] (the
-//! lifecycle's public types), [`block_pool`] (ref counts, LRU free queue, prefix-cache
-//! index), [`holds`] (transfer holds: holder, kind, lease), [`ownership`] (the ledger and its
+//! lifecycle's public types), [`owner`] (who holds a block: a request or a transfer hold),
+//! [`block_pool`] (ref counts, LRU free queue, prefix-cache index; every block-state change
+//! asserts its precondition, in release builds too), [`holds`] (transfer holds: holder, kind, lease), [`ownership`] (the ledger and its
 //! checker), [`request`], [`kv_cache`] (per-request block arithmetic), [`connector`] (the
 //! connector trait), [`plan`] (the step plan), [`config`], the connectors [`pd`] and
 //! [`offload`], [`scheduler`]; [`driver`] runs one step against a model (tests, benches,
@@ -51,6 +52,7 @@ pub mod kv_cache;
 pub mod kv_events;
 pub mod lifecycle;
 pub mod offload;
+pub mod owner;
 pub mod ownership;
 pub mod pd;
 pub mod peers;

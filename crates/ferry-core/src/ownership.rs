@@ -7,20 +7,8 @@
 //! block, a double free or a block both free and held shows up at the step that caused it.
 
 use crate::block_pool::{BlockPool, NULL_BLOCK};
-use crate::holds::{HoldKind, Holder};
-use crate::ids::{BlockId, ReqIdx, TransferId};
-
-/// Someone who holds a reference to a block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Owner {
-    Request(ReqIdx),
-    /// A transfer hold, with who frees it and what it is for.
-    Transfer {
-        hold: TransferId,
-        holder: Holder,
-        kind: HoldKind,
-    },
-}
+use crate::ids::BlockId;
+pub use crate::owner::Owner;
 
 /// One block's line in the ledger.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -187,6 +175,8 @@ fn check_free_queue(pool: &BlockPool) -> Result<(), OwnershipError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::{ReqIdx, TransferId};
+    use crate::owner::{HoldKind, Holder};
 
     const A: Owner = Owner::Request(ReqIdx(0));
     const T: Owner = Owner::Transfer {
@@ -199,8 +189,8 @@ mod tests {
     fn agreeing_pool_and_owners_pass() {
         let mut p = BlockPool::new(4);
         let mut a = Vec::new();
-        p.take(2, &mut a);
-        p.touch(a[1]);
+        p.take(2, &mut a, A);
+        p.touch(a[1], T);
         let t = [a[1]];
         check(&p, [(A, &a[..]), (T, &t[..])]).unwrap();
         let l = ledger(&p, [(A, &a[..]), (T, &t[..])]).unwrap();
@@ -219,7 +209,7 @@ mod tests {
     fn leaked_block_is_reported() {
         let mut p = BlockPool::new(3);
         let mut a = Vec::new();
-        p.take(1, &mut a);
+        p.take(1, &mut a, A);
         assert_eq!(
             check(&p, []),
             Err(OwnershipError::RefCountMismatch {
@@ -235,7 +225,7 @@ mod tests {
     fn missing_reference_is_reported() {
         let mut p = BlockPool::new(3);
         let mut a = Vec::new();
-        p.take(1, &mut a);
+        p.take(1, &mut a, A);
         let t = a.clone();
         assert!(matches!(
             check(&p, [(A, &a[..]), (T, &t[..])]),

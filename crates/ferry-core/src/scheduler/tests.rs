@@ -33,7 +33,10 @@ fn check_ownership_reports_a_reference_nobody_owns() {
     let free = (1..8)
         .find(|&b| s.kv.pool().ref_cnt(BlockId(b)) == 0)
         .expect("a free block");
-    s.kv.pool_mut().touch(BlockId(free));
+    s.kv.pool_mut().touch(
+        BlockId(free),
+        crate::owner::Owner::Request(crate::ids::ReqIdx(99)),
+    );
     assert!(s.check_ownership().is_err(), "block {free} has no owner");
 }
 
