@@ -223,6 +223,9 @@ pub struct EngineStats {
     pub tier: Option<TierStats>,
     /// False once the engine thread has stopped.
     pub running: bool,
+    /// Set when the engine thread failed (panicked), with the panic's message; `running` is
+    /// false then too. A shutdown leaves it `None`.
+    pub failure: Option<String>,
 }
 
 /// What a weight update did.

@@ -392,7 +392,7 @@ async fn shutdown_with_requests_in_flight_aborts_each() {
     shutdown.await.unwrap().unwrap();
     assert!(wait.await.unwrap().is_err(), "a deferred reply completes");
     assert!(!engine.stats().running);
-    assert!(matches!(engine.shutdown().await, Err(Stopped)));
+    assert!(matches!(engine.shutdown().await, Err(Stopped::ShutDown)));
     let late = engine
         .generate(request("late", TokenId::list([1]), 1))
         .await;
@@ -426,8 +426,12 @@ impl ferry_model::Executor for Panicking {
     }
 }
 
+/// A panic on the engine thread is the engine's failure, named everywhere: the stream in
+/// flight ends with an error carrying the panic's message, the stats keep it, and every later
+/// call (a generation, a lifecycle call, a status read) fails with `Stopped::Failed` naming
+/// it. Nothing hangs.
 #[tokio::test]
-async fn an_engine_thread_panic_ends_streams_with_error_not_a_hang() {
+async fn an_engine_thread_panic_is_the_engines_failure_named_everywhere_not_a_hang() {
     let engine = engine(Panicking(checksum(), 0), small_config(64, 4));
     let out = collect(
         engine
@@ -437,11 +441,25 @@ async fn an_engine_thread_panic_ends_streams_with_error_not_a_hang() {
     )
     .await;
     assert_eq!((out.tokens.len(), out.reason()), (1, FinishReason::Error));
-    assert!(matches!(
-        engine.generate(request("b", TokenId::list([1]), 1)).await,
-        Err(GenerateError::Stopped(_))
-    ));
-    assert!(!engine.stats().running);
+    let failed = Stopped::Failed("injected executor panic".into());
+    assert_eq!(
+        out.finish.unwrap().message.as_deref(),
+        Some("the engine failed: injected executor panic")
+    );
+    let stats = engine.stats();
+    assert!(!stats.running);
+    assert_eq!(stats.failure.as_deref(), Some("injected executor panic"));
+    assert_eq!(engine.failure().as_deref(), Some("injected executor panic"));
+    match engine.generate(request("b", TokenId::list([1]), 1)).await {
+        Err(GenerateError::Stopped(e)) => assert_eq!(e, failed),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        engine.reset_prefix_cache(false, false).await,
+        Err(failed.clone())
+    );
+    assert_eq!(engine.wait_idle().await, Err(failed.clone()));
+    assert_eq!(engine.abort("b").await, Err(failed));
     engine.shutdown().await.unwrap();
 }
 

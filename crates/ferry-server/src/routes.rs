@@ -11,7 +11,7 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 
 use crate::chat::render_prompt;
-use crate::error::ApiError;
+use crate::error::{api_error, ApiError};
 use crate::extract::ApiJson;
 use crate::request::{ChatFields, ChatMessage};
 use crate::response::{ModelCard, ModelList};
@@ -34,10 +34,12 @@ pub async fn models(State(app): State<Arc<AppState>>) -> Json<ModelList> {
 
 /// 200 while the engine runs; 503 once it has stopped.
 pub async fn health(State(app): State<Arc<AppState>>) -> Response {
-    if app.engine.stats().running {
+    let stats = app.engine.stats();
+    if stats.running {
         StatusCode::OK.into_response()
     } else {
-        ApiError::unavailable("the engine has stopped").into_response()
+        // A 500 naming the failure if the engine failed, a 503 if it was shut down.
+        api_error(ferry_engine::Stopped::from(stats)).into_response()
     }
 }
 
