@@ -33,9 +33,8 @@
 //!    their `_mut`s) derives its slice from that pointer for exactly the block it names; and a
 //!    grant makes references only to its own blocks, for one borrow of the grant. The whole-arena
 //!    [`KvArena::as_slice`] and [`KvArena::as_mut_slice`] cover granted blocks too, so they must
-//!    not be called while a grant over the current memory is outstanding (debug builds assert
-//!    it). The Llama executor's attention still takes `as_mut_slice()`; it has to move to
-//!    block-level access before transfers run concurrently with its steps.
+//!    not be called while a grant over the current memory is outstanding (asserted, in release
+//!    builds too); the forward uses the block- and token-level accessors only.
 //! 3. **Grant against grant: the claim registry.** Each `Storage` keeps a small registry of the
 //!    blocks live grants claim, touched only when a grant is made or dropped (never per access).
 //!    A write grant needs its blocks unclaimed and distinct; a read grant needs them not claimed
@@ -52,9 +51,11 @@
 //! Checked at run time: every id in range and the arena allocated when the grant is made (an
 //! error naming the block, [`KvError`]), distinct ids and no overlapping claims for write grants,
 //! exact block lengths on every write and copy, equal layouts on a copy between arenas, writes
-//! only through write grants, the generation on request, and in debug builds no whole-arena
-//! slice while a grant is outstanding. Not checked: (1), which is the ledger's job and `grant`'s
-//! safety contract.
+//! only through write grants, the generation on request, no whole-arena slice while a grant
+//! is outstanding, and a dropped grant's claims as it made them. These are `assert!`s or errors,
+//! kept in release builds. Not checked here: (1), which is the ledger's job (`ferry-core`'s
+//! block pool asserts that no block is handed out while a hold, and so a grant, still has it)
+//! and `grant`'s safety contract.
 //!
 //! The tests (`access_tests.rs`) run under Miri, with Stacked and with Tree Borrows, sizes shrunk:
 //! `MIRIFLAGS=-Zmiri-tree-borrows cargo +nightly miri test -p ferry-arena --lib -- access`. Miri is
@@ -77,6 +78,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use ferry_core::BlockId;
+
 use crate::block::{Access, KvError, KvLayout};
 
 /// One zeroed allocation of arena memory, shared by the arena and the grants made over it.
@@ -88,8 +91,8 @@ pub(crate) struct Storage {
     ptr: NonNull<f32>,
     n_floats: usize,
     /// Blocks claimed by live grants over this storage.
-    claims: Mutex<BTreeMap<u32, Claim>>,
-    /// Live grants over this storage, for the whole-arena slices' debug assertion.
+    claims: Mutex<BTreeMap<BlockId, Claim>>,
+    /// Live grants over this storage, for the whole-arena slices' assertion.
     n_grants: AtomicUsize,
     /// Unique in the process ([`MemoryRegion::id`]): addresses are reused, ids are not.
     id: u64,
@@ -154,7 +157,7 @@ impl Storage {
         Layout::array::<f32>(n_floats).expect("KV arena size overflows isize")
     }
 
-    fn lock_claims(&self) -> MutexGuard<'_, BTreeMap<u32, Claim>> {
+    fn lock_claims(&self) -> MutexGuard<'_, BTreeMap<BlockId, Claim>> {
         // The map is only changed after all checks passed, so a panic elsewhere while the lock
         // was held cannot have left it half-updated.
         self.claims.lock().unwrap_or_else(PoisonError::into_inner)
@@ -162,7 +165,7 @@ impl Storage {
 
     /// Claims `blocks` for one grant, or names the first block another live grant's claim
     /// conflicts with. Write grants' ids must already be distinct.
-    fn claim(&self, blocks: &[u32], access: Access) -> Result<(), KvError> {
+    fn claim(&self, blocks: &[BlockId], access: Access) -> Result<(), KvError> {
         let mut claims = self.lock_claims();
         for &block in blocks {
             let held = match (access, claims.get(&block)) {
@@ -186,11 +189,26 @@ impl Storage {
         Ok(())
     }
 
-    fn unclaim(&self, blocks: &[u32], access: Access) {
+    /// Gives back one grant's claims. Each must be there as the grant made it: a missing or
+    /// different claim means the registry no longer knows who reads or writes the block.
+    fn unclaim(&self, blocks: &[BlockId], access: Access) {
         let mut claims = self.lock_claims();
         for &block in blocks {
             match (access, claims.get_mut(&block)) {
                 (Access::Read, Some(Claim::Read(n))) if *n > 1 => *n -= 1,
+                (Access::Read, Some(Claim::Read(_))) | (Access::Write, Some(Claim::Write)) => {
+                    claims.remove(&block);
+                }
+                // Not while unwinding already: a second panic in a drop would abort.
+                (_, claim) if !std::thread::panicking() => {
+                    let claim = claim.map(|c| format!("{c:?}"));
+                    drop(claims);
+                    panic!(
+                        "KV arena: end of a {access:?} grant over block {block}, which the \
+                         registry claims as {}",
+                        claim.as_deref().unwrap_or("nothing")
+                    );
+                }
                 _ => {
                     claims.remove(&block);
                 }
@@ -202,6 +220,20 @@ impl Storage {
     fn n_claimed_blocks(&self) -> usize {
         self.lock_claims().len()
     }
+
+    /// Empties the registry behind the live grants' backs, as a bug in it would.
+    #[cfg(test)]
+    fn forget_claims(&self) {
+        self.lock_claims().clear();
+    }
+}
+
+/// Panics: a whole-arena slice covers blocks `n` live grants may be reading or writing right
+/// now (module doc, point 2). Out of line, so the check inlines to a load and a compare.
+#[cold]
+#[inline(never)]
+fn whole_arena_while_granted(what: &str, n: usize) -> ! {
+    panic!("KV arena: {what} while workers hold {n} grants over the arena races with them")
 }
 
 /// Below this many bytes an arena is left on the allocator's pages as they come.
@@ -357,23 +389,24 @@ impl ArenaMemory {
     /// Every float; only while no grant over this memory is outstanding (module doc, point 2).
     #[inline]
     pub(crate) fn as_slice(&self) -> &[f32] {
-        self.debug_assert_no_grants();
+        self.assert_no_grants("a whole-arena KV slice");
         self.floats(0..self.len)
     }
 
     #[inline]
     pub(crate) fn as_mut_slice(&mut self) -> &mut [f32] {
-        self.debug_assert_no_grants();
+        self.assert_no_grants("a whole-arena mutable KV slice");
         self.floats_mut(0..self.len)
     }
 
+    /// Point 2 of the module doc, in release builds too: one relaxed load per whole-arena
+    /// slice, and those are made outside the forward's inner loops.
     #[inline]
-    fn debug_assert_no_grants(&self) {
-        debug_assert_eq!(
-            self.storage.n_grants.load(Ordering::Relaxed),
-            0,
-            "a whole-arena KV slice while workers hold grants over the arena races with them"
-        );
+    fn assert_no_grants(&self, what: &str) {
+        let n = self.storage.n_grants.load(Ordering::Relaxed);
+        if n != 0 {
+            whole_arena_while_granted(what, n);
+        }
     }
 
     /// A grant over `blocks` of this memory, whose layout is `layout`, for
@@ -387,7 +420,7 @@ impl ArenaMemory {
     /// nor, for a write grant, reads them.
     pub(crate) unsafe fn grant(
         &self,
-        blocks: &[u32],
+        blocks: &[BlockId],
         access: Access,
         layout: KvLayout,
     ) -> Result<BlockGrant, KvError> {
@@ -429,6 +462,11 @@ impl ArenaMemory {
     pub(crate) fn n_claimed_blocks(&self) -> usize {
         self.storage.n_claimed_blocks()
     }
+
+    #[cfg(test)]
+    pub(crate) fn forget_claims(&self) {
+        self.storage.forget_claims();
+    }
 }
 
 #[cold]
@@ -455,7 +493,7 @@ impl fmt::Debug for ArenaMemory {
 /// because the worker built that list itself.
 pub struct BlockGrant {
     storage: Arc<Storage>,
-    blocks: Box<[u32]>,
+    blocks: Box<[BlockId]>,
     access: Access,
     layout: KvLayout,
     generation: u64,
@@ -468,7 +506,7 @@ impl BlockGrant {
     }
 
     /// The granted block ids, in the order given to [`KvArena::grant`](crate::KvArena::grant).
-    pub fn blocks(&self) -> &[u32] {
+    pub fn blocks(&self) -> &[BlockId] {
         &self.blocks
     }
 
@@ -559,7 +597,11 @@ impl BlockGrant {
         }
         let (dst_ptr, len) = dst.writable_raw(j)?;
         let (src_ptr, src_len) = self.block_raw(i);
-        debug_assert_eq!(len, src_len, "equal layouts give equal block sizes");
+        assert_eq!(
+            len, src_len,
+            "grant copy of block {} into block {}: equal layouts give equal block sizes",
+            self.blocks[i], dst.blocks[j]
+        );
         // SAFETY: both ranges are live and `len` bytes long. They do not overlap: different
         // storages are different allocations, and within one storage the registry never lets a
         // write grant's block be claimed by another grant (module doc, point 3).
@@ -570,8 +612,12 @@ impl BlockGrant {
     /// Start and length in bytes of block `blocks()[i]`.
     fn block_raw(&self, i: usize) -> (*mut u8, usize) {
         let block_floats = self.layout.block_floats();
-        let start = self.blocks[i] as usize * block_floats;
-        debug_assert!(start + block_floats <= self.storage.n_floats);
+        let start = self.blocks[i].index() * block_floats;
+        assert!(
+            start + block_floats <= self.storage.n_floats,
+            "grant over block {}: past the end of its arena's memory",
+            self.blocks[i]
+        );
         // SAFETY: `grant` checked the block is in range of the arena this storage was allocated
         // for, so the offset stays inside the allocation.
         let ptr = unsafe { self.storage.ptr.as_ptr().add(start) };
@@ -587,7 +633,7 @@ impl BlockGrant {
     }
 }
 
-fn check_len(block: u32, expected: usize, actual: usize) -> Result<(), KvError> {
+fn check_len(block: BlockId, expected: usize, actual: usize) -> Result<(), KvError> {
     if actual == expected {
         Ok(())
     } else {

@@ -20,6 +20,8 @@
 
 use std::ops::Range;
 
+use ferry_core::BlockId;
+
 use crate::access::{ArenaMemory, BlockGrant};
 use crate::block::{Access, KvError, KvLayout, KvPlane};
 
@@ -82,16 +84,16 @@ impl KvArena {
         self.n_blocks * self.layout.block_floats()
     }
 
-    fn range(&self, block: u32) -> Range<usize> {
+    fn range(&self, block: BlockId) -> Range<usize> {
         let n = self.layout.block_floats();
-        let start = block as usize * n;
+        let start = block.index() * n;
         start..start + n
     }
 
     /// `Ok` when `block` can be accessed: in range, and the arena is allocated. Executors call
     /// this for every block id of a plan before using the infallible accessors.
-    pub fn check_block(&self, block: u32) -> Result<(), KvError> {
-        if block as usize >= self.n_blocks {
+    pub fn check_block(&self, block: BlockId) -> Result<(), KvError> {
+        if block.index() >= self.n_blocks {
             return Err(KvError::BlockOutOfRange {
                 block,
                 n_blocks: self.n_blocks,
@@ -107,25 +109,25 @@ impl KvArena {
     ///
     /// Like every block- and token-level accessor, it makes a reference to that block only, never
     /// to the whole arena, so it may run while workers hold grants over other blocks.
-    pub fn block(&self, block: u32) -> &[f32] {
+    pub fn block(&self, block: BlockId) -> &[f32] {
         self.memory.floats(self.range(block))
     }
 
-    pub fn block_mut(&mut self, block: u32) -> &mut [f32] {
+    pub fn block_mut(&mut self, block: BlockId) -> &mut [f32] {
         let r = self.range(block);
         self.memory.floats_mut(r)
     }
 
     /// Layer `layer`'s K or V plane of `block`: `block_size` token vectors back to back.
     /// Panics if out of range (see the module doc).
-    pub fn plane(&self, block: u32, layer: usize, plane: KvPlane) -> &[f32] {
+    pub fn plane(&self, block: BlockId, layer: usize, plane: KvPlane) -> &[f32] {
         let start = self.layout.token_offset(layer, plane, 0);
         &self.block(block)[start..start + self.layout.plane_floats()]
     }
 
     /// The K or V vector (all KV heads, `n_kv_heads * head_dim` floats) of the token in slot
     /// `slot` of `block`, layer `layer`. Panics if out of range (see the module doc).
-    pub fn token(&self, block: u32, slot: usize, layer: usize, plane: KvPlane) -> &[f32] {
+    pub fn token(&self, block: BlockId, slot: usize, layer: usize, plane: KvPlane) -> &[f32] {
         let start = self.layout.token_offset(layer, plane, slot);
         &self.block(block)[start..start + self.layout.token_floats()]
     }
@@ -133,7 +135,7 @@ impl KvArena {
     /// Mutable [`KvArena::token`]: where the forward writes a token's K or V.
     pub fn token_mut(
         &mut self,
-        block: u32,
+        block: BlockId,
         slot: usize,
         layer: usize,
         plane: KvPlane,
@@ -156,15 +158,15 @@ impl KvArena {
         self.token_mut(block, slot, layer, plane)
     }
 
-    fn split_slot(&self, arena_slot: usize) -> (u32, usize) {
+    fn split_slot(&self, arena_slot: usize) -> (BlockId, usize) {
         let bs = self.layout.block_size;
-        ((arena_slot / bs) as u32, arena_slot % bs)
+        (BlockId((arena_slot / bs) as u32), arena_slot % bs)
     }
 
     /// One KV head's vector (`head_dim` floats) of the token in slot `slot` of `block`.
     pub fn head(
         &self,
-        block: u32,
+        block: BlockId,
         slot: usize,
         layer: usize,
         plane: KvPlane,
@@ -176,24 +178,24 @@ impl KvArena {
 
     /// One block as bytes, for transfers and offload copies. Panics like [`KvArena::block`];
     /// see [`KvArena::try_block_bytes`] for ids that come from outside.
-    pub fn block_bytes(&self, block: u32) -> &[u8] {
+    pub fn block_bytes(&self, block: BlockId) -> &[u8] {
         floats_as_bytes(self.block(block))
     }
 
-    pub fn block_bytes_mut(&mut self, block: u32) -> &mut [u8] {
+    pub fn block_bytes_mut(&mut self, block: BlockId) -> &mut [u8] {
         floats_as_bytes_mut(self.block_mut(block))
     }
 
     /// One block as bytes, or an error naming the block if it is out of range or the arena is
     /// released.
-    pub fn try_block_bytes(&self, block: u32) -> Result<&[u8], KvError> {
+    pub fn try_block_bytes(&self, block: BlockId) -> Result<&[u8], KvError> {
         self.check_block(block)?;
         Ok(self.block_bytes(block))
     }
 
     /// Overwrites a whole block with `bytes` (a transfer or an offload load landing). The length
     /// must be exactly one block.
-    pub fn write_block_bytes(&mut self, block: u32, bytes: &[u8]) -> Result<(), KvError> {
+    pub fn write_block_bytes(&mut self, block: BlockId, bytes: &[u8]) -> Result<(), KvError> {
         self.check_block(block)?;
         let expected = self.layout.block_bytes();
         if bytes.len() != expected {
@@ -211,9 +213,9 @@ impl KvArena {
     /// or a copy between the device arena and a host tier). The layouts must match.
     pub fn copy_block_from(
         &mut self,
-        dst: u32,
+        dst: BlockId,
         src: &KvArena,
-        src_block: u32,
+        src_block: BlockId,
     ) -> Result<(), KvError> {
         if src.layout != self.layout {
             return Err(KvError::LayoutMismatch {
@@ -230,7 +232,7 @@ impl KvArena {
     ///
     /// Not while a worker holds a grant over this memory: a reference to the whole arena counts
     /// as an access to every block, the granted ones included, and so races with the worker
-    /// (see [`crate::access`], point 2). Debug builds assert there is none.
+    /// (see [`crate::access`], point 2). Asserted, in release builds too.
     pub fn as_slice(&self) -> &[f32] {
         self.memory.as_slice()
     }
@@ -255,7 +257,7 @@ impl KvArena {
     /// arena, nor read them if `access` is [`Access::Write`]. The block ledger guarantees this for
     /// the blocks of a transfer hold that stays held until the grant is dropped
     /// ([`crate::access`]'s module doc).
-    pub unsafe fn grant(&self, blocks: &[u32], access: Access) -> Result<BlockGrant, KvError> {
+    pub unsafe fn grant(&self, blocks: &[BlockId], access: Access) -> Result<BlockGrant, KvError> {
         for &block in blocks {
             self.check_block(block)?;
         }

@@ -45,14 +45,14 @@ fn typed_accessors_read_the_right_floats() {
     let arena = indexed_arena(4);
     let base = 2 * 240;
     assert_eq!(
-        arena.token(2, 3, 1, KvPlane::K),
+        arena.token(BlockId(2), 3, 1, KvPlane::K),
         &[104., 105., 106., 107., 108., 109., 110., 111.].map(|x| x + base as f32)
     );
     assert_eq!(
-        arena.head(2, 4, 2, KvPlane::V, 1),
+        arena.head(BlockId(2), 4, 2, KvPlane::V, 1),
         &[236., 237., 238., 239.].map(|x| x + base as f32)
     );
-    let plane = arena.plane(3, 0, KvPlane::V);
+    let plane = arena.plane(BlockId(3), 0, KvPlane::V);
     assert_eq!(plane.len(), 40);
     assert_eq!(plane[0], (3 * 240 + 40) as f32);
     assert_eq!(plane[39], (3 * 240 + 79) as f32);
@@ -64,12 +64,12 @@ fn arena_slots_address_the_same_tokens() {
     // Slot 13 = block 2, slot 3 in block (block_size 5).
     assert_eq!(
         arena.token_at(13, 1, KvPlane::V),
-        arena.token(2, 3, 1, KvPlane::V)
+        arena.token(BlockId(2), 3, 1, KvPlane::V)
     );
     arena.token_at_mut(13, 1, KvPlane::V).fill(-1.0);
-    assert_eq!(arena.token(2, 3, 1, KvPlane::V), &[-1.0; 8]);
+    assert_eq!(arena.token(BlockId(2), 3, 1, KvPlane::V), &[-1.0; 8]);
     assert_eq!(
-        arena.token(2, 3, 1, KvPlane::K)[0],
+        arena.token(BlockId(2), 3, 1, KvPlane::K)[0],
         (2 * 240 + 80 + 24) as f32
     );
 }
@@ -78,9 +78,9 @@ fn arena_slots_address_the_same_tokens() {
 fn token_mut_writes_only_that_token() {
     let mut arena = KvArena::new(layout(), 3);
     arena
-        .token_mut(1, 2, 2, KvPlane::V)
+        .token_mut(BlockId(1), 2, 2, KvPlane::V)
         .copy_from_slice(&[1., 2., 3., 4., 5., 6., 7., 8.]);
-    let block = arena.block(1);
+    let block = arena.block(BlockId(1));
     let start = layout().token_offset(2, KvPlane::V, 2);
     assert_eq!(&block[start..start + 8], &[1., 2., 3., 4., 5., 6., 7., 8.]);
     let nonzero = arena.as_slice().iter().filter(|&&x| x != 0.0).count();
@@ -91,12 +91,12 @@ fn token_mut_writes_only_that_token() {
 fn block_bytes_round_trip_between_arenas() {
     let src = indexed_arena(4);
     let mut dst = KvArena::new(layout(), 4);
-    let bytes = src.try_block_bytes(3).unwrap().to_vec();
+    let bytes = src.try_block_bytes(BlockId(3)).unwrap().to_vec();
     assert_eq!(bytes.len(), layout().block_bytes());
-    dst.write_block_bytes(1, &bytes).unwrap();
-    assert_eq!(dst.block(1), src.block(3));
-    assert!(dst.block(0).iter().all(|&x| x == 0.0));
-    assert!(dst.block(2).iter().all(|&x| x == 0.0));
+    dst.write_block_bytes(BlockId(1), &bytes).unwrap();
+    assert_eq!(dst.block(BlockId(1)), src.block(BlockId(3)));
+    assert!(dst.block(BlockId(0)).iter().all(|&x| x == 0.0));
+    assert!(dst.block(BlockId(2)).iter().all(|&x| x == 0.0));
     // Bytes are the native f32 representation.
     let first = f32::from_ne_bytes(bytes[..4].try_into().unwrap());
     assert_eq!(first, (3 * 240) as f32);
@@ -106,26 +106,26 @@ fn block_bytes_round_trip_between_arenas() {
 fn copy_block_from_copies_one_block() {
     let src = indexed_arena(4);
     let mut dst = KvArena::new(layout(), 2);
-    dst.copy_block_from(1, &src, 2).unwrap();
-    assert_eq!(dst.block(1), src.block(2));
-    assert!(dst.block(0).iter().all(|&x| x == 0.0));
+    dst.copy_block_from(BlockId(1), &src, BlockId(2)).unwrap();
+    assert_eq!(dst.block(BlockId(1)), src.block(BlockId(2)));
+    assert!(dst.block(BlockId(0)).iter().all(|&x| x == 0.0));
 }
 
 #[test]
 fn byte_access_errors_name_the_block() {
     let mut arena = indexed_arena(4);
     assert_eq!(
-        arena.try_block_bytes(4).unwrap_err(),
+        arena.try_block_bytes(BlockId(4)).unwrap_err(),
         KvError::BlockOutOfRange {
-            block: 4,
+            block: BlockId(4),
             n_blocks: 4
         }
     );
-    let err = arena.write_block_bytes(2, &[0u8; 7]).unwrap_err();
+    let err = arena.write_block_bytes(BlockId(2), &[0u8; 7]).unwrap_err();
     assert_eq!(
         err,
         KvError::WrongLength {
-            block: 2,
+            block: BlockId(2),
             expected: 960,
             actual: 7
         }
@@ -135,7 +135,7 @@ fn byte_access_errors_name_the_block() {
         "KV block 2: got 7 bytes, a block holds 960"
     );
     // A failed write leaves the block as it was.
-    assert_eq!(arena.block(2)[0], 480.0);
+    assert_eq!(arena.block(BlockId(2))[0], 480.0);
 
     let other = KvArena::new(
         KvLayout {
@@ -145,13 +145,16 @@ fn byte_access_errors_name_the_block() {
         4,
     );
     assert!(matches!(
-        arena.copy_block_from(0, &other, 1),
-        Err(KvError::LayoutMismatch { block: 1, .. })
+        arena.copy_block_from(BlockId(0), &other, BlockId(1)),
+        Err(KvError::LayoutMismatch {
+            block: BlockId(1),
+            ..
+        })
     ));
     assert_eq!(
-        arena.copy_block_from(0, &other, 9),
+        arena.copy_block_from(BlockId(0), &other, BlockId(9)),
         Err(KvError::LayoutMismatch {
-            block: 9,
+            block: BlockId(9),
             src: other.layout(),
             dst: layout()
         })
@@ -159,22 +162,26 @@ fn byte_access_errors_name_the_block() {
 
     arena.release();
     assert_eq!(
-        arena.try_block_bytes(1).unwrap_err(),
-        KvError::Released { block: 1 }
+        arena.try_block_bytes(BlockId(1)).unwrap_err(),
+        KvError::Released { block: BlockId(1) }
     );
     assert_eq!(
-        arena.write_block_bytes(1, &[0u8; 960]).unwrap_err(),
-        KvError::Released { block: 1 }
+        arena
+            .write_block_bytes(BlockId(1), &[0u8; 960])
+            .unwrap_err(),
+        KvError::Released { block: BlockId(1) }
     );
     let src = indexed_arena(4);
     assert_eq!(
-        arena.copy_block_from(0, &src, 1).unwrap_err(),
-        KvError::Released { block: 0 }
+        arena
+            .copy_block_from(BlockId(0), &src, BlockId(1))
+            .unwrap_err(),
+        KvError::Released { block: BlockId(0) }
     );
     assert_eq!(
-        arena.check_block(7).unwrap_err(),
+        arena.check_block(BlockId(7)).unwrap_err(),
         KvError::BlockOutOfRange {
-            block: 7,
+            block: BlockId(7),
             n_blocks: 4
         }
     );
@@ -194,9 +201,9 @@ fn release_frees_and_reallocate_gives_zeroed_memory() {
     assert_eq!(arena.bytes(), 4 * 960);
     assert!(arena.as_slice().iter().all(|&x| x == 0.0));
     // Reallocating an allocated arena keeps its contents.
-    arena.block_mut(1)[0] = 7.0;
+    arena.block_mut(BlockId(1))[0] = 7.0;
     arena.reallocate();
-    assert_eq!(arena.block(1)[0], 7.0);
+    assert_eq!(arena.block(BlockId(1))[0], 7.0);
 }
 
 /// This process's resident set size in bytes (`VmRSS`, read by `resident.rs`).
@@ -287,7 +294,7 @@ fn a_large_arena_is_advised_for_huge_pages() {
         block_size: 16,
     };
     let arena = KvArena::new(layout, 64 * MIB / layout.block_bytes());
-    let start = arena.block(0).as_ptr() as usize;
+    let start = arena.block(BlockId(0)).as_ptr() as usize;
     let middle = (start + 4 * MIB) & !(2 * MIB - 1);
     let flags = vm_flags_at(middle).expect("the arena's mapping");
     assert!(
@@ -295,7 +302,8 @@ fn a_large_arena_is_advised_for_huge_pages() {
         "arena mapping flags: {flags}"
     );
     let small = KvArena::new(layout, MIB / layout.block_bytes());
-    let flags = vm_flags_at(small.block(0).as_ptr() as usize).expect("the small arena's mapping");
+    let flags =
+        vm_flags_at(small.block(BlockId(0)).as_ptr() as usize).expect("the small arena's mapping");
     assert!(
         !flags.split_whitespace().any(|f| f == "hg"),
         "small arena mapping flags: {flags}"

@@ -6,6 +6,8 @@
 //! (`arena.rs`) and the cross-thread access to its memory (`access.rs`, below the arena) can
 //! both name them.
 
+use ferry_core::BlockId;
+
 /// What a [`BlockGrant`](crate::BlockGrant) may do with its blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Access {
@@ -72,25 +74,25 @@ impl KvLayout {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvError {
     #[error("KV block {block} is out of range: the arena has {n_blocks} blocks")]
-    BlockOutOfRange { block: u32, n_blocks: usize },
+    BlockOutOfRange { block: BlockId, n_blocks: usize },
     #[error("KV block {block}: got {actual} bytes, a block holds {expected}")]
     WrongLength {
-        block: u32,
+        block: BlockId,
         expected: usize,
         actual: usize,
     },
     #[error("KV block {block}: the arena is released (sleeping or KV memory released)")]
-    Released { block: u32 },
+    Released { block: BlockId },
     #[error("KV block {block}: source layout {src:?} differs from destination layout {dst:?}")]
     LayoutMismatch {
-        block: u32,
+        block: BlockId,
         src: KvLayout,
         dst: KvLayout,
     },
     #[error("KV block {block} appears more than once in one write grant")]
-    DuplicateBlock { block: u32 },
+    DuplicateBlock { block: BlockId },
     #[error("KV block {block} is already granted to another worker ({held:?})")]
-    BlockBusy { block: u32, held: Access },
+    BlockBusy { block: BlockId, held: Access },
     #[error("KV block {block}: the grant is read-only")]
-    ReadOnlyGrant { block: u32 },
+    ReadOnlyGrant { block: BlockId },
 }

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use ferry_arena::KvArena;
-use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
+use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan, TokenId};
 use ferry_model::profile::PhaseNanos;
 use ferry_model::random_model::{random_weights, small_config, smollm2_135m_config, SplitMix64};
 use ferry_model::{Executor, LlamaConfig, LlamaModel, WeightStore};
@@ -212,7 +212,7 @@ fn weight_dtypes(w: &ferry_model::LlamaWeights) -> serde_json::Value {
 
 /// One request of the benchmark.
 struct BenchReq {
-    tokens: Vec<u32>,
+    tokens: Vec<TokenId>,
     computed: usize,
     table: Vec<BlockId>,
 }
@@ -241,11 +241,11 @@ impl BatchRun {
         let reqs = (0..batch)
             .map(|i| BenchReq {
                 tokens: (0..args.prompt_len)
-                    .map(|_| (rng.next_u64() % vocab) as u32)
+                    .map(|_| TokenId((rng.next_u64() % vocab) as u32))
                     .collect(),
                 computed: 0,
                 table: (0..blocks_per_req)
-                    .map(|b| (1 + i * blocks_per_req + b) as BlockId)
+                    .map(|b| BlockId((1 + i * blocks_per_req + b) as u32))
                     .collect(),
             })
             .collect();

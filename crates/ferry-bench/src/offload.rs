@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
 use ferry_arena::{KvArena, KvLayout, Reports, WorkerConnector};
-use ferry_core::{HostCopy, TierJob, TierReport, TransferId, WorkerJob, WorkerReport};
+use ferry_core::{
+    BlockId, HostCopy, TierJob, TierReport, TokenId, TransferId, WorkerJob, WorkerReport,
+};
 use ferry_engine::{
     start_model_with_connectors, Connector, EngineHandle, GenerateRequest, KvCacheSize,
     ModelEngineConfig, OffloadConfig, OffloadPolicy, SamplingParams,
@@ -202,10 +204,10 @@ fn throughput(args: &Args, layout: KvLayout) -> anyhow::Result<Copy> {
     let mut arena = KvArena::new(layout, n);
     for b in 0..n {
         let bytes: Vec<u8> = (0..block_bytes).map(|i| (i * 7 + b * 13) as u8).collect();
-        arena.write_block_bytes(b as u32, &bytes)?;
+        arena.write_block_bytes(BlockId(b as u32), &bytes)?;
     }
     let original: Vec<Vec<u8>> = (0..n as u32)
-        .map(|b| arena.block_bytes(b).to_vec())
+        .map(|b| arena.block_bytes(BlockId(b)).to_vec())
         .collect();
     let mut worker = OffloadWorker::new(n, block_bytes).context("starting the copier")?;
     let (tx, rx) = channel();
@@ -215,7 +217,7 @@ fn throughput(args: &Args, layout: KvLayout) -> anyhow::Result<Copy> {
     });
     let copies: Vec<HostCopy> = (0..n as u32)
         .map(|b| HostCopy {
-            block: b,
+            block: BlockId(b),
             host_block: b,
         })
         .collect();
@@ -256,7 +258,7 @@ fn throughput(args: &Args, layout: KvLayout) -> anyhow::Result<Copy> {
     }
     for (b, bytes) in original.iter().enumerate() {
         ensure!(
-            arena.block_bytes(b as u32) == &bytes[..],
+            arena.block_bytes(BlockId(b as u32)) == &bytes[..],
             "block {b} came back wrong"
         );
     }
@@ -286,7 +288,7 @@ struct Ttft {
     ttft_ms_p50: f64,
     tier_hits: u64,
     tier_bytes: u64,
-    tokens: Vec<Vec<u32>>,
+    tokens: Vec<Vec<TokenId>>,
 }
 
 async fn ttft_run(args: &Args, layout: KvLayout, tier: bool) -> anyhow::Result<Ttft> {
@@ -323,10 +325,10 @@ async fn ttft_run(args: &Args, layout: KvLayout, tier: bool) -> anyhow::Result<T
     let engine = start_model_with_connectors(model, &config, |e| e, connectors)
         .context("starting the engine")?
         .handle;
-    let prompts: Vec<Vec<u32>> = (0..args.n_prompts)
+    let prompts: Vec<Vec<TokenId>> = (0..args.n_prompts)
         .map(|p| {
             (0..args.prompt_len)
-                .map(|j| ((p * 7919 + j * 104_729 + 3) % (vocab_size - 3)) as u32 + 3)
+                .map(|j| TokenId(((p * 7919 + j * 104_729 + 3) % (vocab_size - 3)) as u32 + 3))
                 .collect()
         })
         .collect();
@@ -356,7 +358,11 @@ async fn ttft_run(args: &Args, layout: KvLayout, tier: bool) -> anyhow::Result<T
 }
 
 /// One request of 4 greedy tokens; seconds to its first token, and its tokens.
-async fn one(engine: &EngineHandle, id: &str, prompt: Vec<u32>) -> anyhow::Result<(f64, Vec<u32>)> {
+async fn one(
+    engine: &EngineHandle,
+    id: &str,
+    prompt: Vec<TokenId>,
+) -> anyhow::Result<(f64, Vec<TokenId>)> {
     let started = Instant::now();
     let mut stream = engine
         .generate(GenerateRequest {

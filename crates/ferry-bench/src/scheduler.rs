@@ -28,7 +28,7 @@ use ferry_core::{
     SamplingParams, Scheduler, SchedulerConfig, Step, StepDriver, StepModel, StepPlan, StepWork,
     TokenId, TransferRequest, WorkPhase, WorkerJob, WorkerReport,
 };
-use ferry_core::{PdJob, PdReport, TierJob, TierReport};
+use ferry_core::{BlockId, PdJob, PdReport, TierJob, TierReport};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, clap::Args)]
@@ -180,7 +180,7 @@ impl Connectors {
             let n_blocks = prompt_len.div_ceil(block_size) as u32;
             return Some(TransferRequest::Import(ImportSpec {
                 remote_engine_id: BENCH_P.to_owned(),
-                remote_block_ids: (1..=n_blocks).collect(),
+                remote_block_ids: (1..=n_blocks).map(BlockId).collect(),
                 remote_host: Some(BENCH_P_HOST.to_owned()),
                 remote_port: Some(BENCH_P_PORT),
                 weight_version: weight_version.to_owned(),
@@ -466,7 +466,7 @@ impl StepModel for FakeModel {
         for r in &plan.reqs {
             let Some(spec) = r.sample else { continue };
             let i = self.line_of[r.req.0 as usize];
-            let token = ((i * 7 + u64::from(spec.output_idx)) % 32000 + 1) as TokenId;
+            let token = TokenId(((i * 7 + u64::from(spec.output_idx)) % 32000 + 1) as u32);
             output.sampled.push(SampledToken {
                 req: r.req,
                 token,
@@ -627,9 +627,9 @@ mod tests {
                 let prompt = (0..len)
                     .map(|p| {
                         if shared && p < 40 {
-                            p as TokenId + 1
+                            TokenId(p as u32 + 1)
                         } else {
-                            (i * 1000 + p) as TokenId
+                            TokenId((i * 1000 + p) as u32)
                         }
                     })
                     .collect();
@@ -716,7 +716,7 @@ mod tests {
                 &t[0].prompt_token_ids[..],
                 t[0].max_tokens
             ),
-            ("a", &[1, 2, 3][..], 4)
+            ("a", &TokenId::list([1, 2, 3])[..], 4)
         );
     }
 

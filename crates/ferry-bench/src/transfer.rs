@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
 use ferry_arena::{Access, KvArena, KvLayout, Reports};
-use ferry_core::{AllowedPeers, PdReport, TransferId, WorkerReport};
+use ferry_core::{AllowedPeers, BlockId, PdReport, TransferId, WorkerReport};
 use ferry_kv::{
     ExportOffer, FetchSpec, TcpTransport, TcpTransportConfig, Transport, DEFAULT_POOL_IDLE_PER_PEER,
 };
@@ -171,7 +171,7 @@ fn block_pattern(b: usize, block_bytes: usize) -> Vec<u8> {
 fn filled_arena(layout: KvLayout, n_blocks: usize) -> anyhow::Result<KvArena> {
     let mut arena = KvArena::new(layout, n_blocks);
     for b in 0..n_blocks {
-        arena.write_block_bytes(b as u32, &block_pattern(b, layout.block_bytes()))?;
+        arena.write_block_bytes(BlockId(b as u32), &block_pattern(b, layout.block_bytes()))?;
     }
     Ok(arena)
 }
@@ -262,14 +262,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some((_, _, n_arena)) = &nixl_pair {
         for b in 0..args.n_blocks as u32 {
             ensure!(
-                n_arena.block_bytes(b) == p_arena.block_bytes(b),
+                n_arena.block_bytes(BlockId(b)) == p_arena.block_bytes(BlockId(b)),
                 "block {b} arrived wrong over NIXL"
             );
         }
     }
     for b in 0..args.n_blocks as u32 {
         ensure!(
-            d_arena.block_bytes(b) == p_arena.block_bytes(b),
+            d_arena.block_bytes(BlockId(b)) == p_arena.block_bytes(BlockId(b)),
             "block {b} arrived wrong"
         );
     }
@@ -349,7 +349,7 @@ fn serve(args: &Args, listen: SocketAddr) -> anyhow::Result<()> {
     for r in 0..args.repeat {
         // SAFETY: nothing writes the arena after it was filled; these grants only read it
         // (and keep its allocation alive).
-        let grant = unsafe { p_arena.grant(&blocks, Access::Read) }?;
+        let grant = unsafe { p_arena.grant(BlockId::from_raw_slice(&blocks), Access::Read) }?;
         p.publish(
             offer(&format!("bench-{r}"), r, layout, grant),
             reports.clone(),
@@ -435,13 +435,13 @@ fn pull(args: &Args, addr: SocketAddr) -> anyhow::Result<()> {
     let mut seconds = Vec::with_capacity(args.repeat);
     for r in 0..args.repeat {
         for &b in &blocks {
-            d_arena.write_block_bytes(b, &zeros)?;
+            d_arena.write_block_bytes(BlockId(b), &zeros)?;
         }
         let spec = pull_spec(&format!("bench-{r}"), addr, blocks.clone());
         seconds.push(fetch_timed(&d, &d_arena, spec, timeout)?);
         for b in 0..args.n_blocks {
             ensure!(
-                d_arena.block_bytes(b as u32) == block_pattern(b, block_bytes),
+                d_arena.block_bytes(BlockId(b as u32)) == block_pattern(b, block_bytes),
                 "export bench-{r}: block {b} arrived wrong"
             );
         }
@@ -559,7 +559,7 @@ fn pulls_per_second(args: &Args) -> anyhow::Result<()> {
     }
     for b in 0..args.pull_blocks as u32 {
         ensure!(
-            d_arena.block_bytes(b) == p_arena.block_bytes(b),
+            d_arena.block_bytes(BlockId(b)) == p_arena.block_bytes(BlockId(b)),
             "block {b} arrived wrong"
         );
     }
@@ -631,7 +631,7 @@ fn pull_spec(token: &str, addr: SocketAddr, blocks: Vec<u32>) -> FetchSpec {
         weight_version: "v0".into(),
         prompt_hash: [0; 32],
         first_block: 0,
-        src_blocks: blocks,
+        src_blocks: BlockId::from_raw_vec(blocks),
     }
 }
 
@@ -645,7 +645,7 @@ fn fetch_timed(
     let blocks: Vec<u32> = (0..d_arena.n_blocks() as u32).collect();
     // SAFETY: nothing else reads or writes D's arena while the grant lives: the transport
     // drops it before its report, which this function waits for.
-    let write = unsafe { d_arena.grant(&blocks, Access::Write) }?;
+    let write = unsafe { d_arena.grant(BlockId::from_raw_slice(&blocks), Access::Write) }?;
     let (reports, rx) = reports();
     let started = Instant::now();
     d.fetch(spec, write, reports);
@@ -673,8 +673,8 @@ fn transport_run(
     let (reports, rx) = reports();
     // SAFETY: nothing else reads or writes the bench's arenas while the grants live: the
     // grants are dropped before their reports, which this function waits for.
-    let read = unsafe { p_arena.grant(&blocks, Access::Read) }?;
-    let write = unsafe { d_arena.grant(&blocks, Access::Write) }?;
+    let read = unsafe { p_arena.grant(BlockId::from_raw_slice(&blocks), Access::Read) }?;
+    let write = unsafe { d_arena.grant(BlockId::from_raw_slice(&blocks), Access::Write) }?;
     p.publish(offer(token, 0, p_arena.layout(), read), reports.clone());
     let spec = pull_spec(token, p.local_addr(), blocks);
     let started = Instant::now();

@@ -6,22 +6,31 @@
 //! prefix hit on a free but still cached block) are all O(1) with no allocation. Cached blocks
 //! stay in the free queue: they are evicted lazily, when the queue hands them out again.
 //! Block 0 is the null block: never in the queue, never handed out.
+//!
+//! Every change of a block's state states its precondition with an `assert!`, kept in release
+//! builds: a block taken from the free queue is held by no one, a reference is given back
+//! only by someone holding one (no double free, no count below zero), a count never wraps,
+//! the null block is never referenced, a block is cached only while held. Each operation is
+//! told who it acts for ([`Owner`]), so a broken precondition panics naming the block, that
+//! owner and the operation; the engine reports the panic as its own failure. The checks are
+//! a compare each on data the operation touches anyway; the message is built out of line.
 
 use crate::hash::{BlockHash, BlockHashMap};
 use crate::ids::BlockId;
 use crate::kv_events::{KvEventLog, Medium};
+use crate::owner::Owner;
 
 /// The null block: padding in block tables, never owned.
-pub const NULL_BLOCK: BlockId = 0;
+pub const NULL_BLOCK: BlockId = BlockId::NULL;
 
 /// End-of-list marker for the intrusive free queue.
-const NIL: u32 = u32::MAX;
+const NIL: BlockId = BlockId(u32::MAX);
 
 #[derive(Debug, Clone)]
 struct BlockMeta {
     ref_cnt: u32,
-    prev: u32,
-    next: u32,
+    prev: BlockId,
+    next: BlockId,
     in_free_queue: bool,
     /// Set while the block's contents are registered in the prefix cache under this hash.
     hash: Option<BlockHash>,
@@ -32,8 +41,8 @@ struct BlockMeta {
 #[derive(Debug)]
 pub struct BlockPool {
     meta: Vec<BlockMeta>,
-    head: u32,
-    tail: u32,
+    head: BlockId,
+    tail: BlockId,
     n_free: usize,
     cached: BlockHashMap<BlockId>,
     /// The journal of cache changes for KV events (off unless the engine publishes them).
@@ -63,7 +72,7 @@ impl BlockPool {
             log: KvEventLog::new(false, 0, ""),
         };
         for b in 1..pool.meta.len() as u32 {
-            pool.push_back(b);
+            pool.push_back(BlockId(b));
         }
         pool
     }
@@ -89,18 +98,18 @@ impl BlockPool {
     }
 
     pub fn ref_cnt(&self, block: BlockId) -> u32 {
-        self.meta.get(block as usize).map_or(0, |m| m.ref_cnt)
+        self.meta.get(block.index()).map_or(0, |m| m.ref_cnt)
     }
 
     pub fn is_in_free_queue(&self, block: BlockId) -> bool {
         self.meta
-            .get(block as usize)
+            .get(block.index())
             .is_some_and(|m| m.in_free_queue)
     }
 
     /// The hash a block is cached under, if any.
     pub fn cached_hash(&self, block: BlockId) -> Option<BlockHash> {
-        self.meta.get(block as usize).and_then(|m| m.hash)
+        self.meta.get(block.index()).and_then(|m| m.hash)
     }
 
     /// Number of distinct hashes in the prefix cache.
@@ -114,53 +123,79 @@ impl BlockPool {
     }
 
     /// Takes `n` blocks from the head of the free queue (least recently used first) into
-    /// `out`, evicting their cached hashes. Takes nothing and returns false if fewer than `n`
-    /// are free.
-    pub fn take(&mut self, n: usize, out: &mut Vec<BlockId>) -> bool {
+    /// `out` for `owner`, evicting their cached hashes. Takes nothing and returns false if fewer
+    /// than `n` are free. Panics if a block in the free queue is still held.
+    pub fn take(&mut self, n: usize, out: &mut Vec<BlockId>, owner: Owner) -> bool {
         if n > self.n_free {
             return false;
         }
         for _ in 0..n {
             let b = self.head;
+            let ref_cnt = self.meta[b.index()].ref_cnt;
+            if ref_cnt != 0 {
+                broken(BlockOp::Take, b, owner, Broken::StillHeld(ref_cnt));
+            }
             self.unlink(b);
             self.evict(b);
-            self.meta[b as usize].ref_cnt = 1;
+            self.meta[b.index()].ref_cnt = 1;
             out.push(b);
         }
         true
     }
 
-    /// Adds a reference to a block (a prefix hit or a second owner), pulling it out of the
-    /// free queue if it was there.
-    pub fn touch(&mut self, block: BlockId) {
-        if self.meta[block as usize].in_free_queue {
+    /// Adds a reference to a block for `owner` (a prefix hit or a second owner), pulling it
+    /// out of the free queue if it was there. Panics on the null block or a count at its
+    /// maximum.
+    pub fn touch(&mut self, block: BlockId, owner: Owner) {
+        if block == NULL_BLOCK {
+            broken(BlockOp::Touch, block, owner, Broken::Null);
+        }
+        let m = &self.meta[block.index()];
+        if m.ref_cnt == u32::MAX {
+            broken(BlockOp::Touch, block, owner, Broken::Overflow);
+        }
+        if m.in_free_queue {
             self.unlink(block);
         }
-        self.meta[block as usize].ref_cnt += 1;
+        self.meta[block.index()].ref_cnt += 1;
     }
 
-    /// Drops one reference; a block nobody holds goes to the tail of the free queue (keeping
-    /// its hash, so it can still be hit until it is reused). Callers release a request's
-    /// blocks tail first, so a chain's tail is evicted before its head.
-    pub fn release(&mut self, block: BlockId) {
-        let m = &mut self.meta[block as usize];
-        debug_assert!(m.ref_cnt > 0, "release of unheld block {block}");
-        m.ref_cnt = m.ref_cnt.saturating_sub(1);
+    /// Gives back `owner`'s reference to a block; a block nobody holds goes to the tail of the
+    /// free queue (keeping its hash, so it can still be hit until it is reused). Callers release
+    /// a request's blocks tail first, so a chain's tail is evicted before its head. Panics if
+    /// no one holds the block (a double free: the count would go below zero).
+    pub fn release(&mut self, block: BlockId, owner: Owner) {
+        let m = &mut self.meta[block.index()];
+        if m.ref_cnt == 0 || block == NULL_BLOCK {
+            let why = if block == NULL_BLOCK {
+                Broken::Null
+            } else {
+                Broken::NotHeld
+            };
+            broken(BlockOp::Release, block, owner, why);
+        }
+        m.ref_cnt -= 1;
         if m.ref_cnt == 0 && !m.in_free_queue {
             self.push_back(block);
         }
     }
 
-    /// Registers a full block's contents under `hash`; returns whether it was newly cached.
-    /// If another block is already cached under the same hash (two requests computed the same
-    /// prefix at once), this one stays uncached and is simply freed later.
-    pub fn cache(&mut self, block: BlockId, hash: BlockHash) -> bool {
-        if self.meta[block as usize].hash.is_some() {
+    /// Registers a full block's contents, computed for `owner`, under `hash`; returns whether
+    /// it was newly cached. If another block is already cached under the same hash (two
+    /// requests computed the same prefix at once), this one stays uncached and is simply freed
+    /// later. Panics if no one holds the block: a free block's contents may be reused at any
+    /// time, so they cannot be what the hash promises.
+    pub fn cache(&mut self, block: BlockId, hash: BlockHash, owner: Owner) -> bool {
+        let m = &self.meta[block.index()];
+        if m.ref_cnt == 0 {
+            broken(BlockOp::Cache, block, owner, Broken::NotHeld);
+        }
+        if m.hash.is_some() {
             return false;
         }
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
             e.insert(block);
-            self.meta[block as usize].hash = Some(hash);
+            self.meta[block.index()].hash = Some(hash);
             return true;
         }
         false
@@ -179,11 +214,7 @@ impl BlockPool {
     /// Drops a block's hash from the prefix cache (its contents can no longer be hit).
     /// Returns whether it was cached.
     pub fn evict(&mut self, block: BlockId) -> bool {
-        let Some(hash) = self
-            .meta
-            .get_mut(block as usize)
-            .and_then(|m| m.hash.take())
-        else {
+        let Some(hash) = self.meta.get_mut(block.index()).and_then(|m| m.hash.take()) else {
             return false;
         };
         if self.cached.get(&hash) == Some(&block) {
@@ -203,7 +234,7 @@ impl BlockPool {
         // clearing the indexed blocks clears them all, in time proportional to the cache, not
         // to the pool (a pool has hundreds of thousands of blocks for a small model).
         for &b in self.cached.values() {
-            self.meta[b as usize].hash = None;
+            self.meta[b.index()].hash = None;
         }
         self.cached.clear();
         self.log.cleared();
@@ -225,14 +256,14 @@ impl BlockPool {
     }
 
     fn push_back(&mut self, b: BlockId) {
-        let m = &mut self.meta[b as usize];
+        let m = &mut self.meta[b.index()];
         m.prev = self.tail;
         m.next = NIL;
         m.in_free_queue = true;
         if self.tail == NIL {
             self.head = b;
         } else {
-            self.meta[self.tail as usize].next = b;
+            self.meta[self.tail.index()].next = b;
         }
         self.tail = b;
         self.n_free += 1;
@@ -240,7 +271,7 @@ impl BlockPool {
 
     fn unlink(&mut self, b: BlockId) {
         let (prev, next) = {
-            let m = &mut self.meta[b as usize];
+            let m = &mut self.meta[b.index()];
             m.in_free_queue = false;
             (
                 std::mem::replace(&mut m.prev, NIL),
@@ -250,22 +281,71 @@ impl BlockPool {
         if prev == NIL {
             self.head = next;
         } else {
-            self.meta[prev as usize].next = next;
+            self.meta[prev.index()].next = next;
         }
         if next == NIL {
             self.tail = prev;
         } else {
-            self.meta[next as usize].prev = prev;
+            self.meta[next.index()].prev = prev;
         }
         self.n_free -= 1;
     }
+}
+
+/// A block-state change of the pool, named in the panic of a broken precondition.
+#[derive(Debug, Clone, Copy)]
+enum BlockOp {
+    Take,
+    Touch,
+    Release,
+    Cache,
+}
+
+/// Which precondition a block-state change broke.
+#[derive(Debug, Clone, Copy)]
+enum Broken {
+    /// Taken from the free queue with this many references still held.
+    StillHeld(u32),
+    /// No one holds it: a release would be a double free, a cache would name reusable memory.
+    NotHeld,
+    /// One more reference would wrap the count.
+    Overflow,
+    /// The null block is padding, never owned.
+    Null,
+}
+
+/// Panics naming the block, the owner and the operation. Out of line and cold, so the
+/// operations' common path is the compare that guards the call.
+#[cold]
+#[inline(never)]
+fn broken(op: BlockOp, block: BlockId, owner: Owner, why: Broken) -> ! {
+    let what = match op {
+        BlockOp::Take => "take for",
+        BlockOp::Touch => "reference by",
+        BlockOp::Release => "release by",
+        BlockOp::Cache => "cache by",
+    };
+    let why = match (op, why) {
+        (_, Broken::StillHeld(n)) => {
+            format!("which is still held ({n} references): a block reused while held")
+        }
+        (BlockOp::Release, Broken::NotHeld) => {
+            "which no one holds: a double free (its reference count would go below zero)".into()
+        }
+        (_, Broken::NotHeld) => "which no one holds: its contents may be reused at any time".into(),
+        (_, Broken::Overflow) => {
+            format!("whose reference count is at its maximum ({})", u32::MAX)
+        }
+        (_, Broken::Null) => "the null block, which is never owned".into(),
+    };
+    panic!("block pool: {what} {owner} of block {block}, {why}")
 }
 
 /// Walks the free queue; bounded by the free count so a corrupted list cannot loop forever.
 #[derive(Debug)]
 pub struct FreeQueueIter<'a> {
     pool: &'a BlockPool,
-    cur: u32,
+    cur: BlockId,
     remaining: usize,
 }
 
@@ -277,7 +357,7 @@ impl Iterator for FreeQueueIter<'_> {
             return None;
         }
         let b = self.cur;
-        self.cur = self.pool.meta[b as usize].next;
+        self.cur = self.pool.meta[b.index()].next;
         self.remaining -= 1;
         Some(b)
     }
@@ -286,6 +366,15 @@ impl Iterator for FreeQueueIter<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::{ReqIdx, TransferId};
+    use crate::owner::{HoldKind, Holder};
+
+    const R: Owner = Owner::Request(ReqIdx(0));
+    const T: Owner = Owner::Transfer {
+        hold: TransferId(3),
+        holder: Holder::Caller,
+        kind: HoldKind::Caller,
+    };
 
     fn h(n: u8) -> BlockHash {
         BlockHash([n; 32])
@@ -298,7 +387,7 @@ mod tests {
     #[test]
     fn starts_with_all_but_null_free_in_order() {
         let p = BlockPool::new(5);
-        assert_eq!(queue(&p), vec![1, 2, 3, 4]);
+        assert_eq!(queue(&p), BlockId::list([1, 2, 3, 4]));
         assert_eq!((p.n_usable(), p.n_free(), p.n_used()), (4, 4, 0));
     }
 
@@ -306,10 +395,10 @@ mod tests {
     fn take_is_all_or_nothing() {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
-        assert!(!p.take(3, &mut out));
+        assert!(!p.take(3, &mut out, R));
         assert!(out.is_empty());
-        assert!(p.take(2, &mut out));
-        assert_eq!(out, vec![1, 2]);
+        assert!(p.take(2, &mut out, R));
+        assert_eq!(out, BlockId::list([1, 2]));
         assert_eq!(p.n_free(), 0);
     }
 
@@ -317,55 +406,55 @@ mod tests {
     fn released_tail_first_evicts_tail_first() {
         let mut p = BlockPool::new(6);
         let mut a = Vec::new();
-        p.take(3, &mut a); // 1,2,3
+        p.take(3, &mut a, R); // 1,2,3
         for &b in a.iter().rev() {
-            p.release(b);
+            p.release(b, R);
         }
-        assert_eq!(queue(&p), vec![4, 5, 3, 2, 1]);
+        assert_eq!(queue(&p), BlockId::list([4, 5, 3, 2, 1]));
     }
 
     #[test]
     fn touch_removes_from_middle_and_release_appends() {
         let mut p = BlockPool::new(5);
-        p.touch(2);
-        assert_eq!(queue(&p), vec![1, 3, 4]);
-        p.touch(2);
-        assert_eq!(p.ref_cnt(2), 2);
-        p.release(2);
-        assert_eq!(queue(&p), vec![1, 3, 4]);
-        p.release(2);
-        assert_eq!(queue(&p), vec![1, 3, 4, 2]);
-        p.touch(4);
-        p.touch(1);
-        assert_eq!(queue(&p), vec![3, 2]);
+        p.touch(BlockId(2), R);
+        assert_eq!(queue(&p), BlockId::list([1, 3, 4]));
+        p.touch(BlockId(2), R);
+        assert_eq!(p.ref_cnt(BlockId(2)), 2);
+        p.release(BlockId(2), R);
+        assert_eq!(queue(&p), BlockId::list([1, 3, 4]));
+        p.release(BlockId(2), R);
+        assert_eq!(queue(&p), BlockId::list([1, 3, 4, 2]));
+        p.touch(BlockId(4), R);
+        p.touch(BlockId(1), R);
+        assert_eq!(queue(&p), BlockId::list([3, 2]));
     }
 
     #[test]
     fn cached_free_block_is_hit_until_reused() {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
-        p.take(1, &mut out);
-        p.cache(1, h(9));
-        p.release(1);
-        assert_eq!(p.lookup(&h(9)), Some(1));
+        p.take(1, &mut out, R);
+        p.cache(BlockId(1), h(9), R);
+        p.release(BlockId(1), R);
+        assert_eq!(p.lookup(&h(9)), Some(BlockId(1)));
         out.clear();
-        p.take(2, &mut out); // 2 first, then 1 (evicted lazily now)
-        assert_eq!(out, vec![2, 1]);
+        p.take(2, &mut out, R); // 2 first, then 1 (evicted lazily now)
+        assert_eq!(out, BlockId::list([2, 1]));
         assert_eq!(p.lookup(&h(9)), None);
-        assert_eq!(p.cached_hash(1), None);
+        assert_eq!(p.cached_hash(BlockId(1)), None);
     }
 
     #[test]
     fn duplicate_hash_keeps_first_block() {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
-        p.take(2, &mut out);
-        p.cache(1, h(1));
-        p.cache(2, h(1));
-        assert_eq!(p.lookup(&h(1)), Some(1));
-        assert_eq!(p.cached_hash(2), None);
-        assert!(!p.evict(2));
-        assert!(p.evict(1));
+        p.take(2, &mut out, R);
+        p.cache(BlockId(1), h(1), R);
+        p.cache(BlockId(2), h(1), R);
+        assert_eq!(p.lookup(&h(1)), Some(BlockId(1)));
+        assert_eq!(p.cached_hash(BlockId(2)), None);
+        assert!(!p.evict(BlockId(2)));
+        assert!(p.evict(BlockId(1)));
         assert_eq!(p.lookup(&h(1)), None);
     }
 
@@ -373,12 +462,89 @@ mod tests {
     fn reset_fails_while_held_and_clears_when_free() {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
-        p.take(1, &mut out);
-        p.cache(1, h(3));
+        p.take(1, &mut out, R);
+        p.cache(BlockId(1), h(3), R);
         assert!(!p.reset_cache());
-        assert_eq!(p.lookup(&h(3)), Some(1));
-        p.release(1);
+        assert_eq!(p.lookup(&h(3)), Some(BlockId(1)));
+        p.release(BlockId(1), R);
         assert!(p.reset_cache());
         assert_eq!((p.lookup(&h(3)), p.n_cached()), (None, 0));
+    }
+
+    // Each broken precondition panics, in release builds too, naming the block, the owner
+    // and the operation (`cargo test --release -p ferry-core --lib block_pool` runs these
+    // without debug assertions).
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: release by request #0 of block 1, which no one \
+                               holds: a double free (its reference count would go below zero)"
+    )]
+    fn a_double_free_panics() {
+        let mut p = BlockPool::new(3);
+        let mut out = Vec::new();
+        p.take(1, &mut out, R);
+        p.release(BlockId(1), R);
+        p.release(BlockId(1), R);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: release by caller's hold 3 (ended by the caller) of \
+                               block 2, which no one holds: a double free"
+    )]
+    fn releasing_a_block_never_taken_panics_naming_the_hold() {
+        let mut p = BlockPool::new(3);
+        p.release(BlockId(2), T);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: take for request #0 of block 1, which is still held \
+                               (2 references): a block reused while held"
+    )]
+    fn taking_a_held_block_from_the_free_queue_panics() {
+        let mut p = BlockPool::new(3);
+        // A free queue that lists a held block: what a bug in the pool's own bookkeeping
+        // would leave behind.
+        p.meta[1].ref_cnt = 2;
+        p.take(1, &mut Vec::new(), R);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: reference by caller's hold 3 (ended by the caller) \
+                               of block 1, whose reference count is at its maximum (4294967295)"
+    )]
+    fn a_reference_count_never_wraps() {
+        let mut p = BlockPool::new(3);
+        p.take(1, &mut Vec::new(), R);
+        p.meta[1].ref_cnt = u32::MAX;
+        p.touch(BlockId(1), T);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: reference by request #0 of block 0, the null block, \
+                               which is never owned"
+    )]
+    fn the_null_block_is_never_referenced() {
+        BlockPool::new(3).touch(NULL_BLOCK, R);
+    }
+
+    #[test]
+    #[should_panic(expected = "block pool: release by request #0 of block 0, the null block")]
+    fn the_null_block_is_never_released() {
+        BlockPool::new(3).release(NULL_BLOCK, R);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: cache by request #0 of block 2, which no one holds: \
+                               its contents may be reused at any time"
+    )]
+    fn caching_a_free_block_panics() {
+        let mut p = BlockPool::new(3);
+        p.cache(BlockId(2), h(1), R);
     }
 }

@@ -679,7 +679,7 @@ pub fn prompt_hash(tokens: &[TokenId]) -> [u8; 32] {
     let mut h = blake3::Hasher::new();
     h.update(b"ferry prompt v1");
     for t in tokens {
-        h.update(&t.to_le_bytes());
+        h.update(&t.0.to_le_bytes());
     }
     *h.finalize().as_bytes()
 }
@@ -798,14 +798,14 @@ mod tests {
         let other = KvTransferParams {
             do_remote_prefill: true,
             remote_engine_id: Some("p0".into()),
-            remote_block_ids: Some(vec![3, 4]),
+            remote_block_ids: Some(BlockId::list([3, 4])),
             n_tokens: Some(9),
             ..KvTransferParams::default()
         };
         p.merge(other).unwrap();
         assert!(p.do_remote_prefill && !p.do_remote_decode);
         assert_eq!(p.remote_engine_id.as_deref(), Some("p0"));
-        assert_eq!(p.remote_block_ids, Some(vec![3, 4]));
+        assert_eq!(p.remote_block_ids, Some(BlockId::list([3, 4])));
         assert_eq!(p.n_tokens, Some(9));
         // A key set on one side only keeps that value, whichever side had it.
         let mut q = KvTransferParams {
@@ -861,10 +861,10 @@ mod tests {
 
     #[test]
     fn prompt_hashes_tell_prompts_apart() {
-        let a = prompt_hash(&[1, 2, 3]);
-        assert_eq!(a, prompt_hash(&[1, 2, 3]));
-        assert_ne!(a, prompt_hash(&[1, 2, 4]));
-        assert_ne!(a, prompt_hash(&[1, 2]));
+        let a = prompt_hash(&TokenId::list([1, 2, 3]));
+        assert_eq!(a, prompt_hash(&TokenId::list([1, 2, 3])));
+        assert_ne!(a, prompt_hash(&TokenId::list([1, 2, 4])));
+        assert_ne!(a, prompt_hash(&TokenId::list([1, 2])));
         assert_ne!(a, [0; 32]);
         assert_ne!(a, [1; 32]);
     }

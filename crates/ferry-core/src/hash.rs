@@ -85,7 +85,7 @@ pub fn hash_block(parent: &BlockHash, tokens: &[TokenId], salt: Option<&str>) ->
     let mut buf = [0u8; 4 * 64];
     for chunk in tokens.chunks(64) {
         for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
-            dst.copy_from_slice(&t.to_le_bytes());
+            dst.copy_from_slice(&t.0.to_le_bytes());
         }
         h.update(&buf[..chunk.len() * 4]);
     }
@@ -137,15 +137,15 @@ mod tests {
 
     #[test]
     fn only_full_blocks_are_hashed() {
-        let toks: Vec<TokenId> = (0..11).collect();
+        let toks: Vec<TokenId> = (0..11).map(TokenId).collect();
         assert_eq!(chain("w0", &toks, None).len(), 2);
     }
 
     #[test]
     fn shared_prefix_gives_shared_hashes_then_diverges() {
-        let a: Vec<TokenId> = (0..12).collect();
+        let a: Vec<TokenId> = (0..12).map(TokenId).collect();
         let mut b = a.clone();
-        b[9] = 99;
+        b[9] = TokenId(99);
         let (ha, hb) = (chain("w0", &a, None), chain("w0", &b, None));
         assert_eq!(ha[..2], hb[..2]);
         assert_ne!(ha[2], hb[2]);
@@ -153,7 +153,7 @@ mod tests {
 
     #[test]
     fn weight_version_and_salt_change_every_block() {
-        let toks: Vec<TokenId> = (0..8).collect();
+        let toks: Vec<TokenId> = (0..8).map(TokenId).collect();
         let base = chain("w0", &toks, None);
         for other in [
             chain("w1", &toks, None),
@@ -167,7 +167,7 @@ mod tests {
 
     #[test]
     fn extending_incrementally_equals_hashing_at_once() {
-        let toks: Vec<TokenId> = (0..16).collect();
+        let toks: Vec<TokenId> = (0..16).map(TokenId).collect();
         let root = chain_root("w");
         let mut inc = Vec::new();
         for n in 0..=16 {

@@ -21,33 +21,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::block_pool::BlockPool;
-use crate::ids::{BlockId, ConnectorId, TransferId};
-
-/// Who frees a transfer hold.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Holder {
-    /// Whoever made the hold frees it with `Scheduler::release_transfer`; a cache reset
-    /// releases it at once (no connector reads or writes its blocks).
-    Caller,
-    /// The connector frees it by reporting it in `take_finished_transfers`; a cache reset
-    /// asks it to (`abort_transfers`) and waits.
-    Connector(ConnectorId),
-}
-
-/// What a transfer hold is for; the ownership ledger shows it with the holder.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum HoldKind {
-    /// A finished request's KV, kept for a remote reader (P of P/D).
-    Export,
-    /// Blocks a remote load writes (D of P/D).
-    Import,
-    /// Blocks a store job reads (offload tier).
-    Store,
-    /// Blocks a local tier's load writes (offload tier).
-    Load,
-    /// A hold made by the caller (`Scheduler::hold_blocks_for_transfer`).
-    Caller,
-}
+use crate::ids::{BlockId, TransferId};
+use crate::owner::Owner;
+pub use crate::owner::{HoldKind, Holder};
 
 /// How long a hold lives before its holder is told its time ran out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,15 +82,18 @@ impl Holds {
     ) -> TransferId {
         let id = TransferId(self.next_id);
         self.next_id += 1;
-        self.open.insert(
-            id,
-            Hold {
-                blocks,
-                holder,
-                kind,
-                lease,
-            },
-        );
+        let hold = Hold {
+            blocks,
+            holder,
+            kind,
+            lease,
+        };
+        if self.open.insert(id, hold).is_some() {
+            panic!(
+                "holds: open of {kind} hold {} for {holder}, which is already open",
+                id.0
+            );
+        }
         id
     }
 
@@ -129,8 +108,13 @@ impl Holds {
         kind: HoldKind,
         lease: Lease,
     ) -> TransferId {
+        let owner = Owner::Transfer {
+            hold: TransferId(self.next_id),
+            holder,
+            kind,
+        };
         for &b in &blocks {
-            pool.touch(b);
+            pool.touch(b, owner);
         }
         self.open(blocks, holder, kind, lease)
     }
@@ -143,16 +127,50 @@ impl Holds {
         Reservation { holds: self }
     }
 
-    /// Ends hold `id`, giving its blocks' references back to `pool` tail first. False if `id`
-    /// is not open.
-    pub(crate) fn release(&mut self, id: TransferId, pool: &mut BlockPool) -> bool {
-        let Some(hold) = self.open.remove(&id) else {
+    /// `holder` ends hold `id`, giving its blocks' references back to `pool` tail first.
+    /// Panics, naming the hold, if it is not open (a hold ended twice) or another holder
+    /// ends it: every caller here learned the id from the table itself, so either is a bug.
+    pub(crate) fn release(&mut self, id: TransferId, holder: Holder, pool: &mut BlockPool) {
+        match self.open.get(&id) {
+            Some(hold) if hold.holder == holder => {}
+            Some(hold) => panic!(
+                "holds: release by {holder} of {} hold {} (ended by {}): only its holder \
+                 ends a hold",
+                hold.kind, id.0, hold.holder
+            ),
+            None => panic!(
+                "holds: release by {holder} of hold {}, which is not open: a hold released \
+                 twice",
+                id.0
+            ),
+        }
+        self.end(id, pool);
+    }
+
+    /// Ends hold `id` if it is open, whoever its holder, as [`Holds::release`] does; false if
+    /// it is not. Only for a caller that may legitimately name a hold already ended: the
+    /// public `Scheduler::release_transfer`, whose caller cannot see that a cache reset (or a
+    /// lease running out) released its hold first.
+    pub(crate) fn release_if_open(&mut self, id: TransferId, pool: &mut BlockPool) -> bool {
+        if !self.open.contains_key(&id) {
             return false;
+        }
+        self.end(id, pool);
+        true
+    }
+
+    fn end(&mut self, id: TransferId, pool: &mut BlockPool) {
+        let Some(hold) = self.open.remove(&id) else {
+            return;
+        };
+        let owner = Owner::Transfer {
+            hold: id,
+            holder: hold.holder,
+            kind: hold.kind,
         };
         for &b in hold.blocks.iter().rev() {
-            pool.release(b);
+            pool.release(b, owner);
         }
-        true
     }
 
     /// Every hold whose lease ran out by `now`, in id order, with its holder, appended to
@@ -234,6 +252,7 @@ impl Reservation<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::ConnectorId;
 
     const C: Holder = Holder::Connector(ConnectorId(0));
 
@@ -245,9 +264,15 @@ mod tests {
     fn ids_follow_the_order_of_opening_and_a_reservation_uses_the_next_one() {
         let mut pool = BlockPool::new(8);
         let mut holds = Holds::new();
-        let a = holds.open_referencing(&mut pool, vec![1, 2], C, HoldKind::Store, Lease::Unbounded);
+        let a = holds.open_referencing(
+            &mut pool,
+            BlockId::list([1, 2]),
+            C,
+            HoldKind::Store,
+            Lease::Unbounded,
+        );
         assert_eq!(a, TransferId(0));
-        assert_eq!((pool.ref_cnt(1), pool.ref_cnt(2)), (1, 1));
+        assert_eq!((pool.ref_cnt(BlockId(1)), pool.ref_cnt(BlockId(2))), (1, 1));
         // A reservation dropped unopened leaves its id to the next hold.
         let unused = holds.reserve().id();
         assert_eq!(unused, TransferId(1));
@@ -255,7 +280,7 @@ mod tests {
         let id = r.id();
         assert_eq!(id, TransferId(1));
         assert_eq!(
-            r.open(vec![3], C, HoldKind::Export, Lease::Until(secs(5))),
+            r.open(vec![BlockId(3)], C, HoldKind::Export, Lease::Until(secs(5))),
             id
         );
         let b = holds.open(vec![], Holder::Caller, HoldKind::Caller, Lease::Unbounded);
@@ -269,15 +294,15 @@ mod tests {
     #[test]
     fn a_lease_is_reported_once_when_it_runs_out_and_the_next_deadline_follows() {
         let mut holds = Holds::new();
-        let export = holds.open(vec![1], C, HoldKind::Export, Lease::Until(secs(5)));
-        let load = holds.open(vec![2], C, HoldKind::Import, Lease::Until(secs(3)));
+        let export = holds.open(vec![BlockId(1)], C, HoldKind::Export, Lease::Until(secs(5)));
+        let load = holds.open(vec![BlockId(2)], C, HoldKind::Import, Lease::Until(secs(3)));
         let caller = holds.open(
-            vec![3],
+            vec![BlockId(3)],
             Holder::Caller,
             HoldKind::Caller,
             Lease::Until(secs(3)),
         );
-        holds.open(vec![4], C, HoldKind::Store, Lease::Unbounded);
+        holds.open(vec![BlockId(4)], C, HoldKind::Store, Lease::Unbounded);
         assert_eq!(holds.next_deadline(), Some(secs(3)));
         let mut out = Vec::new();
         holds.expire(secs(2), &mut out);
@@ -298,11 +323,92 @@ mod tests {
     fn release_gives_the_references_back_once() {
         let mut pool = BlockPool::new(8);
         let mut holds = Holds::new();
-        let id = holds.open_referencing(&mut pool, vec![1, 2], C, HoldKind::Load, Lease::Unbounded);
-        assert_eq!(holds.get(id).map(|h| h.blocks.clone()), Some(vec![1, 2]));
-        assert!(holds.release(id, &mut pool));
-        assert_eq!((pool.ref_cnt(1), pool.ref_cnt(2)), (0, 0));
-        assert!(!holds.release(id, &mut pool), "not open any more");
+        let id = holds.open_referencing(
+            &mut pool,
+            BlockId::list([1, 2]),
+            C,
+            HoldKind::Load,
+            Lease::Unbounded,
+        );
+        assert_eq!(
+            holds.get(id).map(|h| h.blocks.clone()),
+            Some(BlockId::list([1, 2]))
+        );
+        holds.release(id, C, &mut pool);
+        assert_eq!((pool.ref_cnt(BlockId(1)), pool.ref_cnt(BlockId(2))), (0, 0));
         assert!(holds.is_empty());
+        // Where an ended hold may legitimately be named again, it says so and changes nothing.
+        assert!(!holds.release_if_open(id, &mut pool), "not open any more");
+        let other = holds.open_referencing(
+            &mut pool,
+            BlockId::list([2]),
+            Holder::Caller,
+            HoldKind::Caller,
+            Lease::Unbounded,
+        );
+        assert!(holds.release_if_open(other, &mut pool));
+        assert_eq!(pool.ref_cnt(BlockId(2)), 0);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "holds: release by connector 0 of hold 0, which is not open: a \
+                               hold released twice"
+    )]
+    fn a_hold_released_twice_panics() {
+        let mut pool = BlockPool::new(8);
+        let mut holds = Holds::new();
+        let id = holds.open_referencing(
+            &mut pool,
+            BlockId::list([1]),
+            C,
+            HoldKind::Store,
+            Lease::Unbounded,
+        );
+        holds.release(id, C, &mut pool);
+        holds.release(id, C, &mut pool);
+    }
+
+    #[test]
+    #[should_panic(expected = "holds: release by the caller of export hold 0 (ended by \
+                               connector 0): only its holder ends a hold")]
+    fn a_hold_released_by_another_holder_panics() {
+        let mut pool = BlockPool::new(8);
+        let mut holds = Holds::new();
+        let id = holds.open_referencing(
+            &mut pool,
+            BlockId::list([1]),
+            C,
+            HoldKind::Export,
+            Lease::Unbounded,
+        );
+        holds.release(id, Holder::Caller, &mut pool);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "block pool: release by store hold 1 (ended by connector 0) of \
+                               block 3, which no one holds: a double free"
+    )]
+    fn a_hold_over_a_block_it_holds_no_reference_of_panics_naming_the_hold() {
+        let mut pool = BlockPool::new(8);
+        let mut holds = Holds::new();
+        let mut taken = Vec::new();
+        pool.take(3, &mut taken, Owner::Request(crate::ids::ReqIdx(0)));
+        // Hold 0 takes its own reference; hold 1 is handed block 3 without one, as a
+        // connector opening a hold over blocks it was never given would.
+        holds.open_referencing(
+            &mut pool,
+            taken.clone(),
+            C,
+            HoldKind::Export,
+            Lease::Unbounded,
+        );
+        let bad = holds.open(vec![BlockId(3)], C, HoldKind::Store, Lease::Unbounded);
+        for &b in taken.iter().rev() {
+            pool.release(b, Owner::Request(crate::ids::ReqIdx(0)));
+        }
+        holds.release(TransferId(0), C, &mut pool);
+        holds.release(bad, C, &mut pool);
     }
 }

@@ -3,11 +3,14 @@
 //! It looks up a new request's computed prefix in the prefix cache, allocates slots for the
 //! tokens scheduled this step (plus room for KV a connector will load), registers newly full
 //! blocks in the prefix cache, frees a request's blocks tail first, and evicts given blocks.
-//! The scheduler decides *what* runs; this module only does the block arithmetic.
+//! The scheduler decides *what* runs; this module only does the block arithmetic. Every
+//! block it takes, references, caches or frees it does for the request as its owner
+//! (`Owner::Request`), so the pool's checks name the request when one fails.
 
 use crate::block_pool::BlockPool;
 use crate::hash::{extend_block_hashes, BlockHash};
 use crate::ids::BlockId;
+use crate::owner::Owner;
 use crate::request::Request;
 
 /// The result of a prefix lookup, to be passed to [`KvCacheManager::allocate_slots`]. The hit
@@ -75,7 +78,14 @@ impl KvCacheManager {
             return;
         }
         if req.hash_root != *root {
-            debug_assert!(req.blocks.is_empty());
+            assert!(
+                req.blocks.is_empty(),
+                "kv cache: rehash of request #{} ({:?}), which holds {} blocks: its hashes \
+                 would no longer describe its KV",
+                req.idx.0,
+                req.id,
+                req.blocks.len()
+            );
             req.block_hashes.clear();
             req.hash_root = *root;
         }
@@ -142,13 +152,19 @@ impl KvCacheManager {
         if n_take + n_free_hits > self.pool.n_free() {
             return false;
         }
+        let owner = Owner::Request(req.idx);
         for &b in hits {
-            self.pool.touch(b);
+            self.pool.touch(b, owner);
         }
         req.blocks.extend_from_slice(hits);
         req.n_cached_blocks = req.n_cached_blocks.max(hits.len());
-        let taken = self.pool.take(n_take, &mut req.blocks);
-        debug_assert!(taken);
+        let taken = self.pool.take(n_take, &mut req.blocks, owner);
+        assert!(
+            taken,
+            "kv cache: take for request #{} ({:?}) of {n_take} blocks, counted free, failed: \
+             the pool's free count is wrong",
+            req.idx.0, req.id
+        );
         self.hit_blocks.clear();
         let n_cacheable = if n_external == 0 {
             n_tokens
@@ -169,8 +185,11 @@ impl KvCacheManager {
         let n_full = (n_tokens.min(req.tokens.len()) / self.block_size)
             .min(req.block_hashes.len())
             .min(req.blocks.len());
+        let owner = Owner::Request(req.idx);
         for i in req.n_cached_blocks..n_full {
-            if self.pool.cache(req.blocks[i], req.block_hashes[i]) && self.pool.log_mut().is_on() {
+            if self.pool.cache(req.blocks[i], req.block_hashes[i], owner)
+                && self.pool.log_mut().is_on()
+            {
                 let parent = i.checked_sub(1).map(|p| &req.block_hashes[p]);
                 let tokens = &req.tokens[i * self.block_size..(i + 1) * self.block_size];
                 self.pool
@@ -183,8 +202,9 @@ impl KvCacheManager {
 
     /// Frees all of `req`'s blocks, tail first, so the chain's tail is evicted before its head.
     pub fn free(&mut self, req: &mut Request) {
+        let owner = Owner::Request(req.idx);
         for &b in req.blocks.iter().rev() {
-            self.pool.release(b);
+            self.pool.release(b, owner);
         }
         req.blocks.clear();
         req.n_cached_blocks = 0;
@@ -241,33 +261,36 @@ mod tests {
     #[test]
     fn second_request_hits_full_shared_blocks_only() {
         let mut kv = KvCacheManager::new(16, 4, true);
-        let mut a = req((0..10).collect());
+        let mut a = req((0..10).map(TokenId).collect());
         assert_eq!(admit(&mut kv, &mut a, 100), 0);
-        assert_eq!(a.blocks, vec![1, 2, 3]);
-        let mut b = req((0..9).chain([50, 51]).collect());
+        assert_eq!(a.blocks, BlockId::list([1, 2, 3]));
+        let mut b = req((0..9).chain([50, 51]).map(TokenId).collect());
         assert_eq!(admit(&mut kv, &mut b, 100), 8);
-        assert_eq!(b.blocks, vec![1, 2, 4]);
-        assert_eq!((kv.pool().ref_cnt(1), kv.pool().ref_cnt(3)), (2, 1));
+        assert_eq!(b.blocks, BlockId::list([1, 2, 4]));
+        assert_eq!(
+            (kv.pool().ref_cnt(BlockId(1)), kv.pool().ref_cnt(BlockId(3))),
+            (2, 1)
+        );
     }
 
     #[test]
     fn hit_leaves_one_token_to_compute() {
         let mut kv = KvCacheManager::new(16, 4, true);
-        let mut a = req((0..8).collect());
+        let mut a = req((0..8).map(TokenId).collect());
         admit(&mut kv, &mut a, 100);
-        let mut b = req((0..8).collect());
+        let mut b = req((0..8).map(TokenId).collect());
         assert_eq!(admit(&mut kv, &mut b, 100), 4);
         // Only the first block may hit; the second is recomputed into a fresh block.
-        assert_eq!(b.blocks, vec![1, 3]);
+        assert_eq!(b.blocks, BlockId::list([1, 3]));
     }
 
     #[test]
     fn allocation_is_all_or_nothing_and_counts_free_hits() {
         let mut kv = KvCacheManager::new(4, 4, true); // 3 usable
-        let mut a = req((0..9).collect());
+        let mut a = req((0..9).map(TokenId).collect());
         admit(&mut kv, &mut a, 100);
         kv.free(&mut a); // blocks 3,2,1 free (cached 1,2)
-        let mut b = req((0..8).chain([70; 9]).collect()); // 17 tokens: 5 blocks
+        let mut b = req((0..8).chain([70; 9]).map(TokenId).collect()); // 17 tokens: 5 blocks
         kv.rehash_if_stale(&mut b, &chain_root("w"));
         let hit = kv.find_computed_blocks(&b);
         assert_eq!(hit.n_blocks(), 2);
@@ -279,7 +302,7 @@ mod tests {
     #[test]
     fn external_tokens_get_room() {
         let mut kv = KvCacheManager::new(8, 4, false);
-        let mut a = req((0..3).collect());
+        let mut a = req((0..3).map(TokenId).collect());
         assert!(kv.allocate_slots(&mut a, PrefixHit::default(), 3, 8));
         assert_eq!(a.blocks.len(), 3);
     }
@@ -287,11 +310,11 @@ mod tests {
     #[test]
     fn blocks_a_connector_will_load_are_hit_only_once_the_load_landed() {
         let mut kv = KvCacheManager::new(16, 4, true);
-        let mut a = req((0..10).collect());
+        let mut a = req((0..10).map(TokenId).collect());
         kv.rehash_if_stale(&mut a, &chain_root("w"));
         // 8 tokens (two full blocks) come from a connector; 1 is computed after them.
         assert!(kv.allocate_slots(&mut a, PrefixHit::default(), 1, 8));
-        let mut b = req((0..10).collect());
+        let mut b = req((0..10).map(TokenId).collect());
         kv.rehash_if_stale(&mut b, &chain_root("w"));
         assert_eq!(
             kv.find_computed_blocks(&b).n_blocks(),
@@ -307,19 +330,19 @@ mod tests {
     #[test]
     fn evicted_blocks_are_no_longer_hit() {
         let mut kv = KvCacheManager::new(8, 4, true);
-        let mut a = req((0..9).collect());
+        let mut a = req((0..9).map(TokenId).collect());
         admit(&mut kv, &mut a, 100);
         kv.evict_blocks(&a.blocks[..1]);
-        let mut b = req((0..9).collect());
+        let mut b = req((0..9).map(TokenId).collect());
         assert_eq!(admit(&mut kv, &mut b, 100), 0);
     }
 
     #[test]
     fn caching_disabled_never_hits() {
         let mut kv = KvCacheManager::new(16, 4, false);
-        let mut a = req((0..9).collect());
+        let mut a = req((0..9).map(TokenId).collect());
         admit(&mut kv, &mut a, 100);
-        let mut b = req((0..9).collect());
+        let mut b = req((0..9).map(TokenId).collect());
         assert_eq!(admit(&mut kv, &mut b, 100), 0);
         assert_eq!(kv.pool().n_cached(), 0);
     }

@@ -259,11 +259,11 @@ mod tests {
     #[test]
     fn a_chain_is_one_event_and_a_wipe_opens_a_new_epoch_batch() {
         let mut log = KvEventLog::new(true, 2, "v0");
-        log.stored(&h(1), None, &[1, 2]);
-        log.stored(&h(2), Some(&h(1)), &[3, 4]);
+        log.stored(&h(1), None, &TokenId::list([1, 2]));
+        log.stored(&h(2), Some(&h(1)), &TokenId::list([3, 4]));
         log.removed(&h(9), Medium::Primary);
         log.cleared();
-        log.stored(&h(3), None, &[5, 6]);
+        log.stored(&h(3), None, &TokenId::list([5, 6]));
         log.new_version(Arc::from("v1"));
         let mut out = Vec::new();
         log.drain(&mut out);
@@ -276,7 +276,7 @@ mod tests {
                 KvEvent::Stored {
                     hashes: vec![hx(1), hx(2)],
                     parent: None,
-                    tokens: vec![1, 2, 3, 4],
+                    tokens: TokenId::list([1, 2, 3, 4]),
                     medium: Medium::Primary
                 },
                 KvEvent::Removed {
@@ -295,7 +295,7 @@ mod tests {
     #[test]
     fn off_it_journals_nothing_but_follows_the_version() {
         let mut log = KvEventLog::new(false, 2, "v0");
-        log.stored(&h(1), None, &[1, 2]);
+        log.stored(&h(1), None, &TokenId::list([1, 2]));
         log.cleared();
         log.new_version(Arc::from("v1"));
         let mut out = Vec::new();

@@ -13,8 +13,9 @@
 //! Modules, bottom up, each importing only modules before it (`ferry-lint`'s
 //! `tests/import_rings.rs` checks that no module imports one that imports it back): [`ids`] (the basic ids),
 //! [`sampling`], [`hash`] (chained blake3 block hashes), [`peers`], [`lifecycle`] (the
-//! lifecycle's public types), [`block_pool`] (ref counts, LRU free queue, prefix-cache
-//! index), [`holds`] (transfer holds: holder, kind, lease), [`ownership`] (the ledger and its
+//! lifecycle's public types), [`owner`] (who holds a block: a request or a transfer hold),
+//! [`block_pool`] (ref counts, LRU free queue, prefix-cache index; every block-state change
+//! asserts its precondition, in release builds too), [`holds`] (transfer holds: holder, kind, lease), [`ownership`] (the ledger and its
 //! checker), [`request`], [`kv_cache`] (per-request block arithmetic), [`connector`] (the
 //! connector trait), [`plan`] (the step plan), [`config`], the connectors [`pd`] and
 //! [`offload`], [`scheduler`]; [`driver`] runs one step against a model (tests, benches,
@@ -23,16 +24,16 @@
 //! One step, with a stand-in for the executor:
 //!
 //! ```
-//! use ferry_core::{ModelOutput, SampledToken, SamplingParams, Scheduler, SchedulerConfig};
+//! use ferry_core::{ModelOutput, SampledToken, SamplingParams, Scheduler, SchedulerConfig, TokenId};
 //!
 //! let mut core = Scheduler::new(SchedulerConfig::default()).unwrap();
-//! core.add_request("a", vec![1, 2, 3], SamplingParams::greedy(1)).unwrap();
+//! core.add_request("a", TokenId::list([1, 2, 3]), SamplingParams::greedy(1)).unwrap();
 //! let plan = core.schedule();
 //! let sampled = plan
 //!     .reqs
 //!     .iter()
 //!     .filter(|r| r.sample.is_some())
-//!     .map(|r| SampledToken { req: r.req, token: 42, logprob: 0.0, top_logprobs: vec![] })
+//!     .map(|r| SampledToken { req: r.req, token: TokenId(42), logprob: 0.0, top_logprobs: vec![] })
 //!     .collect();
 //! let outputs = core.on_step_output(&plan, &ModelOutput { sampled, ..ModelOutput::default() }).unwrap();
 //! assert_eq!(outputs[0].finished.as_ref().unwrap().request_id, "a");
@@ -51,6 +52,7 @@ pub mod kv_cache;
 pub mod kv_events;
 pub mod lifecycle;
 pub mod offload;
+pub mod owner;
 pub mod ownership;
 pub mod pd;
 pub mod peers;

@@ -222,6 +222,11 @@ impl OffloadConnector {
     /// A free slot, evicting the policy's victim when none is free.
     fn take_slot(&mut self) -> Option<u32> {
         if let Some(slot) = self.free_slots.pop_first() {
+            let n = self.busy[slot as usize];
+            assert!(
+                n == 0,
+                "offload tier: take of free host slot {slot}, which {n} jobs in flight still copy"
+            );
             return Some(slot);
         }
         let index = &self.index;
@@ -235,7 +240,13 @@ impl OffloadConnector {
         self.policy.evicted(victim);
         self.stats.n_evictions += 1;
         self.note(TierChange::Removed(victim));
-        debug_assert_eq!(self.busy[entry.slot as usize], 0);
+        let n = self.busy[entry.slot as usize];
+        assert!(
+            n == 0,
+            "offload tier: eviction of host slot {} for a new block, which {n} jobs in flight \
+             still copy",
+            entry.slot
+        );
         Some(entry.slot)
     }
 
@@ -245,10 +256,16 @@ impl OffloadConnector {
         }
     }
 
-    /// A job that touched `slots` reported: slots the index forgot meanwhile become free.
-    fn release_slots(&mut self, slots: &[u32]) {
+    /// Job `hold`, which touched `slots`, reported: slots the index forgot meanwhile become
+    /// free.
+    fn release_slots(&mut self, hold: TransferId, slots: &[u32]) {
         for &slot in slots {
             let s = slot as usize;
+            assert!(
+                self.busy[s] > 0,
+                "offload tier: end of job {} on host slot {slot}, which no job in flight copies",
+                hold.0
+            );
             self.busy[s] -= 1;
             if self.busy[s] == 0 && self.orphaned[s] {
                 self.orphaned[s] = false;
@@ -284,7 +301,7 @@ impl OffloadConnector {
         let job = self.in_flight.remove(&hold)?;
         self.flush.remove(&hold);
         self.ended.push(hold);
-        self.release_slots(&job.slots);
+        self.release_slots(hold, &job.slots);
         Some(job)
     }
 
@@ -332,6 +349,12 @@ impl OffloadConnector {
         if current {
             for key in &keys {
                 if let Some(e) = self.index.get_mut(key) {
+                    assert!(
+                        e.pins > 0,
+                        "offload tier: end of load {} on host slot {}, which no load pins",
+                        hold.0,
+                        e.slot
+                    );
                     e.pins -= 1;
                 }
             }
@@ -661,5 +684,132 @@ mod config_tests {
         );
         let largest = config(2, u64::from(u32::MAX / 2) * 200);
         assert_eq!(largest.validate(), Ok(()));
+    }
+}
+
+/// The tier's slot bookkeeping states its preconditions in release builds too: a slot is
+/// never handed out or evicted while a job copies it, and a job never ends on a slot no job
+/// copies. A consistent tier cannot break them through its interface, so each test breaks
+/// the bookkeeping first, as a bug in it would.
+#[cfg(test)]
+mod slot_tests {
+    use super::*;
+    use crate::connector::{AllocatedLoad, ComputedBlocks, KvConnector, StoreHolds};
+    use crate::ids::BlockId;
+
+    struct Holds(u64);
+
+    impl StoreHolds for Holds {
+        fn hold(&mut self, _: &[BlockId]) -> TransferId {
+            self.0 += 1;
+            TransferId(self.0)
+        }
+    }
+
+    fn hashes() -> Vec<BlockHash> {
+        (0..4u8).map(|i| BlockHash([i; 32])).collect()
+    }
+
+    /// A one-slot tier (one block a slot, block size 4) storing block 0's hash: job 1 copies
+    /// host slot 0.
+    fn storing() -> OffloadConnector {
+        let mut t = OffloadConnector::new(OffloadConfig {
+            block_size: 4,
+            blocks_per_slot: 1,
+            block_bytes: 100,
+            capacity_bytes: 100,
+            policy: OffloadPolicy::Lru,
+        });
+        let (blocks, hashes) = (BlockId::list([1, 2]), hashes());
+        let computed = ComputedBlocks {
+            req: ReqIdx(0),
+            blocks: &blocks,
+            block_hashes: &hashes,
+            n_before: 0,
+            n_after: 4,
+        };
+        t.blocks_computed(computed, &mut Holds(0));
+        assert_eq!(t.busy, vec![1]);
+        t
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "offload tier: end of job 1 on host slot 0, which no job in \
+                               flight copies"
+    )]
+    fn a_job_ending_on_a_slot_no_job_copies_panics() {
+        let mut t = storing();
+        t.busy[0] = 0;
+        t.on_tier_report(TierReport::StoreDone {
+            hold: TransferId(1),
+            epoch: 0,
+            ok: true,
+        });
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "offload tier: eviction of host slot 0 for a new block, which 1 \
+                               jobs in flight still copy"
+    )]
+    fn evicting_a_slot_a_job_still_copies_panics() {
+        let mut t = storing();
+        // Marked stored while its job is still in flight: the slot looks evictable.
+        t.index.values_mut().for_each(|e| e.storing = false);
+        let (blocks, hashes) = (BlockId::list([1, 2]), hashes());
+        let second = ComputedBlocks {
+            req: ReqIdx(1),
+            blocks: &blocks,
+            block_hashes: &hashes,
+            n_before: 4,
+            n_after: 8,
+        };
+        t.blocks_computed(second, &mut Holds(1));
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "offload tier: take of free host slot 0, which 1 jobs in flight \
+                               still copy"
+    )]
+    fn handing_out_a_free_slot_a_job_still_copies_panics() {
+        let mut t = storing();
+        t.free_slots.insert(0);
+        let (blocks, hashes) = (BlockId::list([1, 2]), hashes());
+        let second = ComputedBlocks {
+            req: ReqIdx(1),
+            blocks: &blocks,
+            block_hashes: &hashes,
+            n_before: 4,
+            n_after: 8,
+        };
+        t.blocks_computed(second, &mut Holds(1));
+    }
+
+    #[test]
+    #[should_panic(expected = "offload tier: end of load 7 on host slot 0, which no load pins")]
+    fn a_load_unpinning_a_block_no_load_pins_panics() {
+        let mut t = storing();
+        t.on_tier_report(TierReport::StoreDone {
+            hold: TransferId(1),
+            epoch: 0,
+            ok: true,
+        });
+        let hashes = hashes();
+        t.after_alloc(AllocatedLoad {
+            req: ReqIdx(2),
+            hold: TransferId(7),
+            blocks: &[BlockId(5)],
+            first_block: 0,
+            n_tokens: 4,
+            block_hashes: &hashes,
+        });
+        t.index.values_mut().for_each(|e| e.pins = 0);
+        t.on_tier_report(TierReport::LoadDone {
+            hold: TransferId(7),
+            epoch: 0,
+            result: Ok(()),
+        });
     }
 }

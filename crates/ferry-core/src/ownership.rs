@@ -7,20 +7,8 @@
 //! block, a double free or a block both free and held shows up at the step that caused it.
 
 use crate::block_pool::{BlockPool, NULL_BLOCK};
-use crate::holds::{HoldKind, Holder};
-use crate::ids::{BlockId, ReqIdx, TransferId};
-
-/// Someone who holds a reference to a block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Owner {
-    Request(ReqIdx),
-    /// A transfer hold, with who frees it and what it is for.
-    Transfer {
-        hold: TransferId,
-        holder: Holder,
-        kind: HoldKind,
-    },
-}
+use crate::ids::BlockId;
+pub use crate::owner::Owner;
 
 /// One block's line in the ledger.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,7 +64,7 @@ pub fn ledger<'a>(
     for (owner, blocks) in owners {
         for &block in blocks {
             let slot = held
-                .get_mut(block as usize)
+                .get_mut(block.index())
                 .ok_or(OwnershipError::OutOfRange {
                     block,
                     n_blocks,
@@ -95,7 +83,7 @@ pub fn ledger<'a>(
         .into_iter()
         .enumerate()
         .map(|(b, mut owners)| {
-            let b = b as BlockId;
+            let b = BlockId(b as u32);
             if b == NULL_BLOCK {
                 BlockStatus::Null
             } else if owners.is_empty() {
@@ -119,7 +107,7 @@ pub fn check<'a>(
     let ledger = ledger(pool, owners)?;
     check_free_queue(pool)?;
     for (b, status) in ledger.iter().enumerate() {
-        let block = b as BlockId;
+        let block = BlockId(b as u32);
         let ref_cnt = pool.ref_cnt(block);
         match status {
             BlockStatus::Null => {}
@@ -165,15 +153,15 @@ fn check_free_queue(pool: &BlockPool) -> Result<(), OwnershipError> {
     let mut seen = vec![false; pool.n_blocks()];
     let mut listed = 0;
     for block in pool.free_queue() {
-        let b = block as usize;
+        let b = block.index();
         if block == NULL_BLOCK || seen[b] || !pool.is_in_free_queue(block) {
             return Err(OwnershipError::FreeQueueCorrupt { block });
         }
         seen[b] = true;
         listed += 1;
     }
-    let marked = (1..pool.n_blocks() as BlockId)
-        .filter(|&b| pool.is_in_free_queue(b))
+    let marked = (1..pool.n_blocks() as u32)
+        .filter(|&b| pool.is_in_free_queue(BlockId(b)))
         .count();
     if listed != pool.n_free() || marked != listed {
         return Err(OwnershipError::FreeCountMismatch {
@@ -187,6 +175,8 @@ fn check_free_queue(pool: &BlockPool) -> Result<(), OwnershipError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::{ReqIdx, TransferId};
+    use crate::owner::{HoldKind, Holder};
 
     const A: Owner = Owner::Request(ReqIdx(0));
     const T: Owner = Owner::Transfer {
@@ -199,8 +189,8 @@ mod tests {
     fn agreeing_pool_and_owners_pass() {
         let mut p = BlockPool::new(4);
         let mut a = Vec::new();
-        p.take(2, &mut a);
-        p.touch(a[1]);
+        p.take(2, &mut a, A);
+        p.touch(a[1], T);
         let t = [a[1]];
         check(&p, [(A, &a[..]), (T, &t[..])]).unwrap();
         let l = ledger(&p, [(A, &a[..]), (T, &t[..])]).unwrap();
@@ -219,11 +209,11 @@ mod tests {
     fn leaked_block_is_reported() {
         let mut p = BlockPool::new(3);
         let mut a = Vec::new();
-        p.take(1, &mut a);
+        p.take(1, &mut a, A);
         assert_eq!(
             check(&p, []),
             Err(OwnershipError::RefCountMismatch {
-                block: 1,
+                block: BlockId(1),
                 ref_cnt: 1,
                 n_owners: 0,
                 owners: vec![],
@@ -235,12 +225,12 @@ mod tests {
     fn missing_reference_is_reported() {
         let mut p = BlockPool::new(3);
         let mut a = Vec::new();
-        p.take(1, &mut a);
+        p.take(1, &mut a, A);
         let t = a.clone();
         assert!(matches!(
             check(&p, [(A, &a[..]), (T, &t[..])]),
             Err(OwnershipError::RefCountMismatch {
-                block: 1,
+                block: BlockId(1),
                 ref_cnt: 1,
                 n_owners: 2,
                 ..
@@ -252,9 +242,9 @@ mod tests {
     fn held_block_in_free_queue_is_reported() {
         let p = BlockPool::new(3);
         assert!(matches!(
-            check(&p, [(A, &[1][..])]),
+            check(&p, [(A, &BlockId::list([1])[..])]),
             Err(OwnershipError::RefCountMismatch {
-                block: 1,
+                block: BlockId(1),
                 ref_cnt: 0,
                 ..
             })
@@ -265,16 +255,22 @@ mod tests {
     fn null_duplicate_and_out_of_range_are_reported() {
         let p = BlockPool::new(3);
         assert_eq!(
-            check(&p, [(A, &[0][..])]),
+            check(&p, [(A, &BlockId::list([0])[..])]),
             Err(OwnershipError::NullBlockOwned { owner: A })
         );
         assert_eq!(
-            check(&p, [(A, &[1, 1][..])]),
-            Err(OwnershipError::ListedTwice { block: 1, owner: A })
+            check(&p, [(A, &BlockId::list([1, 1])[..])]),
+            Err(OwnershipError::ListedTwice {
+                block: BlockId(1),
+                owner: A
+            })
         );
         assert!(matches!(
-            check(&p, [(A, &[9][..])]),
-            Err(OwnershipError::OutOfRange { block: 9, .. })
+            check(&p, [(A, &BlockId::list([9])[..])]),
+            Err(OwnershipError::OutOfRange {
+                block: BlockId(9),
+                ..
+            })
         ));
     }
 }

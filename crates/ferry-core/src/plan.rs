@@ -94,7 +94,7 @@ impl LogitsAdjust {
     /// Applies the processing to a row of logits in place.
     pub fn apply_row(&self, logits: &mut [f32]) {
         for e in &self.tokens {
-            if let Some(l) = logits.get_mut(e.token as usize) {
+            if let Some(l) = logits.get_mut(e.token.index()) {
                 *l = self.apply(e, *l);
             }
         }
@@ -107,7 +107,7 @@ pub type TokenMask = Vec<u32>;
 
 /// Whether `mask` allows `token`.
 pub fn mask_allows(mask: &[u32], token: TokenId) -> bool {
-    let t = token as usize;
+    let t = token.index();
     mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)
 }
 
@@ -208,7 +208,7 @@ impl StepPlan {
     /// Arena slot (`block * block_size + offset`) of the token at absolute position `pos`.
     pub fn slot_of(&self, r: &ScheduledReq, pos: usize) -> usize {
         let table = self.block_table_of(r);
-        table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+        table[pos / self.block_size].index() * self.block_size + pos % self.block_size
     }
 }
 

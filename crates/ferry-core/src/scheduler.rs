@@ -596,7 +596,14 @@ impl Scheduler {
             .as_mut()
             .expect("a live request");
         // Holding no KV, it has computed nothing (a preemption reset its count).
-        debug_assert_eq!(req.n_computed, 0);
+        assert!(
+            req.n_computed == 0,
+            "scheduler: admission of request #{} ({:?}), which holds no KV but counts {} tokens \
+             computed",
+            r.0,
+            req.id,
+            req.n_computed
+        );
         let n_left = req.tokens.len() - n_hit_tokens;
         let Some(n_new) = Self::chunk(&self.config, req, n_left, budget) else {
             return Admit::NoRoom;

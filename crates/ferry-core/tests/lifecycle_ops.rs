@@ -81,7 +81,7 @@ fn config() -> SchedulerConfig {
         max_num_seqs: 4,
         max_num_batched_tokens: 24,
         max_model_len: 48,
-        eos_token_ids: vec![3],
+        eos_token_ids: vec![TokenId(3)],
         ..SchedulerConfig::default()
     }
 }
@@ -303,8 +303,9 @@ impl Run {
                 max_tokens,
             } => {
                 let id = format!("r{}", self.added.len());
-                let prompt: Vec<TokenId> =
-                    (0..len as u32).map(|p| u32::from(base) * 100 + p).collect();
+                let prompt: Vec<TokenId> = (0..len as u32)
+                    .map(|p| TokenId(u32::from(base) * 100 + p))
+                    .collect();
                 let params = SamplingParams {
                     max_tokens,
                     ..SamplingParams::default()

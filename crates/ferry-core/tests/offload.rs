@@ -9,10 +9,10 @@ mod common;
 
 use common::{prompt, Harness};
 use ferry_core::{
-    hash::BlockHash, ConnectorId, ExternalMatch, ExternalQuery, HoldKind, Holder, HostCopy,
-    KvConnector, LifecycleEvent, OffloadConfig, OffloadConnector, OffloadPolicy, OpId, Owner,
-    PauseMode, RequestState, SamplingParams, SchedulerConfig, SleepLevel, StoreHolds, TierJob,
-    TierReport, TransferId, WorkerJob, WorkerReport,
+    hash::BlockHash, BlockId, ConnectorId, ExternalMatch, ExternalQuery, HoldKind, Holder,
+    HostCopy, KvConnector, LifecycleEvent, OffloadConfig, OffloadConnector, OffloadPolicy, OpId,
+    Owner, PauseMode, RequestState, SamplingParams, SchedulerConfig, SleepLevel, StoreHolds,
+    TierJob, TierReport, TokenId, TransferId, WorkerJob, WorkerReport,
 };
 
 const BS: usize = 4;
@@ -162,7 +162,7 @@ fn state(h: &Harness, id: &str) -> RequestState {
 }
 
 /// A single engine's output without a tier, as the reference.
-fn reference(id: &str, p: Vec<u32>, max_tokens: u32) -> Vec<u32> {
+fn reference(id: &str, p: Vec<TokenId>, max_tokens: u32) -> Vec<TokenId> {
     let mut h = Harness::new(config());
     h.add(id, p, greedy(max_tokens));
     h.drain(100);
@@ -170,7 +170,7 @@ fn reference(id: &str, p: Vec<u32>, max_tokens: u32) -> Vec<u32> {
 }
 
 /// Runs `id` to completion and answers its stores.
-fn run_and_store(c: &mut Copier, h: &mut Harness, id: &str, p: Vec<u32>) {
+fn run_and_store(c: &mut Copier, h: &mut Harness, id: &str, p: Vec<TokenId>) {
     h.add(id, p, greedy(1));
     drain(c, h);
 }
@@ -338,13 +338,13 @@ fn two_resets_before_a_step_flush_exactly_the_jobs_in_flight_and_sleep_waits_for
 fn connector_resets_merge_into_one_flush_set_and_old_completions_are_ignored() {
     struct Holds(u64);
     impl StoreHolds for Holds {
-        fn hold(&mut self, _: &[u32]) -> TransferId {
+        fn hold(&mut self, _: &[BlockId]) -> TransferId {
             self.0 += 1;
             TransferId(self.0)
         }
     }
     let hashes: Vec<BlockHash> = (0..4u8).map(|i| BlockHash([i; 32])).collect();
-    let blocks = [1, 2, 3, 4];
+    let blocks = BlockId::list([1, 2, 3, 4]);
     let mut t = OffloadConnector::new(tier(8, 1, OffloadPolicy::Lru));
     let computed = |n_before, n_after| ferry_core::ComputedBlocks {
         req: ferry_core::ReqIdx(0),
@@ -362,7 +362,7 @@ fn connector_resets_merge_into_one_flush_set_and_old_completions_are_ignored() {
     assert_eq!(t.n_in_flight(), 2);
     assert!(
         matches!(&jobs[1], WorkerJob::Tier(TierJob::Store { copies, epoch: 0, .. })
-        if copies == &[HostCopy { block: 3, host_block: 2 }, HostCopy { block: 4, host_block: 3 }])
+        if copies == &[HostCopy { block: BlockId(3), host_block: 2 }, HostCopy { block: BlockId(4), host_block: 3 }])
     );
     // The first store lands; the second is still in flight.
     t.on_tier_report(TierReport::StoreDone {
@@ -407,7 +407,7 @@ fn connector_resets_merge_into_one_flush_set_and_old_completions_are_ignored() {
     t.step_work(&mut jobs);
     assert!(
         matches!(&jobs[0], WorkerJob::Tier(TierJob::Store { copies, epoch: 2, .. })
-        if copies == &[HostCopy { block: 1, host_block: 0 }])
+        if copies == &[HostCopy { block: BlockId(1), host_block: 0 }])
     );
 }
 
@@ -416,7 +416,7 @@ fn connector_resets_merge_into_one_flush_set_and_old_completions_are_ignored() {
 fn eviction_run(policy: OffloadPolicy, ops: &[(&str, u8)]) -> Vec<u8> {
     struct Holds(u64);
     impl StoreHolds for Holds {
-        fn hold(&mut self, _: &[u32]) -> TransferId {
+        fn hold(&mut self, _: &[BlockId]) -> TransferId {
             self.0 += 1;
             TransferId(self.0)
         }
@@ -428,7 +428,7 @@ fn eviction_run(policy: OffloadPolicy, ops: &[(&str, u8)]) -> Vec<u8> {
         t.blocks_computed(
             ferry_core::ComputedBlocks {
                 req: ferry_core::ReqIdx(0),
-                blocks: &[1],
+                blocks: &[BlockId(1)],
                 block_hashes: &hashes,
                 n_before: 0,
                 n_after: 4,

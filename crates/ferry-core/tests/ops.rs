@@ -65,7 +65,7 @@ fn config(chunked: bool) -> SchedulerConfig {
         max_num_seqs: 4,
         max_num_batched_tokens: 24,
         max_model_len: 48,
-        eos_token_ids: vec![3],
+        eos_token_ids: vec![TokenId(3)],
         ..SchedulerConfig::default()
     }
 }
@@ -74,11 +74,11 @@ fn config(chunked: bool) -> SchedulerConfig {
 fn make_prompt(base: u8, shared: usize, len: usize, n: usize) -> Vec<TokenId> {
     (0..len)
         .map(|p| {
-            if p < shared {
+            TokenId(if p < shared {
                 u32::from(base) * 100 + p as u32
             } else {
                 1000 + (n * 50 + p) as u32
-            }
+            })
         })
         .collect()
 }

@@ -12,10 +12,11 @@ use std::time::Duration;
 
 use common::{prompt, Harness};
 use ferry_core::{
-    ConnectorId, FetchError, FetchFailure, FinishReason, HoldKind, ImportSpec, KvLoadFailurePolicy,
-    KvTransferParams, LifecycleError, LifecycleEvent, MissingParam, OpId, Owner, PauseMode,
-    PdConfig, PdConnector, PdJob, PdReport, PdRole, RequestState, SamplingParams, SchedulerConfig,
-    StepPlan, TierJob, TierReport, TransferId, TransferRequest, WorkerJob, WorkerReport,
+    BlockId, ConnectorId, FetchError, FetchFailure, FinishReason, HoldKind, ImportSpec,
+    KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleEvent, MissingParam, OpId,
+    Owner, PauseMode, PdConfig, PdConnector, PdJob, PdReport, PdRole, RequestState, SamplingParams,
+    SchedulerConfig, StepPlan, TierJob, TierReport, TokenId, TransferId, TransferRequest,
+    WorkerJob, WorkerReport,
 };
 
 const BS: usize = 4;
@@ -57,7 +58,7 @@ fn greedy(n: u32) -> SamplingParams {
 struct Published {
     hold: TransferId,
     weight_version: String,
-    blocks: Vec<u32>,
+    blocks: Vec<BlockId>,
     prompt_hash: [u8; 32],
 }
 
@@ -70,7 +71,7 @@ struct Fetch {
     weight_version: String,
     prompt_hash: [u8; 32],
     first_block: usize,
-    src_blocks: Vec<u32>,
+    src_blocks: Vec<BlockId>,
     n_blocks: usize,
     cancelled: bool,
 }
@@ -271,7 +272,7 @@ fn poll(f: &mut Fabric, engine: &str, h: &mut Harness) -> Vec<LifecycleEvent> {
 }
 
 /// P computes `prompt` to its first token and exports it; returns the parameters.
-fn export(f: &mut Fabric, p: &mut Harness, id: &str, prompt: Vec<u32>) -> KvTransferParams {
+fn export(f: &mut Fabric, p: &mut Harness, id: &str, prompt: Vec<TokenId>) -> KvTransferParams {
     let params = KvTransferParams {
         do_remote_decode: true,
         ..KvTransferParams::default()
@@ -311,7 +312,7 @@ fn import(
     p: &mut Harness,
     d: &mut Harness,
     id: &str,
-    prompt: Vec<u32>,
+    prompt: Vec<TokenId>,
     max_tokens: u32,
 ) -> KvTransferParams {
     let params = export(f, p, id, prompt.clone());
@@ -355,7 +356,7 @@ fn state(h: &Harness, id: &str) -> RequestState {
 }
 
 /// A single engine's output for the same request, as the reference.
-fn reference(id: &str, prompt: Vec<u32>, max_tokens: u32) -> Vec<u32> {
+fn reference(id: &str, prompt: Vec<TokenId>, max_tokens: u32) -> Vec<TokenId> {
     let mut h = Harness::new(config(KvLoadFailurePolicy::Fail));
     h.add(id, prompt, greedy(max_tokens));
     h.drain(100);
@@ -465,7 +466,7 @@ fn forged(params: &KvTransferParams) -> Vec<(&'static str, KvTransferParams)> {
     let mut ids = remote(params);
     ids.remote_block_ids = ids
         .remote_block_ids
-        .map(|v| v.iter().map(|b| b + 1).collect());
+        .map(|v| v.iter().map(|b| BlockId(b.0 + 1)).collect());
     let mut short = remote(params);
     short.remote_block_ids = short.remote_block_ids.map(|v| v[1..].to_vec());
     let mut host = remote(params);
@@ -1645,7 +1646,7 @@ fn tiered_step(f: &mut Fabric, d: &mut Harness) -> StepPlan {
 
 /// Computes `prompt` on the tiered D so the tier stores its full blocks, then drops the local
 /// prefix cache (the tier keeps them): a later request hits the tier, not the local cache.
-fn stored_in_tier_only(f: &mut Fabric, d: &mut Harness, id: &str, prompt: Vec<u32>) {
+fn stored_in_tier_only(f: &mut Fabric, d: &mut Harness, id: &str, prompt: Vec<TokenId>) {
     d.add(id, prompt, greedy(1));
     for _ in 0..20 {
         tiered_step(f, d);
@@ -1660,7 +1661,7 @@ fn stored_in_tier_only(f: &mut Fabric, d: &mut Harness, id: &str, prompt: Vec<u3
 /// request with P's parameters and runs it to the end, P hearing its worker's reports. Checks
 /// the tokens and that P holds nothing after (the export ended without its lease); returns
 /// the fabric, to say whether the export was pulled or released.
-fn longest_hit_wins(in_tier: Vec<u32>) -> Fabric {
+fn longest_hit_wins(in_tier: Vec<TokenId>) -> Fabric {
     let mut f = Fabric::default();
     let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
     let mut d = tiered_consumer();
@@ -1726,7 +1727,7 @@ fn transfer_parameters_parse_into_one_request() {
     let load = KvTransferParams {
         do_remote_prefill: true,
         remote_engine_id: Some("p".into()),
-        remote_block_ids: Some(vec![1, 2]),
+        remote_block_ids: Some(BlockId::list([1, 2])),
         remote_host: Some("127.0.0.1".into()),
         remote_port: Some(4000),
         weight_version: Some("v0".into()),
@@ -1738,7 +1739,7 @@ fn transfer_parameters_parse_into_one_request() {
         remote_engine_id: "p".into(),
         export_token: "t".into(),
         weight_version: "v0".into(),
-        remote_block_ids: vec![1, 2],
+        remote_block_ids: BlockId::list([1, 2]),
         remote_host: Some("127.0.0.1".into()),
         remote_port: Some(4000),
         n_tokens: 8,

@@ -7,9 +7,10 @@ use std::convert::Infallible;
 
 use common::{fake_token, prompt, small_config, Harness};
 use ferry_core::{
-    AddError, AdjustedToken, BlockStatus, ConnectorId, FinishReason, HoldKind, Holder,
+    AddError, AdjustedToken, BlockId, BlockStatus, ConnectorId, FinishReason, HoldKind, Holder,
     LogitsAdjust, LogitsParams, ModelOutput, OutputError, Owner, RequestState, SampledToken,
-    SamplingParams, Scheduler, SchedulerConfig, StepDriver, StepModel, StepPlan, TransferError,
+    SamplingParams, Scheduler, SchedulerConfig, StepDriver, StepModel, StepPlan, TokenId,
+    TransferError,
 };
 
 #[test]
@@ -76,7 +77,7 @@ impl StepModel for Script<'_> {
             .filter(|r| r.sample.is_some())
             .map(|r| SampledToken {
                 req: r.req,
-                token: *self.0.next().expect("script long enough"),
+                token: TokenId(*self.0.next().expect("script long enough")),
                 logprob: 0.0,
                 top_logprobs: vec![],
             })
@@ -99,7 +100,7 @@ fn run_scripted(
     let mut tokens = Vec::new();
     for _ in script {
         let outs = d.step().unwrap().outputs;
-        tokens.push(outs[0].sampled.as_ref().unwrap().token);
+        tokens.push(outs[0].sampled.as_ref().unwrap().token.0);
         if let Some(f) = &outs[0].finished {
             d.sched.check_ownership().unwrap();
             assert_eq!(d.sched.stats().n_blocks_used, 0);
@@ -115,7 +116,7 @@ fn stop_conditions() {
     let p = |max_tokens, ignore_eos, stop: Vec<u32>| SamplingParams {
         max_tokens,
         ignore_eos,
-        stop_token_ids: stop,
+        stop_token_ids: TokenId::list(stop),
         ..SamplingParams::default()
     };
     let script = [5, 2, 9, 4, 8, 8, 8];
@@ -172,7 +173,7 @@ fn below_min_tokens_stop_tokens_do_not_stop() {
     let c = small_config(); // EOS is 2
     let p = |min_tokens, stop: Vec<u32>| SamplingParams {
         max_tokens: 10,
-        stop_token_ids: stop,
+        stop_token_ids: TokenId::list(stop),
         logits: LogitsParams {
             min_tokens,
             ..LogitsParams::default()
@@ -202,18 +203,18 @@ fn the_plan_carries_each_samples_logits_processing() {
     let mut h = Harness::new(small_config()); // EOS is 2
     let params = SamplingParams {
         max_tokens: 8,
-        stop_token_ids: vec![9],
+        stop_token_ids: vec![TokenId(9)],
         logits: LogitsParams {
             presence_penalty: 0.5,
             frequency_penalty: 0.25,
             repetition_penalty: 1.5,
-            logit_bias: vec![(7, 3.0), (40, -1.0)],
+            logit_bias: vec![(TokenId(7), 3.0), (TokenId(40), -1.0)],
             min_tokens: 2,
         },
         ..SamplingParams::default()
     };
-    h.add("P", vec![7, 7, 3], params);
-    h.add("plain", vec![1, 2, 3], SamplingParams::greedy(4));
+    h.add("P", TokenId::list([7, 7, 3]), params);
+    h.add("plain", TokenId::list([1, 2, 3]), SamplingParams::greedy(4));
     let entry = |token, bias, output_count, seen| AdjustedToken {
         token,
         bias,
@@ -240,11 +241,11 @@ fn the_plan_carries_each_samples_logits_processing() {
             // Before any output: the prompt's tokens, the biases, EOS and the stop token held
             // back (min_tokens 2).
             0 => vec![
-                entry(2, f32::NEG_INFINITY, 0, false),
-                entry(3, 0.0, 0, true),
-                entry(7, 3.0, 0, true),
-                entry(9, f32::NEG_INFINITY, 0, false),
-                entry(40, -1.0, 0, false),
+                entry(TokenId(2), f32::NEG_INFINITY, 0, false),
+                entry(TokenId(3), 0.0, 0, true),
+                entry(TokenId(7), 3.0, 0, true),
+                entry(TokenId(9), f32::NEG_INFINITY, 0, false),
+                entry(TokenId(40), -1.0, 0, false),
             ],
             _ => Vec::new(),
         };
@@ -266,13 +267,13 @@ fn the_plan_carries_each_samples_logits_processing() {
                 };
                 let seen = [3, 7].contains(&t) || count(t) > 0;
                 if bias != 0.0 || seen {
-                    want.push(entry(t, bias, count(t), seen));
+                    want.push(entry(TokenId(t), bias, count(t), seen));
                 }
             }
         }
         assert_eq!(adjust.tokens, want, "step {step}");
         let out = h.run_model(&plan);
-        outputs.push(out.sampled[0].token);
+        outputs.push(out.sampled[0].token.0);
         h.sched.on_step_output(&plan, &out).unwrap();
     }
 }
@@ -286,7 +287,7 @@ fn logits_processing_follows_vllms_order() {
         tokens: Vec::new(),
     };
     let e = |bias, output_count, seen| AdjustedToken {
-        token: 0,
+        token: TokenId(0),
         bias,
         output_count,
         seen,
@@ -303,7 +304,7 @@ fn logits_processing_follows_vllms_order() {
     let mut row = vec![1.0, 2.0, -1.0];
     LogitsAdjust {
         tokens: vec![AdjustedToken {
-            token: 2,
+            token: TokenId(2),
             ..e(0.0, 1, true)
         }],
         ..adjust
@@ -455,7 +456,10 @@ fn transfer_hold_outlives_the_request_and_blocks_reset() {
     h.record(&outs);
     h.check();
     assert_eq!(h.finished["P"].0, FinishReason::Length);
-    assert_eq!(h.sched.transfer_blocks(t), Some(&[1, 2, 3][..]));
+    assert_eq!(
+        h.sched.transfer_blocks(t),
+        Some(&BlockId::list([1, 2, 3])[..])
+    );
     let ledger = h.sched.block_ledger().unwrap();
     assert_eq!(
         ledger[1],
@@ -495,7 +499,7 @@ fn a_hold_for_a_connector_that_does_not_exist_is_refused() {
 }
 
 /// Runs a one-token request to its end; returns the prefix-hit tokens counted so far.
-fn run_one(h: &mut Harness, id: &str, prompt: Vec<u32>) -> u64 {
+fn run_one(h: &mut Harness, id: &str, prompt: Vec<TokenId>) -> u64 {
     h.add(id, prompt, SamplingParams::greedy(1));
     h.drain(10);
     h.sched.stats().prefix_hit_tokens
@@ -577,7 +581,7 @@ fn many_requests_drain_with_exact_outputs() {
     h.drain(500);
     for i in 0..12u32 {
         let id = format!("r{i}");
-        let want: Vec<u32> = (0..3 + i)
+        let want: Vec<TokenId> = (0..3 + i)
             .map(|k| fake_token(&id, k, h.model.vocab))
             .collect();
         assert_eq!(h.generated[&id], want, "{id}");
@@ -644,7 +648,7 @@ fn lru_evicts_a_freed_chain_tail_first() {
     h.drain(5); // A held blocks 1,2,3, freed tail first: the queue is 4,5,6,3,2,1
     h.add("B", prompt(2, 50), SamplingParams::greedy(1)); // needs 4 blocks
     let plan = h.step();
-    assert_eq!(plan.block_tables, [4, 5, 6, 3]);
+    assert_eq!(plan.block_tables, BlockId::list([4, 5, 6, 3]));
     h.add("C", a, SamplingParams::greedy(1));
     h.step();
     assert_eq!(
@@ -698,7 +702,10 @@ fn hold_kv_on_finish_hands_blocks_to_a_transfer() {
         }
     }
     let t = transfer.expect("P finished with its KV held");
-    assert_eq!(h.sched.transfer_blocks(t), Some(&[1, 2, 3][..]));
+    assert_eq!(
+        h.sched.transfer_blocks(t),
+        Some(&BlockId::list([1, 2, 3])[..])
+    );
     assert_eq!(
         h.sched.block_ledger().unwrap()[2],
         BlockStatus::Held(vec![Owner::Transfer {

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use ferry_core::{SamplingParams, SchedulerConfig};
+use ferry_core::{SamplingParams, SchedulerConfig, TokenId};
 use ferry_engine::{spawn, EngineConfig, GenerateRequest};
 use ferry_model::{load_model, tiny::tiny_model, LlamaModel};
 
@@ -49,7 +49,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for i in 0..concurrency {
             // Distinct prompts: no prefix sharing, so every request prefills in full.
             let prompt = (0..prompt_len)
-                .map(|j| ((i * 7919 + j * 31 + 1) as u32) % vocab)
+                .map(|j| TokenId(((i * 7919 + j * 31 + 1) as u32) % vocab))
                 .collect();
             let req = GenerateRequest {
                 request_id: format!("r{i}"),

@@ -132,9 +132,9 @@ impl Constraints {
             })?
             .map_err(|e| unavailable(format!("could not derive the tokens' bytes: {e}")))?;
         let mut words = words;
-        let vocab = words.len().max(model_vocab).max(eos as usize + 1);
+        let vocab = words.len().max(model_vocab).max(eos.index() + 1);
         words.resize(vocab, Vec::new());
-        let info = TokRxInfo::new(vocab as u32, eos);
+        let info = TokRxInfo::new(vocab as u32, eos.0);
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(FerryTokEnv { trie, tokenizer });
         let mut factory = ParserFactory::new_simple(&env)
@@ -257,7 +257,7 @@ impl ConstraintState {
             // the constraint has nothing more to allow.
             return Next::Stop("constraint: the output is complete".into());
         }
-        if let Err(e) = self.matcher.consume_token(token) {
+        if let Err(e) = self.matcher.consume_token(token.0) {
             return Next::Stop(format!("constraint: token {token} was not allowed: {e}"));
         }
         self.compute_mask()

@@ -84,10 +84,10 @@ impl IncrementalDetokenizer {
         if start >= end {
             return String::new();
         }
-        match self
-            .tokenizer
-            .decode(&self.ids[start..end], self.skip_special_tokens)
-        {
+        match self.tokenizer.decode(
+            TokenId::as_raw_slice(&self.ids[start..end]),
+            self.skip_special_tokens,
+        ) {
             Ok(text) => text,
             Err(e) => {
                 tracing::warn!("cannot decode tokens {:?}: {e}", &self.ids[start..end]);

@@ -7,8 +7,16 @@
 //! wait for the next input or the core's next deadline (an export's lease, a lifecycle
 //! operation's bound), whichever comes first. Nothing spins: workers report on the input
 //! queue. Pending deferred replies are checked after every step and when idle.
+//!
+//! A panic on this thread (a broken invariant: the block pool's and the holds' checks are
+//! `assert!`s; a bug in an executor) is the engine's failure. `run` catches it, touches the
+//! core no more, publishes the panic's message as `EngineStats::failure` and only then closes
+//! every channel: each stream ends with an error naming it, each pending or later call fails
+//! with `Stopped::Failed(message)`, and nothing hangs.
 
+use std::any::Any;
 use std::collections::BTreeMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use ferry_arena::Reports;
@@ -127,8 +135,16 @@ impl EngineLoop {
         })
     }
 
-    /// The thread's body: loops until shutdown or until every handle is gone.
+    /// The thread's body: loops until shutdown or until every handle is gone, or until a
+    /// panic fails the engine.
     pub(crate) fn run(mut self) {
+        match catch_unwind(AssertUnwindSafe(|| self.run_steps())) {
+            Ok(()) => self.stop(),
+            Err(panic) => self.fail(&panic_message(&*panic)),
+        }
+    }
+
+    fn run_steps(&mut self) {
         self.publish_stats(Duration::ZERO, Duration::ZERO);
         let mut busy_since = Instant::now();
         while !self.stopping {
@@ -171,7 +187,6 @@ impl EngineLoop {
                 busy_since = Instant::now();
             }
         }
-        self.stop();
     }
 
     /// Handles every queued input, in arrival order, without blocking.
@@ -432,14 +447,45 @@ impl EngineLoop {
     }
 }
 
+impl EngineLoop {
+    /// The engine failed: a panic unwound out of a step or an input's handling, so the core
+    /// may be half-way through a change and is not touched again. The failure is published
+    /// first (stopped, with the panic's message), then the loop drops, closing every
+    /// request's stream (each ends with an error naming the failure), every pending reply
+    /// and the input queue (their callers, and every later call, get `Stopped::Failed`).
+    fn fail(mut self, message: &str) {
+        tracing::error!(
+            "the engine failed: {message}; every request and call ends with this error"
+        );
+        self.publish_failure(message);
+        self.inputs.close();
+    }
+
+    fn publish_failure(&mut self, message: &str) {
+        self.stats.send_modify(|s| {
+            s.running = false;
+            s.failure.get_or_insert_with(|| message.to_owned());
+        });
+    }
+}
+
 impl Drop for EngineLoop {
-    /// A panic (a bug, or an executor that panics) unwinds the loop: the stats say stopped
-    /// first, then the fields drop, closing every request's channel, so every stream ends
-    /// with `error` rather than hanging and new calls get `Stopped`.
+    /// A panic while stopping (`stop`, outside `run`'s catch) unwinds through here: the
+    /// failure is published before the fields drop and close every channel, as `fail` does.
     fn drop(&mut self) {
         if std::thread::panicking() {
-            tracing::error!("the engine thread panicked; every request ends with an error");
-            self.stats.send_modify(|s| s.running = false);
+            tracing::error!("the engine thread panicked while stopping");
+            self.publish_failure("the engine thread panicked while stopping");
         }
     }
+}
+
+/// A panic's message: its payload, when it is text (`panic!`, `assert!` and `expect` give
+/// text).
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_else(|| "a panic without a message".into())
 }

@@ -5,7 +5,7 @@
 //! * Sizing and starting an engine for a loaded model ([`crate::start_model`]): [`StartError`].
 //! * Generating ([`crate::EngineHandle::generate`]): [`GenerateError`].
 //! * Calls that can only fail because the engine is gone (aborts, status reads, cache resets,
-//!   waits): [`Stopped`].
+//!   waits): [`Stopped`], which says whether it was shut down or failed (and with what).
 //! * Pause, resume, sleep, wake-up, KV release (the core may refuse or cancel them):
 //!   [`LifecycleCallError`].
 //! * A tensor push: [`WeightUpdateError`]; a streamed push, whose body can also fail to read:
@@ -15,10 +15,32 @@
 use ferry_core::{AddError, ConfigError, LifecycleError, TokenId};
 use ferry_model::{LoadError, ModelError, WeightError};
 
-/// The engine thread has stopped (shut down, or panicked); nothing was done.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the engine has stopped")]
-pub struct Stopped;
+/// The engine thread has stopped; nothing was done.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Stopped {
+    /// It was shut down, or every handle was dropped.
+    #[error("the engine has stopped")]
+    ShutDown,
+    /// It failed: the engine thread panicked (a broken invariant, such as the block pool's
+    /// checks, or a bug in an executor), with this message. Every later call fails with it;
+    /// [`crate::EngineStats::failure`] has it too.
+    #[error("the engine failed: {0}")]
+    Failed(String),
+}
+
+impl Stopped {
+    /// What a caller is told once the engine thread is gone: its failure, if it failed.
+    pub(crate) fn from_failure(failure: Option<&str>) -> Self {
+        failure.map_or(Self::ShutDown, |m| Self::Failed(m.to_owned()))
+    }
+}
+
+/// A stopped engine's stats say why it stopped.
+impl From<crate::EngineStats> for Stopped {
+    fn from(stats: crate::EngineStats) -> Self {
+        stats.failure.map_or(Self::ShutDown, Self::Failed)
+    }
+}
 
 /// Why [`crate::spawn`] could not start the engine thread.
 #[derive(Debug, thiserror::Error)]

@@ -191,10 +191,10 @@ impl EngineHandle {
             include_stop_str_in_output: req.include_stop_str_in_output,
         };
         if self.inner.tx.is_closed() || self.inner.permits.is_closed() {
-            return Err(Stopped.into());
+            return Err(self.stopped().into());
         }
         let vocab_size = self.inner.vocab_size;
-        if let Some(&token) = req.prompt.iter().find(|&&t| t as usize >= vocab_size) {
+        if let Some(&token) = req.prompt.iter().find(|&&t| t.index() >= vocab_size) {
             return Err(GenerateError::TokenOutOfVocabulary { token, vocab_size });
         }
         let permit = self.permit()?;
@@ -209,9 +209,14 @@ impl EngineHandle {
         };
         self.send(Input::Add(add), Some(permit))?;
         match accepted_rx.await {
-            Ok(Ok(())) => Ok(GenerateStream::new(setup, events_rx, self.inner.tx.clone())),
+            Ok(Ok(())) => Ok(GenerateStream::new(
+                setup,
+                events_rx,
+                self.inner.tx.clone(),
+                self.inner.stats.clone(),
+            )),
             Ok(Err(e)) => Err(GenerateError::Rejected(e)),
-            Err(_) => Err(Stopped.into()),
+            Err(_) => Err(self.stopped().into()),
         }
     }
 
@@ -235,6 +240,18 @@ impl EngineHandle {
 
     pub fn stats(&self) -> EngineStats {
         self.inner.stats.borrow().clone()
+    }
+
+    /// The engine thread's failure (the message of its panic), once it failed: every call
+    /// then fails with [`Stopped::Failed`] naming it.
+    pub fn failure(&self) -> Option<String> {
+        self.inner.stats.borrow().failure.clone()
+    }
+
+    /// What a call that found the engine thread gone returns: its failure, if it failed
+    /// (published before it closed any channel), else that it was shut down.
+    pub(crate) fn stopped(&self) -> Stopped {
+        Stopped::from_failure(self.inner.stats.borrow().failure.as_deref())
     }
 
     pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
@@ -281,7 +298,7 @@ impl EngineHandle {
     pub async fn wait_idle(&self) -> Result<(), Stopped> {
         let (tx, rx) = oneshot::channel();
         self.send(Input::Utility(Utility::WaitIdle(tx)), None)?;
-        rx.await.map_err(|_| Stopped)
+        rx.await.map_err(|_| self.stopped())
     }
 
     /// Runs the core's block-ownership and queue checks on the engine thread (between
@@ -290,14 +307,14 @@ impl EngineHandle {
     pub async fn check_invariants(&self) -> Result<Result<(), StepError<ExecError>>, Stopped> {
         let (tx, rx) = oneshot::channel();
         self.send(Input::Utility(Utility::CheckInvariants(tx)), None)?;
-        rx.await.map_err(|_| Stopped)
+        rx.await.map_err(|_| self.stopped())
     }
 
     /// Aborts every live request (their streams end with `abort`), stops the engine thread
     /// and waits for it. Later calls return `Stopped`.
     pub async fn shutdown(&self) -> Result<(), Stopped> {
         if self.inner.stopped.swap(true, Ordering::SeqCst) {
-            return Err(Stopped);
+            return Err(self.stopped());
         }
         // New adds fail with `Stopped` from now on.
         self.inner.permits.close();
@@ -341,7 +358,7 @@ impl EngineHandle {
                 TryAcquireError::NoPermits => GenerateError::Overloaded {
                     capacity: self.inner.capacity,
                 },
-                TryAcquireError::Closed => Stopped.into(),
+                TryAcquireError::Closed => self.stopped().into(),
             })
     }
 
@@ -357,7 +374,7 @@ impl EngineHandle {
                 permit,
                 slot: Some(QueueSlot::new(&self.inner.n_queued)),
             })
-            .map_err(|_| Stopped)
+            .map_err(|_| self.stopped())
     }
 }
 

@@ -61,7 +61,7 @@ pub use error::{
 pub use event::{EngineFinish, Event};
 pub use ferry_arena::WorkerConnector;
 pub use ferry_core::{
-    ip_literal, AddError, AllowedPeers, ConnectorId, FinishReason, KvConnector, KvEvent,
+    ip_literal, AddError, AllowedPeers, BlockId, ConnectorId, FinishReason, KvConnector, KvEvent,
     KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus,
     LogitsParams, Medium, OffloadConfig, OffloadConnector, OffloadPolicy, PauseMode, PdConfig,
     PdConnector, PdRole, PromptTokenLogprob, SamplerSpec, SamplingParams, SchedulerConfig,
@@ -223,6 +223,9 @@ pub struct EngineStats {
     pub tier: Option<TierStats>,
     /// False once the engine thread has stopped.
     pub running: bool,
+    /// Set when the engine thread failed (panicked), with the panic's message; `running` is
+    /// false then too. A shutdown leaves it `None`.
+    pub failure: Option<String>,
 }
 
 /// What a weight update did.

@@ -310,10 +310,12 @@ impl EngineHandle {
             Ok(r) => r,
             Err(ReloadFailure::Weights(e)) => return Err(WeightReloadError::Weights(e)),
             Err(ReloadFailure::Refused | ReloadFailure::Torn) => {
-                return Err(failed.unwrap_or(WeightReloadError::Stopped(Stopped)))
+                return Err(failed.unwrap_or_else(|| WeightReloadError::Stopped(self.stopped())))
             }
             // Logged by the machine; the engine's answers cannot be trusted.
-            Err(ReloadFailure::Unexpected(_)) => return Err(WeightReloadError::Stopped(Stopped)),
+            Err(ReloadFailure::Unexpected(_)) => {
+                return Err(WeightReloadError::Stopped(self.stopped()))
+            }
         };
         let install_seconds = queued.elapsed().as_secs_f64();
         if let Some(old) = reloaded.retired {
@@ -390,7 +392,7 @@ impl EngineHandle {
     pub(crate) async fn call(&self, call: Call) -> Result<CallResult, Stopped> {
         let (tx, rx) = oneshot::channel();
         self.send_utility_unbounded(Input::Utility(Utility::Lifecycle(call, tx)))?;
-        rx.await.map_err(|_| Stopped)
+        rx.await.map_err(|_| self.stopped())
     }
 
     /// A lifecycle call whose answer no one waits for (a reload's guard giving up lent
@@ -415,7 +417,7 @@ fn expect<T>(
 ) -> Result<T, Stopped> {
     kind(answer).map_err(|other| {
         tracing::error!(?other, "a lifecycle answer of the wrong kind");
-        Stopped
+        Stopped::ShutDown
     })
 }
 
@@ -431,7 +433,9 @@ fn kept<T>(
 /// Runs `f` on tokio's blocking pool (file reads, tensor conversion). `Stopped` if the pool
 /// is gone (the runtime is shutting down) or `f` panicked.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Stopped> {
-    tokio::task::spawn_blocking(f).await.map_err(|_| Stopped)
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| Stopped::ShutDown)
 }
 
 /// Feeds `body` into `push` piece by piece on a blocking thread while the next pieces are
@@ -484,7 +488,7 @@ where
     // Awaited even after a body error, so the partial bucket is freed before returning.
     let read = reader
         .await
-        .map_err(|_| WeightUpdateError::Stopped(Stopped));
+        .map_err(|_| WeightUpdateError::Stopped(Stopped::ShutDown));
     if let Some(e) = body_error {
         return Err(WeightPushError::Body(e));
     }
@@ -493,7 +497,7 @@ where
 
 #[cfg(test)]
 mod tests {
-    use ferry_core::{LifecycleError, SchedulerConfig};
+    use ferry_core::{LifecycleError, SchedulerConfig, TokenId};
     use ferry_model::{LlamaModel, WeightResidency};
 
     use super::*;
@@ -613,7 +617,7 @@ mod tests {
         engine.resume().await.unwrap();
         let req = crate::GenerateRequest {
             request_id: "after".into(),
-            prompt: vec![5, 6, 7],
+            prompt: TokenId::list([5, 6, 7]),
             params: ferry_core::SamplingParams::greedy(4),
             ..crate::GenerateRequest::default()
         };

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_core::{KvLoadFailurePolicy, SchedulerConfig};
+use ferry_core::{KvLoadFailurePolicy, SchedulerConfig, TokenId};
 use ferry_model::{Executor, LlamaModel, LoadedModel, LogprobsMode};
 
 use crate::{spawn_with_connectors, Connector, EngineConfig, EngineHandle, StartError};
@@ -150,8 +150,8 @@ pub fn start_model_with_connectors(
     let executor = executor.with_logprobs_mode(config.logprobs_mode);
     let weights_bytes = executor.weights().total_bytes() as u64;
     let scheduler = scheduler_config(config, &llama, &executor)?;
-    let token_text = |id: Option<u32>| {
-        id.and_then(|id| tokenizer.as_ref()?.id_to_token(id))
+    let token_text = |id: Option<TokenId>| {
+        id.and_then(|id| tokenizer.as_ref()?.id_to_token(id.0))
             .unwrap_or_default()
     };
     let info = ModelInfo {

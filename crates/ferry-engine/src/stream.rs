@@ -10,13 +10,13 @@ use std::task::{Context, Poll};
 
 use ferry_core::{FinishReason, SampledToken, TokenId};
 use tokenizers::Tokenizer;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::detok::IncrementalDetokenizer;
 use crate::event::{EngineFinish, Event};
 use crate::input::{Input, Queued};
 use crate::stop::{StopMatcher, StopOutcome};
-use crate::{Finish, OutputChunk, StopReason, TokenLogprob};
+use crate::{EngineStats, Finish, OutputChunk, StopReason, TokenLogprob};
 
 /// What `generate` knows about the request, for its stream.
 #[derive(Debug)]
@@ -58,6 +58,9 @@ pub struct GenerateStream {
     events: mpsc::UnboundedReceiver<Event>,
     /// For the abort on a stop string or on drop.
     inputs: mpsc::UnboundedSender<Queued>,
+    /// The engine's published stats: if the events end without a finish, its failure (if it
+    /// failed) says why.
+    stats: watch::Receiver<EngineStats>,
     text: Option<TextState>,
     want_logprobs: bool,
     constrained: bool,
@@ -77,6 +80,7 @@ impl GenerateStream {
         setup: StreamSetup,
         events: mpsc::UnboundedReceiver<Event>,
         inputs: mpsc::UnboundedSender<Queued>,
+        stats: watch::Receiver<EngineStats>,
     ) -> Self {
         let text = setup.tokenizer.map(|tokenizer| {
             let detok = IncrementalDetokenizer::new(tokenizer, &setup.prompt_tail);
@@ -100,6 +104,7 @@ impl GenerateStream {
             request_id: setup.request_id,
             events,
             inputs,
+            stats,
             text,
             want_logprobs: setup.want_logprobs,
             constrained: setup.constrained,
@@ -129,18 +134,23 @@ impl GenerateStream {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(event)) => self.absorb(event, &mut chunk),
                 // Every request gets a finish event unless the engine thread died: end
-                // clearly rather than hang.
-                Poll::Ready(None) => self.finish(
-                    EngineFinish {
-                        reason: FinishReason::Error,
-                        stop_token: None,
-                        transfer: None,
-                        kv_transfer_params: None,
-                        message: Some("the engine stopped".into()),
-                        constraint_stop: None,
-                    },
-                    &mut chunk,
-                ),
+                // clearly rather than hang, naming its failure (published before it closed
+                // any channel) if it failed.
+                Poll::Ready(None) => {
+                    let stopped =
+                        crate::Stopped::from_failure(self.stats.borrow().failure.as_deref());
+                    self.finish(
+                        EngineFinish {
+                            reason: FinishReason::Error,
+                            stop_token: None,
+                            transfer: None,
+                            kv_transfer_params: None,
+                            message: Some(stopped.to_string()),
+                            constraint_stop: None,
+                        },
+                        &mut chunk,
+                    )
+                }
             }
             while !self.done {
                 let Ok(event) = self.events.try_recv() else {

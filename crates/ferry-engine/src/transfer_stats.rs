@@ -142,7 +142,7 @@ impl TransferTally {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_core::{FetchError, FetchFailure};
+    use ferry_core::{BlockId, FetchError, FetchFailure};
 
     #[test]
     fn counts_each_transfer_once_by_how_it_ended() {
@@ -154,7 +154,7 @@ mod tests {
                 hold: TransferId(hold),
                 token: String::new(),
                 weight_version: String::new(),
-                blocks: vec![1, 2],
+                blocks: BlockId::list([1, 2]),
                 prompt_hash: [0; 32],
                 n_tokens: 8,
             })
@@ -169,8 +169,8 @@ mod tests {
                 weight_version: String::new(),
                 prompt_hash: [0; 32],
                 first_block: 0,
-                src_blocks: vec![5, 6, 7],
-                blocks: vec![1, 2, 3],
+                src_blocks: BlockId::list([5, 6, 7]),
+                blocks: BlockId::list([1, 2, 3]),
             })
         };
         t.on_jobs(c, &[publish(1), publish(2), fetch(3), fetch(4)], now);
@@ -237,8 +237,8 @@ mod tests {
                 weight_version: String::new(),
                 prompt_hash: [0; 32],
                 first_block: 0,
-                src_blocks: vec![5],
-                blocks: vec![1],
+                src_blocks: vec![BlockId(5)],
+                blocks: vec![BlockId(1)],
             })
         };
         let done = |hold, e| {

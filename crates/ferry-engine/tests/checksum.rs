@@ -14,11 +14,11 @@ fn workload(n: usize) -> Vec<(String, Vec<TokenId>, u32)> {
     (0..n)
         .map(|i| {
             let mut prompt: Vec<TokenId> = if i % 2 == 0 {
-                (1..=10).collect()
+                (1..=10).map(TokenId).collect()
             } else {
                 vec![]
             };
-            prompt.extend((0..1 + i % 7).map(|j| (100 + 13 * i + j) as TokenId));
+            prompt.extend((0..1 + i % 7).map(|j| TokenId((100 + 13 * i + j) as u32)));
             (format!("r{i}"), prompt, 1 + (i % 9) as u32)
         })
         .collect()
@@ -99,7 +99,7 @@ async fn abort_mid_stream_finishes_with_abort_and_frees_blocks() {
     let (exec, mut gate) = gated(checksum());
     let engine = engine(exec, small_config(64, 4));
     let mut stream = engine
-        .generate(request("a", vec![1, 2, 3], 100))
+        .generate(request("a", TokenId::list([1, 2, 3]), 100))
         .await
         .unwrap();
     gate.next_step().await; // prefill
@@ -128,7 +128,7 @@ async fn dropping_a_stream_aborts_its_request() {
     let (exec, mut gate) = gated(checksum());
     let engine = engine(exec, small_config(64, 4));
     let mut stream = engine
-        .generate(request("a", vec![1, 2, 3], 200))
+        .generate(request("a", TokenId::list([1, 2, 3]), 200))
         .await
         .unwrap();
     gate.next_step().await;
@@ -152,20 +152,23 @@ async fn inputs_are_handled_between_steps_in_arrival_order() {
     let (exec, mut gate) = gated(checksum());
     let engine = engine(exec, small_config(64, 8));
     let a = engine
-        .generate(request("a", vec![1, 2, 3], 100))
+        .generate(request("a", TokenId::list([1, 2, 3]), 100))
         .await
         .unwrap();
     let first = gate.next_step().await;
-    assert_eq!(first.reqs, [(1, 3)]);
+    assert_eq!(first.reqs, [(TokenId(1), 3)]);
     // The engine is inside step 0: queue B, an abort of A, then C.
     let e = engine.clone();
-    let b = tokio::spawn(async move { e.generate(request("b", vec![20, 21], 2)).await });
+    let b = tokio::spawn(async move { e.generate(request("b", TokenId::list([20, 21]), 2)).await });
     while engine.n_queued_inputs() < 1 {
         tokio::task::yield_now().await;
     }
     engine.abort("a").await.unwrap();
     let e = engine.clone();
-    let c = tokio::spawn(async move { e.generate(request("c", vec![30, 31, 32], 2)).await });
+    let c = tokio::spawn(async move {
+        e.generate(request("c", TokenId::list([30, 31, 32]), 2))
+            .await
+    });
     while engine.n_queued_inputs() < 3 {
         tokio::task::yield_now().await;
     }
@@ -185,7 +188,7 @@ async fn inputs_are_handled_between_steps_in_arrival_order() {
     assert_eq!((b.tokens.len(), c.tokens.len()), (2, 2));
     // The step after: A gone (aborted before it), B admitted before C.
     let second = gate.next_step().await;
-    assert_eq!(second.reqs, [(20, 2), (30, 3)]);
+    assert_eq!(second.reqs, [(TokenId(20), 2), (TokenId(30), 3)]);
     engine.shutdown().await.unwrap();
 }
 
@@ -194,7 +197,7 @@ async fn a_full_queue_is_overloaded_at_once_and_aborts_still_get_through() {
     let (exec, mut gate) = gated(checksum());
     let engine = engine_with_capacity(exec, small_config(64, 8), 2);
     let a = engine
-        .generate(request("a", vec![1, 2, 3], 200))
+        .generate(request("a", TokenId::list([1, 2, 3]), 200))
         .await
         .unwrap();
     gate.next_step().await;
@@ -202,14 +205,14 @@ async fn a_full_queue_is_overloaded_at_once_and_aborts_still_get_through() {
     for (id, t) in [("b", 20), ("c", 30)] {
         let e = engine.clone();
         queued.push(tokio::spawn(async move {
-            e.generate(request(id, vec![t], 3)).await
+            e.generate(request(id, vec![TokenId(t)], 3)).await
         }));
     }
     while engine.n_queued_inputs() < 2 {
         tokio::task::yield_now().await;
     }
     let err = engine
-        .generate(request("d", vec![40], 3))
+        .generate(request("d", TokenId::list([40]), 3))
         .await
         .unwrap_err();
     assert!(
@@ -236,7 +239,7 @@ async fn alone(config: ferry_core::SchedulerConfig, params: SamplingParams) -> C
     let stream = engine
         .generate(GenerateRequest {
             request_id: "x".into(),
-            prompt: vec![5, 6, 7, 8, 9],
+            prompt: TokenId::list([5, 6, 7, 8, 9]),
             params,
             ..GenerateRequest::default()
         })
@@ -389,8 +392,10 @@ async fn shutdown_with_requests_in_flight_aborts_each() {
     shutdown.await.unwrap().unwrap();
     assert!(wait.await.unwrap().is_err(), "a deferred reply completes");
     assert!(!engine.stats().running);
-    assert!(matches!(engine.shutdown().await, Err(Stopped)));
-    let late = engine.generate(request("late", vec![1], 1)).await;
+    assert!(matches!(engine.shutdown().await, Err(Stopped::ShutDown)));
+    let late = engine
+        .generate(request("late", TokenId::list([1]), 1))
+        .await;
     assert!(matches!(late, Err(GenerateError::Stopped(_))));
 }
 
@@ -421,16 +426,40 @@ impl ferry_model::Executor for Panicking {
     }
 }
 
+/// A panic on the engine thread is the engine's failure, named everywhere: the stream in
+/// flight ends with an error carrying the panic's message, the stats keep it, and every later
+/// call (a generation, a lifecycle call, a status read) fails with `Stopped::Failed` naming
+/// it. Nothing hangs.
 #[tokio::test]
-async fn an_engine_thread_panic_ends_streams_with_error_not_a_hang() {
+async fn an_engine_thread_panic_is_the_engines_failure_named_everywhere_not_a_hang() {
     let engine = engine(Panicking(checksum(), 0), small_config(64, 4));
-    let out = collect(engine.generate(request("a", vec![1, 2], 10)).await.unwrap()).await;
+    let out = collect(
+        engine
+            .generate(request("a", TokenId::list([1, 2]), 10))
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!((out.tokens.len(), out.reason()), (1, FinishReason::Error));
-    assert!(matches!(
-        engine.generate(request("b", vec![1], 1)).await,
-        Err(GenerateError::Stopped(_))
-    ));
-    assert!(!engine.stats().running);
+    let failed = Stopped::Failed("injected executor panic".into());
+    assert_eq!(
+        out.finish.unwrap().message.as_deref(),
+        Some("the engine failed: injected executor panic")
+    );
+    let stats = engine.stats();
+    assert!(!stats.running);
+    assert_eq!(stats.failure.as_deref(), Some("injected executor panic"));
+    assert_eq!(engine.failure().as_deref(), Some("injected executor panic"));
+    match engine.generate(request("b", TokenId::list([1]), 1)).await {
+        Err(GenerateError::Stopped(e)) => assert_eq!(e, failed),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        engine.reset_prefix_cache(false, false).await,
+        Err(failed.clone())
+    );
+    assert_eq!(engine.wait_idle().await, Err(failed.clone()));
+    assert_eq!(engine.abort("b").await, Err(failed));
     engine.shutdown().await.unwrap();
 }
 
@@ -439,7 +468,7 @@ async fn a_slow_reader_gets_everything_merged_into_one_chunk() {
     use futures_core::Stream;
     let engine = engine(checksum(), small_config(64, 4));
     let mut stream = engine
-        .generate(request("a", vec![1, 2, 3], 20))
+        .generate(request("a", TokenId::list([1, 2, 3]), 20))
         .await
         .unwrap();
     // The engine runs the request to its end without waiting for the reader.
@@ -461,17 +490,17 @@ async fn a_slow_reader_gets_everything_merged_into_one_chunk() {
 async fn a_prompt_token_outside_the_vocabulary_is_refused_and_harms_no_one() {
     let engine = engine(checksum(), small_config(64, 4));
     let good = engine
-        .generate(request("good", vec![1, 2], 5))
+        .generate(request("good", TokenId::list([1, 2]), 5))
         .await
         .unwrap();
     let bad = engine
-        .generate(request("bad", vec![1, VOCAB as TokenId], 5))
+        .generate(request("bad", vec![TokenId(1), TokenId(VOCAB as u32)], 5))
         .await;
     assert!(
         matches!(
             bad,
             Err(GenerateError::TokenOutOfVocabulary { token, vocab_size })
-                if token == VOCAB as TokenId && vocab_size == VOCAB
+                if token == TokenId(VOCAB as u32) && vocab_size == VOCAB
         ),
         "{bad:?}"
     );

@@ -40,7 +40,7 @@ fn engine(tok: &Arc<Tokenizer>, max_num_seqs: usize) -> EngineHandle {
 }
 
 fn encode(tok: &Tokenizer, text: &str) -> Vec<TokenId> {
-    tok.encode(text, false).unwrap().get_ids().to_vec()
+    TokenId::from_raw_slice(tok.encode(text, false).unwrap().get_ids()).to_vec()
 }
 
 fn compile(engine: &EngineHandle, spec: StructuredOutput) -> Constraint {
@@ -102,9 +102,14 @@ async fn a_constraint_that_allows_the_argmax_changes_nothing_but_the_end() {
         // The longest prefix of the free run that is whole text without special tokens.
         let mut n = free.tokens.iter().take_while(|&&t| t != eos).count();
         let text = loop {
-            let t = tok.decode(&free.tokens[..n], false).unwrap();
+            let t = tok
+                .decode(TokenId::as_raw_slice(&free.tokens[..n]), false)
+                .unwrap();
             if !t.contains(char::REPLACEMENT_CHARACTER)
-                && tok.decode(&free.tokens[..n], true).unwrap() == t
+                && tok
+                    .decode(TokenId::as_raw_slice(&free.tokens[..n]), true)
+                    .unwrap()
+                    == t
             {
                 break t;
             }
@@ -271,7 +276,11 @@ async fn a_complete_constraint_under_ignore_eos_stops_with_a_constraint_reason()
     // constraint is not).
     let eos = tiny_config().eos_token_ids[0];
     assert_eq!(out.tokens.last(), Some(&eos));
-    assert_eq!(tok.decode(&out.tokens, true).unwrap(), "ok");
+    assert_eq!(
+        tok.decode(TokenId::as_raw_slice(&out.tokens), true)
+            .unwrap(),
+        "ok"
+    );
     // A clone is an independent copy: the original still starts from the beginning.
     let again = run(&engine, request("again", prompt(&tok, 1), 32, Some(c))).await;
     assert_eq!(again.text, "ok");
@@ -349,7 +358,9 @@ async fn the_default_model_meets_every_constraint_and_keeps_its_argmax() {
     let free = run(&engine, request("free", p.clone(), 12, None)).await;
     let mut n = free.tokens.iter().take_while(|&&t| t != eos).count();
     let text = loop {
-        let t = tok.decode(&free.tokens[..n], false).unwrap();
+        let t = tok
+            .decode(TokenId::as_raw_slice(&free.tokens[..n]), false)
+            .unwrap();
         if !t.contains(char::REPLACEMENT_CHARACTER) {
             break t;
         }

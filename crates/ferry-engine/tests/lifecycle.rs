@@ -31,8 +31,8 @@ async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
 fn prompts(n: usize) -> Vec<(String, Vec<TokenId>)> {
     (0..n)
         .map(|i| {
-            let mut p: Vec<TokenId> = (1..=8).collect();
-            p.extend((0..3 + i % 5).map(|j| (200 + 17 * i + j) as TokenId));
+            let mut p: Vec<TokenId> = (1..=8).map(TokenId).collect();
+            p.extend((0..3 + i % 5).map(|j| TokenId((200 + 17 * i + j) as u32)));
             (format!("r{i}"), p)
         })
         .collect()
@@ -124,7 +124,7 @@ async fn keep_pause_replies_at_once_and_frozen_requests_continue_with_the_same_t
     let n_steps = engine.stats().n_steps;
     // Requests that arrive while paused are queued, not rejected.
     let late = engine
-        .generate(request("late", vec![5, 6, 7], 4))
+        .generate(request("late", TokenId::list([5, 6, 7]), 4))
         .await
         .unwrap();
     assert!(within(engine.is_paused()).await.unwrap());
@@ -138,7 +138,7 @@ async fn keep_pause_replies_at_once_and_frozen_requests_continue_with_the_same_t
     assert!(!within(engine.is_paused()).await.unwrap());
     assert_oracle(&results(tasks).await, "v0");
     let late = within(collect(late)).await;
-    assert_eq!(late.tokens, oracle("v0", &[5, 6, 7], 4));
+    assert_eq!(late.tokens, oracle("v0", &TokenId::list([5, 6, 7]), 4));
     assert_clean(&engine).await;
 }
 
@@ -185,7 +185,10 @@ async fn wait_pause_drains_admitted_requests_and_keeps_new_ones_queued() {
     let e = engine.clone();
     let pause = tokio::spawn(async move { e.pause(PauseMode::Wait, true).await });
     let e = engine.clone();
-    let late = tokio::spawn(async move { e.generate(request("late", vec![9, 9, 9], 3)).await });
+    let late = tokio::spawn(async move {
+        e.generate(request("late", TokenId::list([9, 9, 9]), 3))
+            .await
+    });
     until_queued(&engine, 2).await;
     gate.open();
     within(pause).await.unwrap().unwrap();
@@ -203,7 +206,7 @@ async fn wait_pause_drains_admitted_requests_and_keeps_new_ones_queued() {
     );
     within(engine.resume()).await.unwrap();
     let late = within(collect(late.await.unwrap().unwrap())).await;
-    assert_eq!(late.tokens, oracle("v0", &[9, 9, 9], 3));
+    assert_eq!(late.tokens, oracle("v0", &TokenId::list([9, 9, 9]), 3));
     assert_clean(&engine).await;
 }
 
@@ -328,7 +331,7 @@ async fn abort_all_aborts_every_live_request_queued_ones_too() {
 #[tokio::test]
 async fn a_weight_update_without_a_reset_never_serves_a_stale_prefix_hit() {
     let engine = engine(checksum(), small_config(128, 8));
-    let p: Vec<TokenId> = (1..=30).collect();
+    let p: Vec<TokenId> = (1..=30).map(TokenId).collect();
     let first = within(collect(
         engine.generate(request("a", p.clone(), 5)).await.unwrap(),
     ))
@@ -427,7 +430,7 @@ async fn sleep_levels_release_memory_and_wake_up_restores_it_under_load() {
             let lifecycle = engine.stats().lifecycle;
             assert_eq!(lifecycle.kv_released, level != SleepLevel::L0);
             let late = engine
-                .generate(request("late", vec![4, 4, 4], 3))
+                .generate(request("late", TokenId::list([4, 4, 4]), 3))
                 .await
                 .unwrap();
             if level == SleepLevel::L2 {
@@ -456,7 +459,7 @@ async fn sleep_levels_release_memory_and_wake_up_restores_it_under_load() {
             let late = within(collect(late)).await;
             assert_eq!(
                 late.tokens,
-                oracle("v0", &[4, 4, 4], 3),
+                oracle("v0", &TokenId::list([4, 4, 4]), 3),
                 "{level:?} {mode:?}"
             );
             let results = results(tasks).await;

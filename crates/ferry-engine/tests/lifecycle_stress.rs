@@ -111,11 +111,11 @@ async fn random_lifecycle_operations_under_load_lose_nothing() {
         for i in 0..n_requests {
             let prompt: Vec<TokenId> = (0..4 + rng.below(20) as u32)
                 .map(|j| {
-                    if j < 6 {
+                    TokenId(if j < 6 {
                         j + 1
                     } else {
                         100 + 17 * i as u32 + j
-                    }
+                    })
                 })
                 .collect();
             let max_tokens = 4 + rng.below(24) as u32;

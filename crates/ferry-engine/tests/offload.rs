@@ -236,7 +236,7 @@ async fn with_the_tiny_llama_tier_hits_give_bitwise_the_tokens_and_logprobs_of_n
     .handle;
     for i in 0..3 {
         let p: Vec<TokenId> = (0..21 + 4 * i)
-            .map(|j| (5 + 13 * i + 7 * j) as TokenId % 250 + 3)
+            .map(|j| TokenId((5 + 13 * i + 7 * j) as u32 % 250 + 3))
             .collect();
         let req = |id: &str| {
             let mut r = request(id, p.clone(), 6);

@@ -379,7 +379,7 @@ async fn with_the_tiny_llama_d_generates_what_a_single_engine_generates() {
     for i in 0..4 {
         let id = format!("r{i}");
         let prompt: Vec<TokenId> = (0..9 + 5 * i)
-            .map(|j| (5 + 13 * i + 7 * j) as TokenId % 250 + 3)
+            .map(|j| TokenId((5 + 13 * i + 7 * j) as u32 % 250 + 3))
             .collect();
         let params = prefill(&p, &id, prompt.clone()).await;
         let c = decode(&d, &id, prompt.clone(), params).await;

@@ -19,7 +19,7 @@ fn tokenizer() -> Arc<Tokenizer> {
 }
 
 fn encode(tok: &Tokenizer, text: &str) -> Vec<TokenId> {
-    tok.encode(text, false).unwrap().get_ids().to_vec()
+    TokenId::from_raw_slice(tok.encode(text, false).unwrap().get_ids()).to_vec()
 }
 
 fn config() -> SchedulerConfig {
@@ -55,7 +55,7 @@ fn scripted(tok: &Tokenizer, text: &str) -> (Scripted, Vec<TokenId>) {
 fn text_request(id: &str, max_tokens: usize, stop: &[&str]) -> GenerateRequest {
     GenerateRequest {
         request_id: id.into(),
-        prompt: vec![72, 105],
+        prompt: TokenId::list([72, 105]),
         params: SamplingParams::greedy(max_tokens as u32),
         stop: stop.iter().map(|s| s.to_string()).collect(),
         detokenize: true,
@@ -76,7 +76,7 @@ fn deltas_add_up_to_the_full_decode_for_multibyte_text() {
         let deltas: Vec<String> = ids.iter().map(|&t| detok.push(t)).collect();
         let text = deltas.concat() + &detok.flush();
         assert_eq!(text, MULTIBYTE);
-        assert_eq!(text, tok.decode(&ids, true).unwrap());
+        assert_eq!(text, tok.decode(TokenId::as_raw_slice(&ids), true).unwrap());
         assert!(deltas
             .iter()
             .all(|d| !d.contains(char::REPLACEMENT_CHARACTER)));
@@ -95,7 +95,7 @@ fn deltas_add_up_to_the_full_decode_even_for_invalid_utf8() {
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
-        (state % n) as TokenId
+        (state % n) as u32
     };
     let n_plain = tok.get_vocab_size(true) as u64 - 3; // the specials are last
     for _ in 0..300 {
@@ -103,19 +103,19 @@ fn deltas_add_up_to_the_full_decode_even_for_invalid_utf8() {
         let ids: Vec<TokenId> = (0..len)
             .map(|_| {
                 // Mostly multibyte lead and continuation bytes, some ASCII and merges.
-                match next(4) {
+                TokenId(match next(4) {
                     0 => 0x80 + next(0x80),
                     1 => 0xE0 + next(0x20),
                     2 => next(0x80),
                     _ => next(n_plain),
-                }
+                })
             })
             .collect();
         let mut detok = IncrementalDetokenizer::new(tok.clone(), &[]);
         let text: String = ids.iter().map(|&t| detok.push(t)).collect();
         assert_eq!(
             text + &detok.flush(),
-            tok.decode(&ids, true).unwrap(),
+            tok.decode(TokenId::as_raw_slice(&ids), true).unwrap(),
             "{ids:?}"
         );
     }
@@ -125,7 +125,7 @@ fn deltas_add_up_to_the_full_decode_even_for_invalid_utf8() {
 fn special_tokens_are_skipped() {
     let tok = tokenizer();
     let mut ids = encode(&tok, "ab");
-    ids.push(tok.token_to_id(IM_END).unwrap());
+    ids.push(TokenId(tok.token_to_id(IM_END).unwrap()));
     ids.extend(encode(&tok, "c"));
     let mut detok = IncrementalDetokenizer::new(tok, &[]);
     let text: String = ids.iter().map(|&t| detok.push(t)).collect();
@@ -153,9 +153,13 @@ async fn text_deltas_follow_the_tokens() {
 /// The tokens up to the one whose text completes `stop`, and the text before `stop`.
 fn expected_stop(tok: &Tokenizer, script: &[TokenId], stop: &str) -> (Vec<TokenId>, String) {
     let k = (1..=script.len())
-        .find(|&k| tok.decode(&script[..k], true).unwrap().contains(stop))
+        .find(|&k| {
+            tok.decode(TokenId::as_raw_slice(&script[..k]), true)
+                .unwrap()
+                .contains(stop)
+        })
         .expect("stop string in the script");
-    let full = tok.decode(script, true).unwrap();
+    let full = tok.decode(TokenId::as_raw_slice(script), true).unwrap();
     (
         script[..k].to_vec(),
         full[..full.find(stop).unwrap()].to_owned(),
@@ -256,7 +260,7 @@ async fn eos_stops_unless_ignored_and_its_text_is_not_output() {
     let text = format!("Hi there{IM_END}more");
     let eos = tok.token_to_id(IM_END).unwrap();
     let (exec, script) = scripted(&tok, &text);
-    let n_before_eos = script.iter().position(|&t| t == eos).unwrap();
+    let n_before_eos = script.iter().position(|&t| t == TokenId(eos)).unwrap();
     let engine = text_engine(exec, &tok);
     let params = SamplingParams {
         max_tokens: script.len() as u32,
@@ -272,7 +276,7 @@ async fn eos_stops_unless_ignored_and_its_text_is_not_output() {
     let finish = out.finish.unwrap();
     assert_eq!(
         (finish.reason, finish.stop_reason),
-        (FinishReason::Stop, Some(StopReason::Token(eos)))
+        (FinishReason::Stop, Some(StopReason::Token(TokenId(eos))))
     );
 
     let req = GenerateRequest {
@@ -413,7 +417,11 @@ async fn tiny_llama_concurrent_requests_match_their_solo_runs() {
         let solo = &alone[id];
         assert_eq!(c.tokens, solo.tokens, "{id}");
         assert_eq!(c.text, solo.text, "{id}");
-        assert_eq!(c.text, tok.decode(&c.tokens, true).unwrap(), "{id}");
+        assert_eq!(
+            c.text,
+            tok.decode(TokenId::as_raw_slice(&c.tokens), true).unwrap(),
+            "{id}"
+        );
         assert_eq!(c.reason(), FinishReason::Length);
         let logprobs: Vec<_> = c.chunks.iter().flat_map(|ch| &ch.logprobs).collect();
         assert_eq!(logprobs.len(), c.tokens.len());

@@ -31,7 +31,7 @@ fn llama(weights: &WeightStore) -> LlamaModel {
 
 /// A prompt long enough to fill several KV blocks (block size 4), so a stale hit would show.
 fn prompt() -> Vec<TokenId> {
-    (0..23).map(|i| 40 + 7 * i).collect()
+    (0..23).map(|i| TokenId(40 + 7 * i)).collect()
 }
 
 async fn generate(engine: &EngineHandle, id: &str) -> support::Collected {

@@ -36,7 +36,7 @@
 
 use std::sync::Arc;
 
-use ferry_core::{KvEvent, KvEventBatch, Medium};
+use ferry_core::{KvEvent, KvEventBatch, Medium, TokenId};
 use rmp::encode::{write_array_len, write_f64, write_map_len, write_nil, write_str, write_uint};
 use rmpv::Value;
 
@@ -75,7 +75,7 @@ pub fn encode(batch: &KvEventBatch, ts: f64) -> Vec<u8> {
                     None => write_nil(w).unwrap(),
                 }
                 key(w, "token_ids");
-                write_uints(w, tokens.iter().map(|&t| u64::from(t)));
+                write_uints(w, tokens.iter().map(|&t| u64::from(t.0)));
                 key(w, "block_size");
                 write_uint(w, batch.block_size as u64).unwrap();
                 key(w, "lora_id");
@@ -301,7 +301,7 @@ impl<'a> Event<'a> {
         }
     }
 
-    fn tokens(&self) -> Result<Vec<u32>, DecodeError> {
+    fn tokens(&self) -> Result<Vec<TokenId>, DecodeError> {
         let bad = || DecodeError::Field {
             field: "token_ids",
             expected: "a list of token ids",
@@ -313,6 +313,7 @@ impl<'a> Event<'a> {
             .map(|t| {
                 t.as_u64()
                     .and_then(|t| u32::try_from(t).ok())
+                    .map(TokenId)
                     .ok_or_else(bad)
             })
             .collect()
@@ -364,13 +365,13 @@ mod tests {
                 KvEvent::Stored {
                     hashes: vec![u64::MAX, 7],
                     parent: None,
-                    tokens: vec![1, 2, 3, 4],
+                    tokens: TokenId::list([1, 2, 3, 4]),
                     medium: Medium::Primary,
                 },
                 KvEvent::Stored {
                     hashes: vec![8],
                     parent: Some(7),
-                    tokens: vec![5, 6],
+                    tokens: TokenId::list([5, 6]),
                     medium: Medium::Primary,
                 },
                 KvEvent::Removed {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use ferry_core::{KvEvent, KvEventBatch, Medium};
+use ferry_core::{KvEvent, KvEventBatch, Medium, TokenId};
 use ferry_kv_events::wire::{self, Decoded};
 use ferry_kv_events::{KvEventsConfig, Publisher, Subscriber};
 use serde_json::Value;
@@ -105,7 +105,7 @@ fn expected(case: &Value) -> Decoded {
                             .as_array()
                             .unwrap()
                             .iter()
-                            .map(|t| t.as_u64().unwrap() as u32)
+                            .map(|t| ferry_core::TokenId(t.as_u64().unwrap() as u32))
                             .collect(),
                         medium: medium(&e["medium"]),
                     }
@@ -177,7 +177,7 @@ fn ferry_reads_every_batch_of_vllm_0_34_and_0_11_ferrys_and_vllms_own() {
         KvEvent::Stored {
             hashes: vec![0xd15d_6c15_b0f0_0a08],
             parent: None,
-            tokens: vec![10, 11, 12, 13],
+            tokens: TokenId::list([10, 11, 12, 13]),
             medium: Medium::Primary,
         }
     );

@@ -22,7 +22,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use ferry_arena::{Access, BlockGrant, KvArena, KvError, Reports, WorkerConnector};
-use ferry_core::{FetchError, HostCopy, TierJob, TierReport, TransferId};
+use ferry_core::{BlockId, FetchError, HostCopy, TierJob, TierReport, TransferId};
 
 /// One `Store` or `Load` job with a grant over exactly its hold's blocks, as a copier runs
 /// it: the copier thread here, and the simulation's deterministic copier (`ferry-sim`), so
@@ -64,7 +64,7 @@ impl CopyJob {
             } => (*hold, *epoch, false, copies),
             TierJob::Flush { .. } => return None,
         };
-        let blocks: Vec<u32> = copies.iter().map(|c| c.block).collect();
+        let blocks: Vec<BlockId> = copies.iter().map(|c| c.block).collect();
         let access = if store { Access::Read } else { Access::Write };
         // SAFETY: the blocks are those of the job's `Store` or `Load` hold (see
         // `WorkerConnector::before_forward`): no step touches them until the copier reported

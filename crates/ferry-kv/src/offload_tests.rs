@@ -4,7 +4,7 @@
 use std::sync::mpsc;
 
 use ferry_arena::{KvArena, KvLayout, Reports, WorkerConnector};
-use ferry_core::{HostCopy, TierJob, TierReport, TransferId, WorkerJob, WorkerReport};
+use ferry_core::{BlockId, HostCopy, TierJob, TierReport, TransferId, WorkerJob, WorkerReport};
 
 use super::OffloadWorker;
 
@@ -20,7 +20,10 @@ fn layout() -> KvLayout {
 fn copies(pairs: &[(u32, u32)]) -> Vec<HostCopy> {
     pairs
         .iter()
-        .map(|&(block, host_block)| HostCopy { block, host_block })
+        .map(|&(block, host_block)| HostCopy {
+            block: BlockId(block),
+            host_block,
+        })
         .collect()
 }
 
@@ -39,7 +42,7 @@ fn reports() -> (Reports, mpsc::Receiver<WorkerReport>) {
 fn stored_blocks_load_back_byte_for_byte_into_other_blocks() {
     let mut arena = KvArena::new(layout(), 8);
     for b in 1..3u32 {
-        for (i, x) in arena.block_mut(b).iter_mut().enumerate() {
+        for (i, x) in arena.block_mut(BlockId(b)).iter_mut().enumerate() {
             *x = (b * 1000 + i as u32) as f32;
         }
     }
@@ -84,8 +87,8 @@ fn stored_blocks_load_back_byte_for_byte_into_other_blocks() {
             result: Ok(())
         })
     ));
-    assert_eq!(arena.block(5), arena.block(1));
-    assert_eq!(arena.block(6), arena.block(2));
+    assert_eq!(arena.block(BlockId(5)), arena.block(BlockId(1)));
+    assert_eq!(arena.block(BlockId(6)), arena.block(BlockId(2)));
     // Released, the memory comes back empty: a load now reads zeros.
     w.release_memory();
     assert_eq!(w.host_bytes(), 0);
@@ -96,7 +99,7 @@ fn stored_blocks_load_back_byte_for_byte_into_other_blocks() {
     });
     w.before_forward(&[load], &mut arena, &sink);
     w.wait_idle();
-    assert!(arena.block(5).iter().all(|&x| x == 0.0));
+    assert!(arena.block(BlockId(5)).iter().all(|&x| x == 0.0));
 }
 
 #[test]

@@ -123,7 +123,7 @@ use std::time::{Duration, Instant};
 
 use ferry_arena::{BlockGrant, KvLayout, Reports};
 use ferry_core::{
-    AllowedPeers, FetchEnd, FetchError, FetchFailure, PdReport, TransferId, Unpublished,
+    AllowedPeers, BlockId, FetchEnd, FetchError, FetchFailure, PdReport, TransferId, Unpublished,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -1687,7 +1687,7 @@ fn put_pull_fields(buf: &mut Vec<u8>, spec: &FetchSpec) {
     buf.extend_from_slice(&(spec.first_block as u64).to_le_bytes());
     buf.extend_from_slice(&(spec.src_blocks.len() as u32).to_le_bytes());
     for b in &spec.src_blocks {
-        buf.extend_from_slice(&b.to_le_bytes());
+        buf.extend_from_slice(&b.0.to_le_bytes());
     }
 }
 
@@ -1714,7 +1714,7 @@ async fn read_pull(
     }
     let mut src_blocks = Vec::with_capacity(n as usize);
     for _ in 0..n {
-        src_blocks.push(stream.read_u32_le().await?);
+        src_blocks.push(BlockId(stream.read_u32_le().await?));
     }
     Ok(Ok(FetchSpec {
         hold: TransferId(0),

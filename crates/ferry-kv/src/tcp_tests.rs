@@ -53,7 +53,9 @@ fn pattern(layout: KvLayout, b: u32) -> Vec<u8> {
 fn filled_arena(layout: KvLayout, n_blocks: usize) -> KvArena {
     let mut arena = KvArena::new(layout, n_blocks);
     for b in 0..n_blocks as u32 {
-        arena.write_block_bytes(b, &pattern(layout, b)).unwrap();
+        arena
+            .write_block_bytes(BlockId(b), &pattern(layout, b))
+            .unwrap();
     }
     arena
 }
@@ -76,7 +78,7 @@ fn publish(
     token: &str,
 ) -> Receiver<WorkerReport> {
     // SAFETY: the test's arenas are touched by nothing else while grants live.
-    let grant = unsafe { arena.grant(blocks, Access::Read) }.unwrap();
+    let grant = unsafe { arena.grant(BlockId::from_raw_slice(blocks), Access::Read) }.unwrap();
     let (r, rx) = reports();
     p.publish(
         ExportOffer {
@@ -103,7 +105,7 @@ fn spec(addr: SocketAddr, token: &str, first_block: usize, src_blocks: &[u32]) -
         weight_version: "v0".into(),
         prompt_hash: HASH,
         first_block,
-        src_blocks: src_blocks.to_vec(),
+        src_blocks: BlockId::from_raw_slice(src_blocks).to_vec(),
     }
 }
 
@@ -115,7 +117,7 @@ fn fetch(
     dst_blocks: &[u32],
 ) -> Receiver<WorkerReport> {
     // SAFETY: as in `publish`.
-    let grant = unsafe { arena.grant(dst_blocks, Access::Write) }.unwrap();
+    let grant = unsafe { arena.grant(BlockId::from_raw_slice(dst_blocks), Access::Write) }.unwrap();
     let (r, rx) = reports();
     d.fetch(spec, grant, r);
     rx
@@ -176,13 +178,13 @@ fn a_pull_is_byte_exact_and_ends_the_export() {
     );
     for (src, dst) in [(2, 0), (7, 3), (1, 4)] {
         assert_eq!(
-            d_arena.block_bytes(dst),
+            d_arena.block_bytes(BlockId(dst)),
             &pattern(LAYOUT, src)[..],
             "block {src} → {dst}"
         );
     }
     assert_eq!(
-        d_arena.block_bytes(1),
+        d_arena.block_bytes(BlockId(1)),
         &vec![0u8; LAYOUT.block_bytes()][..],
         "untouched"
     );
@@ -242,7 +244,10 @@ fn a_handshake_mismatch_fails_closed_with_its_reason() {
         "{reason}"
     );
     assert_eq!(kind, FetchFailure::Fault);
-    assert_eq!(d_arena.block_bytes(2), &vec![0u8; layout.block_bytes()][..]);
+    assert_eq!(
+        d_arena.block_bytes(BlockId(2)),
+        &vec![0u8; layout.block_bytes()][..]
+    );
     assert_eq!(p.n_published(), 1, "a refused reader consumes nothing");
 }
 
@@ -316,11 +321,14 @@ fn forged_or_wrong_pulls_are_refused_and_consume_nothing() {
     assert!(reason.contains("2 destination blocks for 3 source blocks"));
     assert_eq!(kind, FetchFailure::Invalid);
     assert!(p_rx.try_recv().is_err(), "P learnt nothing");
-    assert_eq!(d_arena.block_bytes(0), &vec![0u8; LAYOUT.block_bytes()][..]);
+    assert_eq!(
+        d_arena.block_bytes(BlockId(0)),
+        &vec![0u8; LAYOUT.block_bytes()][..]
+    );
 
     let rx = fetch(&d, &d_arena, good.clone(), &[0, 1, 2]);
     assert_eq!(fetch_result(&rx), Ok(()));
-    assert_eq!(d_arena.block_bytes(2), &pattern(LAYOUT, 7)[..]);
+    assert_eq!(d_arena.block_bytes(BlockId(2)), &pattern(LAYOUT, 7)[..]);
     let rx = fetch(&d, &d_arena, good, &[3, 4, 5]);
     let (kind, reason) = refused_as(&rx);
     assert!(reason.contains("pulled or released already"), "{reason}");
@@ -400,7 +408,7 @@ fn a_producer_that_dies_mid_transfer_is_a_failed_load_with_the_good_blocks() {
         "{}",
         e.reason
     );
-    assert_eq!(d_arena.block_bytes(1), &pattern(LAYOUT, 1)[..]);
+    assert_eq!(d_arena.block_bytes(BlockId(1)), &pattern(LAYOUT, 1)[..]);
     assert_eq!(d_arena.n_outstanding_grants(), 0);
 }
 
@@ -515,7 +523,10 @@ fn a_reader_gone_mid_pull_leaves_the_export_published() {
         &blocks,
     );
     assert_eq!(fetch_result(&rx), Ok(()));
-    assert_eq!(d_arena.block_bytes(47), &pattern(LAYOUT_BIG, 47)[..]);
+    assert_eq!(
+        d_arena.block_bytes(BlockId(47)),
+        &pattern(LAYOUT_BIG, 47)[..]
+    );
     assert!(matches!(
         p_rx.recv_timeout(WAIT).unwrap(),
         WorkerReport::Pd(PdReport::ExportPulled { .. })
@@ -688,7 +699,10 @@ fn a_refused_pull_arrives_with_who_is_to_blame() {
     );
     let (kind, reason) = refused_as(&rx);
     assert_eq!(kind, FetchFailure::Fault, "P is gone: {reason}");
-    assert_eq!(d_arena.block_bytes(4), &vec![0u8; LAYOUT.block_bytes()][..]);
+    assert_eq!(
+        d_arena.block_bytes(BlockId(4)),
+        &vec![0u8; LAYOUT.block_bytes()][..]
+    );
 }
 
 fn release_spec(addr: SocketAddr, engine_id: &str, token: &str) -> ReleaseSpec {
@@ -808,7 +822,7 @@ fn peers_with_the_same_secret_transfer() {
         &[0, 3],
     );
     assert_eq!(fetch_result(&rx), Ok(()));
-    assert_eq!(d_arena.block_bytes(3), &pattern(LAYOUT, 2)[..]);
+    assert_eq!(d_arena.block_bytes(BlockId(3)), &pattern(LAYOUT, 2)[..]);
     assert!(matches!(
         p_rx.recv_timeout(WAIT).unwrap(),
         WorkerReport::Pd(PdReport::ExportPulled { .. })
@@ -863,8 +877,8 @@ fn peers_whose_secrets_differ_transfer_nothing() {
             reason.contains(AUTH_FAILED),
             "{p_secret:?}/{d_secret:?}: {reason}"
         );
-        assert_eq!(d_arena.block_bytes(0), &zero[..]);
-        assert_eq!(d_arena.block_bytes(3), &zero[..]);
+        assert_eq!(d_arena.block_bytes(BlockId(0)), &zero[..]);
+        assert_eq!(d_arena.block_bytes(BlockId(3)), &zero[..]);
         d.release(release_spec(p.local_addr(), "P", "tok"));
         std::thread::sleep(Duration::from_millis(200));
         assert_eq!(p.n_published(), 1, "P keeps its export");
@@ -1048,7 +1062,11 @@ fn pulls_and_releases_to_one_producer_share_one_connection() {
     pull_ok(&d, &d_arena, addr, "a", &[0, 1]);
     pull_ok(&d, &d_arena, addr, "b", &[2, 3]);
     for b in 0..4 {
-        assert_eq!(d_arena.block_bytes(b), &pattern(LAYOUT, b)[..], "block {b}");
+        assert_eq!(
+            d_arena.block_bytes(BlockId(b)),
+            &pattern(LAYOUT, b)[..],
+            "block {b}"
+        );
     }
     // A refused pull keeps the connection, and the next pull uses it again.
     let rx = fetch(&d, &d_arena, spec(addr, "a", 0, &[0, 1]), &[0, 1]);
@@ -1130,7 +1148,7 @@ fn a_producer_restarted_on_its_address_is_reached_on_a_fresh_connection() {
     let p = TcpTransport::start(cfg).unwrap();
     let _b = publish(&p, &p_arena, &[2, 3], "b");
     pull_ok(&d, &d_arena, addr, "b", &[2, 3]);
-    assert_eq!(d_arena.block_bytes(3), &pattern(LAYOUT, 3)[..]);
+    assert_eq!(d_arena.block_bytes(BlockId(3)), &pattern(LAYOUT, 3)[..]);
     assert_eq!(p.stats().handshakes_accepted, 1, "{:?}", p.stats());
     // The health check dropped the stale connection: it was never written to.
     let stats = d.stats();
@@ -1441,7 +1459,7 @@ fn a_one_sided_read_moves_the_blocks_and_ends_the_export() {
     assert_eq!(fetch_result(&rx), Ok(()));
     for (dst, src) in [(0, 1), (1, 3), (2, 5)] {
         assert_eq!(
-            d_arena.block_bytes(dst),
+            d_arena.block_bytes(BlockId(dst)),
             &pattern(LAYOUT, src)[..],
             "block {dst}"
         );
@@ -1461,7 +1479,7 @@ fn a_one_sided_read_moves_the_blocks_and_ends_the_export() {
     let _b = publish(&p, &p_arena, &[6], "b");
     let rx = fetch(&d, &d_arena, spec(addr, "b", 0, &[6]), &[6]);
     assert_eq!(fetch_result(&rx), Ok(()));
-    assert_eq!(d_arena.block_bytes(6), &pattern(LAYOUT, 6)[..]);
+    assert_eq!(d_arena.block_bytes(BlockId(6)), &pattern(LAYOUT, 6)[..]);
     assert_eq!(
         reads.loads.load(Ordering::Relaxed),
         1,
@@ -1489,7 +1507,7 @@ fn an_unpublish_during_a_slow_read_waits_only_for_the_read_timeout() {
     let _read_rx = {
         // The export being read: another hold.
         // SAFETY: as in `publish`.
-        let grant = unsafe { p_arena.grant(&[0, 1], Access::Read) }.unwrap();
+        let grant = unsafe { p_arena.grant(&BlockId::list([0, 1]), Access::Read) }.unwrap();
         let (r, rx) = reports();
         p.publish(
             ExportOffer {

@@ -4,6 +4,7 @@
 //! never keeps metadata that reaches freed memory. One agent in this process, one test.
 
 use ferry_arena::{Access, KvArena, KvLayout};
+use ferry_core::BlockId;
 use ferry_kv::nixl::{load_library, NixlError, NixlReads};
 use ferry_kv::OneSided;
 
@@ -35,7 +36,7 @@ fn registrations_follow_the_arena_memory() {
     let mut arena = KvArena::new(LAYOUT, 4);
 
     // SAFETY: nothing else touches the arena while the grants live.
-    let grant = unsafe { arena.grant(&[0, 2], Access::Read) }.unwrap();
+    let grant = unsafe { arena.grant(&BlockId::list([0, 2]), Access::Read) }.unwrap();
     let first = reads.expose(&grant, 0).unwrap();
     assert!(first.metadata.as_ref().is_some_and(|m| !m.is_empty()));
     assert_eq!(reads.n_registered(), 1);
@@ -61,7 +62,7 @@ fn registrations_follow_the_arena_memory() {
     // the old one gets the new metadata.
     arena.reallocate();
     // SAFETY: as above.
-    let grant = unsafe { arena.grant(&[1], Access::Read) }.unwrap();
+    let grant = unsafe { arena.grant(&[BlockId(1)], Access::Read) }.unwrap();
     let after = reads.expose(&grant, first.generation).unwrap();
     assert_ne!(after.generation, first.generation);
     assert!(after.metadata.is_some());

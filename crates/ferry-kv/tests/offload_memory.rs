@@ -4,7 +4,7 @@
 use std::sync::mpsc;
 
 use ferry_arena::{resident_bytes, KvArena, KvLayout, Reports, WorkerConnector};
-use ferry_core::{HostCopy, TierJob, TransferId, WorkerJob};
+use ferry_core::{BlockId, HostCopy, TierJob, TransferId, WorkerJob};
 use ferry_kv::OffloadWorker;
 
 #[cfg(target_os = "linux")]
@@ -20,7 +20,7 @@ fn release_gives_the_tier_memory_back() {
     let block_bytes = layout.block_bytes();
     let n_host_blocks = (128 * MIB) as usize / block_bytes;
     let mut arena = KvArena::new(layout, 4);
-    arena.block_mut(1).fill(1.5);
+    arena.block_mut(BlockId(1)).fill(1.5);
     let mut w = OffloadWorker::new(n_host_blocks, block_bytes).unwrap();
     let (tx, _rx) = mpsc::channel();
     let tx = std::sync::Mutex::new(tx);
@@ -32,7 +32,7 @@ fn release_gives_the_tier_memory_back() {
     // Every host block written (one read grant may name a block many times).
     let copies = (0..n_host_blocks as u32)
         .map(|host_block| HostCopy {
-            block: 1,
+            block: BlockId(1),
             host_block,
         })
         .collect();

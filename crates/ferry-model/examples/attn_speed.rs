@@ -4,6 +4,7 @@
 //! interleaved over the arena as decode appends them, and the same step with every sequence
 //! reading one sequence's blocks (its KV stays in cache: the compute cost alone).
 
+use ferry_core::BlockId;
 use std::time::Instant;
 
 use ferry_arena::{KvArena, KvLayout};
@@ -14,7 +15,7 @@ const CONTEXT: usize = 144;
 const N_HEADS: usize = 9;
 
 /// Best of 8 steps (every layer once), in seconds.
-fn step_s(arena: &KvArena, layout: &KvLayout, tables: &[Vec<u32>]) -> f64 {
+fn step_s(arena: &KvArena, layout: &KvLayout, tables: &[Vec<BlockId>]) -> f64 {
     let queries: Vec<AttnQuery<'_>> = tables
         .iter()
         .map(|t| AttnQuery {
@@ -47,7 +48,7 @@ fn main() {
     let mut arena = KvArena::new(layout, SEQS * per_seq);
     let mut s = 1u32;
     for b in 0..SEQS * per_seq {
-        for v in arena.block_mut(b as u32) {
+        for v in arena.block_mut(BlockId(b as u32)) {
             s ^= s << 13;
             s ^= s >> 17;
             s ^= s << 5;
@@ -55,7 +56,7 @@ fn main() {
         }
     }
     let bytes = (SEQS * CONTEXT * layout.n_layers * 2 * layout.token_floats() * 4) as f64;
-    let report = |what: &str, tables: &[Vec<u32>]| {
+    let report = |what: &str, tables: &[Vec<BlockId>]| {
         let s = step_s(&arena, &layout, tables);
         println!(
             "{what}: {:6.2} ms per step, {:5.1} GB/s of K and V",
@@ -63,10 +64,16 @@ fn main() {
             bytes / s / 1e9
         );
     };
-    let own: Vec<Vec<u32>> = (0..SEQS)
-        .map(|q| (0..per_seq).map(|b| (b * SEQS + q) as u32).collect())
+    let own: Vec<Vec<BlockId>> = (0..SEQS)
+        .map(|q| {
+            (0..per_seq)
+                .map(|b| BlockId((b * SEQS + q) as u32))
+                .collect()
+        })
         .collect();
     report("64 sequences, each its own blocks", &own);
-    let shared: Vec<Vec<u32>> = (0..SEQS).map(|_| (0..per_seq as u32).collect()).collect();
+    let shared: Vec<Vec<BlockId>> = (0..SEQS)
+        .map(|_| BlockId::list(0..per_seq as u32))
+        .collect();
     report("64 sequences, one's blocks (cached)", &shared);
 }

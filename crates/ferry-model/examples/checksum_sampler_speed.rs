@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use ferry_arena::KvArena;
 use ferry_core::sampling::SamplerSpec;
-use ferry_core::{ReqIdx, SampleSpec, ScheduledReq, StepPlan};
+use ferry_core::{BlockId, ReqIdx, SampleSpec, ScheduledReq, StepPlan, TokenId};
 use ferry_model::sampler::{sample, SamplerScratch};
 use ferry_model::{ChecksumModel, Executor};
 
@@ -46,9 +46,9 @@ fn prefill_plan() -> StepPlan {
     for r in 0..N_REQS {
         let (t0, b0) = (plan.token_ids.len(), plan.block_tables.len());
         plan.token_ids
-            .extend((0..SEQ_LEN).map(|i| ((i * 31 + r) % VOCAB) as u32));
+            .extend((0..SEQ_LEN).map(|i| TokenId(((i * 31 + r) % VOCAB) as u32)));
         plan.block_tables
-            .extend((0..blocks_per_req).map(|j| (1 + r * blocks_per_req + j) as u32));
+            .extend((0..blocks_per_req).map(|j| BlockId((1 + r * blocks_per_req + j) as u32)));
         plan.reqs.push(ScheduledReq {
             req: ReqIdx(r as u32),
             start_pos: 0,

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use ferry_arena::KvArena;
-use ferry_core::{ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
+use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan, TokenId};
 use ferry_model::{load_model_stored, Executor, LlamaModel};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -18,8 +18,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let block_size = 16;
     let n_blocks = (steps + 1).div_ceil(block_size);
     let mut kv = KvArena::new(model.kv_layout(block_size), n_blocks + 1);
-    let table: Vec<u32> = (1..=n_blocks as u32).collect();
-    let mut token = 1u32;
+    let table: Vec<BlockId> = (1..=n_blocks as u32).map(BlockId).collect();
+    let mut token = TokenId(1);
     let (mut wall, mut best) = (0.0f64, f64::INFINITY);
     for pos in 0..steps {
         let plan = StepPlan {

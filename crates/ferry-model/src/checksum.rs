@@ -97,7 +97,7 @@ impl ChecksumModel {
 
     /// The K and V this model writes for `token` at position `pos`.
     pub fn token_kv(&self, token: TokenId, pos: usize) -> TokenKv {
-        let base = fmix64(fmix64(self.seed ^ u64::from(token)) ^ pos as u64);
+        let base = fmix64(fmix64(self.seed ^ u64::from(token.0)) ^ pos as u64);
         let mut kv = ([0.0; HEAD_DIM], [0.0; HEAD_DIM]);
         // Each 64-bit hash gives two 24-bit values (bits 0..24 and 32..56).
         for j in 0..HEAD_DIM / 2 {
@@ -127,14 +127,14 @@ impl ChecksumModel {
     pub fn allowed_token_from(&self, token: TokenId, mask: &[u32]) -> TokenId {
         let vocab = self.vocab_size;
         (0..vocab)
-            .map(|i| ((u64::from(token) + i) % vocab) as TokenId)
+            .map(|i| TokenId(((u64::from(token.0) + i) % vocab) as u32))
             .find(|&t| ferry_core::mask_allows(mask, t))
             .unwrap_or(token)
     }
 
     fn token_of(&self, digest: u64) -> TokenId {
         // In range: vocab_size <= 2^32.
-        (digest % self.vocab_size) as TokenId
+        TokenId((digest % self.vocab_size) as u32)
     }
 
     /// Digest of the KV of positions `0..end`, read from `kv` through `table`.
@@ -239,7 +239,10 @@ impl ChecksumModel {
                 plan.block_tables.len()
             ))
         })?;
-        if let Some(i) = tokens.iter().position(|&t| u64::from(t) >= self.vocab_size) {
+        if let Some(i) = tokens
+            .iter()
+            .position(|&t| u64::from(t.0) >= self.vocab_size)
+        {
             return Err(invalid(format!(
                 "request {req:?}: token {} at position {} is outside the vocabulary of {}",
                 tokens[i],
@@ -266,12 +269,12 @@ impl ChecksumModel {
             )));
         }
         for (j, &block) in table.iter().enumerate() {
-            if block as usize >= n_blocks {
+            if block.index() >= n_blocks {
                 return Err(invalid(format!(
                     "request {req:?}: block table entry {j} is block {block}, the arena has {n_blocks} blocks"
                 )));
             }
-            if block == 0 && j < needed {
+            if block == BlockId::NULL && j < needed {
                 return Err(invalid(format!(
                     "request {req:?}: block table entry {j} is the null block 0"
                 )));

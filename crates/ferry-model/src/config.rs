@@ -1,5 +1,6 @@
 //! Llama-family model configuration, as read from a Hugging Face `config.json` or GGUF metadata.
 
+use ferry_core::TokenId;
 use serde::{Deserialize, Serialize};
 
 pub mod tensors;
@@ -33,9 +34,9 @@ pub struct LlamaConfig {
     pub o_proj_bias: bool,
     /// RMSNorm on q and k per head before rope (Qwen3).
     pub qk_norm: bool,
-    pub bos_token_id: Option<u32>,
+    pub bos_token_id: Option<TokenId>,
     /// Every token id that ends generation (config.json and generation_config.json merged).
-    pub eos_token_ids: Vec<u32>,
+    pub eos_token_ids: Vec<TokenId>,
 }
 
 /// Rope scaling variants we support.

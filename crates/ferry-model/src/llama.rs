@@ -186,7 +186,7 @@ impl LlamaModel {
         let h = self.config.hidden_size;
         let mut x = vec![0.0f32; plan.num_tokens() * h];
         for (row, &t) in x.chunks_exact_mut(h).zip(&plan.token_ids) {
-            let t = t as usize;
+            let t = t.index();
             self.weights.embed.row_into(t, row);
         }
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -256,7 +256,7 @@ impl LlamaModel {
         if let Some(&t) = plan
             .token_ids
             .iter()
-            .find(|&&t| t as usize >= self.config.vocab_size)
+            .find(|&&t| t.index() >= self.config.vocab_size)
         {
             return bad(format!(
                 "token id {t} is outside the vocabulary ({})",
@@ -302,7 +302,7 @@ impl LlamaModel {
                 ));
             }
             let used = end_pos.div_ceil(plan.block_size);
-            if let Some(&b) = table[..used].iter().find(|&&b| b as usize >= n_blocks) {
+            if let Some(&b) = table[..used].iter().find(|&&b| b.index() >= n_blocks) {
                 return bad(format!(
                     "request {:?}: block {b} is outside the arena ({n_blocks})",
                     r.req

@@ -316,7 +316,7 @@ fn sample_with_draw(
         // Nothing to sample from (a zero vocabulary): answer rather than panic.
         return SampledToken {
             req,
-            token: 0,
+            token: TokenId(0),
             logprob: f32::NEG_INFINITY,
             top_logprobs: Vec::new(),
         };
@@ -368,7 +368,7 @@ fn sample_with_draw(
     let n_top = params.logprobs.map_or(0, |n| n as usize);
     SampledToken {
         req,
-        token: token as TokenId,
+        token: TokenId(token as u32),
         logprob: reported.value(token),
         top_logprobs: top_logprobs(&reported, n_top, keys),
     }
@@ -384,14 +384,14 @@ fn process_logits(
     mask: Option<&[u32]>,
     out: &mut Vec<f32>,
 ) -> bool {
-    let mask = mask.filter(|mask| (0..logits.len()).any(|t| mask_allows(mask, t as TokenId)));
+    let mask = mask.filter(|mask| (0..logits.len()).any(|t| mask_allows(mask, TokenId(t as u32))));
     if adjust.is_none() && mask.is_none() {
         return false;
     }
     out.clear();
     match mask {
         Some(mask) => out.extend(logits.iter().enumerate().map(|(t, &l)| {
-            if mask_allows(mask, t as TokenId) {
+            if mask_allows(mask, TokenId(t as u32)) {
                 l
             } else {
                 f32::NEG_INFINITY
@@ -403,7 +403,7 @@ fn process_logits(
         // Masked tokens stay at `-inf` whatever the processing does to them.
         for e in &adjust.tokens {
             let allowed = mask.is_none_or(|mask| mask_allows(mask, e.token));
-            if let (Some(l), true) = (out.get_mut(e.token as usize), allowed) {
+            if let (Some(l), true) = (out.get_mut(e.token.index()), allowed) {
                 *l = adjust.apply(e, *l);
             }
         }
@@ -670,7 +670,7 @@ fn pick(keys: &[u64], probs: &[f32], u: f64) -> usize {
 /// vLLM counts it: 1 for the best) and the `top_n` best tokens.
 pub fn prompt_token_logprob(logits: &[f32], token: TokenId, top_n: usize) -> PromptTokenLogprob {
     let row = RowStats::new(logits);
-    let Some(&l) = logits.get(token as usize) else {
+    let Some(&l) = logits.get(token.index()) else {
         return PromptTokenLogprob {
             token,
             logprob: f32::NEG_INFINITY,
@@ -709,7 +709,7 @@ fn top_logprobs(reported: &Reported<'_>, n: usize, keys: &mut Vec<u64>) -> Vec<(
     keys[..n].sort_unstable();
     keys[..n]
         .iter()
-        .map(|&k| (k as u32, reported.value(token_of(k))))
+        .map(|&k| (TokenId(k as u32), reported.value(token_of(k))))
         .collect()
 }
 

@@ -7,6 +7,7 @@
 //! must get right is exercised: grouped-query attention (4 query heads over 2 KV heads), an
 //! untied `lm_head`, norm weights that are not all 1.0 (a forgotten norm weight shows up).
 
+use ferry_core::TokenId;
 use std::path::Path;
 
 use rand_chacha::rand_core::{RngCore, SeedableRng};
@@ -116,8 +117,8 @@ pub fn tiny_config() -> LlamaConfig {
         attention_bias: false,
         o_proj_bias: false,
         qk_norm: false,
-        bos_token_id: Some(special_id(ENDOFTEXT)),
-        eos_token_ids: vec![special_id(IM_END)],
+        bos_token_id: Some(TokenId(special_id(ENDOFTEXT))),
+        eos_token_ids: vec![TokenId(special_id(IM_END))],
     }
 }
 
@@ -205,9 +206,9 @@ pub fn write_hf_folder(model: &LoadedModel, dir: &Path) -> Result<(), LoadError>
 }
 
 fn tokenizer_config(model: &LoadedModel) -> serde_json::Value {
-    let token = |id: Option<u32>| {
+    let token = |id: Option<TokenId>| {
         let tokenizer = model.tokenizer.as_ref()?;
-        tokenizer.id_to_token(id?)
+        tokenizer.id_to_token(id?.0)
     };
     serde_json::json!({
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -1,6 +1,7 @@
 //! config.json / generation_config.json parsing: architectures, defaults, rope scaling, EOS
 //! merging, and errors that name the file and field.
 
+use ferry_core::TokenId;
 use std::path::{Path, PathBuf};
 
 use ferry_model::load::config_json::{parse_config, read_folder_config, to_hf_config_json};
@@ -57,8 +58,8 @@ fn llama_fields_and_defaults() {
         attention_bias: false,
         o_proj_bias: false,
         qk_norm: false,
-        bos_token_id: Some(1),
-        eos_token_ids: vec![2],
+        bos_token_id: Some(TokenId(1)),
+        eos_token_ids: vec![TokenId(2)],
     };
     assert_eq!(c, expected);
 
@@ -103,7 +104,7 @@ fn llama3_rope_scaling_and_eos_list() {
             original_max_position_embeddings: 8192,
         })
     );
-    assert_eq!(c.eos_token_ids, vec![128001, 128008, 128009]);
+    assert_eq!(c.eos_token_ids, TokenId::list([128001, 128008, 128009]));
 }
 
 #[test]
@@ -276,11 +277,14 @@ fn generation_config_eos_is_merged() {
     write_folder(dir, &v, Some(&json!({"eos_token_id": [2, 7, 9]})));
     assert_eq!(
         read_folder_config(dir).unwrap().eos_token_ids,
-        vec![2, 7, 9]
+        TokenId::list([2, 7, 9])
     );
 
     write_folder(dir, &v, Some(&json!({"eos_token_id": 5})));
-    assert_eq!(read_folder_config(dir).unwrap().eos_token_ids, vec![2, 5]);
+    assert_eq!(
+        read_folder_config(dir).unwrap().eos_token_ids,
+        TokenId::list([2, 5])
+    );
 }
 
 #[test]

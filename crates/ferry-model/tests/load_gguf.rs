@@ -3,6 +3,7 @@
 //! values, q/k un-permutation, name mapping, metadata → config, the tokenizer from metadata,
 //! and errors naming the tensor.
 
+use ferry_core::TokenId;
 use std::path::Path;
 
 use ferry_model::load::gguf::{GgmlType, GgufFile, GgufValue};
@@ -576,8 +577,8 @@ fn metadata_becomes_the_config() {
         attention_bias: false,
         o_proj_bias: false,
         qk_norm: false,
-        bos_token_id: Some(5),
-        eos_token_ids: vec![5],
+        bos_token_id: Some(TokenId(5)),
+        eos_token_ids: vec![TokenId(5)],
     };
     assert_eq!(model.config, expected);
     assert!(model.weights.get("lm_head.weight").is_none());

@@ -165,11 +165,11 @@ fn write_gguf(
         ),
     ];
     if let Some(bos) = c.bos_token_id {
-        kv.push(("tokenizer.ggml.bos_token_id".into(), Meta::U32(bos)));
+        kv.push(("tokenizer.ggml.bos_token_id".into(), Meta::U32(bos.0)));
     }
     kv.push((
         "tokenizer.ggml.eos_token_id".into(),
-        Meta::U32(c.eos_token_ids[0]),
+        Meta::U32(c.eos_token_ids[0].0),
     ));
     let mut tensors = Vec::new();
     let mut held = WeightStore::default();

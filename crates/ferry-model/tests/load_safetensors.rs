@@ -1,6 +1,7 @@
 //! Hugging Face folders with safetensors written by the `safetensors` crate: single file and
 //! sharded round trips, F16/BF16 conversion, and errors that name the file and tensor.
 
+use ferry_core::TokenId;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -32,7 +33,7 @@ fn small_config() -> LlamaConfig {
         o_proj_bias: false,
         qk_norm: false,
         bos_token_id: None,
-        eos_token_ids: vec![9],
+        eos_token_ids: vec![TokenId(9)],
     }
 }
 

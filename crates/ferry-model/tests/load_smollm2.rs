@@ -57,11 +57,15 @@ fn config_matches_the_gguf_metadata() {
     );
     assert_eq!(
         c.bos_token_id,
-        Some(g["bos_token_id"].as_u64().unwrap() as u32)
+        Some(ferry_core::TokenId(
+            g["bos_token_id"].as_u64().unwrap() as u32
+        ))
     );
     assert_eq!(
         c.eos_token_ids,
-        vec![g["eos_token_id"].as_u64().unwrap() as u32]
+        vec![ferry_core::TokenId(
+            g["eos_token_id"].as_u64().unwrap() as u32
+        )]
     );
     assert!(!c.attention_bias && !c.qk_norm);
     let template = model().chat_template.as_deref().unwrap();

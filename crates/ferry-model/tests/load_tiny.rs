@@ -86,7 +86,10 @@ fn tokenizer_vocabulary_special_tokens_and_template() {
     let tok = model.tokenizer.as_ref().unwrap();
     assert_eq!(tok.get_vocab_size(true), model.config.vocab_size);
     let im_end = tok.token_to_id(IM_END).unwrap();
-    assert_eq!(model.config.eos_token_ids, vec![im_end]);
+    assert_eq!(
+        model.config.eos_token_ids,
+        vec![ferry_core::TokenId(im_end)]
+    );
     let ids = tok.encode("<|im_start|>hi<|im_end|>", false).unwrap();
     let ids = ids.get_ids();
     assert_eq!(ids.first(), tok.token_to_id(IM_START).as_ref());

@@ -87,7 +87,7 @@ fn check_case(seed: u64, n_kv_heads: usize, group: usize, head_dim: usize, block
             n_queries,
         };
         for p in 0..len {
-            let slot = r.table[p / block_size] as usize * block_size + p % block_size;
+            let slot = r.table[p / block_size].index() * block_size + p % block_size;
             write_kv(&mut kv, layer, slot, &r.k[p * tf..], &r.v[p * tf..]);
         }
         reqs.push(r);
@@ -149,11 +149,11 @@ fn attention_reads_only_through_the_block_table() {
     };
     let mut kv = KvArena::new(layout, 8);
     let mut rng = SplitMix64(7);
-    let (ta, tb): (Vec<BlockId>, Vec<BlockId>) = (vec![5, 2], vec![3, 6]);
+    let (ta, tb): (Vec<BlockId>, Vec<BlockId>) = (BlockId::list([5, 2]), BlockId::list([3, 6]));
     for (table, n) in [(&ta, 4), (&tb, 3)] {
         for p in 0..n {
             let (k, v) = (rand_vec(&mut rng, 8), rand_vec(&mut rng, 8));
-            write_kv(&mut kv, 0, table[p / 2] as usize * 2 + p % 2, &k, &v);
+            write_kv(&mut kv, 0, table[p / 2].index() * 2 + p % 2, &k, &v);
         }
     }
     let queries = [

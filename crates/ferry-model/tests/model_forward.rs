@@ -5,6 +5,7 @@
 mod model_support;
 
 use ferry_arena::KvArena;
+use ferry_core::{BlockId, TokenId};
 use ferry_model::random_model::{random_weights, small_config};
 use ferry_model::{ExecError, Executor, LlamaConfig, LlamaModel, ModelError, RopeScaling};
 use model_support::*;
@@ -295,7 +296,7 @@ fn execute_samples_the_greedy_token_for_each_sampling_request() {
         .0 as u32;
     assert_eq!(out.sampled.len(), 1);
     assert_eq!(out.sampled[0].req, a.req);
-    assert_eq!(out.sampled[0].token, want_tok);
+    assert_eq!(out.sampled[0].token, TokenId(want_tok));
     assert_eq!(model.vocab_size(), config.vocab_size);
 }
 
@@ -357,13 +358,13 @@ fn bad_plans_and_a_released_arena_are_errors_not_panics() {
     let good = build_plan(&mut pool, &mut [&mut a], &[3]);
 
     let mut p = good.clone();
-    p.token_ids[1] = 97;
+    p.token_ids[1] = TokenId(97);
     assert!(
         matches!(model.forward(&p, &mut kv), Err(ExecError::InvalidPlan(m)) if m.contains("token id 97"))
     );
 
     let mut p = good.clone();
-    p.block_tables[0] = 8;
+    p.block_tables[0] = BlockId(8);
     assert!(
         matches!(model.forward(&p, &mut kv), Err(ExecError::InvalidPlan(m)) if m.contains("block 8"))
     );
@@ -383,7 +384,7 @@ fn bad_plans_and_a_released_arena_are_errors_not_panics() {
 
     let mut p = good.clone();
     p.reqs[0].start_pos = config.max_position_embeddings - 2; // the last position is past it
-    p.block_tables = vec![1; config.max_position_embeddings / BS + 1];
+    p.block_tables = vec![BlockId(1); config.max_position_embeddings / BS + 1];
     p.reqs[0].blocks = 0..p.block_tables.len();
     assert!(
         matches!(model.forward(&p, &mut kv), Err(ExecError::InvalidPlan(m)) if m.contains("context"))
@@ -462,7 +463,7 @@ fn prompt_logprobs_match_the_dense_reference() {
         plan.prompt_logprobs.push(PromptLogprobsWork {
             req_pos: 0,
             top_n,
-            targets: tokens[start + 1..end_target].to_vec(),
+            targets: TokenId::from_raw_slice(&tokens[start + 1..end_target]).to_vec(),
         });
         let out = model.execute(&plan, &mut kv).expect("valid plan");
         seq.computed += count;
@@ -470,7 +471,10 @@ fn prompt_logprobs_match_the_dense_reference() {
         assert_eq!(out.prompt_logprobs[0].first_target, start + 1);
         got.extend(out.prompt_logprobs[0].tokens.clone());
         if seq.computed == tokens.len() {
-            assert_eq!(out.sampled[0].token, argmax_f64(reference.last().unwrap()));
+            assert_eq!(
+                out.sampled[0].token,
+                TokenId(argmax_f64(reference.last().unwrap()))
+            );
         }
     }
     assert_eq!(got.len(), tokens.len() - 1);
@@ -479,7 +483,7 @@ fn prompt_logprobs_match_the_dense_reference() {
         let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let lse = max + row.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
         let target = tokens[p + 1];
-        assert_eq!(lp.token, target);
+        assert_eq!(lp.token, TokenId(target));
         let want = row[target as usize] - lse;
         assert!(
             (f64::from(lp.logprob) - want).abs() < TOL * max.abs().max(1.0),
@@ -490,7 +494,7 @@ fn prompt_logprobs_match_the_dense_reference() {
         assert_eq!(lp.rank as usize, rank, "position {p}");
         let mut order: Vec<usize> = (0..row.len()).collect();
         order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-        let top: Vec<u32> = lp.top.iter().map(|&(t, _)| t).collect();
+        let top: Vec<u32> = lp.top.iter().map(|&(t, _)| t.0).collect();
         let want_top: Vec<u32> = order[..top_n as usize].iter().map(|&t| t as u32).collect();
         assert_eq!(top, want_top, "position {p}");
     }

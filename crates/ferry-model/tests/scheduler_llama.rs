@@ -61,7 +61,7 @@ fn sampled_tokens(engine_seed: u64) -> Vec<ferry_core::TokenId> {
     params.sampler.temperature = 1.0;
     driver
         .sched
-        .add_request("r", vec![1, 2, 3], params)
+        .add_request("r", ferry_core::TokenId::list([1, 2, 3]), params)
         .unwrap();
     let mut tokens = Vec::new();
     driver

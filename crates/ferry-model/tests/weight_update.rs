@@ -6,6 +6,7 @@
 mod model_support;
 
 use ferry_core::ModelOutput;
+use ferry_core::TokenId;
 use ferry_model::random_model::{random_weights, small_config};
 use ferry_model::tiny::{tiny_model, write_hf_folder};
 use ferry_model::{
@@ -241,7 +242,7 @@ fn check_config_names_the_field_that_differs() {
     assert_eq!(preparer.check_config(&config), Ok(()));
     // Token ids steer stopping, not the forward.
     let other_eos = LlamaConfig {
-        eos_token_ids: vec![2, 3],
+        eos_token_ids: TokenId::list([2, 3]),
         ..small_config()
     };
     assert_eq!(preparer.check_config(&other_eos), Ok(()));

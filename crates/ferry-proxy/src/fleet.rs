@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
+use ferry_core::TokenId;
+
 use crate::kv_index::{KvIndex, Sync};
 
 /// What an instance does in the P/D pair.
@@ -249,7 +251,7 @@ impl Fleet {
         &self,
         role: Role,
         tried: &[String],
-        prompt: Option<(&[u32], usize)>,
+        prompt: Option<(&[TokenId], usize)>,
     ) -> Option<InFlight> {
         let (Some((tokens, n_decode)), Routing::Kv { overlap_weight }) = (prompt, self.routing)
         else {

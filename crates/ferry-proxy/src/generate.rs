@@ -27,6 +27,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
+use ferry_core::TokenId;
 use ferry_http::error::ApiError;
 use ferry_http::extract::{ApiBytes, RequestId};
 use futures_util::StreamExt;
@@ -211,11 +212,11 @@ async fn prompt_tokens(
     route: Route,
     request: &Map<String, Value>,
     role: Role,
-) -> Option<Vec<u32>> {
-    let ids = |v: &Value| -> Option<Vec<u32>> {
+) -> Option<Vec<TokenId>> {
+    let ids = |v: &Value| -> Option<Vec<TokenId>> {
         v.as_array()?
             .iter()
-            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).map(TokenId))
             .collect()
     };
     let body = match route {
@@ -375,7 +376,7 @@ async fn prefill(
     route: Route,
     id: &str,
     request: Map<String, Value>,
-    prompt: Option<(&[u32], usize)>,
+    prompt: Option<(&[TokenId], usize)>,
 ) -> Result<Prefilled, Stop> {
     let body = Bytes::from(
         serde_json::to_vec(&prefill_request(route, request)).map_err(|e| {
@@ -574,7 +575,7 @@ async fn decode(
     id: &str,
     request: Map<String, Value>,
     streaming: bool,
-    (role, prompt): (Role, Option<(&[u32], usize)>),
+    (role, prompt): (Role, Option<(&[TokenId], usize)>),
 ) -> Result<Response, Stop> {
     let body = Bytes::from(
         serde_json::to_vec(&request)

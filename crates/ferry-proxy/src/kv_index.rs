@@ -19,7 +19,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry_core::{KvEvent, KvEventBatch, Medium};
+use ferry_core::{KvEvent, KvEventBatch, Medium, TokenId};
 
 /// How long a block the proxy routed a prompt to counts as cached before the engine's event
 /// confirms it (the gap between routing and the prefill).
@@ -61,10 +61,10 @@ pub struct KvIndex {
 }
 
 /// The key of the block holding `tokens` after the block keyed `parent` (0: none).
-pub fn block_key(parent: u64, tokens: &[u32]) -> u64 {
+pub fn block_key(parent: u64, tokens: &[TokenId]) -> u64 {
     let mut h = DefaultHasher::new();
     parent.hash(&mut h);
-    tokens.hash(&mut h);
+    TokenId::as_raw_slice(tokens).hash(&mut h);
     // 0 stands for "no parent".
     h.finish().max(1)
 }
@@ -150,7 +150,7 @@ impl KvIndex {
         }
     }
 
-    fn stored(&mut self, hashes: &[u64], parent: Option<u64>, tokens: &[u32]) {
+    fn stored(&mut self, hashes: &[u64], parent: Option<u64>, tokens: &[TokenId]) {
         let bs = self.block_size;
         let mut key = match parent {
             None => 0,
@@ -173,7 +173,7 @@ impl KvIndex {
     }
 
     /// How many of `tokens`' leading full blocks the instance holds (or was just sent).
-    pub fn overlap(&self, tokens: &[u32], now: Instant) -> usize {
+    pub fn overlap(&self, tokens: &[TokenId], now: Instant) -> usize {
         let bs = self.block_size;
         if bs == 0 {
             return 0;
@@ -193,7 +193,7 @@ impl KvIndex {
     }
 
     /// `tokens`' full blocks will be cached there soon: the proxy just sent them.
-    pub fn add_provisional(&mut self, tokens: &[u32], now: Instant) {
+    pub fn add_provisional(&mut self, tokens: &[TokenId], now: Instant) {
         let bs = self.block_size;
         if bs == 0 {
             return;
@@ -235,7 +235,7 @@ mod tests {
         KvEvent::Stored {
             hashes,
             parent,
-            tokens,
+            tokens: TokenId::from_raw_vec(tokens),
             medium: Medium::Primary,
         }
     }
@@ -249,9 +249,9 @@ mod tests {
             1.0,
         );
         ix.apply(&batch(0, vec![stored(vec![12], Some(11), vec![5, 6])]), 1.0);
-        assert_eq!(ix.overlap(&[1, 2, 3, 4, 5, 6, 7], now), 3);
+        assert_eq!(ix.overlap(&TokenId::list([1, 2, 3, 4, 5, 6, 7]), now), 3);
         assert_eq!(
-            ix.overlap(&[1, 2, 9, 9, 5, 6], now),
+            ix.overlap(&TokenId::list([1, 2, 9, 9, 5, 6]), now),
             1,
             "a prefix, block by block"
         );
@@ -265,17 +265,20 @@ mod tests {
             ),
             1.0,
         );
-        assert_eq!(ix.overlap(&[1, 2, 3, 4, 5, 6], now), 1);
+        assert_eq!(ix.overlap(&TokenId::list([1, 2, 3, 4, 5, 6]), now), 1);
         let g = ix.generation();
         // A batch of the next epoch without its clear (missed): everything is gone.
         ix.apply(&batch(1, vec![stored(vec![20], None, vec![7, 8])]), 5.0);
-        assert_eq!(ix.overlap(&[1, 2], now), 0);
-        assert_eq!(ix.overlap(&[7, 8], now), 1);
+        assert_eq!(ix.overlap(&TokenId::list([1, 2]), now), 0);
+        assert_eq!(ix.overlap(&TokenId::list([7, 8]), now), 1);
         assert!(ix.was_stale(g, 5.2, 0.1), "routed 200 ms after the wipe");
         assert!(!ix.was_stale(g, 5.05, 0.1), "within the grace");
         assert!(!ix.was_stale(ix.generation(), 9.0, 0.1));
         ix.apply(&batch(2, vec![KvEvent::AllCleared]), 6.0);
-        assert_eq!((ix.overlap(&[7, 8], now), ix.n_blocks()), (0, 0));
+        assert_eq!(
+            (ix.overlap(&TokenId::list([7, 8]), now), ix.n_blocks()),
+            (0, 0)
+        );
     }
 
     #[test]
@@ -285,14 +288,17 @@ mod tests {
             block_size: 2,
             ..KvIndex::default()
         };
-        ix.add_provisional(&[1, 2, 3, 4, 5], now);
-        assert_eq!(ix.overlap(&[1, 2, 3, 4], now), 2);
-        assert_eq!(ix.overlap(&[1, 2, 3, 4], now + PROVISIONAL), 0);
+        ix.add_provisional(&TokenId::list([1, 2, 3, 4, 5]), now);
+        assert_eq!(ix.overlap(&TokenId::list([1, 2, 3, 4]), now), 2);
+        assert_eq!(
+            ix.overlap(&TokenId::list([1, 2, 3, 4]), now + PROVISIONAL),
+            0
+        );
         ix.apply(&batch(0, vec![stored(vec![1], None, vec![1, 2])]), 1.0);
-        assert_eq!(ix.overlap(&[1, 2], now + PROVISIONAL), 1);
+        assert_eq!(ix.overlap(&TokenId::list([1, 2]), now + PROVISIONAL), 1);
         ix.wipe(2.0);
         assert_eq!(
-            ix.overlap(&[1, 2, 3, 4], now),
+            ix.overlap(&TokenId::list([1, 2, 3, 4]), now),
             0,
             "a wipe drops the provisional too"
         );

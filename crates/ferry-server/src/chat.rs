@@ -2,6 +2,7 @@
 //! generated like a completion; streaming or not.
 
 use ferry_engine::OutputChunk;
+use ferry_engine::TokenId;
 
 use crate::error::ApiError;
 use crate::generate::{
@@ -112,7 +113,7 @@ impl GenerationRoute for Chat {
 
 /// The messages through the chat template, tokenized (without adding special tokens: the
 /// template writes them) and checked against the context.
-pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiError> {
+pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<TokenId>, ApiError> {
     let tokens = render_tokens(app, req)?;
     check_prompt(&tokens, "messages", &app.limits)?;
     Ok(tokens)
@@ -120,7 +121,7 @@ pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiEr
 
 /// The messages through the chat template, tokenized, not checked yet (a request may cut
 /// them with `truncate_prompt_tokens` first).
-fn render_tokens(app: &AppState, req: &ChatFields) -> Result<Vec<u32>, ApiError> {
+fn render_tokens(app: &AppState, req: &ChatFields) -> Result<Vec<TokenId>, ApiError> {
     let messages = req
         .messages
         .as_deref()
@@ -145,7 +146,7 @@ fn chat_chunk(head: &Head, choices: Vec<ChatChunkChoice>) -> ChatChunk {
 #[derive(Debug)]
 pub struct Formatter {
     base: StreamBase,
-    prompt: Vec<u32>,
+    prompt: Vec<TokenId>,
     n_choices: usize,
 }
 

@@ -1,6 +1,6 @@
 //! `POST /v1/completions`: text or token-id prompts (single or batched), streaming or not.
 
-use ferry_engine::{OutputChunk, PromptTokenLogprob, TokenLogprob};
+use ferry_engine::{OutputChunk, PromptTokenLogprob, TokenId, TokenLogprob};
 
 use crate::error::ApiError;
 use crate::generate::{
@@ -138,7 +138,7 @@ fn echo_texts(app: &AppState, prompts: &[PreparedPrompt]) -> Result<Vec<String>,
         .iter()
         .map(|p| {
             tokenizer
-                .decode(&p.tokens, false)
+                .decode(TokenId::as_raw_slice(&p.tokens), false)
                 .map_err(|e| ApiError::invalid("echo", format!("cannot decode the prompt: {e}")))
         })
         .collect()
@@ -147,7 +147,7 @@ fn echo_texts(app: &AppState, prompts: &[PreparedPrompt]) -> Result<Vec<String>,
 /// An echoed choice's logprobs: the prompt's, then `output`'s (offsets after the prompt).
 fn echoed_logprobs(
     texts: &TokenTexts,
-    prompt: &[u32],
+    prompt: &[TokenId],
     prompt_lps: &[PromptTokenLogprob],
     output: &[TokenLogprob],
 ) -> (CompletionLogprobs, usize) {
@@ -220,7 +220,7 @@ fn completion_response(
 #[derive(Debug)]
 pub struct Formatter {
     base: StreamBase,
-    prompts: Vec<Vec<u32>>,
+    prompts: Vec<Vec<TokenId>>,
     n: usize,
     started: Vec<bool>,
     text_offsets: Vec<usize>,

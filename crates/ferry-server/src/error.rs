@@ -21,9 +21,14 @@ pub fn api_error(e: impl EngineFailure) -> ApiError {
     e.into_api_error()
 }
 
-/// A stopped engine: a 503, as for any call that needs one.
+/// An engine that was shut down: a 503, as for any call that needs one (retry elsewhere or
+/// later). One that failed (its thread panicked, on a broken invariant or a bug): a 500
+/// naming the failure (`the engine failed: <panic message>`), for every call from then on.
 impl EngineFailure for ferry_engine::Stopped {
     fn into_api_error(self) -> ApiError {
-        ApiError::unavailable(self.to_string())
+        match self {
+            ferry_engine::Stopped::ShutDown => ApiError::unavailable(self.to_string()),
+            ferry_engine::Stopped::Failed(_) => ApiError::internal(self.to_string()),
+        }
     }
 }

@@ -346,7 +346,7 @@ pub fn finish_fields(
             f.stop_reason.as_ref().and_then(|r| match r {
                 StopReason::Token(t) => stop_token_ids
                     .contains(t)
-                    .then_some(StopReasonJson::Token(*t)),
+                    .then_some(StopReasonJson::Token(t.0)),
                 StopReason::String(s) | StopReason::Constraint(s) => {
                     Some(StopReasonJson::Text(s.clone()))
                 }

@@ -16,7 +16,7 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use ferry_engine::{ip_literal, AllowedPeers, KvTransferParams, TransferRequest};
+use ferry_engine::{ip_literal, AllowedPeers, BlockId, KvTransferParams, TransferRequest};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
@@ -33,7 +33,8 @@ pub struct KvTransferParamsJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remote_engine_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub remote_block_ids: Option<Vec<u32>>,
+    #[schema(value_type = Option<Vec<u32>>)]
+    pub remote_block_ids: Option<Vec<BlockId>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remote_request_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -286,10 +287,10 @@ mod tests {
         let p: KvTransferParamsJson = serde_json::from_str(GOOD).unwrap();
         let transfer = p.clone().check(LIMITS, 1).unwrap().unwrap();
         let spec = transfer.import().expect("a load");
-        assert_eq!(spec.remote_block_ids, vec![3, 4]);
+        assert_eq!(spec.remote_block_ids, BlockId::list([3, 4]));
         assert!(!transfer.exports());
         let engine = p.clone().into_engine();
-        assert_eq!(engine.remote_block_ids, Some(vec![3, 4]));
+        assert_eq!(engine.remote_block_ids, Some(BlockId::list([3, 4])));
         assert_eq!(KvTransferParamsJson::from(&engine), p);
         assert_eq!(
             serde_json::to_string(&p).unwrap(),

@@ -47,7 +47,7 @@ impl TokenTexts {
         }
         self.tokenizer
             .as_ref()
-            .and_then(|t| t.decode(&[id], false).ok())
+            .and_then(|t| t.decode(&[id.0], false).ok())
             .unwrap_or_else(|| format!("token_id:{id}"))
     }
 }

@@ -108,7 +108,7 @@ pub const ROUTES: &[RouteDoc] = &[
     route(
         GET,
         "/health",
-        "200 while the engine runs, 503 once it has stopped",
+        "200 while the engine runs; 503 once it was shut down; 500 naming the failure once it failed",
     ),
     route(GET, "/version", "The server's version"),
     route(

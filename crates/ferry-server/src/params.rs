@@ -290,7 +290,7 @@ fn check_token_ids(
     limits: &Limits,
 ) -> Result<Vec<TokenId>, ApiError> {
     if let Some(vocab) = limits.vocab_size {
-        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id.index() >= vocab) {
             return Err(ApiError::invalid(
                 format!("{field}[{i}]"),
                 format!("token id {id} is outside the vocabulary (size {vocab})"),
@@ -337,13 +337,13 @@ fn check_logits(common: &CommonParams, limits: &Limits) -> Result<LogitsParams, 
     let mut logit_bias = Vec::new();
     for (key, value) in common.logit_bias.iter().flatten() {
         let field = format!("logit_bias.{key}");
-        let token: TokenId = key.parse().map_err(|_| {
+        let token = key.parse().map(TokenId).map_err(|_| {
             ApiError::invalid(
                 field.clone(),
                 format!("`logit_bias` keys are token ids, got `{key}`"),
             )
         })?;
-        if limits.vocab_size.is_some_and(|v| token as usize >= v) {
+        if limits.vocab_size.is_some_and(|v| token.index() >= v) {
             return Err(ApiError::invalid(
                 field,
                 format!("token id {token} is outside the vocabulary"),
@@ -470,7 +470,7 @@ mod tests {
         let p = parse(r#"{"ignore_eos": true, "stop_token_ids": [3, 4], "min_p": 0.1, "cache_salt": "s", "return_token_ids": true}"#).unwrap();
         assert!(p.sampling.ignore_eos);
         assert!(p.return_token_ids);
-        assert_eq!(p.sampling.stop_token_ids, vec![3, 4]);
+        assert_eq!(p.sampling.stop_token_ids, TokenId::list([3, 4]));
         assert_eq!(p.sampling.sampler.min_p, 0.1);
         assert_eq!(p.sampling.cache_salt.as_deref(), Some("s"));
         // stream_options only go with a stream (vLLM refuses them otherwise).
@@ -504,10 +504,10 @@ mod tests {
                 .as_deref(),
             Some("prompt")
         );
-        assert!(check_prompt(&[1; 99], "prompt", &l).is_ok());
-        assert!(check_prompt(&[1; 100], "prompt", &l).is_err());
+        assert!(check_prompt(&TokenId::list([1; 99]), "prompt", &l).is_ok());
+        assert!(check_prompt(&TokenId::list([1; 100]), "prompt", &l).is_err());
         assert_eq!(
-            check_prompt(&[1, 60], "prompt", &l)
+            check_prompt(&TokenId::list([1, 60]), "prompt", &l)
                 .unwrap_err()
                 .param
                 .as_deref(),

@@ -5,6 +5,7 @@
 //! Fields we know but do not implement are captured as raw JSON so that a non-default value
 //! is refused with a 400 naming the field, instead of being silently ignored.
 
+use ferry_engine::TokenId;
 use serde::Deserialize;
 use serde_json::Value;
 use utoipa::ToSchema;
@@ -18,16 +19,18 @@ use crate::kv_transfer::KvTransferParamsJson;
 #[serde(untagged)]
 pub enum PromptInput {
     Text(String),
-    Tokens(Vec<u32>),
+    #[schema(value_type = Vec<u32>)]
+    Tokens(Vec<TokenId>),
     TextBatch(Vec<String>),
-    TokenBatch(Vec<Vec<u32>>),
+    #[schema(value_type = Vec<Vec<u32>>)]
+    TokenBatch(Vec<Vec<TokenId>>),
 }
 
 /// One prompt of a batch, before tokenization.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
     Text(String),
-    Tokens(Vec<u32>),
+    Tokens(Vec<TokenId>),
 }
 
 impl PromptInput {
@@ -78,7 +81,8 @@ pub struct CommonParams {
     pub min_p: Option<f64>,
     pub seed: Option<i64>,
     pub stop: Option<StopInput>,
-    pub stop_token_ids: Option<Vec<u32>>,
+    #[schema(value_type = Option<Vec<u32>>)]
+    pub stop_token_ids: Option<Vec<TokenId>>,
     pub ignore_eos: Option<bool>,
     pub n: Option<i64>,
     pub stream: Option<bool>,
@@ -299,14 +303,20 @@ mod tests {
     fn prompt_shapes_parse() {
         let p = |s: &str| parse(s).own.prompt.unwrap().into_batch();
         assert_eq!(p(r#"{"prompt": "hi"}"#), vec![Prompt::Text("hi".into())]);
-        assert_eq!(p(r#"{"prompt": [1, 2]}"#), vec![Prompt::Tokens(vec![1, 2])]);
+        assert_eq!(
+            p(r#"{"prompt": [1, 2]}"#),
+            vec![Prompt::Tokens(TokenId::list([1, 2]))]
+        );
         assert_eq!(
             p(r#"{"prompt": ["a", "b"]}"#),
             vec![Prompt::Text("a".into()), Prompt::Text("b".into())]
         );
         assert_eq!(
             p(r#"{"prompt": [[1], [2, 3]]}"#),
-            vec![Prompt::Tokens(vec![1]), Prompt::Tokens(vec![2, 3])]
+            vec![
+                Prompt::Tokens(TokenId::list([1])),
+                Prompt::Tokens(TokenId::list([2, 3]))
+            ]
         );
     }
 

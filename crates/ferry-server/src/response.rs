@@ -51,7 +51,8 @@ impl Usage {
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum StopReasonJson {
-    Token(TokenId),
+    /// The number on the wire (a token id; utoipa needs a type it knows).
+    Token(u32),
     Text(String),
 }
 
@@ -69,6 +70,7 @@ pub struct Response<C> {
     pub usage: Option<Usage>,
     /// Chat's prompt ids (vLLM's placement; completions put them on each choice).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Vec<u32>>)]
     pub prompt_token_ids: Option<Vec<TokenId>>,
     /// P's transfer parameters after an export (vLLM's placement: on the response; when
     /// streaming, on the chunk that finishes the exporting choice).
@@ -140,8 +142,10 @@ pub struct Choice<Content, Logprobs> {
     pub stop_reason: Option<StopReasonJson>,
     /// Completions' prompt ids (chat puts them on the response).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Vec<u32>>)]
     pub prompt_token_ids: Option<Vec<TokenId>>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Vec<u32>>)]
     pub token_ids: Option<Vec<TokenId>>,
     /// With a structured-output constraint, one entry per output token (of this chunk, when
     /// streaming): `true` where the constraint allowed only that token, so the model did not

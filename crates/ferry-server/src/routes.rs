@@ -1,6 +1,7 @@
 //! The small routes: `/v1/models`, `/health`, `/version`, `/metrics`, `/tokenize`,
 //! `/detokenize` (the last two in vLLM's request and response shapes).
 
+use ferry_engine::TokenId;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -10,7 +11,7 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 
 use crate::chat::render_prompt;
-use crate::error::ApiError;
+use crate::error::{api_error, ApiError};
 use crate::extract::ApiJson;
 use crate::request::{ChatFields, ChatMessage};
 use crate::response::{ModelCard, ModelList};
@@ -33,10 +34,12 @@ pub async fn models(State(app): State<Arc<AppState>>) -> Json<ModelList> {
 
 /// 200 while the engine runs; 503 once it has stopped.
 pub async fn health(State(app): State<Arc<AppState>>) -> Response {
-    if app.engine.stats().running {
+    let stats = app.engine.stats();
+    if stats.running {
         StatusCode::OK.into_response()
     } else {
-        ApiError::unavailable("the engine has stopped").into_response()
+        // A 500 naming the failure if the engine failed, a 503 if it was shut down.
+        api_error(ferry_engine::Stopped::from(stats)).into_response()
     }
 }
 
@@ -94,7 +97,7 @@ pub struct TokenizeRequest {
 pub struct TokenizeResponse {
     pub count: usize,
     pub max_model_len: usize,
-    pub tokens: Vec<u32>,
+    pub tokens: Vec<TokenId>,
     pub token_strs: Option<Vec<String>>,
 }
 
@@ -127,7 +130,7 @@ pub async fn tokenize(
             .map(|&id| {
                 app.engine
                     .tokenizer()
-                    .and_then(|t| t.id_to_token(id))
+                    .and_then(|t| t.id_to_token(id.0))
                     .unwrap_or_default()
             })
             .collect()
@@ -146,7 +149,7 @@ fn tokenize_chat(
     app: &AppState,
     messages: Vec<ChatMessage>,
     req: &TokenizeRequest,
-) -> Result<Vec<u32>, ApiError> {
+) -> Result<Vec<TokenId>, ApiError> {
     if req.add_special_tokens == Some(true) {
         let text = app.template()?.render(
             &messages,
@@ -168,7 +171,8 @@ fn tokenize_chat(
 #[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 pub struct DetokenizeRequest {
     pub model: Option<String>,
-    pub tokens: Option<Vec<u32>>,
+    #[schema(value_type = Option<Vec<u32>>)]
+    pub tokens: Option<Vec<TokenId>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -192,7 +196,7 @@ pub async fn detokenize(
         if let Some((i, id)) = tokens
             .iter()
             .enumerate()
-            .find(|(_, &id)| id as usize >= vocab)
+            .find(|(_, &id)| id.index() >= vocab)
         {
             return Err(ApiError::invalid(
                 format!("tokens[{i}]"),
@@ -201,7 +205,7 @@ pub async fn detokenize(
         }
     }
     let prompt = tokenizer
-        .decode(&tokens, false)
+        .decode(TokenId::as_raw_slice(&tokens), false)
         .map_err(|e| ApiError::invalid("tokens", format!("could not detokenize: {e}")))?;
     Ok(Json(DetokenizeResponse { prompt }))
 }

@@ -65,7 +65,7 @@ impl AppState {
         let encoding = tokenizer
             .encode(text, add_special_tokens)
             .map_err(|e| ApiError::invalid(param, format!("could not tokenize `{param}`: {e}")))?;
-        Ok(encoding.get_ids().to_vec())
+        Ok(TokenId::from_raw_slice(encoding.get_ids()).to_vec())
     }
 
     pub fn template(&self) -> Result<&ChatTemplate, ApiError> {

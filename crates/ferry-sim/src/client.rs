@@ -70,9 +70,10 @@ impl Client {
     pub fn prompt(n: usize, prefix: u8, extra: u8) -> Vec<TokenId> {
         let k = usize::from(prefix) % PREFIX_LENS.len();
         let mut prompt: Vec<TokenId> = (0..PREFIX_LENS[k] as u32)
-            .map(|i| 1_000 * k as u32 + i)
+            .map(|i| TokenId(1_000 * k as u32 + i))
             .collect();
-        prompt.extend((0..u32::from(extra)).map(|i| 20_000 + (n as u32 * 13 + i) % 29_000));
+        prompt
+            .extend((0..u32::from(extra)).map(|i| TokenId(20_000 + (n as u32 * 13 + i) % 29_000)));
         prompt
     }
 

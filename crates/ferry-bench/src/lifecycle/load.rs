@@ -151,7 +151,7 @@ impl Load {
 fn prompt(spec: &LoadSpec, i: usize) -> Vec<TokenId> {
     let vocab = spec.vocab_size.max(1);
     (0..spec.prompt_len)
-        .map(|j| ((spec.salt * 104_729 + i * 7919 + j * 31 + 1) % vocab) as TokenId)
+        .map(|j| TokenId(((spec.salt * 104_729 + i * 7919 + j * 31 + 1) % vocab) as u32))
         .collect()
 }
 

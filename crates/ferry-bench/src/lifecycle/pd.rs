@@ -219,7 +219,9 @@ fn busy(e: &EngineHandle) -> f64 {
 
 fn prompt(round: usize, i: usize, len: usize, vocab: usize) -> Vec<TokenId> {
     (0..len)
-        .map(|j| ((7919 * (round * 1000 + i) + 104_729 * j + 13) % (vocab - 10) + 5) as TokenId)
+        .map(|j| {
+            TokenId(((7919 * (round * 1000 + i) + 104_729 * j + 13) % (vocab - 10) + 5) as u32)
+        })
         .collect()
 }
 

@@ -67,8 +67,10 @@ impl Scheduler {
             }
             self.connectors[i].take_finished_transfers(&mut ended);
             for id in ended.drain(..) {
+                // A report of a hold this connector does not hold is expected, not a bug: a
+                // worker's late report after a reset or a lease already ended it. Ignored.
                 if self.transfer_holder(id) == Some(owner) {
-                    self.release_transfer(id);
+                    self.end_transfer(id, owner);
                 }
             }
         }

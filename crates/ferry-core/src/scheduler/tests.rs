@@ -12,7 +12,11 @@ fn running_one() -> (Scheduler, ReqIdx) {
     })
     .unwrap();
     let r = s
-        .add_request("x", (1..10).collect(), SamplingParams::greedy(2))
+        .add_request(
+            "x",
+            (1..10).map(TokenId).collect(),
+            SamplingParams::greedy(2),
+        )
         .unwrap();
     let plan = s.schedule();
     assert_eq!(plan.reqs.len(), 1);
@@ -27,9 +31,12 @@ fn running_one() -> (Scheduler, ReqIdx) {
 fn check_ownership_reports_a_reference_nobody_owns() {
     let (mut s, _) = running_one();
     let free = (1..8)
-        .find(|&b| s.kv.pool().ref_cnt(b) == 0)
+        .find(|&b| s.kv.pool().ref_cnt(BlockId(b)) == 0)
         .expect("a free block");
-    s.kv.pool_mut().touch(free);
+    s.kv.pool_mut().touch(
+        BlockId(free),
+        crate::owner::Owner::Request(crate::ids::ReqIdx(99)),
+    );
     assert!(s.check_ownership().is_err(), "block {free} has no owner");
 }
 

@@ -28,9 +28,7 @@ impl Scheduler {
         for (id, holder) in expired {
             match holder {
                 Holder::Connector(c) => self.connectors[c.0 as usize].hold_expired(id),
-                Holder::Caller => {
-                    self.release_transfer(id);
-                }
+                Holder::Caller => self.end_transfer(id, Holder::Caller),
             }
         }
     }

@@ -68,9 +68,19 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Ends a transfer hold, freeing its blocks tail first. False if `id` is not held.
+    /// Ends a transfer hold, freeing its blocks tail first. False, changing nothing, if `id`
+    /// is not held: not a bug here, since a cache reset releases a caller's holds itself (and a
+    /// caller's hold whose lease ran out is released at once), so a caller may name a hold
+    /// that has already ended. Within the core, holds are ended by [`Scheduler::end_transfer`],
+    /// which takes such a second release for the bug it is there.
     pub fn release_transfer(&mut self, id: TransferId) -> bool {
-        self.holds.release(id, self.kv.pool_mut())
+        self.holds.release_if_open(id, self.kv.pool_mut())
+    }
+
+    /// `holder` ends hold `id`, which the core itself found open and held by `holder` (a
+    /// connector's report, a reset, a lease): panics, naming the hold, if it is not.
+    pub(crate) fn end_transfer(&mut self, id: TransferId, holder: Holder) {
+        self.holds.release(id, holder, self.kv.pool_mut());
     }
 
     /// The blocks a transfer holds, in block-table order.
@@ -94,7 +104,7 @@ impl Scheduler {
     /// released at once. Touches only KV that transfers hold.
     pub fn release_transfer_kv(&mut self) {
         for id in self.holds.held_by(Holder::Caller) {
-            self.release_transfer(id);
+            self.end_transfer(id, Holder::Caller);
         }
         for c in &mut self.connectors {
             c.abort_transfers();

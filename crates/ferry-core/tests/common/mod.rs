@@ -19,12 +19,12 @@ pub fn fake_token(id: &str, output_idx: u32, vocab: u32) -> TokenId {
     let seed = id
         .bytes()
         .fold(17u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
-    seed.wrapping_add(output_idx.wrapping_mul(7)) % vocab + 1
+    TokenId(seed.wrapping_add(output_idx.wrapping_mul(7)) % vocab + 1)
 }
 
 /// `n` prompt tokens unique to `seed`.
 pub fn prompt(seed: u32, n: usize) -> Vec<TokenId> {
-    (0..n as u32).map(|p| seed * 10_000 + p).collect()
+    (0..n as u32).map(|p| TokenId(seed * 10_000 + p)).collect()
 }
 
 /// The fake model: every sampled token is [`fake_token`] of the request's id.
@@ -222,7 +222,7 @@ pub fn small_config() -> SchedulerConfig {
         max_num_seqs: 4,
         max_num_batched_tokens: 128,
         max_model_len: 1024,
-        eos_token_ids: vec![2],
+        eos_token_ids: vec![TokenId(2)],
         ..SchedulerConfig::default()
     }
 }

@@ -21,7 +21,7 @@ pub async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
 
 pub fn prompt(i: usize, len: usize) -> Vec<TokenId> {
     (0..len)
-        .map(|j| (3 + 7 * i + 11 * j) as TokenId % 900 + 1)
+        .map(|j| TokenId((3 + 7 * i + 11 * j) as u32 % 900 + 1))
         .collect()
 }
 

@@ -76,7 +76,7 @@ fn arena(model: &ChecksumModel, n_blocks: usize) -> KvArena {
 }
 
 fn prompt(n: u32) -> Vec<TokenId> {
-    (0..n).map(|i| (i * 7919 + 13) % 1000).collect()
+    (0..n).map(|i| TokenId((i * 7919 + 13) % 1000)).collect()
 }
 
 /// Runs `tokens` as a prefill in chunks of the given sizes, sampling after the last one.
@@ -115,7 +115,7 @@ fn prefill_samples_the_reference_token_and_writes_each_slot() {
     let mut m = model(1000);
     let mut kv = arena(&m, 8);
     let tokens = prompt(10);
-    let table = [3, 1, 6];
+    let table = [3, 1, 6].map(BlockId);
     assert_eq!(
         prefill(&mut m, &mut kv, &tokens, &table),
         m.reference_next_token(&tokens)
@@ -127,7 +127,7 @@ fn prefill_samples_the_reference_token_and_writes_each_slot() {
         assert_eq!(kv.token(block, slot, 0, KvPlane::V), v);
     }
     // Values are 24-bit integers, exact in f32.
-    let (k, _) = m.token_kv(5, 3);
+    let (k, _) = m.token_kv(TokenId(5), 3);
     assert!(k
         .iter()
         .all(|&x| x.fract() == 0.0 && (0.0..16_777_216.0).contains(&x)));
@@ -140,7 +140,7 @@ fn chunked_prefill_and_block_placement_do_not_change_the_token() {
     let want = m.reference_next_token(&tokens);
     for chunks in [&[23][..], &[11, 12], &[5, 5, 5, 5, 3], &[1, 4, 6, 2, 10]] {
         let mut kv = arena(&m, 16);
-        let table = [9, 2, 14, 3, 7, 1];
+        let table = [9, 2, 14, 3, 7, 1].map(BlockId);
         assert_eq!(
             prefill_chunked(&mut m, &mut kv, &tokens, &table, chunks),
             want,
@@ -154,7 +154,7 @@ fn decode_continues_the_sequence() {
     let mut m = model(1000);
     let mut kv = arena(&m, 8);
     let mut tokens = prompt(7);
-    let table = [2, 5, 4];
+    let table = [2, 5, 4].map(BlockId);
     let mut next = prefill(&mut m, &mut kv, &tokens, &table);
     for _ in 0..4 {
         let p = plan(vec![part(tokens.len(), &[next], &table, true)]);
@@ -173,7 +173,7 @@ fn every_kv_bit_of_the_sequence_changes_the_output() {
     let mut m = model(1 << 32);
     let mut kv = arena(&m, 6);
     let tokens = prompt(10);
-    let table = [4, 1, 2];
+    let table = [4, 1, 2].map(BlockId);
     prefill(&mut m, &mut kv, &tokens, &table);
     let base_digest = m.sequence_digest(&kv, &table, BLOCK_SIZE, 10);
     // Decoding only the last token again rewrites slot 9 and samples from everything.
@@ -182,7 +182,7 @@ fn every_kv_bit_of_the_sequence_changes_the_output() {
     let block_bytes = kv.layout().block_bytes();
 
     let (mut inside, mut outside) = (0, 0);
-    for block in 0..6u32 {
+    for block in (0..6).map(BlockId) {
         for byte in 0..block_bytes {
             let slot = (byte / 4) % (BLOCK_SIZE * HEAD_DIM) / HEAD_DIM;
             let pos = table
@@ -226,7 +226,7 @@ fn byte_changes_change_the_token_with_a_small_vocab() {
     let mut m = model(49_152);
     let mut kv = arena(&m, 4);
     let tokens = prompt(9);
-    let table = [1, 2, 3];
+    let table = [1, 2, 3].map(BlockId);
     prefill(&mut m, &mut kv, &tokens, &table);
     let last = plan(vec![part(8, &tokens[8..], &table, true)]);
     let base = m.execute(&last, &mut kv).unwrap().sampled[0].token;
@@ -252,7 +252,7 @@ fn weight_version_changes_kv_and_output() {
     let mut a = model(1 << 32);
     let b = ChecksumModel::new("v2", 1 << 32).unwrap();
     let tokens = prompt(12);
-    assert_ne!(a.token_kv(5, 3), b.token_kv(5, 3));
+    assert_ne!(a.token_kv(TokenId(5), 3), b.token_kv(TokenId(5), 3));
     assert_ne!(
         a.reference_next_token(&tokens),
         b.reference_next_token(&tokens)
@@ -260,7 +260,7 @@ fn weight_version_changes_kv_and_output() {
 
     // Stale KV: written under v1, then the weights change and only the last token is decoded.
     let mut kv = arena(&a, 4);
-    let table = [1, 2, 3];
+    let table = [1, 2, 3].map(BlockId);
     prefill(&mut a, &mut kv, &tokens, &table);
     a.set_weight_version("v2");
     assert_eq!(a.weight_version(), "v2");
@@ -279,17 +279,17 @@ fn a_wrong_block_table_changes_the_output() {
     let mut m = model(1 << 32);
     let mut kv = arena(&m, 8);
     let a = prompt(12);
-    let b: Vec<TokenId> = a.iter().map(|t| t + 1).collect();
-    let want = prefill(&mut m, &mut kv, &a, &[1, 2, 3]);
-    prefill(&mut m, &mut kv, &b, &[4, 5, 6]);
+    let b: Vec<TokenId> = a.iter().map(|t| TokenId(t.0 + 1)).collect();
+    let want = prefill(&mut m, &mut kv, &a, &BlockId::list([1, 2, 3]));
+    prefill(&mut m, &mut kv, &b, &BlockId::list([4, 5, 6]));
     // Decode a's last token again, but with a's middle block swapped for b's, or the order
     // of two of a's blocks swapped, or a never-written block.
-    for table in [[1, 5, 3], [2, 1, 3], [1, 7, 3]] {
+    for table in [[1, 5, 3], [2, 1, 3], [1, 7, 3]].map(|t| t.map(BlockId)) {
         let last = plan(vec![part(11, &a[11..], &table, true)]);
         let got = m.execute(&last, &mut kv).unwrap().sampled[0].token;
         assert_ne!(got, want, "table {table:?}");
     }
-    let right = plan(vec![part(11, &a[11..], &[1, 2, 3], true)]);
+    let right = plan(vec![part(11, &a[11..], &BlockId::list([1, 2, 3]), true)]);
     assert_eq!(m.execute(&right, &mut kv).unwrap().sampled[0].token, want);
 }
 
@@ -299,8 +299,8 @@ fn batched_requests_sample_in_plan_order() {
     let mut kv = arena(&m, 8);
     let (a, b) = (prompt(5), prompt(9));
     let mut p = plan(vec![
-        part(0, &b, &[4, 5, 6], true),
-        part(0, &a[..3], &[1, 2], false),
+        part(0, &b, &BlockId::list([4, 5, 6]), true),
+        part(0, &a[..3], &BlockId::list([1, 2]), false),
     ]);
     p.reqs[0].req = ReqIdx(9);
     p.reqs[1].req = ReqIdx(3);
@@ -311,14 +311,14 @@ fn batched_requests_sample_in_plan_order() {
         (ReqIdx(9), m.reference_next_token(&b))
     );
     let mut p = plan(vec![
-        part(3, &a[3..], &[1, 2], true),
-        part(9, &[7], &[4, 5, 6], true),
+        part(3, &a[3..], &BlockId::list([1, 2]), true),
+        part(9, &[TokenId(7)], &BlockId::list([4, 5, 6]), true),
     ]);
     p.reqs[0].req = ReqIdx(3);
     p.reqs[1].req = ReqIdx(9);
     let out = m.execute(&p, &mut kv).unwrap().sampled;
     let mut b7 = b.clone();
-    b7.push(7);
+    b7.push(TokenId(7));
     assert_eq!(out[0].token, m.reference_next_token(&a));
     assert_eq!(out[1].token, m.reference_next_token(&b7));
     assert_eq!((out[0].req, out[1].req), (ReqIdx(3), ReqIdx(9)));
@@ -328,7 +328,7 @@ fn batched_requests_sample_in_plan_order() {
 fn logprobs_are_a_point_mass() {
     let mut m = model(1000);
     let mut kv = arena(&m, 4);
-    let mut p = plan(vec![part(0, &prompt(3), &[1], true)]);
+    let mut p = plan(vec![part(0, &prompt(3), &[BlockId(1)], true)]);
     let out = m.execute(&p, &mut kv).unwrap().sampled;
     assert_eq!(out[0].logprob, 0.0);
     assert!(out[0].top_logprobs.is_empty());
@@ -353,23 +353,28 @@ fn invalid_plans_are_refused_and_write_nothing() {
     let t = prompt(6);
     let cases: Vec<(StepPlan, &str)> = vec![
         (
-            plan(vec![part(0, &t, &[1, 4], true)]),
+            plan(vec![part(0, &t, &BlockId::list([1, 4]), true)]),
             "entry 1 is block 4, the arena has 4 blocks",
         ),
         (
-            plan(vec![part(0, &t, &[1, 0], true)]),
+            plan(vec![part(0, &t, &BlockId::list([1, 0]), true)]),
             "entry 1 is the null block 0",
         ),
         (
-            plan(vec![part(0, &t, &[1], true)]),
+            plan(vec![part(0, &t, &[BlockId(1)], true)]),
             "block table has 1 blocks, positions 0..6 need 2",
         ),
         (
-            plan(vec![part(4, &t, &[1, 2], true)]),
+            plan(vec![part(4, &t, &BlockId::list([1, 2]), true)]),
             "positions 0..10 need 3",
         ),
         (
-            plan(vec![part(0, &[1, 1000], &[1], true)]),
+            plan(vec![part(
+                0,
+                &TokenId::list([1, 1000]),
+                &[BlockId(1)],
+                true,
+            )]),
             "token 1000 at position 1 is outside the vocabulary of 1000",
         ),
         (
@@ -378,8 +383,8 @@ fn invalid_plans_are_refused_and_write_nothing() {
         ),
         (
             plan(vec![
-                part(0, &t, &[1, 2], true),
-                part(0, &t, &[3, 9], false),
+                part(0, &t, &BlockId::list([1, 2]), true),
+                part(0, &t, &BlockId::list([3, 9]), false),
             ]),
             "block 9",
         ),
@@ -387,7 +392,7 @@ fn invalid_plans_are_refused_and_write_nothing() {
     for (p, needle) in &cases {
         expect_invalid(&mut m, &mut kv, p, needle);
     }
-    let mut p = plan(vec![part(0, &t, &[1, 2], true)]);
+    let mut p = plan(vec![part(0, &t, &BlockId::list([1, 2]), true)]);
     p.reqs[0].tokens = 2..9;
     expect_invalid(
         &mut m,
@@ -395,7 +400,7 @@ fn invalid_plans_are_refused_and_write_nothing() {
         &p,
         "tokens 2..9 are outside token_ids (length 6)",
     );
-    let mut p = plan(vec![part(0, &t, &[1, 2], true)]);
+    let mut p = plan(vec![part(0, &t, &BlockId::list([1, 2]), true)]);
     p.reqs[0].blocks = 1..3;
     expect_invalid(
         &mut m,
@@ -403,7 +408,7 @@ fn invalid_plans_are_refused_and_write_nothing() {
         &p,
         "blocks 1..3 are outside block_tables (length 2)",
     );
-    let mut p = plan(vec![part(0, &t, &[1, 2], true)]);
+    let mut p = plan(vec![part(0, &t, &BlockId::list([1, 2]), true)]);
     p.block_size = 0;
     expect_invalid(&mut m, &mut kv, &p, "block_size is 0");
     p.block_size = 8;
@@ -412,7 +417,7 @@ fn invalid_plans_are_refused_and_write_nothing() {
     assert!(kv.as_slice().iter().all(|&x| x == 0.0));
 
     kv.release();
-    let ok = plan(vec![part(0, &t, &[1, 2], true)]);
+    let ok = plan(vec![part(0, &t, &BlockId::list([1, 2]), true)]);
     assert!(matches!(
         m.execute(&ok, &mut kv),
         Err(ExecError::ArenaReleased)

@@ -435,7 +435,10 @@ mod tests {
             let n_blocks = n_pos.div_ceil(4);
             let mut arena = KvArena::new(layout, n_blocks + 3);
             // Blocks out of order, as a real table has them.
-            let table: Vec<BlockId> = (0..n_blocks).rev().map(|b| (b + 2) as BlockId).collect();
+            let table: Vec<BlockId> = (0..n_blocks)
+                .rev()
+                .map(|b| BlockId((b + 2) as u32))
+                .collect();
             let mut s = 7u32;
             let mut next = || {
                 s ^= s << 13;
@@ -445,7 +448,7 @@ mod tests {
             };
             let tf = layout.token_floats();
             for p in 0..n_pos {
-                let slot = table[p / 4] as usize * 4 + p % 4;
+                let slot = table[p / 4].index() * 4 + p % 4;
                 let (k, v): (Vec<f32>, Vec<f32>) = (0..tf).map(|_| (next(), next())).unzip();
                 write_kv(&mut arena, 0, slot, &k, &v);
             }

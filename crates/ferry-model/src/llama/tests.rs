@@ -2,7 +2,7 @@
 //! model, since the timing sits below the kernels and the model it times.
 
 use ferry_arena::KvArena;
-use ferry_core::{ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
+use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan, TokenId};
 
 use super::LlamaModel;
 use crate::executor::Executor;
@@ -13,8 +13,8 @@ use crate::weights::random::{random_weights, small_config};
 fn forward(model: &mut LlamaModel, kv: &mut KvArena) {
     let plan = StepPlan {
         block_size: 4,
-        token_ids: vec![1, 2, 3, 4],
-        block_tables: vec![0],
+        token_ids: TokenId::list([1, 2, 3, 4]),
+        block_tables: vec![BlockId(0)],
         reqs: vec![ScheduledReq {
             req: ReqIdx(0),
             tokens: 0..4,

@@ -6,6 +6,7 @@
 
 use std::path::Path;
 
+use ferry_core::TokenId;
 use serde_json::{Map, Value};
 
 use super::LoadError;
@@ -90,7 +91,7 @@ pub fn parse_config(json: &Value, path: &Path) -> Result<LlamaConfig, LoadError>
         attention_bias: flavour == Flavour::Qwen2 || bias_flag,
         o_proj_bias: flavour != Flavour::Qwen2 && bias_flag,
         qk_norm: flavour == Flavour::Qwen3,
-        bos_token_id: fields.opt_u32("bos_token_id")?,
+        bos_token_id: fields.opt_u32("bos_token_id")?.map(TokenId),
         eos_token_ids: eos_ids(json, path)?,
         architecture,
     };
@@ -290,17 +291,20 @@ fn rope_scaling(value: &Value, path: &Path, field: &str) -> Result<Option<RopeSc
 }
 
 /// `eos_token_id` as an int, a list of ints, or absent.
-pub(crate) fn eos_ids(json: &Value, path: &Path) -> Result<Vec<u32>, LoadError> {
+pub(crate) fn eos_ids(json: &Value, path: &Path) -> Result<Vec<TokenId>, LoadError> {
     let bad = || LoadError::field(path, "eos_token_id", "expected a token id or a list of ids");
     match json.get("eos_token_id") {
         None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::Array(items)) => items.iter().map(|v| as_u32(v).ok_or_else(bad)).collect(),
-        Some(v) => Ok(vec![as_u32(v).ok_or_else(bad)?]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| as_u32(v).map(TokenId).ok_or_else(bad))
+            .collect(),
+        Some(v) => Ok(vec![TokenId(as_u32(v).ok_or_else(bad)?)]),
     }
 }
 
 /// Appends the ids of `extra` not already in `ids`, keeping the first-seen order.
-pub(crate) fn merge_eos(ids: &mut Vec<u32>, extra: &[u32]) {
+pub(crate) fn merge_eos(ids: &mut Vec<TokenId>, extra: &[TokenId]) {
     for id in extra {
         if !ids.contains(id) {
             ids.push(*id);
@@ -413,8 +417,8 @@ pub fn to_hf_config_json(config: &LlamaConfig) -> Value {
     };
     let eos = match config.eos_token_ids.as_slice() {
         [] => Value::Null,
-        [one] => Value::from(*one),
-        many => Value::from(many.to_vec()),
+        [one] => Value::from(one.0),
+        many => Value::from(TokenId::as_raw_slice(many)),
     };
     serde_json::json!({
         "architectures": [config.architecture],

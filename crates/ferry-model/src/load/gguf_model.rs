@@ -3,6 +3,7 @@
 //! f32), a llama model's q/k rows un-permuted, and the tokenizer and chat template from
 //! `tokenizer.*` metadata.
 
+use ferry_core::TokenId;
 use std::path::Path;
 
 use super::gguf::{GgufFile, GgufValue};
@@ -126,7 +127,7 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
     let mut eos_token_ids = Vec::new();
     for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
         if let Some(id) = meta.opt_u32(key)? {
-            super::config_json::merge_eos(&mut eos_token_ids, &[id]);
+            super::config_json::merge_eos(&mut eos_token_ids, &[TokenId(id)]);
         }
     }
     let config = LlamaConfig {
@@ -150,7 +151,7 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
         attention_bias: arch == "qwen2" || gguf.tensor_info("blk.0.attn_q.bias").is_some(),
         o_proj_bias: arch != "qwen2" && gguf.tensor_info("blk.0.attn_output.bias").is_some(),
         qk_norm: arch == "qwen3",
-        bos_token_id: meta.opt_u32("tokenizer.ggml.bos_token_id")?,
+        bos_token_id: meta.opt_u32("tokenizer.ggml.bos_token_id")?.map(TokenId),
         eos_token_ids,
     };
     super::config_json::validate(&config, &gguf.path)?;

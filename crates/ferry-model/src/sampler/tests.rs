@@ -36,7 +36,7 @@ fn random_logits(seed: u64, n: usize, scale: f32) -> Vec<f32> {
 }
 
 fn token(logits: &[f32], s: &SampleSpec, scratch: &mut SamplerScratch) -> u32 {
-    sample(logits, s, ReqIdx(0), scratch).token
+    sample(logits, s, ReqIdx(0), scratch).token.0
 }
 
 /// Plain f64 softmax of `logits / t`, the reference for frequencies and logprobs.
@@ -342,7 +342,7 @@ fn logprobs_match_a_naive_reference_and_sum_to_one() {
         let out = sample(&logits, &s, ReqIdx(7), &mut scratch);
         assert_eq!(out.req, ReqIdx(7));
         // Raw logprobs: the temperature does not change them.
-        let want = reference[out.token as usize];
+        let want = reference[out.token.index()];
         assert!((f64::from(out.logprob) - want).abs() < 1e-5);
         assert_eq!(out.top_logprobs.len(), 500);
         let sum: f64 = out
@@ -355,7 +355,7 @@ fn logprobs_match_a_naive_reference_and_sum_to_one() {
             assert!(w[0].1 >= w[1].1, "not best first: {w:?}");
         }
         for &(tok, lp) in &out.top_logprobs {
-            assert!((f64::from(lp) - reference[tok as usize]).abs() < 1e-5);
+            assert!((f64::from(lp) - reference[tok.index()]).abs() < 1e-5);
         }
     }
 }
@@ -366,7 +366,7 @@ fn top_logprobs_are_the_n_best_in_order() {
     let mut s = spec(0.0);
     s.params.logprobs = Some(3);
     let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
-    let ids: Vec<u32> = out.top_logprobs.iter().map(|&(t, _)| t).collect();
+    let ids: Vec<u32> = out.top_logprobs.iter().map(|&(t, _)| t.0).collect();
     assert_eq!(ids, [1, 3, 4]);
     assert_eq!(out.top_logprobs[0].1, out.logprob);
     s.params.logprobs = Some(0);
@@ -375,7 +375,7 @@ fn top_logprobs_are_the_n_best_in_order() {
     s.params.logprobs = Some(100);
     let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
     assert_eq!(out.top_logprobs.len(), 6);
-    assert_eq!(out.top_logprobs[5], (5, f32::NEG_INFINITY));
+    assert_eq!(out.top_logprobs[5], (TokenId(5), f32::NEG_INFINITY));
 }
 
 #[test]
@@ -506,11 +506,11 @@ proptest::proptest! {
         };
         let out = sample(&logits, &s, ReqIdx(0), &mut SamplerScratch::with_seed(0));
         let allowed = naive_allowed(&logits, &s.params, 1e-4);
-        proptest::prop_assert!(allowed.contains(&out.token), "token {} not in {:?}", out.token, allowed);
-        let reference = softmax(&logits, 1.0)[out.token as usize].ln();
+        proptest::prop_assert!(allowed.contains(&out.token.0), "token {} not in {:?}", out.token, allowed);
+        let reference = softmax(&logits, 1.0)[out.token.index()].ln();
         proptest::prop_assert!((f64::from(out.logprob) - reference).abs() < 1e-4);
         let greedy = token(&logits, &spec(0.0), &mut SamplerScratch::with_seed(0));
-        proptest::prop_assert_eq!(out.top_logprobs[0].0, greedy);
+        proptest::prop_assert_eq!(out.top_logprobs[0].0, TokenId(greedy));
     }
 }
 
@@ -638,7 +638,11 @@ fn each_logprobs_mode_matches_a_reference_from_the_raw_logits() {
                 adjust: None,
             };
             let out = sample(&logits, &s, ReqIdx(0), &mut scratch);
-            assert!(allowed.contains(&out.token), "{mode}: token {}", out.token);
+            assert!(
+                allowed.contains(&out.token.0),
+                "{mode}: token {}",
+                out.token
+            );
             let check = |tok: u32, got: f32| {
                 let want = mode_reference(mode, &logits, &allowed, f64::from(t), tok);
                 if want == f64::NEG_INFINITY {
@@ -648,13 +652,13 @@ fn each_logprobs_mode_matches_a_reference_from_the_raw_logits() {
                     assert!(err < 1e-4, "{mode}: token {tok}: {got} vs {want}");
                 }
             };
-            check(out.token, out.logprob);
+            check(out.token.0, out.logprob);
             assert_eq!(out.top_logprobs.len(), 400);
             for &(tok, v) in &out.top_logprobs {
-                check(tok, v);
+                check(tok.0, v);
             }
             // The list is in the raw order whatever the mode: filtered tokens last.
-            let ids: Vec<u32> = out.top_logprobs.iter().map(|&(tok, _)| tok).collect();
+            let ids: Vec<u32> = out.top_logprobs.iter().map(|&(tok, _)| tok.0).collect();
             assert_eq!(&ids[..allowed.len()], &allowed[..], "{mode}");
         }
         // The processed logprobs are a distribution over the survivors.
@@ -773,7 +777,7 @@ fn a_masked_sample_is_the_sample_of_the_masked_logits_with_raw_logprobs() {
             a.set_logprobs_mode(mode);
             let got = sample_masked(&logits, row, &mut a);
             assert!(
-                allowed.contains(&(got.token as usize)),
+                allowed.contains(&got.token.index()),
                 "{mode} spec {i}: {got:?}"
             );
             // The same draw from logits masked by hand.
@@ -786,13 +790,13 @@ fn a_masked_sample_is_the_sample_of_the_masked_logits_with_raw_logprobs() {
                 LogprobsMode::RawLogprobs | LogprobsMode::RawLogits => {
                     let raw = RowStats::new(&logits);
                     let want = if mode == LogprobsMode::RawLogprobs {
-                        raw.logprob(logits[got.token as usize])
+                        raw.logprob(logits[got.token.index()])
                     } else {
-                        logits[got.token as usize]
+                        logits[got.token.index()]
                     };
                     assert_eq!(got.logprob, want, "{mode} spec {i}");
                     // The top list is the raw top list: the argmax leads though it is masked.
-                    assert_eq!(got.top_logprobs[0].0 as usize, best, "{mode} spec {i}");
+                    assert_eq!(got.top_logprobs[0].0.index(), best, "{mode} spec {i}");
                 }
                 // Processed modes: the distribution sampled, the mask included.
                 _ => {
@@ -835,7 +839,7 @@ fn a_mask_that_allows_one_token_forces_it_and_a_batch_with_masks_matches_rows() 
     let got = sample_batch(&logits, vocab, &rows, &mut SamplerScratch::with_seed(5));
     assert_eq!(got, expected);
     for (i, t) in got.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
-        assert_eq!(t.token as usize, (i * 13) % vocab, "row {i} is forced");
+        assert_eq!(t.token.index(), (i * 13) % vocab, "row {i} is forced");
     }
     // A mask that allows nothing in the row is ignored rather than sampled from.
     let empty = vec![0u32; vocab.div_ceil(32)];
@@ -863,10 +867,10 @@ fn adjust_for(logits: &[f32]) -> LogitsAdjust {
         seen,
     };
     let mut tokens = vec![
-        entry(3, 4.0, 0, false),
-        entry(10, 0.0, 2, true),
-        entry(17, 0.0, 0, true),
-        entry(best, -20.0, 1, true),
+        entry(TokenId(3), 4.0, 0, false),
+        entry(TokenId(10), 0.0, 2, true),
+        entry(TokenId(17), 0.0, 0, true),
+        entry(TokenId(best), -20.0, 1, true),
     ];
     tokens.sort_by_key(|e| e.token);
     tokens.dedup_by_key(|e| e.token);
@@ -907,7 +911,7 @@ fn an_adjusted_sample_is_the_sample_of_the_processed_logits_with_raw_logprobs() 
                     let raw = sample(&logits, s, ReqIdx(0), &mut c);
                     // The raw model's values, whatever was sampled.
                     let raw_row = RowStats::new(&logits);
-                    let t = got.token as usize;
+                    let t = got.token.index();
                     let want = if mode == LogprobsMode::RawLogprobs {
                         raw_row.logprob(logits[t])
                     } else {
@@ -955,6 +959,6 @@ fn a_masked_token_stays_out_whatever_its_bias_and_batches_match_rows() {
     let got = sample_batch(&logits, vocab, &rows, &mut SamplerScratch::with_seed(8));
     assert_eq!(got, expected);
     for (i, t) in got.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
-        assert!(allowed.contains(&(t.token as usize)), "row {i}: {t:?}");
+        assert!(allowed.contains(&t.token.index()), "row {i}: {t:?}");
     }
 }

@@ -6,6 +6,7 @@
 use super::store::{Tensor, WeightStore};
 use crate::config::expected_tensors;
 use crate::config::LlamaConfig;
+use ferry_core::TokenId;
 
 /// A small Llama config for tests: hidden 64, 4 heads, 2 KV heads, 2 layers, vocab 97.
 pub fn small_config() -> LlamaConfig {
@@ -26,8 +27,8 @@ pub fn small_config() -> LlamaConfig {
         attention_bias: false,
         o_proj_bias: false,
         qk_norm: false,
-        bos_token_id: Some(1),
-        eos_token_ids: vec![2],
+        bos_token_id: Some(TokenId(1)),
+        eos_token_ids: vec![TokenId(2)],
     }
 }
 
@@ -50,8 +51,8 @@ pub fn smollm2_135m_config() -> LlamaConfig {
         attention_bias: false,
         o_proj_bias: false,
         qk_norm: false,
-        bos_token_id: Some(1),
-        eos_token_ids: vec![2],
+        bos_token_id: Some(TokenId(1)),
+        eos_token_ids: vec![TokenId(2)],
     }
 }
 

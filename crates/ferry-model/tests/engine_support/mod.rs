@@ -29,7 +29,7 @@ fn lcg(state: &mut u64) -> u64 {
 /// tokens of its own; each asks for 1..=12 tokens.
 pub fn workload(n: usize, seed: u64, vocab: usize, shared_len: usize) -> Workload {
     let mut s = seed;
-    let token = |s: &mut u64| (lcg(s) % vocab as u64) as TokenId;
+    let token = |s: &mut u64| TokenId((lcg(s) % vocab as u64) as u32);
     let shared: Vec<TokenId> = (0..shared_len).map(|_| token(&mut s)).collect();
     (0..n)
         .map(|i| {

@@ -313,7 +313,10 @@ pub fn paged_logits_of(
     let layout = ferry_model::Executor::kv_layout(&*llama, BLOCK_SIZE);
     let mut kv = ferry_arena::KvArena::new(layout, n_blocks + 1);
     // Blocks in reverse order, so a forward that ignored the table would read the wrong KV.
-    let table: Vec<u32> = (1..=n_blocks as u32).rev().collect();
+    let table: Vec<ferry_core::BlockId> = (1..=n_blocks as u32)
+        .rev()
+        .map(ferry_core::BlockId)
+        .collect();
     let chunks: Vec<std::ops::Range<usize>> = if every_position {
         (0..ids.len()).map(|p| p..p + 1).collect()
     } else {
@@ -336,7 +339,7 @@ pub fn paged_logits_of(
                     adjust: None,
                 }),
             }],
-            token_ids: ids[chunk].to_vec(),
+            token_ids: ferry_core::TokenId::from_raw_slice(&ids[chunk]).to_vec(),
             block_tables: table.clone(),
             connector_work: Vec::new(),
             token_masks: Vec::new(),

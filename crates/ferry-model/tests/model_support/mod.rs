@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use ferry_arena::KvArena;
-use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan};
+use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan, TokenId};
 use ferry_model::random_model::SplitMix64;
 use ferry_model::{Executor, LlamaConfig, LlamaModel, Logits, RopeScaling, WeightStore};
 
@@ -37,7 +37,7 @@ pub struct Pool {
 
 impl Pool {
     pub fn new(n_blocks: usize, block_size: usize, seed: u64) -> Self {
-        let mut free: Vec<BlockId> = (1..n_blocks as BlockId).collect();
+        let mut free: Vec<BlockId> = (1..n_blocks as u32).map(BlockId).collect();
         let mut rng = SplitMix64(seed);
         for i in (1..free.len()).rev() {
             let j = (rng.next_u64() % (i as u64 + 1)) as usize;
@@ -69,7 +69,8 @@ pub fn build_plan(pool: &mut Pool, seqs: &mut [&mut Seq], counts: &[usize]) -> S
         let end = seq.computed + count;
         pool.grow(seq, end);
         let t0 = plan.token_ids.len();
-        plan.token_ids.extend(&seq.tokens[seq.computed..end]);
+        plan.token_ids
+            .extend(TokenId::from_raw_slice(&seq.tokens[seq.computed..end]));
         let b0 = plan.block_tables.len();
         plan.block_tables.extend(&seq.table);
         let sample = (end == seq.tokens.len()).then(|| SampleSpec {

@@ -84,8 +84,18 @@ mod tests {
         assert_eq!(e.status, StatusCode::GATEWAY_TIMEOUT);
         assert!(e.message.contains("4 KV block(s)"), "{}", e.message);
         assert_eq!(
-            api_error(LifecycleCallError::from(ferry_engine::Stopped)).status,
+            api_error(LifecycleCallError::from(ferry_engine::Stopped::ShutDown)).status,
             StatusCode::SERVICE_UNAVAILABLE
+        );
+        let e = api_error(LifecycleCallError::from(ferry_engine::Stopped::Failed(
+            "block pool: a double free".into(),
+        )));
+        assert_eq!(
+            (e.status, e.message.as_str()),
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the engine failed: block pool: a double free"
+            )
         );
         let e = api_error(WeightReloadError::from(WeightError::BadShape {
             name: "a.weight".into(),

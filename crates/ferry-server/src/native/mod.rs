@@ -16,6 +16,7 @@ pub mod discovery;
 pub mod sglang;
 pub mod vllm;
 
+use ferry_engine::TokenId;
 use serde_json::{Map, Value};
 
 use crate::completions::Completions;
@@ -65,10 +66,10 @@ pub fn logprob_json(v: f32) -> Value {
 }
 
 /// A JSON value as a list of token ids, or `None` when it is not one.
-pub fn token_ids(v: &Value) -> Option<Vec<u32>> {
+pub fn token_ids(v: &Value) -> Option<Vec<TokenId>> {
     v.as_array()?
         .iter()
-        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).map(TokenId))
         .collect()
 }
 

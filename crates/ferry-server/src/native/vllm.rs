@@ -23,7 +23,7 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use ferry_engine::{OutputChunk, TokenLogprob};
+use ferry_engine::{OutputChunk, TokenId, TokenLogprob};
 use serde_json::{json, Map, Value};
 
 use super::{as_completions, get, logprob_json, object, refuse_set, room, token_ids};
@@ -230,7 +230,7 @@ fn rename(param: &str) -> String {
 
 /// vLLM's token-id logprobs (`ChatCompletionLogProbs`, each token as `token_id:<id>`).
 fn logprobs(lps: &[TokenLogprob], top_n: u32) -> Value {
-    let name = |id: u32| format!("token_id:{id}");
+    let name = |id: TokenId| format!("token_id:{id}");
     let content: Vec<Value> = lps
         .iter()
         .map(|lp| {
@@ -300,9 +300,9 @@ mod tests {
     #[test]
     fn top_logprobs_list_the_sampled_token_first_once() {
         let lp = TokenLogprob {
-            token: 5,
+            token: TokenId(5),
             logprob: -0.5,
-            top: vec![(7, -0.2), (5, -0.5), (9, -3.0)],
+            top: vec![(TokenId(7), -0.2), (TokenId(5), -0.5), (TokenId(9), -3.0)],
         };
         let v = logprobs(std::slice::from_ref(&lp), 2);
         assert_eq!(v["content"][0]["token"], "token_id:5");

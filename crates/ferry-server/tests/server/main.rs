@@ -8,6 +8,7 @@ mod chat;
 mod completions;
 mod conformance;
 mod errors;
+mod failure;
 mod lifecycle;
 mod logprobs_mode;
 mod misc;

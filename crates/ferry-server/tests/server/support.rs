@@ -1,7 +1,7 @@
 //! Test harness: the real engine over the tiny Llama model, the server on a loopback port,
 //! and small HTTP helpers (JSON posts, SSE parsing, metric scraping).
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -70,6 +70,8 @@ pub struct Server {
     pub http: reqwest::Client,
     pub gate: Arc<Mutex<()>>,
     pub n_steps: Arc<AtomicUsize>,
+    /// Set: the next step fails the engine with a double free (`StepThrottle::double_free`).
+    pub double_free: Arc<AtomicBool>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
@@ -155,6 +157,7 @@ pub async fn start_with(opts: Options, pd: Option<Pd>) -> Server {
             .unwrap(),
         gate: throttle.gate,
         n_steps: throttle.n_steps,
+        double_free: throttle.double_free,
         shutdown: Some(tx),
     }
 }

@@ -13,7 +13,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use ferry_core::{KvEvent, Medium};
+use ferry_core::{KvEvent, Medium, TokenId};
 use ferry_kv_events::wire::{self, Decoded};
 use serde_json::{json, Value};
 
@@ -162,7 +162,7 @@ async fn a_python_subscriber_sees_stored_blocks_every_wipe_at_once_and_replays()
         }
         assert_eq!(
             stored,
-            prompt[..2 * block_size],
+            TokenId::from_raw_slice(&prompt[..2 * block_size]),
             "the cached blocks' tokens are the prompt's"
         );
 
