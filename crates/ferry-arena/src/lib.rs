@@ -20,7 +20,7 @@
 //! between forwards; the workers themselves (P/D transports, the offload copier) are
 //! `ferry-kv`'s. This crate depends on nothing networked and on no async runtime, so the model
 //! and the engine core, which build on it, open no socket by construction
-//! (`tests/dependencies.rs` checks it).
+//! (`ferry-lint`'s `tests/networked.rs` checks it).
 
 pub mod access;
 pub mod arena;

@@ -564,13 +564,16 @@ mod tests {
 
         // A reload whose caller goes away mid-read: its guard gives the weights up. The
         // engine is lent to `LendId(7)`; this reload's lend is that one, driven to its read.
-        let sink = engine.clone();
-        let mut reload = DiskReload::new(
-            true,
-            None,
-            LendId(7),
-            Box::new(move |call| sink.send_call(call)),
-        );
+        let in_place_as_7 = || {
+            let sink = engine.clone();
+            DiskReload::new(
+                true,
+                None,
+                LendId(7),
+                Box::new(move |call| sink.send_call(call)),
+            )
+        };
+        let mut reload = in_place_as_7();
         let Step::Check = reload.start() else {
             panic!("a reload in place checks its files first")
         };
@@ -590,13 +593,7 @@ mod tests {
             WeightResidency::Reloading,
             "a reload that was not lent anything gives nothing up"
         );
-        let sink = engine.clone();
-        let mut reload = DiskReload::new(
-            true,
-            None,
-            LendId(7),
-            Box::new(move |call| sink.send_call(call)),
-        );
+        let mut reload = in_place_as_7();
         reload.start();
         reload.checked(true);
         // Dropped while its lend is asked for (the weights may be out): the guard fires.

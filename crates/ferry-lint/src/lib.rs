@@ -6,7 +6,11 @@
 //! * the engine core is sans-IO: ferry-engine's `engine_core` and `reload`, and every module
 //!   they reach by the same import edges ([`mod@reach`]), name no async runtime, thread, clock,
 //!   channel, file, socket or process, and the crates they name reach no tokio or transport
-//!   in cargo's graph (`tests/sans_io.rs`).
+//!   in cargo's graph (`tests/sans_io.rs`);
+//! * `ferry-model` and `ferry-arena` reach no transport and no async runtime in cargo's graph,
+//!   and name none of std's sockets (`tests/networked.rs`);
+//! * ARCHITECTURE.md's dependency diagram has exactly the build's ferry edges
+//!   (`tests/dependency_edges.rs`, against `cargo metadata`).
 //!
 //! Without rings, the modules of a crate stack bottom up, and each can be read, tested and
 //! changed knowing only the ones below it. A ring is broken the way ferry-core's `ids.rs`
@@ -45,4 +49,24 @@ pub use workspace::{check, read_crate, workspace_crates, CrateReport, CrateSourc
 /// The workspace this crate was built in (`crates/ferry-lint/../..`).
 pub fn this_workspace() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Runs the cargo that runs the tests (`$CARGO`, else `cargo` on the path) with `args` in this
+/// workspace and returns what it printed; panics naming the command and cargo's error if it
+/// fails. The tests that hold the build graph to a rule (`cargo tree`, `cargo metadata`) ask
+/// cargo itself rather than parse manifests.
+pub fn cargo(args: &[&str]) -> String {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(&cargo)
+        .args(args)
+        .current_dir(this_workspace())
+        .output()
+        .unwrap_or_else(|e| panic!("running {cargo}: {e}"));
+    assert!(
+        out.status.success(),
+        "cargo {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("cargo prints UTF-8")
 }

@@ -13,40 +13,22 @@
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
-use std::process::Command;
 
+use ferry_lint::{cargo, this_workspace};
 use serde_json::Value;
 
 type Edges = BTreeMap<String, BTreeSet<String>>;
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .expect("the workspace root")
-}
-
 /// Normal and test-only ferry edges, as `cargo metadata` has them.
-fn from_metadata(root: &Path) -> (Edges, Edges) {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(cargo)
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--no-deps",
-            "--offline",
-        ])
-        .current_dir(root)
-        .output()
-        .expect("running cargo metadata");
-    assert!(
-        out.status.success(),
-        "cargo metadata: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let meta: Value = serde_json::from_slice(&out.stdout).expect("cargo metadata's JSON");
+fn from_metadata() -> (Edges, Edges) {
+    let out = cargo(&[
+        "metadata",
+        "--format-version",
+        "1",
+        "--no-deps",
+        "--offline",
+    ]);
+    let meta: Value = serde_json::from_str(&out).expect("cargo metadata's JSON");
     let packages = meta["packages"].as_array().expect("packages");
     let names: BTreeSet<String> = packages
         .iter()
@@ -171,10 +153,10 @@ fn differences(said: &Edges, built: &Edges, kind: &str) -> Vec<String> {
 
 #[test]
 fn architecture_md_draws_every_edge_between_ferry_crates_and_no_other() {
-    let root = workspace_root();
+    let root = this_workspace();
     let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
     let (normal, dev) = from_diagram(&text).unwrap_or_else(|e| panic!("ARCHITECTURE.md: {e}"));
-    let (built_normal, built_dev) = from_metadata(&root);
+    let (built_normal, built_dev) = from_metadata();
     assert!(built_normal.len() >= 10, "{built_normal:?}");
     let mut wrong = differences(&normal, &built_normal, "normal");
     wrong.extend(differences(&dev, &built_dev, "tests only"));

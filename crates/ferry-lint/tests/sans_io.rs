@@ -10,9 +10,8 @@
 //! cargo's graph (`cargo tree -e normal`): none of them reaches tokio or a transport.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::Command;
 
-use ferry_lint::{reach, read_crate, this_workspace, CrateSource, Reach};
+use ferry_lint::{cargo, reach, read_crate, this_workspace, CrateSource, Reach};
 
 /// Where the check starts, in ferry-engine's library.
 const ROOTS: [&str; 2] = ["engine_core", "reload"];
@@ -133,22 +132,9 @@ fn reached(graph: &BTreeMap<String, BTreeSet<String>>, from: &str) -> BTreeSet<S
 }
 
 fn cargo_tree(package: &str) -> String {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let args = [
+    cargo(&[
         "tree", "--locked", "-p", package, "-e", "normal", "--prefix", "depth", "--format", "{p}",
-    ];
-    let out = Command::new(&cargo)
-        .args(args)
-        .current_dir(this_workspace())
-        .output()
-        .unwrap_or_else(|e| panic!("running {cargo}: {e}"));
-    assert!(
-        out.status.success(),
-        "cargo {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("cargo tree prints UTF-8")
+    ])
 }
 
 #[test]

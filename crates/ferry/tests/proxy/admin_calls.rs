@@ -22,9 +22,6 @@ use serde_json::{json, Value};
 
 use super::procs::*;
 
-/// Events on free ports, with replay.
-const EVENTS: &str = r#"{"enable_kv_cache_events": true, "publisher": "zmq",
-    "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#;
 const BLOCK: usize = 16;
 /// Blocks of the prompt's prefix (its last, partial block is never cached).
 const N_BLOCKS: usize = 3;
@@ -281,7 +278,7 @@ impl Fleet {
         let urls: Vec<String> = self.instances.iter().map(|i| i.url.clone()).collect();
         wait_metrics(&self.proxy.url, Duration::from_secs(20), |m| {
             urls.iter()
-                .all(|u| of(m, "ferry_proxy_kv_index_blocks", u) >= N_BLOCKS as f64)
+                .all(|u| instance_metric(m, "ferry_proxy_kv_index_blocks", u) >= N_BLOCKS as f64)
         })
         .await;
     }
@@ -291,8 +288,8 @@ impl Fleet {
         let m = metrics_text(&self.proxy.url).await;
         let at = |i: &Proc| {
             (
-                of(&m, "ferry_proxy_kv_fences_total", &i.url),
-                of(&m, "ferry_proxy_kv_index_blocks", &i.url),
+                instance_metric(&m, "ferry_proxy_kv_fences_total", &i.url),
+                instance_metric(&m, "ferry_proxy_kv_index_blocks", &i.url),
             )
         };
         [at(&self.instances[0]), at(&self.instances[1])]
@@ -313,15 +310,6 @@ impl Fleet {
     }
 }
 
-/// One instance's sample of a proxy metric.
-fn of(text: &str, name: &str, url: &str) -> f64 {
-    let label = format!("instance=\"{url}\"");
-    text.lines()
-        .filter(|l| l.starts_with(name) && l.contains(&label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_admin_call_through_the_proxy_fences_exactly_the_caches_it_may_wipe() {
     let _turn = super::SERIAL.lock().await;
@@ -339,31 +327,10 @@ async fn every_admin_call_through_the_proxy_fences_exactly_the_caches_it_may_wip
             "{}",
             String::from_utf8_lossy(&made.stderr)
         );
-        let (a, b) = (
-            serve(&["--kv-events-config", EVENTS]),
-            serve(&["--kv-events-config", EVENTS]),
-        );
-        let (a, b) = (a.ready(), b.ready());
-        let args = [
-            "proxy",
-            "--port",
-            "0",
-            "--enable-admin-api",
-            "--instance",
-            &a.url,
-        ]
-        .into_iter()
-        .chain(["--instance", &b.url])
-        .map(String::from)
-        .collect::<Vec<_>>();
-        let proxy = spawn(&args, &[]).ready();
-        wait_metrics(&proxy.url, Duration::from_secs(30), |m| {
-            metric(m, "ferry_proxy_kv_synced") == 2.0
-        })
-        .await;
+        let (proxy, instances) = kv_fleet(&["--enable-admin-api"]).await;
         let fleet = Fleet {
             proxy,
-            instances: [a, b],
+            instances,
             model: model.to_str().unwrap().to_owned(),
             http: client(),
         };

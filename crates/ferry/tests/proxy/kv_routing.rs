@@ -10,19 +10,7 @@ use serde_json::json;
 use super::bounded;
 use super::procs::*;
 
-/// Events on free ports, with replay.
-const EVENTS: &str = r#"{"enable_kv_cache_events": true, "publisher": "zmq",
-    "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#;
 const BLOCK: usize = 16;
-
-/// One instance's sample of a proxy metric.
-fn of(text: &str, name: &str, url: &str) -> f64 {
-    let label = format!("instance=\"{url}\"");
-    text.lines()
-        .filter(|l| l.starts_with(name) && l.contains(&label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
 
 /// A prompt of `shared` blocks of the shared prefix and then a suffix of its own.
 fn prompt(suffix: u32) -> Vec<u32> {
@@ -45,26 +33,8 @@ async fn send(proxy: &str, suffix: u32) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_goes_where_it_is_cached_and_never_to_a_wiped_cache() {
     bounded(async {
-        let (a, b) = (
-            serve(&["--kv-events-config", EVENTS]),
-            serve(&["--kv-events-config", EVENTS]),
-        );
-        let (a, b) = (a.ready(), b.ready());
-        let args = [
-            "proxy",
-            "--port",
-            "0",
-            "--instance",
-            &a.url,
-            "--instance",
-            &b.url,
-        ];
-        let proxy = spawn(&args.map(String::from), &[]).ready();
+        let (proxy, [a, b]) = kv_fleet(&[]).await;
         let p = proxy.url.as_str();
-        wait_metrics(p, Duration::from_secs(30), |m| {
-            metric(m, "ferry_proxy_kv_synced") == 2.0
-        })
-        .await;
 
         // The first request computes the prefix somewhere; once its blocks are announced,
         // every request sharing it goes there and hits them.
@@ -73,7 +43,7 @@ async fn a_prefix_goes_where_it_is_cached_and_never_to_a_wiped_cache() {
             metric(m, "ferry_proxy_kv_index_blocks") >= 3.0
         })
         .await;
-        let (holder, other) = if of(&m, "ferry_proxy_kv_index_blocks", &a.url) >= 3.0 {
+        let (holder, other) = if instance_metric(&m, "ferry_proxy_kv_index_blocks", &a.url) >= 3.0 {
             (&a, &b)
         } else {
             (&b, &a)
@@ -83,11 +53,11 @@ async fn a_prefix_goes_where_it_is_cached_and_never_to_a_wiped_cache() {
         }
         let m = metrics_text(p).await;
         assert_eq!(
-            of(&m, "ferry_proxy_kv_routed_requests_total", &holder.url),
+            instance_metric(&m, "ferry_proxy_kv_routed_requests_total", &holder.url),
             5.0
         );
         assert_eq!(
-            of(&m, "ferry_proxy_kv_routed_requests_total", &other.url),
+            instance_metric(&m, "ferry_proxy_kv_routed_requests_total", &other.url),
             0.0
         );
         assert_eq!(
@@ -100,7 +70,7 @@ async fn a_prefix_goes_where_it_is_cached_and_never_to_a_wiped_cache() {
         let (status, body) = post(&format!("{}/reset_prefix_cache", holder.url), &json!({})).await;
         assert_eq!(status, 200, "{body}");
         wait_metrics(p, Duration::from_secs(2), |m| {
-            of(m, "ferry_proxy_kv_index_blocks", &holder.url) == 0.0
+            instance_metric(m, "ferry_proxy_kv_index_blocks", &holder.url) == 0.0
         })
         .await;
         assert_eq!(send(p, 5).await, 0, "nothing is cached anywhere now");
@@ -117,16 +87,16 @@ async fn a_prefix_goes_where_it_is_cached_and_never_to_a_wiped_cache() {
             metric(m, "ferry_proxy_kv_index_blocks") >= 3.0
         })
         .await;
-        let new_holder = if of(&m, "ferry_proxy_kv_index_blocks", &a.url) >= 3.0 {
+        let new_holder = if instance_metric(&m, "ferry_proxy_kv_index_blocks", &a.url) >= 3.0 {
             &a
         } else {
             &b
         };
-        let before = of(&m, "ferry_proxy_kv_routed_requests_total", &new_holder.url);
+        let before = instance_metric(&m, "ferry_proxy_kv_routed_requests_total", &new_holder.url);
         assert_eq!(send(p, 6).await, 3 * BLOCK as u64);
         let m = metrics_text(p).await;
         assert_eq!(
-            of(&m, "ferry_proxy_kv_routed_requests_total", &new_holder.url),
+            instance_metric(&m, "ferry_proxy_kv_routed_requests_total", &new_holder.url),
             before + 1.0
         );
         assert_eq!(metric(&m, "ferry_proxy_kv_misses_total"), 0.0);

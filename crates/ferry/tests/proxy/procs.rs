@@ -247,6 +247,48 @@ pub fn pd_fleet(p_extra: &[&str], d_extra: &[&str]) -> PdFleet {
     PdFleet { proxy, p, d }
 }
 
+/// KV events on free ports, with replay: what a proxy routing by cache subscribes to.
+pub const KV_EVENTS: &str = r#"{"enable_kv_cache_events": true, "publisher": "zmq",
+    "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#;
+
+/// Two plain instances publishing KV events and a proxy in front of both (`proxy_extra` after
+/// its instances), returned once the proxy's index has synced with both.
+pub async fn kv_fleet(proxy_extra: &[&str]) -> (Proc, [Proc; 2]) {
+    let (a, b) = (
+        serve(&["--kv-events-config", KV_EVENTS]),
+        serve(&["--kv-events-config", KV_EVENTS]),
+    );
+    let (a, b) = (a.ready(), b.ready());
+    let args = [
+        "proxy",
+        "--port",
+        "0",
+        "--instance",
+        &a.url,
+        "--instance",
+        &b.url,
+    ]
+    .into_iter()
+    .chain(proxy_extra.iter().copied())
+    .map(String::from)
+    .collect::<Vec<_>>();
+    let proxy = spawn(&args, &[]).ready();
+    wait_metrics(&proxy.url, Duration::from_secs(30), |m| {
+        metric(m, "ferry_proxy_kv_synced") == 2.0
+    })
+    .await;
+    (proxy, [a, b])
+}
+
+/// One instance's sample of a proxy metric (labelled `instance="URL"`).
+pub fn instance_metric(text: &str, name: &str, url: &str) -> f64 {
+    let label = format!("instance=\"{url}\"");
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(&label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// A URL nothing listens on (a port the kernel just gave out and took back).
 pub fn dead_url() -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

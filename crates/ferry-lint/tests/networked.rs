@@ -9,7 +9,8 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::process::Command;
+
+use ferry_lint::{cargo, this_workspace};
 
 /// Crates that move bytes over a network or run the async runtime that would: the transports
 /// (`ferry-kv`, NIXL's bindings) and tokio with its I/O driver and socket layers.
@@ -23,22 +24,6 @@ const SOCKETS: [&str; 5] = [
     "UdpSocket",
     "UnixStream",
 ];
-
-fn cargo(args: &[&str]) -> String {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(&cargo)
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap_or_else(|e| panic!("running {cargo}: {e}"));
-    assert!(
-        out.status.success(),
-        "cargo {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("cargo tree prints UTF-8")
-}
 
 /// Every package `package` reaches through normal dependencies, itself included.
 fn reached(package: &str) -> BTreeSet<String> {
@@ -90,7 +75,7 @@ fn socket_uses(dir: &Path, found: &mut Vec<String>) {
 }
 
 fn crate_dir(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(name)
+    this_workspace().join("crates").join(name)
 }
 
 #[test]
