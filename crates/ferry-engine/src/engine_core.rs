@@ -587,7 +587,7 @@ impl EngineCore {
         let Some(out) = self.driver.sched.abort(id) else {
             return false;
         };
-        self.emit_finish(out, None);
+        self.emit_finish(out, None, None);
         true
     }
 
@@ -596,7 +596,7 @@ impl EngineCore {
         let Some(out) = abort_idx(&mut self.driver.sched, idx) else {
             return false;
         };
-        self.emit_finish(out, None);
+        self.emit_finish(out, None, None);
         true
     }
 
@@ -926,16 +926,25 @@ impl EngineCore {
             "{MAX_CONSECUTIVE_FAILURES} consecutive step failures: finishing every request with an error"
         );
         self.consecutive_failures = 0;
-        let n = self.finish_all(FinishReason::Error);
+        // Each request's error says why: a client (and the simulation's blame check) reads
+        // the executor's failure, not a bare `error`.
+        let why =
+            format!("{MAX_CONSECUTIVE_FAILURES} engine steps failed in a row, the last: {error}");
+        let n = self.end_all(FinishReason::Error, Some(&why));
         self.counters.n_requests_finished_total += n;
     }
 
     /// Finishes every live request with `reason` (abort or error). Returns how many.
     pub fn finish_all(&mut self, reason: FinishReason) -> u64 {
+        self.end_all(reason, None)
+    }
+
+    /// Finishes every live request with `reason` and, if given, `message` as each one's.
+    fn end_all(&mut self, reason: FinishReason, message: Option<&str>) -> u64 {
         let outs = self.driver.sched.abort_all();
         let n = outs.len() as u64;
         for out in outs {
-            self.emit_finish(out, Some(reason));
+            self.emit_finish(out, Some(reason), message);
         }
         n
     }
@@ -948,13 +957,18 @@ impl EngineCore {
 
     fn emit_finishes(&mut self, outs: Vec<RequestOutput>) {
         for out in outs {
-            self.emit_finish(out, None);
+            self.emit_finish(out, None, None);
         }
     }
 
     /// The final event of a request finished outside a step's output (abort, error, a failed
-    /// load), with `reason` overriding the core's.
-    fn emit_finish(&mut self, out: RequestOutput, reason: Option<FinishReason>) {
+    /// load), with `reason` and `message` overriding the core's.
+    fn emit_finish(
+        &mut self,
+        out: RequestOutput,
+        reason: Option<FinishReason>,
+        message: Option<&str>,
+    ) {
         let Some(finished) = out.finished else {
             return;
         };
@@ -974,7 +988,7 @@ impl EngineCore {
             stop_token: None,
             transfer: finished.transfer,
             kv_transfer_params: finished.kv_transfer_params.map(Box::new),
-            message: finished.message,
+            message: message.map(str::to_owned).or(finished.message),
             constraint_stop: None,
         };
         self.events.push_back(CoreEvent::Request(

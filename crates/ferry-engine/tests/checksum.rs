@@ -351,6 +351,13 @@ async fn an_executor_failing_always_ends_every_request_with_error() {
     for task in tasks {
         let c = task.await.unwrap();
         assert_eq!((c.tokens.len(), c.reason()), (0, FinishReason::Error));
+        // Each error names the executor's failure.
+        let message = c.finish.unwrap().message.unwrap_or_default();
+        assert!(
+            message.starts_with("3 engine steps failed in a row, the last: ")
+                && message.ends_with("injected failure 2"),
+            "{message}"
+        );
     }
     engine.wait_idle().await.unwrap();
     let stats = engine.stats();
