@@ -16,7 +16,10 @@ Each step:
 clear_cache=true: requests frozen by the pause drop their KV and recompute it with the new
 weights after the resume, so a token generated after the update was computed from the new
 weights over its whole prefix -- what the trainer recomputes. (With clear_cache=false it would
-attend to KV computed with the old weights, which no single set of weights reproduces.)
+attend to KV computed with the old weights, which no single set of weights reproduces.) A
+clearing pause is a whole reset: with `--kv-offload-bytes` it empties the offload tier too. A
+bare `POST /reset_prefix_cache` would not (vLLM's default, `reset_external=false`: its answer
+says `"cleared": ["device"]`); pass `reset_external=true` where a reset must leave nothing.
 
 Per step it writes a JSONL line (reward, training-inference mismatch, importance ratios,
 rollouts that spanned the update, timings) to OUT/log.jsonl and, at the end, OUT/plot.png.

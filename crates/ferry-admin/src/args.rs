@@ -113,6 +113,9 @@ pub struct Effects {
     /// Drops cached prefixes: a reset, a pause unless `clear_cache=false`, SGLang's
     /// `retract`, a sleep or release of memory.
     pub clears_cache: bool,
+    /// Drops the offload tier's blocks too: every clear but a reset's by default (vLLM's
+    /// `reset_external=false`, SGLang's `/flush_cache`), which leaves them loadable.
+    pub clears_offload: bool,
     /// Changes the weights or their version, which makes every cached block unreachable.
     pub changes_weights: bool,
     /// Finishes requests as aborted.
@@ -122,10 +125,16 @@ pub struct Effects {
 }
 
 impl Effects {
-    /// No cached block may be hit after the call: a KV-aware router must forget the
-    /// engine's blocks before it routes by them again.
+    /// No block of the device's prefix cache may be hit after the call: a KV-aware router
+    /// must forget them before it routes by them again.
     pub fn wipes_cache(&self) -> bool {
         self.clears_cache || self.changes_weights
+    }
+
+    /// No block of the offload tier may be hit after the call either (a new weight version
+    /// makes every block unreachable, the tier's too).
+    pub fn wipes_offload(&self) -> bool {
+        self.clears_offload || self.changes_weights
     }
 }
 
@@ -150,10 +159,12 @@ impl Args {
         match self {
             Args::Pause(p) | Args::PauseGeneration(p) => Effects {
                 clears_cache: p.clear_cache,
+                clears_offload: p.clear_cache,
                 ..pause(p.mode)
             },
             Args::Sleep { level, mode } => Effects {
                 clears_cache: *level != SleepLevel::L0,
+                clears_offload: *level != SleepLevel::L0,
                 releases_memory: *level != SleepLevel::L0,
                 ..pause(*mode)
             },
@@ -161,16 +172,23 @@ impl Args {
                 Some(t) if t.is_empty() => none,
                 _ => Effects {
                     clears_cache: true,
+                    clears_offload: true,
                     releases_memory: true,
                     ..pause(PauseMode::Keep)
                 },
             },
             Args::ReleaseKvCacheMemory => Effects {
                 clears_cache: true,
+                clears_offload: true,
                 releases_memory: true,
                 ..none
             },
-            Args::ResetPrefixCache { .. } | Args::FlushCache => Effects {
+            Args::ResetPrefixCache { reset_external, .. } => Effects {
+                clears_cache: true,
+                clears_offload: *reset_external,
+                ..none
+            },
+            Args::FlushCache => Effects {
                 clears_cache: true,
                 ..none
             },

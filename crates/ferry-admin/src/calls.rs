@@ -166,7 +166,7 @@ impl AdminCall {
                     Param { name: "reset_external", about: "also reset the connectors' caches (default false)" },
                 ],
                 body: Body::Json("ResetPrefixCache"),
-                ..vllm(POST, "/reset_prefix_cache", "Drop every cached KV block")
+                ..vllm(POST, "/reset_prefix_cache", "Drop the prefix cache (the offload tier too with reset_external); the answer names what it cleared")
             },
             C::AbortRequests => CallDecl {
                 body: Body::Json("AbortRequests"),

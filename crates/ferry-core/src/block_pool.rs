@@ -225,19 +225,36 @@ impl BlockPool {
     }
 
     /// Drops every cached hash, if no block is held; returns false (changing nothing) while
-    /// any block is still held by some owner.
+    /// any block is still held by some owner. Journaled as a whole-cache clear: call it when
+    /// every tier is cleared with it (see [`Self::reset_device_cache`]).
     pub fn reset_cache(&mut self) -> bool {
+        self.reset(true)
+    }
+
+    /// [`Self::reset_cache`], journaled as the removal of each block from this tier alone
+    /// (`BlockRemoved` with the device's medium): a cache below it (the offload tier) keeps
+    /// its blocks, and a subscriber must not forget them.
+    pub fn reset_device_cache(&mut self) -> bool {
+        self.reset(false)
+    }
+
+    fn reset(&mut self, whole: bool) -> bool {
         if self.n_free != self.n_usable() {
             return false;
         }
         // A block has a hash exactly when the index maps that hash to it (`cache`, `evict`), so
         // clearing the indexed blocks clears them all, in time proportional to the cache, not
         // to the pool (a pool has hundreds of thousands of blocks for a small model).
-        for &b in self.cached.values() {
+        for (hash, &b) in &self.cached {
             self.meta[b.index()].hash = None;
+            if !whole {
+                self.log.removed(hash, Medium::Primary);
+            }
         }
         self.cached.clear();
-        self.log.cleared();
+        if whole {
+            self.log.cleared();
+        }
         true
     }
 

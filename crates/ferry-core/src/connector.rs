@@ -730,6 +730,11 @@ pub trait KvConnector: Send + std::fmt::Debug {
         None
     }
 
+    /// A local tier's loadable blocks (stored, their store job done), by key; none for
+    /// connectors that are no tier. What its KV events must announce (the simulation checks
+    /// a subscriber's view against it).
+    fn tier_blocks(&self, _out: &mut Vec<crate::hash::BlockHash>) {}
+
     /// The jobs for this connector's worker in the step being planned (also a zero-token
     /// step). Appends to `out`.
     fn step_work(&mut self, _out: &mut Vec<WorkerJob>) {}

@@ -90,5 +90,6 @@ pub use plan::{
 pub use request::{AddError, FinishReason, Request, RequestState};
 pub use sampling::{LogitsParams, SamplerSpec, SamplingParams};
 pub use scheduler::{
-    Finished, OutputError, QueueError, RequestOutput, Scheduler, SchedulerStats, TransferError,
+    Cleared, Finished, OutputError, QueueError, RequestOutput, Scheduler, SchedulerStats,
+    TransferError,
 };

@@ -596,6 +596,15 @@ impl KvConnector for OffloadConnector {
         self.changes.get_or_insert_with(Vec::new);
     }
 
+    fn tier_blocks(&self, out: &mut Vec<BlockHash>) {
+        out.extend(
+            self.index
+                .iter()
+                .filter(|(_, e)| !e.storing)
+                .map(|(key, _)| *key),
+        );
+    }
+
     fn take_tier_changes(&mut self, out: &mut Vec<TierChange>) {
         if let Some(changes) = &mut self.changes {
             out.append(changes);

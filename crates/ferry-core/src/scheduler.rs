@@ -35,6 +35,7 @@ mod tests;
 mod time;
 mod transfers;
 
+pub use aborts_and_resets::Cleared;
 pub use transfers::TransferError;
 
 use std::collections::{HashMap, VecDeque};

@@ -760,3 +760,72 @@ fn a_landing_load_is_no_second_use_of_its_blocks() {
         assert_eq!(c.n_loads > loads, hit, "{id}");
     }
 }
+
+/// vLLM's default reset (`reset_connector=false`) clears the device's prefix cache and leaves
+/// the tier's blocks loadable: it says so, and its KV events remove each device block rather
+/// than announce a whole-cache clear (a router would forget tier blocks that still serve). A
+/// reset of the connectors too clears both, and says that.
+#[test]
+fn a_reset_of_the_device_cache_alone_says_so_and_its_events_keep_the_tier() {
+    use ferry_core::kv_events::external_hash;
+    use ferry_core::{Cleared, KvEvent, Medium};
+    use std::collections::BTreeSet;
+    let mut c = Copier::default();
+    let mut h = Harness::new(SchedulerConfig {
+        kv_events: true,
+        ..config()
+    });
+    h.sched.add_connector(Box::new(OffloadConnector::new(tier(
+        16,
+        1,
+        OffloadPolicy::Lru,
+    ))));
+    run_and_store(&mut c, &mut h, "a", prompt(1, 17));
+    let mut batches = Vec::new();
+    h.sched.take_kv_events(&mut batches);
+    let epoch = batches.last().unwrap().epoch;
+    let device: BTreeSet<u64> = h
+        .sched
+        .kv_pool()
+        .cached_entries()
+        .map(|(k, _)| external_hash(k))
+        .collect();
+    let tier: BTreeSet<u64> = h.sched.tier_blocks().iter().map(external_hash).collect();
+    assert_eq!((device.len(), tier.len()), (4, 4));
+
+    let device_only = Cleared {
+        device: true,
+        offload: false,
+    };
+    assert_eq!(h.sched.reset_caches_saying(false, false), Some(device_only));
+    assert_eq!(device_only.names(), ["device"]);
+    let mut batches = Vec::new();
+    h.sched.take_kv_events(&mut batches);
+    assert_eq!(batches.len(), 1);
+    assert_eq!(
+        batches[0].epoch, epoch,
+        "no wipe: the tier's blocks still serve"
+    );
+    let [KvEvent::Removed {
+        hashes,
+        medium: Medium::Primary,
+    }] = &batches[0].events[..]
+    else {
+        panic!("{:?}", batches[0].events)
+    };
+    assert_eq!(hashes.iter().copied().collect::<BTreeSet<u64>>(), device);
+    let kept: BTreeSet<u64> = h.sched.tier_blocks().iter().map(external_hash).collect();
+    assert_eq!(kept, tier);
+
+    let both = Cleared {
+        device: true,
+        offload: true,
+    };
+    assert_eq!(h.sched.reset_caches_saying(false, true), Some(both));
+    assert_eq!(both.names(), ["device", "offload"]);
+    let mut batches = Vec::new();
+    h.sched.take_kv_events(&mut batches);
+    assert_eq!(batches[0].events[0], KvEvent::AllCleared);
+    assert_eq!(batches[0].epoch, epoch + 1);
+    assert!(h.sched.tier_blocks().is_empty());
+}

@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use ferry_arena::{KvArena, Reports, WorkerConnector};
 use ferry_core::{
-    AddError, ConnectorId, FinishReason, KvEventBatch, LifecycleError, LifecycleEvent,
+    AddError, Cleared, ConnectorId, FinishReason, KvEventBatch, LifecycleError, LifecycleEvent,
     LifecycleStatus, ModelOutput, OpId, PauseMode, PromptLogprobs, ReqIdx, RequestOutput,
     SamplingParams, Scheduler, SleepLevel, Step, StepDriver, StepError, StepKind, StepModel,
     StepPlan, StepWork, TokenId, TransferRequest, WakeTag, WeightResidency, WorkPhase,
@@ -201,7 +201,7 @@ pub enum CallResult {
     /// Pause, resume, sleep, wake-up, KV memory release.
     Op(Result<(), LifecycleError>),
     /// A cache reset: false while blocks were held.
-    Reset(bool),
+    Reset(Option<Cleared>),
     /// How many requests an abort finished.
     Aborted(usize),
     /// The installed version, and the weights it retired (to drop off the engine thread).
@@ -233,7 +233,7 @@ impl CallResult {
         }
     }
 
-    pub fn into_reset(self) -> Result<bool, Self> {
+    pub fn into_reset(self) -> Result<Option<Cleared>, Self> {
         match self {
             Self::Reset(r) => Ok(r),
             other => Err(other),
@@ -639,7 +639,7 @@ impl EngineCore {
             } => Some(CallResult::Reset(
                 self.driver
                     .sched
-                    .reset_caches(reset_running_requests, reset_connector),
+                    .reset_caches_saying(reset_running_requests, reset_connector),
             )),
             Call::AbortRequests { ids } => Some(CallResult::Aborted(match ids {
                 None => self.finish_all(FinishReason::Abort) as usize,

@@ -61,8 +61,8 @@ pub use error::{
 pub use event::{EngineFinish, Event};
 pub use ferry_arena::WorkerConnector;
 pub use ferry_core::{
-    ip_literal, AddError, AllowedPeers, BlockId, ConnectorId, FinishReason, KvConnector, KvEvent,
-    KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus,
+    ip_literal, AddError, AllowedPeers, BlockId, Cleared, ConnectorId, FinishReason, KvConnector,
+    KvEvent, KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus,
     LogitsParams, Medium, OffloadConfig, OffloadConnector, OffloadPolicy, PauseMode, PdConfig,
     PdConnector, PdRole, PromptTokenLogprob, SamplerSpec, SamplingParams, SchedulerConfig,
     SchedulerStats, SleepLevel, StepError, TierStats, TokenId, TransferId, TransferRequest,

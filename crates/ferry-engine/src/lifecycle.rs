@@ -18,7 +18,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferry_core::{LifecycleStatus, PauseMode, SleepLevel, WakeTag, WeightResidency};
+use ferry_core::{Cleared, LifecycleStatus, PauseMode, SleepLevel, WakeTag, WeightResidency};
 use ferry_model::{
     expected_tensors, BucketInfo, PreparedWeights, SafetensorsPush, WeightFiles, WeightStore,
     WeightUpload,
@@ -90,6 +90,20 @@ impl EngineHandle {
         reset_running_requests: bool,
         reset_connector: bool,
     ) -> Result<bool, Stopped> {
+        let cleared = self
+            .reset_caches(reset_running_requests, reset_connector)
+            .await?;
+        Ok(cleared.is_some())
+    }
+
+    /// [`Self::reset_prefix_cache`], saying what it cleared (`None`: nothing, blocks are
+    /// held): the device's prefix cache, and the offload tier with `reset_connector` when
+    /// there is one.
+    pub async fn reset_caches(
+        &self,
+        reset_running_requests: bool,
+        reset_connector: bool,
+    ) -> Result<Option<Cleared>, Stopped> {
         let answer = self
             .call(Call::ResetPrefixCache {
                 reset_running_requests,

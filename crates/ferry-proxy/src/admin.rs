@@ -13,7 +13,9 @@
 //! Fencing: a call whose arguments may wipe an instance's cache (`Effects::wipes_cache`: a
 //! reset, a pause unless `clear_cache=false`, SGLang's `retract`, a sleep or memory release, a
 //! weight change) empties that instance's prefix index as soon as it answers, before the proxy
-//! answers, so no request is routed by a cache that is gone while its event is on the way.
+//! answers, so no request is routed by a cache that is gone while its event is on the way. A
+//! reset that leaves the offload tier (vLLM's default `reset_external=false`, SGLang's
+//! `/flush_cache`) empties only the device's entries: the tier's blocks still serve hits.
 //! Each call goes out and its answer comes back through [`crate::broadcast`], which says how
 //! the instances' answers become one.
 //!
@@ -34,7 +36,9 @@ use ferry_http::error::ApiError;
 use ferry_http::extract::{ApiBytes, RequestId};
 use serde_json::{json, Map, Value};
 
-use crate::broadcast::{broadcast_to, copies, new_weight_version, read, summarise, tee, Broadcast};
+use crate::broadcast::{
+    broadcast_to, copies, new_weight_version, read, summarise, tee, Broadcast, Fence,
+};
 use crate::ProxyState;
 
 /// Every admin call, at its path for its methods, as it crosses the fleet.
@@ -104,7 +108,7 @@ async fn fan_out(
             paths: &[path_and_query],
             request_id: &id,
             content_type: headers.get(header::CONTENT_TYPE),
-            fence: args.effects().wipes_cache(),
+            fence: Fence::of(args.effects()),
         },
         bodies,
     )
@@ -151,7 +155,7 @@ async fn from_disk(
             paths: &["/update_weights_from_disk".to_owned()],
             request_id: &id,
             content_type: Some(&json_type),
-            fence: args.effects().wipes_cache(),
+            fence: Fence::of(args.effects()),
         },
         bodies,
     )
@@ -189,7 +193,7 @@ async fn push(
             paths: &paths,
             request_id: &id,
             content_type: Some(&content_type),
-            fence: args.effects().wipes_cache(),
+            fence: Fence::of(args.effects()),
         },
         bodies,
     );

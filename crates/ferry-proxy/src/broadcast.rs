@@ -94,9 +94,33 @@ pub(crate) struct Broadcast<'a> {
     pub paths: &'a [String],
     pub request_id: &'a str,
     pub content_type: Option<&'a HeaderValue>,
-    /// The call may wipe the instances' caches (its `Effects::wipes_cache`): each instance's
-    /// prefix index is emptied as it answers.
-    pub fence: bool,
+    /// What the call may wipe of the instances' caches: each instance's prefix index forgets
+    /// it as the instance answers.
+    pub fence: Fence,
+}
+
+/// What a call may have wiped of an instance's caches, given its arguments, and so what the
+/// instance's prefix index forgets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fence {
+    Nothing,
+    /// The device's prefix cache: the offload tier's blocks still load (a reset with vLLM's
+    /// `reset_external=false`, SGLang's `/flush_cache`).
+    Device,
+    /// Every cache.
+    All,
+}
+
+impl Fence {
+    pub(crate) fn of(effects: ferry_admin::Effects) -> Self {
+        if effects.wipes_offload() {
+            Self::All
+        } else if effects.wipes_cache() {
+            Self::Device
+        } else {
+            Self::Nothing
+        }
+    }
 }
 
 /// Sends one call to every instance at once, each with its own body.
@@ -137,8 +161,13 @@ pub(crate) async fn broadcast_to(
                 // A call that may have wiped the instance's cache fences its prefix index at
                 // once, before the instance's own event arrives (whatever it answered: a failed
                 // call may have cleared part of it).
-                if fence {
-                    instance.kv().wipe(crate::fleet::unix_now());
+                let now = crate::fleet::unix_now();
+                match fence {
+                    Fence::Nothing => {}
+                    Fence::Device => instance.kv().wipe_device(now),
+                    Fence::All => instance.kv().wipe(now),
+                }
+                if fence != Fence::Nothing {
                     instance
                         .n_fences
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -279,7 +308,8 @@ fn kind_of(status: StatusCode) -> &'static str {
 
 /// The instances' bodies as one: a key every body has with one value keeps it; where they
 /// differ, `is_paused` and `success` hold only when all are true, `is_sleeping` when any is,
-/// `aborted` is the sum, and anything else is the first instance's.
+/// `aborted` is the sum, `cleared` (a cache reset's) names what every instance cleared (each
+/// instance's own is in `instances`), and anything else is the first instance's.
 pub fn merge(bodies: &[&Value]) -> Map<String, Value> {
     let mut out = Map::new();
     let Some(Value::Object(first)) = bodies.first() else {
@@ -291,6 +321,16 @@ pub fn merge(bodies: &[&Value]) -> Map<String, Value> {
             "is_paused" | "success" => json!(values.iter().all(|v| v.as_bool() == Some(true))),
             "is_sleeping" => json!(values.iter().any(|v| v.as_bool() == Some(true))),
             "aborted" => json!(values.iter().filter_map(|v| v.as_u64()).sum::<u64>()),
+            "cleared" => {
+                let names = |v: &Value| -> Vec<Value> { v.as_array().cloned().unwrap_or_default() };
+                let mut all = names(value);
+                all.retain(|n| {
+                    bodies
+                        .iter()
+                        .all(|b| b.get(key).is_some_and(|v| names(v).contains(n)))
+                });
+                Value::Array(all)
+            }
             _ => value.clone(),
         };
         out.insert(key.clone(), merged);
@@ -396,6 +436,11 @@ mod tests {
         );
         let merged = merge(&[&a, &a]);
         assert_eq!(merged["is_paused"], true);
+        // A reset: what every instance cleared (one had no offload tier to clear).
+        let p = json!({"success": true, "cleared": ["device", "offload"]});
+        let d = json!({"success": true, "cleared": ["device"]});
+        assert_eq!(merge(&[&p, &d])["cleared"], json!(["device"]));
+        assert_eq!(merge(&[&p, &p])["cleared"], json!(["device", "offload"]));
     }
 
     #[test]

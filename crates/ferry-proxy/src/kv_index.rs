@@ -6,15 +6,20 @@
 //! without knowing how the engine hashes (weight version, cache salt). The engine's hashes
 //! are kept only to apply `BlockRemoved` and to place a chain after its parent.
 //!
+//! The offload tier's blocks count too (a request whose prefix the tier holds loads it instead
+//! of computing it): the tier announces them by hash only (`BlockStored` with medium `CPU`),
+//! so a tier block is placed by the key the device's event gave that hash, and a device
+//! block's removal (an eviction, a reset of the device cache alone) leaves its tier entry.
+//!
 //! The index is fenced: it is dropped on `AllBlocksCleared`, on a batch of another weight
 //! version or cache epoch (the engine wiped its cache, even if the clear itself was missed),
 //! on a gap in the sequence numbers that the replay cannot fill, and when a clearing admin
-//! call went through the proxy. A dropped index predicts no hit, so a wipe can cost a hit but
+//! call went through the proxy (only the device's entries, for a reset that leaves the tier). A dropped index predicts no hit, so a wipe can cost a hit but
 //! never sends a request to a cache that is gone. Each wipe's time is kept, so a miss on a
 //! route made from blocks a wipe had already taken can be told apart from an eviction
 //! ([`KvIndex::was_stale`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -47,9 +52,12 @@ pub struct KvIndex {
     epoch: Option<(u64, Arc<str>)>,
     /// The last sequence number applied.
     pub last_seq: Option<u64>,
-    /// Confirmed blocks: key → engine hash.
+    /// Confirmed blocks of the device's prefix cache: key → engine hash.
     blocks: HashMap<u64, u64>,
     by_hash: HashMap<u64, u64>,
+    /// Confirmed blocks of the offload tier: engine hash → key, and their keys.
+    tier: HashMap<u64, u64>,
+    tier_keys: HashSet<u64>,
     /// Blocks the proxy routed prompts to, not confirmed yet: key → until when.
     provisional: HashMap<u64, Instant>,
     /// Every wipe seen: (the index's generation after it, when it happened, seconds since the
@@ -78,6 +86,8 @@ impl Default for KvIndex {
             last_seq: None,
             blocks: HashMap::new(),
             by_hash: HashMap::new(),
+            tier: HashMap::new(),
+            tier_keys: HashSet::new(),
             provisional: HashMap::new(),
             wipes: Vec::new(),
             generation: 0,
@@ -87,9 +97,14 @@ impl Default for KvIndex {
 }
 
 impl KvIndex {
-    /// Confirmed blocks held.
+    /// Confirmed blocks of the device's prefix cache held.
     pub fn n_blocks(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// Confirmed blocks of the offload tier held.
+    pub fn n_tier_blocks(&self) -> usize {
+        self.tier.len()
     }
 
     /// The index's generation: it moves at every wipe.
@@ -99,6 +114,14 @@ impl KvIndex {
 
     /// Drops everything: the cache was wiped at `at` (seconds since the Unix epoch).
     pub fn wipe(&mut self, at: f64) {
+        self.tier.clear();
+        self.tier_keys.clear();
+        self.wipe_device(at);
+    }
+
+    /// Drops the device's entries (and the provisional ones): its prefix cache was wiped at
+    /// `at`, and the offload tier kept its blocks.
+    pub fn wipe_device(&mut self, at: f64) {
         self.blocks.clear();
         self.by_hash.clear();
         self.provisional.clear();
@@ -144,8 +167,30 @@ impl KvIndex {
                         }
                     }
                 }
-                // The offload tier's blocks are not in the arena: no prefill hit.
-                KvEvent::Stored { .. } | KvEvent::Removed { .. } => {}
+                KvEvent::Stored {
+                    hashes,
+                    medium: Medium::Tier,
+                    ..
+                } => {
+                    for h in hashes {
+                        // Placed by the key the device's event gave this hash; one the index
+                        // never saw on the device cannot be (its tokens are not announced).
+                        if let Some(&k) = self.by_hash.get(h).or_else(|| self.tier.get(h)) {
+                            self.tier.insert(*h, k);
+                            self.tier_keys.insert(k);
+                        }
+                    }
+                }
+                KvEvent::Removed {
+                    hashes,
+                    medium: Medium::Tier,
+                } => {
+                    for h in hashes {
+                        if let Some(k) = self.tier.remove(h) {
+                            self.tier_keys.remove(&k);
+                        }
+                    }
+                }
             }
         }
     }
@@ -183,6 +228,7 @@ impl KvIndex {
         for block in tokens.chunks_exact(bs) {
             key = block_key(key, block);
             let held = self.blocks.contains_key(&key)
+                || self.tier_keys.contains(&key)
                 || self.provisional.get(&key).is_some_and(|&t| t > now);
             if !held {
                 break;
@@ -279,6 +325,59 @@ mod tests {
             (ix.overlap(&TokenId::list([7, 8]), now), ix.n_blocks()),
             (0, 0)
         );
+    }
+
+    /// The tier's blocks count for a prefix; a reset of the device alone keeps them, a whole
+    /// clear does not.
+    #[test]
+    fn tier_blocks_outlive_the_device_cache_but_not_a_whole_clear() {
+        let now = Instant::now();
+        let prompt = TokenId::list([1, 2, 3, 4, 5]);
+        let mut ix = KvIndex::default();
+        let tier = |hashes: Vec<u64>| KvEvent::Stored {
+            hashes,
+            parent: None,
+            tokens: Vec::new(),
+            medium: Medium::Tier,
+        };
+        ix.apply(
+            &batch(
+                0,
+                vec![
+                    stored(vec![10, 11], None, vec![1, 2, 3, 4]),
+                    tier(vec![10, 11, 99]),
+                ],
+            ),
+            1.0,
+        );
+        assert_eq!(
+            (ix.n_blocks(), ix.n_tier_blocks()),
+            (2, 2),
+            "99: never seen"
+        );
+        // Evicted from the device: still a hit, from the tier.
+        let evicted = KvEvent::Removed {
+            hashes: vec![10, 11],
+            medium: Medium::Primary,
+        };
+        ix.apply(&batch(0, vec![evicted]), 1.0);
+        assert_eq!((ix.n_blocks(), ix.overlap(&prompt, now)), (0, 2));
+        ix.apply(&batch(0, vec![stored(vec![10], None, vec![1, 2])]), 1.0);
+        ix.wipe_device(2.0);
+        assert_eq!((ix.n_blocks(), ix.overlap(&prompt, now)), (0, 2));
+        ix.apply(
+            &batch(
+                0,
+                vec![KvEvent::Removed {
+                    hashes: vec![11],
+                    medium: Medium::Tier,
+                }],
+            ),
+            3.0,
+        );
+        assert_eq!(ix.overlap(&prompt, now), 1);
+        ix.apply(&batch(1, vec![KvEvent::AllCleared]), 4.0);
+        assert_eq!((ix.n_tier_blocks(), ix.overlap(&prompt, now)), (0, 0));
     }
 
     #[test]

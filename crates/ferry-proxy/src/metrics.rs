@@ -50,7 +50,7 @@ fn escape(v: &str) -> String {
 
 fn own_metrics(out: &mut String, scrapes: &[Scrape<'_>]) {
     type Figure = fn(&Scrape<'_>) -> u64;
-    let figures: [(&str, &str, &str, &str, Figure); 12] = [
+    let figures: [(&str, &str, &str, &str, Figure); 13] = [
         (
             "ferry_proxy_instance_up",
             "gauge",
@@ -90,8 +90,15 @@ fn own_metrics(out: &mut String, scrapes: &[Scrape<'_>]) {
             "ferry_proxy_kv_index_blocks",
             "gauge",
             "",
-            "Blocks the proxy's prefix index holds for the instance.",
+            "Blocks of the instance's device prefix cache the proxy's prefix index holds.",
             |s| s.instance.kv().n_blocks() as u64,
+        ),
+        (
+            "ferry_proxy_kv_index_tier_blocks",
+            "gauge",
+            "",
+            "Blocks of the instance's offload tier the proxy's prefix index holds.",
+            |s| s.instance.kv().n_tier_blocks() as u64,
         ),
         (
             "ferry_proxy_kv_index_drops",

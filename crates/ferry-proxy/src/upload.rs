@@ -29,7 +29,7 @@ use serde_json::{json, Map, Value};
 
 use crate::broadcast::{
     broadcast_to, copies, merged, new_weight_version, parse_body, read, summarise_noting, tee,
-    Broadcast, InstanceResult,
+    Broadcast, Fence, InstanceResult,
 };
 use crate::front::SpliceSource;
 use crate::ProxyState;
@@ -158,7 +158,7 @@ async fn discard_everywhere(app: &ProxyState, open: &Open, request_id: &str) {
             paths: &paths(open, ""),
             request_id,
             content_type: None,
-            fence: false,
+            fence: Fence::Nothing,
         },
         copies(&axum::body::Bytes::new(), n),
     )
@@ -211,7 +211,7 @@ pub(crate) async fn begin(
             paths: &vec!["/weight_uploads".to_owned(); n],
             request_id: &rid,
             content_type: Some(&json_type()),
-            fence: false,
+            fence: Fence::Nothing,
         },
         json_bodies(&Value::Object(request), n),
     )
@@ -335,7 +335,7 @@ async fn copied(
             paths: targets,
             request_id: rid,
             content_type: Some(&content_type),
-            fence: false,
+            fence: Fence::Nothing,
         },
         bodies,
     );
@@ -471,7 +471,7 @@ async fn prepare_all(app: &ProxyState, open: &Open, rid: &str) -> Result<Respons
             paths: &paths(open, "/prepare"),
             request_id: rid,
             content_type: Some(&json_type()),
-            fence: false,
+            fence: Fence::Nothing,
         },
         json_bodies(&json!({}), n),
     )
@@ -512,10 +512,11 @@ pub(crate) async fn commit(
     uri: Uri,
     ApiBytes(body): ApiBytes,
 ) -> Result<Response, Response> {
-    let fence = read(AdminCall::CommitUpload, &uri, Some(&body))
-        .map_err(IntoResponse::into_response)?
-        .effects()
-        .wipes_cache();
+    let fence = Fence::of(
+        read(AdminCall::CommitUpload, &uri, Some(&body))
+            .map_err(IntoResponse::into_response)?
+            .effects(),
+    );
     let request = object(&body).map_err(IntoResponse::into_response)?;
     let open = app.uploads.get(&id).map_err(IntoResponse::into_response)?;
     if !open.prepared {

@@ -1,7 +1,9 @@
-//! A KV event subscriber's view of one engine's arena, as a router builds it from the events
-//! the engine core puts out, and the check that holds it: every block the view holds is
-//! cached. A router that trusts the events never sends a request for a hit that a wipe or an
-//! eviction took away.
+//! A KV event subscriber's view of one engine's caches (the arena's prefix cache and the
+//! offload tier), as a router builds it from the events the engine core puts out, and the
+//! checks that hold it: every block the view holds is cached (a router that trusts the events
+//! never sends a request for a hit that a wipe or an eviction took away), and the view holds
+//! every block of the tier (a reset of the device cache alone must not say the tier is gone:
+//! a router would forget blocks that still serve).
 
 use std::collections::BTreeSet;
 
@@ -13,6 +15,13 @@ use ferry_core::{KvEvent, KvEventBatch, Medium, Scheduler};
 pub struct KvView {
     epoch: u64,
     blocks: BTreeSet<u64>,
+    tier: BTreeSet<u64>,
+    /// The weight version of the last batch.
+    version: Option<std::sync::Arc<str>>,
+    /// Tier blocks a new weight version made unreachable (their hashes chain from the old
+    /// version's root): the tier may keep them until it evicts them, and no hit can reach
+    /// them.
+    stale: BTreeSet<u64>,
     /// Batches applied, and the offload tier's events among them.
     pub n_batches: u64,
     pub n_tier_events: u64,
@@ -33,10 +42,23 @@ impl KvView {
             ));
         }
         self.epoch = batch.epoch;
-        // The arena's blocks (the tier's are checked by the tier's own accounting).
+        let new_version = self
+            .version
+            .as_ref()
+            .is_some_and(|v| *v != batch.weight_version);
+        self.version = Some(batch.weight_version.clone());
         for event in batch.events {
             match event {
-                KvEvent::AllCleared => self.blocks.clear(),
+                // Under a new weight version every block is unreachable; otherwise a whole
+                // clear says the tier was cleared too.
+                KvEvent::AllCleared if new_version => {
+                    self.blocks.clear();
+                    self.stale.append(&mut self.tier);
+                }
+                KvEvent::AllCleared => {
+                    self.blocks.clear();
+                    self.tier.clear();
+                }
                 KvEvent::Stored {
                     hashes,
                     medium: Medium::Primary,
@@ -50,7 +72,23 @@ impl KvView {
                         self.blocks.remove(h);
                     }
                 }
-                KvEvent::Stored { .. } | KvEvent::Removed { .. } => self.n_tier_events += 1,
+                KvEvent::Stored {
+                    hashes,
+                    medium: Medium::Tier,
+                    ..
+                } => {
+                    self.n_tier_events += 1;
+                    self.tier.extend(hashes);
+                }
+                KvEvent::Removed {
+                    hashes,
+                    medium: Medium::Tier,
+                } => {
+                    self.n_tier_events += 1;
+                    for h in &hashes {
+                        self.tier.remove(h);
+                    }
+                }
             }
         }
         Ok(())
@@ -63,11 +101,26 @@ impl KvView {
             .cached_entries()
             .map(|(h, _)| external_hash(h))
             .collect();
-        match self.blocks.iter().find(|h| !cached.contains(h)) {
-            Some(h) => Err(format!(
+        if let Some(h) = self.blocks.iter().find(|h| !cached.contains(h)) {
+            return Err(format!(
                 "KV events announce block {h:016x}, which is not cached"
-            )),
-            None => Ok(()),
+            ));
         }
+        // The tier's changes are taken with the events, so the view is the tier exactly.
+        let tier: BTreeSet<u64> = sched.tier_blocks().iter().map(external_hash).collect();
+        if let Some(h) = self.tier.difference(&tier).next() {
+            return Err(format!(
+                "KV events announce block {h:016x} in the offload tier, which does not hold it"
+            ));
+        }
+        if let Some(h) = tier
+            .difference(&self.tier)
+            .find(|h| !self.stale.contains(h))
+        {
+            return Err(format!(
+                "the offload tier holds block {h:016x}, which the KV events say is gone"
+            ));
+        }
+        Ok(())
     }
 }

@@ -78,6 +78,19 @@ impl Scheduler {
     /// (nothing reset) while any transfer or connector job (a store or load of an offload
     /// tier) still holds blocks or waits to reach its worker.
     pub fn reset_caches(&mut self, reset_running_requests: bool, reset_connector: bool) -> bool {
+        self.reset_caches_saying(reset_running_requests, reset_connector)
+            .is_some()
+    }
+
+    /// [`Self::reset_caches`], saying what it cleared (`None`: nothing, blocks are held). The
+    /// device's prefix cache always; the offload tier only with `reset_connector` (vLLM's
+    /// default leaves a connector's cache alone). The KV events say the same: a whole-cache
+    /// clear only when no tier keeps blocks, else the removal of each device block.
+    pub fn reset_caches_saying(
+        &mut self,
+        reset_running_requests: bool,
+        reset_connector: bool,
+    ) -> Option<Cleared> {
         self.poll_connectors();
         if reset_running_requests {
             // Waiting requests holding KV (landed loads) hold it as running ones do.
@@ -87,21 +100,51 @@ impl Scheduler {
         if reset_connector
             && (!self.holds.is_empty() || self.connectors.iter().any(|c| c.has_pending_work()))
         {
-            return false;
+            return None;
         }
-        if !self.reset_prefix_cache() {
-            return false;
+        let tier = self.connectors.iter().any(|c| c.tier_stats().is_some());
+        let offload = reset_connector && tier;
+        let pool = self.kv.pool_mut();
+        let reset = if offload || !tier {
+            pool.reset_cache()
+        } else {
+            pool.reset_device_cache()
+        };
+        if !reset {
+            return None;
         }
         if reset_connector {
             for c in &mut self.connectors {
                 c.reset_cache();
             }
         }
-        true
+        Some(Cleared {
+            device: true,
+            offload,
+        })
     }
 
     /// Drops the given blocks from the prefix cache (their KV is bad, e.g. a failed load).
     pub fn evict_blocks(&mut self, blocks: &[BlockId]) {
         self.kv.evict_blocks(blocks);
+    }
+}
+
+/// What a cache reset cleared ([`Scheduler::reset_caches_saying`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Cleared {
+    /// The device's prefix cache (the KV arena's cached blocks).
+    pub device: bool,
+    /// The CPU offload tier.
+    pub offload: bool,
+}
+
+impl Cleared {
+    /// The caches cleared, by the names the admin API answers with (`"device"`, `"offload"`).
+    pub fn names(&self) -> Vec<&'static str> {
+        [(self.device, "device"), (self.offload, "offload")]
+            .into_iter()
+            .filter_map(|(on, name)| on.then_some(name))
+            .collect()
     }
 }

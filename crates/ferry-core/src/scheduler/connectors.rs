@@ -78,6 +78,15 @@ impl Scheduler {
         self.load_results = loads;
     }
 
+    /// Every local tier's loadable blocks, by key (see `KvConnector::tier_blocks`).
+    pub fn tier_blocks(&self) -> Vec<crate::hash::BlockHash> {
+        let mut out = Vec::new();
+        for c in &self.connectors {
+            c.tier_blocks(&mut out);
+        }
+        out
+    }
+
     /// Every local tier's figures, summed (`None` when no connector is a tier).
     pub fn tier_stats(&self) -> Option<TierStats> {
         let mut all: Option<TierStats> = None;

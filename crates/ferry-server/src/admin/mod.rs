@@ -111,11 +111,16 @@ async fn run(app: Arc<AppState>, args: Args, streamed: Option<Body>) -> AdminRep
             reset_running_requests,
             reset_external,
         } => {
-            let success = engine
-                .reset_prefix_cache(reset_running_requests, reset_external)
+            // What it cleared, by name: with vLLM's default (`reset_external=false`) the
+            // offload tier keeps its blocks, and "success" alone reads as "all is cold".
+            match engine
+                .reset_caches(reset_running_requests, reset_external)
                 .await
-                .map_err(api_error)?;
-            json!({"success": success})
+                .map_err(api_error)?
+            {
+                Some(cleared) => json!({"success": true, "cleared": cleared.names()}),
+                None => json!({"success": false}),
+            }
         }
         Args::AbortRequests { ids } => {
             let n = abort(&app, ids).await?;

@@ -23,18 +23,18 @@ use crate::state::AppState;
 /// `GET|POST /flush_cache`: drops every cached prefix; 400 (nothing changed) while requests
 /// or transfers still hold blocks, as SGLang refuses a flush while requests run.
 pub async fn flush_cache(app: &AppState) -> Result<Value, ApiError> {
-    let flushed = app
+    let Some(cleared) = app
         .engine
-        .reset_prefix_cache(false, false)
+        .reset_caches(false, false)
         .await
-        .map_err(api_error)?;
-    if !flushed {
+        .map_err(api_error)?
+    else {
         return Err(ApiError::bad_request(
             "the cache was not flushed: requests or transfers still hold KV blocks; \
              pause the engine (or let it drain) and retry",
         ));
-    }
-    Ok(json!({"success": true, "message": "Cache flushed."}))
+    };
+    Ok(json!({"success": true, "message": "Cache flushed.", "cleared": cleared.names()}))
 }
 
 /// `GET|POST /release_memory_occupation {"tags": [...]}`: sleep level 1 in `keep` mode

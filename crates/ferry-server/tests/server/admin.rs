@@ -205,7 +205,7 @@ async fn cache_reset_abort_and_weight_version_idle() {
     for _ in 0..2 {
         assert_eq!(
             s.admin_ok("/reset_prefix_cache").await,
-            json!({"success": true})
+            json!({"success": true, "cleared": ["device"]})
         );
     }
     let query = "/reset_prefix_cache?reset_running_requests=true&reset_external=true";
@@ -255,7 +255,7 @@ async fn sglang_aliases_idle() {
         assert_eq!(s.admin_ok("/continue_generation").await, continued);
         assert!(!s.is_paused().await, "{mode:?}");
     }
-    let flushed = json!({"success": true, "message": "Cache flushed."});
+    let flushed = json!({"success": true, "message": "Cache flushed.", "cleared": ["device"]});
     assert_eq!(s.admin_ok("/flush_cache").await, flushed);
     assert_eq!(s.admin_get("/flush_cache").await, flushed);
 

@@ -393,7 +393,10 @@ async fn skyrl_generates_with_a_session_and_resets_the_cache_by_json_body() {
         )
     };
     assert_eq!(reset(false).await, (200, json!({"success": false})));
-    assert_eq!(reset(true).await, (200, json!({"success": true})));
+    assert_eq!(
+        reset(true).await,
+        (200, json!({"success": true, "cleared": ["device"]}))
+    );
     let (status, response) = bounded("session request", running).await.unwrap();
     assert_eq!(status, 200, "{response}");
     let choice = &response["choices"][0];
@@ -411,7 +414,10 @@ async fn skyrl_generates_with_a_session_and_resets_the_cache_by_json_body() {
     let (status, reply) = s
         .send_json(s.http.post(s.url("/reset_prefix_cache")).json(&Value::Null))
         .await;
-    assert_eq!((status, reply), (200, json!({"success": true})));
+    assert_eq!(
+        (status, reply),
+        (200, json!({"success": true, "cleared": ["device"]}))
+    );
     assert_eq!(s.get_json("/get_world_size").await["world_size"], 1);
     let update_info = json!({"update_info": {"names": ["model.norm.weight"],
         "dtype_names": ["float32"], "shapes": [[64]], "packed": true}});

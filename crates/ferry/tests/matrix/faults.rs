@@ -165,6 +165,13 @@ pub async fn reset_prefix_cache(ctx: &Ctx<'_>, running: bool) {
     ctx.trio.wait_clean(Duration::from_secs(15)).await;
     let reply = ctx.post(Target::Both, &path, ctx.bounds.instant, 200).await;
     assert_eq!(reply.body["success"], true, "idle: {}", reply.body);
+    // What it cleared, on every instance: the offload tier too, as asked, when it is on.
+    let cleared = if ctx.setup.tier {
+        json!(["device", "offload"])
+    } else {
+        json!(["device"])
+    };
+    assert_eq!(reply.body["cleared"], cleared, "idle: {}", reply.body);
 }
 
 /// Each instance's `success`, for the notes.

@@ -327,7 +327,7 @@ async fn every_admin_call_through_the_proxy_fences_exactly_the_caches_it_may_wip
             "{}",
             String::from_utf8_lossy(&made.stderr)
         );
-        let (proxy, instances) = kv_fleet(&["--enable-admin-api"]).await;
+        let (proxy, instances) = kv_fleet(&[], &["--enable-admin-api"]).await;
         let fleet = Fleet {
             proxy,
             instances,

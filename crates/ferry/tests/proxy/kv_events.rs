@@ -25,10 +25,10 @@ use super::procs::*;
 const WIPE_BOUND: Duration = Duration::from_secs(2);
 
 /// The Python subscriber, killed when dropped: its stdin, and its output lines.
-struct Subscriber {
+pub(super) struct Subscriber {
     child: Child,
-    stdin: ChildStdin,
-    lines: mpsc::Receiver<String>,
+    pub(super) stdin: ChildStdin,
+    pub(super) lines: mpsc::Receiver<String>,
 }
 
 impl Drop for Subscriber {
@@ -39,7 +39,7 @@ impl Drop for Subscriber {
 }
 
 impl Subscriber {
-    fn start(command: &mut Command) -> Self {
+    pub(super) fn start(command: &mut Command) -> Self {
         let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -71,7 +71,7 @@ fn now() -> f64 {
 }
 
 /// The subscriber's next line (a batch, or a replay's batches), within `within`.
-fn next_line(sub: &Subscriber, within: Duration) -> Value {
+pub(super) fn next_line(sub: &Subscriber, within: Duration) -> Value {
     let line = sub
         .lines
         .recv_timeout(within)
@@ -79,9 +79,28 @@ fn next_line(sub: &Subscriber, within: Duration) -> Value {
     serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"))
 }
 
+/// The Python subscriber, subscribed to the publisher `/kv_events_info` describes.
+pub(super) fn subscribe(info: &Value) -> Subscriber {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kv_events/subscriber.py");
+    let mut python = Command::new("python3");
+    python.args([
+        script,
+        info["endpoint"].as_str().unwrap(),
+        info["replay_endpoint"].as_str().unwrap(),
+        info["topic"].as_str().unwrap(),
+    ]);
+    let sub = Subscriber::start(&mut python);
+    let ready = sub
+        .lines
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the subscriber did not start (pyzmq: scripts/test.sh installs it)");
+    assert_eq!(ready, r#"{"ready": true}"#);
+    sub
+}
+
 /// A batch as the subscriber received it: its sequence number and what it says, checked to
 /// be the bytes ferry's encoder writes for that (vLLM 0.34.0's layout: see the module docs).
-fn batch_of(received: &Value) -> (u64, Decoded) {
+pub(super) fn batch_of(received: &Value) -> (u64, Decoded) {
     let hex = received["payload"].as_str().unwrap();
     let bytes: Vec<u8> = (0..hex.len())
         .step_by(2)
@@ -112,20 +131,7 @@ async fn a_python_subscriber_sees_stored_blocks_every_wipe_at_once_and_replays()
         assert_eq!(info["enabled"], true, "{info}");
         assert_eq!(info["format"], wire::FORMAT, "{info}");
         let block_size = info["block_size"].as_u64().unwrap() as usize;
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kv_events/subscriber.py");
-        let mut python = Command::new("python3");
-        python.args([
-            script,
-            info["endpoint"].as_str().unwrap(),
-            info["replay_endpoint"].as_str().unwrap(),
-            info["topic"].as_str().unwrap(),
-        ]);
-        let mut sub = Subscriber::start(&mut python);
-        let ready = sub
-            .lines
-            .recv_timeout(Duration::from_secs(30))
-            .expect("the subscriber did not start (pyzmq: scripts/test.sh installs it)");
-        assert_eq!(ready, r#"{"ready": true}"#);
+        let mut sub = subscribe(&info);
 
         // A prompt of two and a half blocks: its two full blocks are cached, in one chain.
         let prompt: Vec<u32> = (0..(2 * block_size + block_size / 2) as u32)

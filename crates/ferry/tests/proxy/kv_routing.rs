@@ -33,7 +33,7 @@ async fn send(proxy: &str, suffix: u32) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_goes_where_it_is_cached_and_never_to_a_wiped_cache() {
     bounded(async {
-        let (proxy, [a, b]) = kv_fleet(&[]).await;
+        let (proxy, [a, b]) = kv_fleet(&[], &[]).await;
         let p = proxy.url.as_str();
 
         // The first request computes the prefix somewhere; once its blocks are announced,

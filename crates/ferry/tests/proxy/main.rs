@@ -16,6 +16,7 @@ mod kv_events;
 mod kv_routing;
 mod native;
 mod procs;
+mod reset_scope;
 mod upload;
 
 use std::time::{Duration, Instant};

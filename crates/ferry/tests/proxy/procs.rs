@@ -251,13 +251,15 @@ pub fn pd_fleet(p_extra: &[&str], d_extra: &[&str]) -> PdFleet {
 pub const KV_EVENTS: &str = r#"{"enable_kv_cache_events": true, "publisher": "zmq",
     "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#;
 
-/// Two plain instances publishing KV events and a proxy in front of both (`proxy_extra` after
-/// its instances), returned once the proxy's index has synced with both.
-pub async fn kv_fleet(proxy_extra: &[&str]) -> (Proc, [Proc; 2]) {
-    let (a, b) = (
-        serve(&["--kv-events-config", KV_EVENTS]),
-        serve(&["--kv-events-config", KV_EVENTS]),
-    );
+/// Two plain instances publishing KV events (`serve_extra` after the defaults) and a proxy in
+/// front of both (`proxy_extra` after its instances), returned once the proxy's index has
+/// synced with both.
+pub async fn kv_fleet(serve_extra: &[&str], proxy_extra: &[&str]) -> (Proc, [Proc; 2]) {
+    let args: Vec<&str> = ["--kv-events-config", KV_EVENTS]
+        .into_iter()
+        .chain(serve_extra.iter().copied())
+        .collect();
+    let (a, b) = (serve(&args), serve(&args));
     let (a, b) = (a.ready(), b.ready());
     let args = [
         "proxy",
