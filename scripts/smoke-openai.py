@@ -75,6 +75,15 @@ class Smoke:
         c = self.chat(messages=MESSAGES, extra_body=EXACT)
         check(extra(c.choices[0], "weight_versions") == versions, f"chat {c.choices[0]}")
 
+    def test_answers_carry_the_fields_vllm_always_carries(self):
+        # vLLM's conformance tests read these as attributes; a missing one is an AttributeError.
+        r = self.complete(prompt=PROMPT, extra_body=EXACT)
+        check(r.choices[0].prompt_logprobs is None, f"prompt_logprobs {r.choices[0]}")
+        check(r.system_fingerprint is None, f"system_fingerprint {r}")
+        c = self.chat(messages=MESSAGES, extra_body=EXACT)
+        check(c.prompt_logprobs is None, f"chat prompt_logprobs {c}")
+        check(c.choices[0].message.reasoning is None, f"reasoning {c.choices[0].message}")
+
     def test_completion_stream_equals_non_stream(self):
         whole = self.complete(prompt=PROMPT, extra_body=EXACT)
         chunks = list(

@@ -102,7 +102,10 @@ pub enum GenerateError {
     NoTokenizer,
     /// A prompt token the executor has no embedding for; refused before it reaches the
     /// engine, where it would fail the whole batch's step.
-    #[error("prompt token {token} is outside the model's vocabulary of {vocab_size} tokens")]
+    /// Worded as vLLM words it ("Token id N is out of vocabulary"), which clients match.
+    #[error(
+        "Token id {token} is out of vocabulary: the model's vocabulary has {vocab_size} tokens"
+    )]
     TokenOutOfVocabulary { token: TokenId, vocab_size: usize },
     #[error(transparent)]
     Stopped(#[from] Stopped),

@@ -13,8 +13,8 @@ use crate::logprobs::{chat_logprobs, prompt_logprobs_json};
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
 use crate::request::{ChatFields, ChatRequest};
 use crate::response::{
-    AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta, DeltaContent,
-    Head, Message, Response,
+    AlwaysPresent, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta,
+    DeltaContent, Head, Message, Response, CHAT_FIELDS,
 };
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
@@ -27,6 +27,8 @@ pub struct Chat;
 
 impl GenerationRoute for Chat {
     const PROMPT_PARAM: &'static str = "messages";
+    const ALWAYS_PRESENT: &'static AlwaysPresent = &CHAT_FIELDS;
+    const STREAMS_BEAMS: bool = true;
     type Formatter = Formatter;
     type Response = ChatResponse;
 
@@ -164,6 +166,7 @@ impl ChunkFormatter for Formatter {
                 if index == 0 && return_token_ids {
                     chunk.prompt_token_ids = Some(self.prompt.clone());
                 }
+                chunk.usage = self.base.chunk_usage(index);
                 to_json(&chunk)
             })
             .collect()
@@ -201,7 +204,7 @@ impl ChunkFormatter for Formatter {
             prompt_logprobs: (!out.prompt_logprobs.is_empty())
                 .then(|| prompt_logprobs_json(&self.base.texts, &out.prompt_logprobs)),
             kv_transfer_params,
-            usage: self.base.chunk_usage(),
+            usage: self.base.chunk_usage(index),
             ..chat_chunk(&self.base.head, vec![choice])
         };
         std::iter::once(to_json(&chunk)).chain(error).collect()

@@ -11,7 +11,8 @@ use crate::logprobs::{completion_logprobs, echo_logprobs, prompt_logprobs_json, 
 use crate::params::{check_completion_logprobs, check_prompt, GenerationParams};
 use crate::request::{CompletionRequest, Prompt};
 use crate::response::{
-    CompletionChoice, CompletionLogprobs, CompletionResponse, Head, Response, Text, Usage,
+    AlwaysPresent, CompletionChoice, CompletionLogprobs, CompletionResponse, Head, Response, Text,
+    Usage, COMPLETION_FIELDS,
 };
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
@@ -28,6 +29,8 @@ pub struct Completions;
 
 impl GenerationRoute for Completions {
     const PROMPT_PARAM: &'static str = "prompt";
+    const ALWAYS_PRESENT: &'static AlwaysPresent = &COMPLETION_FIELDS;
+    const STREAMS_BEAMS: bool = false;
     type Formatter = Formatter;
     type Response = CompletionResponse;
 
@@ -284,7 +287,7 @@ impl ChunkFormatter for Formatter {
         };
         let response = CompletionResponse {
             kv_transfer_params,
-            ..completion_response(&self.base.head, vec![choice], self.base.chunk_usage())
+            ..completion_response(&self.base.head, vec![choice], self.base.chunk_usage(index))
         };
         std::iter::once(to_json(&response)).chain(error).collect()
     }

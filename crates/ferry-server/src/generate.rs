@@ -283,13 +283,17 @@ pub fn generate_error(e: GenerateError, prompt_param: &str) -> ApiError {
 }
 
 /// Adds up `usage` over a request's choices: each prompt counted once whatever `n`, cached
-/// tokens as reported for each prompt's first choice.
+/// tokens as reported for each prompt's first choice; and each choice's own, for
+/// `continuous_usage_stats` (vLLM counts a streamed chunk's usage per choice: its prompt and
+/// its tokens so far).
 #[derive(Debug, Clone)]
 pub struct UsageTally {
     prompt_lens: Vec<usize>,
     n: usize,
     completion_tokens: usize,
     cached_tokens: usize,
+    /// Per choice: its tokens so far, and its cached prompt tokens once it finished.
+    per_choice: Vec<(usize, usize)>,
 }
 
 impl UsageTally {
@@ -299,16 +303,35 @@ impl UsageTally {
             n: n as usize,
             completion_tokens: 0,
             cached_tokens: 0,
+            per_choice: vec![(0, 0); prompts.len() * n as usize],
         }
     }
 
     pub fn add(&mut self, index: usize, token_ids: &[TokenId], finish: Option<&Finish>) {
         self.completion_tokens += token_ids.len();
+        let own = self.per_choice.get_mut(index);
+        if let Some(own) = own {
+            own.0 += token_ids.len();
+        }
         if let Some(f) = finish {
+            if let Some(own) = self.per_choice.get_mut(index) {
+                own.1 = f.n_cached_tokens;
+            }
             if index.is_multiple_of(self.n) {
                 self.cached_tokens += f.n_cached_tokens;
             }
         }
+    }
+
+    /// Choice `index`'s own usage so far: its prompt, its tokens.
+    pub fn choice_usage(&self, index: usize) -> Usage {
+        let prompt = self
+            .prompt_lens
+            .get(index / self.n.max(1))
+            .copied()
+            .unwrap_or(0);
+        let (tokens, cached) = self.per_choice.get(index).copied().unwrap_or((0, 0));
+        Usage::new(prompt, tokens, cached)
     }
 
     pub fn usage(&self) -> Usage {
@@ -373,6 +396,11 @@ pub struct Generation<'a> {
 pub trait GenerationRoute {
     /// The request field that holds the prompt (`prompt` or `messages`), for engine refusals.
     const PROMPT_PARAM: &'static str;
+    /// The fields vLLM's non-streamed response always carries ([`crate::response::fill_nulls`]).
+    const ALWAYS_PRESENT: &'static crate::response::AlwaysPresent;
+    /// Beam search may stream (each sequence whole, in one chunk): chat, as vLLM's; vLLM's
+    /// completions refuse it.
+    const STREAMS_BEAMS: bool;
     type Formatter: ChunkFormatter;
     type Response: Serialize;
 
@@ -399,6 +427,9 @@ pub async fn handle<R: GenerationRoute>(
 ) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     let (prompts, params) = R::prepare(&app, &body)?;
+    if let Some(beam) = params.beam {
+        return beam_search::<R>(&app, request_id, &prompts, &params, beam).await;
+    }
     let (head, choices) = start(
         &app,
         request_id,
@@ -421,7 +452,127 @@ pub async fn handle<R: GenerationRoute>(
     }
     let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
     check_failed_choices(&collected)?;
-    Ok(Json(R::full_response(head, generation, collected)).into_response())
+    full_response::<R>(head, generation, collected)
+}
+
+/// The whole response, with every field vLLM's always carries.
+fn full_response<R: GenerationRoute>(
+    head: Head,
+    generation: Generation<'_>,
+    collected: Vec<Collected>,
+) -> Result<Response, ApiError> {
+    let response = R::full_response(head, generation, collected);
+    let mut json = serde_json::to_value(&response)
+        .map_err(|e| ApiError::internal(format!("serializing the response: {e}")))?;
+    crate::response::fill_nulls(&mut json, R::ALWAYS_PRESENT);
+    Ok(Json(json).into_response())
+}
+
+/// A `use_beam_search` request ([`crate::beam`]): the searches run to the end, then their
+/// sequences are the route's choices, whole or (chat) streamed one chunk each.
+async fn beam_search<R: GenerationRoute>(
+    app: &AppState,
+    request_id: String,
+    prompts: &[PreparedPrompt],
+    params: &GenerationParams,
+    beam: crate::params::BeamParams,
+) -> Result<Response, ApiError> {
+    if params.stream && !R::STREAMS_BEAMS {
+        // vLLM's words.
+        return Err(ApiError::invalid(
+            "stream",
+            "Streaming is not currently supported with beam search",
+        ));
+    }
+    if params.structured.is_some() {
+        return Err(ApiError::invalid(
+            "use_beam_search",
+            "a structured-output constraint does not apply to beam search",
+        ));
+    }
+    if params.kv_transfer_params.is_some() {
+        return Err(ApiError::invalid(
+            "kv_transfer_params",
+            "a P/D transfer does not apply to beam search",
+        ));
+    }
+    let searches: Vec<crate::beam::Search<'_>> = prompts
+        .iter()
+        .map(|p| crate::beam::Search {
+            prompt: &p.tokens,
+            sampling: &p.sampling,
+        })
+        .collect();
+    let ranked = crate::beam::run(
+        &app.engine,
+        &request_id,
+        &searches,
+        beam.width,
+        beam.length_penalty,
+    )
+    .await
+    .map_err(|e| match e {
+        crate::beam::SearchError::Generate(e) => generate_error(e, R::PROMPT_PARAM),
+        crate::beam::SearchError::Ended(why) => ApiError::internal(why),
+    })?;
+    let tokenizer = app.engine.tokenizer();
+    let mut collected = Vec::with_capacity(prompts.len() * beam.width);
+    for (p, (prompt, ranked)) in prompts.iter().zip(ranked).enumerate() {
+        for (rank, b) in ranked.beams.into_iter().enumerate() {
+            let (token_ids, logprobs, text, reason, stop_reason) = crate::beam::choice_of(
+                b,
+                tokenizer,
+                params.skip_special_tokens,
+                params.include_stop_str_in_output,
+                prompt.sampling.sampler.logprobs,
+            );
+            collected.push(Collected {
+                index: p * beam.width + rank,
+                finish: Some(Finish {
+                    reason,
+                    stop_reason,
+                    n_prompt_tokens: prompt.tokens.len(),
+                    n_output_tokens: token_ids.len(),
+                    n_cached_tokens: 0,
+                    weight_versions: ranked.weight_versions.clone(),
+                    export: None,
+                    kv_transfer_params: None,
+                    message: None,
+                }),
+                token_ids,
+                logprobs,
+                text,
+                ..Collected::default()
+            });
+        }
+    }
+    let head = Head {
+        id: request_id,
+        created: unix_now(),
+        model: app.config.served_model_name.clone(),
+    };
+    let texts = app.texts.with_token_ids(params.tokens_as_ids);
+    let generation = Generation {
+        prompts,
+        params,
+        texts: &texts,
+    };
+    if params.stream {
+        let base = StreamBase::new(head, prompts, params, texts.clone());
+        let streams = collected.into_iter().map(|c| {
+            let chunk = OutputChunk {
+                token_ids: c.token_ids,
+                logprobs: c.logprobs,
+                text: c.text,
+                forced: c.forced,
+                prompt_logprobs: c.prompt_logprobs,
+                finish: c.finish,
+            };
+            stream::iter([(c.index, chunk)]).boxed()
+        });
+        return Ok(sse_response(streams, R::streaming(base, generation)));
+    }
+    full_response::<R>(head, generation, collected)
 }
 
 /// Starts a prepared request on the engine: checks its P/D transfer (and where a load would
@@ -582,9 +733,11 @@ impl StreamBase {
         self.include_usage.then(|| self.usage.usage())
     }
 
-    /// The usage so far, for a content chunk, if the client asked for it on every chunk
-    /// (vLLM's `continuous_usage_stats`); read after [`StreamBase::observe`].
-    pub fn chunk_usage(&self) -> Option<Usage> {
-        self.continuous_usage.then(|| self.usage.usage())
+    /// Choice `index`'s usage so far, for its chunk, if the client asked for it on every
+    /// chunk (vLLM's `continuous_usage_stats`: per choice, the role chunk too); read after
+    /// [`StreamBase::observe`].
+    pub fn chunk_usage(&self, index: usize) -> Option<Usage> {
+        self.continuous_usage
+            .then(|| self.usage.choice_usage(index))
     }
 }

@@ -28,6 +28,7 @@
 //! `ferry-http`'s, re-exported under the paths it had here.
 
 pub mod admin;
+pub mod beam;
 pub mod chat;
 pub mod chat_template;
 pub mod completions;

@@ -52,8 +52,12 @@ pub struct GenerationParams {
     pub skip_special_tokens: bool,
     /// Logprobs name tokens `token:<id>`.
     pub tokens_as_ids: bool,
-    /// Keep only the prompt's last this many tokens.
+    /// Keep only this many of the prompt's tokens: its last, or with `keep_first` its first.
     pub truncate_prompt_tokens: Option<usize>,
+    /// `truncation_side: "right"`.
+    pub keep_first: bool,
+    /// `use_beam_search`: the beam width (`n`) and length penalty.
+    pub beam: Option<BeamParams>,
     /// Completions' `echo`: each prompt's text, to put before its choices' text.
     pub echo: Option<Vec<String>>,
 }
@@ -80,7 +84,7 @@ impl GenerationParams {
                 min_p: check_unit("min_p", common.min_p, 0.0, true)? as f32,
                 // Negative seeds are valid in OpenAI's API; two's complement keeps them
                 // distinct.
-                seed: common.seed.map(|s| s as u64),
+                seed: check_seed(common.seed.as_ref())?.map(|s| s as u64),
                 seed_stream: 0,
                 logprobs,
             },
@@ -133,15 +137,22 @@ impl GenerationParams {
             skip_special_tokens: common.skip_special_tokens.unwrap_or(true),
             tokens_as_ids: common.return_tokens_as_token_ids.unwrap_or(false),
             truncate_prompt_tokens: check_truncate(common.truncate_prompt_tokens, limits)?,
+            keep_first: check_truncation_side(common.truncation_side.as_deref())?,
+            beam: check_beam(common, n)?,
             echo: None,
         })
     }
 
-    /// `prompt` cut to its last `truncate_prompt_tokens` tokens, if the request asks for it.
+    /// `prompt` cut to `truncate_prompt_tokens` tokens, if the request asks for it: its last
+    /// ones, or its first with `truncation_side: "right"`.
     pub fn truncate(&self, mut prompt: Vec<TokenId>) -> Vec<TokenId> {
         if let Some(keep) = self.truncate_prompt_tokens {
-            let cut = prompt.len().saturating_sub(keep);
-            prompt.drain(..cut);
+            if self.keep_first {
+                prompt.truncate(keep);
+            } else {
+                let cut = prompt.len().saturating_sub(keep);
+                prompt.drain(..cut);
+            }
         }
         prompt
     }
@@ -284,6 +295,12 @@ fn check_unit(field: &str, v: Option<f64>, default: f64, zero_ok: bool) -> Resul
     Ok(v)
 }
 
+/// A token id the model does not have, worded as vLLM words it ("Token id N is out of
+/// vocabulary"; clients match those words), with the vocabulary's size after them.
+pub(crate) fn out_of_vocabulary(id: TokenId, vocab: usize) -> String {
+    format!("Token id {id} is out of vocabulary: the model's vocabulary has {vocab} tokens")
+}
+
 fn check_token_ids(
     field: &str,
     ids: &[TokenId],
@@ -293,7 +310,7 @@ fn check_token_ids(
         if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id.index() >= vocab) {
             return Err(ApiError::invalid(
                 format!("{field}[{i}]"),
-                format!("token id {id} is outside the vocabulary (size {vocab})"),
+                out_of_vocabulary(*id, vocab),
             ));
         }
     }
@@ -343,11 +360,8 @@ fn check_logits(common: &CommonParams, limits: &Limits) -> Result<LogitsParams, 
                 format!("`logit_bias` keys are token ids, got `{key}`"),
             )
         })?;
-        if limits.vocab_size.is_some_and(|v| token.index() >= v) {
-            return Err(ApiError::invalid(
-                field,
-                format!("token id {token} is outside the vocabulary"),
-            ));
+        if let Some(vocab) = limits.vocab_size.filter(|&v| token.index() >= v) {
+            return Err(ApiError::invalid(field, out_of_vocabulary(token, vocab)));
         }
         let bias = value.as_f64().filter(|b| b.is_finite()).ok_or_else(|| {
             ApiError::invalid(
@@ -366,11 +380,80 @@ fn check_logits(common: &CommonParams, limits: &Limits) -> Result<LogitsParams, 
     })
 }
 
-/// `truncate_prompt_tokens`: at least 1, at most the model's length; `-1` is that length.
+/// `seed`: a signed 64-bit integer, as vLLM bounds it; outside, the bound it breaks in the
+/// words of vLLM's validation (`greater_than_equal`, `less_than_equal`), which clients match.
+fn check_seed(seed: Option<&serde_json::Number>) -> Result<Option<i64>, ApiError> {
+    let Some(seed) = seed else {
+        return Ok(None);
+    };
+    if let Some(s) = seed.as_i64() {
+        return Ok(Some(s));
+    }
+    // Past i64: a u64 above its maximum, or a float (JSON has no other big numbers).
+    let value = seed.as_f64().unwrap_or(f64::INFINITY);
+    if value.fract() != 0.0 {
+        return Err(ApiError::invalid(
+            "seed",
+            format!("`seed` should be an integer, got {seed}"),
+        ));
+    }
+    let (kind, relation, bound) = if value < 0.0 {
+        ("greater_than_equal", "greater than or equal to", i64::MIN)
+    } else {
+        ("less_than_equal", "less than or equal to", i64::MAX)
+    };
+    Err(ApiError::invalid(
+        "seed",
+        format!("{kind}: `seed` should be {relation} {bound}, got {seed}"),
+    ))
+}
+
+/// A beam search's parameters (`use_beam_search`, [`crate::beam`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BeamParams {
+    /// The beam width: the request's `n`.
+    pub width: usize,
+    pub length_penalty: f64,
+}
+
+/// `use_beam_search` with its `length_penalty` (finite; default 1): the beam width is `n`.
+/// `length_penalty` without beam search means nothing, as in vLLM, and is ignored.
+fn check_beam(common: &CommonParams, n: u32) -> Result<Option<BeamParams>, ApiError> {
+    if common.use_beam_search != Some(true) {
+        return Ok(None);
+    }
+    let length_penalty = common.length_penalty.unwrap_or(1.0);
+    if !length_penalty.is_finite() {
+        return Err(ApiError::invalid(
+            "length_penalty",
+            format!("`length_penalty` must be a finite number, got {length_penalty}"),
+        ));
+    }
+    Ok(Some(BeamParams {
+        width: n as usize,
+        length_penalty,
+    }))
+}
+
+/// `truncation_side`: `"left"` (the default: keep the last tokens) or `"right"` (keep the
+/// first). True for `"right"`.
+fn check_truncation_side(side: Option<&str>) -> Result<bool, ApiError> {
+    match side {
+        None | Some("left") => Ok(false),
+        Some("right") => Ok(true),
+        Some(other) => Err(ApiError::invalid(
+            "truncation_side",
+            format!("`truncation_side` must be \"left\" or \"right\", got {other:?}"),
+        )),
+    }
+}
+
+/// `truncate_prompt_tokens`: at least 1, at most the model's length; `-1` is that length less
+/// one, as vLLM has it for generation (room for one output token).
 fn check_truncate(v: Option<i64>, limits: &Limits) -> Result<Option<usize>, ApiError> {
     match v {
         None => Ok(None),
-        Some(-1) => Ok(Some(limits.max_model_len)),
+        Some(-1) => Ok(Some(limits.max_model_len.saturating_sub(1).max(1))),
         Some(k) if k >= 1 && k as u64 <= limits.max_model_len as u64 => Ok(Some(k as usize)),
         Some(k) => Err(ApiError::invalid(
             "truncate_prompt_tokens",

@@ -79,7 +79,10 @@ pub struct CommonParams {
     pub top_p: Option<f64>,
     pub top_k: Option<i64>,
     pub min_p: Option<f64>,
-    pub seed: Option<i64>,
+    /// Read as any JSON number, so a seed outside 64 bits is the bound it breaks, not a type
+    /// error (`params::check_seed`).
+    #[schema(value_type = Option<i64>)]
+    pub seed: Option<serde_json::Number>,
     pub stop: Option<StopInput>,
     #[schema(value_type = Option<Vec<u32>>)]
     pub stop_token_ids: Option<Vec<TokenId>>,
@@ -104,8 +107,17 @@ pub struct CommonParams {
     pub skip_special_tokens: Option<bool>,
     /// Logprobs name each token `token:<id>` instead of its text (vLLM's).
     pub return_tokens_as_token_ids: Option<bool>,
-    /// Keep only the prompt's last this many tokens (`-1`: the model's maximum length).
+    /// Keep only this many of the prompt's tokens (`-1`: the model's maximum length).
     pub truncate_prompt_tokens: Option<i64>,
+    /// Beam search (vLLM's): `n` is the beam width; the answer is the `n` best sequences,
+    /// best first (`crate::beam`).
+    pub use_beam_search: Option<bool>,
+    /// Beam search's length penalty: a sequence is ranked by its cumulative logprob over its
+    /// length to this power (default 1).
+    pub length_penalty: Option<f64>,
+    /// Which end `truncate_prompt_tokens` cuts (vLLM's): `"left"` (the default) keeps the last
+    /// tokens, `"right"` the first.
+    pub truncation_side: Option<String>,
     /// Subtracted once from the logit of every token the output already has (OpenAI's).
     pub presence_penalty: Option<f64>,
     /// Subtracted from a token's logit once per time the output has it (OpenAI's).
@@ -151,7 +163,6 @@ pub struct StructuredFields {
 pub struct Unsupported {
     pub best_of: Option<Value>,
     pub suffix: Option<Value>,
-    pub use_beam_search: Option<Value>,
     pub tools: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
@@ -174,10 +185,9 @@ impl Unsupported {
             _ => false,
         };
         let best_of_n = |v: &Value| v.as_i64().is_some_and(|b| b <= n);
-        let checks: [FieldCheck<'_>; 8] = [
+        let checks: [FieldCheck<'_>; 7] = [
             ("best_of", &self.best_of, &best_of_n),
             ("suffix", &self.suffix, &empty),
-            ("use_beam_search", &self.use_beam_search, &falsy),
             ("tools", &self.tools, &empty),
             ("functions", &self.functions, &empty),
             ("function_call", &self.function_call, &|v| v == "none"),
@@ -367,8 +377,8 @@ mod tests {
                 .param
         };
         assert_eq!(
-            err(r#"{"use_beam_search": true}"#).as_deref(),
-            Some("use_beam_search")
+            err(r#"{"functions": [{"name": "f"}]}"#).as_deref(),
+            Some("functions")
         );
         assert_eq!(err(r#"{"best_of": 3, "n": 2}"#).as_deref(), Some("best_of"));
         assert_eq!(err(r#"{"suffix": "x"}"#).as_deref(), Some("suffix"));

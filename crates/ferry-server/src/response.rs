@@ -96,6 +96,7 @@ pub struct PromptLogprobMap(pub Vec<(TokenId, PromptLogprobEntry)>);
 /// A token's entry in a [`PromptLogprobMap`] (vLLM's `Logprob`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PromptLogprobEntry {
+    #[serde(serialize_with = "logprob_json")]
     pub logprob: f32,
     pub rank: u32,
     pub decoded_token: String,
@@ -196,6 +197,7 @@ pub type ChatChunkChoice = Choice<DeltaContent, ChatLogprobs>;
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     /// `null` only for an echoed prompt's first token (nothing comes before it).
+    #[serde(serialize_with = "logprobs_json")]
     pub token_logprobs: Vec<Option<f32>>,
     /// `{token text: logprob}` per token, best first (`null` where `token_logprobs` is).
     #[schema(value_type = Vec<Option<std::collections::HashMap<String, f32>>>)]
@@ -215,7 +217,7 @@ impl Serialize for TopLogprobMap {
         let entries: Vec<_> = self.0.iter().filter(|(t, _)| seen.insert(t)).collect();
         let mut map = serializer.serialize_map(Some(entries.len()))?;
         for (token, logprob) in entries {
-            map.serialize_entry(token, logprob)?;
+            map.serialize_entry(token, &decimal(*logprob))?;
         }
         map.end()
     }
@@ -236,6 +238,7 @@ pub struct ChatLogprobs {
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChatTokenLogprob {
     pub token: String,
+    #[serde(serialize_with = "logprob_json")]
     pub logprob: f32,
     pub bytes: Vec<u8>,
     pub top_logprobs: Vec<ChatTopLogprob>,
@@ -244,6 +247,7 @@ pub struct ChatTokenLogprob {
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChatTopLogprob {
     pub token: String,
+    #[serde(serialize_with = "logprob_json")]
     pub logprob: f32,
     pub bytes: Vec<u8>,
 }
@@ -345,4 +349,98 @@ mod tests {
             r#"{"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null,"stop_reason":null}]}"#
         );
     }
+}
+
+/// The fields vLLM's non-streamed responses always carry (`null` when unset: its server dumps
+/// every field of its response models, `vllm/entrypoints/openai/*/protocol.py` at 0.34), by
+/// where they sit. Clients read them as attributes (`choice.prompt_logprobs`) and fail on a
+/// missing one; [`fill_nulls`] adds each that ferry's answer lacks, as `null`.
+#[derive(Debug)]
+pub struct AlwaysPresent {
+    pub response: &'static [&'static str],
+    pub choice: &'static [&'static str],
+    /// Chat's `message`.
+    pub message: &'static [&'static str],
+    pub usage: &'static [&'static str],
+}
+
+/// vLLM's `CompletionResponse`, `CompletionResponseChoice` and `UsageInfo`.
+pub const COMPLETION_FIELDS: AlwaysPresent = AlwaysPresent {
+    response: &[
+        "service_tier",
+        "system_fingerprint",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+    ],
+    choice: &[
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+        "token_ids",
+        "prompt_logprobs",
+        "prompt_token_ids",
+        "routed_experts",
+    ],
+    message: &[],
+    usage: &["completion_tokens_details"],
+};
+
+/// vLLM's `ChatCompletionResponse`, `ChatCompletionResponseChoice`, `ChatMessage` and
+/// `UsageInfo` (an empty `tool_calls` it leaves out, as ferry does).
+pub const CHAT_FIELDS: AlwaysPresent = AlwaysPresent {
+    response: &[
+        "service_tier",
+        "system_fingerprint",
+        "prompt_logprobs",
+        "prompt_token_ids",
+        "prompt_text",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+    ],
+    choice: &[
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+        "token_ids",
+        "routed_experts",
+    ],
+    message: &["refusal", "audio", "function_call", "reasoning"],
+    usage: &["completion_tokens_details"],
+};
+
+/// Adds each of `fields` that `response` (a serialized non-streamed response) lacks, as
+/// `null`; what it has stays as it is.
+pub fn fill_nulls(response: &mut serde_json::Value, fields: &AlwaysPresent) {
+    fn fill(object: Option<&mut serde_json::Value>, keys: &[&str]) {
+        if let Some(serde_json::Value::Object(map)) = object {
+            for key in keys {
+                map.entry(*key).or_insert(serde_json::Value::Null);
+            }
+        }
+    }
+    fill(Some(&mut *response), fields.response);
+    fill(response.get_mut("usage"), fields.usage);
+    if let Some(serde_json::Value::Array(choices)) = response.get_mut("choices") {
+        for choice in choices {
+            fill(choice.get_mut("message"), fields.message);
+            fill(Some(choice), fields.choice);
+        }
+    }
+}
+
+/// An f32 as the f64 its shortest decimal names, so it prints as that decimal (`-4.882622`)
+/// whether serialized directly or through a `serde_json::Value` ([`fill_nulls`]'s path, whose
+/// numbers are f64: widening the f32 itself would print `-4.882621765136719`).
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
+}
+
+fn logprob_json<S: Serializer>(x: &f32, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(decimal(*x))
+}
+
+fn logprobs_json<S: Serializer>(xs: &[Option<f32>], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(xs.iter().map(|x| x.map(decimal)))
 }

@@ -200,7 +200,7 @@ pub async fn detokenize(
         {
             return Err(ApiError::invalid(
                 format!("tokens[{i}]"),
-                format!("token id {id} is outside the vocabulary (size {vocab})"),
+                crate::params::out_of_vocabulary(*id, vocab),
             ));
         }
     }

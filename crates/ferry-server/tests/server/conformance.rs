@@ -234,3 +234,81 @@ async fn a_body_over_the_limit_is_a_413_with_a_json_body() {
     let v: Value = resp.json().await.unwrap();
     assert_eq!(v["error"]["param"], "prompt", "{v}");
 }
+
+/// Every field vLLM's non-streamed responses always carry is there, `null` when unset
+/// (clients read `choice.prompt_logprobs` and the like as attributes); what ferry fills is
+/// kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_streamed_answers_carry_every_field_vllms_always_carry() {
+    let s = start(Options::default()).await;
+    let present = |obj: &Value, keys: &[&str], what: &str| {
+        for key in keys {
+            assert!(obj.get(*key).is_some(), "{what} lacks `{key}`: {obj}");
+        }
+    };
+    let c = s
+        .ok(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": "hello", "max_tokens": 2}),
+        )
+        .await;
+    present(
+        &c,
+        &[
+            "service_tier",
+            "system_fingerprint",
+            "kv_transfer_params",
+            "metrics",
+        ],
+        "a completion",
+    );
+    let choice = &c["choices"][0];
+    present(
+        choice,
+        &[
+            "prompt_logprobs",
+            "prompt_token_ids",
+            "token_ids",
+            "stop_reason",
+            "logprobs",
+        ],
+        "a completion choice",
+    );
+    assert_eq!(choice["prompt_logprobs"], Value::Null);
+    present(&c["usage"], &["completion_tokens_details"], "usage");
+    assert!(c["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64());
+
+    let chat = s
+        .ok(
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2, "return_token_ids": true}),
+        )
+        .await;
+    present(
+        &chat,
+        &[
+            "prompt_logprobs",
+            "prompt_token_ids",
+            "prompt_text",
+            "system_fingerprint",
+        ],
+        "a chat response",
+    );
+    assert_eq!(chat["prompt_logprobs"], Value::Null);
+    assert!(
+        chat["prompt_token_ids"].is_array(),
+        "what ferry fills is kept"
+    );
+    present(
+        &chat["choices"][0],
+        &["token_ids", "stop_reason"],
+        "a chat choice",
+    );
+    present(
+        &chat["choices"][0]["message"],
+        &["refusal", "function_call", "reasoning"],
+        "a chat message",
+    );
+    assert!(chat["choices"][0]["message"].get("tool_calls").is_none());
+}

@@ -155,3 +155,60 @@ async fn bad_chat_requests_name_their_field() {
     }
     assert_eq!(s.n_steps.load(std::sync::atomic::Ordering::SeqCst), 0);
 }
+
+/// Errors clients match by their words are worded as vLLM's: a prompt token the model lacks
+/// says "Token id N is out of vocabulary" (ferry's detail after it), and a seed outside 64 bits
+/// says which bound it breaks (`less_than_equal`, `greater_than_equal`), not a type error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_clients_match_are_worded_as_vllms() {
+    let s = start(Options::default()).await;
+    let message = |body: serde_json::Value| body["error"]["message"].as_str().unwrap().to_owned();
+    let (status, body) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": [1, 99999], "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        message(body).starts_with("Token id 99999 is out of vocabulary: "),
+        "out of vocabulary"
+    );
+    for (seed, kind, bound) in [
+        (
+            "18446744073709551616",
+            "less_than_equal",
+            "9223372036854775807",
+        ),
+        (
+            "-9223372036854775809",
+            "greater_than_equal",
+            "-9223372036854775808",
+        ),
+    ] {
+        let raw = format!(r#"{{"prompt": "x", "max_tokens": 1, "seed": {seed}}}"#);
+        let resp = s
+            .http
+            .post(s.url("/v1/completions"))
+            .header("content-type", "application/json")
+            .body(raw)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 400);
+        let body: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["param"], "seed", "{body}");
+        let text = message(body);
+        assert!(text.starts_with(kind) && text.contains(bound), "{text}");
+    }
+    // The bounds themselves are seeds.
+    for seed in [i64::MAX, i64::MIN] {
+        let (status, body) = s
+            .post(
+                "/v1/completions",
+                &json!({"prompt": "x", "max_tokens": 1, "seed": seed}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+    }
+}

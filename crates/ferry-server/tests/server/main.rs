@@ -4,6 +4,7 @@
 mod admin;
 mod admin_load;
 mod auth;
+mod beam;
 mod chat;
 mod completions;
 mod conformance;

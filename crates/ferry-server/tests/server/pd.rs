@@ -97,7 +97,7 @@ async fn d_generates_what_a_single_engine_generates() {
         ids(&reference["choices"][0]["token_ids"])
     );
     assert_eq!(out["choices"][0]["text"], reference["choices"][0]["text"]);
-    assert!(out.get("kv_transfer_params").is_none(), "{out}");
+    assert!(out["kv_transfer_params"].is_null(), "{out}");
     // P counts an export's blocks once pulled (the bytes give one block's size); D counts
     // the blocks it fetched, which may leave out what it computes anyway.
     let n_blocks_1 = n_prompt.div_ceil(4) as f64;
@@ -335,7 +335,7 @@ async fn bad_kv_transfer_params_are_a_400_naming_the_key() {
     let out = plain
         .ok(path, &with(json!({"do_remote_decode": false, "x": 1})))
         .await;
-    assert!(out.get("kv_transfer_params").is_none(), "{out}");
+    assert!(out["kv_transfer_params"].is_null(), "{out}");
 }
 
 /// D refuses a load from a `remote_host` outside its allowed KV peers before anything

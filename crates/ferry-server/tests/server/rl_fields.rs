@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use ferry_engine::LogprobsMode;
 use serde_json::{json, Value};
 
-use crate::support::{ids, start, Options, Server};
+use crate::support::{ids, start, Options, Server, MODEL};
 
 const PROMPT: &str = "the quick brown fox and the lazy dog";
 
@@ -294,6 +294,53 @@ async fn truncate_prompt_tokens_keeps_the_last_tokens() {
     .await;
 }
 
+/// `truncation_side: "right"` keeps the prompt's first tokens (vLLM's); `"left"` is the
+/// default; anything else is a 400 naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncation_side_right_keeps_the_first_tokens() {
+    let s = start(Options::default()).await;
+    let prompt: Vec<u64> = ids(&s.ok("/tokenize", &json!({"prompt": PROMPT})).await["tokens"]);
+    assert!(prompt.len() > 3);
+    for (side, kept) in [
+        (json!("right"), &prompt[..3]),
+        (json!("left"), &prompt[prompt.len() - 3..]),
+    ] {
+        let body = greedy(
+            2,
+            json!({"truncate_prompt_tokens": 3, "truncation_side": side}),
+        );
+        let cut = s.ok("/v1/completions", &body).await;
+        assert_eq!(ids(&cut["choices"][0]["prompt_token_ids"]), kept, "{side}");
+        let chat = s
+            .ok(
+                "/v1/chat/completions",
+                &json!({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+                        "max_tokens": 1, "truncate_prompt_tokens": 3,
+                        "truncation_side": side, "return_token_ids": true}),
+            )
+            .await;
+        assert_eq!(chat["usage"]["prompt_tokens"], 3, "{side}");
+    }
+    // `-1`: the model's length less one, vLLM's room for one output token.
+    let long: Vec<u64> = (0..crate::support::MAX_MODEL_LEN as u64 + 5)
+        .map(|i| 3 + i % 50)
+        .collect();
+    let mut body = greedy(1, json!({"truncate_prompt_tokens": -1}));
+    body["prompt"] = json!(long);
+    let cut = s.ok("/v1/completions", &body).await;
+    assert_eq!(
+        cut["usage"]["prompt_tokens"],
+        crate::support::MAX_MODEL_LEN - 1,
+        "{cut}"
+    );
+    let body = greedy(
+        2,
+        json!({"truncate_prompt_tokens": 3, "truncation_side": "middle"}),
+    );
+    s.expect_error("/v1/completions", &body, 400, Some("truncation_side"))
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_options_need_a_stream_and_continuous_usage_counts_every_chunk() {
     let s = start(Options::default()).await;
@@ -328,6 +375,33 @@ async fn stream_options_need_a_stream_and_continuous_usage_counts_every_chunk() 
     }
     assert_eq!(seen, 5);
     assert_eq!(last["usage"]["completion_tokens"], 5);
+    // Chat, two choices: every chunk carries its own choice's usage (vLLM's), the opening
+    // role chunks too (no tokens yet); the last, usage-only chunk sums the choices.
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 4, "n": 2, "ignore_eos": true, "stream": true,
+                      "return_token_ids": true,
+                      "stream_options": {"include_usage": true, "continuous_usage_stats": true}});
+    let events = s.stream("/v1/chat/completions", &body).await;
+    let (last, chunks) = events.split_last().unwrap();
+    let prompt = last["usage"]["prompt_tokens"].as_u64().unwrap();
+    let mut seen = [0u64; 2];
+    for c in chunks {
+        let choice = &c["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        seen[i] += choice["token_ids"].as_array().unwrap().len() as u64;
+        assert_eq!(c["usage"]["prompt_tokens"].as_u64(), Some(prompt), "{c}");
+        assert_eq!(
+            c["usage"]["completion_tokens"].as_u64(),
+            Some(seen[i]),
+            "{c}"
+        );
+    }
+    assert!(chunks
+        .iter()
+        .take(2)
+        .all(|c| c["usage"]["completion_tokens"] == 0));
+    assert_eq!(seen, [4, 4]);
+    assert_eq!(last["usage"]["completion_tokens"], 8);
     // Without the option the chunks carry no usage.
     let body = greedy(
         3,
