@@ -309,6 +309,18 @@ impl Fleet {
         Some(guard)
     }
 
+    /// The instance of `role` (not in `tried`) that session `key` belongs to: the highest
+    /// of a hash of the key and each instance's URL (rendezvous hashing). No state is kept
+    /// per session, every proxy in front of the same fleet picks the same instance, and an
+    /// instance that leaves (or fails, so it is `tried`) moves only its own sessions, each to
+    /// its next-highest instance.
+    pub fn pick_session(&self, role: Role, tried: &[String], key: &str) -> Option<InFlight> {
+        let chosen = self
+            .candidates(role, tried)
+            .max_by_key(|i| session_rank(key, &i.url))?;
+        Some(InFlight::start(Arc::clone(chosen), 0))
+    }
+
     /// Every instance, prefill first, in the order given.
     pub fn all(&self) -> &[Arc<Instance>] {
         &self.instances
@@ -360,6 +372,16 @@ impl Fleet {
     }
 }
 
+/// Session `key`'s rank of the instance at `url` (rendezvous hashing): SipHash with fixed
+/// keys (std's `DefaultHasher::new()`), so every run and every proxy of one build ranks alike.
+fn session_rank(key: &str, url: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    url.hash(&mut h);
+    h.finish()
+}
+
 /// One candidate of a route by prefix.
 struct Score<'a> {
     /// `overlap_weight × blocks to prefill + decode blocks in flight`.
@@ -385,6 +407,44 @@ mod tests {
 
     fn urls(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    /// A session stays on one instance whatever the load; sessions spread; an instance that
+    /// leaves moves only its own sessions.
+    #[test]
+    fn a_session_keeps_its_instance_and_losing_one_moves_only_its_sessions() {
+        let d = urls(&["http://d0", "http://d1", "http://d2"]);
+        let fleet = Fleet::new(&urls(&["http://p0"]), &d);
+        let keys: Vec<String> = (0..60).map(|k| format!("session-{k}")).collect();
+        let home = |tried: &[String], key: &str| {
+            fleet
+                .pick_session(Role::Decode, tried, key)
+                .unwrap()
+                .instance
+                .url
+                .clone()
+        };
+        let before: Vec<String> = keys.iter().map(|k| home(&[], k)).collect();
+        // Load does not move a session.
+        let _busy: Vec<InFlight> = (0..5)
+            .map(|_| fleet.pick_session(Role::Decode, &[], &keys[0]).unwrap())
+            .collect();
+        assert_eq!(home(&[], &keys[0]), before[0]);
+        for url in &d {
+            let n = before.iter().filter(|u| *u == url).count();
+            assert!(n >= 10, "{url} holds {n} of 60 sessions");
+        }
+        // d1 leaves: its sessions move, the others stay.
+        let gone = [d[1].clone()];
+        for (k, was) in keys.iter().zip(&before) {
+            let now = home(&gone, k);
+            if *was == d[1] {
+                assert_ne!(now, d[1]);
+            } else {
+                assert_eq!(&now, was, "{k} moved though its instance stayed");
+            }
+        }
+        assert!(fleet.pick_session(Role::Decode, &d, "s").is_none());
     }
 
     #[test]

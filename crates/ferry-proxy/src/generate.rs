@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use ferry_core::TokenId;
@@ -68,9 +68,10 @@ impl Route {
 pub async fn sglang(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(id)): Extension<RequestId>,
+    headers: HeaderMap,
     ApiBytes(body): ApiBytes,
 ) -> Response {
-    generate(&app, Route::Sglang, &id, &body)
+    generate(&app, Route::Sglang, &id, session_key(&headers), &body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -79,9 +80,10 @@ pub async fn sglang(
 pub async fn vllm(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(id)): Extension<RequestId>,
+    headers: HeaderMap,
     ApiBytes(body): ApiBytes,
 ) -> Response {
-    generate(&app, Route::Vllm, &id, &body)
+    generate(&app, Route::Vllm, &id, session_key(&headers), &body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -90,9 +92,10 @@ pub async fn vllm(
 pub async fn completions(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(id)): Extension<RequestId>,
+    headers: HeaderMap,
     ApiBytes(body): ApiBytes,
 ) -> Response {
-    generate(&app, Route::Completions, &id, &body)
+    generate(&app, Route::Completions, &id, session_key(&headers), &body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -101,9 +104,10 @@ pub async fn completions(
 pub async fn chat(
     State(app): State<Arc<ProxyState>>,
     Extension(RequestId(id)): Extension<RequestId>,
+    headers: HeaderMap,
     ApiBytes(body): ApiBytes,
 ) -> Response {
-    generate(&app, Route::Chat, &id, &body)
+    generate(&app, Route::Chat, &id, session_key(&headers), &body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -137,12 +141,34 @@ impl IntoResponse for Stop {
     }
 }
 
-async fn generate(app: &ProxyState, route: Route, id: &str, body: &[u8]) -> Result<Response, Stop> {
+/// The headers that name a conversation (vllm-router's and SkyRL's, SGLang's gateway's): its
+/// turns go to one instance, which holds its KV ([`crate::fleet::Fleet::pick_session`]).
+pub const SESSION_HEADERS: [&str; 2] = ["x-session-id", "x-smg-routing-key"];
+
+/// The request's session key, if a header names one.
+fn session_key(headers: &HeaderMap) -> Option<String> {
+    SESSION_HEADERS
+        .iter()
+        .find_map(|h| headers.get(*h)?.to_str().ok())
+        .filter(|k| !k.is_empty())
+        .map(str::to_owned)
+}
+
+async fn generate(
+    app: &ProxyState,
+    route: Route,
+    id: &str,
+    session: Option<String>,
+    body: &[u8],
+) -> Result<Response, Stop> {
     let request = parse_object(body)?;
     let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
     let role = app.fleet.prompt_role();
     let one_prompt = n_prompts(route, &request) == 1;
-    let tokens = if one_prompt && app.fleet.routes_by_prefix(role) {
+    // A session on plain instances goes where its conversation is: no need to read its
+    // prompt's tokens for a route by prefix (under P/D, P is still picked by prefix).
+    let by_prefix = app.fleet.routes_by_prefix(role) && !(role == Role::Whole && session.is_some());
+    let tokens = if one_prompt && by_prefix {
         prompt_tokens(app, route, &request, role).await
     } else {
         None
@@ -150,7 +176,12 @@ async fn generate(app: &ProxyState, route: Route, id: &str, body: &[u8]) -> Resu
     if role == Role::Whole {
         let n_decode = decode_budget(route, &request);
         let prompt = tokens.as_deref().map(|t| (t, n_decode));
-        return decode(app, route, id, request, streaming, (Role::Whole, prompt)).await;
+        let pick = Pick {
+            role: Role::Whole,
+            prompt,
+            session: session.as_deref(),
+        };
+        return decode(app, route, id, request, streaming, pick).await;
     }
     let mut decode_request = request.clone();
     if one_prompt {
@@ -168,15 +199,23 @@ async fn generate(app: &ProxyState, route: Route, id: &str, body: &[u8]) -> Resu
     } else {
         decode_request.remove("kv_transfer_params");
     }
-    decode(
-        app,
-        route,
-        id,
-        decode_request,
-        streaming,
-        (Role::Decode, None),
-    )
-    .await
+    // Under P/D a session's affinity picks D, which holds the conversation's decode KV; P
+    // is chosen as any prompt's.
+    let pick = Pick {
+        role: Role::Decode,
+        prompt: None,
+        session: session.as_deref(),
+    };
+    decode(app, route, id, decode_request, streaming, pick).await
+}
+
+/// How [`decode`] picks its instance: of `role`, by the session if the request names one,
+/// else by the prompt's tokens when given (a route by prefix), else by load.
+#[derive(Debug, Clone, Copy)]
+struct Pick<'a> {
+    role: Role,
+    prompt: Option<(&'a [TokenId], usize)>,
+    session: Option<&'a str>,
 }
 
 /// The tokens a whole instance will decode for the request: what it asks for (vLLM's default
@@ -575,15 +614,24 @@ async fn decode(
     id: &str,
     request: Map<String, Value>,
     streaming: bool,
-    (role, prompt): (Role, Option<(&[TokenId], usize)>),
+    pick: Pick<'_>,
 ) -> Result<Response, Stop> {
+    let Pick {
+        role,
+        prompt,
+        session,
+    } = pick;
     let body = Bytes::from(
         serde_json::to_vec(&request)
             .map_err(|e| ApiError::internal(format!("could not encode the request: {e}")))?,
     );
     let mut tried = Vec::new();
     let mut unreachable = Vec::new();
-    while let Some(guard) = app.fleet.pick_for(role, &tried, prompt) {
+    let next = |tried: &[String]| match session {
+        Some(key) => app.fleet.pick_session(role, tried, key),
+        None => app.fleet.pick_for(role, tried, prompt),
+    };
+    while let Some(guard) = next(&tried) {
         let instance = Arc::clone(&guard.instance);
         tried.push(instance.url.clone());
         let call = Call {

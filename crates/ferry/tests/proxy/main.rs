@@ -17,6 +17,7 @@ mod kv_routing;
 mod native;
 mod procs;
 mod reset_scope;
+mod sessions;
 mod upload;
 
 use std::time::{Duration, Instant};
