@@ -11,6 +11,7 @@ use crate::generate::{
 };
 use crate::logprobs::{chat_logprobs, prompt_logprobs_json};
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
+use crate::reasoning::{Reasoning, Splitter};
 use crate::request::{ChatFields, ChatRequest};
 use crate::response::{
     AlwaysPresent, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta,
@@ -44,6 +45,25 @@ impl GenerationRoute for Chat {
         let mut params =
             GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
         params.structured = structured_output(&req.structured)?;
+        if let Some(parser) = app.config.reasoning_parser {
+            if params.structured.is_some() {
+                // vLLM starts the constraint after the reasoning; ferry's constraints apply
+                // to the whole output, which would hold the reasoning to the schema too.
+                return Err(ApiError::invalid(
+                    "response_format",
+                    "structured outputs together with --reasoning-parser are not supported yet: \
+                     the constraint would apply to the reasoning too",
+                ));
+            }
+            let thinking = req
+                .own
+                .chat_template_kwargs
+                .as_ref()
+                .and_then(|k| k.get("enable_thinking"))
+                .and_then(Value::as_bool)
+                .unwrap_or(true);
+            params.reasoning = Some(Reasoning { parser, thinking });
+        }
         req.unsupported.check(i64::from(params.n))?;
         let prompt = params.truncate(render_tokens(app, &req.own)?);
         check_prompt(&prompt, "messages", &app.limits)?;
@@ -55,10 +75,14 @@ impl GenerationRoute for Chat {
     }
 
     fn streaming(base: StreamBase, generation: Generation<'_>) -> Formatter {
+        let n_choices = generation.params.n as usize;
         Formatter {
             base,
             prompt: generation.prompts[0].tokens.clone(),
-            n_choices: generation.params.n as usize,
+            n_choices,
+            splitters: (0..n_choices)
+                .map(|_| generation.params.reasoning.map(Reasoning::splitter))
+                .collect(),
         }
     }
 
@@ -88,10 +112,7 @@ impl GenerationRoute for Chat {
                     .logprobs
                     .map(|_| chat_logprobs(texts, &c.logprobs)),
                 content: Message {
-                    message: AssistantMessage {
-                        role: "assistant",
-                        content: c.text,
-                    },
+                    message: assistant_message(c.text, params.reasoning),
                 },
                 finish_reason: Some(finish_reason),
                 stop_reason,
@@ -110,6 +131,26 @@ impl GenerationRoute for Chat {
             kv_transfer_params,
             ..Response::new(&head, "chat.completion", choices)
         }
+    }
+}
+
+/// A finished answer's message: its text, or with a reasoning parser its reasoning (under both
+/// names) and the content after it (`null` when none).
+fn assistant_message(text: String, reasoning: Option<Reasoning>) -> AssistantMessage {
+    let Some(r) = reasoning else {
+        return AssistantMessage {
+            role: "assistant",
+            content: Some(text),
+            reasoning: None,
+            reasoning_content: None,
+        };
+    };
+    let (reasoning, content) = r.split(&text);
+    AssistantMessage {
+        role: "assistant",
+        content,
+        reasoning_content: reasoning.clone(),
+        reasoning,
     }
 }
 
@@ -139,6 +180,33 @@ fn render_tokens(app: &AppState, req: &ChatFields) -> Result<Vec<TokenId>, ApiEr
     app.tokenize(&text, false, "messages")
 }
 
+impl Formatter {
+    /// Choice `index`'s delta for `text`: its content, or with a reasoning parser its split
+    /// (what could be a cut `<think>` marker waits for the next chunk, or the last).
+    fn delta(&mut self, index: usize, text: String, last: bool) -> Delta {
+        let Some(splitter) = self.splitters.get_mut(index).and_then(Option::as_mut) else {
+            return Delta {
+                content: (!text.is_empty() || !last).then_some(text),
+                ..Delta::default()
+            };
+        };
+        let mut split = splitter.push(&text);
+        if last {
+            let rest = splitter.finish();
+            split.reasoning.push_str(&rest.reasoning);
+            split.content.push_str(&rest.content);
+        }
+        let some = |t: String| (!t.is_empty()).then_some(t);
+        let reasoning = some(split.reasoning);
+        Delta {
+            content: some(split.content),
+            reasoning_content: reasoning.clone(),
+            reasoning,
+            ..Delta::default()
+        }
+    }
+}
+
 /// A `chat.completion.chunk` with these choices.
 fn chat_chunk(head: &Head, choices: Vec<ChatChunkChoice>) -> ChatChunk {
     Response::new(head, "chat.completion.chunk", choices)
@@ -150,6 +218,8 @@ pub struct Formatter {
     base: StreamBase,
     prompt: Vec<TokenId>,
     n_choices: usize,
+    /// Per choice, with a reasoning parser: its split so far.
+    splitters: Vec<Option<Splitter>>,
 }
 
 impl ChunkFormatter for Formatter {
@@ -183,10 +253,7 @@ impl ChunkFormatter for Formatter {
         let choice = ChatChunkChoice {
             index,
             content: DeltaContent {
-                delta: Delta {
-                    role: None,
-                    content: (!out.text.is_empty() || out.finish.is_none()).then_some(out.text),
-                },
+                delta: self.delta(index, out.text, out.finish.is_some()),
             },
             logprobs: self
                 .base

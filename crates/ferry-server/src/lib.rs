@@ -43,6 +43,7 @@ pub mod metrics;
 pub mod native;
 pub mod openapi;
 pub mod params;
+pub mod reasoning;
 pub mod request;
 pub mod response;
 pub mod routes;
@@ -86,6 +87,9 @@ pub struct ServerConfig {
     pub eos_token: String,
     /// Largest `logprobs` (completions) or `top_logprobs` (chat).
     pub max_top_logprobs: u32,
+    /// `--reasoning-parser`: chat answers split into reasoning and content
+    /// ([`reasoning`]); `None` leaves the text whole.
+    pub reasoning_parser: Option<reasoning::ReasoningParser>,
     /// Largest `n`.
     pub max_n: u32,
     /// Most stop strings per request.
@@ -152,6 +156,7 @@ impl ServerConfig {
             bos_token: String::new(),
             eos_token: String::new(),
             max_top_logprobs: 20,
+            reasoning_parser: None,
             max_n: 16,
             max_stop_strings: 16,
             max_batch_prompts: 1024,

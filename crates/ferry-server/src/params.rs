@@ -58,6 +58,8 @@ pub struct GenerationParams {
     pub keep_first: bool,
     /// `use_beam_search`: the beam width (`n`) and length penalty.
     pub beam: Option<BeamParams>,
+    /// Chat with `--reasoning-parser`: how the answer splits into reasoning and content.
+    pub reasoning: Option<crate::reasoning::Reasoning>,
     /// Completions' `echo`: each prompt's text, to put before its choices' text.
     pub echo: Option<Vec<String>>,
 }
@@ -139,6 +141,7 @@ impl GenerationParams {
             truncate_prompt_tokens: check_truncate(common.truncate_prompt_tokens, limits)?,
             keep_first: check_truncation_side(common.truncation_side.as_deref())?,
             beam: check_beam(common, n)?,
+            reasoning: None,
             echo: None,
         })
     }

@@ -226,7 +226,14 @@ impl Serialize for TopLogprobMap {
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when a reasoning parser left nothing after the reasoning.
+    pub content: Option<String>,
+    /// With `--reasoning-parser`: the text of the `<think>` block (vLLM's field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
+    /// The same, under its older name (SGLang's, and what many clients read).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 /// Chat logprobs: one entry per output token.
@@ -261,6 +268,7 @@ impl ChatChunkChoice {
                 delta: Delta {
                     role: Some("assistant"),
                     content: Some(String::new()),
+                    ..Delta::default()
                 },
             },
             logprobs: None,
@@ -281,6 +289,12 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// With `--reasoning-parser`: this chunk's part of the reasoning (and under its older
+    /// name).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 /// `GET /v1/models`.

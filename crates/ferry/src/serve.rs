@@ -17,6 +17,7 @@ use ferry_engine::{
     PdConfig, PdRole, SpawnError, StartError, Transport,
 };
 use ferry_model::{LoadedModel, ModelSpec};
+use ferry_server::reasoning::ReasoningParser;
 use ferry_server::{ApiKey, ServerConfig};
 
 use crate::kv_offload::{ConnectorName, PolicyArg};
@@ -71,6 +72,11 @@ pub struct Args {
     /// replace the weights, so bind the server to a trusted network only.
     #[arg(long)]
     pub enable_admin_api: bool,
+    /// Split chat answers into reasoning (`message.reasoning`, `reasoning_content`,
+    /// streamed as `delta.reasoning`) and content: `qwen3` or `deepseek_r1` (vLLM's names;
+    /// the text of the `<think>` block is the reasoning).
+    #[arg(long, value_parser = clap::value_parser!(ReasoningParser))]
+    pub reasoning_parser: Option<ReasoningParser>,
     /// Require `Authorization: Bearer <key>` on every route but /health and /metrics, the
     /// admin routes included (a missing or wrong key is HTTP 401). Prefer the environment
     /// variable: a flag shows in the process list.
@@ -589,6 +595,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
             .map(|plan| plan.allowed_peers.clone())
             .unwrap_or_default(),
         kv_events,
+        reasoning_parser: args.reasoning_parser,
         ..ServerConfig::for_model(served_model_name.clone(), &started.model)
     };
     if args.api_key.is_some() {

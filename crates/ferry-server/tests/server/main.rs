@@ -16,6 +16,7 @@ mod misc;
 mod native;
 mod openapi;
 mod pd;
+mod reasoning;
 mod rl_fields;
 mod rl_frameworks;
 mod structured;

@@ -36,6 +36,8 @@ pub struct Options {
     /// The allowed KV peers, of the server (`ServerConfig::kv_allowed_peers`) and of its P/D
     /// connector alike (default: loopback).
     pub kv_allowed_peers: AllowedPeers,
+    /// `ServerConfig::reasoning_parser`.
+    pub reasoning_parser: Option<ferry_server::reasoning::ReasoningParser>,
 }
 
 impl Default for Options {
@@ -51,6 +53,7 @@ impl Default for Options {
             logprobs_mode: LogprobsMode::default(),
             max_top_logprobs: None,
             kv_allowed_peers: AllowedPeers::default(),
+            reasoning_parser: None,
         }
     }
 }
@@ -136,6 +139,7 @@ pub async fn start_with(opts: Options, pd: Option<Pd>) -> Server {
             .unwrap_or(ferry_server::DEFAULT_MAX_WEIGHT_PUSH_BYTES),
         kv_connector: pd.is_some(),
         kv_allowed_peers: opts.kv_allowed_peers.clone(),
+        reasoning_parser: opts.reasoning_parser,
         weight_upload_timeout: opts
             .weight_upload_timeout
             .unwrap_or(ferry_server::DEFAULT_WEIGHT_UPLOAD_TIMEOUT),
