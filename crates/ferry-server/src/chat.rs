@@ -4,6 +4,7 @@
 use ferry_engine::OutputChunk;
 use ferry_engine::TokenId;
 
+use crate::chat_template::{continue_final, ChatTemplate};
 use crate::error::ApiError;
 use crate::generate::{
     response_transfer_params, weight_versions, ChunkFinish, Collected, Generation, GenerationRoute,
@@ -12,7 +13,7 @@ use crate::generate::{
 use crate::logprobs::{chat_logprobs, prompt_logprobs_json};
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
 use crate::reasoning::{Reasoning, Splitter};
-use crate::request::{ChatFields, ChatRequest};
+use crate::request::{ChatFields, ChatRequest, MessageContent};
 use crate::response::{
     AlwaysPresent, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta,
     DeltaContent, Head, Message, Response, CHAT_FIELDS,
@@ -165,6 +166,13 @@ pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<TokenId>, A
 /// The messages through the chat template, tokenized, not checked yet (a request may cut
 /// them with `truncate_prompt_tokens` first).
 fn render_tokens(app: &AppState, req: &ChatFields) -> Result<Vec<TokenId>, ApiError> {
+    let text = render_text(app, req)?;
+    app.tokenize(&text, false, "messages")
+}
+
+/// The messages through the request's chat template (or the server's), continuing the last
+/// message with `continue_final_message`.
+pub fn render_text(app: &AppState, req: &ChatFields) -> Result<String, ApiError> {
     let messages = req
         .messages
         .as_deref()
@@ -172,12 +180,50 @@ fn render_tokens(app: &AppState, req: &ChatFields) -> Result<Vec<TokenId>, ApiEr
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "`messages` is empty"));
     }
-    let text = app.template()?.render(
+    let add_generation_prompt = req.add_generation_prompt.unwrap_or(true);
+    let continuing = req.continue_final_message.unwrap_or(false);
+    if continuing && add_generation_prompt {
+        // vLLM's rule (its `add_generation_prompt` defaults to true too).
+        return Err(ApiError::invalid(
+            "continue_final_message",
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+        ));
+    }
+    let own;
+    let template = match &req.chat_template {
+        Some(source) => {
+            own = ChatTemplate::new(source, &app.config.bos_token, &app.config.eos_token).map_err(
+                |e| {
+                    let crate::chat_template::TemplateError::Compile(why) = e;
+                    ApiError::invalid(
+                        "chat_template",
+                        format!("`chat_template` does not compile: {why}"),
+                    )
+                },
+            )?;
+            &own
+        }
+        None => app.template()?,
+    };
+    let mut text = template.render(
         messages,
-        req.add_generation_prompt.unwrap_or(true),
+        add_generation_prompt,
         req.chat_template_kwargs.as_ref(),
     )?;
-    app.tokenize(&text, false, "messages")
+    if continuing {
+        let last = messages.last().and_then(|m| m.content.as_ref());
+        let final_text = match last {
+            Some(MessageContent::Text(t)) => t.clone(),
+            Some(MessageContent::Parts(parts)) => parts
+                .iter()
+                .rev()
+                .find_map(|p| p.text.clone())
+                .unwrap_or_default(),
+            None => String::new(),
+        };
+        text = continue_final(&text, &final_text)?;
+    }
+    Ok(text)
 }
 
 impl Formatter {

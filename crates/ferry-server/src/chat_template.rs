@@ -71,6 +71,30 @@ impl ChatTemplate {
     }
 }
 
+/// `rendered` cut right after the final message's text, so the model continues that message
+/// (`continue_final_message`), as transformers' `apply_chat_template` cuts it: at the last
+/// occurrence of the text (stripped), keeping its leading and trailing spaces where the
+/// template kept them. A 400 if the template dropped the text.
+pub fn continue_final(rendered: &str, final_text: &str) -> Result<String, ApiError> {
+    let stripped = final_text.trim();
+    let Some(at) = rendered.rfind(stripped) else {
+        return Err(ApiError::invalid(
+            "continue_final_message",
+            "the final message does not appear in the prompt the chat template made (the \
+             template deletes part of it), so it cannot be continued",
+        ));
+    };
+    // transformers compares the text as it came with the rendered slice as long as the text
+    // without its leading spaces: equal only for a text with none, whose trailing spaces
+    // the template kept.
+    let end = if final_text.trim_start() == final_text && rendered[at..].starts_with(final_text) {
+        at + final_text.len()
+    } else {
+        at + stripped.len()
+    };
+    Ok(rendered[..end].to_owned())
+}
+
 fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
 }
@@ -122,6 +146,34 @@ fn message_value(i: usize, m: &ChatMessage) -> Result<Json, ApiError> {
 
 #[cfg(test)]
 mod tests {
+
+    /// transformers' cut, case by case: the text as the template kept it, trailing spaces
+    /// the template trimmed, leading spaces, a text the template dropped.
+    #[test]
+    fn a_continued_message_is_cut_as_transformers_cuts_it() {
+        let r = "<s>user: hi</s><s>assistant: The answer is </s>";
+        assert_eq!(
+            continue_final(r, "The answer is ").unwrap(),
+            "<s>user: hi</s><s>assistant: The answer is "
+        );
+        let trimmed = "<s>assistant: The answer is</s>";
+        assert_eq!(
+            continue_final(trimmed, "The answer is ").unwrap(),
+            "<s>assistant: The answer is"
+        );
+        assert_eq!(
+            continue_final(r, "  The answer").unwrap(),
+            "<s>user: hi</s><s>assistant: The answer"
+        );
+        // The last occurrence.
+        assert_eq!(continue_final("ab ab x", "ab").unwrap(), "ab ab");
+        assert_eq!(continue_final(r, "").unwrap(), r);
+        assert_eq!(
+            continue_final(r, "missing").unwrap_err().param.as_deref(),
+            Some("continue_final_message")
+        );
+    }
+
     use super::*;
     use crate::extract::parse_json;
 

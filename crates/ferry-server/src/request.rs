@@ -166,8 +166,6 @@ pub struct Unsupported {
     pub tools: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
-    pub continue_final_message: Option<Value>,
-    pub chat_template: Option<Value>,
 }
 
 /// A field's name, its value, and whether that value is the default.
@@ -177,7 +175,6 @@ impl Unsupported {
     /// Refuses the first field set to something other than its OpenAI default. `n` is the
     /// request's `n` (`best_of` equal to `n` is the default).
     pub fn check(&self, n: i64) -> Result<(), ApiError> {
-        let falsy = |v: &Value| v == &Value::Bool(false);
         let empty = |v: &Value| match v {
             Value::String(s) => s.is_empty(),
             Value::Array(a) => a.is_empty(),
@@ -185,18 +182,12 @@ impl Unsupported {
             _ => false,
         };
         let best_of_n = |v: &Value| v.as_i64().is_some_and(|b| b <= n);
-        let checks: [FieldCheck<'_>; 7] = [
+        let checks: [FieldCheck<'_>; 5] = [
             ("best_of", &self.best_of, &best_of_n),
             ("suffix", &self.suffix, &empty),
             ("tools", &self.tools, &empty),
             ("functions", &self.functions, &empty),
             ("function_call", &self.function_call, &|v| v == "none"),
-            (
-                "continue_final_message",
-                &self.continue_final_message,
-                &falsy,
-            ),
-            ("chat_template", &self.chat_template, &|_| false),
         ];
         for (name, value, is_default) in checks {
             match value {
@@ -298,6 +289,11 @@ pub struct ChatFields {
     /// Extra variables for the chat template (e.g. `enable_thinking`).
     #[schema(value_type = Option<Object>)]
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// A Jinja chat template for this request, instead of the server's (vLLM's).
+    pub chat_template: Option<String>,
+    /// The last message (an assistant's, as a prefill) is continued, not closed: the prompt
+    /// ends with its text (transformers' and vLLM's; needs `add_generation_prompt: false`).
+    pub continue_final_message: Option<bool>,
 }
 
 #[cfg(test)]

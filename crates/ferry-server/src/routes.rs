@@ -90,6 +90,9 @@ pub struct TokenizeRequest {
     pub add_generation_prompt: Option<bool>,
     #[schema(value_type = Option<Object>)]
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// As chat's: a template for this request, and the last message continued.
+    pub chat_template: Option<String>,
+    pub continue_final_message: Option<bool>,
     pub return_token_strs: Option<bool>,
 }
 
@@ -150,20 +153,18 @@ fn tokenize_chat(
     messages: Vec<ChatMessage>,
     req: &TokenizeRequest,
 ) -> Result<Vec<TokenId>, ApiError> {
-    if req.add_special_tokens == Some(true) {
-        let text = app.template()?.render(
-            &messages,
-            req.add_generation_prompt.unwrap_or(true),
-            req.chat_template_kwargs.as_ref(),
-        )?;
-        return app.tokenize(&text, true, "messages");
-    }
     let chat = ChatFields {
         messages: Some(messages),
         add_generation_prompt: req.add_generation_prompt,
         chat_template_kwargs: req.chat_template_kwargs.clone(),
+        chat_template: req.chat_template.clone(),
+        continue_final_message: req.continue_final_message,
         ..ChatFields::default()
     };
+    if req.add_special_tokens == Some(true) {
+        let text = crate::chat::render_text(app, &chat)?;
+        return app.tokenize(&text, true, "messages");
+    }
     render_prompt(app, &chat)
 }
 

@@ -77,6 +77,10 @@ pub struct Args {
     /// the text of the `<think>` block is the reasoning).
     #[arg(long, value_parser = clap::value_parser!(ReasoningParser))]
     pub reasoning_parser: Option<ReasoningParser>,
+    /// The chat template: a Jinja file, or the template itself (vLLM's `--chat-template`);
+    /// default the model's (its tokenizer config's).
+    #[arg(long)]
+    pub chat_template: Option<String>,
     /// Require `Authorization: Bearer <key>` on every route but /health and /metrics, the
     /// admin routes included (a missing or wrong key is HTTP 401). Prefer the environment
     /// variable: a flag shows in the process list.
@@ -598,6 +602,13 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         reasoning_parser: args.reasoning_parser,
         ..ServerConfig::for_model(served_model_name.clone(), &started.model)
     };
+    let server_config = match &args.chat_template {
+        Some(t) => ServerConfig {
+            chat_template: Some(chat_template_arg(t)?),
+            ..server_config
+        },
+        None => server_config,
+    };
     if args.api_key.is_some() {
         tracing::info!("an API key is required on every route but /health and /metrics");
     }
@@ -765,4 +776,22 @@ fn flag_error(args: &Args, e: StartError) -> anyhow::Error {
             anyhow::Error::new(e).context("starting the engine")
         }
     }
+}
+
+/// `--chat-template`: a file's text, or the argument itself when it is a template (vLLM reads
+/// it the same way); anything else is an error naming the flag.
+fn chat_template_arg(arg: &str) -> anyhow::Result<String> {
+    let path = std::path::Path::new(arg);
+    let template = if path.is_file() {
+        std::fs::read_to_string(path)
+            .with_context(|| format!("--chat-template {arg}: could not read it"))?
+    } else if arg.contains("{{") || arg.contains("{%") {
+        arg.to_owned()
+    } else {
+        anyhow::bail!("--chat-template {arg}: no such file, and not a Jinja template either")
+    };
+    // Refused at start, not at the first chat request.
+    ferry_server::chat_template::ChatTemplate::new(&template, "", "")
+        .map_err(|e| anyhow::anyhow!("--chat-template {arg}: {e}"))?;
+    Ok(template)
 }

@@ -475,3 +475,48 @@ fn the_offload_tier_serves_a_prefix_the_kv_cache_lost_and_shows_it_on_metrics() 
     reset(true);
     assert_eq!(metric(&metrics(), "ferry_kv_offload_bytes_used"), 0.0);
 }
+
+/// `--chat-template`: a Jinja file (or the template itself) replaces the model's; a path that
+/// is neither, or a template that does not compile, stops the server at start naming the flag.
+#[test]
+fn the_chat_template_flag_reads_a_file_or_refuses_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("chat.jinja");
+    std::fs::write(
+        &path,
+        "{% for m in messages %}[{{ m.content }}]{% endfor %}",
+    )
+    .unwrap();
+    let server = start(&["--chat-template", path.to_str().unwrap()]);
+    let (status, chat) = call(
+        server.port,
+        "POST",
+        "/tokenize",
+        r#"{"messages": [{"role": "user", "content": "hi"}]}"#,
+    );
+    assert_eq!(status, 200, "{chat}");
+    let (_, text) = call(
+        server.port,
+        "POST",
+        "/tokenize",
+        r#"{"prompt": "[hi]", "add_special_tokens": false}"#,
+    );
+    assert_eq!(chat["tokens"], text["tokens"]);
+    for bad in ["/no/such/template.jinja", "{% for %}"] {
+        let out = Command::new(FERRY)
+            .args([
+                "serve",
+                "--model",
+                "tiny",
+                "--port",
+                "0",
+                "--chat-template",
+                bad,
+            ])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad} started");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--chat-template"), "{bad}: {err}");
+    }
+}

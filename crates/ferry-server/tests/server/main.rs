@@ -21,4 +21,5 @@ mod rl_fields;
 mod rl_frameworks;
 mod structured;
 mod support;
+mod templates;
 mod upload;
