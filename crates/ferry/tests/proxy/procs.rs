@@ -247,6 +247,16 @@ pub fn pd_fleet(p_extra: &[&str], d_extra: &[&str]) -> PdFleet {
     PdFleet { proxy, p, d }
 }
 
+/// `ferry proxy` in front of plain instances (`--instance`), with `extra` after them.
+pub fn whole_proxy(instances: &[&str], extra: &[&str]) -> Starting {
+    let mut args = strings(&["proxy", "--port", "0"]);
+    for url in instances {
+        args.extend(strings(&["--instance", url]));
+    }
+    args.extend(strings(extra));
+    spawn(&args, &[])
+}
+
 /// KV events on free ports, with replay: what a proxy routing by cache subscribes to.
 pub const KV_EVENTS: &str = r#"{"enable_kv_cache_events": true, "publisher": "zmq",
     "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#;
@@ -261,20 +271,7 @@ pub async fn kv_fleet(serve_extra: &[&str], proxy_extra: &[&str]) -> (Proc, [Pro
         .collect();
     let (a, b) = (serve(&args), serve(&args));
     let (a, b) = (a.ready(), b.ready());
-    let args = [
-        "proxy",
-        "--port",
-        "0",
-        "--instance",
-        &a.url,
-        "--instance",
-        &b.url,
-    ]
-    .into_iter()
-    .chain(proxy_extra.iter().copied())
-    .map(String::from)
-    .collect::<Vec<_>>();
-    let proxy = spawn(&args, &[]).ready();
+    let proxy = whole_proxy(&[&a.url, &b.url], proxy_extra).ready();
     wait_metrics(&proxy.url, Duration::from_secs(30), |m| {
         metric(m, "ferry_proxy_kv_synced") == 2.0
     })

@@ -52,16 +52,7 @@ async fn a_sessions_turns_stay_on_one_instance_and_find_their_cache() {
     bounded(async {
         let (a, b) = (serve(&[]), serve(&[]));
         let (a, mut b) = (a.ready(), b.ready());
-        let args = [
-            "proxy",
-            "--port",
-            "0",
-            "--instance",
-            &a.url,
-            "--instance",
-            &b.url,
-        ];
-        let proxy = spawn(&args.map(String::from), &[]).ready();
+        let proxy = whole_proxy(&[&a.url, &b.url], &[]).ready();
         let p = proxy.url.as_str();
         let urls = [a.url.clone(), b.url.clone()];
 
