@@ -290,9 +290,8 @@ pub fn generate_error(e: GenerateError, prompt_param: &str) -> ApiError {
 pub struct UsageTally {
     prompt_lens: Vec<usize>,
     n: usize,
-    completion_tokens: usize,
-    cached_tokens: usize,
-    /// Per choice: its tokens so far, and its cached prompt tokens once it finished.
+    /// Per choice (`p * n + i`): its tokens so far, and its cached prompt tokens once it
+    /// finished. The request's usage is their sum.
     per_choice: Vec<(usize, usize)>,
 }
 
@@ -301,25 +300,17 @@ impl UsageTally {
         Self {
             prompt_lens: prompts.iter().map(|p| p.tokens.len()).collect(),
             n: n as usize,
-            completion_tokens: 0,
-            cached_tokens: 0,
             per_choice: vec![(0, 0); prompts.len() * n as usize],
         }
     }
 
     pub fn add(&mut self, index: usize, token_ids: &[TokenId], finish: Option<&Finish>) {
-        self.completion_tokens += token_ids.len();
-        let own = self.per_choice.get_mut(index);
-        if let Some(own) = own {
-            own.0 += token_ids.len();
-        }
+        let Some(own) = self.per_choice.get_mut(index) else {
+            return;
+        };
+        own.0 += token_ids.len();
         if let Some(f) = finish {
-            if let Some(own) = self.per_choice.get_mut(index) {
-                own.1 = f.n_cached_tokens;
-            }
-            if index.is_multiple_of(self.n) {
-                self.cached_tokens += f.n_cached_tokens;
-            }
+            own.1 = f.n_cached_tokens;
         }
     }
 
@@ -334,12 +325,17 @@ impl UsageTally {
         Usage::new(prompt, tokens, cached)
     }
 
+    /// The request's usage: every choice's tokens; each prompt and its cached tokens once
+    /// (as its first choice reported them), whatever `n`.
     pub fn usage(&self) -> Usage {
-        Usage::new(
-            self.prompt_lens.iter().sum(),
-            self.completion_tokens,
-            self.cached_tokens,
-        )
+        let tokens = self.per_choice.iter().map(|c| c.0).sum();
+        let cached = self
+            .per_choice
+            .iter()
+            .step_by(self.n.max(1))
+            .map(|c| c.1)
+            .sum();
+        Usage::new(self.prompt_lens.iter().sum(), tokens, cached)
     }
 }
 
@@ -462,7 +458,11 @@ fn full_response<R: GenerationRoute>(
     collected: Vec<Collected>,
 ) -> Result<Response, ApiError> {
     let response = R::full_response(head, generation, collected);
-    let mut json = serde_json::to_value(&response)
+    // Through its text, not `to_value`: a value's numbers are f64, and an f32 logprob
+    // widened would print as `-4.882621765136719` where its text says `-4.882622`. Parsed
+    // back exactly (serde_json's `float_roundtrip`), each prints as the same shortest text.
+    let mut json: Value = serde_json::to_string(&response)
+        .and_then(|text| serde_json::from_str(&text))
         .map_err(|e| ApiError::internal(format!("serializing the response: {e}")))?;
     crate::response::fill_nulls(&mut json, R::ALWAYS_PRESENT);
     Ok(Json(json).into_response())

@@ -96,7 +96,6 @@ pub struct PromptLogprobMap(pub Vec<(TokenId, PromptLogprobEntry)>);
 /// A token's entry in a [`PromptLogprobMap`] (vLLM's `Logprob`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PromptLogprobEntry {
-    #[serde(serialize_with = "logprob_json")]
     pub logprob: f32,
     pub rank: u32,
     pub decoded_token: String,
@@ -197,7 +196,6 @@ pub type ChatChunkChoice = Choice<DeltaContent, ChatLogprobs>;
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     /// `null` only for an echoed prompt's first token (nothing comes before it).
-    #[serde(serialize_with = "logprobs_json")]
     pub token_logprobs: Vec<Option<f32>>,
     /// `{token text: logprob}` per token, best first (`null` where `token_logprobs` is).
     #[schema(value_type = Vec<Option<std::collections::HashMap<String, f32>>>)]
@@ -217,7 +215,7 @@ impl Serialize for TopLogprobMap {
         let entries: Vec<_> = self.0.iter().filter(|(t, _)| seen.insert(t)).collect();
         let mut map = serializer.serialize_map(Some(entries.len()))?;
         for (token, logprob) in entries {
-            map.serialize_entry(token, &decimal(*logprob))?;
+            map.serialize_entry(token, logprob)?;
         }
         map.end()
     }
@@ -245,7 +243,6 @@ pub struct ChatLogprobs {
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChatTokenLogprob {
     pub token: String,
-    #[serde(serialize_with = "logprob_json")]
     pub logprob: f32,
     pub bytes: Vec<u8>,
     pub top_logprobs: Vec<ChatTopLogprob>,
@@ -254,7 +251,6 @@ pub struct ChatTokenLogprob {
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChatTopLogprob {
     pub token: String,
-    #[serde(serialize_with = "logprob_json")]
     pub logprob: f32,
     pub bytes: Vec<u8>,
 }
@@ -442,19 +438,4 @@ pub fn fill_nulls(response: &mut serde_json::Value, fields: &AlwaysPresent) {
             fill(Some(choice), fields.choice);
         }
     }
-}
-
-/// An f32 as the f64 its shortest decimal names, so it prints as that decimal (`-4.882622`)
-/// whether serialized directly or through a `serde_json::Value` ([`fill_nulls`]'s path, whose
-/// numbers are f64: widening the f32 itself would print `-4.882621765136719`).
-fn decimal(x: f32) -> f64 {
-    x.to_string().parse().unwrap_or(f64::from(x))
-}
-
-fn logprob_json<S: Serializer>(x: &f32, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(decimal(*x))
-}
-
-fn logprobs_json<S: Serializer>(xs: &[Option<f32>], s: S) -> Result<S::Ok, S::Error> {
-    s.collect_seq(xs.iter().map(|x| x.map(decimal)))
 }
