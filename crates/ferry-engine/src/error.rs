@@ -29,16 +29,10 @@ pub enum Stopped {
 }
 
 impl Stopped {
-    /// What a caller is told once the engine thread is gone: its failure, if it failed.
-    pub(crate) fn from_failure(failure: Option<&str>) -> Self {
+    /// What a caller is told once the engine thread is gone: its failure
+    /// (`EngineStats::failure`), if it failed.
+    pub fn from_failure(failure: Option<&str>) -> Self {
         failure.map_or(Self::ShutDown, |m| Self::Failed(m.to_owned()))
-    }
-}
-
-/// A stopped engine's stats say why it stopped.
-impl From<crate::EngineStats> for Stopped {
-    fn from(stats: crate::EngineStats) -> Self {
-        stats.failure.map_or(Self::ShutDown, Self::Failed)
     }
 }
 

@@ -39,7 +39,10 @@ pub async fn health(State(app): State<Arc<AppState>>) -> Response {
         StatusCode::OK.into_response()
     } else {
         // A 500 naming the failure if the engine failed, a 503 if it was shut down.
-        api_error(ferry_engine::Stopped::from(stats)).into_response()
+        api_error(ferry_engine::Stopped::from_failure(
+            stats.failure.as_deref(),
+        ))
+        .into_response()
     }
 }
 
