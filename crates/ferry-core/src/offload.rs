@@ -721,6 +721,19 @@ mod slot_tests {
 
     /// A one-slot tier (one block a slot, block size 4) storing block 0's hash: job 1 copies
     /// host slot 0.
+    /// Request 1 computes a block after [`storing`]'s: the tier takes a slot for it.
+    fn store_a_second_block(t: &mut OffloadConnector) {
+        let (blocks, hashes) = (BlockId::list([1, 2]), hashes());
+        let second = ComputedBlocks {
+            req: ReqIdx(1),
+            blocks: &blocks,
+            block_hashes: &hashes,
+            n_before: 4,
+            n_after: 8,
+        };
+        t.blocks_computed(second, &mut Holds(1));
+    }
+
     fn storing() -> OffloadConnector {
         let mut t = OffloadConnector::new(OffloadConfig {
             block_size: 4,
@@ -766,15 +779,7 @@ mod slot_tests {
         let mut t = storing();
         // Marked stored while its job is still in flight: the slot looks evictable.
         t.index.values_mut().for_each(|e| e.storing = false);
-        let (blocks, hashes) = (BlockId::list([1, 2]), hashes());
-        let second = ComputedBlocks {
-            req: ReqIdx(1),
-            blocks: &blocks,
-            block_hashes: &hashes,
-            n_before: 4,
-            n_after: 8,
-        };
-        t.blocks_computed(second, &mut Holds(1));
+        store_a_second_block(&mut t);
     }
 
     #[test]
@@ -785,15 +790,7 @@ mod slot_tests {
     fn handing_out_a_free_slot_a_job_still_copies_panics() {
         let mut t = storing();
         t.free_slots.insert(0);
-        let (blocks, hashes) = (BlockId::list([1, 2]), hashes());
-        let second = ComputedBlocks {
-            req: ReqIdx(1),
-            blocks: &blocks,
-            block_hashes: &hashes,
-            n_before: 4,
-            n_after: 8,
-        };
-        t.blocks_computed(second, &mut Holds(1));
+        store_a_second_block(&mut t);
     }
 
     #[test]

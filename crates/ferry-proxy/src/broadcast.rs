@@ -425,6 +425,16 @@ mod tests {
         }
     }
 
+    /// A decode instance that refused the connection.
+    fn unreachable(url: &str) -> InstanceResult {
+        let e = UpstreamError::Unreachable {
+            role: "decode",
+            url: url.into(),
+            reason: "connection refused".into(),
+        };
+        result(url, Err(e))
+    }
+
     #[test]
     fn merges_flags_and_counts_across_instances() {
         let a = json!({"is_paused": true, "is_sleeping": false, "aborted": 2, "x": "a"});
@@ -452,14 +462,7 @@ mod tests {
         );
         let response = summarise("/pause", &[ok, refused]);
         assert_eq!(response.status(), StatusCode::CONFLICT);
-        let down = result(
-            "http://d1",
-            Err(UpstreamError::Unreachable {
-                role: "decode",
-                url: "http://d1".into(),
-                reason: "connection refused".into(),
-            }),
-        );
+        let down = unreachable("http://d1");
         let ok = result("http://p0", Ok((200, json!({}))));
         assert_eq!(
             summarise("/pause", &[ok, down]).status(),
@@ -557,14 +560,7 @@ mod tests {
         let (status, _) = json_of(summarise("/is_paused", &results)).await;
         assert_eq!(status, StatusCode::OK);
         // A failure is still the failure, naming the instance, skew or not.
-        let down = result(
-            "http://d1",
-            Err(UpstreamError::Unreachable {
-                role: "decode",
-                url: "http://d1".into(),
-                reason: "connection refused".into(),
-            }),
-        );
+        let down = unreachable("http://d1");
         let results = [
             at("http://p0", Role::Prefill, "v1"),
             at("http://d0", Role::Decode, "v2"),
