@@ -44,6 +44,13 @@ pub enum StructuredOutput {
     Choice(Vec<String>),
     /// A Lark grammar (llguidance's dialect).
     Grammar(String),
+    /// Any text up to and including the first `end` (a model's reasoning, closed by
+    /// `</think>`), then `inner`: a constraint that starts after the reasoning, as vLLM's does
+    /// with a reasoning parser.
+    AfterReasoning {
+        end: String,
+        inner: Box<StructuredOutput>,
+    },
 }
 
 impl StructuredOutput {
@@ -63,6 +70,26 @@ impl StructuredOutput {
                 TopLevelGrammar::from_regex(&format!("({})", alternatives.join("|")))
             }
             Self::Grammar(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            Self::AfterReasoning { end, inner } => {
+                // Two grammars: the free text is a lazy lexeme (it ends at the first `end`),
+                // then the inner constraint's own grammar, referenced by name.
+                let mut inner = inner.grammar()?;
+                if inner.grammars.len() != 1 {
+                    return Err(ConstraintError::Invalid(
+                        "a constraint after the reasoning must be a single grammar".into(),
+                    ));
+                }
+                let mut body = inner.grammars.remove(0);
+                body.name = Some("after_reasoning".into());
+                let reasoning = llguidance::api::GrammarWithLexer::from_lark(format!(
+                    "start: reasoning @after_reasoning\nreasoning[lazy]: /(.|\\n)*{}/\n",
+                    regex_escape(end).replace('/', "\\/")
+                ));
+                TopLevelGrammar {
+                    grammars: vec![reasoning, body],
+                    max_tokens: None,
+                }
+            }
         })
     }
 }
@@ -190,6 +217,16 @@ pub struct Constraint {
 impl std::fmt::Debug for Constraint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Constraint").finish_non_exhaustive()
+    }
+}
+
+impl Constraint {
+    /// Whether `tokens` are a whole output this constraint accepts (for tests and
+    /// diagnostics: the engine feeds tokens one by one as they are sampled).
+    pub fn accepts(&self, tokens: &[TokenId]) -> bool {
+        let mut matcher = self.matcher.deep_clone();
+        matcher.consume_tokens(TokenId::as_raw_slice(tokens)).is_ok()
+            && matcher.is_accepting().unwrap_or(false)
     }
 }
 

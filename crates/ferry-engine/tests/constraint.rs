@@ -412,3 +412,35 @@ async fn the_default_model_meets_every_constraint_and_keeps_its_argmax() {
     }
     engine.shutdown().await.unwrap();
 }
+
+/// A constraint after the reasoning: any text up to the first `</think>` is free (markers
+/// and braces inside it included), then the schema holds; text that breaks the schema after
+/// the marker, or an answer without the marker, is refused.
+#[tokio::test]
+async fn a_constraint_after_the_reasoning_leaves_the_reasoning_free() {
+    let tok = tokenizer();
+    let engine = engine(&tok, 4);
+    let spec = StructuredOutput::AfterReasoning {
+        end: "</think>".into(),
+        inner: Box::new(StructuredOutput::JsonSchema(person_schema())),
+    };
+    let c = compile(&engine, spec);
+    let person = r#"{"name":"ada","age":36,"tags":[true]}"#;
+    let accepts = |text: &str| c.accepts(&encode(&tok, text));
+    assert!(accepts(&format!("<think>\nhmm {{ not json </thin\n</think>{person}")));
+    assert!(accepts(&format!("</think>{person}")));
+    assert!(!accepts("<think>x</think>{\"name\":5}"));
+    assert!(!accepts(person), "the reasoning must end first");
+    assert!(!accepts(&format!("<think>x</think>{person}</think>")));
+    // Each kind of inner constraint.
+    let choice = compile(
+        &engine,
+        StructuredOutput::AfterReasoning {
+            end: "</think>".into(),
+            inner: Box::new(StructuredOutput::Choice(vec!["yes".into(), "no".into()])),
+        },
+    );
+    assert!(choice.accepts(&encode(&tok, "a/b</think>no")));
+    assert!(!choice.accepts(&encode(&tok, "a</think>maybe")));
+    engine.shutdown().await.unwrap();
+}
