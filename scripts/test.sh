@@ -10,6 +10,11 @@ scripts/fetch-model.sh >/dev/null
 # makes of the batches is checked against goldens: crates/ferry-kv-events/tests/golden/.)
 python3 -c 'import zmq' 2>/dev/null ||
     python3 -m pip install --quiet --disable-pip-version-check pyzmq==27.3.0
+# vLLM's router in front of ferry (crates/ferry/tests/proxy/vllm_router.rs: P/D and
+# consistent_hash), the release those tests pin, from PyPI when python3 has another or none.
+# The tests run it as `python3 -m vllm_router.launch_router`, so no scripts dir need be on PATH.
+[ "$(python3 -c 'import vllm_router; print(vllm_router.__version__)' 2>/dev/null)" = 0.1.17 ] ||
+    python3 -m pip install --quiet --disable-pip-version-check vllm-router==0.1.17
 
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT

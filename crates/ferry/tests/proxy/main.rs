@@ -5,8 +5,10 @@
 //! straight to D, several P and D, an instance that is down, keys and bad input, and
 //! instances on different weight versions (a 409 and `/health`'s `version_skew`). Beside them,
 //! the KV events the instances publish (`kv_events.rs`), the proxy's routing by them
-//! (`kv_routing.rs`), the RL frameworks' native routes through P and D (`native.rs`), and
-//! bucketed weight uploads with their two-phase commit (`upload.rs`).
+//! (`kv_routing.rs`), the RL frameworks' native routes through P and D (`native.rs`),
+//! bucketed weight uploads with their two-phase commit (`upload.rs`), and vLLM's own router
+//! (`vllm-router` from PyPI) in front of unchanged instances, in P/D and by session
+//! (`vllm_router.rs`).
 //!
 //! The tests take one lock each, so their processes never compete for the CPU (several
 //! tests wait on leases and pauses), and each is bounded in time.
@@ -19,6 +21,7 @@ mod procs;
 mod reset_scope;
 mod sessions;
 mod upload;
+mod vllm_router;
 
 use std::time::{Duration, Instant};
 
