@@ -519,7 +519,11 @@ def joins_clean(template, prompt, output, following):
 
 
 def weather_message(args_text, content=None, reasoning=None):
-    msg = {"role": "assistant", "content": content, "tool_calls": [call("call_w1", "get_weather", args_text)]}
+    msg = {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [call("call_w1", "get_weather", args_text)],
+    }
     if reasoning is not None:
         msg["reasoning"] = reasoning
     return msg
