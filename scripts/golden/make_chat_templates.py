@@ -18,7 +18,8 @@ tool calls, tool results, reasoning and system messages as a vLLM 0.34 server wo
 
 A case where transformers raises (Llama 3.1's template refuses two tool calls in one message;
 Hermes' template cannot iterate over no tools) records the error instead: vLLM answers such a
-request with a 400, and so must ferry.
+request with a 400, and so must ferry (the test lets ferry render where only Jinja2's refusal
+to iterate over None is at stake: minijinja iterates none as empty).
 
 The tokenizer is ferry's default model's, SmolLM2-135M-Instruct, built by transformers from the
 GGUF file ferry loads (`PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=...)`, i.e.
