@@ -32,7 +32,7 @@ use crate::params::GenerationParams;
 use crate::response::{Head, StopReasonJson, Usage};
 use crate::sse::{sse_response, to_json, ChunkFormatter};
 use crate::state::{unix_now, AppState};
-use crate::structured::compile;
+use crate::structured::{compile, StructuredSpec};
 
 /// One prompt, tokenized and validated, with its resolved sampling parameters.
 #[derive(Debug, Clone)]
@@ -607,6 +607,17 @@ pub async fn start(
         }
         other => other,
     };
+    for (param, output) in &params.schema_checks {
+        let spec = StructuredSpec {
+            output: output.clone(),
+            param: "tools",
+        };
+        compile(&app.engine, spec).await.map_err(|mut e| {
+            e.message = e.message.replace("`tools`", &format!("`{param}`"));
+            e.param = Some(param.clone());
+            e
+        })?;
+    }
     let constraint = match params.structured.clone() {
         Some(spec) => Some(compile(&app.engine, spec).await?),
         None => None,
