@@ -287,6 +287,9 @@ impl ToolRequest {
                         "parameters": params,
                     },
                     "required": ["name", "parameters"],
+                    // vLLM's schema leaves this open; xgrammar closes it by default, and
+                    // llguidance would let the model add keys without end.
+                    "additionalProperties": false,
                 })
             })
             .collect();
