@@ -47,6 +47,7 @@ async fn full_queue_is_a_503_and_accepted_requests_finish() {
 /// them between the same two steps (the choices of a P/D prompt share one KV load: a choice
 /// queued after another had loaded and finished found the export pulled already, a 500 seen
 /// under CPU contention). Held inside a step, the engine leaves all three in its queue.
+#[allow(clippy::await_holding_lock)] // the guard holds the engine thread, not a task
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_choices_of_a_request_are_queued_together() {
     let s = start(Options::default()).await;
