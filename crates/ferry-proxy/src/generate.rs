@@ -282,8 +282,16 @@ async fn prompt_tokens(
                 "messages": request.get("messages")?,
                 "add_generation_prompt": request.get("add_generation_prompt").unwrap_or(&json!(true)),
             });
-            if let Some(kwargs) = request.get("chat_template_kwargs") {
-                body["chat_template_kwargs"] = kwargs.clone();
+            // Whatever changes the rendering: the instance renders the chat with them.
+            for field in [
+                "chat_template_kwargs",
+                "chat_template",
+                "continue_final_message",
+                "tools",
+            ] {
+                if let Some(v) = request.get(field) {
+                    body[field] = v.clone();
+                }
             }
             body
         }

@@ -103,3 +103,61 @@ async fn a_prefix_goes_where_it_is_cached_and_never_to_a_wiped_cache() {
     })
     .await;
 }
+
+/// A chat whose rendering depends on its `tools` and its own `chat_template`: the proxy
+/// tokenizes it with both, as the instance renders it, so it predicts exactly the hits the
+/// instance then reports (before, it tokenized the messages alone and predicted none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_is_routed_by_the_prompt_its_tools_and_template_make() {
+    bounded(async {
+        let (proxy, [a, b]) = kv_fleet(&[], &[]).await;
+        let p = proxy.url.as_str();
+        let template = "{% for t in tools %}{{ t.function.name }}: {{ t.function.description }}\n\
+                        {% endfor %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n\
+                        {% endfor %}assistant:";
+        let tools = json!([{"type": "function", "function": {"name": "lookup",
+            "description": "Looks a word up in the dictionary and returns its meanings, \
+                            its etymology and examples of its use in sentences."}}]);
+        let chat = |k: u32| {
+            json!({"model": "tiny", "max_tokens": 1, "temperature": 0, "tools": tools,
+                   "tool_choice": "none", "chat_template": template,
+                   "messages": [{"role": "user", "content": format!("question {k}")}]})
+        };
+        let send = |k: u32| {
+            let body = chat(k);
+            async move {
+                let (status, answer) = post(&format!("{p}/v1/chat/completions"), &body).await;
+                assert_eq!(status, 200, "{answer}");
+                answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap()
+            }
+        };
+        assert_eq!(send(0).await, 0);
+        let m = wait_metrics(p, Duration::from_secs(10), |m| {
+            metric(m, "ferry_proxy_kv_index_blocks") >= 3.0
+        })
+        .await;
+        let holder = if instance_metric(&m, "ferry_proxy_kv_index_blocks", &a.url) >= 3.0 {
+            &a
+        } else {
+            &b
+        };
+        let mut cached = 0;
+        for k in 1..=4 {
+            let c = send(k).await;
+            assert!(c >= 3 * BLOCK as u64, "request {k}: {c} cached");
+            cached += c;
+        }
+        let m = metrics_text(p).await;
+        assert_eq!(
+            metric(&m, "ferry_proxy_kv_predicted_hit_tokens_total"),
+            cached as f64
+        );
+        assert_eq!(
+            instance_metric(&m, "ferry_proxy_kv_routed_requests_total", &holder.url),
+            5.0
+        );
+    })
+    .await;
+}
