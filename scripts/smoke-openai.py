@@ -235,6 +235,99 @@ class Smoke:
         else:
             raise AssertionError("invalid regex: no BadRequestError")
 
+    # Tool calls (the servers run with --enable-auto-tool-choice --tool-call-parser hermes).
+    # The tiny model writes no calls of its own: `required` and named calls are constrained
+    # by the tools' schemas; `auto` gets a request's own constraint in the hermes format.
+    def test_tool_calls_of_every_tool_choice(self):
+        calls = {}
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            r = self.chat(messages=MESSAGES, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                          max_tokens=200)
+            m = r.choices[0].message
+            check(m.content is None and m.tool_calls and len(m.tool_calls) == 1, f"{choice}: {m}")
+            call = m.tool_calls[0]
+            check(call.type == "function" and call.id, f"{call}")
+            check_tool_args(call.function.name, call.function.arguments)
+            want = "stop" if isinstance(choice, dict) else "tool_calls"
+            check(r.choices[0].finish_reason == want, f"{choice}: finish_reason {r.choices[0].finish_reason}")
+            # Streamed: the deltas join to the same call.
+            joined = join_tool_stream(self.chat(messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                                parallel_tool_calls=False, max_tokens=200, stream=True))
+            check(joined["calls"] == [(call.function.name, call.function.arguments)], f"{joined} != {call}")
+            check(joined["content"] == "" and joined["finish_reason"] == want, f"{joined}")
+            calls[str(choice)] = r
+        r = self.chat(messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=4)
+        check(not r.choices[0].message.tool_calls and r.choices[0].message.content, f"none: {r.choices[0]}")
+        # auto: two calls after some text, in hermes's format.
+        r = self.chat(messages=MESSAGES, tools=TOOLS, max_tokens=300, extra_body={"structured_outputs": {"grammar": HERMES_GRAMMAR}})
+        m = r.choices[0].message
+        check(m.content == "Sure." and len(m.tool_calls or []) == 2, f"auto: {m}")
+        for call in m.tool_calls:
+            check_tool_args(call.function.name, call.function.arguments)
+        check(r.choices[0].finish_reason == "tool_calls", f"auto finish {r.choices[0].finish_reason}")
+        joined = join_tool_stream(self.chat(messages=MESSAGES, tools=TOOLS, max_tokens=300, stream=True,
+                                            extra_body={"structured_outputs": {"grammar": HERMES_GRAMMAR}}))
+        check(joined["calls"] == [(c.function.name, c.function.arguments) for c in m.tool_calls], f"{joined}")
+        check(joined["content"] == "Sure." and joined["finish_reason"] == "tool_calls", f"{joined}")
+        # The next turn: the calls and their results go back as the client returns them.
+        history = MESSAGES + [m.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": c.id, "content": "12 degrees"} for c in m.tool_calls
+        ]
+        r = self.chat(messages=history, tools=TOOLS, tool_choice="none", max_tokens=4)
+        check(r.choices[0].message.content, f"next turn: {r.choices[0]}")
+        # Bad input is a 400 naming the field.
+        try:
+            self.chat(messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+        except openai.BadRequestError as e:
+            check(e.status_code == 400 and "nope" in str(e), f"{e}")
+        else:
+            raise AssertionError("unknown tool: no BadRequestError")
+
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                       "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["a", "b"], "additionalProperties": False}}},
+]
+# Text, then two hermes calls of get_weather.
+HERMES_GRAMMAR = (
+    'start: "Sure." call call\n'
+    'call: "<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": " args "}\\n</tool_call>"\n'
+    'args: %json {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"], '
+    '"additionalProperties": false, "x-guidance": {"whitespace_flexible": false}}\n'
+)
+
+
+def check_tool_args(name, arguments):
+    args = json.loads(arguments)
+    if name == "get_weather":
+        check(set(args) == {"city"} and args["city"] in ("Paris", "Oslo"), f"{name} {arguments}")
+    else:
+        check(name == "add" and set(args) == {"a", "b"} and all(0 <= v <= 9 for v in args.values()),
+              f"{name} {arguments}")
+
+
+def join_tool_stream(stream):
+    """A streamed choice's content, calls (name, arguments) joined by index, finish_reason."""
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            if d.index == len(calls):
+                check(d.id and d.function.name, f"first delta of a call: {d}")
+                calls.append([d.function.name, ""])
+            calls[d.index][1] += d.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return {"content": content, "calls": [tuple(c) for c in calls], "finish_reason": finish}
+
 
 def main():
     if len(sys.argv) not in (2, 3):

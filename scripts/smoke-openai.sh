@@ -90,10 +90,12 @@ wait_healthy() {
 
 status=0
 # One server.
-start serve --model tiny --host 127.0.0.1 --port "$port"
+# Tool calls are read in hermes's format (the client's tool checks).
+tools=(--enable-auto-tool-choice --tool-call-parser hermes)
+start serve --model tiny --host 127.0.0.1 --port "$port" "${tools[@]}"
 # The same checks through `ferry proxy` in front of one prefill and one decode server.
-start serve --model tiny --host 127.0.0.1 --port "$p_port" --kv-role kv_producer
-start serve --model tiny --host 127.0.0.1 --port "$d_port" --kv-role kv_consumer
+start serve --model tiny --host 127.0.0.1 --port "$p_port" --kv-role kv_producer "${tools[@]}"
+start serve --model tiny --host 127.0.0.1 --port "$d_port" --kv-role kv_consumer "${tools[@]}"
 start proxy --port "$proxy_port" --prefill "http://127.0.0.1:$p_port" --decode "http://127.0.0.1:$d_port"
 wait_healthy "$url" "ferry serve"
 wait_healthy "$proxy_url" "ferry proxy"

@@ -225,7 +225,9 @@ impl Constraint {
     /// diagnostics: the engine feeds tokens one by one as they are sampled).
     pub fn accepts(&self, tokens: &[TokenId]) -> bool {
         let mut matcher = self.matcher.deep_clone();
-        matcher.consume_tokens(TokenId::as_raw_slice(tokens)).is_ok()
+        matcher
+            .consume_tokens(TokenId::as_raw_slice(tokens))
+            .is_ok()
             && matcher.is_accepting().unwrap_or(false)
     }
 }

@@ -153,6 +153,30 @@ struct Inner {
     kv_events: Mutex<Option<mpsc::UnboundedReceiver<KvEventBatch>>>,
 }
 
+/// A request whose `Add` was sent: [`SentAdd::accepted`] awaits the engine's answer.
+struct SentAdd {
+    handle: EngineHandle,
+    setup: StreamSetup,
+    events_rx: mpsc::UnboundedReceiver<crate::Event>,
+    accepted_rx: oneshot::Receiver<Result<(), ferry_core::AddError>>,
+}
+
+impl SentAdd {
+    async fn accepted(self) -> Result<GenerateStream, GenerateError> {
+        match self.accepted_rx.await {
+            Ok(Ok(())) => Ok(self.handle.stream(self.setup, self.events_rx)),
+            Ok(Err(e)) => Err(GenerateError::Rejected(e)),
+            Err(_) => Err(self.handle.stopped().into()),
+        }
+    }
+
+    /// Gives the request up: its stream, dropped unread, aborts it (an abort queued behind
+    /// the request's `Add` reaches it whether or not it was accepted yet).
+    fn abandon(self) {
+        drop(self.handle.stream(self.setup, self.events_rx));
+    }
+}
+
 impl std::fmt::Debug for EngineHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EngineHandle")
@@ -171,6 +195,50 @@ impl EngineHandle {
     /// A prompt token outside the executor's vocabulary never reaches the engine (the
     /// executor would fail the whole batch's step): `TokenOutOfVocabulary`.
     pub async fn generate(&self, req: GenerateRequest) -> Result<GenerateStream, GenerateError> {
+        self.queue(req)?.accepted().await
+    }
+
+    /// [`Self::generate`] for several requests that belong together (the `n` choices of one
+    /// prompt): all are queued before any acceptance is awaited, so the engine thread takes
+    /// them in one go, between the same two steps. That is what lets the choices of a P/D
+    /// prompt share one KV load: a choice queued after another had loaded and finished would
+    /// find the export pulled already. On an error, the requests queued before it are
+    /// aborted, and the error comes with the index of the request at fault.
+    pub async fn generate_all(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<Vec<GenerateStream>, (usize, GenerateError)> {
+        let mut queued = Vec::with_capacity(reqs.len());
+        for (i, req) in reqs.into_iter().enumerate() {
+            match self.queue(req) {
+                Ok(q) => queued.push(q),
+                Err(e) => {
+                    // Each dropped stream aborts its request.
+                    queued.into_iter().for_each(SentAdd::abandon);
+                    return Err((i, e));
+                }
+            }
+        }
+        let mut streams = Vec::with_capacity(queued.len());
+        let mut failed = None;
+        for (i, q) in queued.into_iter().enumerate() {
+            if failed.is_some() {
+                q.abandon();
+                continue;
+            }
+            match q.accepted().await {
+                Ok(stream) => streams.push(stream),
+                Err(e) => failed = Some((i, e)),
+            }
+        }
+        match failed {
+            None => Ok(streams),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// Checks and sends the request's `Add`; [`SentAdd::accepted`] awaits the engine's answer.
+    fn queue(&self, req: GenerateRequest) -> Result<SentAdd, GenerateError> {
         let needs_text = req.detokenize || !req.stop.is_empty();
         if needs_text && self.inner.tokenizer.is_none() {
             return Err(GenerateError::NoTokenizer);
@@ -208,16 +276,25 @@ impl EngineHandle {
             constraint: req.constraint.map(Box::new),
         };
         self.send(Input::Add(add), Some(permit))?;
-        match accepted_rx.await {
-            Ok(Ok(())) => Ok(GenerateStream::new(
-                setup,
-                events_rx,
-                self.inner.tx.clone(),
-                self.inner.stats.clone(),
-            )),
-            Ok(Err(e)) => Err(GenerateError::Rejected(e)),
-            Err(_) => Err(self.stopped().into()),
-        }
+        Ok(SentAdd {
+            handle: self.clone(),
+            setup,
+            events_rx,
+            accepted_rx,
+        })
+    }
+
+    fn stream(
+        &self,
+        setup: StreamSetup,
+        events_rx: mpsc::UnboundedReceiver<crate::Event>,
+    ) -> GenerateStream {
+        GenerateStream::new(
+            setup,
+            events_rx,
+            self.inner.tx.clone(),
+            self.inner.stats.clone(),
+        )
     }
 
     /// Aborts a live request (finish reason `abort`); unknown or finished ids are ignored.

@@ -427,7 +427,9 @@ async fn a_constraint_after_the_reasoning_leaves_the_reasoning_free() {
     let c = compile(&engine, spec);
     let person = r#"{"name":"ada","age":36,"tags":[true]}"#;
     let accepts = |text: &str| c.accepts(&encode(&tok, text));
-    assert!(accepts(&format!("<think>\nhmm {{ not json </thin\n</think>{person}")));
+    assert!(accepts(&format!(
+        "<think>\nhmm {{ not json </thin\n</think>{person}"
+    )));
     assert!(accepts(&format!("</think>{person}")));
     assert!(!accepts("<think>x</think>{\"name\":5}"));
     assert!(!accepts(person), "the reasoning must end first");

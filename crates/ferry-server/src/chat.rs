@@ -20,7 +20,9 @@ use crate::response::{
 };
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
-use crate::structured::structured_output;
+use crate::structured::{structured_output, StructuredSpec};
+use crate::tools::{check_messages, ToolOutput, ToolStream};
+use ferry_engine::StructuredOutput;
 use serde_json::Value;
 
 /// The chat route, for [`crate::generate::handle`].
@@ -35,7 +37,7 @@ impl GenerationRoute for Chat {
     type Response = ChatResponse;
 
     fn prepare(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
-        let req = ChatRequest::from_json(body)?;
+        let mut req = ChatRequest::from_json(body)?;
         app.check_model(req.common.model.as_deref())?;
         let logprobs = check_chat_logprobs(req.own.logprobs, req.own.top_logprobs, &app.limits)?;
         // `max_completion_tokens` replaces the deprecated `max_tokens`; either is accepted.
@@ -46,16 +48,37 @@ impl GenerationRoute for Chat {
         let mut params =
             GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
         params.structured = structured_output(&req.structured)?;
-        if let Some(parser) = app.config.reasoning_parser {
-            if params.structured.is_some() {
-                // vLLM starts the constraint after the reasoning; ferry's constraints apply
-                // to the whole output, which would hold the reasoning to the schema too.
-                return Err(ApiError::invalid(
-                    "response_format",
-                    "structured outputs together with --reasoning-parser are not supported yet: \
-                     the constraint would apply to the reasoning too",
-                ));
+        let server = app.config.tool_server();
+        let tools = req.tools.read(server)?;
+        if let Some(messages) = &req.own.messages {
+            check_messages(messages)?;
+        }
+        if let Some(tools) = &tools {
+            if let Some(forced) = tools.constraint() {
+                if let Some(own) = &params.structured {
+                    // vLLM's rule: a named function's constraint and the request's cannot
+                    // both hold (ferry refuses `required` with one too, for the same reason).
+                    return Err(ApiError::invalid(
+                        own.param,
+                        "You can only either use constraints for structured outputs or tools \
+                         (`tool_choice` required or a named function), not both.",
+                    ));
+                }
+                params.structured = Some(forced);
             }
+            params.schema_checks = tools.schemas();
+            params.tools = tools.output(server.auto);
+            if params
+                .tools
+                .as_ref()
+                .is_some_and(ToolOutput::reads_model_format)
+            {
+                // The call markers are special tokens in some vocabularies (Llama's
+                // `<|python_tag|>`): the parser must see them, as vLLM's parsers ask for.
+                params.skip_special_tokens = false;
+            }
+        }
+        if let Some(parser) = app.config.reasoning_parser {
             let thinking = req
                 .own
                 .chat_template_kwargs
@@ -63,10 +86,24 @@ impl GenerationRoute for Chat {
                 .and_then(|k| k.get("enable_thinking"))
                 .and_then(Value::as_bool)
                 .unwrap_or(true);
-            params.reasoning = Some(Reasoning { parser, thinking });
+            let reasoning = Reasoning { parser, thinking };
+            // A constraint holds the content: it starts after the reasoning, as vLLM's does.
+            if reasoning.starts_in_reasoning() {
+                params.structured = params.structured.take().map(|s| StructuredSpec {
+                    output: StructuredOutput::AfterReasoning {
+                        end: Reasoning::END.to_owned(),
+                        inner: Box::new(s.output),
+                    },
+                    param: s.param,
+                });
+            }
+            params.reasoning = Some(reasoning);
         }
+        // Chat reads `tools` itself; the shared check refuses it on completions.
+        req.unsupported.tools = None;
         req.unsupported.check(i64::from(params.n))?;
-        let prompt = params.truncate(render_tokens(app, &req.own)?);
+        let template_tools = tools.as_ref().map(|t| t.tools.as_slice());
+        let prompt = params.truncate(render_tokens(app, &req.own, template_tools)?);
         check_prompt(&prompt, "messages", &app.limits)?;
         let prompts = vec![PreparedPrompt {
             sampling: params.for_prompt(prompt.len(), &app.limits)?,
@@ -83,6 +120,9 @@ impl GenerationRoute for Chat {
             n_choices,
             splitters: (0..n_choices)
                 .map(|_| generation.params.reasoning.map(Reasoning::splitter))
+                .collect(),
+            tool_streams: (0..n_choices)
+                .map(|_| generation.params.tools.as_ref().map(ToolOutput::stream))
                 .collect(),
         }
     }
@@ -104,23 +144,28 @@ impl GenerationRoute for Chat {
             .map(|c| c.prompt_logprobs.clone())
             .unwrap_or_default();
         let (choices, usage) =
-            generation.collect_choices(collected, |c, finish_reason, stop_reason| ChatChoice {
-                weight_versions: Some(weight_versions(c.finish.as_ref())),
-                index: c.index,
-                logprobs: params
-                    .sampling
-                    .sampler
-                    .logprobs
-                    .map(|_| chat_logprobs(texts, &c.logprobs)),
-                content: Message {
-                    message: assistant_message(c.text, params.reasoning),
-                },
-                finish_reason: Some(finish_reason),
-                stop_reason,
-                prompt_token_ids: None,
-                token_ids: params.return_token_ids.then_some(c.token_ids),
-                forced_tokens: params.structured.is_some().then_some(c.forced),
-                prompt_logprobs: None,
+            generation.collect_choices(collected, |c, finish_reason, stop_reason| {
+                let message = assistant_message(c.text, params.reasoning, params.tools.as_ref());
+                let finish_reason = match &params.tools {
+                    Some(t) => t.finish_reason(!message.tool_calls.is_empty(), finish_reason),
+                    None => finish_reason,
+                };
+                ChatChoice {
+                    weight_versions: Some(weight_versions(c.finish.as_ref())),
+                    index: c.index,
+                    logprobs: params
+                        .sampling
+                        .sampler
+                        .logprobs
+                        .map(|_| chat_logprobs(texts, &c.logprobs)),
+                    content: Message { message },
+                    finish_reason: Some(finish_reason),
+                    stop_reason,
+                    prompt_token_ids: None,
+                    token_ids: params.return_token_ids.then_some(c.token_ids),
+                    forced_tokens: params.structured.is_some().then_some(c.forced),
+                    prompt_logprobs: None,
+                }
             });
         ChatResponse {
             prompt_logprobs: params
@@ -136,43 +181,60 @@ impl GenerationRoute for Chat {
 }
 
 /// A finished answer's message: its text, or with a reasoning parser its reasoning (under both
-/// names) and the content after it (`null` when none).
-fn assistant_message(text: String, reasoning: Option<Reasoning>) -> AssistantMessage {
-    let Some(r) = reasoning else {
-        return AssistantMessage {
-            role: "assistant",
-            content: Some(text),
-            reasoning: None,
-            reasoning_content: None,
-        };
+/// names) and the content after it (`null` when none); with tools, the calls read from the
+/// content.
+fn assistant_message(
+    text: String,
+    reasoning: Option<Reasoning>,
+    tools: Option<&ToolOutput>,
+) -> AssistantMessage {
+    let (reasoning, content) = match reasoning {
+        None => (None, Some(text)),
+        Some(r) => r.split(&text),
     };
-    let (reasoning, content) = r.split(&text);
+    let (content, tool_calls) = match tools {
+        None => (content, Vec::new()),
+        Some(t) => t.parse(content),
+    };
     AssistantMessage {
         role: "assistant",
         content,
         reasoning_content: reasoning.clone(),
         reasoning,
+        tool_calls,
     }
 }
 
 /// The messages through the chat template, tokenized (without adding special tokens: the
 /// template writes them) and checked against the context.
-pub fn render_prompt(app: &AppState, req: &ChatFields) -> Result<Vec<TokenId>, ApiError> {
-    let tokens = render_tokens(app, req)?;
+pub fn render_prompt(
+    app: &AppState,
+    req: &ChatFields,
+    tools: Option<&[Value]>,
+) -> Result<Vec<TokenId>, ApiError> {
+    let tokens = render_tokens(app, req, tools)?;
     check_prompt(&tokens, "messages", &app.limits)?;
     Ok(tokens)
 }
 
 /// The messages through the chat template, tokenized, not checked yet (a request may cut
 /// them with `truncate_prompt_tokens` first).
-fn render_tokens(app: &AppState, req: &ChatFields) -> Result<Vec<TokenId>, ApiError> {
-    let text = render_text(app, req)?;
+fn render_tokens(
+    app: &AppState,
+    req: &ChatFields,
+    tools: Option<&[Value]>,
+) -> Result<Vec<TokenId>, ApiError> {
+    let text = render_text(app, req, tools)?;
     app.tokenize(&text, false, "messages")
 }
 
 /// The messages through the request's chat template (or the server's), continuing the last
 /// message with `continue_final_message`.
-pub fn render_text(app: &AppState, req: &ChatFields) -> Result<String, ApiError> {
+pub fn render_text(
+    app: &AppState,
+    req: &ChatFields,
+    tools: Option<&[Value]>,
+) -> Result<String, ApiError> {
     let messages = req
         .messages
         .as_deref()
@@ -207,6 +269,7 @@ pub fn render_text(app: &AppState, req: &ChatFields) -> Result<String, ApiError>
     };
     let mut text = template.render(
         messages,
+        tools,
         add_generation_prompt,
         req.chat_template_kwargs.as_ref(),
     )?;
@@ -228,26 +291,51 @@ pub fn render_text(app: &AppState, req: &ChatFields) -> Result<String, ApiError>
 
 impl Formatter {
     /// Choice `index`'s delta for `text`: its content, or with a reasoning parser its split
-    /// (what could be a cut `<think>` marker waits for the next chunk, or the last).
+    /// (what could be a cut `<think>` marker waits for the next chunk, or the last); with
+    /// tools, the content goes through the choice's [`ToolStream`], which holds back call
+    /// text and sends the calls when the answer ends.
     fn delta(&mut self, index: usize, text: String, last: bool) -> Delta {
-        let Some(splitter) = self.splitters.get_mut(index).and_then(Option::as_mut) else {
+        let (reasoning, content) = match self.splitters.get_mut(index).and_then(Option::as_mut) {
+            None => (String::new(), text),
+            Some(splitter) => {
+                let mut split = splitter.push(&text);
+                if last {
+                    let rest = splitter.finish();
+                    split.reasoning.push_str(&rest.reasoning);
+                    split.content.push_str(&rest.content);
+                }
+                (split.reasoning, split.content)
+            }
+        };
+        let (content, tool_calls) = match self.tool_streams.get_mut(index).and_then(Option::as_mut)
+        {
+            None => (content, Vec::new()),
+            Some(tools) => {
+                let mut out = tools.push(&content);
+                if last {
+                    let rest = tools.finish();
+                    out.content.push_str(&rest.content);
+                    out.calls.extend(rest.calls);
+                }
+                (out.content, out.calls)
+            }
+        };
+        let plain = self.splitters.get(index).is_none_or(Option::is_none)
+            && self.tool_streams.get(index).is_none_or(Option::is_none);
+        if plain {
+            // Without parsers every chunk but an empty last one carries its content.
             return Delta {
-                content: (!text.is_empty() || !last).then_some(text),
+                content: (!content.is_empty() || !last).then_some(content),
                 ..Delta::default()
             };
-        };
-        let mut split = splitter.push(&text);
-        if last {
-            let rest = splitter.finish();
-            split.reasoning.push_str(&rest.reasoning);
-            split.content.push_str(&rest.content);
         }
         let some = |t: String| (!t.is_empty()).then_some(t);
-        let reasoning = some(split.reasoning);
+        let reasoning = some(reasoning);
         Delta {
-            content: some(split.content),
+            content: some(content),
             reasoning_content: reasoning.clone(),
             reasoning,
+            tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
             ..Delta::default()
         }
     }
@@ -266,6 +354,8 @@ pub struct Formatter {
     n_choices: usize,
     /// Per choice, with a reasoning parser: its split so far.
     splitters: Vec<Option<Splitter>>,
+    /// Per choice, with tools: its calls so far.
+    tool_streams: Vec<Option<ToolStream>>,
 }
 
 impl ChunkFormatter for Formatter {
@@ -296,31 +386,83 @@ impl ChunkFormatter for Formatter {
             kv_transfer_params,
             error,
         } = self.base.observe(index, &out);
+        let mut delta = self.delta(index, out.text, out.finish.is_some());
+        let finish_reason = match (finish_reason, self.tool_streams.get(index)) {
+            (Some(reason), Some(Some(tools))) => Some(tools.finish_reason(reason)),
+            (reason, _) => reason,
+        };
+        // Each piece of a call goes in a chunk of its own after this one (OpenAI's order:
+        // a call's index, id and name, then its argument text), and the last chunk carries
+        // the finish.
+        let calls = delta.tool_calls.take().unwrap_or_default();
+        let mut finish = Some(ChunkFinish {
+            finish_reason,
+            stop_reason,
+            weight_versions,
+            kv_transfer_params,
+            error: None,
+        });
+        let mut finish_here = |last: bool| {
+            if last {
+                finish.take().unwrap_or_default()
+            } else {
+                ChunkFinish::default()
+            }
+        };
+        let main = finish_here(calls.is_empty());
         let choice = ChatChunkChoice {
             index,
-            content: DeltaContent {
-                delta: self.delta(index, out.text, out.finish.is_some()),
-            },
+            content: DeltaContent { delta },
             logprobs: self
                 .base
                 .logprobs
                 .then(|| chat_logprobs(&self.base.texts, &out.logprobs)),
-            finish_reason,
-            stop_reason,
+            finish_reason: main.finish_reason,
+            stop_reason: main.stop_reason,
             prompt_token_ids: None,
             token_ids: self.base.return_token_ids.then_some(out.token_ids),
             forced_tokens: self.base.constrained.then_some(out.forced),
-            weight_versions,
+            weight_versions: main.weight_versions,
             prompt_logprobs: None,
         };
+        let usage = self.base.chunk_usage(index);
         let chunk = ChatChunk {
             prompt_logprobs: (!out.prompt_logprobs.is_empty())
                 .then(|| prompt_logprobs_json(&self.base.texts, &out.prompt_logprobs)),
-            kv_transfer_params,
-            usage: self.base.chunk_usage(index),
+            kv_transfer_params: main.kv_transfer_params,
+            usage: usage.clone(),
             ..chat_chunk(&self.base.head, vec![choice])
         };
-        std::iter::once(to_json(&chunk)).chain(error).collect()
+        let mut events = vec![to_json(&chunk)];
+        let n_calls = calls.len();
+        for (k, call) in calls.into_iter().enumerate() {
+            let f = finish_here(k + 1 == n_calls);
+            let choice = ChatChunkChoice {
+                index,
+                content: DeltaContent {
+                    delta: Delta {
+                        tool_calls: Some(vec![call]),
+                        ..Delta::default()
+                    },
+                },
+                logprobs: None,
+                finish_reason: f.finish_reason,
+                stop_reason: f.stop_reason,
+                prompt_token_ids: None,
+                token_ids: self.base.return_token_ids.then(Vec::new),
+                forced_tokens: None,
+                weight_versions: f.weight_versions,
+                prompt_logprobs: None,
+            };
+            let chunk = ChatChunk {
+                kv_transfer_params: f.kv_transfer_params,
+                usage: usage.clone(),
+                ..chat_chunk(&self.base.head, vec![choice])
+            };
+            events.push(to_json(&chunk));
+        }
+        events.extend(error);
+        events
     }
 
     fn end(&mut self) -> Vec<String> {

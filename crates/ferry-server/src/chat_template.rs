@@ -34,6 +34,7 @@ impl ChatTemplate {
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", python_tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
             .map_err(|e| TemplateError::Compile(format!("{e:#}")))?;
         Ok(Self {
@@ -45,9 +46,11 @@ impl ChatTemplate {
 
     /// Renders `messages` into a prompt. Errors (a template's `raise_exception`, a bad message)
     /// are 400s on `messages`.
+    /// `tools` are the request's tools (the template's `tools`, left undefined without any).
     pub fn render(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&[Json]>,
         add_generation_prompt: bool,
         kwargs: Option<&Map<String, Json>>,
     ) -> Result<String, ApiError> {
@@ -58,6 +61,9 @@ impl ChatTemplate {
             .collect::<Result<Vec<_>, _>>()?;
         let mut ctx = kwargs.cloned().unwrap_or_default();
         ctx.insert("messages".into(), Json::Array(messages));
+        if let Some(tools) = tools {
+            ctx.insert("tools".into(), Json::Array(tools.to_vec()));
+        }
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
         ctx.insert("bos_token".into(), self.bos_token.clone().into());
         ctx.insert("eos_token".into(), self.eos_token.clone().into());
@@ -97,6 +103,184 @@ pub fn continue_final(rendered: &str, final_text: &str) -> Result<String, ApiErr
 
 fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `tojson` as transformers defines it for chat templates: Python's `json.dumps` with
+/// `ensure_ascii=False` (and its `indent`, `separators`, `sort_keys`), not minijinja's own
+/// (compact, HTML-escaped), so tool schemas and arguments render to transformers' bytes.
+fn python_tojson(
+    value: Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<Value, minijinja::Error> {
+    let bad = |why: String| minijinja::Error::new(ErrorKind::InvalidOperation, why);
+    let json = serde_json::to_value(&value).map_err(|e| bad(format!("tojson: {e}")))?;
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) => match (v.as_i64(), v.as_str()) {
+            (Some(n), _) => Some(" ".repeat(n.max(0) as usize)),
+            (_, Some(s)) => Some(s.to_owned()),
+            _ => return Err(bad(format!("tojson: indent must be a number, got {v}"))),
+        },
+    };
+    let separators: Option<Value> = kwargs.get("separators")?;
+    let (item_sep, key_sep) = match separators.filter(|v| !v.is_none() && !v.is_undefined()) {
+        Some(v) => {
+            let parts: Vec<String> = v
+                .try_iter()?
+                .map(|p| p.as_str().map(str::to_owned))
+                .collect::<Option<_>>()
+                .filter(|p: &Vec<String>| p.len() == 2)
+                .ok_or_else(|| bad("tojson: separators must be two strings".into()))?;
+            (parts[0].clone(), parts[1].clone())
+        }
+        // Python's defaults: no space after the comma when indenting.
+        None if indent.is_some() => (",".to_owned(), ": ".to_owned()),
+        None => (", ".to_owned(), ": ".to_owned()),
+    };
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let style = PyJson {
+        indent,
+        item_sep,
+        key_sep,
+        sort_keys: sort_keys.unwrap_or(false),
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+    };
+    let mut out = String::new();
+    style.write(&json, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+/// How Python's `json.dumps` lays JSON out. Written here because no crate writes Python's
+/// exact layout (its float repr and separators); serde_json's formatters come close but
+/// not to the byte.
+struct PyJson {
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl PyJson {
+    fn write(&self, v: &Json, level: usize, out: &mut String) {
+        match v {
+            Json::Null => out.push_str("null"),
+            Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            Json::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
+                (Some(i), _, _) => out.push_str(&i.to_string()),
+                (_, Some(u), _) => out.push_str(&u.to_string()),
+                (_, _, Some(f)) => out.push_str(&python_float(f)),
+                _ => out.push_str(&n.to_string()),
+            },
+            Json::String(s) => self.string(s, out),
+            Json::Array(items) => {
+                let items: Vec<&Json> = items.iter().collect();
+                self.container('[', ']', items.len(), level, out, |i, out| {
+                    self.write(items[i], level + 1, out)
+                });
+            }
+            Json::Object(map) => {
+                let mut entries: Vec<(&String, &Json)> = map.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                self.container('{', '}', entries.len(), level, out, |i, out| {
+                    self.string(entries[i].0, out);
+                    out.push_str(&self.key_sep);
+                    self.write(entries[i].1, level + 1, out);
+                });
+            }
+        }
+    }
+
+    fn container(
+        &self,
+        open: char,
+        close: char,
+        len: usize,
+        level: usize,
+        out: &mut String,
+        mut item: impl FnMut(usize, &mut String),
+    ) {
+        out.push(open);
+        if len == 0 {
+            out.push(close);
+            return;
+        }
+        let newline = |out: &mut String, level: usize| {
+            if let Some(indent) = &self.indent {
+                out.push('\n');
+                for _ in 0..level {
+                    out.push_str(indent);
+                }
+            }
+        };
+        for i in 0..len {
+            if i > 0 {
+                out.push_str(&self.item_sep);
+            }
+            newline(out, level + 1);
+            item(i, out);
+        }
+        newline(out, level);
+        out.push(close);
+    }
+
+    fn string(&self, s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && !c.is_ascii()) => {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        out.push_str(&format!("\\u{u:04x}"));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// A float as Python's `repr` writes it: the shortest digits that read back, in positional
+/// notation for exponents from -4 to 15, else as `1e-05`, `1.5e+16`; always with a `.0` or
+/// an exponent, so it reads back as a float.
+fn python_float(f: f64) -> String {
+    if !f.is_finite() {
+        return if f.is_nan() {
+            "NaN".into()
+        } else if f > 0.0 {
+            "Infinity".into()
+        } else {
+            "-Infinity".into()
+        };
+    }
+    let sci = format!("{f:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if (-4..16).contains(&exp) {
+        let s = format!("{f}");
+        if s.contains('.') {
+            s
+        } else {
+            format!("{s}.0")
+        }
+    } else {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exp.abs())
+    }
 }
 
 /// OpenAI's chat roles (`developer` is its newer `system`). Other roles are passed to the
@@ -141,6 +325,22 @@ fn message_value(i: usize, m: &ChatMessage) -> Result<Json, ApiError> {
     }
     obj.insert("role".into(), role.into());
     obj.insert("content".into(), content.into());
+    // vLLM's conversion: an assistant's calls with their arguments as objects (an empty
+    // list dropped, so templates take their plain path), its reasoning under both names,
+    // a tool message's call id.
+    if let Some(calls) = m.tool_calls.as_deref().filter(|c| !c.is_empty()) {
+        obj.insert(
+            "tool_calls".into(),
+            crate::tools::template_tool_calls(calls),
+        );
+    }
+    if let Some(reasoning) = m.reasoning.as_ref().or(m.reasoning_content.as_ref()) {
+        obj.insert("reasoning".into(), reasoning.clone().into());
+        obj.insert("reasoning_content".into(), reasoning.clone().into());
+    }
+    if let Some(id) = &m.tool_call_id {
+        obj.insert("tool_call_id".into(), id.clone().into());
+    }
     Ok(Json::Object(obj))
 }
 
@@ -177,6 +377,78 @@ mod tests {
     use super::*;
     use crate::extract::parse_json;
 
+    impl ChatTemplate {
+        fn render_test(
+            &self,
+            messages: &[ChatMessage],
+            add_generation_prompt: bool,
+            kwargs: Option<&Map<String, Json>>,
+        ) -> Result<String, ApiError> {
+            self.render(messages, None, add_generation_prompt, kwargs)
+        }
+    }
+
+    /// `tojson` writes what Python's `json.dumps(..., ensure_ascii=False)` writes (the
+    /// expected strings are Python 3.12's output for the same values).
+    #[test]
+    fn tojson_is_pythons_json_dumps() {
+        let t = |src: &str| {
+            ChatTemplate::new(src, "", "")
+                .unwrap()
+                .render(&[], Some(&[serde_json::json!({
+                    "name": "f", "d": {"b": [1, 2.5, 1e-5, 1e16, 3.0], "a": null, "e": {}, "l": []},
+                    "s": "é \"q\" \\ \n \u{1}", "t": true
+                })]), false, None)
+                .unwrap()
+        };
+        assert_eq!(
+            t("{{ tools[0] | tojson }}"),
+            r#"{"name": "f", "d": {"b": [1, 2.5, 1e-05, 1e+16, 3.0], "a": null, "e": {}, "l": []}, "s": "é \"q\" \\ \n \u0001", "t": true}"#
+        );
+        assert_eq!(
+            t("{{ tools[0].d | tojson(indent=2) }}"),
+            "{\n  \"b\": [\n    1,\n    2.5,\n    1e-05,\n    1e+16,\n    3.0\n  ],\n  \"a\": null,\n  \"e\": {},\n  \"l\": []\n}"
+        );
+        assert_eq!(
+            t("{{ tools[0].d.b | tojson(separators=(',', ':')) }}"),
+            "[1,2.5,1e-05,1e+16,3.0]"
+        );
+        assert_eq!(
+            t("{{ tools[0] | tojson(sort_keys=true, ensure_ascii=true) }}"),
+            r#"{"d": {"a": null, "b": [1, 2.5, 1e-05, 1e+16, 3.0], "e": {}, "l": []}, "name": "f", "s": "\u00e9 \"q\" \\ \n \u0001", "t": true}"#
+        );
+        assert_eq!(python_float(0.0001), "0.0001");
+        assert_eq!(python_float(123456789012345680.0), "1.2345678901234568e+17");
+        assert_eq!(python_float(-2.0), "-2.0");
+    }
+
+    /// An assistant's calls reach the template with their arguments as objects, its
+    /// reasoning under both names, a tool message with its call id; tools as sent.
+    #[test]
+    fn tool_calls_reasoning_and_tools_reach_the_template() {
+        let src = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:{{ m.content }}|{% if m.reasoning_content %}r={{ m.reasoning_content }}|{% endif %}{% for c in m.tool_calls %}{{ c.function.name }}{{ c.function.arguments | tojson }}{{ c.function.arguments.city }}|{% endfor %}{% if m.tool_call_id %}id={{ m.tool_call_id }}|{% endif %}{% endfor %}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        let m = messages(
+            r#"[{"role": "assistant", "content": null, "reasoning": "think",
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{\"city\":\"Paris\"}"}},
+                                {"id": "c2", "type": "function", "function": {"name": "v", "arguments": "not json"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]"#,
+        );
+        let tools = [serde_json::json!({"type": "function", "function": {"name": "w"}})];
+        assert_eq!(
+            t.render(&m, Some(&tools), false, None).unwrap(),
+            r#"[w]assistant:|r=think|w{"city": "Paris"}Paris|v{}|tool:sunny|id=c1|"#
+        );
+        // No tools: the template's `tools` is undefined.
+        let t = ChatTemplate::new(
+            "{% if tools is defined %}T{% else %}none{% endif %}",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(t.render(&m, None, false, None).unwrap(), "none");
+    }
+
     const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
     fn messages(json: &str) -> Vec<ChatMessage> {
@@ -191,10 +463,13 @@ mod tests {
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]"#,
         );
         assert_eq!(
-            t.render(&m, true, None).unwrap(),
+            t.render_test(&m, true, None).unwrap(),
             "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
         );
-        assert!(!t.render(&m, false, None).unwrap().ends_with("assistant\n"));
+        assert!(!t
+            .render_test(&m, false, None)
+            .unwrap()
+            .ends_with("assistant\n"));
     }
 
     #[test]
@@ -203,14 +478,17 @@ mod tests {
         let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
         let kwargs: Map<String, Json> = parse_json(br#"{"flag": true}"#).unwrap();
         let m = messages(r#"[{"role": "user", "content": "  hi "}]"#);
-        assert_eq!(t.render(&m, false, Some(&kwargs)).unwrap(), "<s>HI!</s>");
+        assert_eq!(
+            t.render_test(&m, false, Some(&kwargs)).unwrap(),
+            "<s>HI!</s>"
+        );
     }
 
     #[test]
     fn raise_exception_and_bad_parts_are_400s_on_messages() {
         let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", "", "").unwrap();
         let e = t
-            .render(
+            .render_test(
                 &messages(r#"[{"role": "user", "content": "x"}]"#),
                 true,
                 None,
@@ -220,7 +498,7 @@ mod tests {
         assert!(e.message.contains("roles must alternate"), "{}", e.message);
         let t = ChatTemplate::new(CHATML, "", "").unwrap();
         let e = t
-            .render(
+            .render_test(
                 &messages(r#"[{"role": "user", "content": [{"type": "image_url"}]}]"#),
                 true,
                 None,
@@ -228,7 +506,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].content[0]"));
         let e = t
-            .render(&messages(r#"[{"content": "x"}]"#), true, None)
+            .render_test(&messages(r#"[{"content": "x"}]"#), true, None)
             .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
     }
@@ -241,7 +519,7 @@ mod tests {
             .chain(["function", "User", "", "system ", "tool_result"])
         {
             let m = messages(&format!(r#"[{{"role": "{role}", "content": "x"}}]"#));
-            let text = t.render(&m, false, None).unwrap();
+            let text = t.render_test(&m, false, None).unwrap();
             assert_eq!(text, format!("<|im_start|>{role}\nx<|im_end|>\n"));
         }
     }
@@ -253,11 +531,11 @@ mod tests {
         let src = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
         let t = ChatTemplate::new(src, "<|im_start|>", "<|im_end|>").unwrap();
         assert_eq!(
-            t.render(&messages(r#"[{"role": "user", "content": "hi"}]"#), true, None).unwrap(),
+            t.render_test(&messages(r#"[{"role": "user", "content": "hi"}]"#), true, None).unwrap(),
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
         );
         assert_eq!(
-            t.render(
+            t.render_test(
                 &messages(
                     r#"[{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]"#
                 ),
@@ -276,7 +554,7 @@ mod tests {
         let src = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}";
         let t = ChatTemplate::new(src, "", "").unwrap();
         let m = messages(r#"[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]"#);
-        assert_eq!(t.render(&m, false, None).unwrap(), "[a]\n[b]\n");
+        assert_eq!(t.render_test(&m, false, None).unwrap(), "[a]\n[b]\n");
     }
 
     #[test]

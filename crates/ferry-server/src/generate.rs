@@ -32,7 +32,7 @@ use crate::params::GenerationParams;
 use crate::response::{Head, StopReasonJson, Usage};
 use crate::sse::{sse_response, to_json, ChunkFormatter};
 use crate::state::{unix_now, AppState};
-use crate::structured::compile;
+use crate::structured::{compile, StructuredSpec};
 
 /// One prompt, tokenized and validated, with its resolved sampling parameters.
 #[derive(Debug, Clone)]
@@ -171,12 +171,13 @@ pub async fn launch(
         n,
         "starting engine requests"
     );
-    let mut choices = Vec::with_capacity(prompts.len() * n);
-    for (p, prompt) in prompts.iter().enumerate() {
+    // All the choices are queued at once, so the engine takes them between the same two
+    // steps (the choices of a P/D prompt share one load: `generate_all`).
+    let mut reqs = Vec::with_capacity(prompts.len() * n);
+    for prompt in prompts {
         for i in 0..n {
-            let index = p * n + i;
-            let req = GenerateRequest {
-                request_id: engine_id(index),
+            reqs.push(GenerateRequest {
+                request_id: engine_id(reqs.len()),
                 prompt: prompt.tokens.clone(),
                 params: choice_params(&prompt.sampling, i as u32),
                 stop: spec.stop.to_vec(),
@@ -185,21 +186,24 @@ pub async fn launch(
                 constraint: spec.constraint.cloned(),
                 keep_special_tokens: spec.keep_special_tokens,
                 include_stop_str_in_output: spec.include_stop_str_in_output,
-            };
-            let stream = engine
-                .generate(req)
-                .await
-                .map_err(|e| generate_error(e, spec.prompt_param))?;
-            metrics.add_prompt_tokens(prompt.tokens.len());
-            choices.push(ChoiceStream {
-                index,
-                stream,
-                arrival: spec.arrival,
-                last_chunk_at: None,
-                metrics: Arc::clone(metrics),
-                _live: Arc::clone(&registration),
             });
         }
+    }
+    let streams = engine
+        .generate_all(reqs)
+        .await
+        .map_err(|(_, e)| generate_error(e, spec.prompt_param))?;
+    let mut choices = Vec::with_capacity(streams.len());
+    for (index, stream) in streams.into_iter().enumerate() {
+        metrics.add_prompt_tokens(prompts[index / n].tokens.len());
+        choices.push(ChoiceStream {
+            index,
+            stream,
+            arrival: spec.arrival,
+            last_chunk_at: None,
+            metrics: Arc::clone(metrics),
+            _live: Arc::clone(&registration),
+        });
     }
     Ok(choices)
 }
@@ -607,6 +611,17 @@ pub async fn start(
         }
         other => other,
     };
+    for (param, output) in &params.schema_checks {
+        let spec = StructuredSpec {
+            output: output.clone(),
+            param: "tools",
+        };
+        compile(&app.engine, spec).await.map_err(|mut e| {
+            e.message = e.message.replace("`tools`", &format!("`{param}`"));
+            e.param = Some(param.clone());
+            e
+        })?;
+    }
     let constraint = match params.structured.clone() {
         Some(spec) => Some(compile(&app.engine, spec).await?),
         None => None,

@@ -50,6 +50,8 @@ pub mod routes;
 pub mod sse;
 pub mod state;
 pub mod structured;
+pub mod tool_parsers;
+pub mod tools;
 pub mod uploads;
 
 use std::future::Future;
@@ -90,6 +92,12 @@ pub struct ServerConfig {
     /// `--reasoning-parser`: chat answers split into reasoning and content
     /// ([`reasoning`]); `None` leaves the text whole.
     pub reasoning_parser: Option<reasoning::ReasoningParser>,
+    /// `--tool-call-parser`: how `tool_choice: "auto"` finds calls in an answer
+    /// ([`tool_parsers`]); it takes effect with `enable_auto_tool_choice`.
+    pub tool_call_parser: Option<tool_parsers::ToolCallParser>,
+    /// `--enable-auto-tool-choice`: requests may leave the calls to the model
+    /// (`tool_choice: "auto"`, the default with `tools`).
+    pub enable_auto_tool_choice: bool,
     /// Largest `n`.
     pub max_n: u32,
     /// Most stop strings per request.
@@ -148,6 +156,15 @@ pub const DEFAULT_MAX_WEIGHT_PUSH_BYTES: usize = if usize::BITS >= 64 {
 pub const DEFAULT_WEIGHT_UPLOAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
 impl ServerConfig {
+    /// What tool calling the server does.
+    pub fn tool_server(&self) -> tools::ToolServer {
+        tools::ToolServer {
+            auto: self
+                .tool_call_parser
+                .filter(|_| self.enable_auto_tool_choice),
+        }
+    }
+
     pub fn new(served_model_name: impl Into<String>) -> Self {
         Self {
             served_model_name: served_model_name.into(),
@@ -157,6 +174,8 @@ impl ServerConfig {
             eos_token: String::new(),
             max_top_logprobs: 20,
             reasoning_parser: None,
+            tool_call_parser: None,
+            enable_auto_tool_choice: false,
             max_n: 16,
             max_stop_strings: 16,
             max_batch_prompts: 1024,

@@ -27,7 +27,7 @@ use crate::error::ErrorBody;
 use crate::kv_transfer::KvTransferParamsJson;
 use crate::native::sglang::SglangGenerateRequest;
 use crate::native::vllm::VllmGenerateRequest;
-use crate::request::{ChatFields, CommonParams, CompletionFields, StructuredFields};
+use crate::request::{ChatFields, CommonParams, CompletionFields, StructuredFields, ToolFields};
 use crate::response::{ChatChunk, ChatResponse, CompletionResponse, ModelList};
 use crate::routes::{DetokenizeRequest, TokenizeRequest};
 use crate::state::AppState;
@@ -245,6 +245,7 @@ pub fn document(with_admin: bool) -> OpenApi {
     add::<CompletionFields>(&mut schemas);
     add::<ChatFields>(&mut schemas);
     add::<StructuredFields>(&mut schemas);
+    add::<ToolFields>(&mut schemas);
     add::<KvTransferParamsJson>(&mut schemas);
     add::<ModelList>(&mut schemas);
     add::<TokenizeRequest>(&mut schemas);
@@ -267,16 +268,16 @@ pub fn document(with_admin: bool) -> OpenApi {
         add::<CommitUpload>(&mut schemas);
     }
     // The two generation requests: each route's own fields, the shared sampling fields and
-    // the structured-output fields, as read by `CompletionRequest::from_json` and
-    // `ChatRequest::from_json`.
+    // the structured-output fields (and chat's tool fields), as read by
+    // `CompletionRequest::from_json` and `ChatRequest::from_json`.
     for (name, own) in [
-        ("CompletionRequest", "CompletionFields"),
-        ("ChatRequest", "ChatFields"),
+        ("CompletionRequest", &["CompletionFields"][..]),
+        ("ChatRequest", &["ChatFields", "ToolFields"][..]),
     ] {
-        let all = AllOfBuilder::new()
-            .item(Ref::from_schema_name(own))
-            .item(Ref::from_schema_name("CommonParams"))
-            .item(Ref::from_schema_name("StructuredFields"));
+        let mut all = AllOfBuilder::new();
+        for part in own.iter().chain(&["CommonParams", "StructuredFields"]) {
+            all = all.item(Ref::from_schema_name(*part));
+        }
         schemas.push((name.to_owned(), Schema::AllOf(all.build()).into()));
     }
     let completion = generic::<CompletionResponse>(&mut schemas);

@@ -60,6 +60,11 @@ pub struct GenerationParams {
     pub beam: Option<BeamParams>,
     /// Chat with `--reasoning-parser`: how the answer splits into reasoning and content.
     pub reasoning: Option<crate::reasoning::Reasoning>,
+    /// Chat with tools: how the answer's calls are read.
+    pub tools: Option<crate::tools::ToolOutput>,
+    /// Schemas that must compile though nothing holds the output to them (a tool's
+    /// `parameters` under `tool_choice: "auto"`), each with its field.
+    pub schema_checks: Vec<(String, ferry_engine::StructuredOutput)>,
     /// Completions' `echo`: each prompt's text, to put before its choices' text.
     pub echo: Option<Vec<String>>,
 }
@@ -142,6 +147,8 @@ impl GenerationParams {
             keep_first: check_truncation_side(common.truncation_side.as_deref())?,
             beam: check_beam(common, n)?,
             reasoning: None,
+            tools: None,
+            schema_checks: Vec::new(),
             echo: None,
         })
     }

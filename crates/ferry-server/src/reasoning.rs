@@ -52,6 +52,14 @@ impl Reasoning {
         Splitter::new(self.parser, self.thinking)
     }
 
+    /// The answer starts in the reasoning (so a constraint starts after its `</think>`).
+    pub fn starts_in_reasoning(self) -> bool {
+        self.parser == ReasoningParser::DeepseekR1 || self.thinking
+    }
+
+    /// The marker that ends the reasoning.
+    pub const END: &'static str = THINK_END;
+
     /// A whole answer's `(reasoning, content)`.
     pub fn split(self, text: &str) -> (Option<String>, Option<String>) {
         split(self.parser, self.thinking, text)
@@ -78,7 +86,7 @@ impl Splitter {
     /// For a request; `thinking` is its `chat_template_kwargs.enable_thinking` (default
     /// on), which only `qwen3` reads.
     pub fn new(parser: ReasoningParser, thinking: bool) -> Self {
-        let in_reasoning = parser == ReasoningParser::DeepseekR1 || thinking;
+        let in_reasoning = Reasoning { parser, thinking }.starts_in_reasoning();
         Self {
             parser,
             in_reasoning,

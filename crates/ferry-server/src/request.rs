@@ -163,6 +163,7 @@ pub struct StructuredFields {
 pub struct Unsupported {
     pub best_of: Option<Value>,
     pub suffix: Option<Value>,
+    /// Refused on `/v1/completions`; chat reads it (the tools module) and clears it here.
     pub tools: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
@@ -250,18 +251,44 @@ pub struct ContentPart {
     pub text: Option<String>,
 }
 
-/// One chat message (tool calls are not supported, so these are all a template needs).
+/// One chat message: what a chat template reads of it.
 #[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
 pub struct ChatMessage {
     pub role: Option<String>,
     pub content: Option<MessageContent>,
     pub name: Option<String>,
+    /// An assistant's calls: `[{"id", "type": "function", "function": {"name", "arguments":
+    /// "<JSON string>"}}]`, checked by the tools module.
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` message's answer to this call.
+    pub tool_call_id: Option<String>,
+    /// An assistant's reasoning (vLLM's field), for templates that render past reasoning.
+    pub reasoning: Option<String>,
+    /// The same under its older name (SGLang's).
+    pub reasoning_content: Option<String>,
+}
+
+/// The request's tool fields, as sent.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, ToSchema)]
+pub struct ToolFields {
+    /// OpenAI function tools: `[{"type": "function", "function": {"name", "description",
+    /// "parameters"}}]`, rendered by the chat template (its `tools` variable).
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tools: Option<Value>,
+    /// `"none"`, `"auto"` (the default with tools), `"required"`, or
+    /// `{"type": "function", "function": {"name": ...}}`.
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Value>,
+    /// `false`: at most one call.
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ChatRequest {
     pub own: ChatFields,
+    pub tools: ToolFields,
     pub common: CommonParams,
     pub structured: StructuredFields,
     pub unsupported: Unsupported,
@@ -271,6 +298,7 @@ impl ChatRequest {
     pub fn from_json(v: &Value) -> Result<Self, ApiError> {
         Ok(Self {
             own: from_value(v)?,
+            tools: from_value(v)?,
             common: from_value(v)?,
             structured: from_value(v)?,
             unsupported: from_value(v)?,

@@ -232,6 +232,9 @@ pub struct AssistantMessage {
     /// The same, under its older name (SGLang's, and what many clients read).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// With tools: the calls the answer makes (left out when none, as vLLM leaves it).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<crate::tools::ToolCall>,
 }
 
 /// Chat logprobs: one entry per output token.
@@ -291,6 +294,9 @@ pub struct Delta {
     pub reasoning: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// With tools: pieces of the calls.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<crate::tools::DeltaToolCall>>,
 }
 
 /// `GET /v1/models`.

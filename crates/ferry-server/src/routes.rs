@@ -96,6 +96,9 @@ pub struct TokenizeRequest {
     /// As chat's: a template for this request, and the last message continued.
     pub chat_template: Option<String>,
     pub continue_final_message: Option<bool>,
+    /// As chat's: tools for the template.
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tools: Option<serde_json::Value>,
     pub return_token_strs: Option<bool>,
 }
 
@@ -156,6 +159,15 @@ fn tokenize_chat(
     messages: Vec<ChatMessage>,
     req: &TokenizeRequest,
 ) -> Result<Vec<TokenId>, ApiError> {
+    crate::tools::check_messages(&messages)?;
+    // The tools as chat checks them; no `tool_choice` here: they are only rendered.
+    let tools = crate::request::ToolFields {
+        tools: req.tools.clone(),
+        tool_choice: Some("none".into()),
+        parallel_tool_calls: None,
+    }
+    .read(app.config.tool_server())?
+    .map(|t| t.tools);
     let chat = ChatFields {
         messages: Some(messages),
         add_generation_prompt: req.add_generation_prompt,
@@ -165,10 +177,10 @@ fn tokenize_chat(
         ..ChatFields::default()
     };
     if req.add_special_tokens == Some(true) {
-        let text = crate::chat::render_text(app, &chat)?;
+        let text = crate::chat::render_text(app, &chat, tools.as_deref())?;
         return app.tokenize(&text, true, "messages");
     }
-    render_prompt(app, &chat)
+    render_prompt(app, &chat, tools.as_deref())
 }
 
 /// `POST /detokenize`.

@@ -77,6 +77,15 @@ pub struct Args {
     /// the text of the `<think>` block is the reasoning).
     #[arg(long, value_parser = clap::value_parser!(ReasoningParser))]
     pub reasoning_parser: Option<ReasoningParser>,
+    /// Let requests leave tool calls to the model (`tool_choice: "auto"`, the default with
+    /// `tools`): its answers are read for calls by `--tool-call-parser` (vLLM's flag).
+    #[arg(long, requires = "tool_call_parser")]
+    pub enable_auto_tool_choice: bool,
+    /// How answers are read for tool calls: `hermes` (`<tool_call>{json}</tool_call>`:
+    /// Qwen2.5, Qwen3, Hermes), `llama3_json` (Llama 3.1-3.3's JSON calls) or `pythonic`
+    /// (`[f(a=1)]`: Llama 3.2/4); vLLM's names.
+    #[arg(long, value_parser = parse_tool_call_parser)]
+    pub tool_call_parser: Option<ferry_server::tool_parsers::ToolCallParser>,
     /// The chat template: a Jinja file, or the template itself (vLLM's `--chat-template`);
     /// default the model's (its tokenizer config's).
     #[arg(long)]
@@ -600,6 +609,8 @@ async fn serve(args: Args) -> anyhow::Result<()> {
             .unwrap_or_default(),
         kv_events,
         reasoning_parser: args.reasoning_parser,
+        tool_call_parser: args.tool_call_parser,
+        enable_auto_tool_choice: args.enable_auto_tool_choice,
         ..ServerConfig::for_model(served_model_name.clone(), &started.model)
     };
     let server_config = match &args.chat_template {
@@ -776,6 +787,20 @@ fn flag_error(args: &Args, e: StartError) -> anyhow::Error {
             anyhow::Error::new(e).context("starting the engine")
         }
     }
+}
+
+/// `--tool-call-parser`'s value, by vLLM's name.
+fn parse_tool_call_parser(
+    name: &str,
+) -> Result<ferry_server::tool_parsers::ToolCallParser, String> {
+    use ferry_server::tool_parsers::ToolCallParser;
+    ToolCallParser::from_name(name).ok_or_else(|| {
+        let names: Vec<&str> = ToolCallParser::ALL.iter().map(|p| p.name()).collect();
+        format!(
+            "unknown tool call parser {name:?}: ferry has {}",
+            names.join(", ")
+        )
+    })
 }
 
 /// `--chat-template`: a file's text, or the argument itself when it is a template (vLLM reads

@@ -140,9 +140,14 @@ async fn bad_chat_requests_name_their_field() {
             Some("top_logprobs"),
         ),
         (json!({"messages": user, "logprobs": 3}), Some("logprobs")),
+        // Tools with `auto` (their default) on a server without a tool parser.
         (
             json!({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}),
-            Some("tools"),
+            Some("tool_choice"),
+        ),
+        (
+            json!({"messages": user, "tools": [{"type": "function", "function": {}}]}),
+            Some("tools[0].function.name"),
         ),
         (
             json!({"messages": user, "response_format": {"type": "yaml"}}),

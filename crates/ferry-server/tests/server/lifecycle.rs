@@ -43,6 +43,38 @@ async fn full_queue_is_a_503_and_accepted_requests_finish() {
     assert_eq!(second.await.unwrap(), 200);
 }
 
+/// A request's `n` choices are queued together, before any is accepted, so the engine takes
+/// them between the same two steps (the choices of a P/D prompt share one KV load: a choice
+/// queued after another had loaded and finished found the export pulled already, a 500 seen
+/// under CPU contention). Held inside a step, the engine leaves all three in its queue.
+#[allow(clippy::await_holding_lock)] // the guard holds the engine thread, not a task
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_choices_of_a_request_are_queued_together() {
+    let s = start(Options::default()).await;
+    let body = json!({"prompt": "hello", "max_tokens": 3, "ignore_eos": true});
+    let guard = s.gate.lock().unwrap();
+    let first = s.spawn_post("/v1/completions", &body);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.n_steps.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the engine never started a step");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut three = body.clone();
+    three["n"] = json!(3);
+    let second = s.spawn_post("/v1/completions", &three);
+    while s.engine.n_queued_inputs() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "{} of the 3 choices queued while the engine was busy",
+            s.engine.n_queued_inputs()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(guard);
+    assert_eq!(first.await.unwrap(), 200);
+    assert_eq!(second.await.unwrap(), 200);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_mid_stream_aborts_and_frees_blocks() {
     let s = start(Options {

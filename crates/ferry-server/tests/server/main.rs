@@ -22,4 +22,5 @@ mod rl_frameworks;
 mod structured;
 mod support;
 mod templates;
+mod tools;
 mod upload;

@@ -248,6 +248,20 @@ async fn the_document_matches_the_router_and_the_docs() {
         );
     }
 
+    // The tool fields docs/api.md's "Tool calls" names are chat's.
+    let tools = section(&api, "## Tool calls");
+    for name in ["tools", "tool_choice", "parallel_tool_calls"] {
+        assert!(tools.contains(&format!("`{name}")), "{name}");
+        assert!(
+            has_param(&doc, chat, name),
+            "`{name}` is not in ChatRequest"
+        );
+        assert!(
+            !has_param(&doc, completion, name),
+            "`{name}` on completions"
+        );
+    }
+
     // Every admin parameter the table of docs/lifecycle-admin.md lists: `name=` in the query,
     // `"name"` in the JSON body.
     for row in admin.lines().filter(|l| l.starts_with("| `")) {

@@ -73,12 +73,29 @@ async fn a_reasoning_parser_splits_the_answer_streamed_or_not() {
     let want =
         plain.ok("/v1/chat/completions", &off).await["choices"][0]["message"]["content"].clone();
     assert_eq!(message["content"], want, "{out}");
-    // A structured output with a reasoning parser is refused, naming the field.
-    s.expect_error(
-        "/v1/chat/completions",
-        &chat(json!({"response_format": {"type": "json_object"}})),
-        400,
-        Some("response_format"),
-    )
-    .await;
+    // A structured output with a reasoning parser holds the content only: the constraint
+    // starts after `</think>`. Thinking, the tiny model never closes the block, so its answer
+    // is the free text it writes without any constraint, all reasoning; not thinking, the
+    // whole answer is content and is JSON.
+    let json_object = json!({"response_format": {"type": "json_object"}, "max_tokens": 24});
+    let out = s
+        .ok("/v1/chat/completions", &chat(json_object.clone()))
+        .await;
+    let free = plain
+        .ok("/v1/chat/completions", &chat(json!({"max_tokens": 24})))
+        .await;
+    assert_eq!(
+        out["choices"][0]["message"]["reasoning"], free["choices"][0]["message"]["content"],
+        "{out}"
+    );
+    assert!(out["choices"][0]["message"]["content"].is_null(), "{out}");
+    let mut off = chat(json!({"chat_template_kwargs": {"enable_thinking": false},
+                              "response_format": {"type": "json_object"}, "max_tokens": 64}));
+    off["ignore_eos"] = json!(false);
+    let out = s.ok("/v1/chat/completions", &off).await;
+    let content = out["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(
+        serde_json::from_str::<Value>(content).is_ok_and(|v| v.is_object()),
+        "{out}"
+    );
 }

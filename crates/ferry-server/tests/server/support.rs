@@ -38,6 +38,10 @@ pub struct Options {
     pub kv_allowed_peers: AllowedPeers,
     /// `ServerConfig::reasoning_parser`.
     pub reasoning_parser: Option<ferry_server::reasoning::ReasoningParser>,
+    /// The context length (default [`MAX_MODEL_LEN`]).
+    pub max_model_len: Option<usize>,
+    /// `--enable-auto-tool-choice --tool-call-parser NAME`.
+    pub tool_call_parser: Option<ferry_server::tool_parsers::ToolCallParser>,
 }
 
 impl Default for Options {
@@ -54,6 +58,8 @@ impl Default for Options {
             max_top_logprobs: None,
             kv_allowed_peers: AllowedPeers::default(),
             reasoning_parser: None,
+            tool_call_parser: None,
+            max_model_len: None,
         }
     }
 }
@@ -97,7 +103,7 @@ pub async fn start_with(opts: Options, pd: Option<Pd>) -> Server {
         kv_cache: KvCacheSize::Blocks(512),
         max_num_seqs: 32,
         max_num_batched_tokens: 512,
-        max_model_len: Some(MAX_MODEL_LEN),
+        max_model_len: Some(opts.max_model_len.unwrap_or(MAX_MODEL_LEN)),
         input_queue_capacity: opts.queue_capacity,
         logprobs_mode: opts.logprobs_mode,
         ..ModelEngineConfig::default()
@@ -140,6 +146,8 @@ pub async fn start_with(opts: Options, pd: Option<Pd>) -> Server {
         kv_connector: pd.is_some(),
         kv_allowed_peers: opts.kv_allowed_peers.clone(),
         reasoning_parser: opts.reasoning_parser,
+        tool_call_parser: opts.tool_call_parser,
+        enable_auto_tool_choice: opts.tool_call_parser.is_some(),
         weight_upload_timeout: opts
             .weight_upload_timeout
             .unwrap_or(ferry_server::DEFAULT_WEIGHT_UPLOAD_TIMEOUT),
