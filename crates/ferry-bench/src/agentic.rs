@@ -45,12 +45,10 @@ use crate::child::{start, strings, Proc};
 use crate::route::{metric, percentile, BLOCK_SIZE, EVENTS};
 use crate::serve::sse::SseReader;
 
-/// Whether requests carry `tools` (two function tools) with `tool_choice: "none"`.
-///
-/// SWITCH: off while `ferry serve` answers `tools` with 400 "`tools` is not supported"; turn
-/// it on once chat's tool support is on this branch. Everything else stays the same (the
-/// template then renders the tools into the system turn, so every prompt grows by that much).
-pub const SEND_TOOLS: bool = false;
+/// Whether requests carry `tools` (two function tools) with `tool_choice: "none"`: the
+/// template renders them into the system turn, so every prompt grows by that much. (Off, the
+/// workload runs on a server without chat tools, which answers `tools` with a 400.)
+pub const SEND_TOOLS: bool = true;
 
 /// The committed tools-capable template (Qwen3-0.6B's, as its repository publishes it).
 const QWEN3_TEMPLATE: &str =
@@ -494,8 +492,8 @@ struct Sizing {
 
 /// Measures the workload's lengths on one instance with the template: the pseudo-tool lines'
 /// length in tokens, then every session's last prompt through `/tokenize` (the answers
-/// stood in by `--max-tokens` words), and turn 1 through the chat route itself once (with
-/// the tools, which `/tokenize` takes no part of).
+/// stood in by `--max-tokens` words), and turn 1 through the chat route itself once (a
+/// server whose `/tokenize` leaves out the tools counts fewer tokens than chat renders).
 async fn probe(args: &Args, base: &str) -> anyhow::Result<Sizing> {
     let client = reqwest::Client::builder()
         .no_proxy()
@@ -514,8 +512,12 @@ async fn probe(args: &Args, base: &str) -> anyhow::Result<Sizing> {
     let lines = lines.max(1);
     let work = Workload::new(args, lines);
     let chat = |messages: Vec<Value>| {
-        json!({"messages": messages, "add_generation_prompt": true,
-               "chat_template_kwargs": {"enable_thinking": false}})
+        let mut b = json!({"messages": messages, "add_generation_prompt": true,
+                           "chat_template_kwargs": {"enable_thinking": false}});
+        if SEND_TOOLS {
+            b["tools"] = tools();
+        }
+        b
     };
     let mut tool_tokens = 0;
     let mut firsts = Vec::new();
@@ -918,4 +920,72 @@ fn print_table(report: &Value) {
         f(&t["sessions_over_kv_cached_tokens"]),
         f(&t["round_robin_over_sessions_ttft_p50"]),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(prompt: Vec<u64>, output: Vec<u64>, cached: u64, ttft_s: f64) -> Reply {
+        Reply {
+            ttft_s,
+            e2e_s: ttft_s,
+            prompt_tokens: prompt.len() as u64,
+            completion_tokens: output.len() as u64,
+            cached_tokens: cached,
+            content: String::new(),
+            prompt_ids: Some(prompt),
+            output_ids: output,
+        }
+    }
+
+    #[test]
+    fn later_turns_are_measured_against_the_turn_before() {
+        // Turn 1: 40 prompt tokens and 8 out; turn 2 keeps 38 of them (the template drops
+        // two), adds 30: 68 tokens, of which whole blocks of the 38 can be cached (32).
+        let first: Vec<u64> = (0..40).collect();
+        let out: Vec<u64> = (100..108).collect();
+        let second: Vec<u64> = (0..38).chain(200..230).collect();
+        let replies = vec![vec![
+            reply(first, out, 0, 0.5),
+            reply(second, vec![1, 2, 3, 4], 32, 0.2),
+        ]];
+        let s = summary(&replies, 2, 1.0);
+        let t2 = &s["turns"][1];
+        assert_eq!(t2["cached_of_earlier_context"].as_f64(), Some(32.0 / 48.0));
+        assert_eq!(t2["earlier_context_in_prompt"].as_f64(), Some(38.0 / 48.0));
+        assert_eq!(t2["cached_of_cacheable"].as_f64(), Some(1.0));
+        assert_eq!(t2["cached_of_prompt"].as_f64(), Some(32.0 / 68.0));
+        assert!(s["turns"][0]["cached_of_earlier_context"].is_null());
+        assert_eq!(s["later_turns"]["ttft_p50_ms"].as_f64(), Some(200.0));
+        assert_eq!(s["later_turns"]["earlier_context_tokens"], 48);
+        assert_eq!(s["totals"]["cached_tokens"], 32);
+    }
+
+    #[test]
+    fn the_workload_is_fixed_and_each_tool_result_its_own() {
+        let args = <Args as clap::Args>::augment_args(clap::Command::new("agentic"))
+            .try_get_matches_from(["agentic"])
+            .and_then(|m| <Args as clap::FromArgMatches>::from_arg_matches(&m))
+            .unwrap();
+        let (a, b) = (Workload::new(&args, 14), Workload::new(&args, 14));
+        assert_eq!(a.orders, b.orders);
+        assert_eq!(a.orders.len(), 6);
+        for order in &a.orders {
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..16).collect::<Vec<_>>());
+        }
+        assert_ne!(a.orders[0], a.orders[1]);
+        assert_ne!(tool_result(0, 1, 14), tool_result(1, 1, 14));
+        assert_ne!(tool_result(0, 1, 14), tool_result(0, 2, 14));
+        assert_eq!(tool_result(3, 2, 14).lines().count(), 15);
+        let m = a.messages(2, &["one".into(), "two".into()]);
+        let roles: Vec<&str> = m.iter().map(|m| m["role"].as_str().unwrap()).collect();
+        assert_eq!(
+            roles,
+            ["system", "user", "assistant", "tool", "assistant", "tool"]
+        );
+        assert_eq!(m[4]["content"], "two");
+    }
 }
