@@ -1,6 +1,7 @@
 //! `ferry` child processes for the benchmarks that run a fleet (`ferry bench route`, `ferry
-//! bench weight-sync`): started from the `ferry` binary the caller names (the one running the
-//! benchmark), their address read from their log, killed when dropped.
+//! bench agentic`, `ferry bench weight-sync`): started from the `ferry` binary the caller
+//! names (the one running the benchmark), their address read from their log, killed when
+//! dropped.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;

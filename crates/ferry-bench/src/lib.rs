@@ -4,13 +4,14 @@
 //!
 //! Like the binary, this crate is the command line's edge: flags are parsed here (clap's
 //! derive), and errors go to the person at the terminal (`anyhow`), never matched on. The
-//! fleet benchmarks (`route`, `weight-sync`) start `ferry serve` and `ferry proxy` processes
+//! fleet benchmarks (`route`, `agentic`, `weight-sync`) start `ferry serve` and `ferry proxy` processes
 //! (`child.rs`) from the binary the caller names.
 
 use std::path::Path;
 
 use clap::Subcommand;
 
+mod agentic;
 mod child;
 mod lifecycle;
 mod model;
@@ -45,6 +46,10 @@ pub enum BenchCommand {
     /// `ferry proxy`'s routing policies on a shared-prefix workload: TTFT, prefix-cache hit
     /// rate, misses and stale routes per policy, against one instance with all the KV.
     Route(route::Args),
+    /// A multi-turn tool-use workload through `ferry proxy` over a fleet, under round-robin,
+    /// under `--routing kv`, and with the session header and no KV events: cached context and
+    /// TTFT per turn.
+    Agentic(agentic::Args),
 }
 
 /// Runs `command`; `ferry` is the `ferry` binary, which the fleet benchmarks start as their
@@ -59,5 +64,6 @@ pub fn run(command: BenchCommand, ferry: &Path) -> anyhow::Result<()> {
         BenchCommand::WeightSync(args) => weight_sync::run(args, ferry),
         BenchCommand::Offload(args) => offload::run(args),
         BenchCommand::Route(args) => route::run(args, ferry),
+        BenchCommand::Agentic(args) => agentic::run(args, ferry),
     }
 }

@@ -28,8 +28,8 @@ use serde_json::{json, Value};
 
 use crate::child::{start, strings, Proc};
 
-const BLOCK_SIZE: usize = 16;
-const EVENTS: &str = r#"{"enable_kv_cache_events": true, "publisher": "zmq",
+pub(crate) const BLOCK_SIZE: usize = 16;
+pub(crate) const EVENTS: &str = r#"{"enable_kv_cache_events": true, "publisher": "zmq",
     "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#;
 
 #[derive(Debug, clap::Args)]
@@ -201,7 +201,7 @@ async fn rl_cycle(client: &reqwest::Client, admin: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn percentile(sorted_ms: &[f64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted_ms: &[f64], p: f64) -> f64 {
     if sorted_ms.is_empty() {
         return 0.0;
     }
@@ -227,7 +227,7 @@ fn summary(samples: &[Sample], wall_s: f64) -> Value {
 }
 
 /// The sum of a metric's samples in a `/metrics` text.
-fn metric(text: &str, name: &str) -> f64 {
+pub(crate) fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .filter(|l| {
             l.strip_prefix(name)

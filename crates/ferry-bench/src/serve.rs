@@ -17,7 +17,7 @@ use tokio::task::JoinSet;
 
 mod client;
 mod metrics;
-mod sse;
+pub(crate) mod sse;
 mod stats;
 mod workload;
 
