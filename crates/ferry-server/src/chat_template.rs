@@ -154,9 +154,7 @@ fn python_tojson(
     Ok(Value::from_safe_string(out))
 }
 
-/// How Python's `json.dumps` lays JSON out. Written here because no crate writes Python's
-/// exact layout (its float repr and separators); serde_json's formatters come close but
-/// not to the byte.
+/// How Python's `json.dumps` lays JSON out (its scalars are [`crate::pyjson`]'s).
 struct PyJson {
     indent: Option<String>,
     item_sep: String,
@@ -173,7 +171,7 @@ impl PyJson {
             Json::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
                 (Some(i), _, _) => out.push_str(&i.to_string()),
                 (_, Some(u), _) => out.push_str(&u.to_string()),
-                (_, _, Some(f)) => out.push_str(&python_float(f)),
+                (_, _, Some(f)) => out.push_str(&crate::pyjson::float_repr(f)),
                 _ => out.push_str(&n.to_string()),
             },
             Json::String(s) => self.string(s, out),
@@ -231,55 +229,7 @@ impl PyJson {
     }
 
     fn string(&self, s: &str, out: &mut String) {
-        out.push('"');
-        for c in s.chars() {
-            match c {
-                '"' => out.push_str("\\\""),
-                '\\' => out.push_str("\\\\"),
-                '\n' => out.push_str("\\n"),
-                '\r' => out.push_str("\\r"),
-                '\t' => out.push_str("\\t"),
-                '\u{8}' => out.push_str("\\b"),
-                '\u{c}' => out.push_str("\\f"),
-                c if (c as u32) < 0x20 || (self.ensure_ascii && !c.is_ascii()) => {
-                    let mut units = [0u16; 2];
-                    for u in c.encode_utf16(&mut units) {
-                        out.push_str(&format!("\\u{u:04x}"));
-                    }
-                }
-                c => out.push(c),
-            }
-        }
-        out.push('"');
-    }
-}
-
-/// A float as Python's `repr` writes it: the shortest digits that read back, in positional
-/// notation for exponents from -4 to 15, else as `1e-05`, `1.5e+16`; always with a `.0` or
-/// an exponent, so it reads back as a float.
-fn python_float(f: f64) -> String {
-    if !f.is_finite() {
-        return if f.is_nan() {
-            "NaN".into()
-        } else if f > 0.0 {
-            "Infinity".into()
-        } else {
-            "-Infinity".into()
-        };
-    }
-    let sci = format!("{f:e}");
-    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
-    let exp: i32 = exp.parse().unwrap_or(0);
-    if (-4..16).contains(&exp) {
-        let s = format!("{f}");
-        if s.contains('.') {
-            s
-        } else {
-            format!("{s}.0")
-        }
-    } else {
-        let sign = if exp < 0 { '-' } else { '+' };
-        format!("{mantissa}e{sign}{:02}", exp.abs())
+        crate::pyjson::write_str(s, self.ensure_ascii, out);
     }
 }
 
@@ -417,9 +367,6 @@ mod tests {
             t("{{ tools[0] | tojson(sort_keys=true, ensure_ascii=true) }}"),
             r#"{"d": {"a": null, "b": [1, 2.5, 1e-05, 1e+16, 3.0], "e": {}, "l": []}, "name": "f", "s": "\u00e9 \"q\" \\ \n \u0001", "t": true}"#
         );
-        assert_eq!(python_float(0.0001), "0.0001");
-        assert_eq!(python_float(123456789012345680.0), "1.2345678901234568e+17");
-        assert_eq!(python_float(-2.0), "-2.0");
     }
 
     /// An assistant's calls reach the template with their arguments as objects, its

@@ -43,6 +43,7 @@ pub mod metrics;
 pub mod native;
 pub mod openapi;
 pub mod params;
+pub mod pyjson;
 pub mod reasoning;
 pub mod request;
 pub mod response;

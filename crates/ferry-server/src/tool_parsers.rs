@@ -1129,7 +1129,7 @@ impl PyParser {
             if n > 0 {
                 arguments.push_str(", ");
             }
-            dump_json_str(keyword, &mut arguments);
+            crate::pyjson::write_str(keyword, false, &mut arguments);
             arguments.push_str(": ");
             dump_json(value, &mut arguments);
         }
@@ -1663,78 +1663,14 @@ fn py_key_eq(a: &PyVal, b: &PyVal) -> bool {
     }
 }
 
-/// Python's `repr` of a finite float.
-fn py_float_repr(f: f64) -> String {
-    if f == 0.0 {
-        return if f.is_sign_negative() { "-0.0" } else { "0.0" }.to_owned();
-    }
-    let sci = format!("{:e}", f.abs());
-    let (mantissa, exponent) = sci.split_once('e').unwrap_or((&sci, "0"));
-    let exponent: i32 = exponent.parse().unwrap_or(0);
-    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
-    let mut out = String::new();
-    if f < 0.0 {
-        out.push('-');
-    }
-    // Python's `float_repr_style == 'short'`: fixed notation when -4 < decpt <= 16.
-    let point = exponent + 1;
-    if point > -4 && point <= 16 {
-        if point <= 0 {
-            out.push_str("0.");
-            out.push_str(&"0".repeat(point.unsigned_abs() as usize));
-            out.push_str(&digits);
-        } else {
-            let point = point as usize;
-            if point >= digits.len() {
-                out.push_str(&digits);
-                out.push_str(&"0".repeat(point - digits.len()));
-                out.push_str(".0");
-            } else {
-                out.push_str(&digits[..point]);
-                out.push('.');
-                out.push_str(&digits[point..]);
-            }
-        }
-    } else {
-        out.push_str(&digits[..1]);
-        if digits.len() > 1 {
-            out.push('.');
-            out.push_str(&digits[1..]);
-        }
-        out.push('e');
-        out.push(if exponent < 0 { '-' } else { '+' });
-        out.push_str(&format!("{:02}", exponent.unsigned_abs()));
-    }
-    out
-}
-
-/// `json.dumps(s, ensure_ascii=False)` for a string.
-fn dump_json_str(s: &str, out: &mut String) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\x08' => out.push_str("\\b"),
-            '\x0c' => out.push_str("\\f"),
-            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-}
-
 /// `json.dumps(value, ensure_ascii=False)`.
 fn dump_json(value: &PyVal, out: &mut String) {
     match value {
         PyVal::None => out.push_str("null"),
         PyVal::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
         PyVal::Int(digits) => out.push_str(digits),
-        PyVal::Float(f) => out.push_str(&py_float_repr(*f)),
-        PyVal::Str(s) => dump_json_str(s, out),
+        PyVal::Float(f) => out.push_str(&crate::pyjson::float_repr(*f)),
+        PyVal::Str(s) => crate::pyjson::write_str(s, false, out),
         PyVal::List(items) => {
             out.push('[');
             for (n, item) in items.iter().enumerate() {
@@ -1755,12 +1691,12 @@ fn dump_json(value: &PyVal, out: &mut String) {
                 let key = match key {
                     PyVal::Str(s) => s.clone(),
                     PyVal::Int(digits) => digits.clone(),
-                    PyVal::Float(f) => py_float_repr(*f),
+                    PyVal::Float(f) => crate::pyjson::float_repr(*f),
                     PyVal::Bool(b) => if *b { "true" } else { "false" }.to_owned(),
                     PyVal::None => "null".to_owned(),
                     PyVal::List(_) | PyVal::Dict(_) => String::new(),
                 };
-                dump_json_str(&key, out);
+                crate::pyjson::write_str(&key, false, out);
                 out.push_str(": ");
                 dump_json(value, out);
             }
@@ -2445,32 +2381,6 @@ lines''', g='con' "cat", h=f'{{x}}', i='\\', j='日本')]"#,
         ];
         for (text, expected) in cases {
             assert_eq!(pythonic_regex(text), expected, "{text:?}");
-        }
-    }
-
-    #[test]
-    fn python_float_repr() {
-        let cases = [
-            (1.0, "1.0"),
-            (0.1, "0.1"),
-            (0.1 + 0.2, "0.30000000000000004"),
-            (100.0, "100.0"),
-            (0.0001, "0.0001"),
-            (0.00001, "1e-05"),
-            (1.5e-7, "1.5e-07"),
-            (1e15, "1000000000000000.0"),
-            (9_999_999_999_999_998.0, "9999999999999998.0"),
-            (1e16, "1e+16"),
-            (1e22, "1e+22"),
-            (123_456_789.123, "123456789.123"),
-            (-2.5, "-2.5"),
-            (0.0, "0.0"),
-            (-0.0, "-0.0"),
-            (5e-324, "5e-324"),
-            (1.797_693_134_862_315_7e308, "1.7976931348623157e+308"),
-        ];
-        for (value, expected) in cases {
-            assert_eq!(py_float_repr(value), expected, "{value:e}");
         }
     }
 
