@@ -170,9 +170,23 @@ impl ToolCallParser {
         }
     }
 
-    /// The parser with this `--tool-call-parser` name, if ferry has it.
+    /// vLLM 0.34's other names for these parsers: `qwen3_json` (its alias of `hermes`) and
+    /// `llama4_json` (the same parser as `llama3_json`).
+    pub const ALIASES: [(&'static str, ToolCallParser); 2] = [
+        ("qwen3_json", Self::Hermes),
+        ("llama4_json", Self::Llama3Json),
+    ];
+
+    /// The parser with this `--tool-call-parser` name (or vLLM alias), if ferry has it.
     pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|parser| parser.name() == name)
+        Self::ALL
+            .into_iter()
+            .find(|parser| parser.name() == name)
+            .or_else(|| {
+                Self::ALIASES
+                    .into_iter()
+                    .find_map(|(alias, parser)| (alias == name).then_some(parser))
+            })
     }
 
     /// A whole output, parsed: vLLM's calls and content.
@@ -1708,6 +1722,22 @@ fn dump_json(value: &PyVal, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_and_vllms_aliases_find_their_parser() {
+        for parser in ToolCallParser::ALL {
+            assert_eq!(ToolCallParser::from_name(parser.name()), Some(parser));
+        }
+        assert_eq!(
+            ToolCallParser::from_name("qwen3_json"),
+            Some(ToolCallParser::Hermes)
+        );
+        assert_eq!(
+            ToolCallParser::from_name("llama4_json"),
+            Some(ToolCallParser::Llama3Json)
+        );
+        assert_eq!(ToolCallParser::from_name("mistral"), None);
+    }
 
     /// One hand-written output and what vLLM 0.34 returns for it.
     struct Case {
