@@ -295,40 +295,29 @@ impl Formatter {
     /// tools, the content goes through the choice's [`ToolStream`], which holds back call
     /// text and sends the calls when the answer ends.
     fn delta(&mut self, index: usize, text: String, last: bool) -> Delta {
-        let (reasoning, content) = match self.splitters.get_mut(index).and_then(Option::as_mut) {
-            None => (String::new(), text),
-            Some(splitter) => {
-                let mut split = splitter.push(&text);
-                if last {
-                    let rest = splitter.finish();
-                    split.reasoning.push_str(&rest.reasoning);
-                    split.content.push_str(&rest.content);
-                }
-                (split.reasoning, split.content)
-            }
-        };
-        let (content, tool_calls) = match self.tool_streams.get_mut(index).and_then(Option::as_mut)
-        {
-            None => (content, Vec::new()),
-            Some(tools) => {
-                let mut out = tools.push(&content);
-                if last {
-                    let rest = tools.finish();
-                    out.content.push_str(&rest.content);
-                    out.calls.extend(rest.calls);
-                }
-                (out.content, out.calls)
-            }
-        };
-        let plain = self.splitters.get(index).is_none_or(Option::is_none)
-            && self.tool_streams.get(index).is_none_or(Option::is_none);
-        if plain {
+        let splitter = self.splitters.get_mut(index).and_then(Option::as_mut);
+        let tools = self.tool_streams.get_mut(index).and_then(Option::as_mut);
+        if splitter.is_none() && tools.is_none() {
             // Without parsers every chunk but an empty last one carries its content.
             return Delta {
-                content: (!content.is_empty() || !last).then_some(content),
+                content: (!text.is_empty() || !last).then_some(text),
                 ..Delta::default()
             };
         }
+        let (reasoning, content) = match splitter {
+            None => (String::new(), text),
+            Some(splitter) => {
+                let split = splitter.feed(&text, last);
+                (split.reasoning, split.content)
+            }
+        };
+        let (content, tool_calls) = match tools {
+            None => (content, Vec::new()),
+            Some(tools) => {
+                let out = tools.feed(&content, last);
+                (out.content, out.calls)
+            }
+        };
         let some = |t: String| (!t.is_empty()).then_some(t);
         let reasoning = some(reasoning);
         Delta {

@@ -117,6 +117,17 @@ impl Splitter {
         out
     }
 
+    /// The split of the next piece, and with `last` of what was held back too.
+    pub fn feed(&mut self, text: &str, last: bool) -> Split {
+        let mut split = self.push(text);
+        if last {
+            let rest = self.finish();
+            split.reasoning.push_str(&rest.reasoning);
+            split.content.push_str(&rest.content);
+        }
+        split
+    }
+
     /// What was held back, once the answer is complete.
     pub fn finish(&mut self) -> Split {
         let mut out = Split::default();

@@ -662,6 +662,18 @@ impl ToolStream {
         }
     }
 
+    /// The next piece of content, and with `last` the rest and every call
+    /// ([`Self::push`], then [`Self::finish`]).
+    pub fn feed(&mut self, piece: &str, last: bool) -> Streamed {
+        let mut out = self.push(piece);
+        if last {
+            let rest = self.finish();
+            out.content.push_str(&rest.content);
+            out.calls.extend(rest.calls);
+        }
+        out
+    }
+
     /// The answer ended: the rest of the content and every call (each as a delta with its
     /// id and name, then one with its arguments).
     pub fn finish(&mut self) -> Streamed {

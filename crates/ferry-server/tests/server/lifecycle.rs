@@ -7,7 +7,19 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::support::{metric, start, Options};
+use crate::support::{metric, start, Options, Server};
+
+/// Sends `body` as a completion and waits until the engine has started a step for it: with
+/// the caller holding `s.gate`, the engine is then held inside that step.
+async fn start_a_step(s: &Server, body: &Value) -> tokio::task::JoinHandle<u16> {
+    let request = s.spawn_post("/v1/completions", body);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.n_steps.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the engine never started a step");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    request
+}
 
 // The guard is a std mutex on purpose: the engine thread (not a task) blocks on it, and the
 // test holds it across awaits to keep the engine inside a step.
@@ -20,14 +32,9 @@ async fn full_queue_is_a_503_and_accepted_requests_finish() {
     })
     .await;
     let body = json!({"prompt": "hello", "max_tokens": 3, "ignore_eos": true});
-    // Hold the engine inside its first step.
     let guard = s.gate.lock().unwrap();
-    let first = s.spawn_post("/v1/completions", &body);
+    let first = start_a_step(&s, &body).await;
     let deadline = Instant::now() + Duration::from_secs(10);
-    while s.n_steps.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the engine never started a step");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
     // The second request takes the queue's one slot and waits for the engine...
     let second = s.spawn_post("/v1/completions", &body);
     while s.engine.n_queued_inputs() == 0 {
@@ -53,12 +60,8 @@ async fn the_choices_of_a_request_are_queued_together() {
     let s = start(Options::default()).await;
     let body = json!({"prompt": "hello", "max_tokens": 3, "ignore_eos": true});
     let guard = s.gate.lock().unwrap();
-    let first = s.spawn_post("/v1/completions", &body);
+    let first = start_a_step(&s, &body).await;
     let deadline = Instant::now() + Duration::from_secs(10);
-    while s.n_steps.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the engine never started a step");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
     let mut three = body.clone();
     three["n"] = json!(3);
     let second = s.spawn_post("/v1/completions", &three);
