@@ -85,7 +85,8 @@ pub use pd::{PdConfig, PdConnector, PdRole};
 pub use peers::{ip_literal, AllowedPeers, IpNet, PeerError};
 pub use plan::{
     mask_allows, AdjustedToken, LogitsAdjust, ModelOutput, PromptLogprobs, PromptLogprobsWork,
-    PromptTokenLogprob, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenMask,
+    PromptTokenLogprob, RoutedExperts, RoutingRead, RoutingShape, SampleSpec, SampledToken,
+    ScheduledReq, StepPlan, TokenMask,
 };
 pub use request::{AddError, FinishReason, Request, RequestState};
 pub use sampling::{LogitsParams, SamplerSpec, SamplingParams};

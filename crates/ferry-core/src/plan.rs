@@ -131,6 +131,48 @@ pub struct StepPlan {
     /// The prompt logprobs this step computes, in plan order (requests that asked for them
     /// and compute prompt positions this step).
     pub prompt_logprobs: Vec<PromptLogprobsWork>,
+    /// Requests whose earlier positions' expert routing the executor reads back from their
+    /// blocks this step (an executor capturing routing, [`RoutingShape`]): positions whose KV
+    /// the request did not compute itself (a prefix-cache hit), so its routing has a gap.
+    pub routing_reads: Vec<RoutingRead>,
+}
+
+/// One request's read-back of stored routing: positions `from..start_pos` of
+/// `reqs[req_pos]`, whose KV (and the routing stored beside it) is in its blocks already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoutingRead {
+    /// Index of the request in [`StepPlan::reqs`].
+    pub req_pos: usize,
+    pub from: usize,
+}
+
+/// The shape of one token's expert routing as an executor captures it: for each MoE layer
+/// in order, the `top_k` experts the router picked (best first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoutingShape {
+    /// MoE layers (dense layers of a model with `mlp_only_layers` have no row).
+    pub moe_layers: usize,
+    pub top_k: usize,
+    /// Experts per layer (ids are below it).
+    pub num_experts: usize,
+}
+
+impl RoutingShape {
+    /// Expert ids per token: `moe_layers × top_k`.
+    pub fn width(&self) -> usize {
+        self.moe_layers * self.top_k
+    }
+}
+
+/// Expert routing of one request's consecutive positions, from one step: the positions it
+/// computed, after the positions it read back ([`RoutingRead`]) if any.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoutedExperts {
+    pub req: ReqIdx,
+    /// Position of the first row.
+    pub first_pos: usize,
+    /// `positions × shape.width()` expert ids, position-major, then layer, then rank.
+    pub ids: Vec<u16>,
 }
 
 /// One request's prompt logprobs in a step: the logits of each position this step computes
@@ -235,4 +277,7 @@ pub struct ModelOutput {
     /// One entry per [`StepPlan::prompt_logprobs`] item, in its order (an executor that cannot
     /// compute them, such as the checksum model, leaves this empty).
     pub prompt_logprobs: Vec<PromptLogprobs>,
+    /// Expert routing, one entry per scheduled request, in plan order, when the executor
+    /// captures it ([`RoutingShape`]); empty otherwise.
+    pub routed: Vec<RoutedExperts>,
 }

@@ -84,7 +84,7 @@ impl StepModel for Script<'_> {
             .collect();
         Ok(ModelOutput {
             sampled,
-            prompt_logprobs: Vec::new(),
+            ..ModelOutput::default()
         })
     }
 }
@@ -331,7 +331,7 @@ fn output_must_answer_the_latest_plan() {
                 &plan,
                 &ModelOutput {
                     sampled,
-                    prompt_logprobs: Vec::new(),
+                    ..ModelOutput::default()
                 },
             )
             .unwrap_err()

@@ -321,7 +321,7 @@ impl Executor for ChecksumModel {
             .collect();
         Ok(ModelOutput {
             sampled,
-            prompt_logprobs: Vec::new(),
+            ..ModelOutput::default()
         })
     }
 

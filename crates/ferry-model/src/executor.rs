@@ -5,7 +5,7 @@
 //! with its own arena placement (see ARCHITECTURE.md).
 
 use ferry_arena::{KvArena, KvLayout};
-use ferry_core::{ModelOutput, StepPlan};
+use ferry_core::{ModelOutput, RoutingShape, StepPlan};
 
 pub use crate::error::ExecError;
 use crate::weights::update::ModelWeights;
@@ -20,6 +20,12 @@ pub trait Executor: Send {
     /// Runs one step: writes the KV of every scheduled token into the arena, and samples the
     /// next token of every request whose `sample` is set (in plan order).
     fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError>;
+
+    /// The shape of the expert routing `execute` reports in [`ModelOutput::routed`]; `None`
+    /// when it reports none (a dense model, or an MoE model not asked to capture it).
+    fn routing_shape(&self) -> Option<RoutingShape> {
+        None
+    }
 
     /// The executor's weights, for updates and sleep (see `weights/update.rs`).
     fn weight_ops(&self) -> &dyn ModelWeights;
@@ -44,6 +50,9 @@ macro_rules! forward_executor {
                 kv: &mut KvArena,
             ) -> Result<ModelOutput, ExecError> {
                 (**self).execute(plan, kv)
+            }
+            fn routing_shape(&self) -> Option<RoutingShape> {
+                (**self).routing_shape()
             }
             fn weight_ops(&self) -> &dyn ModelWeights {
                 (**self).weight_ops()
@@ -82,6 +91,9 @@ impl<E: Executor, H: StepHook> Executor for Hooked<E, H> {
     fn execute(&mut self, plan: &StepPlan, kv: &mut KvArena) -> Result<ModelOutput, ExecError> {
         self.hook.before_step(plan)?;
         self.inner.execute(plan, kv)
+    }
+    fn routing_shape(&self) -> Option<RoutingShape> {
+        self.inner.routing_shape()
     }
     fn weight_ops(&self) -> &dyn ModelWeights {
         self.inner.weight_ops()

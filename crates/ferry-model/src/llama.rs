@@ -139,6 +139,22 @@ impl LlamaModel {
         self
     }
 
+    /// Captures the expert routing of every token the forward computes and reports it in
+    /// [`ModelOutput::routed`] (`ferry serve --enable-return-routed-experts`). A model with
+    /// no MoE layers has no routing to capture: an error naming the flag.
+    pub fn with_routed_experts(self, on: bool) -> Result<Self, ModelError> {
+        if on {
+            return Err(ModelError::InvalidConfig {
+                field: "--enable-return-routed-experts",
+                message: format!(
+                    "{} has no mixture-of-experts layers, so no routing to return",
+                    self.config.architecture
+                ),
+            });
+        }
+        Ok(self)
+    }
+
     pub fn config(&self) -> &LlamaConfig {
         &self.config
     }
@@ -491,6 +507,7 @@ impl Executor for LlamaModel {
         Ok(ModelOutput {
             sampled: sampled?,
             prompt_logprobs: std::mem::take(&mut self.prompt_out),
+            routed: Vec::new(),
         })
     }
 

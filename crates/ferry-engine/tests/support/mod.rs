@@ -272,7 +272,7 @@ impl Executor for Scripted {
             .collect();
         Ok(ModelOutput {
             sampled,
-            prompt_logprobs: Vec::new(),
+            ..ModelOutput::default()
         })
     }
 }

@@ -345,6 +345,7 @@ pub fn paged_logits_of(
             token_masks: Vec::new(),
             logits_adjusts: Vec::new(),
             prompt_logprobs: Vec::new(),
+            routing_reads: Vec::new(),
         };
         let logits = llama.forward(&plan, &mut kv).expect("valid plan");
         rows.push(logits.row(0).to_vec());
