@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod tensors;
 
-pub use tensors::{expected_tensors, is_ignorable};
+pub use tensors::{expected_tensors, is_ignorable, qk_norm_lens};
 
 /// One configuration for every supported architecture (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3):
 /// they differ only in the flags below.
@@ -32,11 +32,93 @@ pub struct LlamaConfig {
     /// transformers gives every attention projection; never Qwen2, whose `o_proj` has none).
     #[serde(default)]
     pub o_proj_bias: bool,
-    /// RMSNorm on q and k per head before rope (Qwen3).
+    /// RMSNorm on q and k before rope: per head (Qwen3), or over the whole projection when
+    /// `qk_norm_whole` is set (OLMoE: weights `[heads · head_dim]` and `[kv_heads · head_dim]`).
     pub qk_norm: bool,
+    #[serde(default)]
+    pub qk_norm_whole: bool,
+    /// OLMoE's `clip_qkv`: q, k and v clamped to `[-c, c]` after the q/k norms.
+    #[serde(default)]
+    pub clip_qkv: Option<f32>,
+    /// Mixture-of-experts MLPs (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral); `None`: dense.
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
     pub bos_token_id: Option<TokenId>,
     /// Every token id that ends generation (config.json and generation_config.json merged).
     pub eos_token_ids: Vec<TokenId>,
+}
+
+/// The mixture-of-experts part of a config: which layers route, to how many experts, and how
+/// the checkpoint names them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Experts per MoE layer (`num_experts`, Mixtral's `num_local_experts`).
+    pub num_experts: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Each expert's intermediate size (`moe_intermediate_size`; Mixtral's and OLMoE's
+    /// `intermediate_size`). Dense layers of the model use [`LlamaConfig::intermediate_size`].
+    pub expert_intermediate_size: usize,
+    /// Whether the top-k routing weights are renormalised to sum to 1 (`norm_topk_prob`;
+    /// Mixtral always does).
+    pub norm_topk_prob: bool,
+    /// Per layer, whether its MLP is a mixture of experts (`decoder_sparse_step` and
+    /// `mlp_only_layers` decide it in Qwen's configs; every layer elsewhere).
+    pub sparse_layers: Vec<bool>,
+    /// Qwen2-MoE's shared expert: its intermediate size (`shared_expert_intermediate_size`);
+    /// its output is scaled by `sigmoid(shared_expert_gate · x)` and added to the experts'.
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// How the checkpoint names the block's tensors.
+    pub naming: ExpertNaming,
+}
+
+/// Tensor names of an MoE block, after `model.layers.{l}.`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExpertNaming {
+    /// `mlp.gate.weight`, `mlp.experts.{e}.{gate,up,down}_proj.weight` (Qwen, OLMoE).
+    Qwen,
+    /// `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`
+    /// (Mixtral: w1 is the gate, w3 the up and w2 the down projection).
+    Mixtral,
+}
+
+impl ExpertNaming {
+    /// The block's prefix after the layer's: `mlp` or `block_sparse_moe`.
+    pub fn block(self) -> &'static str {
+        match self {
+            Self::Qwen => "mlp",
+            Self::Mixtral => "block_sparse_moe",
+        }
+    }
+
+    /// Expert `e`'s gate, up and down projections (after the layer's prefix).
+    pub fn expert(self, e: usize) -> [String; 3] {
+        let b = self.block();
+        let [g, u, d] = match self {
+            Self::Qwen => ["gate_proj", "up_proj", "down_proj"],
+            Self::Mixtral => ["w1", "w3", "w2"],
+        };
+        [g, u, d].map(|m| format!("{b}.experts.{e}.{m}.weight"))
+    }
+}
+
+impl MoeConfig {
+    /// Whether layer `l` routes to experts (a dense MLP otherwise).
+    pub fn is_sparse(&self, l: usize) -> bool {
+        self.sparse_layers.get(l).copied().unwrap_or(false)
+    }
+
+    /// How many layers route to experts.
+    pub fn n_sparse(&self) -> usize {
+        self.sparse_layers.iter().filter(|&&s| s).count()
+    }
+}
+
+impl LlamaConfig {
+    /// The MoE config when layer `l` routes to experts.
+    pub fn sparse_layer(&self, l: usize) -> Option<&MoeConfig> {
+        self.moe.as_ref().filter(|m| m.is_sparse(l))
+    }
 }
 
 /// Rope scaling variants we support.

@@ -22,7 +22,7 @@ pub mod tiny;
 pub mod weights;
 
 pub use checksum::{ChecksumConfigError, ChecksumModel};
-pub use config::{expected_tensors, LlamaConfig, RopeScaling};
+pub use config::{expected_tensors, ExpertNaming, LlamaConfig, MoeConfig, RopeScaling};
 pub use driver::ExecutorModel;
 pub use dtype::WeightDtype;
 pub use executor::{ExecError, Executor, Hooked, StepHook};

@@ -14,7 +14,7 @@
 //! [`crate::weights::llama_update`].
 
 use ferry_arena::{KvArena, KvLayout};
-use ferry_core::{ModelOutput, PromptLogprobs, ReqIdx, StepPlan};
+use ferry_core::{ModelOutput, PromptLogprobs, ReqIdx, RoutedExperts, RoutingShape, StepPlan};
 
 use crate::config::LlamaConfig;
 use crate::error::ExecError;
@@ -29,6 +29,7 @@ use attention::{paged_attention, write_kv, AttnQuery};
 use rope::Rope;
 
 pub mod attention;
+mod moe;
 pub mod rope;
 mod weight_ops;
 
@@ -69,8 +70,25 @@ pub struct LlamaModel {
     logits_buf: Vec<f32>,
     /// The last forward's prompt logprobs, until `execute` returns them.
     prompt_out: Vec<PromptLogprobs>,
+    /// The last forward's expert routing, until `execute` returns it.
+    routed_out: Vec<RoutedExperts>,
     /// Sleep state of `weights` (see `llama/weight_ops.rs`): steps run only when `Resident`.
     residency: WeightResidency,
+}
+
+/// The routing of every token computed, kept beside its KV: `slots[slot * width ..][..width]`
+/// is the routing of the token whose KV is in arena slot `slot` (written by the forward that
+/// wrote that KV), so a request served from the prefix cache reads its cached positions'
+/// routing back from the same blocks ([`ferry_core::RoutingRead`]). A slot's routing is
+/// rewritten whenever its KV is, and read only for blocks whose KV the scheduler vouches for.
+#[derive(Debug)]
+struct RoutingCapture {
+    shape: RoutingShape,
+    /// For each layer, its column among the MoE layers (`None` for dense layers).
+    columns: Vec<Option<usize>>,
+    slots: Vec<u16>,
+    /// This step's tokens' routing, `n × width`.
+    step: Vec<u16>,
 }
 
 /// Per-step activation buffers, grown to the largest step seen.
@@ -83,6 +101,10 @@ struct Scratch {
     proj: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
+    moe: moe::MoeScratch,
+    /// Expert routing capture (`--enable-return-routed-experts`), MoE models only: kept
+    /// here, beside the buffers the forward writes, as the layers fill it in.
+    routing: Option<RoutingCapture>,
 }
 
 /// The first `n` floats of `v`, growing it if needed. Contents are stale: every caller
@@ -120,6 +142,7 @@ impl LlamaModel {
             scratch: Scratch::default(),
             logits_buf: Vec::new(),
             prompt_out: Vec::new(),
+            routed_out: Vec::new(),
             residency: WeightResidency::Resident,
         })
     }
@@ -142,8 +165,12 @@ impl LlamaModel {
     /// Captures the expert routing of every token the forward computes and reports it in
     /// [`ModelOutput::routed`] (`ferry serve --enable-return-routed-experts`). A model with
     /// no MoE layers has no routing to capture: an error naming the flag.
-    pub fn with_routed_experts(self, on: bool) -> Result<Self, ModelError> {
-        if on {
+    pub fn with_routed_experts(mut self, on: bool) -> Result<Self, ModelError> {
+        if !on {
+            self.scratch.routing = None;
+            return Ok(self);
+        }
+        let Some(moe) = &self.config.moe else {
             return Err(ModelError::InvalidConfig {
                 field: "--enable-return-routed-experts",
                 message: format!(
@@ -151,7 +178,26 @@ impl LlamaModel {
                     self.config.architecture
                 ),
             });
-        }
+        };
+        let mut next = 0;
+        let columns = (0..self.config.num_hidden_layers)
+            .map(|l| {
+                moe.is_sparse(l).then(|| {
+                    next += 1;
+                    next - 1
+                })
+            })
+            .collect();
+        self.scratch.routing = Some(RoutingCapture {
+            shape: RoutingShape {
+                moe_layers: moe.n_sparse(),
+                top_k: moe.top_k,
+                num_experts: moe.num_experts,
+            },
+            columns,
+            slots: Vec::new(),
+            step: Vec::new(),
+        });
         Ok(self)
     }
 
@@ -206,8 +252,15 @@ impl LlamaModel {
             self.weights.embed.row_into(t, row);
         }
         let mut scratch = std::mem::take(&mut self.scratch);
+        if let Some(r) = &mut scratch.routing {
+            r.step.clear();
+            r.step.resize(plan.num_tokens() * r.shape.width(), 0);
+        }
         for (l, lw) in self.weights.layers.iter().enumerate() {
             self.layer(l, lw, &meta, kv, &mut x, &mut scratch);
+        }
+        if let Some(r) = &mut scratch.routing {
+            self.routed_out = r.record(plan, &meta.slots, kv.n_blocks());
         }
         self.scratch = scratch;
         self.logits(&meta.sample_rows, &x, data);
@@ -402,6 +455,21 @@ impl LlamaModel {
 
         let normed = take(&mut s.normed, n * h);
         rms_norm(x, &lw.post_norm, c.rms_norm_eps, normed);
+        if let Some(moe) = c.sparse_layer(l) {
+            let proj = take(&mut s.proj, n * h);
+            let out = s.routing.as_mut().and_then(|r| {
+                let col = r.columns[l]?;
+                let width = r.shape.width();
+                Some(moe::RoutingOut {
+                    ids: &mut r.step,
+                    width,
+                    col,
+                })
+            });
+            moe::moe_block(moe, lw, normed, h, &mut s.moe, proj, out);
+            add_assign(x, proj);
+            return;
+        }
         let inter = c.intermediate_size;
         let gate_up = take(&mut s.gate_up, n * 2 * inter);
         timed(Phase::LayerMatmuls, || {
@@ -439,15 +507,30 @@ impl LlamaModel {
         }
     }
 
-    /// Qwen3's per-head q/k RMSNorm, then rope on every q and k head of one token's qkv row.
+    /// The q/k RMSNorm (Qwen3's per head, OLMoE's over the whole projection, then its
+    /// `clip_qkv` on q, k and v), then rope on every q and k head of one token's qkv row.
     fn position_heads(&self, lw: &LayerWeights, row: &mut [f32], pos: usize, q_w: usize) {
-        let hd = self.config.head_dim;
-        let kv_end = q_w + self.config.num_key_value_heads * hd;
-        let eps = self.config.rms_norm_eps;
+        let c = &self.config;
+        let hd = c.head_dim;
+        let kv_end = q_w + c.num_key_value_heads * hd;
+        let eps = c.rms_norm_eps;
+        if c.qk_norm_whole {
+            let (q, k) = row[..kv_end].split_at_mut(q_w);
+            for (part, norm) in [(q, &lw.q_norm), (k, &lw.k_norm)] {
+                if let Some(w) = norm {
+                    rms_norm_in_place(part, w, eps);
+                }
+            }
+            if let Some(clip) = c.clip_qkv {
+                row.iter_mut().for_each(|v| *v = v.clamp(-clip, clip));
+            }
+        }
         for (i, head) in row[..kv_end].chunks_exact_mut(hd).enumerate() {
-            let norm = if i * hd < q_w { &lw.q_norm } else { &lw.k_norm };
-            if let Some(w) = norm {
-                rms_norm_in_place(head, w, eps);
+            if !c.qk_norm_whole {
+                let norm = if i * hd < q_w { &lw.q_norm } else { &lw.k_norm };
+                if let Some(w) = norm {
+                    rms_norm_in_place(head, w, eps);
+                }
             }
             self.rope.apply(head, pos);
         }
@@ -469,6 +552,43 @@ impl LlamaModel {
         }
         let data = take(data, m * vocab);
         timed(Phase::Head, || matmul(&last, self.weights.head(), data, m));
+    }
+}
+
+impl RoutingCapture {
+    /// Stores this step's routing beside each token's KV slot and returns each request's
+    /// rows: those the plan reads back from its blocks, then those it computed.
+    fn record(&mut self, plan: &StepPlan, slots: &[usize], n_blocks: usize) -> Vec<RoutedExperts> {
+        let width = self.shape.width();
+        let want = n_blocks * plan.block_size * width;
+        if self.slots.len() < want {
+            self.slots.resize(want, 0);
+        }
+        for (row, &slot) in self.step.chunks_exact(width).zip(slots) {
+            self.slots[slot * width..(slot + 1) * width].copy_from_slice(row);
+        }
+        plan.reqs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let from = plan
+                    .routing_reads
+                    .iter()
+                    .find(|read| read.req_pos == i)
+                    .map_or(r.start_pos, |read| read.from.min(r.start_pos));
+                let mut ids = Vec::with_capacity((r.start_pos - from + r.tokens.len()) * width);
+                for pos in from..r.start_pos {
+                    let slot = plan.slot_of(r, pos);
+                    ids.extend_from_slice(&self.slots[slot * width..(slot + 1) * width]);
+                }
+                ids.extend_from_slice(&self.step[r.tokens.start * width..r.tokens.end * width]);
+                RoutedExperts {
+                    req: r.req,
+                    first_pos: from,
+                    ids,
+                }
+            })
+            .collect()
     }
 }
 
@@ -507,8 +627,12 @@ impl Executor for LlamaModel {
         Ok(ModelOutput {
             sampled: sampled?,
             prompt_logprobs: std::mem::take(&mut self.prompt_out),
-            routed: Vec::new(),
+            routed: std::mem::take(&mut self.routed_out),
         })
+    }
+
+    fn routing_shape(&self) -> Option<RoutingShape> {
+        self.scratch.routing.as_ref().map(|r| r.shape)
     }
 
     fn weight_ops(&self) -> &dyn crate::ModelWeights {

@@ -117,6 +117,9 @@ pub fn tiny_config() -> LlamaConfig {
         attention_bias: false,
         o_proj_bias: false,
         qk_norm: false,
+        qk_norm_whole: false,
+        clip_qkv: None,
+        moe: None,
         bos_token_id: Some(TokenId(special_id(ENDOFTEXT))),
         eos_token_ids: vec![TokenId(special_id(IM_END))],
     }

@@ -58,6 +58,9 @@ fn llama_fields_and_defaults() {
         attention_bias: false,
         o_proj_bias: false,
         qk_norm: false,
+        qk_norm_whole: false,
+        clip_qkv: None,
+        moe: None,
         bos_token_id: Some(TokenId(1)),
         eos_token_ids: vec![TokenId(2)],
     };

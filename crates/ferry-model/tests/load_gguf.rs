@@ -577,6 +577,9 @@ fn metadata_becomes_the_config() {
         attention_bias: false,
         o_proj_bias: false,
         qk_norm: false,
+        qk_norm_whole: false,
+        clip_qkv: None,
+        moe: None,
         bos_token_id: Some(TokenId(5)),
         eos_token_ids: vec![TokenId(5)],
     };

@@ -32,6 +32,9 @@ fn small_config() -> LlamaConfig {
         attention_bias: false,
         o_proj_bias: false,
         qk_norm: false,
+        qk_norm_whole: false,
+        clip_qkv: None,
+        moe: None,
         bos_token_id: None,
         eos_token_ids: vec![TokenId(9)],
     }

@@ -6,7 +6,9 @@ mod model_support;
 
 use ferry_arena::KvArena;
 use ferry_core::{BlockId, TokenId};
-use ferry_model::random_model::{random_weights, small_config};
+use ferry_model::random_model::{
+    random_weights, small_config, small_moe_config, MOE_ARCHITECTURES,
+};
 use ferry_model::{ExecError, Executor, LlamaConfig, LlamaModel, ModelError, RopeScaling};
 use model_support::*;
 
@@ -30,6 +32,13 @@ fn check_against_reference(config: &LlamaConfig, seed: u64) {
         assert_close(logits.row(0), want.last().unwrap(), TOL, &what);
         seq.tokens.push(argmax(logits.row(0)));
         count = 1;
+    }
+}
+
+#[test]
+fn moe_architectures_match_dense_reference() {
+    for arch in MOE_ARCHITECTURES {
+        check_against_reference(&small_moe_config(arch), 5);
     }
 }
 
@@ -198,7 +207,18 @@ fn run_alone(config: &LlamaConfig, prompt: &[u32], steps: usize) -> Vec<Vec<u32>
 
 #[test]
 fn logits_are_bitwise_identical_alone_and_in_a_batch() {
-    let config = small_config();
+    check_batch_invariance(&small_config());
+}
+
+#[test]
+fn moe_logits_are_bitwise_identical_alone_and_in_a_batch() {
+    for arch in MOE_ARCHITECTURES {
+        check_batch_invariance(&small_moe_config(arch));
+    }
+}
+
+fn check_batch_invariance(config: &LlamaConfig) {
+    let config = config.clone();
     let prompt = random_tokens(9, config.vocab_size, 13);
     let steps = 5;
     let alone = run_alone(&config, &prompt, steps);
@@ -251,7 +271,18 @@ fn logits_are_bitwise_identical_alone_and_in_a_batch() {
 
 #[test]
 fn chunked_prefill_gives_the_same_logits_and_greedy_tokens() {
-    let config = small_config();
+    check_chunked_prefill(&small_config());
+}
+
+#[test]
+fn moe_chunked_prefill_gives_the_same_logits_and_greedy_tokens() {
+    for arch in MOE_ARCHITECTURES {
+        check_chunked_prefill(&small_moe_config(arch));
+    }
+}
+
+fn check_chunked_prefill(config: &LlamaConfig) {
+    let config = config.clone();
     let prompt = random_tokens(17, config.vocab_size, 21);
     let steps = 4;
     let one_shot = run_alone(&config, &prompt, steps);

@@ -34,23 +34,68 @@ pub fn expected_tensors(config: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
             out.push((p("self_attn.v_proj.bias"), vec![kv_dim]));
         }
         if config.qk_norm {
-            out.push((p("self_attn.q_norm.weight"), vec![config.head_dim]));
-            out.push((p("self_attn.k_norm.weight"), vec![config.head_dim]));
+            let (q, k) = qk_norm_lens(config);
+            out.push((p("self_attn.q_norm.weight"), vec![q]));
+            out.push((p("self_attn.k_norm.weight"), vec![k]));
         }
         out.push((p("self_attn.o_proj.weight"), vec![hidden, q_dim]));
         if config.o_proj_bias {
             out.push((p("self_attn.o_proj.bias"), vec![hidden]));
         }
         out.push((p("post_attention_layernorm.weight"), vec![hidden]));
-        out.push((p("mlp.gate_proj.weight"), vec![inter, hidden]));
-        out.push((p("mlp.up_proj.weight"), vec![inter, hidden]));
-        out.push((p("mlp.down_proj.weight"), vec![hidden, inter]));
+        match config.sparse_layer(layer) {
+            None => {
+                out.push((p("mlp.gate_proj.weight"), vec![inter, hidden]));
+                out.push((p("mlp.up_proj.weight"), vec![inter, hidden]));
+                out.push((p("mlp.down_proj.weight"), vec![hidden, inter]));
+            }
+            Some(moe) => {
+                let block = moe.naming.block();
+                let e_inter = moe.expert_intermediate_size;
+                out.push((
+                    p(&format!("{block}.gate.weight")),
+                    vec![moe.num_experts, hidden],
+                ));
+                for e in 0..moe.num_experts {
+                    let [gate, up, down] = moe.naming.expert(e);
+                    out.push((p(&gate), vec![e_inter, hidden]));
+                    out.push((p(&up), vec![e_inter, hidden]));
+                    out.push((p(&down), vec![hidden, e_inter]));
+                }
+                if let Some(s_inter) = moe.shared_expert_intermediate_size {
+                    out.push((
+                        p("mlp.shared_expert.gate_proj.weight"),
+                        vec![s_inter, hidden],
+                    ));
+                    out.push((p("mlp.shared_expert.up_proj.weight"), vec![s_inter, hidden]));
+                    out.push((
+                        p("mlp.shared_expert.down_proj.weight"),
+                        vec![hidden, s_inter],
+                    ));
+                    out.push((p("mlp.shared_expert_gate.weight"), vec![1, hidden]));
+                }
+            }
+        }
     }
     out.push(("model.norm.weight".to_owned(), vec![hidden]));
     if !config.tie_word_embeddings {
         out.push(("lm_head.weight".to_owned(), vec![config.vocab_size, hidden]));
     }
     out
+}
+
+/// Lengths of the q and k norm weights: one head's (Qwen3, per head), or the whole
+/// projection's (OLMoE).
+pub fn qk_norm_lens(config: &LlamaConfig) -> (usize, usize) {
+    let hd = config.head_dim;
+    if config.qk_norm_whole {
+        (
+            config.num_attention_heads * hd,
+            config.num_key_value_heads * hd,
+        )
+    } else {
+        (hd, hd)
+    }
 }
 
 /// Whether a checkpoint tensor outside [`expected_tensors`] may be left unread: only

@@ -10,13 +10,17 @@ use ferry_core::TokenId;
 use serde_json::{Map, Value};
 
 use super::LoadError;
-use crate::{LlamaConfig, RopeScaling};
+use crate::{ExpertNaming, LlamaConfig, MoeConfig, RopeScaling};
 
 /// Architectures whose forward is the Llama one plus the flags in [`LlamaConfig`].
-pub const SUPPORTED_ARCHITECTURES: &str = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM";
+pub const SUPPORTED_ARCHITECTURES: &str = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, \
+Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM, MixtralForCausalLM";
 
 /// The most layers a config may declare.
 pub const MAX_LAYERS: usize = 1024;
+
+/// The most experts per layer (expert ids travel as u16).
+pub const MAX_EXPERTS: usize = 1 << 16;
 
 /// Reads `config.json` and, when present, `generation_config.json` from `dir`.
 pub fn read_folder_config(dir: &Path) -> Result<LlamaConfig, LoadError> {
@@ -71,11 +75,22 @@ pub fn parse_config(json: &Value, path: &Path) -> Result<LlamaConfig, LoadError>
     };
     let (rope_theta, rope_scaling) = rope(&fields)?;
     let bias_flag = fields.opt_bool("attention_bias")?.unwrap_or(false);
+    let num_hidden_layers = fields.usize("num_hidden_layers")?;
+    // Qwen2 (and Qwen2-MoE, unless `qkv_bias` says otherwise) has q/k/v biases and never an
+    // o_proj one; Llama, Qwen3, Qwen3-MoE and OLMoE put a bias on all four projections when
+    // `attention_bias` says so; Mixtral has none.
+    let (attention_bias, o_proj_bias) = match flavour {
+        Flavour::Qwen2 => (true, false),
+        Flavour::Qwen2Moe => (fields.opt_bool("qkv_bias")?.unwrap_or(true), false),
+        Flavour::Mixtral => (false, false),
+        _ => (bias_flag, bias_flag),
+    };
+    let moe = moe_config(&fields, flavour, num_hidden_layers)?;
     let config = LlamaConfig {
         vocab_size: fields.usize("vocab_size")?,
         hidden_size,
         intermediate_size: fields.usize("intermediate_size")?,
-        num_hidden_layers: fields.usize("num_hidden_layers")?,
+        num_hidden_layers,
         num_attention_heads,
         num_key_value_heads: fields
             .opt_usize("num_key_value_heads")?
@@ -86,11 +101,15 @@ pub fn parse_config(json: &Value, path: &Path) -> Result<LlamaConfig, LoadError>
         rope_scaling,
         max_position_embeddings: fields.opt_usize("max_position_embeddings")?.unwrap_or(2048),
         tie_word_embeddings: fields.opt_bool("tie_word_embeddings")?.unwrap_or(false),
-        // Qwen2 always has q/k/v biases and never an o_proj one (its config has no flag);
-        // Llama and Qwen3 put a bias on all four projections when `attention_bias` says so.
-        attention_bias: flavour == Flavour::Qwen2 || bias_flag,
-        o_proj_bias: flavour != Flavour::Qwen2 && bias_flag,
-        qk_norm: flavour == Flavour::Qwen3,
+        attention_bias,
+        o_proj_bias,
+        qk_norm: matches!(flavour, Flavour::Qwen3 | Flavour::Qwen3Moe | Flavour::Olmoe),
+        qk_norm_whole: flavour == Flavour::Olmoe,
+        clip_qkv: match flavour {
+            Flavour::Olmoe => fields.opt_f32("clip_qkv")?,
+            _ => None,
+        },
+        moe,
         bos_token_id: fields.opt_u32("bos_token_id")?.map(TokenId),
         eos_token_ids: eos_ids(json, path)?,
         architecture,
@@ -165,6 +184,10 @@ enum Flavour {
     Llama,
     Qwen2,
     Qwen3,
+    Qwen3Moe,
+    Qwen2Moe,
+    Olmoe,
+    Mixtral,
 }
 
 impl Flavour {
@@ -172,9 +195,143 @@ impl Flavour {
         match architecture {
             "Qwen2ForCausalLM" => Self::Qwen2,
             "Qwen3ForCausalLM" => Self::Qwen3,
+            "Qwen3MoeForCausalLM" => Self::Qwen3Moe,
+            "Qwen2MoeForCausalLM" => Self::Qwen2Moe,
+            "OlmoeForCausalLM" => Self::Olmoe,
+            "MixtralForCausalLM" => Self::Mixtral,
             _ => Self::Llama,
         }
     }
+
+    /// transformers' `model_type` of the architecture.
+    fn model_type(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Qwen2Moe => "qwen2_moe",
+            Self::Olmoe => "olmoe",
+            Self::Mixtral => "mixtral",
+        }
+    }
+}
+
+/// The MoE part of an MoE architecture's config (`None` for dense ones), every relation the
+/// forward relies on checked here, naming the key.
+fn moe_config(
+    fields: &Fields<'_>,
+    flavour: Flavour,
+    n_layers: usize,
+) -> Result<Option<MoeConfig>, LoadError> {
+    let (experts_key, naming) = match flavour {
+        Flavour::Llama | Flavour::Qwen2 | Flavour::Qwen3 => return Ok(None),
+        Flavour::Mixtral => ("num_local_experts", ExpertNaming::Mixtral),
+        _ => ("num_experts", ExpertNaming::Qwen),
+    };
+    // transformers 5 writes Qwen3-MoE's count as `num_local_experts`; checkpoints on the
+    // hub say `num_experts`.
+    let experts_key = match fields.present(experts_key) {
+        None if fields.present("num_local_experts").is_some() => "num_local_experts",
+        _ => experts_key,
+    };
+    let num_experts = fields.usize(experts_key)?;
+    let top_k = fields.usize("num_experts_per_tok")?;
+    if num_experts == 0 || num_experts > MAX_EXPERTS {
+        return Err(fields.err(
+            experts_key,
+            format!("{num_experts} experts: expected 1 to {MAX_EXPERTS}"),
+        ));
+    }
+    if top_k == 0 || top_k > num_experts {
+        return Err(fields.err(
+            "num_experts_per_tok",
+            format!("{top_k} is not between 1 and the {num_experts} experts"),
+        ));
+    }
+    let qwen = matches!(flavour, Flavour::Qwen3Moe | Flavour::Qwen2Moe);
+    let expert_intermediate_size = if qwen {
+        fields.usize("moe_intermediate_size")?
+    } else {
+        fields.usize("intermediate_size")?
+    };
+    if expert_intermediate_size == 0 {
+        return Err(fields.err("moe_intermediate_size", "must be positive"));
+    }
+    // Mixtral always renormalises its top-k; the others say so (off unless set).
+    let norm_topk_prob = match flavour {
+        Flavour::Mixtral => true,
+        _ => fields.opt_bool("norm_topk_prob")?.unwrap_or(false),
+    };
+    let mut sparse_layers = vec![true; n_layers];
+    if qwen {
+        let step = fields.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+        if step == 0 {
+            return Err(fields.err("decoder_sparse_step", "must be positive"));
+        }
+        for (l, sparse) in sparse_layers.iter_mut().enumerate() {
+            *sparse = (l + 1) % step == 0;
+        }
+        if let Some(list) = fields.present("mlp_only_layers") {
+            let bad = || {
+                fields.err(
+                    "mlp_only_layers",
+                    format!("expected a list of layer indices below num_hidden_layers {n_layers}"),
+                )
+            };
+            for v in list.as_array().ok_or_else(bad)? {
+                let l = v
+                    .as_u64()
+                    .and_then(|l| usize::try_from(l).ok())
+                    .ok_or_else(bad)?;
+                *sparse_layers.get_mut(l).ok_or_else(bad)? = false;
+            }
+        }
+    }
+    let shared_expert_intermediate_size = match flavour {
+        Flavour::Qwen2Moe => {
+            let n = fields.usize("shared_expert_intermediate_size")?;
+            if n == 0 {
+                return Err(fields.err("shared_expert_intermediate_size", "must be positive"));
+            }
+            Some(n)
+        }
+        _ => None,
+    };
+    // A router ferry does not know would be computed as the softmax top-k one: refuse it.
+    for key in [
+        "scoring_func",
+        "topk_method",
+        "router_type",
+        "moe_router_type",
+    ] {
+        if let Some(v) = fields.present(key) {
+            return Err(fields.err(
+                key,
+                format!("router {v} is not supported (softmax top-k only)"),
+            ));
+        }
+    }
+    for key in ["n_group", "topk_group", "num_experts_per_group"] {
+        if fields.present(key).is_some() {
+            return Err(fields.err(key, "grouped expert routing is not supported"));
+        }
+    }
+    if flavour == Flavour::Mixtral && fields.present("sliding_window").is_some() {
+        return Err(fields.err(
+            "sliding_window",
+            "sliding-window attention is not supported",
+        ));
+    }
+    Ok(Some(MoeConfig {
+        num_experts,
+        top_k,
+        expert_intermediate_size,
+        norm_topk_prob,
+        sparse_layers,
+        shared_expert_intermediate_size,
+        naming,
+    }))
 }
 
 fn architecture(fields: &Fields<'_>) -> Result<String, LoadError> {
@@ -386,11 +543,7 @@ impl Fields<'_> {
 /// Serializes a config back into a Hugging Face `config.json` (used to write model folders;
 /// `transformers` loads it).
 pub fn to_hf_config_json(config: &LlamaConfig) -> Value {
-    let model_type = match Flavour::of(&config.architecture) {
-        Flavour::Llama => "llama",
-        Flavour::Qwen2 => "qwen2",
-        Flavour::Qwen3 => "qwen3",
-    };
+    let model_type = Flavour::of(&config.architecture).model_type();
     let rope_scaling = match &config.rope_scaling {
         None => Value::Null,
         Some(RopeScaling::Linear { factor }) => {
@@ -420,7 +573,7 @@ pub fn to_hf_config_json(config: &LlamaConfig) -> Value {
         [one] => Value::from(one.0),
         many => Value::from(TokenId::as_raw_slice(many)),
     };
-    serde_json::json!({
+    let mut json = serde_json::json!({
         "architectures": [config.architecture],
         "model_type": model_type,
         "vocab_size": config.vocab_size,
@@ -441,7 +594,46 @@ pub fn to_hf_config_json(config: &LlamaConfig) -> Value {
         "bos_token_id": config.bos_token_id,
         "eos_token_id": eos,
         "torch_dtype": "float32",
-    })
+    });
+    if let (Some(moe), Some(obj)) = (&config.moe, json.as_object_mut()) {
+        obj.extend(moe_json(config, moe));
+    }
+    if let (Some(clip), Some(obj)) = (config.clip_qkv, json.as_object_mut()) {
+        obj.insert("clip_qkv".into(), f32_json(clip));
+    }
+    json
+}
+
+/// The MoE keys of a config.json, as each architecture's transformers config names them.
+fn moe_json(config: &LlamaConfig, moe: &MoeConfig) -> Map<String, Value> {
+    let mut out = Map::new();
+    let mut put = |k: &str, v: Value| {
+        out.insert(k.to_owned(), v);
+    };
+    put("num_experts_per_tok", moe.top_k.into());
+    match Flavour::of(&config.architecture) {
+        Flavour::Mixtral => {
+            put("num_local_experts", moe.num_experts.into());
+            put("sliding_window", Value::Null);
+        }
+        flavour => {
+            put("num_experts", moe.num_experts.into());
+            put("norm_topk_prob", moe.norm_topk_prob.into());
+            if matches!(flavour, Flavour::Qwen3Moe | Flavour::Qwen2Moe) {
+                let dense: Vec<usize> = (0..config.num_hidden_layers)
+                    .filter(|&l| !moe.is_sparse(l))
+                    .collect();
+                put("moe_intermediate_size", moe.expert_intermediate_size.into());
+                put("decoder_sparse_step", 1.into());
+                put("mlp_only_layers", dense.into());
+            }
+            if let Some(shared) = moe.shared_expert_intermediate_size {
+                put("shared_expert_intermediate_size", shared.into());
+                put("qkv_bias", config.attention_bias.into());
+            }
+        }
+    }
+    out
 }
 
 /// An f32 as the JSON number with its shortest decimal (`1e-5`, not `9.999999747378752e-6`),

@@ -151,6 +151,9 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
         attention_bias: arch == "qwen2" || gguf.tensor_info("blk.0.attn_q.bias").is_some(),
         o_proj_bias: arch != "qwen2" && gguf.tensor_info("blk.0.attn_output.bias").is_some(),
         qk_norm: arch == "qwen3",
+        qk_norm_whole: false,
+        clip_qkv: None,
+        moe: None,
         bos_token_id: meta.opt_u32("tokenizer.ggml.bos_token_id")?.map(TokenId),
         eos_token_ids,
     };

@@ -63,9 +63,50 @@ pub struct LayerWeights {
     /// `o_proj` bias (Llama and Qwen3 with `attention_bias`).
     pub o_bias: Option<WeightBuf>,
     pub post_norm: WeightBuf,
-    /// `[gate; up]` rows, each `hidden` wide (two segments).
+    /// `[gate; up]` rows, each `hidden` wide (two segments): the dense MLP, or Qwen2-MoE's
+    /// shared expert in an MoE layer; empty in other MoE layers.
     pub gate_up: Matrix,
     pub down: Matrix,
+    /// The router (`[num_experts, hidden]`), in MoE layers.
+    pub router: Option<Matrix>,
+    /// Each expert's MLP, in MoE layers (empty otherwise).
+    pub experts: Vec<ExpertWeights>,
+    /// Qwen2-MoE's shared-expert gate (`[1, hidden]`).
+    pub shared_gate: Option<Matrix>,
+}
+
+/// One expert's MLP: `[gate; up]` rows (two segments) and `down`.
+#[derive(Debug, Clone)]
+pub struct ExpertWeights {
+    pub gate_up: Matrix,
+    pub down: Matrix,
+}
+
+impl LayerWeights {
+    /// The layer's matrices, attention first, then the MLP's (router, experts in order,
+    /// shared expert and its gate).
+    pub fn matrices(&self) -> impl Iterator<Item = &Matrix> {
+        [&self.qkv, &self.o_proj]
+            .into_iter()
+            .chain(self.router.iter())
+            .chain(self.experts.iter().flat_map(|e| [&e.gate_up, &e.down]))
+            .chain([&self.gate_up, &self.down])
+            .chain(self.shared_gate.iter())
+    }
+
+    /// [`Self::matrices`], mutably, in the same order.
+    pub fn matrices_mut(&mut self) -> impl Iterator<Item = &mut Matrix> {
+        [&mut self.qkv, &mut self.o_proj]
+            .into_iter()
+            .chain(self.router.iter_mut())
+            .chain(
+                self.experts
+                    .iter_mut()
+                    .flat_map(|e| [&mut e.gate_up, &mut e.down]),
+            )
+            .chain([&mut self.gate_up, &mut self.down])
+            .chain(self.shared_gate.iter_mut())
+    }
 }
 
 /// The whole model's weights.
@@ -124,11 +165,9 @@ impl LlamaWeights {
         self.layer_bytes() + self.norm.n_bytes() + self.head().n_bytes()
     }
 
-    /// Every layer's matrices, layer by layer: qkv, o, gate_up, down.
+    /// Every layer's matrices, layer by layer ([`LayerWeights::matrices`]).
     pub fn layer_matrices(&self) -> impl Iterator<Item = &Matrix> {
-        self.layers
-            .iter()
-            .flat_map(|l| [&l.qkv, &l.o_proj, &l.gate_up, &l.down])
+        self.layers.iter().flat_map(LayerWeights::matrices)
     }
 
     /// Floating-point operations (a multiply-add counts 2) of one token's matmuls: every
@@ -145,15 +184,12 @@ impl LlamaWeights {
             .iter()
             .map(|l| {
                 l.input_norm.n_bytes()
-                    + l.qkv.n_bytes()
                     + opt(&l.qkv_bias)
                     + opt(&l.q_norm)
                     + opt(&l.k_norm)
-                    + l.o_proj.n_bytes()
                     + opt(&l.o_bias)
                     + l.post_norm.n_bytes()
-                    + l.gate_up.n_bytes()
-                    + l.down.n_bytes()
+                    + l.matrices().map(Matrix::n_bytes).sum::<usize>()
             })
             .sum()
     }
@@ -197,6 +233,36 @@ fn check_config(c: &LlamaConfig) -> Result<(), ModelError> {
     }
     if !(c.rope_theta.is_finite() && c.rope_theta > 0.0) {
         return bad("rope_theta", format!("{} is not positive", c.rope_theta));
+    }
+    if let Some(moe) = &c.moe {
+        if moe.top_k == 0 || moe.top_k > moe.num_experts {
+            return bad(
+                "num_experts_per_tok",
+                format!(
+                    "{} is not between 1 and the {} experts",
+                    moe.top_k, moe.num_experts
+                ),
+            );
+        }
+        if moe.num_experts > usize::from(u16::MAX) + 1 {
+            return bad(
+                "num_experts",
+                format!("{} is more than 65536", moe.num_experts),
+            );
+        }
+        if moe.sparse_layers.len() != c.num_hidden_layers {
+            return bad(
+                "mlp_only_layers",
+                format!(
+                    "{} layers' MLP kinds for {} layers",
+                    moe.sparse_layers.len(),
+                    c.num_hidden_layers
+                ),
+            );
+        }
+        if moe.expert_intermediate_size == 0 {
+            return bad("moe_intermediate_size", "must be positive".into());
+        }
     }
     Ok(())
 }
@@ -308,13 +374,46 @@ fn layer_from_store(c: &LlamaConfig, g: &Getter<'_>, l: usize) -> Result<LayerWe
         None
     };
     let (q_norm, k_norm) = if c.qk_norm {
-        let (qn, qs) = attn("q_norm", "weight", vec![hd]);
-        let (kn, ks) = attn("k_norm", "weight", vec![hd]);
+        let (q_len, k_len) = crate::config::qk_norm_lens(c);
+        let (qn, qs) = attn("q_norm", "weight", vec![q_len]);
+        let (kn, ks) = attn("k_norm", "weight", vec![k_len]);
         (Some(g.get(&qn, &qs)?), Some(g.get(&kn, &ks)?))
     } else {
         (None, None)
     };
-    let mlp = |m: &str, shape: Vec<usize>| (format!("{p}.mlp.{m}.weight"), shape);
+    let named = |m: &str, shape: Vec<usize>| (format!("{p}.{m}"), shape);
+    let mlp = |m: &str, shape: Vec<usize>| named(&format!("mlp.{m}.weight"), shape);
+    let (mut gate_up, mut down) = (Matrix::default(), Matrix::default());
+    let (mut router, mut experts, mut shared_gate) = (None, Vec::new(), None);
+    match c.sparse_layer(l) {
+        None => {
+            gate_up = g.matrix(&[mlp("gate_proj", vec![i, h]), mlp("up_proj", vec![i, h])])?;
+            down = g.matrix(&[mlp("down_proj", vec![h, i])])?;
+        }
+        Some(moe) => {
+            let (e_i, block) = (moe.expert_intermediate_size, moe.naming.block());
+            router = Some(g.matrix(&[named(
+                &format!("{block}.gate.weight"),
+                vec![moe.num_experts, h],
+            )])?);
+            for e in 0..moe.num_experts {
+                let [gate, up, dn] = moe.naming.expert(e);
+                experts.push(ExpertWeights {
+                    gate_up: g.matrix(&[named(&gate, vec![e_i, h]), named(&up, vec![e_i, h])])?,
+                    down: g.matrix(&[named(&dn, vec![h, e_i])])?,
+                });
+            }
+            if let Some(s_i) = moe.shared_expert_intermediate_size {
+                let shared = |m: &str, shape| mlp(&format!("shared_expert.{m}"), shape);
+                gate_up = g.matrix(&[
+                    shared("gate_proj", vec![s_i, h]),
+                    shared("up_proj", vec![s_i, h]),
+                ])?;
+                down = g.matrix(&[shared("down_proj", vec![h, s_i])])?;
+                shared_gate = Some(g.matrix(&[mlp("shared_expert_gate", vec![1, h])])?);
+            }
+        }
+    }
     Ok(LayerWeights {
         input_norm: g.get(&format!("{p}.input_layernorm.weight"), &[h])?,
         qkv,
@@ -329,7 +428,10 @@ fn layer_from_store(c: &LlamaConfig, g: &Getter<'_>, l: usize) -> Result<LayerWe
             None
         },
         post_norm: g.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-        gate_up: g.matrix(&[mlp("gate_proj", vec![i, h]), mlp("up_proj", vec![i, h])])?,
-        down: g.matrix(&[mlp("down_proj", vec![h, i])])?,
+        gate_up,
+        down,
+        router,
+        experts,
+        shared_gate,
     })
 }

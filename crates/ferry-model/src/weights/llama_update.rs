@@ -16,12 +16,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::config::expected_tensors;
 use crate::dtype::WeightDtype;
 use crate::weights::buf::WeightBuf;
-use crate::weights::llama::{LayerWeights, LlamaWeights};
+use crate::weights::llama::{ExpertWeights, LayerWeights, LlamaWeights};
 use crate::weights::matrix::{Matrix, Segment};
 use crate::weights::update::{
     PreparedWeights, RetiredWeights, WeightError, WeightPreparer, WeightSlots,
 };
-use crate::{LlamaConfig, WeightStore};
+use crate::{LlamaConfig, MoeConfig, WeightStore};
 
 /// A buffer of [`LayerWeights`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +36,10 @@ pub(crate) enum LayerBuffer {
     PostNorm,
     GateUp,
     Down,
+    Router,
+    SharedGate,
+    ExpertGateUp(usize),
+    ExpertDown(usize),
 }
 
 /// A buffer of [`LlamaWeights`].
@@ -267,7 +271,7 @@ impl WeightPreparer for LlamaPreparer {
 /// The config fields that shape or change the forward, as text for comparison and errors
 /// (`{:?}` of an f32 round-trips, so equal text means equal bits). Token ids (`bos`, `eos`)
 /// are left out: they steer tokenization and stopping, which the engine fixed at start.
-fn forward_fields(c: &LlamaConfig) -> [(&'static str, String); 16] {
+fn forward_fields(c: &LlamaConfig) -> [(&'static str, String); 19] {
     [
         ("architecture", c.architecture.clone()),
         ("vocab_size", c.vocab_size.to_string()),
@@ -288,6 +292,9 @@ fn forward_fields(c: &LlamaConfig) -> [(&'static str, String); 16] {
         ("attention_bias", c.attention_bias.to_string()),
         ("o_proj_bias", c.o_proj_bias.to_string()),
         ("qk_norm", c.qk_norm.to_string()),
+        ("qk_norm_whole", c.qk_norm_whole.to_string()),
+        ("clip_qkv", format!("{:?}", c.clip_qkv)),
+        ("moe", format!("{:?}", c.moe)),
     ]
 }
 
@@ -501,7 +508,7 @@ impl WeightSlots for LlamaSlots {
         let mut matrices: Vec<&mut Matrix> = vec![&mut w.embed];
         matrices.extend(w.lm_head.as_mut());
         for l in &mut w.layers {
-            matrices.extend([&mut l.qkv, &mut l.o_proj, &mut l.gate_up, &mut l.down]);
+            matrices.extend(l.matrices_mut());
         }
         let regions: Vec<&mut [u8]> = matrices
             .into_iter()
@@ -556,7 +563,7 @@ pub(crate) fn place_of(c: &LlamaConfig, name: &str) -> Option<Place> {
     if layer >= c.num_hidden_layers || layer.to_string() != layer_text {
         return None;
     }
-    let (buffer, offset) = layer_place(c, param)?;
+    let (buffer, offset) = layer_place(c, layer, param)?;
     Some(Place {
         buffer: Buffer::Layer(layer, buffer),
         offset,
@@ -565,7 +572,7 @@ pub(crate) fn place_of(c: &LlamaConfig, name: &str) -> Option<Place> {
 
 /// A layer parameter's buffer and place in it: q, k, v as segments 0, 1, 2 of `qkv` (their
 /// biases at float offsets in `qkv_bias`), gate and up as segments 0 and 1 of `gate_up`.
-fn layer_place(c: &LlamaConfig, param: &str) -> Option<(LayerBuffer, usize)> {
+fn layer_place(c: &LlamaConfig, layer: usize, param: &str) -> Option<(LayerBuffer, usize)> {
     let hd = c.head_dim;
     let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
     let bias = c.attention_bias;
@@ -582,11 +589,46 @@ fn layer_place(c: &LlamaConfig, param: &str) -> Option<(LayerBuffer, usize)> {
         "self_attn.o_proj.weight" => (LayerBuffer::OProj, 0),
         "self_attn.o_proj.bias" if c.o_proj_bias => (LayerBuffer::OBias, 0),
         "post_attention_layernorm.weight" => (LayerBuffer::PostNorm, 0),
-        "mlp.gate_proj.weight" => (LayerBuffer::GateUp, 0),
-        "mlp.up_proj.weight" => (LayerBuffer::GateUp, 1),
-        "mlp.down_proj.weight" => (LayerBuffer::Down, 0),
-        _ => return None,
+        _ => return mlp_place(c.sparse_layer(layer), param),
     })
+}
+
+/// An MLP parameter's place: a dense layer's gate and up as segments 0 and 1 of `gate_up`;
+/// in an MoE layer, the router, each expert's gate/up/down likewise, and Qwen2-MoE's shared
+/// expert in `gate_up`/`down` with its gate.
+fn mlp_place(moe: Option<&MoeConfig>, param: &str) -> Option<(LayerBuffer, usize)> {
+    let Some(moe) = moe else {
+        return Some(match param {
+            "mlp.gate_proj.weight" => (LayerBuffer::GateUp, 0),
+            "mlp.up_proj.weight" => (LayerBuffer::GateUp, 1),
+            "mlp.down_proj.weight" => (LayerBuffer::Down, 0),
+            _ => return None,
+        });
+    };
+    let shared = moe.shared_expert_intermediate_size.is_some();
+    match param.strip_prefix(moe.naming.block())?.strip_prefix('.')? {
+        "gate.weight" => return Some((LayerBuffer::Router, 0)),
+        "shared_expert.gate_proj.weight" if shared => return Some((LayerBuffer::GateUp, 0)),
+        "shared_expert.up_proj.weight" if shared => return Some((LayerBuffer::GateUp, 1)),
+        "shared_expert.down_proj.weight" if shared => return Some((LayerBuffer::Down, 0)),
+        "shared_expert_gate.weight" if shared => return Some((LayerBuffer::SharedGate, 0)),
+        _ => {}
+    }
+    let rest = param
+        .strip_prefix(moe.naming.block())?
+        .strip_prefix(".experts.")?;
+    let (e_text, _) = rest.split_once('.')?;
+    let e: usize = e_text.parse().ok()?;
+    if e >= moe.num_experts || e.to_string() != e_text {
+        return None;
+    }
+    let [gate, up, down] = moe.naming.expert(e);
+    match param {
+        p if p == gate => Some((LayerBuffer::ExpertGateUp(e), 0)),
+        p if p == up => Some((LayerBuffer::ExpertGateUp(e), 1)),
+        p if p == down => Some((LayerBuffer::ExpertDown(e), 0)),
+        _ => None,
+    }
 }
 
 /// Whether a buffer holds a matrix (kept in its stored precision) rather than a vector.
@@ -596,7 +638,14 @@ fn is_matrix(b: Buffer) -> bool {
         Buffer::Norm => false,
         Buffer::Layer(_, lb) => matches!(
             lb,
-            LayerBuffer::Qkv | LayerBuffer::OProj | LayerBuffer::GateUp | LayerBuffer::Down
+            LayerBuffer::Qkv
+                | LayerBuffer::OProj
+                | LayerBuffer::GateUp
+                | LayerBuffer::Down
+                | LayerBuffer::Router
+                | LayerBuffer::SharedGate
+                | LayerBuffer::ExpertGateUp(_)
+                | LayerBuffer::ExpertDown(_)
         ),
     }
 }
@@ -698,6 +747,10 @@ pub(crate) fn buffer_mut(w: &mut LlamaWeights, b: Buffer) -> Option<BufferMut<'_
                 LayerBuffer::PostNorm => Some(V(&mut layer.post_norm)),
                 LayerBuffer::GateUp => Some(M(&mut layer.gate_up)),
                 LayerBuffer::Down => Some(M(&mut layer.down)),
+                LayerBuffer::Router => layer.router.as_mut().map(M),
+                LayerBuffer::SharedGate => layer.shared_gate.as_mut().map(M),
+                LayerBuffer::ExpertGateUp(e) => layer.experts.get_mut(e).map(|x| M(&mut x.gate_up)),
+                LayerBuffer::ExpertDown(e) => layer.experts.get_mut(e).map(|x| M(&mut x.down)),
             }
         }
     }
@@ -714,21 +767,46 @@ fn zeroed_weights(c: &LlamaConfig) -> LlamaWeights {
             parts.iter().map(|&rows| zeroed_rows(&[rows, k])).collect(),
         )
     };
-    let layer = || LayerWeights {
-        input_norm: zeros(h),
-        qkv: matrix(h, &[q_out, kv_out, kv_out]),
-        qkv_bias: c.attention_bias.then(|| zeros(q_out + 2 * kv_out)),
-        q_norm: c.qk_norm.then(|| zeros(hd)),
-        k_norm: c.qk_norm.then(|| zeros(hd)),
-        o_proj: matrix(q_out, &[h]),
-        o_bias: c.o_proj_bias.then(|| zeros(h)),
-        post_norm: zeros(h),
-        gate_up: matrix(h, &[i, i]),
-        down: matrix(i, &[h]),
+    let (q_norm_len, k_norm_len) = crate::config::qk_norm_lens(c);
+    let layer = |l: usize| {
+        let mlp = |inter: usize| (matrix(h, &[inter, inter]), matrix(inter, &[h]));
+        let (mut gate_up, mut down) = (Matrix::default(), Matrix::default());
+        let (mut router, mut experts, mut shared_gate) = (None, Vec::new(), None);
+        match c.sparse_layer(l) {
+            None => (gate_up, down) = mlp(i),
+            Some(moe) => {
+                router = Some(matrix(h, &[moe.num_experts]));
+                experts = (0..moe.num_experts)
+                    .map(|_| {
+                        let (gate_up, down) = mlp(moe.expert_intermediate_size);
+                        ExpertWeights { gate_up, down }
+                    })
+                    .collect();
+                if let Some(s_i) = moe.shared_expert_intermediate_size {
+                    (gate_up, down) = mlp(s_i);
+                    shared_gate = Some(matrix(h, &[1]));
+                }
+            }
+        }
+        LayerWeights {
+            input_norm: zeros(h),
+            qkv: matrix(h, &[q_out, kv_out, kv_out]),
+            qkv_bias: c.attention_bias.then(|| zeros(q_out + 2 * kv_out)),
+            q_norm: c.qk_norm.then(|| zeros(q_norm_len)),
+            k_norm: c.qk_norm.then(|| zeros(k_norm_len)),
+            o_proj: matrix(q_out, &[h]),
+            o_bias: c.o_proj_bias.then(|| zeros(h)),
+            post_norm: zeros(h),
+            gate_up,
+            down,
+            router,
+            experts,
+            shared_gate,
+        }
     };
     LlamaWeights {
         embed: matrix(h, &[c.vocab_size]),
-        layers: (0..c.num_hidden_layers).map(|_| layer()).collect(),
+        layers: (0..c.num_hidden_layers).map(layer).collect(),
         norm: zeros(h),
         lm_head: (!c.tie_word_embeddings).then(|| matrix(h, &[c.vocab_size])),
     }

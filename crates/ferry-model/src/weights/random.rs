@@ -5,7 +5,7 @@
 
 use super::store::{Tensor, WeightStore};
 use crate::config::expected_tensors;
-use crate::config::LlamaConfig;
+use crate::config::{ExpertNaming, LlamaConfig, MoeConfig};
 use ferry_core::TokenId;
 
 /// A small Llama config for tests: hidden 64, 4 heads, 2 KV heads, 2 layers, vocab 97.
@@ -27,10 +27,71 @@ pub fn small_config() -> LlamaConfig {
         attention_bias: false,
         o_proj_bias: false,
         qk_norm: false,
+        qk_norm_whole: false,
+        clip_qkv: None,
+        moe: None,
         bos_token_id: Some(TokenId(1)),
         eos_token_ids: vec![TokenId(2)],
     }
 }
+
+/// A small MoE config of `architecture` (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM,
+/// OlmoeForCausalLM, MixtralForCausalLM) in the shape of [`small_config`]: 8 experts, top-2
+/// (Qwen3-MoE: top-3, head_dim 24, its last layer dense), each architecture's own options on.
+pub fn small_moe_config(architecture: &str) -> LlamaConfig {
+    let base = small_config();
+    let n_layers = 3;
+    let mut moe = MoeConfig {
+        num_experts: 8,
+        top_k: 2,
+        expert_intermediate_size: 32,
+        norm_topk_prob: false,
+        sparse_layers: vec![true; n_layers],
+        shared_expert_intermediate_size: None,
+        naming: ExpertNaming::Qwen,
+    };
+    let mut c = LlamaConfig {
+        architecture: architecture.into(),
+        num_hidden_layers: n_layers,
+        ..base
+    };
+    match architecture {
+        "Qwen3MoeForCausalLM" => {
+            c.qk_norm = true;
+            c.head_dim = 24;
+            moe.top_k = 3;
+            moe.norm_topk_prob = true;
+            moe.sparse_layers[2] = false;
+        }
+        "Qwen2MoeForCausalLM" => {
+            c.attention_bias = true;
+            moe.shared_expert_intermediate_size = Some(48);
+        }
+        "OlmoeForCausalLM" => {
+            // OLMoE's and Mixtral's configs have one intermediate size, the experts'.
+            c.intermediate_size = moe.expert_intermediate_size;
+            c.qk_norm = true;
+            c.qk_norm_whole = true;
+            c.clip_qkv = Some(0.9);
+        }
+        "MixtralForCausalLM" => {
+            c.intermediate_size = moe.expert_intermediate_size;
+            moe.norm_topk_prob = true;
+            moe.naming = ExpertNaming::Mixtral;
+        }
+        other => panic!("{other} is not an MoE architecture"),
+    }
+    c.moe = Some(moe);
+    c
+}
+
+/// The MoE architectures [`small_moe_config`] makes.
+pub const MOE_ARCHITECTURES: [&str; 4] = [
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "MixtralForCausalLM",
+];
 
 /// The shape of SmolLM2-135M (hidden 576, 30 layers, 9 heads, 3 KV heads, vocab 49152, tied).
 pub fn smollm2_135m_config() -> LlamaConfig {
@@ -51,6 +112,9 @@ pub fn smollm2_135m_config() -> LlamaConfig {
         attention_bias: false,
         o_proj_bias: false,
         qk_norm: false,
+        qk_norm_whole: false,
+        clip_qkv: None,
+        moe: None,
         bos_token_id: Some(TokenId(1)),
         eos_token_ids: vec![TokenId(2)],
     }

@@ -260,9 +260,22 @@ pub fn reference_logits(c: &LlamaConfig, w: &WeightStore, tokens: &[u32]) -> Vec
                 bias("v_proj"),
                 nkv * hd,
             );
+            if c.qk_norm_whole {
+                for (part, norm) in [(&mut q, "q_norm"), (&mut k, "k_norm")] {
+                    let normed = rms(part, t(w, &format!("{p}.self_attn.{norm}.weight")), eps);
+                    part.copy_from_slice(&normed);
+                }
+            }
+            let mut v = v;
+            if let Some(clip) = c.clip_qkv {
+                for part in [&mut q, &mut k, &mut v] {
+                    part.iter_mut()
+                        .for_each(|x| *x = x.clamp(-clip as f64, clip as f64));
+                }
+            }
             for (heads, norm) in [(&mut q, "q_norm"), (&mut k, "k_norm")] {
                 for head in heads.chunks_mut(hd) {
-                    if c.qk_norm {
+                    if c.qk_norm && !c.qk_norm_whole {
                         let normed = rms(head, t(w, &format!("{p}.self_attn.{norm}.weight")), eps);
                         head.copy_from_slice(&normed);
                     }
@@ -309,15 +322,15 @@ pub fn reference_logits(c: &LlamaConfig, w: &WeightStore, tokens: &[u32]) -> Vec
                 t(w, &format!("{p}.post_attention_layernorm.weight")),
                 eps,
             );
-            let i = c.intermediate_size;
-            let gate = linear(&n, t(w, &format!("{p}.mlp.gate_proj.weight")), None, i);
-            let up = linear(&n, t(w, &format!("{p}.mlp.up_proj.weight")), None, i);
-            let act: Vec<f64> = gate
-                .iter()
-                .zip(&up)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
-            let d = linear(&act, t(w, &format!("{p}.mlp.down_proj.weight")), None, h);
+            let d = match c.sparse_layer(l) {
+                None => ref_mlp(
+                    w,
+                    &n,
+                    &format!("{p}.mlp"),
+                    ["gate_proj", "up_proj", "down_proj"],
+                ),
+                Some(moe) => ref_moe(w, &n, &p, moe),
+            };
             x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
         }
     }
@@ -336,6 +349,71 @@ pub fn reference_logits(c: &LlamaConfig, w: &WeightStore, tokens: &[u32]) -> Vec
             )
         })
         .collect()
+}
+
+/// A SiLU-gated MLP whose gate, up and down projections are `{prefix}.{names}.weight`.
+fn ref_mlp(w: &WeightStore, n: &[f64], prefix: &str, names: [&str; 3]) -> Vec<f64> {
+    let [g, u, d] = names.map(|m| format!("{prefix}.{m}.weight"));
+    let inter = w.get(&g).unwrap().shape[0];
+    let gate = linear(n, t(w, &g), None, inter);
+    let up = linear(n, t(w, &u), None, inter);
+    let act: Vec<f64> = gate
+        .iter()
+        .zip(&up)
+        .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+        .collect();
+    linear(&act, t(w, &d), None, n.len())
+}
+
+/// The MoE block from the formulas: softmax over the router logits, the top-k experts
+/// (renormalised when asked), their MLPs weighted and summed, plus Qwen2-MoE's gated
+/// shared expert.
+fn ref_moe(w: &WeightStore, n: &[f64], p: &str, moe: &ferry_model::MoeConfig) -> Vec<f64> {
+    let (block, hidden) = (moe.naming.block(), n.len());
+    let logits = linear(
+        n,
+        t(w, &format!("{p}.{block}.gate.weight")),
+        None,
+        moe.num_experts,
+    );
+    let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    let mut order: Vec<usize> = (0..moe.num_experts).collect();
+    order.sort_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
+    let picked = &order[..moe.top_k];
+    let total: f64 = picked.iter().map(|&x| e[x] / sum).sum();
+    let mut out = vec![0.0; hidden];
+    for &x in picked {
+        let mut weight = e[x] / sum;
+        if moe.norm_topk_prob {
+            weight /= total;
+        }
+        let names = moe.naming.expert(x);
+        let [g, u, d] = names.map(|name| name.rsplit_once(".weight").unwrap().0.to_string());
+        let g = g.rsplit('.').next().unwrap().to_string();
+        let u = u.rsplit('.').next().unwrap().to_string();
+        let d = d.rsplit('.').next().unwrap().to_string();
+        let y = ref_mlp(w, n, &format!("{p}.{block}.experts.{x}"), [&g, &u, &d]);
+        out.iter_mut().zip(&y).for_each(|(o, y)| *o += weight * y);
+    }
+    if moe.shared_expert_intermediate_size.is_some() {
+        let y = ref_mlp(
+            w,
+            n,
+            &format!("{p}.mlp.shared_expert"),
+            ["gate_proj", "up_proj", "down_proj"],
+        );
+        let g = linear(
+            n,
+            t(w, &format!("{p}.mlp.shared_expert_gate.weight")),
+            None,
+            1,
+        )[0];
+        let scale = 1.0 / (1.0 + (-g).exp());
+        out.iter_mut().zip(&y).for_each(|(o, y)| *o += scale * y);
+    }
+    out
 }
 
 /// `|got - want| <= tol * max|want|` over a row: relative to the row's scale, so near-zero
