@@ -207,11 +207,14 @@ fn load_hf_folder_with_progress(
     let config = config_json::read_folder_config(dir)?;
     let mut weights = WeightStore::default();
     let expected = expected_tensors(&config);
+    let fused = &safetensors_io::FusedMap::of(&config);
     match precision {
-        Precision::F32 => safetensors_io::read_weights(dir, &expected, &mut weights, progress)?,
+        Precision::F32 => {
+            safetensors_io::read_weights(dir, &expected, fused, &mut weights, progress)?
+        }
         Precision::Stored => {
             let dest = &mut StoredDest(&mut weights);
-            safetensors_io::read_weights(dir, &expected, dest, progress)?
+            safetensors_io::read_weights(dir, &expected, fused, dest, progress)?
         }
     }
     let tokenizer = tokenizer::read_hf_tokenizer(dir)?;
@@ -418,7 +421,8 @@ impl WeightFiles {
     pub fn check(&self) -> Result<(), LoadError> {
         match &self.source {
             WeightSource::Folder(dir) => {
-                safetensors_io::check_weights(dir, &expected_tensors(&self.config))
+                let fused = &safetensors_io::FusedMap::of(&self.config);
+                safetensors_io::check_weights(dir, &expected_tensors(&self.config), fused)
             }
             WeightSource::Gguf(_) => Ok(()),
         }
@@ -432,7 +436,11 @@ impl WeightFiles {
             // The reader takes the slots' pages on another thread as it goes.
             WeightSource::Folder(dir) => {
                 let dest = &mut ExpectedSlots(slots);
-                safetensors_io::read_weights(dir, &expected_tensors(&self.config), dest, progress)
+                let (expected, fused) = (
+                    expected_tensors(&self.config),
+                    safetensors_io::FusedMap::of(&self.config),
+                );
+                safetensors_io::read_weights(dir, &expected, &fused, dest, progress)
             }
             WeightSource::Gguf(file) => {
                 // A file in the page cache is copied faster than the kernel clears fresh

@@ -179,6 +179,23 @@ fn run(model: LlamaModel, prompt: &[u32]) -> (Vec<Vec<f32>>, Vec<u16>) {
     (logits, out.routed[0].ids.clone())
 }
 
+/// transformers 5's in-memory layout (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`
+/// [E, H, I]), saved with `save_original_format=False`, loads as the same parameters as the
+/// hub's per-expert layout.
+#[test]
+fn a_fused_expert_checkpoint_loads_as_the_per_expert_one() {
+    let fused = load_model(&fixture("qwen3_moe_fused")).unwrap();
+    let per_expert = load_model(&fixture("qwen3_moe")).unwrap();
+    assert_eq!(fused.config, per_expert.config);
+    assert_eq!(fused.weights, per_expert.weights);
+    let ferry_model::LoadedModel { config, .. } = fused;
+    let stored = ferry_model::load_model_stored(&fixture("qwen3_moe_fused")).unwrap();
+    assert_eq!(
+        stored.weights.tensors.len() + stored.weights.stored.len(),
+        ferry_model::expected_tensors(&config).len()
+    );
+}
+
 #[test]
 fn moe_forward_matches_transformers_logits_routing_and_greedy_tokens() {
     let g = golden();
@@ -186,17 +203,6 @@ fn moe_forward_matches_transformers_logits_routing_and_greedy_tokens() {
     let cases = g["cases"].as_object().unwrap();
     assert!(cases.len() >= 5, "every architecture has a case");
     for (name, case) in cases {
-        if case["layout"] == "fused" {
-            // transformers 5's in-memory layout, which `save_pretrained` writes only when
-            // asked (`save_original_format=False`): not read yet, and refused naming the
-            // fused tensor rather than loaded wrong.
-            let err = load_model(&fixture(name)).expect_err("fused experts are refused");
-            assert!(
-                err.to_string().contains("mlp.experts.down_proj"),
-                "{name}: {err}"
-            );
-            continue;
-        }
         let loaded = load_model(&fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
         let config = loaded.config.clone();
         let moe = config.moe.clone().expect("an MoE config");
@@ -274,5 +280,170 @@ fn moe_forward_matches_transformers_logits_routing_and_greedy_tokens() {
             count = 1;
         }
         assert_eq!(got, ids(&greedy["ids"]), "{name}: greedy tokens");
+    }
+}
+
+/// `store` in transformers 5's in-memory layout: each MoE layer's experts fused into
+/// `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], and
+/// Mixtral's router under `mlp.gate.weight` (what a trainer's `state_dict()` holds).
+fn fuse(
+    config: &ferry_model::LlamaConfig,
+    store: &ferry_model::WeightStore,
+) -> ferry_model::WeightStore {
+    let mut out = store.clone();
+    let moe = config.moe.as_ref().unwrap();
+    let (h, i) = (config.hidden_size, moe.expert_intermediate_size);
+    for l in (0..config.num_hidden_layers).filter(|&l| moe.is_sparse(l)) {
+        let p = format!("model.layers.{l}");
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        for e in 0..moe.num_experts {
+            let [g, u, d] = moe.naming.expert(e).map(|n| format!("{p}.{n}"));
+            let mut take = |name: &str| out.tensors.remove(name).unwrap().data;
+            gate_up.extend(take(&g));
+            gate_up.extend(take(&u));
+            down.extend(take(&d));
+        }
+        let n = moe.num_experts;
+        out.insert(
+            format!("{p}.mlp.experts.gate_up_proj"),
+            ferry_model::Tensor::new(vec![n, 2 * i, h], gate_up),
+        );
+        out.insert(
+            format!("{p}.mlp.experts.down_proj"),
+            ferry_model::Tensor::new(vec![n, h, i], down),
+        );
+        if moe.naming == ferry_model::ExpertNaming::Mixtral {
+            let router = out
+                .tensors
+                .remove(&format!("{p}.block_sparse_moe.gate.weight"))
+                .unwrap();
+            out.insert(format!("{p}.mlp.gate.weight"), router);
+        }
+    }
+    out
+}
+
+/// A safetensors body (f32) of `store`.
+fn body(store: &ferry_model::WeightStore) -> Vec<u8> {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = store
+        .tensors
+        .iter()
+        .map(|(name, t)| {
+            (
+                name.clone(),
+                t.shape.clone(),
+                t.data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+        .iter()
+        .map(|(name, shape, b)| {
+            (
+                name.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize(views, None).unwrap()
+}
+
+/// Logits bits of a short prefill and two greedy decode steps.
+fn outputs(model: &mut LlamaModel) -> Vec<Vec<u32>> {
+    let mut kv = arena_for(model, 16, 4);
+    let mut pool = Pool::new(16, 4, 3);
+    let mut seq = Seq::new(0, vec![5, 17, 3, 60, 2]);
+    let mut count = seq.tokens.len();
+    (0..3)
+        .map(|_| {
+            let row = step(model, &mut kv, &mut pool, &mut [&mut seq], &[count])
+                .row(0)
+                .to_vec();
+            seq.tokens.push(argmax(&row));
+            count = 1;
+            row.iter().map(|x| x.to_bits()).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn a_trainers_fused_state_dict_pushes_as_the_per_expert_weights() {
+    use ferry_model::{SafetensorsPush, WeightError};
+    for arch in MOE_ARCHITECTURES {
+        let config = small_moe_config(arch);
+        let (wa, wb) = (random_weights(&config, 1), random_weights(&config, 2));
+        let want = outputs(&mut LlamaModel::new(&config, &wb).unwrap());
+        let fused = fuse(&config, &wb);
+        assert!(fused
+            .tensors
+            .keys()
+            .any(|n| n.ends_with("mlp.experts.gate_up_proj")));
+
+        // Whole, through `prepare` (a parsed body or tensors handed over in process).
+        let mut model = LlamaModel::new(&config, &wa).unwrap();
+        assert_ne!(outputs(&mut model), want);
+        let prepared = model
+            .weight_ops()
+            .preparer()
+            .prepare(fused.clone())
+            .unwrap();
+        assert!(
+            prepared.complete,
+            "{arch}: the fused tensors are every expert"
+        );
+        model.weight_ops_mut().install(prepared).unwrap();
+        assert_eq!(outputs(&mut model), want, "{arch}: prepared");
+
+        // Streamed, in pieces that split tensors and elements.
+        let mut model = LlamaModel::new(&config, &wa).unwrap();
+        let mut push = SafetensorsPush::new(model.weight_ops().preparer());
+        for piece in body(&fused).chunks(1001) {
+            push.feed(piece).unwrap();
+        }
+        let prepared = push.finish().unwrap();
+        assert!(prepared.complete);
+        model.weight_ops_mut().install(prepared).unwrap();
+        assert_eq!(outputs(&mut model), want, "{arch}: pushed");
+
+        // One fused tensor alone patches its experts; a wrong shape is refused by its name.
+        let mut model = LlamaModel::new(&config, &wa).unwrap();
+        let down = "model.layers.0.mlp.experts.down_proj";
+        let mut one = ferry_model::WeightStore::default();
+        one.insert(down, fused.tensors[down].clone());
+        let prepared = model.weight_ops().preparer().prepare(one).unwrap();
+        assert!(!prepared.complete);
+        model.weight_ops_mut().install(prepared).unwrap();
+        let mut patched = wa.clone();
+        let moe = config.moe.as_ref().unwrap();
+        for e in 0..moe.num_experts {
+            let name = format!("model.layers.0.{}", moe.naming.expert(e)[2]);
+            patched.insert(name.clone(), wb.tensors[&name].clone());
+        }
+        assert_eq!(
+            outputs(&mut model),
+            outputs(&mut LlamaModel::new(&config, &patched).unwrap()),
+            "{arch}: patch"
+        );
+
+        let mut bad = ferry_model::WeightStore::default();
+        let t = &fused.tensors[down];
+        let shape = vec![t.shape[0], t.shape[2], t.shape[1]];
+        bad.insert(down, ferry_model::Tensor::new(shape, t.data.clone()));
+        let err = model
+            .weight_ops()
+            .preparer()
+            .prepare(bad.clone())
+            .unwrap_err();
+        assert!(
+            matches!(&err, WeightError::BadShape { name, .. } if name == down),
+            "{arch}: {err}"
+        );
+        let mut push = SafetensorsPush::new(model.weight_ops().preparer());
+        let err = push.feed(&body(&bad)).unwrap_err();
+        assert!(
+            matches!(&err, WeightError::BadShape { name, .. } if name == down),
+            "{arch}: {err}"
+        );
     }
 }

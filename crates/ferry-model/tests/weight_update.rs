@@ -7,7 +7,9 @@ mod model_support;
 
 use ferry_core::ModelOutput;
 use ferry_core::TokenId;
-use ferry_model::random_model::{random_weights, small_config};
+use ferry_model::random_model::{
+    random_weights, small_config, small_moe_config, MOE_ARCHITECTURES,
+};
 use ferry_model::tiny::{tiny_model, write_hf_folder};
 use ferry_model::{
     expected_tensors, load_model, ExecError, Executor, LlamaConfig, LlamaModel, LlamaWeights,
@@ -72,9 +74,10 @@ fn share(store: &WeightStore, i: usize, n: usize) -> WeightStore {
 }
 
 /// Every variant of the fused layout: untied head; q/k/v and o_proj biases, q/k norms and a
-/// tied head.
-fn configs() -> [LlamaConfig; 2] {
-    [
+/// tied head; and each MoE architecture (routers, experts, a shared expert, whole-projection
+/// q/k norms, dense layers among MoE ones).
+fn configs() -> Vec<LlamaConfig> {
+    let mut configs = vec![
         small_config(),
         LlamaConfig {
             architecture: "Qwen3ForCausalLM".into(),
@@ -84,7 +87,9 @@ fn configs() -> [LlamaConfig; 2] {
             tie_word_embeddings: true,
             ..small_config()
         },
-    ]
+    ];
+    configs.extend(MOE_ARCHITECTURES.map(small_moe_config));
+    configs
 }
 
 #[test]

@@ -84,6 +84,71 @@ pub fn expected_tensors(config: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
     out
 }
 
+/// One per-expert tensor inside a tensor of transformers 5's fused MoE layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FusedPart {
+    /// Its name in [`expected_tensors`].
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// Offset of its first element in the fused tensor (row-major).
+    pub offset: usize,
+}
+
+/// The tensors of [`expected_tensors`] that `name` holds in the layout transformers 5 keeps
+/// MoE weights in memory (a trainer's `state_dict`, or `save_pretrained(...,
+/// save_original_format=False)`), with the shape it must have; `None` for any other name.
+///
+/// * `model.layers.{l}.mlp.experts.gate_up_proj` `[E, 2I, H]`: expert `e`'s gate rows, then
+///   its up rows (transformers' forward `linear(x, gate_up_proj[e]).chunk(2)`).
+/// * `model.layers.{l}.mlp.experts.down_proj` `[E, H, I]`: expert `e`'s down projection.
+/// * Mixtral's router, which transformers 5 renames `mlp.gate.weight`.
+pub fn fused_parts(config: &LlamaConfig, name: &str) -> Option<(Vec<usize>, Vec<FusedPart>)> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer_text, param) = rest.split_once('.')?;
+    let layer: usize = layer_text.parse().ok()?;
+    if layer.to_string() != layer_text {
+        return None;
+    }
+    let moe = config.sparse_layer(layer)?;
+    let (h, i, n) = (
+        config.hidden_size,
+        moe.expert_intermediate_size,
+        moe.num_experts,
+    );
+    let prefix = format!("model.layers.{layer}.");
+    let part = |name: &str, shape: Vec<usize>, offset| FusedPart {
+        name: format!("{prefix}{name}"),
+        shape,
+        offset,
+    };
+    match param {
+        "mlp.experts.gate_up_proj" => Some((
+            vec![n, 2 * i, h],
+            (0..n)
+                .flat_map(|e| {
+                    let [gate, up, _] = moe.naming.expert(e);
+                    let at = e * 2 * i * h;
+                    [
+                        part(&gate, vec![i, h], at),
+                        part(&up, vec![i, h], at + i * h),
+                    ]
+                })
+                .collect(),
+        )),
+        "mlp.experts.down_proj" => Some((
+            vec![n, h, i],
+            (0..n)
+                .map(|e| part(&moe.naming.expert(e)[2], vec![h, i], e * h * i))
+                .collect(),
+        )),
+        "mlp.gate.weight" if moe.naming == crate::config::ExpertNaming::Mixtral => Some((
+            vec![n, h],
+            vec![part("block_sparse_moe.gate.weight", vec![n, h], 0)],
+        )),
+        _ => None,
+    }
+}
+
 /// Lengths of the q and k norm weights: one head's (Qwen3, per head), or the whole
 /// projection's (OLMoE).
 pub fn qk_norm_lens(config: &LlamaConfig) -> (usize, usize) {

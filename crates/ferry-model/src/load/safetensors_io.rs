@@ -18,6 +18,40 @@ const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// A tensor the model needs: Hugging Face name and shape.
 type Wanted = (String, Vec<usize>);
+
+/// Where each parameter lies in a checkpoint of transformers 5's fused MoE layout: part
+/// name → (fused tensor's name, its shape, the part's element offset in it); empty for a
+/// dense model ([`crate::config::fused_parts`]).
+#[derive(Debug, Default)]
+pub(crate) struct FusedMap {
+    by_part: BTreeMap<String, (String, Vec<usize>, usize)>,
+}
+
+impl FusedMap {
+    pub(crate) fn of(config: &crate::LlamaConfig) -> Self {
+        let mut by_part = BTreeMap::new();
+        for l in 0..config.num_hidden_layers {
+            for param in [
+                "mlp.experts.gate_up_proj",
+                "mlp.experts.down_proj",
+                "mlp.gate.weight",
+            ] {
+                let name = format!("model.layers.{l}.{param}");
+                if let Some((shape, parts)) = crate::config::fused_parts(config, &name) {
+                    for part in parts {
+                        by_part.insert(part.name, (name.clone(), shape.clone(), part.offset));
+                    }
+                }
+            }
+        }
+        Self { by_part }
+    }
+
+    /// The fused tensor holding `part`, its shape and the part's element offset.
+    fn source(&self, part: &str) -> Option<&(String, Vec<usize>, usize)> {
+        self.by_part.get(part)
+    }
+}
 /// The tensors each file holds, each with its index in the expected list.
 type ByFile<'a> = BTreeMap<PathBuf, Vec<(usize, &'a Wanted)>>;
 
@@ -27,29 +61,31 @@ type ByFile<'a> = BTreeMap<PathBuf, Vec<(usize, &'a Wanted)>>;
 pub(crate) fn read_weights(
     dir: &Path,
     expected: &[Wanted],
+    fused: &FusedMap,
     dest: &mut dyn TensorDest,
     progress: Progress<'_>,
 ) -> Result<(), LoadError> {
-    read_weights_as(dir, expected, dest, progress, Readers::Auto)
+    read_weights_as(dir, expected, fused, dest, progress, Readers::Auto)
 }
 
 /// [`read_weights`], each file read as `readers` says.
 fn read_weights_as(
     dir: &Path,
     expected: &[Wanted],
+    fused: &FusedMap,
     dest: &mut dyn TensorDest,
     progress: Progress<'_>,
     readers: Readers,
 ) -> Result<(), LoadError> {
-    let (by_file, all_files) = assign_files(dir, expected)?;
-    check_unused(&all_files, expected)?;
+    let (by_file, all_files) = assign_files(dir, expected, fused)?;
+    check_unused(&all_files, expected, fused)?;
     let mut n_done = 0;
     let mut tensor_done = |name: &str| {
         n_done += 1;
         progress(n_done, expected.len(), name);
     };
     for (file, wanted) in by_file {
-        read_file(&file, &wanted, dest, &mut tensor_done, readers)?;
+        read_file(&file, &wanted, fused, dest, &mut tensor_done, readers)?;
     }
     Ok(())
 }
@@ -74,6 +110,7 @@ enum Readers {
 fn assign_files<'a>(
     dir: &Path,
     expected: &'a [Wanted],
+    fused: &FusedMap,
 ) -> Result<(ByFile<'a>, BTreeSet<PathBuf>), LoadError> {
     let index_path = dir.join(INDEX_FILE);
     let single_path = dir.join(SINGLE_FILE);
@@ -94,12 +131,16 @@ fn assign_files<'a>(
             all_files.insert(dir.join(file));
         }
         for (idx, item) in expected.iter().enumerate() {
-            let file = map.get(&item.0).and_then(|f| f.as_str()).ok_or_else(|| {
-                LoadError::MissingTensor {
+            let file = map.get(&item.0).or_else(|| {
+                let (name, _, _) = fused.source(&item.0)?;
+                map.get(name)
+            });
+            let file = file
+                .and_then(|f| f.as_str())
+                .ok_or_else(|| LoadError::MissingTensor {
                     path: index_path.clone(),
                     tensor: item.0.clone(),
-                }
-            })?;
+                })?;
             by_file.entry(dir.join(file)).or_default().push((idx, item));
         }
     } else if single_path.exists() {
@@ -119,16 +160,36 @@ fn assign_files<'a>(
 /// equals the embedding (a checkpoint saved without de-duplicating the tie). A tied model's
 /// head that differs is refused: the config says the head is the embedding, the file says
 /// otherwise, and either choice could be the wrong answer.
-fn check_unused(files: &BTreeSet<PathBuf>, expected: &[Wanted]) -> Result<(), LoadError> {
-    let wanted: std::collections::HashSet<&str> =
+fn check_unused(
+    files: &BTreeSet<PathBuf>,
+    expected: &[Wanted],
+    fused: &FusedMap,
+) -> Result<(), LoadError> {
+    let mut wanted: std::collections::HashSet<&str> =
         expected.iter().map(|(name, _)| name.as_str()).collect();
     let tied = !wanted.contains(HEAD);
+    let mut headers = Vec::new();
     for path in files {
         let (_, mmap) = map_file(path)?;
         let (_, header) = read_header(&mmap, path)?;
         let mut names = header.offset_keys();
         names.sort();
-        for name in names {
+        headers.push((path, names));
+    }
+    // A fused tensor is read for its parts, unless the checkpoint holds a part on its own
+    // too: then two tensors say what one parameter is, and neither is taken.
+    let held: BTreeSet<&str> = headers
+        .iter()
+        .flat_map(|(_, names)| names.iter().map(String::as_str))
+        .collect();
+    let fused_names: BTreeSet<&str> = expected
+        .iter()
+        .filter(|(name, _)| !held.contains(name.as_str()))
+        .filter_map(|(name, _)| fused.source(name).map(|(f, _, _)| f.as_str()))
+        .collect();
+    wanted.extend(&fused_names);
+    for (path, names) in &headers {
+        for name in names.iter().cloned() {
             if wanted.contains(name.as_str()) || super::is_ignorable(&name) {
                 continue;
             }
@@ -144,7 +205,7 @@ fn check_unused(files: &BTreeSet<PathBuf>, expected: &[Wanted]) -> Result<(), Lo
                 "the forward of this config does not read it (see docs/model.md)".to_owned()
             };
             return Err(LoadError::UnusedTensor {
-                path: path.clone(),
+                path: path.to_path_buf(),
                 tensor: name,
                 message,
             });
@@ -309,6 +370,7 @@ impl Planned<'_> {
 fn read_file(
     path: &Path,
     wanted: &[(usize, &Wanted)],
+    fused: &FusedMap,
     dest: &mut dyn TensorDest,
     tensor_done: &mut dyn FnMut(&str),
     readers: Readers,
@@ -320,7 +382,7 @@ fn read_file(
     // Only the header is read through it (validating it touches no tensor data); tensors
     // are read with `read_chunks`, so their pages stay out of resident memory.
     let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| LoadError::io(path, e))?;
-    let mut plan = plan_file(path, &mmap, wanted)?;
+    let mut plan = plan_file(path, &mmap, wanted, fused)?;
     // In the file's order: the kernel reads ahead of a reader that goes front to back. One
     // that jumps (the model's order, where layer 2 follows layer 1, which the file, sorted by
     // name, keeps apart) read a cold file far less evenly (see `read_ahead`).
@@ -370,33 +432,43 @@ fn plan_file<'a>(
     path: &Path,
     mmap: &[u8],
     wanted: &[(usize, &'a Wanted)],
+    fused: &FusedMap,
 ) -> Result<Vec<Planned<'a>>, LoadError> {
     let (n_header, header) = SafeTensors::read_metadata(mmap)
         .map_err(|e| LoadError::invalid(path, format!("invalid safetensors file: {e}")))?;
     let data_start = (HEADER_LEN_BYTES + n_header) as u64;
     let mut plan = Vec::with_capacity(wanted.len());
     for &(idx, (name, shape)) in wanted {
-        let info = header.info(name).ok_or_else(|| LoadError::MissingTensor {
-            path: path.to_owned(),
-            tensor: name.clone(),
-        })?;
-        if info.shape != *shape {
-            return Err(LoadError::TensorShape {
+        // The tensor itself, or the fused tensor holding it (its shape checked, and the
+        // part's elements from its offset).
+        let (source, source_shape, elem_offset) = match (header.info(name), fused.source(name)) {
+            (None, Some((fused_name, fused_shape, offset))) => (fused_name, fused_shape, *offset),
+            _ => (name, shape, 0),
+        };
+        let info = header
+            .info(source)
+            .ok_or_else(|| LoadError::MissingTensor {
                 path: path.to_owned(),
                 tensor: name.clone(),
-                expected: shape.clone(),
+            })?;
+        if info.shape != *source_shape {
+            return Err(LoadError::TensorShape {
+                path: path.to_owned(),
+                tensor: source.clone(),
+                expected: source_shape.clone(),
                 actual: info.shape.clone(),
             });
         }
         let Some(width) = f32_source_width(info.dtype) else {
             return Err(LoadError::UnsupportedDtype {
                 path: path.to_owned(),
-                tensor: name.clone(),
+                tensor: source.clone(),
                 dtype: format!("{:?} (supported: F32, F16, BF16)", info.dtype),
             });
         };
         // The shape matches and the header was validated: the bytes are exactly its elements.
-        let (start, end) = info.data_offsets;
+        let n_bytes = shape.iter().product::<usize>() * width;
+        let start = info.data_offsets.0 + elem_offset * width;
         plan.push(Planned {
             idx,
             name,
@@ -404,7 +476,7 @@ fn plan_file<'a>(
             dtype: info.dtype,
             width,
             offset: data_start + start as u64,
-            n_bytes: end - start,
+            n_bytes,
             kept: None,
         });
     }
@@ -415,12 +487,16 @@ fn plan_file<'a>(
 /// its tensor data: the files (index, headers, tensors the config does not use), and each
 /// expected tensor's shape, dtype and bytes. A read that follows fails only if the disk does
 /// or the files change; a reload in place checks first, as it writes over the weights.
-pub(crate) fn check_weights(dir: &Path, expected: &[Wanted]) -> Result<(), LoadError> {
-    let (by_file, all_files) = assign_files(dir, expected)?;
-    check_unused(&all_files, expected)?;
+pub(crate) fn check_weights(
+    dir: &Path,
+    expected: &[Wanted],
+    fused: &FusedMap,
+) -> Result<(), LoadError> {
+    let (by_file, all_files) = assign_files(dir, expected, fused)?;
+    check_unused(&all_files, expected, fused)?;
     for (path, wanted) in by_file {
         let (_, mmap) = map_file(&path)?;
-        plan_file(&path, &mmap, &wanted)?;
+        plan_file(&path, &mmap, &wanted, fused)?;
     }
     Ok(())
 }
@@ -638,9 +714,25 @@ mod tests {
             let dir = dir.path();
             if stored {
                 let dest = &mut super::super::StoredDest(&mut store);
-                read_weights_as(dir, &expected, dest, &mut progress, readers).unwrap();
+                read_weights_as(
+                    dir,
+                    &expected,
+                    &FusedMap::default(),
+                    dest,
+                    &mut progress,
+                    readers,
+                )
+                .unwrap();
             } else {
-                read_weights_as(dir, &expected, &mut store, &mut progress, readers).unwrap();
+                read_weights_as(
+                    dir,
+                    &expected,
+                    &FusedMap::default(),
+                    &mut store,
+                    &mut progress,
+                    readers,
+                )
+                .unwrap();
             }
             assert_eq!(
                 order,
@@ -704,12 +796,28 @@ mod tests {
         };
         let mut progress = |_: usize, _: usize, _: &str| {};
         let mut floats = WeightStore::default();
-        read_weights_as(dir.path(), &expected, &mut floats, &mut progress, readers).unwrap();
+        read_weights_as(
+            dir.path(),
+            &expected,
+            &FusedMap::default(),
+            &mut floats,
+            &mut progress,
+            readers,
+        )
+        .unwrap();
         assert_eq!(floats.tensors["m.weight"].data, m);
         assert_eq!(floats.tensors["v.weight"].data, v);
         let mut kept = WeightStore::default();
         let dest = &mut super::super::StoredDest(&mut kept);
-        read_weights_as(dir.path(), &expected, dest, &mut progress, readers).unwrap();
+        read_weights_as(
+            dir.path(),
+            &expected,
+            &FusedMap::default(),
+            dest,
+            &mut progress,
+            readers,
+        )
+        .unwrap();
         assert_eq!(kept.stored["m.weight"].bytes, m_bytes);
         assert_eq!(kept.stored["m.weight"].dtype, WeightDtype::BF16);
         assert_eq!(

@@ -107,9 +107,10 @@ impl LlamaPreparer {
 
 impl WeightPreparer for LlamaPreparer {
     fn prepare(&self, store: WeightStore) -> Result<PreparedWeights, WeightError> {
-        if store.tensors.is_empty() {
+        if store.tensors.is_empty() && store.stored.is_empty() {
             return Err(WeightError::Empty);
         }
+        let store = unfuse(&self.config, store)?;
         let expected: BTreeMap<String, Vec<usize>> =
             expected_tensors(&self.config).into_iter().collect();
         check_store(&expected, &store)?;
@@ -211,6 +212,10 @@ impl WeightPreparer for LlamaPreparer {
         expected_tensors(&self.config)
     }
 
+    fn fused_parts(&self, name: &str) -> Option<(Vec<usize>, Vec<crate::config::FusedPart>)> {
+        crate::config::fused_parts(&self.config, name)
+    }
+
     /// Buckets' patches joined; when they hold every parameter, moved into whole weights
     /// (each matrix patch's own buffer takes its place, so nothing is copied but the
     /// vectors), which install by a swap, also after sleep level 2.
@@ -296,6 +301,54 @@ fn forward_fields(c: &LlamaConfig) -> [(&'static str, String); 19] {
         ("clip_qkv", format!("{:?}", c.clip_qkv)),
         ("moe", format!("{:?}", c.moe)),
     ]
+}
+
+/// `store` with each tensor of transformers 5's fused MoE layout split into the parameters
+/// it holds ([`crate::config::fused_parts`]), each in the fused tensor's dtype.
+fn unfuse(c: &LlamaConfig, mut store: WeightStore) -> Result<WeightStore, WeightError> {
+    let fused: Vec<String> = store
+        .tensors
+        .keys()
+        .chain(store.stored.keys())
+        .filter(|name| crate::config::fused_parts(c, name).is_some())
+        .cloned()
+        .collect();
+    for name in fused {
+        let (shape, parts) = crate::config::fused_parts(c, &name).expect("filtered above");
+        let bad_shape = |got: &[usize]| WeightError::BadShape {
+            name: name.clone(),
+            expected: shape.clone(),
+            got: got.to_vec(),
+        };
+        if let Some(t) = store.tensors.remove(&name) {
+            if t.shape != shape {
+                return Err(bad_shape(&t.shape));
+            }
+            for part in parts {
+                let n: usize = part.shape.iter().product();
+                let data = t.data[part.offset..part.offset + n].to_vec();
+                store.insert(part.name, crate::Tensor::new(part.shape, data));
+            }
+        } else if let Some(t) = store.stored.remove(&name) {
+            if t.shape != shape {
+                return Err(bad_shape(&t.shape));
+            }
+            let k = shape[shape.len() - 1];
+            let row_bytes = t.dtype.row_bytes(k).ok_or_else(|| bad_shape(&t.shape))?;
+            for part in parts {
+                let (first, rows) = (part.offset / k, part.shape[0]);
+                let bytes = t.bytes[first * row_bytes..(first + rows) * row_bytes].to_vec();
+                let dtype = t.dtype;
+                let part_t = crate::StoredTensor {
+                    shape: part.shape,
+                    dtype,
+                    bytes,
+                };
+                store.insert_stored(part.name, part_t);
+            }
+        }
+    }
+    Ok(store)
 }
 
 /// Every name known, every shape as expected, every data length matching its shape; the

@@ -153,28 +153,53 @@ impl SafetensorsPush {
                 });
             }
         }
-        if let Some((name, _)) = by_name.iter().find(|(name, _)| self.taken.contains(name)) {
+        // Each tensor as the parameters it holds: itself, or the per-expert parts of a
+        // fused MoE tensor, each a contiguous range of its bytes.
+        let mut list: Vec<(String, Vec<usize>)> = Vec::new();
+        let mut ranges: Vec<(Dtype, usize, usize)> = Vec::new();
+        for (name, info) in &by_name {
+            let width = f32_source_width(info.dtype).unwrap_or(4);
+            let (start, end) = info.data_offsets;
+            match self.preparer.fused_parts(name) {
+                None => {
+                    list.push((name.clone(), info.shape.clone()));
+                    ranges.push((info.dtype, start, end));
+                }
+                Some((shape, _)) if shape != info.shape => {
+                    return Err(WeightError::BadShape {
+                        name: name.clone(),
+                        expected: shape,
+                        got: info.shape.clone(),
+                    });
+                }
+                Some((_, parts)) => {
+                    for part in parts {
+                        let n: usize = part.shape.iter().product();
+                        let at = start + part.offset * width;
+                        ranges.push((info.dtype, at, at + n * width));
+                        list.push((part.name, part.shape));
+                    }
+                }
+            }
+        }
+        if let Some((name, _)) = list.iter().find(|(name, _)| self.taken.contains(name)) {
             return Err(WeightError::Duplicate { name: name.clone() });
         }
-        let list: Vec<(String, Vec<usize>)> = by_name
-            .iter()
-            .map(|(name, info)| (name.clone(), info.shape.clone()))
-            .collect();
         let mut slots = self.preparer.slots(&list)?;
-        let mut segments: Vec<Segment> = by_name
+        let mut segments: Vec<Segment> = ranges
             .iter()
             .enumerate()
-            .map(|(slot_idx, (_, info))| {
+            .map(|(slot_idx, &(dtype, start, end))| {
                 // A matrix the executor keeps as stored arrives in its own dtype.
-                let raw = WeightDtype::from_safetensors(info.dtype)
+                let raw = WeightDtype::from_safetensors(dtype)
                     .is_some_and(|d| slots.stored_slot(slot_idx, d).is_some());
                 Segment {
                     slot_idx,
-                    dtype: info.dtype,
-                    width: f32_source_width(info.dtype).unwrap_or(4),
+                    dtype,
+                    width: f32_source_width(dtype).unwrap_or(4),
                     raw,
-                    start: info.data_offsets.0,
-                    end: info.data_offsets.1,
+                    start,
+                    end,
                 }
             })
             .collect();

@@ -168,6 +168,14 @@ pub trait WeightPreparer: Send + Sync {
     /// For a reload from a model folder: the folder's config must describe the same model.
     fn check_config(&self, config: &LlamaConfig) -> Result<(), WeightError>;
 
+    /// The parameters a tensor of another layout holds, and the shape it must have (an MoE
+    /// model's experts as transformers 5 holds them in memory, [`crate::config::fused_parts`]);
+    /// `None` for a tensor that is one parameter or none.
+    fn fused_parts(&self, name: &str) -> Option<(Vec<usize>, Vec<crate::config::FusedPart>)> {
+        let _ = name;
+        None
+    }
+
     /// Every parameter the model takes (`(name, shape)`); empty for an executor without
     /// weights.
     fn expected(&self) -> Vec<(String, Vec<usize>)> {
