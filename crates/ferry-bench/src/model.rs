@@ -31,7 +31,8 @@ pub struct Args {
     /// A Hugging Face model folder, a `.gguf` file, or `tiny`.
     #[arg(long, conflicts_with = "random")]
     model: Option<String>,
-    /// Random weights in a known shape instead of a file: `smollm2-135m` or `small`.
+    /// Random weights in a known shape instead of a file: `smollm2-135m`, `small`, or
+    /// `qwen3-moe` (`ferry make-model moe --size bench`'s shape: 32 experts, top-8).
     #[arg(long)]
     random: Option<String>,
     /// Batch sizes to measure.
@@ -75,7 +76,9 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
     let (source, config, weights) = load(args)?;
     let mut model = LlamaModel::new(&config, &weights).context("building the model")?;
     drop(weights);
-    let bytes_per_step = model.weights().bytes_read_per_step();
+    // A batch-1 decode step reads every weight of a dense model, and the active ones
+    // (attention, routers, top-k experts, head) of an MoE model.
+    let bytes_per_step = model.weights().active_bytes_per_token(&config);
     let memcpy_gb_s = memcpy_bandwidth_gb_s(bandwidth_bytes);
     let isa = ferry_model::kernels::Isa::current();
     let threads = ferry_model::kernels::threads();
@@ -114,6 +117,7 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
         peak_gflop_s: before.0.max(after.0),
         kernel_bound_ms,
         bytes_per_step,
+        moe: config.moe.is_some(),
         flops_token: model.weights().matmul_flops_per_token(false),
         flops_sampled: model.weights().matmul_flops_per_token(true),
     };
@@ -123,7 +127,20 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
     // weight bytes over the rate memory can stream them. A copy moves each byte twice (read
     // and write), so the read probe is the fairer bound; both are reported.
     let bound_ms = |gb_s: f64| round2(bytes_per_step as f64 / (gb_s * 1e9) * 1e3);
+    let moe = config.moe.as_ref().map(|moe| {
+        let batch1 = runs.iter().find(|r| r.batch == 1);
+        json!({
+            "num_experts": moe.num_experts,
+            "top_k": moe.top_k,
+            "moe_layers": moe.n_sparse(),
+            "weights_bytes_total": model.weights().total_bytes(),
+            "active_bytes_per_token": model.weights().active_bytes_per_token(&config),
+            "batch1_bytes_read_per_token": batch1
+                .map(|r| (r.decode_weight_bytes as f64 / args.decode_steps.max(1) as f64).round()),
+        })
+    });
     Ok(json!({
+        "moe": moe,
         "model": source,
         "isa": format!("{isa:?}"),
         "threads": threads,
@@ -142,8 +159,12 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
         "batch1_decode_bound_ms_read": bound_ms(read_gb_s),
         "kernel_gb_s": by_dtype(&kernel_gb_s),
         "kernel_gb_s_probes": [by_dtype(&before.2), by_dtype(&after.2)],
-        "batch1_decode_bound_ms_kernels": round2(kernel_bound_ms),
-        "batch1_kernel_gb_s": round2(bytes_per_step as f64 / (kernel_bound_ms * 1e6)),
+        // The kernels' bound times every matrix: an MoE step reads only some experts.
+        "batch1_decode_bound_ms_kernels": config.moe.is_none().then(|| round2(kernel_bound_ms)),
+        "batch1_kernel_gb_s": config
+            .moe
+            .is_none()
+            .then(|| round2(bytes_per_step as f64 / (kernel_bound_ms * 1e6))),
         "results": results,
     }))
 }
@@ -160,7 +181,17 @@ fn load(args: &Args) -> anyhow::Result<(String, LlamaConfig, WeightStore)> {
             let w = random_weights(&c, 0);
             Ok(("random:small".into(), c, w))
         }
-        (_, Some(other)) => anyhow::bail!("unknown --random shape {other:?} (smollm2-135m, small)"),
+        (_, Some("qwen3-moe")) => {
+            let m = ferry_model::tiny::moe_model(
+                "Qwen3MoeForCausalLM",
+                ferry_model::tiny::MoeSize::Bench,
+                0,
+            );
+            Ok(("random:qwen3-moe".into(), m.config, m.weights))
+        }
+        (_, Some(other)) => {
+            anyhow::bail!("unknown --random shape {other:?} (smollm2-135m, small, qwen3-moe)")
+        }
         (Some(path), None) => {
             let m = ferry_model::ModelSpec::resolve(Some(path), Path::new("."))
                 .load_as(ferry_model::Precision::Stored, &mut |_, _, _| {})
@@ -183,6 +214,8 @@ struct Machine {
     /// ([`kernels`]).
     kernel_bound_ms: f64,
     bytes_per_step: usize,
+    /// A mixture of experts: a step reads the experts its tokens use, not every weight.
+    moe: bool,
     /// Matmul FLOPs of a token that does not sample, and of one that does (the head too).
     flops_token: u64,
     flops_sampled: u64,
@@ -229,6 +262,8 @@ struct BatchRun {
     decode_cpu_s: Option<f64>,
     /// Time the decode steps spent in each phase of the forward.
     decode_phases: PhaseNanos,
+    /// Weight bytes the decode steps' matmuls read, as the kernels counted them.
+    decode_weight_bytes: u64,
 }
 
 impl BatchRun {
@@ -258,6 +293,7 @@ impl BatchRun {
             decode_s: 0.0,
             decode_cpu_s: Some(0.0),
             decode_phases: PhaseNanos::default(),
+            decode_weight_bytes: 0,
         }
     }
 
@@ -286,9 +322,11 @@ impl BatchRun {
     fn decode_step(&mut self, model: &mut LlamaModel) -> anyhow::Result<()> {
         let cpu0 = process_cpu_s();
         let phases0 = PhaseNanos::now();
+        let bytes0 = ferry_model::profile::weight_bytes_read();
         let t = Instant::now();
         run_step(model, &mut self.kv, &mut self.reqs, &vec![1; self.batch])?;
         self.decode_s += t.elapsed().as_secs_f64();
+        self.decode_weight_bytes += ferry_model::profile::weight_bytes_read() - bytes0;
         self.decode_phases += PhaseNanos::now().since(&phases0);
         self.decode_cpu_s = match (self.decode_cpu_s, cpu0, process_cpu_s()) {
             (Some(sum), Some(a), Some(b)) => Some(sum + (b - a)),
@@ -301,8 +339,15 @@ impl BatchRun {
         let prefill_tokens = self.batch * args.prompt_len;
         let steps = args.decode_steps.max(1) as f64;
         let step_s = self.decode_s / steps;
-        // Every weight is read once per decode step, whatever the batch.
-        let weight_read_gb_s = m.bytes_per_step as f64 / step_s / 1e9;
+        // A dense model reads every weight once per decode step, whatever the batch; an MoE
+        // model the experts its tokens were routed to, as the kernels counted them.
+        let measured_bytes = self.decode_weight_bytes as f64 / steps;
+        let step_bytes = if m.moe {
+            measured_bytes
+        } else {
+            m.bytes_per_step as f64
+        };
+        let weight_read_gb_s = step_bytes / step_s / 1e9;
         let decode_gflop_s = (self.batch as u64 * m.flops_sampled) as f64 / step_s / 1e9;
         // Every prompt token's layers, and the head once per request (its last chunk samples).
         let prefill_flops = prefill_tokens as u64 * m.flops_token
@@ -312,7 +357,7 @@ impl BatchRun {
             "decode_weight_read_gb_s": round2(weight_read_gb_s),
             "decode_read_bandwidth_fraction": round2(weight_read_gb_s / m.read_gb_s),
             // Only batch 1 runs the batch-1 kernels the bound is of.
-            "decode_kernel_bound_fraction": (self.batch == 1)
+            "decode_kernel_bound_fraction": (self.batch == 1 && !m.moe)
                 .then(|| round2(m.kernel_bound_ms / (step_s * 1e3))),
             "decode_gflop_s": round2(decode_gflop_s),
             "decode_peak_fraction": round2(decode_gflop_s / m.peak_gflop_s),
@@ -324,6 +369,7 @@ impl BatchRun {
             "prefill_tok_s": round2(prefill_tokens as f64 / self.prefill_s),
             "decode_tok_s": round2((self.batch * args.decode_steps) as f64 / self.decode_s),
             "decode_ms_per_step": round2(self.decode_s * 1e3 / steps),
+            "decode_weight_bytes_per_step": measured_bytes.round(),
             "decode_cpu_ms_per_step": self.decode_cpu_s.map(|c| round2(c * 1e3 / steps)),
             "decode_phase_us_per_step": phase_us(&self.decode_phases, self.decode_s, steps),
         })
@@ -564,6 +610,55 @@ mod tests {
         assert_eq!(out["weight_dtypes"]["F32"], 16, "random weights are f32");
         assert!(out["weights_bytes_per_step"].as_u64().unwrap() > 0);
         assert!(out["read_gb_s"].as_f64().unwrap() > 0.0);
+    }
+
+    /// An MoE model's batch-1 decode reads exactly the active weights' matrices (attention,
+    /// routers, the top-k experts, dense layers, head), as the kernels count them.
+    #[test]
+    fn an_moe_model_reads_only_its_routed_experts_per_decoded_token() {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = ferry_model::tiny::moe_model(
+            "Qwen3MoeForCausalLM",
+            ferry_model::tiny::MoeSize::Small,
+            1,
+        );
+        ferry_model::tiny::write_hf_folder(&m, tmp.path()).unwrap();
+        let args = Args {
+            model: Some(tmp.path().display().to_string()),
+            random: None,
+            batch: vec![1, 4],
+            prompt_len: 5,
+            decode_steps: 3,
+            prefill_chunk: 8,
+            json: true,
+        };
+        let out = measure(&args, 1 << 20).unwrap();
+        let w = LlamaModel::new(&m.config, &m.weights).unwrap();
+        let w = w.weights();
+        let matrices: usize = w.layer_matrices().map(ferry_model::Matrix::n_bytes).sum();
+        let vectors = w.bytes_read_per_step() - matrices - w.head().n_bytes();
+        let active = w.active_bytes_per_token(&m.config);
+        let moe = &out["moe"];
+        assert_eq!(moe["top_k"], 3);
+        assert_eq!(moe["active_bytes_per_token"], active);
+        assert_eq!(
+            moe["batch1_bytes_read_per_token"],
+            (active - vectors) as f64
+        );
+        let experts: usize = w
+            .layers
+            .iter()
+            .flat_map(|l| &l.experts)
+            .map(|e| e.gate_up.n_bytes() + e.down.n_bytes())
+            .sum();
+        // Two MoE layers, each reading 3 of its 8 experts.
+        assert_eq!(w.bytes_read_per_step() - active, experts * 5 / 8);
+        let results = out["results"].as_array().unwrap();
+        let b4 = results[1]["decode_weight_bytes_per_step"].as_f64().unwrap();
+        assert!(
+            b4 > (active - vectors) as f64,
+            "4 tokens use more experts than 1"
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Where a forward's time goes, for `ferry bench model`: the wall time of the layer matmuls,
 //! the head, attention, and the calling thread's waits for the forward pool's helpers, summed
-//! over every forward of the process while enabled. Off by default: a timed section then
+//! over every forward of the process while enabled; and the weight bytes the matmuls read
+//! (each call reads its matrix once: an MoE step reads only the experts its tokens use). Off by default: a timed section then
 //! costs one relaxed load. Process-wide, so two models stepping at once share the sums.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -21,6 +22,19 @@ pub enum Phase {
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static NANOS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
+static WEIGHT_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Weight bytes the model's matmuls have read while profiling was on.
+pub fn weight_bytes_read() -> u64 {
+    WEIGHT_BYTES.load(Relaxed)
+}
+
+/// Counts a matmul's weight bytes when profiling is on.
+pub(crate) fn count_weight_bytes(n: usize) {
+    if ENABLED.load(Relaxed) {
+        WEIGHT_BYTES.fetch_add(n as u64, Relaxed);
+    }
+}
 
 /// Starts or stops timing.
 pub fn set_enabled(on: bool) {

@@ -182,6 +182,56 @@ pub fn tiny_model() -> LoadedModel {
     }
 }
 
+/// The size of a [`moe_model`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeSize {
+    /// [`crate::random_model::small_moe_config`]'s shape: hidden 64, 3 layers, 8 experts.
+    Small,
+    /// A Qwen3-MoE-shaped model whose experts leave the caches: hidden 1024, 8 layers, 16
+    /// heads over 4 KV heads, 32 experts of 256 rows, top-8 (224M parameters, 28M active).
+    Bench,
+}
+
+/// A random-weight MoE model of `architecture` (a pure function of `seed`) with the tiny
+/// model's tokenizer and chat template, so it can be served: `ferry make-model moe`.
+pub fn moe_model(architecture: &str, size: MoeSize, seed: u64) -> LoadedModel {
+    let tiny = tiny_model();
+    let mut config = crate::random_model::small_moe_config(architecture);
+    config.vocab_size = tiny.config.vocab_size;
+    config.bos_token_id = tiny.config.bos_token_id;
+    config.eos_token_ids = tiny.config.eos_token_ids.clone();
+    config.max_position_embeddings = tiny.config.max_position_embeddings;
+    if size == MoeSize::Bench {
+        config.hidden_size = 1024;
+        config.num_attention_heads = 16;
+        config.num_key_value_heads = 4;
+        config.head_dim = 64;
+        config.num_hidden_layers = 8;
+        config.intermediate_size = 2048;
+        if let Some(moe) = &mut config.moe {
+            moe.num_experts = 32;
+            moe.top_k = 8;
+            moe.expert_intermediate_size = 256;
+            moe.sparse_layers = vec![true; 8];
+            if moe.shared_expert_intermediate_size.is_some() {
+                moe.shared_expert_intermediate_size = Some(512);
+            }
+            if matches!(moe.naming, crate::ExpertNaming::Mixtral)
+                || architecture == "OlmoeForCausalLM"
+            {
+                config.intermediate_size = moe.expert_intermediate_size;
+            }
+        }
+    }
+    LoadedModel {
+        weights: crate::random_model::random_weights(&config, seed),
+        config,
+        tokenizer: tiny.tokenizer,
+        chat_template: tiny.chat_template,
+        source: format!("random:{architecture}"),
+    }
+}
+
 /// Writes `model` as a Hugging Face folder: config.json, generation_config.json,
 /// model.safetensors (F32), tokenizer.json and tokenizer_config.json (with the chat template).
 /// `load_model(dir)` gives the same model back.

@@ -93,6 +93,7 @@ struct Part {
 /// `out[i * n + j] = dot(x[i], W[j])` with `n = w.n_rows()`, `k = w.k()`, on the process's
 /// instruction set.
 pub fn matmul(x: &[f32], w: &Matrix, out: &mut [f32], m: usize) {
+    crate::profile::count_weight_bytes(w.n_bytes());
     matmul_with(Isa::current(), x, w, out, m);
 }
 

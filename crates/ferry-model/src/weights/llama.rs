@@ -165,6 +165,30 @@ impl LlamaWeights {
         self.layer_bytes() + self.norm.n_bytes() + self.head().n_bytes()
     }
 
+    /// Bytes of the weights one token reads (at batch 1): [`Self::bytes_read_per_step`] with
+    /// only `top_k` of each MoE layer's experts, the average expert's size (experts of one
+    /// layer are the same size unless an update brought another dtype).
+    pub fn active_bytes_per_token(&self, config: &LlamaConfig) -> usize {
+        let all = self.bytes_read_per_step();
+        let Some(moe) = &config.moe else {
+            return all;
+        };
+        let unused: usize = self
+            .layers
+            .iter()
+            .filter(|l| !l.experts.is_empty())
+            .map(|l| {
+                let experts: usize = l
+                    .experts
+                    .iter()
+                    .map(|e| e.gate_up.n_bytes() + e.down.n_bytes())
+                    .sum();
+                experts - experts * moe.top_k / l.experts.len()
+            })
+            .sum();
+        all - unused
+    }
+
     /// Every layer's matrices, layer by layer ([`LayerWeights::matrices`]).
     pub fn layer_matrices(&self) -> impl Iterator<Item = &Matrix> {
         self.layers.iter().flat_map(LayerWeights::matrices)
