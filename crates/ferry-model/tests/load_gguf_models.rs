@@ -4,7 +4,9 @@
 //! file mixes them, Q5_0, Q5_1), then loaded: the config each architecture's metadata
 //! describes, the weights as the file holds them, logits against the dense f64 reference
 //! forward over the dequantized weights, and the model kept as stored computing the bits of
-//! the same file dequantized to f32.
+//! the same file dequantized to f32. Mixture-of-experts files (qwen3moe, qwen2moe, olmoe,
+//! Mixtral as llama) hold each layer's experts stacked in `ffn_*_exps` tensors, as
+//! llama.cpp's converter merges them.
 
 mod model_support;
 
@@ -756,6 +758,60 @@ fn moe_ggufs_contradicting_themselves_are_refused() {
     match load_err(&kv, &extra) {
         ferry_model::LoadError::UnusedTensor { tensor, .. } => {
             assert_eq!(tensor, "blk.2.ffn_gate_exps.weight")
+        }
+        other => panic!("expected UnusedTensor, got {other:?}"),
+    }
+}
+
+/// A Mixtral file converted before llama.cpp stacked the experts holds each expert's matrix
+/// as `blk.{l}.ffn_{gate,up,down}.{e}.weight`: it loads as the stacked one does. Beside the
+/// stacked tensor, such a tensor is refused as unused.
+#[test]
+fn a_mixtral_gguf_with_one_tensor_per_expert_loads() {
+    use ferry_model::load::gguf_model::gguf_place;
+    assert_eq!(
+        gguf_place("model.layers.4.block_sparse_moe.experts.5.w3.weight"),
+        Some(("blk.4.ffn_up_exps.weight".into(), Some(5)))
+    );
+    assert_eq!(
+        gguf_place("model.layers.4.mlp.experts.5.down_proj.weight"),
+        Some(("blk.4.ffn_down_exps.weight".into(), Some(5)))
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("mixtral.gguf");
+    let config = ferry_model::random_model::small_moe_config("MixtralForCausalLM");
+    let weights = random_weights(&config, 24);
+    let (kv, tensors, held) = gguf_parts("llama", &config, &weights, |_| WeightDtype::Q8_0);
+    let mut split = Vec::new();
+    for (name, shape, ty, bytes) in &tensors {
+        let Some(base) = name.strip_suffix("_exps.weight") else {
+            split.push((name.clone(), shape.clone(), *ty, bytes.clone()));
+            continue;
+        };
+        let each = bytes.len() / shape[0];
+        for (e, piece) in bytes.chunks(each).enumerate() {
+            split.push((
+                format!("{base}.{e}.weight"),
+                shape[1..].to_vec(),
+                *ty,
+                piece.to_vec(),
+            ));
+        }
+    }
+    std::fs::write(&path, gguf_bytes(&kv, &split)).unwrap();
+    check_loaded(&path, &config, &held);
+    let mut both = tensors.clone();
+    both.push(
+        split
+            .iter()
+            .find(|t| t.0 == "blk.1.ffn_down.3.weight")
+            .unwrap()
+            .clone(),
+    );
+    std::fs::write(&path, gguf_bytes(&kv, &both)).unwrap();
+    match load_model(&path).unwrap_err() {
+        ferry_model::LoadError::UnusedTensor { tensor, .. } => {
+            assert_eq!(tensor, "blk.1.ffn_down.3.weight")
         }
         other => panic!("expected UnusedTensor, got {other:?}"),
     }

@@ -455,15 +455,28 @@ pub(crate) fn gguf_weights(
     progress: Progress<'_>,
 ) -> Result<(), LoadError> {
     let expected = expected_tensors(config);
+    let infos: std::collections::HashMap<&str, &super::gguf::GgufTensorInfo> =
+        gguf.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     let places: Vec<(String, Option<usize>)> = expected
         .iter()
-        .map(|(name, _)| gguf_place(name).expect("every expected tensor has a GGUF name"))
+        .map(|(name, _)| {
+            let (stacked, expert) =
+                gguf_place(name).expect("every expected tensor has a GGUF name");
+            // Files converted before llama.cpp stacked the experts hold one tensor each.
+            match expert.and_then(|e| legacy_expert_name(&stacked, e)) {
+                Some(own)
+                    if !infos.contains_key(stacked.as_str())
+                        && infos.contains_key(own.as_str()) =>
+                {
+                    (own, None)
+                }
+                _ => (stacked, expert),
+            }
+        })
         .collect();
     check_unused(gguf, &places)?;
     let n_expected = expected.len();
     let n_experts = config.moe.as_ref().map_or(0, |m| m.num_experts);
-    let infos: std::collections::HashMap<&str, &super::gguf::GgufTensorInfo> =
-        gguf.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     for (idx, ((name, shape), (gguf_name, expert))) in expected.into_iter().zip(places).enumerate()
     {
         let info = infos
@@ -520,6 +533,13 @@ pub(crate) fn gguf_weights(
         progress(idx + 1, n_expected, &name);
     }
     Ok(())
+}
+
+/// Expert `e`'s own tensor in files converted before llama.cpp stacked the experts (older
+/// Mixtral files): `blk.{l}.ffn_gate.{e}.weight` for `blk.{l}.ffn_gate_exps.weight`.
+fn legacy_expert_name(stacked: &str, e: usize) -> Option<String> {
+    let (layer, part) = stacked.strip_suffix("_exps.weight")?.rsplit_once('.')?;
+    Some(format!("{layer}.{part}.{e}.weight"))
 }
 
 /// Refuses a file holding a tensor the forward would not read, naming it (with its Hugging
