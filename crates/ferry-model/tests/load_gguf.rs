@@ -1022,6 +1022,20 @@ fn gguf_names_map_to_hf_names() {
             "blk.3.ffn_down.weight",
             Some("model.layers.3.mlp.down_proj.weight"),
         ),
+        (
+            "blk.3.ffn_gate_inp.weight",
+            Some("model.layers.3.mlp.gate.weight"),
+        ),
+        (
+            "blk.3.ffn_down_shexp.weight",
+            Some("model.layers.3.mlp.shared_expert.down_proj.weight"),
+        ),
+        (
+            "blk.3.ffn_gate_inp_shexp.weight",
+            Some("model.layers.3.mlp.shared_expert_gate.weight"),
+        ),
+        // Stacked experts are one tensor per expert (see `gguf_place`).
+        ("blk.3.ffn_up_exps.weight", None),
         ("rope_freqs.weight", None),
         ("blk.x.attn_q.weight", None),
         ("blk.1.attn_q.scale", None),

@@ -4,7 +4,9 @@
 //! file mixes them, Q5_0, Q5_1), then loaded: the config each architecture's metadata
 //! describes, the weights as the file holds them, logits against the dense f64 reference
 //! forward over the dequantized weights, and the model kept as stored computing the bits of
-//! the same file dequantized to f32.
+//! the same file dequantized to f32. Mixture-of-experts files (qwen3moe, qwen2moe, olmoe,
+//! Mixtral as llama) hold each layer's experts stacked in `ffn_*_exps` tensors, as
+//! llama.cpp's converter merges them.
 
 mod model_support;
 
@@ -22,9 +24,11 @@ const BS: usize = 4;
 // ---------------------------------------------------------------------------------------------
 // A GGUF writer: metadata of the value types a converter writes, tensors 32-byte aligned.
 
+#[derive(Clone)]
 enum Meta {
     U32(u32),
     F32(f32),
+    Bool(bool),
     Str(String),
 }
 
@@ -50,6 +54,10 @@ fn gguf_bytes(kv: &[(String, Meta)], tensors: &[(String, Vec<usize>, u32, Vec<u8
             Meta::F32(v) => {
                 out.extend(6u32.to_le_bytes());
                 out.extend(v.to_le_bytes());
+            }
+            Meta::Bool(v) => {
+                out.extend(7u32.to_le_bytes());
+                out.push(u8::from(*v));
             }
             Meta::Str(s) => {
                 out.extend(8u32.to_le_bytes());
@@ -102,9 +110,30 @@ fn gguf_name(hf: &str) -> String {
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj" => "ffn_up_shexp",
+        "mlp.shared_expert.down_proj" => "ffn_down_shexp",
+        "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
         other => panic!("no GGUF name for {other}"),
     };
     format!("blk.{layer}.{g}.{suffix}")
+}
+
+/// An expert's projection (`model.layers.{l}.{mlp,block_sparse_moe}.experts.{e}.{proj}
+/// .weight`): the stacked GGUF tensor llama.cpp's converter merges it into, and `e`.
+fn expert_slot(hf: &str) -> Option<(String, usize)> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let (_, rest) = rest.split_once(".experts.")?;
+    let (e, proj) = rest.split_once('.')?;
+    let g = match proj {
+        "gate_proj.weight" | "w1.weight" => "ffn_gate_exps",
+        "up_proj.weight" | "w3.weight" => "ffn_up_exps",
+        "down_proj.weight" | "w2.weight" => "ffn_down_exps",
+        other => panic!("no GGUF name for {other}"),
+    };
+    Some((format!("blk.{layer}.{g}.weight"), e.parse().unwrap()))
 }
 
 /// llama.cpp's converter permutation of q/k rows (`reshape(n_head, 2, half, ...)
@@ -123,6 +152,9 @@ fn permute_rows(hf: &[f32], n_heads: usize, rows: usize) -> Vec<f32> {
     out
 }
 
+/// A GGUF tensor: name, PyTorch shape, ggml type id, bytes.
+type GgufTensor = (String, Vec<usize>, u32, Vec<u8>);
+
 /// Writes `weights` of `config` as a GGUF of architecture `arch`, every matrix in
 /// `dtype_of(name)` (quantized by ferry's quantizers), every vector f32. Returns the weights
 /// as the file holds them, dequantized, in Hugging Face order: what loading must give.
@@ -133,6 +165,24 @@ fn write_gguf(
     weights: &WeightStore,
     dtype_of: impl Fn(&str) -> WeightDtype,
 ) -> WeightStore {
+    let (kv, tensors, held) = gguf_parts(arch, config, weights, dtype_of);
+    std::fs::write(path, gguf_bytes(&kv, &tensors)).unwrap();
+    held
+}
+
+/// What [`write_gguf`] writes: the metadata, the tensors and the weights as held. An MoE
+/// config's experts are written as llama.cpp's converter merges them: `<arch>.expert_count`,
+/// `expert_used_count`, the Qwen expert sizes, and per layer and projection one
+/// `ffn_*_exps` tensor `[experts, rows, cols]` of the experts' matrices in order; the
+/// router `ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_*_shexp` and its gate
+/// `ffn_gate_inp_shexp` (1-D `[hidden]` as llama.cpp declares it when f32, `[1, hidden]`
+/// otherwise); OLMoE's clip as `attention.clamp_kqv`.
+fn gguf_parts(
+    arch: &str,
+    config: &LlamaConfig,
+    weights: &WeightStore,
+    dtype_of: impl Fn(&str) -> WeightDtype,
+) -> (Vec<(String, Meta)>, Vec<GgufTensor>, WeightStore) {
     let k = |key: &str| format!("{arch}.{key}");
     let c = config;
     let mut kv = vec![
@@ -164,6 +214,22 @@ fn write_gguf(
             Meta::U32(c.max_position_embeddings as u32),
         ),
     ];
+    if let Some(moe) = &c.moe {
+        kv.push((k("expert_count"), Meta::U32(moe.num_experts as u32)));
+        kv.push((k("expert_used_count"), Meta::U32(moe.top_k as u32)));
+        if arch.starts_with("qwen") {
+            kv.push((
+                k("expert_feed_forward_length"),
+                Meta::U32(moe.expert_intermediate_size as u32),
+            ));
+        }
+        if let Some(n) = moe.shared_expert_intermediate_size {
+            kv.push((k("expert_shared_feed_forward_length"), Meta::U32(n as u32)));
+        }
+    }
+    if let Some(clip) = c.clip_qkv {
+        kv.push((k("attention.clamp_kqv"), Meta::F32(clip)));
+    }
     if let Some(bos) = c.bos_token_id {
         kv.push(("tokenizer.ggml.bos_token_id".into(), Meta::U32(bos.0)));
     }
@@ -173,6 +239,9 @@ fn write_gguf(
     ));
     let mut tensors = Vec::new();
     let mut held = WeightStore::default();
+    // Stacked expert tensors: name → (expert, shape, ggml type, bytes) of each expert.
+    type Experts = Vec<(usize, Vec<usize>, u32, Vec<u8>)>;
+    let mut stacked: std::collections::BTreeMap<String, Experts> = Default::default();
     for (name, t) in &weights.tensors {
         let heads = if arch != "llama" {
             None
@@ -201,10 +270,33 @@ fn write_gguf(
             Some(n) => quantize(dtype, &permute_rows(&t.data, n, t.shape[0])),
             None => bytes,
         };
-        tensors.push((gguf_name(name), t.shape.clone(), dtype.ggml().id(), bytes));
+        let ty = dtype.ggml().id();
+        if let Some((gguf, e)) = expert_slot(name) {
+            stacked
+                .entry(gguf)
+                .or_default()
+                .push((e, t.shape.clone(), ty, bytes));
+            continue;
+        }
+        let shape = if name.ends_with("shared_expert_gate.weight") && dtype == WeightDtype::F32 {
+            vec![t.shape[1]]
+        } else {
+            t.shape.clone()
+        };
+        tensors.push((gguf_name(name), shape, ty, bytes));
     }
-    std::fs::write(path, gguf_bytes(&kv, &tensors)).unwrap();
-    held
+    for (gguf, mut experts) in stacked {
+        experts.sort_by_key(|(e, ..)| *e);
+        let (shape, ty) = (experts[0].1.clone(), experts[0].2);
+        assert!(experts
+            .iter()
+            .enumerate()
+            .all(|(i, x)| x.0 == i && x.2 == ty));
+        let shape = [&[experts.len()][..], &shape].concat();
+        let bytes = experts.into_iter().flat_map(|x| x.3).collect();
+        tensors.push((gguf, shape, ty, bytes));
+    }
+    (kv, tensors, held)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -488,4 +580,239 @@ fn a_qwen2_gguf_with_an_o_bias_or_without_qkv_biases_is_refused() {
         err.contains("missing tensor") && err.contains("q_proj.bias"),
         "{err}"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mixture-of-experts files, as llama.cpp's converter writes them.
+
+/// The GGUF architecture llama.cpp's converter gives an MoE architecture (Mixtral is `llama`
+/// with experts).
+fn moe_arch(hf: &str) -> &'static str {
+    match hf {
+        "Qwen3MoeForCausalLM" => "qwen3moe",
+        "Qwen2MoeForCausalLM" => "qwen2moe",
+        "OlmoeForCausalLM" => "olmoe",
+        "MixtralForCausalLM" => "llama",
+        other => panic!("{other} is not an MoE architecture"),
+    }
+}
+
+/// Matrices in `dtype`, but the router in f32 (llama.cpp's converter and quantizer keep
+/// `ffn_gate_inp` so) and, when `dtype` is blocked, F16 for Qwen2-MoE's shared expert down
+/// projection, whose 48-wide rows are no whole blocks.
+fn moe_dtype(dtype: WeightDtype) -> impl Fn(&str) -> WeightDtype {
+    move |name: &str| {
+        if name.ends_with(".gate.weight") {
+            WeightDtype::F32
+        } else if name.contains("shared_expert.down_proj") && dtype.row_bytes(48).is_none() {
+            WeightDtype::F16
+        } else {
+            dtype
+        }
+    }
+}
+
+/// Every MoE architecture (Qwen3-MoE with a dense last layer, Qwen2-MoE with its shared
+/// expert, OLMoE with whole-projection q/k norms and a clip, Mixtral as `llama` with q/k
+/// permuted) in F32, Q8_0 and Q4_1: the config is the Hugging Face one, the stacked expert
+/// tensors are split into each expert's matrix (kept in the file's dtype when stored), and
+/// both forwards match the reference over the file's weights, the stored one bit for bit
+/// the f32 one.
+#[test]
+fn moe_ggufs_of_every_architecture_load_and_match_the_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    for hf in ferry_model::random_model::MOE_ARCHITECTURES {
+        let arch = moe_arch(hf);
+        let config = ferry_model::random_model::small_moe_config(hf);
+        let moe = config.moe.clone().unwrap();
+        let weights = random_weights(&config, 21);
+        for dtype in [WeightDtype::F32, WeightDtype::Q8_0, WeightDtype::Q4_1] {
+            let path = tmp.path().join(format!("{arch}-{dtype}.gguf"));
+            let held = write_gguf(&path, arch, &config, &weights, moe_dtype(dtype));
+            let gguf = ferry_model::load::gguf::GgufFile::open(&path).unwrap();
+            let up = gguf.tensor_info("blk.0.ffn_up_exps.weight").unwrap();
+            assert_eq!(
+                up.shape(),
+                [
+                    moe.num_experts,
+                    moe.expert_intermediate_size,
+                    config.hidden_size
+                ]
+            );
+            assert_eq!(up.dtype, dtype.ggml());
+            drop(gguf);
+            check_loaded(&path, &config, &held);
+            let stored = ferry_model::load::load_model_stored(&path).unwrap();
+            let [_, up, _] = moe.naming.expert(7);
+            let up = &stored.weights.stored[&format!("model.layers.1.{up}")];
+            assert_eq!((up.dtype, &up.shape[..]), (dtype, &[32, 64][..]), "{hf}");
+        }
+    }
+}
+
+/// A Qwen3-MoE file's routing weights are renormalised as llama.cpp hard-codes it unless
+/// `expert_weights_norm` says not; a `leading_dense_block_count` must agree with which
+/// layers have a router.
+#[test]
+fn moe_gguf_routing_keys_are_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    let config = ferry_model::random_model::small_moe_config("Qwen3MoeForCausalLM");
+    let weights = random_weights(&config, 22);
+    let (mut kv, tensors, held) = gguf_parts("qwen3moe", &config, &weights, |_| WeightDtype::F32);
+    kv.push(("qwen3moe.expert_weights_norm".into(), Meta::Bool(false)));
+    std::fs::write(&path, gguf_bytes(&kv, &tensors)).unwrap();
+    let mut want = config.clone();
+    want.moe.as_mut().unwrap().norm_topk_prob = false;
+    check_loaded(&path, &want, &held);
+    // Layer 2 is dense: no leading dense layers.
+    kv.push(("qwen3moe.leading_dense_block_count".into(), Meta::U32(1)));
+    std::fs::write(&path, gguf_bytes(&kv, &tensors)).unwrap();
+    let err = load_model(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("qwen3moe.leading_dense_block_count") && err.contains("layer 0"),
+        "{err}"
+    );
+}
+
+/// Refusals, each naming the key or tensor: an expert count the router's or a stacked
+/// tensor's shape contradicts, more experts used than there are, scaled routing weights,
+/// experts in a dense layer.
+#[test]
+fn moe_ggufs_contradicting_themselves_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    let config = ferry_model::random_model::small_moe_config("Qwen3MoeForCausalLM");
+    let weights = random_weights(&config, 23);
+    let (kv, tensors, _) = gguf_parts("qwen3moe", &config, &weights, |_| WeightDtype::Q8_0);
+    let set = |kv: &mut Vec<(String, Meta)>, key: &str, value: Meta| match kv
+        .iter_mut()
+        .find(|(k, _)| k == key)
+    {
+        Some(slot) => slot.1 = value,
+        None => kv.push((key.into(), value)),
+    };
+    let load_err = |kv: &[(String, Meta)], tensors: &[GgufTensor]| {
+        std::fs::write(&path, gguf_bytes(kv, tensors)).unwrap();
+        load_model(&path).unwrap_err()
+    };
+
+    let mut bad = kv.clone();
+    set(&mut bad, "qwen3moe.expert_count", Meta::U32(7));
+    match load_err(&bad, &tensors) {
+        ferry_model::LoadError::TensorShape {
+            tensor,
+            expected,
+            actual,
+            ..
+        } => {
+            assert_eq!(tensor, "blk.0.ffn_gate_inp.weight");
+            assert_eq!((expected, actual), (vec![7, 64], vec![8, 64]));
+        }
+        other => panic!("expected TensorShape, got {other:?}"),
+    }
+
+    // One stacked tensor holding 7 experts' rows where the file says 8.
+    let mut short = tensors.clone();
+    let t = short
+        .iter_mut()
+        .find(|t| t.0 == "blk.1.ffn_up_exps.weight")
+        .unwrap();
+    t.1[0] = 7;
+    t.3.truncate(t.3.len() / 8 * 7);
+    match load_err(&kv, &short) {
+        ferry_model::LoadError::TensorShape {
+            tensor,
+            expected,
+            actual,
+            ..
+        } => {
+            assert_eq!(tensor, "blk.1.ffn_up_exps.weight");
+            assert_eq!((expected, actual), (vec![8, 32, 64], vec![7, 32, 64]));
+        }
+        other => panic!("expected TensorShape, got {other:?}"),
+    }
+
+    let mut bad = kv.clone();
+    set(&mut bad, "qwen3moe.expert_used_count", Meta::U32(9));
+    let err = load_err(&bad, &tensors).to_string();
+    assert!(
+        err.contains("qwen3moe.expert_used_count") && err.contains("9"),
+        "{err}"
+    );
+
+    let mut bad = kv.clone();
+    set(&mut bad, "qwen3moe.expert_weights_scale", Meta::F32(2.5));
+    let err = load_err(&bad, &tensors).to_string();
+    assert!(err.contains("qwen3moe.expert_weights_scale"), "{err}");
+
+    // Experts in layer 2, which has no router: the dense MLP's config does not read them.
+    let mut extra = tensors.clone();
+    let mut stray = extra
+        .iter()
+        .find(|t| t.0 == "blk.0.ffn_gate_exps.weight")
+        .unwrap()
+        .clone();
+    stray.0 = "blk.2.ffn_gate_exps.weight".into();
+    extra.push(stray);
+    match load_err(&kv, &extra) {
+        ferry_model::LoadError::UnusedTensor { tensor, .. } => {
+            assert_eq!(tensor, "blk.2.ffn_gate_exps.weight")
+        }
+        other => panic!("expected UnusedTensor, got {other:?}"),
+    }
+}
+
+/// A Mixtral file converted before llama.cpp stacked the experts holds each expert's matrix
+/// as `blk.{l}.ffn_{gate,up,down}.{e}.weight`: it loads as the stacked one does. Beside the
+/// stacked tensor, such a tensor is refused as unused.
+#[test]
+fn a_mixtral_gguf_with_one_tensor_per_expert_loads() {
+    use ferry_model::load::gguf_model::gguf_place;
+    assert_eq!(
+        gguf_place("model.layers.4.block_sparse_moe.experts.5.w3.weight"),
+        Some(("blk.4.ffn_up_exps.weight".into(), Some(5)))
+    );
+    assert_eq!(
+        gguf_place("model.layers.4.mlp.experts.5.down_proj.weight"),
+        Some(("blk.4.ffn_down_exps.weight".into(), Some(5)))
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("mixtral.gguf");
+    let config = ferry_model::random_model::small_moe_config("MixtralForCausalLM");
+    let weights = random_weights(&config, 24);
+    let (kv, tensors, held) = gguf_parts("llama", &config, &weights, |_| WeightDtype::Q8_0);
+    let mut split = Vec::new();
+    for (name, shape, ty, bytes) in &tensors {
+        let Some(base) = name.strip_suffix("_exps.weight") else {
+            split.push((name.clone(), shape.clone(), *ty, bytes.clone()));
+            continue;
+        };
+        let each = bytes.len() / shape[0];
+        for (e, piece) in bytes.chunks(each).enumerate() {
+            split.push((
+                format!("{base}.{e}.weight"),
+                shape[1..].to_vec(),
+                *ty,
+                piece.to_vec(),
+            ));
+        }
+    }
+    std::fs::write(&path, gguf_bytes(&kv, &split)).unwrap();
+    check_loaded(&path, &config, &held);
+    let mut both = tensors.clone();
+    both.push(
+        split
+            .iter()
+            .find(|t| t.0 == "blk.1.ffn_down.3.weight")
+            .unwrap()
+            .clone(),
+    );
+    std::fs::write(&path, gguf_bytes(&kv, &both)).unwrap();
+    match load_model(&path).unwrap_err() {
+        ferry_model::LoadError::UnusedTensor { tensor, .. } => {
+            assert_eq!(tensor, "blk.1.ffn_down.3.weight")
+        }
+        other => panic!("expected UnusedTensor, got {other:?}"),
+    }
 }

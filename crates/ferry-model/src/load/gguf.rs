@@ -240,14 +240,26 @@ impl GgufFile {
     /// are read a chunk of blocks at a time rather than through the mapping, so the file's
     /// pages stay out of resident memory (see [`super::read_chunks`]).
     pub fn dequantize_into(&self, info: &GgufTensorInfo, out: &mut [f32]) -> Result<(), LoadError> {
-        // Bounds-checks the range, and refuses an unsupported type naming the tensor.
-        let len = self.tensor_bytes(info)?.len();
+        self.dequantize_part_into(info, 0, 1, out)
+    }
+
+    /// Part `part` of `parts` equal consecutive pieces of a tensor dequantized into `out`
+    /// (which holds its elements): one expert's matrix of a stacked expert tensor
+    /// (`[experts, rows, cols]`, each expert whole rows, so whole blocks), read as
+    /// [`GgufFile::dequantize_into`] reads a whole tensor.
+    pub fn dequantize_part_into(
+        &self,
+        info: &GgufTensorInfo,
+        part: usize,
+        parts: usize,
+        out: &mut [f32],
+    ) -> Result<(), LoadError> {
+        let (offset, len) = self.part_range(info, part, parts)?;
         let (block_elems, block_bytes) =
             info.dtype.block().ok_or_else(|| self.unsupported(info))?;
-        if out.len() != info.numel() {
+        if out.len() != info.numel() / parts {
             return Err(self.unsupported(info));
         }
-        let offset = (self.data_start as u64).saturating_add(info.offset);
         let mut ok = true;
         super::read_chunks(
             &self.file,
@@ -271,14 +283,52 @@ impl GgufFile {
     /// A tensor's raw bytes into `out` (exactly their length), read as
     /// [`GgufFile::dequantize_into`] reads them.
     pub fn read_into(&self, info: &GgufTensorInfo, out: &mut [u8]) -> Result<(), LoadError> {
-        let len = self.tensor_bytes(info)?.len();
+        self.read_part_into(info, 0, 1, out)
+    }
+
+    /// The raw bytes of part `part` of `parts` (see [`GgufFile::dequantize_part_into`]) into
+    /// `out`, exactly their length.
+    pub fn read_part_into(
+        &self,
+        info: &GgufTensorInfo,
+        part: usize,
+        parts: usize,
+        out: &mut [u8],
+    ) -> Result<(), LoadError> {
+        let (offset, len) = self.part_range(info, part, parts)?;
         if out.len() != len {
             return Err(self.unsupported(info));
         }
-        let offset = (self.data_start as u64).saturating_add(info.offset);
         super::read_chunks(&self.file, &self.path, offset, len, 1, |at, bytes| {
             out[at..at + bytes.len()].copy_from_slice(bytes);
         })
+    }
+
+    /// The file offset and byte length of part `part` of `parts` of a tensor, checked to be
+    /// whole blocks: `parts` must divide the tensor's outermost dimension.
+    fn part_range(
+        &self,
+        info: &GgufTensorInfo,
+        part: usize,
+        parts: usize,
+    ) -> Result<(u64, usize), LoadError> {
+        // Bounds-checks the range, and refuses an unsupported type naming the tensor.
+        let len = self.tensor_bytes(info)?.len();
+        let outer = info.dims.last().map_or(1, |&d| d as usize);
+        if parts == 0 || part >= parts || !outer.is_multiple_of(parts) {
+            return Err(LoadError::TensorData {
+                path: self.path.clone(),
+                tensor: info.name.clone(),
+                message: format!(
+                    "part {part} of {parts} of a tensor whose outermost dimension is {outer}"
+                ),
+            });
+        }
+        let part_len = len / parts;
+        let offset = (self.data_start as u64)
+            .saturating_add(info.offset)
+            .saturating_add((part * part_len) as u64);
+        Ok((offset, part_len))
     }
 
     fn unsupported(&self, info: &GgufTensorInfo) -> LoadError {

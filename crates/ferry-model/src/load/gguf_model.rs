@@ -1,7 +1,8 @@
-//! A GGUF file (llama, qwen2 or qwen3 architecture) → [`LoadedModel`]: config from
-//! `<arch>.*` metadata, tensors renamed to Hugging Face names (kept as stored or dequantized to
-//! f32), a llama model's q/k rows un-permuted, and the tokenizer and chat template from
-//! `tokenizer.*` metadata.
+//! A GGUF file (llama, Mixtral as llama with experts, qwen2, qwen3, qwen3moe, qwen2moe or
+//! olmoe architecture) → [`LoadedModel`]: config from `<arch>.*` metadata, tensors renamed to
+//! Hugging Face names (kept as stored or dequantized to f32), stacked expert tensors split
+//! into one tensor per expert, a llama model's q/k rows un-permuted, and the tokenizer and
+//! chat template from `tokenizer.*` metadata.
 
 use ferry_core::TokenId;
 use std::path::Path;
@@ -12,7 +13,7 @@ use super::{
     expected_tensors, LoadError, LoadedModel, Precision, Progress, StoredDest, TensorDest,
 };
 use crate::dtype::WeightDtype;
-use crate::{LlamaConfig, RopeScaling, WeightStore};
+use crate::{ExpertNaming, LlamaConfig, MoeConfig, RopeScaling, WeightStore};
 
 /// llama.cpp token types (`tokenizer.ggml.token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -44,7 +45,42 @@ pub(crate) fn load_gguf(
     })
 }
 
-/// The Hugging Face name of a GGUF tensor name, or `None` for tensors the model does not use.
+/// Layer tensors llama.cpp names `blk.{l}.<gguf>.{weight,bias}`, and their Hugging Face
+/// names after `model.layers.{l}.` (the first of a GGUF part's names is the one
+/// [`hf_tensor_name`] gives; a Mixtral router is `block_sparse_moe.gate`). The stacked expert
+/// tensors are [`EXPERT_PARTS`].
+const BLOCK_PARTS: [(&str, &str); 17] = [
+    ("attn_norm", "input_layernorm"),
+    ("attn_q", "self_attn.q_proj"),
+    ("attn_k", "self_attn.k_proj"),
+    ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"),
+    ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("ffn_gate", "mlp.gate_proj"),
+    ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+    ("ffn_gate_inp", "mlp.gate"),
+    ("ffn_gate_inp", "block_sparse_moe.gate"),
+    ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"),
+    ("ffn_up_shexp", "mlp.shared_expert.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_expert.down_proj"),
+    ("ffn_gate_inp_shexp", "mlp.shared_expert_gate"),
+];
+
+/// llama.cpp's stacked expert tensors (`blk.{l}.<gguf>.weight`, ggml dims `[cols, rows,
+/// experts]`: expert `e` is the `e`-th `[rows, cols]` matrix) and each expert's projection
+/// in the Qwen/OLMoE and Mixtral namings.
+const EXPERT_PARTS: [(&str, &str, &str); 3] = [
+    ("ffn_gate_exps", "gate_proj", "w1"),
+    ("ffn_up_exps", "up_proj", "w3"),
+    ("ffn_down_exps", "down_proj", "w2"),
+];
+
+/// The Hugging Face name of a GGUF tensor name, or `None` for tensors the model does not use
+/// and for the stacked expert tensors (`ffn_*_exps`), which hold one tensor per expert (see
+/// [`gguf_place`]).
 pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
     let fixed = match gguf_name {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
@@ -62,35 +98,61 @@ pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
     if suffix != "weight" && suffix != "bias" {
         return None;
     }
-    let hf = match part {
-        "attn_norm" => "input_layernorm",
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "attn_q_norm" => "self_attn.q_norm",
-        "attn_k_norm" => "self_attn.k_norm",
-        "ffn_norm" => "post_attention_layernorm",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        _ => return None,
-    };
+    let (_, hf) = BLOCK_PARTS.iter().find(|(g, _)| *g == part)?;
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
 
-/// GGUF architectures (`general.architecture`) and the Hugging Face architecture each is.
-pub const GGUF_ARCHITECTURES: [(&str, &str); 3] = [
+/// Where a Hugging Face tensor is in a GGUF file: the GGUF tensor's name, and for one
+/// expert's projection, the expert's index in the stacked tensor. `None` for a name no GGUF
+/// tensor holds.
+pub fn gguf_place(hf: &str) -> Option<(String, Option<usize>)> {
+    let fixed = [
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+        ("lm_head.weight", "output.weight"),
+    ];
+    if let Some((_, g)) = fixed.iter().find(|(h, _)| *h == hf) {
+        return Some(((*g).to_owned(), None));
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, param) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (part, suffix) = param.rsplit_once('.')?;
+    for block in ["mlp", "block_sparse_moe"] {
+        let Some(expert) = part.strip_prefix(block) else {
+            continue;
+        };
+        let Some(expert) = expert.strip_prefix(".experts.") else {
+            continue;
+        };
+        let (e, proj) = expert.split_once('.')?;
+        let e: usize = e.parse().ok()?;
+        let (g, _, _) = EXPERT_PARTS
+            .iter()
+            .find(|(_, qwen, mixtral)| proj == if block == "mlp" { *qwen } else { *mixtral })?;
+        return Some((format!("blk.{layer}.{g}.{suffix}"), Some(e)));
+    }
+    let (g, _) = BLOCK_PARTS.iter().find(|(_, h)| *h == part)?;
+    Some((format!("blk.{layer}.{g}.{suffix}"), None))
+}
+
+/// GGUF architectures (`general.architecture`) and the Hugging Face architecture each is. A
+/// `llama` file with `llama.expert_count` is Mixtral (llama.cpp converts Mixtral to `llama`).
+pub const GGUF_ARCHITECTURES: [(&str, &str); 6] = [
     ("llama", "LlamaForCausalLM"),
     ("qwen2", "Qwen2ForCausalLM"),
     ("qwen3", "Qwen3ForCausalLM"),
+    ("qwen3moe", "Qwen3MoeForCausalLM"),
+    ("qwen2moe", "Qwen2MoeForCausalLM"),
+    ("olmoe", "OlmoeForCausalLM"),
 ];
 
 /// The config a GGUF of a supported architecture ([`GGUF_ARCHITECTURES`]) describes, from
 /// its `<arch>.*` metadata and which tensors it holds: q/k/v biases where layer 0 has
-/// `attn_q.bias` (Qwen2 always, which must have them), an `o_proj` bias where it has
-/// `attn_output.bias` (never Qwen2, whose `o_proj` has none: one there is refused as
-/// unused), q/k norms for Qwen3.
+/// `attn_q.bias` (Qwen2 and Qwen2-MoE always, which must have them), an `o_proj` bias where
+/// it has `attn_output.bias` (never Qwen2 or Qwen2-MoE, whose `o_proj` has none: one there is
+/// refused as unused), q/k norms for Qwen3 and Qwen3-MoE (per head) and OLMoE (over the whole
+/// projection), experts per [`moe_config`].
 pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
     let meta = Meta { gguf };
     let arch = meta.str("general.architecture")?;
@@ -98,7 +160,7 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
         return Err(LoadError::UnsupportedArchitecture {
             path: gguf.path.clone(),
             architecture: arch.to_owned(),
-            supported: "llama, qwen2, qwen3",
+            supported: "llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe",
         });
     };
     let k = |key: &str| format!("{arch}.{key}");
@@ -130,12 +192,20 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
             super::config_json::merge_eos(&mut eos_token_ids, &[TokenId(id)]);
         }
     }
+    let num_hidden_layers = meta.usize(&k("block_count"))?;
+    let intermediate_size = meta.usize(&k("feed_forward_length"))?;
+    let moe = moe_config(&meta, arch, num_hidden_layers, intermediate_size)?;
+    let hf_architecture = match (&moe, arch) {
+        (Some(_), "llama") => "MixtralForCausalLM",
+        _ => hf_architecture,
+    };
+    let qwen2_like = matches!(arch, "qwen2" | "qwen2moe");
     let config = LlamaConfig {
         architecture: hf_architecture.into(),
         vocab_size,
         hidden_size,
-        intermediate_size: meta.usize(&k("feed_forward_length"))?,
-        num_hidden_layers: meta.usize(&k("block_count"))?,
+        intermediate_size,
+        num_hidden_layers,
         num_attention_heads,
         num_key_value_heads: meta
             .opt_usize(&k("attention.head_count_kv"))?
@@ -148,17 +218,169 @@ pub fn gguf_config(gguf: &GgufFile) -> Result<LlamaConfig, LoadError> {
         rope_scaling: rope_scaling(&meta, arch, head_dim)?,
         max_position_embeddings: meta.opt_usize(&k("context_length"))?.unwrap_or(2048),
         tie_word_embeddings: gguf.tensor_info("output.weight").is_none(),
-        attention_bias: arch == "qwen2" || gguf.tensor_info("blk.0.attn_q.bias").is_some(),
-        o_proj_bias: arch != "qwen2" && gguf.tensor_info("blk.0.attn_output.bias").is_some(),
-        qk_norm: arch == "qwen3",
-        qk_norm_whole: false,
-        clip_qkv: None,
-        moe: None,
+        attention_bias: qwen2_like || gguf.tensor_info("blk.0.attn_q.bias").is_some(),
+        o_proj_bias: !qwen2_like && gguf.tensor_info("blk.0.attn_output.bias").is_some(),
+        qk_norm: matches!(arch, "qwen3" | "qwen3moe" | "olmoe"),
+        qk_norm_whole: arch == "olmoe",
+        // llama.cpp's converter writes no clamp for OLMoE (whose released checkpoints have
+        // none); one given as `attention.clamp_kqv`, OLMo's key, is transformers' clip_qkv.
+        clip_qkv: match arch {
+            "olmoe" => meta.opt_f32(&k("attention.clamp_kqv"))?,
+            _ => None,
+        },
+        moe,
         bos_token_id: meta.opt_u32("tokenizer.ggml.bos_token_id")?.map(TokenId),
         eos_token_ids,
     };
     super::config_json::validate(&config, &gguf.path)?;
     Ok(config)
+}
+
+/// The experts of a `qwen3moe`, `qwen2moe`, `olmoe` or `llama` (Mixtral) file, from the keys
+/// llama.cpp reads (`<arch>.expert_count`, `expert_used_count`, `expert_feed_forward_length`,
+/// `expert_shared_feed_forward_length`) with its defaults, and its routing: softmax top-k,
+/// renormalised for qwen3moe and llama as llama.cpp hard-codes it (and transformers' Qwen3-MoE
+/// checkpoints and Mixtral do) unless `expert_weights_norm` says otherwise, not for qwen2moe
+/// and olmoe. A layer routes to experts where it has `ffn_gate_inp` (llama.cpp's files route
+/// in every layer; a Qwen-MoE's dense layers are read as `ffn_gate`/`ffn_up`/`ffn_down`).
+/// Routing llama.cpp would compute otherwise (scaled or sigmoid weights, expert groups,
+/// several shared experts) is refused, naming the key. `None` for a dense model.
+fn moe_config(
+    meta: &Meta<'_>,
+    arch: &str,
+    n_layers: usize,
+    intermediate_size: usize,
+) -> Result<Option<MoeConfig>, LoadError> {
+    let k = |key: &str| format!("{arch}.{key}");
+    let count_key = k("expert_count");
+    let num_experts = match arch {
+        "qwen3moe" | "qwen2moe" | "olmoe" => meta.usize(&count_key)?,
+        "llama" => match meta.opt_usize(&count_key)? {
+            None | Some(0) => return Ok(None),
+            Some(n) => n,
+        },
+        _ => return Ok(None),
+    };
+    let max = super::config_json::MAX_EXPERTS;
+    if num_experts == 0 || num_experts > max {
+        return Err(meta.err(
+            &count_key,
+            format!("{num_experts} experts: expected 1 to {max}"),
+        ));
+    }
+    let used_key = k("expert_used_count");
+    let top_k = meta.usize(&used_key)?;
+    if top_k == 0 || top_k > num_experts {
+        return Err(meta.err(
+            &used_key,
+            format!("{top_k} is not between 1 and the {num_experts} experts of {count_key}"),
+        ));
+    }
+    let qwen = matches!(arch, "qwen3moe" | "qwen2moe");
+    // llama.cpp's defaults: a Qwen expert is `feed_forward_length / expert_used_count` wide,
+    // an OLMoE or Mixtral one `feed_forward_length`.
+    let expert_intermediate_size = match meta.opt_usize(&k("expert_feed_forward_length"))? {
+        Some(n) => n,
+        None if qwen => intermediate_size / top_k,
+        None => intermediate_size,
+    };
+    if expert_intermediate_size == 0 {
+        return Err(meta.err(&k("expert_feed_forward_length"), "must be positive"));
+    }
+    let norm_key = k("expert_weights_norm");
+    let norm_topk_prob = match meta.gguf.get(&norm_key) {
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| meta.err(&norm_key, "expected a bool"))?,
+        None => matches!(arch, "qwen3moe" | "llama"),
+    };
+    let scale_key = k("expert_weights_scale");
+    if let Some(scale) = meta.opt_f32(&scale_key)? {
+        // llama.cpp scales the routing weights by it unless it is 0 or 1.
+        if scale != 0.0 && scale != 1.0 {
+            return Err(meta.err(
+                &scale_key,
+                format!("routing weights scaled by {scale} are not supported"),
+            ));
+        }
+    }
+    let gating_key = k("expert_gating_func");
+    if let Some(f) = meta.opt_usize(&gating_key)? {
+        // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX.
+        if f != 1 {
+            return Err(meta.err(
+                &gating_key,
+                format!("gating function {f} is not supported (1, softmax, only)"),
+            ));
+        }
+    }
+    for key in ["expert_group_count", "expert_group_used_count"] {
+        if meta.opt_usize(&k(key))?.is_some_and(|n| n > 1) {
+            return Err(meta.err(&k(key), "grouped expert routing is not supported"));
+        }
+    }
+    let shared_expert_intermediate_size = match arch {
+        "qwen2moe" => {
+            let key = k("expert_shared_feed_forward_length");
+            let n = meta.opt_usize(&key)?.unwrap_or(intermediate_size);
+            if n == 0 {
+                return Err(meta.err(&key, "must be positive"));
+            }
+            Some(n)
+        }
+        _ => None,
+    };
+    let shared_key = k("expert_shared_count");
+    if let Some(n) = meta.opt_usize(&shared_key)? {
+        let have = usize::from(shared_expert_intermediate_size.is_some());
+        if n != have {
+            return Err(meta.err(
+                &shared_key,
+                format!("{n} shared experts: {arch} has {have}"),
+            ));
+        }
+    }
+    let sparse_layers: Vec<bool> = (0..n_layers)
+        .map(|l| {
+            meta.gguf
+                .tensor_info(&format!("blk.{l}.ffn_gate_inp.weight"))
+                .is_some()
+        })
+        .collect();
+    let dense_key = k("leading_dense_block_count");
+    if let Some(n) = meta.opt_usize(&dense_key)? {
+        if let Some(l) = (0..n_layers).find(|&l| sparse_layers[l] == (l < n)) {
+            return Err(meta.err(
+                &dense_key,
+                format!(
+                    "says {n} leading dense layers, but layer {l} {} blk.{l}.ffn_gate_inp.weight",
+                    if sparse_layers[l] { "has" } else { "lacks" }
+                ),
+            ));
+        }
+    }
+    if !sparse_layers.contains(&true) {
+        return Err(LoadError::MissingTensor {
+            path: meta.gguf.path.clone(),
+            tensor: format!(
+                "blk.0.ffn_gate_inp.weight (the router of an MoE layer; {count_key} is \
+                 {num_experts} but no layer has one)"
+            ),
+        });
+    }
+    Ok(Some(MoeConfig {
+        num_experts,
+        top_k,
+        expert_intermediate_size,
+        norm_topk_prob,
+        sparse_layers,
+        shared_expert_intermediate_size,
+        naming: if arch == "llama" {
+            ExpertNaming::Mixtral
+        } else {
+            ExpertNaming::Qwen
+        },
+    }))
 }
 
 /// The file's rope scaling: the per-frequency factors of `rope_freqs.weight` (llama.cpp's
@@ -223,8 +445,9 @@ const ROPE_FREQS: &str = "rope_freqs.weight";
 
 /// Every expected tensor, dequantized straight into `dest` (as tensor `idx` of
 /// [`expected_tensors`]), checked against its expected shape, and (q/k) with llama.cpp's
-/// rope permutation undone; first, every tensor of the file is checked to be one of them
-/// ([`check_unused`]).
+/// rope permutation undone; an expert's projection is its slice of the stacked
+/// `ffn_*_exps` tensor, whose shape must be `[experts, rows, cols]`. First, every tensor of
+/// the file is checked to be one of them ([`check_unused`]).
 pub(crate) fn gguf_weights(
     gguf: &GgufFile,
     config: &LlamaConfig,
@@ -232,26 +455,49 @@ pub(crate) fn gguf_weights(
     progress: Progress<'_>,
 ) -> Result<(), LoadError> {
     let expected = expected_tensors(config);
-    check_unused(gguf, &expected)?;
+    let infos: std::collections::HashMap<&str, &super::gguf::GgufTensorInfo> =
+        gguf.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let places: Vec<(String, Option<usize>)> = expected
+        .iter()
+        .map(|(name, _)| {
+            let (stacked, expert) =
+                gguf_place(name).expect("every expected tensor has a GGUF name");
+            // Files converted before llama.cpp stacked the experts hold one tensor each.
+            match expert.and_then(|e| legacy_expert_name(&stacked, e)) {
+                Some(own)
+                    if !infos.contains_key(stacked.as_str())
+                        && infos.contains_key(own.as_str()) =>
+                {
+                    (own, None)
+                }
+                _ => (stacked, expert),
+            }
+        })
+        .collect();
+    check_unused(gguf, &places)?;
     let n_expected = expected.len();
-    let mut by_hf_name = std::collections::HashMap::new();
-    for info in &gguf.tensors {
-        if let Some(hf) = hf_tensor_name(&info.name) {
-            by_hf_name.insert(hf, info);
-        }
-    }
-    for (idx, (name, shape)) in expected.into_iter().enumerate() {
-        let info = by_hf_name
-            .get(&name)
+    let n_experts = config.moe.as_ref().map_or(0, |m| m.num_experts);
+    for (idx, ((name, shape), (gguf_name, expert))) in expected.into_iter().zip(places).enumerate()
+    {
+        let info = infos
+            .get(gguf_name.as_str())
             .ok_or_else(|| LoadError::MissingTensor {
                 path: gguf.path.clone(),
-                tensor: format!("{name} (GGUF: {})", gguf_name_hint(&name)),
+                tensor: format!("{name} (GGUF: {gguf_name})"),
             })?;
-        if info.shape() != shape {
+        let (part, parts, file_shape) = match expert {
+            Some(e) => (e, n_experts, [&[n_experts][..], &shape].concat()),
+            None => (0, 1, shape.clone()),
+        };
+        // A `[1, n]` matrix (Qwen2-MoE's shared-expert gate) may be stored as `[n]`, as
+        // llama.cpp declares it and older converters squeezed it.
+        let squeezed =
+            file_shape.len() == 2 && file_shape[0] == 1 && info.shape() == file_shape[1..];
+        if info.shape() != file_shape && !squeezed {
             return Err(LoadError::TensorShape {
                 path: gguf.path.clone(),
                 tensor: info.name.clone(),
-                expected: shape,
+                expected: file_shape,
                 actual: info.shape(),
             });
         }
@@ -260,7 +506,15 @@ pub(crate) fn gguf_weights(
                 let row_bytes = dtype.row_bytes(shape[1]);
                 if let Some(out) = dest.stored_mut(idx, &name, &shape, dtype) {
                     let row_bytes = row_bytes.expect("stored_mut refuses partial blocks");
-                    read_stored(gguf, info, permuted_heads(&name, config), row_bytes, out)?;
+                    match permuted_heads(&name, config) {
+                        Some(n_heads) => {
+                            let mut rows = vec![0u8; out.len()];
+                            gguf.read_into(info, &mut rows)?;
+                            let shape = [out.len() / row_bytes, row_bytes];
+                            unpermute_rows_into(&rows, n_heads, &shape, out);
+                        }
+                        None => gguf.read_part_into(info, part, parts, out)?,
+                    }
                     progress(idx + 1, n_expected, &name);
                     continue;
                 }
@@ -274,25 +528,32 @@ pub(crate) fn gguf_weights(
                 gguf.dequantize_into(info, &mut rows)?;
                 unpermute_rows_into(&rows, n_heads, &shape, out);
             }
-            None => gguf.dequantize_into(info, out)?,
+            None => gguf.dequantize_part_into(info, part, parts, out)?,
         }
         progress(idx + 1, n_expected, &name);
     }
     Ok(())
 }
 
+/// Expert `e`'s own tensor in files converted before llama.cpp stacked the experts (older
+/// Mixtral files): `blk.{l}.ffn_gate.{e}.weight` for `blk.{l}.ffn_gate_exps.weight`.
+fn legacy_expert_name(stacked: &str, e: usize) -> Option<String> {
+    let (layer, part) = stacked.strip_suffix("_exps.weight")?.rsplit_once('.')?;
+    Some(format!("{layer}.{part}.{e}.weight"))
+}
+
 /// Refuses a file holding a tensor the forward would not read, naming it (with its Hugging
 /// Face name where it has one): a bias of a later layer only, a tensor of another
-/// architecture. `rope_freqs.weight` is read by [`gguf_config`] into the rope scaling.
-fn check_unused(gguf: &GgufFile, expected: &[(String, Vec<usize>)]) -> Result<(), LoadError> {
+/// architecture, experts in a dense layer. `rope_freqs.weight` is read by [`gguf_config`]
+/// into the rope scaling.
+fn check_unused(gguf: &GgufFile, places: &[(String, Option<usize>)]) -> Result<(), LoadError> {
     let wanted: std::collections::HashSet<&str> =
-        expected.iter().map(|(name, _)| name.as_str()).collect();
+        places.iter().map(|(name, _)| name.as_str()).collect();
     for info in gguf.tensors.iter().filter(|t| t.name != ROPE_FREQS) {
-        let hf = hf_tensor_name(&info.name);
-        if hf.as_deref().is_some_and(|n| wanted.contains(n)) {
+        if wanted.contains(info.name.as_str()) {
             continue;
         }
-        let tensor = match hf {
+        let tensor = match hf_tensor_name(&info.name) {
             Some(hf) => format!("{} ({hf})", info.name),
             None => info.name.clone(),
         };
@@ -305,73 +566,15 @@ fn check_unused(gguf: &GgufFile, expected: &[(String, Vec<usize>)]) -> Result<()
     Ok(())
 }
 
-/// A matrix's bytes as stored into `out`, its rows (`row_bytes` each) un-permuted over
-/// `n_heads` for q and k.
-fn read_stored(
-    gguf: &GgufFile,
-    info: &super::gguf::GgufTensorInfo,
-    n_heads: Option<usize>,
-    row_bytes: usize,
-    out: &mut [u8],
-) -> Result<(), LoadError> {
-    match n_heads {
-        Some(n_heads) => {
-            let mut rows = vec![0u8; out.len()];
-            gguf.read_into(info, &mut rows)?;
-            unpermute_rows_into(&rows, n_heads, &[out.len() / row_bytes, row_bytes], out);
-            Ok(())
-        }
-        None => gguf.read_into(info, out),
-    }
-}
-
-/// The GGUF name a missing Hugging Face tensor would have had (for error messages).
-fn gguf_name_hint(hf: &str) -> String {
-    let fixed = [
-        ("model.embed_tokens.weight", "token_embd.weight"),
-        ("model.norm.weight", "output_norm.weight"),
-        ("lm_head.weight", "output.weight"),
-    ];
-    if let Some((_, g)) = fixed.iter().find(|(h, _)| *h == hf) {
-        return (*g).to_owned();
-    }
-    let Some(rest) = hf.strip_prefix("model.layers.") else {
-        return "?".into();
-    };
-    let Some((layer, _)) = rest.split_once('.') else {
-        return "?".into();
-    };
-    // Search the reverse mapping by trying every known block part.
-    let parts = [
-        "attn_norm",
-        "attn_q",
-        "attn_k",
-        "attn_v",
-        "attn_output",
-        "attn_q_norm",
-        "attn_k_norm",
-        "ffn_norm",
-        "ffn_gate",
-        "ffn_up",
-        "ffn_down",
-    ];
-    for part in parts {
-        for suffix in ["weight", "bias"] {
-            let g = format!("blk.{layer}.{part}.{suffix}");
-            if hf_tensor_name(&g).as_deref() == Some(hf) {
-                return g;
-            }
-        }
-    }
-    "?".into()
-}
-
-/// llama.cpp's converter permutes a llama model's q_proj rows over `num_attention_heads` and
-/// k_proj rows over `num_key_value_heads` (weights and biases) for its interleaved rope;
-/// Qwen2 and Qwen3 keep Hugging Face's order (llama.cpp runs them with the NEOX rope, which
-/// is Hugging Face's `rotate_half`).
+/// llama.cpp's converter permutes a llama model's (Mixtral's too: arch `llama`) q_proj rows
+/// over `num_attention_heads` and k_proj rows over `num_key_value_heads` (weights and biases)
+/// for its interleaved rope; Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and OLMoE keep Hugging Face's
+/// order (llama.cpp runs them with the NEOX rope, which is Hugging Face's `rotate_half`).
 fn permuted_heads(hf_name: &str, config: &LlamaConfig) -> Option<usize> {
-    if config.architecture != "LlamaForCausalLM" {
+    if !matches!(
+        config.architecture.as_str(),
+        "LlamaForCausalLM" | "MixtralForCausalLM"
+    ) {
         None
     } else if hf_name.contains(".self_attn.q_proj.") {
         Some(config.num_attention_heads)
