@@ -85,6 +85,12 @@ pub enum ConfigError {
     ZeroMaxNumBatchedTokens,
     #[error("max_model_len is {0}: must be at least 2 (one prompt token, one generated)")]
     MaxModelLenTooSmall(usize),
+    #[error(
+        "expert routing of {0:?}: needs at least one MoE layer, a top_k and an expert, and at \
+         most {max} experts (ids are 16-bit)",
+        max = u32::from(u16::MAX) + 1
+    )]
+    RoutingShape(crate::plan::RoutingShape),
 }
 
 impl SchedulerConfig {

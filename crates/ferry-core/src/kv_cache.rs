@@ -245,6 +245,7 @@ mod tests {
             pause_mark: 0,
             n_preemptions: 0,
             export_on_finish: false,
+            routing: Vec::new(),
         }
     }
 

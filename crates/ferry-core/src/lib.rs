@@ -84,9 +84,9 @@ pub use ownership::{BlockStatus, Owner, OwnershipError};
 pub use pd::{PdConfig, PdConnector, PdRole};
 pub use peers::{ip_literal, AllowedPeers, IpNet, PeerError};
 pub use plan::{
-    mask_allows, AdjustedToken, LogitsAdjust, ModelOutput, PromptLogprobs, PromptLogprobsWork,
-    PromptTokenLogprob, RoutedExperts, RoutingRead, RoutingShape, SampleSpec, SampledToken,
-    ScheduledReq, StepPlan, TokenMask,
+    mask_allows, AdjustedToken, ExpertRouting, LogitsAdjust, ModelOutput, PromptLogprobs,
+    PromptLogprobsWork, PromptTokenLogprob, RoutedExperts, RoutingRead, RoutingShape, SampleSpec,
+    SampledToken, ScheduledReq, StepPlan, TokenMask,
 };
 pub use request::{AddError, FinishReason, Request, RequestState};
 pub use sampling::{LogitsParams, SamplerSpec, SamplingParams};

@@ -139,6 +139,11 @@ pub struct StepPlan {
 
 /// One request's read-back of stored routing: positions `from..start_pos` of
 /// `reqs[req_pos]`, whose KV (and the routing stored beside it) is in its blocks already.
+///
+/// The blocks read may be ones an earlier request of the same plan computes in this step (a
+/// same-step prefix hit, as the choices of an `n` > 1 request take on the first's prompt):
+/// like KV, an executor stores the routing of every request of the plan before it reads any
+/// back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RoutingRead {
     /// Index of the request in [`StepPlan::reqs`].
@@ -161,6 +166,30 @@ impl RoutingShape {
     /// Expert ids per token: `moe_layers × top_k`.
     pub fn width(&self) -> usize {
         self.moe_layers * self.top_k
+    }
+}
+
+/// A request's expert routing of its positions `0..rows()`, as the scheduler accumulated it
+/// ([`crate::Finished::routing`]): the row of position `p` is the routing computed when the
+/// token at `p` was the input of a forward (the latest such forward, after a preemption), or
+/// read back from its block's stored routing when the request took the block as a
+/// prefix-cache hit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertRouting {
+    pub shape: RoutingShape,
+    /// `rows() × shape.width()` expert ids, position-major, then layer, then rank.
+    pub ids: Vec<u16>,
+}
+
+impl ExpertRouting {
+    /// Positions covered.
+    pub fn rows(&self) -> usize {
+        self.ids.len().checked_div(self.shape.width()).unwrap_or(0)
+    }
+
+    /// The first `n` rows (all of them if there are fewer).
+    pub fn truncate_rows(&mut self, n: usize) {
+        self.ids.truncate(n.saturating_mul(self.shape.width()));
     }
 }
 

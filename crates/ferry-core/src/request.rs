@@ -120,11 +120,22 @@ pub struct Request {
     /// On a non-abort finish, hand the blocks to a transfer hold the caller frees
     /// (`Scheduler::hold_kv_on_finish`) instead of freeing them.
     pub(crate) export_on_finish: bool,
+    /// The expert routing of positions `0..routing.len() / width`, when the engine captures
+    /// it (`Scheduler::set_routing_shape`): position-major, each row `width` ids. A
+    /// recompute overwrites its rows; it never shrinks, so a preempted request keeps the
+    /// rows it had.
+    pub(crate) routing: Vec<u16>,
 }
 
 impl Request {
     pub fn n_output_tokens(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// The expert routing accumulated so far (see the field), position-major; empty when
+    /// the engine does not capture routing.
+    pub fn routing(&self) -> &[u16] {
+        &self.routing
     }
 
     /// Tokens not computed yet (prefill left, or 1 while decoding).

@@ -20,7 +20,8 @@
 //! This file holds the scheduler's state, admission, planning, step outputs and finishes; the
 //! rest is split by job: `lifecycle_machine.rs` (the lifecycle state machine: pauses, sleep,
 //! wake-up, KV release, the weight version), `aborts_and_resets.rs` (aborts, preempting
-//! everything, cache resets), `transfers.rs` (the transfer-hold API; the holds themselves are
+//! everything, cache resets), `routing.rs` (each request's expert routing, when the engine
+//! captures it), `transfers.rs` (the transfer-hold API; the holds themselves are
 //! `crate::holds`), `connectors.rs` (registering connectors, their jobs, reports and ended
 //! transfers), `offer.rs` (full blocks to the connectors that store them), `time.rs` (the clock
 //! and deadlines) and `render.rs` (plans as text).
@@ -30,6 +31,7 @@ mod connectors;
 mod lifecycle_machine;
 mod offer;
 mod render;
+mod routing;
 #[cfg(test)]
 mod tests;
 mod time;
@@ -51,8 +53,8 @@ use crate::ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
 use crate::kv_cache::{KvCacheManager, PrefixHit};
 use crate::ownership::{self, Owner, OwnershipError};
 use crate::plan::{
-    AdjustedToken, LogitsAdjust, ModelOutput, PromptLogprobsWork, SampleSpec, SampledToken,
-    ScheduledReq, StepPlan,
+    AdjustedToken, ExpertRouting, LogitsAdjust, ModelOutput, PromptLogprobsWork, RoutingRead,
+    RoutingShape, SampleSpec, SampledToken, ScheduledReq, StepPlan,
 };
 use crate::request::{AddError, FinishReason, Request, RequestState};
 use crate::sampling::SamplingParams;
@@ -85,6 +87,11 @@ pub struct Finished {
     pub kv_transfer_params: Option<KvTransferParams>,
     /// Why, for a request finished with `Error` (a failed KV load under the `fail` policy).
     pub message: Option<String>,
+    /// The request's expert routing, when the engine captures it
+    /// ([`Scheduler::set_routing_shape`]): every position it had routing for, so positions
+    /// `0..len - 1` of a request that finished on its own (its last token was never an
+    /// input), fewer for one aborted before its prompt was computed.
+    pub routing: Option<ExpertRouting>,
 }
 
 /// The model output does not answer the plan it is given.
@@ -98,6 +105,26 @@ pub enum OutputError {
     Unexpected { got: ReqIdx },
     #[error("no sampled token for {missing:?}, which the plan asked to sample")]
     Missing { missing: ReqIdx },
+    #[error("expert routing for {got} requests, the plan scheduled {expected}")]
+    RoutingCount { expected: usize, got: usize },
+    #[error(
+        "expert routing for {got:?} at positions {got_first}.. ({got_ids} ids), expected \
+         {expected:?} at {expected_first}.. ({expected_ids} ids)"
+    )]
+    RoutingRange {
+        expected: ReqIdx,
+        expected_first: usize,
+        expected_ids: usize,
+        got: ReqIdx,
+        got_first: usize,
+        got_ids: usize,
+    },
+    #[error("expert routing for {req:?} names expert {id}, the model has {num_experts}")]
+    RoutingExpert {
+        req: ReqIdx,
+        id: u16,
+        num_experts: usize,
+    },
 }
 
 /// A request is in the wrong queue, in two, or in none.
@@ -198,6 +225,9 @@ pub struct Scheduler {
     decisions: Vec<Decision>,
     /// Buffers of a plan handed back by `recycle_plan`, reused by the next `schedule()`.
     spare: StepPlan,
+    /// The shape of the expert routing the executor reports, when it captures routing
+    /// (`routing.rs`).
+    routing_shape: Option<RoutingShape>,
 }
 
 impl Scheduler {
@@ -239,6 +269,7 @@ impl Scheduler {
             ended_transfers: Vec::new(),
             decisions: Vec::new(),
             spare: StepPlan::default(),
+            routing_shape: None,
         })
     }
 
@@ -292,6 +323,7 @@ impl Scheduler {
             pause_mark: self.control.pause_mark(),
             n_preemptions: 0,
             export_on_finish: false,
+            routing: Vec::new(),
         };
         self.kv.rehash_if_stale(&mut req, &self.hash_root);
         let version = self.control.weight_version.clone();
@@ -775,6 +807,17 @@ impl Scheduler {
                     });
                 }
             }
+            if let Some(shape) = self.routing_shape {
+                // Positions the request did not compute itself (a prefix-cache hit past the
+                // routing it has): their routing is read back from the blocks.
+                let have = req.routing.len() / shape.width();
+                if have < start_pos {
+                    plan.routing_reads.push(RoutingRead {
+                        req_pos: plan.reqs.len(),
+                        from: have,
+                    });
+                }
+            }
             req.n_computed = end_pos;
             plan.reqs.push(ScheduledReq {
                 req: d.req,
@@ -797,6 +840,7 @@ impl Scheduler {
         plan.token_masks.clear();
         plan.logits_adjusts.clear();
         plan.prompt_logprobs.clear();
+        plan.routing_reads.clear();
         if plan.block_tables.capacity() >= self.spare.block_tables.capacity() {
             self.spare = plan;
         }
@@ -811,7 +855,10 @@ impl Scheduler {
         output: &ModelOutput,
     ) -> Result<Vec<RequestOutput>, OutputError> {
         self.validate_output(plan, output)?;
+        self.validate_routing(plan, output)?;
         self.offer_computed_blocks(plan);
+        // Before the tokens: a request that finishes now takes its routing with it.
+        self.absorb_routing(plan, output);
         let mut outs = Vec::with_capacity(output.sampled.len());
         let mut any_finished = false;
         for s in &output.sampled {
@@ -963,12 +1010,17 @@ impl Scheduler {
         self.kv.free(&mut req);
         self.ids.remove(&req.id);
         self.free_slots.push(idx.0);
+        let routing = self.routing_shape.map(|shape| ExpertRouting {
+            shape,
+            ids: std::mem::take(&mut req.routing),
+        });
         Box::new(Finished {
             request_id: req.id,
             reason,
             transfer,
             kv_transfer_params,
             message,
+            routing,
         })
     }
 

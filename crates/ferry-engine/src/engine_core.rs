@@ -424,13 +424,21 @@ pub struct EngineCore {
 impl EngineCore {
     /// The core over `sched` (its connectors registered), with `workers[c]` and `reports[c]`
     /// the worker side of connector `c`. The arena is shaped for `executor`.
+    ///
+    /// The scheduler takes the executor's routing shape
+    /// (`Scheduler::set_routing_shape`): requests then carry their expert routing to their
+    /// finish. Panics if the shape is one the scheduler refuses; [`crate::spawn`] checks it
+    /// first.
     pub fn new(
-        sched: Scheduler,
+        mut sched: Scheduler,
         executor: Box<dyn Executor>,
         workers: Vec<Option<Box<dyn WorkerConnector>>>,
         reports: Vec<Reports>,
         env: Box<dyn CoreEnv>,
     ) -> Self {
+        if let Err(e) = sched.set_routing_shape(executor.routing_shape()) {
+            panic!("engine core: the executor's {e}");
+        }
         let config = sched.config();
         let kv_events = config.kv_events;
         let layout = executor.kv_layout(config.block_size);
@@ -983,14 +991,13 @@ impl EngineCore {
         if let Some(message) = &finished.message {
             tracing::warn!(request_id = %finished.request_id, "request failed: {message}");
         }
-        let finish = EngineFinish {
-            reason: reason.unwrap_or(finished.reason),
-            stop_token: None,
-            transfer: finished.transfer,
-            kv_transfer_params: finished.kv_transfer_params.map(Box::new),
-            message: message.map(str::to_owned).or(finished.message),
-            constraint_stop: None,
-        };
+        let mut finish = EngineFinish::of(*finished);
+        if let Some(reason) = reason {
+            finish.reason = reason;
+        }
+        if let Some(message) = message {
+            finish.message = Some(message.to_owned());
+        }
         self.events.push_back(CoreEvent::Request(
             out.req,
             Event::Output {
@@ -1015,7 +1022,9 @@ impl EngineCore {
         {
             return;
         }
-        let finished = out.finished;
+        let (transfer, routing) = out
+            .finished
+            .map_or((None, None), |f| (f.transfer, f.routing));
         self.events.push_back(CoreEvent::Request(
             idx,
             Event::Output {
@@ -1023,10 +1032,11 @@ impl EngineCore {
                 finish: Some(EngineFinish {
                     reason: FinishReason::Stop,
                     stop_token: None,
-                    transfer: finished.as_ref().and_then(|f| f.transfer),
+                    transfer,
                     kv_transfer_params: None,
                     message: None,
                     constraint_stop: Some(why),
+                    routing,
                 }),
                 weight_version: None,
                 forced: false,
@@ -1050,14 +1060,10 @@ impl EngineCore {
                 continue;
             }
             let mut finish = out.finished.map(|f| EngineFinish {
-                reason: f.reason,
                 stop_token: (f.reason == FinishReason::Stop)
                     .then(|| out.sampled.as_ref().map(|s| s.token))
                     .flatten(),
-                transfer: f.transfer,
-                kv_transfer_params: f.kv_transfer_params.map(Box::new),
-                message: f.message,
-                constraint_stop: None,
+                ..EngineFinish::of(*f)
             });
             let mut forced = false;
             if let Some((was_forced, next)) = constrained.get_mut(i).and_then(Option::take) {
@@ -1067,11 +1073,10 @@ impl EngineCore {
                     n_finished += 1;
                     finish = aborted.and_then(|a| a.finished).map(|f| EngineFinish {
                         reason: FinishReason::Stop,
-                        stop_token: None,
-                        transfer: f.transfer,
-                        kv_transfer_params: f.kv_transfer_params.map(Box::new),
+                        kv_transfer_params: None,
                         message: None,
                         constraint_stop: Some(why),
+                        ..EngineFinish::of(*f)
                     });
                 }
             }

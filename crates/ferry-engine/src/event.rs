@@ -6,7 +6,8 @@
 use std::sync::Arc;
 
 use ferry_core::{
-    FinishReason, KvTransferParams, PromptTokenLogprob, SampledToken, TokenId, TransferId,
+    ExpertRouting, FinishReason, Finished, KvTransferParams, PromptTokenLogprob, SampledToken,
+    TokenId, TransferId,
 };
 
 /// A raw per-request event from the engine core. No text: detokenizing is the reader's job.
@@ -43,4 +44,22 @@ pub struct EngineFinish {
     pub message: Option<String>,
     /// Why, for a `stop` a structured-output constraint decided.
     pub constraint_stop: Option<String>,
+    /// The request's expert routing, when the engine captures it (`Finished::routing`).
+    pub routing: Option<ExpertRouting>,
+}
+
+impl EngineFinish {
+    /// The core's finish as it stands: no stop token or constraint named (the caller adds
+    /// what it knows).
+    pub fn of(f: Finished) -> Self {
+        Self {
+            reason: f.reason,
+            stop_token: None,
+            transfer: f.transfer,
+            kv_transfer_params: f.kv_transfer_params.map(Box::new),
+            message: f.message,
+            constraint_stop: None,
+            routing: f.routing,
+        }
+    }
 }

@@ -75,7 +75,11 @@ pub fn spawn_with_connectors(
     if config.input_queue_capacity == 0 {
         return Err(SpawnError::ZeroQueueCapacity);
     }
-    let core = Scheduler::new(config.scheduler.clone())?;
+    let mut core = Scheduler::new(config.scheduler.clone())?;
+    // Checked here, so a shape the core refuses is the caller's error, not a panic on the
+    // engine thread (the engine core sets it again, from the same executor).
+    let routing_shape = executor.routing_shape();
+    core.set_routing_shape(routing_shape)?;
     let vocab_size = executor.vocab_size();
     let (tx, rx) = mpsc::unbounded_channel();
     let (stats_tx, stats_rx) = watch::channel(EngineStats {
@@ -111,6 +115,7 @@ pub fn spawn_with_connectors(
             permits: Arc::new(Semaphore::new(config.input_queue_capacity)),
             capacity: config.input_queue_capacity,
             vocab_size,
+            routing_shape,
             stats: stats_rx,
             tokenizer,
             scheduler_config: config.scheduler,
@@ -137,6 +142,8 @@ struct Inner {
     capacity: usize,
     /// The executor's: prompt tokens must be below it.
     vocab_size: usize,
+    /// The executor's (`Executor::routing_shape`).
+    routing_shape: Option<ferry_core::RoutingShape>,
     stats: watch::Receiver<EngineStats>,
     tokenizer: Option<Arc<Tokenizer>>,
     scheduler_config: SchedulerConfig,
@@ -257,6 +264,7 @@ impl EngineHandle {
             min_tokens: req.params.logits.min_tokens,
             keep_special_tokens: req.keep_special_tokens,
             include_stop_str_in_output: req.include_stop_str_in_output,
+            routing: self.inner.routing_shape.is_some(),
         };
         if self.inner.tx.is_closed() || self.inner.permits.is_closed() {
             return Err(self.stopped().into());
@@ -357,6 +365,13 @@ impl EngineHandle {
                 Constraints::new(tokenizer, eos, self.inner.vocab_size).map(Arc::new)
             })
             .clone()
+    }
+
+    /// The shape of the expert routing every finish carries ([`crate::Finish::routing`]),
+    /// when the executor captures it (`ferry serve --enable-return-routed-experts` on an
+    /// MoE model).
+    pub fn routing_shape(&self) -> Option<ferry_core::RoutingShape> {
+        self.inner.routing_shape
     }
 
     /// The resolved scheduler config (block_size, max_model_len, eos ids, ...).

@@ -61,12 +61,12 @@ pub use error::{
 pub use event::{EngineFinish, Event};
 pub use ferry_arena::WorkerConnector;
 pub use ferry_core::{
-    ip_literal, AddError, AllowedPeers, BlockId, Cleared, ConnectorId, FinishReason, KvConnector,
-    KvEvent, KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleStatus,
-    LogitsParams, Medium, OffloadConfig, OffloadConnector, OffloadPolicy, PauseMode, PdConfig,
-    PdConnector, PdRole, PromptTokenLogprob, SamplerSpec, SamplingParams, SchedulerConfig,
-    SchedulerStats, SleepLevel, StepError, TierStats, TokenId, TransferId, TransferRequest,
-    WakeTag, WeightResidency,
+    ip_literal, AddError, AllowedPeers, BlockId, Cleared, ConnectorId, ExpertRouting, FinishReason,
+    KvConnector, KvEvent, KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError,
+    LifecycleStatus, LogitsParams, Medium, OffloadConfig, OffloadConnector, OffloadPolicy,
+    PauseMode, PdConfig, PdConnector, PdRole, PromptTokenLogprob, RoutingShape, SamplerSpec,
+    SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, StepError, TierStats, TokenId,
+    TransferId, TransferRequest, WakeTag, WeightResidency,
 };
 pub use ferry_kv::{InMemoryFabric, InMemoryTransport, OffloadWorker, PdWorker, Transport};
 pub use ferry_model::{
@@ -181,6 +181,11 @@ pub struct Finish {
     /// Why, for an `error` finish the engine explained (a failed KV load under the `fail`
     /// policy).
     pub message: Option<String>,
+    /// The request's expert routing, when the engine captures it
+    /// ([`EngineHandle::routing_shape`]): one row per position whose token was an input, the
+    /// prompt's and the output's but the last (`n_prompt_tokens + n_output_tokens - 1`
+    /// rows). `None` without capture, or for a request that ended before its first token.
+    pub routing: Option<ExpertRouting>,
 }
 
 /// What stopped a request that finished with [`FinishReason::Stop`].

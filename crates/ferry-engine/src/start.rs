@@ -53,6 +53,10 @@ pub struct ModelEngineConfig {
     pub kv_load_failure_policy: KvLoadFailurePolicy,
     /// Publish KV events (`EngineHandle::take_kv_events`).
     pub kv_events: bool,
+    /// Capture each token's expert routing and return it with every finish (vLLM's
+    /// `--enable-return-routed-experts`): `LlamaModel::with_routed_experts`, which a model
+    /// without mixture-of-experts layers refuses (`StartError::Model`).
+    pub routed_experts: bool,
 }
 
 impl Default for ModelEngineConfig {
@@ -75,6 +79,7 @@ impl Default for ModelEngineConfig {
             lifecycle_wait_timeout: core.lifecycle_wait_timeout,
             kv_load_failure_policy: core.kv_load_failure_policy,
             kv_events: false,
+            routed_experts: false,
         }
     }
 }
@@ -147,7 +152,13 @@ pub fn start_model_with_connectors(
     if let Some(seed) = config.sampler_seed {
         executor = executor.with_sampler_seed(seed);
     }
-    let executor = executor.with_logprobs_mode(config.logprobs_mode);
+    let executor = executor
+        .with_logprobs_mode(config.logprobs_mode)
+        .with_routed_experts(config.routed_experts)
+        .map_err(|error| StartError::Model {
+            source_name: source.clone(),
+            error,
+        })?;
     let weights_bytes = executor.weights().total_bytes() as u64;
     let scheduler = scheduler_config(config, &llama, &executor)?;
     let token_text = |id: Option<TokenId>| {

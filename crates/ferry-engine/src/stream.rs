@@ -3,12 +3,18 @@
 //! Runs on the caller's tokio task, never on the engine thread: it merges every event that
 //! has queued up into one chunk, detokenizes incrementally, matches stop strings (aborting the
 //! core request on a match) and, when dropped before its finish, aborts the request.
+//!
+//! A request's expert routing (an engine capturing it) comes with the core's finish; the
+//! stream cuts it to the rows of the tokens it reported (every input token: prompt and
+//! output but the last). A stop string ends the stream before the core's finish, so there
+//! the stream sends the text up to it at once and the finish once the core's (of the abort
+//! it asked for) brings the routing: at most one engine step later.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use ferry_core::{FinishReason, SampledToken, TokenId};
+use ferry_core::{ExpertRouting, FinishReason, SampledToken, TokenId};
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, watch};
 
@@ -37,6 +43,8 @@ pub(crate) struct StreamSetup {
     pub keep_special_tokens: bool,
     /// A matched stop string, and a stop token's text, stay in the text.
     pub include_stop_str_in_output: bool,
+    /// The engine captures expert routing: a finish waits for the core's, which has it.
+    pub routing: bool,
 }
 
 /// Text state: the decoder, the stop matcher, and whether the caller wants the text.
@@ -73,6 +81,11 @@ pub struct GenerateStream {
     done: bool,
     /// Prompt logprobs received, for the next chunk returned.
     prompt_logprobs: Vec<ferry_core::PromptTokenLogprob>,
+    /// See [`StreamSetup::routing`].
+    routing: bool,
+    /// A stop string matched and the engine captures routing: the finish, waiting for the
+    /// core's (which brings the routing); tokens that come meanwhile are past the stop.
+    stopping: Option<Finish>,
 }
 
 impl GenerateStream {
@@ -114,6 +127,8 @@ impl GenerateStream {
             weight_versions: Vec::new(),
             done: false,
             prompt_logprobs: Vec::new(),
+            routing: setup.routing,
+            stopping: None,
         }
     }
 
@@ -147,6 +162,7 @@ impl GenerateStream {
                             kv_transfer_params: None,
                             message: Some(stopped.to_string()),
                             constraint_stop: None,
+                            routing: None,
                         },
                         &mut chunk,
                     )
@@ -181,7 +197,7 @@ impl GenerateStream {
                         self.weight_versions.push(v.to_string());
                     }
                 }
-                if let Some(s) = sampled {
+                if let Some(s) = sampled.filter(|_| self.stopping.is_none()) {
                     let stop_token = finish.as_ref().and_then(|f| f.stop_token) == Some(s.token);
                     if self.constrained {
                         chunk.forced.push(forced);
@@ -244,15 +260,28 @@ impl GenerateStream {
         }
     }
 
-    /// A stop string matched: abort the core request and finish with `stop`.
+    /// A stop string matched: abort the core request and finish with `stop` (once the
+    /// core's finish brought the routing, when the engine captures it).
     fn stop_on_string(&mut self, stop: String, chunk: &mut OutputChunk) {
         self.send_abort();
-        chunk.finish = Some(self.finish_of(FinishReason::Stop, Some(StopReason::String(stop))));
-        self.done = true;
+        let finish = self.finish_of(FinishReason::Stop, Some(StopReason::String(stop)));
+        if self.routing {
+            self.stopping = Some(finish);
+        } else {
+            chunk.finish = Some(finish);
+            self.done = true;
+        }
     }
 
-    /// The request ended in the engine: flush held text, then finish.
+    /// The request ended in the engine: flush held text, then finish (the stop string's
+    /// finish, if one was waiting for this).
     fn finish(&mut self, f: EngineFinish, chunk: &mut OutputChunk) {
+        if let Some(mut finish) = self.stopping.take() {
+            finish.routing = self.routing_of(f.routing);
+            chunk.finish = Some(finish);
+            self.done = true;
+            return;
+        }
         if let Some(text) = self.text.as_mut() {
             let tail = text.detok.flush();
             let tail = match text.stop.push(&tail) {
@@ -262,6 +291,11 @@ impl GenerateStream {
                         chunk.text.push_str(&t);
                     }
                     self.stop_on_string(stop, chunk);
+                    if let Some(mut finish) = self.stopping.take() {
+                        finish.routing = self.routing_of(f.routing);
+                        chunk.finish = Some(finish);
+                        self.done = true;
+                    }
                     return;
                 }
             };
@@ -277,8 +311,23 @@ impl GenerateStream {
         finish.export = f.transfer;
         finish.kv_transfer_params = f.kv_transfer_params.map(|p| *p);
         finish.message = f.message;
+        finish.routing = self.routing_of(f.routing);
         chunk.finish = Some(finish);
         self.done = true;
+    }
+
+    /// The core's routing cut to the positions that were inputs of the tokens this stream
+    /// reported: the prompt and the output but its last token. `None` when it has fewer rows
+    /// (aborted before its prompt was computed) or no output token came (vLLM has none then
+    /// either).
+    fn routing_of(&self, routing: Option<ExpertRouting>) -> Option<ExpertRouting> {
+        let mut routing = routing?;
+        let n_rows = (self.n_prompt_tokens + self.n_output_tokens).checked_sub(1)?;
+        if self.n_output_tokens == 0 || routing.rows() < n_rows {
+            return None;
+        }
+        routing.truncate_rows(n_rows);
+        Some(routing)
     }
 
     fn finish_of(&self, reason: FinishReason, stop_reason: Option<StopReason>) -> Finish {
@@ -292,6 +341,7 @@ impl GenerateStream {
             export: None,
             kv_transfer_params: None,
             message: None,
+            routing: None,
         }
     }
 

@@ -18,6 +18,7 @@ use crate::response::{
     AlwaysPresent, AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta,
     DeltaContent, Head, Message, Response, CHAT_FIELDS,
 };
+use crate::routed_experts;
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
 use crate::structured::{structured_output, StructuredSpec};
@@ -165,6 +166,10 @@ impl GenerationRoute for Chat {
                     token_ids: params.return_token_ids.then_some(c.token_ids),
                     forced_tokens: params.structured.is_some().then_some(c.forced),
                     prompt_logprobs: None,
+                    routed_experts: routed_experts::vllm(
+                        c.finish.as_ref(),
+                        params.routed_experts_prompt_start,
+                    ),
                 }
             });
         ChatResponse {
@@ -413,6 +418,7 @@ impl ChunkFormatter for Formatter {
             forced_tokens: self.base.constrained.then_some(out.forced),
             weight_versions: main.weight_versions,
             prompt_logprobs: None,
+            routed_experts: None,
         };
         let usage = self.base.chunk_usage(index);
         let chunk = ChatChunk {
@@ -442,6 +448,7 @@ impl ChunkFormatter for Formatter {
                 forced_tokens: None,
                 weight_versions: f.weight_versions,
                 prompt_logprobs: None,
+                routed_experts: None,
             };
             let chunk = ChatChunk {
                 kv_transfer_params: f.kv_transfer_params,

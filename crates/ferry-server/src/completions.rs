@@ -14,6 +14,7 @@ use crate::response::{
     AlwaysPresent, CompletionChoice, CompletionLogprobs, CompletionResponse, Head, Response, Text,
     Usage, COMPLETION_FIELDS,
 };
+use crate::routed_experts;
 use crate::sse::{to_json, ChunkFormatter};
 use crate::state::AppState;
 use crate::structured::structured_output;
@@ -121,6 +122,10 @@ impl GenerationRoute for Completions {
                         .sampling
                         .prompt_logprobs
                         .map(|_| prompt_logprobs_json(texts, &c.prompt_logprobs)),
+                    routed_experts: routed_experts::vllm(
+                        c.finish.as_ref(),
+                        params.routed_experts_prompt_start,
+                    ),
                 }
             });
         CompletionResponse {
@@ -284,6 +289,8 @@ impl ChunkFormatter for Formatter {
             weight_versions,
             prompt_logprobs: (!chunk.prompt_logprobs.is_empty())
                 .then(|| prompt_logprobs_json(&self.base.texts, &chunk.prompt_logprobs)),
+            // vLLM's streamed choices have no `routed_experts`.
+            routed_experts: None,
         };
         let response = CompletionResponse {
             kv_transfer_params,

@@ -542,6 +542,7 @@ async fn beam_search<R: GenerationRoute>(
                     export: None,
                     kv_transfer_params: None,
                     message: None,
+                    routing: None,
                 }),
                 token_ids,
                 logprobs,

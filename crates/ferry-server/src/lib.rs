@@ -22,8 +22,8 @@
 //! generation routes: engine requests, `n`, usage), [`sse`] (streaming), [`completions`] and
 //! [`chat`] (each route's request parsing and wire format), [`native`] (SGLang's and vLLM's
 //! native generate routes, as completions requests in those wire formats, and SGLang's
-//! discovery routes), [`routes`] (the small routes),
-//! [`metrics`], [`logprobs`], [`state`]. The edge it shares with the P/D proxy (the error
+//! discovery routes), [`routes`] (the small routes), [`routed_experts`] (MoE routing in
+//! vLLM's and SGLang's encodings), [`metrics`], [`logprobs`], [`state`]. The edge it shares with the P/D proxy (the error
 //! type, request ids, the API key, the body limit and [`ferry_http::edge_layers`]) is
 //! `ferry-http`'s, re-exported under the paths it had here.
 
@@ -47,6 +47,7 @@ pub mod pyjson;
 pub mod reasoning;
 pub mod request;
 pub mod response;
+pub mod routed_experts;
 pub mod routes;
 pub mod sse;
 pub mod state;

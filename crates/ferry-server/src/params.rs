@@ -67,6 +67,9 @@ pub struct GenerationParams {
     pub schema_checks: Vec<(String, ferry_engine::StructuredOutput)>,
     /// Completions' `echo`: each prompt's text, to put before its choices' text.
     pub echo: Option<Vec<String>>,
+    /// The first row of `routed_experts` (vLLM's `routed_experts_prompt_start`): at most
+    /// each prompt's length ([`GenerationParams::for_prompt`] checks it).
+    pub routed_experts_prompt_start: usize,
 }
 
 /// Temperatures above this are refused (OpenAI's documented range is [0, 2]).
@@ -150,6 +153,9 @@ impl GenerationParams {
             tools: None,
             schema_checks: Vec::new(),
             echo: None,
+            routed_experts_prompt_start: check_routed_experts_prompt_start(
+                common.routed_experts_prompt_start,
+            )?,
         })
     }
 
@@ -190,6 +196,16 @@ impl GenerationParams {
             }
             Some((v, _)) => v as usize,
         };
+        if self.routed_experts_prompt_start > prompt_len {
+            // vLLM's words (`v1/engine/input_processor.py`).
+            return Err(ApiError::invalid(
+                ROUTED_EXPERTS_PROMPT_START,
+                format!(
+                    "routed_experts_prompt_start must be between 0 and the prompt length \
+                     ({prompt_len}), inclusive."
+                ),
+            ));
+        }
         let min_tokens = self.sampling.logits.min_tokens;
         if min_tokens as usize > max_tokens {
             return Err(ApiError::invalid(
@@ -201,6 +217,20 @@ impl GenerationParams {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
             ..self.sampling.clone()
         })
+    }
+}
+
+const ROUTED_EXPERTS_PROMPT_START: &str = "routed_experts_prompt_start";
+
+/// `routed_experts_prompt_start`: not below 0 (vLLM's field is `ge=0`); the prompt's length
+/// bounds it from above ([`GenerationParams::for_prompt`]).
+fn check_routed_experts_prompt_start(v: Option<i64>) -> Result<usize, ApiError> {
+    match v.unwrap_or(0) {
+        v if v < 0 => Err(ApiError::invalid(
+            ROUTED_EXPERTS_PROMPT_START,
+            format!("`{ROUTED_EXPERTS_PROMPT_START}` must be at least 0, got {v}"),
+        )),
+        v => Ok(usize::try_from(v).unwrap_or(usize::MAX)),
     }
 }
 
@@ -570,6 +600,22 @@ mod tests {
         assert_eq!(
             field(r#"{"stream_options": {"include_usage": true}}"#),
             "stream_options"
+        );
+    }
+
+    #[test]
+    fn routed_experts_prompt_start_is_bounded_by_zero_and_the_prompt() {
+        let err = parse(r#"{"routed_experts_prompt_start": -1}"#).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("routed_experts_prompt_start"));
+        let p = parse(r#"{"routed_experts_prompt_start": 30}"#).unwrap();
+        assert_eq!(p.routed_experts_prompt_start, 30);
+        assert!(p.for_prompt(30, &limits()).is_ok());
+        let err = p.for_prompt(29, &limits()).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("routed_experts_prompt_start"));
+        assert!(
+            err.message.contains("the prompt length (29)"),
+            "{}",
+            err.message
         );
     }
 

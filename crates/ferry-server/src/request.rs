@@ -131,6 +131,9 @@ pub struct CommonParams {
     /// Logprobs of the prompt's tokens, with this many top logprobs each (vLLM's); the
     /// request then takes no prefix-cache hit.
     pub prompt_logprobs: Option<i64>,
+    /// `routed_experts` (a server started with `--enable-return-routed-experts`) leaves out
+    /// the rows of the prompt's first this many tokens (vLLM's; 0 to the prompt's length).
+    pub routed_experts_prompt_start: Option<i64>,
 }
 
 /// The structured-output fields (see [`crate::structured`]), raw: their shapes vary, so

@@ -161,6 +161,13 @@ pub struct Choice<Content, Logprobs> {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Vec<Object>>)]
     pub prompt_logprobs: Option<PromptLogprobsJson>,
+    /// vLLM's: the choice's expert routing, base64 of a `.npy` array of shape
+    /// `(prompt + output tokens - 1 - routed_experts_prompt_start, moe_layers, top_k)`
+    /// (`crate::routed_experts`), when the server captures it
+    /// (`--enable-return-routed-experts`); `null` otherwise. Non-streamed answers only, as
+    /// vLLM's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routed_experts: Option<String>,
 }
 
 /// A completion choice's content.
@@ -278,6 +285,7 @@ impl ChatChunkChoice {
             forced_tokens: None,
             weight_versions: None,
             prompt_logprobs: None,
+            routed_experts: None,
         }
     }
 }

@@ -100,6 +100,13 @@ pub struct Args {
     /// top-p and min-p), `raw_logits` or `processed_logits` (vLLM's values).
     #[arg(long, default_value_t = LogprobsMode::RawLogprobs)]
     pub logprobs_mode: LogprobsMode,
+    /// Return each choice's expert routing (`routed_experts`, and SGLang's
+    /// `return_routed_experts`): which experts every token went to in each MoE layer, for RL
+    /// trainers' routing replay (vLLM's flag). The model must have mixture-of-experts
+    /// layers. Not with a KV connector (--kv-role, --kv-offload-bytes): the routing kept
+    /// beside each KV block does not move with the blocks they export or offload yet.
+    #[arg(long)]
+    pub enable_return_routed_experts: bool,
     /// Largest safetensors body `POST /update_weights` accepts (with --enable-admin-api),
     /// e.g. `16GiB`.
     #[arg(long, default_value = "16GiB")]
@@ -504,6 +511,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         args.kv_offload_policy,
         args.block_size,
     )?;
+    check_routed_experts(&args, kv.is_some(), offload.is_some())?;
     let order = crate::kv_offload::connector_order(
         args.kv_connector.as_deref(),
         offload.is_some(),
@@ -538,6 +546,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
             .kv_events_config
             .as_ref()
             .is_some_and(|c| c.publishes()),
+        routed_experts: args.enable_return_routed_experts,
         ..ModelEngineConfig::default()
     };
     let mut connectors = Vec::new();
@@ -749,6 +758,25 @@ fn model_name(source: &str) -> String {
 
 /// A failed start, told in the flags' terms: each error names the flag that set the value at
 /// fault.
+/// `--enable-return-routed-experts` takes no KV connector: each block's routing is kept beside
+/// its KV in this engine only, so a request that loaded blocks (from P, or back from the
+/// offload tier) would have no routing for them.
+fn check_routed_experts(args: &Args, pd: bool, offload: bool) -> anyhow::Result<()> {
+    if !args.enable_return_routed_experts {
+        return Ok(());
+    }
+    let connector = match (pd, offload) {
+        (true, _) => "--kv-role (a P/D connector)",
+        (false, true) => "--kv-offload-bytes (the CPU offload tier)",
+        (false, false) => return Ok(()),
+    };
+    bail!(
+        "--enable-return-routed-experts cannot be used with {connector}: the expert routing \
+         kept beside each KV block is not yet moved with the blocks a KV connector exports, \
+         loads or offloads, so a request using them would have no routing for them"
+    )
+}
+
 fn flag_error(args: &Args, e: StartError) -> anyhow::Error {
     match e {
         StartError::MaxModelLenTooLong {

@@ -314,6 +314,37 @@ fn bad_flags_are_errors_naming_the_flag() {
     assert!(err.contains("the API key is empty"), "{err}");
 }
 
+/// `--enable-return-routed-experts` needs a mixture-of-experts model (the dense `tiny` is
+/// refused naming the flag) and no KV connector (refused naming both flags, before the model
+/// loads).
+#[test]
+fn routed_experts_need_an_moe_model_and_no_kv_connector() {
+    let run = |args: &[&str]| {
+        let out = Command::new(FERRY)
+            .args(["serve", "--model", "tiny", "--port", "0"])
+            .args(["--enable-return-routed-experts"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&[]);
+    assert!(err.contains("--enable-return-routed-experts"), "{err}");
+    assert!(err.contains("no mixture-of-experts layers"), "{err}");
+    for (flags, named) in [
+        (&["--kv-role", "both"][..], "--kv-role"),
+        (&["--kv-offload-bytes", "64MiB"][..], "--kv-offload-bytes"),
+    ] {
+        let err = run(flags);
+        assert!(
+            err.contains("--enable-return-routed-experts cannot be used with")
+                && err.contains(named),
+            "{flags:?}: {err}"
+        );
+    }
+}
+
 #[test]
 fn bad_kv_flags_are_errors_naming_the_flag() {
     let run = |args: &[&str]| {

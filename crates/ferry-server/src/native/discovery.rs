@@ -67,6 +67,7 @@ pub async fn server_info(State(app): State<Arc<AppState>>) -> Result<Json<Value>
         "max_running_requests": sched.max_num_seqs,
         "chunked_prefill_size": sched.max_num_batched_tokens,
         "disable_radix_cache": !sched.enable_prefix_caching,
+        "enable_return_routed_experts": app.engine.routing_shape().is_some(),
         "weight_version": weight_version(&app).await?,
         "version": env!("CARGO_PKG_VERSION"),
         "engine": "ferry",

@@ -17,6 +17,12 @@
 //! or a stop token id, or the stop string), `{"type": "length", "length": n}`, or
 //! `{"type": "abort", "message": ...}`. Sampling runs through the completions request these
 //! fields translate to ([`super::as_completions`]).
+//!
+//! `return_routed_experts` (a server started with `--enable-return-routed-experts`; a 400
+//! otherwise) adds `meta_info.routed_experts` to a finished choice: base64 of its expert
+//! routing as little-endian `int32`, rows `routed_experts_start_len..` of the
+//! `prompt + output - 1` input tokens, `moe_layers × top_k` ids each
+//! ([`crate::routed_experts`]; SGLang's `GenerateReqInput` fields and detokenizer encoding).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -33,6 +39,7 @@ use crate::extract::{ApiJson, RequestId};
 use crate::generate::{check_failed_choices, start, ChoiceStream, Collected};
 use crate::logprobs::TokenTexts;
 use crate::response::Head;
+use crate::routed_experts;
 use crate::sse::{sse_response, to_json, ChunkFormatter};
 use crate::state::AppState;
 
@@ -82,8 +89,7 @@ const IGNORED: &[&str] = &["custom_params", "stream_interval"];
 const REFUSED_SAMPLING: &[&str] = &["stop_regex", "structural_tag"];
 
 /// Request fields ferry does not implement: refused when set (multimodal inputs, LoRA,
-/// hidden states, custom logit processors, per-token logprobs of given ids, sessions, MoE
-/// routing replay).
+/// hidden states, custom logit processors, per-token logprobs of given ids, sessions).
 const REFUSED: &[&str] = &[
     "input_embeds",
     "image_data",
@@ -94,7 +100,6 @@ const REFUSED: &[&str] = &[
     "custom_logit_processor",
     "token_ids_logprob",
     "session_params",
-    "return_routed_experts",
 ];
 
 /// `POST /generate`'s body, for the OpenAPI document (the handler reads the JSON itself, so
@@ -124,6 +129,11 @@ pub struct SglangGenerateRequest {
     /// ferry's P/D transfer parameters, as on `/v1/completions`.
     #[schema(value_type = Option<Object>)]
     pub kv_transfer_params: Option<Value>,
+    /// `meta_info.routed_experts` on each finished choice (a server started with
+    /// `--enable-return-routed-experts`).
+    pub return_routed_experts: Option<bool>,
+    /// The first row of `meta_info.routed_experts`: 0 to the prompt's length (default 0).
+    pub routed_experts_start_len: Option<i64>,
 }
 
 /// What the request asks of the answer.
@@ -136,6 +146,8 @@ struct Shape {
     text_in_logprobs: bool,
     prompt_lens: Vec<usize>,
     n: usize,
+    /// `return_routed_experts`: the first row of `meta_info.routed_experts`.
+    routed_experts: Option<usize>,
 }
 
 /// The prompts: token ids, and whether the request sent a list of them.
@@ -280,6 +292,7 @@ fn rename(param: &str, prompt: &str) -> String {
         "include_stop_str_in_output" => "no_stop_trim",
         "structured_outputs" => "json_schema",
         "kv_transfer_params" => return param.to_owned(),
+        "routed_experts_prompt_start" => return "routed_experts_start_len".to_owned(),
         other => other,
     };
     format!("sampling_params.{sglang}{tail}")
@@ -302,6 +315,14 @@ pub async fn generate(
         }
     };
     let logprobs = flag("return_logprob")?;
+    let routed_experts = flag("return_routed_experts")?;
+    if routed_experts && app.engine.routing_shape().is_none() {
+        return Err(ApiError::invalid(
+            "return_routed_experts",
+            "this server does not capture expert routing: start it with \
+             --enable-return-routed-experts (a mixture-of-experts model)",
+        ));
+    }
     let text_in_logprobs = flag("return_text_in_logprobs")?;
     let stream = flag("stream")?;
     let top_logprobs = match get(&req, "top_logprobs_num") {
@@ -342,6 +363,9 @@ pub async fn generate(
             if let Some(p) = get(&req, "kv_transfer_params") {
                 body.insert("kv_transfer_params".into(), p.clone());
             }
+            if let Some(start) = get(&req, "routed_experts_start_len") {
+                body.insert("routed_experts_prompt_start".into(), start.clone());
+            }
             body
         })
         .collect();
@@ -366,6 +390,7 @@ pub async fn generate(
         text_in_logprobs,
         prompt_lens: prepared.iter().map(|p| p.tokens.len()).collect(),
         n,
+        routed_experts: routed_experts.then_some(params.routed_experts_prompt_start),
     };
     let (head, choices) = start(&app, request_id, &prepared, &params, "input_ids", arrival).await?;
     if stream {
@@ -502,6 +527,11 @@ fn output(
                         .collect::<Value>()
                 })
                 .collect();
+        }
+    }
+    if let Some(start) = shape.routed_experts {
+        if let Some(routing) = routed_experts::sglang(c.finish.as_ref(), start) {
+            meta["routed_experts"] = json!(routing);
         }
     }
     let mut out = json!({"text": c.text, "output_ids": c.token_ids, "meta_info": meta});

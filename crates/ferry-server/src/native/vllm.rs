@@ -7,9 +7,13 @@
 //! `X-Session-ID` header (SkyRL's, for session-affine routers) is accepted and ignored: one
 //! server has nothing to route. Response: `{"request_id", "choices": [{"index", "token_ids",
 //! "finish_reason", "logprobs": {"content": [{"token": "token_id:<id>", "logprob", "bytes",
-//! "top_logprobs"}]}}], "prompt_logprobs", "kv_transfer_params", "usage"}`; a stream sends
-//! each choice's new `token_ids` as they come (vLLM's `GenerateStreamResponse`), the usage
-//! chunk when `stream_options.include_usage` asks for it, then `data: [DONE]`.
+//! "top_logprobs"}]}, "routed_experts"}], "prompt_logprobs", "kv_transfer_params", "usage"}`;
+//! a stream sends each choice's new `token_ids` as they come (vLLM's
+//! `GenerateStreamResponse`), the usage chunk when `stream_options.include_usage` asks for
+//! it, then `data: [DONE]`. `routed_experts` (a server capturing expert routing;
+//! [`crate::routed_experts`]) is on every choice, `null` without routing, and in a stream
+//! on every chunk, set on a choice's last (vLLM 0.34's
+//! `entrypoints/scale_out/token_in_token_out`).
 //!
 //! `top_logprobs` lists the sampled token first, then the best others (without repeating
 //! it), `max(logprobs, 1)` in all, as vLLM's dict of them iterates. `max_tokens` defaults to
@@ -34,6 +38,7 @@ use crate::generate::{
     UsageTally,
 };
 use crate::logprobs::prompt_logprobs_json;
+use crate::routed_experts;
 use crate::sse::{sse_response, to_json, ChunkFormatter};
 use crate::state::AppState;
 
@@ -80,6 +85,7 @@ const SAME: &[&str] = &[
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
     "truncate_prompt_tokens",
+    "routed_experts_prompt_start",
     "structured_outputs",
     "guided_decoding",
     "logit_bias",
@@ -148,11 +154,17 @@ pub async fn generate(
     }
     let (prompts, params) = as_completions(&app, vec![out], |_, p| rename(p))?;
     let top_n = params.sampling.sampler.logprobs;
+    let routed_start = params.routed_experts_prompt_start;
     let (head, choices) = start(&app, request_id, &prompts, &params, "token_ids", arrival).await?;
     if params.stream {
         let base = StreamBase::new(head, &prompts, &params, app.texts.clone());
         let streams = choices.into_iter().map(ChoiceStream::into_stream);
-        return Ok(sse_response(streams, Formatter { base, top_n }));
+        let formatter = Formatter {
+            base,
+            top_n,
+            routed_start,
+        };
+        return Ok(sse_response(streams, formatter));
     }
     let collected = futures_util::future::join_all(choices.into_iter().map(|c| c.collect())).await;
     check_failed_choices(&collected)?;
@@ -168,6 +180,7 @@ pub async fn generate(
                 "token_ids": c.token_ids,
                 "finish_reason": finish_reason,
                 "logprobs": top_n.map(|k| logprobs(&c.logprobs, k)),
+                "routed_experts": routed_experts::vllm(c.finish.as_ref(), routed_start),
             })
         })
         .collect();
@@ -260,6 +273,8 @@ fn logprobs(lps: &[TokenLogprob], top_n: u32) -> Value {
 struct Formatter {
     base: StreamBase,
     top_n: Option<u32>,
+    /// `routed_experts_prompt_start`.
+    routed_start: usize,
 }
 
 impl ChunkFormatter for Formatter {
@@ -276,6 +291,7 @@ impl ChunkFormatter for Formatter {
                 "logprobs": self.top_n.map(|k| logprobs(&chunk.logprobs, k)),
                 "finish_reason": finish.finish_reason,
                 "token_ids": chunk.token_ids,
+                "routed_experts": routed_experts::vllm(chunk.finish.as_ref(), self.routed_start),
             }],
         });
         std::iter::once(to_json(&event))

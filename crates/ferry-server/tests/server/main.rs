@@ -19,6 +19,7 @@ mod pd;
 mod reasoning;
 mod rl_fields;
 mod rl_frameworks;
+mod routed_experts;
 mod structured;
 mod support;
 mod templates;

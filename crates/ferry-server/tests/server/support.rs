@@ -5,11 +5,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_engine::testing::{tiny_model, StepThrottle};
+use ferry_engine::testing::{tiny_model, FakeMoe, StepThrottle};
 use ferry_engine::{
-    start_model_with_connectors, AllowedPeers, Connector, EngineHandle, InMemoryFabric,
+    start_model_with_connectors, AllowedPeers, Connector, EngineHandle, Executor, InMemoryFabric,
     InMemoryTransport, KvCacheSize, KvLoadFailurePolicy, LogprobsMode, ModelEngineConfig, PdConfig,
-    PdRole,
+    PdRole, RoutingShape,
 };
 use ferry_server::{router, serve, ApiKey, ServerConfig};
 use serde_json::Value;
@@ -42,6 +42,9 @@ pub struct Options {
     pub max_model_len: Option<usize>,
     /// `--enable-auto-tool-choice --tool-call-parser NAME`.
     pub tool_call_parser: Option<ferry_server::tool_parsers::ToolCallParser>,
+    /// The model routes tokens to experts and the engine captures it, as
+    /// `--enable-return-routed-experts` on an MoE model: `testing::FakeMoe` of this shape.
+    pub moe: Option<RoutingShape>,
 }
 
 impl Default for Options {
@@ -60,6 +63,7 @@ impl Default for Options {
             reasoning_parser: None,
             tool_call_parser: None,
             max_model_len: None,
+            moe: None,
         }
     }
 }
@@ -133,7 +137,12 @@ pub async fn start_with(opts: Options, pd: Option<Pd>) -> Server {
             vec![Connector::pd(pd_config, Arc::new(transport))]
         }
     };
-    let started = start_model_with_connectors(model, &config, throttle.wrap(), connectors).unwrap();
+    type Wrap = Box<dyn FnOnce(Box<dyn Executor>) -> Box<dyn Executor>>;
+    let wrap: Wrap = match opts.moe {
+        Some(shape) => Box::new(FakeMoe::wrap(shape, throttle.wrap())),
+        None => Box::new(throttle.wrap()),
+    };
+    let started = start_model_with_connectors(model, &config, wrap, connectors).unwrap();
     let engine = started.handle;
     let defaults = ServerConfig::for_model(MODEL, &started.model);
     let server_config = ServerConfig {
