@@ -151,21 +151,23 @@ pub struct RoutingRead {
     pub from: usize,
 }
 
-/// The shape of one token's expert routing as an executor captures it: for each MoE layer
-/// in order, the `top_k` experts the router picked (best first).
+/// The shape of one token's expert routing as an executor captures it: for each decoder
+/// layer in order, the `top_k` experts the router picked (best first); a dense layer of a
+/// model with some (`mlp_only_layers`, `decoder_sparse_step`) has a row of zeros, as vLLM's
+/// and SGLang's capture buffers leave them, so row `l` is always layer `l`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RoutingShape {
-    /// MoE layers (dense layers of a model with `mlp_only_layers` have no row).
-    pub moe_layers: usize,
+    /// Decoder layers (`num_hidden_layers`).
+    pub layers: usize,
     pub top_k: usize,
     /// Experts per layer (ids are below it).
     pub num_experts: usize,
 }
 
 impl RoutingShape {
-    /// Expert ids per token: `moe_layers × top_k`.
+    /// Expert ids per token: `layers × top_k`.
     pub fn width(&self) -> usize {
-        self.moe_layers * self.top_k
+        self.layers * self.top_k
     }
 }
 

@@ -19,14 +19,14 @@ use ferry_core::{
 };
 
 const SHAPE: RoutingShape = RoutingShape {
-    moe_layers: 3,
+    layers: 3,
     top_k: 2,
     num_experts: 40,
 };
 
 /// The routing of `token` at `pos`: one row, layer-major then rank.
 fn expected_row(token: TokenId, pos: usize) -> Vec<u16> {
-    (0..SHAPE.moe_layers)
+    (0..SHAPE.layers)
         .flat_map(|l| {
             (0..SHAPE.top_k).map(move |k| {
                 ((token.0 as usize * 7 + pos * 13 + l * 5 + k * 3) % SHAPE.num_experts) as u16
@@ -413,10 +413,7 @@ fn routing_that_does_not_answer_the_plan_is_refused() {
 fn a_shape_with_nothing_to_route_is_refused() {
     let mut sched = Scheduler::new(config()).unwrap();
     for bad in [
-        RoutingShape {
-            moe_layers: 0,
-            ..SHAPE
-        },
+        RoutingShape { layers: 0, ..SHAPE },
         RoutingShape { top_k: 0, ..SHAPE },
         RoutingShape {
             num_experts: 70_000,

@@ -78,7 +78,7 @@ pub const DOUBLE_FREE: &str = "block pool: release by request #0 of block 1, whi
 /// `shape.width()` ids, layer-major then rank, a function of the two alone (as a real
 /// router's is of the prefix, which a prefix-cache hit shares).
 pub fn fake_routing_row(shape: RoutingShape, token: TokenId, pos: usize) -> Vec<u16> {
-    (0..shape.moe_layers)
+    (0..shape.layers)
         .flat_map(|layer| {
             (0..shape.top_k).map(move |rank| {
                 let id = (token.0 as usize).wrapping_mul(31) + pos * 17 + layer * 7 + rank * 3;

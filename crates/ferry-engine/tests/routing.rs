@@ -14,7 +14,7 @@ use ferry_engine::{
 use support::*;
 
 const SHAPE: RoutingShape = RoutingShape {
-    moe_layers: 2,
+    layers: 2,
     top_k: 3,
     num_experts: 300,
 };

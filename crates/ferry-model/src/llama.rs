@@ -84,7 +84,8 @@ pub struct LlamaModel {
 #[derive(Debug)]
 struct RoutingCapture {
     shape: RoutingShape,
-    /// For each layer, its column among the MoE layers (`None` for dense layers).
+    /// For each layer, its row in a token's routing (`None` for dense layers, whose row
+    /// stays 0).
     columns: Vec<Option<usize>>,
     slots: Vec<u16>,
     /// This step's tokens' routing, `n × width`.
@@ -179,18 +180,13 @@ impl LlamaModel {
                 ),
             });
         };
-        let mut next = 0;
+        // A row per decoder layer, as vLLM and SGLang return them: a dense layer's stays 0.
         let columns = (0..self.config.num_hidden_layers)
-            .map(|l| {
-                moe.is_sparse(l).then(|| {
-                    next += 1;
-                    next - 1
-                })
-            })
+            .map(|l| moe.is_sparse(l).then_some(l))
             .collect();
         self.scratch.routing = Some(RoutingCapture {
             shape: RoutingShape {
-                moe_layers: moe.n_sparse(),
+                layers: self.config.num_hidden_layers,
                 top_k: moe.top_k,
                 num_experts: moe.num_experts,
             },

@@ -232,7 +232,8 @@ fn moe_forward_matches_transformers_logits_routing_and_greedy_tokens() {
                     );
                 }
             }
-            let width = sparse.len() * k;
+            // A row per decoder layer; the golden's rows are the MoE layers'.
+            let width = config.num_hidden_layers * k;
             let routed = prompt["routed_experts"].as_array().unwrap();
             let margins = prompt["router_margin"].as_array().unwrap();
             for (pos, (want, margin)) in routed.iter().zip(margins).enumerate() {
@@ -241,7 +242,7 @@ fn moe_forward_matches_transformers_logits_routing_and_greedy_tokens() {
                 for (j, (want, margin)) in layers.iter().zip(layer_margins).enumerate() {
                     let want = ids(want);
                     let margin = floats(margin);
-                    let got = &routing[pos * width + j * k..][..k];
+                    let got = &routing[pos * width + sparse[j] * k..][..k];
                     // The top-(r+1) set is decided by the gap after pick r.
                     for r in 0..k {
                         if margin[r] > NEAR_TIE {

@@ -50,7 +50,7 @@ fn routing_is_reported_per_token_whatever_the_batch_and_read_back_from_cached_bl
         assert_eq!(
             shape,
             RoutingShape {
-                moe_layers: moe.n_sparse(),
+                layers: config.num_hidden_layers,
                 top_k: moe.top_k,
                 num_experts: moe.num_experts,
             }
@@ -66,8 +66,16 @@ fn routing_is_reported_per_token_whatever_the_batch_and_read_back_from_cached_bl
         let alone = &out.routed[0];
         assert_eq!((alone.req, alone.first_pos), (a.req, 0));
         assert_eq!(alone.ids.len(), 10 * width, "{arch}");
-        for token in alone.ids.chunks_exact(moe.top_k) {
-            let mut picks = token.to_vec();
+        for (i, row) in alone.ids.chunks_exact(moe.top_k).enumerate() {
+            let layer = i % config.num_hidden_layers;
+            let mut picks = row.to_vec();
+            if !moe.is_sparse(layer) {
+                assert!(
+                    picks.iter().all(|&e| e == 0),
+                    "{arch}: a dense layer's row is 0"
+                );
+                continue;
+            }
             picks.sort();
             picks.dedup();
             assert_eq!(picks.len(), moe.top_k, "{arch}: distinct experts per token");

@@ -162,7 +162,7 @@ pub struct Choice<Content, Logprobs> {
     #[schema(value_type = Option<Vec<Object>>)]
     pub prompt_logprobs: Option<PromptLogprobsJson>,
     /// vLLM's: the choice's expert routing, base64 of a `.npy` array of shape
-    /// `(prompt + output tokens - 1 - routed_experts_prompt_start, moe_layers, top_k)`
+    /// `(prompt + output tokens - 1 - routed_experts_prompt_start, layers, top_k)`
     /// (`crate::routed_experts`), when the server captures it
     /// (`--enable-return-routed-experts`); `null` otherwise. Non-streamed answers only, as
     /// vLLM's.

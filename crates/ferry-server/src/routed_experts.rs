@@ -1,11 +1,11 @@
 //! `routed_experts` on the wire: a choice's expert routing (`ferry_engine::Finish::routing`,
-//! one row per input token, `moe_layers × top_k` expert ids) in the encodings RL trainers
+//! one row per input token, `layers × top_k` expert ids) in the encodings RL trainers
 //! read back.
 //!
 //! * vLLM 0.34 (`routed_experts` on each choice of `/v1/completions`,
 //!   `/v1/chat/completions` and `/inference/v1/generate`): base64 of the `.npy` file
 //!   `np.save(buf, array, allow_pickle=False)` writes (`vllm/utils/serial_utils.py`,
-//!   `numpy2base64`) of an array of shape `(rows, moe_layers, top_k)`, `uint8` when the model
+//!   `numpy2base64`) of an array of shape `(rows, layers, top_k)`, `uint8` when the model
 //!   has at most 256 experts, else `uint16` (`routed_experts_capturer.py`'s
 //!   `output_dtype_name`); its rows start at the request's `routed_experts_prompt_start`.
 //! * SGLang (`meta_info.routed_experts` of `/generate`, asked for with
@@ -37,7 +37,7 @@ fn rows_from(routing: &ExpertRouting, first_row: usize) -> (&[u16], usize) {
 }
 
 /// The `.npy` bytes numpy's `np.save` writes for the rows from `first_row` on, as an array of
-/// shape `(rows, moe_layers, top_k)`: `uint8` for at most 256 experts, else little-endian
+/// shape `(rows, layers, top_k)`: `uint8` for at most 256 experts, else little-endian
 /// `uint16`.
 pub fn npy(routing: &ExpertRouting, first_row: usize) -> Vec<u8> {
     let shape = routing.shape;
@@ -46,7 +46,7 @@ pub fn npy(routing: &ExpertRouting, first_row: usize) -> Vec<u8> {
     let descr = if narrow { "|u1" } else { "<u2" };
     let mut header = format!(
         "{{'descr': '{descr}', 'fortran_order': False, 'shape': ({n_rows}, {}, {}), }}",
-        shape.moe_layers, shape.top_k
+        shape.layers, shape.top_k
     );
     let digits = n_rows.to_string().len();
     header.push_str(&" ".repeat(GROWTH_AXIS_MAX_DIGITS.saturating_sub(digits)));
@@ -94,10 +94,10 @@ mod tests {
     use super::*;
     use ferry_engine::RoutingShape;
 
-    fn routing(moe_layers: usize, top_k: usize, num_experts: usize, ids: &[u16]) -> ExpertRouting {
+    fn routing(layers: usize, top_k: usize, num_experts: usize, ids: &[u16]) -> ExpertRouting {
         ExpertRouting {
             shape: RoutingShape {
-                moe_layers,
+                layers,
                 top_k,
                 num_experts,
             },

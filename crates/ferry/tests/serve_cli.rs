@@ -5,6 +5,7 @@
 //! resume, generate) works end to end. The HTTP API itself is tested in
 //! `crates/ferry-server/tests`; these tests only cover what the binary adds.
 
+use serde_json::json;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
@@ -36,13 +37,18 @@ fn start(extra: &[&str]) -> Server {
 
 /// [`start`] with `FERRY_API_KEY` set to `api_key` (else removed) and `RUST_LOG` = `log`.
 fn start_with(extra: &[&str], api_key: Option<&str>, log: &str) -> Server {
+    start_model("tiny", extra, api_key, log)
+}
+
+/// [`start_with`] serving `model`.
+fn start_model(model: &str, extra: &[&str], api_key: Option<&str>, log: &str) -> Server {
     let mut command = Command::new(FERRY);
     match api_key {
         Some(key) => command.env("FERRY_API_KEY", key),
         None => command.env_remove("FERRY_API_KEY"),
     };
     let mut child = command
-        .args(["serve", "--model", "tiny", "--port", "0"])
+        .args(["serve", "--model", model, "--port", "0"])
         .args(extra)
         .env("RUST_LOG", log)
         .env("NO_COLOR", "1")
@@ -342,6 +348,110 @@ fn routed_experts_need_an_moe_model_and_no_kv_connector() {
                 && err.contains(named),
             "{flags:?}: {err}"
         );
+    }
+}
+
+/// The routing of `tokens` (one prefill) as the model in `dir` computes it in process.
+fn routing_in_process(dir: &std::path::Path, tokens: &[u32]) -> Vec<u16> {
+    use ferry_core::{BlockId, ReqIdx, ScheduledReq, StepPlan, TokenId};
+    use ferry_model::Executor;
+    let m = ferry_model::load_model(dir).unwrap();
+    let mut model = ferry_model::LlamaModel::new(&m.config, &m.weights)
+        .unwrap()
+        .with_routed_experts(true)
+        .unwrap();
+    let (bs, n) = (16, tokens.len());
+    let blocks = n.div_ceil(bs);
+    let mut kv = ferry_arena::KvArena::new(model.kv_layout(bs), blocks + 1);
+    let plan = StepPlan {
+        block_size: bs,
+        reqs: vec![ScheduledReq {
+            req: ReqIdx(0),
+            start_pos: 0,
+            tokens: 0..n,
+            blocks: 0..blocks,
+            sample: None,
+        }],
+        token_ids: TokenId::from_raw_slice(tokens).to_vec(),
+        block_tables: (1..=blocks as u32).map(BlockId).collect(),
+        ..StepPlan::default()
+    };
+    model.execute(&plan, &mut kv).unwrap().routed[0].ids.clone()
+}
+
+/// An MoE model from `ferry make-model moe` served with `--enable-return-routed-experts`:
+/// the routing each route returns (vLLM's `.npy` on `/v1/completions`, SGLang's `int32`
+/// on `/generate`), for the prompt and the generated tokens, is the model's own in process,
+/// also when the prompt comes from the prefix cache the second time.
+#[test]
+fn an_moe_model_returns_the_routing_its_forward_computed() {
+    use base64::Engine as _;
+    let b64 = |v: &serde_json::Value| {
+        base64::engine::general_purpose::STANDARD
+            .decode(v.as_str().unwrap_or_else(|| panic!("not a string: {v}")))
+            .unwrap()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("moe");
+    let made = Command::new(FERRY)
+        .args(["make-model", "moe", "--arch", "qwen3_moe", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let server = start_model(
+        dir.to_str().unwrap(),
+        &["--enable-return-routed-experts"],
+        None,
+        "info",
+    );
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 7 + 3) % 300).collect();
+    let config = ferry_model::load_model(&dir).unwrap().config;
+    let width = config.num_hidden_layers * config.moe.unwrap().top_k;
+    for round in 0..2 {
+        let body = json!({"input_ids": prompt, "return_routed_experts": true,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0}});
+        let (status, out) = call(server.port, "POST", "/generate", &body.to_string());
+        assert_eq!(status, 200, "{out}");
+        let output: Vec<u32> = out["output_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let mut tokens = prompt.clone();
+        tokens.extend(&output[..output.len() - 1]);
+        let want = routing_in_process(&dir, &tokens);
+        let got: Vec<u16> = b64(&out["meta_info"]["routed_experts"])
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u16)
+            .collect();
+        assert_eq!(got, want, "round {round}: SGLang's routed_experts");
+
+        let body = json!({"prompt": prompt, "max_tokens": 5, "temperature": 0});
+        let (status, out) = call(server.port, "POST", "/v1/completions", &body.to_string());
+        assert_eq!(status, 200, "{out}");
+        let npy = b64(&out["choices"][0]["routed_experts"]);
+        let header = String::from_utf8_lossy(&npy[..npy.len() - want.len()]).into_owned();
+        assert!(
+            header.contains(&format!(
+                "'shape': ({}, {}, 3)",
+                tokens.len(),
+                config.num_hidden_layers
+            )),
+            "{header}"
+        );
+        assert!(header.contains("'descr': '|u1'"), "{header}");
+        let rows: Vec<u16> = npy[npy.len() - want.len()..]
+            .iter()
+            .map(|&b| u16::from(b))
+            .collect();
+        assert_eq!(rows, want, "round {round}: vLLM's routed_experts");
+        assert_eq!(want.len(), tokens.len() * width);
     }
 }
 

@@ -32,7 +32,7 @@ impl Scheduler {
     /// could not be read.
     pub fn set_routing_shape(&mut self, shape: Option<RoutingShape>) -> Result<(), ConfigError> {
         if let Some(s) = shape {
-            if s.moe_layers == 0
+            if s.layers == 0
                 || s.top_k == 0
                 || s.num_experts == 0
                 || s.num_experts > usize::from(u16::MAX) + 1

@@ -34,7 +34,7 @@ pub(super) struct MoeScratch {
 }
 
 /// Where the block writes each token's picks: `ids[t * width + col * top_k ..][..top_k]`
-/// (`col`: the layer's index among the MoE layers).
+/// (`col`: the layer's row, [`ferry_core::RoutingShape`]).
 pub(super) struct RoutingOut<'a> {
     pub ids: &'a mut [u16],
     pub width: usize,

@@ -21,7 +21,7 @@
 //! `return_routed_experts` (a server started with `--enable-return-routed-experts`; a 400
 //! otherwise) adds `meta_info.routed_experts` to a finished choice: base64 of its expert
 //! routing as little-endian `int32`, rows `routed_experts_start_len..` of the
-//! `prompt + output - 1` input tokens, `moe_layers × top_k` ids each
+//! `prompt + output - 1` input tokens, `layers × top_k` ids each
 //! ([`crate::routed_experts`]; SGLang's `GenerateReqInput` fields and detokenizer encoding).
 
 use std::sync::Arc;

@@ -16,7 +16,7 @@ use crate::native::prompt_ids;
 use crate::support::{ids, start, Options, Server};
 
 const SHAPE: RoutingShape = RoutingShape {
-    moe_layers: 3,
+    layers: 3,
     top_k: 2,
     num_experts: 64,
 };
@@ -106,7 +106,7 @@ fn check(shape: RoutingShape, routed: &Value, tokens: &[u64], from: usize) -> Np
     assert_eq!(npy.descr, descr);
     assert_eq!(
         npy.shape,
-        [tokens.len() - 1 - from, shape.moe_layers, shape.top_k]
+        [tokens.len() - 1 - from, shape.layers, shape.top_k]
     );
     assert_eq!(npy.values, expected(shape, tokens, from));
     npy
@@ -370,7 +370,7 @@ async fn sglang_returns_int32_routing_when_asked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_than_256_experts_are_uint16() {
     let shape = RoutingShape {
-        moe_layers: 2,
+        layers: 2,
         top_k: 4,
         num_experts: 1000,
     };
