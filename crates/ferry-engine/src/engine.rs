@@ -241,6 +241,7 @@ impl EngineLoop {
         drop((permit, slot));
         match input {
             Input::Add(add) => self.add(add),
+            Input::AddAll(adds) => adds.into_iter().for_each(|add| self.add(add)),
             Input::Abort(id) => {
                 self.core.handle_abort(&id);
             }

@@ -206,29 +206,36 @@ impl EngineHandle {
     }
 
     /// [`Self::generate`] for several requests that belong together (the `n` choices of one
-    /// prompt): all are queued before any acceptance is awaited, so the engine thread takes
-    /// them in one go, between the same two steps. That is what lets the choices of a P/D
-    /// prompt share one KV load: a choice queued after another had loaded and finished would
-    /// find the export pulled already. On an error, the requests queued before it are
-    /// aborted, and the error comes with the index of the request at fault.
+    /// prompt): all are checked, then sent as one message, so the engine thread takes them
+    /// between the same two steps. That is what lets the choices of a P/D prompt share one
+    /// KV load: a choice added after another had loaded and finished would find the export
+    /// pulled already. A request refused before sending sends none (the error comes with
+    /// its index); one the engine refuses aborts the others.
     pub async fn generate_all(
         &self,
         reqs: Vec<GenerateRequest>,
     ) -> Result<Vec<GenerateStream>, (usize, GenerateError)> {
-        let mut queued = Vec::with_capacity(reqs.len());
+        let mut adds = Vec::with_capacity(reqs.len());
+        let mut sent = Vec::with_capacity(reqs.len());
+        let mut permit: Option<tokio::sync::OwnedSemaphorePermit> = None;
         for (i, req) in reqs.into_iter().enumerate() {
-            match self.queue(req) {
-                Ok(q) => queued.push(q),
-                Err(e) => {
-                    // Each dropped stream aborts its request.
-                    queued.into_iter().for_each(SentAdd::abandon);
-                    return Err((i, e));
-                }
+            // Nothing was sent yet: a refused request drops the others unsent.
+            let (add, p, s) = self.prepare(req).map_err(|e| (i, e))?;
+            match &mut permit {
+                Some(all) => all.merge(p),
+                None => permit = Some(p),
             }
+            adds.push(add);
+            sent.push(s);
         }
-        let mut streams = Vec::with_capacity(queued.len());
+        // One message: the engine thread takes every choice between the same two steps,
+        // however the threads are scheduled (sent one by one, a loaded machine let the engine
+        // run a step, and the first choice's KV load, between two of them).
+        self.send(Input::AddAll(adds), permit)
+            .map_err(|e| (0, e.into()))?;
+        let mut streams = Vec::with_capacity(sent.len());
         let mut failed = None;
-        for (i, q) in queued.into_iter().enumerate() {
+        for (i, q) in sent.into_iter().enumerate() {
             if failed.is_some() {
                 q.abandon();
                 continue;
@@ -246,6 +253,17 @@ impl EngineHandle {
 
     /// Checks and sends the request's `Add`; [`SentAdd::accepted`] awaits the engine's answer.
     fn queue(&self, req: GenerateRequest) -> Result<SentAdd, GenerateError> {
+        let (add, permit, sent) = self.prepare(req)?;
+        self.send(Input::Add(add), Some(permit))?;
+        Ok(sent)
+    }
+
+    /// Checks the request and makes its `Add` (with its queue permit) and the receiving end,
+    /// sending nothing.
+    fn prepare(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<(AddInput, tokio::sync::OwnedSemaphorePermit, SentAdd), GenerateError> {
         let needs_text = req.detokenize || !req.stop.is_empty();
         if needs_text && self.inner.tokenizer.is_none() {
             return Err(GenerateError::NoTokenizer);
@@ -283,13 +301,13 @@ impl EngineHandle {
             transfer: req.transfer.map(Box::new),
             constraint: req.constraint.map(Box::new),
         };
-        self.send(Input::Add(add), Some(permit))?;
-        Ok(SentAdd {
+        let sent = SentAdd {
             handle: self.clone(),
             setup,
             events_rx,
             accepted_rx,
-        })
+        };
+        Ok((add, permit, sent))
     }
 
     fn stream(

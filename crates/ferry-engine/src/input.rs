@@ -64,6 +64,9 @@ impl Drop for QueueSlot {
 #[derive(Debug)]
 pub(crate) enum Input {
     Add(AddInput),
+    /// Requests added between the same two steps, in order (the `n` choices of one prompt:
+    /// one message, so the engine thread cannot run a step between them).
+    AddAll(Vec<AddInput>),
     /// Abort a live request by id; unknown or finished ids are ignored.
     Abort(String),
     Utility(Utility),

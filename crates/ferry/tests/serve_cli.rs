@@ -6,6 +6,10 @@
 //! `crates/ferry-server/tests`; these tests only cover what the binary adds.
 
 use serde_json::json;
+
+#[allow(dead_code)] // Shared with the proxy tests; this file uses `make_model`.
+#[path = "proxy/procs.rs"]
+mod procs;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
@@ -393,16 +397,7 @@ fn an_moe_model_returns_the_routing_its_forward_computed() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("moe");
-    let made = Command::new(FERRY)
-        .args(["make-model", "moe", "--arch", "qwen3_moe", "--out"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
-    );
+    procs::make_model(&["moe", "--arch", "qwen3_moe"], &dir);
     let server = start_model(
         dir.to_str().unwrap(),
         &["--enable-return-routed-experts"],

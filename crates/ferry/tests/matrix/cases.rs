@@ -443,11 +443,7 @@ async fn reload(ctx: &Ctx<'_>, mode: Mode) {
     .await;
     let (version, in_place) = ctx.reload().await;
     // A folder is read over the paused engine's weights; a GGUF file into new ones.
-    assert_eq!(
-        in_place,
-        matches!(ctx.setup.model, crate::fleet::Model::Tiny),
-        "{mode:?}"
-    );
+    assert_eq!(in_place, ctx.setup.model.is_small(), "{mode:?}");
     for base in [&ctx.trio.p.url, &ctx.trio.d.url] {
         let (_, info) = crate::procs::get(&format!("{base}/weight_info")).await;
         assert_eq!(info["weight_version"], version.as_str(), "{base}: {info}");

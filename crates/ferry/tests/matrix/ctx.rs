@@ -58,7 +58,7 @@ pub struct Bounds {
 impl Bounds {
     pub fn of(model: &Model) -> Bounds {
         match model {
-            Model::Tiny => Bounds {
+            Model::Tiny | Model::Moe => Bounds {
                 instant: Duration::from_millis(1000),
                 clearing: Duration::from_millis(1500),
                 draining: Duration::from_secs(15),
@@ -131,7 +131,7 @@ impl<'a> Ctx<'a> {
     /// Requests per wave: enough to fill D's batch (4) and queue more behind it.
     pub fn wave_size(&self) -> usize {
         match self.setup.model {
-            Model::Tiny => 6,
+            Model::Tiny | Model::Moe => 6,
             Model::Default(_) => 4,
         }
     }

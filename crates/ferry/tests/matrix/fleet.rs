@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Once;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -19,6 +19,9 @@ pub enum Model {
     Tiny,
     /// SmolLM2-135M-Instruct (a GGUF file scripts/fetch-model.sh fetches).
     Default(PathBuf),
+    /// A random-weight Qwen3-MoE (`ferry make-model moe`: 8 experts, top-3, a dense layer
+    /// among its MoE ones) with the tiny model's tokenizer, about as fast as tiny.
+    Moe,
 }
 
 impl Model {
@@ -26,6 +29,7 @@ impl Model {
         match self {
             Model::Tiny => "tiny",
             Model::Default(_) => "smol",
+            Model::Moe => "moe",
         }
     }
 
@@ -33,6 +37,7 @@ impl Model {
         match self {
             Model::Tiny => "tiny",
             Model::Default(_) => "SmolLM2-135M",
+            Model::Moe => "Qwen3-MoE (random)",
         }
     }
 
@@ -41,27 +46,36 @@ impl Model {
         match self {
             Model::Tiny => tiny_folder().display().to_string(),
             Model::Default(path) => path.display().to_string(),
+            Model::Moe => moe_folder().display().to_string(),
         }
+    }
+
+    /// A small random-weight model, fast enough for every case (tiny, or the MoE one).
+    pub fn is_small(&self) -> bool {
+        !matches!(self, Model::Default(_))
     }
 }
 
 /// The tiny model written once as a Hugging Face folder (`ferry make-model tiny`), for
 /// reloads from disk.
 fn tiny_folder() -> PathBuf {
-    static WRITE: Once = Once::new();
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("matrix-tiny-model");
-    WRITE.call_once(|| {
-        let out = std::process::Command::new(procs::FERRY)
-            .args(["make-model", "tiny", "--out"])
-            .arg(&dir)
-            .output()
-            .expect("running ferry make-model");
-        assert!(
-            out.status.success(),
-            "ferry make-model tiny: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    });
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| made_folder("matrix-tiny-model", &["tiny"]))
+        .clone()
+}
+
+/// The MoE model written once as a Hugging Face folder (`ferry make-model moe`), which the
+/// trio serves and reloads from.
+fn moe_folder() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| made_folder("matrix-moe-model", &["moe", "--arch", "qwen3_moe"]))
+        .clone()
+}
+
+/// `ferry make-model ARGS` into a folder of the test target's temporary directory.
+fn made_folder(name: &str, args: &[&str]) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    procs::make_model(args, &dir);
     dir
 }
 
@@ -100,7 +114,7 @@ impl Setup {
     /// instead of revoking the export would miss its bound.
     pub fn lease_seconds(&self) -> u64 {
         match self.model {
-            Model::Tiny => 2,
+            Model::Tiny | Model::Moe => 2,
             Model::Default(_) => 10,
         }
     }
@@ -126,6 +140,7 @@ impl Setup {
     pub fn serve_args(&self, role: Option<&str>) -> Vec<String> {
         let (model, cache, len) = match &self.model {
             Model::Tiny => ("tiny".to_owned(), "16MiB", "2048"),
+            Model::Moe => (moe_folder().display().to_string(), "16MiB", "2048"),
             Model::Default(path) => (path.display().to_string(), "64MiB", "256"),
         };
         let mut args: Vec<String> = [

@@ -32,7 +32,7 @@ fn prompt_set(model: &Model) -> PromptSet {
             let repeat = match model {
                 // Tiny is fast: long prompts and outputs keep requests in flight for the
                 // length of an operation (about a second for the whole wave).
-                Model::Tiny => 1 + i % 4,
+                Model::Tiny | Model::Moe => 1 + i % 4,
                 Model::Default(_) => 1,
             };
             format!("Story {i}. {}", base.repeat(repeat))
@@ -40,7 +40,7 @@ fn prompt_set(model: &Model) -> PromptSet {
         .collect();
     let max_tokens = (0..8)
         .map(|i| match model {
-            Model::Tiny => 560 + 40 * i,
+            Model::Tiny | Model::Moe => 560 + 40 * i,
             Model::Default(_) => 12 + 2 * i,
         })
         .collect();
@@ -60,6 +60,7 @@ pub struct Reference {
 
 static TINY_REFERENCE: OnceCell<Arc<Reference>> = OnceCell::const_new();
 static DEFAULT_REFERENCE: OnceCell<Arc<Reference>> = OnceCell::const_new();
+static MOE_REFERENCE: OnceCell<Arc<Reference>> = OnceCell::const_new();
 
 /// The model's reference, computed by the first test that asks (a plain `ferry serve`
 /// started for it and stopped after).
@@ -67,6 +68,7 @@ pub async fn reference(setup: &Setup) -> Arc<Reference> {
     let cell = match setup.model {
         Model::Tiny => &TINY_REFERENCE,
         Model::Default(_) => &DEFAULT_REFERENCE,
+        Model::Moe => &MOE_REFERENCE,
     };
     Arc::clone(
         cell.get_or_init(|| async {

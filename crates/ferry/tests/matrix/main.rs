@@ -5,8 +5,9 @@
 //!
 //! Every case of the contract runs on the tiny model with the offload tier off and again with
 //! it on (on P and D), and a subset on the default model, each with D at its default
-//! `kv_load_failure_policy` (`fail`: no flag, every flag at its default); and every case runs
-//! once more on the tiny model without the tier with D under `recompute`. Each case checks:
+//! `kv_load_failure_policy` (`fail`: no flag, every flag at its default); every case runs
+//! once more on the tiny model without the tier with D under `recompute`, and once on a
+//! random mixture-of-experts model (`ferry make-model moe`) with the tier on. Each case checks:
 //!
 //! 1. every admin call answers within its stated bound (each reply time is recorded);
 //! 2. no request is lost: each streaming request ends, with every token or with
@@ -55,7 +56,7 @@ static CORES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
 /// A case that runs past this has hung (an operation or a request that never ends).
 fn case_bound(setup: &Setup) -> Duration {
     match setup.model {
-        Model::Tiny => Duration::from_secs(90),
+        Model::Tiny | Model::Moe => Duration::from_secs(90),
         Model::Default(_) => Duration::from_secs(240),
     }
 }
@@ -161,6 +162,19 @@ async fn every_case_on_the_tiny_model_with_the_offload_tier() {
     let _cores = CORES.acquire().await.unwrap();
     let setup = Setup {
         model: Model::Tiny,
+        tier: true,
+        policy: Policy::Default,
+    };
+    run(setup, Case::all()).await;
+}
+
+/// A mixture-of-experts model (`ferry make-model moe`), P/D with the offload tier on both:
+/// every case, its KV moved by both connectors and its weights reloaded in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_case_on_an_moe_model_with_the_offload_tier() {
+    let _cores = CORES.acquire().await.unwrap();
+    let setup = Setup {
+        model: Model::Moe,
         tier: true,
         policy: Policy::Default,
     };

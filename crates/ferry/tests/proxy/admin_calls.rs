@@ -317,16 +317,7 @@ async fn every_admin_call_through_the_proxy_fences_exactly_the_caches_it_may_wip
     tokio::time::timeout(Duration::from_secs(300), async {
         let model_dir = tempfile::tempdir().unwrap();
         let model = model_dir.path().join("tiny");
-        let made = std::process::Command::new(FERRY)
-            .args(["make-model", "tiny", "--out"])
-            .arg(&model)
-            .output()
-            .unwrap();
-        assert!(
-            made.status.success(),
-            "{}",
-            String::from_utf8_lossy(&made.stderr)
-        );
+        make_model(&["tiny"], &model);
         let (proxy, instances) = kv_fleet(&[], &["--enable-admin-api"]).await;
         let fleet = Fleet {
             proxy,

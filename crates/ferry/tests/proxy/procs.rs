@@ -11,6 +11,23 @@ use serde_json::{json, Value};
 
 pub const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
 
+/// Runs `ferry make-model ARGS --out DIR` (`tiny`, or `moe --arch ...`), failing the test
+/// with its stderr if it fails.
+pub fn make_model(args: &[&str], dir: &std::path::Path) {
+    let out = Command::new(FERRY)
+        .arg("make-model")
+        .args(args)
+        .arg("--out")
+        .arg(dir)
+        .output()
+        .expect("running ferry make-model");
+    assert!(
+        out.status.success(),
+        "ferry make-model {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A child process and the port it serves on.
 pub struct Proc {
     child: Child,
