@@ -20,6 +20,7 @@ fn layout() -> KvLayout {
         n_kv_heads: 2,
         head_dim: 4,
         block_size: 4,
+        aux_floats: 0,
     }
 }
 
@@ -360,6 +361,7 @@ fn a_release_keeps_an_outstanding_grants_memory_until_it_drops() {
             n_kv_heads: 4,
             head_dim: 64,
             block_size: 16,
+            aux_floats: 0,
         };
         (layout, (64 << 20) / layout.block_bytes(), 20)
     };

@@ -145,6 +145,27 @@ impl KvArena {
         &mut self.block_mut(block)[start..start + len]
     }
 
+    /// The aux words of arena slot `block * block_size + offset` ([`KvLayout::aux_floats`]).
+    pub fn aux_at(&self, arena_slot: usize) -> &[f32] {
+        let (block, at) = self.aux_place(arena_slot);
+        &self.block(block)[at..at + self.layout.aux_floats]
+    }
+
+    pub fn aux_at_mut(&mut self, arena_slot: usize) -> &mut [f32] {
+        let (block, at) = self.aux_place(arena_slot);
+        let n = self.layout.aux_floats;
+        &mut self.block_mut(block)[at..at + n]
+    }
+
+    fn aux_place(&self, arena_slot: usize) -> (BlockId, usize) {
+        let bs = self.layout.block_size;
+        let block = BlockId((arena_slot / bs) as u32);
+        (
+            block,
+            self.layout.aux_offset() + (arena_slot % bs) * self.layout.aux_floats,
+        )
+    }
+
     /// [`KvArena::token`] by arena slot (`block * block_size + slot`, what
     /// `StepPlan::slot_of` returns).
     pub fn token_at(&self, arena_slot: usize, layer: usize, plane: KvPlane) -> &[f32] {

@@ -8,6 +8,7 @@ fn layout() -> KvLayout {
         n_kv_heads: 2,
         head_dim: 4,
         block_size: 5,
+        aux_floats: 0,
     }
 }
 
@@ -223,6 +224,7 @@ fn release_returns_memory_to_the_os() {
         n_kv_heads: 4,
         head_dim: 64,
         block_size: 16,
+        aux_floats: 0,
     };
     let n_blocks = 256 * MIB / layout.block_bytes();
     let mut arena = KvArena::new(layout, n_blocks);
@@ -292,6 +294,7 @@ fn a_large_arena_is_advised_for_huge_pages() {
         n_kv_heads: 4,
         head_dim: 64,
         block_size: 16,
+        aux_floats: 0,
     };
     let arena = KvArena::new(layout, 64 * MIB / layout.block_bytes());
     let start = arena.block(BlockId(0)).as_ptr() as usize;

@@ -24,6 +24,11 @@ pub struct KvLayout {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub block_size: usize,
+    /// 32-bit words per token kept after the K/V planes of a block, for data that lives and
+    /// moves with the token's KV (an MoE model's expert routing, two u16 ids a word); 0 for
+    /// none. Part of the block's bytes, so transfers, the offload tier and layout checks
+    /// carry and compare it with the KV.
+    pub aux_floats: usize,
 }
 
 /// Which half of a layer's KV: keys or values.
@@ -44,8 +49,14 @@ impl KvLayout {
         self.block_size * self.token_floats()
     }
 
-    /// Floats of one whole block (every layer, K and V).
+    /// Floats of one whole block (every layer, K and V, then the tokens' aux words).
     pub fn block_floats(&self) -> usize {
+        self.aux_offset() + self.block_size * self.aux_floats
+    }
+
+    /// Offset (in floats, inside a block) of the aux words of its first slot; slot `s`'s are
+    /// `aux_floats` further per slot.
+    pub fn aux_offset(&self) -> usize {
         self.n_layers * 2 * self.plane_floats()
     }
 

@@ -90,6 +90,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         n_kv_heads: c.num_key_value_heads,
         head_dim: c.head_dim,
         block_size: args.block_size,
+        aux_floats: 0,
     };
     let copy = throughput(&args, layout)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

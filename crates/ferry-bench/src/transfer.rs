@@ -105,6 +105,7 @@ impl Args {
             n_kv_heads: self.n_kv_heads,
             head_dim: self.head_dim,
             block_size: self.block_size,
+            aux_floats: 0,
         };
         ensure!(layout.block_bytes() > 0, "an empty block");
         Ok(layout)

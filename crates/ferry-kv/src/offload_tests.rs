@@ -14,6 +14,7 @@ fn layout() -> KvLayout {
         n_kv_heads: 2,
         head_dim: 8,
         block_size: 4,
+        aux_floats: 0,
     }
 }
 

@@ -20,8 +20,10 @@
 //! The handshake:
 //!
 //! 1. D → P, the *hello*: `"FERRYKV\0"`, u32 protocol version, u8 1 if KV floats are
-//!    little-endian f32, string model id, u32 layers, KV heads, head dim, block size, u8 1 if D
-//!    has a fleet secret (else 0), and a 32-byte nonce `nd` (random with a secret, else zeros).
+//!    little-endian f32, string model id, u32 layers, KV heads, head dim, block size, aux words
+//!    per token (version 3: an MoE model's expert routing travels in the blocks, after the
+//!    K/V planes, `KvLayout::aux_floats`), u8 1 if D has a fleet secret (else 0), and a 32-byte
+//!    nonce `nd` (random with a secret, else zeros).
 //! 2. P → D: a status, refused for another protocol version, P at its connection limit, or a
 //!    secret on one side only. With secrets, the ok is followed by P's random 32-byte nonce
 //!    `np` and P's proof `mac_p`.
@@ -138,7 +140,7 @@ use crate::transport::{
 /// Bumped on every change of the wire format; peers of another version are refused. (The
 /// one-sided *read* requests are additions a P of this version without them refuses as an
 /// unknown request, so they did not change it.)
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 const MAGIC: &[u8; 8] = b"FERRYKV\0";
 /// Longest string field accepted from a peer (model ids, tokens, versions, reasons).
 pub const MAX_STRING_BYTES: u32 = 64 * 1024;
@@ -1566,7 +1568,7 @@ fn proof(
 struct Hello {
     little_endian: u8,
     model_id: String,
-    dims: [u32; 4],
+    dims: [u32; 5],
     has_secret: u8,
     nonce: [u8; NONCE_BYTES],
 }
@@ -1599,12 +1601,13 @@ impl Hello {
     }
 }
 
-fn layout_dims(layout: KvLayout) -> [u32; 4] {
+fn layout_dims(layout: KvLayout) -> [u32; 5] {
     [
         layout.n_layers,
         layout.n_kv_heads,
         layout.head_dim,
         layout.block_size,
+        layout.aux_floats,
     ]
     .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
 }
@@ -1627,7 +1630,7 @@ async fn read_hello(stream: &mut TcpStream) -> Result<Hello, TransportError> {
     }
     let little_endian = stream.read_u8().await?;
     let model_id = read_string(stream).await??;
-    let mut dims = [0u32; 4];
+    let mut dims = [0u32; 5];
     for d in &mut dims {
         *d = stream.read_u32_le().await?;
     }
@@ -1661,13 +1664,15 @@ fn check_hello(hello: &Hello, config: &TcpTransportConfig) -> Result<(), Transpo
         ));
     }
     if hello.dims != layout_dims(config.layout) {
-        let [n_layers, n_kv_heads, head_dim, block_size] = hello.dims;
+        let [n_layers, n_kv_heads, head_dim, block_size, aux] = hello.dims;
         let l = config.layout;
         return mismatch(format!(
             "KV layout mismatch: the reader has n_layers {n_layers}, n_kv_heads {n_kv_heads}, \
-             head_dim {head_dim}, block_size {block_size}; this engine n_layers {}, n_kv_heads \
-             {}, head_dim {}, block_size {}",
-            l.n_layers, l.n_kv_heads, l.head_dim, l.block_size
+             head_dim {head_dim}, block_size {block_size}, aux words per token {aux}; this \
+             engine n_layers {}, n_kv_heads {}, head_dim {}, block_size {}, aux words per \
+             token {} (aux words carry an MoE model's expert routing: both engines capture \
+             it, `--enable-return-routed-experts`, or neither)",
+            l.n_layers, l.n_kv_heads, l.head_dim, l.block_size, l.aux_floats
         ));
     }
     Ok(())

@@ -18,6 +18,7 @@ const LAYOUT: KvLayout = KvLayout {
     n_kv_heads: 2,
     head_dim: 8,
     block_size: 4,
+    aux_floats: 0,
 };
 const WAIT: Duration = Duration::from_secs(10);
 const HASH: [u8; 32] = [7; 32];
@@ -241,6 +242,27 @@ fn a_handshake_mismatch_fails_closed_with_its_reason() {
     let (kind, reason) = refused_as(&rx);
     assert!(
         reason.contains("KV layout mismatch") && reason.contains("block_size 8"),
+        "{reason}"
+    );
+    assert_eq!(kind, FetchFailure::Fault);
+
+    // A reader whose blocks carry expert routing (aux words) and a P whose do not.
+    let routed = KvLayout {
+        aux_floats: 3,
+        ..LAYOUT
+    };
+    let routed_d = TcpTransport::start(config("D", routed, "m", WAIT)).unwrap();
+    let routed_arena = KvArena::new(routed, 4);
+    let rx = fetch(
+        &routed_d,
+        &routed_arena,
+        spec(p.local_addr(), "tok", 0, &[0, 1]),
+        &[2, 3],
+    );
+    let (kind, reason) = refused_as(&rx);
+    assert!(
+        reason.contains("aux words per token 3")
+            && reason.contains("--enable-return-routed-experts"),
         "{reason}"
     );
     assert_eq!(kind, FetchFailure::Fault);
@@ -491,6 +513,7 @@ const LAYOUT_BIG: KvLayout = KvLayout {
     n_kv_heads: 4,
     head_dim: 64,
     block_size: 16,
+    aux_floats: 0,
 };
 
 fn until_ready(p: &TcpTransport) {
@@ -922,14 +945,17 @@ fn a_reader_of_another_protocol_version_reads_its_refusal() {
     msg.extend_from_slice(&1u32.to_le_bytes());
     msg.push(1);
     put_string(&mut msg, "m");
-    for d in layout_dims(LAYOUT) {
+    for d in &layout_dims(LAYOUT)[..4] {
         msg.extend_from_slice(&d.to_le_bytes());
     }
     s.write_all(&msg).unwrap();
     let mut reply = Vec::new();
     s.read_to_end(&mut reply).unwrap();
     let mut expected = vec![STATUS_REFUSED];
-    put_string(&mut expected, "protocol version 1, this listener speaks 2");
+    put_string(
+        &mut expected,
+        &format!("protocol version 1, this listener speaks {PROTOCOL_VERSION}"),
+    );
     assert_eq!(
         reply, expected,
         "version 1's refusal: a status and a string"

@@ -13,6 +13,7 @@ const LAYOUT: KvLayout = KvLayout {
     n_kv_heads: 2,
     head_dim: 8,
     block_size: 4,
+    aux_floats: 0,
 };
 
 fn lib_dir() -> std::path::PathBuf {

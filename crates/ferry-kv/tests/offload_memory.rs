@@ -16,6 +16,7 @@ fn release_gives_the_tier_memory_back() {
         n_kv_heads: 4,
         head_dim: 64,
         block_size: 16,
+        aux_floats: 0,
     };
     let block_bytes = layout.block_bytes();
     let n_host_blocks = (128 * MIB) as usize / block_bytes;

@@ -43,6 +43,7 @@ fn main() {
         n_kv_heads: 3,
         head_dim: 64,
         block_size: 16,
+        aux_floats: 0,
     };
     let per_seq = CONTEXT.div_ceil(layout.block_size);
     let mut arena = KvArena::new(layout, SEQS * per_seq);

@@ -291,6 +291,7 @@ impl Executor for ChecksumModel {
             n_kv_heads: 1,
             head_dim: HEAD_DIM,
             block_size,
+            aux_floats: 0,
         }
     }
 

@@ -26,7 +26,7 @@ pub use config::{expected_tensors, ExpertNaming, LlamaConfig, MoeConfig, RopeSca
 pub use driver::ExecutorModel;
 pub use dtype::WeightDtype;
 pub use executor::{ExecError, Executor, Hooked, StepHook};
-pub use llama::{LlamaModel, Logits};
+pub use llama::{kv_layout_of, LlamaModel, Logits};
 pub use load::{cache_dir, default_model_path};
 pub use load::{
     load_model, load_model_stored, load_model_stored_with_progress, load_model_with_progress,

@@ -76,18 +76,18 @@ pub struct LlamaModel {
     residency: WeightResidency,
 }
 
-/// The routing of every token computed, kept beside its KV: `slots[slot * width ..][..width]`
-/// is the routing of the token whose KV is in arena slot `slot` (written by the forward that
-/// wrote that KV), so a request served from the prefix cache reads its cached positions'
-/// routing back from the same blocks ([`ferry_core::RoutingRead`]). A slot's routing is
-/// rewritten whenever its KV is, and read only for blocks whose KV the scheduler vouches for.
+/// The routing of every token computed, kept with its KV: in the aux words of the token's
+/// arena slot ([`KvLayout::aux_floats`], two u16 ids a word), written by the forward that
+/// writes its KV, so a request served from the prefix cache reads its cached positions'
+/// routing back from the same blocks ([`ferry_core::RoutingRead`]), and whatever moves,
+/// offloads, fences or frees a block's KV does the same to its routing (the P/D transports
+/// and the offload tier copy whole blocks).
 #[derive(Debug)]
 struct RoutingCapture {
     shape: RoutingShape,
     /// For each layer, its row in a token's routing (`None` for dense layers, whose row
     /// stays 0).
     columns: Vec<Option<usize>>,
-    slots: Vec<u16>,
     /// This step's tokens' routing, `n × width`.
     step: Vec<u16>,
 }
@@ -191,7 +191,6 @@ impl LlamaModel {
                 num_experts: moe.num_experts,
             },
             columns,
-            slots: Vec::new(),
             step: Vec::new(),
         });
         Ok(self)
@@ -256,7 +255,7 @@ impl LlamaModel {
             self.layer(l, lw, &meta, kv, &mut x, &mut scratch);
         }
         if let Some(r) = &mut scratch.routing {
-            self.routed_out = r.record(plan, &meta.slots, kv.n_blocks());
+            self.routed_out = r.record(plan, &meta.slots, kv);
         }
         self.scratch = scratch;
         self.logits(&meta.sample_rows, &x, data);
@@ -554,14 +553,10 @@ impl LlamaModel {
 impl RoutingCapture {
     /// Stores this step's routing beside each token's KV slot and returns each request's
     /// rows: those the plan reads back from its blocks, then those it computed.
-    fn record(&mut self, plan: &StepPlan, slots: &[usize], n_blocks: usize) -> Vec<RoutedExperts> {
+    fn record(&mut self, plan: &StepPlan, slots: &[usize], kv: &mut KvArena) -> Vec<RoutedExperts> {
         let width = self.shape.width();
-        let want = n_blocks * plan.block_size * width;
-        if self.slots.len() < want {
-            self.slots.resize(want, 0);
-        }
         for (row, &slot) in self.step.chunks_exact(width).zip(slots) {
-            self.slots[slot * width..(slot + 1) * width].copy_from_slice(row);
+            pack_ids(row, kv.aux_at_mut(slot));
         }
         plan.reqs
             .iter()
@@ -574,8 +569,7 @@ impl RoutingCapture {
                     .map_or(r.start_pos, |read| read.from.min(r.start_pos));
                 let mut ids = Vec::with_capacity((r.start_pos - from + r.tokens.len()) * width);
                 for pos in from..r.start_pos {
-                    let slot = plan.slot_of(r, pos);
-                    ids.extend_from_slice(&self.slots[slot * width..(slot + 1) * width]);
+                    unpack_ids(kv.aux_at(plan.slot_of(r, pos)), width, &mut ids);
                 }
                 ids.extend_from_slice(&self.step[r.tokens.start * width..r.tokens.end * width]);
                 RoutedExperts {
@@ -588,14 +582,50 @@ impl RoutingCapture {
     }
 }
 
+/// Aux words a token's routing of `width` ids takes: two u16 a word.
+fn routing_words(width: usize) -> usize {
+    width.div_ceil(2)
+}
+
+/// `ids` into aux words, two a word (low half first), as raw bits.
+fn pack_ids(ids: &[u16], words: &mut [f32]) {
+    for (w, pair) in words.iter_mut().zip(ids.chunks(2)) {
+        let hi = pair.get(1).copied().unwrap_or(0);
+        *w = f32::from_bits(u32::from(pair[0]) | u32::from(hi) << 16);
+    }
+}
+
+/// The `width` ids of aux words packed by [`pack_ids`], appended to `out`.
+fn unpack_ids(words: &[f32], width: usize, out: &mut Vec<u16>) {
+    let start = out.len();
+    for w in words {
+        let bits = w.to_bits();
+        out.extend([bits as u16, (bits >> 16) as u16]);
+    }
+    out.truncate(start + width);
+}
+
+/// The KV layout of a Llama-family model of `config` (what its [`Executor::kv_layout`]
+/// gives), known before the model is built: the connectors size and compare blocks with it.
+/// `routed_experts`: the model captures expert routing (an MoE model with
+/// [`LlamaModel::with_routed_experts`]), which each token keeps in aux words of its block.
+pub fn kv_layout_of(config: &LlamaConfig, block_size: usize, routed_experts: bool) -> KvLayout {
+    let width = match &config.moe {
+        Some(moe) if routed_experts => config.num_hidden_layers * moe.top_k,
+        _ => 0,
+    };
+    KvLayout {
+        n_layers: config.num_hidden_layers,
+        n_kv_heads: config.num_key_value_heads,
+        head_dim: config.head_dim,
+        block_size,
+        aux_floats: routing_words(width),
+    }
+}
+
 impl Executor for LlamaModel {
     fn kv_layout(&self, block_size: usize) -> KvLayout {
-        KvLayout {
-            n_layers: self.config.num_hidden_layers,
-            n_kv_heads: self.config.num_key_value_heads,
-            head_dim: self.config.head_dim,
-            block_size,
-        }
+        kv_layout_of(&self.config, block_size, self.scratch.routing.is_some())
     }
 
     fn vocab_size(&self) -> usize {

@@ -61,6 +61,7 @@ fn check_case(seed: u64, n_kv_heads: usize, group: usize, head_dim: usize, block
         n_kv_heads,
         head_dim,
         block_size,
+        aux_floats: 0,
     };
     let n_heads = n_kv_heads * group;
     let n_blocks = 200;
@@ -146,6 +147,7 @@ fn attention_reads_only_through_the_block_table() {
         n_kv_heads: 1,
         head_dim: 8,
         block_size: 2,
+        aux_floats: 0,
     };
     let mut kv = KvArena::new(layout, 8);
     let mut rng = SplitMix64(7);

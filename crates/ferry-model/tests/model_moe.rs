@@ -167,3 +167,33 @@ fn routing_is_off_unless_asked_and_a_dense_model_refuses_it() {
         "{err}"
     );
 }
+
+/// Capture is a setting of the model, not a step buffer: sleep level 2 (weights dropped,
+/// step buffers freed) and the complete install that wakes it keep it, and the KV layout
+/// with it (the engine's arena, which survives the sleep, has its aux words).
+#[test]
+fn routing_capture_survives_dropped_weights_and_their_reinstall() {
+    let mut model = capturing("Qwen3MoeForCausalLM");
+    let config = model.config().clone();
+    let layout = model.kv_layout(BS);
+    assert!(layout.aux_floats > 0);
+    let mut kv = arena_for(&model, 16, BS);
+    let mut pool = Pool::new(16, BS, 2);
+    let prompt = random_tokens(6, config.vocab_size, 4);
+    let mut a = Seq::new(0, prompt.clone());
+    let before = execute(&mut model, &mut kv, &mut pool, &mut [&mut a], &[6], vec![]);
+
+    assert!(model.weight_ops_mut().drop_weights().is_some());
+    let prepared = model
+        .weight_ops()
+        .preparer()
+        .prepare(random_weights(&config, 3))
+        .unwrap();
+    model.weight_ops_mut().install(prepared).unwrap();
+    model.weight_ops_mut().restore().unwrap();
+    assert_eq!(model.kv_layout(BS), layout);
+    assert!(model.routing_shape().is_some());
+    let mut b = Seq::new(1, prompt);
+    let after = execute(&mut model, &mut kv, &mut pool, &mut [&mut b], &[6], vec![]);
+    assert_eq!(after.routed[0].ids, before.routed[0].ids);
+}

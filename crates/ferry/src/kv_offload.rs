@@ -5,7 +5,6 @@
 use anyhow::{bail, Context};
 use ferry_cli::ByteSize;
 use ferry_engine::{Connector, OffloadConfig, OffloadPolicy};
-use ferry_model::LoadedModel;
 
 /// `--kv-offload-policy`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -103,19 +102,12 @@ pub fn connector_order(
     Ok(order.to_vec())
 }
 
-/// The tier's connector for `model` (its KV block size decides the bytes per block).
+/// The tier's connector for blocks of `layout` (the model's KV layout: its bytes per block).
 pub fn offload_connector(
     plan: &OffloadPlan,
-    model: &LoadedModel,
-    block_size: usize,
+    layout: ferry_arena::KvLayout,
 ) -> anyhow::Result<(Connector, OffloadConfig)> {
-    let c = &model.config;
-    let layout = ferry_arena::KvLayout {
-        n_layers: c.num_hidden_layers,
-        n_kv_heads: c.num_key_value_heads,
-        head_dim: c.head_dim,
-        block_size,
-    };
+    let block_size = layout.block_size;
     let config = OffloadConfig {
         block_size,
         blocks_per_slot: plan.blocks_per_slot,

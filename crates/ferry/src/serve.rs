@@ -403,18 +403,17 @@ fn allowed_peers(list: &[String]) -> anyhow::Result<AllowedPeers> {
 /// and D.
 fn kv_connector(
     plan: &KvPlan,
-    model: &LoadedModel,
+    layout: ferry_arena::KvLayout,
     model_id: &str,
-    block_size: usize,
 ) -> anyhow::Result<(Connector, SocketAddr)> {
-    let (transport, bound) = kv_transport(plan, model, model_id, block_size)?;
+    let (transport, bound) = kv_transport(plan, layout, model_id)?;
     let config = PdConfig {
         role: plan.role,
         engine_id: plan.engine_id.clone(),
         host: Some(plan.advertised_host.clone()),
         port: Some(bound.port()),
         secret: ferry_engine::random_secret(),
-        block_size,
+        block_size: layout.block_size,
         allowed_peers: plan.allowed_peers.clone(),
     };
     Ok((Connector::pd(config, transport), bound))
@@ -425,17 +424,9 @@ fn kv_connector(
 /// compares `model_id` and the KV layout between P and D.
 fn kv_transport(
     plan: &KvPlan,
-    model: &LoadedModel,
+    layout: ferry_arena::KvLayout,
     model_id: &str,
-    block_size: usize,
 ) -> anyhow::Result<(Arc<dyn Transport>, SocketAddr)> {
-    let c = &model.config;
-    let layout = ferry_arena::KvLayout {
-        n_layers: c.num_hidden_layers,
-        n_kv_heads: c.num_key_value_heads,
-        head_dim: c.head_dim,
-        block_size,
-    };
     let one_sided = if plan.nixl {
         Some(nixl_reads(&plan.engine_id)?)
     } else {
@@ -511,7 +502,6 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         args.kv_offload_policy,
         args.block_size,
     )?;
-    check_routed_experts(&args, kv.is_some(), offload.is_some())?;
     let order = crate::kv_offload::connector_order(
         args.kv_connector.as_deref(),
         offload.is_some(),
@@ -549,12 +539,18 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         routed_experts: args.enable_return_routed_experts,
         ..ModelEngineConfig::default()
     };
+    // The blocks every connector moves: the model's KV layout, with the routing an MoE model
+    // capturing it keeps in each block.
+    let layout = ferry_model::kv_layout_of(
+        &model.config,
+        args.block_size,
+        args.enable_return_routed_experts,
+    );
     let mut connectors = Vec::new();
     for name in order {
         match (name, &kv, &offload) {
             (ConnectorName::Pd, Some(plan), _) => {
-                let (connector, bound) =
-                    kv_connector(plan, &model, &served_model_name, args.block_size)?;
+                let (connector, bound) = kv_connector(plan, layout, &served_model_name)?;
                 tracing::info!(
                     role = ?plan.role,
                     engine_id = %plan.engine_id,
@@ -567,8 +563,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
                 connectors.push(connector);
             }
             (ConnectorName::Offload, _, Some(plan)) => {
-                let (connector, c) =
-                    crate::kv_offload::offload_connector(plan, &model, args.block_size)?;
+                let (connector, c) = crate::kv_offload::offload_connector(plan, layout)?;
                 tracing::info!(
                     n_slots = c.n_slots(),
                     slot_bytes = c.slot_bytes(),
@@ -758,25 +753,6 @@ fn model_name(source: &str) -> String {
 
 /// A failed start, told in the flags' terms: each error names the flag that set the value at
 /// fault.
-/// `--enable-return-routed-experts` takes no KV connector: each block's routing is kept beside
-/// its KV in this engine only, so a request that loaded blocks (from P, or back from the
-/// offload tier) would have no routing for them.
-fn check_routed_experts(args: &Args, pd: bool, offload: bool) -> anyhow::Result<()> {
-    if !args.enable_return_routed_experts {
-        return Ok(());
-    }
-    let connector = match (pd, offload) {
-        (true, _) => "--kv-role (a P/D connector)",
-        (false, true) => "--kv-offload-bytes (the CPU offload tier)",
-        (false, false) => return Ok(()),
-    };
-    bail!(
-        "--enable-return-routed-experts cannot be used with {connector}: the expert routing \
-         kept beside each KV block is not yet moved with the blocks a KV connector exports, \
-         loads or offloads, so a request using them would have no routing for them"
-    )
-}
-
 fn flag_error(args: &Args, e: StartError) -> anyhow::Error {
     match e {
         StartError::MaxModelLenTooLong {

@@ -324,35 +324,19 @@ fn bad_flags_are_errors_naming_the_flag() {
     assert!(err.contains("the API key is empty"), "{err}");
 }
 
-/// `--enable-return-routed-experts` needs a mixture-of-experts model (the dense `tiny` is
-/// refused naming the flag) and no KV connector (refused naming both flags, before the model
-/// loads).
+/// `--enable-return-routed-experts` needs a mixture-of-experts model: the dense `tiny` is
+/// refused naming the flag.
 #[test]
-fn routed_experts_need_an_moe_model_and_no_kv_connector() {
-    let run = |args: &[&str]| {
-        let out = Command::new(FERRY)
-            .args(["serve", "--model", "tiny", "--port", "0"])
-            .args(["--enable-return-routed-experts"])
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{args:?} succeeded");
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
-    let err = run(&[]);
+fn routed_experts_need_an_moe_model() {
+    let out = Command::new(FERRY)
+        .args(["serve", "--model", "tiny", "--port", "0"])
+        .args(["--enable-return-routed-experts"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--enable-return-routed-experts"), "{err}");
     assert!(err.contains("no mixture-of-experts layers"), "{err}");
-    for (flags, named) in [
-        (&["--kv-role", "both"][..], "--kv-role"),
-        (&["--kv-offload-bytes", "64MiB"][..], "--kv-offload-bytes"),
-    ] {
-        let err = run(flags);
-        assert!(
-            err.contains("--enable-return-routed-experts cannot be used with")
-                && err.contains(named),
-            "{flags:?}: {err}"
-        );
-    }
 }
 
 /// The routing of `tokens` (one prefill) as the model in `dir` computes it in process.
@@ -448,6 +432,142 @@ fn an_moe_model_returns_the_routing_its_forward_computed() {
         assert_eq!(rows, want, "round {round}: vLLM's routed_experts");
         assert_eq!(want.len(), tokens.len() * width);
     }
+}
+
+/// A `ferry make-model moe` folder (Qwen3-MoE, a dense layer among its MoE ones).
+fn moe_folder() -> (tempfile::TempDir, std::path::PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("moe");
+    procs::make_model(&["moe", "--arch", "qwen3_moe"], &dir);
+    (tmp, dir)
+}
+
+/// A greedy completion of `prompt` from the server on `port`: its tokens (prompt and output
+/// but the last, the inputs that have routing) and the rows of its `routed_experts` (the
+/// `.npy` data after its header: `u1` ids, for at most 256 experts).
+fn routed_completion(port: u16, prompt: &[u32]) -> (Vec<u32>, Vec<u16>) {
+    use base64::Engine as _;
+    let body =
+        json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "return_token_ids": true});
+    let (status, out) = call(port, "POST", "/v1/completions", &body.to_string());
+    assert_eq!(status, 200, "{out}");
+    let choice = &out["choices"][0];
+    let output: Vec<u32> = choice["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no token_ids: {choice}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let mut tokens = prompt.to_vec();
+    tokens.extend(&output[..output.len() - 1]);
+    let npy = base64::engine::general_purpose::STANDARD
+        .decode(choice["routed_experts"].as_str().unwrap())
+        .unwrap();
+    let header_len = 10 + usize::from(u16::from_le_bytes([npy[8], npy[9]]));
+    (
+        tokens,
+        npy[header_len..].iter().map(|&b| u16::from(b)).collect(),
+    )
+}
+
+fn port_of(url: &str) -> u16 {
+    url.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// P/D with routing: P computes the prompt's KV and its routing, D loads both in the same
+/// blocks (the routing rides in each block's aux words over the transport) and generates;
+/// the routing D returns through the proxy is the model's own in process, prompt rows
+/// included. P and D must agree: a D capturing routing and a P not is refused by the
+/// transport's handshake, naming the flag, and the request fails rather than lose routing.
+#[test]
+fn routing_moves_with_the_kv_from_p_to_d() {
+    let (_tmp, dir) = moe_folder();
+    let model = dir.to_str().unwrap();
+    let routed = [
+        "--enable-return-routed-experts",
+        "--kv-cache-bytes",
+        "16MiB",
+    ];
+    let p = start_model(
+        model,
+        &[&["--kv-role", "kv_producer"][..], &routed].concat(),
+        None,
+        "info",
+    );
+    let d = start_model(
+        model,
+        &[&["--kv-role", "kv_consumer"][..], &routed].concat(),
+        None,
+        "info",
+    );
+    let url = |port: u16| format!("http://127.0.0.1:{port}");
+    let proxy = procs::proxy(&[&url(p.port)], &[&url(d.port)], &[]).ready();
+    let prompt: Vec<u32> = (0..45).map(|i| (i * 11 + 5) % 300).collect();
+    let (tokens, rows) = routed_completion(port_of(&proxy.url), &prompt);
+    assert_eq!(rows, routing_in_process(&dir, &tokens));
+    let loaded = get_with(d.port, "/metrics", None).1;
+    assert!(
+        metric(&loaded, "ferry_kv_loads_finished_total") > 0.0,
+        "D loaded the prompt from P:\n{loaded}"
+    );
+
+    // A P without routing: its blocks have no aux words; D's handshake is refused.
+    let plain_p = start_model(
+        model,
+        &["--kv-role", "kv_producer", "--kv-cache-bytes", "16MiB"],
+        None,
+        "info",
+    );
+    let proxy = procs::proxy(&[&url(plain_p.port)], &[&url(d.port)], &[]).ready();
+    let body = json!({"prompt": prompt, "max_tokens": 5, "temperature": 0});
+    let (status, out) = call(
+        port_of(&proxy.url),
+        "POST",
+        "/v1/completions",
+        &body.to_string(),
+    );
+    assert!(status >= 500, "{status}: {out}");
+    assert!(
+        out.to_string().contains("--enable-return-routed-experts"),
+        "the refusal names the flag: {out}"
+    );
+}
+
+/// The offload tier with routing: a prefix lost from the KV cache and loaded back from the
+/// tier brings its routing with it (the tier copies whole blocks, aux words included).
+#[test]
+fn routing_comes_back_from_the_offload_tier_with_the_kv() {
+    let (_tmp, dir) = moe_folder();
+    let server = start_model(
+        dir.to_str().unwrap(),
+        &[
+            "--enable-return-routed-experts",
+            "--enable-admin-api",
+            "--block-size",
+            "4",
+            "--kv-offload-bytes",
+            "16MiB",
+        ],
+        None,
+        "info",
+    );
+    let port = server.port;
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 13 + 1) % 300).collect();
+    let (tokens, first) = routed_completion(port, &prompt);
+    assert_eq!(first, routing_in_process(&dir, &tokens));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !call(port, "POST", "/reset_prefix_cache", "").1["success"]
+        .as_bool()
+        .unwrap()
+    {
+        assert!(Instant::now() < deadline, "the reset never succeeded");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (again, second) = routed_completion(port, &prompt);
+    assert_eq!(again, tokens);
+    let text = get_with(port, "/metrics", None).1;
+    assert_eq!(metric(&text, "ferry_kv_offload_hits_total"), 1.0, "{text}");
+    assert_eq!(second, first, "the routing of the tier's blocks");
 }
 
 #[test]

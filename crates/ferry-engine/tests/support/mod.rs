@@ -236,6 +236,7 @@ impl Executor for Scripted {
             n_kv_heads: 1,
             head_dim: 1,
             block_size,
+            aux_floats: 0,
         }
     }
 

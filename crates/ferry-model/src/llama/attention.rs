@@ -429,6 +429,7 @@ mod tests {
                 n_kv_heads,
                 head_dim,
                 block_size: 4,
+                aux_floats: 0,
             };
             let positions: Vec<usize> = (0..len).map(|t| first + t * stride).collect();
             let n_pos = positions[len - 1] + 1;

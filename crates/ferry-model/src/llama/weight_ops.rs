@@ -104,7 +104,16 @@ impl LlamaModel {
     /// batch), which grow back on the first step after the weights do: what dropped weights
     /// leave behind.
     fn release_step_buffers(&mut self) {
-        self.scratch = Scratch::default();
+        // The routing capture is a setting, not a buffer: it stays (its KV layout with it),
+        // its step rows go.
+        let routing = self.scratch.routing.take().map(|mut r| {
+            r.step = Vec::new();
+            r
+        });
+        self.scratch = Scratch {
+            routing,
+            ..Scratch::default()
+        };
         self.logits_buf = Vec::new();
         self.sampler_scratch.release_buffers();
     }

@@ -159,6 +159,10 @@ impl Setup {
         ]
         .map(str::to_owned)
         .to_vec();
+        if matches!(self.model, Model::Moe) {
+            // Routing rides in the KV blocks: every case moves, offloads and resets it too.
+            args.push("--enable-return-routed-experts".to_owned());
+        }
         let lease = self.lease_seconds().to_string();
         let extra: &[&str] = match role {
             None => &[],
