@@ -10,36 +10,19 @@ llama.cpp without a download. Standard library only.
     python3 scripts/moe-folder-to-gguf.py DIR OUT.gguf
 """
 import argparse
+import importlib.util
 import json
 import struct
 from pathlib import Path
 
-# GGUF value types and GGML tensor types used here.
-U32, I32, F32, BOOL, STRING, ARRAY = 4, 5, 6, 7, 8, 9
-GGML_F32 = 0
-ALIGN = 32
-
-
-def s(text):
-    b = text.encode()
-    return struct.pack("<Q", len(b)) + b
-
-
-def kv(key, kind, value):
-    out = s(key) + struct.pack("<I", kind)
-    if kind == U32:
-        return out + struct.pack("<I", value)
-    if kind == F32:
-        return out + struct.pack("<f", value)
-    if kind == BOOL:
-        return out + struct.pack("<B", 1 if value else 0)
-    if kind == STRING:
-        return out + s(value)
-    elem, items = value
-    out += struct.pack("<IQ", elem, len(items))
-    if elem == STRING:
-        return out + b"".join(s(i) for i in items)
-    return out + struct.pack(f"<{len(items)}i", *items)
+# The GGUF writing helpers (value types, `s`, `kv`, alignment) of random-llama-gguf.py.
+_spec = importlib.util.spec_from_file_location(
+    "random_llama_gguf", Path(__file__).with_name("random-llama-gguf.py")
+)
+_gguf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_gguf)
+U32, I32, F32, BOOL, STRING, ARRAY = (_gguf.U32, _gguf.I32, _gguf.F32, _gguf.BOOL, _gguf.STRING, _gguf.ARRAY)
+GGML_F32, ALIGN, s, kv = _gguf.GGML_F32, _gguf.ALIGN, _gguf.s, _gguf.kv
 
 
 class Safetensors:

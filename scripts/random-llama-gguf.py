@@ -13,7 +13,7 @@ import random
 import struct
 
 # GGUF value types and GGML tensor types used here.
-U32, I32, F32, STRING, ARRAY = 4, 5, 6, 8, 9
+U32, I32, F32, BOOL, STRING, ARRAY = 4, 5, 6, 7, 8, 9
 GGML_F32, GGML_F16 = 0, 1
 ALIGN = 32
 
@@ -29,6 +29,8 @@ def kv(key, kind, value):
         return out + struct.pack("<I", value)
     if kind == F32:
         return out + struct.pack("<f", value)
+    if kind == BOOL:
+        return out + struct.pack("<B", 1 if value else 0)
     if kind == STRING:
         return out + s(value)
     elem, items = value
