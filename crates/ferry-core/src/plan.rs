@@ -133,12 +133,13 @@ pub struct StepPlan {
     pub prompt_logprobs: Vec<PromptLogprobsWork>,
     /// Requests whose earlier positions' expert routing the executor reads back from their
     /// blocks this step (an executor capturing routing, [`RoutingShape`]): positions whose KV
-    /// the request did not compute itself (a prefix-cache hit), so its routing has a gap.
+    /// the request did not compute itself (a prefix-cache hit, a connector's load), so its
+    /// routing has a gap.
     pub routing_reads: Vec<RoutingRead>,
 }
 
 /// One request's read-back of stored routing: positions `from..start_pos` of
-/// `reqs[req_pos]`, whose KV (and the routing stored beside it) is in its blocks already.
+/// `reqs[req_pos]`, whose KV (and the routing stored with it) is in its blocks already.
 ///
 /// The blocks read may be ones an earlier request of the same plan computes in this step (a
 /// same-step prefix hit, as the choices of an `n` > 1 request take on the first's prompt):

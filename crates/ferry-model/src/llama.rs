@@ -551,7 +551,7 @@ impl LlamaModel {
 }
 
 impl RoutingCapture {
-    /// Stores this step's routing beside each token's KV slot and returns each request's
+    /// Stores this step's routing in each token's KV slot (its aux words) and returns each request's
     /// rows: those the plan reads back from its blocks, then those it computed.
     fn record(&mut self, plan: &StepPlan, slots: &[usize], kv: &mut KvArena) -> Vec<RoutedExperts> {
         let width = self.shape.width();

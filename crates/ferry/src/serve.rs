@@ -103,8 +103,8 @@ pub struct Args {
     /// Return each choice's expert routing (`routed_experts`, and SGLang's
     /// `return_routed_experts`): which experts every token went to in each MoE layer, for RL
     /// trainers' routing replay (vLLM's flag). The model must have mixture-of-experts
-    /// layers. Not with a KV connector (--kv-role, --kv-offload-bytes): the routing kept
-    /// beside each KV block does not move with the blocks they export or offload yet.
+    /// layers. The routing is kept in each KV block, so it moves with the blocks a KV
+    /// connector exports or offloads; P and D must both have the flag.
     #[arg(long)]
     pub enable_return_routed_experts: bool,
     /// Largest safetensors body `POST /update_weights` accepts (with --enable-admin-api),

@@ -3,9 +3,10 @@
 //!
 //! An executor capturing routing reports, for every request it computes, the routing of the
 //! positions it computed, after the positions the plan asked it to read back
-//! ([`crate::RoutingRead`]). It stores each token's routing beside its KV slot, so a request
-//! that took blocks as a prefix-cache hit (its first computed position past the routing it
-//! has) reads theirs back instead of computing it. Here each request accumulates its rows by
+//! ([`crate::RoutingRead`]). It stores each token's routing in its KV block, so a request
+//! whose first computed position is past the routing it has (it took blocks as a prefix-cache
+//! hit, a P/D import or a load from the offload tier) reads theirs back instead of computing
+//! it. Here each request accumulates its rows by
 //! position: a row recomputed after a preemption overwrites the old one, rows past the end
 //! are appended, and the whole goes out with the request's finish
 //! ([`super::Finished::routing`]).
@@ -15,9 +16,9 @@
 //! back, and one whose hit reaches further (another request computed more of the same
 //! prefix meanwhile) reads back only the rows past its own.
 //!
-//! The KV a connector loads (a P/D import, the offload tier) carries no routing: the engine
-//! refuses to capture routing alongside a connector (`ferry serve`), and this module assumes
-//! it does.
+//! The KV a connector loads carries its routing (the block holds it, so a connector moving
+//! blocks moves it): such positions are past the request's rows like a prefix-cache hit's,
+//! and are read back the same way.
 
 use super::{OutputError, Scheduler};
 use crate::config::ConfigError;
