@@ -134,7 +134,7 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
             "top_k": moe.top_k,
             "moe_layers": moe.n_sparse(),
             "weights_bytes_total": model.weights().total_bytes(),
-            "active_bytes_per_token": model.weights().active_bytes_per_token(&config),
+            "active_bytes_per_token": bytes_per_step,
             "batch1_bytes_read_per_token": batch1
                 .map(|r| (r.decode_weight_bytes as f64 / args.decode_steps.max(1) as f64).round()),
         })

@@ -5,7 +5,9 @@ use serde::{Deserialize, Serialize};
 
 pub mod tensors;
 
-pub use tensors::{expected_tensors, fused_parts, is_ignorable, qk_norm_lens, FusedPart};
+pub use tensors::{
+    expected_tensors, fused_parts, is_ignorable, qk_norm_lens, FusedPart, FUSED_PARAMS,
+};
 
 /// One configuration for every supported architecture (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3):
 /// they differ only in the flags below.

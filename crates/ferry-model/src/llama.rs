@@ -84,10 +84,9 @@ pub struct LlamaModel {
 /// and the offload tier copy whole blocks).
 #[derive(Debug)]
 struct RoutingCapture {
+    /// A row per decoder layer, as vLLM and SGLang return them: layer `l`'s picks are row
+    /// `l` (a dense layer's stays 0).
     shape: RoutingShape,
-    /// For each layer, its row in a token's routing (`None` for dense layers, whose row
-    /// stays 0).
-    columns: Vec<Option<usize>>,
     /// This step's tokens' routing, `n × width`.
     step: Vec<u16>,
 }
@@ -180,17 +179,12 @@ impl LlamaModel {
                 ),
             });
         };
-        // A row per decoder layer, as vLLM and SGLang return them: a dense layer's stays 0.
-        let columns = (0..self.config.num_hidden_layers)
-            .map(|l| moe.is_sparse(l).then_some(l))
-            .collect();
         self.scratch.routing = Some(RoutingCapture {
             shape: RoutingShape {
                 layers: self.config.num_hidden_layers,
                 top_k: moe.top_k,
                 num_experts: moe.num_experts,
             },
-            columns,
             step: Vec::new(),
         });
         Ok(self)
@@ -452,14 +446,10 @@ impl LlamaModel {
         rms_norm(x, &lw.post_norm, c.rms_norm_eps, normed);
         if let Some(moe) = c.sparse_layer(l) {
             let proj = take(&mut s.proj, n * h);
-            let out = s.routing.as_mut().and_then(|r| {
-                let col = r.columns[l]?;
-                let width = r.shape.width();
-                Some(moe::RoutingOut {
-                    ids: &mut r.step,
-                    width,
-                    col,
-                })
+            let out = s.routing.as_mut().map(|r| moe::RoutingOut {
+                width: r.shape.width(),
+                ids: &mut r.step,
+                row: l,
             });
             moe::moe_block(moe, lw, normed, h, &mut s.moe, proj, out);
             add_assign(x, proj);

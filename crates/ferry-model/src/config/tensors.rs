@@ -94,6 +94,14 @@ pub struct FusedPart {
     pub offset: usize,
 }
 
+/// The names (after `model.layers.{l}.`) of the tensors [`fused_parts`] splits: every
+/// tensor of transformers 5's MoE layout that is not a checkpoint's own.
+pub const FUSED_PARAMS: [&str; 3] = [
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj",
+    "mlp.gate.weight",
+];
+
 /// The tensors of [`expected_tensors`] that `name` holds in the layout transformers 5 keeps
 /// MoE weights in memory (a trainer's `state_dict`, or `save_pretrained(...,
 /// save_original_format=False)`), with the shape it must have; `None` for any other name.

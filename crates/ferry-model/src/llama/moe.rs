@@ -21,11 +21,16 @@ use crate::weights::llama::LayerWeights;
 #[derive(Debug, Default)]
 pub(super) struct MoeScratch {
     logits: Vec<f32>,
+    /// One token's router probabilities ([`route`]).
+    probs: Vec<f32>,
     /// Per token, its `top_k` picks `(expert, weight)`, best first.
     picks: Vec<(u32, f32)>,
-    /// The rows routed to one expert, their tokens and weights.
+    /// Every pick as `(token, weight)`, grouped by expert (tokens ascending in each), and
+    /// where each expert's group starts (`n_experts + 1` offsets).
+    by_expert: Vec<(usize, f32)>,
+    starts: Vec<usize>,
+    /// The rows routed to one expert.
     rows: Vec<f32>,
-    tokens: Vec<(usize, f32)>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
     y: Vec<f32>,
@@ -33,12 +38,12 @@ pub(super) struct MoeScratch {
     shared_gate: Vec<f32>,
 }
 
-/// Where the block writes each token's picks: `ids[t * width + col * top_k ..][..top_k]`
-/// (`col`: the layer's row, [`ferry_core::RoutingShape`]).
+/// Where the block writes each token's picks: `ids[t * width + row * top_k ..][..top_k]`
+/// (`row`: the layer's, [`ferry_core::RoutingShape`]).
 pub(super) struct RoutingOut<'a> {
     pub ids: &'a mut [u16],
     pub width: usize,
-    pub col: usize,
+    pub row: usize,
 }
 
 /// The MoE MLP of layer weights `lw` on the normed rows `normed` (`n × hidden`), into `out`
@@ -59,32 +64,28 @@ pub(super) fn moe_block(
     timed(Phase::LayerMatmuls, || matmul(normed, router, logits, n));
     s.picks.clear();
     for row in logits.chunks_exact(n_experts) {
-        route(row, k, moe.norm_topk_prob, &mut s.picks);
+        route(row, k, moe.norm_topk_prob, &mut s.probs, &mut s.picks);
     }
     if let Some(r) = routing {
         for (t, picks) in s.picks.chunks_exact(k).enumerate() {
-            let dst = &mut r.ids[t * r.width + r.col * k..][..k];
+            let dst = &mut r.ids[t * r.width + r.row * k..][..k];
             for (d, &(e, _)) in dst.iter_mut().zip(picks) {
                 *d = e as u16;
             }
         }
     }
 
+    group_by_expert(&s.picks, k, n_experts, &mut s.starts, &mut s.by_expert);
     out.fill(0.0);
     let inter = moe.expert_intermediate_size;
     for (e, expert) in lw.experts.iter().enumerate() {
-        s.tokens.clear();
-        for (t, picks) in s.picks.chunks_exact(k).enumerate() {
-            if let Some(&(_, w)) = picks.iter().find(|p| p.0 as usize == e) {
-                s.tokens.push((t, w));
-            }
-        }
-        let m = s.tokens.len();
+        let tokens = &s.by_expert[s.starts[e]..s.starts[e + 1]];
+        let m = tokens.len();
         if m == 0 {
             continue;
         }
         let rows = super::take(&mut s.rows, m * hidden);
-        for (dst, &(t, _)) in rows.chunks_exact_mut(hidden).zip(&s.tokens) {
+        for (dst, &(t, _)) in rows.chunks_exact_mut(hidden).zip(tokens) {
             dst.copy_from_slice(&normed[t * hidden..(t + 1) * hidden]);
         }
         let gate_up = super::take(&mut s.gate_up, m * 2 * inter);
@@ -95,7 +96,7 @@ pub(super) fn moe_block(
             silu_mul(gate_up, inter, act);
             matmul(act, &expert.down, y, m);
         });
-        for (y_row, &(t, w)) in y.chunks_exact(hidden).zip(&s.tokens) {
+        for (y_row, &(t, w)) in y.chunks_exact(hidden).zip(tokens) {
             for (o, &v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(y_row) {
                 *o += v * w;
             }
@@ -127,17 +128,54 @@ pub(super) fn moe_block(
     }
 }
 
-/// One token's routing: appends its `k` picks `(expert, weight)`, best first, to `picks`.
-pub(crate) fn route(logits: &[f32], k: usize, normalise: bool, picks: &mut Vec<(u32, f32)>) {
+/// Every token's picks (`k` a token) as `(token, weight)` grouped by expert, tokens
+/// ascending in each group (a counting sort: one pass to count, one to place), into
+/// `by_expert`, with expert `e`'s group at `starts[e]..starts[e + 1]`.
+fn group_by_expert(
+    picks: &[(u32, f32)],
+    k: usize,
+    n_experts: usize,
+    starts: &mut Vec<usize>,
+    by_expert: &mut Vec<(usize, f32)>,
+) {
+    starts.clear();
+    starts.resize(n_experts + 1, 0);
+    for &(e, _) in picks {
+        starts[e as usize + 1] += 1;
+    }
+    for e in 0..n_experts {
+        starts[e + 1] += starts[e];
+    }
+    by_expert.clear();
+    by_expert.resize(picks.len(), (0, 0.0));
+    let mut next = starts[..n_experts].to_vec();
+    for (t, token_picks) in picks.chunks_exact(k).enumerate() {
+        for &(e, w) in token_picks {
+            by_expert[next[e as usize]] = (t, w);
+            next[e as usize] += 1;
+        }
+    }
+}
+
+/// One token's routing: appends its `k` picks `(expert, weight)`, best first, to `picks`
+/// (`probs`: a buffer for its router probabilities).
+pub(crate) fn route(
+    logits: &[f32],
+    k: usize,
+    normalise: bool,
+    probs: &mut Vec<f32>,
+    picks: &mut Vec<(u32, f32)>,
+) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
-    let sum: f32 = exps.iter().sum();
+    probs.clear();
+    probs.extend(logits.iter().map(|&l| (l - max).exp()));
+    let sum: f32 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= sum);
     let start = picks.len();
     for _ in 0..k {
         // The highest probability not yet picked; the first (lowest id) of equal ones.
         let mut best: Option<(usize, f32)> = None;
-        for (e, &x) in exps.iter().enumerate() {
-            let p = x / sum;
+        for (e, &p) in probs.iter().enumerate() {
             let taken = picks[start..].iter().any(|&(q, _)| q as usize == e);
             if !taken && best.is_none_or(|(_, b)| p > b) {
                 best = Some((e, p));
@@ -161,7 +199,13 @@ mod tests {
     #[test]
     fn routing_picks_the_highest_probabilities_and_breaks_ties_to_the_lowest_id() {
         let mut picks = Vec::new();
-        route(&[0.5, 2.0, 2.0, -1.0, 3.0], 3, false, &mut picks);
+        route(
+            &[0.5, 2.0, 2.0, -1.0, 3.0],
+            3,
+            false,
+            &mut Vec::new(),
+            &mut picks,
+        );
         let ids: Vec<u32> = picks.iter().map(|p| p.0).collect();
         assert_eq!(ids, [4, 1, 2]);
         let sum: f32 = [0.5f32, 2.0, 2.0, -1.0, 3.0]
@@ -172,7 +216,13 @@ mod tests {
         assert_eq!(picks[1].1, (-1.0f32).exp() / sum);
 
         let mut normed = Vec::new();
-        route(&[0.5, 2.0, 2.0, -1.0, 3.0], 2, true, &mut normed);
+        route(
+            &[0.5, 2.0, 2.0, -1.0, 3.0],
+            2,
+            true,
+            &mut Vec::new(),
+            &mut normed,
+        );
         let total = picks[0].1 + picks[1].1;
         assert_eq!(normed, [(4, picks[0].1 / total), (1, picks[1].1 / total)]);
     }

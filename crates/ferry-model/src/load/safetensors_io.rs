@@ -31,11 +31,7 @@ impl FusedMap {
     pub(crate) fn of(config: &crate::LlamaConfig) -> Self {
         let mut by_part = BTreeMap::new();
         for l in 0..config.num_hidden_layers {
-            for param in [
-                "mlp.experts.gate_up_proj",
-                "mlp.experts.down_proj",
-                "mlp.gate.weight",
-            ] {
+            for param in crate::config::FUSED_PARAMS {
                 let name = format!("model.layers.{l}.{param}");
                 if let Some((shape, parts)) = crate::config::fused_parts(config, &name) {
                     for part in parts {
