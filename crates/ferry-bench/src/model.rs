@@ -118,8 +118,8 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
         kernel_bound_ms,
         bytes_per_step,
         moe: config.moe.is_some(),
-        flops_token: model.weights().matmul_flops_per_token(false),
-        flops_sampled: model.weights().matmul_flops_per_token(true),
+        flops_token: model.weights().matmul_flops_per_token(&config, false),
+        flops_sampled: model.weights().matmul_flops_per_token(&config, true),
     };
     let (peak_gflop_s, read_gb_s) = (machine.peak_gflop_s, machine.read_gb_s);
     let results: Vec<_> = runs.iter().map(|r| r.report(args, &machine)).collect();
@@ -653,6 +653,19 @@ mod tests {
             .sum();
         // Two MoE layers, each reading 3 of its 8 experts.
         assert_eq!(w.bytes_read_per_step() - active, experts * 5 / 8);
+        // And computing with them: the decode rates' FLOPs count the routed experts only.
+        let elems = |m: &ferry_model::Matrix| m.n_rows() * m.k();
+        let all: usize = w.layer_matrices().map(elems).sum();
+        let expert_elems: usize = w
+            .layers
+            .iter()
+            .flat_map(|l| &l.experts)
+            .map(|e| elems(&e.gate_up) + elems(&e.down))
+            .sum();
+        assert_eq!(
+            w.matmul_flops_per_token(&m.config, false),
+            2 * (all - expert_elems * 5 / 8) as u64
+        );
         let results = out["results"].as_array().unwrap();
         let b4 = results[1]["decode_weight_bytes_per_step"].as_f64().unwrap();
         assert!(

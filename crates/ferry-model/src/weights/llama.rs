@@ -169,24 +169,28 @@ impl LlamaWeights {
     /// only `top_k` of each MoE layer's experts, the average expert's size (experts of one
     /// layer are the same size unless an update brought another dtype).
     pub fn active_bytes_per_token(&self, config: &LlamaConfig) -> usize {
-        let all = self.bytes_read_per_step();
+        self.bytes_read_per_step() - self.unrouted(config, Matrix::n_bytes)
+    }
+
+    /// `measure` summed over the expert matrices a token does not use: in each MoE layer,
+    /// all its experts' but `top_k` of them (at the average expert's; experts of one layer
+    /// are the same size unless an update brought another dtype). 0 for a dense model.
+    fn unrouted(&self, config: &LlamaConfig, measure: impl Fn(&Matrix) -> usize) -> usize {
         let Some(moe) = &config.moe else {
-            return all;
+            return 0;
         };
-        let unused: usize = self
-            .layers
+        self.layers
             .iter()
             .filter(|l| !l.experts.is_empty())
             .map(|l| {
                 let experts: usize = l
                     .experts
                     .iter()
-                    .map(|e| e.gate_up.n_bytes() + e.down.n_bytes())
+                    .map(|e| measure(&e.gate_up) + measure(&e.down))
                     .sum();
                 experts - experts * moe.top_k / l.experts.len()
             })
-            .sum();
-        all - unused
+            .sum()
     }
 
     /// Every layer's matrices, layer by layer ([`LayerWeights::matrices`]).
@@ -195,11 +199,13 @@ impl LlamaWeights {
     }
 
     /// Floating-point operations (a multiply-add counts 2) of one token's matmuls: every
-    /// layer's matrices, and the head when the token samples.
-    pub fn matmul_flops_per_token(&self, with_head: bool) -> u64 {
-        let elems = |m: &Matrix| (m.n_rows() * m.k()) as u64;
-        let layers: u64 = self.layer_matrices().map(elems).sum();
-        2 * (layers + if with_head { elems(self.head()) } else { 0 })
+    /// layer's matrices (of an MoE layer's experts, the `top_k` a token is routed to), and
+    /// the head when the token samples.
+    pub fn matmul_flops_per_token(&self, config: &LlamaConfig, with_head: bool) -> u64 {
+        let elems = |m: &Matrix| m.n_rows() * m.k();
+        let layers: usize =
+            self.layer_matrices().map(elems).sum::<usize>() - self.unrouted(config, elems);
+        2 * (layers + if with_head { elems(self.head()) } else { 0 }) as u64
     }
 
     fn layer_bytes(&self) -> usize {
