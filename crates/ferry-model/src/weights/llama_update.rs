@@ -306,15 +306,13 @@ fn forward_fields(c: &LlamaConfig) -> [(&'static str, String); 19] {
 /// `store` with each tensor of transformers 5's fused MoE layout split into the parameters
 /// it holds ([`crate::config::fused_parts`]), each in the fused tensor's dtype.
 fn unfuse(c: &LlamaConfig, mut store: WeightStore) -> Result<WeightStore, WeightError> {
-    let fused: Vec<String> = store
+    let fused: Vec<_> = store
         .tensors
         .keys()
         .chain(store.stored.keys())
-        .filter(|name| crate::config::fused_parts(c, name).is_some())
-        .cloned()
+        .filter_map(|name| Some((name.clone(), crate::config::fused_parts(c, name)?)))
         .collect();
-    for name in fused {
-        let (shape, parts) = crate::config::fused_parts(c, &name).expect("filtered above");
+    for (name, (shape, parts)) in fused {
         let bad_shape = |got: &[usize]| WeightError::BadShape {
             name: name.clone(),
             expected: shape.clone(),
