@@ -432,6 +432,7 @@ fn run_step(
         let b0 = plan.block_tables.len();
         plan.block_tables.extend(&r.table);
         plan.reqs.push(ScheduledReq {
+            lora: None,
             req: ReqIdx(i as u32),
             start_pos: r.computed,
             tokens: t0..plan.token_ids.len(),

@@ -159,6 +159,12 @@ pub struct TransferId(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ConnectorId(pub u32);
 
+/// Names a LoRA adapter the executor holds: handed out by the engine when it loads an adapter
+/// (each name keeps its id across in-place reloads; the adapter's version says which weights).
+/// A request without one runs the base model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LoraId(pub u32);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -71,7 +71,7 @@ pub use connector::{
 };
 pub use driver::{Step, StepDriver, StepError, StepFailure, StepKind, StepModel, WorkPhase};
 pub use holds::{HoldKind, Holder};
-pub use ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
+pub use ids::{BlockId, ConnectorId, LoraId, ReqIdx, TokenId, TransferId};
 pub use kv_events::{KvEvent, KvEventBatch, Medium};
 pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,

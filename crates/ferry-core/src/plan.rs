@@ -7,7 +7,7 @@
 use std::ops::Range;
 
 use crate::connector::StepWork;
-use crate::ids::{BlockId, ReqIdx, TokenId};
+use crate::ids::{BlockId, LoraId, ReqIdx, TokenId};
 use crate::sampling::SamplerSpec;
 
 /// One request's share of a step.
@@ -27,6 +27,8 @@ pub struct ScheduledReq {
     /// `Some` when this step computes the last known token of the request (the end of its
     /// prefill, or a decode step), so the executor must sample the next token.
     pub sample: Option<SampleSpec>,
+    /// The LoRA adapter this request's tokens are computed with (`None`: the base model).
+    pub lora: Option<LoraId>,
 }
 
 /// What the executor needs to sample one token for a request.

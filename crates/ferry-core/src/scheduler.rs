@@ -820,6 +820,7 @@ impl Scheduler {
             }
             req.n_computed = end_pos;
             plan.reqs.push(ScheduledReq {
+                lora: None,
                 req: d.req,
                 start_pos,
                 tokens,

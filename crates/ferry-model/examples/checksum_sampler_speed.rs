@@ -50,6 +50,7 @@ fn prefill_plan() -> StepPlan {
         plan.block_tables
             .extend((0..blocks_per_req).map(|j| BlockId((1 + r * blocks_per_req + j) as u32)));
         plan.reqs.push(ScheduledReq {
+            lora: None,
             req: ReqIdx(r as u32),
             start_pos: 0,
             tokens: t0..t0 + SEQ_LEN,

@@ -25,6 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let plan = StepPlan {
             block_size,
             reqs: vec![ScheduledReq {
+                lora: None,
                 req: ReqIdx(0),
                 start_pos: pos,
                 tokens: 0..1,

@@ -354,6 +354,7 @@ fn routing_in_process(dir: &std::path::Path, tokens: &[u32]) -> Vec<u16> {
     let plan = StepPlan {
         block_size: bs,
         reqs: vec![ScheduledReq {
+            lora: None,
             req: ReqIdx(0),
             start_pos: 0,
             tokens: 0..n,

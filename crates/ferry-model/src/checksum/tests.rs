@@ -57,6 +57,7 @@ fn plan(parts: Vec<Part>) -> StepPlan {
         plan.token_ids.extend(&p.tokens);
         plan.block_tables.extend(&p.table);
         plan.reqs.push(ScheduledReq {
+            lora: None,
             req: ReqIdx(p.req),
             start_pos: p.start_pos,
             tokens,

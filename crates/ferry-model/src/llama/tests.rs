@@ -16,6 +16,7 @@ fn forward(model: &mut LlamaModel, kv: &mut KvArena) {
         token_ids: TokenId::list([1, 2, 3, 4]),
         block_tables: vec![BlockId(0)],
         reqs: vec![ScheduledReq {
+            lora: None,
             req: ReqIdx(0),
             tokens: 0..4,
             blocks: 0..1,

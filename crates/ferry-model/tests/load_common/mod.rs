@@ -328,6 +328,7 @@ pub fn paged_logits_of(
             step: step as u64,
             block_size: BLOCK_SIZE,
             reqs: vec![ScheduledReq {
+                lora: None,
                 req: ferry_core::ReqIdx(0),
                 start_pos: chunk.start,
                 tokens: 0..chunk.len(),

@@ -80,6 +80,7 @@ pub fn build_plan(pool: &mut Pool, seqs: &mut [&mut Seq], counts: &[usize]) -> S
             adjust: None,
         });
         plan.reqs.push(ScheduledReq {
+            lora: None,
             req: seq.req,
             start_pos: seq.computed,
             tokens: t0..plan.token_ids.len(),
