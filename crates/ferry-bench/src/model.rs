@@ -50,6 +50,12 @@ pub struct Args {
     /// Print only the JSON line (otherwise it is pretty-printed).
     #[arg(long)]
     json: bool,
+    /// The cost of `--enable-return-routed-experts` (MoE models): every batch size runs twice
+    /// in one process, once capturing the expert routing into the KV blocks and once not,
+    /// their steps interleaved (in alternating order) so both meet the same host; the report's
+    /// `routed_experts_cost` gives each batch size's rates with over without.
+    #[arg(long)]
+    routed_experts_cost: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -141,6 +147,8 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
     });
     Ok(json!({
         "moe": moe,
+        // [off, on] per batch size: the ratios are on's rate over off's (1.0: no cost).
+        "routed_experts_cost": routed_experts_cost(&runs, args),
         "model": source,
         "isa": format!("{isa:?}"),
         "threads": threads,
@@ -253,6 +261,8 @@ struct BenchReq {
 /// One batch size's requests and their arena.
 struct BatchRun {
     batch: usize,
+    /// Whether this run's steps capture the expert routing (`--routed-experts-cost`).
+    routed: bool,
     kv: KvArena,
     reqs: Vec<BenchReq>,
     prefill_steps: usize,
@@ -267,7 +277,7 @@ struct BatchRun {
 }
 
 impl BatchRun {
-    fn new(model: &LlamaModel, batch: usize, args: &Args) -> Self {
+    fn new(model: &LlamaModel, batch: usize, routed: bool, args: &Args) -> Self {
         let positions = args.prompt_len + args.decode_steps;
         let blocks_per_req = positions.div_ceil(BLOCK_SIZE);
         let kv = KvArena::new(model.kv_layout(BLOCK_SIZE), 1 + batch * blocks_per_req);
@@ -286,6 +296,7 @@ impl BatchRun {
             .collect();
         Self {
             batch,
+            routed,
             kv,
             reqs,
             prefill_steps: 0,
@@ -297,24 +308,30 @@ impl BatchRun {
         }
     }
 
-    /// Prefills every prompt, at most `prefill_chunk` tokens per step.
-    fn prefill(&mut self, model: &mut LlamaModel, args: &Args) -> anyhow::Result<()> {
-        let t0 = Instant::now();
-        while self.reqs.iter().any(|r| r.computed < args.prompt_len) {
-            let mut budget = args.prefill_chunk;
-            let counts: Vec<usize> = self
-                .reqs
-                .iter()
-                .map(|r| {
-                    let n = (args.prompt_len - r.computed).min(budget);
-                    budget -= n;
-                    n
-                })
-                .collect();
-            run_step(model, &mut self.kv, &mut self.reqs, &counts)?;
-            self.prefill_steps += 1;
+    fn prefilled(&self, args: &Args) -> bool {
+        self.reqs.iter().all(|r| r.computed == args.prompt_len)
+    }
+
+    /// One prefill step, timed: the prompts' next tokens, at most `prefill_chunk` in all
+    /// (nothing once every prompt is computed).
+    fn prefill_step(&mut self, model: &mut LlamaModel, args: &Args) -> anyhow::Result<()> {
+        if self.prefilled(args) {
+            return Ok(());
         }
-        self.prefill_s = t0.elapsed().as_secs_f64();
+        let t0 = Instant::now();
+        let mut budget = args.prefill_chunk;
+        let counts: Vec<usize> = self
+            .reqs
+            .iter()
+            .map(|r| {
+                let n = (args.prompt_len - r.computed).min(budget);
+                budget -= n;
+                n
+            })
+            .collect();
+        run_step(model, &mut self.kv, &mut self.reqs, &counts)?;
+        self.prefill_steps += 1;
+        self.prefill_s += t0.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -364,6 +381,7 @@ impl BatchRun {
             "prefill_gflop_s": round2(prefill_gflop_s),
             "prefill_peak_fraction": round2(prefill_gflop_s / m.peak_gflop_s),
             "batch": self.batch,
+            "routed_experts": self.routed,
             "prefill_tokens": prefill_tokens,
             "prefill_steps": self.prefill_steps,
             "prefill_tok_s": round2(prefill_tokens as f64 / self.prefill_s),
@@ -379,21 +397,88 @@ impl BatchRun {
 /// Prefills every batch size, then decodes them round-robin, one step each in turn: on a
 /// shared machine the load drifts, and interleaving gives every batch size the same
 /// conditions, so their ratios mean something even when the absolute numbers move.
+///
+/// With `--routed-experts-cost` every batch size has a second run that captures the routing
+/// (its arena has the layout with routing words), right after the plain one; the model is
+/// switched to each run's setting before its steps, and each step the pairs go in the other
+/// order, so neither side is always the one after the other's cache traffic.
 fn bench_batches(model: &mut LlamaModel, args: &Args) -> anyhow::Result<Vec<BatchRun>> {
-    let mut runs: Vec<BatchRun> = args
-        .batch
-        .iter()
-        .map(|&b| BatchRun::new(model, b, args))
-        .collect();
-    for run in &mut runs {
-        run.prefill(model, args)?;
-    }
-    for _ in 0..args.decode_steps {
-        for run in &mut runs {
-            run.decode_step(model)?;
+    let sides: &[bool] = if args.routed_experts_cost {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    let mut runs = Vec::new();
+    for &b in &args.batch {
+        for &routed in sides {
+            set_routing(model, routed)?;
+            runs.push(BatchRun::new(model, b, routed, args));
         }
     }
+    // Each batch size's prefill, then the decode steps of all, step by step in turn (a pair
+    // of runs takes its steps together, prefill's too).
+    for pair in runs.chunks_mut(sides.len()) {
+        let mut step = 0;
+        while !pair.iter().all(|r| r.prefilled(args)) {
+            each_in_turn(pair, step, |run| {
+                set_routing(model, run.routed)?;
+                run.prefill_step(model, args)
+            })?;
+            step += 1;
+        }
+    }
+    for step in 0..args.decode_steps {
+        for pair in runs.chunks_mut(sides.len()) {
+            each_in_turn(pair, step, |run| {
+                set_routing(model, run.routed)?;
+                run.decode_step(model)
+            })?;
+        }
+    }
+    set_routing(model, false)?;
     Ok(runs)
+}
+
+/// `f` on each run of `pair`, in order on even steps and the other way round on odd ones.
+fn each_in_turn(
+    pair: &mut [BatchRun],
+    step: usize,
+    mut f: impl FnMut(&mut BatchRun) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let n = pair.len();
+    for i in 0..n {
+        let at = if step.is_multiple_of(2) { i } else { n - 1 - i };
+        f(&mut pair[at])?;
+    }
+    Ok(())
+}
+
+fn set_routing(model: &mut LlamaModel, on: bool) -> anyhow::Result<()> {
+    model
+        .set_routed_experts(on)
+        .context("--routed-experts-cost needs a mixture-of-experts model")
+}
+
+/// `--routed-experts-cost`: each batch size's rates capturing the routing over not, from the
+/// interleaved pair of runs.
+fn routed_experts_cost(runs: &[BatchRun], args: &Args) -> Option<serde_json::Value> {
+    if !args.routed_experts_cost {
+        return None;
+    }
+    let steps = args.decode_steps.max(1) as f64;
+    let pairs: Vec<_> = runs
+        .chunks(2)
+        .map(|pair| {
+            let (off, on) = (&pair[0], &pair[1]);
+            json!({
+                "batch": off.batch,
+                "decode_ms_per_step": [round2(off.decode_s * 1e3 / steps), round2(on.decode_s * 1e3 / steps)],
+                "decode_tok_s_ratio": round4(off.decode_s / on.decode_s),
+                "prefill_tok_s_ratio": round4(off.prefill_s / on.prefill_s),
+            })
+        })
+        .collect();
+    Some(json!(pairs))
 }
 
 /// Microseconds per step in each phase of the forward; `other` is the rest of the step
@@ -530,6 +615,10 @@ fn round2(v: f64) -> f64 {
     (v * 100.0).round() / 100.0
 }
 
+fn round4(v: f64) -> f64 {
+    (v * 1e4).round() / 1e4
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -543,6 +632,7 @@ mod tests {
             prompt_len: 5,
             decode_steps: 2,
             prefill_chunk: 4,
+            routed_experts_cost: false,
             json: true,
         };
         let out = measure(&args, 1 << 20).unwrap();
@@ -632,6 +722,7 @@ mod tests {
             decode_steps: 3,
             prefill_chunk: 8,
             json: true,
+            routed_experts_cost: false,
         };
         let out = measure(&args, 1 << 20).unwrap();
         let w = LlamaModel::new(&m.config, &m.weights).unwrap();
@@ -675,6 +766,66 @@ mod tests {
         );
     }
 
+    /// `--routed-experts-cost` runs each batch size twice, the second capturing the routing
+    /// into an arena with routing words; both compute the same tokens, and a dense model is
+    /// refused naming the flag.
+    #[test]
+    fn the_routed_experts_cost_runs_each_batch_with_and_without_the_capture() {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = ferry_model::tiny::moe_model(
+            "Qwen3MoeForCausalLM",
+            ferry_model::tiny::MoeSize::Small,
+            1,
+        );
+        ferry_model::tiny::write_hf_folder(&m, tmp.path()).unwrap();
+        let args = Args {
+            model: Some(tmp.path().display().to_string()),
+            random: None,
+            batch: vec![1, 3],
+            prompt_len: 5,
+            decode_steps: 3,
+            prefill_chunk: 8,
+            json: true,
+            routed_experts_cost: true,
+        };
+        let mut model = LlamaModel::new(&m.config, &m.weights).unwrap();
+        let runs = bench_batches(&mut model, &args).unwrap();
+        let shape: Vec<_> = runs.iter().map(|r| (r.batch, r.routed)).collect();
+        assert_eq!(shape, [(1, false), (1, true), (3, false), (3, true)]);
+        for pair in runs.chunks(2) {
+            assert_eq!(pair[0].kv.layout().aux_floats, 0);
+            assert!(pair[1].kv.layout().aux_floats > 0);
+            let tokens = |r: &BatchRun| r.reqs.iter().map(|q| q.tokens.clone()).collect::<Vec<_>>();
+            assert_eq!(tokens(&pair[0]), tokens(&pair[1]));
+            // The prompt, the token its prefill sampled, one a decode step.
+            assert_eq!(pair[0].reqs[0].tokens.len(), 5 + 1 + 3);
+        }
+        // The model is left as it was built: not capturing.
+        assert_eq!(model.kv_layout(BLOCK_SIZE).aux_floats, 0);
+        let out = measure(&args, 1 << 20).unwrap();
+        let cost = out["routed_experts_cost"].as_array().unwrap();
+        assert_eq!(cost.len(), 2);
+        assert_eq!(
+            (cost[0]["batch"].as_u64(), cost[1]["batch"].as_u64()),
+            (Some(1), Some(3))
+        );
+        assert!(cost
+            .iter()
+            .all(|c| c["decode_tok_s_ratio"].as_f64().unwrap() > 0.0));
+        assert_eq!(out["results"].as_array().unwrap().len(), 4);
+
+        let dense = Args {
+            model: None,
+            random: Some("small".into()),
+            ..args
+        };
+        let err = measure(&dense, 1 << 20).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("--routed-experts-cost"),
+            "{err:#}"
+        );
+    }
+
     #[test]
     fn unknown_random_shape_is_an_error() {
         let args = Args {
@@ -685,6 +836,7 @@ mod tests {
             decode_steps: 1,
             prefill_chunk: 1,
             json: true,
+            routed_experts_cost: false,
         };
         let err = measure(&args, 1 << 20).unwrap_err();
         assert!(err.to_string().contains("unknown --random shape"), "{err}");

@@ -166,9 +166,17 @@ impl LlamaModel {
     /// [`ModelOutput::routed`] (`ferry serve --enable-return-routed-experts`). A model with
     /// no MoE layers has no routing to capture: an error naming the flag.
     pub fn with_routed_experts(mut self, on: bool) -> Result<Self, ModelError> {
+        self.set_routed_experts(on)?;
+        Ok(self)
+    }
+
+    /// [`Self::with_routed_experts`] on a built model (`ferry bench model
+    /// --routed-experts-cost` turns it on and off between steps). The KV layout changes with
+    /// it ([`Self::kv_layout`]): each setting needs an arena of its own layout.
+    pub fn set_routed_experts(&mut self, on: bool) -> Result<(), ModelError> {
         if !on {
             self.scratch.routing = None;
-            return Ok(self);
+            return Ok(());
         }
         let Some(moe) = &self.config.moe else {
             return Err(ModelError::InvalidConfig {
@@ -187,7 +195,7 @@ impl LlamaModel {
             },
             step: Vec::new(),
         });
-        Ok(self)
+        Ok(())
     }
 
     pub fn config(&self) -> &LlamaConfig {

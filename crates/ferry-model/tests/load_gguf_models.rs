@@ -597,11 +597,12 @@ fn moe_arch(hf: &str) -> &'static str {
     }
 }
 
-/// Matrices in `dtype`, but the router in f32 (llama.cpp's converter and quantizer keep
-/// `ffn_gate_inp` so) and, when `dtype` is blocked, F16 for Qwen2-MoE's shared expert down
-/// projection, whose 48-wide rows are no whole blocks.
-fn moe_dtype(dtype: WeightDtype) -> impl Fn(&str) -> WeightDtype {
+/// Matrices in `dtype_of(name)`, but the router in f32 (llama.cpp's converter and quantizer
+/// keep `ffn_gate_inp` so) and, when that dtype's blocks do not tile the small config's
+/// Qwen2-MoE shared expert down projection (48-wide rows), F16 for it.
+fn moe_dtype(dtype_of: impl Fn(&str) -> WeightDtype) -> impl Fn(&str) -> WeightDtype {
     move |name: &str| {
+        let dtype = dtype_of(name);
         if name.ends_with(".gate.weight") {
             WeightDtype::F32
         } else if name.contains("shared_expert.down_proj") && dtype.row_bytes(48).is_none() {
@@ -614,10 +615,10 @@ fn moe_dtype(dtype: WeightDtype) -> impl Fn(&str) -> WeightDtype {
 
 /// Every MoE architecture (Qwen3-MoE with a dense last layer, Qwen2-MoE with its shared
 /// expert, OLMoE with whole-projection q/k norms and a clip, Mixtral as `llama` with q/k
-/// permuted) in F32, Q8_0 and Q4_1: the config is the Hugging Face one, the stacked expert
-/// tensors are split into each expert's matrix (kept in the file's dtype when stored), and
-/// both forwards match the reference over the file's weights, the stored one bit for bit
-/// the f32 one.
+/// permuted) in every dtype the kernels read in registers (F32, F16, BF16, Q8_0, Q4_0, Q4_1):
+/// the config is the Hugging Face one, the stacked expert tensors are split into each
+/// expert's matrix (kept in the file's dtype when stored), and both forwards match the
+/// reference over the file's weights, the stored one bit for bit the f32 one.
 #[test]
 fn moe_ggufs_of_every_architecture_load_and_match_the_reference() {
     let tmp = tempfile::tempdir().unwrap();
@@ -626,9 +627,9 @@ fn moe_ggufs_of_every_architecture_load_and_match_the_reference() {
         let config = ferry_model::random_model::small_moe_config(hf);
         let moe = config.moe.clone().unwrap();
         let weights = random_weights(&config, 21);
-        for dtype in [WeightDtype::F32, WeightDtype::Q8_0, WeightDtype::Q4_1] {
+        for dtype in WeightDtype::ALL {
             let path = tmp.path().join(format!("{arch}-{dtype}.gguf"));
-            let held = write_gguf(&path, arch, &config, &weights, moe_dtype(dtype));
+            let held = write_gguf(&path, arch, &config, &weights, moe_dtype(|_| dtype));
             let gguf = ferry_model::load::gguf::GgufFile::open(&path).unwrap();
             let up = gguf.tensor_info("blk.0.ffn_up_exps.weight").unwrap();
             assert_eq!(
@@ -646,6 +647,74 @@ fn moe_ggufs_of_every_architecture_load_and_match_the_reference() {
             let [_, up, _] = moe.naming.expert(7);
             let up = &stored.weights.stored[&format!("model.layers.1.{up}")];
             assert_eq!((up.dtype, &up.shape[..]), (dtype, &[32, 64][..]), "{hf}");
+        }
+    }
+}
+
+/// Every MoE architecture with its experts in K-quants and Q5 blocks, as `llama-quantize`
+/// makes them: a Q4_K_M-style mix (Q6_K for the value and down projections and the head,
+/// Q4_K elsewhere, the experts' stacked tensors included; the routers f32), and all Q5_0 and
+/// all Q5_1. Their 256-value super-blocks need every row a multiple of 256 long, so the
+/// small configs are widened to 256 (hidden, attention output, every intermediate size).
+/// The experts stay in their blocks when stored, and both forwards match the reference over
+/// the file's weights, the stored one bit for bit the f32 one.
+#[test]
+fn moe_ggufs_with_k_quant_and_q5_experts_load_and_match_the_reference() {
+    let q4_k_m = |name: &str| {
+        if name.contains("v_proj")
+            || name.contains("down_proj")
+            || name.ends_with(".w2.weight")
+            || name.contains("lm_head")
+        {
+            WeightDtype::Q6_K
+        } else {
+            WeightDtype::Q4_K
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for hf in ferry_model::random_model::MOE_ARCHITECTURES {
+        let arch = moe_arch(hf);
+        let mut config = ferry_model::random_model::small_moe_config(hf);
+        config.hidden_size = 256;
+        config.intermediate_size = 256;
+        config.num_attention_heads = 4;
+        config.num_key_value_heads = 2;
+        config.head_dim = 64;
+        let moe = config.moe.as_mut().unwrap();
+        moe.expert_intermediate_size = 256;
+        if let Some(shared) = &mut moe.shared_expert_intermediate_size {
+            *shared = 256;
+        }
+        let naming = moe.naming;
+        let weights = random_weights(&config, 22);
+        let path = tmp.path().join(format!("{arch}-q4_k_m.gguf"));
+        let held = write_gguf(&path, arch, &config, &weights, moe_dtype(q4_k_m));
+        let gguf = ferry_model::load::gguf::GgufFile::open(&path).unwrap();
+        let dtype_of = |name: &str| gguf.tensor_info(name).unwrap().dtype.to_string();
+        assert_eq!(
+            (
+                dtype_of("blk.1.ffn_up_exps.weight"),
+                dtype_of("blk.1.ffn_down_exps.weight"),
+                dtype_of("blk.1.ffn_gate_inp.weight")
+            ),
+            ("Q4_K".into(), "Q6_K".into(), "F32".into()),
+            "{hf}"
+        );
+        drop(gguf);
+        check_loaded(&path, &config, &held);
+        let stored = ferry_model::load::load_model_stored(&path).unwrap();
+        let [gate, _, down] = naming.expert(5);
+        let stored_dtype =
+            |name: &str| stored.weights.stored[&format!("model.layers.1.{name}")].dtype;
+        assert_eq!(
+            (stored_dtype(&gate), stored_dtype(&down)),
+            (WeightDtype::Q4_K, WeightDtype::Q6_K),
+            "{hf}"
+        );
+        for dtype in [WeightDtype::Q5_0, WeightDtype::Q5_1] {
+            let path = tmp.path().join(format!("{arch}-{dtype}.gguf"));
+            let held = write_gguf(&path, arch, &config, &weights, moe_dtype(|_| dtype));
+            check_loaded(&path, &config, &held);
         }
     }
 }
