@@ -40,6 +40,7 @@
 use crate::hash::BlockHash;
 use crate::holds::HoldKind;
 use crate::ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
+use crate::lora::LoraRef;
 use crate::request::FinishReason;
 
 /// What to do when a KV load fails (engine config; vLLM's `kv_load_failure_policy`).
@@ -247,6 +248,9 @@ pub struct ExternalQuery<'a> {
     pub block_hashes: &'a [BlockHash],
     /// The weight version loaded now.
     pub weight_version: &'a str,
+    /// The LoRA adapter the request is computed with, at its version now (`None`: the base
+    /// model): KV computed otherwise is never loaded for it.
+    pub lora: Option<&'a LoraRef>,
 }
 
 /// A request as the hooks see it at arrival.
@@ -355,6 +359,8 @@ pub struct FinishedRequest<'a> {
     pub hold: TransferId,
     /// The weight version the KV was computed with.
     pub weight_version: &'a str,
+    /// The LoRA adapter the KV was computed with (`None`: the base model).
+    pub lora: Option<&'a LoraRef>,
 }
 
 /// How an asynchronous load ended.
