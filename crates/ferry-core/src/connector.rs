@@ -40,7 +40,7 @@
 use crate::hash::BlockHash;
 use crate::holds::HoldKind;
 use crate::ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
-use crate::lora::LoraRef;
+use crate::lora::{LoraKey, LoraRef};
 use crate::request::FinishReason;
 
 /// What to do when a KV load fails (engine config; vLLM's `kv_load_failure_policy`).
@@ -53,8 +53,8 @@ pub enum KvLoadFailurePolicy {
     Fail,
 }
 
-/// The P/D transfer parameters of a request, with vLLM's keys plus ferry's weight version
-/// and export token. Plain data: the server parses and shape-checks them, connectors check
+/// The P/D transfer parameters of a request, with vLLM's keys plus ferry's weight version,
+/// LoRA adapter (name and version, both or neither) and export token. Plain data: the server parses and shape-checks them, connectors check
 /// what they mean.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct KvTransferParams {
@@ -69,6 +69,10 @@ pub struct KvTransferParams {
     pub remote_port: Option<u16>,
     /// The weight version the exported KV was computed with.
     pub weight_version: Option<String>,
+    /// The LoRA adapter the exported KV was computed with, and its version (none: the base
+    /// model).
+    pub lora_name: Option<String>,
+    pub lora_version: Option<u64>,
     /// The unguessable token that names the export on its engine.
     pub export_token: Option<String>,
     /// How many prompt tokens the export holds KV for.
@@ -118,6 +122,8 @@ impl KvTransferParams {
             &mut self.weight_version,
             other.weight_version,
         )?;
+        one("lora_name", &mut self.lora_name, other.lora_name)?;
+        one("lora_version", &mut self.lora_version, other.lora_version)?;
         one("export_token", &mut self.export_token, other.export_token)?;
         one("n_tokens", &mut self.n_tokens, other.n_tokens)
     }
@@ -131,6 +137,8 @@ pub struct ImportSpec {
     pub remote_engine_id: String,
     pub export_token: String,
     pub weight_version: String,
+    /// The LoRA adapter the export's KV was computed with (none: the base model).
+    pub lora: Option<LoraKey>,
     pub remote_block_ids: Vec<BlockId>,
     pub remote_host: Option<String>,
     pub remote_port: Option<u16>,
@@ -139,15 +147,25 @@ pub struct ImportSpec {
 }
 
 impl ImportSpec {
-    /// The import `params` describe, or the first key a load needs that they lack.
+    /// The import `params` describe, or the first key a load needs that they lack (an
+    /// adapter's name needs its version, and the version its name).
     pub fn parse(params: &KvTransferParams) -> Result<Self, MissingParam> {
         fn need<T: Clone>(key: &'static str, v: &Option<T>) -> Result<T, MissingParam> {
             v.clone().ok_or(MissingParam(key))
         }
+        let lora = match (&params.lora_name, params.lora_version) {
+            (None, None) => None,
+            (Some(name), version) => Some(LoraKey {
+                name: name.as_str().into(),
+                version: need("lora_version", &version)?,
+            }),
+            (None, Some(_)) => return Err(MissingParam("lora_name")),
+        };
         Ok(Self {
             remote_engine_id: need("remote_engine_id", &params.remote_engine_id)?,
             export_token: need("export_token", &params.export_token)?,
             weight_version: need("weight_version", &params.weight_version)?,
+            lora,
             remote_block_ids: need("remote_block_ids", &params.remote_block_ids)?,
             n_tokens: need("n_tokens", &params.n_tokens)?,
             remote_host: params.remote_host.clone(),
@@ -422,6 +440,9 @@ pub enum PdJob {
         hold: TransferId,
         token: String,
         weight_version: String,
+        /// The LoRA adapter the KV was computed with (none: the base model): a pull must
+        /// name the same, as it must the weight version.
+        lora: Option<LoraKey>,
         blocks: Vec<BlockId>,
         /// Hash of the prompt tokens the KV is for (`prompt_hash`), so a reader with another
         /// prompt is refused.
@@ -452,6 +473,8 @@ pub enum PdJob {
         remote_port: Option<u16>,
         token: String,
         weight_version: String,
+        /// The LoRA adapter D computes the request with (none: the base model).
+        lora: Option<LoraKey>,
         prompt_hash: [u8; 32],
         /// Index in the export's blocks of `src_blocks[0]`.
         first_block: usize,
@@ -639,8 +662,8 @@ pub enum FetchFailure {
     /// The export's lease ran out before D pulled it: a retraction if the request waited
     /// behind a pause or reset on D, else a fault.
     Expired,
-    /// A forged or replayed pull (unknown token, a second pull, block ids, prompt or version
-    /// that are not the export's): fails closed, whatever the policy.
+    /// A forged or replayed pull (unknown token, a second pull, block ids, prompt, version or
+    /// adapter that are not the export's): fails closed, whatever the policy.
     Invalid,
 }
 

@@ -78,7 +78,7 @@ pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,
 };
-pub use lora::{LoraError, LoraRef, LoraTag};
+pub use lora::{LoraError, LoraKey, LoraRef, LoraTag};
 pub use offload::{
     OffloadConfig, OffloadConfigError, OffloadConnector, OffloadPolicy, UnknownPolicy,
 };

@@ -35,6 +35,14 @@ impl LoraRef {
         }
     }
 
+    /// How other engines name it: its name and version ([`LoraKey`]).
+    pub fn key(&self) -> LoraKey {
+        LoraKey {
+            name: self.name.clone(),
+            version: self.version,
+        }
+    }
+
     /// The key its KV is cached under: its id and version ([`LoraTag`]).
     pub fn tag(&self) -> LoraTag {
         LoraTag {
@@ -42,6 +50,14 @@ impl LoraRef {
             version: self.version,
         }
     }
+}
+
+/// An adapter as engines name it to each other (P/D exports and pulls): its name and version.
+/// Ids are each engine's own; a (name, version) pair names the same weights everywhere.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LoraKey {
+    pub name: Arc<str>,
+    pub version: u64,
 }
 
 /// Which adapter, at which version, computed a cached block (the block pool keeps one per
