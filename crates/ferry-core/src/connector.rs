@@ -54,7 +54,7 @@ pub enum KvLoadFailurePolicy {
 }
 
 /// The P/D transfer parameters of a request, with vLLM's keys plus ferry's weight version,
-/// LoRA adapter (name and version, both or neither) and export token. Plain data: the server parses and shape-checks them, connectors check
+/// LoRA adapter and export token. Plain data: the server parses and shape-checks them, connectors check
 /// what they mean.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct KvTransferParams {
@@ -69,10 +69,9 @@ pub struct KvTransferParams {
     pub remote_port: Option<u16>,
     /// The weight version the exported KV was computed with.
     pub weight_version: Option<String>,
-    /// The LoRA adapter the exported KV was computed with, and its version (none: the base
-    /// model).
-    pub lora_name: Option<String>,
-    pub lora_version: Option<u64>,
+    /// The LoRA adapter the exported KV was computed with, by name and version (none: the
+    /// base model); on the wire, `lora_name` and `lora_version`, both or neither.
+    pub lora: Option<LoraKey>,
     /// The unguessable token that names the export on its engine.
     pub export_token: Option<String>,
     /// How many prompt tokens the export holds KV for.
@@ -122,8 +121,7 @@ impl KvTransferParams {
             &mut self.weight_version,
             other.weight_version,
         )?;
-        one("lora_name", &mut self.lora_name, other.lora_name)?;
-        one("lora_version", &mut self.lora_version, other.lora_version)?;
+        one("lora", &mut self.lora, other.lora)?;
         one("export_token", &mut self.export_token, other.export_token)?;
         one("n_tokens", &mut self.n_tokens, other.n_tokens)
     }
@@ -147,25 +145,16 @@ pub struct ImportSpec {
 }
 
 impl ImportSpec {
-    /// The import `params` describe, or the first key a load needs that they lack (an
-    /// adapter's name needs its version, and the version its name).
+    /// The import `params` describe, or the first key a load needs that they lack.
     pub fn parse(params: &KvTransferParams) -> Result<Self, MissingParam> {
         fn need<T: Clone>(key: &'static str, v: &Option<T>) -> Result<T, MissingParam> {
             v.clone().ok_or(MissingParam(key))
         }
-        let lora = match (&params.lora_name, params.lora_version) {
-            (None, None) => None,
-            (Some(name), version) => Some(LoraKey {
-                name: name.as_str().into(),
-                version: need("lora_version", &version)?,
-            }),
-            (None, Some(_)) => return Err(MissingParam("lora_name")),
-        };
         Ok(Self {
             remote_engine_id: need("remote_engine_id", &params.remote_engine_id)?,
             export_token: need("export_token", &params.export_token)?,
             weight_version: need("weight_version", &params.weight_version)?,
-            lora,
+            lora: params.lora.clone(),
             remote_block_ids: need("remote_block_ids", &params.remote_block_ids)?,
             n_tokens: need("n_tokens", &params.n_tokens)?,
             remote_host: params.remote_host.clone(),

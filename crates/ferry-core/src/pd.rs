@@ -17,7 +17,7 @@
 //! made stale by the lifecycle (either side updated since the export was made): D never
 //! loads them and the request computes its prompt itself, under either policy; so are those
 //! of another LoRA adapter or adapter version than the request's here (the export names the
-//! adapter its KV was computed with, `lora_name` and `lora_version`, none for the base). P's worker
+//! adapter its KV was computed with, `KvTransferParams::lora`, none for the base). P's worker
 //! refuses a pull with a wrong token, a wrong prompt hash, a wrong version or block ids that
 //! are not exactly the export's, an export pulled before (one load per export) (all
 //! `Invalid`), and says when the export was revoked or expired, so D can tell a retraction
@@ -497,8 +497,7 @@ impl KvConnector for PdConnector {
             remote_host: self.config.host.clone(),
             remote_port: self.config.port,
             weight_version: Some(f.weight_version.to_owned()),
-            lora_name: lora.as_ref().map(|l| l.name.to_string()),
-            lora_version: lora.map(|l| l.version),
+            lora,
             export_token: Some(token),
             n_tokens: Some(n_tokens),
         })

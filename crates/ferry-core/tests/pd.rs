@@ -445,10 +445,7 @@ fn an_export_names_its_adapter_and_only_the_same_adapter_and_version_loads_it() 
         let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
         p.sched.load_lora(a1.clone()).unwrap();
         let params = export_with(&mut f, &mut p, "x", prompt(1, 19), with(Some(&a1), 1));
-        assert_eq!(
-            (params.lora_name.as_deref(), params.lora_version),
-            (Some("a"), Some(1))
-        );
+        assert_eq!(params.lora, Some(a1.key()));
         let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
         if let Some(l) = &d_lora {
             d.sched.load_lora(l.clone()).unwrap();
@@ -494,7 +491,10 @@ fn a_pull_naming_another_adapter_than_the_export_is_refused() {
         ..greedy(1)
     };
     let mut params = remote(&export_with(&mut f, &mut p, "x", prompt(1, 19), sampling));
-    params.lora_version = Some(2);
+    params.lora = Some(LoraKey {
+        name: "a".into(),
+        version: 2,
+    });
     let sampling = SamplingParams {
         lora: Some(a2),
         ..greedy(4)
@@ -1861,24 +1861,20 @@ fn transfer_parameters_parse_into_one_request() {
     assert_eq!(both, TransferRequest::ImportThenExport(spec.clone()));
     assert!(both.exports());
     assert_eq!(both.import(), Some(&spec));
-    // An adapter is its name and version, both or neither.
-    let adapter = |name: Option<&str>, version| {
-        TransferRequest::parse(&KvTransferParams {
-            lora_name: name.map(str::to_owned),
-            lora_version: version,
-            ..load.clone()
-        })
+    // The adapter the export names goes into the import as it is.
+    let key = LoraKey {
+        name: "a".into(),
+        version: 3,
     };
     let with_a = TransferRequest::Import(ImportSpec {
-        lora: Some(LoraKey {
-            name: "a".into(),
-            version: 3,
-        }),
+        lora: Some(key.clone()),
         ..spec.clone()
     });
-    assert_eq!(adapter(Some("a"), Some(3)), Ok(Some(with_a)));
-    assert_eq!(adapter(Some("a"), None), Err(MissingParam("lora_version")));
-    assert_eq!(adapter(None, Some(3)), Err(MissingParam("lora_name")));
+    let named = KvTransferParams {
+        lora: Some(key),
+        ..load.clone()
+    };
+    assert_eq!(TransferRequest::parse(&named), Ok(Some(with_a)));
     let missing = KvTransferParams {
         export_token: None,
         ..load

@@ -178,8 +178,7 @@ impl KvTransferParamsJson {
             weight_version: self.weight_version,
             // Not read off the wire yet: a load for a request with an adapter is then refused
             // by D's connector (it computes), never served with another adapter's KV.
-            lora_name: None,
-            lora_version: None,
+            lora: None,
             export_token: self.export_token,
             n_tokens: self.n_tokens,
         }
