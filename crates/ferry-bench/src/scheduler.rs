@@ -184,6 +184,7 @@ impl Connectors {
                 remote_host: Some(BENCH_P_HOST.to_owned()),
                 remote_port: Some(BENCH_P_PORT),
                 weight_version: weight_version.to_owned(),
+                lora: None,
                 export_token: format!("export-{line}"),
                 n_tokens: prompt_len,
             }));

@@ -18,6 +18,7 @@
 use crate::hash::{BlockHash, BlockHashMap};
 use crate::ids::BlockId;
 use crate::kv_events::{KvEventLog, Medium};
+use crate::lora::LoraTag;
 use crate::owner::Owner;
 
 /// The null block: padding in block tables, never owned.
@@ -34,6 +35,9 @@ struct BlockMeta {
     in_free_queue: bool,
     /// Set while the block's contents are registered in the prefix cache under this hash.
     hash: Option<BlockHash>,
+    /// The LoRA adapter (and its version) that computed it, while it is cached; `None` for
+    /// the base model's blocks.
+    lora: Option<LoraTag>,
 }
 
 /// Fixed-size pool of KV blocks. Owners are accounted for by the caller (requests,
@@ -61,6 +65,7 @@ impl BlockPool {
                     next: NIL,
                     in_free_queue: false,
                     hash: None,
+                    lora: None,
                 };
                 n_blocks.max(1) as usize
             ],
@@ -110,6 +115,11 @@ impl BlockPool {
     /// The hash a block is cached under, if any.
     pub fn cached_hash(&self, block: BlockId) -> Option<BlockHash> {
         self.meta.get(block.index()).and_then(|m| m.hash)
+    }
+
+    /// The adapter that computed a cached block (`None`: the base model's, or not cached).
+    pub fn cached_lora(&self, block: BlockId) -> Option<LoraTag> {
+        self.meta.get(block.index()).and_then(|m| m.lora)
     }
 
     /// Number of distinct hashes in the prefix cache.
@@ -180,12 +190,18 @@ impl BlockPool {
         }
     }
 
-    /// Registers a full block's contents, computed for `owner`, under `hash`; returns whether
-    /// it was newly cached. If another block is already cached under the same hash (two
+    /// Registers a full block's contents, computed for `owner` (with the adapter `lora`, if
+    /// any), under `hash`; returns whether it was newly cached. If another block is already cached under the same hash (two
     /// requests computed the same prefix at once), this one stays uncached and is simply freed
     /// later. Panics if no one holds the block: a free block's contents may be reused at any
     /// time, so they cannot be what the hash promises.
-    pub fn cache(&mut self, block: BlockId, hash: BlockHash, owner: Owner) -> bool {
+    pub fn cache(
+        &mut self,
+        block: BlockId,
+        hash: BlockHash,
+        owner: Owner,
+        lora: Option<LoraTag>,
+    ) -> bool {
         let m = &self.meta[block.index()];
         if m.ref_cnt == 0 {
             broken(BlockOp::Cache, block, owner, Broken::NotHeld);
@@ -195,7 +211,9 @@ impl BlockPool {
         }
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
             e.insert(block);
-            self.meta[block.index()].hash = Some(hash);
+            let m = &mut self.meta[block.index()];
+            m.hash = Some(hash);
+            m.lora = lora;
             return true;
         }
         false
@@ -214,7 +232,11 @@ impl BlockPool {
     /// Drops a block's hash from the prefix cache (its contents can no longer be hit).
     /// Returns whether it was cached.
     pub fn evict(&mut self, block: BlockId) -> bool {
-        let Some(hash) = self.meta.get_mut(block.index()).and_then(|m| m.hash.take()) else {
+        let Some(m) = self.meta.get_mut(block.index()) else {
+            return false;
+        };
+        m.lora = None;
+        let Some(hash) = m.hash.take() else {
             return false;
         };
         if self.cached.get(&hash) == Some(&block) {
@@ -247,6 +269,7 @@ impl BlockPool {
         // to the pool (a pool has hundreds of thousands of blocks for a small model).
         for (hash, &b) in &self.cached {
             self.meta[b.index()].hash = None;
+            self.meta[b.index()].lora = None;
             if !whole {
                 self.log.removed(hash, Medium::Primary);
             }
@@ -256,6 +279,25 @@ impl BlockPool {
             self.log.cleared();
         }
         true
+    }
+
+    /// Drops from the prefix cache every block computed with an adapter `pick` chooses,
+    /// held or not, journaling each removal; returns how many. A held block stays with its
+    /// holders, uncached: when they release it, it is free like any other, and it is never a
+    /// hit again. In block order, so the events do not follow the index's order. Costs a pass
+    /// over the cached blocks.
+    pub fn evict_lora(&mut self, pick: impl Fn(LoraTag) -> bool) -> usize {
+        let mut blocks: Vec<BlockId> = self
+            .cached
+            .values()
+            .copied()
+            .filter(|b| self.meta[b.index()].lora.is_some_and(&pick))
+            .collect();
+        blocks.sort_unstable();
+        for &b in &blocks {
+            self.evict(b);
+        }
+        blocks.len()
     }
 
     /// The free queue from head (next to be evicted) to tail.
@@ -451,7 +493,7 @@ mod tests {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
         p.take(1, &mut out, R);
-        p.cache(BlockId(1), h(9), R);
+        p.cache(BlockId(1), h(9), R, None);
         p.release(BlockId(1), R);
         assert_eq!(p.lookup(&h(9)), Some(BlockId(1)));
         out.clear();
@@ -466,8 +508,8 @@ mod tests {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
         p.take(2, &mut out, R);
-        p.cache(BlockId(1), h(1), R);
-        p.cache(BlockId(2), h(1), R);
+        p.cache(BlockId(1), h(1), R, None);
+        p.cache(BlockId(2), h(1), R, None);
         assert_eq!(p.lookup(&h(1)), Some(BlockId(1)));
         assert_eq!(p.cached_hash(BlockId(2)), None);
         assert!(!p.evict(BlockId(2)));
@@ -480,12 +522,51 @@ mod tests {
         let mut p = BlockPool::new(3);
         let mut out = Vec::new();
         p.take(1, &mut out, R);
-        p.cache(BlockId(1), h(3), R);
+        p.cache(BlockId(1), h(3), R, None);
         assert!(!p.reset_cache());
         assert_eq!(p.lookup(&h(3)), Some(BlockId(1)));
         p.release(BlockId(1), R);
         assert!(p.reset_cache());
         assert_eq!((p.lookup(&h(3)), p.n_cached()), (None, 0));
+    }
+
+    #[test]
+    fn evicting_an_adapter_drops_its_blocks_held_or_not_and_nothing_else() {
+        use crate::ids::LoraId;
+        let tag = |id, version| {
+            Some(LoraTag {
+                id: LoraId(id),
+                version,
+            })
+        };
+        let mut p = BlockPool::new(6);
+        p.set_log(KvEventLog::new(true, 1, "w"));
+        let mut out = Vec::new();
+        p.take(4, &mut out, R);
+        p.cache(BlockId(1), h(1), R, tag(7, 1));
+        p.cache(BlockId(2), h(2), R, tag(7, 2));
+        p.cache(BlockId(3), h(3), R, tag(8, 1));
+        p.cache(BlockId(4), h(4), R, None);
+        p.release(BlockId(1), R);
+        // Version 1 of adapter 7 only: block 1, free.
+        assert_eq!(p.evict_lora(|t| t.id == LoraId(7) && t.version < 2), 1);
+        assert_eq!(p.lookup(&h(1)), None);
+        assert_eq!(p.cached_lora(BlockId(1)), None);
+        // Every version of 7: block 2, still held; it stays held, uncached.
+        assert_eq!(p.evict_lora(|t| t.id == LoraId(7)), 1);
+        assert_eq!((p.lookup(&h(2)), p.ref_cnt(BlockId(2))), (None, 1));
+        assert_eq!(p.lookup(&h(3)), Some(BlockId(3)));
+        assert_eq!(p.lookup(&h(4)), Some(BlockId(4)));
+        let mut batches = Vec::new();
+        p.log_mut().drain(&mut batches);
+        let ext = crate::kv_events::external_hash;
+        assert_eq!(
+            batches[0].events,
+            vec![crate::kv_events::KvEvent::Removed {
+                hashes: vec![ext(&h(1)), ext(&h(2))],
+                medium: Medium::Primary
+            }]
+        );
     }
 
     // Each broken precondition panics, in release builds too, naming the block, the owner
@@ -562,6 +643,6 @@ mod tests {
     )]
     fn caching_a_free_block_panics() {
         let mut p = BlockPool::new(3);
-        p.cache(BlockId(2), h(1), R);
+        p.cache(BlockId(2), h(1), R, None);
     }
 }

@@ -47,6 +47,10 @@ pub struct SchedulerConfig {
     pub kv_load_failure_policy: KvLoadFailurePolicy,
     /// Journal the prefix cache's changes for KV events (`Scheduler::take_kv_events`).
     pub kv_events: bool,
+    /// Most LoRA adapters computed in one step (`--max-loras`): requests of further adapters
+    /// wait for a seat, which an adapter holds while any request of it runs; base requests
+    /// need none. `None`: no limit (at least 1 when set).
+    pub max_loras: Option<usize>,
 }
 
 impl Default for SchedulerConfig {
@@ -66,6 +70,7 @@ impl Default for SchedulerConfig {
             lifecycle_wait_timeout: Duration::from_secs(60),
             kv_load_failure_policy: KvLoadFailurePolicy::Fail,
             kv_events: false,
+            max_loras: None,
         }
     }
 }
@@ -83,6 +88,8 @@ pub enum ConfigError {
     ZeroMaxNumSeqs,
     #[error("max_num_batched_tokens must be at least 1")]
     ZeroMaxNumBatchedTokens,
+    #[error("max_loras is 0: a step must be able to compute at least one adapter (leave it unset for no limit)")]
+    ZeroMaxLoras,
     #[error("max_model_len is {0}: must be at least 2 (one prompt token, one generated)")]
     MaxModelLenTooSmall(usize),
     #[error(
@@ -113,6 +120,9 @@ impl SchedulerConfig {
         if self.max_model_len < 2 {
             return Err(ConfigError::MaxModelLenTooSmall(self.max_model_len));
         }
+        if self.max_loras == Some(0) {
+            return Err(ConfigError::ZeroMaxLoras);
+        }
         Ok(())
     }
 }
@@ -140,5 +150,6 @@ mod tests {
             bad(|c| c.max_model_len = 1),
             ConfigError::MaxModelLenTooSmall(1)
         );
+        assert_eq!(bad(|c| c.max_loras = Some(0)), ConfigError::ZeroMaxLoras);
     }
 }

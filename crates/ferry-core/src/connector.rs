@@ -40,6 +40,7 @@
 use crate::hash::BlockHash;
 use crate::holds::HoldKind;
 use crate::ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
+use crate::lora::{LoraKey, LoraRef};
 use crate::request::FinishReason;
 
 /// What to do when a KV load fails (engine config; vLLM's `kv_load_failure_policy`).
@@ -52,8 +53,8 @@ pub enum KvLoadFailurePolicy {
     Fail,
 }
 
-/// The P/D transfer parameters of a request, with vLLM's keys plus ferry's weight version
-/// and export token. Plain data: the server parses and shape-checks them, connectors check
+/// The P/D transfer parameters of a request, with vLLM's keys plus ferry's weight version,
+/// LoRA adapter and export token. Plain data: the server parses and shape-checks them, connectors check
 /// what they mean.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct KvTransferParams {
@@ -68,6 +69,9 @@ pub struct KvTransferParams {
     pub remote_port: Option<u16>,
     /// The weight version the exported KV was computed with.
     pub weight_version: Option<String>,
+    /// The LoRA adapter the exported KV was computed with, by name and version (none: the
+    /// base model); on the wire, `lora_name` and `lora_version`, both or neither.
+    pub lora: Option<LoraKey>,
     /// The unguessable token that names the export on its engine.
     pub export_token: Option<String>,
     /// How many prompt tokens the export holds KV for.
@@ -117,6 +121,7 @@ impl KvTransferParams {
             &mut self.weight_version,
             other.weight_version,
         )?;
+        one("lora", &mut self.lora, other.lora)?;
         one("export_token", &mut self.export_token, other.export_token)?;
         one("n_tokens", &mut self.n_tokens, other.n_tokens)
     }
@@ -130,6 +135,8 @@ pub struct ImportSpec {
     pub remote_engine_id: String,
     pub export_token: String,
     pub weight_version: String,
+    /// The LoRA adapter the export's KV was computed with (none: the base model).
+    pub lora: Option<LoraKey>,
     pub remote_block_ids: Vec<BlockId>,
     pub remote_host: Option<String>,
     pub remote_port: Option<u16>,
@@ -147,6 +154,7 @@ impl ImportSpec {
             remote_engine_id: need("remote_engine_id", &params.remote_engine_id)?,
             export_token: need("export_token", &params.export_token)?,
             weight_version: need("weight_version", &params.weight_version)?,
+            lora: params.lora.clone(),
             remote_block_ids: need("remote_block_ids", &params.remote_block_ids)?,
             n_tokens: need("n_tokens", &params.n_tokens)?,
             remote_host: params.remote_host.clone(),
@@ -247,6 +255,9 @@ pub struct ExternalQuery<'a> {
     pub block_hashes: &'a [BlockHash],
     /// The weight version loaded now.
     pub weight_version: &'a str,
+    /// The LoRA adapter the request is computed with, at its version now (`None`: the base
+    /// model): KV computed otherwise is never loaded for it.
+    pub lora: Option<&'a LoraRef>,
 }
 
 /// A request as the hooks see it at arrival.
@@ -355,6 +366,8 @@ pub struct FinishedRequest<'a> {
     pub hold: TransferId,
     /// The weight version the KV was computed with.
     pub weight_version: &'a str,
+    /// The LoRA adapter the KV was computed with (`None`: the base model).
+    pub lora: Option<&'a LoraRef>,
 }
 
 /// How an asynchronous load ended.
@@ -416,6 +429,9 @@ pub enum PdJob {
         hold: TransferId,
         token: String,
         weight_version: String,
+        /// The LoRA adapter the KV was computed with (none: the base model): a pull must
+        /// name the same, as it must the weight version.
+        lora: Option<LoraKey>,
         blocks: Vec<BlockId>,
         /// Hash of the prompt tokens the KV is for (`prompt_hash`), so a reader with another
         /// prompt is refused.
@@ -446,6 +462,8 @@ pub enum PdJob {
         remote_port: Option<u16>,
         token: String,
         weight_version: String,
+        /// The LoRA adapter D computes the request with (none: the base model).
+        lora: Option<LoraKey>,
         prompt_hash: [u8; 32],
         /// Index in the export's blocks of `src_blocks[0]`.
         first_block: usize,
@@ -633,8 +651,8 @@ pub enum FetchFailure {
     /// The export's lease ran out before D pulled it: a retraction if the request waited
     /// behind a pause or reset on D, else a fault.
     Expired,
-    /// A forged or replayed pull (unknown token, a second pull, block ids, prompt or version
-    /// that are not the export's): fails closed, whatever the policy.
+    /// A forged or replayed pull (unknown token, a second pull, block ids, prompt, version or
+    /// adapter that are not the export's): fails closed, whatever the policy.
     Invalid,
 }
 

@@ -2,7 +2,10 @@
 //!
 //! A full block's hash is `blake3(parent hash ‖ token bytes ‖ extra keys)`. The chain's root
 //! (the "parent" of the first block) is derived from the weight version, so KV computed under
-//! other weights can never be hit, even if a caller forgets to reset the cache. The cache salt
+//! other weights can never be hit, even if a caller forgets to reset the cache. A request
+//! with a LoRA adapter chains from a root that mixes that one with the adapter's name and
+//! version ([`lora_root`]), so no adapter, version of one, or the base model hits another's
+//! KV; a base request's root is the weight version's alone, as it always was. The cache salt
 //! is an extra key of the first block only: since every later hash chains through the first,
 //! the salt isolates the whole chain.
 //!
@@ -73,6 +76,21 @@ pub fn chain_root(weight_version: &str) -> BlockHash {
     h.update(ROOT_DOMAIN);
     h.update(&(weight_version.len() as u64).to_le_bytes());
     h.update(weight_version.as_bytes());
+    BlockHash(*h.finalize().as_bytes())
+}
+
+/// Domain separation of adapter roots from weight roots and block hashes.
+const LORA_DOMAIN: &[u8] = b"ferry.prefix-cache.lora-root.v1";
+
+/// The root of every hash chain computed with the adapter `name` at `version` over the
+/// weights whose root is `weight_root` ([`chain_root`]).
+pub fn lora_root(weight_root: &BlockHash, name: &str, version: u64) -> BlockHash {
+    let mut h = blake3::Hasher::new();
+    h.update(LORA_DOMAIN);
+    h.update(&weight_root.0);
+    h.update(&(name.len() as u64).to_le_bytes());
+    h.update(name.as_bytes());
+    h.update(&version.to_le_bytes());
     BlockHash(*h.finalize().as_bytes())
 }
 
@@ -163,6 +181,32 @@ mod tests {
             assert_ne!(base[0], other[0]);
             assert_ne!(base[1], other[1]);
         }
+    }
+
+    #[test]
+    fn an_adapter_its_version_and_the_base_share_no_block_hash() {
+        let toks: Vec<TokenId> = (0..8).map(TokenId).collect();
+        let w0 = chain_root("w0");
+        let with = |root: BlockHash| {
+            let mut v = Vec::new();
+            extend_block_hashes(&mut v, &root, &toks, 4, None);
+            v
+        };
+        let base = with(w0);
+        let a1 = with(lora_root(&w0, "a", 1));
+        // The base chain is the weight version's, unchanged by adapters existing.
+        assert_eq!(base, chain("w0", &toks, None));
+        for other in [
+            with(lora_root(&w0, "a", 2)),
+            with(lora_root(&w0, "b", 1)),
+            with(lora_root(&chain_root("w1"), "a", 1)),
+            base.clone(),
+        ] {
+            assert!(other.iter().all(|h| !a1.contains(h)), "{other:?} vs {a1:?}");
+        }
+        assert_eq!(a1, with(lora_root(&w0, "a", 1)));
+        // The name's length is hashed: "a" at a version never reads as another name.
+        assert_ne!(lora_root(&w0, "a1", 0), lora_root(&w0, "a", 1));
     }
 
     #[test]

@@ -8,8 +8,9 @@
 //! (`Owner::Request`), so the pool's checks name the request when one fails.
 
 use crate::block_pool::BlockPool;
-use crate::hash::{extend_block_hashes, BlockHash};
+use crate::hash::{extend_block_hashes, lora_root, BlockHash};
 use crate::ids::BlockId;
+use crate::lora::LoraRef;
 use crate::owner::Owner;
 use crate::request::Request;
 
@@ -38,8 +39,9 @@ pub struct KvCacheManager {
     /// Blocks found by the latest `find_computed_blocks`, reused to avoid an allocation.
     hit_blocks: Vec<BlockId>,
     /// The hash root of the weights now loaded, once the scheduler has set it: a request
-    /// whose chain has another root (it was running across a weight update, so its KV mixes
-    /// both weights) caches no further blocks.
+    /// whose chain follows another root, or another version of its adapter (it was running
+    /// across a weight update or an adapter reload, so its KV mixes both), caches no further
+    /// blocks.
     current_root: Option<BlockHash>,
 }
 
@@ -70,14 +72,12 @@ impl KvCacheManager {
         self.block_size
     }
 
-    /// Makes sure `req`'s block hashes cover all its full blocks and are chained from `root`
-    /// (recomputing them if the weight version changed since they were computed). Only for a
-    /// request holding no KV, whose hashes can still change.
+    /// Makes sure `req`'s block hashes cover all its full blocks and are chained from the root
+    /// of the weights whose root is `root` and of the adapter version it is computed with
+    /// (recomputing them if either changed since they were computed). Only for a request
+    /// holding no KV, whose hashes can still change.
     pub fn rehash_if_stale(&self, req: &mut Request, root: &BlockHash) {
-        if !self.enable_prefix_caching {
-            return;
-        }
-        if req.hash_root != *root {
+        if !req.chain_is_current(root) {
             assert!(
                 req.blocks.is_empty(),
                 "kv cache: rehash of request #{} ({:?}), which holds {} blocks: its hashes \
@@ -87,7 +87,12 @@ impl KvCacheManager {
                 req.blocks.len()
             );
             req.block_hashes.clear();
-            req.hash_root = *root;
+            req.weight_root = *root;
+            req.chain_lora_version = req.lora.as_ref().map(|l| l.version);
+            req.hash_root = match &req.lora {
+                None => *root,
+                Some(l) => lora_root(root, &l.name, l.version),
+            };
         }
         self.extend_hashes(req);
     }
@@ -179,22 +184,27 @@ impl KvCacheManager {
     /// registered when scheduled, before their KV is written: a request admitted later in the
     /// same step comes later in the plan, so the executor writes the KV before reading it.
     fn cache_full_blocks(&mut self, req: &mut Request, n_tokens: usize) {
-        if !self.enable_prefix_caching || self.current_root.is_some_and(|r| r != req.hash_root) {
+        if !self.enable_prefix_caching
+            || self.current_root.is_some_and(|r| !req.chain_is_current(&r))
+        {
             return;
         }
         let n_full = (n_tokens.min(req.tokens.len()) / self.block_size)
             .min(req.block_hashes.len())
             .min(req.blocks.len());
         let owner = Owner::Request(req.idx);
+        let tag = req.lora.as_ref().map(LoraRef::tag);
         for i in req.n_cached_blocks..n_full {
-            if self.pool.cache(req.blocks[i], req.block_hashes[i], owner)
+            if self
+                .pool
+                .cache(req.blocks[i], req.block_hashes[i], owner, tag)
                 && self.pool.log_mut().is_on()
             {
                 let parent = i.checked_sub(1).map(|p| &req.block_hashes[p]);
                 let tokens = &req.tokens[i * self.block_size..(i + 1) * self.block_size];
                 self.pool
                     .log_mut()
-                    .stored(&req.block_hashes[i], parent, tokens);
+                    .stored(&req.block_hashes[i], parent, tokens, req.lora.as_ref());
             }
         }
         req.n_cached_blocks = req.n_cached_blocks.max(n_full);
@@ -239,6 +249,9 @@ mod tests {
             blocks: Vec::new(),
             block_hashes: Vec::new(),
             hash_root: chain_root("w"),
+            weight_root: chain_root("w"),
+            chain_lora_version: None,
+            lora: None,
             n_cached_blocks: 0,
             n_cached_tokens: 0,
             admitted: false,
@@ -326,6 +339,30 @@ mod tests {
         a.n_computed = 9;
         assert!(kv.allocate_slots(&mut a, PrefixHit::default(), 1, 0));
         assert_eq!(kv.find_computed_blocks(&b).n_blocks(), 2);
+    }
+
+    #[test]
+    fn only_the_same_adapter_at_the_same_version_hits() {
+        use crate::ids::LoraId;
+        let with = |lora: Option<(&str, u64)>| {
+            let mut r = req((0..9).map(TokenId).collect());
+            r.lora = lora.map(|(name, v)| LoraRef::new(LoraId(name.len() as u32), name, v));
+            r
+        };
+        let mut kv = KvCacheManager::new(32, 4, true);
+        let mut a = with(Some(("a", 1)));
+        assert_eq!(admit(&mut kv, &mut a, 100), 0);
+        // Cached under the adapter that computed them.
+        let tag = kv.pool().cached_lora(a.blocks[0]);
+        assert_eq!(tag.map(|t| (t.id, t.version)), Some((LoraId(1), 1)));
+        for other in [None, Some(("a", 2)), Some(("bb", 1))] {
+            let mut b = with(other);
+            assert_eq!(admit(&mut kv, &mut b, 100), 0, "{other:?} hit a's blocks");
+            assert!(b.block_hashes.iter().all(|h| !a.block_hashes.contains(h)));
+        }
+        let mut same = with(Some(("a", 1)));
+        assert_eq!(admit(&mut kv, &mut same, 100), 8);
+        assert_eq!(same.block_hashes, a.block_hashes);
     }
 
     #[test]

@@ -10,12 +10,19 @@
 //! subscriber that sees the epoch move knows every block it indexed before is gone, even if it
 //! missed the clear itself.
 //!
+//! A block computed with a LoRA adapter is stored with the adapter ([`KvEvent::Stored`]'s
+//! `lora`: vLLM's `lora_name`, with ferry's id and version beside it): its hash already
+//! differs from the base model's and from every other adapter's or version's (`hash.rs`), and
+//! the event says whose it is, so a router can send a request to an engine that cached its
+//! prefix under the same adapter.
+//!
 //! [`Scheduler::take_kv_events`]: crate::Scheduler::take_kv_events
 
 use std::sync::Arc;
 
 use crate::hash::BlockHash;
 use crate::ids::TokenId;
+use crate::lora::LoraRef;
 
 /// Where a block lives: ferry's KV arena (the primary tier, `"GPU"` in vLLM's events, the
 /// name consumers give the primary tier) or the CPU offload tier (`"CPU"`).
@@ -40,11 +47,16 @@ impl Medium {
 pub enum KvEvent {
     /// Full blocks now cached, in chain order: `parent` is the hash of the block before the
     /// first (none for a prompt's first block), `tokens` the blocks' tokens, `block_size` each.
+    /// `lora`: the adapter that computed them (none: the base model; always none for the
+    /// offload tier's blocks, which it knows by hash only). Its name is vLLM's `lora_name`,
+    /// its id vLLM's `lora_id`; its version is ferry's, and says which weights the name had,
+    /// as the batch's `weight_version` does for the base.
     Stored {
         hashes: Vec<u64>,
         parent: Option<u64>,
         tokens: Vec<TokenId>,
         medium: Medium,
+        lora: Option<LoraRef>,
     },
     /// Blocks no longer cached.
     Removed { hashes: Vec<u64>, medium: Medium },
@@ -115,21 +127,30 @@ impl KvEventLog {
         self.on
     }
 
-    /// Block `hash` (after `parent`, holding `tokens`) is now cached in the arena.
-    pub fn stored(&mut self, hash: &BlockHash, parent: Option<&BlockHash>, tokens: &[TokenId]) {
+    /// Block `hash` (after `parent`, holding `tokens`, computed with `lora`) is now cached in
+    /// the arena.
+    pub fn stored(
+        &mut self,
+        hash: &BlockHash,
+        parent: Option<&BlockHash>,
+        tokens: &[TokenId],
+        lora: Option<&LoraRef>,
+    ) {
         if !self.on {
             return;
         }
         let (h, p) = (external_hash(hash), parent.map(external_hash));
-        // A chain's next block joins the event of the block before it.
+        // A chain's next block joins the event of the block before it (one adapter's: a chain
+        // is, but 8 bytes of two hashes could agree).
         if let Some(Change::Event(KvEvent::Stored {
             hashes,
             tokens: t,
             medium: Medium::Primary,
+            lora: l,
             ..
         })) = self.changes.last_mut()
         {
-            if p.is_some() && hashes.last().copied() == p {
+            if p.is_some() && hashes.last().copied() == p && l.as_ref() == lora {
                 hashes.push(h);
                 t.extend_from_slice(tokens);
                 return;
@@ -140,6 +161,7 @@ impl KvEventLog {
             parent: p,
             tokens: tokens.to_vec(),
             medium: Medium::Primary,
+            lora: lora.cloned(),
         }));
     }
 
@@ -182,6 +204,7 @@ impl KvEventLog {
             parent: None,
             tokens: Vec::new(),
             medium: Medium::Tier,
+            lora: None,
         }));
     }
 
@@ -259,11 +282,11 @@ mod tests {
     #[test]
     fn a_chain_is_one_event_and_a_wipe_opens_a_new_epoch_batch() {
         let mut log = KvEventLog::new(true, 2, "v0");
-        log.stored(&h(1), None, &TokenId::list([1, 2]));
-        log.stored(&h(2), Some(&h(1)), &TokenId::list([3, 4]));
+        log.stored(&h(1), None, &TokenId::list([1, 2]), None);
+        log.stored(&h(2), Some(&h(1)), &TokenId::list([3, 4]), None);
         log.removed(&h(9), Medium::Primary);
         log.cleared();
-        log.stored(&h(3), None, &TokenId::list([5, 6]));
+        log.stored(&h(3), None, &TokenId::list([5, 6]), None);
         log.new_version(Arc::from("v1"));
         let mut out = Vec::new();
         log.drain(&mut out);
@@ -277,7 +300,8 @@ mod tests {
                     hashes: vec![hx(1), hx(2)],
                     parent: None,
                     tokens: TokenId::list([1, 2, 3, 4]),
-                    medium: Medium::Primary
+                    medium: Medium::Primary,
+                    lora: None,
                 },
                 KvEvent::Removed {
                     hashes: vec![hx(9)],
@@ -293,9 +317,41 @@ mod tests {
     }
 
     #[test]
+    fn a_stored_block_names_its_adapter_and_adapters_never_share_an_event() {
+        let a1 = LoraRef::new(crate::ids::LoraId(3), "a", 1);
+        let mut log = KvEventLog::new(true, 2, "v0");
+        log.stored(&h(1), None, &TokenId::list([1, 2]), Some(&a1));
+        log.stored(&h(2), Some(&h(1)), &TokenId::list([3, 4]), Some(&a1));
+        // The same parent under another adapter (or the base) starts an event of its own.
+        log.stored(&h(3), Some(&h(2)), &TokenId::list([5, 6]), None);
+        let mut out = Vec::new();
+        log.drain(&mut out);
+        let hx = |n| external_hash(&h(n));
+        assert_eq!(
+            out[0].events,
+            vec![
+                KvEvent::Stored {
+                    hashes: vec![hx(1), hx(2)],
+                    parent: None,
+                    tokens: TokenId::list([1, 2, 3, 4]),
+                    medium: Medium::Primary,
+                    lora: Some(a1),
+                },
+                KvEvent::Stored {
+                    hashes: vec![hx(3)],
+                    parent: Some(hx(2)),
+                    tokens: TokenId::list([5, 6]),
+                    medium: Medium::Primary,
+                    lora: None,
+                },
+            ]
+        );
+    }
+
+    #[test]
     fn off_it_journals_nothing_but_follows_the_version() {
         let mut log = KvEventLog::new(false, 2, "v0");
-        log.stored(&h(1), None, &TokenId::list([1, 2]));
+        log.stored(&h(1), None, &TokenId::list([1, 2]), None);
         log.cleared();
         log.new_version(Arc::from("v1"));
         let mut out = Vec::new();

@@ -12,7 +12,7 @@
 //!
 //! Modules, bottom up, each importing only modules before it (`ferry-lint`'s
 //! `tests/import_rings.rs` checks that no module imports one that imports it back): [`ids`] (the basic ids),
-//! [`sampling`], [`hash`] (chained blake3 block hashes), [`peers`], [`lifecycle`] (the
+//! [`lora`] (the adapter a request names), [`sampling`], [`hash`] (chained blake3 block hashes), [`peers`], [`lifecycle`] (the
 //! lifecycle's public types), [`owner`] (who holds a block: a request or a transfer hold),
 //! [`block_pool`] (ref counts, LRU free queue, prefix-cache index; every block-state change
 //! asserts its precondition, in release builds too), [`holds`] (transfer holds: holder, kind, lease), [`ownership`] (the ledger and its
@@ -51,6 +51,7 @@ pub mod ids;
 pub mod kv_cache;
 pub mod kv_events;
 pub mod lifecycle;
+pub mod lora;
 pub mod offload;
 pub mod owner;
 pub mod ownership;
@@ -77,6 +78,7 @@ pub use lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,
 };
+pub use lora::{LoraError, LoraKey, LoraRef, LoraTag};
 pub use offload::{
     OffloadConfig, OffloadConfigError, OffloadConnector, OffloadPolicy, UnknownPolicy,
 };

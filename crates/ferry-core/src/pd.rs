@@ -3,7 +3,8 @@
 //! * **P** (`do_remote_decode` in a request's transfer parameters): when the request
 //!   finishes (after its first token), its blocks become an export held by this connector
 //!   under a lease, and the request's output carries the parameters D needs (vLLM's keys,
-//!   plus the weight version, the number of tokens and an unguessable export token). The
+//!   plus the weight version, the LoRA adapter and its version, the number of tokens and an
+//!   unguessable export token). The
 //!   worker publishes the export; it ends when a reader pulled it (`ExportPulled`), or when
 //!   a revocation or lease expiry was acknowledged (`ExportGone`).
 //! * **D** (`do_remote_prefill`): at admission the connector offers the prompt's KV after the
@@ -14,7 +15,9 @@
 //! outside its allowed peers before loading anything (`ExternalMatch::Refused`: invalid
 //! input, the request fails whatever the policy). Parameters of another weight version were
 //! made stale by the lifecycle (either side updated since the export was made): D never
-//! loads them and the request computes its prompt itself, under either policy. P's worker
+//! loads them and the request computes its prompt itself, under either policy; so are those
+//! of another LoRA adapter or adapter version than the request's here (the export names the
+//! adapter its KV was computed with, `KvTransferParams::lora`, none for the base). P's worker
 //! refuses a pull with a wrong token, a wrong prompt hash, a wrong version or block ids that
 //! are not exactly the export's, an export pulled before (one load per export) (all
 //! `Invalid`), and says when the export was revoked or expired, so D can tell a retraction
@@ -36,6 +39,7 @@ use crate::connector::{
 use crate::connector::{FetchCancel, FetchFailure, ImportSpec, Unpublished};
 use crate::holds::HoldKind;
 use crate::ids::{BlockId, ReqIdx, TransferId};
+use crate::lora::LoraRef;
 use crate::peers::AllowedPeers;
 use crate::request::FinishReason;
 
@@ -340,6 +344,12 @@ impl KvConnector for PdConnector {
         if spec.weight_version != query.weight_version {
             return ExternalMatch::None;
         }
+        // Likewise KV of another adapter, or another version of it, than the one the request
+        // is computed with here (the base model included): either side reloaded the adapter
+        // since, or the two disagree on it; the request computes, never loads it.
+        if spec.lora.as_ref() != query.lora.map(LoraRef::key).as_ref() {
+            return ExternalMatch::None;
+        }
         let tokens = import.n_tokens.saturating_sub(query.local_hit_tokens);
         if tokens == 0 {
             return ExternalMatch::None;
@@ -388,6 +398,7 @@ impl KvConnector for PdConnector {
             remote_port: spec.remote_port,
             token: spec.export_token.clone(),
             weight_version: spec.weight_version.clone(),
+            lora: spec.lora.clone(),
             prompt_hash: *prompt_hash,
             first_block: load.first_block,
             src_blocks,
@@ -466,10 +477,12 @@ impl KvConnector for PdConnector {
         }
         let blocks = f.blocks[..n_blocks].to_vec();
         let token = self.token(f.hold);
+        let lora = f.lora.map(LoraRef::key);
         self.jobs.push(PdJob::Publish {
             hold: f.hold,
             token: token.clone(),
             weight_version: f.weight_version.to_owned(),
+            lora: lora.clone(),
             blocks: blocks.clone(),
             prompt_hash: hash,
             n_tokens,
@@ -484,6 +497,7 @@ impl KvConnector for PdConnector {
             remote_host: self.config.host.clone(),
             remote_port: self.config.port,
             weight_version: Some(f.weight_version.to_owned()),
+            lora,
             export_token: Some(token),
             n_tokens: Some(n_tokens),
         })

@@ -3,6 +3,7 @@
 
 use crate::hash::BlockHash;
 use crate::ids::{BlockId, ReqIdx, TokenId, TransferId};
+use crate::lora::{LoraError, LoraRef};
 use crate::sampling::SamplingParams;
 
 /// Why a request finished.
@@ -74,6 +75,8 @@ pub enum AddError {
     },
     #[error("request {id:?}: {reason}")]
     KvTransfer { id: String, reason: String },
+    #[error("request {id:?}: {error}")]
+    Lora { id: String, error: LoraError },
     #[error("request {id:?}: prompt has {prompt_len} tokens but chunked prefill is off and a step holds at most {max_num_batched_tokens}")]
     PromptExceedsBatch {
         id: String,
@@ -96,10 +99,18 @@ pub struct Request {
     pub n_computed: usize,
     /// The block table: block `i` holds positions `i*block_size..(i+1)*block_size`.
     pub blocks: Vec<BlockId>,
+    /// The LoRA adapter it is computed with now (`None`: the base model): the one it named
+    /// (`SamplingParams::lora`), at the version loaded now (an in-place reload moves it on).
+    pub lora: Option<LoraRef>,
     /// Hashes of every full block of `tokens`, chained from `hash_root`.
     pub(crate) block_hashes: Vec<BlockHash>,
-    /// The chain root the hashes were computed from (it follows the weight version).
+    /// The chain root the hashes were computed from: `weight_root`, mixed with the adapter
+    /// at `chain_lora_version` for a request with one (`hash::lora_root`).
     pub(crate) hash_root: BlockHash,
+    /// The weight version's root `hash_root` follows.
+    pub(crate) weight_root: BlockHash,
+    /// The version of its adapter `hash_root` follows (`None` for the base model).
+    pub(crate) chain_lora_version: Option<u64>,
     /// How many leading blocks of `blocks` are registered in the prefix cache (or were
     /// offered to it).
     pub(crate) n_cached_blocks: usize,
@@ -128,6 +139,15 @@ pub struct Request {
 }
 
 impl Request {
+    /// Whether its hash chain is the one it would start now: under the weights whose root is
+    /// `weight_root` and the version of its adapter it is computed with now. A request whose
+    /// chain is not (it ran across a weight update or an adapter reload, so its KV mixes
+    /// both) caches no more blocks, offers none to a tier and is never exported.
+    pub(crate) fn chain_is_current(&self, weight_root: &BlockHash) -> bool {
+        self.weight_root == *weight_root
+            && self.chain_lora_version == self.lora.as_ref().map(|l| l.version)
+    }
+
     pub fn n_output_tokens(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }

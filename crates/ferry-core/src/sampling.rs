@@ -3,6 +3,7 @@
 //! top-k/p, min-p, seed, logprobs), which the plan carries to the executor as it is.
 
 use crate::ids::TokenId;
+use crate::lora::LoraRef;
 
 /// How a request is sampled and when it stops. Stop *strings* are not here: they need text,
 /// and text is the server's business (it detokenizes and aborts on a match).
@@ -25,6 +26,10 @@ pub struct SamplingParams {
     /// with this many top logprobs besides: computed in the prefill, which then takes no
     /// prefix-cache hit so that every position is computed (as vLLM). `None`: none.
     pub prompt_logprobs: Option<u32>,
+    /// The LoRA adapter the request is computed with (`None`: the base model). It must be
+    /// the adapter as loaded when the request is added (`Scheduler::load_lora`); an in-place
+    /// reload while the request lives moves it to the new version (`Request::lora`).
+    pub lora: Option<LoraRef>,
 }
 
 impl Default for SamplingParams {
@@ -37,6 +42,7 @@ impl Default for SamplingParams {
             cache_salt: None,
             logits: LogitsParams::default(),
             prompt_logprobs: None,
+            lora: None,
         }
     }
 }

@@ -29,6 +29,7 @@
 mod aborts_and_resets;
 mod connectors;
 mod lifecycle_machine;
+mod lora;
 mod offer;
 mod render;
 mod routing;
@@ -49,8 +50,9 @@ use crate::connector::{
 };
 use crate::hash::{chain_root, BlockHash};
 use crate::holds::{HoldKind, Holder, Holds, Lease};
-use crate::ids::{BlockId, ConnectorId, ReqIdx, TokenId, TransferId};
+use crate::ids::{BlockId, ConnectorId, LoraId, ReqIdx, TokenId, TransferId};
 use crate::kv_cache::{KvCacheManager, PrefixHit};
+use crate::lora::LoraRef;
 use crate::ownership::{self, Owner, OwnershipError};
 use crate::plan::{
     AdjustedToken, ExpertRouting, LogitsAdjust, ModelOutput, PromptLogprobsWork, RoutingRead,
@@ -200,8 +202,14 @@ pub struct Scheduler {
     /// weight version (`lifecycle_machine.rs`).
     control: lifecycle_machine::Control,
     connectors: Vec<Box<dyn crate::connector::KvConnector>>,
-    /// The chain root new block hashes start from; follows the weight version.
+    /// The chain root new block hashes start from; follows the weight version. A request
+    /// with an adapter mixes it with the adapter's (`hash::lora_root`).
     hash_root: BlockHash,
+    /// The LoRA adapters loaded, each at its version now (`lora.rs`, `scheduler/lora.rs`).
+    loras: std::collections::BTreeMap<LoraId, LoraRef>,
+    /// The latest version each adapter name had, loaded now or before: a version is never
+    /// given to a name twice.
+    lora_versions: std::collections::BTreeMap<std::sync::Arc<str>, u64>,
     /// Every transfer hold: its blocks, holder, kind and lease (`holds.rs`).
     holds: Holds,
     /// Loads that were in flight when the weights changed: whatever they land is stale, so
@@ -249,6 +257,8 @@ impl Scheduler {
         Ok(Self {
             kv,
             hash_root,
+            loras: std::collections::BTreeMap::new(),
+            lora_versions: std::collections::BTreeMap::new(),
             config,
             requests: Vec::new(),
             free_slots: Vec::new(),
@@ -306,6 +316,7 @@ impl Scheduler {
         // Room for every token this request can ever have: no regrowth while decoding.
         tokens.reserve_exact(max_len - tokens.len());
         let n_blocks_max = max_len.div_ceil(self.config.block_size);
+        let req_lora = params.lora.clone();
         let mut req = Request {
             id: id.clone(),
             idx,
@@ -315,8 +326,11 @@ impl Scheduler {
             tokens,
             n_computed: 0,
             blocks: Vec::with_capacity(n_blocks_max),
+            lora: req_lora,
             block_hashes: Vec::with_capacity(n_blocks_max),
             hash_root: self.hash_root,
+            weight_root: self.hash_root,
+            chain_lora_version: None,
             n_cached_blocks: 0,
             n_cached_tokens: 0,
             admitted: false,
@@ -347,6 +361,7 @@ impl Scheduler {
                         n_computed: 0,
                         hold: unopened.id(),
                         weight_version: &version,
+                        lora: req.lora.as_ref(),
                     });
                 }
                 self.free_slots.push(idx.0);
@@ -382,6 +397,10 @@ impl Scheduler {
         }
         if params.max_tokens == 0 {
             return Err(AddError::ZeroMaxTokens { id: id() });
+        }
+        if let Some(lora) = &params.lora {
+            self.check_lora_current(lora)
+                .map_err(|error| AddError::Lora { id: id(), error })?;
         }
         if !c.enable_chunked_prefill && prompt.len() > c.max_num_batched_tokens {
             return Err(AddError::PromptExceedsBatch {
@@ -499,8 +518,10 @@ impl Scheduler {
     /// Phase 2: waiting requests from the head of the queue (FCFS), while budget, seats and
     /// blocks allow. Stops at the first request that does not fit, keeping the order. A
     /// request whose KV a connector is loading (or will load once another request's load of
-    /// the same KV landed) keeps its place and is passed over, so it never holds up the queue.
+    /// the same KV landed) keeps its place and is passed over, so it never holds up the queue;
+    /// so is one whose LoRA adapter waits for a seat (`max_loras`, `lora.rs`'s `LoraSeats`).
     fn schedule_waiting(&mut self, mut budget: usize, readmit_only: bool, out: &mut Vec<Decision>) {
+        let mut seats = self.lora_seats();
         let mut i = 0;
         while budget > 0 && self.running.len() < self.config.max_num_seqs && i < self.waiting.len()
         {
@@ -518,6 +539,12 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
+            let lora = req.lora.as_ref().map(|l| l.id);
+            if seats.as_mut().is_some_and(|s| !s.admits(lora)) {
+                // Its adapter waits for a seat (`max_loras`); the queue goes on behind it.
+                i += 1;
+                continue;
+            }
             let admit = if req.blocks.is_empty() {
                 self.admit_fresh(r, budget)
             } else {
@@ -525,6 +552,9 @@ impl Scheduler {
             };
             match admit {
                 Admit::Scheduled(n_new) => {
+                    if let Some(s) = seats.as_mut() {
+                        s.seat(lora);
+                    }
                     self.waiting.remove(i);
                     self.running.push(r);
                     out.push(Decision { req: r, n_new });
@@ -581,6 +611,7 @@ impl Scheduler {
             local_hit_tokens: n_hit_tokens,
             block_hashes: &req.block_hashes,
             weight_version: &self.control.weight_version,
+            lora: req.lora.as_ref(),
         };
         // Every connector is asked; the longest ready hit loads (ties in list order). A
         // connector that is not ready yet (another request loads the same KV) parks the
@@ -820,7 +851,7 @@ impl Scheduler {
             }
             req.n_computed = end_pos;
             plan.reqs.push(ScheduledReq {
-                lora: None,
+                lora: req.lora.as_ref().map(|l| l.id),
                 req: d.req,
                 start_pos,
                 tokens,
@@ -938,11 +969,11 @@ impl Scheduler {
         let mut req = self.requests[idx.0 as usize]
             .take()
             .expect("release_request on a live request");
-        // KV that mixes weights (a request that ran across an update keeps its old chain)
-        // has no version a reader could check: it is never exported.
+        // KV that mixes weights (a request that ran across an update or an adapter reload
+        // keeps its old chain) has no version a reader could check: it is never exported.
         let exportable = !matches!(reason, FinishReason::Abort | FinishReason::Error)
             && !req.blocks.is_empty()
-            && req.hash_root == self.hash_root;
+            && req.chain_is_current(&self.hash_root);
         let mut transfer = None;
         let mut kv_transfer_params: Option<KvTransferParams> = None;
         if req.export_on_finish && exportable {
@@ -975,6 +1006,7 @@ impl Scheduler {
                 n_computed: req.n_computed,
                 hold,
                 weight_version: &version,
+                lora: req.lora.as_ref(),
             };
             let Some(params) = connector.request_finished(finished) else {
                 continue;
@@ -1189,6 +1221,29 @@ impl Scheduler {
                 drop_waiting_kv(&mut self.kv, req);
             }
         }
+    }
+
+    /// KV that waiting requests `pick` chooses were handed but have not computed on (a landed
+    /// load, the good part of a failed one) was made stale (the weights or their adapter
+    /// changed): it is dropped, and they recompute in their places in the queue; a load of
+    /// theirs still in flight lands stale KV, so its result is taken as a retraction
+    /// (`on_load_result`).
+    pub(crate) fn outdate_waiting_kv(&mut self, pick: impl Fn(&Request) -> bool) {
+        let mut in_flight = Vec::new();
+        for &r in &self.waiting {
+            let Some(req) = self.requests[r.0 as usize].as_mut().filter(|q| pick(q)) else {
+                continue;
+            };
+            match req.state {
+                RequestState::WaitingForRemoteKv { transfer, .. } => in_flight.push(transfer),
+                _ => {
+                    drop_waiting_kv(&mut self.kv, req);
+                }
+            }
+        }
+        let holds = &self.holds;
+        self.stale_loads.retain(|&t| holds.contains(t));
+        self.stale_loads.extend(in_flight);
     }
 
     /// Preempts a request by recompute: frees its blocks (tail first), forgets its computed

@@ -568,6 +568,7 @@ fn no_hit_crosses_a_weight_update() {
         local_hit_tokens: 0,
         block_hashes: &[],
         weight_version: "v2",
+        lora: None,
     };
     assert_eq!(t.match_external(q), ExternalMatch::None);
     drain(&mut c, &mut h);

@@ -13,10 +13,10 @@ use std::time::Duration;
 use common::{prompt, Harness};
 use ferry_core::{
     BlockId, ConnectorId, FetchError, FetchFailure, FinishReason, HoldKind, ImportSpec,
-    KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleEvent, MissingParam, OpId,
-    Owner, PauseMode, PdConfig, PdConnector, PdJob, PdReport, PdRole, RequestState, SamplingParams,
-    SchedulerConfig, StepPlan, TierJob, TierReport, TokenId, TransferId, TransferRequest,
-    WorkerJob, WorkerReport,
+    KvLoadFailurePolicy, KvTransferParams, LifecycleError, LifecycleEvent, LoraId, LoraKey,
+    LoraRef, MissingParam, OpId, Owner, PauseMode, PdConfig, PdConnector, PdJob, PdReport, PdRole,
+    RequestState, SamplingParams, SchedulerConfig, StepPlan, TierJob, TierReport, TokenId,
+    TransferId, TransferRequest, WorkerJob, WorkerReport,
 };
 
 const BS: usize = 4;
@@ -58,6 +58,7 @@ fn greedy(n: u32) -> SamplingParams {
 struct Published {
     hold: TransferId,
     weight_version: String,
+    lora: Option<LoraKey>,
     blocks: Vec<BlockId>,
     prompt_hash: [u8; 32],
 }
@@ -69,6 +70,7 @@ struct Fetch {
     engine: String,
     token: String,
     weight_version: String,
+    lora: Option<LoraKey>,
     prompt_hash: [u8; 32],
     first_block: usize,
     src_blocks: Vec<BlockId>,
@@ -78,7 +80,7 @@ struct Fetch {
 
 /// The workers and the transport of both engines: it takes each step's jobs and answers
 /// them when the test says, checking pulls exactly as P's worker must (token, version,
-/// prompt hash, block ids; one pull per export).
+/// adapter, prompt hash, block ids; one pull per export).
 #[derive(Debug, Default)]
 struct Fabric {
     /// (engine, token) → export.
@@ -109,6 +111,7 @@ impl Fabric {
                 hold,
                 token,
                 weight_version,
+                lora,
                 blocks,
                 prompt_hash,
                 ..
@@ -118,6 +121,7 @@ impl Fabric {
                     Published {
                         hold,
                         weight_version,
+                        lora,
                         blocks,
                         prompt_hash,
                     },
@@ -156,6 +160,7 @@ impl Fabric {
                 remote_engine_id,
                 token,
                 weight_version,
+                lora,
                 prompt_hash,
                 first_block,
                 src_blocks,
@@ -168,6 +173,7 @@ impl Fabric {
                     engine: remote_engine_id,
                     token,
                     weight_version,
+                    lora,
                     prompt_hash,
                     first_block,
                     n_blocks: blocks.len(),
@@ -220,8 +226,11 @@ impl Fabric {
                 "no such export",
             ));
         };
-        if p.weight_version != f.weight_version || p.prompt_hash != f.prompt_hash {
-            return refuse("version or prompt differ");
+        if p.weight_version != f.weight_version
+            || p.lora != f.lora
+            || p.prompt_hash != f.prompt_hash
+        {
+            return refuse("version, adapter or prompt differ");
         }
         let end = f.first_block + f.n_blocks;
         if p.blocks.get(f.first_block..end) != Some(&f.src_blocks[..]) {
@@ -273,13 +282,24 @@ fn poll(f: &mut Fabric, engine: &str, h: &mut Harness) -> Vec<LifecycleEvent> {
 
 /// P computes `prompt` to its first token and exports it; returns the parameters.
 fn export(f: &mut Fabric, p: &mut Harness, id: &str, prompt: Vec<TokenId>) -> KvTransferParams {
+    export_with(f, p, id, prompt, greedy(1))
+}
+
+/// [`export`] with the request's sampling parameters (its adapter).
+fn export_with(
+    f: &mut Fabric,
+    p: &mut Harness,
+    id: &str,
+    prompt: Vec<TokenId>,
+    sampling: SamplingParams,
+) -> KvTransferParams {
     let params = KvTransferParams {
         do_remote_decode: true,
         ..KvTransferParams::default()
     };
     let idx = p
         .sched
-        .add_request_with_transfer(id, prompt, greedy(1), typed(params))
+        .add_request_with_transfer(id, prompt, sampling, typed(params))
         .unwrap();
     let mut found = None;
     for _ in 0..20 {
@@ -403,6 +423,89 @@ fn d_loads_p_export_and_computes_only_the_last_prompt_token() {
     d.drain(100);
     assert_eq!(d.generated["x"], reference("x", prompt(1, 19), 6));
     assert_eq!(d.sched.stats().n_blocks_used, 0);
+}
+
+#[test]
+fn an_export_names_its_adapter_and_only_the_same_adapter_and_version_loads_it() {
+    let a1 = LoraRef::new(LoraId(4), "a", 1);
+    let with = |l: Option<&LoraRef>, n| SamplingParams {
+        lora: l.cloned(),
+        ..greedy(n)
+    };
+    // D's request under each adapter (and version) it may have loaded: only a at version 1,
+    // the one P computed the export with, loads it; the others compute and release it.
+    let cases: [(Option<LoraRef>, usize); 4] = [
+        (Some(a1.clone()), 1),
+        (Some(LoraRef::new(LoraId(4), "a", 2)), 0),
+        (Some(LoraRef::new(LoraId(9), "b", 1)), 0),
+        (None, 0),
+    ];
+    for (d_lora, n_pulls) in cases {
+        let mut f = Fabric::default();
+        let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+        p.sched.load_lora(a1.clone()).unwrap();
+        let params = export_with(&mut f, &mut p, "x", prompt(1, 19), with(Some(&a1), 1));
+        assert_eq!(params.lora, Some(a1.key()));
+        let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+        if let Some(l) = &d_lora {
+            d.sched.load_lora(l.clone()).unwrap();
+        }
+        d.sched
+            .add_request_with_transfer(
+                "x",
+                prompt(1, 19),
+                with(d_lora.as_ref(), 4),
+                typed(remote(&params)),
+            )
+            .unwrap();
+        for _ in 0..30 {
+            step_and_load(&mut f, "D", &mut d);
+            f.deliver("P", &mut p);
+            if d.sched.n_live() == 0 {
+                break;
+            }
+        }
+        assert_eq!(d.finished["x"].0, FinishReason::Length, "{d_lora:?}");
+        assert_eq!(f.n_pulls, n_pulls, "{d_lora:?}");
+        assert_eq!(
+            f.released.len(),
+            1 - n_pulls,
+            "{d_lora:?}: P's export released"
+        );
+        assert_eq!(p.sched.stats().n_transfers, 0, "{d_lora:?}");
+    }
+}
+
+#[test]
+fn a_pull_naming_another_adapter_than_the_export_is_refused() {
+    // D's parameters were changed to name the adapter D computes with: D loads, and P
+    // (here the fabric, checking as P's worker must) refuses the pull as invalid.
+    let mut f = Fabric::default();
+    let mut p = engine("P", PdRole::Producer, KvLoadFailurePolicy::Fail);
+    let mut d = engine("D", PdRole::Consumer, KvLoadFailurePolicy::Fail);
+    let a2 = LoraRef::new(LoraId(1), "a", 2);
+    p.sched.load_lora(LoraRef::new(LoraId(1), "a", 1)).unwrap();
+    d.sched.load_lora(a2.clone()).unwrap();
+    let sampling = SamplingParams {
+        lora: p.sched.lora(LoraId(1)).cloned(),
+        ..greedy(1)
+    };
+    let mut params = remote(&export_with(&mut f, &mut p, "x", prompt(1, 19), sampling));
+    params.lora = Some(LoraKey {
+        name: "a".into(),
+        version: 2,
+    });
+    let sampling = SamplingParams {
+        lora: Some(a2),
+        ..greedy(4)
+    };
+    d.sched
+        .add_request_with_transfer("x", prompt(1, 19), sampling, typed(params))
+        .unwrap();
+    step_and_load(&mut f, "D", &mut d);
+    assert_eq!(f.n_pulls, 0);
+    assert_eq!(d.finished["x"].0, FinishReason::Error);
+    assert!(d.messages["x"].contains("invalid"), "{:?}", d.messages);
 }
 
 #[test]
@@ -1739,6 +1842,7 @@ fn transfer_parameters_parse_into_one_request() {
         remote_engine_id: "p".into(),
         export_token: "t".into(),
         weight_version: "v0".into(),
+        lora: None,
         remote_block_ids: BlockId::list([1, 2]),
         remote_host: Some("127.0.0.1".into()),
         remote_port: Some(4000),
@@ -1757,6 +1861,20 @@ fn transfer_parameters_parse_into_one_request() {
     assert_eq!(both, TransferRequest::ImportThenExport(spec.clone()));
     assert!(both.exports());
     assert_eq!(both.import(), Some(&spec));
+    // The adapter the export names goes into the import as it is.
+    let key = LoraKey {
+        name: "a".into(),
+        version: 3,
+    };
+    let with_a = TransferRequest::Import(ImportSpec {
+        lora: Some(key.clone()),
+        ..spec.clone()
+    });
+    let named = KvTransferParams {
+        lora: Some(key),
+        ..load.clone()
+    };
+    assert_eq!(TransferRequest::parse(&named), Ok(Some(with_a)));
     let missing = KvTransferParams {
         export_token: None,
         ..load

@@ -241,5 +241,6 @@ fn scheduler_config(
         lifecycle_wait_timeout: config.lifecycle_wait_timeout,
         kv_load_failure_policy: config.kv_load_failure_policy,
         kv_events: config.kv_events,
+        max_loras: None,
     })
 }

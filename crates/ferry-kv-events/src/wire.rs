@@ -58,6 +58,7 @@ pub fn encode(batch: &KvEventBatch, ts: f64) -> Vec<u8> {
                 parent,
                 tokens,
                 medium,
+                lora,
             } => {
                 let primary = *medium == Medium::Primary;
                 // msgspec sizes the header by the keys the struct may have (16), not by those
@@ -78,19 +79,34 @@ pub fn encode(batch: &KvEventBatch, ts: f64) -> Vec<u8> {
                 write_uints(w, tokens.iter().map(|&t| u64::from(t.0)));
                 key(w, "block_size");
                 write_uint(w, batch.block_size as u64).unwrap();
+                // An adapter as vLLM names one: its id and name (ferry's version of it is not
+                // on this wire yet).
                 key(w, "lora_id");
-                write_nil(w).unwrap();
+                match lora {
+                    Some(l) => write_uint(w, u64::from(l.id.0)).map(drop).unwrap(),
+                    None => write_nil(w).unwrap(),
+                }
                 key(w, "medium");
                 write_str(w, medium.as_str()).unwrap();
                 key(w, "lora_name");
-                write_nil(w).unwrap();
+                match lora {
+                    Some(l) => write_str(w, &l.name).unwrap(),
+                    None => write_nil(w).unwrap(),
+                }
                 if primary {
-                    // One entry per block: no LoRA, multimodal input or salt named here (ferry's
-                    // hashes are its own; a salt is in them).
+                    // One entry per block: the adapter's name alone, as vLLM's untagged extra
+                    // keys have it, or nothing (no multimodal input or salt is named here:
+                    // ferry's hashes are its own; a salt is in them).
                     key(w, "extra_keys");
                     write_array_len(w, hashes.len() as u32).unwrap();
                     for _ in hashes {
-                        write_nil(w).unwrap();
+                        match lora {
+                            Some(l) => {
+                                write_array_len(w, 1).unwrap();
+                                write_str(w, &l.name).unwrap();
+                            }
+                            None => write_nil(w).unwrap(),
+                        }
                     }
                 }
                 key(w, "group_idx");
@@ -198,6 +214,8 @@ pub fn decode(mut bytes: &[u8]) -> Result<Decoded, DecodeError> {
                     parent: e.parent()?,
                     tokens: e.tokens()?,
                     medium,
+                    // The adapter is not read back yet: the layout has no version for it.
+                    lora: None,
                 }
             }
             "BlockRemoved" => KvEvent::Removed {
@@ -367,12 +385,14 @@ mod tests {
                     parent: None,
                     tokens: TokenId::list([1, 2, 3, 4]),
                     medium: Medium::Primary,
+                    lora: None,
                 },
                 KvEvent::Stored {
                     hashes: vec![8],
                     parent: Some(7),
                     tokens: TokenId::list([5, 6]),
                     medium: Medium::Primary,
+                    lora: None,
                 },
                 KvEvent::Removed {
                     hashes: vec![9],

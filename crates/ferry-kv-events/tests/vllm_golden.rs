@@ -108,6 +108,7 @@ fn expected(case: &Value) -> Decoded {
                             .map(|t| ferry_core::TokenId(t.as_u64().unwrap() as u32))
                             .collect(),
                         medium: medium(&e["medium"]),
+                        lora: None,
                     }
                 }
                 "BlockRemoved" => KvEvent::Removed {
@@ -179,6 +180,7 @@ fn ferry_reads_every_batch_of_vllm_0_34_and_0_11_ferrys_and_vllms_own() {
             parent: None,
             tokens: TokenId::list([10, 11, 12, 13]),
             medium: Medium::Primary,
+            lora: None,
         }
     );
     assert!(matches!(

@@ -94,6 +94,8 @@ impl WorkerConnector for PdWorker {
                 first_block,
                 src_blocks,
                 blocks,
+                // The adapter is not checked by the transports yet (only D's connector does).
+                lora: _,
             } => match Self::grant(arena, blocks, Access::Write) {
                 Ok(grant) => self.transport.fetch(
                     FetchSpec {

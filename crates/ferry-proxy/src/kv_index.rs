@@ -156,6 +156,7 @@ impl KvIndex {
                     parent,
                     tokens,
                     medium: Medium::Primary,
+                    ..
                 } => self.stored(hashes, *parent, tokens),
                 KvEvent::Removed {
                     hashes,
@@ -283,6 +284,7 @@ mod tests {
             parent,
             tokens: TokenId::from_raw_vec(tokens),
             medium: Medium::Primary,
+            lora: None,
         }
     }
 
@@ -339,6 +341,7 @@ mod tests {
             parent: None,
             tokens: Vec::new(),
             medium: Medium::Tier,
+            lora: None,
         };
         ix.apply(
             &batch(

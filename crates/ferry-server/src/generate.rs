@@ -282,6 +282,8 @@ pub fn generate_error(e: GenerateError, prompt_param: &str) -> ApiError {
             }
             AddError::DuplicateId { .. } => ApiError::internal(add.to_string()),
             AddError::KvTransfer { .. } => ApiError::invalid("kv_transfer_params", add.to_string()),
+            // An adapter is named by the request's model, as in vLLM.
+            AddError::Lora { .. } => ApiError::invalid("model", add.to_string()),
         },
     }
 }

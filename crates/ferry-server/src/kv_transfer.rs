@@ -176,6 +176,9 @@ impl KvTransferParamsJson {
             remote_host: self.remote_host,
             remote_port: self.remote_port,
             weight_version: self.weight_version,
+            // Not read off the wire yet: a load for a request with an adapter is then refused
+            // by D's connector (it computes), never served with another adapter's KV.
+            lora: None,
             export_token: self.export_token,
             n_tokens: self.n_tokens,
         }

@@ -110,6 +110,7 @@ impl GenerationParams {
                 .prompt_logprobs
                 .map(|v| check_top_n("prompt_logprobs", v, limits))
                 .transpose()?,
+            lora: None,
         };
         let stop = check_stop(common.stop.clone().map(|s| s.into_vec()), limits)?;
         let max_tokens = match max_tokens.0 {

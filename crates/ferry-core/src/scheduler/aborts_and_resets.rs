@@ -41,7 +41,7 @@ impl Scheduler {
         }
     }
 
-    fn aborted_output(&mut self, idx: ReqIdx) -> RequestOutput {
+    pub(super) fn aborted_output(&mut self, idx: ReqIdx) -> RequestOutput {
         let n_output_tokens = self.request(idx).map_or(0, |r| r.n_output_tokens());
         RequestOutput {
             req: idx,

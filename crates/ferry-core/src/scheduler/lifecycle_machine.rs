@@ -32,12 +32,12 @@ use std::sync::Arc;
 
 use super::{RequestOutput, Scheduler};
 use crate::hash::chain_root;
-use crate::ids::{ReqIdx, TransferId};
+use crate::ids::ReqIdx;
 use crate::lifecycle::{
     LifecycleError, LifecycleEvent, LifecycleStatus, OpId, PauseMode, SleepLevel, WakeTag,
     WeightResidency,
 };
-use crate::request::{Request, RequestState};
+use crate::request::Request;
 
 /// Whether compute is paused, how far, and whose pause it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -547,18 +547,7 @@ impl Scheduler {
     /// as a retraction (`on_load_result`). No request is ever handed KV of other weights,
     /// whether the update came before, during or after its load.
     pub fn set_weight_version(&mut self, version: impl Into<String>) {
-        self.retract_waiting_kv();
-        let in_flight: Vec<TransferId> = self
-            .waiting
-            .iter()
-            .filter_map(|&r| match self.requests[r.0 as usize].as_ref()?.state {
-                RequestState::WaitingForRemoteKv { transfer, .. } => Some(transfer),
-                _ => None,
-            })
-            .collect();
-        let holds = &self.holds;
-        self.stale_loads.retain(|&t| holds.contains(t));
-        self.stale_loads.extend(in_flight);
+        self.outdate_waiting_kv(|_| true);
         let c = &mut self.control;
         c.weight_version = Arc::from(version.into());
         c.weight_epoch += 1;

@@ -34,8 +34,8 @@ impl StoreHolds for StoreHoldMaker<'_> {
 impl Scheduler {
     /// Tells the connectors that store blocks (a local tier) which full blocks the step just
     /// computed, before any finish frees them; a store holds its blocks under a `Store` hold.
-    /// Requests whose hash chain is not the current weights' (running across an update)
-    /// offer nothing: their KV mixes two weight versions.
+    /// Requests whose hash chain is not the current weights' and adapter version's (running
+    /// across an update or an adapter reload) offer nothing: their KV mixes two versions.
     pub(super) fn offer_computed_blocks(&mut self, plan: &StepPlan) {
         if !self.connectors.iter().any(|c| c.stores_blocks()) {
             return;
@@ -72,7 +72,7 @@ impl Scheduler {
             let Some(req) = self.requests.get(r.0 as usize).and_then(Option::as_ref) else {
                 return;
             };
-            if req.hash_root != self.hash_root {
+            if !req.chain_is_current(&self.hash_root) {
                 return;
             }
             let computed = ComputedBlocks {

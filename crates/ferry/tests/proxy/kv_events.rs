@@ -155,6 +155,7 @@ async fn a_python_subscriber_sees_stored_blocks_every_wipe_at_once_and_replays()
                     parent,
                     tokens,
                     medium,
+                    ..
                 } = e
                 else {
                     panic!("not a BlockStored: {e:?}");
