@@ -409,13 +409,17 @@ impl LlamaModel {
     /// the first adapter not loaded.
     fn lora_groups(&self, plan: &StepPlan) -> Result<Vec<lora::LoraGroup>, ExecError> {
         let mut groups: BTreeMap<LoraId, Vec<usize>> = BTreeMap::new();
-        for r in plan.reqs.iter().filter(|r| !r.tokens.is_empty()) {
+        for r in &plan.reqs {
             if let Some(id) = r.lora {
                 groups.entry(id).or_default().extend(r.tokens.clone());
             }
         }
+        if let Some(&id) = groups.keys().find(|id| !self.loras.contains_key(id)) {
+            return Err(ExecError::LoraNotLoaded(id));
+        }
         groups
             .into_iter()
+            .filter(|(_, rows)| !rows.is_empty())
             .map(|(id, mut rows)| {
                 let adapter = self.loras.get(&id).ok_or(ExecError::LoraNotLoaded(id))?;
                 rows.sort_unstable();
