@@ -23,12 +23,20 @@
 //!   version, so stale KV shows twice over: in the bytes and in the key.
 //! * **Sampling.** The distribution is a point mass: every temperature, filter and seed gives
 //!   the same token, with logprob 0.0 (and `[(token, 0.0)]` as its top-n when asked).
+//! * **LoRA.** A request under an adapter ([`ScheduledReq::lora`]) computes with the
+//!   adapter's seed ([`LoraAdapter::seed`], a hash of its values) mixed into the model's: its
+//!   KV and its digest differ from the base model's and from any other adapter's, so KV
+//!   shared across adapters, or computed under a stale version of one, changes its tokens.
 
 use ferry_arena::{KvArena, KvLayout, KvPlane};
 use ferry_core::{BlockId, ModelOutput, SampleSpec, SampledToken, ScheduledReq, StepPlan, TokenId};
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use ferry_core::LoraId;
+
+use crate::lora::LoraAdapter;
 use crate::weights::update::{
     ModelWeights, PreparedWeights, RetiredWeights, WeightError, WeightPreparer, Weightless,
 };
@@ -66,6 +74,8 @@ pub struct ChecksumModel {
     /// Hash of `weight_version`, mixed into every token's KV.
     seed: u64,
     vocab_size: u64,
+    /// The seed of each loaded adapter ([`LoraAdapter::seed`]).
+    loras: BTreeMap<LoraId, u64>,
 }
 
 impl ChecksumModel {
@@ -82,6 +92,7 @@ impl ChecksumModel {
             seed: version_seed(&weight_version),
             weight_version,
             vocab_size: vocab_size as u64,
+            loras: BTreeMap::new(),
         })
     }
 
@@ -97,7 +108,14 @@ impl ChecksumModel {
 
     /// The K and V this model writes for `token` at position `pos`.
     pub fn token_kv(&self, token: TokenId, pos: usize) -> TokenKv {
-        let base = fmix64(fmix64(self.seed ^ u64::from(token.0)) ^ pos as u64);
+        self.token_kv_under(None, token, pos)
+    }
+
+    /// [`Self::token_kv`] of a request under the adapter of seed `lora_seed`
+    /// ([`LoraAdapter::seed`]; `None`: the base model).
+    pub fn token_kv_under(&self, lora_seed: Option<u64>, token: TokenId, pos: usize) -> TokenKv {
+        let key = self.key(lora_seed);
+        let base = fmix64(fmix64(key ^ u64::from(token.0)) ^ pos as u64);
         let mut kv = ([0.0; HEAD_DIM], [0.0; HEAD_DIM]);
         // Each 64-bit hash gives two 24-bit values (bits 0..24 and 32..56).
         for j in 0..HEAD_DIM / 2 {
@@ -114,9 +132,18 @@ impl ChecksumModel {
     /// The token `execute` samples after `tokens` when their KV in the arena is intact: the
     /// oracle for simulations and tests (computed from tokens, not from an arena).
     pub fn reference_next_token(&self, tokens: &[TokenId]) -> TokenId {
-        let mut digest = Digest::new(self.seed);
+        self.reference_next_token_under(None, tokens)
+    }
+
+    /// [`Self::reference_next_token`] of a request under the adapter of seed `lora_seed`.
+    pub fn reference_next_token_under(
+        &self,
+        lora_seed: Option<u64>,
+        tokens: &[TokenId],
+    ) -> TokenId {
+        let mut digest = Digest::new(self.key(lora_seed));
         for (pos, &token) in tokens.iter().enumerate() {
-            let (k, v) = self.token_kv(token, pos);
+            let (k, v) = self.token_kv_under(lora_seed, token, pos);
             digest.position(&k, &v);
         }
         self.token_of(digest.finish(tokens.len()))
@@ -132,20 +159,34 @@ impl ChecksumModel {
             .unwrap_or(token)
     }
 
+    /// The key of a request's KV and digest: the weight version's seed, with the adapter's
+    /// mixed in.
+    fn key(&self, lora_seed: Option<u64>) -> u64 {
+        match lora_seed {
+            None => self.seed,
+            Some(l) => fmix64(self.seed ^ fmix64(l ^ STEP_CONSTANT)),
+        }
+    }
+
+    /// The adapter seed of `r`'s adapter (checked loaded by `validate`).
+    fn lora_seed_of(&self, r: &ScheduledReq) -> Option<u64> {
+        r.lora.and_then(|id| self.loras.get(&id).copied())
+    }
+
     fn token_of(&self, digest: u64) -> TokenId {
         // In range: vocab_size <= 2^32.
         TokenId((digest % self.vocab_size) as u32)
     }
 
-    /// Digest of the KV of positions `0..end`, read from `kv` through `table`.
+    /// Digest of the KV of positions `0..end`, read from `kv` through `table`, keyed by `key`.
     fn sequence_digest(
         &self,
         kv: &KvArena,
         table: &[BlockId],
         block_size: usize,
-        end: usize,
+        (end, key): (usize, u64),
     ) -> u64 {
-        let mut digest = Digest::new(self.seed);
+        let mut digest = Digest::new(key);
         for (j, &block) in table.iter().enumerate().take(end.div_ceil(block_size)) {
             // One block slice per block, not per token: this loop is the model's hot path.
             let (k_plane, v_plane) = (
@@ -166,10 +207,11 @@ impl ChecksumModel {
 
     fn write_tokens(&self, plan: &StepPlan, r: &ScheduledReq, kv: &mut KvArena) {
         let table = plan.block_table_of(r);
+        let lora_seed = self.lora_seed_of(r);
         for (i, &token) in plan.tokens_of(r).iter().enumerate() {
             let pos = r.start_pos + i;
             let (block, slot) = (table[pos / plan.block_size], pos % plan.block_size);
-            let (k, v) = self.token_kv(token, pos);
+            let (k, v) = self.token_kv_under(lora_seed, token, pos);
             kv.token_mut(block, slot, 0, KvPlane::K).copy_from_slice(&k);
             kv.token_mut(block, slot, 0, KvPlane::V).copy_from_slice(&v);
         }
@@ -183,7 +225,8 @@ impl ChecksumModel {
         kv: &KvArena,
     ) -> SampledToken {
         let end = r.start_pos + r.tokens.len();
-        let digest = self.sequence_digest(kv, plan.block_table_of(r), plan.block_size, end);
+        let key = self.key(self.lora_seed_of(r));
+        let digest = self.sequence_digest(kv, plan.block_table_of(r), plan.block_size, (end, key));
         let token = match plan.mask_of(spec) {
             Some(mask) => self.allowed_token_from(self.token_of(digest), mask),
             None => self.token_of(digest),
@@ -225,6 +268,9 @@ impl ChecksumModel {
         n_blocks: usize,
     ) -> Result<(), ExecError> {
         let req = r.req;
+        if let Some(id) = r.lora.filter(|id| !self.loras.contains_key(id)) {
+            return Err(ExecError::LoraNotLoaded(id));
+        }
         let tokens = plan.token_ids.get(r.tokens.clone()).ok_or_else(|| {
             invalid(format!(
                 "request {req:?}: tokens {:?} are outside token_ids (length {})",
@@ -332,6 +378,19 @@ impl Executor for ChecksumModel {
 
     fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
         &mut self.weights
+    }
+
+    /// Holds the adapter's seed: the adapter's values are not computed with, only hashed.
+    fn load_lora(&mut self, id: LoraId, adapter: Arc<LoraAdapter>) -> Result<(), ExecError> {
+        self.loras.insert(id, adapter.seed());
+        Ok(())
+    }
+
+    fn unload_lora(&mut self, id: LoraId) -> Result<(), ExecError> {
+        self.loras
+            .remove(&id)
+            .map(drop)
+            .ok_or(ExecError::LoraNotLoaded(id))
     }
 }
 

@@ -11,4 +11,17 @@ pub enum ExecError {
     WeightsUnloaded,
     #[error("invalid step plan: {0}")]
     InvalidPlan(String),
+    /// A step names an adapter the executor does not hold, or one is unloaded that is not
+    /// loaded.
+    #[error("LoRA adapter {0:?} is not loaded")]
+    LoraNotLoaded(ferry_core::LoraId),
+    /// The executor serves the base model only.
+    #[error("this executor does not serve LoRA adapters")]
+    LoraUnsupported,
+    /// An adapter made for another base model than this executor's.
+    #[error("LoRA adapter {id:?} does not fit this model: {message}")]
+    LoraMismatch {
+        id: ferry_core::LoraId,
+        message: String,
+    },
 }

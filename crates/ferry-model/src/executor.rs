@@ -5,9 +5,12 @@
 //! with its own arena placement (see ARCHITECTURE.md).
 
 use ferry_arena::{KvArena, KvLayout};
-use ferry_core::{ModelOutput, RoutingShape, StepPlan};
+use std::sync::Arc;
+
+use ferry_core::{LoraId, ModelOutput, RoutingShape, StepPlan};
 
 pub use crate::error::ExecError;
+use crate::lora::LoraAdapter;
 use crate::weights::update::ModelWeights;
 
 pub trait Executor: Send {
@@ -31,6 +34,21 @@ pub trait Executor: Send {
     fn weight_ops(&self) -> &dyn ModelWeights;
 
     fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights;
+
+    /// Holds `adapter` under `id`, for steps whose requests name it
+    /// ([`ferry_core::ScheduledReq::lora`]); an adapter already under `id` is replaced (an
+    /// in-place reload: the next step computes with the new one). Executors without adapters
+    /// refuse.
+    fn load_lora(&mut self, id: LoraId, adapter: Arc<LoraAdapter>) -> Result<(), ExecError> {
+        let _ = (id, adapter);
+        Err(ExecError::LoraUnsupported)
+    }
+
+    /// Drops the adapter under `id`; a step naming it afterwards fails.
+    fn unload_lora(&mut self, id: LoraId) -> Result<(), ExecError> {
+        let _ = id;
+        Err(ExecError::LoraUnsupported)
+    }
 }
 
 /// Boxed and borrowed executors are executors too: wrappers such as [`Hooked`] take the
@@ -59,6 +77,16 @@ macro_rules! forward_executor {
             }
             fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
                 (**self).weight_ops_mut()
+            }
+            fn load_lora(
+                &mut self,
+                id: LoraId,
+                adapter: Arc<LoraAdapter>,
+            ) -> Result<(), ExecError> {
+                (**self).load_lora(id, adapter)
+            }
+            fn unload_lora(&mut self, id: LoraId) -> Result<(), ExecError> {
+                (**self).unload_lora(id)
             }
         }
     )*};
@@ -100,5 +128,11 @@ impl<E: Executor, H: StepHook> Executor for Hooked<E, H> {
     }
     fn weight_ops_mut(&mut self) -> &mut dyn ModelWeights {
         self.inner.weight_ops_mut()
+    }
+    fn load_lora(&mut self, id: LoraId, adapter: Arc<LoraAdapter>) -> Result<(), ExecError> {
+        self.inner.load_lora(id, adapter)
+    }
+    fn unload_lora(&mut self, id: LoraId) -> Result<(), ExecError> {
+        self.inner.unload_lora(id)
     }
 }

@@ -15,6 +15,7 @@ pub mod isa;
 pub mod kernels;
 pub mod llama;
 pub mod load;
+pub mod lora;
 pub mod profile;
 pub mod sampler;
 pub mod spec;
@@ -32,6 +33,7 @@ pub use load::{
     load_model, load_model_stored, load_model_stored_with_progress, load_model_with_progress,
     LoadError, LoadedModel, Precision, Progress, WeightFiles,
 };
+pub use lora::{LoraAdapter, LoraConfig, LoraError, LoraTensor, TargetModule};
 pub use sampler::LogprobsMode;
 pub use spec::ModelSpec;
 pub use weights::buf::{ByteBuf, WeightBuf};

@@ -7,19 +7,26 @@
 //! only the token's own request. So a request's logits have the same bits whatever else is
 //! in its batch, and chunked prefill gives the same KV as one-shot prefill.
 //!
-//! The forward's own pieces are its submodules: paged attention over the arena ([`attention`])
-//! and rotary position embeddings ([`rope`]). Its weights, in the layout it reads, are
+//! The forward's own pieces are its submodules: paged attention over the arena ([`attention`]),
+//! rotary position embeddings ([`rope`]), the MoE block (`llama/moe.rs`) and the LoRA
+//! adapters' deltas (`llama/lora.rs`; the adapters themselves: [`crate::lora`]). Its weights, in the layout it reads, are
 //! [`crate::weights::llama`]. Weight updates and sleep ([`crate::ModelWeights`]) live in
 //! `llama/weight_ops.rs`; the checks and layout conversion that run off the engine thread in
 //! [`crate::weights::llama_update`].
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use ferry_arena::{KvArena, KvLayout};
-use ferry_core::{ModelOutput, PromptLogprobs, ReqIdx, RoutedExperts, RoutingShape, StepPlan};
+use ferry_core::{
+    LoraId, ModelOutput, PromptLogprobs, ReqIdx, RoutedExperts, RoutingShape, StepPlan,
+};
 
 use crate::config::LlamaConfig;
 use crate::error::ExecError;
 use crate::executor::Executor;
 use crate::kernels::{add_assign, matmul, rms_norm, rms_norm_in_place, rms_norm_row, silu_mul};
+use crate::lora::{LoraAdapter, Site};
 use crate::profile::{timed, Phase};
 use crate::sampler::{prompt_token_logprob, sample_batch, LogprobsMode, SampleRow, SamplerScratch};
 use crate::weights::llama::{LayerWeights, LlamaWeights, ModelError};
@@ -29,6 +36,7 @@ use attention::{paged_attention, write_kv, AttnQuery};
 use rope::Rope;
 
 pub mod attention;
+mod lora;
 mod moe;
 pub mod rope;
 mod weight_ops;
@@ -74,6 +82,8 @@ pub struct LlamaModel {
     routed_out: Vec<RoutedExperts>,
     /// Sleep state of `weights` (see `llama/weight_ops.rs`): steps run only when `Resident`.
     residency: WeightResidency,
+    /// The LoRA adapters requests may name ([`Executor::load_lora`]).
+    loras: BTreeMap<LoraId, Arc<LoraAdapter>>,
 }
 
 /// The routing of every token computed, kept with its KV: in the aux words of the token's
@@ -102,6 +112,7 @@ struct Scratch {
     gate_up: Vec<f32>,
     act: Vec<f32>,
     moe: moe::MoeScratch,
+    lora: lora::LoraScratch,
     /// Expert routing capture (`--enable-return-routed-experts`), MoE models only: kept
     /// here, beside the buffers the forward writes, as the layers fill it in.
     routing: Option<RoutingCapture>,
@@ -144,6 +155,7 @@ impl LlamaModel {
             prompt_out: Vec::new(),
             routed_out: Vec::new(),
             residency: WeightResidency::Resident,
+            loras: BTreeMap::new(),
         })
     }
 
@@ -240,6 +252,7 @@ impl LlamaModel {
         }
         self.check_arena(plan, kv)?;
         let meta = self.token_meta(plan, kv.n_blocks())?;
+        let loras = self.lora_groups(plan)?;
         let max_pos = meta.queries.iter().map(|q| q.pos + 1).max().unwrap_or(0);
         self.rope.ensure(max_pos);
         let h = self.config.hidden_size;
@@ -254,7 +267,7 @@ impl LlamaModel {
             r.step.resize(plan.num_tokens() * r.shape.width(), 0);
         }
         for (l, lw) in self.weights.layers.iter().enumerate() {
-            self.layer(l, lw, &meta, kv, &mut x, &mut scratch);
+            self.layer(l, lw, (&meta, &loras), kv, &mut x, &mut scratch);
         }
         if let Some(r) = &mut scratch.routing {
             self.routed_out = r.record(plan, &meta.slots, kv);
@@ -400,12 +413,38 @@ impl LlamaModel {
         Ok(meta)
     }
 
+    /// The step's rows under each adapter the plan names, by ascending id; an error naming
+    /// the first adapter not loaded.
+    fn lora_groups(&self, plan: &StepPlan) -> Result<Vec<lora::LoraGroup>, ExecError> {
+        let mut groups: BTreeMap<LoraId, Vec<usize>> = BTreeMap::new();
+        for r in &plan.reqs {
+            if let Some(id) = r.lora {
+                groups.entry(id).or_default().extend(r.tokens.clone());
+            }
+        }
+        if let Some(&id) = groups.keys().find(|id| !self.loras.contains_key(id)) {
+            return Err(ExecError::LoraNotLoaded(id));
+        }
+        groups
+            .into_iter()
+            .filter(|(_, rows)| !rows.is_empty())
+            .map(|(id, mut rows)| {
+                let adapter = self.loras.get(&id).ok_or(ExecError::LoraNotLoaded(id))?;
+                rows.sort_unstable();
+                Ok(lora::LoraGroup {
+                    adapter: Arc::clone(adapter),
+                    rows,
+                })
+            })
+            .collect()
+    }
+
     /// One decoder layer over all the step's tokens, updating the residual stream `x`.
     fn layer(
         &self,
         l: usize,
         lw: &LayerWeights,
-        meta: &TokenMeta<'_>,
+        (meta, loras): (&TokenMeta<'_>, &[lora::LoraGroup]),
         arena: &mut KvArena,
         x: &mut [f32],
         s: &mut Scratch,
@@ -424,6 +463,7 @@ impl LlamaModel {
             qkv.chunks_exact_mut(qkv_w)
                 .for_each(|row| add_assign(row, bias));
         }
+        lora::add_deltas(loras, l, Site::Qkv, (normed, h), (qkv, qkv_w), &mut s.lora);
         let q = take(&mut s.q, n * q_w);
         self.position_tokens(lw, meta, qkv, q, (q_w, qkv_w));
         for (row, &slot) in qkv.chunks_exact(qkv_w).zip(&meta.slots) {
@@ -448,6 +488,7 @@ impl LlamaModel {
             proj.chunks_exact_mut(h)
                 .for_each(|row| add_assign(row, bias));
         }
+        lora::add_deltas(loras, l, Site::O, (attn, q_w), (proj, h), &mut s.lora);
         add_assign(x, proj);
 
         let normed = take(&mut s.normed, n * h);
@@ -468,10 +509,19 @@ impl LlamaModel {
         timed(Phase::LayerMatmuls, || {
             matmul(normed, &lw.gate_up, gate_up, n)
         });
+        lora::add_deltas(
+            loras,
+            l,
+            Site::GateUp,
+            (normed, h),
+            (gate_up, 2 * inter),
+            &mut s.lora,
+        );
         let act = take(&mut s.act, n * inter);
         silu_mul(gate_up, inter, act);
         let proj = take(&mut s.proj, n * h);
         timed(Phase::LayerMatmuls, || matmul(act, &lw.down, proj, n));
+        lora::add_deltas(loras, l, Site::Down, (act, inter), (proj, h), &mut s.lora);
         add_assign(x, proj);
     }
 
@@ -665,6 +715,22 @@ impl Executor for LlamaModel {
 
     fn weight_ops_mut(&mut self) -> &mut dyn crate::ModelWeights {
         self
+    }
+
+    /// Checks that the adapter was made for this model's dimensions, then holds it.
+    fn load_lora(&mut self, id: LoraId, adapter: Arc<LoraAdapter>) -> Result<(), ExecError> {
+        adapter
+            .check_base(&self.config)
+            .map_err(|message| ExecError::LoraMismatch { id, message })?;
+        self.loras.insert(id, adapter);
+        Ok(())
+    }
+
+    fn unload_lora(&mut self, id: LoraId) -> Result<(), ExecError> {
+        self.loras
+            .remove(&id)
+            .map(drop)
+            .ok_or(ExecError::LoraNotLoaded(id))
     }
 }
 

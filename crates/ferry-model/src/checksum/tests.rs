@@ -176,7 +176,7 @@ fn every_kv_bit_of_the_sequence_changes_the_output() {
     let tokens = prompt(10);
     let table = [4, 1, 2].map(BlockId);
     prefill(&mut m, &mut kv, &tokens, &table);
-    let base_digest = m.sequence_digest(&kv, &table, BLOCK_SIZE, 10);
+    let base_digest = m.sequence_digest(&kv, &table, BLOCK_SIZE, (10, m.seed));
     // Decoding only the last token again rewrites slot 9 and samples from everything.
     let last = plan(vec![part(9, &tokens[9..], &table, true)]);
     let base_token = m.execute(&last, &mut kv).unwrap().sampled[0].token;
@@ -192,7 +192,7 @@ fn every_kv_bit_of_the_sequence_changes_the_output() {
                 .map(|j| j * BLOCK_SIZE + slot);
             for bit in 0..8 {
                 kv.block_bytes_mut(block)[byte] ^= 1 << bit;
-                let digest = m.sequence_digest(&kv, &table, BLOCK_SIZE, 10);
+                let digest = m.sequence_digest(&kv, &table, BLOCK_SIZE, (10, m.seed));
                 let in_sequence = pos.is_some_and(|p| p < 10);
                 assert_eq!(
                     digest != base_digest,
@@ -435,4 +435,73 @@ fn vocab_size_is_checked() {
     );
     assert!(ChecksumModel::new("v", (1 << 32) + 1).is_err());
     assert_eq!(model(1 << 32).vocab_size(), 1 << 32);
+}
+
+/// An adapter of the small test config, from seed `seed`.
+fn adapter(seed: u64) -> Arc<LoraAdapter> {
+    use crate::lora::random::{random_lora, RandomLora};
+    let base = crate::random_model::small_config();
+    let spec = RandomLora {
+        rank: 2,
+        alpha: 4.0,
+        targets: vec![crate::TargetModule::QProj],
+        use_rslora: false,
+        seed,
+    };
+    let (config, tensors) = random_lora(&base, &spec);
+    Arc::new(LoraAdapter::from_f32(config, &tensors, &base, 8).unwrap())
+}
+
+#[test]
+fn an_adapter_keys_its_requests_and_a_new_version_changes_them() {
+    let mut m = model(1000);
+    let mut kv = arena(&m, 16);
+    let tokens = prompt(9);
+    let under =
+        |m: &mut ChecksumModel, kv: &mut KvArena, lora: Option<LoraId>, table: &[BlockId]| {
+            let mut p = plan(vec![part(0, &tokens, table, true)]);
+            p.reqs[0].lora = lora;
+            m.execute(&p, kv).map(|out| out.sampled[0].token)
+        };
+    let id = LoraId(3);
+    assert!(matches!(
+        under(&mut m, &mut kv, Some(id), &BlockId::list([1, 2, 3])),
+        Err(ExecError::LoraNotLoaded(LoraId(3)))
+    ));
+    let (v1, v2) = (adapter(1), adapter(2));
+    m.load_lora(id, Arc::clone(&v1)).unwrap();
+    let base = under(&mut m, &mut kv, None, &BlockId::list([1, 2, 3])).unwrap();
+    let first = under(&mut m, &mut kv, Some(id), &BlockId::list([4, 5, 6])).unwrap();
+    assert_eq!(base, m.reference_next_token(&tokens));
+    assert_eq!(
+        first,
+        m.reference_next_token_under(Some(v1.seed()), &tokens)
+    );
+    assert_ne!(base, first);
+    assert_ne!(
+        kv.token(BlockId(1), 0, 0, KvPlane::K),
+        kv.token(BlockId(4), 0, 0, KvPlane::K),
+        "the adapter's KV differs from the base model's"
+    );
+
+    // Reloaded in place: the next step computes with the new version.
+    m.load_lora(id, Arc::clone(&v2)).unwrap();
+    let second = under(&mut m, &mut kv, Some(id), &BlockId::list([7, 8, 9])).unwrap();
+    assert_eq!(
+        second,
+        m.reference_next_token_under(Some(v2.seed()), &tokens)
+    );
+    assert_ne!(second, first);
+    // The same adapter again gives the same seed.
+    assert_eq!(adapter(1).seed(), v1.seed());
+
+    m.unload_lora(id).unwrap();
+    assert!(matches!(
+        under(&mut m, &mut kv, Some(id), &BlockId::list([10, 11, 12])),
+        Err(ExecError::LoraNotLoaded(_))
+    ));
+    assert!(matches!(
+        m.unload_lora(id),
+        Err(ExecError::LoraNotLoaded(_))
+    ));
 }

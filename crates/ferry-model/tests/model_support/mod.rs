@@ -4,7 +4,11 @@
 #![allow(dead_code)]
 
 use ferry_arena::KvArena;
-use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan, TokenId};
+use std::collections::BTreeMap;
+
+use ferry_core::{
+    BlockId, LoraId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan, TokenId,
+};
 use ferry_model::random_model::SplitMix64;
 use ferry_model::{Executor, LlamaConfig, LlamaModel, Logits, RopeScaling, WeightStore};
 
@@ -15,6 +19,8 @@ pub struct Seq {
     pub tokens: Vec<u32>,
     pub computed: usize,
     pub table: Vec<BlockId>,
+    /// The LoRA adapter the request runs under.
+    pub lora: Option<LoraId>,
 }
 
 impl Seq {
@@ -24,6 +30,7 @@ impl Seq {
             tokens,
             computed: 0,
             table: Vec::new(),
+            lora: None,
         }
     }
 }
@@ -80,7 +87,7 @@ pub fn build_plan(pool: &mut Pool, seqs: &mut [&mut Seq], counts: &[usize]) -> S
             adjust: None,
         });
         plan.reqs.push(ScheduledReq {
-            lora: None,
+            lora: seq.lora,
             req: seq.req,
             start_pos: seq.computed,
             tokens: t0..plan.token_ids.len(),
@@ -152,6 +159,55 @@ fn linear(x: &[f64], w: &[f32], b: Option<&[f32]>, out_f: usize) -> Vec<f64> {
         .collect()
 }
 
+/// A LoRA adapter as the reference computes it: by module path
+/// (`model.layers.0.self_attn.q_proj`), its `A` (`[r, in]`), `B` (`[out, r]`) and scale.
+#[derive(Debug, Clone, Default)]
+pub struct RefLora {
+    pub modules: BTreeMap<String, (Vec<f32>, Vec<f32>, f64)>,
+}
+
+impl RefLora {
+    /// From PEFT-named tensors (`base_model.model.{path}.lora_A.weight`), each module's scale
+    /// given by `scale(path, rank)`.
+    pub fn from_peft(
+        tensors: &[(String, ferry_model::Tensor)],
+        scale: impl Fn(&str, usize) -> f64,
+    ) -> Self {
+        let mut modules = BTreeMap::new();
+        for (name, a) in tensors {
+            let Some(path) = name
+                .strip_prefix("base_model.model.")
+                .and_then(|n| n.strip_suffix(".lora_A.weight"))
+            else {
+                continue;
+            };
+            let b_name = format!("base_model.model.{path}.lora_B.weight");
+            let (_, b) = tensors.iter().find(|(n, _)| *n == b_name).unwrap();
+            let s = scale(path, a.shape[0]);
+            modules.insert(path.to_owned(), (a.data.clone(), b.data.clone(), s));
+        }
+        Self { modules }
+    }
+}
+
+/// [`linear`] of the module at `path`, plus its adapter's `scale · B·(A·x)` when it has one.
+fn adapted(
+    lora: &RefLora,
+    path: &str,
+    x: &[f64],
+    (w, b): (&[f32], Option<&[f32]>),
+    out_f: usize,
+) -> Vec<f64> {
+    let mut y = linear(x, w, b, out_f);
+    if let Some((a, bm, scale)) = lora.modules.get(path) {
+        let r = a.len() / x.len();
+        let t = linear(x, a, None, r);
+        let d = linear(&t, bm, None, out_f);
+        y.iter_mut().zip(&d).for_each(|(y, d)| *y += scale * d);
+    }
+    y
+}
+
 fn rms(x: &[f64], w: &[f32], eps: f64) -> Vec<f64> {
     let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
     let inv = 1.0 / (ms + eps).sqrt();
@@ -216,6 +272,16 @@ fn ref_rope(head: &mut [f64], pos: usize, inv_freq: &[f64]) {
 
 /// Logits (f64) at every position of `tokens`, computed densely.
 pub fn reference_logits(c: &LlamaConfig, w: &WeightStore, tokens: &[u32]) -> Vec<Vec<f64>> {
+    reference_logits_lora(c, w, &RefLora::default(), tokens)
+}
+
+/// [`reference_logits`] with the adapter `lora` (an empty one: the base model).
+pub fn reference_logits_lora(
+    c: &LlamaConfig,
+    w: &WeightStore,
+    lora: &RefLora,
+    tokens: &[u32],
+) -> Vec<Vec<f64>> {
     let (h, hd, nh, nkv) = (
         c.hidden_size,
         c.head_dim,
@@ -243,24 +309,14 @@ pub fn reference_logits(c: &LlamaConfig, w: &WeightStore, tokens: &[u32]) -> Vec
         let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
         for (pos, x) in xs.iter().enumerate() {
             let n = rms(x, t(w, &format!("{p}.input_layernorm.weight")), eps);
-            let mut q = linear(
-                &n,
-                t(w, &format!("{p}.self_attn.q_proj.weight")),
-                bias("q_proj"),
-                nh * hd,
-            );
-            let mut k = linear(
-                &n,
-                t(w, &format!("{p}.self_attn.k_proj.weight")),
-                bias("k_proj"),
-                nkv * hd,
-            );
-            let v = linear(
-                &n,
-                t(w, &format!("{p}.self_attn.v_proj.weight")),
-                bias("v_proj"),
-                nkv * hd,
-            );
+            let proj = |m: &str, out_f: usize| {
+                let path = format!("{p}.self_attn.{m}");
+                let weight = t(w, &format!("{path}.weight"));
+                adapted(lora, &path, &n, (weight, bias(m)), out_f)
+            };
+            let mut q = proj("q_proj", nh * hd);
+            let mut k = proj("k_proj", nkv * hd);
+            let v = proj("v_proj", nkv * hd);
             if c.qk_norm_whole {
                 for (part, norm) in [(&mut q, "q_norm"), (&mut k, "k_norm")] {
                     let normed = rms(part, t(w, &format!("{p}.self_attn.{norm}.weight")), eps);
@@ -310,11 +366,15 @@ pub fn reference_logits(c: &LlamaConfig, w: &WeightStore, tokens: &[u32]) -> Vec
                     }
                 }
             }
-            let o = linear(
+            let o = adapted(
+                lora,
+                &format!("{p}.self_attn.o_proj"),
                 &attn,
-                t(w, &format!("{p}.self_attn.o_proj.weight")),
-                c.o_proj_bias
-                    .then(|| t(w, &format!("{p}.self_attn.o_proj.bias"))),
+                (
+                    t(w, &format!("{p}.self_attn.o_proj.weight")),
+                    c.o_proj_bias
+                        .then(|| t(w, &format!("{p}.self_attn.o_proj.bias"))),
+                ),
                 h,
             );
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
@@ -324,8 +384,9 @@ pub fn reference_logits(c: &LlamaConfig, w: &WeightStore, tokens: &[u32]) -> Vec
                 eps,
             );
             let d = match c.sparse_layer(l) {
-                None => ref_mlp(
+                None => ref_mlp_lora(
                     w,
+                    lora,
                     &n,
                     &format!("{p}.mlp"),
                     ["gate_proj", "up_proj", "down_proj"],
@@ -354,16 +415,36 @@ pub fn reference_logits(c: &LlamaConfig, w: &WeightStore, tokens: &[u32]) -> Vec
 
 /// A SiLU-gated MLP whose gate, up and down projections are `{prefix}.{names}.weight`.
 fn ref_mlp(w: &WeightStore, n: &[f64], prefix: &str, names: [&str; 3]) -> Vec<f64> {
-    let [g, u, d] = names.map(|m| format!("{prefix}.{m}.weight"));
-    let inter = w.get(&g).unwrap().shape[0];
-    let gate = linear(n, t(w, &g), None, inter);
-    let up = linear(n, t(w, &u), None, inter);
+    ref_mlp_lora(w, &RefLora::default(), n, prefix, names)
+}
+
+/// [`ref_mlp`] with the adapter `lora` on its projections.
+fn ref_mlp_lora(
+    w: &WeightStore,
+    lora: &RefLora,
+    n: &[f64],
+    prefix: &str,
+    names: [&str; 3],
+) -> Vec<f64> {
+    let [g, u, d] = names.map(|m| format!("{prefix}.{m}"));
+    let inter = w.get(&format!("{g}.weight")).unwrap().shape[0];
+    let proj = |path: &str, x: &[f64], out_f: usize| {
+        adapted(
+            lora,
+            path,
+            x,
+            (t(w, &format!("{path}.weight")), None),
+            out_f,
+        )
+    };
+    let gate = proj(&g, n, inter);
+    let up = proj(&u, n, inter);
     let act: Vec<f64> = gate
         .iter()
         .zip(&up)
         .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
         .collect();
-    linear(&act, t(w, &d), None, n.len())
+    proj(&d, &act, n.len())
 }
 
 /// The MoE block from the formulas: softmax over the router logits, the top-k experts
