@@ -77,6 +77,9 @@ pub enum AddError {
     KvTransfer { id: String, reason: String },
     #[error("request {id:?}: {error}")]
     Lora { id: String, error: LoraError },
+    /// The request names a LoRA adapter by a name no adapter is loaded under.
+    #[error("the model `{name}` does not exist (no LoRA adapter is loaded under that name)")]
+    UnknownLora { id: String, name: String },
     #[error("request {id:?}: prompt has {prompt_len} tokens but chunked prefill is off and a step holds at most {max_num_batched_tokens}")]
     PromptExceedsBatch {
         id: String,

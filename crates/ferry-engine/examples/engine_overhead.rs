@@ -37,6 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..SchedulerConfig::default()
         },
         input_queue_capacity: 4096,
+        lora: None,
     };
     let tokenizer = loaded.tokenizer.map(std::sync::Arc::new);
     let engine = spawn(config, Box::new(model), tokenizer.clone())?;

@@ -84,6 +84,16 @@ pub(crate) struct EngineLoop {
 }
 
 impl EngineLoop {
+    /// Serves LoRA adapters under `settings`; the table the engine thread publishes them in.
+    pub(crate) fn with_lora(
+        mut self,
+        settings: Option<crate::LoraSettings>,
+    ) -> (Self, crate::lora::LoraTable) {
+        self.core.set_lora_settings(settings);
+        let table = self.core.lora_table();
+        (self, table)
+    }
+
     pub(crate) fn new(
         sched: Scheduler,
         executor: Box<dyn Executor>,
@@ -260,6 +270,7 @@ impl EngineLoop {
             accepted,
             transfer,
             constraint,
+            lora,
         } = add;
         let added = self.core.handle_add(NewRequest {
             request_id,
@@ -267,6 +278,7 @@ impl EngineLoop {
             params,
             transfer: transfer.map(|t| *t),
             constraint: constraint.map(|c| *c),
+            lora,
         });
         match added {
             Ok(idx) => {

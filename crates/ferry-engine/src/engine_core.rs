@@ -32,6 +32,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_arena::{KvArena, Reports, WorkerConnector};
@@ -47,7 +48,9 @@ use ferry_model::{ExecError, Executor, PreparedWeights, RetiredWeights, WeightEr
 use crate::connector::Connector;
 use crate::constraint::{Constraint, ConstraintState, Next};
 use crate::event::{EngineFinish, Event};
+use crate::lora::{LoraCallError, LoraInfo, LoraLoad, LoraSettings, Loras};
 use crate::transfer_stats::{TransferStats, TransferTally};
+use ferry_core::LoraId;
 
 /// Consecutive failed steps after which every live request is finished with `error`.
 pub const MAX_CONSECUTIVE_FAILURES: u32 = 3;
@@ -126,6 +129,9 @@ pub struct NewRequest {
     pub transfer: Option<TransferRequest>,
     /// A structured-output constraint, compiled.
     pub constraint: Option<Constraint>,
+    /// The LoRA adapter it names (`None`: the base model), resolved to the version loaded
+    /// now when the core takes it.
+    pub lora: Option<Arc<str>>,
 }
 
 /// A lifecycle call (`../shared/design/lifecycle.md`); each is answered by a
@@ -188,6 +194,13 @@ pub enum Call {
     LoseWeights {
         lend: LendId,
     },
+    /// Loads a LoRA adapter (read and checked off the engine thread), or replaces a loaded
+    /// one's weights under its next version (`inplace`).
+    LoadLora(Box<LoraLoad>),
+    /// Unloads a LoRA adapter: its live requests finish as aborted, its KV leaves the caches.
+    UnloadLora {
+        name: Arc<str>,
+    },
 }
 
 /// Names one lend of the weights to a reload in place, so that a return or a loss reaches
@@ -210,6 +223,10 @@ pub enum CallResult {
     Status(LifecycleStatus, WeightInfo),
     /// The weights lent to a reload in place, if they were.
     Lent(Option<RetiredWeights>),
+    /// The adapter loaded, as it is now.
+    LoraLoaded(Result<LoraInfo, LoraCallError>),
+    /// How many live requests the unload aborted.
+    LoraUnloaded(Result<usize, LoraCallError>),
 }
 
 /// The weights as the engine sees them.
@@ -236,6 +253,20 @@ impl CallResult {
     pub fn into_reset(self) -> Result<Option<Cleared>, Self> {
         match self {
             Self::Reset(r) => Ok(r),
+            other => Err(other),
+        }
+    }
+
+    pub fn into_lora_loaded(self) -> Result<Result<LoraInfo, LoraCallError>, Self> {
+        match self {
+            Self::LoraLoaded(r) => Ok(r),
+            other => Err(other),
+        }
+    }
+
+    pub fn into_lora_unloaded(self) -> Result<Result<usize, LoraCallError>, Self> {
+        match self {
+            Self::LoraUnloaded(r) => Ok(r),
             other => Err(other),
         }
     }
@@ -333,6 +364,8 @@ struct Live {
     /// The prompt position whose logprob is sent next (prompt logprobs start at 1; a
     /// preempted request computes its prompt again, and nothing goes out twice).
     next_prompt_logprob: usize,
+    /// Its LoRA adapter (the id stays across in-place loads; the version is the table's).
+    lora: Option<LoraId>,
 }
 
 /// The step driver's model: the executor, its arena, the connectors' workers.
@@ -419,6 +452,8 @@ pub struct EngineCore {
     lent_to: Option<LendId>,
     consecutive_failures: u32,
     counters: CoreCounters,
+    /// The LoRA adapters' names, ids and versions (off until `set_lora_settings`).
+    loras: Loras,
 }
 
 impl EngineCore {
@@ -465,7 +500,18 @@ impl EngineCore {
             lent_to: None,
             consecutive_failures: 0,
             counters: CoreCounters::default(),
+            loras: Loras::default(),
         }
+    }
+
+    /// Serves LoRA adapters under `settings` (`None`: refuses them, the default).
+    pub fn set_lora_settings(&mut self, settings: Option<LoraSettings>) {
+        self.loras = Loras::new(settings);
+    }
+
+    /// The adapters loaded now, as the engine thread last published them.
+    pub(crate) fn lora_table(&self) -> crate::lora::LoraTable {
+        self.loras.table()
     }
 
     /// The core over `sched` with `connectors` registered in order (connector `c` is the
@@ -564,7 +610,19 @@ impl EngineCore {
             params,
             transfer,
             constraint,
+            lora,
         } = req;
+        let mut params = params;
+        if let Some(name) = lora {
+            let Some(lora) = self.loras.resolve(&name) else {
+                return Err(AddError::UnknownLora {
+                    id: request_id,
+                    name: name.to_string(),
+                });
+            };
+            params.lora = Some(lora);
+        }
+        let lora = params.lora.as_ref().map(|l| l.id);
         // The first mask, before the request can be scheduled.
         let (constraint, refused) = match constraint.map(ConstraintState::start) {
             Some((state, Next::Continue)) => (Some(state), None),
@@ -583,6 +641,7 @@ impl EngineCore {
             admitted: false,
             constraint,
             next_prompt_logprob: 1,
+            lora,
         });
         if let Some(why) = refused {
             self.stop_for_constraint(idx, why);
@@ -675,6 +734,25 @@ impl EngineCore {
             Call::LoseWeights { lend } => {
                 self.lose_weights(lend);
                 Some(CallResult::Op(Ok(())))
+            }
+            Call::LoadLora(load) => {
+                let d = &mut self.driver;
+                Some(CallResult::LoraLoaded(self.loras.load(
+                    *load,
+                    &mut *d.model.executor,
+                    &mut d.sched,
+                )))
+            }
+            Call::UnloadLora { name } => {
+                let d = &mut self.driver;
+                let unloaded = self
+                    .loras
+                    .unload(&name, &mut *d.model.executor, &mut d.sched);
+                Some(CallResult::LoraUnloaded(unloaded.map(|aborted| {
+                    let n = aborted.len();
+                    self.emit_finishes(aborted);
+                    n
+                })))
             }
         };
         if let Some(result) = result {
@@ -1004,6 +1082,7 @@ impl EngineCore {
                 sampled: None,
                 finish: Some(finish),
                 weight_version: None,
+                lora_version: None,
                 forced: false,
             },
         ));
@@ -1039,6 +1118,7 @@ impl EngineCore {
                     routing,
                 }),
                 weight_version: None,
+                lora_version: None,
                 forced: false,
             },
         ));
@@ -1081,6 +1161,11 @@ impl EngineCore {
                 }
             }
             let weight_version = out.sampled.is_some().then(|| version.clone());
+            // Calls run between steps, so the table's version is the one this step used.
+            let lora_version = match (&out.sampled, self.live[i].as_ref().and_then(|l| l.lora)) {
+                (Some(_), Some(id)) => self.loras.version(id),
+                _ => None,
+            };
             if finish.is_some() {
                 self.live[i] = None;
             }
@@ -1090,6 +1175,7 @@ impl EngineCore {
                     sampled: out.sampled,
                     finish,
                     weight_version,
+                    lora_version,
                     forced,
                 },
             ));

@@ -22,6 +22,9 @@ pub enum Event {
         finish: Option<EngineFinish>,
         /// The weight version the token was computed with (set with `sampled`).
         weight_version: Option<Arc<str>>,
+        /// The LoRA adapter version the token was computed with (set with `sampled`, for a
+        /// request under an adapter).
+        lora_version: Option<u64>,
         /// The token was the only one the request's constraint allowed.
         forced: bool,
     },

@@ -105,6 +105,7 @@ pub fn spawn_with_connectors(
         kv_tx,
     )
     .map_err(SpawnError::Thread)?;
+    let (engine, loras) = engine.with_lora(config.lora.clone());
     let thread = std::thread::Builder::new()
         .name("ferry-engine".into())
         .spawn(move || engine.run())
@@ -125,6 +126,8 @@ pub fn spawn_with_connectors(
             n_queued: Arc::new(AtomicUsize::new(0)),
             constraints: OnceLock::new(),
             kv_events: Mutex::new(kv_rx),
+            lora: config.lora,
+            loras,
         }),
     })
 }
@@ -158,6 +161,9 @@ struct Inner {
     constraints: OnceLock<Result<Arc<Constraints>, ConstraintError>>,
     /// The engine's KV event batches, for the one publisher that takes them.
     kv_events: Mutex<Option<mpsc::UnboundedReceiver<KvEventBatch>>>,
+    /// LoRA adapters: the base and limits (`None`: refused), and those loaded now.
+    lora: Option<crate::LoraSettings>,
+    loras: crate::lora::LoraTable,
 }
 
 /// A request whose `Add` was sent: [`SentAdd::accepted`] awaits the engine's answer.
@@ -300,6 +306,7 @@ impl EngineHandle {
             accepted: accepted_tx,
             transfer: req.transfer.map(Box::new),
             constraint: req.constraint.map(Box::new),
+            lora: req.lora,
         };
         let sent = SentAdd {
             handle: self.clone(),
@@ -339,6 +346,15 @@ impl EngineHandle {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take()
+    }
+
+    /// The base and limits adapters are loaded under (`None`: this engine serves none).
+    pub fn lora_settings(&self) -> Option<&crate::LoraSettings> {
+        self.inner.lora.as_ref()
+    }
+
+    pub(crate) fn lora_table(&self) -> &crate::lora::LoraTable {
+        &self.inner.loras
     }
 
     pub fn stats(&self) -> EngineStats {

@@ -91,6 +91,8 @@ pub(crate) struct AddInput {
     pub transfer: Option<Box<TransferRequest>>,
     /// The structured-output constraint (boxed for the same reason).
     pub constraint: Option<Box<crate::Constraint>>,
+    /// The LoRA adapter it names (`GenerateRequest::lora`).
+    pub lora: Option<std::sync::Arc<str>>,
 }
 
 /// Calls that carry their typed reply. A reply may be deferred until the engine reaches a

@@ -27,6 +27,8 @@
 //! ([`stop`]), aborting the request when one matches. A slow client therefore costs the engine
 //! nothing, and text work runs on the callers' tokio threads in parallel.
 
+use std::sync::Arc;
+
 mod connector;
 pub mod constraint;
 pub mod detok;
@@ -37,6 +39,7 @@ mod event;
 mod handle;
 mod input;
 mod lifecycle;
+mod lora;
 pub mod reload;
 mod start;
 pub mod stop;
@@ -74,10 +77,11 @@ pub use ferry_model::{
     PreparedWeights, Tensor, WeightError, WeightStore, WeightUpload,
 };
 pub use handle::{random_secret, spawn, spawn_with_connectors, EngineHandle};
+pub use lora::{LoraCallError, LoraInfo, LoraLoad, LoraSettings};
 pub use reload::{DiskReload, ReloadFailure, Reloaded, Step as ReloadStep};
 pub use start::{
     start_model, start_model_with, start_model_with_connectors, KvCacheSize, ModelEngineConfig,
-    ModelInfo, StartedEngine, DEFAULT_MAX_MODEL_LEN_CAP,
+    ModelInfo, ModelLoraConfig, StartedEngine, DEFAULT_MAX_MODEL_LEN_CAP,
 };
 pub use stream::GenerateStream;
 pub use transfer_stats::TransferStats;
@@ -90,6 +94,8 @@ pub struct EngineConfig {
     /// [`GenerateError::Overloaded`]; it never waits. Aborts are not counted
     /// (see `input.rs`): they are never refused.
     pub input_queue_capacity: usize,
+    /// LoRA adapters (`None`: refused; `SchedulerConfig::max_loras` bounds them per step).
+    pub lora: Option<LoraSettings>,
 }
 
 impl Default for EngineConfig {
@@ -97,6 +103,7 @@ impl Default for EngineConfig {
         Self {
             scheduler: SchedulerConfig::default(),
             input_queue_capacity: 4096,
+            lora: None,
         }
     }
 }
@@ -124,6 +131,10 @@ pub struct GenerateRequest {
     /// Special tokens stay in the text (vLLM's `skip_special_tokens: false`); by default they
     /// are left out.
     pub keep_special_tokens: bool,
+    /// The LoRA adapter to compute with, by name (`None`: the base model). The engine takes
+    /// the version loaded when it adds the request; a name not loaded then is refused
+    /// ([`AddError::UnknownLora`]).
+    pub lora: Option<Arc<str>>,
     /// A matched stop string stays at the end of the text, and a stop token's text is kept
     /// (vLLM's `include_stop_str_in_output`).
     pub include_stop_str_in_output: bool,
@@ -172,6 +183,10 @@ pub struct Finish {
     /// The weight versions the output tokens were computed with, in order, each once (more
     /// than one when a weight update came while the request was running).
     pub weight_versions: Vec<String>,
+    /// For a request under a LoRA adapter, the adapter versions its output tokens were
+    /// computed with, in order, each once (more than one when the adapter was replaced in
+    /// place while the request ran); empty for the base model.
+    pub lora_versions: Vec<u64>,
     /// The transfer hold that keeps the request's KV for a remote reader (a connector
     /// exported it); its connector frees it.
     pub export: Option<TransferId>,

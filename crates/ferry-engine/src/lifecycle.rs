@@ -425,7 +425,7 @@ impl EngineHandle {
 
 /// The answer of the kind `kind` takes; another kind is a bug in the core, logged, and the
 /// caller sees the engine as gone (its answers cannot be trusted).
-fn expect<T>(
+pub(crate) fn expect<T>(
     answer: CallResult,
     kind: fn(CallResult) -> Result<T, CallResult>,
 ) -> Result<T, Stopped> {
@@ -534,6 +534,7 @@ mod tests {
                 ..SchedulerConfig::default()
             },
             input_queue_capacity: 8,
+            lora: None,
         };
         let engine = spawn(config, Box::new(model), None).unwrap();
         let lend = |engine: &EngineHandle| {

@@ -9,7 +9,9 @@ use std::time::Duration;
 use ferry_core::{KvLoadFailurePolicy, SchedulerConfig, TokenId};
 use ferry_model::{Executor, LlamaModel, LoadedModel, LogprobsMode};
 
-use crate::{spawn_with_connectors, Connector, EngineConfig, EngineHandle, StartError};
+use crate::{
+    spawn_with_connectors, Connector, EngineConfig, EngineHandle, LoraSettings, StartError,
+};
 
 /// `max_model_len` when none is given: the model's, capped here, since larger contexts only
 /// make the KV pool's worst case bigger on a CPU.
@@ -57,6 +59,19 @@ pub struct ModelEngineConfig {
     /// `--enable-return-routed-experts`): `LlamaModel::with_routed_experts`, which a model
     /// without mixture-of-experts layers refuses (`StartError::Model`).
     pub routed_experts: bool,
+    /// Serve LoRA adapters (vLLM's `--enable-lora` and its limits); `None`: refused.
+    pub lora: Option<ModelLoraConfig>,
+}
+
+/// The limits of an engine serving LoRA adapters (vLLM's flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelLoraConfig {
+    /// Most adapters computed in one step (`--max-loras`; `SchedulerConfig::max_loras`).
+    pub max_loras: usize,
+    /// Largest adapter rank (`--max-lora-rank`).
+    pub max_lora_rank: usize,
+    /// Most adapters loaded at once (`--max-cpu-loras`; `None`: no bound).
+    pub max_cpu_loras: Option<usize>,
 }
 
 impl Default for ModelEngineConfig {
@@ -80,6 +95,7 @@ impl Default for ModelEngineConfig {
             kv_load_failure_policy: core.kv_load_failure_policy,
             kv_events: false,
             routed_experts: false,
+            lora: None,
         }
     }
 }
@@ -160,6 +176,11 @@ pub fn start_model_with_connectors(
             error,
         })?;
     let weights_bytes = executor.weights().total_bytes() as u64;
+    let lora = config.lora.map(|l| LoraSettings {
+        base: Arc::new(llama.clone()),
+        max_rank: l.max_lora_rank,
+        max_cpu_loras: l.max_cpu_loras,
+    });
     let scheduler = scheduler_config(config, &llama, &executor)?;
     let token_text = |id: Option<TokenId>| {
         id.and_then(|id| tokenizer.as_ref()?.id_to_token(id.0))
@@ -178,6 +199,7 @@ pub fn start_model_with_connectors(
         EngineConfig {
             scheduler: scheduler.clone(),
             input_queue_capacity: config.input_queue_capacity,
+            lora,
         },
         wrap(Box::new(executor)),
         tokenizer.map(Arc::new),
@@ -241,6 +263,6 @@ fn scheduler_config(
         lifecycle_wait_timeout: config.lifecycle_wait_timeout,
         kv_load_failure_policy: config.kv_load_failure_policy,
         kv_events: config.kv_events,
-        max_loras: None,
+        max_loras: config.lora.map(|l| l.max_loras),
     })
 }

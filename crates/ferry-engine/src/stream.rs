@@ -77,6 +77,7 @@ pub struct GenerateStream {
     n_output_tokens: usize,
     /// Distinct weight versions of the output tokens, in order.
     weight_versions: Vec<String>,
+    lora_versions: Vec<u64>,
     /// The chunk with `finish` has been returned (or built).
     done: bool,
     /// Prompt logprobs received, for the next chunk returned.
@@ -125,6 +126,7 @@ impl GenerateStream {
             n_cached_tokens: 0,
             n_output_tokens: 0,
             weight_versions: Vec::new(),
+            lora_versions: Vec::new(),
             done: false,
             prompt_logprobs: Vec::new(),
             routing: setup.routing,
@@ -190,11 +192,17 @@ impl GenerateStream {
                 sampled,
                 finish,
                 weight_version,
+                lora_version,
                 forced,
             } => {
                 if let Some(v) = weight_version {
                     if self.weight_versions.last().map(String::as_str) != Some(&*v) {
                         self.weight_versions.push(v.to_string());
+                    }
+                }
+                if let Some(v) = lora_version {
+                    if self.lora_versions.last() != Some(&v) {
+                        self.lora_versions.push(v);
                     }
                 }
                 if let Some(s) = sampled.filter(|_| self.stopping.is_none()) {
@@ -338,6 +346,7 @@ impl GenerateStream {
             n_output_tokens: self.n_output_tokens,
             n_cached_tokens: self.n_cached_tokens,
             weight_versions: self.weight_versions.clone(),
+            lora_versions: self.lora_versions.clone(),
             export: None,
             kv_transfer_params: None,
             message: None,

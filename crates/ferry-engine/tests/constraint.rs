@@ -35,6 +35,7 @@ fn engine(tok: &Arc<Tokenizer>, max_num_seqs: usize) -> EngineHandle {
             ..SchedulerConfig::default()
         },
         input_queue_capacity: 64,
+        lora: None,
     };
     spawn(config, Box::new(llama), Some(tok.clone())).unwrap()
 }

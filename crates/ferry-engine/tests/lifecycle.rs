@@ -53,6 +53,7 @@ async fn busy_with(
     let config = EngineConfig {
         scheduler: small_config(128, 8),
         input_queue_capacity: 64,
+        lora: None,
     };
     let connectors = connectors.into_iter().map(Into::into).collect();
     let engine = spawn_with_connectors(config, Box::new(exec), None, connectors).unwrap();
@@ -641,6 +642,7 @@ async fn an_export_holds_its_blocks_until_its_connector_reports_it_finished() {
     let config = EngineConfig {
         scheduler: small_config(128, 8),
         input_queue_capacity: 64,
+        lora: None,
     };
     let conn: Box<dyn KvConnector> = Box::new(Exports(state.clone()));
     let engine =

@@ -37,6 +37,7 @@ fn offload_engine(config: SchedulerConfig, t: OffloadConfig) -> EngineHandle {
         EngineConfig {
             scheduler: config,
             input_queue_capacity: 256,
+            lora: None,
         },
         Box::new(checksum()),
         None,
@@ -282,6 +283,7 @@ fn pd_offload_engine(id: &str, role: PdRole, fabric: &Arc<InMemoryFabric>) -> En
         EngineConfig {
             scheduler: small_config(64, 8),
             input_queue_capacity: 256,
+            lora: None,
         },
         Box::new(checksum()),
         None,

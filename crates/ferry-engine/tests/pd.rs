@@ -41,6 +41,7 @@ fn pd_engine(
     let config = EngineConfig {
         scheduler: config,
         input_queue_capacity: 256,
+        lora: None,
     };
     spawn_with_connectors(
         config,
@@ -277,6 +278,7 @@ async fn loads_in_flight_at_a_reset_keep_their_blocks_until_the_transfer_ends_th
             EngineConfig {
                 scheduler: small_config(256, 16),
                 input_queue_capacity: 256,
+                lora: None,
             },
             Box::new(checksum()),
             None,

@@ -64,6 +64,7 @@ fn pd_engine_with(
         EngineConfig {
             scheduler: config,
             input_queue_capacity: 256,
+            lora: None,
         },
         Box::new(checksum()),
         None,

@@ -38,6 +38,7 @@ fn text_engine(executor: impl Executor + 'static, tok: &Arc<Tokenizer>) -> Engin
     let config = EngineConfig {
         scheduler: config(),
         input_queue_capacity: 64,
+        lora: None,
     };
     spawn(config, Box::new(executor), Some(tok.clone())).unwrap()
 }
@@ -409,6 +410,7 @@ async fn tiny_llama_concurrent_requests_match_their_solo_runs() {
             ..config()
         },
         input_queue_capacity: 64,
+        lora: None,
     };
     let (exec, mut gate) = gated(llama());
     let engine = spawn(config, Box::new(exec), Some(tok.clone())).unwrap();

@@ -215,6 +215,8 @@ async fn step_logprobs(
         constraint: None,
         keep_special_tokens: false,
         include_stop_str_in_output: false,
+        // Refused with an adapter (`GenerationParams::lora`): beams run on the base.
+        lora: None,
     };
     let stream = engine.generate(req).await.map_err(SearchError::Generate)?;
     let mut logprob = None;

@@ -7,8 +7,8 @@ use ferry_engine::TokenId;
 use crate::chat_template::{continue_final, ChatTemplate};
 use crate::error::ApiError;
 use crate::generate::{
-    response_transfer_params, weight_versions, ChunkFinish, Collected, Generation, GenerationRoute,
-    Prepared, PreparedPrompt, StreamBase,
+    lora_versions, response_transfer_params, weight_versions, ChunkFinish, Collected, Generation,
+    GenerationRoute, Prepared, PreparedPrompt, StreamBase,
 };
 use crate::logprobs::{chat_logprobs, prompt_logprobs_json};
 use crate::params::{check_chat_logprobs, check_prompt, GenerationParams};
@@ -39,7 +39,7 @@ impl GenerationRoute for Chat {
 
     fn prepare(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
         let mut req = ChatRequest::from_json(body)?;
-        app.check_model(req.common.model.as_deref())?;
+        let lora = app.resolve_model(req.common.model.as_deref())?;
         let logprobs = check_chat_logprobs(req.own.logprobs, req.own.top_logprobs, &app.limits)?;
         // `max_completion_tokens` replaces the deprecated `max_tokens`; either is accepted.
         let max_tokens = match req.own.max_completion_tokens {
@@ -49,6 +49,7 @@ impl GenerationRoute for Chat {
         let mut params =
             GenerationParams::from_common(&req.common, max_tokens, logprobs, &app.limits)?;
         params.structured = structured_output(&req.structured)?;
+        params.set_lora(lora)?;
         let server = app.config.tool_server();
         let tools = req.tools.read(server)?;
         if let Some(messages) = &req.own.messages {
@@ -153,6 +154,7 @@ impl GenerationRoute for Chat {
                 };
                 ChatChoice {
                     weight_versions: Some(weight_versions(c.finish.as_ref())),
+                    lora_versions: lora_versions(c.finish.as_ref()),
                     index: c.index,
                     logprobs: params
                         .sampling
@@ -377,6 +379,7 @@ impl ChunkFormatter for Formatter {
             finish_reason,
             stop_reason,
             weight_versions,
+            lora_versions,
             kv_transfer_params,
             error,
         } = self.base.observe(index, &out);
@@ -393,6 +396,7 @@ impl ChunkFormatter for Formatter {
             finish_reason,
             stop_reason,
             weight_versions,
+            lora_versions,
             kv_transfer_params,
             error: None,
         });
@@ -417,6 +421,7 @@ impl ChunkFormatter for Formatter {
             token_ids: self.base.return_token_ids.then_some(out.token_ids),
             forced_tokens: self.base.constrained.then_some(out.forced),
             weight_versions: main.weight_versions,
+            lora_versions: main.lora_versions,
             prompt_logprobs: None,
             routed_experts: None,
         };
@@ -447,6 +452,7 @@ impl ChunkFormatter for Formatter {
                 token_ids: self.base.return_token_ids.then(Vec::new),
                 forced_tokens: None,
                 weight_versions: f.weight_versions,
+                lora_versions: f.lora_versions,
                 prompt_logprobs: None,
                 routed_experts: None,
             };

@@ -4,8 +4,8 @@ use ferry_engine::{OutputChunk, PromptTokenLogprob, TokenId, TokenLogprob};
 
 use crate::error::ApiError;
 use crate::generate::{
-    response_transfer_params, weight_versions, ChunkFinish, Collected, Generation, GenerationRoute,
-    Prepared, PreparedPrompt, StreamBase,
+    lora_versions, response_transfer_params, weight_versions, ChunkFinish, Collected, Generation,
+    GenerationRoute, Prepared, PreparedPrompt, StreamBase,
 };
 use crate::logprobs::{completion_logprobs, echo_logprobs, prompt_logprobs_json, TokenTexts};
 use crate::params::{check_completion_logprobs, check_prompt, GenerationParams};
@@ -37,7 +37,7 @@ impl GenerationRoute for Completions {
 
     fn prepare(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
         let req = CompletionRequest::from_json(body)?;
-        app.check_model(req.common.model.as_deref())?;
+        let lora = app.resolve_model(req.common.model.as_deref())?;
         let logprobs = check_completion_logprobs(req.own.logprobs, &app.limits)?;
         let mut params = GenerationParams::from_common(
             &req.common,
@@ -46,6 +46,7 @@ impl GenerationRoute for Completions {
             &app.limits,
         )?;
         params.structured = structured_output(&req.structured)?;
+        params.set_lora(lora)?;
         params.default_max_tokens = Some(COMPLETIONS_DEFAULT_MAX_TOKENS);
         req.unsupported.check(i64::from(params.n))?;
         let echo = req.own.echo.unwrap_or(false);
@@ -93,6 +94,7 @@ impl GenerationRoute for Completions {
             generation.collect_choices(collected, |c, finish_reason, stop_reason| {
                 CompletionChoice {
                     weight_versions: Some(weight_versions(c.finish.as_ref())),
+                    lora_versions: lora_versions(c.finish.as_ref()),
                     index: c.index,
                     logprobs: params
                         .sampling
@@ -246,6 +248,7 @@ impl ChunkFormatter for Formatter {
             finish_reason,
             stop_reason,
             weight_versions,
+            lora_versions,
             kv_transfer_params,
             error,
         } = self.base.observe(index, &chunk);
@@ -287,6 +290,7 @@ impl ChunkFormatter for Formatter {
             token_ids: return_token_ids.then_some(chunk.token_ids),
             forced_tokens: self.base.constrained.then_some(chunk.forced),
             weight_versions,
+            lora_versions,
             prompt_logprobs: (!chunk.prompt_logprobs.is_empty())
                 .then(|| prompt_logprobs_json(&self.base.texts, &chunk.prompt_logprobs)),
             // vLLM's streamed choices have no `routed_experts`.

@@ -60,6 +60,8 @@ pub struct LaunchSpec<'a> {
     pub keep_special_tokens: bool,
     /// The matched stop string stays in the text.
     pub include_stop_str_in_output: bool,
+    /// The LoRA adapter the choices run under, by name (`None`: the base model).
+    pub lora: Option<Arc<str>>,
 }
 
 /// One choice's engine output, with latency bookkeeping.
@@ -186,6 +188,7 @@ pub async fn launch(
                 constraint: spec.constraint.cloned(),
                 keep_special_tokens: spec.keep_special_tokens,
                 include_stop_str_in_output: spec.include_stop_str_in_output,
+                lora: spec.lora.clone(),
             });
         }
     }
@@ -284,6 +287,8 @@ pub fn generate_error(e: GenerateError, prompt_param: &str) -> ApiError {
             AddError::KvTransfer { .. } => ApiError::invalid("kv_transfer_params", add.to_string()),
             // An adapter is named by the request's model, as in vLLM.
             AddError::Lora { .. } => ApiError::invalid("model", add.to_string()),
+            // vLLM's answer to a model it does not serve: a 404.
+            AddError::UnknownLora { .. } => ApiError::not_found(Some("model"), add.to_string()),
         },
     }
 }
@@ -345,7 +350,15 @@ impl UsageTally {
     }
 }
 
-/// The weight versions a finished choice's tokens were computed with (non-standard field
+/// A choice's `lora_versions`: the LoRA adapter versions its tokens were computed with;
+/// `None` for the base model.
+pub fn lora_versions(finish: Option<&Finish>) -> Option<Vec<u64>> {
+    finish
+        .map(|f| f.lora_versions.clone())
+        .filter(|v| !v.is_empty())
+}
+
+/// A choice's `weight_versions`: the weight versions its tokens were computed with (see
 /// `weight_versions`); empty for a stream that ended without a final chunk.
 pub fn weight_versions(finish: Option<&Finish>) -> Vec<String> {
     finish
@@ -541,6 +554,7 @@ async fn beam_search<R: GenerationRoute>(
                     n_output_tokens: token_ids.len(),
                     n_cached_tokens: 0,
                     weight_versions: ranked.weight_versions.clone(),
+                    lora_versions: Vec::new(),
                     export: None,
                     kv_transfer_params: None,
                     message: None,
@@ -639,6 +653,7 @@ pub async fn start(
         constraint: constraint.as_ref(),
         keep_special_tokens: !params.skip_special_tokens,
         include_stop_str_in_output: params.include_stop_str_in_output,
+        lora: params.lora.clone(),
     };
     let recorders = Recorders {
         metrics: &app.metrics,
@@ -648,7 +663,7 @@ pub async fn start(
     let head = Head {
         id: request_id,
         created: unix_now(),
-        model: app.config.served_model_name.clone(),
+        model: app.model_name(params.lora.as_deref()),
     };
     Ok((head, choices))
 }
@@ -682,6 +697,8 @@ pub struct ChunkFinish {
     pub stop_reason: Option<StopReasonJson>,
     /// The weight versions the choice's tokens were computed with.
     pub weight_versions: Option<Vec<String>>,
+    /// The LoRA adapter versions they were computed with (under an adapter).
+    pub lora_versions: Option<Vec<u64>>,
     /// P's transfer parameters, for the chunk's `kv_transfer_params`.
     pub kv_transfer_params: Option<KvTransferParamsJson>,
     /// An explained `error` finish: the error event that follows the chunk.
@@ -738,6 +755,7 @@ impl StreamBase {
                     finish_reason: Some(reason),
                     stop_reason,
                     weight_versions: Some(f.weight_versions.clone()),
+                    lora_versions: lora_versions(Some(f)),
                     kv_transfer_params: f.kv_transfer_params.as_ref().map(Into::into),
                     error: failure(index, f).map(|e| to_json(&e.body())),
                 }

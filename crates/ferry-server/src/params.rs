@@ -70,12 +70,28 @@ pub struct GenerationParams {
     /// The first row of `routed_experts` (vLLM's `routed_experts_prompt_start`): at most
     /// each prompt's length ([`GenerationParams::for_prompt`] checks it).
     pub routed_experts_prompt_start: usize,
+    /// The LoRA adapter the request's `model` names (`None`: the base model); set by the
+    /// route from [`crate::state::AppState::resolve_model`].
+    pub lora: Option<std::sync::Arc<str>>,
 }
 
 /// Temperatures above this are refused (OpenAI's documented range is [0, 2]).
 const MAX_TEMPERATURE: f64 = 2.0;
 
 impl GenerationParams {
+    /// Runs the request under the LoRA adapter `lora` names (`None`: the base). Beam search
+    /// runs its beams as base-model requests, so it is refused under an adapter.
+    pub fn set_lora(&mut self, lora: Option<std::sync::Arc<str>>) -> Result<(), ApiError> {
+        if let (Some(name), Some(_)) = (&lora, &self.beam) {
+            return Err(ApiError::invalid(
+                "use_beam_search",
+                format!("beam search is not supported under a LoRA adapter (`{name}`)"),
+            ));
+        }
+        self.lora = lora;
+        Ok(())
+    }
+
     /// Validates the fields both routes share. `max_tokens` is the output-length field and its
     /// name (`max_tokens` or chat's `max_completion_tokens`); `logprobs` the validated top-n.
     pub fn from_common(
@@ -157,6 +173,7 @@ impl GenerationParams {
             routed_experts_prompt_start: check_routed_experts_prompt_start(
                 common.routed_experts_prompt_start,
             )?,
+            lora: None,
         })
     }
 

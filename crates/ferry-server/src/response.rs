@@ -156,6 +156,10 @@ pub struct Choice<Content, Logprobs> {
     /// streaming, only on the chunk that carries `finish_reason`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weight_versions: Option<Vec<String>>,
+    /// For a choice under a LoRA adapter, the adapter versions its tokens were computed
+    /// with, in order (non-standard, beside `weight_versions`; absent for the base model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora_versions: Option<Vec<u64>>,
     /// Completions' prompt logprobs (chat puts them on the response); when streaming, on the
     /// choice's first chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -284,6 +288,7 @@ impl ChatChunkChoice {
             token_ids,
             forced_tokens: None,
             weight_versions: None,
+            lora_versions: None,
             prompt_logprobs: None,
             routed_experts: None,
         }
@@ -321,6 +326,8 @@ pub struct ModelCard {
     pub created: u64,
     pub owned_by: &'static str,
     pub root: String,
+    /// A LoRA adapter's base model (vLLM's); `null` for the base itself.
+    pub parent: Option<String>,
     pub max_model_len: usize,
 }
 

@@ -153,6 +153,7 @@ mod tests {
             n_output_tokens: 1,
             n_cached_tokens: 0,
             weight_versions: Vec::new(),
+            lora_versions: Vec::new(),
             export: None,
             kv_transfer_params: None,
             message: None,

@@ -17,18 +17,27 @@ use crate::request::{ChatFields, ChatMessage};
 use crate::response::{ModelCard, ModelList};
 use crate::state::AppState;
 
+/// The served model, then each loaded LoRA adapter with the base as its `parent` (vLLM's
+/// cards: an adapter's `root` is where it was read from, or its name when pushed).
 pub async fn models(State(app): State<Arc<AppState>>) -> Json<ModelList> {
     let name = app.config.served_model_name.clone();
+    let card = |id: String, root: String, parent: Option<String>| ModelCard {
+        id,
+        object: "model",
+        created: app.started_unix_s,
+        owned_by: "ferry",
+        root,
+        parent,
+        max_model_len: app.limits.max_model_len,
+    };
+    let mut data = vec![card(name.clone(), name.clone(), None)];
+    for lora in app.engine.loras() {
+        let root = lora.source.unwrap_or_else(|| lora.name.clone());
+        data.push(card(lora.name, root, Some(name.clone())));
+    }
     Json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: name.clone(),
-            object: "model",
-            created: app.started_unix_s,
-            owned_by: "ferry",
-            root: name,
-            max_model_len: app.limits.max_model_len,
-        }],
+        data,
     })
 }
 

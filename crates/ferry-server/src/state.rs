@@ -34,19 +34,45 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// Refuses a `model` other than the served name with a 404, as OpenAI and vLLM answer
-    /// (an absent `model` is fine).
+    /// Refuses a `model` that is neither the served name nor a loaded LoRA adapter with a
+    /// 404, as OpenAI and vLLM answer (an absent `model` is fine).
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        self.resolve_model(model).map(drop)
+    }
+
+    /// The LoRA adapter a request's `model` names: `None` for the base model (its served
+    /// name, or no `model`), the adapter's name for a loaded adapter, else a 404. The engine
+    /// resolves the name again when it takes the request (an adapter unloaded in between is
+    /// a 404 then).
+    pub fn resolve_model(&self, model: Option<&str>) -> Result<Option<Arc<str>>, ApiError> {
         match model {
-            Some(m) if m != self.config.served_model_name => Err(ApiError::not_found(
+            None => Ok(None),
+            Some(m) if m == self.config.served_model_name => Ok(None),
+            Some(m) if self.engine.lora(m).is_some() => Ok(Some(m.into())),
+            Some(m) => Err(ApiError::not_found(
                 Some("model"),
                 format!(
-                    "the model `{m}` does not exist; this server serves `{}`",
-                    self.config.served_model_name
+                    "the model `{m}` does not exist; this server serves `{}`{}",
+                    self.config.served_model_name,
+                    self.adapters_named()
                 ),
             )),
-            _ => Ok(()),
         }
+    }
+
+    /// The `model` a response names: the adapter's, or the served name.
+    pub fn model_name(&self, lora: Option<&str>) -> String {
+        lora.unwrap_or(&self.config.served_model_name).to_owned()
+    }
+
+    /// ` and the LoRA adapters `a`, `b`` when any is loaded (for the 404).
+    fn adapters_named(&self) -> String {
+        let loras = self.engine.loras();
+        if loras.is_empty() {
+            return String::new();
+        }
+        let names: Vec<String> = loras.iter().map(|l| format!("`{}`", l.name)).collect();
+        format!(" and the LoRA adapters {}", names.join(", "))
     }
 
     /// Text to token ids. `param` names the field for errors.

@@ -53,6 +53,7 @@ impl Input {
             params: SamplingParams::greedy(max_tokens),
             transfer: kv,
             constraint,
+            lora: None,
         }))
     }
 }

@@ -69,6 +69,7 @@ pub fn engine(executor: impl Executor + 'static, config: SchedulerConfig) -> Eng
     let config = EngineConfig {
         scheduler: config,
         input_queue_capacity: 64,
+        lora: None,
     };
     spawn(config, Box::new(executor), None).unwrap()
 }
@@ -113,6 +114,7 @@ pub fn engine_with_capacity(
     let config = EngineConfig {
         scheduler: config,
         input_queue_capacity: capacity,
+        lora: None,
     };
     spawn(config, Box::new(executor), None).unwrap()
 }
