@@ -83,6 +83,24 @@ pub enum Args {
     AbortRequest {
         ids: Option<Vec<String>>,
     },
+    /// vLLM's `/v1/load_lora_adapter`: a PEFT folder as the adapter `lora_name`; with
+    /// `load_inplace`, new weights for a loaded one (its next version).
+    LoadLoraAdapter {
+        lora_name: String,
+        lora_path: String,
+        load_inplace: bool,
+    },
+    UnloadLoraAdapter {
+        lora_name: String,
+    },
+    /// SGLang's `/load_lora_adapter` (no in-place load: a loaded name is refused).
+    SglangLoadLoraAdapter {
+        lora_name: String,
+        lora_path: String,
+    },
+    SglangUnloadLoraAdapter {
+        lora_name: String,
+    },
 }
 
 /// A pause's arguments.
@@ -205,6 +223,13 @@ impl Args {
             Args::UpdateWeights(_)
             | Args::UpdateWeightVersion { .. }
             | Args::CommitUpload { .. } => weights,
+            // An adapter's new version or its unload drops only the KV that adapter computed
+            // (its blocks' removals reach routers as KV events); the base's stays cached.
+            Args::UnloadLoraAdapter { .. } | Args::SglangUnloadLoraAdapter { .. } => Effects {
+                aborts: true,
+                ..none
+            },
+            Args::LoadLoraAdapter { .. } | Args::SglangLoadLoraAdapter { .. } => none,
             Args::Resume
             | Args::ContinueGeneration
             | Args::IsPaused

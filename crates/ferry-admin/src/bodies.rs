@@ -41,6 +41,25 @@ pub struct AbortRequests {
     pub request_ids: Option<Vec<String>>,
 }
 
+/// `POST /v1/load_lora_adapter`'s body (vLLM's; SGLang's `/load_lora_adapter` sends the
+/// same names without `load_inplace`; other fields are ignored).
+#[derive(Debug, Default, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct LoadLoraAdapter {
+    pub lora_name: Option<String>,
+    /// A PEFT folder: `adapter_config.json` and `adapter_model.safetensors`.
+    pub lora_path: Option<String>,
+    /// Replace a loaded adapter's weights (vLLM's; default false).
+    pub load_inplace: Option<bool>,
+}
+
+/// `POST /v1/unload_lora_adapter`'s body (and SGLang's `/unload_lora_adapter`'s).
+#[derive(Debug, Default, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UnloadLoraAdapter {
+    pub lora_name: Option<String>,
+}
+
 /// `POST /update_weights_from_disk`'s body (SGLang's and vLLM's field names; other SGLang
 /// fields such as `load_format` are accepted and ignored).
 #[derive(Debug, Default, Deserialize)]

@@ -289,6 +289,30 @@ impl AdminCall {
                     "SGLang's abort: one request by `rid`, or all with `abort_all`",
                 )
             },
+            C::LoadLoraAdapter => CallDecl {
+                body: Body::Json("LoadLoraAdapter"),
+                ..vllm(
+                    POST,
+                    "/v1/load_lora_adapter",
+                    "Load a LoRA adapter from a PEFT folder (`load_inplace`: new weights, its next version)",
+                )
+            },
+            C::UnloadLoraAdapter => CallDecl {
+                body: Body::Json("UnloadLoraAdapter"),
+                ..vllm(
+                    POST,
+                    "/v1/unload_lora_adapter",
+                    "Unload a LoRA adapter (its requests in flight end as aborted)",
+                )
+            },
+            C::SglangLoadLoraAdapter => CallDecl {
+                body: Body::Json("LoadLoraAdapter"),
+                ..sglang(POST, "/load_lora_adapter", "SGLang's adapter load")
+            },
+            C::SglangUnloadLoraAdapter => CallDecl {
+                body: Body::Json("UnloadLoraAdapter"),
+                ..sglang(POST, "/unload_lora_adapter", "SGLang's adapter unload")
+            },
         }
     }
 

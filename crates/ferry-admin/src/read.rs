@@ -203,6 +203,38 @@ impl AdminCall {
                 };
                 Args::AbortRequest { ids }
             }
+            C::LoadLoraAdapter | C::SglangLoadLoraAdapter => {
+                let b: bodies::LoadLoraAdapter = json(body)?;
+                let lora_name = required(b.lora_name, "lora_name")?;
+                let lora_path = required(b.lora_path, "lora_path")?;
+                match (self, b.load_inplace) {
+                    (C::LoadLoraAdapter, inplace) => Args::LoadLoraAdapter {
+                        lora_name,
+                        lora_path,
+                        load_inplace: inplace == Some(true),
+                    },
+                    (_, Some(_)) => {
+                        return Err(ApiError::invalid(
+                            "load_inplace",
+                            "SGLang's /load_lora_adapter has no `load_inplace`: use vLLM's \
+                             /v1/load_lora_adapter",
+                        ))
+                    }
+                    (_, None) => Args::SglangLoadLoraAdapter {
+                        lora_name,
+                        lora_path,
+                    },
+                }
+            }
+            C::UnloadLoraAdapter | C::SglangUnloadLoraAdapter => {
+                let b: bodies::UnloadLoraAdapter = json(body)?;
+                let lora_name = required(b.lora_name, "lora_name")?;
+                if self == C::UnloadLoraAdapter {
+                    Args::UnloadLoraAdapter { lora_name }
+                } else {
+                    Args::SglangUnloadLoraAdapter { lora_name }
+                }
+            }
         })
     }
 

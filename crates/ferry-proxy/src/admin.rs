@@ -75,9 +75,15 @@ pub fn routes() -> Router<Arc<ProxyState>> {
             | C::ReleaseMemoryOccupation
             | C::ResumeMemoryOccupation
             | C::GetWeightVersion
-            | C::AbortRequest => on(methods, move |state, id, method, uri, headers, body| {
-                fan_out(call, state, id, method, uri, headers, body)
-            }),
+            | C::AbortRequest
+            | C::LoadLoraAdapter
+            | C::UnloadLoraAdapter
+            | C::SglangLoadLoraAdapter
+            | C::SglangUnloadLoraAdapter => {
+                on(methods, move |state, id, method, uri, headers, body| {
+                    fan_out(call, state, id, method, uri, headers, body)
+                })
+            }
         };
         router.route(decl.path, route)
     })

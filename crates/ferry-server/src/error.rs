@@ -32,3 +32,22 @@ impl EngineFailure for ferry_engine::Stopped {
         }
     }
 }
+
+/// A refused adapter load or unload: 404 for a name not loaded (vLLM's), 409 when
+/// `--max-cpu-loras` adapters are loaded already, 400 naming the field for the rest (a name
+/// loaded without `load_inplace`, a bad folder, adapters off).
+impl EngineFailure for ferry_engine::LoraCallError {
+    fn into_api_error(self) -> ApiError {
+        use ferry_engine::LoraCallError as E;
+        let message = self.to_string();
+        match self {
+            E::Stopped(stopped) => stopped.into_api_error(),
+            E::NotFound(_) => ApiError::not_found(Some("lora_name"), message),
+            E::Full { .. } => ApiError::conflict(message),
+            E::AlreadyLoaded(_) | E::BaseName(_) => ApiError::invalid("lora_name", message),
+            E::Invalid(_) | E::Executor(_) => ApiError::invalid("lora_path", message),
+            E::Disabled => ApiError::bad_request(message),
+            E::Core(_) => ApiError::internal(message),
+        }
+    }
+}

@@ -32,9 +32,9 @@ use crate::response::{ChatChunk, ChatResponse, CompletionResponse, ModelList};
 use crate::routes::{DetokenizeRequest, TokenizeRequest};
 use crate::state::AppState;
 use ferry_admin::bodies::{
-    AbortRequest, AbortRequests, BeginUpload, CommitUpload, MemoryTags, PauseGeneration,
-    ResetPrefixCache, SleepBody, UpdateFromDisk, UpdateWeightVersion, UpdateWeightsJson,
-    WakeUpBody,
+    AbortRequest, AbortRequests, BeginUpload, CommitUpload, LoadLoraAdapter, MemoryTags,
+    PauseGeneration, ResetPrefixCache, SleepBody, UnloadLoraAdapter, UpdateFromDisk,
+    UpdateWeightVersion, UpdateWeightsJson, WakeUpBody,
 };
 pub use ferry_admin::{Method, Param};
 
@@ -260,6 +260,8 @@ pub fn document(with_admin: bool) -> OpenApi {
         add::<WakeUpBody>(&mut schemas);
         add::<AbortRequests>(&mut schemas);
         add::<UpdateFromDisk>(&mut schemas);
+        add::<LoadLoraAdapter>(&mut schemas);
+        add::<UnloadLoraAdapter>(&mut schemas);
         add::<UpdateWeightVersion>(&mut schemas);
         add::<PauseGeneration>(&mut schemas);
         add::<MemoryTags>(&mut schemas);

@@ -107,6 +107,28 @@ pub struct Args {
     /// connector exports or offloads; P and D must both have the flag.
     #[arg(long)]
     pub enable_return_routed_experts: bool,
+    /// Serve LoRA adapters (vLLM's flag): a request names one by its `model` (SGLang's
+    /// `/generate`: `lora_path`); with --enable-admin-api, `/v1/load_lora_adapter` and
+    /// `/v1/unload_lora_adapter` change them at run time.
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// Adapters loaded at start: `name=path` (a PEFT folder: `adapter_config.json` and
+    /// `adapter_model.safetensors`) or vLLM's JSON `{"name": ..., "path": ...}`; repeat the
+    /// flag or list several.
+    #[arg(long, num_args = 1.., requires = "enable_lora", value_parser = parse_lora_module)]
+    pub lora_modules: Vec<LoraModule>,
+    /// Most adapters computed in one step (with --enable-lora): requests of further adapters
+    /// wait for a later step.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_loras: u32,
+    /// Largest rank an adapter may have (with --enable-lora).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_lora_rank: u32,
+    /// Most adapters loaded at once (with --enable-lora; default: no bound). Every adapter
+    /// is held in memory and none is ever evicted: a load beyond the bound is refused, naming
+    /// the adapters to unload.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_cpu_loras: Option<u32>,
     /// Largest safetensors body `POST /update_weights` accepts (with --enable-admin-api),
     /// e.g. `16GiB`.
     #[arg(long, default_value = "16GiB")]
@@ -537,6 +559,11 @@ async fn serve(args: Args) -> anyhow::Result<()> {
             .as_ref()
             .is_some_and(|c| c.publishes()),
         routed_experts: args.enable_return_routed_experts,
+        lora: args.enable_lora.then(|| ferry_engine::ModelLoraConfig {
+            max_loras: args.max_loras as usize,
+            max_lora_rank: args.max_lora_rank as usize,
+            max_cpu_loras: args.max_cpu_loras.map(|n| n as usize),
+        }),
         ..ModelEngineConfig::default()
     };
     // The blocks every connector moves: the model's KV layout, with the routing an MoE model
@@ -580,6 +607,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         ferry_engine::start_model_with_connectors(model, &config, |executor| executor, connectors)
             .map_err(|e| flag_error(&args, e))?;
     let engine = started.handle;
+    load_lora_modules(&engine, &args.lora_modules, &served_model_name).await?;
     let scheduler = started.scheduler;
     let kv_events = match (&args.kv_events_config, engine.take_kv_events()) {
         (Some(c), Some(batches)) => {
@@ -657,6 +685,66 @@ async fn serve(args: Args) -> anyhow::Result<()> {
 }
 
 /// A positive number of seconds, fractions allowed (`30`, `2.5`).
+/// One `--lora-modules` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraModule {
+    pub name: String,
+    pub path: std::path::PathBuf,
+}
+
+/// `name=path`, or vLLM's JSON form `{"name": ..., "path": ...}` (its `base_model_name`, if
+/// any, must be unset or the served model: ferry serves one base).
+fn parse_lora_module(text: &str) -> Result<LoraModule, String> {
+    if text.trim_start().starts_with('{') {
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+        let field = |k: &str| v.get(k).and_then(serde_json::Value::as_str);
+        let (Some(name), Some(path)) = (field("name"), field("path")) else {
+            return Err("the JSON form needs string fields \"name\" and \"path\"".into());
+        };
+        return Ok(LoraModule {
+            name: name.to_owned(),
+            path: path.into(),
+        });
+    }
+    match text.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok(LoraModule {
+            name: name.to_owned(),
+            path: path.into(),
+        }),
+        _ => Err(format!("`{text}` is not `name=path`")),
+    }
+}
+
+/// Loads `--lora-modules` in order, each read and checked against the base; the first that
+/// fails stops the start, naming it.
+async fn load_lora_modules(
+    engine: &EngineHandle,
+    modules: &[LoraModule],
+    served_model_name: &str,
+) -> anyhow::Result<()> {
+    for m in modules {
+        if m.name == served_model_name {
+            bail!(
+                "--lora-modules {}: the name is the served model's (pick another, or change \
+                 --served-model-name)",
+                m.name
+            );
+        }
+        let info = engine
+            .load_lora_from_dir(&m.name, m.path.clone(), false, false)
+            .await
+            .with_context(|| format!("--lora-modules {}={}", m.name, m.path.display()))?;
+        tracing::info!(
+            name = %info.name,
+            rank = info.rank,
+            path = %m.path.display(),
+            "LoRA adapter loaded"
+        );
+    }
+    Ok(())
+}
+
 fn parse_seconds(text: &str) -> Result<Duration, String> {
     let seconds: f64 = text
         .trim()

@@ -15,6 +15,7 @@
 //! refused weight update or an unreadable model folder is 400, a stopped engine is 503.
 
 pub mod failures;
+pub mod lora;
 pub mod sglang;
 pub mod upload;
 pub mod weights;
@@ -180,6 +181,33 @@ async fn run(app: Arc<AppState>, args: Args, streamed: Option<Body>) -> AdminRep
         Args::AbortRequest { ids } => {
             let n = abort(&app, ids).await?;
             json!({"success": true, "aborted": n})
+        }
+        Args::LoadLoraAdapter {
+            lora_name,
+            lora_path,
+            load_inplace,
+        } => {
+            let info = lora::load(&app, &lora_name, lora_path, load_inplace).await?;
+            lora::loaded_json(&info, load_inplace)
+        }
+        Args::UnloadLoraAdapter { lora_name } => {
+            let aborted = lora::unload(&app, &lora_name).await?;
+            json!({
+                "success": true,
+                "message": format!("Success: LoRA adapter '{lora_name}' removed successfully."),
+                "aborted": aborted,
+            })
+        }
+        Args::SglangLoadLoraAdapter {
+            lora_name,
+            lora_path,
+        } => {
+            lora::load(&app, &lora_name, lora_path, false).await?;
+            lora::sglang_answer(&app)
+        }
+        Args::SglangUnloadLoraAdapter { lora_name } => {
+            lora::unload(&app, &lora_name).await?;
+            lora::sglang_answer(&app)
         }
     };
     Ok(Json(reply))

@@ -88,14 +88,13 @@ const IGNORED: &[&str] = &["custom_params", "stream_interval"];
 /// Sampling fields ferry does not implement: refused when set.
 const REFUSED_SAMPLING: &[&str] = &["stop_regex", "structural_tag"];
 
-/// Request fields ferry does not implement: refused when set (multimodal inputs, LoRA,
+/// Request fields ferry does not implement: refused when set (multimodal inputs,
 /// hidden states, custom logit processors, per-token logprobs of given ids, sessions).
 const REFUSED: &[&str] = &[
     "input_embeds",
     "image_data",
     "video_data",
     "audio_data",
-    "lora_path",
     "return_hidden_states",
     "custom_logit_processor",
     "token_ids_logprob",
@@ -293,9 +292,45 @@ fn rename(param: &str, prompt: &str) -> String {
         "structured_outputs" => "json_schema",
         "kv_transfer_params" => return param.to_owned(),
         "routed_experts_prompt_start" => return "routed_experts_start_len".to_owned(),
+        "model" => return "lora_path".to_owned(),
         other => other,
     };
     format!("sampling_params.{sglang}{tail}")
+}
+
+/// The LoRA adapter `lora_path` names (SGLang's field holds a loaded adapter's name): a
+/// string, or for a batch one per prompt, all the same (ferry runs one adapter per HTTP
+/// request: send prompts of different adapters as requests of their own). `null` entries
+/// are the base model.
+fn lora_path(
+    req: &serde_json::Map<String, Value>,
+    n_prompts: usize,
+) -> Result<Option<String>, ApiError> {
+    let invalid = |why: &str| ApiError::invalid("lora_path", why.to_owned());
+    match get(req, "lora_path") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(name)) => Ok(Some(name.clone())),
+        Some(Value::Array(names)) => {
+            if names.len() != n_prompts {
+                return Err(invalid("`lora_path` as a list needs one entry per prompt"));
+            }
+            let first = names.first().cloned().unwrap_or(Value::Null);
+            if names.iter().any(|n| *n != first) {
+                return Err(invalid(
+                    "the prompts of one request must share their adapter: send prompts of \
+                     different adapters as separate requests",
+                ));
+            }
+            match first {
+                Value::Null => Ok(None),
+                Value::String(name) => Ok(Some(name)),
+                _ => Err(invalid("`lora_path` entries must be adapter names or null")),
+            }
+        }
+        Some(_) => Err(invalid(
+            "`lora_path` must be an adapter's name, or a list of them (one per prompt)",
+        )),
+    }
 }
 
 /// `POST /generate`.
@@ -346,6 +381,7 @@ pub async fn generate(
         ));
     }
     let (prompts, batch) = prompts(&app, &req)?;
+    let lora = lora_path(&req, prompts.len())?;
     let (sampling, max_new_tokens) = sampling_fields(&req)?;
     let bodies = prompts
         .iter()
@@ -365,6 +401,9 @@ pub async fn generate(
             }
             if let Some(start) = get(&req, "routed_experts_start_len") {
                 body.insert("routed_experts_prompt_start".into(), start.clone());
+            }
+            if let Some(name) = &lora {
+                body.insert("model".into(), json!(name));
             }
             body
         })

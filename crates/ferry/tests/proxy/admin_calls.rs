@@ -173,6 +173,17 @@ fn cases(call: AdminCall) -> Vec<Case> {
             status: 400,
             ..case(false)
         }],
+        // The instances serve no adapters (no --enable-lora): refused, nothing changes.
+        C::LoadLoraAdapter | C::SglangLoadLoraAdapter => vec![Case {
+            body: json_body(json!({"lora_name": "a", "lora_path": "/nonexistent"})),
+            status: 400,
+            ..case(false)
+        }],
+        C::UnloadLoraAdapter | C::SglangUnloadLoraAdapter => vec![Case {
+            body: json_body(json!({"lora_name": "a"})),
+            status: 400,
+            ..case(false)
+        }],
         C::BeginUpload => vec![Case {
             after: After::Discard,
             ..case(false)
