@@ -66,7 +66,7 @@ pub use ferry_arena::WorkerConnector;
 pub use ferry_core::{
     ip_literal, AddError, AllowedPeers, BlockId, Cleared, ConnectorId, ExpertRouting, FinishReason,
     KvConnector, KvEvent, KvEventBatch, KvLoadFailurePolicy, KvTransferParams, LifecycleError,
-    LifecycleStatus, LogitsParams, Medium, OffloadConfig, OffloadConnector, OffloadPolicy,
+    LifecycleStatus, LogitsParams, LoraKey, Medium, OffloadConfig, OffloadConnector, OffloadPolicy,
     PauseMode, PdConfig, PdConnector, PdRole, PromptTokenLogprob, RoutingShape, SamplerSpec,
     SamplingParams, SchedulerConfig, SchedulerStats, SleepLevel, StepError, TierStats, TokenId,
     TransferId, TransferRequest, WakeTag, WeightResidency,

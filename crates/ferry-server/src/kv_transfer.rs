@@ -1,5 +1,6 @@
 //! `kv_transfer_params` on the wire: vLLM's keys (plus ferry's `weight_version`,
-//! `export_token`, `n_tokens`), read off completions and chat requests and written back on
+//! `lora_name` and `lora_version` for a request under a LoRA adapter, `export_token`,
+//! `n_tokens`), read off completions and chat requests and written back on
 //! their responses, so a proxy that forwards P's parameters into D's request (as vLLM's
 //! disaggregation proxies do) drives ferry's P and D unchanged.
 //!
@@ -16,7 +17,7 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use ferry_engine::{ip_literal, AllowedPeers, BlockId, KvTransferParams, TransferRequest};
+use ferry_engine::{ip_literal, AllowedPeers, BlockId, KvTransferParams, LoraKey, TransferRequest};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
@@ -43,6 +44,12 @@ pub struct KvTransferParamsJson {
     pub remote_port: Option<u16>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub weight_version: Option<String>,
+    /// The LoRA adapter P computed the export with, and its version: D loads it only for a
+    /// request under the same adapter at the same version (else it computes the prompt).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora_name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora_version: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub export_token: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -98,6 +105,7 @@ impl KvTransferParamsJson {
             ("remote_request_id", &self.remote_request_id),
             ("remote_host", &self.remote_host),
             ("weight_version", &self.weight_version),
+            ("lora_name", &self.lora_name),
             ("export_token", &self.export_token),
         ] {
             if v.as_deref() == Some("") {
@@ -106,6 +114,17 @@ impl KvTransferParamsJson {
                     format!("`{}` must not be empty", key(k)),
                 ));
             }
+        }
+        if self.lora_name.is_some() != self.lora_version.is_some() {
+            let (given, missing) = if self.lora_name.is_some() {
+                ("lora_name", "lora_version")
+            } else {
+                ("lora_version", "lora_name")
+            };
+            return Err(ApiError::invalid(
+                key(missing),
+                format!("`{}` needs `{}` beside it", key(given), key(missing)),
+            ));
         }
         if self.remote_port == Some(0) {
             return Err(ApiError::invalid(
@@ -176,9 +195,13 @@ impl KvTransferParamsJson {
             remote_host: self.remote_host,
             remote_port: self.remote_port,
             weight_version: self.weight_version,
-            // Not read off the wire yet: a load for a request with an adapter is then refused
-            // by D's connector (it computes), never served with another adapter's KV.
-            lora: None,
+            lora: self
+                .lora_name
+                .zip(self.lora_version)
+                .map(|(name, version)| LoraKey {
+                    name: name.into(),
+                    version,
+                }),
             export_token: self.export_token,
             n_tokens: self.n_tokens,
         }
@@ -261,6 +284,8 @@ impl From<&KvTransferParams> for KvTransferParamsJson {
             remote_host: p.remote_host.clone(),
             remote_port: p.remote_port,
             weight_version: p.weight_version.clone(),
+            lora_name: p.lora.as_ref().map(|l| l.name.to_string()),
+            lora_version: p.lora.as_ref().map(|l| l.version),
             export_token: p.export_token.clone(),
             n_tokens: p.n_tokens,
         }

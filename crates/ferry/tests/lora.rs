@@ -367,3 +367,52 @@ fn bad_lora_flags_are_errors_naming_the_flag() {
     let err = run(&["--enable-lora", "--max-loras", "0"]);
     assert!(err.contains("--max-loras"), "{err}");
 }
+
+/// P/D with an adapter: through `ferry proxy`, D loads the prompt's KV from P for a request
+/// under the adapter (the export names the adapter and its version) and answers what one
+/// engine answers; after an in-place load on D only, D's version differs from the export's,
+/// so D computes the prompt itself (no load) and still answers its own version's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p_and_d_move_an_adapters_kv_only_under_the_same_version() {
+    within(240, async {
+        let f = folders(&["a", "a2"], &[]);
+        let module = [("a".to_owned(), f.adapters[0].1.clone())];
+        let p = serve(&f, &module, &["--kv-role", "kv_producer"]);
+        let d = serve(&f, &module, &["--kv-role", "kv_consumer"]);
+        let single = serve(&f, &module, &[]);
+        let proxy = procs::proxy(&[&p.url], &[&d.url], &[]).ready();
+        let loads = |d: &Proc| {
+            let d = d.url.clone();
+            async move {
+                procs::metric(
+                    &procs::metrics_text(&d).await,
+                    "ferry_kv_loads_finished_total",
+                )
+            }
+        };
+        let pr = prompt(7);
+        let (want, want_lps, _) = complete(&single.url, "a", &pr, 6).await;
+        let (got, got_lps, out) = complete(&proxy.url, "a", &pr, 6).await;
+        assert_eq!((&got, &got_lps), (&want, &want_lps), "{out}");
+        assert_eq!(out["choices"][0]["lora_versions"], json!([1]), "{out}");
+        assert_eq!(loads(&d).await, 1.0, "D loaded the prompt from P");
+
+        // D alone moves to version 2: P's export is version 1's, so D recomputes.
+        let body = json!({"lora_name": "a", "lora_path": f.adapters[1].1, "load_inplace": true});
+        let (status, out) = post(&url(&d.url, "/v1/load_lora_adapter"), &body).await;
+        assert_eq!(status, 200, "{out}");
+        let (status, out) = post(&url(&single.url, "/v1/load_lora_adapter"), &body).await;
+        assert_eq!(status, 200, "{out}");
+        let pr = prompt(8);
+        let (want, _, _) = complete(&single.url, "a", &pr, 6).await;
+        let (got, _, out) = complete(&proxy.url, "a", &pr, 6).await;
+        assert_eq!(got, want, "{out}");
+        assert_eq!(out["choices"][0]["lora_versions"], json!([2]), "{out}");
+        assert_eq!(
+            loads(&d).await,
+            1.0,
+            "no load of version 1's KV into version 2"
+        );
+    })
+    .await;
+}
