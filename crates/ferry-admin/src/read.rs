@@ -330,13 +330,42 @@ mod tests {
                     assert_eq!(e.status, 400, "{call:?}");
                     let param = e.param.unwrap_or_default();
                     assert!(
-                        ["model_path", "new_version", "rid", "weight_dir"]
-                            .contains(&param.as_str()),
+                        [
+                            "model_path",
+                            "new_version",
+                            "rid",
+                            "weight_dir",
+                            "lora_name"
+                        ]
+                        .contains(&param.as_str()),
                         "{call:?}: {param}"
                     );
                 }
             }
         }
+    }
+
+    /// vLLM's load takes `load_inplace`; SGLang's has none and names it; an unload aborts
+    /// the adapter's requests and, like a load, leaves the base's cache alone.
+    #[test]
+    fn lora_calls_read_their_bodies() {
+        use AdminCall as C;
+        let body = r#"{"lora_name": "a", "lora_path": "/p", "load_inplace": true}"#;
+        assert_eq!(
+            read(C::LoadLoraAdapter, None, body).unwrap(),
+            Args::LoadLoraAdapter {
+                lora_name: "a".into(),
+                lora_path: "/p".into(),
+                load_inplace: true
+            }
+        );
+        let e = read(C::SglangLoadLoraAdapter, None, body).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("load_inplace"));
+        let e = read(C::LoadLoraAdapter, None, r#"{"lora_name": "a"}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("lora_path"));
+        let unload = read(C::UnloadLoraAdapter, None, r#"{"lora_name": "a"}"#).unwrap();
+        assert!(unload.effects().aborts && !unload.effects().wipes_cache());
+        assert!(!wipes(C::LoadLoraAdapter, None, body));
     }
 
     #[test]

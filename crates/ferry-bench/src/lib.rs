@@ -14,6 +14,7 @@ use clap::Subcommand;
 mod agentic;
 mod child;
 mod lifecycle;
+mod lora;
 mod model;
 mod offload;
 mod route;
@@ -28,6 +29,9 @@ pub enum BenchCommand {
     Scheduler(scheduler::Args),
     /// Prefill and decode throughput of a model.
     Model(model::Args),
+    /// Decode and prefill with LoRA adapters mixed in the batch against the base alone,
+    /// interleaved in one process.
+    Lora(lora::Args),
     /// Load a running OpenAI-compatible server and report throughput and latency.
     Serve(serve::Args),
     /// Time and memory of the lifecycle operations (pause, resume, reset, sleep, weight
@@ -58,6 +62,7 @@ pub fn run(command: BenchCommand, ferry: &Path) -> anyhow::Result<()> {
     match command {
         BenchCommand::Scheduler(args) => scheduler::run(args),
         BenchCommand::Model(args) => model::run(args),
+        BenchCommand::Lora(args) => lora::run(args),
         BenchCommand::Serve(args) => serve::run(args),
         BenchCommand::Lifecycle(args) => lifecycle::run(args),
         BenchCommand::Transfer(args) => transfer::run(args),

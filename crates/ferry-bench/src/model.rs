@@ -16,7 +16,9 @@ use std::time::Instant;
 
 use anyhow::Context;
 use ferry_arena::KvArena;
-use ferry_core::{BlockId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan, TokenId};
+use ferry_core::{
+    BlockId, LoraId, ReqIdx, SampleSpec, SamplerSpec, ScheduledReq, StepPlan, TokenId,
+};
 use ferry_model::profile::PhaseNanos;
 use ferry_model::random_model::{random_weights, small_config, smollm2_135m_config, SplitMix64};
 use ferry_model::{Executor, LlamaConfig, LlamaModel, WeightStore};
@@ -30,32 +32,36 @@ mod kernels;
 pub struct Args {
     /// A Hugging Face model folder, a `.gguf` file, or `tiny`.
     #[arg(long, conflicts_with = "random")]
-    model: Option<String>,
+    pub(crate) model: Option<String>,
     /// Random weights in a known shape instead of a file: `smollm2-135m`, `small`, or
     /// `qwen3-moe` (`ferry make-model moe --size bench`'s shape: 32 experts, top-8).
     #[arg(long)]
-    random: Option<String>,
+    pub(crate) random: Option<String>,
     /// Batch sizes to measure.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
-    batch: Vec<usize>,
+    pub(crate) batch: Vec<usize>,
     /// Prompt tokens per request.
     #[arg(long, default_value_t = 128)]
-    prompt_len: usize,
+    pub(crate) prompt_len: usize,
     /// Decode steps measured per batch size.
     #[arg(long, default_value_t = 32)]
-    decode_steps: usize,
+    pub(crate) decode_steps: usize,
     /// Most prompt tokens computed in one prefill step.
     #[arg(long, default_value_t = 2048)]
-    prefill_chunk: usize,
+    pub(crate) prefill_chunk: usize,
     /// Print only the JSON line (otherwise it is pretty-printed).
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     /// The cost of `--enable-return-routed-experts` (MoE models): every batch size runs twice
     /// in one process, once capturing the expert routing into the KV blocks and once not,
     /// their steps interleaved (in alternating order) so both meet the same host; the report's
     /// `routed_experts_cost` gives each batch size's rates with over without.
     #[arg(long)]
-    routed_experts_cost: bool,
+    pub(crate) routed_experts_cost: bool,
+    /// Set by `ferry bench lora`: each batch size runs twice, the second with its requests
+    /// spread over these adapters (loaded into the model as ids 0..n).
+    #[arg(skip)]
+    pub(crate) lora_adapters: usize,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -69,10 +75,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// Size of the buffers the bandwidth probes stream through (far above any cache we target).
-const BANDWIDTH_BYTES: usize = 256 << 20;
+pub(crate) const BANDWIDTH_BYTES: usize = 256 << 20;
 
 /// Runs every batch size and returns the report.
 fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Value> {
+    measure_with(args, bandwidth_bytes, |_, _| Ok(()))
+}
+
+/// [`measure`], with `prepare` given the built model first (`ferry bench lora` loads its
+/// adapters there).
+pub(crate) fn measure_with(
+    args: &Args,
+    bandwidth_bytes: usize,
+    prepare: impl FnOnce(&mut LlamaModel, &LlamaConfig) -> anyhow::Result<()>,
+) -> anyhow::Result<serde_json::Value> {
     anyhow::ensure!(args.prompt_len > 0, "--prompt-len must be at least 1");
     anyhow::ensure!(args.prefill_chunk > 0, "--prefill-chunk must be at least 1");
     anyhow::ensure!(
@@ -82,6 +98,7 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
     let (source, config, weights) = load(args)?;
     let mut model = LlamaModel::new(&config, &weights).context("building the model")?;
     drop(weights);
+    prepare(&mut model, &config)?;
     // A batch-1 decode step reads every weight of a dense model, and the active ones
     // (attention, routers, top-k experts, head) of an MoE model.
     let bytes_per_step = model.weights().active_bytes_per_token(&config);
@@ -149,6 +166,8 @@ fn measure(args: &Args, bandwidth_bytes: usize) -> anyhow::Result<serde_json::Va
         "moe": moe,
         // [off, on] per batch size: the ratios are on's rate over off's (1.0: no cost).
         "routed_experts_cost": routed_experts_cost(&runs, args),
+        // [base, under adapters] per batch size, as `routed_experts_cost`.
+        "lora_cost": (args.lora_adapters > 0).then(|| pair_ratios(&runs, args)),
         "model": source,
         "isa": format!("{isa:?}"),
         "threads": threads,
@@ -259,10 +278,12 @@ struct BenchReq {
 }
 
 /// One batch size's requests and their arena.
-struct BatchRun {
+pub(crate) struct BatchRun {
     batch: usize,
     /// Whether this run's steps capture the expert routing (`--routed-experts-cost`).
     routed: bool,
+    /// The adapter each request runs under (`ferry bench lora`'s second run of a pair).
+    loras: Vec<Option<LoraId>>,
     kv: KvArena,
     reqs: Vec<BenchReq>,
     prefill_steps: usize,
@@ -277,7 +298,15 @@ struct BatchRun {
 }
 
 impl BatchRun {
-    fn new(model: &LlamaModel, batch: usize, routed: bool, args: &Args) -> Self {
+    fn new(model: &LlamaModel, batch: usize, side: Side, args: &Args) -> Self {
+        let routed = side == Side::Routed;
+        // Request i under adapter i mod n: every adapter interleaved through the batch.
+        let loras = (0..batch)
+            .map(|i| match side {
+                Side::Lora(n) => Some(LoraId((i % n) as u32)),
+                _ => None,
+            })
+            .collect();
         let positions = args.prompt_len + args.decode_steps;
         let blocks_per_req = positions.div_ceil(BLOCK_SIZE);
         let kv = KvArena::new(model.kv_layout(BLOCK_SIZE), 1 + batch * blocks_per_req);
@@ -297,6 +326,7 @@ impl BatchRun {
         Self {
             batch,
             routed,
+            loras,
             kv,
             reqs,
             prefill_steps: 0,
@@ -329,7 +359,7 @@ impl BatchRun {
                 n
             })
             .collect();
-        run_step(model, &mut self.kv, &mut self.reqs, &counts)?;
+        run_step(model, &mut self.kv, &mut self.reqs, &counts, &self.loras)?;
         self.prefill_steps += 1;
         self.prefill_s += t0.elapsed().as_secs_f64();
         Ok(())
@@ -341,7 +371,13 @@ impl BatchRun {
         let phases0 = PhaseNanos::now();
         let bytes0 = ferry_model::profile::weight_bytes_read();
         let t = Instant::now();
-        run_step(model, &mut self.kv, &mut self.reqs, &vec![1; self.batch])?;
+        run_step(
+            model,
+            &mut self.kv,
+            &mut self.reqs,
+            &vec![1; self.batch],
+            &self.loras,
+        )?;
         self.decode_s += t.elapsed().as_secs_f64();
         self.decode_weight_bytes += ferry_model::profile::weight_bytes_read() - bytes0;
         self.decode_phases += PhaseNanos::now().since(&phases0);
@@ -382,6 +418,7 @@ impl BatchRun {
             "prefill_peak_fraction": round2(prefill_gflop_s / m.peak_gflop_s),
             "batch": self.batch,
             "routed_experts": self.routed,
+            "lora_adapters": self.loras.iter().flatten().collect::<std::collections::BTreeSet<_>>().len(),
             "prefill_tokens": prefill_tokens,
             "prefill_steps": self.prefill_steps,
             "prefill_tok_s": round2(prefill_tokens as f64 / self.prefill_s),
@@ -402,17 +439,19 @@ impl BatchRun {
 /// (its arena has the layout with routing words), right after the plain one; the model is
 /// switched to each run's setting before its steps, and each step the pairs go in the other
 /// order, so neither side is always the one after the other's cache traffic.
-fn bench_batches(model: &mut LlamaModel, args: &Args) -> anyhow::Result<Vec<BatchRun>> {
-    let sides: &[bool] = if args.routed_experts_cost {
-        &[false, true]
+pub(crate) fn bench_batches(model: &mut LlamaModel, args: &Args) -> anyhow::Result<Vec<BatchRun>> {
+    let sides: Vec<Side> = if args.routed_experts_cost {
+        vec![Side::Plain, Side::Routed]
+    } else if args.lora_adapters > 0 {
+        vec![Side::Plain, Side::Lora(args.lora_adapters)]
     } else {
-        &[false]
+        vec![Side::Plain]
     };
     let mut runs = Vec::new();
     for &b in &args.batch {
-        for &routed in sides {
-            set_routing(model, routed)?;
-            runs.push(BatchRun::new(model, b, routed, args));
+        for &side in &sides {
+            set_routing(model, side == Side::Routed)?;
+            runs.push(BatchRun::new(model, b, side, args));
         }
     }
     // Each batch size's prefill, then the decode steps of all, step by step in turn (a pair
@@ -439,6 +478,16 @@ fn bench_batches(model: &mut LlamaModel, args: &Args) -> anyhow::Result<Vec<Batc
     Ok(runs)
 }
 
+/// What a run of a pair adds to the plain forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Plain,
+    /// Captures the expert routing (`--routed-experts-cost`).
+    Routed,
+    /// Its requests run under this many adapters, in turn (`ferry bench lora`).
+    Lora(usize),
+}
+
 /// `f` on each run of `pair`, in order on even steps and the other way round on odd ones.
 fn each_in_turn(
     pair: &mut [BatchRun],
@@ -454,6 +503,9 @@ fn each_in_turn(
 }
 
 fn set_routing(model: &mut LlamaModel, on: bool) -> anyhow::Result<()> {
+    if !on && model.routing_shape().is_none() {
+        return Ok(());
+    }
     model
         .set_routed_experts(on)
         .context("--routed-experts-cost needs a mixture-of-experts model")
@@ -465,6 +517,11 @@ fn routed_experts_cost(runs: &[BatchRun], args: &Args) -> Option<serde_json::Val
     if !args.routed_experts_cost {
         return None;
     }
+    Some(pair_ratios(runs, args))
+}
+
+/// Each interleaved pair's rates, the second run's over the first's (1.0: no cost).
+pub(crate) fn pair_ratios(runs: &[BatchRun], args: &Args) -> serde_json::Value {
     let steps = args.decode_steps.max(1) as f64;
     let pairs: Vec<_> = runs
         .chunks(2)
@@ -478,7 +535,7 @@ fn routed_experts_cost(runs: &[BatchRun], args: &Args) -> Option<serde_json::Val
             })
         })
         .collect();
-    Some(json!(pairs))
+    json!(pairs)
 }
 
 /// Microseconds per step in each phase of the forward; `other` is the rest of the step
@@ -502,6 +559,7 @@ fn run_step(
     kv: &mut KvArena,
     reqs: &mut [BenchReq],
     counts: &[usize],
+    loras: &[Option<LoraId>],
 ) -> anyhow::Result<()> {
     let mut plan = StepPlan {
         block_size: BLOCK_SIZE,
@@ -517,7 +575,7 @@ fn run_step(
         let b0 = plan.block_tables.len();
         plan.block_tables.extend(&r.table);
         plan.reqs.push(ScheduledReq {
-            lora: None,
+            lora: loras[i],
             req: ReqIdx(i as u32),
             start_pos: r.computed,
             tokens: t0..plan.token_ids.len(),
@@ -633,6 +691,7 @@ mod tests {
             decode_steps: 2,
             prefill_chunk: 4,
             routed_experts_cost: false,
+            lora_adapters: 0,
             json: true,
         };
         let out = measure(&args, 1 << 20).unwrap();
@@ -723,6 +782,7 @@ mod tests {
             prefill_chunk: 8,
             json: true,
             routed_experts_cost: false,
+            lora_adapters: 0,
         };
         let out = measure(&args, 1 << 20).unwrap();
         let w = LlamaModel::new(&m.config, &m.weights).unwrap();
@@ -787,6 +847,7 @@ mod tests {
             prefill_chunk: 8,
             json: true,
             routed_experts_cost: true,
+            lora_adapters: 0,
         };
         let mut model = LlamaModel::new(&m.config, &m.weights).unwrap();
         let runs = bench_batches(&mut model, &args).unwrap();
@@ -837,6 +898,7 @@ mod tests {
             prefill_chunk: 1,
             json: true,
             routed_experts_cost: false,
+            lora_adapters: 0,
         };
         let err = measure(&args, 1 << 20).unwrap_err();
         assert!(err.to_string().contains("unknown --random shape"), "{err}");
