@@ -47,6 +47,8 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
         total.n_disconnected += s.n_disconnected;
         total.n_tokens_mixed += s.n_tokens_mixed;
         total.n_tokens_masked += s.n_tokens_masked;
+        total.n_tokens_lora += s.n_tokens_lora;
+        total.n_lora_refused += s.n_lora_refused;
         total.n_step_failures += s.n_step_failures;
         total.n_kv_batches += s.n_kv_batches;
         total.n_tier_kv_events += s.n_tier_kv_events;
@@ -66,7 +68,7 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
 }
 
 /// The runs must exercise what they claim to: tokens checked (some under a constraint's
-/// mask), pulls that succeed and fail, crashes, failed steps, KV events (the tier's with the
+/// mask, some under LoRA adapters), requests refused for an adapter not loaded, pulls that succeed and fail, crashes, failed steps, KV events (the tier's with the
 /// tier on), tier copies (with the tier on),
 /// and requests failed by the faults injected on their loads under `fail` (each one checked
 /// to be such a fault); and every lifecycle call the engine core takes, by its name (a call
@@ -82,6 +84,9 @@ fn assert_exercised(s: &Stats, n: u64, tier: bool) {
     assert_eq!(s.n_copies > 0, tier, "{s:?}");
     assert!(s.n_kv_batches > 20 * n, "{s:?}");
     assert_eq!(s.n_tier_kv_events > 0, tier, "{s:?}");
+    // Tokens under LoRA adapters, checked against their version's weights, and requests
+    // naming an adapter not loaded, refused as the server's 404.
+    assert!(s.n_tokens_lora > 10 * n && s.n_lora_refused > n, "{s:?}");
     for kind in CallKind::iter() {
         let made = s.calls.get(&kind).copied().unwrap_or(0);
         assert!(
