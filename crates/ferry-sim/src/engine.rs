@@ -59,6 +59,8 @@ pub struct SimEngine {
     lora_latest: BTreeMap<&'static str, u64>,
     /// Adapter loads waiting for their reply: the name and the version it must get.
     lora_loads: BTreeMap<OpId, (&'static str, u64)>,
+    /// Load every version with the first one's weights (a check of the oracle).
+    stale_lora_weights: bool,
 }
 
 impl SimEngine {
@@ -68,6 +70,7 @@ impl SimEngine {
             copier,
             oracle,
             faults,
+            stale_lora_weights,
         } = parts;
         Self {
             side,
@@ -89,6 +92,7 @@ impl SimEngine {
             calls: BTreeMap::new(),
             lora_latest: BTreeMap::new(),
             lora_loads: BTreeMap::new(),
+            stale_lora_weights,
         }
     }
 
@@ -179,7 +183,7 @@ impl SimEngine {
         let version = self.lora_latest.get(name).map_or(1, |v| v + 1);
         let id = self.call(Call::LoadLora(Box::new(LoraLoad {
             name: name.into(),
-            adapter: adapter(name, version),
+            adapter: adapter(name, if self.stale_lora_weights { 1 } else { version }),
             source: None,
             inplace,
             pinned: false,
@@ -339,9 +343,13 @@ impl SimEngine {
                 if oracle.enabled {
                     let computed = oracle.take_lora_version(&id);
                     if computed != Some(lora_version) {
+                        let name = |v: Option<u64>| {
+                            v.map_or("the base model".to_owned(), |v| format!("version {v}"))
+                        };
                         return Err(format!(
-                            "{id}: a token reported as of adapter version {lora_version:?}, \
-                             computed under {computed:?}"
+                            "{id}: a token reported as of adapter {}, computed under {}",
+                            name(lora_version),
+                            computed.map_or("no step the oracle saw".to_owned(), name)
                         ));
                     }
                 }

@@ -40,6 +40,9 @@ pub struct EngineSetup {
     pub tier_first: bool,
     /// Most LoRA adapters an engine holds (`--max-cpu-loras`; `None`: no bound).
     pub max_cpu_loras: Option<usize>,
+    /// Every version of an adapter is loaded with its first version's weights
+    /// (`SimConfig::stale_lora_weights`).
+    pub stale_lora_weights: bool,
 }
 
 impl EngineSetup {
@@ -107,6 +110,7 @@ impl EngineSetup {
             copier,
             oracle,
             faults,
+            stale_lora_weights: self.stale_lora_weights,
         }
     }
 
@@ -209,6 +213,8 @@ pub struct Built {
     pub copier: Option<Copier>,
     pub oracle: SharedOracle,
     pub faults: StepFaults,
+    /// See [`EngineSetup::stale_lora_weights`].
+    pub stale_lora_weights: bool,
 }
 
 /// Fails the next forwards a fault asked for, never more than two in a row (a third would

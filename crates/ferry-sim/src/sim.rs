@@ -61,6 +61,9 @@ pub struct SimConfig {
     pub trace: bool,
     /// Corrupt every pulled block (a check that the oracle catches bad KV).
     pub corrupt_pulls: bool,
+    /// Load every version of an adapter with its first version's weights (a check that the
+    /// oracle catches a token computed under the wrong adapter).
+    pub stale_lora_weights: bool,
     /// Ticks the quiescing may take before the run counts as stuck.
     pub max_quiesce_ticks: u32,
 }
@@ -72,6 +75,7 @@ impl SimConfig {
             tier: Tier::Drawn,
             trace: false,
             corrupt_pulls: false,
+            stale_lora_weights: false,
             max_quiesce_ticks: 20_000,
         }
     }
@@ -251,6 +255,7 @@ impl Sim {
                 OffloadPolicy::Arc
             },
             tier_first: rng.bool(),
+            stale_lora_weights: config.stale_lora_weights,
             max_cpu_loras: rng.weighted(&[(1, None), (1, Some(2))]),
         };
         let s = &setup.sched;

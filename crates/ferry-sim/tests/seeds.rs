@@ -162,3 +162,35 @@ fn corrupted_transfers_are_caught_and_shrink_to_a_short_schedule() {
         "only {caught} of 20 seeds saw the corrupted KV"
     );
 }
+
+/// A new version of an adapter loaded with its old weights computes its tokens under the old
+/// version's seed: the oracle, which knows each version's weights, must say so (and name the
+/// adapter and version). The checksum model mixes the adapter's seed into every KV position
+/// and the digest, so this is the check that KV or weights of another version, served to a
+/// request under this one, are caught.
+#[test]
+fn tokens_computed_under_a_stale_adapter_are_caught() {
+    let params = ScheduleParams::default();
+    let mut caught = 0;
+    for seed in 0..40 {
+        let config = SimConfig {
+            stale_lora_weights: true,
+            ..SimConfig::new(seed)
+        };
+        let outcome = Sim::new(config).run(&generate(seed, params));
+        let Some(f) = outcome.failure else { continue };
+        assert!(
+            f.message.contains("oracle")
+                && f.message.contains("and adapter a")
+                && f.message.contains("its KV is wrong"),
+            "seed {seed}: {}",
+            f.message
+        );
+        caught += 1;
+    }
+    // Many seeds never compute a token under an adapter's second version.
+    assert!(
+        caught >= 5,
+        "only {caught} of 40 seeds caught the stale adapter"
+    );
+}
