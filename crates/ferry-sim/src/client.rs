@@ -49,6 +49,8 @@ pub struct Client {
     pub max_tokens: u32,
     /// Under the structured-output constraint, on every engine it reaches.
     pub constrained: bool,
+    /// The LoRA adapter it names, on every engine it reaches (each resolves the name itself).
+    pub lora: Option<&'static str>,
     pub stage: Stage,
     pub tokens: Vec<TokenId>,
     pub end: Option<End>,

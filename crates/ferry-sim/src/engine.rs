@@ -3,23 +3,28 @@
 //! the core is given in the simulation is built in `setup.rs`. [`SimEngine::tick`] is one turn
 //! of the engine loop: every queued input in arrival order (each followed by the checks), the
 //! clock, one step (or the idle work). A reload from disk runs the engine's own machine
-//! beside it (`reload.rs`), its calls queued as its handle's would be.
+//! beside it (`reload.rs`), its calls queued as its handle's would be. An adapter's load
+//! carries the weights of its name at the version the engine will give it (a first load 1,
+//! each later one the next: `ferry_engine::LoraInfo::version`), which the reply must confirm;
+//! each token's reported adapter version must be the one the oracle saw compute it.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::PoisonError;
 use std::time::Duration;
 
 use ferry_core::{OpId, Scheduler};
-use ferry_engine::{Call, CallKind, CallResult, CoreEvent, EngineCore, Event as CoreOut, LendId};
+use ferry_engine::{
+    Call, CallKind, CallResult, CoreEvent, EngineCore, Event as CoreOut, LendId, LoraLoad,
+};
 
 use crate::copier::Copier;
 use crate::kv_view::KvView;
 pub use crate::messages::{Event, Input};
 use crate::oracle::SharedOracle;
 use crate::reload::{Guarded, Next, SimReload};
-use crate::schedule::{OpKind, Side};
+use crate::schedule::{OpKind, Side, LORA_NAMES};
 pub use crate::setup::EngineSetup;
-use crate::setup::{Built, StepFaults};
+use crate::setup::{adapter, Built, StepFaults};
 
 /// One engine (see the module docs).
 #[derive(Debug)]
@@ -50,6 +55,12 @@ pub struct SimEngine {
     n_lends: u64,
     /// The calls the core was made, by kind.
     pub calls: BTreeMap<CallKind, u64>,
+    /// Adapter name → the latest version this engine gave it (loaded now or not).
+    lora_latest: BTreeMap<&'static str, u64>,
+    /// Adapter loads waiting for their reply: the name and the version it must get.
+    lora_loads: BTreeMap<OpId, (&'static str, u64)>,
+    /// Load every version with the first one's weights (a check of the oracle).
+    stale_lora_weights: bool,
 }
 
 impl SimEngine {
@@ -59,6 +70,7 @@ impl SimEngine {
             copier,
             oracle,
             faults,
+            stale_lora_weights,
         } = parts;
         Self {
             side,
@@ -78,6 +90,9 @@ impl SimEngine {
             guarded: Guarded::default(),
             n_lends: 0,
             calls: BTreeMap::new(),
+            lora_latest: BTreeMap::new(),
+            lora_loads: BTreeMap::new(),
+            stale_lora_weights,
         }
     }
 
@@ -133,6 +148,7 @@ impl SimEngine {
                     Ok(idx) => drop((self.ids.insert(idx.0, id.clone()), self.live.insert(id))),
                     Err(e) => events.push(Event::Refused {
                         id,
+                        unknown_lora: matches!(e, ferry_core::AddError::UnknownLora { .. }),
                         message: e.to_string(),
                     }),
                 }
@@ -145,6 +161,10 @@ impl SimEngine {
                     let old = self.core.sched().weight_version().to_owned();
                     self.oracle.lock().rename(&version, &old);
                 }
+                if let OpKind::LoadLora { name, inplace } = kind {
+                    self.load_lora(op, LORA_NAMES[usize::from(name)], inplace);
+                    return;
+                }
                 match kind.call(&self.live, weights, version.clone()) {
                     Ok(Some(call)) => {
                         let id = self.call(call);
@@ -155,6 +175,21 @@ impl SimEngine {
                 }
             }
         }
+    }
+
+    /// Loads adapter `name` (in place: replaces its weights if it is loaded) with the weights
+    /// of the version the engine will give it.
+    fn load_lora(&mut self, op: u64, name: &'static str, inplace: bool) {
+        let version = self.lora_latest.get(name).map_or(1, |v| v + 1);
+        let id = self.call(Call::LoadLora(Box::new(LoraLoad {
+            name: name.into(),
+            adapter: adapter(name, if self.stale_lora_weights { 1 } else { version }),
+            source: None,
+            inplace,
+            pinned: false,
+        })));
+        self.ops.insert(id, op);
+        self.lora_loads.insert(id, (name, version));
     }
 
     /// Makes `call`, counted.
@@ -270,13 +305,28 @@ impl SimEngine {
                 CoreEvent::Request(
                     idx,
                     CoreOut::Output {
-                        sampled, finish, ..
+                        sampled,
+                        finish,
+                        lora_version,
+                        ..
                     },
-                ) => (idx, sampled, finish),
+                ) => (idx, (sampled, lora_version), finish),
                 CoreEvent::Reply(id, result) => {
                     let Some(result) = self.reload_answer(id, result, now, events) else {
                         continue;
                     };
+                    if let Some((name, version)) = self.lora_loads.remove(&id) {
+                        if let CallResult::LoraLoaded(Ok(info)) = &result {
+                            if info.version != version {
+                                return Err(format!(
+                                    "adapter {name} loaded as version {}, not {version} (a \
+                                     first load is 1, each later one the next)",
+                                    info.version
+                                ));
+                            }
+                            self.lora_latest.insert(name, version);
+                        }
+                    }
                     if let Some(op) = self.ops.remove(&id) {
                         let result = result.error().map_or(Ok(()), Err);
                         events.push(Event::Reply { op, result });
@@ -287,10 +337,27 @@ impl SimEngine {
             let Some(id) = self.ids.get(&idx.0).cloned() else {
                 return Err(format!("an output for a request not live: {idx:?}"));
             };
+            let (sampled, lora_version) = sampled;
             if let Some(t) = sampled {
+                let mut oracle = self.oracle.lock();
+                if oracle.enabled {
+                    let computed = oracle.take_lora_version(&id);
+                    if computed != Some(lora_version) {
+                        let name = |v: Option<u64>| {
+                            v.map_or("the base model".to_owned(), |v| format!("version {v}"))
+                        };
+                        return Err(format!(
+                            "{id}: a token reported as of adapter {}, computed under {}",
+                            name(lora_version),
+                            computed.map_or("no step the oracle saw".to_owned(), name)
+                        ));
+                    }
+                }
+                drop(oracle);
                 events.push(Event::Token {
                     id: id.clone(),
                     token: t.token,
+                    lora_version,
                 });
             }
             if let Some(f) = finish {

@@ -39,13 +39,14 @@ pub enum Input {
 
 impl Input {
     /// A greedy request, as the server's edge hands it to the engine: `kv` is what it asks of
-    /// the P/D transfer, `constraint` its structured output.
+    /// the P/D transfer, `constraint` its structured output, `lora` the adapter it names.
     pub fn add(
         id: &str,
         prompt: &[TokenId],
         max_tokens: u32,
         kv: Option<TransferRequest>,
         constraint: Option<Constraint>,
+        lora: Option<&str>,
     ) -> Self {
         Self::Add(Box::new(NewRequest {
             request_id: id.to_owned(),
@@ -53,7 +54,7 @@ impl Input {
             params: SamplingParams::greedy(max_tokens),
             transfer: kv,
             constraint,
-            lora: None,
+            lora: lora.map(Into::into),
         }))
     }
 }
@@ -64,6 +65,8 @@ pub enum Event {
     Token {
         id: String,
         token: TokenId,
+        /// The version of the request's adapter that computed it (`None`: the base model).
+        lora_version: Option<u64>,
     },
     Finished {
         id: String,
@@ -74,6 +77,8 @@ pub enum Event {
     Refused {
         id: String,
         message: String,
+        /// Refused for naming an adapter not loaded (`AddError::UnknownLora`, a 404).
+        unknown_lora: bool,
     },
     Reply {
         op: u64,

@@ -13,6 +13,10 @@ use ferry_model::{WeightPreparer, WeightStore};
 
 use crate::rng::Rng;
 
+/// The names of the LoRA adapters the engines serve (loaded, replaced and unloaded by the
+/// schedule; a request names one by its index here).
+pub const LORA_NAMES: [&str; 3] = ["a0", "a1", "a2"];
+
 /// Which engines an admin call or fault reaches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Target {
@@ -104,6 +108,17 @@ pub enum OpKind {
     SetWeightVersion,
     /// The engine's lifecycle status and weights (`is_paused`, `weight_info`, ...).
     Status,
+    /// Loads the LoRA adapter `LORA_NAMES[name]` (`load_lora_adapter`), or replaces a loaded
+    /// one's weights under its next version (`inplace`). Its weights are those of its name
+    /// and the version the engine gives it (`crate::setup::adapter`).
+    LoadLora {
+        name: u8,
+        inplace: bool,
+    },
+    /// Unloads the LoRA adapter `LORA_NAMES[name]` (`unload_lora_adapter`).
+    UnloadLora {
+        name: u8,
+    },
 }
 
 /// What goes wrong in a reload from disk.
@@ -151,6 +166,8 @@ pub enum Action {
         max_tokens: u8,
         /// Under a structured-output constraint (the engines' masks).
         constrained: bool,
+        /// Under the LoRA adapter `LORA_NAMES[i]`, by name (refused where none is loaded).
+        lora: Option<u8>,
     },
     /// The `pick`-th live client request's client goes away.
     Disconnect {
@@ -246,7 +263,7 @@ fn target(rng: &mut Rng) -> Target {
 }
 
 fn op(rng: &mut Rng) -> OpKind {
-    match rng.below(16) {
+    match rng.below(21) {
         0..=2 => OpKind::Pause {
             mode: mode(rng),
             clear_cache: rng.chance(2, 3),
@@ -277,7 +294,18 @@ fn op(rng: &mut Rng) -> OpKind {
             _ => reload(rng),
         },
         14 => OpKind::SetWeightVersion,
-        _ => OpKind::Status,
+        15 => OpKind::Status,
+        16..=18 => OpKind::LoadLora {
+            name: rng.below(LORA_NAMES.len() as u64) as u8,
+            inplace: false,
+        },
+        19 => OpKind::LoadLora {
+            name: rng.below(LORA_NAMES.len() as u64) as u8,
+            inplace: true,
+        },
+        _ => OpKind::UnloadLora {
+            name: rng.below(LORA_NAMES.len() as u64) as u8,
+        },
     }
 }
 
@@ -351,6 +379,12 @@ pub fn generate(seed: u64, params: ScheduleParams) -> Vec<Timed> {
                 extra: rng.range(1, 12) as u8,
                 max_tokens: rng.range(1, 10) as u8,
                 constrained: rng.chance(1, 5),
+                // The first adapter (loaded as an engine starts) half the time.
+                lora: if rng.chance(1, 3) {
+                    Some(rng.weighted(&[(2, 0), (1, 1), (1, 2)]))
+                } else {
+                    None
+                },
             },
             55..=61 => Action::Disconnect {
                 pick: rng.below(64) as u16,
@@ -379,8 +413,9 @@ pub fn generate(seed: u64, params: ScheduleParams) -> Vec<Timed> {
 impl OpKind {
     /// The engine core's call for this admin call: `live` are the engine's live requests (for
     /// `AbortOne`), `preparer` gives the engine's weight preparer (for an update). `None`
-    /// for a reload, which is no one call but the calls of its machine
-    /// (`crate::engine::SimEngine`).
+    /// for a reload, which is no one call but the calls of its machine, and for an adapter's
+    /// load, whose weights depend on the engine's versions (both in
+    /// `crate::engine::SimEngine`).
     pub fn call(
         self,
         live: &BTreeSet<String>,
@@ -425,7 +460,10 @@ impl OpKind {
             },
             OpKind::SetWeightVersion => Call::SetWeightVersion { version },
             OpKind::Status => Call::Status,
-            OpKind::Reload { .. } => return Ok(None),
+            OpKind::UnloadLora { name } => Call::UnloadLora {
+                name: LORA_NAMES[usize::from(name)].into(),
+            },
+            OpKind::Reload { .. } | OpKind::LoadLora { .. } => return Ok(None),
         }))
     }
 
@@ -498,6 +536,15 @@ impl fmt::Display for OpKind {
             }
             OpKind::SetWeightVersion => f.write_str("update_weight_version()"),
             OpKind::Status => f.write_str("status()"),
+            OpKind::LoadLora { name, inplace } => write!(
+                f,
+                "load_lora_adapter({}{})",
+                LORA_NAMES[usize::from(name)],
+                if inplace { ", load_inplace" } else { "" }
+            ),
+            OpKind::UnloadLora { name } => {
+                write!(f, "unload_lora_adapter({})", LORA_NAMES[usize::from(name)])
+            }
         }
     }
 }
@@ -511,6 +558,7 @@ impl fmt::Display for Action {
                 extra,
                 max_tokens,
                 constrained,
+                lora,
             } => {
                 let route = match route {
                     Route::Disaggregated => "P→D".to_owned(),
@@ -518,8 +566,10 @@ impl fmt::Display for Action {
                 };
                 write!(
                     f,
-                    "client: request via {route}, prefix {prefix} + {extra} tokens, max_tokens {max_tokens}{}",
-                    if *constrained { ", constrained" } else { "" }
+                    "client: request via {route}, prefix {prefix} + {extra} tokens, max_tokens {max_tokens}{}{}",
+                    if *constrained { ", constrained" } else { "" },
+                    lora.map(|i| format!(", adapter {}", LORA_NAMES[usize::from(i)]))
+                        .unwrap_or_default()
                 )
             }
             Action::Disconnect { pick } => write!(f, "client: live request #{pick} disconnects"),

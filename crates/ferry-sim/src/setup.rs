@@ -2,8 +2,10 @@
 //! per seed), and what each engine core is given in the simulation: the checksum executor
 //! with injected step failures, the real connectors over the simulated network and copier,
 //! reports into the simulation's mailbox, inline masks under the simulation's constraint,
-//! and the oracle watching every forward.
+//! LoRA adapters served over the tiny model's config (small random ones, [`adapter`]), and
+//! the oracle watching every forward.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -12,8 +14,13 @@ use ferry_core::{
     AllowedPeers, ConnectorId, KvLoadFailurePolicy, OffloadConfig, OffloadConnector, OffloadPolicy,
     PdConfig, PdRole, Scheduler, SchedulerConfig, StepPlan,
 };
-use ferry_engine::{Connector, Constraint, Constraints, EngineCore, InlineEnv, StructuredOutput};
-use ferry_model::{ChecksumModel, ExecError, Executor, Hooked, StepHook};
+use ferry_engine::{
+    Connector, Constraint, Constraints, EngineCore, InlineEnv, LoraSettings, StructuredOutput,
+};
+use ferry_model::lora::random::{random_lora, RandomLora};
+use ferry_model::{
+    ChecksumModel, ExecError, Executor, Hooked, LoraAdapter, StepHook, TargetModule,
+};
 
 use crate::copier::Copier;
 use crate::messages::{Mail, Mailbox};
@@ -31,6 +38,11 @@ pub struct EngineSetup {
     pub tier_policy: OffloadPolicy,
     /// Register the tier before the P/D connector (`--kv-connector offload,pd`).
     pub tier_first: bool,
+    /// Most LoRA adapters an engine holds (`--max-cpu-loras`; `None`: no bound).
+    pub max_cpu_loras: Option<usize>,
+    /// Every version of an adapter is loaded with its first version's weights
+    /// (`SimConfig::stale_lora_weights`).
+    pub stale_lora_weights: bool,
 }
 
 impl EngineSetup {
@@ -85,14 +97,20 @@ impl EngineSetup {
         let oracle = SharedOracle::default();
         oracle.lock().enabled = true;
         let env = Box::new(InlineEnv);
-        let core = EngineCore::with_connectors(sched, executor, connectors, report_to, env)
+        let mut core = EngineCore::with_connectors(sched, executor, connectors, report_to, env)
             .checked()
             .with_observer(Box::new(oracle.clone()));
+        core.set_lora_settings(Some(LoraSettings {
+            base: Arc::new(ferry_model::tiny::tiny_config()),
+            max_rank: LORA_RANK,
+            max_cpu_loras: self.max_cpu_loras,
+        }));
         Built {
             core,
             copier,
             oracle,
             faults,
+            stale_lora_weights: self.stale_lora_weights,
         }
     }
 
@@ -148,6 +166,46 @@ impl EngineSetup {
     }
 }
 
+/// The rank of the simulation's adapters (and the engines' `--max-lora-rank`).
+const LORA_RANK: usize = 1;
+
+/// The weights of the LoRA adapter `name` at `version`: a small random adapter over the tiny
+/// model's config, drawn from the name and the version alone. So a (name, version) pair names
+/// one set of weights on every engine, as the contract asks of whoever loads adapters (KV
+/// exported under the pair is another engine's to take), and a new version has new weights,
+/// whose seed the checksum model mixes in: KV of an older version, or of another adapter,
+/// shows as wrong tokens. Built once per thread.
+pub fn adapter(name: &str, version: u64) -> Arc<LoraAdapter> {
+    thread_local! {
+        static BUILT: std::cell::RefCell<BTreeMap<(String, u64), Arc<LoraAdapter>>> =
+            std::cell::RefCell::default();
+    }
+    BUILT.with(|built| {
+        built
+            .borrow_mut()
+            .entry((name.to_owned(), version))
+            .or_insert_with(|| {
+                let base = ferry_model::tiny::tiny_config();
+                let seed = name.bytes().fold(0xCBF2_9CE4_8422_2325_u64, |h, b| {
+                    (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3)
+                }) ^ version.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                let spec = RandomLora {
+                    rank: LORA_RANK,
+                    alpha: 2.0,
+                    targets: vec![TargetModule::QProj],
+                    use_rslora: false,
+                    seed,
+                };
+                let (config, tensors) = random_lora(&base, &spec);
+                Arc::new(
+                    LoraAdapter::from_f32(config, &tensors, &base, LORA_RANK)
+                        .expect("the simulation's adapter fits the tiny model"),
+                )
+            })
+            .clone()
+    })
+}
+
 /// An engine core as [`EngineSetup::build`] makes it, with the handles the simulation keeps.
 #[derive(Debug)]
 pub struct Built {
@@ -155,6 +213,8 @@ pub struct Built {
     pub copier: Option<Copier>,
     pub oracle: SharedOracle,
     pub faults: StepFaults,
+    /// See [`EngineSetup::stale_lora_weights`].
+    pub stale_lora_weights: bool,
 }
 
 /// Fails the next forwards a fault asked for, never more than two in a row (a third would

@@ -40,7 +40,7 @@ use crate::engine::{EngineSetup, Event, Input, SimEngine};
 use crate::messages::Mailbox;
 use crate::net::{SimNet, Touch};
 use crate::rng::Rng;
-use crate::schedule::{Action, Fault, OpKind, Route, Side, Target, Timed};
+use crate::schedule::{Action, Fault, OpKind, Route, Side, Target, Timed, LORA_NAMES};
 use ferry_engine::Constraint;
 
 /// Whether a run has the offload tier.
@@ -61,6 +61,9 @@ pub struct SimConfig {
     pub trace: bool,
     /// Corrupt every pulled block (a check that the oracle catches bad KV).
     pub corrupt_pulls: bool,
+    /// Load every version of an adapter with its first version's weights (a check that the
+    /// oracle catches a token computed under the wrong adapter).
+    pub stale_lora_weights: bool,
     /// Ticks the quiescing may take before the run counts as stuck.
     pub max_quiesce_ticks: u32,
 }
@@ -72,6 +75,7 @@ impl SimConfig {
             tier: Tier::Drawn,
             trace: false,
             corrupt_pulls: false,
+            stale_lora_weights: false,
             max_quiesce_ticks: 20_000,
         }
     }
@@ -118,6 +122,10 @@ pub struct Stats {
     pub n_tokens_mixed: u64,
     /// Tokens checked that a structured-output mask constrained.
     pub n_tokens_masked: u64,
+    /// Tokens checked of requests under a LoRA adapter.
+    pub n_tokens_lora: u64,
+    /// Requests refused for naming an adapter not loaded on the engine they reached.
+    pub n_lora_refused: u64,
     /// Forwards that failed (a fault) and the engine recovered from.
     pub n_step_failures: u64,
     /// KV events checked (batches applied to a subscriber's view), and the tier's among them.
@@ -234,8 +242,11 @@ impl Sim {
             Tier::On => true,
             Tier::Off => false,
         };
+        let mut sched = EngineSetup::scheduler_config(block_size, n_blocks, policy);
+        // A step computes at most this many adapters (LoRA seats), or any number.
+        sched.max_loras = rng.weighted(&[(2, None), (1, Some(1)), (1, Some(2))]);
         let setup = EngineSetup {
-            sched: EngineSetup::scheduler_config(block_size, n_blocks, policy),
+            sched,
             tier_blocks: tier.then(|| rng.range(8, 40) as usize),
             tier_blocks_per_slot: rng.range(1, 2) as usize,
             tier_policy: if rng.bool() {
@@ -244,6 +255,8 @@ impl Sim {
                 OffloadPolicy::Arc
             },
             tier_first: rng.bool(),
+            stale_lora_weights: config.stale_lora_weights,
+            max_cpu_loras: rng.weighted(&[(1, None), (1, Some(2))]),
         };
         let s = &setup.sched;
         // A clearing call waits for transfers (bounded by the wait timeout) after the drain;
@@ -330,10 +343,20 @@ impl Sim {
         self.engines[i] = Some(SimEngine::start(side, inc, self.now, built));
         self.note(|| {
             format!(
-                "{}: engine starts (incarnation {inc}, weights w0)",
-                side.name()
+                "{}: engine starts (incarnation {inc}, weights w0, adapter {} loaded at start)",
+                side.name(),
+                LORA_NAMES[0]
             )
         });
+        // The operator's `--lora-modules`: the first adapter is loaded as the engine starts.
+        self.issue(
+            side,
+            OpKind::LoadLora {
+                name: 0,
+                inplace: false,
+            },
+            String::new(),
+        );
     }
 
     /// Runs `schedule` (see the module docs).
@@ -566,7 +589,8 @@ impl Sim {
                 extra,
                 max_tokens,
                 constrained,
-            } => self.arrive(route, prefix, extra, max_tokens, constrained),
+                lora,
+            } => self.arrive(route, prefix, extra, max_tokens, (constrained, lora)),
             Action::Disconnect { pick } => self.disconnect(pick),
             Action::Op { target, op } => {
                 let version = self.new_version(op);
@@ -599,7 +623,14 @@ impl Sim {
         format!("w{}", self.n_versions)
     }
 
-    fn arrive(&mut self, route: Route, prefix: u8, extra: u8, max_tokens: u8, constrained: bool) {
+    fn arrive(
+        &mut self,
+        route: Route,
+        prefix: u8,
+        extra: u8,
+        max_tokens: u8,
+        (constrained, lora): (bool, Option<u8>),
+    ) {
         let n = self.clients.len();
         self.stats.n_requests += 1;
         let mut client = Client {
@@ -608,6 +639,7 @@ impl Sim {
             prompt: Client::prompt(n, prefix, extra),
             max_tokens: u32::from(max_tokens),
             constrained,
+            lora: lora.map(|i| LORA_NAMES[usize::from(i)]),
             stage: Stage::Ended,
             tokens: Vec::new(),
             end: None,
@@ -625,7 +657,14 @@ impl Sim {
         match self.engines[side.idx()].as_mut() {
             Some(e) => {
                 let constraint = client.constrained.then(|| self.constraint.clone());
-                e.push(Input::add(&client.id, &client.prompt, max, kv, constraint));
+                e.push(Input::add(
+                    &client.id,
+                    &client.prompt,
+                    max,
+                    kv,
+                    constraint,
+                    client.lora,
+                ));
                 client.stage = Stage::On {
                     side,
                     incarnation: e.incarnation,
@@ -709,7 +748,14 @@ impl Sim {
             };
             let c = &self.clients[i];
             let constraint = c.constrained.then(|| self.constraint.clone());
-            d.push(Input::add(&c.id, &c.prompt, c.max_tokens, kv, constraint));
+            d.push(Input::add(
+                &c.id,
+                &c.prompt,
+                c.max_tokens,
+                kv,
+                constraint,
+                c.lora,
+            ));
             let inc = d.incarnation;
             let d_paused = paused(d);
             let causes = self.abort_causes[Side::D.idx()];
@@ -727,7 +773,7 @@ impl Sim {
 
     fn on_event(&mut self, side: Side, inc: u32, ev: Event) -> Check {
         match ev {
-            Event::Token { id, token } => {
+            Event::Token { id, token, .. } => {
                 let i = self.client_idx(&id)?;
                 let c = &mut self.clients[i];
                 if c.is_live() && c.answers_from(side) {
@@ -786,8 +832,22 @@ impl Sim {
                     self.clients[i].stage = Stage::Proxy { due, kv };
                 }
             }
-            Event::Refused { id, message } => {
+            Event::Refused {
+                id,
+                message,
+                unknown_lora,
+            } => {
                 let i = self.client_idx(&id)?;
+                let c = &self.clients[i];
+                if unknown_lora && c.lora.is_some() {
+                    // The adapter it names is not loaded there (never, or not any more): the
+                    // server's 404, the client's answer (unless it left first).
+                    self.stats.n_lora_refused += 1;
+                    if c.is_live() && c.engine() == Some((side, inc)) {
+                        self.end(i, End::Failed(message));
+                    }
+                    return Ok(());
+                }
                 return Err(format!(
                     "{}: {} refused a well-formed request: {message}",
                     side.name(),
@@ -929,7 +989,8 @@ impl Sim {
         });
         let aborts = match kind {
             OpKind::Pause { mode, .. } | OpKind::Sleep { mode, .. } => mode == PauseMode::Abort,
-            OpKind::AbortAll | OpKind::AbortOne { .. } => true,
+            // An unload aborts the adapter's live requests.
+            OpKind::AbortAll | OpKind::AbortOne { .. } | OpKind::UnloadLora { .. } => true,
             _ => false,
         };
         if aborts {
@@ -996,6 +1057,7 @@ impl Sim {
         self.stats.n_tokens_checked += o.n_checked;
         self.stats.n_tokens_mixed += o.n_mixed;
         self.stats.n_tokens_masked += o.n_masked;
+        self.stats.n_tokens_lora += o.n_lora;
         self.stats.n_step_failures += e.core.counters().n_step_failures_total;
         self.stats.n_kv_batches += e.kv_view.n_batches;
         self.stats.n_tier_kv_events += e.kv_view.n_tier_events;

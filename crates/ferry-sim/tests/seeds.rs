@@ -47,6 +47,8 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
         total.n_disconnected += s.n_disconnected;
         total.n_tokens_mixed += s.n_tokens_mixed;
         total.n_tokens_masked += s.n_tokens_masked;
+        total.n_tokens_lora += s.n_tokens_lora;
+        total.n_lora_refused += s.n_lora_refused;
         total.n_step_failures += s.n_step_failures;
         total.n_kv_batches += s.n_kv_batches;
         total.n_tier_kv_events += s.n_tier_kv_events;
@@ -66,7 +68,7 @@ fn run_seeds(first: u64, n: u64, tier: Tier) -> Stats {
 }
 
 /// The runs must exercise what they claim to: tokens checked (some under a constraint's
-/// mask), pulls that succeed and fail, crashes, failed steps, KV events (the tier's with the
+/// mask, some under LoRA adapters), requests refused for an adapter not loaded, pulls that succeed and fail, crashes, failed steps, KV events (the tier's with the
 /// tier on), tier copies (with the tier on),
 /// and requests failed by the faults injected on their loads under `fail` (each one checked
 /// to be such a fault); and every lifecycle call the engine core takes, by its name (a call
@@ -82,6 +84,9 @@ fn assert_exercised(s: &Stats, n: u64, tier: bool) {
     assert_eq!(s.n_copies > 0, tier, "{s:?}");
     assert!(s.n_kv_batches > 20 * n, "{s:?}");
     assert_eq!(s.n_tier_kv_events > 0, tier, "{s:?}");
+    // Tokens under LoRA adapters, checked against their version's weights, and requests
+    // naming an adapter not loaded, refused as the server's 404.
+    assert!(s.n_tokens_lora > 10 * n && s.n_lora_refused > n, "{s:?}");
     for kind in CallKind::iter() {
         let made = s.calls.get(&kind).copied().unwrap_or(0);
         assert!(
@@ -155,5 +160,37 @@ fn corrupted_transfers_are_caught_and_shrink_to_a_short_schedule() {
     assert!(
         caught >= 10,
         "only {caught} of 20 seeds saw the corrupted KV"
+    );
+}
+
+/// A new version of an adapter loaded with its old weights computes its tokens under the old
+/// version's seed: the oracle, which knows each version's weights, must say so (and name the
+/// adapter and version). The checksum model mixes the adapter's seed into every KV position
+/// and the digest, so this is the check that KV or weights of another version, served to a
+/// request under this one, are caught.
+#[test]
+fn tokens_computed_under_a_stale_adapter_are_caught() {
+    let params = ScheduleParams::default();
+    let mut caught = 0;
+    for seed in 0..40 {
+        let config = SimConfig {
+            stale_lora_weights: true,
+            ..SimConfig::new(seed)
+        };
+        let outcome = Sim::new(config).run(&generate(seed, params));
+        let Some(f) = outcome.failure else { continue };
+        assert!(
+            f.message.contains("oracle")
+                && f.message.contains("and adapter a")
+                && f.message.contains("its KV is wrong"),
+            "seed {seed}: {}",
+            f.message
+        );
+        caught += 1;
+    }
+    // Many seeds never compute a token under an adapter's second version.
+    assert!(
+        caught >= 5,
+        "only {caught} of 40 seeds caught the stale adapter"
     );
 }
