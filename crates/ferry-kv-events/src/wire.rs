@@ -64,7 +64,8 @@ pub fn encode(batch: &KvEventBatch, ts: f64) -> Vec<u8> {
                 // msgspec sizes the header by the keys the struct may have (16), not by those
                 // it writes.
                 w.push(0xde);
-                w.extend_from_slice(&(if primary { 10u16 } else { 9 }).to_be_bytes());
+                let n_keys = if primary { 10u16 } else { 9 } + u16::from(lora.is_some());
+                w.extend_from_slice(&n_keys.to_be_bytes());
                 tag(w, "BlockStored");
                 key(w, "block_hashes");
                 write_uints(w, hashes.iter().copied());
@@ -79,8 +80,9 @@ pub fn encode(batch: &KvEventBatch, ts: f64) -> Vec<u8> {
                 write_uints(w, tokens.iter().map(|&t| u64::from(t.0)));
                 key(w, "block_size");
                 write_uint(w, batch.block_size as u64).unwrap();
-                // An adapter as vLLM names one: its id and name (ferry's version of it is not
-                // on this wire yet).
+                // An adapter as vLLM names one: its id and name; its version is ferry's
+                // `lora_version`, after `lora_name` (msgspec's decoders skip keys they do not
+                // know, so vLLM's consumers read these events unchanged).
                 key(w, "lora_id");
                 match lora {
                     Some(l) => write_uint(w, u64::from(l.id.0)).map(drop).unwrap(),
@@ -90,7 +92,11 @@ pub fn encode(batch: &KvEventBatch, ts: f64) -> Vec<u8> {
                 write_str(w, medium.as_str()).unwrap();
                 key(w, "lora_name");
                 match lora {
-                    Some(l) => write_str(w, &l.name).unwrap(),
+                    Some(l) => {
+                        write_str(w, &l.name).unwrap();
+                        key(w, "lora_version");
+                        write_uint(w, l.version).unwrap();
+                    }
                     None => write_nil(w).unwrap(),
                 }
                 if primary {
@@ -214,8 +220,7 @@ pub fn decode(mut bytes: &[u8]) -> Result<Decoded, DecodeError> {
                     parent: e.parent()?,
                     tokens: e.tokens()?,
                     medium,
-                    // The adapter is not read back yet: the layout has no version for it.
-                    lora: None,
+                    lora: e.lora()?,
                 }
             }
             "BlockRemoved" => KvEvent::Removed {
@@ -339,6 +344,28 @@ impl<'a> Event<'a> {
 
     /// `"GPU"` (or none given) is the primary tier; every other medium (`"CPU"`, vLLM's
     /// `"STORAGE"`, a connector's own names) is a tier below it, whose blocks are no prefill hit.
+    /// The adapter a block was computed with: ferry's `lora_id`, `lora_name` and
+    /// `lora_version` all set; anything else (vLLM's events, which carry no version, or none)
+    /// is none.
+    fn lora(&self) -> Result<Option<ferry_core::LoraRef>, DecodeError> {
+        let (Some(id), Some(name), Some(version)) = (
+            self.get("lora_id").and_then(Value::as_u64),
+            self.get("lora_name").and_then(Value::as_str),
+            self.get("lora_version").and_then(Value::as_u64),
+        ) else {
+            return Ok(None);
+        };
+        let id = u32::try_from(id).map_err(|_| DecodeError::Field {
+            field: "lora_id",
+            expected: "a 32-bit id",
+        })?;
+        Ok(Some(ferry_core::LoraRef::new(
+            ferry_core::LoraId(id),
+            name,
+            version,
+        )))
+    }
+
     fn medium(&self) -> Result<Medium, DecodeError> {
         match self.get("medium") {
             None | Some(Value::Nil) => Ok(Medium::Primary),
@@ -435,6 +462,61 @@ mod tests {
         let back = decode(&bytes).unwrap();
         assert_eq!(back.ts, 12.5);
         assert_eq!(back.batch, batch);
+    }
+
+    /// A block an adapter computed names it as vLLM does (`lora_id`, `lora_name`, the name as
+    /// each block's extra key) with ferry's `lora_version` after the name, and reads back
+    /// whole; vLLM's own events name no version, and read back as no adapter.
+    #[test]
+    fn an_adapters_block_carries_its_name_and_version() {
+        let lora = ferry_core::LoraRef::new(ferry_core::LoraId(3), "pol", 7);
+        let batch = KvEventBatch {
+            events: vec![KvEvent::Stored {
+                hashes: vec![11],
+                parent: None,
+                tokens: TokenId::list([1, 2]),
+                medium: Medium::Primary,
+                lora: Some(lora.clone()),
+            }],
+            block_size: 2,
+            weight_version: Arc::from("w1"),
+            epoch: 0,
+        };
+        let bytes = encode(&batch, 1.0);
+        let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+        let stored = value.as_array().unwrap()[1].as_array().unwrap()[0]
+            .as_map()
+            .unwrap()
+            .clone();
+        let field = |k: &str| {
+            stored
+                .iter()
+                .find(|(key, _)| key.as_str() == Some(k))
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(field("lora_id"), Some(Value::from(3)));
+        assert_eq!(field("lora_name"), Some(Value::from("pol")));
+        assert_eq!(field("lora_version"), Some(Value::from(7)));
+        assert_eq!(
+            field("extra_keys"),
+            Some(Value::Array(vec![Value::Array(vec![Value::from("pol")])]))
+        );
+        assert_eq!(decode(&bytes).unwrap().batch, batch);
+
+        // vLLM's event of an adapter: no version, so no adapter ferry could key by.
+        let vllm: Vec<(Value, Value)> = stored
+            .into_iter()
+            .filter(|(k, _)| k.as_str() != Some("lora_version"))
+            .collect();
+        let mut raw = value.as_array().unwrap().clone();
+        raw[1] = Value::Array(vec![Value::Map(vllm)]);
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &Value::Array(raw)).unwrap();
+        let back = decode(&bytes).unwrap().batch;
+        assert!(matches!(
+            &back.events[0],
+            KvEvent::Stored { lora: None, .. }
+        ));
     }
 
     #[test]

@@ -26,6 +26,10 @@ pub enum Role {
     Whole,
 }
 
+/// A request's prompt as KV routing sees it: its tokens, the tokens it will decode, and the
+/// `model` it names (a LoRA adapter's prefix is looked up under that adapter).
+pub type Prompt<'a> = (&'a [TokenId], usize, Option<&'a str>);
+
 impl Role {
     pub fn as_str(self) -> &'static str {
         match self {
@@ -251,9 +255,10 @@ impl Fleet {
         &self,
         role: Role,
         tried: &[String],
-        prompt: Option<(&[TokenId], usize)>,
+        prompt: Option<Prompt<'_>>,
     ) -> Option<InFlight> {
-        let (Some((tokens, n_decode)), Routing::Kv { overlap_weight }) = (prompt, self.routing)
+        let (Some((tokens, n_decode, model)), Routing::Kv { overlap_weight }) =
+            (prompt, self.routing)
         else {
             return self.pick(role, tried);
         };
@@ -266,7 +271,7 @@ impl Fleet {
             .map(|instance| {
                 let kv = instance.kv();
                 let bs = kv.block_size.max(1);
-                let overlap = kv.overlap(tokens, now);
+                let overlap = kv.overlap(tokens, kv.root_of(model), now);
                 let to_prefill = tokens.len().div_ceil(bs).saturating_sub(overlap);
                 Score {
                     cost: overlap_weight * to_prefill as f64 + instance.in_flight_blocks() as f64,
@@ -293,7 +298,8 @@ impl Fleet {
         } = self.in_turn(&tied)?;
         let generation = {
             let mut kv = chosen.kv();
-            kv.add_provisional(tokens, now);
+            let root = kv.root_of(model);
+            kv.add_provisional(tokens, root, now);
             kv.generation()
         };
         chosen.n_kv_routed.fetch_add(1, Ordering::Relaxed);

@@ -33,7 +33,7 @@ use ferry_http::extract::{ApiBytes, RequestId};
 use futures_util::StreamExt;
 use serde_json::{json, Map, Value};
 
-use crate::fleet::{InFlight, Role};
+use crate::fleet::{InFlight, Prompt, Role};
 use crate::upstream::{bad_gateway, Call, UpstreamError};
 use crate::ProxyState;
 
@@ -173,9 +173,19 @@ async fn generate(
     } else {
         None
     };
+    // The adapter a request names (`model`; SGLang's `lora_path`), for its prefix's lookup.
+    let model = request
+        .get(if route == Route::Sglang {
+            "lora_path"
+        } else {
+            "model"
+        })
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+    let model = model.as_deref();
     if role == Role::Whole {
         let n_decode = decode_budget(route, &request);
-        let prompt = tokens.as_deref().map(|t| (t, n_decode));
+        let prompt = tokens.as_deref().map(|t| (t, n_decode, model));
         let pick = Pick {
             role: Role::Whole,
             prompt,
@@ -185,7 +195,15 @@ async fn generate(
     }
     let mut decode_request = request.clone();
     if one_prompt {
-        match prefill(app, route, id, request, tokens.as_deref().map(|t| (t, 1))).await? {
+        match prefill(
+            app,
+            route,
+            id,
+            request,
+            tokens.as_deref().map(|t| (t, 1, model)),
+        )
+        .await?
+        {
             Prefilled::Exported(params) => {
                 decode_request.insert("kv_transfer_params".into(), params);
             }
@@ -214,7 +232,7 @@ async fn generate(
 #[derive(Debug, Clone, Copy)]
 struct Pick<'a> {
     role: Role,
-    prompt: Option<(&'a [TokenId], usize)>,
+    prompt: Option<Prompt<'a>>,
     session: Option<&'a str>,
 }
 
@@ -423,7 +441,7 @@ async fn prefill(
     route: Route,
     id: &str,
     request: Map<String, Value>,
-    prompt: Option<(&[TokenId], usize)>,
+    prompt: Option<Prompt<'_>>,
 ) -> Result<Prefilled, Stop> {
     let body = Bytes::from(
         serde_json::to_vec(&prefill_request(route, request)).map_err(|e| {

@@ -66,6 +66,23 @@ pub struct KvIndex {
     /// Counts wipes; a route remembers the generation it was predicted under.
     generation: u64,
     pub n_drops: u64,
+    /// The latest version of each LoRA adapter whose blocks the instance announced: a
+    /// request naming the adapter is looked up under it.
+    loras: HashMap<Arc<str>, u64>,
+}
+
+/// The key a chain's first block hangs from: 0 for the base model; for a LoRA adapter, a key
+/// of its name and version, so no block is ever found across adapters or versions (the
+/// engine's hashes differ there too).
+pub fn chain_root(lora: Option<(&str, u64)>) -> u64 {
+    match lora {
+        None => 0,
+        Some((name, version)) => {
+            let mut h = DefaultHasher::new();
+            ("lora", name, version).hash(&mut h);
+            h.finish().max(1)
+        }
+    }
 }
 
 /// The key of the block holding `tokens` after the block keyed `parent` (0: none).
@@ -92,6 +109,7 @@ impl Default for KvIndex {
             wipes: Vec::new(),
             generation: 0,
             n_drops: 0,
+            loras: HashMap::new(),
         }
     }
 }
@@ -156,8 +174,15 @@ impl KvIndex {
                     parent,
                     tokens,
                     medium: Medium::Primary,
-                    ..
-                } => self.stored(hashes, *parent, tokens),
+                    lora,
+                } => {
+                    let root = lora.as_ref().map(|l| {
+                        let latest = self.loras.entry(l.name.clone()).or_default();
+                        *latest = (*latest).max(l.version);
+                        chain_root(Some((&l.name, l.version)))
+                    });
+                    self.stored(hashes, *parent, tokens, root.unwrap_or(0));
+                }
                 KvEvent::Removed {
                     hashes,
                     medium: Medium::Primary,
@@ -196,10 +221,10 @@ impl KvIndex {
         }
     }
 
-    fn stored(&mut self, hashes: &[u64], parent: Option<u64>, tokens: &[TokenId]) {
+    fn stored(&mut self, hashes: &[u64], parent: Option<u64>, tokens: &[TokenId], root: u64) {
         let bs = self.block_size;
         let mut key = match parent {
-            None => 0,
+            None => root,
             Some(p) => match self.by_hash.get(&p) {
                 Some(&k) => k,
                 // A chain whose head this index does not hold (stored before the index
@@ -218,13 +243,22 @@ impl KvIndex {
         }
     }
 
-    /// How many of `tokens`' leading full blocks the instance holds (or was just sent).
-    pub fn overlap(&self, tokens: &[TokenId], now: Instant) -> usize {
+    /// The root a request naming `model` is looked up under: an adapter's whose blocks the
+    /// instance announced (its latest version), else the base model's.
+    pub fn root_of(&self, model: Option<&str>) -> u64 {
+        model
+            .and_then(|m| self.loras.get_key_value(m))
+            .map_or(0, |(name, &v)| chain_root(Some((name, v))))
+    }
+
+    /// How many of `tokens`' leading full blocks the instance holds (or was just sent), under
+    /// the chain root `root` ([`Self::root_of`]).
+    pub fn overlap(&self, tokens: &[TokenId], root: u64, now: Instant) -> usize {
         let bs = self.block_size;
         if bs == 0 {
             return 0;
         }
-        let mut key = 0;
+        let mut key = root;
         let mut n = 0;
         for block in tokens.chunks_exact(bs) {
             key = block_key(key, block);
@@ -240,13 +274,13 @@ impl KvIndex {
     }
 
     /// `tokens`' full blocks will be cached there soon: the proxy just sent them.
-    pub fn add_provisional(&mut self, tokens: &[TokenId], now: Instant) {
+    pub fn add_provisional(&mut self, tokens: &[TokenId], root: u64, now: Instant) {
         let bs = self.block_size;
         if bs == 0 {
             return;
         }
         self.provisional.retain(|_, &mut t| t > now);
-        let mut key = 0;
+        let mut key = root;
         for block in tokens.chunks_exact(bs) {
             key = block_key(key, block);
             if !self.blocks.contains_key(&key) {
@@ -288,6 +322,44 @@ mod tests {
         }
     }
 
+    /// An adapter's blocks are found only by requests naming that adapter, under the latest
+    /// version the instance announced: never by the base's, another adapter's, or after a
+    /// new version (whose blocks start their own chain).
+    #[test]
+    fn an_adapters_blocks_are_found_only_under_its_name_and_latest_version() {
+        let now = Instant::now();
+        let mut ix = KvIndex::default();
+        let under = |hashes: Vec<u64>, version: u64| KvEvent::Stored {
+            hashes,
+            parent: None,
+            tokens: TokenId::list([1, 2, 3, 4]),
+            medium: Medium::Primary,
+            lora: Some(ferry_core::LoraRef::new(
+                ferry_core::LoraId(0),
+                "pol",
+                version,
+            )),
+        };
+        ix.apply(&batch(0, vec![under(vec![10, 11], 1)]), 0.0);
+        let prompt = TokenId::list([1, 2, 3, 4, 5]);
+        let at = |ix: &KvIndex, model: Option<&str>| ix.overlap(&prompt, ix.root_of(model), now);
+        assert_eq!(at(&ix, Some("pol")), 2);
+        assert_eq!(at(&ix, None), 0, "the base");
+        assert_eq!(
+            at(&ix, Some("other")),
+            0,
+            "another adapter, looked up as the base"
+        );
+        // Version 2's first blocks: version 1's are not found any more.
+        ix.apply(&batch(0, vec![under(vec![20], 2)]), 0.0);
+        assert_eq!(at(&ix, Some("pol")), 0);
+        ix.apply(
+            &batch(0, vec![stored(vec![30, 31], None, vec![1, 2, 3, 4])]),
+            0.0,
+        );
+        assert_eq!((at(&ix, None), at(&ix, Some("pol"))), (2, 0));
+    }
+
     #[test]
     fn a_prompt_finds_its_blocks_and_a_wipe_or_a_new_epoch_drops_them() {
         let now = Instant::now();
@@ -297,9 +369,9 @@ mod tests {
             1.0,
         );
         ix.apply(&batch(0, vec![stored(vec![12], Some(11), vec![5, 6])]), 1.0);
-        assert_eq!(ix.overlap(&TokenId::list([1, 2, 3, 4, 5, 6, 7]), now), 3);
+        assert_eq!(ix.overlap(&TokenId::list([1, 2, 3, 4, 5, 6, 7]), 0, now), 3);
         assert_eq!(
-            ix.overlap(&TokenId::list([1, 2, 9, 9, 5, 6]), now),
+            ix.overlap(&TokenId::list([1, 2, 9, 9, 5, 6]), 0, now),
             1,
             "a prefix, block by block"
         );
@@ -313,18 +385,18 @@ mod tests {
             ),
             1.0,
         );
-        assert_eq!(ix.overlap(&TokenId::list([1, 2, 3, 4, 5, 6]), now), 1);
+        assert_eq!(ix.overlap(&TokenId::list([1, 2, 3, 4, 5, 6]), 0, now), 1);
         let g = ix.generation();
         // A batch of the next epoch without its clear (missed): everything is gone.
         ix.apply(&batch(1, vec![stored(vec![20], None, vec![7, 8])]), 5.0);
-        assert_eq!(ix.overlap(&TokenId::list([1, 2]), now), 0);
-        assert_eq!(ix.overlap(&TokenId::list([7, 8]), now), 1);
+        assert_eq!(ix.overlap(&TokenId::list([1, 2]), 0, now), 0);
+        assert_eq!(ix.overlap(&TokenId::list([7, 8]), 0, now), 1);
         assert!(ix.was_stale(g, 5.2, 0.1), "routed 200 ms after the wipe");
         assert!(!ix.was_stale(g, 5.05, 0.1), "within the grace");
         assert!(!ix.was_stale(ix.generation(), 9.0, 0.1));
         ix.apply(&batch(2, vec![KvEvent::AllCleared]), 6.0);
         assert_eq!(
-            (ix.overlap(&TokenId::list([7, 8]), now), ix.n_blocks()),
+            (ix.overlap(&TokenId::list([7, 8]), 0, now), ix.n_blocks()),
             (0, 0)
         );
     }
@@ -364,10 +436,10 @@ mod tests {
             medium: Medium::Primary,
         };
         ix.apply(&batch(0, vec![evicted]), 1.0);
-        assert_eq!((ix.n_blocks(), ix.overlap(&prompt, now)), (0, 2));
+        assert_eq!((ix.n_blocks(), ix.overlap(&prompt, 0, now)), (0, 2));
         ix.apply(&batch(0, vec![stored(vec![10], None, vec![1, 2])]), 1.0);
         ix.wipe_device(2.0);
-        assert_eq!((ix.n_blocks(), ix.overlap(&prompt, now)), (0, 2));
+        assert_eq!((ix.n_blocks(), ix.overlap(&prompt, 0, now)), (0, 2));
         ix.apply(
             &batch(
                 0,
@@ -378,9 +450,9 @@ mod tests {
             ),
             3.0,
         );
-        assert_eq!(ix.overlap(&prompt, now), 1);
+        assert_eq!(ix.overlap(&prompt, 0, now), 1);
         ix.apply(&batch(1, vec![KvEvent::AllCleared]), 4.0);
-        assert_eq!((ix.n_tier_blocks(), ix.overlap(&prompt, now)), (0, 0));
+        assert_eq!((ix.n_tier_blocks(), ix.overlap(&prompt, 0, now)), (0, 0));
     }
 
     #[test]
@@ -390,17 +462,17 @@ mod tests {
             block_size: 2,
             ..KvIndex::default()
         };
-        ix.add_provisional(&TokenId::list([1, 2, 3, 4, 5]), now);
-        assert_eq!(ix.overlap(&TokenId::list([1, 2, 3, 4]), now), 2);
+        ix.add_provisional(&TokenId::list([1, 2, 3, 4, 5]), 0, now);
+        assert_eq!(ix.overlap(&TokenId::list([1, 2, 3, 4]), 0, now), 2);
         assert_eq!(
-            ix.overlap(&TokenId::list([1, 2, 3, 4]), now + PROVISIONAL),
+            ix.overlap(&TokenId::list([1, 2, 3, 4]), 0, now + PROVISIONAL),
             0
         );
         ix.apply(&batch(0, vec![stored(vec![1], None, vec![1, 2])]), 1.0);
-        assert_eq!(ix.overlap(&TokenId::list([1, 2]), now + PROVISIONAL), 1);
+        assert_eq!(ix.overlap(&TokenId::list([1, 2]), 0, now + PROVISIONAL), 1);
         ix.wipe(2.0);
         assert_eq!(
-            ix.overlap(&TokenId::list([1, 2, 3, 4]), now),
+            ix.overlap(&TokenId::list([1, 2, 3, 4]), 0, now),
             0,
             "a wipe drops the provisional too"
         );
