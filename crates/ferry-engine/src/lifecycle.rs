@@ -20,14 +20,15 @@ use std::time::Instant;
 
 use ferry_core::{Cleared, LifecycleStatus, PauseMode, SleepLevel, WakeTag, WeightResidency};
 use ferry_model::{
-    expected_tensors, BucketInfo, PreparedWeights, SafetensorsPush, WeightFiles, WeightStore,
-    WeightUpload,
+    expected_tensors, BucketInfo, LoraAdapter, PreparedWeights, SafetensorsPush, WeightFiles,
+    WeightStore, WeightUpload,
 };
 use futures_core::Stream;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::engine_core::{Call, CallResult, LendId};
 use crate::input::{Input, Utility};
+use crate::lora::{LoraCallError, LoraInfo, LoraLoad};
 use crate::reload::{DiskReload, ReloadFailure, Step};
 use crate::{
     EngineHandle, LifecycleCallError, Stopped, WeightInfo, WeightPushError, WeightReloadError,
@@ -507,6 +508,77 @@ where
         return Err(WeightPushError::Body(e));
     }
     Ok(read?.map_err(WeightUpdateError::Weights)?)
+}
+
+// ---- LoRA adapters (the engine thread's side: `crate::lora`) ----
+
+impl EngineHandle {
+    /// The adapters loaded now (as of the engine thread's last load or unload).
+    pub fn loras(&self) -> Vec<LoraInfo> {
+        self.lora_table()
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The adapter loaded under `name`, if one is.
+    pub fn lora(&self, name: &str) -> Option<LoraInfo> {
+        self.lora_table()
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|l| l.name == name)
+            .cloned()
+    }
+
+    /// Reads the PEFT folder `path` on a blocking thread, checks it against the base model
+    /// and `--max-lora-rank`, and loads it as `name` (see [`Self::load_lora`]).
+    pub async fn load_lora_from_dir(
+        &self,
+        name: &str,
+        path: PathBuf,
+        inplace: bool,
+        pinned: bool,
+    ) -> Result<LoraInfo, LoraCallError> {
+        let settings = self.lora_settings().ok_or(LoraCallError::Disabled)?.clone();
+        let dir = path.clone();
+        let adapter = tokio::task::spawn_blocking(move || {
+            LoraAdapter::load(&dir, &settings.base, settings.max_rank)
+        })
+        .await
+        .map_err(|e| LoraCallError::Invalid(format!("reading the adapter: {e}")))?
+        .map_err(|e| LoraCallError::Invalid(e.to_string()))?;
+        self.load_lora(LoraLoad {
+            name: name.into(),
+            adapter: Arc::new(adapter),
+            source: Some(path),
+            inplace,
+            pinned,
+        })
+        .await
+    }
+
+    /// Loads an adapter already read and checked, or replaces a loaded one's weights under
+    /// its next version (`inplace`), between two steps: requests under it compute every
+    /// later token with the new weights (their `lora_versions` list both), and the KV the
+    /// old version computed leaves every cache.
+    pub async fn load_lora(&self, load: LoraLoad) -> Result<LoraInfo, LoraCallError> {
+        if self.lora_settings().is_none() {
+            return Err(LoraCallError::Disabled);
+        }
+        let answer = self.call(Call::LoadLora(Box::new(load))).await?;
+        expect(answer, CallResult::into_lora_loaded)?
+    }
+
+    /// Unloads the adapter `name`: its live requests finish as aborted (their number is
+    /// returned) and the KV it computed leaves every cache.
+    pub async fn unload_lora(&self, name: &str) -> Result<usize, LoraCallError> {
+        if self.lora_settings().is_none() {
+            return Err(LoraCallError::Disabled);
+        }
+        let answer = self.call(Call::UnloadLora { name: name.into() }).await?;
+        expect(answer, CallResult::into_lora_unloaded)?
+    }
 }
 
 #[cfg(test)]

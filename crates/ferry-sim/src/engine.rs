@@ -17,6 +17,7 @@ use ferry_engine::{
     Call, CallKind, CallResult, CoreEvent, EngineCore, Event as CoreOut, LendId, LoraLoad,
 };
 
+use crate::adapters::adapter;
 use crate::copier::Copier;
 use crate::kv_view::KvView;
 pub use crate::messages::{Event, Input};
@@ -24,7 +25,7 @@ use crate::oracle::SharedOracle;
 use crate::reload::{Guarded, Next, SimReload};
 use crate::schedule::{OpKind, Side, LORA_NAMES};
 pub use crate::setup::EngineSetup;
-use crate::setup::{adapter, Built, StepFaults};
+use crate::setup::{Built, StepFaults};
 
 /// One engine (see the module docs).
 #[derive(Debug)]

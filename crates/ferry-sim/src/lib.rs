@@ -18,6 +18,7 @@
 //! What a run checks is listed in `sim.rs`; the oracle for tokens is in `oracle.rs`, the
 //! check of the KV events against the prefix cache in `kv_view.rs`.
 
+pub mod adapters;
 pub mod client;
 pub mod copier;
 pub mod engine;

@@ -1,7 +1,7 @@
 //! The oracle: every sampled token is compared with the checksum model's reference for the
 //! request's tokens under the weights of that step and, for a request under a LoRA adapter,
 //! the adapter at the version the request is computed with then (`Request::lora`; its
-//! weights are `crate::setup::adapter` of its name and version, whose seed the reference
+//! weights are `crate::adapters::adapter` of its name and version, whose seed the reference
 //! mixes in); under a constraint: the first token the step's mask allows from there. Unless
 //! the request's own KV mixes weight or adapter versions (a request frozen across an update
 //! without a cache clear keeps its KV, and a running request moves to an adapter's new
@@ -118,7 +118,7 @@ impl Oracle {
             let lora = lora.map(|l| (l.name.clone(), l.version));
             let lora_seed = lora
                 .as_ref()
-                .map(|(name, v)| crate::setup::adapter(name, *v).seed());
+                .map(|(name, v)| crate::adapters::adapter(name, *v).seed());
             let lora_version = lora.as_ref().map(|&(_, v)| v);
             let current = self.intern(Computed {
                 weights: version.to_owned(),

@@ -110,7 +110,7 @@ pub enum OpKind {
     Status,
     /// Loads the LoRA adapter `LORA_NAMES[name]` (`load_lora_adapter`), or replaces a loaded
     /// one's weights under its next version (`inplace`). Its weights are those of its name
-    /// and the version the engine gives it (`crate::setup::adapter`).
+    /// and the version the engine gives it (`crate::adapters::adapter`).
     LoadLora {
         name: u8,
         inplace: bool,
