@@ -8,6 +8,7 @@ use ferry_engine::{LoraCallError, LoraInfo};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
+use super::upload::stalls_after;
 use super::weights::limited;
 
 use crate::error::{api_error, ApiError};
@@ -31,7 +32,8 @@ pub async fn load(
 
 /// Loads (or, `inplace`, replaces) the adapter `name` from its `config` (the text of an
 /// `adapter_config.json`) and `body`, a safetensors file of its tensors (read whole: an
-/// adapter is a few MB; `--max-weight-push-bytes` bounds it).
+/// adapter is a few MB; `--max-weight-push-bytes` bounds it, and a body that stalls for
+/// `--weight-upload-timeout-seconds` is a 408).
 pub async fn push(
     app: &AppState,
     name: &str,
@@ -45,7 +47,8 @@ pub async fn push(
     if app.engine.lora_settings().is_none() {
         return Err(api_error(LoraCallError::Disabled));
     }
-    let mut pieces = Box::pin(limited(body, app.config.max_weight_push_bytes)?);
+    let body = limited(body, app.config.max_weight_push_bytes)?;
+    let mut pieces = Box::pin(stalls_after(body, app.config.weight_upload_timeout));
     let mut bytes = Vec::new();
     while let Some(piece) = pieces.next().await {
         bytes.extend_from_slice(&piece?);
