@@ -614,6 +614,28 @@ async fn p_and_d_move_an_adapters_kv_only_under_the_same_version() {
             1.0,
             "no load of version 1's KV into version 2"
         );
+
+        // A push through the proxy reaches P and D alike: under it, D loads P's KV (the
+        // same version on both) and the tokens are adapter `a`'s own.
+        let (config, tensors) = adapter_files(&f.adapters[0].1);
+        let (status, out) = push_lora(&proxy.url, "pushed", &config, tensors, true).await;
+        assert_eq!(status, 200, "{out}");
+        let pr = prompt(9);
+        let (status, out) = post(
+            &url(&single.url, "/v1/load_lora_adapter"),
+            &json!({"lora_name": "a1", "lora_path": f.adapters[0].1}),
+        )
+        .await;
+        assert_eq!(status, 200, "{out}");
+        let (want, want_lps, _) = complete(&single.url, "a1", &pr, 6).await;
+        let (got, got_lps, out) = complete(&proxy.url, "pushed", &pr, 6).await;
+        assert_eq!((&got, &got_lps), (&want, &want_lps), "{out}");
+        assert_eq!(out["choices"][0]["lora_versions"], json!([1]), "{out}");
+        assert_eq!(
+            loads(&d).await,
+            2.0,
+            "D loaded the pushed adapter's prompt from P"
+        );
     })
     .await;
 }
