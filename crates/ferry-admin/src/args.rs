@@ -93,6 +93,14 @@ pub enum Args {
     UnloadLoraAdapter {
         lora_name: String,
     },
+    /// ferry's `/v1/push_lora_adapter`: the adapter's tensors as the body (safetensors bytes,
+    /// not read here), its `adapter_config.json` as `config`, loaded as `lora_name`; with
+    /// `load_inplace`, new weights for a loaded one (its next version).
+    PushLoraAdapter {
+        lora_name: String,
+        config: String,
+        load_inplace: bool,
+    },
     /// SGLang's `/load_lora_adapter` (no in-place load: a loaded name is refused).
     SglangLoadLoraAdapter {
         lora_name: String,
@@ -229,7 +237,9 @@ impl Args {
                 aborts: true,
                 ..none
             },
-            Args::LoadLoraAdapter { .. } | Args::SglangLoadLoraAdapter { .. } => none,
+            Args::LoadLoraAdapter { .. }
+            | Args::SglangLoadLoraAdapter { .. }
+            | Args::PushLoraAdapter { .. } => none,
             Args::Resume
             | Args::ContinueGeneration
             | Args::IsPaused

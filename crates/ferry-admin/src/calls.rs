@@ -31,7 +31,7 @@ impl Method {
 pub enum Dialect {
     Vllm,
     Sglang,
-    /// ferry's own (the bucketed weight uploads).
+    /// ferry's own (the bucketed weight uploads, the LoRA push).
     Ferry,
 }
 
@@ -303,6 +303,19 @@ impl AdminCall {
                     POST,
                     "/v1/unload_lora_adapter",
                     "Unload a LoRA adapter (its requests in flight end as aborted)",
+                )
+            },
+            C::PushLoraAdapter => CallDecl {
+                query: &[
+                    Param { name: "lora_name", about: "the adapter's name (required)" },
+                    Param { name: "config", about: "its adapter_config.json, URL-encoded (required)" },
+                    Param { name: "load_inplace", about: "replace a loaded adapter's weights: its next version (default false)" },
+                ],
+                body: Body::Safetensors,
+                ..ferry(
+                    POST,
+                    "/v1/push_lora_adapter",
+                    "Load a LoRA adapter from its tensors: safetensors bytes with PEFT's names (`load_inplace`: new weights, its next version)",
                 )
             },
             C::SglangLoadLoraAdapter => CallDecl {

@@ -226,6 +226,11 @@ impl AdminCall {
                     },
                 }
             }
+            C::PushLoraAdapter => Args::PushLoraAdapter {
+                lora_name: required(q.last("lora_name").map(str::to_owned), "lora_name")?,
+                config: required(q.last("config").map(str::to_owned), "config")?,
+                load_inplace: q.bool("load_inplace", false)?,
+            },
             C::UnloadLoraAdapter | C::SglangUnloadLoraAdapter => {
                 let b: bodies::UnloadLoraAdapter = json(body)?;
                 let lora_name = required(b.lora_name, "lora_name")?;
@@ -335,7 +340,8 @@ mod tests {
                             "new_version",
                             "rid",
                             "weight_dir",
-                            "lora_name"
+                            "lora_name",
+                            "config"
                         ]
                         .contains(&param.as_str()),
                         "{call:?}: {param}"
@@ -343,6 +349,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A push reads its query only (the body is the tensors, streamed past the reading),
+    /// each missing or bad parameter named.
+    #[test]
+    fn a_lora_push_reads_its_query() {
+        let push = |query: &str| {
+            AdminCall::PushLoraAdapter.read(Request {
+                path: "/v1/push_lora_adapter",
+                query: Some(query),
+                body: None,
+            })
+        };
+        let config = r#"{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}"#;
+        let query = format!(
+            "lora_name=pol&load_inplace=true&config={}",
+            form_urlencoded::byte_serialize(config.as_bytes()).collect::<String>()
+        );
+        let args = push(&query).unwrap();
+        assert_eq!(
+            args,
+            Args::PushLoraAdapter {
+                lora_name: "pol".into(),
+                config: config.into(),
+                load_inplace: true
+            }
+        );
+        assert_eq!(args.effects(), crate::Effects::default());
+        assert!(AdminCall::PushLoraAdapter.streams_body(false));
+        assert!(AdminCall::PushLoraAdapter.streams_body(true));
+        let param = |q: &str| push(q).unwrap_err().param;
+        assert_eq!(param("config=%7B%7D"), Some("lora_name".into()));
+        assert_eq!(param("lora_name=a"), Some("config".into()));
+        assert_eq!(param("lora_name=a&config="), Some("config".into()));
+        assert_eq!(
+            param("lora_name=a&config=x&load_inplace=maybe"),
+            Some("load_inplace".into())
+        );
+        assert_eq!(
+            param("lora_name=a&config=x&lora_path=/p"),
+            Some("lora_path".into())
+        );
     }
 
     /// vLLM's load takes `load_inplace`; SGLang's has none and names it; an unload aborts

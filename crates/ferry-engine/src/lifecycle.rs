@@ -20,8 +20,8 @@ use std::time::Instant;
 
 use ferry_core::{Cleared, LifecycleStatus, PauseMode, SleepLevel, WakeTag, WeightResidency};
 use ferry_model::{
-    expected_tensors, BucketInfo, LoraAdapter, PreparedWeights, SafetensorsPush, WeightFiles,
-    WeightStore, WeightUpload,
+    expected_tensors, BucketInfo, LoraAdapter, LoraConfig, PreparedWeights, SafetensorsPush,
+    WeightFiles, WeightStore, WeightUpload,
 };
 use futures_core::Stream;
 use tokio::sync::{mpsc, oneshot};
@@ -554,6 +554,39 @@ impl EngineHandle {
             source: Some(path),
             inplace,
             pinned,
+        })
+        .await
+    }
+
+    /// Reads a pushed adapter on a blocking thread, its config from the text of an
+    /// `adapter_config.json` and its tensors from the bytes of a safetensors file (PEFT's
+    /// names: `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), checks it as
+    /// a folder's, and loads it as `name` (see [`Self::load_lora`]). A refusal names the
+    /// config or the body and changes nothing.
+    pub async fn load_lora_from_bytes(
+        &self,
+        name: &str,
+        config: String,
+        bytes: Vec<u8>,
+        inplace: bool,
+    ) -> Result<LoraInfo, LoraCallError> {
+        let settings = self.lora_settings().ok_or(LoraCallError::Disabled)?.clone();
+        let adapter = tokio::task::spawn_blocking(move || {
+            let config = LoraConfig::from_json(&config)?;
+            LoraAdapter::from_safetensors(config, &bytes, "body", &settings.base, settings.max_rank)
+        })
+        .await
+        .map_err(|e| LoraCallError::Invalid(format!("reading the adapter: {e}")))?
+        .map_err(|e| LoraCallError::Pushed {
+            param: if e.is_config() { "config" } else { "body" },
+            message: e.to_string(),
+        })?;
+        self.load_lora(LoraLoad {
+            name: name.into(),
+            adapter: Arc::new(adapter),
+            source: None,
+            inplace,
+            pinned: true,
         })
         .await
     }

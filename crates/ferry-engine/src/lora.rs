@@ -72,6 +72,12 @@ pub enum LoraCallError {
     /// The adapter itself: its folder, config or tensors (the message names which).
     #[error("{0}")]
     Invalid(String),
+    /// A pushed adapter: its config (`param` is `config`) or its safetensors body (`body`).
+    #[error("{message}")]
+    Pushed {
+        param: &'static str,
+        message: String,
+    },
     #[error("the executor refused the adapter: {0}")]
     Executor(String),
     #[error(transparent)]

@@ -83,6 +83,17 @@ pub enum LoraError {
     NotFinite { name: String },
 }
 
+impl LoraError {
+    /// The error is the config's (`adapter_config.json`: a key, its JSON, a rank above the
+    /// limit, the targets), not the tensors'.
+    pub fn is_config(&self) -> bool {
+        matches!(
+            self,
+            Self::Json(_) | Self::Config { .. } | Self::RankAboveLimit { .. } | Self::Target { .. }
+        )
+    }
+}
+
 /// A projection of a decoder layer an adapter may target, by its Hugging Face module name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum TargetModule {
@@ -286,9 +297,22 @@ impl LoraAdapter {
             });
         }
         let bytes = read(WEIGHTS_FILE)?;
+        Self::from_safetensors(config, &bytes, WEIGHTS_FILE, base, max_rank)
+    }
+
+    /// An adapter from its config and the bytes of a safetensors file of its tensors (a
+    /// folder's `adapter_model.safetensors`, or a pushed body), checked as [`Self::load`]
+    /// checks a folder's; `file` names the bytes in errors.
+    pub fn from_safetensors(
+        config: LoraConfig,
+        bytes: &[u8],
+        file: &str,
+        base: &LlamaConfig,
+        max_rank: usize,
+    ) -> Result<Self, LoraError> {
         let file =
-            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| LoraError::Safetensors {
-                file: WEIGHTS_FILE.into(),
+            safetensors::SafeTensors::deserialize(bytes).map_err(|e| LoraError::Safetensors {
+                file: file.into(),
                 message: e.to_string(),
             })?;
         let views = file.tensors();

@@ -50,6 +50,7 @@ pub fn routes() -> Router<Arc<ProxyState>> {
         let methods = decl.method_filter();
         let route = match call {
             C::UpdateWeights => on(methods, push),
+            C::PushLoraAdapter => on(methods, push_lora),
             C::UpdateWeightsFromDisk => on(methods, from_disk),
             C::BeginUpload => on(methods, upload::begin),
             C::CurrentUpload => on(methods, upload::current),
@@ -205,6 +206,43 @@ async fn push(
     );
     let ((), results) = tokio::join!(feed, send);
     summarise("/update_weights", &results)
+}
+
+/// `POST /v1/push_lora_adapter?lora_name=&config=` with a safetensors body: the body is
+/// copied to every instance as it arrives, under the caller's query.
+async fn push_lora(
+    State(app): State<Arc<ProxyState>>,
+    Extension(RequestId(id)): Extension<RequestId>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let args = match read(AdminCall::PushLoraAdapter, &uri, None) {
+        Ok(args) => args,
+        Err(refused) => return refused.into_response(),
+    };
+    let path_and_query = uri
+        .path_and_query()
+        .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned());
+    let (feed, bodies) = tee(body, app.fleet.all().len());
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_static("application/octet-stream"));
+    let paths = [path_and_query];
+    let send = broadcast_to(
+        &app,
+        Broadcast {
+            method: &Method::POST,
+            paths: &paths,
+            request_id: &id,
+            content_type: Some(&content_type),
+            fence: Fence::of(args.effects()),
+        },
+        bodies,
+    );
+    let ((), results) = tokio::join!(feed, send);
+    summarise(uri.path(), &results)
 }
 
 /// The push's query with `weight_version` set: the caller's, else a new one.

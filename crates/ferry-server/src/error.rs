@@ -35,7 +35,8 @@ impl EngineFailure for ferry_engine::Stopped {
 
 /// A refused adapter load or unload: 404 for a name not loaded (vLLM's), 409 when
 /// `--max-cpu-loras` adapters are loaded already, 400 naming the field for the rest (a name
-/// loaded without `load_inplace`, a bad folder, adapters off).
+/// loaded without `load_inplace`, a bad folder, a pushed adapter's `config` or `body`, adapters
+/// off).
 impl EngineFailure for ferry_engine::LoraCallError {
     fn into_api_error(self) -> ApiError {
         use ferry_engine::LoraCallError as E;
@@ -46,6 +47,7 @@ impl EngineFailure for ferry_engine::LoraCallError {
             E::Full { .. } => ApiError::conflict(message),
             E::AlreadyLoaded(_) | E::BaseName(_) => ApiError::invalid("lora_name", message),
             E::Invalid(_) | E::Executor(_) => ApiError::invalid("lora_path", message),
+            E::Pushed { param, .. } => ApiError::invalid(param, message),
             E::Disabled => ApiError::bad_request(message),
             E::Core(_) => ApiError::internal(message),
         }

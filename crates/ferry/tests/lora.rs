@@ -9,7 +9,9 @@
 //! the adapter its next version, every later token reports it (`lora_versions`), and no
 //! prefix the old version cached is hit again; an unloaded adapter is a 404; a bad folder, a
 //! rank above `--max-lora-rank` and a load beyond `--max-cpu-loras` are refused naming why,
-//! and nothing loaded changes.
+//! and nothing loaded changes. An adapter pushed over HTTP (`/v1/push_lora_adapter`: its
+//! tensors as the body, its config in the query) computes exactly what its folder computes,
+//! and a push of new tensors is its next version.
 
 #[allow(dead_code)] // Shared with the proxy tests; this file uses `make_model` and `post`.
 #[path = "proxy/procs.rs"]
@@ -330,6 +332,205 @@ async fn adapters_load_replace_and_unload_at_run_time() {
     .await;
 }
 
+/// `POST /v1/push_lora_adapter`: `config` (an `adapter_config.json`'s text) in the query,
+/// the tensors' safetensors bytes as the body.
+async fn push_lora(
+    base: &str,
+    name: &str,
+    config: &str,
+    tensors: Vec<u8>,
+    inplace: bool,
+) -> (u16, Value) {
+    let inplace = inplace.to_string();
+    let response = procs::client()
+        .post(url(base, "/v1/push_lora_adapter"))
+        .query(&[
+            ("lora_name", name),
+            ("config", config),
+            ("load_inplace", &inplace),
+        ])
+        .header("content-type", "application/octet-stream")
+        .body(tensors)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+/// A PEFT folder's `adapter_config.json` text and `adapter_model.safetensors` bytes.
+fn adapter_files(dir: &Path) -> (String, Vec<u8>) {
+    let config = std::fs::read_to_string(dir.join("adapter_config.json")).unwrap();
+    (
+        config,
+        std::fs::read(dir.join("adapter_model.safetensors")).unwrap(),
+    )
+}
+
+/// Adapter-only weight sync: an adapter pushed over HTTP (no folder on the server) computes
+/// bit for bit what the same adapter loaded from its folder computes; a push of another
+/// adapter's tensors under the same name with `load_inplace` is version 2 (`lora_versions`
+/// [2], that adapter's tokens); a bad body, tensors that do not fit the config or the base,
+/// a rank above `--max-lora-rank`, a bad config, the base's name and a server without
+/// adapters are refused naming the field, and nothing changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_pushed_over_http_computes_what_its_folder_computes() {
+    within(240, async {
+        let f = folders(&["v1", "v2"], &[]);
+        let server = serve(&f, &[], &[]);
+        let base = &server.url;
+        let (v1, v2) = (&f.adapters[0].1, &f.adapters[1].1);
+        let (config1, tensors1) = adapter_files(v1);
+        let (config2, tensors2) = adapter_files(v2);
+        let load = |name: &str, path: &Path| json!({"lora_name": name, "lora_path": path});
+        let (status, out) = post(&url(base, "/v1/load_lora_adapter"), &load("folder1", v1)).await;
+        assert_eq!(status, 200, "{out}");
+
+        let (status, out) = push_lora(base, "pol", &config1, tensors1.clone(), false).await;
+        assert_eq!(status, 200, "{out}");
+        assert_eq!(
+            (out["lora_name"].as_str(), out["lora_version"].as_u64()),
+            (Some("pol"), Some(1)),
+            "{out}"
+        );
+        assert_eq!(out["rank"], 8, "{out}");
+        let (_, models) = procs::get(&url(base, "/v1/models")).await;
+        let served = models["data"][0]["id"].as_str().unwrap().to_owned();
+        let p = prompt(4);
+        let (ids1, lps1, out1) = complete(base, "pol", &p, 8).await;
+        assert_eq!(out1["choices"][0]["lora_versions"], json!([1]), "{out1}");
+        let (want, want_lps, _) = complete(base, "folder1", &p, 8).await;
+        assert_eq!(
+            (&ids1, &lps1),
+            (&want, &want_lps),
+            "pushed and folder differ"
+        );
+        let (plain, _, _) = complete(base, &served, &p, 8).await;
+        assert_ne!(ids1, plain, "the adapter changes the tokens");
+
+        // The same name again needs load_inplace; with it, another adapter's tensors are
+        // version 2, computing what that adapter's folder computes.
+        let (status, out) = push_lora(base, "pol", &config2, tensors2.clone(), false).await;
+        assert_eq!(
+            (status, out["error"]["param"].as_str()),
+            (400, Some("lora_name")),
+            "{out}"
+        );
+        let (status, out) = push_lora(base, "pol", &config2, tensors2.clone(), true).await;
+        assert_eq!(status, 200, "{out}");
+        assert_eq!(out["lora_version"], 2, "{out}");
+        let (ids2, lps2, out2) = complete(base, "pol", &p, 8).await;
+        assert_eq!(out2["choices"][0]["lora_versions"], json!([2]), "{out2}");
+        assert_ne!(ids2, ids1);
+        let (status, out) = post(&url(base, "/v1/load_lora_adapter"), &load("folder2", v2)).await;
+        assert_eq!(status, 200, "{out}");
+        let (want, want_lps, _) = complete(base, "folder2", &p, 8).await;
+        assert_eq!(
+            (&ids2, &lps2),
+            (&want, &want_lps),
+            "pushed v2 and folder v2 differ"
+        );
+
+        // Refusals, each naming its field; none changes `pol`.
+        let refused = |status: u16, out: &Value, param: &str| {
+            assert_eq!(
+                (status, out["error"]["param"].as_str()),
+                (400, Some(param)),
+                "{out}"
+            );
+        };
+        let (status, out) =
+            push_lora(base, "pol", &config1, b"not safetensors".to_vec(), true).await;
+        refused(status, &out, "body");
+        let mut cut = tensors1.clone();
+        cut.truncate(cut.len() / 2);
+        let (status, out) = push_lora(base, "pol", &config1, cut, true).await;
+        refused(status, &out, "body");
+        // Rank 4 in the config, rank 8 in the tensors: their shapes do not fit.
+        let mut r4: Value = serde_json::from_str(&config1).unwrap();
+        r4["r"] = json!(4);
+        let (status, out) = push_lora(base, "pol", &r4.to_string(), tensors1.clone(), true).await;
+        refused(status, &out, "body");
+        assert!(
+            out["error"]["message"].as_str().unwrap().contains("shape"),
+            "{out}"
+        );
+        // A target the base lacks.
+        let mut odd: Value = serde_json::from_str(&config1).unwrap();
+        odd["target_modules"] = json!(["lm_head"]);
+        let (status, out) = push_lora(base, "pol", &odd.to_string(), tensors1.clone(), true).await;
+        refused(status, &out, "config");
+        let big = f._dir.path().join("big");
+        make_model(&["lora", "--base", "tiny", "--rank", "32"], &big);
+        let (big_config, big_tensors) = adapter_files(&big);
+        let (status, out) = push_lora(base, "pol", &big_config, big_tensors, true).await;
+        refused(status, &out, "config");
+        assert!(
+            out["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--max-lora-rank"),
+            "{out}"
+        );
+        let (status, out) = push_lora(base, "pol", "{", tensors1.clone(), true).await;
+        refused(status, &out, "config");
+        let (status, out) = push_lora(base, &served, &config1, tensors1.clone(), false).await;
+        refused(status, &out, "lora_name");
+        let (status, out) = procs::client()
+            .post(url(base, "/v1/push_lora_adapter?lora_name=pol"))
+            .body(tensors1.clone())
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .map(|s| (s, ()))
+            .unwrap();
+        assert_eq!((status, out), (400, ()));
+        let (again, again_lps, out) = complete(base, "pol", &p, 8).await;
+        assert_eq!(
+            (&again, &again_lps),
+            (&ids2, &lps2),
+            "a refusal changed `pol`"
+        );
+        assert_eq!(out["choices"][0]["lora_versions"], json!([2]), "{out}");
+        let (_, models) = procs::get(&url(base, "/v1/models")).await;
+        assert_eq!(models["data"].as_array().unwrap().len(), 4, "{models}");
+        // An RL loop sends load_inplace every step: a first push with it loads version 1.
+        let (status, out) = push_lora(base, "fresh", &config1, tensors1.clone(), true).await;
+        assert_eq!(
+            (status, out["lora_version"].as_u64()),
+            (200, Some(1)),
+            "{out}"
+        );
+        let (fresh, fresh_lps, _) = complete(base, "fresh", &p, 8).await;
+        assert_eq!((&fresh, &fresh_lps), (&ids1, &lps1));
+
+        // A server without --enable-lora refuses the push.
+        let plain = procs::spawn(
+            &[
+                "serve",
+                "--model",
+                f.model.to_str().unwrap(),
+                "--port",
+                "0",
+                "--enable-admin-api",
+            ]
+            .map(String::from),
+            &[],
+        )
+        .ready();
+        let (status, out) = push_lora(&plain.url, "pol", &config1, tensors1, false).await;
+        assert_eq!(status, 400, "{out}");
+        assert!(
+            out["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--enable-lora"),
+            "{out}"
+        );
+    })
+    .await;
+}
+
 /// Bad flags are errors naming the flag, before the server starts.
 #[test]
 fn bad_lora_flags_are_errors_naming_the_flag() {
@@ -412,6 +613,28 @@ async fn p_and_d_move_an_adapters_kv_only_under_the_same_version() {
             loads(&d).await,
             1.0,
             "no load of version 1's KV into version 2"
+        );
+
+        // A push through the proxy reaches P and D alike: under it, D loads P's KV (the
+        // same version on both) and the tokens are adapter `a`'s own.
+        let (config, tensors) = adapter_files(&f.adapters[0].1);
+        let (status, out) = push_lora(&proxy.url, "pushed", &config, tensors, true).await;
+        assert_eq!(status, 200, "{out}");
+        let pr = prompt(9);
+        let (status, out) = post(
+            &url(&single.url, "/v1/load_lora_adapter"),
+            &json!({"lora_name": "a1", "lora_path": f.adapters[0].1}),
+        )
+        .await;
+        assert_eq!(status, 200, "{out}");
+        let (want, want_lps, _) = complete(&single.url, "a1", &pr, 6).await;
+        let (got, got_lps, out) = complete(&proxy.url, "pushed", &pr, 6).await;
+        assert_eq!((&got, &got_lps), (&want, &want_lps), "{out}");
+        assert_eq!(out["choices"][0]["lora_versions"], json!([1]), "{out}");
+        assert_eq!(
+            loads(&d).await,
+            2.0,
+            "D loaded the pushed adapter's prompt from P"
         );
     })
     .await;

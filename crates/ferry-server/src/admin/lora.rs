@@ -3,8 +3,13 @@
 //! off the engine thread; the engine swaps the adapter in between two steps
 //! (`EngineHandle::load_lora`). An adapter loaded here is pinned: only an unload removes it.
 
+use axum::body::Body;
 use ferry_engine::{LoraCallError, LoraInfo};
+use futures_util::StreamExt;
 use serde_json::{json, Value};
+
+use super::upload::stalls_after;
+use super::weights::limited;
 
 use crate::error::{api_error, ApiError};
 use crate::state::AppState;
@@ -21,6 +26,35 @@ pub async fn load(
     }
     app.engine
         .load_lora_from_dir(name, path.into(), inplace, true)
+        .await
+        .map_err(api_error)
+}
+
+/// Loads (or, `inplace`, replaces) the adapter `name` from its `config` (the text of an
+/// `adapter_config.json`) and `body`, a safetensors file of its tensors (read whole: an
+/// adapter is a few MB; `--max-weight-push-bytes` bounds it, and a body that stalls for
+/// `--weight-upload-timeout-seconds` is a 408).
+pub async fn push(
+    app: &AppState,
+    name: &str,
+    config: String,
+    body: Body,
+    inplace: bool,
+) -> Result<LoraInfo, ApiError> {
+    if name == app.config.served_model_name {
+        return Err(api_error(LoraCallError::BaseName(name.to_owned())));
+    }
+    if app.engine.lora_settings().is_none() {
+        return Err(api_error(LoraCallError::Disabled));
+    }
+    let body = limited(body, app.config.max_weight_push_bytes)?;
+    let mut pieces = Box::pin(stalls_after(body, app.config.weight_upload_timeout));
+    let mut bytes = Vec::new();
+    while let Some(piece) = pieces.next().await {
+        bytes.extend_from_slice(&piece?);
+    }
+    app.engine
+        .load_lora_from_bytes(name, config, bytes, inplace)
         .await
         .map_err(api_error)
 }

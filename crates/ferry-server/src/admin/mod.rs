@@ -190,6 +190,15 @@ async fn run(app: Arc<AppState>, args: Args, streamed: Option<Body>) -> AdminRep
             let info = lora::load(&app, &lora_name, lora_path, load_inplace).await?;
             lora::loaded_json(&info, load_inplace)
         }
+        Args::PushLoraAdapter {
+            lora_name,
+            config,
+            load_inplace,
+        } => {
+            let body = streamed.expect("a push streams its body");
+            let info = lora::push(&app, &lora_name, config, body, load_inplace).await?;
+            lora::loaded_json(&info, load_inplace)
+        }
         Args::UnloadLoraAdapter { lora_name } => {
             let aborted = lora::unload(&app, &lora_name).await?;
             json!({

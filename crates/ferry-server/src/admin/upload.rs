@@ -155,7 +155,7 @@ pub async fn bucket(app: &AppState, id: String, body: Body) -> Result<Value, Api
 }
 
 /// The body's pieces, ending with `Stalled` when none comes for `timeout`.
-fn stalls_after(
+pub(super) fn stalls_after(
     body: impl Stream<Item = Result<Bytes, BodyError>> + Unpin,
     timeout: Duration,
 ) -> impl Stream<Item = Result<Bytes, BodyError>> {

@@ -179,6 +179,12 @@ fn cases(call: AdminCall) -> Vec<Case> {
             status: 400,
             ..case(false)
         }],
+        C::PushLoraAdapter => vec![Case {
+            query: "lora_name=a&config=%7B%22r%22%3A8%7D&load_inplace=true",
+            body: Body::Bytes(norm_push(0.5)),
+            status: 400,
+            ..case(false)
+        }],
         C::UnloadLoraAdapter | C::SglangUnloadLoraAdapter => vec![Case {
             body: json_body(json!({"lora_name": "a"})),
             status: 400,
