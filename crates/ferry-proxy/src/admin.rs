@@ -187,6 +187,31 @@ async fn push(
     };
     let query = with_weight_version(raw.as_deref());
     let path_and_query = format!("/update_weights?{query}");
+    let fence = Fence::of(args.effects());
+    tee_to_all(
+        &app,
+        &id,
+        path_and_query,
+        &headers,
+        body,
+        fence,
+        "/update_weights",
+    )
+    .await
+}
+
+/// A streamed body copied to every instance as it arrives, POSTed to `path_and_query` with
+/// the caller's `Content-Type` (else octet-stream); the instances' answers summarised as
+/// `what`'s.
+async fn tee_to_all(
+    app: &ProxyState,
+    id: &str,
+    path_and_query: String,
+    headers: &HeaderMap,
+    body: Body,
+    fence: Fence,
+    what: &str,
+) -> Response {
     let (feed, bodies) = tee(body, app.fleet.all().len());
     let content_type = headers
         .get(header::CONTENT_TYPE)
@@ -194,18 +219,18 @@ async fn push(
         .unwrap_or_else(|| HeaderValue::from_static("application/octet-stream"));
     let paths = [path_and_query];
     let send = broadcast_to(
-        &app,
+        app,
         Broadcast {
             method: &Method::POST,
             paths: &paths,
-            request_id: &id,
+            request_id: id,
             content_type: Some(&content_type),
-            fence: Fence::of(args.effects()),
+            fence,
         },
         bodies,
     );
     let ((), results) = tokio::join!(feed, send);
-    summarise("/update_weights", &results)
+    summarise(what, &results)
 }
 
 /// `POST /v1/push_lora_adapter?lora_name=&config=` with a safetensors body: the body is
@@ -224,25 +249,8 @@ async fn push_lora(
     let path_and_query = uri
         .path_and_query()
         .map_or_else(|| uri.path().to_owned(), |pq| pq.as_str().to_owned());
-    let (feed, bodies) = tee(body, app.fleet.all().len());
-    let content_type = headers
-        .get(header::CONTENT_TYPE)
-        .cloned()
-        .unwrap_or_else(|| HeaderValue::from_static("application/octet-stream"));
-    let paths = [path_and_query];
-    let send = broadcast_to(
-        &app,
-        Broadcast {
-            method: &Method::POST,
-            paths: &paths,
-            request_id: &id,
-            content_type: Some(&content_type),
-            fence: Fence::of(args.effects()),
-        },
-        bodies,
-    );
-    let ((), results) = tokio::join!(feed, send);
-    summarise(uri.path(), &results)
+    let fence = Fence::of(args.effects());
+    tee_to_all(&app, &id, path_and_query, &headers, body, fence, uri.path()).await
 }
 
 /// The push's query with `weight_version` set: the caller's, else a new one.
