@@ -1163,7 +1163,7 @@ impl EngineCore {
             let weight_version = out.sampled.is_some().then(|| version.clone());
             // Calls run between steps, so the table's version is the one this step used.
             let lora_version = match (&out.sampled, self.live[i].as_ref().and_then(|l| l.lora)) {
-                (Some(_), Some(id)) => self.loras.version(id),
+                (Some(_), Some(id)) => self.driver.sched.lora(id).map(|l| l.version),
                 _ => None,
             };
             if finish.is_some() {

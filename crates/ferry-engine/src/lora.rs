@@ -103,8 +103,6 @@ struct Entry {
 pub(crate) struct Loras {
     settings: Option<LoraSettings>,
     by_name: BTreeMap<Arc<str>, Entry>,
-    /// The latest version each name has had, loaded now or not.
-    latest: BTreeMap<Arc<str>, u64>,
     next_id: u32,
     table: LoraTable,
 }
@@ -129,14 +127,6 @@ impl Loras {
 
     pub(crate) fn table(&self) -> LoraTable {
         self.table.clone()
-    }
-
-    /// The version adapter `id` has now.
-    pub(crate) fn version(&self, id: LoraId) -> Option<u64> {
-        self.by_name
-            .values()
-            .find(|e| e.lora.id == id)
-            .map(|e| e.lora.version)
     }
 
     /// The adapter `name` is now, for a request naming it.
@@ -174,7 +164,8 @@ impl Loras {
                 LoraId(self.next_id)
             }
         };
-        let version = self.latest.get(&name).map_or(1, |v| v + 1);
+        // The core remembers each name's versions, unloaded ones too: never one twice.
+        let version = sched.lora_latest_version(&name).map_or(1, |v| v + 1);
         let rank = load.adapter.max_rank();
         executor
             .load_lora(id, load.adapter)
@@ -191,7 +182,6 @@ impl Loras {
         if existing.is_none() {
             self.next_id += 1;
         }
-        self.latest.insert(name.clone(), version);
         let pinned = load.pinned || existing.is_some_and(|e| e.pinned);
         self.by_name.insert(
             name.clone(),

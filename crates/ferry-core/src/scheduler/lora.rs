@@ -118,6 +118,12 @@ impl Scheduler {
         self.loras.get(&id)
     }
 
+    /// The latest version the adapter `name` has had, loaded now or since unloaded (a load
+    /// must give it a larger one).
+    pub fn lora_latest_version(&self, name: &str) -> Option<u64> {
+        self.lora_versions.get(name).copied()
+    }
+
     /// Every adapter loaded, by id.
     pub fn loras(&self) -> impl Iterator<Item = &LoraRef> {
         self.loras.values()
