@@ -762,10 +762,9 @@ mod tests {
         assert!(out["read_gb_s"].as_f64().unwrap() > 0.0);
     }
 
-    /// An MoE model's batch-1 decode reads exactly the active weights' matrices (attention,
-    /// routers, the top-k experts, dense layers, head), as the kernels count them.
-    #[test]
-    fn an_moe_model_reads_only_its_routed_experts_per_decoded_token() {
+    /// A small random Qwen3-MoE model written as a Hugging Face folder (kept while the
+    /// returned directory lives), and the model itself.
+    fn small_moe_folder() -> (tempfile::TempDir, ferry_model::LoadedModel) {
         let tmp = tempfile::tempdir().unwrap();
         let m = ferry_model::tiny::moe_model(
             "Qwen3MoeForCausalLM",
@@ -773,6 +772,14 @@ mod tests {
             1,
         );
         ferry_model::tiny::write_hf_folder(&m, tmp.path()).unwrap();
+        (tmp, m)
+    }
+
+    /// An MoE model's batch-1 decode reads exactly the active weights' matrices (attention,
+    /// routers, the top-k experts, dense layers, head), as the kernels count them.
+    #[test]
+    fn an_moe_model_reads_only_its_routed_experts_per_decoded_token() {
+        let (tmp, m) = small_moe_folder();
         let args = Args {
             model: Some(tmp.path().display().to_string()),
             random: None,
@@ -831,13 +838,7 @@ mod tests {
     /// refused naming the flag.
     #[test]
     fn the_routed_experts_cost_runs_each_batch_with_and_without_the_capture() {
-        let tmp = tempfile::tempdir().unwrap();
-        let m = ferry_model::tiny::moe_model(
-            "Qwen3MoeForCausalLM",
-            ferry_model::tiny::MoeSize::Small,
-            1,
-        );
-        ferry_model::tiny::write_hf_folder(&m, tmp.path()).unwrap();
+        let (tmp, m) = small_moe_folder();
         let args = Args {
             model: Some(tmp.path().display().to_string()),
             random: None,
